@@ -1,0 +1,218 @@
+/*
+ * init.c - the sandbox's PID 1: a separate, statically linked executable.
+ *
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,...]
+ *
+ * The first child of a sandbox execs this once the program is running.  It
+ *   - reaps every process that ends in the namespace (orphans come to it);
+ *   - forwards the usual signals to the program (a PID 1 without a handler
+ *     would ignore them);
+ *   - kills everything when the wall clock runs out;
+ *   - answers seccomp notifications with the errno the filter stands for,
+ *     counting each denied system call;
+ *   - when the program ends, writes struct iso_status to STATUS_FD and exits
+ *     with the program's status (128+N for a signal).  Its exit ends the PID
+ *     namespace: the kernel kills whatever is left, daemons included.
+ * It is itself confined: no capabilities, no_new_privs (set before its
+ * exec), not dumpable, and a Landlock domain that allows no file access.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/seccomp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/syscall.h>
+#include <sys/timerfd.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "steps.h"
+
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+
+static const int forwarded[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGWINCH, SIGCONT, SIGALRM};
+
+static struct iso_status status;
+static struct {
+    int nr;
+    int err;
+} errno_table[512];
+static int n_errno_table;
+
+static void parse_errno_table(const char *text)
+{
+    /* "nr:errno,nr:errno" */
+    while (text && *text && n_errno_table < (int)(sizeof errno_table / sizeof errno_table[0])) {
+        char *end;
+        long nr = strtol(text, &end, 10);
+        if (*end != ':')
+            return;
+        long err = strtol(end + 1, &end, 10);
+        errno_table[n_errno_table].nr = (int)nr;
+        errno_table[n_errno_table].err = (int)err;
+        n_errno_table++;
+        if (*end != ',')
+            return;
+        text = end + 1;
+    }
+}
+
+static int errno_for(int nr)
+{
+    for (int i = 0; i < n_errno_table; i++)
+        if (errno_table[i].nr == nr)
+            return errno_table[i].err;
+    return EPERM;
+}
+
+static void count_denial(int nr)
+{
+    for (uint32_t i = 0; i < status.n_denied; i++) {
+        if (status.denied[i].nr == nr) {
+            status.denied[i].count++;
+            return;
+        }
+    }
+    if (status.n_denied < sizeof status.denied / sizeof status.denied[0]) {
+        status.denied[status.n_denied].nr = nr;
+        status.denied[status.n_denied].count = 1;
+        status.n_denied++;
+    }
+}
+
+static void answer_notification(int listener)
+{
+    struct seccomp_notif req;
+    struct seccomp_notif_resp resp;
+    memset(&req, 0, sizeof req);
+    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0)
+        return; /* ENOENT: the caller died meanwhile */
+    count_denial(req.data.nr);
+    memset(&resp, 0, sizeof resp);
+    resp.id = req.id;
+    resp.error = -errno_for(req.data.nr);
+    resp.val = 0;
+    resp.flags = 0;
+    ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+}
+
+static void kill_everything(pid_t program, int pid_namespace)
+{
+    if (pid_namespace)
+        kill(-1, SIGKILL); /* every process of the namespace but this one */
+    else
+        kill(-program, SIGKILL); /* the program's process group */
+    kill(program, SIGKILL);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 5)
+        return 125;
+    pid_t program = (pid_t)atoi(argv[1]);
+    int status_fd = atoi(argv[2]);
+    int listener = atoi(argv[3]);
+    long long wall_ms = atoll(argv[4]);
+    if (argc > 5)
+        parse_errno_table(argv[5]);
+    int pid_namespace = getpid() == 1;
+
+    /* Only our own descriptors: the program's stdio must not stay open
+     * here, or a reader of its pipes would wait for this process too. */
+    for (int fd = 0; fd < 3; fd++)
+        if (fd != status_fd && fd != listener)
+            close(fd);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (!pid_namespace)
+        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
+        sigaddset(&mask, forwarded[i]);
+    if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
+        return 125;
+    int sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sigfd < 0)
+        return 125;
+    int timer = -1;
+    if (wall_ms > 0) {
+        timer = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC);
+        struct itimerspec when = {.it_value = {.tv_sec = wall_ms / 1000, .tv_nsec = (wall_ms % 1000) * 1000000}};
+        if (timer < 0 || timerfd_settime(timer, 0, &when, NULL) < 0)
+            return 125;
+    }
+    /* No file access from here on. */
+    if (iso_landlock_deny_all())
+        return 125;
+
+    status.magic = ISO_STATUS_MAGIC;
+    status.reason = ISO_REASON_EXITED;
+    int done = 0;
+    while (!done) {
+        struct pollfd fds[3] = {
+            {.fd = sigfd, .events = POLLIN},
+            {.fd = timer, .events = POLLIN},
+            {.fd = listener, .events = POLLIN},
+        };
+        int ready = poll(fds, 3, -1);
+        if (ready < 0) {
+            if (errno == EINTR)
+                continue;
+            kill_everything(program, pid_namespace);
+            return 125;
+        }
+        if (fds[2].revents & POLLIN)
+            answer_notification(listener);
+        if (fds[2].revents & (POLLHUP | POLLERR | POLLNVAL))
+            listener = -1; /* the filter's last user is gone */
+        if (fds[1].revents & POLLIN) {
+            uint64_t expirations;
+            if (read(timer, &expirations, sizeof expirations) < 0) {
+                /* Nothing to recover: the deadline has passed either way. */
+            }
+            status.reason = ISO_REASON_TIMEOUT;
+            kill_everything(program, pid_namespace);
+            close(timer);
+            timer = -1;
+        }
+        if (fds[0].revents & POLLIN) {
+            struct signalfd_siginfo info;
+            while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info) {
+                int sig = (int)info.ssi_signo;
+                if (sig != SIGCHLD) {
+                    kill(program, sig);
+                    continue;
+                }
+                int wstatus;
+                pid_t pid;
+                while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+                    if (pid == program) {
+                        status.wait_status = wstatus;
+                        done = 1;
+                    }
+                }
+            }
+        }
+    }
+    kill_everything(program, pid_namespace);
+    if (status_fd >= 0) {
+        ssize_t n;
+        do {
+            n = write(status_fd, &status, sizeof status);
+        } while (n < 0 && errno == EINTR);
+    }
+    if (WIFEXITED(status.wait_status))
+        return WEXITSTATUS(status.wait_status);
+    return 128 + WTERMSIG(status.wait_status);
+}

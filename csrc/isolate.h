@@ -1,0 +1,222 @@
+/*
+ * isolate.h - the whole surface of isolate's C core.
+ *
+ * The Python package reads this file as cffi's cdef (preprocessor lines are
+ * dropped first), so it holds only plain declarations.  Everything a child
+ * needs between fork and exec is prepared by the parent into a struct
+ * iso_plan; the child walks the plan with system calls only: it allocates
+ * nothing and touches no Python object.
+ *
+ * Order of the steps in the child (see spawn.c):
+ *   user namespace and id maps (written by the parent), other namespaces,
+ *   mounts and pivot_root, hostname and loopback, rlimits and cgroup (joined
+ *   by the parent before the child goes on), supplementary groups and ids,
+ *   capabilities, no_new_privs, Landlock, file descriptors, seccomp last, exec.
+ */
+#ifndef ISOLATE_H
+#define ISOLATE_H
+
+#include <stdint.h>
+
+/* The steps of the setup; a failing one reaches the parent as an
+ * iso_failure {step, errno, index} through the error pipe. */
+enum iso_step {
+    ISO_STEP_NONE = 0,
+    ISO_STEP_CLONE = 1,
+    ISO_STEP_USERNS_MAP = 2,
+    ISO_STEP_CGROUP = 3,
+    ISO_STEP_WAIT_PARENT = 4,
+    ISO_STEP_SIGNALS = 5,
+    ISO_STEP_SETSID = 6,
+    ISO_STEP_PDEATHSIG = 7,
+    ISO_STEP_MOUNT_PRIVATE = 8,
+    ISO_STEP_MOUNT_STAGING = 9,
+    ISO_STEP_MOUNT_DIR = 10,
+    ISO_STEP_MOUNT_BIND = 11,
+    ISO_STEP_MOUNT_TMPFS = 12,
+    ISO_STEP_MOUNT_PROC = 13,
+    ISO_STEP_MOUNT_DEVPTS = 14,
+    ISO_STEP_MOUNT_SYMLINK = 15,
+    ISO_STEP_MOUNT_MOVE = 16,
+    ISO_STEP_MOUNT_READONLY = 17,
+    ISO_STEP_PIVOT_ROOT = 18,
+    ISO_STEP_HOSTNAME = 19,
+    ISO_STEP_LOOPBACK = 20,
+    ISO_STEP_FORK = 21,
+    ISO_STEP_STDIO = 22,
+    ISO_STEP_CHDIR = 23,
+    ISO_STEP_RLIMIT = 24,
+    ISO_STEP_SETGROUPS = 25,
+    ISO_STEP_SETGID = 26,
+    ISO_STEP_SETUID = 27,
+    ISO_STEP_CAPABILITIES = 28,
+    ISO_STEP_NO_NEW_PRIVS = 29,
+    ISO_STEP_LANDLOCK = 30,
+    ISO_STEP_CLOSE_FDS = 31,
+    ISO_STEP_SECCOMP = 32,
+    ISO_STEP_EXEC = 33,
+    ISO_STEP_INIT = 34,
+    ISO_STEP_UNSHARE = 35,
+    ISO_STEP_IDMAP = 36
+};
+
+/* What the error pipe carries when a step fails. */
+struct iso_failure {
+    int32_t step;   /* enum iso_step */
+    int32_t err;    /* errno */
+    int32_t index;  /* which mount, rlimit or rule, or -1 */
+};
+
+enum iso_mount_kind {
+    ISO_MOUNT_DIR = 1,       /* mkdir target */
+    ISO_MOUNT_BIND = 2,      /* bind source (a host path) at target */
+    ISO_MOUNT_TMPFS = 3,     /* a fresh tmpfs at target, options in source */
+    ISO_MOUNT_PROC = 4,      /* proc of the sandbox's own PID namespace */
+    ISO_MOUNT_DEVPTS = 5,    /* a private devpts instance */
+    ISO_MOUNT_SYMLINK = 6,   /* a symlink at target pointing to source */
+    ISO_MOUNT_MOVE = 7,      /* attach the detached mount fd at target */
+    ISO_MOUNT_FILE = 8       /* create an empty file at target (a mount point) */
+};
+
+/* Mount flags of struct iso_mount. */
+enum iso_mount_flag {
+    ISO_MOUNT_F_READONLY = 1,    /* read-only, nosuid, nodev, recursively */
+    ISO_MOUNT_F_NOEXEC = 2,
+    ISO_MOUNT_F_KEEP_DEV = 4     /* do not add nodev (device node binds) */
+};
+
+/* One mount step, every path prepared by the parent:
+ *   source: the host path as seen from the staging root ("/oldroot/usr"),
+ *           tmpfs options, or a symlink's target;
+ *   target: the place in the new root as seen while building it ("/newroot/usr"). */
+struct iso_mount {
+    int32_t kind;
+    int32_t flags;
+    int32_t fd;
+    int32_t mode;
+    const char *source;
+    const char *target;
+};
+
+struct iso_rlimit {
+    int32_t resource;
+    uint64_t soft;
+    uint64_t hard;
+};
+
+/* One Landlock rule: a path as seen by the program, and the rights under it. */
+struct iso_landlock_rule {
+    const char *path;
+    uint64_t access;
+};
+
+struct iso_plan {
+    /* Namespaces: CLONE_NEW* flags for clone(); 0 runs in the caller's. */
+    int32_t clone_flags;
+    /* User namespace id maps, written by the parent ("inside outside count\n"). */
+    const char *uid_map;
+    const char *gid_map;
+    int32_t setgroups_deny;
+    /* Files the parent writes the child's pid into (cgroup.procs), -1 ends. */
+    int32_t cgroup_procs_fds[8];
+
+    /* Mounts (needs CLONE_NEWNS): staging dir, steps, then pivot_root. */
+    const char *staging;           /* an existing host dir to stage on ("/tmp") */
+    const struct iso_mount *mounts;
+    int32_t n_mounts;
+    const char *hostname;          /* NULL keeps it */
+    int32_t loopback_up;
+
+    /* Process. */
+    int32_t new_session;
+    int32_t die_with_parent;       /* PR_SET_PDEATHSIG(SIGKILL) */
+    const char *cwd;               /* inside the sandbox; NULL keeps it */
+    const struct iso_rlimit *rlimits;
+    int32_t n_rlimits;
+    int32_t set_ids;               /* switch to uid/gid below */
+    uint32_t uid;
+    uint32_t gid;
+    int32_t clear_groups;          /* setgroups(0, NULL) */
+    int32_t drop_caps;
+    int32_t no_new_privs;
+
+    /* Landlock: handled rights, rules, scopes; abi 0 skips it. */
+    int32_t landlock_abi;
+    uint64_t landlock_handled_fs;
+    uint64_t landlock_handled_net;
+    uint64_t landlock_scoped;
+    const struct iso_landlock_rule *landlock_rules;
+    int32_t n_landlock_rules;
+
+    /* seccomp: a compiled struct sock_filter[] (len instructions), installed last. */
+    const void *seccomp_filter;
+    int32_t seccomp_len;
+    int32_t seccomp_notify;        /* ask for a listener and hand it to the init */
+    const char *seccomp_errnos;    /* "nr:errno,..." the init answers notifications with */
+
+    /* Descriptors: stdio for the program (-1 keeps), and the ones it keeps. */
+    int32_t stdio[3];
+    const int32_t *keep_fds;       /* sorted ascending */
+    int32_t n_keep_fds;
+
+    /* The program: a name searched in search_path (PATH inside), or a path. */
+    const char *file;
+    const char *search_path;
+    char *const *argv;
+    char *const *envp;
+
+    /* The init (a small static executable) and its arguments. */
+    int32_t init_fd;               /* O_PATH descriptor of the init binary; -1: no init */
+    int32_t status_fd;             /* the init writes struct iso_status here */
+    double wall_seconds;           /* 0: none */
+};
+
+/* What the init reports when the program ended: wait status, why, denials. */
+enum iso_reason {
+    ISO_REASON_EXITED = 0,
+    ISO_REASON_TIMEOUT = 1
+};
+
+struct iso_denial {
+    int32_t nr;
+    uint32_t count;
+};
+
+struct iso_status {
+    uint32_t magic;                /* ISO_STATUS_MAGIC */
+    int32_t wait_status;
+    int32_t reason;
+    uint32_t n_denied;
+    struct iso_denial denied[64];
+};
+
+#define ISO_STATUS_MAGIC 0x150a7e01
+
+/* --- parent side -------------------------------------------------------- */
+
+/* Start the sandbox (fast path: clone(CLONE_VM) from a thread that does not
+ * fork the parent's memory), write its id maps and cgroup membership, and
+ * wait until the program is exec'd.  Returns the pid of the sandbox's first
+ * process (the init), or -1 with *failure filled in. */
+int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure);
+
+/* The pre-exec hook: called in the child of a fork (subprocess's
+ * preexec_fn).  Returns 0 in the process that goes on to exec the program;
+ * on failure returns -1 with *failure filled in.  May fork. */
+int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure);
+
+/* The highest Landlock ABI this kernel offers, 0 when it has none. */
+int iso_landlock_abi(void);
+
+/* A user namespace whose map is "0 outside_uid 1" / "0 outside_gid 1", for
+ * idmapped mounts; returns its fd or -1 (errno set).  Needs privilege. */
+int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid);
+
+/* A detached recursive clone of path with the idmap of userns_fd applied;
+ * returns a mount fd or -1 (errno set). */
+int iso_open_idmapped_tree(const char *path, int userns_fd);
+
+/* Probes for `isolate-run doctor`: 0 when the mechanism works, else an errno. */
+int iso_probe_userns(void);
+
+#endif

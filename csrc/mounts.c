@@ -1,0 +1,161 @@
+/*
+ * mounts.c - the sandbox's own root, built from nothing.
+ *
+ * In its new mount namespace the child:
+ *   1. makes every mount private, so nothing it does propagates to the host;
+ *   2. mounts a staging tmpfs on plan->staging and pivots into it, which puts
+ *      the host's root at /oldroot (a source under the staging directory,
+ *      such as /tmp/work, stays reachable there);
+ *   3. mounts an empty tmpfs at /newroot and walks plan->mounts: directories,
+ *      binds of host paths (read-only ones made read-only recursively with
+ *      mount_setattr, which keeps the locked flags a user namespace may not
+ *      clear), tmpfs, proc, devpts, symlinks, and idmapped trees the parent
+ *      prepared;
+ *   4. pivots into /newroot, detaches the staging root and the host's root
+ *      beneath it, and makes "/" itself read-only.
+ * After this nothing of the host is reachable but what was bound.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/mount.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "steps.h"
+
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef MOUNT_ATTR_IDMAP
+#define MOUNT_ATTR_IDMAP 0x00100000
+#endif
+
+static int pivot_root(const char *new_root, const char *put_old)
+{
+    return (int)syscall(SYS_pivot_root, new_root, put_old);
+}
+
+static int set_attr(const char *path, unsigned int flags, uint64_t attr_set)
+{
+    struct mount_attr attr = {.attr_set = attr_set};
+    return (int)syscall(SYS_mount_setattr, AT_FDCWD, path, flags, &attr, sizeof attr);
+}
+
+static int apply_one(const struct iso_mount *m)
+{
+    switch (m->kind) {
+    case ISO_MOUNT_DIR:
+        if (mkdir(m->target, (mode_t)m->mode) < 0 && errno != EEXIST)
+            return ISO_STEP_MOUNT_DIR;
+        return 0;
+    case ISO_MOUNT_FILE: {
+        int fd = open(m->target, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, (mode_t)m->mode);
+        if (fd < 0 && errno != EEXIST)
+            return ISO_STEP_MOUNT_DIR;
+        if (fd >= 0)
+            close(fd);
+        return 0;
+    }
+    case ISO_MOUNT_SYMLINK:
+        if (symlink(m->source, m->target) < 0 && errno != EEXIST)
+            return ISO_STEP_MOUNT_SYMLINK;
+        return 0;
+    case ISO_MOUNT_TMPFS:
+        if (mount("tmpfs", m->target, "tmpfs", MS_NOSUID | MS_NODEV, m->source) < 0)
+            return ISO_STEP_MOUNT_TMPFS;
+        break;
+    case ISO_MOUNT_PROC:
+        if (mount("proc", m->target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+            return ISO_STEP_MOUNT_PROC;
+        return 0;
+    case ISO_MOUNT_DEVPTS:
+        if (mount("devpts", m->target, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620") < 0)
+            return ISO_STEP_MOUNT_DEVPTS;
+        return 0;
+    case ISO_MOUNT_BIND:
+        if (mount(m->source, m->target, NULL, MS_BIND | MS_REC, NULL) < 0)
+            return ISO_STEP_MOUNT_BIND;
+        break;
+    case ISO_MOUNT_MOVE:
+        if (syscall(SYS_move_mount, m->fd, "", AT_FDCWD, m->target, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            return ISO_STEP_MOUNT_MOVE;
+        close(m->fd);
+        break;
+    default:
+        errno = EINVAL;
+        return ISO_STEP_MOUNT_DIR;
+    }
+    /* Binds, moved trees and tmpfs: never setuid; read-only if asked. */
+    uint64_t attr = MOUNT_ATTR_NOSUID;
+    if (!(m->flags & ISO_MOUNT_F_KEEP_DEV))
+        attr |= MOUNT_ATTR_NODEV;
+    if (m->flags & ISO_MOUNT_F_READONLY)
+        attr |= MOUNT_ATTR_RDONLY;
+    if (m->flags & ISO_MOUNT_F_NOEXEC)
+        attr |= MOUNT_ATTR_NOEXEC;
+    if (set_attr(m->target, AT_RECURSIVE, attr) < 0)
+        return ISO_STEP_MOUNT_READONLY;
+    return 0;
+}
+
+int iso_mounts_apply(const struct iso_plan *plan, int *index)
+{
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+        return ISO_STEP_MOUNT_PRIVATE;
+    if (mount("tmpfs", plan->staging, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") < 0)
+        return ISO_STEP_MOUNT_STAGING;
+    if (chdir(plan->staging) < 0 || mkdir("newroot", 0755) < 0 || mkdir("oldroot", 0755) < 0)
+        return ISO_STEP_MOUNT_STAGING;
+    if (pivot_root(".", "oldroot") < 0)
+        return ISO_STEP_PIVOT_ROOT;
+    if (chdir("/") < 0)
+        return ISO_STEP_PIVOT_ROOT;
+    if (mount("tmpfs", "/newroot", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") < 0)
+        return ISO_STEP_MOUNT_STAGING;
+
+    for (int i = 0; i < plan->n_mounts; i++) {
+        int step = apply_one(&plan->mounts[i]);
+        if (step) {
+            *index = i;
+            return step;
+        }
+    }
+
+    /* pivot_root(".", ".") stacks the old root on top of the new one;
+     * detaching "." then removes it together with /oldroot beneath it. */
+    if (chdir("/newroot") < 0 || pivot_root(".", ".") < 0)
+        return ISO_STEP_PIVOT_ROOT;
+    if (umount2(".", MNT_DETACH) < 0 || chdir("/") < 0)
+        return ISO_STEP_PIVOT_ROOT;
+    if (set_attr("/", 0, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) < 0)
+        return ISO_STEP_MOUNT_READONLY;
+    return 0;
+}
+
+/* Parent side, for a root caller: a detached copy of path whose ids are
+ * shifted by the user namespace userns_fd, so that the program (an
+ * unprivileged uid) owns what the caller owns there, and what it creates is
+ * owned by the caller on disk. */
+int iso_open_idmapped_tree(const char *path, int userns_fd)
+{
+    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (tree < 0)
+        return -1;
+    struct mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
+    if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+        int saved = errno;
+        close(tree);
+        errno = saved;
+        return -1;
+    }
+    return tree;
+}

@@ -1,0 +1,198 @@
+/*
+ * preexec.c - the same confinement for plain subprocess (preexec_fn).
+ *
+ * subprocess has already forked the whole Python parent (H) and will exec
+ * the program in whatever process returns from the hook.  With namespaces:
+ *   H creates a user namespace with unshare(); the maps are written from
+ *     the parent namespace by a CLONE_VM helper started before unshare;
+ *   H unshares the other namespaces, sets the hostname and loopback;
+ *   H forks Y1, the first process of the new PID namespace, and becomes a
+ *     relay (the init binary in relay mode): subprocess waits for H;
+ *   Y1 builds the root and pivots (it must: proc can only be mounted from
+ *     inside the PID namespace, before the host's root is detached), forks
+ *     Y2 and execs the init;
+ *   Y2 takes the program's last steps and returns 0: subprocess execs.
+ * Every fork here copies the Python process: this path costs what fork
+ * costs, which is why isolate.run uses spawn.c instead.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "steps.h"
+
+#ifndef AT_EMPTY_PATH
+#define AT_EMPTY_PATH 0x1000
+#endif
+
+struct map_writer {
+    const struct iso_plan *plan;
+    int go_fd;
+    int target;
+    volatile int err;
+};
+
+/* Runs in the parent user namespace, sharing H's memory, until H has its
+ * new namespace: then writes H's maps with the parent's privileges. */
+static int map_writer_main(void *arg)
+{
+    struct map_writer *w = arg;
+    char go;
+    ssize_t n;
+    do {
+        n = read(w->go_fd, &go, 1);
+    } while (n < 0 && errno == EINTR);
+    if (n != 1) {
+        w->err = n == 0 ? EPIPE : errno;
+        _exit(1);
+    }
+    if (iso_write_id_maps(w->target, w->plan) < 0) {
+        w->err = errno;
+        _exit(1);
+    }
+    _exit(0);
+}
+
+static int unshare_user(const struct iso_plan *plan)
+{
+    int pipefd[2];
+    if (pipe2(pipefd, O_CLOEXEC) < 0)
+        return -1;
+    const size_t size = 64 * 1024;
+    char *stack = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED)
+        return -1;
+    struct map_writer *w = (struct map_writer *)stack;
+    w->plan = plan;
+    w->go_fd = pipefd[0];
+    w->target = getpid();
+    w->err = 0;
+    int helper = clone(map_writer_main, stack + size, CLONE_VM | SIGCHLD, w);
+    if (helper < 0)
+        return -1;
+    int rc = unshare(CLONE_NEWUSER);
+    int saved = errno;
+    if (rc == 0 && write(pipefd[1], "g", 1) != 1)
+        saved = errno;
+    close(pipefd[1]);
+    close(pipefd[0]);
+    int wstatus = 0;
+    while (waitpid(helper, &wstatus, 0) < 0 && errno == EINTR)
+        ;
+    if (rc < 0) {
+        errno = saved;
+        return -1;
+    }
+    if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
+        errno = w->err ? w->err : EPERM;
+        return -1;
+    }
+    munmap(stack, size);
+    return 0;
+}
+
+static void exec_init(const struct iso_plan *plan, int child, int relay)
+{
+    char pid_arg[16], wall_arg[32];
+    snprintf(pid_arg, sizeof pid_arg, "%d", child);
+    snprintf(wall_arg, sizeof wall_arg, "%lld", relay ? 0LL : (long long)(plan->wall_seconds * 1000.0));
+    char *argv[] = {"isolate-init", pid_arg, "-1", "-1", wall_arg, NULL};
+    char *envp[] = {NULL};
+    syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
+}
+
+static int fail(struct iso_failure *failure, int step, int index)
+{
+    failure->step = step;
+    failure->err = errno;
+    failure->index = index;
+    return -1;
+}
+
+/* The program's own steps, shared by both shapes of the hook. */
+static int program_steps(const struct iso_plan *plan, struct iso_failure *failure, const char *cwd)
+{
+    int index = -1, step;
+    if (cwd && chdir(cwd) < 0)
+        return fail(failure, ISO_STEP_CHDIR, -1);
+    if ((step = iso_rlimits_apply(plan, &index)))
+        return fail(failure, step, index);
+    if ((step = iso_creds_apply(plan)))
+        return fail(failure, step, -1);
+    if (plan->die_with_parent && (step = iso_die_with_parent()))
+        return fail(failure, step, -1);
+    if (plan->no_new_privs && (step = iso_no_new_privs()))
+        return fail(failure, step, -1);
+    if ((step = iso_landlock_apply(plan, &index)))
+        return fail(failure, step, index);
+    int listener;
+    if ((step = iso_seccomp_apply(plan, &listener)))
+        return fail(failure, step, -1);
+    return 0;
+}
+
+int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
+{
+    int index = -1, step;
+    failure->step = ISO_STEP_NONE;
+    failure->err = 0;
+    failure->index = -1;
+
+    if (plan->new_session && setsid() < 0 && errno != EPERM)
+        return fail(failure, ISO_STEP_SETSID, -1);
+    if (plan->clone_flags == 0)
+        return program_steps(plan, failure, plan->cwd);
+
+    /* The program keeps the working directory subprocess gave it, seen
+     * through the new root (where the policy must have bound it). */
+    char cwd[PATH_MAX];
+    const char *program_cwd = plan->cwd;
+    if (!program_cwd) {
+        if (!getcwd(cwd, sizeof cwd))
+            return fail(failure, ISO_STEP_CHDIR, -1);
+        program_cwd = cwd;
+    }
+    if ((plan->clone_flags & CLONE_NEWUSER) && unshare_user(plan) < 0)
+        return fail(failure, ISO_STEP_USERNS_MAP, -1);
+    if (unshare(plan->clone_flags & ~CLONE_NEWUSER) < 0)
+        return fail(failure, ISO_STEP_UNSHARE, -1);
+    if (plan->hostname && sethostname(plan->hostname, strlen(plan->hostname)) < 0)
+        return fail(failure, ISO_STEP_HOSTNAME, -1);
+    if (plan->loopback_up && (step = iso_loopback_up()))
+        return fail(failure, step, -1);
+
+    pid_t first = fork();
+    if (first < 0)
+        return fail(failure, ISO_STEP_FORK, -1);
+    if (first > 0) {
+        /* H: relay the program's end to subprocess, which waits for us. */
+        if (plan->die_with_parent && iso_die_with_parent())
+            return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        exec_init(plan, first, 1);
+        return fail(failure, ISO_STEP_INIT, -1);
+    }
+    /* Y1: PID 1 of the new namespace. */
+    if ((plan->clone_flags & CLONE_NEWNS) && (step = iso_mounts_apply(plan, &index)))
+        return fail(failure, step, index);
+    pid_t program = fork();
+    if (program < 0)
+        return fail(failure, ISO_STEP_FORK, -1);
+    if (program == 0)
+        return program_steps(plan, failure, program_cwd);
+    if ((step = iso_creds_apply(plan)))
+        return fail(failure, step, -1);
+    if ((step = iso_no_new_privs()))
+        return fail(failure, step, -1);
+    exec_init(plan, program, 0);
+    return fail(failure, ISO_STEP_INIT, -1);
+}

@@ -1,0 +1,103 @@
+/*
+ * userns.c - user namespace id maps, written by the parent.
+ *
+ * A child in a new user namespace may map only its own euid, and only
+ * after giving up setgroups.  A root caller must map the program to an
+ * unprivileged uid (65534 unless asked otherwise) and keep setgroups so the
+ * child can drop root's supplementary groups: only a process outside the
+ * namespace, holding CAP_SETUID there, may write such maps.  So the parent
+ * writes them while the child waits on a pipe.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "steps.h"
+
+static int write_file_at_pid(int pid, const char *name, const char *text)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/%s", pid, name);
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t len = strlen(text);
+    ssize_t n = write(fd, text, len);
+    int saved = errno;
+    close(fd);
+    if (n != (ssize_t)len) {
+        errno = n < 0 ? saved : EIO;
+        return -1;
+    }
+    return 0;
+}
+
+int iso_write_id_maps(int pid, const struct iso_plan *plan)
+{
+    if (plan->setgroups_deny && write_file_at_pid(pid, "setgroups", "deny") < 0)
+        return -1;
+    if (write_file_at_pid(pid, "uid_map", plan->uid_map) < 0)
+        return -1;
+    if (write_file_at_pid(pid, "gid_map", plan->gid_map) < 0)
+        return -1;
+    return 0;
+}
+
+static int idle_child(void *arg)
+{
+    (void)arg;
+    /* Wait to be killed: the parent only needs this namespace to exist. */
+    for (;;)
+        pause();
+    return 0;
+}
+
+int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid)
+{
+    const size_t stack_size = 64 * 1024;
+    char *stack = mmap(NULL, stack_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED)
+        return -1;
+    int pid = clone(idle_child, stack + stack_size, CLONE_VM | CLONE_NEWUSER | SIGCHLD, NULL);
+    if (pid < 0) {
+        int saved = errno;
+        munmap(stack, stack_size);
+        errno = saved;
+        return -1;
+    }
+    char uid_map[32], gid_map[32], path[64];
+    snprintf(uid_map, sizeof uid_map, "0 %u 1\n", outside_uid);
+    snprintf(gid_map, sizeof gid_map, "0 %u 1\n", outside_gid);
+    int fd = -1;
+    /* Nothing will ever run in this namespace; "deny" lets an unprivileged
+     * caller (the doctor's probe) write its gid_map too. */
+    if (write_file_at_pid(pid, "setgroups", "deny") == 0 && write_file_at_pid(pid, "uid_map", uid_map) == 0 &&
+        write_file_at_pid(pid, "gid_map", gid_map) == 0) {
+        snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
+    int saved = errno;
+    kill(pid, SIGKILL);
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+        ;
+    munmap(stack, stack_size);
+    errno = saved;
+    return fd;
+}
+
+int iso_probe_userns(void)
+{
+    int fd = iso_make_idmap_userns((uint32_t)geteuid(), (uint32_t)getegid());
+    if (fd < 0)
+        return errno ? errno : EPERM;
+    close(fd);
+    return 0;
+}

@@ -1,0 +1,50 @@
+"""isolate: kernel-level process isolation for Python.
+
+    import isolate
+    result = isolate.run(["python3", "job.py"], policy=isolate.Policy(), capture_output=True)
+    result.returncode, result.stdout, result.report
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    IsolationError,
+    PolicyError,
+    SetupError,
+    UnsupportedError,
+)
+from .policy import Egress, Limits, Policy
+from .report import Report
+
+__all__ = [
+    "CommandNotExecutableError",
+    "CommandNotFoundError",
+    "CompletedProcess",
+    "Egress",
+    "IsolationError",
+    "Limits",
+    "Policy",
+    "PolicyError",
+    "Popen",
+    "Report",
+    "SetupError",
+    "UnsupportedError",
+    "__version__",
+    "run",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The spawning half loads the C core; the policy model does not need it.
+    if name in ("run", "Popen", "CompletedProcess"):
+        from . import popen
+
+        return getattr(popen, name)
+    if name == "Sandbox":
+        from .sandbox import Sandbox
+
+        return Sandbox
+    raise AttributeError(f"module 'isolate' has no attribute {name!r}")

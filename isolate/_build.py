@@ -1,0 +1,105 @@
+"""The build of isolate's C core: a cffi extension and the init executable.
+
+``setup.py`` names ``ffibuilder`` (cffi's API mode, compiled at install
+time) and ``BuildExt``, which first compiles ``csrc/`` with
+``-Wall -Wextra -Werror``, links the static init binary beside the package,
+then lets cffi build the extension against those objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+
+from cffi import FFI
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CSRC = os.path.join(ROOT, "csrc")
+HEADER = os.path.join(CSRC, "isolate.h")
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-fno-strict-aliasing"]
+# The extension's C files; init.c is the init's main, linked on its own.
+CORE_SOURCES = ["spawn.c", "preexec.c", "process.c", "userns.c", "mounts.c", "net.c",
+                "rlimits.c", "caps.c", "landlock.c", "seccomp.c"]
+INIT_SOURCES = ["init.c", "landlock.c"]
+INIT_NAME = "isolate-init"
+
+
+def cdef_source() -> str:
+    """The header as cffi's cdef: declarations only, integer #defines kept."""
+    with open(HEADER, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    kept = []
+    for line in lines:
+        if line.startswith("#"):
+            if re.match(r"#define\s+ISO_\w+\s+0x[0-9a-fA-F]+\s*$|#define\s+ISO_\w+\s+\d+\s*$", line):
+                kept.append(line)
+            continue
+        kept.append(line)
+    return "\n".join(kept)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(cdef_source())
+ffibuilder.set_source(
+    "isolate._native",
+    '#include "isolate.h"',
+    include_dirs=["csrc"],
+    extra_compile_args=["-std=gnu11"],
+)
+
+
+def _missing_toolchain() -> str | None:
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(compiler):
+        return f"no C compiler ({compiler}) found: apt-get install gcc (dnf install gcc)"
+    include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return f"no Python headers in {include}: apt-get install python3-dev (dnf install python3-devel)"
+    return None
+
+
+class BuildExt(build_ext):  # type: ignore[misc]
+    """Compile csrc/ strictly, link the init, then build the cffi extension."""
+
+    def run(self) -> None:
+        problem = _missing_toolchain()
+        if problem:
+            raise SystemExit(f"isolate cannot be built: {problem}")
+        compiler = (sysconfig.get_config_var("CC") or "cc").split()
+        objects_dir = os.path.join(self.build_temp, "csrc")
+        os.makedirs(objects_dir, exist_ok=True)
+        objects = {}
+        for name in sorted(set(CORE_SOURCES) | set(INIT_SOURCES)):
+            obj = os.path.join(objects_dir, name[:-2] + ".o")
+            self._run(compiler + CFLAGS + ["-c", os.path.join(CSRC, name), "-o", obj])
+            objects[name] = obj
+        package_dir = HERE if self.inplace else os.path.join(self.build_lib, "isolate")
+        os.makedirs(package_dir, exist_ok=True)
+        init_path = os.path.join(package_dir, INIT_NAME)
+        init_objects = [objects[n] for n in INIT_SOURCES]
+        try:
+            self._run(compiler + ["-static", "-o", init_path] + init_objects)
+        except SystemExit:
+            raise SystemExit(
+                "isolate cannot be built: linking the static init failed; the C library's static "
+                "archive is missing: apt-get install libc6-dev (dnf install glibc-static)"
+            ) from None
+        for ext in self.extensions:
+            ext.extra_objects = [objects[n] for n in CORE_SOURCES]
+            ext.depends = list(ext.depends) + ext.extra_objects
+        super().run()
+
+    @staticmethod
+    def _run(command: list[str]) -> None:
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"isolate: build step failed: {' '.join(command)}\n{result.stderr}")
+
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,150 @@
+"""The sandbox's root, planned in the parent (csrc/mounts.c builds it).
+
+Every granted host path is bound at its own path. A path whose components
+are symlinks on the host (``/lib -> usr/lib``) gets the same symlinks inside,
+and its real directory is bound, so both spellings work in the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from ._core import lib
+
+STAGING = "/tmp"
+OLDROOT = "/oldroot"
+NEWROOT = "/newroot"
+
+#: Device nodes bound from the host into the sandbox's /dev.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+@dataclass(frozen=True)
+class MountStep:
+    kind: int
+    target: str  # inside the sandbox
+    source: str = ""  # host path (binds), options (tmpfs), link text (symlinks)
+    flags: int = 0
+    fd: int = -1
+    mode: int = 0o755
+
+
+@dataclass
+class MountPlan:
+    steps: list[MountStep] = field(default_factory=list)
+    _dirs: set[str] = field(default_factory=set)
+    _bound: list[str] = field(default_factory=list)  # targets that show a host tree
+
+    def _covered(self, path: str) -> bool:
+        return any(path == b or path.startswith(b.rstrip("/") + "/") for b in self._bound)
+
+    def ensure_dir(self, path: str, mode: int = 0o755) -> None:
+        """mkdir -p inside the new root, skipping what a bind already provides."""
+        if path == "/" or path in self._dirs or self._covered(path):
+            return
+        self.ensure_dir(os.path.dirname(path))
+        self._dirs.add(path)
+        self.steps.append(MountStep(lib.ISO_MOUNT_DIR, path, mode=mode))
+
+    def symlink(self, path: str, text: str) -> None:
+        if path in self._dirs or self._covered(path):
+            return
+        self.ensure_dir(os.path.dirname(path))
+        self._dirs.add(path)
+        self.steps.append(MountStep(lib.ISO_MOUNT_SYMLINK, path, source=text))
+
+    def bind(self, host_path: str, target: str, *, readonly: bool, keep_dev: bool = False, fd: int = -1) -> None:
+        is_dir = os.path.isdir(host_path)
+        if is_dir:
+            self.ensure_dir(target)
+        else:
+            self.ensure_dir(os.path.dirname(target))
+            if not self._covered(target):
+                self.steps.append(MountStep(lib.ISO_MOUNT_FILE, target, mode=0o644))
+        flags = (lib.ISO_MOUNT_F_READONLY if readonly else 0) | (lib.ISO_MOUNT_F_KEEP_DEV if keep_dev else 0)
+        if fd >= 0:
+            self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, flags=flags, fd=fd))
+        else:
+            self.steps.append(MountStep(lib.ISO_MOUNT_BIND, target, source=OLDROOT + host_path, flags=flags))
+        self._bound.append(target)
+
+    def tmpfs(self, target: str, options: str) -> None:
+        self.ensure_dir(target)
+        self.steps.append(MountStep(lib.ISO_MOUNT_TMPFS, target, source=options))
+
+    def add(self, kind: int, target: str, source: str = "") -> None:
+        self.steps.append(MountStep(kind, target, source=source))
+
+
+def host_symlinks(path: str) -> tuple[list[tuple[str, str]], str]:
+    """The symlinked components of absolute ``path`` (as (link, text) pairs) and its real path."""
+    links: list[tuple[str, str]] = []
+    current = "/"
+    parts = [p for p in path.split("/") if p]
+    seen = 0
+    while parts:
+        part = parts.pop(0)
+        candidate = os.path.join(current, part)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return links, os.path.realpath(path)
+        if stat.S_ISLNK(info.st_mode):
+            seen += 1
+            if seen > 40:
+                return links, os.path.realpath(path)
+            text = os.readlink(candidate)
+            links.append((candidate, text))
+            resolved = text if text.startswith("/") else os.path.join(current, text)
+            parts = [p for p in os.path.normpath(resolved).split("/") if p] + parts
+            current = "/"
+        else:
+            current = candidate
+    return links, current
+
+
+def plan_root(
+    read: list[str],
+    write: list[tuple[str, int]],
+    tmpfs: list[str],
+    tmpfs_options: str,
+) -> MountPlan:
+    """Mount steps for granted paths (write entries carry an idmapped tree fd or -1)."""
+    plan = MountPlan()
+    grants: list[tuple[str, bool, int]] = [(p, True, -1) for p in read] + [(p, False, fd) for p, fd in write]
+    resolved = []
+    for path, readonly, fd in grants:
+        links, real = host_symlinks(path)
+        for link, text in links:
+            plan.symlink(link, text)
+        resolved.append((real, readonly, fd))
+    # Parents before children, so that a nested grant (a workspace under a
+    # private /tmp, a writable dir under a read-only one) lands on top.
+    entries: list[tuple[str, bool, int, bool]] = [(real, ro, fd, False) for real, ro, fd in resolved]
+    entries += [(path, False, -1, True) for path in tmpfs]
+    for path, readonly, fd, is_tmpfs in sorted(entries, key=lambda e: (e[0].rstrip("/").count("/"), e[3] is False)):
+        if is_tmpfs:
+            plan.tmpfs(path, tmpfs_options)
+        elif path != "/":
+            plan.bind(path, path, readonly=readonly, fd=fd)
+
+    plan.ensure_dir("/proc")
+    plan.add(lib.ISO_MOUNT_PROC, "/proc")
+    plan.tmpfs("/dev", "mode=0755,size=1m")
+    for name in DEVICES:
+        if os.path.exists("/dev/" + name):
+            plan.steps.append(MountStep(lib.ISO_MOUNT_FILE, "/dev/" + name, mode=0o644))
+            plan.steps.append(
+                MountStep(lib.ISO_MOUNT_BIND, "/dev/" + name, source=OLDROOT + "/dev/" + name,
+                          flags=lib.ISO_MOUNT_F_KEEP_DEV)
+            )
+    plan.ensure_dir("/dev/pts")
+    plan.add(lib.ISO_MOUNT_DEVPTS, "/dev/pts")
+    plan.symlink("/dev/ptmx", "pts/ptmx")
+    plan.tmpfs("/dev/shm", "mode=1777")
+    for name, text in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2")):
+        plan.symlink("/dev/" + name, text)
+    return plan

@@ -1,0 +1,588 @@
+"""The native backend: turn a policy into a plan for the C core.
+
+``prepare`` does every costly or fallible thing in the parent (resolving and
+checking paths, choosing mechanisms, compiling seccomp, opening idmapped
+trees, creating cgroups) and fills a ``struct iso_plan``; the C core then only
+applies it in the child. Whatever cannot be enforced is refused here, before
+anything runs, unless the policy asks for best effort.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import resource
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from . import landlock, mounts
+from ._core import ffi, init_fd, lib, step_name
+from .errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    PolicyError,
+    SetupError,
+    UnsupportedError,
+)
+from .policy import DEFAULT_READ, DEFAULT_TMPFS, Egress, Policy
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+NAMESPACE_FLAGS = {
+    "user": CLONE_NEWUSER,
+    "mnt": CLONE_NEWNS,
+    "pid": CLONE_NEWPID,
+    "ipc": CLONE_NEWIPC,
+    "uts": CLONE_NEWUTS,
+    "net": CLONE_NEWNET,
+    "cgroup": CLONE_NEWCGROUP,
+}
+
+#: The uid a root caller's program runs as, unless the policy names one.
+NOBODY = 65534
+HOSTNAME = "isolate"
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@lru_cache(maxsize=1)
+def userns_error() -> int:
+    """0 when this caller can create a user namespace, else the errno."""
+    return int(lib.iso_probe_userns())
+
+
+@lru_cache(maxsize=8)
+def _idmap_userns(uid: int, gid: int) -> int:
+    fd = int(lib.iso_make_idmap_userns(uid, gid))
+    if fd < 0:
+        err = ffi.errno
+        raise UnsupportedError(
+            f"a root caller's writable paths need an idmapped mount, and creating its user namespace failed: "
+            f"{os.strerror(err)}; run as a regular user, or pass uid= of the paths' owner"
+        )
+    return fd
+
+
+@dataclass
+class Prepared:
+    """A plan for one run, and everything that must outlive the spawn."""
+
+    plan: Any
+    enforced: dict[str, Any]
+    warnings: list[str]
+    status_fd: int = -1  # read end of the init's status pipe
+    pid_namespace: bool = True
+    cgroup: Any = None
+    limit_cpu_seconds: float | None = None
+    _keep: list[Any] = field(default_factory=list)
+    _close_after_spawn: list[int] = field(default_factory=list)
+
+    def close_child_side(self) -> None:
+        for fd in self._close_after_spawn:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._close_after_spawn.clear()
+
+
+class _Refusals:
+    """Collects what cannot be enforced: raises, or warns under best effort."""
+
+    def __init__(self, best_effort: bool) -> None:
+        self.best_effort = best_effort
+        self.warnings: list[str] = []
+
+    def refuse(self, message: str) -> None:
+        if not self.best_effort:
+            raise UnsupportedError(message)
+        self.warnings.append(f"not enforced: {message}")
+
+
+def _resolve(paths: Sequence[str], cwd: str, field_name: str, skip_missing: bool) -> list[str]:
+    out = []
+    for path in paths:
+        absolute = os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
+        if not os.path.exists(absolute):
+            if skip_missing:
+                continue
+            raise PolicyError(f"{field_name}: {path!r} does not exist; create it or drop it from the policy", field_name)
+        out.append(absolute)
+    return out
+
+
+def program_environment(policy: Policy, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """The minimal environment: keep_env names from the caller, then policy.env, then ``extra``."""
+    env = {name: os.environ[name] for name in policy.keep_env if name in os.environ}
+    env.update(policy.env)
+    if extra:
+        env.update({os.fsdecode(k): os.fsdecode(v) for k, v in extra.items()})
+    env.setdefault("PATH", DEFAULT_PATH)
+    return env
+
+
+def unsupported_reasons(policy: Policy) -> list[str]:
+    """What the native backend cannot enforce for ``policy`` on this host (empty: all of it)."""
+    reasons = []
+    if isinstance(policy.network, Egress):
+        reasons.append("network: filtered egress (allow-host) is not available in the native backend yet")
+    limits = policy.limits
+    if limits.memory is not None or limits.pids is not None or limits.cpus is not None:
+        try:
+            from . import cgroup
+
+            needs = _cgroup_needs(policy)
+            cgroup.check_available(needs)
+        except UnsupportedError as exc:
+            reasons.append(str(exc))
+        except ImportError:
+            reasons.append("memory, pids and cpus limits need cgroup support, which is not built yet")
+    if policy.namespaces and userns_error():
+        reasons.append(f"namespaces: this caller cannot create a user namespace ({os.strerror(userns_error())})")
+    if not policy.namespaces and landlock.abi() == 0:
+        reasons.append("filesystem: without namespaces, Landlock is needed and this kernel has none")
+    return reasons
+
+
+def _cgroup_needs(policy: Policy) -> set[str]:
+    needs = set()
+    if policy.limits.memory is not None:
+        needs.add("memory")
+    if policy.limits.pids is not None:
+        needs.add("pids")
+    if policy.limits.cpus is not None:
+        needs.add("cpu")
+    if policy.limits.cpu_seconds is not None:
+        needs.add("cpuacct")
+    return needs
+
+
+def prepare(
+    policy: Policy,
+    args: Sequence[str],
+    *,
+    executable: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdio: tuple[int, int, int] = (-1, -1, -1),
+    pass_fds: Sequence[int] = (),
+    for_preexec: bool = False,
+) -> Prepared:
+    """Resolve ``policy`` for one run of ``args`` and build the C plan."""
+    refusals = _Refusals(policy.best_effort)
+    enforced: dict[str, Any] = {}
+    keep: list[Any] = []
+    close_after: list[int] = []
+
+    def cstr(text: str | bytes) -> Any:
+        data = ffi.new("char[]", os.fsencode(text))
+        keep.append(data)
+        return data
+
+    run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
+    defaults_read = policy.read == DEFAULT_READ
+    read = _resolve(policy.read, run_cwd, "read", skip_missing=defaults_read)
+    write = _resolve(policy.write, run_cwd, "write", skip_missing=False)
+    use_ns = policy.namespaces
+    tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
+    if tmpfs and not use_ns:
+        refusals.refuse("tmpfs: a private tmpfs needs namespaces (namespaces=true)")
+        tmpfs = []
+
+    plan = ffi.new("struct iso_plan *")
+    keep.append(plan)
+    for i in range(8):
+        plan.cgroup_procs_fds[i] = -1
+    caller_uid, caller_gid = os.geteuid(), os.getegid()
+    root_caller = caller_uid == 0
+    program_uid = policy.uid if policy.uid is not None else (NOBODY if root_caller else caller_uid)
+    program_gid = policy.gid if policy.gid is not None else (NOBODY if root_caller else caller_gid)
+    if not root_caller and (policy.uid not in (None, caller_uid) or policy.gid not in (None, caller_gid)):
+        raise PolicyError("uid/gid: only a root caller can run the program as another user", "uid")
+
+    # -- namespaces and ids ------------------------------------------------
+    network = policy.network
+    if isinstance(network, Egress):
+        refusals.refuse("network: filtered egress (allow-host) is not built yet; use none, loopback or host")
+        network = "none"
+    flags = 0
+    if use_ns:
+        err = userns_error()
+        if err:
+            refusals.refuse(
+                f"namespaces: this caller cannot create a user namespace ({os.strerror(err)}); enable "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or the AppArmor "
+                "userns restriction), or run with namespaces=false"
+            )
+            use_ns = False
+            tmpfs = []
+    if use_ns:
+        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+        if network != "host":
+            flags |= CLONE_NEWNET
+        plan.uid_map = cstr(f"{program_uid} {program_uid if root_caller else caller_uid} 1\n")
+        plan.gid_map = cstr(f"{program_gid} {program_gid if root_caller else caller_gid} 1\n")
+        plan.setgroups_deny = 0 if root_caller else 1
+        plan.hostname = cstr(HOSTNAME)
+        plan.loopback_up = 1 if network == "loopback" else 0
+        enforced["namespaces"] = [n for n, f in NAMESPACE_FLAGS.items() if flags & f]
+        enforced["network"] = {"none": "netns-empty", "loopback": "netns-loopback", "host": "host"}[network]
+    else:
+        enforced["namespaces"] = []
+    plan.clone_flags = flags
+    plan.set_ids = 1 if root_caller else 0
+    plan.uid = program_uid
+    plan.gid = program_gid
+    plan.clear_groups = 1 if root_caller else 0
+    plan.drop_caps = 1
+    plan.no_new_privs = 1
+    plan.new_session = 1 if policy.new_session else 0
+    plan.die_with_parent = 1 if policy.die_with_parent else 0
+    enforced["user"] = {"uid": program_uid, "gid": program_gid}
+    enforced["no_new_privs"] = True
+    enforced["capabilities"] = "all dropped" if (use_ns or root_caller) else "none held (no_new_privs)"
+
+    # -- mounts ------------------------------------------------------------
+    abi = landlock.abi()
+    if use_ns:
+        write_trees: list[tuple[str, int]] = []
+        for path in write:
+            fd = -1
+            if root_caller and program_uid != 0:
+                userns_fd = _idmap_userns(program_uid, program_gid)
+                fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns_fd))
+                if fd < 0:
+                    err = ffi.errno
+                    for opened in close_after:
+                        os.close(opened)
+                    raise UnsupportedError(
+                        f"write: {path}: cannot give the program (uid {program_uid}) ownership through an idmapped "
+                        f"mount: {os.strerror(err)}; its filesystem may not support idmapped mounts"
+                    )
+                close_after.append(fd)
+            write_trees.append((path, fd))
+        tmpfs_options = "mode=1777"
+        if policy.limits.memory is not None:
+            tmpfs_options += f",size={policy.limits.memory}"
+        mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options)
+        steps = mount_plan.steps
+        cmounts = ffi.new("struct iso_mount[]", max(len(steps), 1))
+        keep.append(cmounts)
+        for i, step in enumerate(steps):
+            cmounts[i].kind = step.kind
+            cmounts[i].flags = step.flags
+            cmounts[i].fd = step.fd
+            cmounts[i].mode = step.mode
+            cmounts[i].source = cstr(step.source) if step.source else ffi.NULL
+            cmounts[i].target = cstr(mounts.NEWROOT + step.target)
+        plan.staging = cstr(mounts.STAGING)
+        plan.mounts = cmounts
+        plan.n_mounts = len(steps)
+        enforced["filesystem"] = ["mount-namespace"] + (["landlock"] if abi else [])
+        enforced["root"] = "built (pivot_root)"
+        if root_caller:
+            enforced["write_ownership"] = "idmapped"
+    else:
+        enforced["filesystem"] = ["landlock"] if abi else []
+
+    # -- Landlock ----------------------------------------------------------
+    if abi:
+        rules: list[tuple[str, int]] = []
+
+        def grant(path: str, rights: int) -> None:
+            real = os.path.realpath(path) if not use_ns else mounts.host_symlinks(path)[1]
+            if not use_ns and not os.path.exists(real):
+                return
+            if not os.path.isdir(real if not use_ns else path):
+                rights &= landlock.FILE_RIGHTS
+            rules.append((real, rights))
+
+        for path in read:
+            grant(path, landlock.read_rights(abi))
+        for path in write:
+            grant(path, landlock.write_rights(abi))
+        if use_ns:
+            for path in tmpfs:
+                rules.append((path, landlock.write_rights(abi)))
+            rules.append(("/dev", landlock.device_rights(abi)))
+            rules.append(("/dev/shm", landlock.write_rights(abi)))
+            rules.append(("/proc", landlock.proc_rights(abi)))
+            # The root is the sandbox's own read-only tmpfs: listing it shows
+            # only what was granted.
+            rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
+        else:
+            rules.append(("/dev/null", landlock.device_rights(abi) & landlock.FILE_RIGHTS))
+        deny_tcp = network == "none" or (not use_ns and network != "host")
+        crules = ffi.new("struct iso_landlock_rule[]", max(len(rules), 1))
+        keep.append(crules)
+        for i, (path, rights) in enumerate(rules):
+            crules[i].path = cstr(path)
+            crules[i].access = rights
+        plan.landlock_abi = abi
+        plan.landlock_handled_fs = landlock.handled_fs(abi)
+        plan.landlock_handled_net = landlock.handled_net(abi, deny_tcp)
+        plan.landlock_scoped = landlock.scoped(abi)
+        plan.landlock_rules = crules
+        plan.n_landlock_rules = len(rules)
+        enforced["landlock"] = abi
+        if plan.landlock_handled_net:
+            enforced["landlock_net"] = "tcp bind/connect denied"
+        if plan.landlock_scoped:
+            enforced["landlock_scope"] = ["signal", "abstract-unix-socket"]
+    else:
+        enforced["landlock"] = None
+        if use_ns:
+            refusals.warnings.append("Landlock is not available: only the mount namespace confines the filesystem")
+        else:
+            refusals.refuse("filesystem: without namespaces, Landlock is needed and this kernel has none")
+    if not use_ns and network == "none":
+        enforced["network"] = "landlock-tcp+seccomp-sockets"
+    elif not use_ns and network == "loopback":
+        refusals.refuse("network: loopback-only needs a network namespace (namespaces=true)")
+    elif not use_ns:
+        enforced["network"] = "host"
+
+    # -- seccomp -----------------------------------------------------------
+    deny_sockets = not use_ns and network == "none"
+    _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, notify=use_ns and not for_preexec)
+
+    # -- limits ------------------------------------------------------------
+    prepared_cgroup = None
+    limit_cpu: float | None = None
+    rlimits: list[tuple[int, int, int]] = [(resource.RLIMIT_CORE, 0, 0)]
+    limits = policy.limits
+    if limits.open_files is not None:
+        rlimits.append((resource.RLIMIT_NOFILE, limits.open_files, limits.open_files))
+        enforced["open_files"] = "rlimit"
+    if limits.file_size is not None:
+        rlimits.append((resource.RLIMIT_FSIZE, limits.file_size, limits.file_size))
+        enforced["file_size"] = "rlimit"
+    if limits.cpu_seconds is not None:
+        seconds = max(1, int(-(-limits.cpu_seconds // 1)))
+        rlimits.append((resource.RLIMIT_CPU, seconds, seconds + 1))
+        enforced["cpu_seconds"] = "rlimit (per process)"
+        limit_cpu = limits.cpu_seconds
+    needs = _cgroup_needs(policy)
+    if needs - {"cpuacct"} or (needs and not for_preexec):
+        prepared_cgroup = _prepare_cgroup(policy, needs, plan, enforced, refusals, rlimits, for_preexec)
+    if limits.wall_seconds is not None:
+        plan.wall_seconds = limits.wall_seconds
+        enforced["wall_seconds"] = "init"
+    crl = ffi.new("struct iso_rlimit[]", len(rlimits))
+    keep.append(crl)
+    for i, (res, soft, hard) in enumerate(rlimits):
+        crl[i].resource = res
+        crl[i].soft = soft
+        crl[i].hard = hard
+    plan.rlimits = crl
+    plan.n_rlimits = len(rlimits)
+
+    # -- the program ---------------------------------------------------------
+    program_env = program_environment(policy, env)
+    envp = ffi.new("char *[]", len(program_env) + 1)
+    keep.append(envp)
+    for i, (name, value) in enumerate(program_env.items()):
+        envp[i] = cstr(f"{name}={value}")
+    args = [os.fsdecode(a) for a in args]
+    if not args:
+        raise PolicyError("command: nothing to run; give a command", "command")
+    argv = ffi.new("char *[]", len(args) + 1)
+    keep.append(argv)
+    for i, arg in enumerate(args):
+        if "\0" in arg:
+            raise PolicyError("command: an argument holds a NUL byte", "command")
+        argv[i] = cstr(arg)
+    plan.argv = argv
+    plan.envp = envp
+    plan.file = cstr(os.fsdecode(executable) if executable else args[0])
+    plan.search_path = cstr(program_env.get("PATH", DEFAULT_PATH))
+    inside_cwd = os.path.abspath(policy.cwd) if policy.cwd else run_cwd
+    if for_preexec and not policy.cwd:
+        plan.cwd = ffi.NULL  # the hook keeps the directory subprocess chose
+    else:
+        plan.cwd = cstr(inside_cwd)
+    for i in range(3):
+        plan.stdio[i] = stdio[i]
+    fds = sorted({int(fd) for fd in pass_fds if int(fd) > 2})
+    keep_fds = ffi.new("int32_t[]", max(len(fds), 1))
+    keep.append(keep_fds)
+    for i, fd in enumerate(fds):
+        keep_fds[i] = fd
+    plan.keep_fds = keep_fds
+    plan.n_keep_fds = len(fds)
+
+    # -- the init ------------------------------------------------------------
+    plan.init_fd = init_fd()
+    status_r = -1
+    if for_preexec:
+        plan.status_fd = -1
+    else:
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        plan.status_fd = status_w
+        close_after.append(status_w)
+    enforced["init"] = "isolate-init"
+    enforced["fds"] = "closed above 2" + (f" except {fds}" if fds else "")
+    enforced["session"] = "new" if policy.new_session else "inherited"
+
+    prepared = Prepared(
+        plan=plan,
+        enforced=enforced,
+        warnings=refusals.warnings,
+        status_fd=status_r,
+        pid_namespace=bool(flags & CLONE_NEWPID),
+        cgroup=prepared_cgroup,
+        limit_cpu_seconds=limit_cpu,
+        _keep=keep,
+        _close_after_spawn=close_after,
+    )
+    return prepared
+
+
+def _apply_seccomp(
+    policy: Policy,
+    plan: Any,
+    keep: list[Any],
+    enforced: dict[str, Any],
+    refusals: _Refusals,
+    deny_sockets: bool,
+    notify: bool,
+) -> None:
+    if policy.seccomp == "none" and not deny_sockets:
+        enforced["seccomp"] = None
+        return
+    try:
+        from . import seccomp
+    except ImportError as exc:  # pragma: no cover - the module ships with the package
+        refusals.refuse(f"seccomp: the filter compiler is not available ({exc})")
+        enforced["seccomp"] = None
+        return
+    try:
+        compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets)
+    except UnsupportedError as exc:
+        refusals.refuse(str(exc))
+        enforced["seccomp"] = None
+        return
+    if compiled is None:
+        enforced["seccomp"] = None
+        return
+    buffer = ffi.from_buffer(compiled.bpf)
+    keep.extend([compiled, buffer])
+    plan.seccomp_filter = buffer
+    plan.seccomp_len = len(compiled.bpf) // 8
+    plan.seccomp_notify = 1 if notify and compiled.notify_errnos else 0
+    if plan.seccomp_notify:
+        table = ",".join(f"{nr}:{err}" for nr, err in sorted(compiled.notify_errnos.items()))
+        text = ffi.new("char[]", table.encode())
+        keep.append(text)
+        plan.seccomp_errnos = text
+    enforced["seccomp"] = compiled.profile
+    if deny_sockets:
+        enforced["seccomp_sockets"] = "only AF_UNIX"
+
+
+def _prepare_cgroup(
+    policy: Policy,
+    needs: set[str],
+    plan: Any,
+    enforced: dict[str, Any],
+    refusals: _Refusals,
+    rlimits: list[tuple[int, int, int]],
+    for_preexec: bool,
+) -> Any:
+    limits = policy.limits
+    try:
+        from . import cgroup
+
+        run_cgroup = cgroup.RunCgroup.create(limits, need=needs)
+    except (ImportError, UnsupportedError) as exc:
+        hard = needs - {"cpuacct"}
+        if hard:
+            refusals.refuse(str(exc) if isinstance(exc, UnsupportedError) else f"cgroups: {exc}")
+        if limits.memory is not None:
+            rlimits.append((resource.RLIMIT_AS, limits.memory, limits.memory))
+            enforced["memory"] = "rlimit-as (per process, best effort)"
+        if limits.pids is not None:
+            rlimits.append((resource.RLIMIT_NPROC, limits.pids, limits.pids))
+            enforced["pids"] = "rlimit-nproc (per user, best effort)"
+        return None
+    if for_preexec:
+        # The hook cannot join a cgroup for the process subprocess is about to exec.
+        run_cgroup.remove()
+        refusals.refuse("memory/pids/cpus limits cover the tree only with isolate.run/Popen, not preexec_fn")
+        return None
+    fds = run_cgroup.procs_fds()
+    for i, fd in enumerate(fds[:8]):
+        plan.cgroup_procs_fds[i] = fd
+    enforced.update(run_cgroup.enforced())
+    return run_cgroup
+
+
+def spawn(prepared: Prepared, args: Sequence[str]) -> int:
+    """Start the sandbox; returns the pid of its init. Raises SetupError and friends."""
+    failure = ffi.new("struct iso_failure *")
+    try:
+        pid = lib.iso_spawn(prepared.plan, failure)
+    finally:
+        prepared.close_child_side()
+    if pid < 0:
+        if prepared.status_fd >= 0:
+            os.close(prepared.status_fd)
+            prepared.status_fd = -1
+        raise failure_to_error(prepared, failure, args)
+    return int(pid)
+
+
+def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> Exception:
+    step, err, index = int(failure.step), int(failure.err), int(failure.index)
+    plan = prepared.plan
+    name = step_name(step)
+    if step == lib.ISO_STEP_EXEC:
+        program = ffi.string(plan.file).decode(errors="replace")
+        if err in (errno_mod.ENOENT, errno_mod.ENOTDIR):
+            return CommandNotFoundError(
+                err, f"{program}: command not found inside the sandbox (is its directory granted with read=?)",
+                program,
+            )
+        if err == errno_mod.EACCES:
+            return CommandNotExecutableError(
+                err, f"{program}: permission denied inside the sandbox (not executable, or not granted)", program
+            )
+        return CommandNotExecutableError(err, f"{program}: cannot execute: {os.strerror(err)}", program)
+    detail = ""
+    if step in (lib.ISO_STEP_MOUNT_DIR, lib.ISO_STEP_MOUNT_BIND, lib.ISO_STEP_MOUNT_TMPFS,
+                lib.ISO_STEP_MOUNT_SYMLINK, lib.ISO_STEP_MOUNT_MOVE, lib.ISO_STEP_MOUNT_READONLY,
+                lib.ISO_STEP_MOUNT_PROC, lib.ISO_STEP_MOUNT_DEVPTS) and 0 <= index < plan.n_mounts:
+        detail = ffi.string(plan.mounts[index].target).decode()
+        detail = detail[len(mounts.NEWROOT):] or "/"
+    elif step == lib.ISO_STEP_LANDLOCK and 0 <= index < plan.n_landlock_rules:
+        detail = ffi.string(plan.landlock_rules[index].path).decode()
+    elif step == lib.ISO_STEP_RLIMIT and 0 <= index < plan.n_rlimits:
+        detail = f"resource {plan.rlimits[index].resource}"
+    elif step == lib.ISO_STEP_CHDIR and plan.cwd != ffi.NULL:
+        detail = ffi.string(plan.cwd).decode()
+        return SetupError(
+            f"sandbox setup failed at chdir: {detail}: {os.strerror(err)}; the working directory must be "
+            "inside a granted path (grant it with write= or read=, or set cwd=)",
+            name, err, detail,
+        )
+    where = f" ({detail})" if detail else ""
+    return SetupError(
+        f"sandbox setup failed at {name}{where}: {os.strerror(err)}; run `isolate-run doctor` to see what this "
+        "host can enforce",
+        name, err, detail,
+    )
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)

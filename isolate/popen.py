@@ -1,0 +1,324 @@
+"""``isolate.Popen`` and ``isolate.run``: subprocess's API, in a sandbox.
+
+``Popen`` is a ``subprocess.Popen`` whose child is started by the C core
+(clone with CLONE_VM, never a fork of the Python parent), so pipes,
+``communicate``, timeouts and the context manager behave exactly as in
+subprocess. The process it tracks is the sandbox's init; the program's own
+status comes from the init's report, so ``returncode`` is the program's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import native
+from ._core import ffi
+from .errors import IsolationError, UnsupportedError
+from .policy import Policy
+from .report import Report, status_for
+
+_STATUS_SIZE = ffi.sizeof("struct iso_status")
+
+
+class CompletedProcess(subprocess.CompletedProcess):  # type: ignore[type-arg]
+    """subprocess.CompletedProcess plus ``report``."""
+
+    def __init__(self, args: Any, returncode: int, stdout: Any = None, stderr: Any = None,
+                 report: Report | None = None) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.report = report if report is not None else Report()
+
+
+class Popen(subprocess.Popen):  # type: ignore[type-arg]
+    """``subprocess.Popen`` with ``policy=``: the child runs in a sandbox.
+
+    ``preexec_fn``, ``user``, ``group``, ``extra_groups`` and ``umask`` are
+    refused: the policy decides who the program is. ``report`` is filled in
+    when the program has ended.
+    """
+
+    def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
+        self.policy = policy if policy is not None else Policy()
+        if not isinstance(self.policy, Policy):
+            raise TypeError("policy must be an isolate.Policy")
+        for name in ("preexec_fn", "user", "group", "extra_groups", "umask"):
+            if kwargs.get(name) not in (None, -1):
+                raise TypeError(f"isolate.Popen does not take {name}=; the policy decides it")
+        self.report: Report | None = None
+        self._prepared: native.Prepared | None = None
+        self._status: bytes = b""
+        self._rusage: Any = None
+        self._limit_hit: str | None = None
+        self._started = time.monotonic()
+        self._ended: float | None = None
+        super().__init__(args, *pargs, **kwargs)
+
+    # -- start ---------------------------------------------------------------
+
+    def _execute_child(  # type: ignore[override]
+        self, args: Any, executable: Any, preexec_fn: Any, close_fds: bool, pass_fds: Sequence[int], cwd: Any,
+        env: Mapping[str, str] | None, startupinfo: Any, creationflags: int, shell: bool,
+        p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
+        restore_signals: bool, gid: Any, gids: Any, uid: Any, umask: int, start_new_session: bool,
+        process_group: Any = None,
+    ) -> None:
+        if isinstance(args, (str, bytes, os.PathLike)):
+            args = [args]
+        args = [os.fsdecode(a) for a in args]
+        if shell:
+            args = ["/bin/sh", "-c", *args]
+            if executable:
+                args[0] = os.fsdecode(executable)
+        prepared = native.prepare(
+            self.policy,
+            args,
+            executable=os.fsdecode(executable) if executable and not shell else None,
+            cwd=os.fsdecode(cwd) if cwd is not None else None,
+            env=env,
+            stdio=(p2cread, c2pwrite, errwrite),
+            pass_fds=pass_fds,
+        )
+        self._prepared = prepared
+        cgroup = prepared.cgroup
+        try:
+            self._started = time.monotonic()
+            self.pid = native.spawn(prepared, args)
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+            raise
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        if cgroup is not None and (prepared.limit_cpu_seconds is not None):
+            cgroup.start_watchdog(prepared.limit_cpu_seconds, self._on_limit)
+
+    def _on_limit(self, limit: str) -> None:
+        self._limit_hit = limit
+
+    # -- wait ----------------------------------------------------------------
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        try:
+            pid, sts, rusage = os.wait4(self.pid, wait_flags)
+        except ChildProcessError:
+            pid, sts = self.pid, 0
+        else:
+            if pid == self.pid:
+                self._rusage = rusage
+        return pid, sts
+
+    def _internal_poll(self, _deadstate: Any = None, _waitpid: Any = None, _WNOHANG: int = os.WNOHANG,
+                       _ECHILD: int = 10) -> int | None:
+        if self.returncode is None:
+            if not self._waitpid_lock.acquire(False):
+                return None
+            try:
+                if self.returncode is not None:
+                    return self.returncode
+                pid, sts = self._try_wait(_WNOHANG)
+                if pid == self.pid:
+                    self._handle_exitstatus(sts)
+            except OSError:
+                if _deadstate is not None:
+                    self.returncode = _deadstate
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+    def _handle_exitstatus(self, sts: int, *args: Any, **kwargs: Any) -> None:
+        self._ended = time.monotonic()
+        status = self._read_status()
+        reason = 0
+        if status is not None:
+            sts = int(status.wait_status)
+            reason = int(status.reason)
+        super()._handle_exitstatus(sts, *args, **kwargs)
+        if reason == 1:
+            self._limit_hit = "timeout"
+        self._finish(status)
+
+    def _read_status(self) -> Any:
+        prepared = self._prepared
+        if prepared is None or prepared.status_fd < 0:
+            return None
+        data = b""
+        try:
+            os.set_blocking(prepared.status_fd, False)
+            while len(data) < _STATUS_SIZE:
+                chunk = os.read(prepared.status_fd, _STATUS_SIZE - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(prepared.status_fd)
+            prepared.status_fd = -1
+        if len(data) < _STATUS_SIZE:
+            return None
+        status = ffi.new("struct iso_status *")
+        ffi.memmove(status, data, _STATUS_SIZE)
+        if status.magic != 0x150A7E01:
+            return None
+        self._status = data
+        return status
+
+    def _finish(self, status: Any) -> None:
+        prepared = self._prepared
+        if prepared is None:
+            return
+        report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings))
+        report.wall_seconds = round((self._ended or time.monotonic()) - self._started, 6)
+        if self._rusage is not None:
+            report.user_seconds = round(self._rusage.ru_utime, 6)
+            report.system_seconds = round(self._rusage.ru_stime, 6)
+            report.cpu_seconds = round(self._rusage.ru_utime + self._rusage.ru_stime, 6)
+            report.max_rss_bytes = int(self._rusage.ru_maxrss) * 1024
+        cgroup = prepared.cgroup
+        limit = self._limit_hit
+        if cgroup is not None:
+            try:
+                usage = cgroup.usage()
+                report.user_seconds = round(usage.cpu_user_seconds, 6)
+                report.system_seconds = round(usage.cpu_system_seconds, 6)
+                report.cpu_seconds = round(usage.cpu_user_seconds + usage.cpu_system_seconds, 6)
+                if usage.peak_memory_bytes is not None:
+                    report.max_rss_bytes = int(usage.peak_memory_bytes)
+                report.oom_kills = int(usage.oom_kills)
+                if usage.oom_kills and limit is None:
+                    limit = "memory"
+            finally:
+                cgroup.remove()
+        if status is not None:
+            from . import seccomp
+
+            for i in range(int(status.n_denied)):
+                nr = int(status.denied[i].nr)
+                report.denied.append(
+                    {"mechanism": "seccomp", "syscall": seccomp.syscall_name(nr), "nr": nr,
+                     "count": int(status.denied[i].count)}
+                )
+        rc = self.returncode if self.returncode is not None else 0
+        if limit == "cpu" and rc >= 0:
+            limit = None
+        report.status, report.exit_code, report.signal = status_for(rc, limit)
+        self.report = report
+
+    def send_signal(self, sig: int) -> None:
+        """Signals go to the init, which forwards them to the program (SIGKILL ends the whole sandbox)."""
+        super().send_signal(sig)
+
+    def pause(self) -> None:
+        """Freeze every process of the sandbox (needs a cgroup)."""
+        self._require_cgroup("pause").freeze()
+
+    def resume(self) -> None:
+        """Thaw a paused sandbox."""
+        self._require_cgroup("resume").thaw()
+
+    def _require_cgroup(self, what: str) -> Any:
+        prepared = self._prepared
+        if prepared is None or prepared.cgroup is None:
+            raise UnsupportedError(
+                f"{what} needs the sandbox in a cgroup; set a memory, pids or cpus limit (or run where a cgroup is "
+                "writable)"
+            )
+        return prepared.cgroup
+
+
+def run(
+    args: Any,
+    *,
+    policy: Policy | None = None,
+    input: Any = None,
+    capture_output: bool = False,
+    timeout: float | None = None,
+    check: bool = False,
+    **kwargs: Any,
+) -> CompletedProcess:
+    """``subprocess.run`` in a sandbox; the result carries ``report``.
+
+    The backend is chosen by ``policy.backend``: ``native``, ``docker``, or
+    ``auto`` (native when it can enforce the whole policy, else Docker when an
+    engine answers, else ``UnsupportedError`` naming each reason).
+    """
+    policy = policy if policy is not None else Policy()
+    backend = choose_backend(policy)
+    if backend == "docker":
+        from .backends import docker
+
+        result = docker.run(args, policy=policy, input=input, capture_output=capture_output, timeout=timeout,
+                            check=False, **kwargs)
+        completed = CompletedProcess(result.args, result.returncode, result.stdout, result.stderr,
+                                     getattr(result, "report", None))
+    else:
+        if input is not None:
+            if kwargs.get("stdin") is not None:
+                raise ValueError("stdin and input arguments may not both be used.")
+            kwargs["stdin"] = subprocess.PIPE
+        if capture_output:
+            if kwargs.get("stdout") is not None or kwargs.get("stderr") is not None:
+                raise ValueError("stdout and stderr arguments may not be used with capture_output.")
+            kwargs["stdout"] = subprocess.PIPE
+            kwargs["stderr"] = subprocess.PIPE
+        with Popen(args, policy=policy, **kwargs) as process:
+            try:
+                stdout, stderr = process.communicate(input, timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                process.kill()
+                exc.stdout, exc.stderr = process.communicate()
+                raise
+            except BaseException:
+                process.kill()
+                raise
+            retcode = process.poll()
+            assert retcode is not None
+        completed = CompletedProcess(process.args, retcode, stdout, stderr, process.report)
+    if check and completed.returncode:
+        raise subprocess.CalledProcessError(completed.returncode, completed.args, completed.stdout,
+                                            completed.stderr)
+    return completed
+
+
+def choose_backend(policy: Policy) -> str:
+    """'native' or 'docker' for this policy on this host; raises UnsupportedError when neither will do."""
+    if policy.backend == "native":
+        return "native"
+    if policy.backend == "docker":
+        return "docker"
+    reasons = native.unsupported_reasons(policy)
+    if not reasons or policy.best_effort:
+        return "native"
+    try:
+        from .backends import docker
+    except ImportError as exc:
+        docker_reason = f"the Docker backend is not available ({exc})"
+    else:
+        usable, docker_reason = docker.available()
+        if usable and not docker.unsupported(policy):
+            return "docker"
+        if usable:
+            docker_reason = "; ".join(docker.unsupported(policy))
+    raise UnsupportedError(
+        "the native backend cannot enforce this policy: " + "; ".join(reasons)
+        + f"; and Docker cannot take over: {docker_reason}"
+    )
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+__all__ = ["CompletedProcess", "Popen", "choose_backend", "run"]
+_ = (sys, threading, IsolationError)

@@ -104,10 +104,13 @@ struct iso_rlimit {
     uint64_t hard;
 };
 
-/* One Landlock rule: a path as seen by the program, and the rights under it. */
+/* One Landlock rule: the rights under a directory or on a file, given as a
+ * descriptor the parent opened (host paths: the parent may traverse what the
+ * program may not) or as a path the child opens (what only the sandbox has). */
 struct iso_landlock_rule {
     const char *path;
     uint64_t access;
+    int32_t fd;
 };
 
 struct iso_plan {
@@ -125,6 +128,7 @@ struct iso_plan {
     const struct iso_mount *mounts;
     int32_t n_mounts;
     const char *hostname;          /* NULL keeps it */
+    int32_t idmap_userns_fd;       /* pre-exec hook: open ISO_MOUNT_MOVE trees itself */
     int32_t loopback_up;
 
     /* Process. */

@@ -56,7 +56,7 @@ static int restrict_with(const struct iso_ruleset_attr *attr, int abi, const str
     if (ruleset < 0)
         return ISO_STEP_LANDLOCK;
     for (int i = 0; i < n_rules; i++) {
-        int fd = open(rules[i].path, O_PATH | O_CLOEXEC);
+        int fd = rules[i].fd >= 0 ? rules[i].fd : open(rules[i].path, O_PATH | O_CLOEXEC);
         if (fd < 0) {
             *index = i;
             goto fail;
@@ -67,7 +67,8 @@ static int restrict_with(const struct iso_ruleset_attr *attr, int abi, const str
         };
         long rc = syscall(SYS_landlock_add_rule, ruleset, ISO_LANDLOCK_RULE_PATH_BENEATH, &beneath, 0);
         int saved = errno;
-        close(fd);
+        if (rules[i].fd < 0)
+            close(fd);
         if (rc < 0) {
             errno = saved;
             *index = i;

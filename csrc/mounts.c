@@ -145,17 +145,27 @@ int iso_mounts_apply(const struct iso_plan *plan, int *index)
  * shifted by the user namespace userns_fd, so that the program (an
  * unprivileged uid) owns what the caller owns there, and what it creates is
  * owned by the caller on disk. */
-int iso_open_idmapped_tree(const char *path, int userns_fd)
+static int open_idmapped(const char *path, int userns_fd, unsigned int recursive)
 {
-    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | recursive);
     if (tree < 0)
         return -1;
     struct mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
-    if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+    if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | recursive, &attr, sizeof attr) < 0) {
         int saved = errno;
         close(tree);
         errno = saved;
         return -1;
     }
+    return tree;
+}
+
+int iso_open_idmapped_tree(const char *path, int userns_fd)
+{
+    int tree = open_idmapped(path, userns_fd, AT_RECURSIVE);
+    /* A submount on a filesystem without idmap support refuses the whole
+     * tree (EINVAL); the top mount alone may still take it. */
+    if (tree < 0 && errno == EINVAL)
+        tree = open_idmapped(path, userns_fd, 0);
     return tree;
 }

@@ -162,6 +162,17 @@ int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
             return fail(failure, ISO_STEP_CHDIR, -1);
         program_cwd = cwd;
     }
+    /* Idmapped trees are consumed by the mount that attaches them, so a
+     * hook that may run many times opens them here, while it still has the
+     * caller's privilege (this process is a private copy of the plan). */
+    for (int i = 0; i < plan->n_mounts; i++) {
+        struct iso_mount *m = (struct iso_mount *)&plan->mounts[i];
+        if (m->kind == ISO_MOUNT_MOVE && m->fd < 0) {
+            m->fd = iso_open_idmapped_tree(m->source, plan->idmap_userns_fd);
+            if (m->fd < 0)
+                return fail(failure, ISO_STEP_IDMAP, i);
+        }
+    }
     if ((plan->clone_flags & CLONE_NEWUSER) && unshare_user(plan) < 0)
         return fail(failure, ISO_STEP_USERNS_MAP, -1);
     if (unshare(plan->clone_flags & ~CLONE_NEWUSER) < 0)
@@ -178,6 +189,8 @@ int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
         /* H: relay the program's end to subprocess, which waits for us. */
         if (plan->die_with_parent && iso_die_with_parent())
             return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        if ((step = iso_no_new_privs()))
+            return fail(failure, step, -1);
         exec_init(plan, first, 1);
         return fail(failure, ISO_STEP_INIT, -1);
     }

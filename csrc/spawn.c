@@ -132,20 +132,6 @@ static int first_main(void *arg)
         goto fail;
     }
     close(ctx->sync_fd);
-    /* A root caller's child still has the host's uid 0, which its user
-     * namespace does not map: files it creates (the tmpfs roots) would have
-     * no owner there.  Switching to the mapped ids keeps the capabilities,
-     * because the unmapped uid never counted as root inside. */
-    if (plan->set_ids && (plan->clone_flags & CLONE_NEWUSER)) {
-        if (setresgid(plan->gid, plan->gid, plan->gid) < 0) {
-            step = ISO_STEP_SETGID;
-            goto fail;
-        }
-        if (setresuid(plan->uid, plan->uid, plan->uid) < 0) {
-            step = ISO_STEP_SETUID;
-            goto fail;
-        }
-    }
     if (plan->new_session && setsid() < 0) {
         step = ISO_STEP_SETSID;
         goto fail;

@@ -17,6 +17,9 @@ STAGING = "/tmp"
 OLDROOT = "/oldroot"
 NEWROOT = "/newroot"
 
+#: A write grant whose idmapped tree the pre-exec hook opens itself.
+IDMAP_IN_CHILD = -2
+
 #: Device nodes bound from the host into the sandbox's /dev.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
@@ -66,6 +69,8 @@ class MountPlan:
         flags = (lib.ISO_MOUNT_F_READONLY if readonly else 0) | (lib.ISO_MOUNT_F_KEEP_DEV if keep_dev else 0)
         if fd >= 0:
             self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, flags=flags, fd=fd))
+        elif fd == IDMAP_IN_CHILD:
+            self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, source=host_path, flags=flags, fd=-1))
         else:
             self.steps.append(MountStep(lib.ISO_MOUNT_BIND, target, source=OLDROOT + host_path, flags=flags))
         self._bound.append(target)

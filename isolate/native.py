@@ -191,6 +191,14 @@ def prepare(
     defaults_read = policy.read == DEFAULT_READ
     read = _resolve(policy.read, run_cwd, "read", skip_missing=defaults_read)
     write = _resolve(policy.write, run_cwd, "write", skip_missing=False)
+    for name, paths in (("read", read), ("write", write)):
+        if "/" in paths:
+            raise PolicyError(
+                f"{name}: the whole filesystem (/) cannot be granted; grant the directories the program needs"
+                + (" (the working directory is / here: run from another directory or set write=)"
+                   if name == "write" else ""),
+                name,
+            )
     use_ns = policy.namespaces
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
     if tmpfs and not use_ns:
@@ -201,6 +209,7 @@ def prepare(
     keep.append(plan)
     for i in range(8):
         plan.cgroup_procs_fds[i] = -1
+    plan.idmap_userns_fd = -1
     caller_uid, caller_gid = os.geteuid(), os.getegid()
     root_caller = caller_uid == 0
     program_uid = policy.uid if policy.uid is not None else (NOBODY if root_caller else caller_uid)
@@ -228,8 +237,15 @@ def prepare(
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
         if network != "host":
             flags |= CLONE_NEWNET
-        plan.uid_map = cstr(f"{program_uid} {program_uid if root_caller else caller_uid} 1\n")
-        plan.gid_map = cstr(f"{program_gid} {program_gid if root_caller else caller_gid} 1\n")
+        if root_caller:
+            # Root stays root inside during the setup (so that it can reach
+            # the sources it binds, whatever their modes), and the program
+            # and the init switch to the unprivileged ids before they exec.
+            plan.uid_map = cstr(f"0 0 1\n{program_uid} {program_uid} 1\n")
+            plan.gid_map = cstr(f"0 0 1\n{program_gid} {program_gid} 1\n")
+        else:
+            plan.uid_map = cstr(f"{caller_uid} {caller_uid} 1\n")
+            plan.gid_map = cstr(f"{caller_gid} {caller_gid} 1\n")
         plan.setgroups_deny = 0 if root_caller else 1
         plan.hostname = cstr(HOSTNAME)
         plan.loopback_up = 1 if network == "loopback" else 0
@@ -256,7 +272,10 @@ def prepare(
         write_trees: list[tuple[str, int]] = []
         for path in write:
             fd = -1
-            if root_caller and program_uid != 0:
+            if root_caller and for_preexec:
+                plan.idmap_userns_fd = _idmap_userns(program_uid, program_gid)
+                fd = mounts.IDMAP_IN_CHILD
+            elif root_caller:
                 userns_fd = _idmap_userns(program_uid, program_gid)
                 fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns_fd))
                 if fd < 0:
@@ -296,13 +315,18 @@ def prepare(
     # -- Landlock ----------------------------------------------------------
     if abi:
         rules: list[tuple[str, int]] = []
+        rule_fds: dict[int, int] = {}
 
         def grant(path: str, rights: int) -> None:
-            real = os.path.realpath(path) if not use_ns else mounts.host_symlinks(path)[1]
-            if not use_ns and not os.path.exists(real):
-                return
-            if not os.path.isdir(real if not use_ns else path):
+            real = os.path.realpath(path)
+            try:
+                fd = os.open(real, os.O_PATH | os.O_CLOEXEC)
+            except OSError as exc:
+                raise PolicyError(f"{path}: cannot open it to grant it: {exc.strerror}") from None
+            close_after.append(fd)
+            if not os.path.isdir(real):
                 rights &= landlock.FILE_RIGHTS
+            rule_fds[len(rules)] = fd
             rules.append((real, rights))
 
         for path in read:
@@ -319,13 +343,14 @@ def prepare(
             # only what was granted.
             rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
         else:
-            rules.append(("/dev/null", landlock.device_rights(abi) & landlock.FILE_RIGHTS))
+            grant("/dev/null", landlock.device_rights(abi) & landlock.FILE_RIGHTS)
         deny_tcp = network == "none" or (not use_ns and network != "host")
         crules = ffi.new("struct iso_landlock_rule[]", max(len(rules), 1))
         keep.append(crules)
         for i, (path, rights) in enumerate(rules):
             crules[i].path = cstr(path)
             crules[i].access = rights
+            crules[i].fd = rule_fds.get(i, -1)
         plan.landlock_abi = abi
         plan.landlock_handled_fs = landlock.handled_fs(abi)
         plan.landlock_handled_net = landlock.handled_net(abi, deny_tcp)

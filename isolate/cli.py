@@ -1,0 +1,301 @@
+"""``isolate-run``: run a command in a sandbox from the shell.
+
+Exit status: the command's own; 128+N when it died of signal N; 125 when
+isolate-run itself failed (bad option, a protection that cannot be enforced,
+setup error), with one line on stderr; 126 when the command cannot be
+executed; 127 when it is not found. No traceback ever reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ._version import __version__
+from .errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    IsolationError,
+    PolicyError,
+    SetupError,
+)
+from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Policy
+from .report import Report, write_report
+
+EXIT_SETUP = 125
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+
+
+class CliError(Exception):
+    """A bad option: one line on stderr, exit 125, nothing run."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see isolate-run --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="isolate-run",
+        description="Run COMMAND confined by Landlock, seccomp, namespaces, rlimits and cgroups.",
+        epilog="Subcommands: 'isolate-run doctor [--json]' shows what this host can enforce; "
+        "'isolate-run sandbox list|rm|prune' manages kept Docker sandboxes.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"isolate-run {__version__}")
+    fs = parser.add_argument_group("filesystem")
+    fs.add_argument("--ro", action="append", default=[], metavar="PATH", help="read + execute under PATH")
+    fs.add_argument("--rw", action="append", default=[], metavar="PATH", help="read + write + execute under PATH")
+    fs.add_argument("--tmpfs", action="append", default=[], metavar="PATH", help="a fresh private tmpfs at PATH")
+    fs.add_argument("--chdir", metavar="DIR", help="working directory inside the sandbox")
+    fs.add_argument("--no-defaults", action="store_true",
+                    help="drop the default read-only system paths and the writable cwd")
+    net = parser.add_argument_group("network")
+    net.add_argument("--net", choices=NETWORK_MODES, default=None, help="none (default) | loopback | host")
+    net.add_argument("--allow-host", action="append", default=[], metavar="HOST[:PORT]",
+                     help="permit egress to HOST (filtered network)")
+    lim = parser.add_argument_group("limits")
+    lim.add_argument("--memory", metavar="SIZE")
+    lim.add_argument("--cpu", metavar="SECONDS", help="CPU seconds of the whole process tree")
+    lim.add_argument("--cpus", metavar="N", help="CPU bandwidth, e.g. 1.5 cores")
+    lim.add_argument("--wall", metavar="SECONDS")
+    lim.add_argument("--pids", metavar="N")
+    lim.add_argument("--nofile", metavar="N")
+    lim.add_argument("--fsize", metavar="SIZE")
+    sec = parser.add_argument_group("system calls")
+    sec.add_argument("--seccomp", metavar="MODE", help="default | strict | none | FILE (OCI/Docker seccomp JSON)")
+    env = parser.add_argument_group("environment")
+    env.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    env.add_argument("--keep-env", action="append", default=[], metavar="NAME")
+    run = parser.add_argument_group("backend and policy")
+    run.add_argument("--backend", choices=("auto", "native", "docker"), default=None)
+    run.add_argument("--image", metavar="IMAGE")
+    run.add_argument("--profile", metavar="FILE", help="a TOML policy file")
+    run.add_argument("--uid", metavar="N", help="the program's uid when the caller is root (default 65534)")
+    run.add_argument("--gid", metavar="N")
+    run.add_argument("--no-namespaces", action="store_true",
+                     help="no namespaces: Landlock, seccomp and rlimits only (faster, weaker)")
+    run.add_argument("--best-effort", action="store_true", help="warn instead of failing where a protection is missing")
+    run.add_argument("--explain", action="store_true", help="print the resolved policy and its mechanisms; run nothing")
+    run.add_argument("--report", metavar="FILE", help="write the JSON report of the run to FILE")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments")
+    return parser
+
+
+def _int_option(value: str | None, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise CliError(f"{name}: {value!r} is not a whole number") from None
+    if number <= 0:
+        raise CliError(f"{name}: must be a positive number, got {value}")
+    return number
+
+
+def policy_from_args(options: argparse.Namespace) -> Policy:
+    """The policy the options describe (a profile first, then the flags on top)."""
+    base = Policy.load(options.profile) if options.profile else Policy()
+    read = list(base.read)
+    write = list(base.write)
+    tmpfs = list(base.tmpfs)
+    if options.no_defaults:
+        read = [p for p in read if p not in DEFAULT_READ]
+        write = [p for p in write if p not in DEFAULT_WRITE]
+    read += options.ro
+    write += options.rw
+    tmpfs += [p for p in options.tmpfs if p not in tmpfs]
+    if options.no_namespaces and tmpfs == list(DEFAULT_TMPFS) and not options.tmpfs:
+        tmpfs = []
+    env = dict(base.env)
+    for item in options.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError(f"--env: {item!r} is not NAME=VALUE")
+        env[name] = value
+    keep_env = list(base.keep_env) + [n for n in options.keep_env if n not in base.keep_env]
+    limits = base.limits.to_dict()
+    for flag, field_name in (("memory", "memory"), ("cpu", "cpu_seconds"), ("cpus", "cpus"),
+                             ("wall", "wall_seconds"), ("pids", "pids"), ("nofile", "open_files"),
+                             ("fsize", "file_size")):
+        value = getattr(options, flag)
+        if value is not None:
+            limits[field_name] = value
+    network: str | Egress = options.net if options.net else base.network
+    if options.allow_host:
+        if options.net not in (None, "none"):
+            raise CliError(f"--allow-host filters the network; it cannot go with --net {options.net}")
+        network = Egress(tuple(options.allow_host))
+    changes: dict[str, Any] = {
+        "read": tuple(read),
+        "write": tuple(write),
+        "tmpfs": tuple(tmpfs),
+        "env": env,
+        "keep_env": tuple(keep_env),
+        "limits": Limits(**limits),
+        "network": network,
+    }
+    if options.chdir:
+        changes["cwd"] = options.chdir
+    if options.seccomp:
+        changes["seccomp"] = options.seccomp
+    if options.backend:
+        changes["backend"] = options.backend
+    if options.image:
+        changes["image"] = options.image
+    if options.best_effort:
+        changes["best_effort"] = True
+    if options.no_namespaces:
+        changes["namespaces"] = False
+    uid = _int_option(options.uid, "--uid")
+    gid = _int_option(options.gid, "--gid")
+    if uid is not None:
+        changes["uid"] = uid
+    if gid is not None:
+        changes["gid"] = gid
+    return base.replace(**changes)
+
+
+def explain(policy: Policy, command: Sequence[str]) -> str:
+    """What would run, and which mechanism enforces each part."""
+    from . import native, popen
+
+    lines = [f"command: {' '.join(command) if command else '(none given)'}"]
+    backend = popen.choose_backend(policy)
+    lines.append(f"backend: {backend}")
+    lines.append("policy:")
+    lines.extend("  " + line for line in policy.to_toml().splitlines())
+    if backend == "native":
+        prepared = native.prepare(policy, list(command) or ["true"])
+        try:
+            lines.append("enforced by:")
+            for key, value in prepared.enforced.items():
+                lines.append(f"  {key}: {json.dumps(value)}")
+            for warning in prepared.warnings:
+                lines.append(f"warning: {warning}")
+        finally:
+            prepared.close_child_side()
+            if prepared.status_fd >= 0:
+                os.close(prepared.status_fd)
+            if prepared.cgroup is not None:
+                prepared.cgroup.remove()
+    return "\n".join(lines)
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_command(policy: Policy, command: list[str], report_path: str | None) -> int:
+    from . import popen
+
+    backend = popen.choose_backend(policy)
+    if backend == "docker":
+        result = popen.run(command, policy=policy)
+        report = result.report
+        for warning in report.warnings:
+            print(f"isolate-run: warning: {warning}", file=sys.stderr)
+        if report_path:
+            write_report(report_path, report)
+        return _exit_status(result.returncode)
+
+    process = popen.Popen(command, policy=policy)
+    for warning in (process.report.warnings if process.report else []) or (
+        process._prepared.warnings if process._prepared else []
+    ):
+        print(f"isolate-run: warning: {warning}", file=sys.stderr)
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            process.send_signal(signum)
+        except (ProcessLookupError, OSError):
+            pass
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        previous[signum] = signal.signal(signum, forward)
+    try:
+        returncode = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    report = process.report or Report()
+    if report_path:
+        write_report(report_path, report)
+    return _exit_status(returncode)
+
+
+def _setup_error_report(path: str | None, error: Exception) -> None:
+    if not path:
+        return
+    report = Report(status="setup-error", exit_code=None)
+    report.error = {"type": type(error).__name__, "message": str(error)}
+    if isinstance(error, SetupError):
+        report.error.update({"step": error.step, "errno": error.errno, "detail": error.detail})
+    try:
+        write_report(path, report)
+    except IsolationError as exc:
+        print(f"isolate-run: {exc}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args and args[0] == "doctor":
+            from .doctor import doctor_main
+
+            return doctor_main(args[1:])
+        if args and args[0] == "sandbox":
+            from .sandbox import cli_main
+
+            return cli_main(args[1:])
+        return _main(args)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        return EXIT_SETUP
+
+
+def _main(args: list[str]) -> int:
+    report_path: str | None = None
+    try:
+        options = build_parser().parse_args(args)
+        report_path = options.report
+        command = list(options.command)
+        if command and command[0] == "--":
+            command = command[1:]
+        policy = policy_from_args(options)
+        if options.explain:
+            print(explain(policy, command))
+            return 0
+        if not command:
+            raise CliError("no command given: isolate-run [OPTIONS] -- COMMAND [ARG...]")
+        return run_command(policy, command, report_path)
+    except CommandNotFoundError as exc:
+        print(f"isolate-run: {exc.strerror}", file=sys.stderr)
+        _setup_error_report(report_path, exc)
+        return EXIT_NOT_FOUND
+    except CommandNotExecutableError as exc:
+        print(f"isolate-run: {exc.strerror}", file=sys.stderr)
+        _setup_error_report(report_path, exc)
+        return EXIT_CANNOT_EXECUTE
+    except (CliError, PolicyError, IsolationError) as exc:
+        print(f"isolate-run: {exc}", file=sys.stderr)
+        _setup_error_report(report_path, exc)
+        return EXIT_SETUP
+    except OSError as exc:
+        print(f"isolate-run: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        _setup_error_report(report_path, exc)
+        return EXIT_SETUP
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""``isolate-run doctor``: what this host can enforce, mechanism by mechanism.
+
+Each check exercises the real mechanism where it can (a user namespace is
+created, a sandbox is started) rather than guessing from version numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._version import __version__
+
+
+@dataclass
+class Check:
+    mechanism: str
+    available: bool
+    detail: str
+
+
+def _check(name: str, probe: Callable[[], tuple[bool, str]]) -> Check:
+    try:
+        ok, detail = probe()
+    except Exception as exc:  # a doctor reports every failure, it never crashes
+        ok, detail = False, f"{type(exc).__name__}: {exc}"
+    return Check(name, ok, detail)
+
+
+def _landlock() -> tuple[bool, str]:
+    from . import landlock
+
+    abi = landlock.abi()
+    if abi == 0:
+        return False, "the kernel has no Landlock (needs Linux 5.13+ with lsm=landlock)"
+    extras = []
+    if abi >= 4:
+        extras.append("TCP bind/connect rules")
+    if abi >= 5:
+        extras.append("ioctl on devices")
+    if abi >= 6:
+        extras.append("signal and abstract-socket scoping")
+    return True, f"ABI {abi}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _userns() -> tuple[bool, str]:
+    from . import native
+
+    err = native.userns_error()
+    if err:
+        return False, f"cannot create a user namespace: {os.strerror(err)}"
+    return True, "unprivileged user namespaces work for this caller"
+
+
+def _sandbox() -> tuple[bool, str]:
+    from . import popen
+    from .policy import Policy
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="isolate-doctor-") as workdir:
+        result = popen.run(["true"], policy=Policy(backend="native"), cwd=workdir)
+        if result.returncode != 0:
+            return False, f"a default sandbox ran /bin/true with status {result.returncode}"
+    namespaces = ",".join(result.report.enforced.get("namespaces", []))
+    return True, f"started a sandbox with namespaces {namespaces}, a built root and an init"
+
+
+def _idmap() -> tuple[bool, str]:
+    if os.geteuid() != 0:
+        return True, "not needed: the caller is not root, the program runs as the caller"
+    from . import native
+    from ._core import ffi, lib
+
+    fd = native._idmap_userns(native.NOBODY, native.NOBODY)
+    tree = lib.iso_open_idmapped_tree(os.fsencode(os.getcwd()), fd)
+    if tree < 0:
+        return False, f"idmapped mount of {os.getcwd()} failed: {os.strerror(ffi.errno)} (writable paths need it)"
+    os.close(tree)
+    return True, f"idmapped mounts work on {os.getcwd()} (files the program writes stay the caller's)"
+
+
+def _seccomp() -> tuple[bool, str]:
+    from . import seccomp
+
+    ok, detail = seccomp.available()
+    return bool(ok), str(detail)
+
+
+def _cgroups() -> tuple[bool, str]:
+    from . import cgroup
+
+    info = cgroup.doctor_info()
+    return bool(info.get("usable")), cgroup.describe(info)
+
+
+def _docker() -> tuple[bool, str]:
+    from .backends import docker
+
+    ok, detail = docker.available()
+    return bool(ok), str(detail)
+
+
+CHECKS: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
+    ("landlock", _landlock),
+    ("user-namespaces", _userns),
+    ("sandbox", _sandbox),
+    ("idmapped-mounts", _idmap),
+    ("seccomp", _seccomp),
+    ("cgroups", _cgroups),
+    ("docker", _docker),
+]
+
+
+def run_checks() -> list[Check]:
+    return [_check(name, probe) for name, probe in CHECKS]
+
+
+def doctor_main(args: list[str]) -> int:
+    if any(a not in ("--json",) for a in args):
+        print(f"isolate-run doctor: unknown option {[a for a in args if a != '--json'][0]!r} (use --json)",
+              file=sys.stderr)
+        return 125
+    checks = run_checks()
+    host: dict[str, Any] = {
+        "isolate": __version__,
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "uid": os.geteuid(),
+    }
+    if "--json" in args:
+        print(json.dumps({"host": host, "checks": [asdict(c) for c in checks]}, indent=2))
+        return 0
+    print(f"isolate {host['isolate']} on Linux {host['kernel']} ({host['machine']}), uid {host['uid']}")
+    width = max(len(c.mechanism) for c in checks)
+    for c in checks:
+        mark = "yes" if c.available else "no "
+        print(f"  {c.mechanism.ljust(width)}  {mark}  {c.detail}")
+    return 0

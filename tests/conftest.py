@@ -1,0 +1,48 @@
+"""Shared helpers: every test runs real sandboxes on the real kernel."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+import isolate
+
+ROOT = os.geteuid() == 0
+#: The interpreter probes run with: the system's (under /usr, granted by default and
+#: reachable by the unprivileged uid a root caller's program gets), else the tests' own.
+PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.path.realpath(sys.executable)
+PYTHON_PREFIX = os.path.dirname(os.path.dirname(PYTHON)) if PYTHON != "/usr/bin/python3" else "/usr"
+
+root_only = pytest.mark.skipif(not ROOT, reason="needs root (the caller runs as root here)")
+unprivileged_only = pytest.mark.skipif(ROOT, reason="checks the behaviour for a non-root caller")
+
+
+def python_read() -> tuple[str, ...]:
+    """The default read paths plus what a probe written in Python needs."""
+    extra = [p for p in {PYTHON_PREFIX, os.path.dirname(PYTHON)} if not p.startswith(("/usr", "/etc"))]
+    venv = os.environ.get("VIRTUAL_ENV")
+    if venv:
+        extra.append(os.path.realpath(venv))
+    return tuple(dict.fromkeys(list(isolate.policy.DEFAULT_READ) + extra))
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    """A fresh directory, writable by the test's user and by a root caller's program."""
+    with tempfile.TemporaryDirectory(prefix="isolate-test-") as path:
+        os.chmod(path, 0o755)
+        yield path
+
+
+def policy(**changes: object) -> isolate.Policy:
+    fields: dict[str, object] = {"read": python_read(), "backend": "native"}
+    fields.update(changes)
+    return isolate.Policy(**fields)  # type: ignore[arg-type]
+
+
+def py(code: str) -> list[str]:
+    return [PYTHON, "-I", "-S", "-c", code]

@@ -1,0 +1,119 @@
+"""The policy model and its parsers: pure data, no kernel."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from isolate import Egress, Limits, Policy, PolicyError
+from isolate.units import format_size, parse_seconds, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512", 512), ("1K", 1024), ("64M", 64 << 20), ("1.5G", 3 << 29), ("2g", 2 << 30), ("10MiB", 10 << 20),
+     ("3kb", 3072), ("1T", 1 << 40), (4096, 4096)],
+)
+def test_sizes(text: object, expected: int) -> None:
+    assert parse_size(text, "x") == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1M", "12Q", "M", "1.2.3", "ib", "0", True, None, [1]])
+def test_bad_sizes_name_the_field(text: object) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_size(text, "limits.memory")
+    assert info.value.field == "limits.memory"
+    assert "limits.memory" in str(info.value)
+
+
+def test_seconds() -> None:
+    assert parse_seconds("0.5", "t") == 0.5
+    assert parse_seconds(2, "t") == 2.0
+    for bad in ("-1", "abc", "0", "inf", "nan"):
+        with pytest.raises(PolicyError):
+            parse_seconds(bad, "t")
+
+
+def test_format_size_round_trip() -> None:
+    for size in (1, 1024, 64 << 20, 3 << 29, 12345):
+        assert parse_size(format_size(size), "x") == size
+
+
+def test_limits_normalised() -> None:
+    limits = Limits(memory="64M", cpu_seconds="1.5", pids="16", file_size="1K")
+    assert limits.memory == 64 << 20
+    assert limits.cpu_seconds == 1.5
+    assert limits.pids == 16
+    assert limits.file_size == 1024
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"read": ["/does/not/exist"]}, "read"),
+        ({"write": ["/does/not/exist"]}, "write"),
+        ({"tmpfs": ["relative"]}, "tmpfs"),
+        ({"tmpfs": ["/proc"]}, "tmpfs"),
+        ({"network": "wifi"}, "network"),
+        ({"seccomp": "/no/such/profile.json"}, "seccomp"),
+        ({"limits": {"memory": "-5M"}}, "limits.memory"),
+        ({"limits": {"wall_seconds": 0}}, "limits.wall_seconds"),
+        ({"limits": {"bogus": 1}}, "limits.bogus"),
+        ({"uid": 0}, "uid"),
+        ({"uid": -3}, "uid"),
+        ({"backend": "vm"}, "backend"),
+        ({"env": {"A=B": "x"}}, "env"),
+        ({"read": ["/usr"], "write": ["/usr"]}, "write"),
+        ({"cwd": "relative/dir"}, "cwd"),
+    ],
+)
+def test_bad_policies_name_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        Policy(**changes)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_unknown_field_in_profile() -> None:
+    with pytest.raises(PolicyError) as info:
+        Policy.from_toml('reed = ["/usr"]\n')
+    assert info.value.field == "reed"
+    assert "unknown field" in str(info.value)
+
+
+def test_bad_toml_names_the_file() -> None:
+    with pytest.raises(PolicyError, match="prof.toml"):
+        Policy.from_toml("read = [", "prof.toml")
+
+
+def test_toml_round_trip(tmp_path: object) -> None:
+    original = Policy(
+        read=["/usr", "/etc"], write=["/tmp"], tmpfs=["/var/tmp"], network="loopback",
+        limits=Limits(memory="256M", cpu_seconds=5, wall_seconds=10, pids=64, open_files=256, file_size="64M"),
+        seccomp="strict", env={"A": "1"}, keep_env=["PATH"],
+    )
+    path = os.path.join(str(tmp_path), "p.toml")
+    original.save(path)
+    loaded = Policy.load(path)
+    assert loaded == original
+    assert loaded.config_hash() == original.config_hash()
+
+
+def test_egress_round_trip() -> None:
+    policy = Policy(network=Egress(("example.org:443",)))
+    assert Policy.from_toml(policy.to_toml()).network == Egress(("example.org:443",))
+    with pytest.raises(PolicyError):
+        Egress(("host:99999",))
+
+
+def test_policy_is_frozen_and_hashable() -> None:
+    policy = Policy(env={"A": "1"})
+    with pytest.raises(Exception):
+        policy.read = ()  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        policy.env["B"] = "2"  # type: ignore[index]
+    assert hash(policy) == hash(Policy(env={"A": "1"}))
+
+
+def test_config_hash_changes_with_policy() -> None:
+    assert Policy().config_hash() != Policy(network="loopback").config_hash()

@@ -68,10 +68,14 @@ static void parse_errno_table(const char *text)
 
 static int errno_for(int nr)
 {
-    for (int i = 0; i < n_errno_table; i++)
+    int fallback = EPERM;
+    for (int i = 0; i < n_errno_table; i++) {
         if (errno_table[i].nr == nr)
             return errno_table[i].err;
-    return EPERM;
+        if (errno_table[i].nr == -1) /* the profile's default action */
+            fallback = errno_table[i].err;
+    }
+    return fallback;
 }
 
 static void count_denial(int nr)

@@ -125,7 +125,7 @@ static int program_steps(const struct iso_plan *plan, struct iso_failure *failur
     int index = -1, step;
     if (cwd && chdir(cwd) < 0)
         return fail(failure, ISO_STEP_CHDIR, -1);
-    if ((step = iso_rlimits_apply(plan, &index)))
+    if ((step = iso_rlimits_apply(plan, &index, 0)))
         return fail(failure, step, index);
     if ((step = iso_creds_apply(plan)))
         return fail(failure, step, -1);
@@ -134,6 +134,10 @@ static int program_steps(const struct iso_plan *plan, struct iso_failure *failur
     if (plan->no_new_privs && (step = iso_no_new_privs()))
         return fail(failure, step, -1);
     if ((step = iso_landlock_apply(plan, &index)))
+        return fail(failure, step, index);
+    /* subprocess closes the inherited descriptors after the hook; an
+     * inherited one numbered above the limit stays usable until then. */
+    if ((step = iso_rlimits_apply(plan, &index, 1)))
         return fail(failure, step, index);
     int listener;
     if ((step = iso_seccomp_apply(plan, &listener)))

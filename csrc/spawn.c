@@ -82,7 +82,7 @@ static int program_main(void *arg)
         step = ISO_STEP_SETSID;
         goto fail;
     }
-    if ((step = iso_rlimits_apply(plan, &index)))
+    if ((step = iso_rlimits_apply(plan, &index, 0)))
         goto fail;
     if ((step = iso_creds_apply(plan)))
         goto fail;
@@ -99,6 +99,8 @@ static int program_main(void *arg)
         if ((step = iso_close_fds(plan, keep, 3)))
             goto fail;
     }
+    if ((step = iso_rlimits_apply(plan, &index, 1)))
+        goto fail;
     if ((step = iso_signals_unblock()))
         goto fail;
     if ((step = iso_seccomp_apply(plan, &ctx->listener_fd)))

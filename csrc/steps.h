@@ -17,7 +17,7 @@ int iso_mounts_apply(const struct iso_plan *plan, int *index);
 int iso_loopback_up(void);
 
 /* rlimits.c */
-int iso_rlimits_apply(const struct iso_plan *plan, int *index);
+int iso_rlimits_apply(const struct iso_plan *plan, int *index, int only_nofile);
 
 /* caps.c: drop the bounding set and lock securebits while CAP_SETPCAP is
  * held, switch ids, then clear every remaining set; no_new_privs. */

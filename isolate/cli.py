@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -30,6 +31,15 @@ from .report import Report, write_report
 EXIT_SETUP = 125
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
+#: After SIGTERM/SIGHUP, how long the program may take before the sandbox is killed.
+TERM_GRACE_SECONDS = 2.0
+
+
+def _kill_sandbox(process: Any) -> None:
+    try:
+        process.kill()
+    except OSError:
+        pass
 
 
 class CliError(Exception):
@@ -218,6 +228,12 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
             process.send_signal(signum)
         except (ProcessLookupError, OSError):
             pass
+        if signum in (signal.SIGTERM, signal.SIGHUP):
+            # isolate-run is going away: a program that ignores the signal
+            # gets a grace period, then the whole sandbox is killed.
+            timer = threading.Timer(TERM_GRACE_SECONDS, _kill_sandbox, (process,))
+            timer.daemon = True
+            timer.start()
 
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):

@@ -344,6 +344,9 @@ def prepare(
             rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
         else:
             grant("/dev/null", landlock.device_rights(abi) & landlock.FILE_RIGHTS)
+            # The program's own /proc/<pid> (the child opens "/proc/self" as
+            # itself); the rest of the host's /proc stays closed.
+            rules.append(("/proc/self", landlock.proc_rights(abi)))
         deny_tcp = network == "none" or (not use_ns and network != "host")
         crules = ffi.new("struct iso_landlock_rule[]", max(len(rules), 1))
         keep.append(crules)
@@ -502,9 +505,14 @@ def _apply_seccomp(
     keep.extend([compiled, buffer])
     plan.seccomp_filter = buffer
     plan.seccomp_len = len(compiled.bpf) // 8
-    plan.seccomp_notify = 1 if notify and compiled.notify_errnos else 0
+    plan.seccomp_notify = 1 if notify and compiled.notify else 0
     if plan.seccomp_notify:
-        table = ",".join(f"{nr}:{err}" for nr, err in sorted(compiled.notify_errnos.items()))
+        # The init answers each notification with the errno the plain filter
+        # would have returned; "-1" carries the profile's default errno.
+        entries = sorted(compiled.notify_errnos.items())
+        if compiled.notify_default_errno is not None:
+            entries.append((-1, compiled.notify_default_errno))
+        table = ",".join(f"{nr}:{err}" for nr, err in entries)
         text = ffi.new("char[]", table.encode())
         keep.append(text)
         plan.seccomp_errnos = text

@@ -97,7 +97,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             raise
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-        if cgroup is not None and (prepared.limit_cpu_seconds is not None):
+        if cgroup is not None and prepared.limit_cpu_seconds is not None:
             cgroup.start_watchdog(prepared.limit_cpu_seconds, self._on_limit)
 
     def _on_limit(self, limit: str) -> None:
@@ -186,14 +186,20 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         limit = self._limit_hit
         if cgroup is not None:
             try:
+                cgroup.stop_watchdog()
+                if cgroup.limit_hit and limit is None:
+                    limit = cgroup.limit_hit
                 usage = cgroup.usage()
-                report.user_seconds = round(usage.cpu_user_seconds, 6)
-                report.system_seconds = round(usage.cpu_system_seconds, 6)
-                report.cpu_seconds = round(usage.cpu_user_seconds + usage.cpu_system_seconds, 6)
+                if usage.cpu_user_seconds is not None and usage.cpu_system_seconds is not None:
+                    report.user_seconds = round(usage.cpu_user_seconds, 6)
+                    report.system_seconds = round(usage.cpu_system_seconds, 6)
+                    report.cpu_seconds = round(usage.cpu_user_seconds + usage.cpu_system_seconds, 6)
                 if usage.peak_memory_bytes is not None:
                     report.max_rss_bytes = int(usage.peak_memory_bytes)
                 report.oom_kills = int(usage.oom_kills)
-                if usage.oom_kills and limit is None:
+                # The OOM killer may hit any process of the tree; when the run
+                # then failed, the memory limit is what ended it.
+                if usage.oom_kills and limit is None and self.returncode:
                     limit = "memory"
             finally:
                 cgroup.remove()

@@ -1,0 +1,154 @@
+"""Limits on the real kernel: rlimits per process, cgroups for the tree, the init's wall clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import PYTHON, ROOT, policy, py
+
+import isolate
+from isolate import Limits
+
+
+def cgroup_usable(*needs: str) -> bool:
+    from isolate import cgroup
+
+    try:
+        cgroup.check_available(set(needs))
+    except isolate.UnsupportedError:
+        return False
+    return True
+
+
+needs_cgroup = pytest.mark.skipif(
+    not cgroup_usable("memory", "pids"), reason="no writable memory/pids cgroup for this caller (unprivileged, no "
+    "delegation): the refusal is tested instead"
+)
+
+
+def test_cpu_rlimit_stops_a_busy_loop(workdir: str) -> None:
+    pol = policy(write=[workdir], limits=Limits(cpu_seconds=1))
+    started = time.monotonic()
+    result = isolate.run(py("while True: pass"), policy=pol, cwd=workdir)
+    assert time.monotonic() - started < 10
+    assert result.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+    assert result.report.status == "cpu"
+
+
+def test_file_size_limit(workdir: str) -> None:
+    code = "import os\nf = open('big', 'wb')\ntry:\n    f.write(b'x' * 4096)\n    f.flush()\nexcept OSError as e:\n    print('EFBIG', e.errno)\n"
+    pol = policy(write=[workdir], limits=Limits(file_size="1K"))
+    result = isolate.run([*py("import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" + code)],
+                         policy=pol, cwd=workdir, capture_output=True, text=True)
+    assert "EFBIG" in result.stdout
+    assert os.path.getsize(os.path.join(workdir, "big")) <= 1024
+    # A program that keeps SIGXFSZ's default action is ended by it, and the status names the limit.
+    result = isolate.run(["sh", "-c", "exec head -c 4096 /dev/zero > big2"], policy=pol, cwd=workdir)
+    assert result.returncode == -signal.SIGXFSZ
+    assert result.report.status == "file-size"
+
+
+def test_open_files_limit(workdir: str) -> None:
+    code = "import os\nfds = []\ntry:\n    while True: fds.append(os.open('/dev/null', os.O_RDONLY))\nexcept OSError as e:\n    print(len(fds), e.errno)\n"
+    result = isolate.run(py(code), policy=policy(write=[workdir], limits=Limits(open_files=32)), cwd=workdir,
+                         capture_output=True, text=True)
+    count, err = result.stdout.split()
+    assert int(count) <= 32 and int(err) == 24  # EMFILE
+
+
+def test_no_core_dumps(workdir: str) -> None:
+    result = isolate.run(["sh", "-c", "ulimit -c"], policy=policy(write=[workdir]), cwd=workdir,
+                         capture_output=True, text=True)
+    assert result.stdout.strip() == "0"
+
+
+def test_wall_clock_ends_the_run(workdir: str) -> None:
+    started = time.monotonic()
+    result = isolate.run(["sleep", "30"], policy=policy(write=[workdir], limits=Limits(wall_seconds=1)), cwd=workdir)
+    assert time.monotonic() - started < 10
+    assert result.report.status == "timeout"
+    assert result.returncode == -signal.SIGKILL
+
+
+@needs_cgroup
+def test_memory_limit_kills_any_process_of_the_tree(workdir: str) -> None:
+    pol = policy(write=[workdir], limits=Limits(memory="64M"))
+    result = isolate.run(["sh", "-c", f"{PYTHON} -c 'b = bytearray(512 << 20)'"], policy=pol, cwd=workdir)
+    assert result.returncode != 0
+    assert result.report.status == "memory"
+    assert result.report.oom_kills >= 1
+    assert result.report.max_rss_bytes <= 64 << 20
+
+
+@needs_cgroup
+def test_fork_bomb_is_contained(workdir: str) -> None:
+    pol = policy(write=[workdir], limits=Limits(pids=16, wall_seconds=20))
+    started = time.monotonic()
+    # Bounded: 200 forks whose children each live two seconds, far beyond 16 at once.
+    code = ("import os, time\nmade = failed = 0\nfor i in range(200):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        failed += 1\n        continue\n    if pid == 0:\n        time.sleep(2)\n"
+            "        os._exit(0)\n    made += 1\nprint(made, failed)\n")
+    result = isolate.run(py(code), policy=pol, cwd=workdir, capture_output=True, text=True)
+    assert time.monotonic() - started < 20
+    made, failed = map(int, result.stdout.split())
+    assert made < 16 and failed > 0
+
+
+@pytest.mark.skipif(not cgroup_usable("cpuacct"), reason="no writable cpuacct cgroup for this caller")
+def test_cpu_limit_covers_the_whole_tree(workdir: str) -> None:
+    pol = policy(write=[workdir], limits=Limits(cpu_seconds=1))
+    started = time.monotonic()
+    result = isolate.run(["sh", "-c", "for i in 1 2 3 4; do (while :; do :; done) & done; wait"], policy=pol,
+                         cwd=workdir)
+    assert time.monotonic() - started < 3
+    assert result.report.status == "cpu"
+    assert result.report.enforced["cpu_seconds"].startswith("cgroup")
+
+
+@pytest.mark.skipif(cgroup_usable("memory"), reason="this caller has a writable memory cgroup")
+def test_memory_limit_without_cgroup_is_refused(workdir: str) -> None:
+    marker = os.path.join(workdir, "ran")
+    with pytest.raises(isolate.UnsupportedError) as info:
+        isolate.run(["touch", marker], policy=policy(write=[workdir], limits=Limits(memory="64M")), cwd=workdir)
+    assert "cgroup" in str(info.value)
+    assert not os.path.exists(marker)
+
+
+@pytest.mark.skipif(cgroup_usable("memory"), reason="this caller has a writable memory cgroup")
+def test_best_effort_memory_falls_back_to_rlimit_as(workdir: str) -> None:
+    pol = policy(write=[workdir], limits=Limits(memory="256M"), best_effort=True)
+    result = isolate.run(["true"], policy=pol, cwd=workdir)
+    assert result.returncode == 0
+    assert result.report.enforced["memory"].startswith("rlimit-as")
+    assert any("not enforced" in w for w in result.report.warnings)
+
+
+@needs_cgroup
+def test_pause_and_resume(workdir: str) -> None:
+    pol = policy(write=[workdir], limits=Limits(pids=64))
+    with isolate.Popen(py("import time\nwhile True: time.sleep(0.01); print(time.monotonic(), flush=True)"),
+                       policy=pol, cwd=workdir, stdout=open(os.path.join(workdir, "out"), "w")) as proc:
+        time.sleep(0.5)
+        proc.pause()
+        time.sleep(0.2)
+        size = os.path.getsize(os.path.join(workdir, "out"))
+        time.sleep(0.5)
+        assert os.path.getsize(os.path.join(workdir, "out")) == size
+        proc.resume()
+        time.sleep(0.5)
+        assert os.path.getsize(os.path.join(workdir, "out")) > size
+        proc.kill()
+
+
+def test_no_cgroup_left_behind() -> None:
+    found = []
+    for base in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        for dirpath, dirnames, _ in os.walk(base):
+            found += [os.path.join(dirpath, d) for d in dirnames if d.startswith(f"isolate-{os.getpid()}-")]
+    assert found == []
+
+
+_ = ROOT

@@ -1,0 +1,217 @@
+"""The sandbox's own view of the system: PID, mount, UTS, IPC, network namespaces and the init."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import PYTHON, policy, py
+
+import isolate
+
+
+def run_out(workdir: str, args: list[str], **changes: object) -> subprocess.CompletedProcess[str]:
+    return isolate.run(args, policy=policy(write=[workdir], **changes), cwd=workdir, capture_output=True, text=True)
+
+
+def test_only_own_processes_in_proc(workdir: str) -> None:
+    result = run_out(workdir, ["sh", "-c", "ls /proc | grep -E '^[0-9]+$'"])
+    pids = {int(p) for p in result.stdout.split()}
+    assert 1 in pids and max(pids) < 10
+
+
+def test_cannot_signal_the_caller(workdir: str) -> None:
+    result = run_out(workdir, py(f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('reached')\n"
+                                 "except OSError as e:\n    print(e.errno)\n"))
+    assert result.stdout.strip() in ("3", "1")  # ESRCH (not visible) or EPERM (Landlock scope)
+
+
+def test_proc_root_and_dotdot_lead_nowhere(workdir: str) -> None:
+    result = run_out(workdir, ["sh", "-c", "ls /proc/1/root/; echo ---; cd /../../..; pwd; ls"])
+    inside, after = result.stdout.split("---")
+    assert "home" not in inside.split() and "root" not in inside.split()
+    assert "home" not in after.split() and "boot" not in after.split()
+
+
+def test_mount_and_pivot_root_refused(workdir: str) -> None:
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+        "print(libc.umount2(b'/proc', 2), ctypes.get_errno())\n"
+        "print(libc.syscall(155, b'/tmp', b'/tmp'), ctypes.get_errno())\n"
+        "print(libc.unshare(0x00020000), ctypes.get_errno())\n"
+    )
+    result = run_out(workdir, py(code), seccomp="none")
+    for line in result.stdout.splitlines():
+        rc, err = line.split()
+        assert rc == "-1" and int(err) in (1, 13), line  # EPERM / EACCES
+
+
+def test_hostname_is_private(workdir: str) -> None:
+    before = socket.gethostname()
+    result = run_out(workdir, ["sh", "-c", "hostname; hostname changed 2>/dev/null; cat /proc/sys/kernel/hostname"])
+    assert result.stdout.split()[0] == "isolate"
+    assert socket.gethostname() == before
+
+
+@pytest.fixture
+def host_server() -> tuple[int, str]:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"isolate-test-{os.getpid()}"
+    abstract.bind("\0" + name)
+    abstract.listen(8)
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+                conn.close()
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1], name
+    stop.set()
+    thread.join()
+    listener.close()
+    abstract.close()
+
+
+CONNECT = """
+import socket, sys
+port, name = int(sys.argv[1]), sys.argv[2]
+s = socket.socket()
+s.settimeout(2)
+try:
+    s.connect(("127.0.0.1", port)); print("tcp reached")
+except OSError as e:
+    print("tcp", e.errno)
+u = socket.socket(socket.AF_UNIX)
+try:
+    u.connect("\\0" + name); print("abstract reached")
+except OSError as e:
+    print("abstract", e.errno)
+"""
+
+
+@pytest.mark.parametrize("network", ["none", "loopback"])
+def test_no_way_to_the_hosts_services(workdir: str, host_server: tuple[int, str], network: str) -> None:
+    port, name = host_server
+    result = run_out(workdir, [*py(CONNECT), str(port), name], network=network)
+    assert "reached" not in result.stdout, result.stdout
+
+
+def test_network_none_has_nothing(workdir: str) -> None:
+    result = run_out(workdir, ["cat", "/proc/net/dev"], network="none")
+    devices = [line.split(":")[0].strip() for line in result.stdout.splitlines()[2:]]
+    assert devices == ["lo"]
+    code = "import socket\ns = socket.socket()\ntry:\n    s.bind(('127.0.0.1', 0)); s.listen(); print('listening')\nexcept OSError as e:\n    print(e.errno)\n"
+    assert "listening" not in run_out(workdir, py(code), network="none").stdout
+
+
+def test_loopback_talks_to_itself(workdir: str) -> None:
+    code = (
+        "import socket\nsrv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"
+        "c = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()\n"
+        "c.sendall(b'ping'); print(conn.recv(4).decode())\n"
+    )
+    result = run_out(workdir, py(code), network="loopback")
+    assert result.stdout.strip() == "ping", result.stderr
+
+
+def test_init_reaps_and_forwards(workdir: str) -> None:
+    # An orphaned zombie is reaped by the init; the program's exit status passes through.
+    result = run_out(workdir, ["sh", "-c", "(sh -c 'exit 0' &) ; sleep 0.2; ps -o stat= -A 2>/dev/null | grep -c Z; exit 5"])
+    assert result.returncode == 5
+
+
+def test_signal_death_is_reported(workdir: str) -> None:
+    result = run_out(workdir, ["sh", "-c", "kill -TERM $$"])
+    assert result.returncode == -signal.SIGTERM
+    assert result.report.status == "signaled" and result.report.signal == signal.SIGTERM
+
+
+DAEMON = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+    "        open(sys.argv[1], 'w').write('up')\n        time.sleep(60)\n    os._exit(0)\n"
+    "time.sleep(0.3)\n"
+)
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if marker.encode() in handle.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_daemon_does_not_outlive_the_run(workdir: str) -> None:
+    marker = os.path.join(workdir, f"daemon-{time.monotonic_ns()}")
+    result = run_out(workdir, [*py(DAEMON), marker])
+    assert result.returncode == 0
+    assert os.path.exists(marker)
+    time.sleep(0.2)
+    assert processes_with(marker) == []
+
+
+def mountinfo() -> list[str]:
+    """The caller's mounts (a Docker engine's own come and go: they are not ours to judge)."""
+    with open("/proc/self/mountinfo") as handle:
+        lines = [line.split(" ", 4)[4] for line in handle]
+    return sorted(line for line in lines if "docker" not in line)
+
+
+def test_nothing_left_behind_after_cli_sigterm_and_parent_sigkill(workdir: str) -> None:
+    before = mountinfo()
+    marker = os.path.join(workdir, f"left-{time.monotonic_ns()}")
+    # SIGTERM to isolate-run: the program (ignoring SIGTERM) and its daemon still go.
+    cli = subprocess.Popen([sys.executable, "-m", "isolate.cli", "--ro", os.path.dirname(PYTHON), "--",
+                            *py(DAEMON.replace("time.sleep(0.3)", "time.sleep(60)")), marker], cwd=workdir)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(marker)
+    cli.terminate()
+    cli.wait(timeout=10)
+    cli.wait()
+    time.sleep(0.3)
+    assert processes_with(marker) == []
+    # SIGKILL of a Python parent holding an isolate.Popen: the sandbox dies with it.
+    marker2 = marker + "-2"
+    parent_code = (
+        "import isolate, sys, time\n"
+        f"p = isolate.Popen({py(DAEMON.replace('time.sleep(0.3)', 'time.sleep(60)'))!r} + [{marker2!r}], "
+        f"policy=isolate.Policy(read={list(policy().read)!r}, write=[{workdir!r}]), cwd={workdir!r})\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    deadline = time.monotonic() + 10
+    while not os.path.exists(marker2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(marker2)
+    parent.kill()
+    parent.wait()
+    time.sleep(0.5)
+    assert processes_with(marker2) == []
+    assert mountinfo() == before

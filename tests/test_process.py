@@ -1,0 +1,97 @@
+"""Who the program is and what it inherits: credentials, descriptors, environment, session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from conftest import ROOT, policy, py
+
+import isolate
+
+
+def status_fields(workdir: str, **changes: object) -> dict[str, str]:
+    result = isolate.run(["cat", "/proc/self/status"], policy=policy(write=[workdir], **changes), cwd=workdir,
+                         capture_output=True, text=True, check=True)
+    return dict(line.split(":\t", 1) for line in result.stdout.splitlines() if ":\t" in line)
+
+
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_no_new_privs_and_no_capabilities(workdir: str, namespaces: bool) -> None:
+    os.chmod(workdir, 0o777)
+    fields = status_fields(workdir, namespaces=namespaces, tmpfs=() if not namespaces else ("/tmp",))
+    assert fields["NoNewPrivs"].strip() == "1"
+    for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert int(fields[name], 16) == 0, name
+    if namespaces or ROOT:
+        assert int(fields["CapBnd"], 16) == 0
+
+
+def test_uid_of_the_program(workdir: str) -> None:
+    result = isolate.run(["id", "-u"], policy=policy(write=[workdir]), cwd=workdir, capture_output=True, text=True)
+    assert int(result.stdout) == (65534 if ROOT else os.geteuid())
+
+
+def test_inherited_descriptors_are_closed(workdir: str) -> None:
+    leaked_r, leaked_w = os.pipe()
+    passed_r, passed_w = os.pipe()
+    os.set_inheritable(leaked_r, True)
+    try:
+        result = isolate.run(["ls", "/proc/self/fd"], policy=policy(write=[workdir]), cwd=workdir,
+                             capture_output=True, text=True, pass_fds=[passed_r], close_fds=False)
+        fds = {int(x) for x in result.stdout.split()}
+        assert leaked_r not in fds and leaked_w not in fds
+        assert passed_r in fds
+        assert len(fds - {0, 1, 2, passed_r}) <= 1  # ls's own directory descriptor
+    finally:
+        for fd in (leaked_r, leaked_w, passed_r, passed_w):
+            os.close(fd)
+
+
+def test_environment_is_minimal(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLATE_TEST_SECRET", "s3cret")
+    monkeypatch.setenv("ISOLATE_TEST_KEPT", "kept")
+    pol = policy(write=[workdir], env={"GIVEN": "yes"}, keep_env=("PATH", "HOME", "LANG", "TERM", "ISOLATE_TEST_KEPT"))
+    result = isolate.run(["env"], policy=pol, cwd=workdir, capture_output=True, text=True)
+    env = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert "ISOLATE_TEST_SECRET" not in env
+    assert env["ISOLATE_TEST_KEPT"] == "kept"
+    assert env["GIVEN"] == "yes"
+    assert set(env) <= {"PATH", "HOME", "LANG", "TERM", "ISOLATE_TEST_KEPT", "GIVEN", "PWD", "SHLVL", "_"}
+
+
+def test_new_session_blocks_tiocsti_path(workdir: str) -> None:
+    result = isolate.run(py("import os; print(os.getsid(0) == os.getpid() or os.getsid(0))"),
+                         policy=policy(write=[workdir]), cwd=workdir, capture_output=True, text=True)
+    # The program is not in the caller's session: no controlling terminal to push input into.
+    assert int(result.stdout.split()[0]) != os.getsid(0) or result.stdout.strip() == "True"
+    tty = isolate.run(["sh", "-c", "cat /dev/tty"], policy=policy(write=[workdir]), cwd=workdir,
+                      capture_output=True, text=True)
+    assert tty.returncode != 0
+
+
+def test_failing_step_is_named(workdir: str) -> None:
+    # A tmpfs inside a read-only bind cannot get its mount point: the mount step says so.
+    pol = policy(write=[workdir], tmpfs=("/tmp", "/usr/isolate-no-such-dir"))
+    with pytest.raises(isolate.SetupError) as info:
+        isolate.run(["true"], policy=pol, cwd=workdir)
+    assert info.value.step.startswith("mount")
+    assert "/usr/isolate-no-such-dir" in str(info.value)
+    assert info.value.errno != 0
+
+
+def test_popen_context_manager_and_signals(workdir: str) -> None:
+    with isolate.Popen(["sh", "-c", "trap 'exit 42' TERM; while :; do sleep 0.05; done"],
+                       policy=policy(write=[workdir]), cwd=workdir) as proc:
+        import time
+
+        time.sleep(0.3)
+        proc.terminate()
+        assert proc.wait(timeout=10) == 42
+    assert proc.report is not None and proc.report.status == "exited"
+
+
+def test_timeout_expired_like_subprocess(workdir: str) -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        isolate.run(["sleep", "10"], policy=policy(write=[workdir]), cwd=workdir, timeout=0.3)

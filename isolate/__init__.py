@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._version import __version__
 from .errors import (
     CommandNotExecutableError,
@@ -19,6 +21,10 @@ from .errors import (
 from .policy import Egress, Limits, Policy
 from .report import Report
 
+if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
+    from .popen import CompletedProcess, Popen, run
+    from .sandbox import Sandbox
+
 __all__ = [
     "CommandNotExecutableError",
     "CommandNotFoundError",
@@ -30,6 +36,7 @@ __all__ = [
     "PolicyError",
     "Popen",
     "Report",
+    "Sandbox",
     "SetupError",
     "UnsupportedError",
     "__version__",

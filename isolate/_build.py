@@ -83,7 +83,7 @@ class BuildExt(build_ext):  # type: ignore[misc]
         init_path = os.path.join(package_dir, INIT_NAME)
         init_objects = [objects[n] for n in INIT_SOURCES]
         try:
-            self._run(compiler + ["-static", "-o", init_path] + init_objects)
+            self._run([*compiler, "-static", "-o", init_path, *init_objects])
         except SystemExit:
             raise SystemExit(
                 "isolate cannot be built: linking the static init failed; the C library's static "

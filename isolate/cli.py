@@ -26,7 +26,7 @@ from .errors import (
     SetupError,
 )
 from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Policy
-from .report import Report, write_report
+from .report import Report, check_report_path, write_report
 
 EXIT_SETUP = 125
 EXIT_CANNOT_EXECUTE = 126
@@ -294,6 +294,12 @@ def _main(args: list[str]) -> int:
             return 0
         if not command:
             raise CliError("no command given: isolate-run [OPTIONS] -- COMMAND [ARG...]")
+        if report_path:
+            try:
+                check_report_path(report_path)
+            except IsolationError:
+                report_path = None  # nowhere safe to write a report about this failure
+                raise
         return run_command(policy, command, report_path)
     except CommandNotFoundError as exc:
         print(f"isolate-run: {exc.strerror}", file=sys.stderr)

@@ -58,10 +58,10 @@ def _userns() -> tuple[bool, str]:
 
 
 def _sandbox() -> tuple[bool, str]:
+    import tempfile
+
     from . import popen
     from .policy import Policy
-
-    import tempfile
 
     with tempfile.TemporaryDirectory(prefix="isolate-doctor-") as workdir:
         result = popen.run(["true"], policy=Policy(backend="native"), cwd=workdir)
@@ -95,8 +95,19 @@ def _seccomp() -> tuple[bool, str]:
 def _cgroups() -> tuple[bool, str]:
     from . import cgroup
 
-    info = cgroup.doctor_info()
-    return bool(info.get("usable")), cgroup.describe(info)
+    info: dict[str, Any] = cgroup.doctor_info()
+    features: dict[str, dict[str, Any]] = info.get("features", {})
+    parts = []
+    for name, feature in sorted(features.items()):
+        if feature.get("available"):
+            parts.append(f"{name} ({feature.get('version')}: {feature.get('path')})")
+        else:
+            parts.append(f"{name}: no ({feature.get('why')})")
+    usable = any(f.get("available") for f in features.values())
+    detail = f"versions {', '.join(info.get('versions', [])) or 'none'}; " + "; ".join(parts)
+    if info.get("hint"):
+        detail += f"; way out: {info['hint']}"
+    return usable, detail
 
 
 def _docker() -> tuple[bool, str]:
@@ -122,9 +133,9 @@ def run_checks() -> list[Check]:
 
 
 def doctor_main(args: list[str]) -> int:
-    if any(a not in ("--json",) for a in args):
-        print(f"isolate-run doctor: unknown option {[a for a in args if a != '--json'][0]!r} (use --json)",
-              file=sys.stderr)
+    unknown = [a for a in args if a != "--json"]
+    if unknown:
+        print(f"isolate-run doctor: unknown option {unknown[0]!r} (the only one is --json)", file=sys.stderr)
         return 125
     checks = run_checks()
     host: dict[str, Any] = {

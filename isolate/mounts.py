@@ -135,6 +135,15 @@ def plan_root(
         elif path != "/":
             plan.bind(path, path, readonly=readonly, fd=fd)
 
+    # The merged-/usr links (/lib -> usr/lib ...) cost nothing and grant
+    # nothing: the dynamic loader's absolute paths need them.
+    granted = [r for r, _, _ in resolved]
+    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(name):
+            real = os.path.realpath(name)
+            if any(real == g or real.startswith(g.rstrip("/") + "/") for g in granted):
+                plan.symlink(name, os.readlink(name))
+
     plan.ensure_dir("/proc")
     plan.add(lib.ISO_MOUNT_PROC, "/proc")
     plan.tmpfs("/dev", "mode=0755,size=1m")

@@ -114,7 +114,9 @@ def _resolve(paths: Sequence[str], cwd: str, field_name: str, skip_missing: bool
         if not os.path.exists(absolute):
             if skip_missing:
                 continue
-            raise PolicyError(f"{field_name}: {path!r} does not exist; create it or drop it from the policy", field_name)
+            raise PolicyError(
+                f"{field_name}: {path!r} does not exist; create it or drop it from the policy", field_name
+            )
         out.append(absolute)
     return out
 
@@ -344,9 +346,10 @@ def prepare(
             rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
         else:
             grant("/dev/null", landlock.device_rights(abi) & landlock.FILE_RIGHTS)
-            # The program's own /proc/<pid> (the child opens "/proc/self" as
-            # itself); the rest of the host's /proc stays closed.
-            rules.append(("/proc/self", landlock.proc_rights(abi)))
+            # /proc, read-only: Landlock's own ptrace rule already keeps the
+            # program out of the memory, environment and descriptors of every
+            # process outside its domain; what remains is what ps shows.
+            grant("/proc", landlock.proc_rights(abi))
         deny_tcp = network == "none" or (not use_ns and network != "host")
         crules = ffi.new("struct iso_landlock_rule[]", max(len(rules), 1))
         keep.append(crules)
@@ -387,22 +390,23 @@ def prepare(
     limit_cpu: float | None = None
     rlimits: list[tuple[int, int, int]] = [(resource.RLIMIT_CORE, 0, 0)]
     limits = policy.limits
-    if limits.open_files is not None:
-        rlimits.append((resource.RLIMIT_NOFILE, limits.open_files, limits.open_files))
+    open_files, file_size, cpu_seconds = (limits.value(n) for n in ("open_files", "file_size", "cpu_seconds"))
+    if open_files is not None:
+        rlimits.append((resource.RLIMIT_NOFILE, int(open_files), int(open_files)))
         enforced["open_files"] = "rlimit"
-    if limits.file_size is not None:
-        rlimits.append((resource.RLIMIT_FSIZE, limits.file_size, limits.file_size))
+    if file_size is not None:
+        rlimits.append((resource.RLIMIT_FSIZE, int(file_size), int(file_size)))
         enforced["file_size"] = "rlimit"
-    if limits.cpu_seconds is not None:
-        seconds = max(1, int(-(-limits.cpu_seconds // 1)))
+    if cpu_seconds is not None:
+        seconds = max(1, int(-(-cpu_seconds // 1)))
         rlimits.append((resource.RLIMIT_CPU, seconds, seconds + 1))
         enforced["cpu_seconds"] = "rlimit (per process)"
-        limit_cpu = limits.cpu_seconds
+        limit_cpu = cpu_seconds
     needs = _cgroup_needs(policy)
     if needs - {"cpuacct"} or (needs and not for_preexec):
         prepared_cgroup = _prepare_cgroup(policy, needs, plan, enforced, refusals, rlimits, for_preexec)
     if limits.wall_seconds is not None:
-        plan.wall_seconds = limits.wall_seconds
+        plan.wall_seconds = limits.value("wall_seconds")
         enforced["wall_seconds"] = "init"
     crl = ffi.new("struct iso_rlimit[]", len(rlimits))
     keep.append(crl)
@@ -539,11 +543,12 @@ def _prepare_cgroup(
         hard = needs - {"cpuacct"}
         if hard:
             refusals.refuse(str(exc) if isinstance(exc, UnsupportedError) else f"cgroups: {exc}")
-        if limits.memory is not None:
-            rlimits.append((resource.RLIMIT_AS, limits.memory, limits.memory))
+        memory, pids = limits.value("memory"), limits.value("pids")
+        if memory is not None:
+            rlimits.append((resource.RLIMIT_AS, int(memory), int(memory)))
             enforced["memory"] = "rlimit-as (per process, best effort)"
-        if limits.pids is not None:
-            rlimits.append((resource.RLIMIT_NPROC, limits.pids, limits.pids))
+        if pids is not None:
+            rlimits.append((resource.RLIMIT_NPROC, int(pids), int(pids)))
             enforced["pids"] = "rlimit-nproc (per user, best effort)"
         return None
     if for_preexec:
@@ -579,6 +584,11 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     name = step_name(step)
     if step == lib.ISO_STEP_EXEC:
         program = ffi.string(plan.file).decode(errors="replace")
+        if err == errno_mod.ENOENT and "/" in program and os.path.exists(program):
+            return CommandNotFoundError(
+                err, f"{program}: exists, but its interpreter or dynamic loader is not in the sandbox "
+                "(grant /lib, /lib64 or the interpreter's directory with read=)", program,
+            )
         if err in (errno_mod.ENOENT, errno_mod.ENOTDIR):
             return CommandNotFoundError(
                 err, f"{program}: command not found inside the sandbox (is its directory granted with read=?)",

@@ -12,9 +12,9 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
 
 from .errors import PolicyError
 from .units import format_size, parse_count, parse_seconds, parse_size
@@ -84,6 +84,14 @@ class Limits:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse(value, f"limits.{name}"))
+
+    def value(self, name: str) -> float | None:
+        """A limit as a number (fields are normalised when the Limits is built)."""
+        value = getattr(self, name)
+        if value is None:
+            return None
+        assert isinstance(value, (int, float))
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         """The limits that are set, sizes spelled with suffixes."""
@@ -198,7 +206,9 @@ class Policy:
             raise PolicyError(f"cwd: {self.cwd!r} must be an absolute path inside the sandbox", "cwd")
         for name in ("uid", "gid"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32 - 1):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32 - 1
+            ):
                 raise PolicyError(f"{name}: {value!r} is not a valid id", name)
         if self.uid == 0 or self.gid == 0:
             raise PolicyError("uid/gid: the sandboxed program never runs as root; choose another id", "uid")
@@ -268,7 +278,8 @@ class Policy:
             if set(network) != {"egress"}:
                 raise PolicyError("network: a table must hold only egress = [\"HOST:PORT\", ...]", "network")
             data["network"] = Egress(tuple(network["egress"]))
-        return _from_mapping(cls, data, "")
+        policy: Policy = _from_mapping(cls, data, "")
+        return policy
 
     @classmethod
     def from_toml(cls, text: str, source: str = "<policy>") -> Policy:
@@ -347,4 +358,3 @@ def _from_mapping(cls: Any, data: Mapping[str, Any], prefix: str) -> Any:
         raise PolicyError(str(exc)) from None
 
 
-NetworkSpec = Union[str, Egress]

@@ -62,7 +62,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
     # -- start ---------------------------------------------------------------
 
-    def _execute_child(  # type: ignore[override]
+    def _execute_child(
         self, args: Any, executable: Any, preexec_fn: Any, close_fds: bool, pass_fds: Sequence[int], cwd: Any,
         env: Mapping[str, str] | None, startupinfo: Any, creationflags: int, shell: bool,
         p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
@@ -93,10 +93,10 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()
-            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
             raise
         self._child_created = True
-        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
         if cgroup is not None and prepared.limit_cpu_seconds is not None:
             cgroup.start_watchdog(prepared.limit_cpu_seconds, self._on_limit)
 
@@ -118,7 +118,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     def _internal_poll(self, _deadstate: Any = None, _waitpid: Any = None, _WNOHANG: int = os.WNOHANG,
                        _ECHILD: int = 10) -> int | None:
         if self.returncode is None:
-            if not self._waitpid_lock.acquire(False):
+            if not self._waitpid_lock.acquire(False):  # type: ignore[attr-defined]
                 return None
             try:
                 if self.returncode is not None:
@@ -130,7 +130,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 if _deadstate is not None:
                     self.returncode = _deadstate
             finally:
-                self._waitpid_lock.release()
+                self._waitpid_lock.release()  # type: ignore[attr-defined]
         return self.returncode
 
     def _handle_exitstatus(self, sts: int, *args: Any, **kwargs: Any) -> None:
@@ -140,7 +140,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         if status is not None:
             sts = int(status.wait_status)
             reason = int(status.reason)
-        super()._handle_exitstatus(sts, *args, **kwargs)
+        super()._handle_exitstatus(sts, *args, **kwargs)  # type: ignore[misc]
         if reason == 1:
             self._limit_hit = "timeout"
         self._finish(status)

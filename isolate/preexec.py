@@ -10,7 +10,8 @@ to the child's stderr and exits with status 125, as ``isolate-run`` does.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import native
 from ._core import ffi, lib, step_name

@@ -76,6 +76,23 @@ def status_for(returncode: int, limit_hit: str | None = None) -> tuple[str, int 
     return status, exit_code, sig
 
 
+def check_report_path(path: str) -> None:
+    """Refuse, before anything runs, a report path that is a symlink or not a regular file."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise IsolationError(f"--report {path}: its directory {parent} does not exist") from None
+        return
+    except OSError as exc:
+        raise IsolationError(f"--report {path}: cannot check it: {exc.strerror}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise IsolationError(f"--report {path}: is a symbolic link; refusing to write through it")
+    if not stat.S_ISREG(info.st_mode):
+        raise IsolationError(f"--report {path}: is not a regular file; choose a file path")
+
+
 def write_report(path: str, report: Report) -> None:
     """Write ``report`` to ``path``, never through a symlink nor onto a non-regular file.
 

@@ -39,7 +39,10 @@ def test_cpu_rlimit_stops_a_busy_loop(workdir: str) -> None:
 
 
 def test_file_size_limit(workdir: str) -> None:
-    code = "import os\nf = open('big', 'wb')\ntry:\n    f.write(b'x' * 4096)\n    f.flush()\nexcept OSError as e:\n    print('EFBIG', e.errno)\n"
+    code = (
+        "import os\nf = open('big', 'wb')\ntry:\n    f.write(b'x' * 4096)\n    f.flush()\n"
+        "except OSError as e:\n    print('EFBIG', e.errno)\n"
+    )
     pol = policy(write=[workdir], limits=Limits(file_size="1K"))
     result = isolate.run([*py("import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" + code)],
                          policy=pol, cwd=workdir, capture_output=True, text=True)
@@ -52,7 +55,10 @@ def test_file_size_limit(workdir: str) -> None:
 
 
 def test_open_files_limit(workdir: str) -> None:
-    code = "import os\nfds = []\ntry:\n    while True: fds.append(os.open('/dev/null', os.O_RDONLY))\nexcept OSError as e:\n    print(len(fds), e.errno)\n"
+    code = (
+        "import os\nfds = []\ntry:\n    while True: fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+        "except OSError as e:\n    print(len(fds), e.errno)\n"
+    )
     result = isolate.run(py(code), policy=policy(write=[workdir], limits=Limits(open_files=32)), cwd=workdir,
                          capture_output=True, text=True)
     count, err = result.stdout.split()

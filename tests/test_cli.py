@@ -1,0 +1,179 @@
+"""isolate-run: flags, exit statuses, reports, profiles, doctor. Every case runs the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import PYTHON, ROOT
+
+CLI = [sys.executable, "-m", "isolate.cli"]
+
+
+def cli(*args: str, cwd: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs)  # type: ignore[call-overload]
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--memory", "64Q"], "limits.memory"),
+        (["--cpu", "-1"], "cpu"),
+        (["--wall", "soon"], "wall"),
+        (["--pids", "many"], "pids"),
+        (["--nofile", "0"], "open_files"),
+        (["--fsize", "1X"], "file_size"),
+        (["--net", "wifi"], "--net"),
+        (["--ro", "/does/not/exist"], "read"),
+        (["--rw", "/does/not/exist"], "write"),
+        (["--tmpfs", "relative"], "tmpfs"),
+        (["--env", "NOEQUALS"], "--env"),
+        (["--seccomp", "/no/such/profile.json"], "seccomp"),
+        (["--profile", "/no/such/profile.toml"], "profile"),
+        (["--backend", "vm"], "--backend"),
+        (["--uid", "zero"], "--uid"),
+        (["--uid", "0"], "uid"),
+        (["--net", "host", "--allow-host", "example.org"], "--allow-host"),
+        (["--chdir", "relative"], "cwd"),
+        (["--bogus"], "unrecognized"),
+    ],
+)
+def test_bad_input_exits_125_with_one_line_and_runs_nothing(workdir: str, flags: list[str], needle: str) -> None:
+    result = cli(*flags, "--", "touch", "marker", cwd=workdir)
+    assert result.returncode == 125
+    assert needle in one_line(result.stderr)
+    assert not os.path.exists(os.path.join(workdir, "marker"))
+
+
+def test_bad_profile_file(workdir: str) -> None:
+    for text in ('read = [\n', 'reed = ["/usr"]\n', '[limits]\nmemory = "-1M"\n'):
+        path = os.path.join(workdir, "p.toml")
+        with open(path, "w") as handle:
+            handle.write(text)
+        result = cli("--profile", path, "--", "touch", "marker", cwd=workdir)
+        assert result.returncode == 125
+        one_line(result.stderr)
+        assert not os.path.exists(os.path.join(workdir, "marker"))
+
+
+def test_no_command(workdir: str) -> None:
+    result = cli(cwd=workdir)
+    assert result.returncode == 125
+    assert "no command" in one_line(result.stderr)
+
+
+def test_exit_statuses(workdir: str) -> None:
+    assert cli("sh", "-c", "exit 7", cwd=workdir).returncode == 7
+    assert cli("sh", "-c", "kill -USR1 $$", cwd=workdir).returncode == 128 + 10
+    missing = cli("no-such-command-xyz", cwd=workdir)
+    assert missing.returncode == 127 and "not found" in one_line(missing.stderr)
+    script = os.path.join(workdir, "noexec.sh")
+    with open(script, "w") as handle:
+        handle.write("#!/bin/sh\n")
+    os.chmod(script, 0o644)
+    cannot = cli(script, cwd=workdir)
+    assert cannot.returncode == 126
+    one_line(cannot.stderr)
+
+
+def test_defaults_confine(workdir: str) -> None:
+    result = cli("sh", "-c", "echo ok > here.txt && cat here.txt; touch /etc/x 2>/dev/null || echo etc-ro; "
+                 "ls /home 2>/dev/null || echo no-home; cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '",
+                 cwd=workdir)
+    assert result.stdout.split() == ["ok", "etc-ro", "no-home", "lo"], result.stderr
+
+
+def test_report_file(workdir: str) -> None:
+    report = os.path.join(workdir, "r.json")
+    result = cli("--report", report, "--", "sh", "-c", "exit 3", cwd=workdir)
+    assert result.returncode == 3
+    data = json.load(open(report))
+    assert data["status"] == "exited" and data["exit_code"] == 3
+    assert data["backend"] == "native"
+    assert "landlock" in data["enforced"] and "namespaces" in data["enforced"]
+    for key in ("wall_seconds", "cpu_seconds", "max_rss_bytes", "denied", "signal"):
+        assert key in data
+
+
+def test_setup_error_report(workdir: str) -> None:
+    report = os.path.join(workdir, "r.json")
+    result = cli("--report", report, "--memory", "bad", "--", "true", cwd=workdir)
+    assert result.returncode == 125
+    assert json.load(open(report))["status"] == "setup-error"
+
+
+def test_report_never_through_a_symlink(workdir: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    target = tmp_path_factory.mktemp("victim") / "precious"
+    target.write_text("keep me")
+    link = os.path.join(workdir, "r.json")
+    os.symlink(target, link)
+    result = cli("--report", link, "--", "true", cwd=workdir)
+    assert result.returncode == 125
+    assert "symbolic link" in one_line(result.stderr)
+    assert target.read_text() == "keep me"
+    fifo = os.path.join(workdir, "fifo")
+    os.mkfifo(fifo)
+    result = cli("--report", fifo, "--", "true", cwd=workdir)
+    assert result.returncode == 125
+    assert "regular file" in one_line(result.stderr)
+
+
+def test_explain_runs_nothing(workdir: str) -> None:
+    result = cli("--explain", "--memory", "64M", "--", "touch", "marker", cwd=workdir)
+    assert result.returncode in (0, 125)
+    if result.returncode == 0:
+        assert "landlock" in result.stdout and "namespaces" in result.stdout
+    assert not os.path.exists(os.path.join(workdir, "marker"))
+
+
+def test_profile_and_flags(workdir: str) -> None:
+    path = os.path.join(workdir, "p.toml")
+    with open(path, "w") as handle:
+        handle.write('network = "loopback"\nenv = {GREETING = "hi"}\n[limits]\nopen_files = 64\n')
+    result = cli("--profile", path, "--env", "OTHER=2", "--", "sh", "-c",
+                 'echo $GREETING $OTHER; ulimit -n; cat /proc/net/dev | grep -c lo', cwd=workdir)
+    assert result.stdout.split() == ["hi", "2", "64", "1"], result.stderr
+
+
+def test_env_flags(workdir: str) -> None:
+    result = cli("--env", "A=1", "--keep-env", "ISOLATE_KEEP", "--", "env", cwd=workdir,
+                 env={**os.environ, "ISOLATE_KEEP": "k", "ISOLATE_DROP": "d"})
+    env = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert env["A"] == "1" and env["ISOLATE_KEEP"] == "k" and "ISOLATE_DROP" not in env
+
+
+def test_no_defaults(workdir: str) -> None:
+    result = cli("--no-defaults", "--ro", os.path.dirname(PYTHON), "--ro", "/usr", "--", PYTHON, "-I", "-S", "-c",
+                 "import os; print(sorted(os.listdir('/')))", cwd="/tmp")
+    assert "etc" not in result.stdout, result.stderr
+
+
+def test_best_effort_warns(workdir: str) -> None:
+    result = cli("--best-effort", "--allow-host", "example.org:443", "--", "true", cwd=workdir)
+    assert result.returncode == 0
+    assert "warning" in result.stderr and "egress" in result.stderr
+    refused = cli("--allow-host", "example.org:443", "--backend", "native", "--", "true", cwd=workdir)
+    assert refused.returncode == 125
+
+
+def test_version_and_doctor(workdir: str) -> None:
+    version = cli("--version", cwd=workdir)
+    assert version.returncode == 0 and version.stdout.startswith("isolate-run ")
+    doctor = cli("doctor", cwd=workdir)
+    assert doctor.returncode == 0 and "landlock" in doctor.stdout
+    data = json.loads(cli("doctor", "--json", cwd=workdir).stdout)
+    checks = {c["mechanism"]: c for c in data["checks"]}
+    assert checks["landlock"]["available"] and checks["sandbox"]["available"], checks["sandbox"]
+
+
+_ = ROOT

@@ -19,6 +19,8 @@ NEWROOT = "/newroot"
 
 #: A write grant whose idmapped tree the pre-exec hook opens itself.
 IDMAP_IN_CHILD = -2
+#: A write grant whose idmapped tree the parent opens for each run.
+IDMAP_PER_RUN = -3
 
 #: Device nodes bound from the host into the sandbox's /dev.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -69,7 +71,7 @@ class MountPlan:
         flags = (lib.ISO_MOUNT_F_READONLY if readonly else 0) | (lib.ISO_MOUNT_F_KEEP_DEV if keep_dev else 0)
         if fd >= 0:
             self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, flags=flags, fd=fd))
-        elif fd == IDMAP_IN_CHILD:
+        elif fd in (IDMAP_IN_CHILD, IDMAP_PER_RUN):
             self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, source=host_path, flags=flags, fd=-1))
         else:
             self.steps.append(MountStep(lib.ISO_MOUNT_BIND, target, source=OLDROOT + host_path, flags=flags))

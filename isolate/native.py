@@ -13,6 +13,8 @@ import errno as errno_mod
 import os
 import resource
 import signal
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -167,29 +169,80 @@ def _cgroup_needs(policy: Policy) -> set[str]:
     return needs
 
 
-def prepare(
-    policy: Policy,
-    args: Sequence[str],
-    *,
-    executable: str | None = None,
-    cwd: str | None = None,
-    env: Mapping[str, str] | None = None,
-    stdio: tuple[int, int, int] = (-1, -1, -1),
-    pass_fds: Sequence[int] = (),
-    for_preexec: bool = False,
-) -> Prepared:
-    """Resolve ``policy`` for one run of ``args`` and build the C plan."""
+@dataclass
+class _Static:
+    """The part of a plan that depends only on the policy, the directory and the caller: cached."""
+
+    plan: Any
+    keep: list[Any]
+    enforced: dict[str, Any]
+    warnings: list[str]
+    rlimits: list[tuple[int, int, int]]
+    cgroup_needs: set[str]
+    limit_cpu_seconds: float | None
+    idmap_steps: list[tuple[int, str]]
+    program_uid: int
+    program_gid: int
+    run_cwd: str
+    stamps: list[tuple[str, tuple[int, int]]]
+    fds: list[int]
+
+    def fresh(self) -> bool:
+        """Whether every granted path is still the inode it was when the plan was made."""
+        for path, stamp in self.stamps:
+            try:
+                info = os.stat(path)
+            except OSError:
+                return False
+            if (info.st_dev, info.st_ino) != stamp:
+                return False
+        return True
+
+    def __del__(self) -> None:
+        # Only when no run holds this plan any more: a descriptor closed
+        # under a child that is adding its Landlock rules could be reused.
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+_STATIC_CACHE: OrderedDict[tuple[Any, ...], _Static] = OrderedDict()
+_STATIC_CACHE_SIZE = 16
+_STATIC_LOCK = threading.Lock()
+
+
+def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
+    if for_preexec:
+        return _prepare_static(policy, run_cwd, for_preexec)
+    key = (policy, run_cwd, os.geteuid(), os.getegid())
+    with _STATIC_LOCK:
+        static = _STATIC_CACHE.get(key)
+        if static is not None and static.fresh():
+            _STATIC_CACHE.move_to_end(key)
+            return static
+    static = _prepare_static(policy, run_cwd, for_preexec)
+    with _STATIC_LOCK:
+        _STATIC_CACHE[key] = static
+        _STATIC_CACHE.move_to_end(key)
+        while len(_STATIC_CACHE) > _STATIC_CACHE_SIZE:
+            _STATIC_CACHE.popitem(last=False)
+    return static
+
+
+def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
+    """Resolve paths, choose mechanisms, build mounts, Landlock rules and seccomp: once per policy and directory."""
     refusals = _Refusals(policy.best_effort)
     enforced: dict[str, Any] = {}
     keep: list[Any] = []
-    close_after: list[int] = []
+    static_fds: list[int] = []
 
     def cstr(text: str | bytes) -> Any:
         data = ffi.new("char[]", os.fsencode(text))
         keep.append(data)
         return data
 
-    run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
     defaults_read = policy.read == DEFAULT_READ
     read = _resolve(policy.read, run_cwd, "read", skip_missing=defaults_read)
     write = _resolve(policy.write, run_cwd, "write", skip_missing=False)
@@ -278,17 +331,8 @@ def prepare(
                 plan.idmap_userns_fd = _idmap_userns(program_uid, program_gid)
                 fd = mounts.IDMAP_IN_CHILD
             elif root_caller:
-                userns_fd = _idmap_userns(program_uid, program_gid)
-                fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns_fd))
-                if fd < 0:
-                    err = ffi.errno
-                    for opened in close_after:
-                        os.close(opened)
-                    raise UnsupportedError(
-                        f"write: {path}: cannot give the program (uid {program_uid}) ownership through an idmapped "
-                        f"mount: {os.strerror(err)}; its filesystem may not support idmapped mounts"
-                    )
-                close_after.append(fd)
+                _idmap_userns(program_uid, program_gid)  # fail early, and create it once
+                fd = mounts.IDMAP_PER_RUN
             write_trees.append((path, fd))
         tmpfs_options = "mode=1777"
         if policy.limits.memory is not None:
@@ -304,6 +348,8 @@ def prepare(
             cmounts[i].mode = step.mode
             cmounts[i].source = cstr(step.source) if step.source else ffi.NULL
             cmounts[i].target = cstr(mounts.NEWROOT + step.target)
+        idmap_steps = [(i, step.source) for i, step in enumerate(steps)
+                       if step.kind == lib.ISO_MOUNT_MOVE and root_caller and not for_preexec]
         plan.staging = cstr(mounts.STAGING)
         plan.mounts = cmounts
         plan.n_mounts = len(steps)
@@ -313,6 +359,7 @@ def prepare(
             enforced["write_ownership"] = "idmapped"
     else:
         enforced["filesystem"] = ["landlock"] if abi else []
+        idmap_steps = []
 
     # -- Landlock ----------------------------------------------------------
     if abi:
@@ -325,7 +372,7 @@ def prepare(
                 fd = os.open(real, os.O_PATH | os.O_CLOEXEC)
             except OSError as exc:
                 raise PolicyError(f"{path}: cannot open it to grant it: {exc.strerror}") from None
-            close_after.append(fd)
+            static_fds.append(fd)
             if not os.path.isdir(real):
                 rights &= landlock.FILE_RIGHTS
             rule_fds[len(rules)] = fd
@@ -385,8 +432,7 @@ def prepare(
     deny_sockets = not use_ns and network == "none"
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, notify=use_ns and not for_preexec)
 
-    # -- limits ------------------------------------------------------------
-    prepared_cgroup = None
+    # -- limits (the cgroup is made per run) ---------------------------------
     limit_cpu: float | None = None
     rlimits: list[tuple[int, int, int]] = [(resource.RLIMIT_CORE, 0, 0)]
     limits = policy.limits
@@ -402,12 +448,82 @@ def prepare(
         rlimits.append((resource.RLIMIT_CPU, seconds, seconds + 1))
         enforced["cpu_seconds"] = "rlimit (per process)"
         limit_cpu = cpu_seconds
-    needs = _cgroup_needs(policy)
-    if needs - {"cpuacct"} or (needs and not for_preexec):
-        prepared_cgroup = _prepare_cgroup(policy, needs, plan, enforced, refusals, rlimits, for_preexec)
     if limits.wall_seconds is not None:
         plan.wall_seconds = limits.value("wall_seconds")
         enforced["wall_seconds"] = "init"
+    enforced["session"] = "new" if policy.new_session else "inherited"
+    plan.init_fd = init_fd()
+    enforced["init"] = "isolate-init"
+    plan.cwd = cstr(os.path.abspath(policy.cwd) if policy.cwd else run_cwd)
+    if for_preexec and not policy.cwd:
+        plan.cwd = ffi.NULL  # the hook keeps the directory subprocess chose
+
+    stamps = []
+    for path in read + write:
+        info = os.stat(path)
+        stamps.append((path, (info.st_dev, info.st_ino)))
+    return _Static(
+        plan=plan, keep=keep, enforced=enforced, warnings=refusals.warnings, rlimits=rlimits,
+        cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,
+        program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, stamps=stamps, fds=static_fds,
+    )
+
+
+def prepare(
+    policy: Policy,
+    args: Sequence[str],
+    *,
+    executable: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdio: tuple[int, int, int] = (-1, -1, -1),
+    pass_fds: Sequence[int] = (),
+    for_preexec: bool = False,
+) -> Prepared:
+    """The plan for one run of ``args``: the cached static part plus what is this run's own."""
+    run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
+    static = _static_for(policy, run_cwd, for_preexec)
+    keep: list[Any] = [static]
+    close_after: list[int] = []
+    enforced = dict(static.enforced)
+    refusals = _Refusals(policy.best_effort)
+    refusals.warnings = list(static.warnings)
+
+    def cstr(text: str | bytes) -> Any:
+        data = ffi.new("char[]", os.fsencode(text))
+        keep.append(data)
+        return data
+
+    plan = ffi.new("struct iso_plan *")
+    keep.append(plan)
+    ffi.memmove(plan, static.plan, ffi.sizeof("struct iso_plan"))
+
+    # -- idmapped trees are consumed by each sandbox ---------------------------
+    if static.idmap_steps:
+        cmounts = ffi.new("struct iso_mount[]", plan.n_mounts)
+        keep.append(cmounts)
+        ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
+        userns_fd = _idmap_userns(static.program_uid, static.program_gid)
+        for index, path in static.idmap_steps:
+            fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns_fd))
+            if fd < 0:
+                err = ffi.errno
+                for opened in close_after:
+                    os.close(opened)
+                raise UnsupportedError(
+                    f"write: {path}: cannot give the program (uid {static.program_uid}) ownership through an "
+                    f"idmapped mount: {os.strerror(err)}; its filesystem may not support idmapped mounts"
+                )
+            close_after.append(fd)
+            cmounts[index].fd = fd
+        plan.mounts = cmounts
+
+    # -- limits over the tree -------------------------------------------------
+    rlimits = list(static.rlimits)
+    prepared_cgroup = None
+    needs = static.cgroup_needs
+    if needs - {"cpuacct"} or (needs and not for_preexec):
+        prepared_cgroup = _prepare_cgroup(policy, needs, plan, enforced, refusals, rlimits, for_preexec)
     crl = ffi.new("struct iso_rlimit[]", len(rlimits))
     keep.append(crl)
     for i, (res, soft, hard) in enumerate(rlimits):
@@ -416,6 +532,8 @@ def prepare(
         crl[i].hard = hard
     plan.rlimits = crl
     plan.n_rlimits = len(rlimits)
+    limit_cpu = static.limit_cpu_seconds
+    flags = int(plan.clone_flags)
 
     # -- the program ---------------------------------------------------------
     program_env = program_environment(policy, env)
@@ -436,11 +554,6 @@ def prepare(
     plan.envp = envp
     plan.file = cstr(os.fsdecode(executable) if executable else args[0])
     plan.search_path = cstr(program_env.get("PATH", DEFAULT_PATH))
-    inside_cwd = os.path.abspath(policy.cwd) if policy.cwd else run_cwd
-    if for_preexec and not policy.cwd:
-        plan.cwd = ffi.NULL  # the hook keeps the directory subprocess chose
-    else:
-        plan.cwd = cstr(inside_cwd)
     for i in range(3):
         plan.stdio[i] = stdio[i]
     fds = sorted({int(fd) for fd in pass_fds if int(fd) > 2})
@@ -451,8 +564,7 @@ def prepare(
     plan.keep_fds = keep_fds
     plan.n_keep_fds = len(fds)
 
-    # -- the init ------------------------------------------------------------
-    plan.init_fd = init_fd()
+    # -- the init's report ----------------------------------------------------
     status_r = -1
     if for_preexec:
         plan.status_fd = -1
@@ -460,9 +572,7 @@ def prepare(
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         plan.status_fd = status_w
         close_after.append(status_w)
-    enforced["init"] = "isolate-init"
     enforced["fds"] = "closed above 2" + (f" except {fds}" if fds else "")
-    enforced["session"] = "new" if policy.new_session else "inherited"
 
     prepared = Prepared(
         plan=plan,

@@ -218,9 +218,7 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         return _exit_status(result.returncode)
 
     process = popen.Popen(command, policy=policy)
-    for warning in (process.report.warnings if process.report else []) or (
-        process._prepared.warnings if process._prepared else []
-    ):
+    for warning in process.warnings:
         print(f"isolate-run: warning: {warning}", file=sys.stderr)
 
     def forward(signum: int, _frame: Any) -> None:

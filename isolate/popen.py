@@ -218,6 +218,16 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         report.status, report.exit_code, report.signal = status_for(rc, limit)
         self.report = report
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the policy asked for and best effort could not enforce."""
+        return list(self._prepared.warnings) if self._prepared is not None else []
+
+    @property
+    def enforced(self) -> dict[str, Any]:
+        """Each protection in force, and the mechanism enforcing it."""
+        return dict(self._prepared.enforced) if self._prepared is not None else {}
+
     def send_signal(self, sig: int) -> None:
         """Signals go to the init, which forwards them to the program (SIGKILL ends the whole sandbox)."""
         super().send_signal(sig)

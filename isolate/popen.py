@@ -319,10 +319,11 @@ def choose_backend(policy: Policy) -> str:
         docker_reason = f"the Docker backend is not available ({exc})"
     else:
         usable, docker_reason = docker.available()
-        if usable and not docker.unsupported(policy):
-            return "docker"
         if usable:
-            docker_reason = "; ".join(docker.unsupported(policy))
+            refused = docker.unsupported_reasons(policy, docker.engine_info())
+            if not refused:
+                return "docker"
+            docker_reason = "; ".join(f"{name}: {why}" for name, why in refused.items())
     raise UnsupportedError(
         "the native backend cannot enforce this policy: " + "; ".join(reasons)
         + f"; and Docker cannot take over: {docker_reason}"

@@ -35,11 +35,12 @@ static int holds_setpcap(void)
 static int drop_bounding_set(void)
 {
     for (int cap = 0; cap < 64; cap++) {
-        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) {
-            if (errno == EINVAL) /* past the last capability this kernel knows */
-                return 0;
+        /* PR_CAPBSET_READ says where the kernel's capabilities end (EINVAL
+         * past the last), without relying on errno after a failed drop. */
+        if (prctl(PR_CAPBSET_READ, cap, 0, 0, 0) < 0)
+            return 0;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0)
             return -1;
-        }
     }
     return 0;
 }
@@ -61,12 +62,15 @@ int iso_creds_apply(const struct iso_plan *plan)
     }
     /* Supplementary groups of a root caller would give the program the
      * group rights of root (gid 0 and friends) on host files. */
-    if (plan->clear_groups && setgroups(0, NULL) < 0)
+    /* Raw system calls, not glibc's wrappers: in a multithreaded process
+     * glibc applies setgroups/setres[ug]id to every thread it knows by
+     * signalling them, and a CLONE_VM child would reach the parent's. */
+    if (plan->clear_groups && syscall(SYS_setgroups, 0, NULL) < 0)
         return ISO_STEP_SETGROUPS;
     if (plan->set_ids) {
-        if (setresgid(plan->gid, plan->gid, plan->gid) < 0)
+        if (syscall(SYS_setresgid, plan->gid, plan->gid, plan->gid) < 0)
             return ISO_STEP_SETGID;
-        if (setresuid(plan->uid, plan->uid, plan->uid) < 0)
+        if (syscall(SYS_setresuid, plan->uid, plan->uid, plan->uid) < 0)
             return ISO_STEP_SETUID;
     }
     if (plan->drop_caps) {

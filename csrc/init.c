@@ -18,6 +18,8 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <linux/seccomp.h>
 #include <poll.h>
 #include <signal.h>
@@ -109,13 +111,44 @@ static void answer_notification(int listener)
     ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
 }
 
+/* Without a PID namespace the init is a subreaper: every orphan of the
+ * program's tree becomes its child.  /proc/self/task/TID/children, opened
+ * before the init's Landlock domain closed the filesystem, lists them. */
+static int children_fd = -1;
+
+static void kill_children(void)
+{
+    char buf[4096];
+    for (int round = 0; round < 64; round++) {
+        ssize_t n = pread(children_fd, buf, sizeof buf - 1, 0);
+        if (n <= 0)
+            return;
+        buf[n] = 0;
+        for (char *p = buf; *p;) {
+            char *end;
+            long pid = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            kill((pid_t)pid, SIGKILL);
+            p = end;
+            while (*p == ' ' || *p == '\n')
+                p++;
+        }
+        while (waitpid(-1, NULL, 0) > 0)
+            ;
+    }
+}
+
 static void kill_everything(pid_t program, int pid_namespace)
 {
-    if (pid_namespace)
+    if (pid_namespace) {
         kill(-1, SIGKILL); /* every process of the namespace but this one */
-    else
-        kill(-program, SIGKILL); /* the program's process group */
+        return;
+    }
+    kill(-program, SIGKILL); /* the program's process group */
     kill(program, SIGKILL);
+    if (children_fd >= 0)
+        kill_children(); /* and whatever left the group (setsid daemons) */
 }
 
 int main(int argc, char **argv)
@@ -131,13 +164,37 @@ int main(int argc, char **argv)
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
-     * here, or a reader of its pipes would wait for this process too. */
+     * here, or a reader of its pipes would wait for this process too, and
+     * nothing passed on to the program (pass_fds) belongs to the init. */
     for (int fd = 0; fd < 3; fd++)
         if (fd != status_fd && fd != listener)
             close(fd);
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    if (!pid_namespace)
-        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    {
+        int keep_lo = status_fd < listener ? status_fd : listener;
+        int keep_hi = status_fd < listener ? listener : status_fd;
+        if (keep_lo < 3)
+            keep_lo = keep_hi, keep_hi = -1;
+        if (keep_lo < 3) {
+            syscall(SYS_close_range, 3, ~0U, 0);
+        } else {
+            syscall(SYS_close_range, 3, keep_lo - 1, 0);
+            if (keep_hi > keep_lo) {
+                syscall(SYS_close_range, keep_lo + 1, keep_hi - 1, 0);
+                syscall(SYS_close_range, keep_hi + 1, ~0U, 0);
+            } else {
+                syscall(SYS_close_range, keep_lo + 1, ~0U, 0);
+            }
+        }
+    }
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        return 125;
+    if (!pid_namespace) {
+        if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+            return 125;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
+        children_fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
 
     sigset_t mask;
     sigemptyset(&mask);
@@ -163,6 +220,18 @@ int main(int argc, char **argv)
     status.magic = ISO_STATUS_MAGIC;
     status.reason = ISO_REASON_EXITED;
     int done = 0;
+    /* The program may have ended before SIGCHLD was blocked (the pre-exec
+     * path): look once before waiting for the signal. */
+    {
+        int wstatus;
+        pid_t pid;
+        while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+            if (pid == program) {
+                status.wait_status = wstatus;
+                done = 1;
+            }
+        }
+    }
     while (!done) {
         struct pollfd fds[3] = {
             {.fd = sigfd, .events = POLLIN},

@@ -84,6 +84,19 @@ static int apply_one(const struct iso_mount *m)
     case ISO_MOUNT_BIND:
         if (mount(m->source, m->target, NULL, MS_BIND | MS_REC, NULL) < 0)
             return ISO_STEP_MOUNT_BIND;
+        /* The parent resolved and opened this path (m->fd); what got bound
+         * must be that inode, not whatever the path names by now (a bind
+         * source must be in this mount namespace, so it cannot be the
+         * parent's descriptor itself). */
+        if (m->fd >= 0) {
+            struct stat opened, bound;
+            if (fstat(m->fd, &opened) < 0 || stat(m->target, &bound) < 0)
+                return ISO_STEP_MOUNT_BIND;
+            if (opened.st_dev != bound.st_dev || opened.st_ino != bound.st_ino) {
+                errno = ESTALE;
+                return ISO_STEP_MOUNT_BIND;
+            }
+        }
         break;
     case ISO_MOUNT_MOVE:
         if (syscall(SYS_move_mount, m->fd, "", AT_FDCWD, m->target, MOVE_MOUNT_F_EMPTY_PATH) < 0)

@@ -38,6 +38,7 @@
 struct map_writer {
     const struct iso_plan *plan;
     int go_fd;
+    int go_write_fd;
     int target;
     volatile int err;
 };
@@ -48,6 +49,7 @@ static int map_writer_main(void *arg)
 {
     struct map_writer *w = arg;
     char go;
+    close(w->go_write_fd); /* so that H giving up reads as end of file */
     ssize_t n;
     do {
         n = read(w->go_fd, &go, 1);
@@ -75,11 +77,22 @@ static int unshare_user(const struct iso_plan *plan)
     struct map_writer *w = (struct map_writer *)stack;
     w->plan = plan;
     w->go_fd = pipefd[0];
+    w->go_write_fd = pipefd[1];
     w->target = getpid();
     w->err = 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, &old);
     int helper = clone(map_writer_main, stack + size, CLONE_VM | SIGCHLD, w);
-    if (helper < 0)
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    if (helper < 0) {
+        int saved = errno;
+        close(pipefd[0]);
+        close(pipefd[1]);
+        munmap(stack, size);
+        errno = saved;
         return -1;
+    }
     int rc = unshare(CLONE_NEWUSER);
     int saved = errno;
     if (rc == 0 && write(pipefd[1], "g", 1) != 1)
@@ -193,12 +206,20 @@ int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
         /* H: relay the program's end to subprocess, which waits for us. */
         if (plan->die_with_parent && iso_die_with_parent())
             return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        /* The relay holds the new namespace's capabilities: drop them too. */
+        if ((step = iso_creds_apply(plan)))
+            return fail(failure, step, -1);
         if ((step = iso_no_new_privs()))
             return fail(failure, step, -1);
         exec_init(plan, first, 1);
         return fail(failure, ISO_STEP_INIT, -1);
     }
-    /* Y1: PID 1 of the new namespace. */
+    /* Y1: PID 1 of the new namespace.  It dies with the relay, whatever
+     * kills it (a subprocess timeout kills only the process it knows); set
+     * now for the setup, and again once its ids are final (a change of
+     * credentials clears it). */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+        return fail(failure, ISO_STEP_PDEATHSIG, -1);
     if ((plan->clone_flags & CLONE_NEWNS) && (step = iso_mounts_apply(plan, &index)))
         return fail(failure, step, index);
     pid_t program = fork();
@@ -207,6 +228,8 @@ int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
     if (program == 0)
         return program_steps(plan, failure, program_cwd);
     if ((step = iso_creds_apply(plan)))
+        return fail(failure, step, -1);
+    if ((step = iso_die_with_parent()))
         return fail(failure, step, -1);
     if ((step = iso_no_new_privs()))
         return fail(failure, step, -1);

@@ -47,6 +47,8 @@
 struct spawn_ctx {
     const struct iso_plan *plan;
     int err_fd;
+    int err_read_fd;    /* the parent's ends, closed first thing in the child, */
+    int sync_write_fd;  /* so that a parent that gives up is seen as end of file */
     int sync_fd;
     int listener_fd;
     volatile int program_failed;
@@ -121,6 +123,8 @@ static int first_main(void *arg)
     char go;
     ssize_t n;
 
+    close(ctx->sync_write_fd);
+    close(ctx->err_read_fd);
     if ((step = iso_signals_reset()))
         goto fail;
     do {
@@ -208,9 +212,11 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
         close(err_pipe[1]);
         return -1;
     }
-    /* [ctx | program stack | first child's stack], stacks growing down. */
+    /* [ctx | guard | program stack | guard | first child's stack], stacks
+     * growing down; an overflow faults on a guard page instead of silently
+     * writing into the other region. */
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    size_t size = page + 2 * ISO_STACK_SIZE;
+    size_t size = 3 * page + 2 * ISO_STACK_SIZE;
     char *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
     if (mem == MAP_FAILED) {
         failure->step = ISO_STEP_CLONE;
@@ -221,24 +227,39 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
         close(sync_pipe[1]);
         return -1;
     }
+    if (mprotect(mem + page, page, PROT_NONE) < 0 || mprotect(mem + 2 * page + ISO_STACK_SIZE, page, PROT_NONE) < 0) {
+        failure->step = ISO_STEP_CLONE;
+        failure->err = errno;
+        munmap(mem, size);
+        close(err_pipe[0]);
+        close(err_pipe[1]);
+        close(sync_pipe[0]);
+        close(sync_pipe[1]);
+        return -1;
+    }
     struct spawn_ctx *ctx = (struct spawn_ctx *)mem;
     ctx->plan = plan;
     ctx->err_fd = err_pipe[1];
+    ctx->err_read_fd = err_pipe[0];
+    ctx->sync_write_fd = sync_pipe[1];
     ctx->sync_fd = sync_pipe[0];
     ctx->listener_fd = -1;
     ctx->program_failed = 0;
-    ctx->program_stack_top = mem + page + ISO_STACK_SIZE;
+    ctx->program_stack_top = mem + 2 * page + ISO_STACK_SIZE;
 
+    /* Every signal stays blocked in this thread until the children are done
+     * with the shared memory: no handler may run in a child, and no EINTR
+     * may cut the parent's reads short while a child shares its errno. */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     int pid = clone(first_main, mem + size, CLONE_VM | plan->clone_flags | SIGCHLD, ctx);
     int clone_errno = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
     close(err_pipe[1]);
     close(sync_pipe[0]);
 
     if (pid < 0) {
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
         failure->step = ISO_STEP_CLONE;
         failure->err = clone_errno;
         close(err_pipe[0]);
@@ -265,6 +286,10 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
         do {
             w = write(sync_pipe[1], "g", 1);
         } while (w < 0 && errno == EINTR);
+        if (w != 1) {
+            failure->step = ISO_STEP_WAIT_PARENT;
+            failure->err = w < 0 ? errno : EPIPE;
+        }
     }
     /* Closing without "go" makes the child fail at WAIT_PARENT and exit. */
     close(sync_pipe[1]);
@@ -284,13 +309,16 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
         *failure = reported;
 
     if (failure->step != ISO_STEP_NONE) {
-        /* The child exits after reporting; reap it before freeing its stack. */
+        /* Make sure it ends, and reap it before freeing its stack. */
+        kill(pid, SIGKILL);
         while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
             ;
         munmap(mem, size);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
         return -1;
     }
     /* End of file: both children have exec'd, none uses this memory now. */
     munmap(mem, size);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     return pid;
 }

@@ -12,6 +12,7 @@ import stat
 from dataclasses import dataclass, field
 
 from ._core import lib
+from .errors import PolicyError
 
 STAGING = "/tmp"
 OLDROOT = "/oldroot"
@@ -60,7 +61,8 @@ class MountPlan:
         self._dirs.add(path)
         self.steps.append(MountStep(lib.ISO_MOUNT_SYMLINK, path, source=text))
 
-    def bind(self, host_path: str, target: str, *, readonly: bool, keep_dev: bool = False, fd: int = -1) -> None:
+    def bind(self, host_path: str, target: str, *, readonly: bool, keep_dev: bool = False, fd: int = -1,
+             source_fd: int = -1) -> None:
         is_dir = os.path.isdir(host_path)
         if is_dir:
             self.ensure_dir(target)
@@ -72,9 +74,14 @@ class MountPlan:
         if fd >= 0:
             self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, flags=flags, fd=fd))
         elif fd in (IDMAP_IN_CHILD, IDMAP_PER_RUN):
-            self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, source=host_path, flags=flags, fd=-1))
+            # The tree is cloned from the inode the parent opened, not from the path.
+            self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, source=f"/proc/self/fd/{source_fd}",
+                                        flags=flags, fd=-1))
         else:
-            self.steps.append(MountStep(lib.ISO_MOUNT_BIND, target, source=OLDROOT + host_path, flags=flags))
+            # With source_fd, the child checks that it bound the inode the
+            # parent opened, not a path that was swapped since.
+            self.steps.append(MountStep(lib.ISO_MOUNT_BIND, target, source=OLDROOT + host_path, flags=flags,
+                                        fd=source_fd))
         self._bound.append(target)
 
     def tmpfs(self, target: str, options: str) -> None:
@@ -85,8 +92,14 @@ class MountPlan:
         self.steps.append(MountStep(kind, target, source=source))
 
 
-def host_symlinks(path: str) -> tuple[list[tuple[str, str]], str]:
-    """The symlinked components of absolute ``path`` (as (link, text) pairs) and its real path."""
+def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, str]], str]:
+    """The symlinked components of absolute ``path`` (as (link, text) pairs) and its real path.
+
+    Only root's links directly under ``/`` (``/lib -> usr/lib``, ``/home ->
+    /data/home``) are followed. A link deeper down could have been planted by
+    an earlier sandbox in a directory it could write, to redirect a later
+    grant onto something else: such a path is refused, naming its real path.
+    """
     links: list[tuple[str, str]] = []
     current = "/"
     parts = [p for p in path.split("/") if p]
@@ -99,6 +112,13 @@ def host_symlinks(path: str) -> tuple[list[tuple[str, str]], str]:
         except OSError:
             return links, os.path.realpath(path)
         if stat.S_ISLNK(info.st_mode):
+            if current != "/" or info.st_uid != 0:
+                raise PolicyError(
+                    f"{field_name}: {path} goes through the symlink {candidate} -> {os.readlink(candidate)}; "
+                    f"grant the real path ({os.path.realpath(path)}) instead (only root's links directly under / "
+                    "are followed, so that a program cannot redirect a later grant)",
+                    field_name,
+                )
             seen += 1
             if seen > 40:
                 return links, os.path.realpath(path)
@@ -117,13 +137,20 @@ def plan_root(
     write: list[tuple[str, int]],
     tmpfs: list[str],
     tmpfs_options: str,
+    source_fds: dict[str, int] | None = None,
 ) -> MountPlan:
-    """Mount steps for granted paths (write entries carry an idmapped tree fd or -1)."""
+    """Mount steps for granted paths (write entries carry an idmapped-tree marker or -1).
+
+    ``source_fds`` maps a real path to an O_PATH descriptor of it, opened by
+    the parent: binds and idmapped trees are made from those inodes.
+    """
+    source_fds = source_fds or {}
     plan = MountPlan()
-    grants: list[tuple[str, bool, int]] = [(p, True, -1) for p in read] + [(p, False, fd) for p, fd in write]
+    grants: list[tuple[str, bool, int, str]] = [(p, True, -1, "read") for p in read]
+    grants += [(p, False, fd, "write") for p, fd in write]
     resolved = []
-    for path, readonly, fd in grants:
-        links, real = host_symlinks(path)
+    for path, readonly, fd, field_name in grants:
+        links, real = host_symlinks(path, field_name)
         for link, text in links:
             plan.symlink(link, text)
         resolved.append((real, readonly, fd))
@@ -135,7 +162,7 @@ def plan_root(
         if is_tmpfs:
             plan.tmpfs(path, tmpfs_options)
         elif path != "/":
-            plan.bind(path, path, readonly=readonly, fd=fd)
+            plan.bind(path, path, readonly=readonly, fd=fd, source_fd=source_fds.get(path, -1))
 
     # The merged-/usr links (/lib -> usr/lib ...) cost nothing and grant
     # nothing: the dynamic loader's absolute paths need them.

@@ -254,6 +254,29 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
                    if name == "write" else ""),
                 name,
             )
+    # Every granted path is resolved once (following only root's top-level
+    # links) and opened here; binds, idmapped trees and Landlock rules all
+    # use these inodes, never the path again.
+    source_fds: dict[str, int] = {}
+
+    def open_source(path: str, field_name: str) -> str:
+        real = mounts.host_symlinks(path, field_name)[1]
+        if real == "/":
+            raise PolicyError(f"{field_name}: {path} is the whole filesystem (/); grant the directories the "
+                              "program needs", field_name)
+        if real not in source_fds:
+            try:
+                fd = os.open(real, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError as exc:
+                raise PolicyError(f"{field_name}: {path}: cannot open it: {exc.strerror}", field_name) from None
+            static_fds.append(fd)
+            source_fds[real] = fd
+        return real
+
+    for path in read:
+        open_source(path, "read")
+    for path in write:
+        open_source(path, "write")
     use_ns = policy.namespaces
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
     if tmpfs and not use_ns:
@@ -337,7 +360,8 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         tmpfs_options = "mode=1777"
         if policy.limits.memory is not None:
             tmpfs_options += f",size={policy.limits.memory}"
-        mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options)
+        mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options,
+                                      source_fds if os.path.isdir("/proc/self/fd") else None)
         steps = mount_plan.steps
         cmounts = ffi.new("struct iso_mount[]", max(len(steps), 1))
         keep.append(cmounts)
@@ -368,20 +392,22 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
 
         def grant(path: str, rights: int) -> None:
             real = os.path.realpath(path)
-            try:
-                fd = os.open(real, os.O_PATH | os.O_CLOEXEC)
-            except OSError as exc:
-                raise PolicyError(f"{path}: cannot open it to grant it: {exc.strerror}") from None
-            static_fds.append(fd)
+            fd = source_fds.get(real, -1)
+            if fd < 0:
+                try:
+                    fd = os.open(real, os.O_PATH | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise PolicyError(f"{path}: cannot open it to grant it: {exc.strerror}") from None
+                static_fds.append(fd)
             if not os.path.isdir(real):
                 rights &= landlock.FILE_RIGHTS
             rule_fds[len(rules)] = fd
             rules.append((real, rights))
 
         for path in read:
-            grant(path, landlock.read_rights(abi))
+            grant(mounts.host_symlinks(path)[1], landlock.read_rights(abi))
         for path in write:
-            grant(path, landlock.write_rights(abi))
+            grant(mounts.host_symlinks(path, "write")[1], landlock.write_rights(abi))
         if use_ns:
             for path in tmpfs:
                 rules.append((path, landlock.write_rights(abi)))
@@ -427,10 +453,19 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         refusals.refuse("network: loopback-only needs a network namespace (namespaces=true)")
     elif not use_ns:
         enforced["network"] = "host"
+        # Landlock (up to ABI 7) does not govern connect() on a socket file.
+        enforced["unix_sockets"] = "reachable by path (no mount namespace)"
 
     # -- seccomp -----------------------------------------------------------
     deny_sockets = not use_ns and network == "none"
-    _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, notify=use_ns and not for_preexec)
+    # What a root caller's program creates in an idmapped writable path is
+    # root's on disk: no set-user/group-ID bit may be set there.
+    deny_setid = use_ns and root_caller and bool(write)
+    _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
+                   notify=use_ns and not for_preexec)
+    if for_preexec and not use_ns and policy.limits.wall_seconds is not None:
+        refusals.refuse("wall_seconds: preexec_fn without namespaces has no init to keep the clock; "
+                        "use isolate.run/Popen, or namespaces=true")
 
     # -- limits (the cgroup is made per run) ---------------------------------
     limit_cpu: float | None = None
@@ -557,6 +592,8 @@ def prepare(
     for i in range(3):
         plan.stdio[i] = stdio[i]
     fds = sorted({int(fd) for fd in pass_fds if int(fd) > 2})
+    if len(fds) > 64:
+        raise PolicyError("pass_fds: at most 64 descriptors can be passed on", "pass_fds")
     keep_fds = ffi.new("int32_t[]", max(len(fds), 1))
     keep.append(keep_fds)
     for i, fd in enumerate(fds):
@@ -595,9 +632,10 @@ def _apply_seccomp(
     enforced: dict[str, Any],
     refusals: _Refusals,
     deny_sockets: bool,
+    deny_setid: bool,
     notify: bool,
 ) -> None:
-    if policy.seccomp == "none" and not deny_sockets:
+    if policy.seccomp == "none" and not deny_sockets and not deny_setid:
         enforced["seccomp"] = None
         return
     try:
@@ -607,8 +645,14 @@ def _apply_seccomp(
         enforced["seccomp"] = None
         return
     try:
-        compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets)
+        compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
+                                          deny_setid=deny_setid)
     except UnsupportedError as exc:
+        if deny_setid:
+            raise UnsupportedError(
+                f"a root caller's writable paths need seccomp to forbid set-user-ID files, and it is not "
+                f"available: {exc}; run as a regular user or grant no writable path"
+            ) from None
         refusals.refuse(str(exc))
         enforced["seccomp"] = None
         return
@@ -632,7 +676,9 @@ def _apply_seccomp(
         plan.seccomp_errnos = text
     enforced["seccomp"] = compiled.profile
     if deny_sockets:
-        enforced["seccomp_sockets"] = "only AF_UNIX"
+        enforced["seccomp_sockets"] = "socket() refused (socketpair(AF_UNIX) allowed)"
+    if deny_setid:
+        enforced["setid_files"] = "refused (seccomp)"
 
 
 def _prepare_cgroup(

@@ -49,9 +49,12 @@ Choices made here (documented for the README):
   ignores the high bits (CVE-2019-10063).
 
 ``deny_inet_sockets=True`` puts 11 hand-written BPF instructions before
-libseccomp's program: socket() and socketpair() whose domain (low 32 bits) is
-not AF_UNIX return EPERM before any rule of the profile is looked at, so no
-profile rule (an unconditional allow of ``socket``, say) can undo it.
+libseccomp's program: socket() of any domain, and socketpair() whose domain
+(low 32 bits) is not AF_UNIX, return EPERM before any rule of the profile is
+looked at, so no profile rule (an unconditional allow of ``socket``, say) can
+undo it. (AF_UNIX sockets are refused too: without a mount namespace Landlock
+does not govern connect() on a socket file.) ``deny_setid=True`` adds a
+prologue refusing S_ISUID/S_ISGID in chmod-family calls and file creation.
 
 Reporting denials (``notify=True``): every rule that denies with an errno E
 becomes ``SECCOMP_RET_USER_NOTIF`` and :attr:`CompiledFilter.notify_errnos`
@@ -819,7 +822,11 @@ def _build(parsed: _Parsed, notify: bool, source: str) -> tuple[bytes, dict[int,
 
 
 def _deny_inet_prologue(native: int, notify_for: Mapping[int, bool]) -> bytes:
-    """BPF run before the filter: socket()/socketpair() with a domain other than AF_UNIX -> EPERM (or notify)."""
+    """BPF run before the filter: socket() of any domain, socketpair() but AF_UNIX -> EPERM (or notify).
+
+    Without a mount namespace Landlock does not govern connect() on a socket
+    file, so socket(AF_UNIX) is refused too; socketpair(AF_UNIX) stays.
+    """
     socket_nr, socketpair_nr = _resolve("socket"), _resolve("socketpair")
     arg0_low = 16 if sys.byteorder == "little" else 20  # offsetof(struct seccomp_data, args[0]) + low half
 
@@ -838,7 +845,7 @@ def _deny_inet_prologue(native: int, notify_for: Mapping[int, bool]) -> bytes:
         ins(ld, 0),  # 2: nr
         ins(jeq, socket_nr, 0, 3),  # 3: not socket -> 7
         ins(ld, arg0_low),  # 4
-        ins(jeq, _AF_UNIX, 5, 0),  # 5: AF_UNIX -> the filter proper
+        ins(jeq, 0xFFFFFFFF, 5, 0),  # 5: no domain is exempt from socket()
         ins(ret, deny(socket_nr)),  # 6
         ins(jeq, socketpair_nr, 0, 3),  # 7: not socketpair -> the filter proper
         ins(ld, arg0_low),  # 8
@@ -847,7 +854,64 @@ def _deny_inet_prologue(native: int, notify_for: Mapping[int, bool]) -> bytes:
     ])
 
 
-def _compile(label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool) -> CompiledFilter:
+#: Calls that can set a file's mode, and the argument holding the mode.
+_MODE_ARGUMENTS = (
+    ("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2),
+    ("open", 2), ("openat", 3), ("creat", 1), ("mknod", 1), ("mknodat", 2),
+)
+_SETID_BITS = 0o6000
+
+
+def _deny_setid_prologue(native: int) -> bytes:
+    """BPF run before the filter: no set-user-ID or set-group-ID bit on any file.
+
+    A root caller's writable paths are idmapped so that what the program
+    creates is owned by root on disk: a setuid bit there would be a setuid-root
+    binary on the host. chmod-family calls and file creation with S_ISUID or
+    S_ISGID in the mode get EPERM; openat2 (its mode sits behind a pointer)
+    gets ENOSYS, so libc falls back to openat.
+    """
+    arg_low = [16 + 8 * i + (0 if sys.byteorder == "little" else 4) for i in range(6)]
+
+    def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+    blocks: list[tuple[int, int]] = []
+    for name, index in _MODE_ARGUMENTS:
+        try:
+            blocks.append((_resolve(name), index))
+        except Exception:  # a call this kernel/libseccomp does not know on this arch
+            continue
+    try:
+        openat2 = _resolve("openat2")
+    except Exception:
+        openat2 = -1
+    # Layout: [arch check][ld nr]([jeq nr][ld arg][jset -> deny][ja end]... )[openat2][deny]
+    body: list[tuple[int, int, int, int]] = []
+    total_blocks = 4 * len(blocks) + (2 if openat2 >= 0 else 0)
+    # Index after "ld nr": block i starts at 4*i.
+    for i, (nr, index) in enumerate(blocks):
+        start = 4 * i
+        to_next = 3  # skip this block's other three instructions
+        end = total_blocks  # index of the shared deny
+        body.append((jeq, nr, 0, to_next))
+        body.append((ld, arg_low[index], 0, 0))
+        body.append((jset, _SETID_BITS, end - start - 2, 0))  # -> the deny, at end + 1
+        body.append((0x05, end - start - 2, 0, 0))  # BPF_JMP|BPF_JA: allowed -> past the deny, at end + 2
+    if openat2 >= 0:
+        body.append((jeq, openat2, 0, 1))
+        body.append((ret, RET_ERRNO | errno_mod.ENOSYS, 0, 0))
+    code = [ins(ld, 4), ins(jeq, native, 0, len(body) + 3), ins(ld, 0)]  # foreign ABI -> the filter, which kills
+    code += [ins(c, k, jt, jf) for c, k, jt, jf in body]
+    code.append(ins(0x05, 1))  # no match: past the deny
+    code.append(ins(ret, RET_ERRNO | errno_mod.EPERM))
+    return b"".join(code)
+
+
+def _compile(
+    label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False
+) -> CompiledFilter:
     parsed = _parse(data, source)
     bpf, table, default_errno = _build(parsed, notify, source)
     native = _native_arch()
@@ -861,6 +925,8 @@ def _compile(label: str, data: object, source: str, notify: bool, deny_inet_sock
                     notify_for[nr] = True
                     table[nr] = errno_mod.EPERM
         bpf = _deny_inet_prologue(native, notify_for) + bpf
+    if deny_setid:
+        bpf = _deny_setid_prologue(native) + bpf
     if len(bpf) // 8 > MAX_INSTRUCTIONS:
         raise _err(source, "", f"the compiled filter has {len(bpf) // 8} instructions, more than the kernel's "
                    f"{MAX_INSTRUCTIONS}; use fewer argument conditions")
@@ -873,7 +939,7 @@ def _compile(label: str, data: object, source: str, notify: bool, deny_inet_sock
     )
 
 
-_cache: dict[tuple[str, str, bool, bool], CompiledFilter] = {}
+_cache: dict[tuple[str, str, bool, bool, bool], CompiledFilter] = {}
 _cache_lock = threading.Lock()
 
 
@@ -883,19 +949,23 @@ def cache_clear() -> None:
         _cache.clear()
 
 
-def compile_filter(mode: str, *, notify: bool = False, deny_inet_sockets: bool = False) -> CompiledFilter | None:
+def compile_filter(
+    mode: str, *, notify: bool = False, deny_inet_sockets: bool = False, deny_setid: bool = False
+) -> CompiledFilter | None:
     """Compile the filter for ``mode`` (default, strict, none, or the path of a JSON profile).
 
     ``notify`` turns denials into user notifications (see the module doc);
-    ``deny_inet_sockets`` refuses socket() and socketpair() for every domain
-    but AF_UNIX, with EPERM (for network "none" without a network namespace).
+    ``deny_inet_sockets`` refuses socket() for every domain and socketpair()
+    but AF_UNIX, with EPERM (for network "none" without a network namespace);
+    ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for a root
+    caller's idmapped writable paths).
     Returns None for ``none`` without ``deny_inet_sockets``. Results are cached
     per (mode, file content, flags). Raises ``PolicyError`` for a bad profile
     and ``UnsupportedError`` when libseccomp or the kernel cannot do it.
     """
     if not isinstance(mode, str) or not mode:
         raise PolicyError("seccomp: expected default, strict, none or the path of a JSON profile", "seccomp")
-    if mode == "none" and not deny_inet_sockets:
+    if mode == "none" and not deny_inet_sockets and not deny_setid:
         return None
     content: bytes | None = None
     if mode in BUILTIN_PROFILES:
@@ -903,13 +973,13 @@ def compile_filter(mode: str, *, notify: bool = False, deny_inet_sockets: bool =
     else:
         source, content = _read_profile_file(mode)
         label, digest = f"file:{os.path.abspath(mode)}", hashlib.sha256(content).hexdigest()
-    key = (label, digest, bool(notify), bool(deny_inet_sockets))
+    key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid))
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
     data = _load_json(content, source) if content is not None else oci_profile(mode)
-    compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets))
+    compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid))
     with _cache_lock:
         compiled = _cache.setdefault(key, compiled)
         while len(_cache) > _CACHE_SIZE:

@@ -197,3 +197,20 @@ def test_subprocess_compatible_result(workdir: str) -> None:
 
 
 _ = ROOT
+
+
+def test_a_planted_symlink_cannot_redirect_a_later_grant(workdir: str, outside: str) -> None:
+    # Run 1 may write the workspace: it leaves a link to somewhere it was never granted.
+    isolate.run(["ln", "-s", outside, "out"], policy=policy(write=[workdir]), cwd=workdir, check=True)
+    # Run 2 grants what looks like a directory of the workspace: refused, naming the real path.
+    with pytest.raises(isolate.PolicyError) as info:
+        isolate.run(["touch", "out/planted"], policy=policy(write=[os.path.join(workdir, "out")]), cwd=workdir)
+    assert info.value.field == "write" and outside in str(info.value)
+    assert not os.path.exists(os.path.join(outside, "planted"))
+
+
+def test_granting_root_through_a_link_is_refused(workdir: str) -> None:
+    os.symlink("/", os.path.join(workdir, "root-link"))
+    os.chmod(workdir, 0o755)
+    with pytest.raises(isolate.PolicyError):
+        isolate.run(["true"], policy=policy(read=[*policy().read, os.path.join(workdir, "root-link")]), cwd=workdir)

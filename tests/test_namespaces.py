@@ -221,3 +221,37 @@ def test_nothing_left_behind_after_cli_sigterm_and_parent_sigkill(workdir: str) 
     time.sleep(0.5)
     assert processes_with(marker2) == []
     assert mountinfo() == before
+
+
+def test_without_namespaces_a_daemon_is_still_ended(workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    marker = os.path.join(workdir, f"nons-{time.monotonic_ns()}")
+    result = isolate.run([*py(DAEMON), marker], policy=policy(write=[workdir], namespaces=False, tmpfs=()),
+                         cwd=workdir)
+    assert result.returncode == 0
+    time.sleep(0.3)
+    assert processes_with(marker) == []
+
+
+def test_without_namespaces_unix_sockets_by_path_are_refused(workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    code = ("import socket\ntry:\n    socket.socket(socket.AF_UNIX)\n    print('socket')\nexcept OSError as e:\n"
+            "    print(e.errno)\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1).decode())\n")
+    result = isolate.run(py(code), policy=policy(write=[workdir], namespaces=False, tmpfs=()), cwd=workdir,
+                         capture_output=True, text=True)
+    assert result.stdout.split() == ["1", "x"], result.stderr
+
+
+def test_init_holds_no_passed_descriptor(workdir: str) -> None:
+    r, w = os.pipe()
+    try:
+        with isolate.Popen(["sleep", "5"], policy=policy(write=[workdir]), cwd=workdir, pass_fds=[r]) as proc:
+            time.sleep(0.3)
+            passed = os.fstat(r).st_ino
+            held = [os.stat(f"/proc/{proc.pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{proc.pid}/fd")]
+            assert passed not in held
+            assert len(held) <= 3, held  # its signalfd, the status pipe, the seccomp listener
+            proc.kill()
+    finally:
+        os.close(r)
+        os.close(w)

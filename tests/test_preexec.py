@@ -69,3 +69,23 @@ def test_preexec_wall_limit(workdir: str) -> None:
     hook = policy(write=[workdir], limits=isolate.Limits(wall_seconds=0.5)).preexec_fn
     result = subprocess.run(["sleep", "20"], preexec_fn=hook, cwd=workdir, timeout=15)
     assert result.returncode == 128 + 9
+
+
+def test_subprocess_timeout_leaves_nothing_behind(workdir: str) -> None:
+    import time
+
+    hook = policy(write=[workdir]).preexec_fn
+    try:
+        subprocess.run(["sleep", "77.25"], preexec_fn=hook, cwd=workdir, timeout=1)
+    except subprocess.TimeoutExpired:
+        pass
+    time.sleep(0.5)
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if b"77.25" in handle.read():
+                    leftovers.append(pid)
+        except OSError:
+            pass
+    assert leftovers == []

@@ -444,5 +444,25 @@ def test_valid_profile_runs_in_the_cli(workdir: str) -> None:
 def test_proc_status_shows_the_filter(workdir: str, mode: str, value: str) -> None:
     result = run(workdir, [PYTHON, "-I", "-S", "-c", "print(open('/proc/self/status').read())"], seccomp=mode)
     assert result.returncode == 0, result.stderr
+    if mode == "none" and os.geteuid() == 0:
+        # A root caller's writable paths keep the set-ID guard even without a profile.
+        assert "Seccomp:\t2\n" in result.stdout
+        assert result.report.enforced["seccomp"] == "none"
+        assert result.report.enforced["setid_files"] == "refused (seccomp)"
+        return
     assert f"Seccomp:\t{value}\n" in result.stdout
     assert result.report.enforced["seccomp"] == (None if mode == "none" else mode)
+
+
+def test_no_setuid_file_reaches_the_host(workdir: str) -> None:
+    # A root caller's program owns root's files through the idmapped mount: it
+    # must not be able to leave a set-user-ID (or set-group-ID) binary behind.
+    script = ("cp /bin/true t; chmod 4755 t; chmod 2755 t; chmod u+s t; "
+              "python3 -c \"import os; os.close(os.open('u', os.O_CREAT | os.O_WRONLY, 0o6755))\"; true")
+    for mode in ("default", "none"):
+        run(workdir, ["sh", "-c", script], seccomp=mode)
+        for name in ("t", "u"):
+            path = os.path.join(workdir, name)
+            if os.path.exists(path):
+                assert os.stat(path).st_mode & 0o6000 == 0, (mode, name, oct(os.stat(path).st_mode))
+                os.unlink(path)

@@ -28,6 +28,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
 #include <sys/timerfd.h>
@@ -279,6 +280,16 @@ int main(int argc, char **argv)
         }
     }
     kill_everything(program, pid_namespace);
+    /* Reap what the kill left, so the tree is gone and its usage counted
+     * before the parent hears of the end. */
+    while (waitpid(-1, NULL, 0) > 0 || errno == EINTR)
+        ;
+    struct rusage usage;
+    if (getrusage(RUSAGE_CHILDREN, &usage) == 0) {
+        status.user_usec = (int64_t)usage.ru_utime.tv_sec * 1000000 + usage.ru_utime.tv_usec;
+        status.system_usec = (int64_t)usage.ru_stime.tv_sec * 1000000 + usage.ru_stime.tv_usec;
+        status.maxrss_kib = usage.ru_maxrss;
+    }
     if (status_fd >= 0) {
         ssize_t n;
         do {

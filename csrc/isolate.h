@@ -191,6 +191,9 @@ struct iso_status {
     int32_t wait_status;
     int32_t reason;
     uint32_t n_denied;
+    int64_t user_usec;             /* the whole tree's, every process reaped */
+    int64_t system_usec;
+    int64_t maxrss_kib;            /* the largest process's peak */
     struct iso_denial denied[64];
 };
 

@@ -107,7 +107,12 @@ static int apply_one(const struct iso_mount *m)
         errno = EINVAL;
         return ISO_STEP_MOUNT_DIR;
     }
-    /* Binds, moved trees and tmpfs: never setuid; read-only if asked. */
+    /* A tmpfs already has nosuid and nodev from mount(); a device node's
+     * bind needs neither (it is not executable, and must keep its device). */
+    if ((m->kind == ISO_MOUNT_TMPFS || (m->flags & ISO_MOUNT_F_KEEP_DEV)) &&
+        !(m->flags & (ISO_MOUNT_F_READONLY | ISO_MOUNT_F_NOEXEC)))
+        return 0;
+    /* Binds and moved trees: never setuid; read-only if asked. */
     uint64_t attr = MOUNT_ATTR_NOSUID;
     if (!(m->flags & ISO_MOUNT_F_KEEP_DEV))
         attr |= MOUNT_ATTR_NODEV;

@@ -10,6 +10,8 @@ status comes from the init's report, so ``returncode`` is the program's.
 from __future__ import annotations
 
 import os
+import queue
+import select
 import signal
 import subprocess
 import sys
@@ -55,6 +57,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         self._prepared: native.Prepared | None = None
         self._status: bytes = b""
         self._rusage: Any = None
+        self._status_rec: Any = None
         self._limit_hit: str | None = None
         self._started = time.monotonic()
         self._ended: float | None = None
@@ -106,6 +109,21 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     # -- wait ----------------------------------------------------------------
 
     def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        # The init reports the program's end (and the tree's usage) through
+        # its status pipe once everything is dead, a moment before its own
+        # exit has torn the namespaces down: the end is known from the pipe,
+        # and the init is reaped in the background.
+        prepared = self._prepared
+        if prepared is not None and prepared.status_fd >= 0:
+            ready, _, _ = select.select([prepared.status_fd], [], [], None if wait_flags == 0 else 0)
+            if not ready:
+                return 0, 0
+            status = self._read_status()
+            if status is not None:
+                self._status_rec = status
+                _reap_later(self.pid)
+                return self.pid, int(status.wait_status)
+            # No report: the init itself was killed. Reap it here.
         try:
             pid, sts, rusage = os.wait4(self.pid, wait_flags)
         except ChildProcessError:
@@ -135,7 +153,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
     def _handle_exitstatus(self, sts: int, *args: Any, **kwargs: Any) -> None:
         self._ended = time.monotonic()
-        status = self._read_status()
+        status = self._status_rec if self._status_rec is not None else self._read_status()
         reason = 0
         if status is not None:
             sts = int(status.wait_status)
@@ -177,7 +195,12 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             return
         report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings))
         report.wall_seconds = round((self._ended or time.monotonic()) - self._started, 6)
-        if self._rusage is not None:
+        if status is not None:
+            report.user_seconds = round(status.user_usec / 1e6, 6)
+            report.system_seconds = round(status.system_usec / 1e6, 6)
+            report.cpu_seconds = round((status.user_usec + status.system_usec) / 1e6, 6)
+            report.max_rss_bytes = int(status.maxrss_kib) * 1024
+        elif self._rusage is not None:
             report.user_seconds = round(self._rusage.ru_utime, 6)
             report.system_seconds = round(self._rusage.ru_stime, 6)
             report.cpu_seconds = round(self._rusage.ru_utime + self._rusage.ru_stime, 6)
@@ -248,6 +271,30 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 "writable)"
             )
         return prepared.cgroup
+
+
+_reap_queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+_reaper_lock = threading.Lock()
+_reaper_started = False
+
+
+def _reaper() -> None:
+    while True:
+        pid = _reap_queue.get()
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _reap_later(pid: int) -> None:
+    """Reap an init whose report is already in: its exit is a formality."""
+    global _reaper_started
+    with _reaper_lock:
+        if not _reaper_started:
+            threading.Thread(target=_reaper, name="isolate-reaper", daemon=True).start()
+            _reaper_started = True
+    _reap_queue.put(pid)
 
 
 def run(

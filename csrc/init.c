@@ -140,6 +140,20 @@ static void kill_children(void)
     }
 }
 
+/* Reap every child that has ended; 1 when the program was among them. */
+static int reap(pid_t program)
+{
+    int wstatus, found = 0;
+    pid_t pid;
+    while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+        if (pid == program) {
+            status.wait_status = wstatus;
+            found = 1;
+        }
+    }
+    return found;
+}
+
 static void kill_everything(pid_t program, int pid_namespace)
 {
     if (pid_namespace) {
@@ -223,16 +237,7 @@ int main(int argc, char **argv)
     int done = 0;
     /* The program may have ended before SIGCHLD was blocked (the pre-exec
      * path): look once before waiting for the signal. */
-    {
-        int wstatus;
-        pid_t pid;
-        while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
-            if (pid == program) {
-                status.wait_status = wstatus;
-                done = 1;
-            }
-        }
-    }
+    done = reap(program);
     while (!done) {
         struct pollfd fds[3] = {
             {.fd = sigfd, .events = POLLIN},
@@ -268,14 +273,7 @@ int main(int argc, char **argv)
                     kill(program, sig);
                     continue;
                 }
-                int wstatus;
-                pid_t pid;
-                while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
-                    if (pid == program) {
-                        status.wait_status = wstatus;
-                        done = 1;
-                    }
-                }
+                done |= reap(program);
             }
         }
     }

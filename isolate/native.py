@@ -638,15 +638,18 @@ def _apply_seccomp(
     if policy.seccomp == "none" and not deny_sockets and not deny_setid:
         enforced["seccomp"] = None
         return
+    from . import _bpfcache
+
+    cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid))
+    compiled: Any = _bpfcache.load(cache_key) if cache_key else None
     try:
-        from . import seccomp
-    except ImportError as exc:  # pragma: no cover - the module ships with the package
-        refusals.refuse(f"seccomp: the filter compiler is not available ({exc})")
-        enforced["seccomp"] = None
-        return
-    try:
-        compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
-                                          deny_setid=deny_setid)
+        if compiled is None:
+            from . import seccomp
+
+            compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
+                                              deny_setid=deny_setid)
+            if compiled is not None and cache_key:
+                _bpfcache.store(cache_key, compiled)
     except UnsupportedError as exc:
         if deny_setid:
             raise UnsupportedError(

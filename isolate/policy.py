@@ -19,11 +19,6 @@ from typing import Any
 from .errors import PolicyError
 from .units import format_size, parse_count, parse_seconds, parse_size
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
 #: Read-only system paths granted unless ``--no-defaults`` (missing ones are skipped).
 DEFAULT_READ: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc")
 #: Writable by default: the working directory of the run.
@@ -284,6 +279,10 @@ class Policy:
     @classmethod
     def from_toml(cls, text: str, source: str = "<policy>") -> Policy:
         """Parse a TOML profile; syntax errors raise ``PolicyError`` naming ``source``."""
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - exercised on 3.10 only
+            import tomli as tomllib
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno as errno_mod
 import os
 import resource
-import signal
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -781,10 +780,3 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
         "host can enforce",
         name, err, detail,
     )
-
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import select
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +20,7 @@ from typing import Any
 
 from . import native
 from ._core import ffi
-from .errors import IsolationError, UnsupportedError
+from .errors import UnsupportedError
 from .policy import Policy
 from .report import Report, status_for
 
@@ -377,12 +375,4 @@ def choose_backend(policy: Policy) -> str:
     )
 
 
-def _kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 __all__ = ["CompletedProcess", "Popen", "choose_backend", "run"]
-_ = (sys, threading, IsolationError)

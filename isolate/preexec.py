@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from . import native
 from ._core import ffi, lib, step_name
@@ -56,5 +55,3 @@ class PreexecHook:
 def make_preexec_fn(policy: Policy) -> Callable[[], None]:
     return PreexecHook(policy)
 
-
-_: Any = None

@@ -66,7 +66,13 @@ int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid)
     char *stack = mmap(NULL, stack_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
     if (stack == MAP_FAILED)
         return -1;
+    /* The child shares this memory: no handler of the parent may run in it,
+     * so it starts (and stays, until SIGKILL) with every signal blocked. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
     int pid = clone(idle_child, stack + stack_size, CLONE_VM | CLONE_NEWUSER | SIGCHLD, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (pid < 0) {
         int saved = errno;
         munmap(stack, stack_size);

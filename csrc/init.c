@@ -140,6 +140,23 @@ static void kill_children(void)
     }
 }
 
+/* Close every descriptor but a and b (either may be -1), gap by gap.
+ * (Before Linux 5.9 close_range fails and the leftovers merely stay open
+ * in this process; the program never sees them.) */
+static void close_all_but(int a, int b)
+{
+    int keep[2] = {a < b ? a : b, a < b ? b : a};
+    unsigned int lo = 0;
+    for (int i = 0; i < 2; i++) {
+        if (keep[i] < 0)
+            continue;
+        if ((unsigned int)keep[i] > lo)
+            syscall(SYS_close_range, lo, (unsigned int)keep[i] - 1, 0);
+        lo = (unsigned int)keep[i] + 1;
+    }
+    syscall(SYS_close_range, lo, ~0U, 0);
+}
+
 /* Reap every child that has ended; 1 when the program was among them. */
 static int reap(pid_t program)
 {
@@ -181,26 +198,7 @@ int main(int argc, char **argv)
     /* Only our own descriptors: the program's stdio must not stay open
      * here, or a reader of its pipes would wait for this process too, and
      * nothing passed on to the program (pass_fds) belongs to the init. */
-    for (int fd = 0; fd < 3; fd++)
-        if (fd != status_fd && fd != listener)
-            close(fd);
-    {
-        int keep_lo = status_fd < listener ? status_fd : listener;
-        int keep_hi = status_fd < listener ? listener : status_fd;
-        if (keep_lo < 3)
-            keep_lo = keep_hi, keep_hi = -1;
-        if (keep_lo < 3) {
-            syscall(SYS_close_range, 3, ~0U, 0);
-        } else {
-            syscall(SYS_close_range, 3, keep_lo - 1, 0);
-            if (keep_hi > keep_lo) {
-                syscall(SYS_close_range, keep_lo + 1, keep_hi - 1, 0);
-                syscall(SYS_close_range, keep_hi + 1, ~0U, 0);
-            } else {
-                syscall(SYS_close_range, keep_lo + 1, ~0U, 0);
-            }
-        }
-    }
+    close_all_but(status_fd, listener);
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         return 125;
     if (!pid_namespace) {

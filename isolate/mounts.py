@@ -18,10 +18,9 @@ STAGING = "/tmp"
 OLDROOT = "/oldroot"
 NEWROOT = "/newroot"
 
-#: A write grant whose idmapped tree the pre-exec hook opens itself.
-IDMAP_IN_CHILD = -2
-#: A write grant whose idmapped tree the parent opens for each run.
-IDMAP_PER_RUN = -3
+#: A write grant made of an idmapped tree, opened for each run (by the
+#: parent, or by the pre-exec hook itself).
+IDMAP = -2
 
 #: Device nodes bound from the host into the sandbox's /dev.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -73,7 +72,7 @@ class MountPlan:
         flags = (lib.ISO_MOUNT_F_READONLY if readonly else 0) | (lib.ISO_MOUNT_F_KEEP_DEV if keep_dev else 0)
         if fd >= 0:
             self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, flags=flags, fd=fd))
-        elif fd in (IDMAP_IN_CHILD, IDMAP_PER_RUN):
+        elif fd == IDMAP:
             # The tree is cloned from the inode the parent opened, not from the path.
             self.steps.append(MountStep(lib.ISO_MOUNT_MOVE, target, source=f"/proc/self/fd/{source_fd}",
                                         flags=flags, fd=-1))

@@ -14,7 +14,7 @@ import os
 import resource
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -80,19 +80,22 @@ class Prepared:
     enforced: dict[str, Any]
     warnings: list[str]
     status_fd: int = -1  # read end of the init's status pipe
-    pid_namespace: bool = True
     cgroup: Any = None
     limit_cpu_seconds: float | None = None
     _keep: list[Any] = field(default_factory=list)
     _close_after_spawn: list[int] = field(default_factory=list)
 
     def close_child_side(self) -> None:
-        for fd in self._close_after_spawn:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._close_after_spawn.clear()
+        _close_all(self._close_after_spawn)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 class _Refusals:
@@ -139,20 +142,30 @@ def unsupported_reasons(policy: Policy) -> list[str]:
         reasons.append("network: filtered egress (allow-host) is not available in the native backend yet")
     limits = policy.limits
     if limits.memory is not None or limits.pids is not None or limits.cpus is not None:
-        try:
-            from . import cgroup
-
-            needs = _cgroup_needs(policy)
-            cgroup.check_available(needs)
-        except UnsupportedError as exc:
-            reasons.append(str(exc))
-        except ImportError:
-            reasons.append("memory, pids and cpus limits need cgroup support, which is not built yet")
+        refusal = _cgroup_refusal(frozenset(_cgroup_needs(policy)))
+        if refusal:
+            reasons.append(refusal)
     if policy.namespaces and userns_error():
         reasons.append(f"namespaces: this caller cannot create a user namespace ({os.strerror(userns_error())})")
     if not policy.namespaces and landlock.abi() == 0:
         reasons.append("filesystem: without namespaces, Landlock is needed and this kernel has none")
     return reasons
+
+
+@lru_cache(maxsize=16)
+def _cgroup_refusal(needs: frozenset[str]) -> str | None:
+    """Why no cgroup with ``needs`` can be made here (None: one can), asked once per process.
+
+    Only the backend choice uses this; each run still creates its own cgroup
+    and refuses then if that fails.
+    """
+    from . import cgroup
+
+    try:
+        cgroup.check_available(set(needs))
+    except UnsupportedError as exc:
+        return str(exc)
+    return None
 
 
 def _cgroup_needs(policy: Policy) -> set[str]:
@@ -197,14 +210,11 @@ class _Static:
                 return False
         return True
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Callable[[list[int]], None] = _close_all) -> None:
         # Only when no run holds this plan any more: a descriptor closed
         # under a child that is adding its Landlock rules could be reused.
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        # (The default argument keeps the helper reachable at shutdown.)
+        _close(self.fds)
 
 
 _STATIC_CACHE: OrderedDict[tuple[Any, ...], _Static] = OrderedDict()
@@ -349,12 +359,13 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         write_trees: list[tuple[str, int]] = []
         for path in write:
             fd = -1
-            if root_caller and for_preexec:
-                plan.idmap_userns_fd = _idmap_userns(program_uid, program_gid)
-                fd = mounts.IDMAP_IN_CHILD
-            elif root_caller:
-                _idmap_userns(program_uid, program_gid)  # fail early, and create it once
-                fd = mounts.IDMAP_PER_RUN
+            if root_caller:
+                # The tree is opened per run (or by the pre-exec hook itself):
+                # attaching it consumes it. The namespace is made once, here.
+                userns_fd = _idmap_userns(program_uid, program_gid)
+                if for_preexec:
+                    plan.idmap_userns_fd = userns_fd
+                fd = mounts.IDMAP
             write_trees.append((path, fd))
         tmpfs_options = "mode=1777"
         if policy.limits.memory is not None:
@@ -567,7 +578,6 @@ def prepare(
     plan.rlimits = crl
     plan.n_rlimits = len(rlimits)
     limit_cpu = static.limit_cpu_seconds
-    flags = int(plan.clone_flags)
 
     # -- the program ---------------------------------------------------------
     program_env = program_environment(policy, env)
@@ -615,7 +625,6 @@ def prepare(
         enforced=enforced,
         warnings=refusals.warnings,
         status_fd=status_r,
-        pid_namespace=bool(flags & CLONE_NEWPID),
         cgroup=prepared_cgroup,
         limit_cpu_seconds=limit_cpu,
         _keep=keep,

@@ -205,8 +205,9 @@ class Policy:
                 isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32 - 1
             ):
                 raise PolicyError(f"{name}: {value!r} is not a valid id", name)
-        if self.uid == 0 or self.gid == 0:
-            raise PolicyError("uid/gid: the sandboxed program never runs as root; choose another id", "uid")
+        for name in ("uid", "gid"):
+            if getattr(self, name) == 0:
+                raise PolicyError(f"{name}: the sandboxed program never runs as root; choose another id", name)
         for name in ("namespaces", "new_session", "die_with_parent", "best_effort"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"{name}: expected true or false", name)

@@ -41,7 +41,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
     ``preexec_fn``, ``user``, ``group``, ``extra_groups`` and ``umask`` are
     refused: the policy decides who the program is. ``report`` is filled in
-    when the program has ended.
+    when the program has ended. ``pid`` is the sandbox's init: signals sent
+    to it are forwarded to the program, and SIGKILL ends the whole sandbox.
     """
 
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
@@ -248,10 +249,6 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     def enforced(self) -> dict[str, Any]:
         """Each protection in force, and the mechanism enforcing it."""
         return dict(self._prepared.enforced) if self._prepared is not None else {}
-
-    def send_signal(self, sig: int) -> None:
-        """Signals go to the init, which forwards them to the program (SIGKILL ends the whole sandbox)."""
-        super().send_signal(sig)
 
     def pause(self) -> None:
         """Freeze every process of the sandbox (needs a cgroup)."""

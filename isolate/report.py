@@ -17,7 +17,7 @@ from typing import Any
 from .errors import IsolationError
 
 #: Values of ``status``.
-STATUSES = ("ok", "exited", "signaled", "timeout", "memory", "cpu", "file-size", "pids", "setup-error")
+STATUSES = ("ok", "exited", "signaled", "timeout", "memory", "cpu", "file-size", "setup-error")
 
 
 @dataclass

@@ -18,7 +18,6 @@ PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.pa
 PYTHON_PREFIX = os.path.dirname(os.path.dirname(PYTHON)) if PYTHON != "/usr/bin/python3" else "/usr"
 
 root_only = pytest.mark.skipif(not ROOT, reason="needs a root caller (checks how a root caller is confined)")
-unprivileged_only = pytest.mark.skipif(ROOT, reason="checks the behaviour for a non-root caller")
 
 
 def python_read() -> tuple[str, ...]:

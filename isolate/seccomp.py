@@ -970,6 +970,23 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     return b"".join(out)
 
 
+def unix_guard_rules() -> list[dict[str, Any]]:
+    """OCI rules refusing AF_UNIX sockets, for a backend that cannot supervise connect() (Docker).
+
+    socket(AF_UNIX) of every type and AF_UNIX datagram socket pairs get
+    EACCES; stream and seqpacket pairs stay (their peer is fixed at birth).
+    """
+    comment = "pathname unix sockets of read-only binds are reachable by connect(); no supervisor here"
+    rules: list[dict[str, Any]] = [
+        {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno_mod.EACCES, "comment": comment,
+         "args": [_masked(0, _LOW32, _AF_UNIX)]},
+    ]
+    for kind in (2, 3):  # SOCK_DGRAM, and SOCK_RAW which AF_UNIX turns into SOCK_DGRAM
+        rules.append({"names": ["socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno_mod.EACCES,
+                      "comment": comment, "args": [_masked(0, _LOW32, _AF_UNIX), _masked(1, 0xF, kind)]})
+    return rules
+
+
 #: Calls that can set a file's mode, and the argument holding the mode.
 _MODE_ARGUMENTS = (
     ("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2),

@@ -269,8 +269,10 @@ def denial_hints(report: Report, policy: Policy) -> list[str]:
                          "allow it with --net host")
         elif mechanism == "unix-socket" and not any(line.startswith("unix socket") for line in lines):
             if entry.get("path"):
-                lines.append(f"unix socket {entry['path']} is outside the writable paths (--net {network}): "
-                             f"connect was refused; allow it with --unix-socket {entry['path']}")
+                # The program chose the path: nothing in it may reach the terminal as a control sequence.
+                path = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in entry["path"])
+                lines.append(f"unix socket {path} is outside the writable paths (--net {network}): "
+                             f"connect was refused; allow it with --unix-socket {path}")
             else:
                 lines.append(f"unix socket: AF_UNIX datagram sockets are refused under --net {network} on this "
                              "kernel (no Landlock ABI 9); use stream sockets, or --net host")

@@ -18,11 +18,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import policy, py
 
 import isolate
 from isolate import landlock, native
-
-from conftest import policy, py
 
 
 class Server:
@@ -343,8 +342,8 @@ def test_a_blocked_connect_does_not_stop_the_wall_clock(workdir: str) -> None:
 
 
 def test_none_fails_fast_and_says_so(workdir: str) -> None:
-    code = ("import socket, sys\nfor i in range(2):\n    c = socket.socket()\n    print(c.connect_ex(('1.1.1.1', 53)))\n"
-            "sys.exit(1)\n")
+    code = ("import socket, sys\nfor i in range(2):\n    c = socket.socket()\n"
+            "    print(c.connect_ex(('1.1.1.1', 53)))\nsys.exit(1)\n")
     started = time.monotonic()
     result = isolate.run(py(code), policy=policy(), cwd=workdir, capture_output=True, text=True)
     assert time.monotonic() - started < 10
@@ -443,3 +442,28 @@ def test_docker_runs_with_the_unix_guard(workdir: str) -> None:
     result = sh("echo ok", pol(read=[ro]))
     assert result.stdout.strip() == "ok", result.stderr
     assert result.report.enforced["unix_sockets"] == "seccomp-no-unix-sockets"
+
+
+def test_preexec_fn_without_a_supervisor_refuses_unix_sockets(granted: tuple[str, Server], workdir: str) -> None:
+    """The pre-exec hook has no init to perform connect(): AF_UNIX sockets are refused (fail closed)."""
+    ro, server = granted
+    if landlock.abi() >= 9:
+        pytest.skip("Landlock governs unix sockets here")
+    pol = policy(read=(*policy().read, ro), write=(workdir,))
+    code = ("import socket, sys\ntry:\n    s = socket.socket(socket.AF_UNIX)\n"
+            "    s.connect(sys.argv[1]); print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n"
+            "a, b = socket.socketpair(); a.send(b'y'); print(b.recv(1).decode())\n")
+    result = subprocess.run([*py(code), server.path], preexec_fn=pol.preexec_fn, cwd=workdir, capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout.split() == ["refused", "13", "y"], result.stderr
+    assert server.accepted == 0
+    with pytest.raises(isolate.UnsupportedError, match="unix_sockets"):
+        policy(unix_sockets=(server.path,)).preexec_fn()
+
+
+def test_the_hint_line_escapes_the_programs_path() -> None:
+    from isolate.cli import denial_hints
+
+    report = isolate.Report(denied=[{"mechanism": "unix-socket", "path": "/tmp/\x1b[2Jx", "count": 1}])
+    (line,) = denial_hints(report, isolate.Policy())
+    assert "\x1b" not in line and "\\x1b[2Jx" in line

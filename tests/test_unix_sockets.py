@@ -467,3 +467,16 @@ def test_the_hint_line_escapes_the_programs_path() -> None:
     report = isolate.Report(denied=[{"mechanism": "unix-socket", "path": "/tmp/\x1b[2Jx", "count": 1}])
     (line,) = denial_hints(report, isolate.Policy())
     assert "\x1b" not in line and "\\x1b[2Jx" in line
+
+
+def test_a_thread_that_is_not_the_leader_is_supervised(granted: tuple[str, Server], workdir: str) -> None:
+    """The init takes the socket from the calling thread itself (pidfd of the thread)."""
+    ro, server = granted
+    code = ("import socket, sys, threading\nsrv = socket.socket(socket.AF_UNIX); srv.bind('/tmp/t.sock'); "
+            "srv.listen(1)\ndef go():\n    for p in ('/tmp/t.sock', sys.argv[1]):\n"
+            "        c = socket.socket(socket.AF_UNIX)\n        try:\n            c.connect(p); print('connected')\n"
+            "        except OSError as e:\n            print('refused', e.errno)\n"
+            "t = threading.Thread(target=go); t.start(); t.join()\n")
+    result = run(code, workdir, ro, server.path)
+    assert result.stdout.split() == ["connected", "refused", "13"], result.stderr
+    assert server.accepted == 0

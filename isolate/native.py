@@ -126,6 +126,15 @@ def _resolve(paths: Sequence[str], cwd: str, field_name: str, skip_missing: bool
     return out
 
 
+def _yama_ptrace_scope() -> int:
+    """/proc/sys/kernel/yama/ptrace_scope (0 without Yama)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", encoding="ascii") as handle:
+            return int(handle.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def program_environment(policy: Policy, extra: Mapping[str, str] | None) -> dict[str, str]:
     """The minimal environment: keep_env names from the caller, then policy.env, then ``extra``."""
     env = {name: os.environ[name] for name in policy.keep_env if name in os.environ}
@@ -393,6 +402,14 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
             + [f"{dev}:{ino}" for dev, ino in socket_ids]
         )
         plan.supervise = cstr(spec)
+        scope = _yama_ptrace_scope()
+        if scope >= 2:
+            # The init needs ptrace-class access to take the program's socket:
+            # every connect() would be refused (closed, never open).
+            refusals.warnings.append(
+                f"Yama ptrace_scope is {scope} here: the init cannot supervise connect(), so every connect() of "
+                "the program will fail with EACCES; use network='host', or a kernel with Landlock ABI 9"
+            )
     resolve_unix = landlock.resolve_unix_right(abi) if unix_mode == "landlock" else 0
 
     # -- mounts ------------------------------------------------------------

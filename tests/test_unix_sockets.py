@@ -480,3 +480,13 @@ def test_a_thread_that_is_not_the_leader_is_supervised(granted: tuple[str, Serve
     result = run(code, workdir, ro, server.path)
     assert result.stdout.split() == ["connected", "refused", "13"], result.stderr
     assert server.accepted == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="a root caller's writable paths keep the set-ID guard")
+def test_seccomp_none_on_the_host_network_installs_no_filter(workdir: str) -> None:
+    """The supervisor's filter is there only where it is needed (network none/loopback)."""
+    code = "print(open('/proc/self/status').read())"
+    result = isolate.run(py(code), policy=policy(seccomp="none", network="host"), cwd=workdir, capture_output=True,
+                         text=True)
+    assert "Seccomp:\t0\n" in result.stdout, result.stderr
+    assert result.report.enforced["seccomp"] is None

@@ -282,6 +282,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         socket_ids.append((info.st_dev, info.st_ino))
         if real not in read and real not in write:
             read.append(real)
+    if len(socket_ids) > 64:  # the init's allow-list (csrc/supervise.c) has room for 64
+        raise PolicyError("unix_sockets: at most 64 sockets can be named; grant their directory writable instead",
+                          "unix_sockets")
     for name, paths in (("read", read), ("write", write)):
         if "/" in paths:
             raise PolicyError(

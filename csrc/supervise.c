@@ -22,7 +22,7 @@
  *   - answers the notification with the result.
  * Other families: under "none" an AF_INET/AF_INET6 destination is answered
  * ENETUNREACH and recorded; anything else is connected with the copied
- * address.  A blocking socket is connected by a short-lived child, so that
+ * address.  A blocking socket is connected by a short-lived thread, so that
  * the init's loop (wall clock, reaping) never waits on a peer.
  * AF_UNIX datagram sockets name their peer on every sendmsg(), behind a
  * pointer the filter cannot read, so their creation is sent here too and
@@ -34,6 +34,7 @@
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -202,30 +203,76 @@ static int open_program_path(pid_t tid, const char *path, int *err)
     return fd;
 }
 
-/* Connect sock to addr; in a child when the socket blocks.  Returns 1 when
- * the child answers the notification, else 0 with *err set. */
-static int do_connect(int listener, uint64_t id, int sock, const struct sockaddr *addr, socklen_t len, int *err)
+/* A blocking connect, done by a thread of its own: it owns the socket and
+ * the O_PATH descriptor, answers the notification and ends. */
+struct connect_job {
+    int listener;
+    uint64_t id;
+    int sock;
+    int target;
+    socklen_t len;
+    struct sockaddr_storage addr;
+};
+
+static void *connect_thread(void *arg)
 {
-    int flags = fcntl(sock, F_GETFL);
+    struct connect_job *job = arg;
+    int rc = connect(job->sock, (struct sockaddr *)&job->addr, job->len) < 0 ? errno : 0;
+    answer(job->listener, job->id, rc);
+    close(job->sock);
+    if (job->target >= 0)
+        close(job->target);
+    free(job);
+    return NULL;
+}
+
+/* Connect *sock to addr.  A non-blocking socket is connected here; a
+ * blocking one by a detached thread (a peer with a full backlog would
+ * otherwise stop the init's loop: the wall clock, the reaping), which then
+ * owns *sock and *target (set to -1 here) and answers.  Returns 1 when the
+ * thread answers, else 0 with *err set. */
+static int do_connect(int listener, uint64_t id, int *sock, int *target, const struct sockaddr *addr,
+                      socklen_t len, int *err)
+{
+    int flags = fcntl(*sock, F_GETFL);
     if (flags < 0) {
         *err = EBADF;
         return 0;
     }
     if (flags & O_NONBLOCK) {
-        *err = connect(sock, addr, len) < 0 ? errno : 0;
+        *err = connect(*sock, addr, len) < 0 ? errno : 0;
         return 0;
     }
-    pid_t child = fork();
-    if (child < 0) {
-        *err = errno == ENOMEM ? ENOMEM : EAGAIN;
+    struct connect_job *job = malloc(sizeof *job);
+    if (job == NULL) {
+        *err = ENOMEM;
         return 0;
     }
-    if (child == 0) {
-        int rc = connect(sock, addr, len) < 0 ? errno : 0;
-        answer(listener, id, rc);
-        _exit(0);
+    job->listener = listener;
+    job->id = id;
+    job->sock = *sock;
+    job->target = *target;
+    job->len = len;
+    memcpy(&job->addr, addr, len);
+    pthread_attr_t attr;
+    pthread_t thread;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        /* Errors of these two only leave the defaults (joinable threads
+         * that are never joined keep a little memory; a larger stack). */
+        (void)pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        (void)pthread_attr_setstacksize(&attr, 64 * 1024);
+        rc = pthread_create(&thread, &attr, connect_thread, job);
+        pthread_attr_destroy(&attr);
     }
-    return 1; /* the init reaps it with the rest */
+    if (rc != 0) {
+        free(job);
+        *err = rc == ENOMEM ? ENOMEM : EAGAIN;
+        return 0;
+    }
+    *sock = -1;
+    *target = -1;
+    return 1;
 }
 
 /* Whether an AF_INET/AF_INET6 destination lies outside what the network
@@ -332,7 +379,7 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
         }
         struct sockaddr_un via = {.sun_family = AF_UNIX};
         snprintf(via.sun_path, sizeof via.sun_path, "/proc/self/fd/%d", target);
-        if (do_connect(listener, req->id, sock, (struct sockaddr *)&via, sizeof via, &err))
+        if (do_connect(listener, req->id, &sock, &target, (struct sockaddr *)&via, sizeof via, &err))
             goto handed_over;
         goto out;
     }
@@ -350,7 +397,7 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
         err = ENETUNREACH;
         goto out;
     }
-    if (do_connect(listener, req->id, sock, (struct sockaddr *)&copy, (socklen_t)addrlen, &err))
+    if (do_connect(listener, req->id, &sock, &target, (struct sockaddr *)&copy, (socklen_t)addrlen, &err))
         goto handed_over;
 out:
     answer(listener, req->id, err);

@@ -490,3 +490,24 @@ def test_seccomp_none_on_the_host_network_installs_no_filter(workdir: str) -> No
                          text=True)
     assert "Seccomp:\t0\n" in result.stdout, result.stderr
     assert result.report.enforced["seccomp"] is None
+
+
+@pytest.mark.parametrize("mode", ["default", "strict", "none"])
+def test_every_allow_of_the_profile_goes_through_the_epilogue(mode: str) -> None:
+    """No path of the compiled profile returns ALLOW (or USER_NOTIF) without the supervisor's epilogue."""
+    import struct
+
+    from isolate import seccomp
+
+    reference = seccomp.compile_filter("default", notify=True)
+    with_epilogue = seccomp.compile_filter("default", notify=True, unix_sockets="supervise")
+    assert reference is not None and with_epilogue is not None
+    epilogue = (len(with_epilogue.bpf) - len(reference.bpf)) // 8  # the same for every profile
+    supervised = seccomp.compile_filter(mode, notify=True, unix_sockets="supervise")
+    assert supervised is not None
+    body = len(supervised.bpf) // 8 - epilogue
+    returns = [struct.unpack_from("=HBBI", supervised.bpf, 8 * i) for i in range(len(supervised.bpf) // 8)]
+    for index, (code, _jt, _jf, k) in enumerate(returns[:body]):
+        if code == 0x06:
+            assert k not in (seccomp.RET_ALLOW, seccomp.RET_LOG, seccomp.RET_USER_NOTIF), (index, hex(k))
+    assert any(code == 0x06 and k == seccomp.RET_USER_NOTIF for code, _, _, k in returns[body:])

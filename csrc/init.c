@@ -1,7 +1,7 @@
 /*
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
- *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,...]
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE]]
  *
  * The first child of a sandbox execs this once the program is running.  It
  *   - reaps every process that ends in the namespace (orphans come to it);
@@ -103,6 +103,8 @@ static void answer_notification(int listener)
     memset(&req, 0, sizeof req);
     if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0)
         return; /* ENOENT: the caller died meanwhile */
+    if (iso_supervise_notification(listener, &req))
+        return; /* a connect() the init performs itself (supervise.c) */
     count_denial(req.data.nr);
     memset(&resp, 0, sizeof resp);
     resp.id = req.id;
@@ -193,6 +195,10 @@ int main(int argc, char **argv)
     long long wall_ms = atoll(argv[4]);
     if (argc > 5)
         parse_errno_table(argv[5]);
+    /* Supervised connect(): a spec it cannot read fails the run closed. */
+    int supervising = argc > 6 && argv[6][0];
+    if (supervising && iso_supervise_init(argv[6], &status) < 0)
+        return 125;
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
@@ -226,8 +232,11 @@ int main(int argc, char **argv)
         if (timer < 0 || timerfd_settime(timer, 0, &when, NULL) < 0)
             return 125;
     }
-    /* No file access from here on. */
-    if (iso_landlock_deny_all())
+    /* No file access from here on.  A supervisor needs its hands on the
+     * program (pidfd_getfd, process_vm_readv, /proc/PID/cwd, the program's
+     * paths): a Landlock domain made now would be a sibling of the
+     * program's, and Landlock refuses ptrace-class access across domains. */
+    if (!supervising && iso_landlock_deny_all())
         return 125;
 
     status.magic = ISO_STATUS_MAGIC;

@@ -173,6 +173,10 @@ struct iso_plan {
     int32_t init_fd;               /* O_PATH descriptor of the init binary; -1: no init */
     int32_t status_fd;             /* the init writes struct iso_status here */
     double wall_seconds;           /* 0: none */
+
+    /* Supervised connect() (supervise.c): NULL, or the init's spec
+     * "MODE,NR_CONNECT,NR_SOCKET,NR_SOCKETPAIR[,DEV:INO...]" (MODE n or l). */
+    const char *supervise;
 };
 
 /* What the init reports when the program ended: wait status, why, denials. */
@@ -186,6 +190,22 @@ struct iso_denial {
     uint32_t count;
 };
 
+/* A connect() the supervisor refused (supervise.c). */
+enum iso_net_denial_kind {
+    ISO_NET_DENIAL_UNIX = 1,       /* a pathname unix socket outside the grants */
+    ISO_NET_DENIAL_INET = 2,       /* an address the network mode does not reach */
+    ISO_NET_DENIAL_DGRAM = 3       /* an AF_UNIX datagram socket (socket/socketpair) */
+};
+
+struct iso_net_denial {
+    int32_t kind;
+    int32_t family;
+    int32_t port;
+    uint32_t count;
+    uint8_t address[16];
+    char path[112];                /* as the program gave it, NUL-terminated */
+};
+
 struct iso_status {
     uint32_t magic;                /* ISO_STATUS_MAGIC */
     int32_t wait_status;
@@ -195,6 +215,9 @@ struct iso_status {
     int64_t system_usec;
     int64_t maxrss_kib;            /* the largest process's peak */
     struct iso_denial denied[64];
+    uint32_t n_net_denied;
+    uint32_t net_denied_dropped;   /* distinct denials beyond the table */
+    struct iso_net_denial net_denied[16];
 };
 
 #define ISO_STATUS_MAGIC 0x150a7e01

@@ -178,8 +178,8 @@ static int first_main(void *arg)
         snprintf(status_arg, sizeof status_arg, "%d", plan->status_fd);
         snprintf(listener_arg, sizeof listener_arg, "%d", ctx->listener_fd);
         snprintf(wall_arg, sizeof wall_arg, "%lld", (long long)(plan->wall_seconds * 1000.0));
-        char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg, (char *)plan->seccomp_errnos,
-                        NULL};
+        char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg,
+                        (char *)(plan->seccomp_errnos ? plan->seccomp_errnos : ""), (char *)plan->supervise, NULL};
         char *envp[] = {NULL};
         syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
     }

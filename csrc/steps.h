@@ -43,6 +43,11 @@ int iso_exec_program(const struct iso_plan *plan);
 /* userns.c (parent side): setgroups, uid_map and gid_map of a child. */
 int iso_write_id_maps(int pid, const struct iso_plan *plan);
 
+/* supervise.c (linked into the init): connect() performed by the init. */
+struct seccomp_notif;
+int iso_supervise_init(const char *spec, struct iso_status *status);
+int iso_supervise_notification(int listener, const struct seccomp_notif *req);
+
 /* spawn.c: the shared tail of both paths (fast spawn and pre-exec hook). */
 void iso_report(int fd, int step, int err, int index);
 

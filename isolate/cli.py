@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drop the default read-only system paths and the writable cwd")
     net = parser.add_argument_group("network")
     net.add_argument("--net", choices=NETWORK_MODES, default=None, help="none (default) | loopback | host")
+    net.add_argument("--unix-socket", action="append", default=[], metavar="PATH",
+                     help="let the program connect to this unix socket (under --net none/loopback only sockets "
+                          "in writable paths are reachable)")
     net.add_argument("--allow-host", action="append", default=[], metavar="HOST[:PORT]",
                      help="permit egress to HOST (filtered network)")
     lim = parser.add_argument_group("limits")
@@ -153,6 +156,8 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
         "limits": Limits(**limits),
         "network": network,
     }
+    if options.unix_socket:
+        changes["unix_sockets"] = tuple(base.unix_sockets) + tuple(options.unix_socket)
     if options.chdir:
         changes["cwd"] = options.chdir
     if options.seccomp:
@@ -242,9 +247,36 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     report = process.report or Report()
+    if returncode != 0:
+        for line in denial_hints(report, policy):
+            print(f"isolate-run: {line}", file=sys.stderr)
     if report_path:
         write_report(report_path, report)
     return _exit_status(returncode)
+
+
+def denial_hints(report: Report, policy: Policy) -> list[str]:
+    """One line for the first refused network destination and one for the first refused unix socket."""
+    lines: list[str] = []
+    network = policy.network if isinstance(policy.network, str) else "none"
+    for entry in report.denied:
+        mechanism = entry.get("mechanism")
+        if mechanism == "network" and not any(line.startswith("the network") for line in lines):
+            host = entry["address"]
+            where = f"[{host}]:{entry['port']}" if ":" in host else f"{host}:{entry['port']}"
+            what = "off" if network == "none" else "loopback only"
+            lines.append(f"the network is {what} (--net {network}): connect to {where} was refused; "
+                         "allow it with --net host")
+        elif mechanism == "unix-socket" and not any(line.startswith("unix socket") for line in lines):
+            if entry.get("path"):
+                # The program chose the path: nothing in it may reach the terminal as a control sequence.
+                path = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in entry["path"])
+                lines.append(f"unix socket {path} is outside the writable paths (--net {network}): "
+                             f"connect was refused; allow it with --unix-socket {path}")
+            else:
+                lines.append(f"unix socket: AF_UNIX datagram sockets are refused under --net {network} on this "
+                             "kernel (no Landlock ABI 9); use stream sockets, or --net host")
+    return lines
 
 
 def _setup_error_report(path: str | None, error: Exception) -> None:

@@ -45,7 +45,10 @@ def _landlock() -> tuple[bool, str]:
         extras.append("ioctl on devices")
     if abi >= 6:
         extras.append("signal and abstract-socket scoping")
-    return True, f"ABI {abi}" + (f" ({', '.join(extras)})" if extras else "")
+    if abi >= 9:
+        extras.append("unix socket lookup rules")
+    unix = "" if abi >= 9 else "; unix sockets under network none/loopback: connect() supervised by the init"
+    return True, f"ABI {abi}" + (f" ({', '.join(extras)})" if extras else "") + unix
 
 
 def _userns() -> tuple[bool, str]:

@@ -26,6 +26,8 @@ LANDLOCK_ACCESS_FS_MAKE_SYM = 1 << 12
 LANDLOCK_ACCESS_FS_REFER = 1 << 13  # ABI 2
 LANDLOCK_ACCESS_FS_TRUNCATE = 1 << 14  # ABI 3
 LANDLOCK_ACCESS_FS_IOCTL_DEV = 1 << 15  # ABI 5
+#: The lookup of a pathname unix socket by connect() and sendmsg() (ABI 9).
+LANDLOCK_ACCESS_FS_RESOLVE_UNIX = 1 << 16
 
 LANDLOCK_ACCESS_NET_BIND_TCP = 1 << 0  # ABI 4
 LANDLOCK_ACCESS_NET_CONNECT_TCP = 1 << 1  # ABI 4
@@ -40,6 +42,7 @@ FILE_RIGHTS = (
     | LANDLOCK_ACCESS_FS_READ_FILE
     | LANDLOCK_ACCESS_FS_TRUNCATE
     | LANDLOCK_ACCESS_FS_IOCTL_DEV
+    | LANDLOCK_ACCESS_FS_RESOLVE_UNIX
 )
 
 
@@ -49,9 +52,15 @@ def abi() -> int:
     return int(lib.iso_landlock_abi())
 
 
-def handled_fs(version: int) -> int:
-    """Every filesystem right the given ABI knows: all of them are denied unless granted."""
+def handled_fs(version: int, resolve_unix: bool = False) -> int:
+    """Every filesystem right the given ABI knows: all of them are denied unless granted.
+
+    ``resolve_unix`` adds, from ABI 9, the lookup of pathname unix sockets
+    (handled only when the network is not the host's: see unix_socket_mechanism).
+    """
     rights = (1 << 13) - 1
+    if version >= 9 and resolve_unix:
+        rights |= LANDLOCK_ACCESS_FS_RESOLVE_UNIX
     if version >= 2:
         rights |= LANDLOCK_ACCESS_FS_REFER
     if version >= 3:
@@ -100,3 +109,27 @@ def scoped(version: int) -> int:
     if version >= 6:
         return LANDLOCK_SCOPE_SIGNAL | LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET
     return 0
+
+
+def resolve_unix_right(version: int) -> int:
+    """The right that lets write grants, tmpfs mounts and named sockets be connected to (0 before ABI 9)."""
+    return LANDLOCK_ACCESS_FS_RESOLVE_UNIX if version >= 9 else 0
+
+
+def unix_socket_mechanism(version: int, network: str, namespaces: bool, has_init: bool) -> str:
+    """What keeps the program from the host's pathname unix sockets (``enforced["unix_sockets"]``).
+
+    ``host``: nothing (the host's network is granted, its sockets with it);
+    ``seccomp-no-sockets``: without namespaces, network none refuses socket();
+    ``landlock``: ABI 9's LANDLOCK_ACCESS_FS_RESOLVE_UNIX;
+    ``supervisor``: the init performs each connect() (csrc/supervise.c);
+    ``seccomp-no-unix-sockets``: no init to supervise (the pre-exec hook), so
+    socket(AF_UNIX) is refused.
+    """
+    if network == "host":
+        return "host"
+    if not namespaces:
+        return "seccomp-no-sockets"
+    if version >= 9:
+        return "landlock"
+    return "supervisor" if has_init else "seccomp-no-unix-sockets"

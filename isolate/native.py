@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno as errno_mod
 import os
 import resource
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -123,6 +124,15 @@ def _resolve(paths: Sequence[str], cwd: str, field_name: str, skip_missing: bool
             )
         out.append(absolute)
     return out
+
+
+def _yama_ptrace_scope() -> int:
+    """/proc/sys/kernel/yama/ptrace_scope (0 without Yama)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", encoding="ascii") as handle:
+            return int(handle.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def program_environment(policy: Policy, extra: Mapping[str, str] | None) -> dict[str, str]:
@@ -255,6 +265,26 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     defaults_read = policy.read == DEFAULT_READ
     read = _resolve(policy.read, run_cwd, "read", skip_missing=defaults_read)
     write = _resolve(policy.write, run_cwd, "write", skip_missing=False)
+    # Named unix sockets: each must be a socket now; its inode is what the
+    # supervisor allows (whatever path reaches it), and it is bound into the
+    # sandbox as a read grant of its own.
+    sockets: list[str] = []
+    socket_ids: list[tuple[int, int]] = []
+    for path in _resolve(policy.unix_sockets, run_cwd, "unix_sockets", skip_missing=False):
+        real = mounts.host_symlinks(path, "unix_sockets")[1]
+        try:
+            info = os.lstat(real)
+        except OSError as exc:
+            raise PolicyError(f"unix_sockets: {path}: {exc.strerror}", "unix_sockets") from None
+        if not stat.S_ISSOCK(info.st_mode):
+            raise PolicyError(f"unix_sockets: {path} is not a unix socket", "unix_sockets")
+        sockets.append(real)
+        socket_ids.append((info.st_dev, info.st_ino))
+        if real not in read and real not in write:
+            read.append(real)
+    if len(socket_ids) > 64:  # the init's allow-list (csrc/supervise.c) has room for 64
+        raise PolicyError("unix_sockets: at most 64 sockets can be named; grant their directory writable instead",
+                          "unix_sockets")
     for name, paths in (("read", read), ("write", write)):
         if "/" in paths:
             raise PolicyError(
@@ -353,8 +383,39 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     enforced["no_new_privs"] = True
     enforced["capabilities"] = "all dropped" if (use_ns or root_caller) else "none held (no_new_privs)"
 
-    # -- mounts ------------------------------------------------------------
+    # -- pathname unix sockets (the network namespace does not scope them) ----
     abi = landlock.abi()
+    unix_mode = landlock.unix_socket_mechanism(abi, network, use_ns, has_init=not for_preexec)
+    enforced["unix_sockets"] = unix_mode
+    if sockets:
+        enforced["unix_sockets_allowed"] = list(sockets)
+        if unix_mode in ("seccomp-no-sockets", "seccomp-no-unix-sockets"):
+            refusals.refuse(
+                "unix_sockets: " + ("without namespaces, network none refuses every socket"
+                                    if unix_mode == "seccomp-no-sockets" else
+                                    "preexec_fn has no init to supervise connect(), so unix sockets are refused")
+                + "; use isolate.run/Popen with namespaces, or network='host'"
+            )
+    if unix_mode == "supervisor":
+        from . import seccomp as seccomp_mod
+
+        spec = ",".join(
+            ["n" if network == "none" else "l"]
+            + [str(seccomp_mod.syscall_number(n)) for n in ("connect", "socket", "socketpair")]
+            + [f"{dev}:{ino}" for dev, ino in socket_ids]
+        )
+        plan.supervise = cstr(spec)
+        scope = _yama_ptrace_scope()
+        if scope >= 2:
+            # The init needs ptrace-class access to take the program's socket:
+            # every connect() would be refused (closed, never open).
+            refusals.warnings.append(
+                f"Yama ptrace_scope is {scope} here: the init cannot supervise connect(), so every connect() of "
+                "the program will fail with EACCES; use network='host', or a kernel with Landlock ABI 9"
+            )
+    resolve_unix = landlock.resolve_unix_right(abi) if unix_mode == "landlock" else 0
+
+    # -- mounts ------------------------------------------------------------
     if use_ns:
         write_trees: list[tuple[str, int]] = []
         for path in write:
@@ -414,15 +475,18 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
             rule_fds[len(rules)] = fd
             rules.append((real, rights))
 
+        # Under ABI 9 the lookup of a unix socket is a right of its own:
+        # write grants, tmpfs mounts and named sockets get it, read grants not.
         for path in read:
-            grant(mounts.host_symlinks(path)[1], landlock.read_rights(abi))
+            real = mounts.host_symlinks(path)[1]
+            grant(real, landlock.read_rights(abi) | (resolve_unix if real in sockets else 0))
         for path in write:
-            grant(mounts.host_symlinks(path, "write")[1], landlock.write_rights(abi))
+            grant(mounts.host_symlinks(path, "write")[1], landlock.write_rights(abi) | resolve_unix)
         if use_ns:
             for path in tmpfs:
-                rules.append((path, landlock.write_rights(abi)))
+                rules.append((path, landlock.write_rights(abi) | resolve_unix))
             rules.append(("/dev", landlock.device_rights(abi)))
-            rules.append(("/dev/shm", landlock.write_rights(abi)))
+            rules.append(("/dev/shm", landlock.write_rights(abi) | resolve_unix))
             rules.append(("/proc", landlock.proc_rights(abi)))
             # The root is the sandbox's own read-only tmpfs: listing it shows
             # only what was granted.
@@ -441,7 +505,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
             crules[i].access = rights
             crules[i].fd = rule_fds.get(i, -1)
         plan.landlock_abi = abi
-        plan.landlock_handled_fs = landlock.handled_fs(abi)
+        plan.landlock_handled_fs = landlock.handled_fs(abi, resolve_unix=bool(resolve_unix))
         plan.landlock_handled_net = landlock.handled_net(abi, deny_tcp)
         plan.landlock_scoped = landlock.scoped(abi)
         plan.landlock_rules = crules
@@ -471,8 +535,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     # What a root caller's program creates in an idmapped writable path is
     # root's on disk: no set-user/group-ID bit may be set there.
     deny_setid = use_ns and root_caller and bool(write)
+    seccomp_unix = {"supervisor": "supervise", "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
-                   notify=use_ns and not for_preexec)
+                   notify=use_ns and not for_preexec, unix_sockets=seccomp_unix)
     if for_preexec and not use_ns and policy.limits.wall_seconds is not None:
         refusals.refuse("wall_seconds: preexec_fn without namespaces has no init to keep the clock; "
                         "use isolate.run/Popen, or namespaces=true")
@@ -642,20 +707,22 @@ def _apply_seccomp(
     deny_sockets: bool,
     deny_setid: bool,
     notify: bool,
+    unix_sockets: str = "",
 ) -> None:
-    if policy.seccomp == "none" and not deny_sockets and not deny_setid:
+    if policy.seccomp == "none" and not deny_sockets and not deny_setid and not unix_sockets:
         enforced["seccomp"] = None
         return
     from . import _bpfcache
 
-    cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid))
+    cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid, unix_sockets == "supervise",
+                                               unix_sockets == "deny"))
     compiled: Any = _bpfcache.load(cache_key) if cache_key else None
     try:
         if compiled is None:
             from . import seccomp
 
             compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
-                                              deny_setid=deny_setid)
+                                              deny_setid=deny_setid, unix_sockets=unix_sockets)
             if compiled is not None and cache_key:
                 _bpfcache.store(cache_key, compiled)
     except UnsupportedError as exc:
@@ -664,6 +731,12 @@ def _apply_seccomp(
                 f"a root caller's writable paths need seccomp to forbid set-user-ID files, and it is not "
                 f"available: {exc}; run as a regular user or grant no writable path"
             ) from None
+        if unix_sockets:
+            # Nothing else keeps the program from the host's unix sockets.
+            plan.supervise = ffi.NULL
+            enforced["unix_sockets"] = None
+            refusals.refuse(f"unix_sockets: keeping the program from host daemons' unix sockets under network "
+                            f"none/loopback needs seccomp here, and it is not available: {exc}")
         refusals.refuse(str(exc))
         enforced["seccomp"] = None
         return
@@ -674,7 +747,7 @@ def _apply_seccomp(
     keep.extend([compiled, buffer])
     plan.seccomp_filter = buffer
     plan.seccomp_len = len(compiled.bpf) // 8
-    plan.seccomp_notify = 1 if notify and compiled.notify else 0
+    plan.seccomp_notify = 1 if notify and (compiled.notify or unix_sockets == "supervise") else 0
     if plan.seccomp_notify:
         # The init answers each notification with the errno the plain filter
         # would have returned; "-1" carries the profile's default errno.

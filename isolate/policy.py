@@ -142,10 +142,13 @@ class Policy:
     best_effort: bool = False
     backend: str = "auto"
     image: str | None = None
+    #: Unix sockets the program may connect to although they lie outside its
+    #: write grants (a host daemon's socket: docker.sock, a D-Bus bus ...).
+    unix_sockets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        for name in ("read", "write", "tmpfs", "keep_env"):
+        for name in ("read", "write", "tmpfs", "keep_env", "unix_sockets"):
             set_(self, name, _str_tuple(getattr(self, name), name))
         for name in ("tmpfs",):
             for path in getattr(self, name):
@@ -218,7 +221,7 @@ class Policy:
         self._check_contradictions()
 
     def _check_paths_exist(self) -> None:
-        for name in ("read", "write"):
+        for name in ("read", "write", "unix_sockets"):
             for path in getattr(self, name):
                 if path in DEFAULT_READ and getattr(self, name) == DEFAULT_READ:
                     continue

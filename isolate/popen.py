@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import native
-from ._core import ffi
+from ._core import ffi, lib
 from .errors import UnsupportedError
 from .policy import Policy
 from .report import Report, status_for
@@ -234,6 +234,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                     {"mechanism": "seccomp", "syscall": seccomp.syscall_name(nr), "nr": nr,
                      "count": int(status.denied[i].count)}
                 )
+            report.denied.extend(net_denials(status))
         rc = self.returncode if self.returncode is not None else 0
         if limit == "cpu" and rc >= 0:
             limit = None
@@ -373,3 +374,27 @@ def choose_backend(policy: Policy) -> str:
 
 
 __all__ = ["CompletedProcess", "Popen", "choose_backend", "run"]
+
+
+def net_denials(status: Any) -> list[dict[str, Any]]:
+    """The connect() calls the init's supervisor refused (csrc/supervise.c), as report entries."""
+    import ipaddress
+    import socket
+
+    out: list[dict[str, Any]] = []
+    for i in range(min(int(status.n_net_denied), len(status.net_denied))):
+        entry = status.net_denied[i]
+        kind, count = int(entry.kind), int(entry.count)
+        if kind == lib.ISO_NET_DENIAL_UNIX:
+            path = ffi.string(entry.path, len(entry.path)).decode(errors="replace")
+            out.append({"mechanism": "unix-socket", "path": path, "count": count})
+        elif kind == lib.ISO_NET_DENIAL_INET:
+            raw = bytes(ffi.buffer(entry.address, 16))
+            address = ipaddress.ip_address(raw[:4] if int(entry.family) == socket.AF_INET else raw)
+            out.append({"mechanism": "network", "address": str(address), "port": int(entry.port), "count": count})
+        elif kind == lib.ISO_NET_DENIAL_DGRAM:
+            out.append({"mechanism": "unix-socket", "syscall": "socket", "type": "datagram",
+                        "reason": "AF_UNIX datagram sockets name their peer on each send", "count": count})
+    if int(status.net_denied_dropped):
+        out.append({"mechanism": "network", "more": int(status.net_denied_dropped)})
+    return out

@@ -56,6 +56,22 @@ undo it. (AF_UNIX sockets are refused too: without a mount namespace Landlock
 does not govern connect() on a socket file.) ``deny_setid=True`` adds a
 prologue refusing S_ISUID/S_ISGID in chmod-family calls and file creation.
 
+Supervised connect (``unix_sockets="supervise"``, network none or loopback on
+kernels whose Landlock cannot govern pathname unix sockets): every ``ret
+ALLOW`` (and ``ret LOG``) of the compiled program becomes a jump to an
+epilogue, so only calls the profile itself allows are looked at there:
+connect() becomes a notification that the init performs itself (see
+csrc/supervise.c), socket()/socketpair() of AF_UNIX with a type other than
+SOCK_STREAM or SOCK_SEQPACKET (SOCK_DGRAM, and SOCK_RAW which the kernel
+turns into SOCK_DGRAM) become notifications the init refuses, and
+io_uring_setup is refused (EPERM), since a ring's IORING_OP_CONNECT never
+passes through seccomp. A ``ret USER_NOTIF`` of the profile's own (a
+reported denial) jumps to a second epilogue that answers connect() with its
+plain errno, so the init never mistakes a denial for a call to perform.
+``unix_sockets="deny"`` (the pre-exec hook, which has no init to supervise)
+refuses socket(AF_UNIX) of every type and AF_UNIX datagram socket pairs with
+EACCES instead.
+
 Reporting denials (``notify=True``): every rule that denies with an errno E
 becomes ``SECCOMP_RET_USER_NOTIF`` and :attr:`CompiledFilter.notify_errnos`
 tells the listener what to answer, so the program sees exactly what the plain
@@ -854,6 +870,123 @@ def _deny_inet_prologue(native: int, notify_for: Mapping[int, bool]) -> bytes:
     ])
 
 
+#: Unix socket types whose peer is named only at connect() (the kernel ignores
+#: or refuses an address on their sendmsg).
+_SOCK_STREAM, _SOCK_SEQPACKET = 1, 5
+_X32_SYSCALL_BIT = 0x40000000
+_AUDIT_ARCH_X86_64 = 0xC000003E
+
+
+def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno: int | None,
+                   mode: str) -> bytes:
+    """Route the profile's allowed connect()/socket()/socketpair() through an epilogue (see the module doc)."""
+    connect_nr, socket_nr, socketpair_nr = _resolve("connect"), _resolve("socket"), _resolve("socketpair")
+    try:
+        uring_nr: int | None = _resolve("io_uring_setup")
+    except Exception:  # an architecture or libseccomp without it
+        uring_nr = None
+    arg0_low = 16 if sys.byteorder == "little" else 20
+    arg1_low = arg0_low + 8
+    ld, jeq, jge, ret, ja, alu_and = 0x20, 0x15, 0x35, 0x06, 0x05, 0x54
+    supervise = mode == "supervise"
+    notify_ret = RET_USER_NOTIF if supervise else RET_ERRNO | errno_mod.EACCES
+
+    # A tiny assembler: (code, k, jt label, jf label) with labels resolved below.
+    program: list[tuple[int, int, str | None, str | None]] = []
+    labels: dict[str, int] = {}
+
+    def label(name: str) -> None:
+        labels[name] = len(program)
+
+    def emit(code: int, k: int, jt: str | None = None, jf: str | None = None) -> None:
+        program.append((code, k, jt, jf))
+
+    label("notify")  # the profile's own USER_NOTIF: connect() gets its errno plainly
+    emit(ld, 0)
+    emit(jeq, connect_nr, "connect_denied", "notify_ret")
+    label("connect_denied")
+    emit(ret, RET_ERRNO | table.get(connect_nr, default_errno or errno_mod.EPERM))
+    label("notify_ret")
+    emit(ret, RET_USER_NOTIF)
+    label("allow")
+    emit(ld, 0)
+    if native == _AUDIT_ARCH_X86_64:  # x32 numbers never reach the comparisons below
+        emit(jge, _X32_SYSCALL_BIT, "kill", "native_nr")
+        label("native_nr")
+    emit(jeq, connect_nr, "connect", "not_connect")
+    label("not_connect")
+    emit(jeq, socket_nr, "socket", "not_socket")
+    label("not_socket")
+    emit(jeq, socketpair_nr, "socketpair", "not_socketpair")
+    label("not_socketpair")
+    if uring_nr is not None:
+        emit(jeq, uring_nr, "eperm", "ret_allow")
+    label("ret_allow")
+    emit(ret, RET_ALLOW)
+    label("connect")
+    emit(ret, RET_USER_NOTIF if supervise else RET_ALLOW)
+    label("socket")  # socket(AF_UNIX, ...): every type refused without a supervisor
+    emit(ld, arg0_low)
+    emit(jeq, _AF_UNIX, "socket_unix" if supervise else "unix_refused", "ret_allow2")
+    label("socketpair")  # and AF_UNIX datagram pairs (their sendmsg names any peer)
+    emit(ld, arg0_low)
+    emit(jeq, _AF_UNIX, "socket_unix", "ret_allow2")
+    label("socket_unix")
+    emit(ld, arg1_low)
+    emit(alu_and, 0xF)
+    emit(jeq, _SOCK_STREAM, "ret_allow2", "not_stream")
+    label("not_stream")
+    emit(jeq, _SOCK_SEQPACKET, "ret_allow2", "unix_refused")
+    label("unix_refused")
+    emit(ret, notify_ret)
+    label("ret_allow2")
+    emit(ret, RET_ALLOW)
+    label("eperm")
+    emit(ret, RET_ERRNO | errno_mod.EPERM)
+    label("kill")
+    emit(ret, RET_KILL_PROCESS)
+
+    count = len(bpf) // 8
+    out = []
+    for i in range(count):
+        code, jt, jf, k = struct.unpack_from("=HBBI", bpf, 8 * i)
+        if code == 0x16:  # BPF_RET|BPF_A: a verdict this rewrite cannot see
+            raise UnsupportedError("seccomp: the compiled filter returns a computed action; cannot supervise "
+                                   "connect() with it")
+        if code == ret and (k in (RET_ALLOW, RET_LOG) or k == RET_USER_NOTIF):
+            target = count + labels["allow" if k != RET_USER_NOTIF else "notify"]
+            out.append(struct.pack("=HBBI", ja, 0, 0, target - (i + 1)))
+        else:
+            out.append(bpf[8 * i:8 * i + 8])
+    for index, (code, k, jt_label, jf_label) in enumerate(program):
+        jt = jf = 0
+        if jt_label is not None and jf_label is not None:
+            jt = labels[jt_label] - (index + 1)
+            jf = labels[jf_label] - (index + 1)
+            if not (0 <= jt < 256 and 0 <= jf < 256):
+                raise AssertionError("epilogue jump out of range")
+        out.append(struct.pack("=HBBI", code, jt, jf, k))
+    table.pop(connect_nr, None)
+    return b"".join(out)
+
+
+def unix_guard_rules() -> list[dict[str, Any]]:
+    """OCI rules refusing AF_UNIX sockets, for a backend that cannot supervise connect() (Docker).
+
+    socket(AF_UNIX) of every type and AF_UNIX datagram socket pairs get
+    EACCES; stream and seqpacket pairs stay (their peer is fixed at birth).
+    """
+    comment = "pathname unix sockets of read-only binds are reachable by connect(); no supervisor here"
+    rules: list[dict[str, Any]] = [
+        {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno_mod.EACCES, "comment": comment,
+         "args": [_masked(0, _LOW32, _AF_UNIX)]},
+    ]
+    for kind in (2, 3):  # SOCK_DGRAM, and SOCK_RAW which AF_UNIX turns into SOCK_DGRAM
+        rules.append({"names": ["socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno_mod.EACCES,
+                      "comment": comment, "args": [_masked(0, _LOW32, _AF_UNIX), _masked(1, 0xF, kind)]})
+    return rules
+
+
 #: Calls that can set a file's mode, and the argument holding the mode.
 _MODE_ARGUMENTS = (
     ("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2),
@@ -910,11 +1043,14 @@ def _deny_setid_prologue(native: int) -> bytes:
 
 
 def _compile(
-    label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False
+    label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False,
+    unix_sockets: str = "",
 ) -> CompiledFilter:
     parsed = _parse(data, source)
     bpf, table, default_errno = _build(parsed, notify, source)
     native = _native_arch()
+    if unix_sockets:
+        bpf = _unix_epilogue(bpf, native, table, default_errno, unix_sockets)
     if deny_inet_sockets:
         notify_for: dict[int, bool] = {}
         if notify:
@@ -939,7 +1075,7 @@ def _compile(
     )
 
 
-_cache: dict[tuple[str, str, bool, bool, bool], CompiledFilter] = {}
+_cache: dict[tuple[str, str, bool, bool, bool, str], CompiledFilter] = {}
 _cache_lock = threading.Lock()
 
 
@@ -950,7 +1086,8 @@ def cache_clear() -> None:
 
 
 def compile_filter(
-    mode: str, *, notify: bool = False, deny_inet_sockets: bool = False, deny_setid: bool = False
+    mode: str, *, notify: bool = False, deny_inet_sockets: bool = False, deny_setid: bool = False,
+    unix_sockets: str = "",
 ) -> CompiledFilter | None:
     """Compile the filter for ``mode`` (default, strict, none, or the path of a JSON profile).
 
@@ -958,14 +1095,18 @@ def compile_filter(
     ``deny_inet_sockets`` refuses socket() for every domain and socketpair()
     but AF_UNIX, with EPERM (for network "none" without a network namespace);
     ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for a root
-    caller's idmapped writable paths).
+    caller's idmapped writable paths); ``unix_sockets`` is "" (nothing),
+    "supervise" (connect() to the init, which needs ``notify``) or "deny"
+    (socket(AF_UNIX) refused): see the module doc.
     Returns None for ``none`` without ``deny_inet_sockets``. Results are cached
     per (mode, file content, flags). Raises ``PolicyError`` for a bad profile
     and ``UnsupportedError`` when libseccomp or the kernel cannot do it.
     """
     if not isinstance(mode, str) or not mode:
         raise PolicyError("seccomp: expected default, strict, none or the path of a JSON profile", "seccomp")
-    if mode == "none" and not deny_inet_sockets and not deny_setid:
+    if unix_sockets not in ("", "supervise", "deny") or (unix_sockets == "supervise" and not notify):
+        raise ValueError(f"unix_sockets: {unix_sockets!r}")
+    if mode == "none" and not deny_inet_sockets and not deny_setid and not unix_sockets:
         return None
     content: bytes | None = None
     if mode in BUILTIN_PROFILES:
@@ -973,13 +1114,13 @@ def compile_filter(
     else:
         source, content = _read_profile_file(mode)
         label, digest = f"file:{os.path.abspath(mode)}", hashlib.sha256(content).hexdigest()
-    key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid))
+    key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets)
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
     data = _load_json(content, source) if content is not None else oci_profile(mode)
-    compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid))
+    compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets)
     with _cache_lock:
         compiled = _cache.setdefault(key, compiled)
         while len(_cache) > _CACHE_SIZE:

@@ -353,14 +353,31 @@ def program_ids(policy: Policy) -> tuple[int, int]:
     return uid, gid
 
 
-def seccomp_option(mode: str) -> tuple[str, str]:
+def seccomp_option(mode: str, unix_guard: bool = False) -> tuple[str, str]:
     """(security option, report value) for a policy's ``seccomp``.
 
     "default"/"strict" hand ``isolate.seccomp.oci_profile(mode)`` to the engine
     as JSON, a file path hands over that file's JSON, "none" is ``unconfined``.
+    ``unix_guard`` adds the rules refusing AF_UNIX sockets
+    (``isolate.seccomp.unix_guard_rules``), to "none"'s allow-all profile too.
     """
-    if mode == "none":
+    if mode == "none" and not unix_guard:
         return "seccomp=unconfined", "none"
+    if unix_guard:
+        try:
+            from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
+
+            profile = seccomp_mod.oci_profile(mode)
+            profile["syscalls"] = list(profile.get("syscalls", [])) + seccomp_mod.unix_guard_rules()
+            seccomp_mod._parse(profile, f"<{mode} profile with the unix socket guard>")
+        except (ImportError, PolicyError) as exc:
+            raise UnsupportedError(
+                f"unix sockets: the container's read-only binds would expose the host's unix sockets, and the "
+                f"seccomp guard cannot be added to the {mode!r} profile ({exc}); use the native backend, or "
+                "network host"
+            ) from None
+        report = mode if mode in ("default", "strict", "none") else os.path.abspath(mode)
+        return "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":")), report
     try:
         from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
     except ImportError as exc:
@@ -406,6 +423,10 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
             from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]  # noqa: F401
         except ImportError as exc:
             reasons["seccomp"] = f"the {policy.seccomp!r} profile cannot be built ({exc}); pass a JSON profile file"
+    if policy.unix_sockets:
+        reasons["unix_sockets"] = (
+            "named unix sockets need the native backend (a container cannot supervise connect())"
+        )
     if engine is not None:
         limits = policy.limits
         if policy.seccomp != "none" and not engine.seccomp:
@@ -502,13 +523,28 @@ def build_spec(
     namespaces = ["mnt", "pid", "ipc", "uts"] + (["net"] if network_mode == "none" else [])
     enforced["namespaces"] = namespaces
 
+    # Unix sockets: a read-only bind does not stop connect() on a socket under
+    # it, and a container has no supervisor; under a private network AF_UNIX
+    # sockets are refused by seccomp when a host directory is bound read-only.
+    unix_guard = network_mode == "none" and any(m.read_only for m in mounts)
+    if network_mode == "host":
+        enforced["unix_sockets"] = "host"
+    elif not unix_guard:
+        enforced["unix_sockets"] = "no host directory bound read-only"
+
     # Privilege.
     security = ["no-new-privileges:true"]
     if "seccomp" in problems:  # best effort: the engine's own default profile, if any
         seccomp_report = "engine-default" if (engine is None or engine.seccomp) else "none"
+        if unix_guard:
+            enforced["unix_sockets"] = None
+            warnings.append("unix_sockets not enforced by the docker backend: host sockets under read-only binds "
+                            "are reachable (no seccomp)")
     else:
-        option, seccomp_report = seccomp_option(policy.seccomp)
+        option, seccomp_report = seccomp_option(policy.seccomp, unix_guard)
         security.append(option)
+        if unix_guard:
+            enforced["unix_sockets"] = "seccomp-no-unix-sockets"
     enforced["seccomp"] = seccomp_report
     enforced["no_new_privs"] = True
     enforced["capabilities"] = "dropped"

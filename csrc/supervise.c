@@ -1,0 +1,412 @@
+/*
+ * supervise.c - the init performs connect() on the program's behalf.
+ *
+ * Under network "none" or "loopback", on kernels whose Landlock cannot
+ * govern the lookup of pathname unix sockets (before ABI 9), the program's
+ * seccomp filter sends every connect() it would allow to the init as a user
+ * notification (isolate/seccomp.py, "supervised connect").  Letting the call
+ * continue after looking at its address would be a race: the program can
+ * change the address in memory, the socket behind the descriptor or the
+ * path on disk between the check and the kernel's own lookup.  So the init
+ * never lets a connect() continue; it does the connect itself:
+ *   - takes the program's socket with pidfd_getfd (the same open file),
+ *   - reads the address once with process_vm_readv into its own memory,
+ *   - for a pathname AF_UNIX address, opens the path as the program would
+ *     (from its cwd or the root they share) with O_PATH, following no magic
+ *     link of /proc, and decides on the inode it got: allowed when the
+ *     inode is one of the sockets the parent named (unix_sockets=), or when
+ *     it lies on a writable mount (the write grants and the sandbox's own
+ *     tmpfs mounts; every read grant is a read-only bind);
+ *   - connects the program's socket to "/proc/self/fd/N" of that O_PATH
+ *     descriptor, which the kernel follows to exactly the inode checked;
+ *   - answers the notification with the result.
+ * Other families: under "none" an AF_INET/AF_INET6 destination is answered
+ * ENETUNREACH and recorded; anything else is connected with the copied
+ * address.  A blocking socket is connected by a short-lived thread, so that
+ * the init's loop (wall clock, reaping) never waits on a peer.
+ * AF_UNIX datagram sockets name their peer on every sendmsg(), behind a
+ * pointer the filter cannot read, so their creation is sent here too and
+ * refused (EACCES).  Whatever cannot be checked is refused (EACCES).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <linux/seccomp.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "steps.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+#ifndef PIDFD_THREAD
+#define PIDFD_THREAD O_EXCL
+#endif
+#ifndef SECCOMP_IOCTL_NOTIF_ID_VALID
+#define SECCOMP_IOCTL_NOTIF_ID_VALID _IOW('!', 2, __u64)
+#endif
+
+#define MAX_ALLOWED 64
+
+static int mode;          /* 'n' none, 'l' loopback, 0 off */
+static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1;
+static struct {
+    dev_t dev;
+    ino_t ino;
+} allowed[MAX_ALLOWED];
+static int n_allowed;
+static struct iso_status *report;
+
+/* "MODE,CONNECT,SOCKET,SOCKETPAIR[,DEV:INO...]" from the parent. */
+int iso_supervise_init(const char *spec, struct iso_status *status)
+{
+    report = status;
+    if (spec == NULL || (spec[0] != 'n' && spec[0] != 'l') || spec[1] != ',')
+        return -1;
+    char *p = (char *)spec + 2, *end;
+    nr_connect = (int)strtol(p, &end, 10);
+    if (*end != ',')
+        return -1;
+    nr_socket = (int)strtol(end + 1, &end, 10);
+    if (*end != ',')
+        return -1;
+    nr_socketpair = (int)strtol(end + 1, &end, 10);
+    while (*end == ',' && n_allowed < MAX_ALLOWED) {
+        unsigned long long dev = strtoull(end + 1, &end, 10);
+        if (*end != ':')
+            return -1;
+        unsigned long long ino = strtoull(end + 1, &end, 10);
+        allowed[n_allowed].dev = (dev_t)dev;
+        allowed[n_allowed].ino = (ino_t)ino;
+        n_allowed++;
+    }
+    if (*end != 0)
+        return -1;
+    mode = spec[0];
+    return 0;
+}
+
+static void record(int kind, int family, const void *address, int port, const char *path)
+{
+    uint32_t n = report->n_net_denied;
+    for (uint32_t i = 0; i < n; i++) {
+        struct iso_net_denial *d = &report->net_denied[i];
+        if (d->kind != kind || d->family != family || d->port != port)
+            continue;
+        if (address && memcmp(d->address, address, family == AF_INET ? 4 : 16) != 0)
+            continue;
+        if (path && strncmp(d->path, path, sizeof d->path) != 0)
+            continue;
+        d->count++;
+        return;
+    }
+    if (n >= sizeof report->net_denied / sizeof report->net_denied[0]) {
+        report->net_denied_dropped++;
+        return;
+    }
+    struct iso_net_denial *d = &report->net_denied[n];
+    memset(d, 0, sizeof *d);
+    d->kind = kind;
+    d->family = family;
+    d->port = port;
+    d->count = 1;
+    if (address)
+        memcpy(d->address, address, family == AF_INET ? 4 : 16);
+    if (path) {
+        strncpy(d->path, path, sizeof d->path - 1);
+    }
+    report->n_net_denied = n + 1;
+}
+
+static void answer(int listener, uint64_t id, int err)
+{
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = id;
+    resp.error = err ? -err : 0;
+    resp.val = 0;
+    ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp); /* ENOENT: the call was interrupted */
+}
+
+/* A pathname socket is allowed when it is named in the allow-list or lies
+ * on a writable mount.  fd is an O_PATH descriptor of the resolved path. */
+static int path_allowed(int fd, int *err)
+{
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        *err = EACCES;
+        return 0;
+    }
+    if (!S_ISSOCK(st.st_mode)) {
+        *err = ECONNREFUSED; /* what connect() says of a file that is no socket */
+        return 0;
+    }
+    for (int i = 0; i < n_allowed; i++)
+        if (allowed[i].dev == st.st_dev && allowed[i].ino == st.st_ino)
+            return 1;
+    struct statvfs vfs;
+    if (fstatvfs(fd, &vfs) < 0 || (vfs.f_flag & ST_RDONLY)) {
+        *err = EACCES;
+        return 0;
+    }
+    return 1;
+}
+
+/* Open the socket path as the program sees it; -1 with *err set. */
+static int open_program_path(pid_t tid, const char *path, int *err)
+{
+    int dirfd = -1;
+    if (path[0] != '/') {
+        char cwd[64];
+        snprintf(cwd, sizeof cwd, "/proc/%d/cwd", (int)tid);
+        dirfd = open(cwd, O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (dirfd < 0) {
+            *err = EACCES;
+            return -1;
+        }
+    }
+    /* The init and the program share their root (the sandbox's; the
+     * program holds no capability to chroot).  No magic link: "/proc/self"
+     * would be the init's own. */
+    struct open_how how = {.flags = O_PATH | O_CLOEXEC, .resolve = RESOLVE_NO_MAGICLINKS};
+    int fd = (int)syscall(SYS_openat2, dirfd >= 0 ? dirfd : AT_FDCWD, path, &how, sizeof how);
+    int saved = errno;
+    if (dirfd >= 0)
+        close(dirfd);
+    if (fd < 0) {
+        /* As connect() would say it: a missing path is ENOENT, a loop
+         * ELOOP; whatever this lookup refuses and the kernel's might not
+         * (a magic link) is refused. */
+        *err = (saved == ENOENT || saved == ENOTDIR || saved == ENAMETOOLONG || saved == EACCES) ? saved : EACCES;
+        return -1;
+    }
+    return fd;
+}
+
+/* A blocking connect, done by a thread of its own: it owns the socket and
+ * the O_PATH descriptor, answers the notification and ends. */
+struct connect_job {
+    int listener;
+    uint64_t id;
+    int sock;
+    int target;
+    socklen_t len;
+    struct sockaddr_storage addr;
+};
+
+static void *connect_thread(void *arg)
+{
+    struct connect_job *job = arg;
+    int rc = connect(job->sock, (struct sockaddr *)&job->addr, job->len) < 0 ? errno : 0;
+    answer(job->listener, job->id, rc);
+    close(job->sock);
+    if (job->target >= 0)
+        close(job->target);
+    free(job);
+    return NULL;
+}
+
+/* Connect *sock to addr.  A non-blocking socket is connected here; a
+ * blocking one by a detached thread (a peer with a full backlog would
+ * otherwise stop the init's loop: the wall clock, the reaping), which then
+ * owns *sock and *target (set to -1 here) and answers.  Returns 1 when the
+ * thread answers, else 0 with *err set. */
+static int do_connect(int listener, uint64_t id, int *sock, int *target, const struct sockaddr *addr,
+                      socklen_t len, int *err)
+{
+    int flags = fcntl(*sock, F_GETFL);
+    if (flags < 0) {
+        *err = EBADF;
+        return 0;
+    }
+    if (flags & O_NONBLOCK) {
+        *err = connect(*sock, addr, len) < 0 ? errno : 0;
+        return 0;
+    }
+    struct connect_job *job = malloc(sizeof *job);
+    if (job == NULL) {
+        *err = ENOMEM;
+        return 0;
+    }
+    job->listener = listener;
+    job->id = id;
+    job->sock = *sock;
+    job->target = *target;
+    job->len = len;
+    memcpy(&job->addr, addr, len);
+    pthread_attr_t attr;
+    pthread_t thread;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        /* Errors of these two only leave the defaults (joinable threads
+         * that are never joined keep a little memory; a larger stack). */
+        (void)pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        (void)pthread_attr_setstacksize(&attr, 64 * 1024);
+        rc = pthread_create(&thread, &attr, connect_thread, job);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc != 0) {
+        free(job);
+        *err = rc == ENOMEM ? ENOMEM : EAGAIN;
+        return 0;
+    }
+    *sock = -1;
+    *target = -1;
+    return 1;
+}
+
+/* Whether an AF_INET/AF_INET6 destination lies outside what the network
+ * namespace offers: everything under "none", all but the loopback addresses
+ * under "loopback" (the kernel would say ENETUNREACH too). */
+static int unreachable(const struct sockaddr_storage *copy, int addrlen)
+{
+    if (copy->ss_family == AF_INET && addrlen >= (int)sizeof(struct sockaddr_in)) {
+        uint32_t a = ntohl(((const struct sockaddr_in *)copy)->sin_addr.s_addr);
+        return mode == 'n' || !((a >> 24) == 127 || a == 0);
+    }
+    if (copy->ss_family == AF_INET6 && addrlen >= (int)sizeof(struct sockaddr_in6)) {
+        const struct in6_addr *a = &((const struct sockaddr_in6 *)copy)->sin6_addr;
+        if (mode == 'n')
+            return 1;
+        if (IN6_IS_ADDR_LOOPBACK(a) || IN6_IS_ADDR_UNSPECIFIED(a))
+            return 0;
+        if (IN6_IS_ADDR_V4MAPPED(a)) {
+            uint8_t first = a->s6_addr[12];
+            uint32_t v4 = ((uint32_t)a->s6_addr[12] << 24) | ((uint32_t)a->s6_addr[13] << 16) |
+                          ((uint32_t)a->s6_addr[14] << 8) | a->s6_addr[15];
+            return !(first == 127 || v4 == 0);
+        }
+        return 1;
+    }
+    return 0; /* AF_UNSPEC (disconnect) and short addresses: the kernel answers */
+}
+
+/* Whether the notification is one of ours; when it is, it is answered. */
+int iso_supervise_notification(int listener, const struct seccomp_notif *req)
+{
+    if (!mode)
+        return 0;
+    int nr = req->data.nr;
+    if (nr == nr_socket || nr == nr_socketpair) {
+        int type = (int)(req->data.args[1] & 0xf);
+        if ((int)(uint32_t)req->data.args[0] != AF_UNIX || type == SOCK_STREAM || type == SOCK_SEQPACKET)
+            return 0; /* a denial of the profile's own, answered from its table */
+        record(ISO_NET_DENIAL_DGRAM, AF_UNIX, NULL, 0, NULL);
+        answer(listener, req->id, EACCES);
+        return 1;
+    }
+    if (nr != nr_connect)
+        return 0;
+
+    int err = EACCES;
+    int pidfd = -1, sock = -1, target = -1;
+    pid_t tid = (pid_t)req->pid;
+    int fd_arg = (int)(uint32_t)req->data.args[0];
+    uint64_t user_addr = req->data.args[1];
+    int addrlen = (int)(uint32_t)req->data.args[2];
+    struct sockaddr_storage copy;
+    memset(&copy, 0, sizeof copy);
+
+    if (addrlen < 0 || (size_t)addrlen > sizeof copy) {
+        err = EINVAL; /* as the kernel says it */
+        goto out;
+    }
+    pidfd = (int)syscall(SYS_pidfd_open, tid, PIDFD_THREAD);
+    if (pidfd < 0 && errno == EINVAL)
+        pidfd = (int)syscall(SYS_pidfd_open, tid, 0); /* before Linux 6.9: leaders only */
+    if (pidfd < 0)
+        goto out;
+    /* The pid named the caller only if its call is still waiting. */
+    uint64_t id = req->id;
+    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &id) < 0) {
+        close(pidfd);
+        return 1;
+    }
+    sock = (int)syscall(SYS_pidfd_getfd, pidfd, fd_arg, 0);
+    if (sock < 0) {
+        /* EBADF: no such descriptor; EPERM: not dumpable, or no ptrace
+         * access: refused either way. */
+        err = errno == EBADF ? EBADF : EACCES;
+        goto out;
+    }
+    if (addrlen > 0) {
+        struct iovec local = {.iov_base = &copy, .iov_len = (size_t)addrlen};
+        struct iovec remote = {.iov_base = (void *)(uintptr_t)user_addr, .iov_len = (size_t)addrlen};
+        ssize_t got = process_vm_readv(tid, &local, 1, &remote, 1, 0);
+        if (got != addrlen) {
+            err = got < 0 && errno == EFAULT ? EFAULT : EACCES;
+            goto out;
+        }
+    }
+    int domain = 0;
+    socklen_t optlen = sizeof domain;
+    if (getsockopt(sock, SOL_SOCKET, SO_DOMAIN, &domain, &optlen) < 0) {
+        err = errno == ENOTSOCK ? ENOTSOCK : EACCES;
+        goto out;
+    }
+    if (domain == AF_UNIX && copy.ss_family == AF_UNIX && addrlen > (int)offsetof(struct sockaddr_un, sun_path) &&
+        ((struct sockaddr_un *)&copy)->sun_path[0] != 0) {
+        /* A pathname: the kernel reads it up to addrlen or the first NUL. */
+        char path[sizeof((struct sockaddr_un *)0)->sun_path + 1];
+        size_t n = (size_t)addrlen - offsetof(struct sockaddr_un, sun_path);
+        memcpy(path, ((struct sockaddr_un *)&copy)->sun_path, n);
+        path[n] = 0;
+        target = open_program_path(tid, path, &err);
+        if (target < 0 || !path_allowed(target, &err)) {
+            if (err == EACCES)
+                record(ISO_NET_DENIAL_UNIX, AF_UNIX, NULL, 0, path);
+            goto out;
+        }
+        struct sockaddr_un via = {.sun_family = AF_UNIX};
+        snprintf(via.sun_path, sizeof via.sun_path, "/proc/self/fd/%d", target);
+        if (do_connect(listener, req->id, &sock, &target, (struct sockaddr *)&via, sizeof via, &err))
+            goto handed_over;
+        goto out;
+    }
+    /* Abstract and unnamed unix addresses live in the sandbox's own network
+     * namespace; other families are the network namespace's business, and
+     * an address it cannot reach is answered (and recorded) here. */
+    if ((domain == AF_INET || domain == AF_INET6) && unreachable(&copy, addrlen)) {
+        if (copy.ss_family == AF_INET) {
+            struct sockaddr_in *in = (struct sockaddr_in *)&copy;
+            record(ISO_NET_DENIAL_INET, AF_INET, &in->sin_addr, ntohs(in->sin_port), NULL);
+        } else {
+            struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&copy;
+            record(ISO_NET_DENIAL_INET, AF_INET6, &in6->sin6_addr, ntohs(in6->sin6_port), NULL);
+        }
+        err = ENETUNREACH;
+        goto out;
+    }
+    if (do_connect(listener, req->id, &sock, &target, (struct sockaddr *)&copy, (socklen_t)addrlen, &err))
+        goto handed_over;
+out:
+    answer(listener, req->id, err);
+handed_over:
+    if (target >= 0)
+        close(target);
+    if (sock >= 0)
+        close(sock);
+    if (pidfd >= 0)
+        close(pidfd);
+    return 1;
+}

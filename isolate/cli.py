@@ -27,6 +27,7 @@ from .errors import (
 )
 from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Policy
 from .report import Report, check_report_path, write_report
+from .units import format_size
 
 EXIT_SETUP = 125
 EXIT_CANNOT_EXECUTE = 126
@@ -204,6 +205,36 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def limit_message(policy: Policy, report: Report) -> str | None:
+    """The one line that says which limit ended the run (None: no limit did)."""
+    limits = policy.limits
+    memory, wall, cpu = limits.value("memory"), limits.value("wall_seconds"), limits.value("cpu_seconds")
+    fsize, pids = limits.value("file_size"), limits.value("pids")
+    if report.status == "memory":
+        size = format_size(int(memory)) if memory is not None else "(set by best effort)"
+        return f"killed: memory limit {size} reached"
+    if report.status == "timeout" and wall is not None:
+        return f"killed: wall-clock limit {_number(wall)} s"
+    if report.status == "cpu":
+        return f"killed: CPU time limit {_number(cpu)} s reached" if cpu is not None else "killed: CPU time limit"
+    if report.status == "file-size":
+        size = format_size(int(fsize)) if fsize is not None else "RLIMIT_FSIZE"
+        return f"killed: file size limit {size} reached (SIGXFSZ)"
+    if "pids" in report.limits_reached and pids is not None and report.status != "ok":
+        return f"pids limit {int(pids)} reached: a fork or thread creation failed inside the sandbox"
+    return None
+
+
+def _say_limit(policy: Policy, report: Report) -> None:
+    message = limit_message(policy, report)
+    if message:
+        print(f"isolate-run: {message}", file=sys.stderr)
+
+
 def run_command(policy: Policy, command: list[str], report_path: str | None) -> int:
     from . import popen
 
@@ -213,6 +244,7 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         report = result.report
         for warning in report.warnings:
             print(f"isolate-run: warning: {warning}", file=sys.stderr)
+        _say_limit(policy, report)
         if report_path:
             write_report(report_path, report)
         return _exit_status(result.returncode)
@@ -242,6 +274,7 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     report = process.report or Report()
+    _say_limit(policy, report)
     if report_path:
         write_report(report_path, report)
     return _exit_status(returncode)

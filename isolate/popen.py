@@ -219,6 +219,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 if usage.peak_memory_bytes is not None:
                     report.max_rss_bytes = int(usage.peak_memory_bytes)
                 report.oom_kills = int(usage.oom_kills)
+                if usage.pids_max_hit:
+                    report.limits_reached.append("pids")
                 # The OOM killer may hit any process of the tree; when the run
                 # then failed, the memory limit is what ended it.
                 if usage.oom_kills and limit is None and self.returncode:

@@ -36,6 +36,8 @@ class Report:
     backend: str = "native"
     enforced: dict[str, Any] = field(default_factory=dict)
     denied: list[dict[str, Any]] = field(default_factory=list)
+    #: Limits the run reached without (necessarily) being ended by them, e.g. ``pids``.
+    limits_reached: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: dict[str, Any] | None = None
 

@@ -189,14 +189,41 @@ def test_egress_is_refused_or_warned() -> None:
     assert any("network" in w for w in spec.warnings)
 
 
-def test_network_none_is_refused_or_warned() -> None:
-    policy = Policy(seccomp="none", write=[])
-    assert backend.unsupported_reasons(policy).keys() == {"network"}
-    with pytest.raises(UnsupportedError, match="loopback"):
-        backend.build_spec(policy)
-    spec = backend.build_spec(policy.replace(best_effort=True))
-    assert spec.network_mode == "none"
-    assert any("network" in w for w in spec.warnings)
+def test_network_none_is_the_default_and_refuses_sockets() -> None:
+    # The default policy (network none) used to be refused: a container's lo is always up. Now the
+    # container's seccomp profile refuses socket() for every family but AF_UNIX, whatever the profile.
+    for mode in ("none", "default", "strict"):
+        policy = Policy(seccomp=mode, write=[])
+        assert "network" not in backend.unsupported_reasons(policy)
+        spec = backend.build_spec(policy)
+        assert spec.network_mode == "none"
+        assert not [w for w in spec.warnings if "network" in w]
+        assert spec.enforced["network"] == "netns-loopback+seccomp-sockets"
+        option = next(o for o in spec.security_opt if o.startswith("seccomp="))
+        profile = json.loads(option[len("seccomp="):])
+        socket_rules = [r for r in profile["syscalls"] if "socket" in r["names"]]
+        assert all(r["action"] != "SCMP_ACT_ALLOW" or r["args"][0]["valueTwo"] == 1 for r in socket_rules), mode
+        if profile["defaultAction"] == "SCMP_ACT_ALLOW":
+            assert {"index": 0, "value": 1, "op": "SCMP_CMP_NE"} in [a for r in socket_rules for a in r["args"]]
+    assert backend.build_spec(Policy(seccomp="none", write=[], network="loopback")).security_opt.count(
+        "seccomp=unconfined") == 1
+
+
+def test_network_sockets_rule_never_widens_a_profile() -> None:
+    from isolate import seccomp
+
+    deny_all = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]}
+    assert seccomp.without_network_sockets(deny_all) == deny_all
+    inet_only = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+        {"names": ["socket", "read"], "action": "SCMP_ACT_ALLOW", "args": [{"index": 0, "value": 2,
+                                                                          "op": "SCMP_CMP_EQ"}]}]}
+    out = seccomp.without_network_sockets(inet_only)
+    assert out["syscalls"] == [{"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                                "args": [{"index": 0, "value": 2, "op": "SCMP_CMP_EQ"}]}]
+    anything = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["socket"], "action": "SCMP_ACT_ALLOW"}]}
+    rules = seccomp.without_network_sockets(anything)["syscalls"]
+    assert rules == [{"names": ["socket"], "action": "SCMP_ACT_ALLOW", "comment": "network none: AF_UNIX only",
+                      "args": [{"index": 0, "value": 0xFFFFFFFF, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}]}]
 
 
 def test_engine_without_memory_cgroup_refuses() -> None:
@@ -456,6 +483,18 @@ def test_no_network_has_only_lo(cleanup: None) -> None:
         assert result.report.enforced["network"] == "loopback"  # Docker's none keeps a private lo up
     flags = sh("cat /sys/class/net/lo/flags", pol(network="loopback")).stdout.strip()
     assert int(flags, 16) & 0x1  # IFF_UP
+
+
+@engine
+def test_default_network_none_runs_and_has_no_usable_socket(cleanup: None) -> None:
+    result = sh("cat /proc/net/dev | tail -n +3 | cut -d: -f1; nc 127.0.0.1 80 </dev/null; echo nc=$?",
+                pol(network="none"))
+    assert result.stdout.split() == ["lo", "nc=1"], result.stdout + result.stderr
+    assert "socket: Operation not permitted" in result.stderr
+    assert result.report.enforced["network"] == "netns-loopback+seccomp-sockets"
+    cli = subprocess.run([sys.executable, "-m", "isolate.cli", "--backend", "docker", "--image", IMAGE, "--", "true"],
+                         capture_output=True, text=True, timeout=120, cwd="/tmp")
+    assert cli.returncode == 0, cli.stderr
 
 
 @engine

@@ -23,9 +23,9 @@ The mapping (``build_spec``)::
                        the image is the system
     write=             host paths bound read-write at the same path
     tmpfs=             Tmpfs "rw,exec,nosuid,nodev,mode=1777"
-    network            loopback -> NetworkMode none (a private lo, up); "none" is
-                       refused (its lo cannot be taken down), or runs so under best effort;
-                       host -> host; Egress -> refused
+    network            loopback -> NetworkMode none (a private lo, up); none -> the
+                       same, plus socket() refused for every family but AF_UNIX in
+                       the container's seccomp profile; host -> host; Egress -> refused
     seccomp            default/strict -> isolate.seccomp.oci_profile(mode) as JSON;
                        FILE -> the file's JSON; none -> unconfined
     limits.memory      Memory = MemorySwap
@@ -353,14 +353,21 @@ def program_ids(policy: Policy) -> tuple[int, int]:
     return uid, gid
 
 
-def seccomp_option(mode: str) -> tuple[str, str]:
+def seccomp_option(mode: str, no_network: bool = False) -> tuple[str, str]:
     """(security option, report value) for a policy's ``seccomp``.
 
     "default"/"strict" hand ``isolate.seccomp.oci_profile(mode)`` to the engine
     as JSON, a file path hands over that file's JSON, "none" is ``unconfined``.
+    ``no_network`` (network none) adds the refusal of socket() for every
+    family but AF_UNIX to that profile (to an allow-all one for "none").
     """
-    if mode == "none":
+    if mode == "none" and not no_network:
         return "seccomp=unconfined", "none"
+    if mode == "none":
+        from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
+
+        profile = seccomp_mod.without_network_sockets({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []})
+        return "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":")), "none"
     try:
         from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
     except ImportError as exc:
@@ -371,6 +378,8 @@ def seccomp_option(mode: str) -> tuple[str, str]:
         profile = _read_profile(mode)
     else:
         profile = seccomp_mod.oci_profile(mode)  # validates a file's profile too
+        if no_network:
+            profile = seccomp_mod.without_network_sockets(profile)
     report = mode if mode in ("default", "strict") else os.path.abspath(mode)
     return "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":")), report
 
@@ -396,11 +405,6 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
             "a filtered network (egress to chosen hosts) cannot be expressed with the Docker API; "
             "use network loopback or host, or the native backend"
         )
-    elif policy.network == "none":
-        reasons["network"] = (
-            "network none means not even a loopback, and a Docker container's lo is always up; "
-            "use network loopback (nothing outside is reachable either), or best effort"
-        )
     if policy.seccomp in ("default", "strict"):
         try:
             from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]  # noqa: F401
@@ -408,8 +412,13 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
             reasons["seccomp"] = f"the {policy.seccomp!r} profile cannot be built ({exc}); pass a JSON profile file"
     if engine is not None:
         limits = policy.limits
-        if policy.seccomp != "none" and not engine.seccomp:
+        if (policy.seccomp != "none" or policy.network == "none") and not engine.seccomp:
             reasons["seccomp"] = "the Docker engine has no seccomp support; build dockerd with seccomp"
+            if policy.network == "none":
+                reasons["network"] = (
+                    "network none needs seccomp in the container (its lo is always up: socket() is refused "
+                    "for every family but AF_UNIX), and this engine has none; use network loopback"
+                )
         if limits.memory is not None and not engine.memory_limit:
             reasons["limits.memory"] = "the Docker engine cannot limit memory (no memory cgroup)"
         if limits.pids is not None and not engine.pids_limit:
@@ -497,8 +506,12 @@ def build_spec(
     # Under best effort a filtered network falls back to the closed one, never to the host's.
     network_mode = "host" if network == "host" else "none"
     # Docker's "none" is a private network namespace whose lo is up (no capability inside can take it
-    # down): the program reaches nothing but itself. That is what "loopback" means, so say so.
-    enforced["network"] = "host" if network_mode == "host" else "loopback"
+    # down): the program reaches nothing but itself. That is "loopback"; for "none" the container's
+    # seccomp profile also refuses socket() for every family but AF_UNIX, so that nothing network-usable
+    # exists, as with the native backend without a network namespace.
+    no_network = network == "none" and "network" not in problems
+    enforced["network"] = ("host" if network_mode == "host" else
+                           "netns-loopback+seccomp-sockets" if no_network else "loopback")
     namespaces = ["mnt", "pid", "ipc", "uts"] + (["net"] if network_mode == "none" else [])
     enforced["namespaces"] = namespaces
 
@@ -507,7 +520,7 @@ def build_spec(
     if "seccomp" in problems:  # best effort: the engine's own default profile, if any
         seccomp_report = "engine-default" if (engine is None or engine.seccomp) else "none"
     else:
-        option, seccomp_report = seccomp_option(policy.seccomp)
+        option, seccomp_report = seccomp_option(policy.seccomp, no_network)
         security.append(option)
     enforced["seccomp"] = seccomp_report
     enforced["no_new_privs"] = True

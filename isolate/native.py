@@ -247,8 +247,8 @@ def check_command(program: str, search_path: str, granted: Sequence[str], cwd: s
                 errno_mod.ENOENT, f"{program}: its directory {directory} is not granted to the sandbox; "
                 f"grant it with --ro {directory} (read=)", program)
         return
-    inside = _which(program, search_path)
-    outside = _which(program, os.environ.get("PATH", DEFAULT_PATH))
+    inside = which(program, search_path)
+    outside = which(program, os.environ.get("PATH", DEFAULT_PATH))
     if outside is not None and outside != inside and not _inside(os.path.normpath(outside), granted):
         # The caller would run this one: running another (or none) silently would surprise.
         directory = os.path.dirname(outside)
@@ -258,7 +258,7 @@ def check_command(program: str, search_path: str, granted: Sequence[str], cwd: s
             f"grant it with --ro {directory} (read=){other}", program)
 
 
-def _which(program: str, search_path: str) -> str | None:
+def which(program: str, search_path: str) -> str | None:
     for directory in search_path.split(":"):
         candidate = os.path.join(directory, program)
         if directory and os.path.isabs(directory) and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
@@ -736,7 +736,7 @@ def prepare(
 
     # -- the program ---------------------------------------------------------
     program_env = program_environment(policy, env, static.home)
-    if "PATH" not in policy.env and not (env and ("PATH" in env or b"PATH" in env)):
+    if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
         # The caller's PATH, reduced to the directories that exist inside.
         program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)
     if not for_preexec and args:

@@ -7,7 +7,7 @@ import pwd
 import subprocess
 
 import pytest
-from conftest import ROOT, not_granted_top, python_read, policy, py, root_only
+from conftest import ROOT, not_granted_top, policy, py, python_read, root_only
 
 import isolate
 

@@ -82,6 +82,7 @@ class Prepared:
     status_fd: int = -1  # read end of the init's status pipe
     cgroup: Any = None
     limit_cpu_seconds: float | None = None
+    observed: dict[str, dict[str, Any]] = field(default_factory=dict)
     _keep: list[Any] = field(default_factory=list)
     _close_after_spawn: list[int] = field(default_factory=list)
 
@@ -266,6 +267,59 @@ def which(program: str, search_path: str) -> str | None:
     return None
 
 
+@lru_cache(maxsize=1)
+def audit_state() -> str:
+    """The kernel audit subsystem as this caller sees it: "enabled", "disabled" or "unreadable".
+
+    Landlock (ABI 7) reports denials only as audit records (AUDIT_LANDLOCK_ACCESS); reading them
+    needs the audit netlink socket, whose status request and log multicast group need
+    CAP_AUDIT_CONTROL / CAP_AUDIT_READ: root only.
+    """
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9) as sock:  # NETLINK_AUDIT
+            sock.settimeout(1.0)
+            sock.bind((0, 0))
+            sock.send(struct.pack("=IHHII", 16, 1000, 1, 1, 0))  # AUDIT_GET, NLM_F_REQUEST
+            data = sock.recv(8192)
+    except OSError:
+        return "unreadable"
+    if len(data) < 20:
+        return "unreadable"
+    kind = struct.unpack_from("=H", data, 4)[0]
+    if kind == 2:  # NLMSG_ERROR: refused (EPERM for a caller without CAP_AUDIT_CONTROL)
+        return "unreadable"
+    if kind != 1000 or len(data) < 24:
+        return "unreadable"
+    return "enabled" if struct.unpack_from("=I", data, 20)[0] else "disabled"
+
+
+def denials_observed(use_ns: bool, notify: bool, landlock_abi: int) -> dict[str, dict[str, Any]]:
+    """Whether each mechanism's denials can be seen in the report, and why not (never guessed)."""
+    out: dict[str, dict[str, Any]] = {}
+    if notify:
+        out["seccomp"] = {"observed": True, "detail": "each denial is a notification answered by the init"}
+    else:
+        out["seccomp"] = {"observed": False, "detail": "no init receives notifications in this mode "
+                          "(no namespaces, or preexec_fn): denials happen but are not counted"}
+    if 0 < landlock_abi < 7:
+        out["landlock"] = {"observed": False, "detail": f"this kernel's Landlock (ABI {landlock_abi}) cannot "
+                           "log denials (ABI 7 logs them to the audit subsystem); a denied access fails with EACCES"}
+    elif landlock_abi:
+        state = audit_state()
+        why = {"disabled": "the audit subsystem is disabled on this host (no auditd)",
+               "unreadable": "reading the audit log needs CAP_AUDIT_READ (root)",
+               "enabled": "isolate does not ask Landlock to log after exec nor read the audit log yet"}[state]
+        out["landlock"] = {"observed": False, "detail": "Landlock reports denials only to the audit subsystem "
+                           f"(ABI 7 and later); {why}; a denied file access fails with EACCES"}
+    if use_ns:
+        out["mounts"] = {"observed": False, "detail": "a path outside the granted ones does not exist inside "
+                         "the sandbox: the program gets ENOENT and the kernel records nothing"}
+    return out
+
+
 def unsupported_reasons(policy: Policy) -> list[str]:
     """What the native backend cannot enforce for ``policy`` on this host (empty: all of it)."""
     reasons = []
@@ -328,6 +382,7 @@ class _Static:
     program_gid: int
     run_cwd: str
     home: str | None
+    observed: dict[str, dict[str, Any]]
     granted: tuple[str, ...]  # what the program can see of the host: granted paths, as named and real
     stamps: list[tuple[str, tuple[int, int]]]
     fds: list[int]
@@ -626,6 +681,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     deny_setid = use_ns and root_caller and bool(write)
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
                    notify=use_ns and not for_preexec)
+    observed = denials_observed(use_ns, bool(plan.seccomp_notify), abi)
+    if enforced.get("seccomp") is None:
+        observed.pop("seccomp")
     if for_preexec and not use_ns and policy.limits.wall_seconds is not None:
         refusals.refuse("wall_seconds: preexec_fn without namespaces has no init to keep the clock; "
                         "use isolate.run/Popen, or namespaces=true")
@@ -663,7 +721,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     return _Static(
         plan=plan, keep=keep, enforced=enforced, warnings=refusals.warnings, rlimits=rlimits,
         cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,
-        program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, home=home,
+        program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, home=home, observed=observed,
         granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write])), stamps=stamps,
         fds=static_fds,
     )
@@ -788,6 +846,7 @@ def prepare(
         status_fd=status_r,
         cgroup=prepared_cgroup,
         limit_cpu_seconds=limit_cpu,
+        observed=static.observed,
         _keep=keep,
         _close_after_spawn=close_after,
     )

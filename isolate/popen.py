@@ -192,7 +192,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         prepared = self._prepared
         if prepared is None:
             return
-        report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings))
+        report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings),
+                        denials_observed={k: dict(v) for k, v in prepared.observed.items()})
         report.wall_seconds = round((self._ended or time.monotonic()) - self._started, 6)
         if status is not None:
             report.user_seconds = round(status.user_usec / 1e6, 6)

@@ -181,3 +181,30 @@ def test_explain_shows_resolved_paths(workdir: str) -> None:
     assert "command ls -> /usr/bin/ls" in result.stdout or "command ls -> /bin/ls" in result.stdout
     if os.path.islink("/lib"):
         assert f"read  /lib -> {os.path.realpath('/lib')}" in result.stdout
+
+
+# -- what the report can see of denials ------------------------------------------------------------------
+
+
+def test_report_says_which_denials_it_observes(workdir: str) -> None:
+    import isolate
+    from conftest import policy
+    from isolate import landlock, native
+
+    with_ns = isolate.run(["sh", "-c", "cat /etc/shadow /root/x 2>/dev/null; unshare -U true 2>/dev/null; true"],
+                          policy=policy(write=[workdir]), cwd=workdir)
+    observed = with_ns.report.denials_observed
+    assert observed["seccomp"]["observed"] is True
+    assert any(d["mechanism"] == "seccomp" for d in with_ns.report.denied)  # unshare, refused and seen
+    assert observed["mounts"]["observed"] is False
+    if landlock.abi():
+        assert observed["landlock"]["observed"] is False
+        state = native.audit_state()
+        # The reason is measured, not assumed: audit disabled, or unreadable without root.
+        assert state in ("disabled", "unreadable", "enabled")
+        if os.geteuid() != 0:
+            assert state == "unreadable" and "CAP_AUDIT_READ" in observed["landlock"]["detail"]
+    os.chmod(workdir, 0o777)
+    no_ns = isolate.run(["true"], policy=policy(write=[workdir], namespaces=False, tmpfs=()), cwd=workdir)
+    assert no_ns.report.denials_observed["seccomp"]["observed"] is False
+    assert "mounts" not in no_ns.report.denials_observed

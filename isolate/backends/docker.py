@@ -1286,6 +1286,7 @@ def _report(
         backend="docker",
         enforced=dict(spec.enforced),
         warnings=warnings,
+        denials_observed={"seccomp": {"observed": False, "detail": "the engine does not report seccomp denials"}},
     )
 
 

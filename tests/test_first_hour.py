@@ -187,8 +187,9 @@ def test_explain_shows_resolved_paths(workdir: str) -> None:
 
 
 def test_report_says_which_denials_it_observes(workdir: str) -> None:
-    import isolate
     from conftest import policy
+
+    import isolate
     from isolate import landlock, native
 
     with_ns = isolate.run(["sh", "-c", "cat /etc/shadow /root/x 2>/dev/null; unshare -U true 2>/dev/null; true"],

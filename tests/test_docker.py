@@ -498,6 +498,20 @@ def test_default_network_none_runs_and_has_no_usable_socket(cleanup: None) -> No
 
 
 @engine
+def test_home_is_private_and_writable_as_native(cleanup: None, tmp_path: Any) -> None:
+    shared = tmp_path / "gitconfig"
+    shared.write_text("[user]\n\tname = Docker Test\n")
+    shared.chmod(0o644)
+    os.chmod(tmp_path, 0o755)
+    result = sh('echo "$HOME"; touch ~/made && ls -A ~; cat ~/gitconfig',
+                pol(home_files=[str(shared)]))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:3] == ["/home/sandbox", "gitconfig", "made"], result.stdout
+    assert "Docker Test" in result.stdout
+    assert result.report.enforced["home"]["files"] == ["/home/sandbox/gitconfig"]
+
+
+@engine
 def test_host_network_is_the_hosts(cleanup: None) -> None:
     result = sh("ls /sys/class/net", pol(network="host"))
     assert sorted(result.stdout.split()) == sorted(os.listdir("/sys/class/net"))

@@ -23,6 +23,7 @@ The mapping (``build_spec``)::
                        the image is the system
     write=             host paths bound read-write at the same path
     tmpfs=             Tmpfs "rw,exec,nosuid,nodev,mode=1777"
+    home, home_files   a Tmpfs at home, HOME pointing at it; files bound read-only into it
     network            loopback -> NetworkMode none (a private lo, up); none -> the
                        same, plus socket() refused for every family but AF_UNIX in
                        the container's seccomp profile; host -> host; Egress -> refused
@@ -489,6 +490,19 @@ def build_spec(
             if not os.path.exists(source):
                 raise PolicyError(f"{kind}: {target} does not exist on the host; create it or drop it", kind)
             mounts.append(BindMount(source, target, read_only))
+    # The program's home, as with the native backend: a private tmpfs, files shared read-only into it.
+    home_tmpfs: tuple[str, ...] = ()
+    if policy.home is not None:
+        if policy.home not in policy.tmpfs:
+            home_tmpfs = (policy.home,)
+        for name in policy.home_files:
+            source = os.path.join(os.path.expanduser("~"), name)
+            if not os.path.exists(source):
+                raise PolicyError(f"home_files: {source} does not exist; create it or drop it", "home_files")
+            mounts.append(BindMount(os.path.realpath(source),
+                                    os.path.join(policy.home, os.path.basename(os.path.normpath(name))), True))
+        enforced["home"] = {"path": policy.home, "kind": "tmpfs (private to the run)",
+                            "files": [m.target for m in mounts if m.target.startswith(policy.home + "/")]}
     mounts.sort(key=lambda m: (m.target.count("/"), m.target))
     working_dir = policy.cwd or base
     if policy.cwd is None and not _covered(working_dir, [m.target for m in mounts] + list(policy.tmpfs)):
@@ -564,6 +578,8 @@ def build_spec(
         enforced["die_with_parent"] = "watchdog"
 
     env: dict[str, str] = {name: environ[name] for name in policy.keep_env if name in environ}
+    if policy.home is not None:
+        env["HOME"] = policy.home
     env.update(policy.env)
     chosen_image = image or policy.image or default_image()
     enforced["image"] = chosen_image
@@ -574,7 +590,7 @@ def build_spec(
         working_dir=working_dir,
         environment=tuple(env.items()),
         mounts=tuple(mounts),
-        tmpfs=tuple(policy.tmpfs),
+        tmpfs=tuple(policy.tmpfs) + home_tmpfs,
         network_mode=network_mode,
         security_opt=tuple(security),
         ulimits=tuple(ulimits),

@@ -209,3 +209,13 @@ def test_report_says_which_denials_it_observes(workdir: str) -> None:
     no_ns = isolate.run(["true"], policy=policy(write=[workdir], namespaces=False, tmpfs=()), cwd=workdir)
     assert no_ns.report.denials_observed["seccomp"]["observed"] is False
     assert "mounts" not in no_ns.report.denials_observed
+
+
+@pytest.mark.skipif(not cgroup_usable("pids"), reason="no writable pids cgroup for this caller")
+def test_pids_limit_reached_is_one_line(workdir: str) -> None:
+    code = ("import os, sys, time\nfor i in range(40):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+            "        sys.exit(3)\n    if pid == 0:\n        time.sleep(3)\n        os._exit(0)\n")
+    result = cli("--backend", "native", "--pids", "8", "--wall", "20", "--", PYTHON, "-c", code, cwd=workdir)
+    assert result.returncode == 3, result.stderr
+    assert isolate_lines(result.stderr) == [
+        "isolate-run: pids limit 8 reached: a fork or thread creation failed inside the sandbox"], result.stderr

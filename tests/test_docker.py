@@ -116,11 +116,11 @@ def test_default_policy_mapping(tmp_path: Path) -> None:
                               environ={"PATH": "/bin", "SECRET": "x"})
     assert spec.mounts == (backend.BindMount(str(tmp_path.resolve()), str(tmp_path), False),)  # cwd rw, no /usr...
     assert spec.working_dir == str(tmp_path)
-    assert spec.tmpfs == ("/tmp",)
+    assert spec.tmpfs == ("/tmp", "/home/sandbox")  # the private home, as with the native backend
     assert spec.network_mode == "none"
     assert "no-new-privileges:true" in spec.security_opt
     assert "seccomp=unconfined" in spec.security_opt
-    assert dict(spec.environment) == {"PATH": "/bin"}
+    assert dict(spec.environment) == {"PATH": "/bin", "HOME": "/home/sandbox"}
     expected_uid = 65534 if ROOT else os.geteuid()
     assert (spec.uid, spec.gid) == (expected_uid, 65534 if ROOT else os.getegid())
     assert spec.image == (os.environ.get(backend.IMAGE_ENV) or backend.DEFAULT_IMAGE)
@@ -151,7 +151,7 @@ def test_host_config_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert config["mem_limit"] == config["memswap_limit"] == 64 * 1024 * 1024
     assert config["pids_limit"] == 32
     assert config["nano_cpus"] == 500_000_000
-    assert set(config["tmpfs"]) == {"/tmp", "/scratch"}
+    assert set(config["tmpfs"]) == {"/tmp", "/scratch", "/home/sandbox"}
     assert all("exec" in options.split(",") for options in config["tmpfs"].values())
     mounts = {m["Target"]: m for m in config["mounts"]}
     assert set(mounts) == {str(tmp_path / "ro"), str(tmp_path / "rw")}  # /usr comes from the image

@@ -683,6 +683,7 @@ def test_kept_sandbox_exec_io_limits_and_errors(
     try:
         env = box.run(["env"], capture_output=True, text=True, stdin=subprocess.DEVNULL).stdout.splitlines()
         assert "GIVEN=1" in env and "ISOLATE_KEEP_ME=kept" in env
+        assert "HOME=/home/sandbox" in env  # the container's private home, not the caller's HOME
         result = box.run(["sh", "-c", "tr a-z A-Z; echo e >&2; exit 5"], input="abc\n", capture_output=True, text=True)
         assert (result.returncode, result.stdout, result.stderr) == (5, "ABC\n", "e\n")
         assert result.report.status == "exited"

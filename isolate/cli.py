@@ -27,6 +27,7 @@ from .errors import (
 )
 from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Policy
 from .report import Report, check_report_path, write_report
+from .units import format_size
 
 EXIT_SETUP = 125
 EXIT_CANNOT_EXECUTE = 126
@@ -51,53 +52,93 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see isolate-run --help)")
 
 
+EPILOG = """\
+defaults (no options): /usr /bin /sbin /lib /lib64 /etc read-only; the current
+directory writable; a private /tmp; a private, empty, writable home
+(/home/sandbox, HOME points at it); no network; the default seccomp filter; the
+program is the caller (uid 65534 when the caller is root) and holds no
+capability; PATH is the caller's, reduced to the directories that exist inside.
+
+examples:
+  isolate-run -- make test                       build in the current directory, offline
+  isolate-run --ro ~/.venv -- ~/.venv/bin/pytest  a venv's tool: grant its directory
+  isolate-run --net host --home-file .gitconfig -- git pull
+  isolate-run --memory 512M --wall 60 --report r.json -- python3 job.py
+  isolate-run --explain --rw out -- sh -c 'ls > out/list'    show the plan, run nothing
+
+subcommands: 'isolate-run doctor [--json]' shows what this host can enforce;
+'isolate-run sandbox list|rm NAME|prune' manages kept Docker sandboxes.
+exit status: the command's; 128+N if it died of signal N; 125 isolate-run failed;
+126 the command cannot be executed; 127 not found.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="isolate-run",
+        usage="isolate-run [OPTIONS] [--] COMMAND [ARG...]",
         description="Run COMMAND confined by Landlock, seccomp, namespaces, rlimits and cgroups.",
-        epilog="Subcommands: 'isolate-run doctor [--json]' shows what this host can enforce; "
-        "'isolate-run sandbox list|rm|prune' manages kept Docker sandboxes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"isolate-run {__version__}")
-    fs = parser.add_argument_group("filesystem")
-    fs.add_argument("--ro", action="append", default=[], metavar="PATH", help="read + execute under PATH")
-    fs.add_argument("--rw", action="append", default=[], metavar="PATH", help="read + write + execute under PATH")
-    fs.add_argument("--tmpfs", action="append", default=[], metavar="PATH", help="a fresh private tmpfs at PATH")
-    fs.add_argument("--chdir", metavar="DIR", help="working directory inside the sandbox")
+    fs = parser.add_argument_group("filesystem (repeatable; relative paths are against the current directory)")
+    fs.add_argument("--ro", action="append", default=[], metavar="PATH",
+                    help="grant read + execute under PATH, e.g. --ro ~/.venv")
+    fs.add_argument("--rw", action="append", default=[], metavar="PATH",
+                    help="grant read + write + execute under PATH, e.g. --rw build/")
+    fs.add_argument("--tmpfs", action="append", default=[], metavar="PATH",
+                    help="a fresh private writable tmpfs at PATH inside, e.g. --tmpfs /var/tmp")
+    fs.add_argument("--chdir", metavar="DIR",
+                    help="working directory of the program (must be granted), e.g. --chdir src")
     fs.add_argument("--no-defaults", action="store_true",
-                    help="drop the default read-only system paths and the writable cwd")
+                    help="drop the default read-only system paths and the writable current directory")
+    fs.add_argument("--home", metavar="PATH|none",
+                    help="where the private home is (default /home/sandbox); 'none': no home, HOME is the caller's")
+    fs.add_argument("--home-file", action="append", default=[], metavar="FILE",
+                    help="share FILE (relative to your HOME) read-only in the private home, "
+                    "e.g. --home-file .gitconfig")
     net = parser.add_argument_group("network")
-    net.add_argument("--net", choices=NETWORK_MODES, default=None, help="none (default) | loopback | host")
+    net.add_argument("--net", choices=NETWORK_MODES, default=None,
+                     help="none (default: no network at all) | loopback (only 127.0.0.1) | host, e.g. --net host")
     net.add_argument("--unix-socket", action="append", default=[], metavar="PATH",
                      help="let the program connect to this unix socket (under --net none/loopback only sockets "
-                          "in writable paths are reachable)")
+                          "in writable paths are reachable), e.g. --unix-socket /run/postgresql/.s.PGSQL.5432")
     net.add_argument("--allow-host", action="append", default=[], metavar="HOST[:PORT]",
-                     help="permit egress to HOST (filtered network)")
-    lim = parser.add_argument_group("limits")
-    lim.add_argument("--memory", metavar="SIZE")
-    lim.add_argument("--cpu", metavar="SECONDS", help="CPU seconds of the whole process tree")
-    lim.add_argument("--cpus", metavar="N", help="CPU bandwidth, e.g. 1.5 cores")
-    lim.add_argument("--wall", metavar="SECONDS")
-    lim.add_argument("--pids", metavar="N")
-    lim.add_argument("--nofile", metavar="N")
-    lim.add_argument("--fsize", metavar="SIZE")
+                     help="permit egress to HOST only (not built yet: refused), e.g. --allow-host pypi.org:443")
+    lim = parser.add_argument_group("limits (none by default)")
+    lim.add_argument("--memory", metavar="SIZE",
+                     help="memory of the whole tree, bytes or K/M/G, swap off, e.g. --memory 512M")
+    lim.add_argument("--cpu", metavar="SECONDS", help="CPU seconds of the whole process tree, e.g. --cpu 30")
+    lim.add_argument("--cpus", metavar="N", help="CPU bandwidth in cores, e.g. --cpus 1.5")
+    lim.add_argument("--wall", metavar="SECONDS",
+                     help="wall-clock seconds before the sandbox is killed, e.g. --wall 60")
+    lim.add_argument("--pids", metavar="N", help="processes and threads at once in the tree, e.g. --pids 64")
+    lim.add_argument("--nofile", metavar="N", help="open files per process, e.g. --nofile 256")
+    lim.add_argument("--fsize", metavar="SIZE", help="largest file a process may write, K/M/G, e.g. --fsize 64M")
     sec = parser.add_argument_group("system calls")
-    sec.add_argument("--seccomp", metavar="MODE", help="default | strict | none | FILE (OCI/Docker seccomp JSON)")
-    env = parser.add_argument_group("environment")
-    env.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    env.add_argument("--keep-env", action="append", default=[], metavar="NAME")
+    sec.add_argument("--seccomp", metavar="MODE",
+                     help="default | strict (compute only) | none | FILE (OCI/Docker JSON), e.g. --seccomp strict")
+    env = parser.add_argument_group("environment (default: PATH, HOME, LANG, TERM only)")
+    env.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                     help="set a variable, e.g. --env PYTHONDONTWRITEBYTECODE=1")
+    env.add_argument("--keep-env", action="append", default=[], metavar="NAME",
+                     help="pass the caller's variable on, e.g. --keep-env CI")
     run = parser.add_argument_group("backend and policy")
-    run.add_argument("--backend", choices=("auto", "native", "docker"), default=None)
-    run.add_argument("--image", metavar="IMAGE")
-    run.add_argument("--profile", metavar="FILE", help="a TOML policy file")
+    run.add_argument("--backend", choices=("auto", "native", "docker"), default=None,
+                     help="auto (default: native, Docker where native cannot enforce) | native | docker")
+    run.add_argument("--image", metavar="IMAGE", help="image of the Docker backend, e.g. --image debian:stable-slim")
+    run.add_argument("--profile", metavar="FILE", help="a TOML policy file; flags apply on top, e.g. --profile ci.toml")
     run.add_argument("--uid", metavar="N", help="the program's uid when the caller is root (default 65534)")
-    run.add_argument("--gid", metavar="N")
+    run.add_argument("--gid", metavar="N", help="the program's gid when the caller is root (default 65534)")
     run.add_argument("--no-namespaces", action="store_true",
                      help="no namespaces: Landlock, seccomp and rlimits only (faster, weaker)")
-    run.add_argument("--best-effort", action="store_true", help="warn instead of failing where a protection is missing")
-    run.add_argument("--explain", action="store_true", help="print the resolved policy and its mechanisms; run nothing")
-    run.add_argument("--report", metavar="FILE", help="write the JSON report of the run to FILE")
+    run.add_argument("--best-effort", action="store_true",
+                     help="warn instead of failing where a protection cannot be enforced")
+    run.add_argument("--explain", action="store_true",
+                     help="print the resolved paths, the policy and its mechanisms; run nothing")
+    run.add_argument("--report", metavar="FILE", help="write the JSON report of the run to FILE, e.g. --report r.json")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments")
     return parser
 
@@ -159,7 +200,11 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
     if options.unix_socket:
         changes["unix_sockets"] = tuple(base.unix_sockets) + tuple(options.unix_socket)
     if options.chdir:
-        changes["cwd"] = options.chdir
+        changes["cwd"] = os.path.abspath(options.chdir)
+    if options.home is not None:
+        changes["home"] = None if options.home == "none" else options.home
+    if options.home_file:
+        changes["home_files"] = tuple(base.home_files) + tuple(options.home_file)
     if options.seccomp:
         changes["seccomp"] = options.seccomp
     if options.backend:
@@ -186,6 +231,7 @@ def explain(policy: Policy, command: Sequence[str]) -> str:
     lines = [f"command: {' '.join(command) if command else '(none given)'}"]
     backend = popen.choose_backend(policy)
     lines.append(f"backend: {backend}")
+    lines.extend(explain_paths(policy, command))
     lines.append("policy:")
     lines.extend("  " + line for line in policy.to_toml().splitlines())
     if backend == "native":
@@ -205,8 +251,74 @@ def explain(policy: Policy, command: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def explain_paths(policy: Policy, command: Sequence[str]) -> list[str]:
+    """Each granted path as given and as resolved on the host, the home, the working directory,
+    the PATH the program gets and where the command resolves."""
+    from . import native
+
+    cwd = os.getcwd()
+    lines = ["paths (as given -> on the host):"]
+    granted: list[str] = []
+    for kind, paths in (("read", policy.read), ("write", policy.write)):
+        for path in paths:
+            absolute = os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
+            if not os.path.exists(absolute):
+                lines.append(f"  {kind:5} {path} (absent here: skipped)")
+                continue
+            real = os.path.realpath(absolute)
+            granted += [absolute, real]
+            shown = path if path == absolute else f"{path} = {absolute}"
+            lines.append(f"  {kind:5} {shown}" + (f" -> {real}" if real != absolute else ""))
+    for path in policy.tmpfs:
+        lines.append(f"  tmpfs {path} (private, empty)")
+    if policy.home is not None:
+        kind = "a private tmpfs" if policy.namespaces else "a kept directory private to the program's uid"
+        lines.append(f"  home  {policy.home} ({kind}; HOME points at it)")
+        for name in policy.home_files:
+            source = os.path.join(os.path.expanduser("~"), name)
+            lines.append(f"  home-file {source} -> {os.path.join(policy.home, os.path.basename(name))} (read-only)")
+    lines.append(f"  cwd   {policy.cwd or cwd}")
+    search = policy.env.get("PATH") or native.reduced_path(os.environ.get("PATH", native.DEFAULT_PATH), granted)
+    lines.append(f"  PATH  {search}")
+    if command:
+        program = command[0]
+        found = program if "/" in program else native.which(program, search)
+        lines.append(f"  command {program} -> {found or 'not found inside the sandbox'}")
+    return lines
+
+
 def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def limit_message(policy: Policy, report: Report) -> str | None:
+    """The one line that says which limit ended the run (None: no limit did)."""
+    limits = policy.limits
+    memory, wall, cpu = limits.value("memory"), limits.value("wall_seconds"), limits.value("cpu_seconds")
+    fsize, pids = limits.value("file_size"), limits.value("pids")
+    if report.status == "memory":
+        size = format_size(int(memory)) if memory is not None else "(set by best effort)"
+        return f"killed: memory limit {size} reached"
+    if report.status == "timeout" and wall is not None:
+        return f"killed: wall-clock limit {_number(wall)} s"
+    if report.status == "cpu":
+        return f"killed: CPU time limit {_number(cpu)} s reached" if cpu is not None else "killed: CPU time limit"
+    if report.status == "file-size":
+        size = format_size(int(fsize)) if fsize is not None else "RLIMIT_FSIZE"
+        return f"killed: file size limit {size} reached (SIGXFSZ)"
+    if "pids" in report.limits_reached and pids is not None and report.status != "ok":
+        return f"pids limit {int(pids)} reached: a fork or thread creation failed inside the sandbox"
+    return None
+
+
+def _say_limit(policy: Policy, report: Report) -> None:
+    message = limit_message(policy, report)
+    if message:
+        print(f"isolate-run: {message}", file=sys.stderr)
 
 
 def run_command(policy: Policy, command: list[str], report_path: str | None) -> int:
@@ -218,6 +330,7 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         report = result.report
         for warning in report.warnings:
             print(f"isolate-run: warning: {warning}", file=sys.stderr)
+        _say_limit(policy, report)
         if report_path:
             write_report(report_path, report)
         return _exit_status(result.returncode)
@@ -247,6 +360,7 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     report = process.report or Report()
+    _say_limit(policy, report)
     if returncode != 0:
         for line in denial_hints(report, policy):
             print(f"isolate-run: {line}", file=sys.stderr)

@@ -131,12 +131,23 @@ def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, 
     return links, current
 
 
+@dataclass(frozen=True)
+class Home:
+    """The program's private home: a tmpfs (``options``; empty when a ``tmpfs=`` entry already is
+    one there) and host files bound read-only into it, as (host real path, path inside)."""
+
+    path: str
+    options: str
+    files: list[tuple[str, str]]
+
+
 def plan_root(
     read: list[str],
     write: list[tuple[str, int]],
     tmpfs: list[str],
     tmpfs_options: str,
     source_fds: dict[str, int] | None = None,
+    home: Home | None = None,
 ) -> MountPlan:
     """Mount steps for granted paths (write entries carry an idmapped-tree marker or -1).
 
@@ -157,11 +168,17 @@ def plan_root(
     # private /tmp, a writable dir under a read-only one) lands on top.
     entries: list[tuple[str, bool, int, bool]] = [(real, ro, fd, False) for real, ro, fd in resolved]
     entries += [(path, False, -1, True) for path in tmpfs]
+    if home is not None and home.options:
+        entries.append((home.path, False, -1, True))
     for path, readonly, fd, is_tmpfs in sorted(entries, key=lambda e: (e[0].rstrip("/").count("/"), e[3] is False)):
         if is_tmpfs:
-            plan.tmpfs(path, tmpfs_options)
+            plan.tmpfs(path, home.options if home is not None and path == home.path else tmpfs_options)
         elif path != "/":
             plan.bind(path, path, readonly=readonly, fd=fd, source_fd=source_fds.get(path, -1))
+    if home is not None:
+        # After every grant: a file shared into the home lands on the home's tmpfs.
+        for real, target in home.files:
+            plan.bind(real, target, readonly=True, source_fd=source_fds.get(real, -1))
 
     # The merged-/usr links (/lib -> usr/lib ...) cost nothing and grant
     # nothing: the dynamic loader's absolute paths need them.

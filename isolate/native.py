@@ -29,7 +29,7 @@ from .errors import (
     SetupError,
     UnsupportedError,
 )
-from .policy import DEFAULT_READ, DEFAULT_TMPFS, Egress, Policy
+from .policy import DEFAULT_HOME, DEFAULT_READ, DEFAULT_TMPFS, Egress, Policy
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -83,6 +83,7 @@ class Prepared:
     status_fd: int = -1  # read end of the init's status pipe
     cgroup: Any = None
     limit_cpu_seconds: float | None = None
+    observed: dict[str, dict[str, Any]] = field(default_factory=dict)
     _keep: list[Any] = field(default_factory=list)
     _close_after_spawn: list[int] = field(default_factory=list)
 
@@ -135,14 +136,198 @@ def _yama_ptrace_scope() -> int:
         return 0
 
 
-def program_environment(policy: Policy, extra: Mapping[str, str] | None) -> dict[str, str]:
-    """The minimal environment: keep_env names from the caller, then policy.env, then ``extra``."""
+def program_environment(policy: Policy, extra: Mapping[str, str] | None, home: str | None = None
+                        ) -> dict[str, str]:
+    """The minimal environment: keep_env names from the caller, HOME the program's own home, then
+    policy.env, then ``extra``."""
     env = {name: os.environ[name] for name in policy.keep_env if name in os.environ}
+    if home is not None:
+        env["HOME"] = home
     env.update(policy.env)
     if extra:
         env.update({os.fsdecode(k): os.fsdecode(v) for k, v in extra.items()})
     env.setdefault("PATH", DEFAULT_PATH)
     return env
+
+
+#: Without namespaces, a root caller's program keeps its home here (one directory per uid).
+NO_NS_HOME_ROOT = "/var/lib/isolate/home"
+
+
+def _plan_home(
+    policy: Policy,
+    use_ns: bool,
+    granted: list[str],
+    tmpfs: list[str],
+    run_cwd: str,
+    uid: int,
+    gid: int,
+    refusals: _Refusals,
+    open_source: Callable[[str, str], str],
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """The program's home and the (host real path, path inside) of each home file.
+
+    With namespaces the home is a tmpfs of its own at ``policy.home`` (mode 0700, owned by the
+    program): private to the run. Without them nothing can be mounted, so it is a real directory
+    the program owns, private to its uid and kept between runs (``NO_NS_HOME_ROOT``/UID for a root
+    caller, whose program cannot reach root's home; else isolate's state directory).
+    """
+    home = policy.home
+    if home is None:
+        return None, []
+    if not use_ns:
+        if policy.home_files:
+            refusals.refuse("home_files: sharing files into the home needs namespaces (a read-only bind "
+                            "into the private home); without them grant the files with read=")
+        return _no_ns_home(uid, gid), []
+    for path in granted:
+        real = mounts.host_symlinks(path)[1]
+        if home == real or home.startswith(real.rstrip("/") + "/"):
+            message = (f"home: the private home {home} would be inside the granted {real}; choose another "
+                       "home (home=, --home PATH) or none (--home none)")
+            if home != DEFAULT_HOME:
+                raise PolicyError(message, "home")
+            refusals.warnings.append(f"no private home: {message.split('; ')[0].split(': ', 1)[1]}; "
+                                     "HOME is the caller's (choose one with --home PATH)")
+            return None, []
+    files: list[tuple[str, str]] = []
+    caller_home = os.path.expanduser("~")
+    for name in policy.home_files:
+        source = os.path.normpath(os.path.join(caller_home if not os.path.isabs(name) else "/", name))
+        if not os.path.lexists(source):
+            raise PolicyError(f"home_files: {source} does not exist; create it or drop it", "home_files")
+        real = open_source(source, "home_files")
+        target = os.path.join(home, os.path.basename(source))
+        if any(target == t for _, t in files):
+            raise PolicyError(f"home_files: two files would be {target}; share one of them", "home_files")
+        files.append((real, target))
+    return home, files
+
+
+def _no_ns_home(uid: int, gid: int) -> str:
+    """A directory owned by ``uid`` (created 0700 if missing), never reached through a link."""
+    if os.geteuid() == 0:
+        base = NO_NS_HOME_ROOT
+        leaf = os.path.join(base, str(uid))
+    else:
+        from .sandbox import state_dir
+
+        base = state_dir()
+        leaf = os.path.join(base, "home")
+    try:
+        os.makedirs(base, mode=0o755, exist_ok=True)
+        try:
+            os.mkdir(leaf, 0o700)
+            if os.geteuid() == 0:
+                os.lchown(leaf, uid, gid)
+        except FileExistsError:
+            pass
+        info = os.lstat(leaf)
+    except OSError as exc:
+        raise UnsupportedError(f"home: cannot make the program's home {leaf}: {exc.strerror}; "
+                               "choose another (--home none keeps no home)") from None
+    import stat
+
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+        raise UnsupportedError(f"home: {leaf} is not a private directory of uid {uid} (a link, another owner "
+                               "or open permissions); remove it, or run with --home none")
+    return leaf
+
+
+def _inside(path: str, granted: Sequence[str]) -> bool:
+    return any(path == g or path.startswith(g.rstrip("/") + "/") for g in granted)
+
+
+def reduced_path(search_path: str, granted: Sequence[str]) -> str:
+    """``search_path`` without the directories the program cannot see (an empty result: the
+    granted part of the default PATH)."""
+    kept = [d for d in search_path.split(":") if d and os.path.isabs(d) and _inside(os.path.normpath(d), granted)]
+    if not kept:
+        kept = [d for d in DEFAULT_PATH.split(":") if _inside(d, granted)] or DEFAULT_PATH.split(":")[:1]
+    return ":".join(dict.fromkeys(kept))
+
+
+def check_command(program: str, search_path: str, granted: Sequence[str], cwd: str) -> None:
+    """Refuse, naming its directory and the way to grant it, a command that exists on the host
+    only outside the grants (a venv's, pyenv's or conda's binary, say)."""
+    if "/" in program:
+        host = os.path.normpath(os.path.join(cwd, program))
+        if os.path.exists(host) and not _inside(host, granted) and not _inside(os.path.realpath(host), granted):
+            directory = os.path.dirname(host)
+            raise CommandNotFoundError(
+                errno_mod.ENOENT, f"{program}: its directory {directory} is not granted to the sandbox; "
+                f"grant it with --ro {directory} (read=)", program)
+        return
+    inside = which(program, search_path)
+    outside = which(program, os.environ.get("PATH", DEFAULT_PATH))
+    if outside is not None and outside != inside and not _inside(os.path.normpath(outside), granted):
+        # The caller would run this one: running another (or none) silently would surprise.
+        directory = os.path.dirname(outside)
+        other = f", or name {inside} to run that one" if inside else ""
+        raise CommandNotFoundError(
+            errno_mod.ENOENT, f"{program}: found at {outside}, whose directory is not granted to the sandbox; "
+            f"grant it with --ro {directory} (read=){other}", program)
+
+
+def which(program: str, search_path: str) -> str | None:
+    for directory in search_path.split(":"):
+        candidate = os.path.join(directory, program)
+        if directory and os.path.isabs(directory) and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@lru_cache(maxsize=1)
+def audit_state() -> str:
+    """The kernel audit subsystem as this caller sees it: "enabled", "disabled" or "unreadable".
+
+    Landlock (ABI 7) reports denials only as audit records (AUDIT_LANDLOCK_ACCESS); reading them
+    needs the audit netlink socket, whose status request and log multicast group need
+    CAP_AUDIT_CONTROL / CAP_AUDIT_READ: root only.
+    """
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9) as sock:  # NETLINK_AUDIT
+            sock.settimeout(1.0)
+            sock.bind((0, 0))
+            sock.send(struct.pack("=IHHII", 16, 1000, 1, 1, 0))  # AUDIT_GET, NLM_F_REQUEST
+            data = sock.recv(8192)
+    except OSError:
+        return "unreadable"
+    if len(data) < 20:
+        return "unreadable"
+    kind = struct.unpack_from("=H", data, 4)[0]
+    if kind == 2:  # NLMSG_ERROR: refused (EPERM for a caller without CAP_AUDIT_CONTROL)
+        return "unreadable"
+    if kind != 1000 or len(data) < 24:
+        return "unreadable"
+    return "enabled" if struct.unpack_from("=I", data, 20)[0] else "disabled"
+
+
+def denials_observed(use_ns: bool, notify: bool, landlock_abi: int) -> dict[str, dict[str, Any]]:
+    """Whether each mechanism's denials can be seen in the report, and why not (never guessed)."""
+    out: dict[str, dict[str, Any]] = {}
+    if notify:
+        out["seccomp"] = {"observed": True, "detail": "each denial is a notification answered by the init"}
+    else:
+        out["seccomp"] = {"observed": False, "detail": "no init receives notifications in this mode "
+                          "(no namespaces, or preexec_fn): denials happen but are not counted"}
+    if 0 < landlock_abi < 7:
+        out["landlock"] = {"observed": False, "detail": f"this kernel's Landlock (ABI {landlock_abi}) cannot "
+                           "log denials (ABI 7 logs them to the audit subsystem); a denied access fails with EACCES"}
+    elif landlock_abi:
+        state = audit_state()
+        why = {"disabled": "the audit subsystem is disabled on this host (no auditd)",
+               "unreadable": "reading the audit log needs CAP_AUDIT_READ (root)",
+               "enabled": "isolate does not ask Landlock to log after exec nor read the audit log yet"}[state]
+        out["landlock"] = {"observed": False, "detail": "Landlock reports denials only to the audit subsystem "
+                           f"(ABI 7 and later); {why}; a denied file access fails with EACCES"}
+    if use_ns:
+        out["mounts"] = {"observed": False, "detail": "a path outside the granted ones does not exist inside "
+                         "the sandbox: the program gets ENOENT and the kernel records nothing"}
+    return out
 
 
 def unsupported_reasons(policy: Policy) -> list[str]:
@@ -206,6 +391,9 @@ class _Static:
     program_uid: int
     program_gid: int
     run_cwd: str
+    home: str | None
+    observed: dict[str, dict[str, Any]]
+    granted: tuple[str, ...]  # what the program can see of the host: granted paths, as named and real
     stamps: list[tuple[str, tuple[int, int]]]
     fds: list[int]
 
@@ -383,6 +571,16 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     enforced["no_new_privs"] = True
     enforced["capabilities"] = "all dropped" if (use_ns or root_caller) else "none held (no_new_privs)"
 
+    # -- the program's home ------------------------------------------------
+    home, home_files = _plan_home(policy, use_ns, read + write, tmpfs, run_cwd, program_uid, program_gid,
+                                  refusals, open_source)
+    if home is not None:
+        enforced["home"] = {
+            "path": home,
+            "kind": "tmpfs (private to the run)" if use_ns else "directory (private to the uid, kept between runs)",
+            "files": [target for _, target in home_files],
+        }
+
     # -- pathname unix sockets (the network namespace does not scope them) ----
     abi = landlock.abi()
     unix_mode = landlock.unix_socket_mechanism(abi, network, use_ns, has_init=not for_preexec)
@@ -431,8 +629,14 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         tmpfs_options = "mode=1777"
         if policy.limits.memory is not None:
             tmpfs_options += f",size={policy.limits.memory}"
+        home_mount = None
+        if home is not None:
+            home_options = f"mode=0700,uid={program_uid},gid={program_gid}"
+            if policy.limits.memory is not None:
+                home_options += f",size={policy.limits.memory}"
+            home_mount = mounts.Home(home, home_options if home not in tmpfs else "", home_files)
         mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options,
-                                      source_fds if os.path.isdir("/proc/self/fd") else None)
+                                      source_fds if os.path.isdir("/proc/self/fd") else None, home_mount)
         steps = mount_plan.steps
         cmounts = ffi.new("struct iso_mount[]", max(len(steps), 1))
         keep.append(cmounts)
@@ -485,6 +689,8 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         if use_ns:
             for path in tmpfs:
                 rules.append((path, landlock.write_rights(abi) | resolve_unix))
+            if home is not None and home not in tmpfs:
+                rules.append((home, landlock.write_rights(abi) | resolve_unix))
             rules.append(("/dev", landlock.device_rights(abi)))
             rules.append(("/dev/shm", landlock.write_rights(abi) | resolve_unix))
             rules.append(("/proc", landlock.proc_rights(abi)))
@@ -492,6 +698,8 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
             # only what was granted.
             rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
         else:
+            if home is not None:
+                grant(home, landlock.write_rights(abi))
             grant("/dev/null", landlock.device_rights(abi) & landlock.FILE_RIGHTS)
             # /proc, read-only: Landlock's own ptrace rule already keeps the
             # program out of the memory, environment and descriptors of every
@@ -538,6 +746,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     seccomp_unix = {"supervisor": "supervise", "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
                    notify=use_ns and not for_preexec, unix_sockets=seccomp_unix)
+    observed = denials_observed(use_ns, bool(plan.seccomp_notify), abi)
+    if enforced.get("seccomp") is None:
+        observed.pop("seccomp")
     if for_preexec and not use_ns and policy.limits.wall_seconds is not None:
         refusals.refuse("wall_seconds: preexec_fn without namespaces has no init to keep the clock; "
                         "use isolate.run/Popen, or namespaces=true")
@@ -575,7 +786,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     return _Static(
         plan=plan, keep=keep, enforced=enforced, warnings=refusals.warnings, rlimits=rlimits,
         cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,
-        program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, stamps=stamps, fds=static_fds,
+        program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, home=home, observed=observed,
+        granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write])), stamps=stamps,
+        fds=static_fds,
     )
 
 
@@ -645,7 +858,13 @@ def prepare(
     limit_cpu = static.limit_cpu_seconds
 
     # -- the program ---------------------------------------------------------
-    program_env = program_environment(policy, env)
+    program_env = program_environment(policy, env, static.home)
+    if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
+        # The caller's PATH, reduced to the directories that exist inside.
+        program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)
+    if not for_preexec and args:
+        check_command(os.fsdecode(executable) if executable else os.fsdecode(args[0]), program_env["PATH"],
+                      static.granted, run_cwd)
     envp = ffi.new("char *[]", len(program_env) + 1)
     keep.append(envp)
     for i, (name, value) in enumerate(program_env.items()):
@@ -692,6 +911,7 @@ def prepare(
         status_fd=status_r,
         cgroup=prepared_cgroup,
         limit_cpu_seconds=limit_cpu,
+        observed=static.observed,
         _keep=keep,
         _close_after_spawn=close_after,
     )

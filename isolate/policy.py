@@ -25,6 +25,8 @@ DEFAULT_READ: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/et
 DEFAULT_WRITE: tuple[str, ...] = (".",)
 #: A fresh private tmpfs by default.
 DEFAULT_TMPFS: tuple[str, ...] = ("/tmp",)
+#: The program's home: a private, writable, empty directory, and HOME points at it.
+DEFAULT_HOME = "/home/sandbox"
 #: The variables passed through from the caller by default (SPEC: a minimal environment).
 DEFAULT_KEEP_ENV: tuple[str, ...] = ("PATH", "HOME", "LANG", "TERM")
 
@@ -133,6 +135,8 @@ class Policy:
     seccomp: str = "default"
     env: Mapping[str, str] = field(default_factory=dict)
     keep_env: tuple[str, ...] = DEFAULT_KEEP_ENV
+    home: str | None = DEFAULT_HOME
+    home_files: tuple[str, ...] = ()
     cwd: str | None = None
     uid: int | None = None
     gid: int | None = None
@@ -148,7 +152,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        for name in ("read", "write", "tmpfs", "keep_env", "unix_sockets"):
+        for name in ("read", "write", "tmpfs", "keep_env", "unix_sockets", "home_files"):
             set_(self, name, _str_tuple(getattr(self, name), name))
         for name in ("tmpfs",):
             for path in getattr(self, name):
@@ -200,6 +204,21 @@ class Policy:
                 raise PolicyError(f"env: the value of {key} must be a string without NUL bytes", "env")
         set_(self, "env", _FrozenEnv(env))
 
+        if self.home in ("none", ""):
+            set_(self, "home", None)  # the TOML spelling of "no home"
+        if self.home is not None:
+            if not isinstance(self.home, str) or not os.path.isabs(self.home) or "\0" in self.home:
+                raise PolicyError(f"home: {self.home!r} must be an absolute path inside the sandbox (or none)", "home")
+            home = os.path.normpath(self.home)
+            if home == "/" or any(home == p or home.startswith(p + "/") for p in ("/proc", "/dev")):
+                raise PolicyError(f"home: {self.home} cannot be the home (the sandbox builds it itself)", "home")
+            set_(self, "home", home)
+        elif self.home_files:
+            raise PolicyError("home_files: there is no home to put them in (home is none)", "home_files")
+        for name in self.home_files:
+            base = os.path.basename(os.path.normpath(name))
+            if base in ("", ".", "..", "/"):
+                raise PolicyError(f"home_files: {name!r} names no file", "home_files")
         if self.cwd is not None and (not isinstance(self.cwd, str) or not os.path.isabs(self.cwd)):
             raise PolicyError(f"cwd: {self.cwd!r} must be an absolute path inside the sandbox", "cwd")
         for name in ("uid", "gid"):
@@ -258,6 +277,8 @@ class Policy:
                 value = dict(value)
             elif isinstance(value, tuple):
                 value = list(value)
+            elif f.name == "home" and value is None:
+                value = "none"
             if value is None:
                 continue
             out[f.name] = value

@@ -192,7 +192,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         prepared = self._prepared
         if prepared is None:
             return
-        report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings))
+        report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings),
+                        denials_observed={k: dict(v) for k, v in prepared.observed.items()})
         report.wall_seconds = round((self._ended or time.monotonic()) - self._started, 6)
         if status is not None:
             report.user_seconds = round(status.user_usec / 1e6, 6)
@@ -219,6 +220,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 if usage.peak_memory_bytes is not None:
                     report.max_rss_bytes = int(usage.peak_memory_bytes)
                 report.oom_kills = int(usage.oom_kills)
+                if usage.pids_max_hit:
+                    report.limits_reached.append("pids")
                 # The OOM killer may hit any process of the tree; when the run
                 # then failed, the memory limit is what ended it.
                 if usage.oom_kills and limit is None and self.returncode:

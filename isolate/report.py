@@ -36,6 +36,12 @@ class Report:
     backend: str = "native"
     enforced: dict[str, Any] = field(default_factory=dict)
     denied: list[dict[str, Any]] = field(default_factory=list)
+    #: Limits the run reached without (necessarily) being ended by them, e.g. ``pids``.
+    limits_reached: list[str] = field(default_factory=list)
+    #: Per mechanism, whether its denials can reach ``denied`` on this run and host, and why not:
+    #: ``{"seccomp": {"observed": true, "detail": ...}, "landlock": {"observed": false, ...}}``.
+    #: An empty ``denied`` means "none seen" only where ``observed`` is true.
+    denials_observed: dict[str, dict[str, Any]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     error: dict[str, Any] | None = None
 

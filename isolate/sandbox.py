@@ -250,6 +250,8 @@ class Sandbox:
         import docker.errors  # importable now: start() reached the engine through it
 
         environ = {key: os.environ[key] for key in self.policy.keep_env if key in os.environ}
+        if self.policy.home is not None:
+            environ["HOME"] = self.policy.home  # the container's private home, as for a single run
         environ.update(self.policy.env)
         kwargs: dict[str, Any] = dict(
             input=input, stdin=stdin, stdout=stdout, stderr=stderr, capture_output=capture_output,

@@ -86,6 +86,7 @@ errno: they are enforced exactly, but not reported.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import errno as errno_mod
@@ -493,6 +494,48 @@ def oci_profile(mode: str) -> dict[str, Any]:
     _parse(data, source, resolve)
     assert isinstance(data, dict)  # _parse checked it
     return data
+
+
+def without_network_sockets(profile: dict[str, Any]) -> dict[str, Any]:
+    """``profile`` (OCI/Docker data) changed so that socket() succeeds only for AF_UNIX.
+
+    For a container whose network mode is "none": its lo is up and cannot be
+    taken down, so "no network" is kept by refusing every socket family that
+    could use it (AF_INET, AF_INET6, AF_PACKET, AF_NETLINK ...), as the native
+    backend does without a network namespace. Rules that allowed socket() are
+    dropped (a default-deny profile then gets back only AF_UNIX, and only if it
+    allowed socket() at all); errno rules stay; an errno rule for every domain
+    but AF_UNIX (compared on 64 bits: a domain with high bits set is refused
+    too) is added when the default allows. Nothing the profile denied becomes
+    allowed.
+    """
+    out = copy.deepcopy(profile)
+    allows_default = out.get("defaultAction") in ("SCMP_ACT_ALLOW", "SCMP_ACT_LOG")
+    allowed_unix = False
+    rules = []
+    for rule in out.get("syscalls") or []:
+        names = list(rule.get("names") or ([rule["name"]] if "name" in rule else []))
+        if "socket" in names and rule.get("action") in ("SCMP_ACT_ALLOW", "SCMP_ACT_LOG"):
+            args = rule.get("args") or []
+            unix_only = len(args) == 1 and args[0].get("index") == 0 and (
+                (args[0].get("op") == "SCMP_CMP_EQ" and args[0].get("value") == _AF_UNIX)
+                or (args[0].get("op") == "SCMP_CMP_MASKED_EQ" and args[0].get("value") == _LOW32
+                    and args[0].get("valueTwo") == _AF_UNIX))
+            allowed_unix = allowed_unix or not args or unix_only
+            names.remove("socket")
+            if not names:
+                continue
+            rule = {**rule, "names": names}
+            rule.pop("name", None)
+        rules.append(rule)
+    if allows_default:
+        rules.append({**_deny(["socket"], "network none: no socket but AF_UNIX"),
+                      "args": [{"index": 0, "value": _AF_UNIX, "op": "SCMP_CMP_NE"}]})
+    elif allowed_unix:
+        rules.append({"names": ["socket"], "action": "SCMP_ACT_ALLOW", "comment": "network none: AF_UNIX only",
+                      "args": [_masked(0, _LOW32, _AF_UNIX)]})
+    out["syscalls"] = rules
+    return out
 
 
 # --------------------------------------------------------------------------

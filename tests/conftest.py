@@ -29,6 +29,25 @@ def python_read() -> tuple[str, ...]:
     return tuple(dict.fromkeys(list(isolate.policy.DEFAULT_READ) + extra))
 
 
+#: Top-level host directories a test may expect to be absent from the sandbox's root.
+HOST_TOP = ("root", "home", "boot", "var", "sys", "srv", "opt", "mnt", "media", "run", "data")
+
+
+def not_granted_top(*granted: str, home: bool = True) -> set[str]:
+    """The top-level names of ``HOST_TOP`` that no granted path (nor the private home) brings into the
+    sandbox's root: these must not be visible, wherever the checkout and its venv live (``/root``,
+    ``/home/USER``)."""
+    tops = set()
+    for path in (*python_read(), *granted):
+        for form in (os.path.abspath(path), os.path.realpath(path)):
+            parts = [p for p in form.split("/") if p]
+            if parts:
+                tops.add(parts[0])
+    if home and isolate.policy.DEFAULT_HOME:
+        tops.add(isolate.policy.DEFAULT_HOME.split("/")[1])
+    return set(HOST_TOP) - tops
+
+
 @pytest.fixture
 def workdir() -> Iterator[str]:
     """A fresh directory, writable by the test's user and by a root caller's program."""

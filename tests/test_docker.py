@@ -116,11 +116,11 @@ def test_default_policy_mapping(tmp_path: Path) -> None:
                               environ={"PATH": "/bin", "SECRET": "x"})
     assert spec.mounts == (backend.BindMount(str(tmp_path.resolve()), str(tmp_path), False),)  # cwd rw, no /usr...
     assert spec.working_dir == str(tmp_path)
-    assert spec.tmpfs == ("/tmp",)
+    assert spec.tmpfs == ("/tmp", "/home/sandbox")  # the private home, as with the native backend
     assert spec.network_mode == "none"
     assert "no-new-privileges:true" in spec.security_opt
     assert "seccomp=unconfined" in spec.security_opt
-    assert dict(spec.environment) == {"PATH": "/bin"}
+    assert dict(spec.environment) == {"PATH": "/bin", "HOME": "/home/sandbox"}
     expected_uid = 65534 if ROOT else os.geteuid()
     assert (spec.uid, spec.gid) == (expected_uid, 65534 if ROOT else os.getegid())
     assert spec.image == (os.environ.get(backend.IMAGE_ENV) or backend.DEFAULT_IMAGE)
@@ -151,7 +151,7 @@ def test_host_config_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert config["mem_limit"] == config["memswap_limit"] == 64 * 1024 * 1024
     assert config["pids_limit"] == 32
     assert config["nano_cpus"] == 500_000_000
-    assert set(config["tmpfs"]) == {"/tmp", "/scratch"}
+    assert set(config["tmpfs"]) == {"/tmp", "/scratch", "/home/sandbox"}
     assert all("exec" in options.split(",") for options in config["tmpfs"].values())
     mounts = {m["Target"]: m for m in config["mounts"]}
     assert set(mounts) == {str(tmp_path / "ro"), str(tmp_path / "rw")}  # /usr comes from the image
@@ -189,14 +189,41 @@ def test_egress_is_refused_or_warned() -> None:
     assert any("network" in w for w in spec.warnings)
 
 
-def test_network_none_is_refused_or_warned() -> None:
-    policy = Policy(seccomp="none", write=[])
-    assert backend.unsupported_reasons(policy).keys() == {"network"}
-    with pytest.raises(UnsupportedError, match="loopback"):
-        backend.build_spec(policy)
-    spec = backend.build_spec(policy.replace(best_effort=True))
-    assert spec.network_mode == "none"
-    assert any("network" in w for w in spec.warnings)
+def test_network_none_is_the_default_and_refuses_sockets() -> None:
+    # The default policy (network none) used to be refused: a container's lo is always up. Now the
+    # container's seccomp profile refuses socket() for every family but AF_UNIX, whatever the profile.
+    for mode in ("none", "default", "strict"):
+        policy = Policy(seccomp=mode, write=[])
+        assert "network" not in backend.unsupported_reasons(policy)
+        spec = backend.build_spec(policy)
+        assert spec.network_mode == "none"
+        assert not [w for w in spec.warnings if "network" in w]
+        assert spec.enforced["network"] == "netns-loopback+seccomp-sockets"
+        option = next(o for o in spec.security_opt if o.startswith("seccomp="))
+        profile = json.loads(option[len("seccomp="):])
+        socket_rules = [r for r in profile["syscalls"] if "socket" in r["names"]]
+        assert all(r["action"] != "SCMP_ACT_ALLOW" or r["args"][0]["valueTwo"] == 1 for r in socket_rules), mode
+        if profile["defaultAction"] == "SCMP_ACT_ALLOW":
+            assert {"index": 0, "value": 1, "op": "SCMP_CMP_NE"} in [a for r in socket_rules for a in r["args"]]
+    assert backend.build_spec(Policy(seccomp="none", write=[], network="loopback")).security_opt.count(
+        "seccomp=unconfined") == 1
+
+
+def test_network_sockets_rule_never_widens_a_profile() -> None:
+    from isolate import seccomp
+
+    deny_all = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]}
+    assert seccomp.without_network_sockets(deny_all) == deny_all
+    inet_only = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+        {"names": ["socket", "read"], "action": "SCMP_ACT_ALLOW", "args": [{"index": 0, "value": 2,
+                                                                          "op": "SCMP_CMP_EQ"}]}]}
+    out = seccomp.without_network_sockets(inet_only)
+    assert out["syscalls"] == [{"names": ["read"], "action": "SCMP_ACT_ALLOW",
+                                "args": [{"index": 0, "value": 2, "op": "SCMP_CMP_EQ"}]}]
+    anything = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["socket"], "action": "SCMP_ACT_ALLOW"}]}
+    rules = seccomp.without_network_sockets(anything)["syscalls"]
+    assert rules == [{"names": ["socket"], "action": "SCMP_ACT_ALLOW", "comment": "network none: AF_UNIX only",
+                      "args": [{"index": 0, "value": 0xFFFFFFFF, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}]}]
 
 
 def test_engine_without_memory_cgroup_refuses() -> None:
@@ -459,6 +486,32 @@ def test_no_network_has_only_lo(cleanup: None) -> None:
 
 
 @engine
+def test_default_network_none_runs_and_has_no_usable_socket(cleanup: None) -> None:
+    result = sh("cat /proc/net/dev | tail -n +3 | cut -d: -f1; nc 127.0.0.1 80 </dev/null; echo nc=$?",
+                pol(network="none"))
+    assert result.stdout.split() == ["lo", "nc=1"], result.stdout + result.stderr
+    assert "socket: Operation not permitted" in result.stderr
+    assert result.report.enforced["network"] == "netns-loopback+seccomp-sockets"
+    cli = subprocess.run([sys.executable, "-m", "isolate.cli", "--backend", "docker", "--image", IMAGE, "--", "true"],
+                         capture_output=True, text=True, timeout=120, cwd="/tmp")
+    assert cli.returncode == 0, cli.stderr
+
+
+@engine
+def test_home_is_private_and_writable_as_native(cleanup: None, tmp_path: Any) -> None:
+    shared = tmp_path / "gitconfig"
+    shared.write_text("[user]\n\tname = Docker Test\n")
+    shared.chmod(0o644)
+    os.chmod(tmp_path, 0o755)
+    result = sh('echo "$HOME"; touch ~/made && ls -A ~; cat ~/gitconfig',
+                pol(home_files=[str(shared)]))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:3] == ["/home/sandbox", "gitconfig", "made"], result.stdout
+    assert "Docker Test" in result.stdout
+    assert result.report.enforced["home"]["files"] == ["/home/sandbox/gitconfig"]
+
+
+@engine
 def test_host_network_is_the_hosts(cleanup: None) -> None:
     result = sh("ls /sys/class/net", pol(network="host"))
     assert sorted(result.stdout.split()) == sorted(os.listdir("/sys/class/net"))
@@ -630,6 +683,7 @@ def test_kept_sandbox_exec_io_limits_and_errors(
     try:
         env = box.run(["env"], capture_output=True, text=True, stdin=subprocess.DEVNULL).stdout.splitlines()
         assert "GIVEN=1" in env and "ISOLATE_KEEP_ME=kept" in env
+        assert "HOME=/home/sandbox" in env  # the container's private home, not the caller's HOME
         result = box.run(["sh", "-c", "tr a-z A-Z; echo e >&2; exit 5"], input="abc\n", capture_output=True, text=True)
         assert (result.returncode, result.stdout, result.stderr) == (5, "ABC\n", "e\n")
         assert result.report.status == "exited"

@@ -23,9 +23,10 @@ The mapping (``build_spec``)::
                        the image is the system
     write=             host paths bound read-write at the same path
     tmpfs=             Tmpfs "rw,exec,nosuid,nodev,mode=1777"
-    network            loopback -> NetworkMode none (a private lo, up); "none" is
-                       refused (its lo cannot be taken down), or runs so under best effort;
-                       host -> host; Egress -> refused
+    home, home_files   a Tmpfs at home, HOME pointing at it; files bound read-only into it
+    network            loopback -> NetworkMode none (a private lo, up); none -> the
+                       same, plus socket() refused for every family but AF_UNIX in
+                       the container's seccomp profile; host -> host; Egress -> refused
     seccomp            default/strict -> isolate.seccomp.oci_profile(mode) as JSON;
                        FILE -> the file's JSON; none -> unconfined
     limits.memory      Memory = MemorySwap
@@ -353,42 +354,44 @@ def program_ids(policy: Policy) -> tuple[int, int]:
     return uid, gid
 
 
-def seccomp_option(mode: str, unix_guard: bool = False) -> tuple[str, str]:
+def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False) -> tuple[str, str]:
     """(security option, report value) for a policy's ``seccomp``.
 
     "default"/"strict" hand ``isolate.seccomp.oci_profile(mode)`` to the engine
     as JSON, a file path hands over that file's JSON, "none" is ``unconfined``.
+    ``no_network`` (network none) adds the refusal of socket() for every
+    family but AF_UNIX to that profile (to an allow-all one for "none");
     ``unix_guard`` adds the rules refusing AF_UNIX sockets
     (``isolate.seccomp.unix_guard_rules``), to "none"'s allow-all profile too.
     """
-    if mode == "none" and not unix_guard:
+    if mode == "none" and not (no_network or unix_guard):
         return "seccomp=unconfined", "none"
-    if unix_guard:
-        try:
-            from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
-
-            profile = seccomp_mod.oci_profile(mode)
-            profile["syscalls"] = list(profile.get("syscalls", [])) + seccomp_mod.unix_guard_rules()
-            seccomp_mod._parse(profile, f"<{mode} profile with the unix socket guard>")
-        except (ImportError, PolicyError) as exc:
-            raise UnsupportedError(
-                f"unix sockets: the container's read-only binds would expose the host's unix sockets, and the "
-                f"seccomp guard cannot be added to the {mode!r} profile ({exc}); use the native backend, or "
-                "network host"
-            ) from None
-        report = mode if mode in ("default", "strict", "none") else os.path.abspath(mode)
-        return "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":")), report
     try:
         from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
     except ImportError as exc:
-        if mode in ("default", "strict"):
+        if mode in ("default", "strict") or no_network or unix_guard:
             raise UnsupportedError(
                 f"seccomp: the {mode!r} profile cannot be built ({exc}); reinstall isolate, or pass a JSON profile file"
             ) from None
         profile = _read_profile(mode)
     else:
-        profile = seccomp_mod.oci_profile(mode)  # validates a file's profile too
-    report = mode if mode in ("default", "strict") else os.path.abspath(mode)
+        if mode == "none":
+            profile = {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []}
+        else:
+            profile = seccomp_mod.oci_profile(mode)  # validates a file's profile too
+        if no_network:
+            profile = seccomp_mod.without_network_sockets(profile)
+        if unix_guard:
+            profile["syscalls"] = list(profile.get("syscalls", [])) + seccomp_mod.unix_guard_rules()
+            try:
+                seccomp_mod._parse(profile, f"<{mode} profile with the unix socket guard>")
+            except PolicyError as exc:
+                raise UnsupportedError(
+                    f"unix sockets: the container's read-only binds would expose the host's unix sockets, and the "
+                    f"seccomp guard cannot be added to the {mode!r} profile ({exc}); use the native backend, or "
+                    "network host"
+                ) from None
+    report = mode if mode in ("default", "strict", "none") else os.path.abspath(mode)
     return "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":")), report
 
 
@@ -413,11 +416,6 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
             "a filtered network (egress to chosen hosts) cannot be expressed with the Docker API; "
             "use network loopback or host, or the native backend"
         )
-    elif policy.network == "none":
-        reasons["network"] = (
-            "network none means not even a loopback, and a Docker container's lo is always up; "
-            "use network loopback (nothing outside is reachable either), or best effort"
-        )
     if policy.seccomp in ("default", "strict"):
         try:
             from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]  # noqa: F401
@@ -429,8 +427,13 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
         )
     if engine is not None:
         limits = policy.limits
-        if policy.seccomp != "none" and not engine.seccomp:
+        if (policy.seccomp != "none" or policy.network == "none") and not engine.seccomp:
             reasons["seccomp"] = "the Docker engine has no seccomp support; build dockerd with seccomp"
+            if policy.network == "none":
+                reasons["network"] = (
+                    "network none needs seccomp in the container (its lo is always up: socket() is refused "
+                    "for every family but AF_UNIX), and this engine has none; use network loopback"
+                )
         if limits.memory is not None and not engine.memory_limit:
             reasons["limits.memory"] = "the Docker engine cannot limit memory (no memory cgroup)"
         if limits.pids is not None and not engine.pids_limit:
@@ -501,6 +504,19 @@ def build_spec(
             if not os.path.exists(source):
                 raise PolicyError(f"{kind}: {target} does not exist on the host; create it or drop it", kind)
             mounts.append(BindMount(source, target, read_only))
+    # The program's home, as with the native backend: a private tmpfs, files shared read-only into it.
+    home_tmpfs: tuple[str, ...] = ()
+    if policy.home is not None:
+        if policy.home not in policy.tmpfs:
+            home_tmpfs = (policy.home,)
+        for name in policy.home_files:
+            source = os.path.join(os.path.expanduser("~"), name)
+            if not os.path.exists(source):
+                raise PolicyError(f"home_files: {source} does not exist; create it or drop it", "home_files")
+            mounts.append(BindMount(os.path.realpath(source),
+                                    os.path.join(policy.home, os.path.basename(os.path.normpath(name))), True))
+        enforced["home"] = {"path": policy.home, "kind": "tmpfs (private to the run)",
+                            "files": [m.target for m in mounts if m.target.startswith(policy.home + "/")]}
     mounts.sort(key=lambda m: (m.target.count("/"), m.target))
     working_dir = policy.cwd or base
     if policy.cwd is None and not _covered(working_dir, [m.target for m in mounts] + list(policy.tmpfs)):
@@ -518,8 +534,12 @@ def build_spec(
     # Under best effort a filtered network falls back to the closed one, never to the host's.
     network_mode = "host" if network == "host" else "none"
     # Docker's "none" is a private network namespace whose lo is up (no capability inside can take it
-    # down): the program reaches nothing but itself. That is what "loopback" means, so say so.
-    enforced["network"] = "host" if network_mode == "host" else "loopback"
+    # down): the program reaches nothing but itself. That is "loopback"; for "none" the container's
+    # seccomp profile also refuses socket() for every family but AF_UNIX, so that nothing network-usable
+    # exists, as with the native backend without a network namespace.
+    no_network = network == "none" and "network" not in problems
+    enforced["network"] = ("host" if network_mode == "host" else
+                           "netns-loopback+seccomp-sockets" if no_network else "loopback")
     namespaces = ["mnt", "pid", "ipc", "uts"] + (["net"] if network_mode == "none" else [])
     enforced["namespaces"] = namespaces
 
@@ -541,7 +561,7 @@ def build_spec(
             warnings.append("unix_sockets not enforced by the docker backend: host sockets under read-only binds "
                             "are reachable (no seccomp)")
     else:
-        option, seccomp_report = seccomp_option(policy.seccomp, unix_guard)
+        option, seccomp_report = seccomp_option(policy.seccomp, no_network, unix_guard)
         security.append(option)
         if unix_guard:
             enforced["unix_sockets"] = "seccomp-no-unix-sockets"
@@ -587,6 +607,8 @@ def build_spec(
         enforced["die_with_parent"] = "watchdog"
 
     env: dict[str, str] = {name: environ[name] for name in policy.keep_env if name in environ}
+    if policy.home is not None:
+        env["HOME"] = policy.home
     env.update(policy.env)
     chosen_image = image or policy.image or default_image()
     enforced["image"] = chosen_image
@@ -597,7 +619,7 @@ def build_spec(
         working_dir=working_dir,
         environment=tuple(env.items()),
         mounts=tuple(mounts),
-        tmpfs=tuple(policy.tmpfs),
+        tmpfs=tuple(policy.tmpfs) + home_tmpfs,
         network_mode=network_mode,
         security_opt=tuple(security),
         ulimits=tuple(ulimits),
@@ -1309,6 +1331,7 @@ def _report(
         backend="docker",
         enforced=dict(spec.enforced),
         warnings=warnings,
+        denials_observed={"seccomp": {"observed": False, "detail": "the engine does not report seccomp denials"}},
     )
 
 

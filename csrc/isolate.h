@@ -172,7 +172,7 @@ struct iso_plan {
     /* The init (a small static executable) and its arguments. */
     int32_t init_fd;               /* O_PATH descriptor of the init binary; -1: no init */
     int32_t status_fd;             /* the init writes struct iso_status here */
-    double wall_seconds;           /* 0: none */
+    long long wall_ms;             /* 0: none; the parent rounds a limit up, never to 0 */
 
     /* Supervised connect() (supervise.c): NULL, or the init's spec
      * "MODE,NR_CONNECT,NR_SOCKET,NR_SOCKETPAIR[,DEV:INO...]" (MODE n or l). */

@@ -118,7 +118,7 @@ static void exec_init(const struct iso_plan *plan, int child, int relay)
 {
     char pid_arg[16], wall_arg[32];
     snprintf(pid_arg, sizeof pid_arg, "%d", child);
-    snprintf(wall_arg, sizeof wall_arg, "%lld", relay ? 0LL : (long long)(plan->wall_seconds * 1000.0));
+    snprintf(wall_arg, sizeof wall_arg, "%lld", relay ? 0LL : plan->wall_ms);
     char *argv[] = {"isolate-init", pid_arg, "-1", "-1", wall_arg, NULL};
     char *envp[] = {NULL};
     syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);

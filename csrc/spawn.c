@@ -177,7 +177,7 @@ static int first_main(void *arg)
         snprintf(pid_arg, sizeof pid_arg, "%d", program);
         snprintf(status_arg, sizeof status_arg, "%d", plan->status_fd);
         snprintf(listener_arg, sizeof listener_arg, "%d", ctx->listener_fd);
-        snprintf(wall_arg, sizeof wall_arg, "%lld", (long long)(plan->wall_seconds * 1000.0));
+        snprintf(wall_arg, sizeof wall_arg, "%lld", plan->wall_ms);
         char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg,
                         (char *)(plan->seccomp_errnos ? plan->seccomp_errnos : ""), (char *)plan->supervise, NULL};
         char *envp[] = {NULL};

@@ -30,6 +30,7 @@ from .errors import (
     UnsupportedError,
 )
 from .policy import DEFAULT_HOME, DEFAULT_READ, DEFAULT_TMPFS, Egress, Policy
+from .units import milliseconds_up
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -770,7 +771,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         enforced["cpu_seconds"] = "rlimit (per process)"
         limit_cpu = cpu_seconds
     if limits.wall_seconds is not None:
-        plan.wall_seconds = limits.value("wall_seconds")
+        plan.wall_ms = milliseconds_up(limits.value("wall_seconds") or 0.0)
         enforced["wall_seconds"] = "init"
     enforced["session"] = "new" if policy.new_session else "inherited"
     plan.init_fd = init_fd()

@@ -81,6 +81,11 @@ class Limits:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse(value, f"limits.{name}"))
+        # CFS bandwidth below 1/100 of a CPU is refused by the kernel (a quota
+        # under 1 ms per 100 ms period) and read as "no limit" by Docker
+        # (NanoCpus truncated to 0): refuse it rather than round it either way.
+        if self.cpus is not None and float(self.cpus) < 0.01:
+            raise PolicyError(f"limits.cpus: at least 0.01 CPU, got {self.cpus!r}", "limits.cpus")
 
     def value(self, name: str) -> float | None:
         """A limit as a number (fields are normalised when the Limits is built)."""

@@ -10,6 +10,13 @@ from .errors import PolicyError
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
+# Upper bounds, so that no value wraps or overflows on its way to the kernel
+# (rlimits and cgroup files take 64-bit numbers, the init's clock a signed
+# 64-bit count of milliseconds; RLIM_INFINITY is all ones).
+MAX_SIZE = 2**62
+MAX_SECONDS = 100 * 365 * 24 * 3600.0
+MAX_COUNT = 2**31 - 1
+
 
 def parse_size(value: object, field: str) -> int:
     """Bytes from ``value``: an int, or a string such as ``"64M"``, ``"1.5G"``, ``"512KiB"``.
@@ -37,9 +44,12 @@ def parse_size(value: object, field: str) -> int:
         raise PolicyError(f"{field}: expected a size such as 64M, got {type(value).__name__}", field)
     if not math.isfinite(number) or number < 0:
         raise PolicyError(f"{field}: a size cannot be negative ({value!r})", field)
-    size = int(number * (1024**power))
+    exact = number * (1024**power)
+    size = math.ceil(exact) if math.isfinite(exact) else MAX_SIZE + 1
     if size <= 0:
         raise PolicyError(f"{field}: a size must be more than zero bytes ({value!r})", field)
+    if size > MAX_SIZE:
+        raise PolicyError(f"{field}: {value!r} is too large (at most {format_size(MAX_SIZE)})", field)
     return size
 
 
@@ -58,7 +68,14 @@ def parse_seconds(value: object, field: str) -> float:
         raise PolicyError(f"{field}: expected seconds, got {type(value).__name__}", field)
     if not math.isfinite(seconds) or seconds <= 0:
         raise PolicyError(f"{field}: seconds must be a positive number, got {value!r}", field)
+    if seconds > MAX_SECONDS:
+        raise PolicyError(f"{field}: {value!r} is too long (at most {MAX_SECONDS:.0f} seconds, 100 years)", field)
     return seconds
+
+
+def milliseconds_up(seconds: float) -> int:
+    """Whole milliseconds for a positive duration, rounded up: a limit is never 0 ("none")."""
+    return max(1, math.ceil(seconds * 1000)) if seconds > 0 else 0
 
 
 def parse_count(value: object, field: str) -> int:
@@ -73,6 +90,8 @@ def parse_count(value: object, field: str) -> int:
         raise PolicyError(f"{field}: expected a positive whole number, got {value!r}", field)
     if count <= 0:
         raise PolicyError(f"{field}: must be a positive whole number, got {value!r}", field)
+    if count > MAX_COUNT:
+        raise PolicyError(f"{field}: {value!r} is too large (at most {MAX_COUNT})", field)
     return count
 
 

@@ -79,6 +79,18 @@ def test_wall_clock_ends_the_run(workdir: str) -> None:
     assert result.returncode == -signal.SIGKILL
 
 
+
+@pytest.mark.parametrize("wall", [0.0004, 1e-9])
+def test_a_wall_clock_under_a_millisecond_is_still_a_limit(workdir: str, wall: float) -> None:
+    # It was truncated to 0 ms, which the init reads as "no limit", while the
+    # report said the limit was enforced: it must end the run at once instead.
+    started = time.monotonic()
+    result = isolate.run(["sleep", "5"], policy=policy(write=[workdir], limits=Limits(wall_seconds=wall)), cwd=workdir)
+    assert time.monotonic() - started < 4
+    assert result.report.status == "timeout"
+    assert result.report.enforced["wall_seconds"] == "init"
+
+
 @needs_cgroup
 def test_memory_limit_kills_any_process_of_the_tree(workdir: str) -> None:
     pol = policy(write=[workdir], limits=Limits(memory="64M"))

@@ -118,3 +118,28 @@ def test_policy_is_frozen_and_hashable() -> None:
 
 def test_config_hash_changes_with_policy() -> None:
     assert Policy().config_hash() != Policy(network="loopback").config_hash()
+
+
+@pytest.mark.parametrize(
+    ("limits", "field"),
+    [({"cpus": 0.001}, "limits.cpus"), ({"cpus": "0.000000001"}, "limits.cpus"),
+     ({"wall_seconds": 1e300}, "limits.wall_seconds"), ({"cpu_seconds": "1e20"}, "limits.cpu_seconds"),
+     ({"memory": "1e30G"}, "limits.memory"), ({"file_size": 2**64}, "limits.file_size"),
+     ({"pids": 2**40}, "limits.pids"), ({"open_files": str(2**63)}, "limits.open_files"),
+     ({"memory": float("nan")}, "limits.memory"), ({"wall_seconds": float("inf")}, "limits.wall_seconds")],
+)
+def test_limits_that_would_wrap_or_truncate_to_off_are_refused(limits: dict[str, object], field: str) -> None:
+    # 0 or a wrapped value means "no limit" somewhere on the way to the kernel
+    # (NanoCpus 0, a CFS quota under the kernel's minimum, an overflowing
+    # 64-bit count): such a limit is refused, never silently weakened.
+    with pytest.raises(PolicyError) as info:
+        Limits(**limits)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_fractions_round_up_never_to_nothing() -> None:
+    from isolate.units import milliseconds_up
+
+    assert parse_size("0.5", "x") == 1
+    assert milliseconds_up(0.0004) == 1 and milliseconds_up(1e-12) == 1 and milliseconds_up(1.0001) == 1001
+    assert Limits(cpus=0.01).cpus == 0.01

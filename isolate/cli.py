@@ -26,7 +26,7 @@ from .errors import (
     SetupError,
 )
 from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Policy
-from .report import Report, check_report_path, write_report
+from .report import Report, ReportTarget
 from .units import format_size
 
 EXIT_SETUP = 125
@@ -321,7 +321,7 @@ def _say_limit(policy: Policy, report: Report) -> None:
         print(f"isolate-run: {message}", file=sys.stderr)
 
 
-def run_command(policy: Policy, command: list[str], report_path: str | None) -> int:
+def run_command(policy: Policy, command: list[str], report_target: ReportTarget | None) -> int:
     from . import popen
 
     backend = popen.choose_backend(policy)
@@ -331,8 +331,8 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
         for warning in report.warnings:
             print(f"isolate-run: warning: {warning}", file=sys.stderr)
         _say_limit(policy, report)
-        if report_path:
-            write_report(report_path, report)
+        if report_target:
+            report_target.write(report)
         return _exit_status(result.returncode)
 
     process = popen.Popen(command, policy=policy)
@@ -364,8 +364,8 @@ def run_command(policy: Policy, command: list[str], report_path: str | None) -> 
     if returncode != 0:
         for line in denial_hints(report, policy):
             print(f"isolate-run: {line}", file=sys.stderr)
-    if report_path:
-        write_report(report_path, report)
+    if report_target:
+        report_target.write(report)
     return _exit_status(returncode)
 
 
@@ -393,15 +393,15 @@ def denial_hints(report: Report, policy: Policy) -> list[str]:
     return lines
 
 
-def _setup_error_report(path: str | None, error: Exception) -> None:
-    if not path:
+def _setup_error_report(target: ReportTarget | None, error: Exception) -> None:
+    if not target or not target.pending:
         return
     report = Report(status="setup-error", exit_code=None)
     report.error = {"type": type(error).__name__, "message": str(error)}
     if isinstance(error, SetupError):
         report.error.update({"step": error.step, "errno": error.errno, "detail": error.detail})
     try:
-        write_report(path, report)
+        target.write(report)
     except IsolationError as exc:
         print(f"isolate-run: {exc}", file=sys.stderr)
 
@@ -425,10 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: list[str]) -> int:
-    report_path: str | None = None
+    report_target: ReportTarget | None = None
     try:
         options = build_parser().parse_args(args)
-        report_path = options.report
+        if options.report and not options.explain:
+            # Opened before anything runs: the program may replace the path's
+            # directory by a link while it runs; the report goes where the
+            # directory was when isolate-run started.
+            report_target = ReportTarget(options.report)
         command = list(options.command)
         if command and command[0] == "--":
             command = command[1:]
@@ -438,29 +442,26 @@ def _main(args: list[str]) -> int:
             return 0
         if not command:
             raise CliError("no command given: isolate-run [OPTIONS] -- COMMAND [ARG...]")
-        if report_path:
-            try:
-                check_report_path(report_path)
-            except IsolationError:
-                report_path = None  # nowhere safe to write a report about this failure
-                raise
-        return run_command(policy, command, report_path)
+        return run_command(policy, command, report_target)
     except CommandNotFoundError as exc:
         print(f"isolate-run: {exc.strerror}", file=sys.stderr)
-        _setup_error_report(report_path, exc)
+        _setup_error_report(report_target, exc)
         return EXIT_NOT_FOUND
     except CommandNotExecutableError as exc:
         print(f"isolate-run: {exc.strerror}", file=sys.stderr)
-        _setup_error_report(report_path, exc)
+        _setup_error_report(report_target, exc)
         return EXIT_CANNOT_EXECUTE
     except (CliError, PolicyError, IsolationError) as exc:
         print(f"isolate-run: {exc}", file=sys.stderr)
-        _setup_error_report(report_path, exc)
+        _setup_error_report(report_target, exc)
         return EXIT_SETUP
     except OSError as exc:
         print(f"isolate-run: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
-        _setup_error_report(report_path, exc)
+        _setup_error_report(report_target, exc)
         return EXIT_SETUP
+    finally:
+        if report_target:
+            report_target.close()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,7 +6,6 @@ The same shape for every backend; ``to_json`` gives the document of SPEC's
 
 from __future__ import annotations
 
-import errno as errno_mod
 import json
 import os
 import signal as signal_mod
@@ -82,45 +81,84 @@ def status_for(returncode: int, limit_hit: str | None = None) -> tuple[str, int 
     return status, exit_code, sig
 
 
-def check_report_path(path: str) -> None:
-    """Refuse, before anything runs, a report path that is a symlink or not a regular file."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise IsolationError(f"--report {path}: its directory {parent} does not exist") from None
-        return
-    except OSError as exc:
-        raise IsolationError(f"--report {path}: cannot check it: {exc.strerror}") from None
-    if stat.S_ISLNK(info.st_mode):
-        raise IsolationError(f"--report {path}: is a symbolic link; refusing to write through it")
-    if not stat.S_ISREG(info.st_mode):
-        raise IsolationError(f"--report {path}: is not a regular file; choose a file path")
+class ReportTarget:
+    """Where ``--report`` goes: the path's directory, held open from before the run.
 
-
-def write_report(path: str, report: Report) -> None:
-    """Write ``report`` to ``path``, never through a symlink nor onto a non-regular file.
-
-    The file is opened with O_NOFOLLOW and checked with fstat before it is
-    truncated, so a link planted at ``path`` (by the sandboxed program, in a
-    writable directory) cannot redirect the write.
+    The sandboxed program may be able to write that directory (a report
+    inside the writable cwd), or one above it, and replace it by a symbolic
+    link while it runs. So the directory is opened once, before anything
+    starts, and the report is written relative to that descriptor: a
+    temporary file created there with ``O_EXCL|O_NOFOLLOW``, then renamed
+    over the final name. Whatever the program left at the final name (a
+    link, a FIFO, a file) is replaced, never followed, opened or truncated;
+    a directory there fails the write. ``close()`` releases the directory.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno == errno_mod.ELOOP:
-            raise IsolationError(f"--report {path}: is a symbolic link; refusing to write through it") from None
-        raise IsolationError(f"--report {path}: cannot open it: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise IsolationError(f"--report {path}: is not a regular file; choose a file path")
-        os.ftruncate(fd, 0)
-        data = (report.to_json() + "\n").encode()
-        while data:
-            written = os.write(fd, data)
-            data = data[written:]
-    finally:
-        os.close(fd)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        parent, self.name = os.path.split(os.path.abspath(path))
+        if not self.name:
+            raise IsolationError(f"--report {path}: names a directory; choose a file path")
+        try:
+            self._dir_fd: int | None = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise IsolationError(f"--report {path}: its directory {parent} cannot be opened: {exc.strerror}") from None
+        try:
+            info = os.stat(self.name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self.close()
+            raise IsolationError(f"--report {path}: cannot check it: {exc.strerror}") from None
+        problem = ("is a symbolic link; refusing to write through it" if stat.S_ISLNK(info.st_mode) else
+                   None if stat.S_ISREG(info.st_mode) else "is not a regular file; choose a file path")
+        if problem:
+            self.close()
+            raise IsolationError(f"--report {path}: {problem}")
+
+    def write(self, report: Report) -> None:
+        """Write the report (once); raises ``IsolationError`` naming the path."""
+        if self._dir_fd is None:
+            raise IsolationError(f"--report {self.path}: already written")
+        try:
+            self._write(self._dir_fd, (report.to_json() + "\n").encode())
+        finally:
+            self.close()
+
+    def _write(self, dir_fd: int, data: bytes) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for attempt in range(100):
+            temporary = f".{self.name}.{os.getpid()}.{attempt}.tmp"
+            try:
+                fd = os.open(temporary, flags, 0o644, dir_fd=dir_fd)
+                break
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise IsolationError(f"--report {self.path}: cannot write it: {exc.strerror}") from None
+        else:
+            raise IsolationError(f"--report {self.path}: cannot create a temporary file beside it")
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(temporary, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as exc:
+            try:
+                os.unlink(temporary, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise IsolationError(f"--report {self.path}: cannot write it: {exc.strerror}") from None
+
+    @property
+    def pending(self) -> bool:
+        """True until the report is written or the target closed."""
+        return self._dir_fd is not None
+
+    def close(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None

@@ -129,6 +129,40 @@ def test_report_never_through_a_symlink(workdir: str, tmp_path_factory: pytest.T
     assert "regular file" in one_line(result.stderr)
 
 
+@pytest.mark.parametrize("move", ["rm -rf out", "mv out kept"])
+def test_report_directory_replaced_by_a_link_during_the_run(
+    workdir: str, tmp_path_factory: pytest.TempPathFactory, move: str
+) -> None:
+    # The program owns the cwd: while it runs it swaps the report's directory
+    # for a link to a directory it cannot even see. isolate-run (often root)
+    # must not create or truncate anything there afterwards.
+    victim = tmp_path_factory.mktemp("victim")
+    os.chmod(victim, 0o777)
+    os.mkdir(os.path.join(workdir, "out"))
+    result = cli("--report", "out/report.json", "--", "sh", "-c", f"{move} && ln -s {victim} out", cwd=workdir)
+    assert os.listdir(victim) == []
+    if move.startswith("mv"):
+        # The directory held open from the start is where the report goes.
+        assert result.returncode == 0, result.stderr
+        assert json.load(open(os.path.join(workdir, "kept", "report.json")))["status"] == "ok"
+    else:
+        assert result.returncode == 125
+        assert "--report out/report.json" in one_line(result.stderr)
+
+
+@pytest.mark.parametrize("plant", ["mkfifo out/report.json", "ln -s /etc/passwd out/report.json"])
+def test_report_name_replaced_during_the_run(workdir: str, plant: str) -> None:
+    # A FIFO must not block isolate-run and a link must not be followed: the
+    # report replaces whatever the program left at the name.
+    os.mkdir(os.path.join(workdir, "out"))
+    result = cli("--report", "out/report.json", "--", "sh", "-c", plant, cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    path = os.path.join(workdir, "out", "report.json")
+    assert not os.path.islink(path)
+    assert json.load(open(path))["status"] == "ok"
+    assert not [n for n in os.listdir(os.path.join(workdir, "out")) if n.endswith(".tmp")]
+
+
 def test_explain_runs_nothing(workdir: str) -> None:
     result = cli("--explain", "--memory", "64M", "--", "touch", "marker", cwd=workdir)
     assert result.returncode in (0, 125)

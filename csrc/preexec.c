@@ -155,6 +155,12 @@ static int program_steps(const struct iso_plan *plan, struct iso_failure *failur
     int listener;
     if ((step = iso_seccomp_apply(plan, &listener)))
         return fail(failure, step, -1);
+    /* subprocess called with env=None execs with this process's environ:
+     * make it the policy's (prepared by the parent), not the caller's, so
+     * no secret of the parent reaches the program.  An explicit env= is
+     * passed to execve by subprocess and is not affected. */
+    if (plan->envp)
+        environ = (char **)plan->envp;
     return 0;
 }
 

@@ -5,6 +5,11 @@ itself only calls the C core in the child. subprocess cannot carry an
 exception out of a hook (it reports a bare "Exception occurred in
 preexec_fn"), so on a setup failure the hook writes one line naming the step
 to the child's stderr and exits with status 125, as ``isolate-run`` does.
+
+The environment: subprocess called with ``env=None`` execs with the child's
+own ``environ``, which the C core points at the policy's minimal one (the
+parent's secrets never reach the program); an explicit ``env=`` is what
+subprocess passes to execve, so it is the program's environment as given.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ class PreexecHook:
 
     def __init__(self, policy: Policy) -> None:
         # The command is unknown here: exec is subprocess's. Only the
-        # confinement is planned; argv and the environment stay subprocess's.
+        # confinement is planned; argv and an explicit env= stay subprocess's.
         self._prepared = native.prepare(policy, ["/proc/self/exe"], for_preexec=True)
         self._failure = ffi.new("struct iso_failure *")
         self.enforced = self._prepared.enforced

@@ -89,3 +89,25 @@ def test_subprocess_timeout_leaves_nothing_behind(workdir: str) -> None:
         except OSError:
             pass
     assert leftovers == []
+
+
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_preexec_gives_the_policy_environment_not_the_parents(
+    workdir: str, monkeypatch: pytest.MonkeyPatch, namespaces: bool
+) -> None:
+    # subprocess with env=None execs with the child's environ: the hook must
+    # replace it, or every secret of the parent reaches the program.
+    monkeypatch.setenv("ISOLATE_TEST_SECRET", "sk-do-not-leak")
+    os.chmod(workdir, 0o777)
+    hook = policy(write=[workdir], namespaces=namespaces, env={"GIVEN": "yes"}).preexec_fn
+    result = subprocess.run(["env"], preexec_fn=hook, cwd=workdir, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    names = {line.split("=", 1)[0] for line in result.stdout.splitlines()}
+    assert "ISOLATE_TEST_SECRET" not in names
+    assert "GIVEN=yes" in result.stdout.splitlines()
+    assert names <= {"PATH", "HOME", "LANG", "TERM", "GIVEN", "PWD", "SHLVL", "_"}
+    # An explicit env= is the program's environment as given.
+    explicit = subprocess.run(["env"], preexec_fn=hook, cwd=workdir, capture_output=True, text=True,
+                              env={"ONLY": "this"})
+    assert explicit.stdout.splitlines() == ["ONLY=this"]
+

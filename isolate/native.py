@@ -29,7 +29,7 @@ from .errors import (
     SetupError,
     UnsupportedError,
 )
-from .policy import DEFAULT_HOME, DEFAULT_READ, DEFAULT_TMPFS, Egress, Policy
+from .policy import DEFAULT_HOME, DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
 from .units import milliseconds_up
 
 CLONE_NEWNS = 0x00020000
@@ -126,6 +126,28 @@ def _resolve(paths: Sequence[str], cwd: str, field_name: str, skip_missing: bool
             )
         out.append(absolute)
     return out
+
+
+#: Where a root caller's default writable cwd is refused: the default read-only
+#: system paths and the kernel's own trees. Writable there, the program
+#: (owning what root owns, through the idmapped mount) could rewrite /etc.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/boot",
+                "/proc", "/sys", "/dev")
+
+
+def _refuse_system_cwd(real_cwd: str) -> None:
+    """Refuse "cwd writable" (the default ".") for a root caller whose cwd is a system path.
+
+    An explicit absolute grant of the same directory is the caller's choice and stays allowed."""
+    for top in SYSTEM_PATHS:
+        real_top = os.path.realpath(top)
+        if real_cwd == real_top or real_cwd.startswith(real_top.rstrip("/") + "/"):
+            raise PolicyError(
+                f"write: the working directory {real_cwd} is a system path ({top}), and the default makes the "
+                "working directory writable: run from a project directory, or grant it explicitly by its path "
+                f"(--rw {real_cwd}), or --chdir to a directory that is not a system path",
+                "write",
+            )
 
 
 def _yama_ptrace_scope() -> int:
@@ -474,6 +496,12 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     if len(socket_ids) > 64:  # the init's allow-list (csrc/supervise.c) has room for 64
         raise PolicyError("unix_sockets: at most 64 sockets can be named; grant their directory writable instead",
                           "unix_sockets")
+    if any(p in DEFAULT_WRITE for p in policy.write) and os.geteuid() == 0:
+        explicit = {os.path.realpath(os.path.join(run_cwd, p)) for p in policy.write if p not in DEFAULT_WRITE}
+        if os.path.realpath(run_cwd) not in explicit:
+            _refuse_system_cwd(os.path.realpath(run_cwd))
+    if defaults_read:
+        read = [p for p in read if p not in write]  # an explicit write grant wins over a default read
     for name, paths in (("read", read), ("write", write)):
         if "/" in paths:
             raise PolicyError(

@@ -256,8 +256,11 @@ class Policy:
         for path in self.tmpfs:
             if path in ("/", "/proc", "/dev"):
                 raise PolicyError(f"tmpfs: {path} cannot be a tmpfs (the sandbox builds it itself)", "tmpfs")
+        # A default read-only path that is also asked for writable gives way to
+        # the explicit grant (isolate-run --rw /etc); two explicit lists that
+        # disagree are a contradiction.
         granted = {os.path.abspath(p) for p in self.read} & {os.path.abspath(p) for p in self.write}
-        if granted:
+        if granted and self.read != DEFAULT_READ:
             path = sorted(granted)[0]
             raise PolicyError(f"read/write: {path} is both read-only and writable; list it once", "write")
         if not self.namespaces and self.tmpfs and self.tmpfs != DEFAULT_TMPFS:

@@ -212,3 +212,28 @@ def test_version_and_doctor(workdir: str) -> None:
 
 
 _ = ROOT
+
+
+@pytest.mark.skipif(not ROOT, reason="the idmapped default cwd makes a system path writable only for a root caller")
+@pytest.mark.parametrize("cwd", ["/etc", "/etc/ssl", "/usr/share", "/proc"])
+def test_root_default_writable_cwd_refused_under_system_paths(cwd: str) -> None:
+    # cd /etc && isolate-run ...: the default "cwd writable" would hand the
+    # program /etc, owned by it through the idmapped mount.
+    result = cli("--", "sh", "-c", "touch isolate-probe", cwd=cwd)
+    assert result.returncode == 125
+    assert "is a system path" in one_line(result.stderr) and "--rw" in result.stderr
+    assert not os.path.exists(os.path.join(cwd, "isolate-probe"))
+
+
+@pytest.mark.skipif(not ROOT, reason="writes a system path as root")
+def test_root_explicit_grant_of_a_system_cwd_still_works(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The explicit --rw is the caller's choice (and wins over the default read of /etc).
+    probe = "/etc/isolate-test-probe"
+    try:
+        result = cli("--rw", "/etc", "--", "sh", "-c", f"touch {probe}", cwd="/etc")
+        assert result.returncode == 0, result.stderr
+        assert os.path.exists(probe)
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+

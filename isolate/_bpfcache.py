@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._version import __version__
+from .grants import read_input_file
 
 _SECCOMP_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
 
@@ -51,10 +52,9 @@ def key(mode: str, flags: tuple[bool, ...]) -> str | None:
         with open(_SECCOMP_SOURCE, "rb") as handle:
             digest.update(handle.read())
         if mode not in ("default", "strict", "none"):
-            with open(mode, "rb") as handle:
-                digest.update(handle.read())
+            digest.update(read_input_file(mode))
             mode = os.path.abspath(mode)
-    except OSError:
+    except (OSError, ValueError):
         return None
     digest.update(json.dumps([__version__, mode, list(flags), platform.machine()]).encode())
     return digest.hexdigest()

@@ -8,11 +8,10 @@ and its real directory is bound, so both spellings work in the sandbox.
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 
 from ._core import lib
-from .errors import PolicyError
+from .grants import host_symlinks
 
 STAGING = "/tmp"
 OLDROOT = "/oldroot"
@@ -89,46 +88,6 @@ class MountPlan:
 
     def add(self, kind: int, target: str, source: str = "") -> None:
         self.steps.append(MountStep(kind, target, source=source))
-
-
-def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, str]], str]:
-    """The symlinked components of absolute ``path`` (as (link, text) pairs) and its real path.
-
-    Only root's links directly under ``/`` (``/lib -> usr/lib``, ``/home ->
-    /data/home``) are followed. A link deeper down could have been planted by
-    an earlier sandbox in a directory it could write, to redirect a later
-    grant onto something else: such a path is refused, naming its real path.
-    """
-    links: list[tuple[str, str]] = []
-    current = "/"
-    parts = [p for p in path.split("/") if p]
-    seen = 0
-    while parts:
-        part = parts.pop(0)
-        candidate = os.path.join(current, part)
-        try:
-            info = os.lstat(candidate)
-        except OSError:
-            return links, os.path.realpath(path)
-        if stat.S_ISLNK(info.st_mode):
-            if current != "/" or info.st_uid != 0:
-                raise PolicyError(
-                    f"{field_name}: {path} goes through the symlink {candidate} -> {os.readlink(candidate)}; "
-                    f"grant the real path ({os.path.realpath(path)}) instead (only root's links directly under / "
-                    "are followed, so that a program cannot redirect a later grant)",
-                    field_name,
-                )
-            seen += 1
-            if seen > 40:
-                return links, os.path.realpath(path)
-            text = os.readlink(candidate)
-            links.append((candidate, text))
-            resolved = text if text.startswith("/") else os.path.join(current, text)
-            parts = [p for p in os.path.normpath(resolved).split("/") if p] + parts
-            current = "/"
-        else:
-            current = candidate
-    return links, current
 
 
 @dataclass(frozen=True)

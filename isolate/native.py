@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from . import landlock, mounts
+from . import grants, landlock, mounts
 from ._core import ffi, init_fd, lib, step_name
 from .errors import (
     CommandNotExecutableError,
@@ -204,7 +204,7 @@ def _plan_home(
                             "into the private home); without them grant the files with read=")
         return _no_ns_home(uid, gid), []
     for path in granted:
-        real = mounts.host_symlinks(path)[1]
+        real = grants.host_symlinks(path)[1]
         if home == real or home.startswith(real.rstrip("/") + "/"):
             message = (f"home: the private home {home} would be inside the granted {real}; choose another "
                        "home (home=, --home PATH) or none (--home none)")
@@ -482,7 +482,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     sockets: list[str] = []
     socket_ids: list[tuple[int, int]] = []
     for path in _resolve(policy.unix_sockets, run_cwd, "unix_sockets", skip_missing=False):
-        real = mounts.host_symlinks(path, "unix_sockets")[1]
+        real = grants.host_symlinks(path, "unix_sockets")[1]
         try:
             info = os.lstat(real)
         except OSError as exc:
@@ -516,7 +516,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     source_fds: dict[str, int] = {}
 
     def open_source(path: str, field_name: str) -> str:
-        real = mounts.host_symlinks(path, field_name)[1]
+        real = grants.host_symlinks(path, field_name)[1]
         if real == "/":
             raise PolicyError(f"{field_name}: {path} is the whole filesystem (/); grant the directories the "
                               "program needs", field_name)
@@ -711,10 +711,10 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         # Under ABI 9 the lookup of a unix socket is a right of its own:
         # write grants, tmpfs mounts and named sockets get it, read grants not.
         for path in read:
-            real = mounts.host_symlinks(path)[1]
+            real = grants.host_symlinks(path)[1]
             grant(real, landlock.read_rights(abi) | (resolve_unix if real in sockets else 0))
         for path in write:
-            grant(mounts.host_symlinks(path, "write")[1], landlock.write_rights(abi) | resolve_unix)
+            grant(grants.host_symlinks(path, "write")[1], landlock.write_rights(abi) | resolve_unix)
         if use_ns:
             for path in tmpfs:
                 rules.append((path, landlock.write_rights(abi) | resolve_unix))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PolicyError
+from .grants import read_input_file
 from .units import format_size, parse_count, parse_seconds, parse_size
 
 #: Read-only system paths granted unless ``--no-defaults`` (missing ones are skipped).
@@ -326,12 +327,13 @@ class Policy:
     def load(cls, path: str | os.PathLike[str]) -> Policy:
         """Read a TOML profile from ``path``."""
         try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
+            text = read_input_file(path).decode("utf-8")
         except OSError as exc:
             raise PolicyError(f"profile {os.fspath(path)!r}: cannot read it: {exc.strerror}") from None
         except UnicodeDecodeError:
             raise PolicyError(f"profile {os.fspath(path)!r}: not UTF-8 text") from None
+        except ValueError as exc:  # larger than any profile
+            raise PolicyError(f"profile {exc}") from None
         return cls.from_toml(text, os.fspath(path))
 
     def to_toml(self) -> str:

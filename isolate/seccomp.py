@@ -105,6 +105,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PolicyError, UnsupportedError
+from .grants import read_input_file
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -1171,20 +1172,18 @@ def compile_filter(
     return compiled
 
 
-_MAX_PROFILE_BYTES = 4 << 20
 
 
 def _read_profile_file(path: str) -> tuple[str, bytes]:
     try:
-        with open(path, "rb") as handle:
-            content = handle.read(_MAX_PROFILE_BYTES + 1)
+        content = read_input_file(path)
     except OSError as exc:
         raise PolicyError(
             f"seccomp: cannot read the profile {path!r}: {exc.strerror}; give default, strict, none or a JSON file",
             "seccomp",
         ) from None
-    if len(content) > _MAX_PROFILE_BYTES:
-        raise PolicyError(f"{path}: larger than {_MAX_PROFILE_BYTES >> 20} MiB; not a seccomp profile", "seccomp")
+    except ValueError as exc:
+        raise PolicyError(f"seccomp: {exc}; not a seccomp profile", "seccomp") from None
     return path, content
 
 

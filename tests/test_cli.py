@@ -219,10 +219,15 @@ _ = ROOT
 def test_root_default_writable_cwd_refused_under_system_paths(cwd: str) -> None:
     # cd /etc && isolate-run ...: the default "cwd writable" would hand the
     # program /etc, owned by it through the idmapped mount.
-    result = cli("--", "sh", "-c", "touch isolate-probe", cwd=cwd)
+    probe = os.path.join(cwd, "isolate-probe")
+    try:
+        result = cli("--", "sh", "-c", "touch isolate-probe", cwd=cwd)
+        assert not os.path.exists(probe)
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
     assert result.returncode == 125
     assert "is a system path" in one_line(result.stderr) and "--rw" in result.stderr
-    assert not os.path.exists(os.path.join(cwd, "isolate-probe"))
 
 
 @pytest.mark.skipif(not ROOT, reason="writes a system path as root")
@@ -236,4 +241,15 @@ def test_root_explicit_grant_of_a_system_cwd_still_works(tmp_path_factory: pytes
     finally:
         if os.path.exists(probe):
             os.unlink(probe)
+
+
+@pytest.mark.parametrize("flag", ["--profile", "--seccomp"])
+def test_a_fifo_planted_as_a_profile_does_not_hang(workdir: str, flag: str) -> None:
+    # An earlier sandbox could leave a FIFO where a profile is looked for:
+    # isolate-run must refuse it at once, not block reading it.
+    fifo = os.path.join(workdir, "profile")
+    os.mkfifo(fifo)
+    result = cli(flag, fifo, "--", "true", cwd=workdir)
+    assert result.returncode == 125
+    assert "regular file" in one_line(result.stderr) or "profile file" in result.stderr
 

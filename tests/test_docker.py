@@ -815,3 +815,46 @@ def test_nothing_left_behind(tmp_path: Path, cleanup: None) -> None:
     sh("head -c 300m /dev/zero | tail", pol(limits=Limits(memory="64M")))
     assert {c["Id"] for c in isolate_containers()} == containers
     assert volume_names() == volumes
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_link_planted_in_a_grant_is_refused_as_natively(tmp_path: Path, kind: str) -> None:
+    # A program that could write the workspace in an earlier run left
+    # ws/data -> /elsewhere; a later grant of ws/data must not bind /elsewhere.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "data").symlink_to(elsewhere)
+    policy = pol(**{kind: [str(ws / "data")]})
+    with pytest.raises(PolicyError, match="goes through the symlink") as info:
+        backend.build_spec(policy, cwd=ws)
+    assert str(elsewhere) in str(info.value)
+
+
+def test_a_grant_swapped_after_it_was_checked_is_refused(tmp_path: Path) -> None:
+    # Between the policy's resolution and the container's creation the
+    # directory is replaced by a link (or another directory): never bind it.
+    data = shared_dir(tmp_path / "data", 0o755)
+    spec = backend.build_spec(pol(read=[str(data)]), cwd=tmp_path)
+    spec.host_config()  # unchanged: fine
+    data.rename(tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    data.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PolicyError, match=r"symlink|changed since"):
+        spec.host_config()
+    data.unlink()
+    data.mkdir()  # another directory at the same path: another inode
+    with pytest.raises(PolicyError, match="changed since"):
+        spec.host_config()
+
+
+@engine
+def test_run_refuses_a_planted_link_with_the_engine(tmp_path: Path, cleanup: None) -> None:
+    secret = shared_dir(tmp_path / "secret", 0o755)
+    (secret / "key").write_text("do not read")
+    ws = shared_dir(tmp_path / "ws", 0o777)
+    (ws / "data").symlink_to(secret)
+    with pytest.raises(PolicyError, match="symlink"):
+        sh("cat data/key", pol(read=[str(ws / "data")]), cwd=ws)
+

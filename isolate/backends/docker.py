@@ -75,6 +75,7 @@ from ..errors import (
     SetupError,
     UnsupportedError,
 )
+from ..grants import Grant, check_unchanged, read_input_file, resolve_grant
 from ..policy import DEFAULT_READ, Egress, Policy
 from ..report import Report, status_for
 
@@ -239,11 +240,12 @@ def _engine_errors(step: str) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class BindMount:
-    """A host path bound at the same path inside the container."""
+    """A host path bound inside the container; ``grant`` is how it was resolved (isolate.grants)."""
 
     source: str
     target: str
     read_only: bool
+    grant: Grant | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -281,8 +283,16 @@ class ContainerSpec:
         return f"{self.uid}:{self.gid}"
 
     def host_config(self) -> dict[str, Any]:
-        """Keyword arguments of ``APIClient.create_host_config``."""
+        """Keyword arguments of ``APIClient.create_host_config``, made just before the container is.
+
+        Each bind's host path is checked again here: a path swapped for a link
+        (or another file) since the spec was built is refused, never bound.
+        """
         from docker.types import Mount, Ulimit
+
+        for m in self.mounts:
+            if m.grant is not None:
+                check_unchanged(m.grant, "read" if m.read_only else "write")
 
         config: dict[str, Any] = {
             "read_only": True,
@@ -397,11 +407,10 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
 
 def _read_profile(path: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as handle:
-            profile = json.load(handle)
+        profile = json.loads(read_input_file(path).decode("utf-8"))
     except OSError as exc:
         raise PolicyError(f"seccomp: cannot read the profile {path!r}: {exc.strerror}", "seccomp") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # not UTF-8, not JSON, or too large
         raise PolicyError(f"seccomp: {path!r} is not a JSON seccomp profile ({exc})", "seccomp") from None
     if not isinstance(profile, dict) or "defaultAction" not in profile:
         raise PolicyError(f"seccomp: {path!r} has no defaultAction; give an OCI/Docker seccomp profile", "seccomp")
@@ -495,26 +504,25 @@ def build_spec(
 
     # Filesystem: the image is the system; host paths are bound at the same path.
     mounts: list[BindMount] = []
+    # Every host path goes through isolate.grants, as with the native backend:
+    # no link planted below / is followed, and each is checked again just
+    # before the container is created (ContainerSpec.host_config).
     for kind, paths, read_only in (("read", policy.read, True), ("write", policy.write, False)):
         for path in paths:
             if read_only and path in DEFAULT_READ:
                 continue  # the image provides the system directories
             target = _abs(path, base)
-            source = os.path.realpath(target)
-            if not os.path.exists(source):
-                raise PolicyError(f"{kind}: {target} does not exist on the host; create it or drop it", kind)
-            mounts.append(BindMount(source, target, read_only))
+            grant = resolve_grant(target, kind)
+            mounts.append(BindMount(grant.real, target, read_only, grant))
     # The program's home, as with the native backend: a private tmpfs, files shared read-only into it.
     home_tmpfs: tuple[str, ...] = ()
     if policy.home is not None:
         if policy.home not in policy.tmpfs:
             home_tmpfs = (policy.home,)
         for name in policy.home_files:
-            source = os.path.join(os.path.expanduser("~"), name)
-            if not os.path.exists(source):
-                raise PolicyError(f"home_files: {source} does not exist; create it or drop it", "home_files")
-            mounts.append(BindMount(os.path.realpath(source),
-                                    os.path.join(policy.home, os.path.basename(os.path.normpath(name))), True))
+            grant = resolve_grant(os.path.join(os.path.expanduser("~"), name), "home_files")
+            mounts.append(BindMount(grant.real, os.path.join(policy.home, os.path.basename(os.path.normpath(name))),
+                                    True, grant))
         enforced["home"] = {"path": policy.home, "kind": "tmpfs (private to the run)",
                             "files": [m.target for m in mounts if m.target.startswith(policy.home + "/")]}
     mounts.sort(key=lambda m: (m.target.count("/"), m.target))

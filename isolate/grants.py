@@ -1,0 +1,128 @@
+"""Host paths handed to a sandbox: resolved and checked one way, for every backend.
+
+A grant names a host path that a backend binds (or a Landlock rule opens).
+The sandboxed program may have written a directory on that path in an
+earlier run and left a symbolic link there, to redirect a later grant onto
+anything on the host. So a grant is resolved here, following only root's
+own links directly under ``/`` (``/lib -> usr/lib``), its inode noted, and
+checked again just before the backend uses it. This module runs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+from .errors import PolicyError
+
+
+def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, str]], str]:
+    """The symlinked components of absolute ``path`` (as (link, text) pairs) and its real path.
+
+    Only root's links directly under ``/`` (``/lib -> usr/lib``, ``/home ->
+    /data/home``) are followed. A link deeper down could have been planted by
+    an earlier sandbox in a directory it could write, to redirect a later
+    grant onto something else: such a path is refused, naming its real path.
+    """
+    links: list[tuple[str, str]] = []
+    current = "/"
+    parts = [p for p in path.split("/") if p]
+    seen = 0
+    while parts:
+        part = parts.pop(0)
+        candidate = os.path.join(current, part)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return links, os.path.realpath(path)
+        if stat.S_ISLNK(info.st_mode):
+            if current != "/" or info.st_uid != 0:
+                raise PolicyError(
+                    f"{field_name}: {path} goes through the symlink {candidate} -> {os.readlink(candidate)}; "
+                    f"grant the real path ({os.path.realpath(path)}) instead (only root's links directly under / "
+                    "are followed, so that a program cannot redirect a later grant)",
+                    field_name,
+                )
+            seen += 1
+            if seen > 40:
+                return links, os.path.realpath(path)
+            text = os.readlink(candidate)
+            links.append((candidate, text))
+            resolved = text if text.startswith("/") else os.path.join(current, text)
+            parts = [p for p in os.path.normpath(resolved).split("/") if p] + parts
+            current = "/"
+        else:
+            current = candidate
+    return links, current
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A host path as asked for (absolute), its real path and the inode found there."""
+
+    path: str
+    real: str
+    device: int
+    inode: int
+
+
+def resolve_grant(path: str, field_name: str) -> Grant:
+    """Resolve absolute ``path`` as ``host_symlinks`` does and note its inode.
+
+    Raises ``PolicyError`` naming ``field_name`` for a missing path or one that
+    goes through a link that is not root's, directly under ``/``.
+    """
+    real = host_symlinks(path, field_name)[1]
+    try:
+        info = os.stat(real, follow_symlinks=False)
+    except FileNotFoundError:
+        raise PolicyError(f"{field_name}: {path} does not exist; create it or drop it from the policy",
+                          field_name) from None
+    except OSError as exc:
+        raise PolicyError(f"{field_name}: {path}: cannot check it: {exc.strerror}", field_name) from None
+    if stat.S_ISLNK(info.st_mode):
+        raise PolicyError(f"{field_name}: {path} resolves to the symlink {real}; grant its target instead", field_name)
+    return Grant(path, real, info.st_dev, info.st_ino)
+
+
+def check_unchanged(grant: Grant, field_name: str) -> None:
+    """Refuse a grant whose path now leads elsewhere than when it was resolved (a swap since)."""
+    again = resolve_grant(grant.path, field_name)
+    if (again.real, again.device, again.inode) != (grant.real, grant.device, grant.inode):
+        raise PolicyError(
+            f"{field_name}: {grant.path} changed since it was checked (it now leads to {again.real}, another "
+            "file); refusing to bind it",
+            field_name,
+        )
+
+
+#: The largest policy input read from a file (a TOML profile, a seccomp JSON profile).
+MAX_INPUT_BYTES = 4 << 20
+
+
+def read_input_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a file the caller named as input (a profile), read safely.
+
+    The file may lie in a directory an earlier sandbox could write: a FIFO
+    planted there must not hang the host, a device must not be read, and a
+    huge file must not be loaded. Opened non-blocking, accepted only when it
+    is a regular file, read up to ``MAX_INPUT_BYTES`` (``ValueError`` beyond);
+    ``OSError`` (with ``strerror``) for anything else.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file", os.fspath(path))
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_INPUT_BYTES:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+        raise ValueError(f"{os.fspath(path)}: larger than {MAX_INPUT_BYTES >> 20} MiB")
+    finally:
+        os.close(fd)
+

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--pids", metavar="N", help="processes and threads at once in the tree, e.g. --pids 64")
     lim.add_argument("--nofile", metavar="N", help="open files per process, e.g. --nofile 256")
     lim.add_argument("--fsize", metavar="SIZE", help="largest file a process may write, K/M/G, e.g. --fsize 64M")
+    lim.add_argument("--tmpfs-size", metavar="SIZE",
+                     help="size of each private tmpfs (/tmp, --tmpfs, the home, /dev/shm); default the --memory "
+                     "limit, else 1G (/dev/shm 64M), e.g. --tmpfs-size 256M")
     sec = parser.add_argument_group("system calls")
     sec.add_argument("--seccomp", metavar="MODE",
                      help="default | strict (compute only) | none | FILE (OCI/Docker JSON), e.g. --seccomp strict")
@@ -179,7 +182,7 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
     limits = base.limits.to_dict()
     for flag, field_name in (("memory", "memory"), ("cpu", "cpu_seconds"), ("cpus", "cpus"),
                              ("wall", "wall_seconds"), ("pids", "pids"), ("nofile", "open_files"),
-                             ("fsize", "file_size")):
+                             ("fsize", "file_size"), ("tmpfs_size", "tmpfs_size")):
         value = getattr(options, flag)
         if value is not None:
             limits[field_name] = value

@@ -100,6 +100,11 @@ class Home:
     files: list[tuple[str, str]]
 
 
+def tmpfs_bounds(size: int) -> str:
+    """tmpfs options bounding its bytes and its inodes (one per KiB: empty files cost kernel memory too)."""
+    return f"size={size},nr_inodes={max(1024, size // 1024)}"
+
+
 def plan_root(
     read: list[str],
     write: list[tuple[str, int]],
@@ -107,6 +112,7 @@ def plan_root(
     tmpfs_options: str,
     source_fds: dict[str, int] | None = None,
     home: Home | None = None,
+    shm_options: str = "mode=1777",
 ) -> MountPlan:
     """Mount steps for granted paths (write entries carry an idmapped-tree marker or -1).
 
@@ -161,7 +167,7 @@ def plan_root(
     plan.ensure_dir("/dev/pts")
     plan.add(lib.ISO_MOUNT_DEVPTS, "/dev/pts")
     plan.symlink("/dev/ptmx", "pts/ptmx")
-    plan.tmpfs("/dev/shm", "mode=1777")
+    plan.tmpfs("/dev/shm", shm_options)
     for name, text in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                        ("stderr", "/proc/self/fd/2")):
         plan.symlink("/dev/" + name, text)

@@ -655,17 +655,16 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
                     plan.idmap_userns_fd = userns_fd
                 fd = mounts.IDMAP
             write_trees.append((path, fd))
-        tmpfs_options = "mode=1777"
-        if policy.limits.memory is not None:
-            tmpfs_options += f",size={policy.limits.memory}"
+        tmpfs_size, shm_size = policy.limits.tmpfs_sizes()
+        tmpfs_options = "mode=1777," + mounts.tmpfs_bounds(tmpfs_size)
+        enforced["tmpfs_size"] = {"tmpfs": tmpfs_size, "/dev/shm": shm_size}
         home_mount = None
         if home is not None:
-            home_options = f"mode=0700,uid={program_uid},gid={program_gid}"
-            if policy.limits.memory is not None:
-                home_options += f",size={policy.limits.memory}"
+            home_options = f"mode=0700,uid={program_uid},gid={program_gid}," + mounts.tmpfs_bounds(tmpfs_size)
             home_mount = mounts.Home(home, home_options if home not in tmpfs else "", home_files)
         mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options,
-                                      source_fds if os.path.isdir("/proc/self/fd") else None, home_mount)
+                                      source_fds if os.path.isdir("/proc/self/fd") else None, home_mount,
+                                      shm_options="mode=1777," + mounts.tmpfs_bounds(shm_size))
         steps = mount_plan.steps
         cmounts = ffi.new("struct iso_mount[]", max(len(steps), 1))
         keep.append(cmounts)

@@ -26,6 +26,9 @@ DEFAULT_READ: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/et
 DEFAULT_WRITE: tuple[str, ...] = (".",)
 #: A fresh private tmpfs by default.
 DEFAULT_TMPFS: tuple[str, ...] = ("/tmp",)
+#: Sizes of the private tmpfs mounts when neither limits.tmpfs_size nor limits.memory is set.
+DEFAULT_TMPFS_SIZE = 1 << 30
+DEFAULT_SHM_SIZE = 64 << 20
 #: The program's home: a private, writable, empty directory, and HOME points at it.
 DEFAULT_HOME = "/home/sandbox"
 #: The variables passed through from the caller by default (SPEC: a minimal environment).
@@ -67,11 +70,14 @@ class Limits:
     open_files: int | str | None = None
     file_size: int | str | None = None
     cpus: float | str | None = None
+    #: The size of each private tmpfs (/tmp, tmpfs=, the home, /dev/shm); see tmpfs_sizes().
+    tmpfs_size: int | str | None = None
 
     def __post_init__(self) -> None:
         parsers: dict[str, Callable[[object, str], object]] = {
             "memory": parse_size,
             "file_size": parse_size,
+            "tmpfs_size": parse_size,
             "cpu_seconds": parse_seconds,
             "wall_seconds": parse_seconds,
             "cpus": parse_seconds,
@@ -88,6 +94,21 @@ class Limits:
         if self.cpus is not None and float(self.cpus) < 0.01:
             raise PolicyError(f"limits.cpus: at least 0.01 CPU, got {self.cpus!r}", "limits.cpus")
 
+    def tmpfs_sizes(self) -> tuple[int, int]:
+        """Bytes of each private tmpfs and of /dev/shm.
+
+        A tmpfs holds its pages in memory (unswappable without swap) until the
+        run ends, so none is unbounded: ``tmpfs_size`` when given, else the
+        memory limit (the pages are charged to the run's cgroup anyway), else
+        DEFAULT_TMPFS_SIZE for /tmp and the like and DEFAULT_SHM_SIZE (Docker's
+        default) for /dev/shm.
+        """
+        for name in ("tmpfs_size", "memory"):
+            value = getattr(self, name)
+            if value is not None:
+                return int(value), int(value)
+        return DEFAULT_TMPFS_SIZE, DEFAULT_SHM_SIZE
+
     def value(self, name: str) -> float | None:
         """A limit as a number (fields are normalised when the Limits is built)."""
         value = getattr(self, name)
@@ -103,7 +124,7 @@ class Limits:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            out[f.name] = format_size(value) if f.name in ("memory", "file_size") else value
+            out[f.name] = format_size(value) if f.name in ("memory", "file_size", "tmpfs_size") else value
         return out
 
 

@@ -858,3 +858,13 @@ def test_run_refuses_a_planted_link_with_the_engine(tmp_path: Path, cleanup: Non
     with pytest.raises(PolicyError, match="symlink"):
         sh("cat data/key", pol(read=[str(ws / "data")]), cwd=ws)
 
+
+def test_tmpfs_sizes_reach_the_container(tmp_path: Path) -> None:
+    pytest.importorskip("docker")
+    spec = backend.build_spec(pol(tmpfs=["/tmp"]), cwd=tmp_path)
+    config = spec.host_config()
+    assert config["tmpfs"]["/tmp"].endswith(",size=1073741824") and config["shm_size"] == 64 << 20
+    spec = backend.build_spec(pol(tmpfs=["/tmp"], limits=Limits(tmpfs_size="8M")), cwd=tmp_path)
+    config = spec.host_config()
+    assert config["tmpfs"]["/tmp"].endswith(",size=8388608") and config["shm_size"] == 8 << 20
+

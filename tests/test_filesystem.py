@@ -222,3 +222,24 @@ def test_granting_root_through_a_link_is_refused(workdir: str) -> None:
     os.chmod(workdir, 0o755)
     with pytest.raises(isolate.PolicyError):
         isolate.run(["true"], policy=policy(read=[*policy().read, os.path.join(workdir, "root-link")]), cwd=workdir)
+
+
+@pytest.mark.parametrize("path", ["/tmp", "/dev/shm"])
+def test_private_tmpfs_is_bounded_by_default_and_settable(workdir: str, path: str) -> None:
+    # Unbounded, each private tmpfs could take half of RAM in unswappable pages.
+    probe = py(f"import os; s = os.statvfs({path!r}); print(s.f_blocks * s.f_frsize)")
+    default = isolate.run(probe, policy=policy(write=[workdir]), cwd=workdir, capture_output=True, text=True)
+    expected = isolate.policy.DEFAULT_TMPFS_SIZE if path == "/tmp" else isolate.policy.DEFAULT_SHM_SIZE
+    assert int(default.stdout) == expected, default.stderr
+    fill = py(
+        "import errno\n"
+        f"f = open({path!r} + '/fill', 'wb')\n"
+        "try:\n"
+        "    [f.write(b'x' * 65536) or f.flush() for _ in range(64)]\n"
+        "except OSError as e:\n"
+        "    print('ENOSPC' if e.errno == errno.ENOSPC else e)\n"
+    )
+    small = policy(write=[workdir], limits=isolate.Limits(tmpfs_size="1M"))
+    result = isolate.run(fill, policy=small, cwd=workdir, capture_output=True, text=True)
+    assert result.stdout.strip() == "ENOSPC", result.stderr
+

@@ -263,6 +263,8 @@ class ContainerSpec:
     environment: tuple[tuple[str, str], ...]
     mounts: tuple[BindMount, ...]
     tmpfs: tuple[str, ...]
+    tmpfs_size: int
+    shm_size: int
     network_mode: str
     security_opt: tuple[str, ...]
     ulimits: tuple[tuple[str, int, int], ...]
@@ -302,7 +304,8 @@ class ContainerSpec:
             "ipc_mode": "private",
             "init": self.init,
             "log_config": {"Type": "none", "Config": {}},
-            "tmpfs": {path: TMPFS_OPTIONS for path in self.tmpfs},
+            "tmpfs": {path: f"{TMPFS_OPTIONS},size={self.tmpfs_size}" for path in self.tmpfs},
+            "shm_size": self.shm_size,
             "mounts": [Mount(m.target, m.source, type="bind", read_only=m.read_only) for m in self.mounts],
             "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in self.ulimits],
         }
@@ -323,6 +326,7 @@ class ContainerSpec:
             "working_dir": self.working_dir,
             "mounts": [[m.source, m.target, m.read_only] for m in self.mounts],
             "tmpfs": list(self.tmpfs),
+            "tmpfs_size": [self.tmpfs_size, self.shm_size],
             "network": self.network_mode,
             "security_opt": list(self.security_opt),
             "ulimits": [list(u) for u in self.ulimits],
@@ -628,6 +632,8 @@ def build_spec(
         environment=tuple(env.items()),
         mounts=tuple(mounts),
         tmpfs=tuple(policy.tmpfs) + home_tmpfs,
+        tmpfs_size=policy.limits.tmpfs_sizes()[0],
+        shm_size=policy.limits.tmpfs_sizes()[1],
         network_mode=network_mode,
         security_opt=tuple(security),
         ulimits=tuple(ulimits),

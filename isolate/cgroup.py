@@ -563,10 +563,10 @@ class RunCgroup:
                 for parent in plan.parents:
                     path = os.path.join(parent, name)
                     try:
-                        os.mkdir(path)
+                        _mkdir_cgroup(path)
                     except FileNotFoundError:  # a sweep removed the empty parent meanwhile
                         _ensure_dir(parent)
-                        os.mkdir(path)
+                        _mkdir_cgroup(path)
                     made.append(path)
             except FileExistsError:
                 for path in made:
@@ -1000,9 +1000,43 @@ def _swap_total() -> int:
     return 0
 
 
+#: The files of a cgroup that its delegatee must own to use it (cgroup v2's
+#: delegation rules; v1 has ``tasks`` instead of ``cgroup.threads``).
+_DELEGATED_FILES = ("cgroup.procs", "cgroup.threads", "cgroup.subtree_control", "tasks")
+
+
+def _hand_over(path: str) -> None:
+    """Give a cgroup that root just made inside another user's cgroup to that user.
+
+    A root run inside a cgroup delegated to a user (systemd's Delegate=yes,
+    User=) would otherwise leave root-owned ``isolate/`` directories there,
+    after which the user's own runs cannot create their cgroups in them.
+    """
+    if os.geteuid() != 0:
+        return
+    try:
+        owner = os.stat(os.path.dirname(path))
+    except OSError:
+        return
+    if owner.st_uid == 0:
+        return
+    for name in ("", *_DELEGATED_FILES):
+        try:
+            os.chown(os.path.join(path, name) if name else path, owner.st_uid, owner.st_gid, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not hand %s over to uid %d: %s", path, owner.st_uid, exc)
+
+
+def _mkdir_cgroup(path: str) -> None:
+    os.mkdir(path)
+    _hand_over(path)
+
+
 def _ensure_dir(path: str) -> None:
     try:
-        os.mkdir(path)
+        _mkdir_cgroup(path)
     except FileExistsError:
         pass
     except OSError as exc:
@@ -1050,7 +1084,7 @@ def _v2_enable(directory: str, controllers: set[str]) -> None:
 def _v2_move_to_leaf(base: str) -> None:
     leaf = os.path.join(base, LEAF_NAME)
     try:
-        os.mkdir(leaf)
+        _mkdir_cgroup(leaf)
     except FileExistsError:
         pass
     for _ in range(20):

@@ -711,3 +711,28 @@ def test_v2_run_cgroups_go_under_the_callers_own_cgroup() -> None:
         cg_mod._rmdir_quiet(os.path.join(own, "isolate"))
         cg_mod._rmdir_quiet(own)
     assert not os.path.exists(own)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="checks what a root caller leaves in another user's cgroup")
+def test_root_hands_its_cgroups_over_inside_another_users_cgroup() -> None:
+    # A root run inside a cgroup delegated to a user must not leave root-owned
+    # isolate/ directories there: the user's own runs could not use them.
+    top = next((h.directory for h in cg_mod.discover() if h.directory and os.access(h.directory, os.W_OK)), None)
+    if top is None:
+        pytest.skip("no writable cgroup here")
+    delegated = os.path.join(top, f"isolate-test-delegated-{os.getpid()}")
+    os.mkdir(delegated)
+    try:
+        os.chown(delegated, 65534, 65534)
+        made = os.path.join(delegated, "isolate")
+        cg_mod._ensure_dir(made)
+        assert os.stat(made).st_uid == 65534
+        assert os.stat(os.path.join(made, "cgroup.procs")).st_uid == 65534
+        own = os.path.join(top, f"isolate-test-own-{os.getpid()}")
+        cg_mod._ensure_dir(own)  # inside root's own cgroup: stays root's
+        assert os.stat(own).st_uid == 0
+        os.rmdir(own)
+        os.rmdir(made)
+    finally:
+        os.rmdir(delegated)
+

@@ -62,6 +62,89 @@ def userns_error() -> int:
     return int(lib.iso_probe_userns())
 
 
+def _filesystem_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/self/mountinfo), or "unknown"."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        pass
+    return kind
+
+
+@lru_cache(maxsize=64)
+def _idmap_problem(device: int, path: str, uid: int, gid: int) -> str | None:
+    """None when ``path``'s file system (``device``) takes an idmapped mount here, else why not.
+
+    Probed once per file system, in the parent, with the very call a run
+    makes; never discovered by a failure in the child.
+    """
+    userns = int(lib.iso_make_idmap_userns(uid, gid))
+    if userns < 0:
+        err = ffi.errno
+        return f"a user namespace for the mapping cannot be made ({os.strerror(err)})"
+    fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns))
+    err = ffi.errno
+    os.close(userns)
+    if fd >= 0:
+        os.close(fd)
+        return None
+    if err == errno_mod.EPERM:
+        return ("this process may not make idmapped mounts (EPERM: no CAP_SYS_ADMIN over the file system, "
+                "as inside a container)")
+    kind = _filesystem_type(path)
+    return (f"its file system ({kind}) does not support idmapped mounts ({os.strerror(err)}; overlayfs, a "
+            "container's root, never does; tmpfs only from Linux 6.3)")
+
+
+def _writable_by(info: os.stat_result, uid: int, gid: int) -> bool:
+    if info.st_uid == uid:
+        return bool(info.st_mode & 0o200)
+    if info.st_gid == gid:
+        return bool(info.st_mode & 0o020)
+    return bool(info.st_mode & 0o002)
+
+
+def _write_route(write: Sequence[str], policy: Policy, uid: int, gid: int) -> tuple[str, int, int]:
+    """How a root caller's program gets its writable paths: (route, program uid, program gid).
+
+    "idmapped" where every writable path's file system takes an idmapped
+    mount (the program is uid 65534 but owns what root owns there). Where one
+    does not, the program must still never hold power over host files, so it
+    is never root: "owner" runs it as the one non-root owner of all the
+    writable paths (unless uid= says otherwise), "plain" keeps 65534 where the
+    paths are writable by it; otherwise the run is refused, naming the cause
+    and the ways out.
+    """
+    infos = {path: os.stat(grants.host_symlinks(path, "write")[1]) for path in write}
+    problems = {path: _idmap_problem(info.st_dev, grants.host_symlinks(path, "write")[1], uid, gid)
+                for path, info in infos.items()}
+    failing = {path: why for path, why in problems.items() if why}
+    if not failing:
+        return "idmapped", uid, gid
+    path, why = next(iter(failing.items()))
+    owners = {(info.st_uid, info.st_gid) for info in infos.values()}
+    if policy.uid is None and len(owners) == 1 and next(iter(owners))[0] != 0:
+        owner_uid, owner_gid = next(iter(owners))
+        return "owner", owner_uid, (policy.gid if policy.gid is not None else owner_gid)
+    if all(_writable_by(info, uid, gid) for info in infos.values()):
+        return "plain", uid, gid
+    raise UnsupportedError(
+        f"write: {path}: a root caller's program runs as uid {uid} and owns its writable paths through an "
+        f"idmapped mount, and {why}; ways out: work in a directory owned by a regular user (the program then "
+        f"runs as that user), make {path} writable by uid {uid} (chown {uid} {path}), pass --uid N for a "
+        "directory owned by uid N, or run isolate-run as a regular user"
+    )
+
+
 @lru_cache(maxsize=8)
 def _idmap_userns(uid: int, gid: int) -> int:
     fd = int(lib.iso_make_idmap_userns(uid, gid))
@@ -567,6 +650,10 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
             )
             use_ns = False
             tmpfs = []
+    # -- a root caller's writable paths: idmapped, or another route -----------
+    write_route = "idmapped"
+    if use_ns and root_caller and write:
+        write_route, program_uid, program_gid = _write_route(write, policy, program_uid, program_gid)
     if use_ns:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
         if network != "host":
@@ -647,7 +734,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         write_trees: list[tuple[str, int]] = []
         for path in write:
             fd = -1
-            if root_caller:
+            if root_caller and write_route == "idmapped":
                 # The tree is opened per run (or by the pre-exec hook itself):
                 # attaching it consumes it. The namespace is made once, here.
                 userns_fd = _idmap_userns(program_uid, program_gid)
@@ -682,8 +769,8 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         plan.n_mounts = len(steps)
         enforced["filesystem"] = ["mount-namespace"] + (["landlock"] if abi else [])
         enforced["root"] = "built (pivot_root)"
-        if root_caller:
-            enforced["write_ownership"] = "idmapped"
+        if root_caller and write:
+            enforced["write_ownership"] = write_route
     else:
         enforced["filesystem"] = ["landlock"] if abi else []
         idmap_steps = []
@@ -861,9 +948,12 @@ def prepare(
                 err = ffi.errno
                 for opened in close_after:
                     os.close(opened)
+                # ``path`` may be /proc/self/fd/N: name the directory as granted.
+                target = os.fsdecode(ffi.string(cmounts[index].target))[len(mounts.NEWROOT):]
                 raise UnsupportedError(
-                    f"write: {path}: cannot give the program (uid {static.program_uid}) ownership through an "
-                    f"idmapped mount: {os.strerror(err)}; its filesystem may not support idmapped mounts"
+                    f"write: {target}: cannot give the program (uid {static.program_uid}) ownership through an "
+                    f"idmapped mount: {os.strerror(err)} (it worked when the policy was prepared: the directory "
+                    "or its file system changed since)"
                 )
             close_after.append(fd)
             cmounts[index].fd = fd

@@ -1,0 +1,81 @@
+"""A root caller's writable paths where idmapped mounts are impossible (overlayfs: a container's root).
+
+The program must still never hold power over host files: it runs as the one
+non-root owner of the writable paths, or as 65534 where they are writable by
+it, and otherwise the run is refused with the cause and the ways out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not ROOT, reason="the routes are those of a root caller")
+
+CLI = [sys.executable, "-m", "isolate.cli"]
+
+
+@pytest.fixture
+def overlay() -> Iterator[str]:
+    """An overlayfs mount (no idmapped mounts on it), as a container's root is."""
+    base = tempfile.mkdtemp(prefix="isolate-ovl-")
+    for name in ("lower", "upper", "work", "merged"):
+        os.mkdir(os.path.join(base, name))
+    merged = os.path.join(base, "merged")
+    options = f"lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work"
+    if subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, merged]).returncode != 0:
+        pytest.skip("overlayfs cannot be mounted here")
+    os.chmod(merged, 0o755)
+    try:
+        yield merged
+    finally:
+        subprocess.run(["umount", "-l", merged], check=False)
+        subprocess.run(["rm", "-rf", base], check=False)
+
+
+def run(cwd: str, script: str) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+    report = os.path.join(tempfile.mkdtemp(prefix="isolate-report-"), "r.json")
+    result = subprocess.run([*CLI, "--report", report, "--", "sh", "-c", script], cwd=cwd, capture_output=True,
+                            text=True, timeout=60)
+    data = json.load(open(report)) if os.path.exists(report) else {}
+    return result, data
+
+
+def test_owner_route_runs_as_the_paths_owner(overlay: str) -> None:
+    work = os.path.join(overlay, "alice")
+    os.mkdir(work)
+    os.chown(work, 1000, 1000)
+    result, report = run(work, "id -u; touch made; cat /etc/shadow >/dev/null 2>&1 || echo shadow-denied")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1000", "shadow-denied"]
+    assert os.stat(os.path.join(work, "made")).st_uid == 1000
+    assert report["enforced"]["write_ownership"] == "owner"  # type: ignore[index]
+
+
+def test_plain_route_where_65534_may_write(overlay: str) -> None:
+    work = os.path.join(overlay, "shared")
+    os.mkdir(work)
+    os.chmod(work, 0o777)
+    result, report = run(work, "id -u; touch made")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["65534"]
+    assert report["enforced"]["write_ownership"] == "plain"  # type: ignore[index]
+
+
+def test_root_owned_path_is_refused_with_the_cause(overlay: str) -> None:
+    work = os.path.join(overlay, "project")
+    os.mkdir(work)
+    result, report = run(work, "touch made")
+    assert result.returncode == 125
+    line = result.stderr.strip()
+    assert "\n" not in line and "overlay" in line and "/proc/self/fd" not in line
+    assert f"chown 65534 {work}" in line and "--uid" in line
+    assert not os.path.exists(os.path.join(work, "made"))
+    assert report["status"] == "setup-error"

@@ -48,15 +48,48 @@ def not_granted_top(*granted: str, home: bool = True) -> set[str]:
     return set(HOST_TOP) - tops
 
 
+def _namespaces_problem() -> str | None:
+    """Why this host cannot run a namespaced sandbox at all (asked once), or None."""
+    from isolate import native
+
+    err = native.userns_error()
+    if err:
+        return (f"this host cannot create user namespaces ({os.strerror(err)}): every namespaced test is "
+                "skipped for that one reason (the no-namespace ones still run)")
+    return None
+
+
+NAMESPACES_WHY = _namespaces_problem()
+
+
+def _work_base() -> str | None:
+    """Where test directories go: TMPDIR, unless a root caller cannot idmap there (tmpfs before Linux 6.3,
+    overlayfs): then the first of /var/tmp and the checkout's directory that can."""
+    if not ROOT or NAMESPACES_WHY:
+        return None
+    from isolate import native
+
+    for base in (tempfile.gettempdir(), "/var/tmp", os.path.dirname(os.path.abspath(__file__))):
+        if os.path.isdir(base) and native._idmap_problem(os.stat(base).st_dev, base, 65534, 65534) is None:
+            return None if base == tempfile.gettempdir() else base
+    return None
+
+
+WORK_BASE = _work_base()
+
+
 @pytest.fixture
 def workdir() -> Iterator[str]:
     """A fresh directory, writable by the test's user and by a root caller's program."""
-    with tempfile.TemporaryDirectory(prefix="isolate-test-") as path:
+    with tempfile.TemporaryDirectory(prefix="isolate-test-", dir=WORK_BASE) as path:
         os.chmod(path, 0o755)
         yield path
 
 
 def policy(**changes: object) -> isolate.Policy:
+    """A test policy; a namespaced one skips the test where this host has no namespaces (one reason)."""
+    if NAMESPACES_WHY and changes.get("namespaces", True):
+        pytest.skip(NAMESPACES_WHY)
     fields: dict[str, object] = {"read": python_read(), "backend": "native"}
     fields.update(changes)
     return isolate.Policy(**fields)  # type: ignore[arg-type]

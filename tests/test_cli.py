@@ -8,12 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PYTHON, ROOT
+from conftest import NAMESPACES_WHY, PYTHON, ROOT
 
 CLI = [sys.executable, "-m", "isolate.cli"]
 
 
 def cli(*args: str, cwd: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    if NAMESPACES_WHY and "--no-namespaces" not in args and "--" in args:
+        pytest.skip(NAMESPACES_WHY)
     return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs)  # type: ignore[call-overload]
 
 

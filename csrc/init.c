@@ -1,7 +1,7 @@
 /*
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
- *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,...]
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [PARENT_PID]]
  *
  * The first child of a sandbox execs this once the program is running.  It
  *   - reaps every process that ends in the namespace (orphans come to it);
@@ -12,7 +12,10 @@
  *     counting each denied system call;
  *   - when the program ends, writes struct iso_status to STATUS_FD and exits
  *     with the program's status (128+N for a signal).  Its exit ends the PID
- *     namespace: the kernel kills whatever is left, daemons included.
+ *     namespace: the kernel kills whatever is left, daemons included;
+ *   - without a PID namespace (PARENT_PID > 0), watches the caller through a
+ *     pidfd and, when it dies, kills the program's whole tree (its group and
+ *     every orphan, which come to this subreaper) before exiting.
  * It is itself confined: no capabilities, no_new_privs (set before its
  * exec), not dumpable, and a Landlock domain that allows no file access.
  */
@@ -117,10 +120,15 @@ static void answer_notification(int listener)
  * before the init's Landlock domain closed the filesystem, lists them. */
 static int children_fd = -1;
 
+/* Kill every child, reap exactly those killed (a blocking wait on any child
+ * could hang on a grandchild that was just reparented here and is still
+ * alive), and start over: each round takes the orphans the last one made,
+ * until no child is left.  A killed process forks no more, so the rounds
+ * end; the cap only bounds a pathological case. */
 static void kill_children(void)
 {
     char buf[4096];
-    for (int round = 0; round < 64; round++) {
+    for (int round = 0; round < 100000; round++) {
         ssize_t n = pread(children_fd, buf, sizeof buf - 1, 0);
         if (n <= 0)
             return;
@@ -135,9 +143,39 @@ static void kill_children(void)
             while (*p == ' ' || *p == '\n')
                 p++;
         }
-        while (waitpid(-1, NULL, 0) > 0)
-            ;
+        for (char *p = buf; *p;) {
+            char *end;
+            long pid = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            while (waitpid((pid_t)pid, NULL, 0) < 0 && errno == EINTR)
+                ;
+            p = end;
+            while (*p == ' ' || *p == '\n')
+                p++;
+        }
     }
+}
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+/* Sent at the parent's death when pidfd_open is missing (before Linux 5.3). */
+#define PARENT_GONE_SIGNAL SIGPWR
+
+/* Watch the caller (our parent) without a PID namespace.  Returns a pidfd
+ * that polls readable once it has died, or -1 with *gone set if it is gone
+ * already; on kernels without pidfd_open, a parent-death signal the
+ * signalfd reads instead.  getppid() afterwards closes the race with a
+ * parent that died before the watch began: we would have been reparented. */
+static int watch_parent(pid_t parent, int *gone)
+{
+    int fd = (int)syscall(SYS_pidfd_open, parent, 0);
+    if (fd < 0 && prctl(PR_SET_PDEATHSIG, PARENT_GONE_SIGNAL, 0, 0, 0) < 0)
+        *gone = 1; /* cannot watch it: do not outlive it unswept */
+    if (getppid() != parent)
+        *gone = 1;
+    return fd;
 }
 
 /* Close every descriptor but a and b (either may be -1), gap by gap.
@@ -193,6 +231,7 @@ int main(int argc, char **argv)
     long long wall_ms = atoll(argv[4]);
     if (argc > 5)
         parse_errno_table(argv[5]);
+    pid_t parent = argc > 6 ? (pid_t)atoi(argv[6]) : 0;
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
@@ -212,6 +251,8 @@ int main(int argc, char **argv)
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
+    if (parent > 0)
+        sigaddset(&mask, PARENT_GONE_SIGNAL);
     for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
         sigaddset(&mask, forwarded[i]);
     if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
@@ -226,6 +267,9 @@ int main(int argc, char **argv)
         if (timer < 0 || timerfd_settime(timer, 0, &when, NULL) < 0)
             return 125;
     }
+    int parent_fd = -1, parent_gone = 0;
+    if (parent > 0)
+        parent_fd = watch_parent(parent, &parent_gone);
     /* No file access from here on. */
     if (iso_landlock_deny_all())
         return 125;
@@ -237,18 +281,29 @@ int main(int argc, char **argv)
      * path): look once before waiting for the signal. */
     done = reap(program);
     while (!done) {
-        struct pollfd fds[3] = {
+        if (parent_gone) {
+            /* No one is left to wait for the run: end it now, whole. */
+            kill_everything(program, pid_namespace);
+            parent_gone = 0;
+            if (parent_fd >= 0)
+                close(parent_fd);
+            parent_fd = -1;
+        }
+        struct pollfd fds[4] = {
             {.fd = sigfd, .events = POLLIN},
             {.fd = timer, .events = POLLIN},
             {.fd = listener, .events = POLLIN},
+            {.fd = parent_fd, .events = POLLIN},
         };
-        int ready = poll(fds, 3, -1);
+        int ready = poll(fds, 4, -1);
         if (ready < 0) {
             if (errno == EINTR)
                 continue;
             kill_everything(program, pid_namespace);
             return 125;
         }
+        if (fds[3].revents & (POLLIN | POLLHUP | POLLERR))
+            parent_gone = 1;
         if (fds[2].revents & POLLIN)
             answer_notification(listener);
         if (fds[2].revents & (POLLHUP | POLLERR | POLLNVAL))
@@ -267,6 +322,10 @@ int main(int argc, char **argv)
             struct signalfd_siginfo info;
             while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info) {
                 int sig = (int)info.ssi_signo;
+                if (parent > 0 && sig == PARENT_GONE_SIGNAL && getppid() != parent) {
+                    parent_gone = 1;
+                    continue;
+                }
                 if (sig != SIGCHLD) {
                     kill(program, sig);
                     continue;

@@ -1,0 +1,123 @@
+"""Nothing of the program's tree survives its caller's SIGKILL, in every mode (issue 11, finding 3)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import PYTHON, policy, py
+
+#: The program ignores SIGTERM and leaves a double-forked setsid daemon that
+#: ignores SIGTERM too and has a child of its own; each writes "up" files.
+TREE = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        if os.fork() == 0:\n"
+    "            open(sys.argv[1] + '.grandchild', 'w').write('up')\n"
+    "            time.sleep(120)\n"
+    "        open(sys.argv[1], 'w').write('up')\n"
+    "        time.sleep(120)\n"
+    "    os._exit(0)\n"
+    "time.sleep(120)\n"
+)
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if marker.encode() in handle.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def wait_for(paths: list[str]) -> None:
+    deadline = time.monotonic() + 20
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(os.path.exists(p) for p in paths)
+
+
+def gone_within(marker: str, seconds: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = processes_with(marker)
+    for pid in left:  # do not leave them to the next test
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return left
+
+
+def kill_caller(caller: subprocess.Popen[bytes], marker: str) -> list[int]:
+    try:
+        wait_for([marker, marker + ".grandchild"])
+    finally:
+        caller.kill()
+        caller.wait(timeout=10)
+    return gone_within(marker)
+
+
+@pytest.mark.parametrize("namespaces", [False, True], ids=["no-namespaces", "namespaces"])
+def test_sigkill_of_isolate_run_ends_the_whole_tree(workdir: str, namespaces: bool) -> None:
+    os.chmod(workdir, 0o777)
+    marker = os.path.join(workdir, f"sweep-cli-{time.monotonic_ns()}")
+    flags = [] if namespaces else ["--no-namespaces"]
+    cli = subprocess.Popen([sys.executable, "-m", "isolate.cli", *flags, "--ro", os.path.dirname(PYTHON),
+                            "--rw", workdir, "--", *py(TREE), marker], cwd=workdir)
+    assert kill_caller(cli, marker) == []
+
+
+@pytest.mark.parametrize("namespaces", [False, True], ids=["no-namespaces", "namespaces"])
+def test_sigkill_of_a_popen_parent_ends_the_whole_tree(workdir: str, namespaces: bool) -> None:
+    os.chmod(workdir, 0o777)
+    marker = os.path.join(workdir, f"sweep-popen-{time.monotonic_ns()}")
+    pol = policy(write=[workdir], namespaces=namespaces, **({} if namespaces else {"tmpfs": ()}))
+    parent_code = (
+        "import isolate, time\n"
+        f"p = isolate.Popen({[*py(TREE), marker]!r}, policy=isolate.Policy(read={list(pol.read)!r}, "
+        f"write=[{workdir!r}], namespaces={namespaces!r}, tmpfs={tuple(pol.tmpfs)!r}), cwd={workdir!r})\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    assert kill_caller(parent, marker) == []
+
+
+def test_sigkill_of_a_preexec_fn_parent_ends_the_whole_tree(workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    marker = os.path.join(workdir, f"sweep-preexec-{time.monotonic_ns()}")
+    pol = policy(write=[workdir], namespaces=False, tmpfs=())
+    parent_code = (
+        "import isolate, subprocess, time\n"
+        f"pol = isolate.Policy(read={list(pol.read)!r}, write=[{workdir!r}], namespaces=False, tmpfs=())\n"
+        f"p = subprocess.Popen({[*py(TREE), marker]!r}, preexec_fn=pol.preexec_fn, cwd={workdir!r})\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    assert kill_caller(parent, marker) == []
+
+
+def test_preexec_fn_without_namespaces_still_reports_the_program(workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    pol = policy(write=[workdir], namespaces=False, tmpfs=())
+    done = subprocess.run(py("import sys; print('out'); sys.exit(7)"), preexec_fn=pol.preexec_fn, cwd=workdir,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (7, "out\n"), done.stderr
+    with subprocess.Popen(py("import time; time.sleep(60)"), preexec_fn=pol.preexec_fn, cwd=workdir) as proc:
+        time.sleep(0.5)
+        proc.terminate()  # reaches the program through the init
+        assert proc.wait(timeout=10) == 128 + signal.SIGTERM

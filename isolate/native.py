@@ -472,7 +472,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     # root's on disk: no set-user/group-ID bit may be set there.
     deny_setid = use_ns and root_caller and bool(write)
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
-                   notify=use_ns and not for_preexec)
+                   notify=use_ns and not for_preexec, deny_host_reach=not use_ns)
+    if not use_ns:
+        _report_host_reach(plan, enforced, refusals)
     if for_preexec and not use_ns and policy.limits.wall_seconds is not None:
         refusals.refuse("wall_seconds: preexec_fn without namespaces has no init to keep the clock; "
                         "use isolate.run/Popen, or namespaces=true")
@@ -642,20 +644,21 @@ def _apply_seccomp(
     deny_sockets: bool,
     deny_setid: bool,
     notify: bool,
+    deny_host_reach: bool = False,
 ) -> None:
-    if policy.seccomp == "none" and not deny_sockets and not deny_setid:
+    if policy.seccomp == "none" and not deny_sockets and not deny_setid and not deny_host_reach:
         enforced["seccomp"] = None
         return
     from . import _bpfcache
 
-    cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid))
+    cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid, deny_host_reach))
     compiled: Any = _bpfcache.load(cache_key) if cache_key else None
     try:
         if compiled is None:
             from . import seccomp
 
             compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
-                                              deny_setid=deny_setid)
+                                              deny_setid=deny_setid, deny_host_reach=deny_host_reach)
             if compiled is not None and cache_key:
                 _bpfcache.store(cache_key, compiled)
     except UnsupportedError as exc:
@@ -690,7 +693,29 @@ def _apply_seccomp(
         enforced["seccomp_sockets"] = "socket() refused (socketpair(AF_UNIX) allowed)"
     if deny_setid:
         enforced["setid_files"] = "refused (seccomp)"
+    if deny_host_reach:
+        enforced["host_ipc"] = "refused (seccomp): SysV IPC, POSIX message queues, keyrings"
+        enforced["other_processes"] = "limits and priorities refused (seccomp)"
 
+
+def _report_host_reach(plan: Any, enforced: dict[str, Any], refusals: _Refusals) -> None:
+    """Without namespaces: say how signals and abstract unix sockets toward the host are kept back.
+
+    Landlock scoping (ABI 6) confines both; below it a program can signal
+    every process of its uid, and reach abstract sockets when the network is
+    the host's. The caller gave up the PID namespace explicitly (namespaces=
+    false), so this is reported and warned about, not refused.
+    """
+    if "host_ipc" not in enforced:  # seccomp refused under best effort: the warning is there already
+        enforced["host_ipc"] = None
+    if plan.landlock_scoped:
+        enforced["signals"] = "landlock-scope"
+        return
+    enforced["signals"] = "host processes of the same uid (no PID namespace, Landlock below ABI 6)"
+    refusals.warnings.append(
+        "namespaces=false: this kernel's Landlock cannot scope signals (ABI 6, Linux 6.12): the program can "
+        "signal every process of its uid; use namespaces to prevent it"
+    )
 
 def _prepare_cgroup(
     policy: Policy,

@@ -474,7 +474,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
                    notify=use_ns and not for_preexec, deny_host_reach=not use_ns)
     if not use_ns:
-        _report_host_reach(plan, enforced, refusals)
+        _report_host_reach(plan, enforced, refusals, network)
     if for_preexec and not use_ns and policy.limits.wall_seconds is not None:
         refusals.refuse("wall_seconds: preexec_fn without namespaces has no init to keep the clock; "
                         "use isolate.run/Popen, or namespaces=true")
@@ -698,7 +698,7 @@ def _apply_seccomp(
         enforced["other_processes"] = "limits and priorities refused (seccomp)"
 
 
-def _report_host_reach(plan: Any, enforced: dict[str, Any], refusals: _Refusals) -> None:
+def _report_host_reach(plan: Any, enforced: dict[str, Any], refusals: _Refusals, network: str) -> None:
     """Without namespaces: say how signals and abstract unix sockets toward the host are kept back.
 
     Landlock scoping (ABI 6) confines both; below it a program can signal
@@ -709,8 +709,12 @@ def _report_host_reach(plan: Any, enforced: dict[str, Any], refusals: _Refusals)
     if "host_ipc" not in enforced:  # seccomp refused under best effort: the warning is there already
         enforced["host_ipc"] = None
     if plan.landlock_scoped:
-        enforced["signals"] = "landlock-scope"
+        enforced["signals"] = enforced["abstract_unix_sockets"] = "landlock-scope"
         return
+    enforced["abstract_unix_sockets"] = (
+        "socket() refused (seccomp)" if network == "none" and "seccomp_sockets" in enforced
+        else "reachable (no network namespace, Landlock below ABI 6)"
+    )
     enforced["signals"] = "host processes of the same uid (no PID namespace, Landlock below ABI 6)"
     refusals.warnings.append(
         "namespaces=false: this kernel's Landlock cannot scope signals (ABI 6, Linux 6.12): the program can "

@@ -96,3 +96,22 @@ def test_the_report_says_how_the_host_is_kept_out(workdir: str) -> None:
                                                 "below ABI 6)")
     finally:
         prepared.close_child_side()
+
+
+@pytest.mark.skipif(landlock.abi() < 6, reason="abstract sockets are scoped from Landlock ABI 6")
+def test_without_namespaces_host_abstract_sockets_are_scoped(workdir: str) -> None:
+    import socket
+
+    os.chmod(workdir, 0o777)
+    name = f"\0isolate-test-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(name)
+        server.listen(1)
+        code = ("import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
+                f"    s.connect({name!r})\n    print('connected')\nexcept OSError as e:\n    print(e.errno)\n")
+        pol = policy(write=[workdir], namespaces=False, tmpfs=(), network="host", seccomp="none")
+        result = isolate.run(py(code), policy=pol, cwd=workdir, capture_output=True, text=True)
+        assert result.stdout.strip() == "1", result.stderr
+        prepared = isolate.native.prepare(pol, ["true"])
+        assert prepared.enforced["abstract_unix_sockets"] == "landlock-scope"
+        prepared.close_child_side()

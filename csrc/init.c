@@ -119,6 +119,10 @@ static void answer_notification(int listener)
  * program's tree becomes its child.  /proc/self/task/TID/children, opened
  * before the init's Landlock domain closed the filesystem, lists them. */
 static int children_fd = -1;
+/* The program's wait status is recorded wherever it is reaped: the sweep
+ * below may reap it before the main loop's reap() sees it. */
+static pid_t program_pid;
+static int program_reaped;
 
 /* Kill every child, reap exactly those killed (a blocking wait on any child
  * could hang on a grandchild that was just reparented here and is still
@@ -148,8 +152,14 @@ static void kill_children(void)
             long pid = strtol(p, &end, 10);
             if (end == p)
                 break;
-            while (waitpid((pid_t)pid, NULL, 0) < 0 && errno == EINTR)
+            int wstatus;
+            pid_t got;
+            while ((got = waitpid((pid_t)pid, &wstatus, 0)) < 0 && errno == EINTR)
                 ;
+            if (got > 0 && got == program_pid) {
+                status.wait_status = wstatus;
+                program_reaped = 1;
+            }
             p = end;
             while (*p == ' ' || *p == '\n')
                 p++;
@@ -226,6 +236,7 @@ int main(int argc, char **argv)
     if (argc < 5)
         return 125;
     pid_t program = (pid_t)atoi(argv[1]);
+    program_pid = program;
     int status_fd = atoi(argv[2]);
     int listener = atoi(argv[3]);
     long long wall_ms = atoll(argv[4]);
@@ -288,6 +299,8 @@ int main(int argc, char **argv)
             if (parent_fd >= 0)
                 close(parent_fd);
             parent_fd = -1;
+            if (program_reaped)
+                break;
         }
         struct pollfd fds[4] = {
             {.fd = sigfd, .events = POLLIN},
@@ -317,6 +330,8 @@ int main(int argc, char **argv)
             kill_everything(program, pid_namespace);
             close(timer);
             timer = -1;
+            if (program_reaped)
+                break;
         }
         if (fds[0].revents & POLLIN) {
             struct signalfd_siginfo info;

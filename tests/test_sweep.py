@@ -11,6 +11,8 @@ import time
 import pytest
 from conftest import PYTHON, policy, py
 
+import isolate
+
 #: The program ignores SIGTERM and leaves a double-forked setsid daemon that
 #: ignores SIGTERM too and has a child of its own; each writes "up" files.
 TREE = (
@@ -63,13 +65,39 @@ def gone_within(marker: str, seconds: float = 5.0) -> list[int]:
     return left
 
 
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def init_of(marker: str) -> int:
+    """The init: the parent, named isolate-init, of a process with the marker (the program)."""
+    for pid in processes_with(marker):
+        with open(f"/proc/{pid}/stat") as handle:
+            parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/comm") as handle:
+            if handle.read().strip() == "isolate-init":
+                return parent
+    raise AssertionError("no init found")
+
+
 def kill_caller(caller: subprocess.Popen[bytes], marker: str) -> list[int]:
+    init = 0
     try:
         wait_for([marker, marker + ".grandchild"])
+        init = init_of(marker)
     finally:
         caller.kill()
         caller.wait(timeout=10)
-    return gone_within(marker)
+    left = gone_within(marker)
+    deadline = time.monotonic() + 5
+    while init and alive(init) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (init and alive(init)), "the init outlived its caller"
+    return left
 
 
 @pytest.mark.parametrize("namespaces", [False, True], ids=["no-namespaces", "namespaces"])
@@ -121,3 +149,16 @@ def test_preexec_fn_without_namespaces_still_reports_the_program(workdir: str) -
         time.sleep(0.5)
         proc.terminate()  # reaches the program through the init
         assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+
+
+def test_without_namespaces_the_wall_clock_ends_the_tree_and_is_reported(workdir: str) -> None:
+    os.chmod(workdir, 0o777)
+    marker = os.path.join(workdir, f"sweep-wall-{time.monotonic_ns()}")
+    pol = policy(write=[workdir], namespaces=False, tmpfs=(), limits=isolate.Limits(wall_seconds=1))
+    result = subprocess.run([sys.executable, "-c", (
+        "import isolate, sys\n"
+        f"r = isolate.run({[*py(TREE), marker]!r}, policy=isolate.Policy(read={list(pol.read)!r}, "
+        f"write=[{workdir!r}], namespaces=False, tmpfs=(), limits=isolate.Limits(wall_seconds=1)), cwd={workdir!r})\n"
+        "print(r.report.status)\n")], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "timeout", result.stderr
+    assert gone_within(marker) == []

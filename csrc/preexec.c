@@ -239,12 +239,20 @@ int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure 
     if (first < 0)
         return fail(failure, ISO_STEP_FORK, -1);
     if (first > 0) {
-        /* H: relay the program's end to subprocess, which waits for us. */
-        if (plan->die_with_parent && iso_die_with_parent())
-            return fail(failure, ISO_STEP_PDEATHSIG, -1);
-        /* The relay holds the new namespace's capabilities: drop them too. */
+        /* H: relay the program's end to subprocess, which waits for us.
+         * The relay holds the new namespace's capabilities: drop them too. */
         if ((step = iso_creds_apply(plan)))
             return fail(failure, step, -1);
+        /* After the ids: a change of credentials clears the parent-death
+         * signal (set before, a root caller's relay outlived its caller and
+         * so did PID 1 of the namespace).  A caller that died before this
+         * point is seen as a new parent. */
+        if (plan->die_with_parent && iso_die_with_parent())
+            return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        if (plan->die_with_parent && parent_pid > 0 && getppid() != parent_pid) {
+            errno = ESRCH;
+            return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        }
         if ((step = iso_no_new_privs()))
             return fail(failure, step, -1);
         exec_init(plan, first, 1);

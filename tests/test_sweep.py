@@ -92,11 +92,12 @@ def kill_caller(caller: subprocess.Popen[bytes], marker: str) -> list[int]:
     finally:
         caller.kill()
         caller.wait(timeout=10)
-    left = gone_within(marker)
     deadline = time.monotonic() + 5
     while init and alive(init) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not (init and alive(init)), "the init outlived its caller"
+    init_left = bool(init and alive(init))  # judged before the survivors are cleaned up below
+    left = gone_within(marker)
+    assert not init_left, "the init outlived its caller"
     return left
 
 
@@ -125,13 +126,15 @@ def test_sigkill_of_a_popen_parent_ends_the_whole_tree(workdir: str, namespaces:
     assert kill_caller(parent, marker) == []
 
 
-def test_sigkill_of_a_preexec_fn_parent_ends_the_whole_tree(workdir: str) -> None:
+@pytest.mark.parametrize("namespaces", [False, True], ids=["no-namespaces", "namespaces"])
+def test_sigkill_of_a_preexec_fn_parent_ends_the_whole_tree(workdir: str, namespaces: bool) -> None:
     os.chmod(workdir, 0o777)
     marker = os.path.join(workdir, f"sweep-preexec-{time.monotonic_ns()}")
-    pol = policy(write=[workdir], namespaces=False, tmpfs=())
+    pol = policy(write=[workdir], namespaces=namespaces, **({} if namespaces else {"tmpfs": ()}))
     parent_code = (
         "import isolate, subprocess, time\n"
-        f"pol = isolate.Policy(read={list(pol.read)!r}, write=[{workdir!r}], namespaces=False, tmpfs=())\n"
+        f"pol = isolate.Policy(read={list(pol.read)!r}, write=[{workdir!r}], namespaces={namespaces!r}, "
+        f"tmpfs={tuple(pol.tmpfs)!r})\n"
         f"p = subprocess.Popen({[*py(TREE), marker]!r}, preexec_fn=pol.preexec_fn, cwd={workdir!r})\n"
         "time.sleep(120)\n"
     )

@@ -1,7 +1,7 @@
 /*
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
- *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE]]
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID]]]
  *
  * The first child of a sandbox execs this once the program is running.  It
  *   - reaps every process that ends in the namespace (orphans come to it);
@@ -12,7 +12,10 @@
  *     counting each denied system call;
  *   - when the program ends, writes struct iso_status to STATUS_FD and exits
  *     with the program's status (128+N for a signal).  Its exit ends the PID
- *     namespace: the kernel kills whatever is left, daemons included.
+ *     namespace: the kernel kills whatever is left, daemons included;
+ *   - without a PID namespace (PARENT_PID > 0), watches the caller through a
+ *     pidfd and, when it dies, kills the program's whole tree (its group and
+ *     every orphan, which come to this subreaper) before exiting.
  * It is itself confined: no capabilities, no_new_privs (set before its
  * exec), not dumpable, and a Landlock domain that allows no file access.
  */
@@ -118,11 +121,20 @@ static void answer_notification(int listener)
  * program's tree becomes its child.  /proc/self/task/TID/children, opened
  * before the init's Landlock domain closed the filesystem, lists them. */
 static int children_fd = -1;
+/* The program's wait status is recorded wherever it is reaped: the sweep
+ * below may reap it before the main loop's reap() sees it. */
+static pid_t program_pid;
+static int program_reaped;
 
+/* Kill every child, reap exactly those killed (a blocking wait on any child
+ * could hang on a grandchild that was just reparented here and is still
+ * alive), and start over: each round takes the orphans the last one made,
+ * until no child is left.  A killed process forks no more, so the rounds
+ * end; the cap only bounds a pathological case. */
 static void kill_children(void)
 {
     char buf[4096];
-    for (int round = 0; round < 64; round++) {
+    for (int round = 0; round < 100000; round++) {
         ssize_t n = pread(children_fd, buf, sizeof buf - 1, 0);
         if (n <= 0)
             return;
@@ -137,9 +149,45 @@ static void kill_children(void)
             while (*p == ' ' || *p == '\n')
                 p++;
         }
-        while (waitpid(-1, NULL, 0) > 0)
-            ;
+        for (char *p = buf; *p;) {
+            char *end;
+            long pid = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            int wstatus;
+            pid_t got;
+            while ((got = waitpid((pid_t)pid, &wstatus, 0)) < 0 && errno == EINTR)
+                ;
+            if (got > 0 && got == program_pid) {
+                status.wait_status = wstatus;
+                program_reaped = 1;
+            }
+            p = end;
+            while (*p == ' ' || *p == '\n')
+                p++;
+        }
     }
+}
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+/* Sent at the parent's death when pidfd_open is missing (before Linux 5.3). */
+#define PARENT_GONE_SIGNAL SIGPWR
+
+/* Watch the caller (our parent) without a PID namespace.  Returns a pidfd
+ * that polls readable once it has died, or -1 with *gone set if it is gone
+ * already; on kernels without pidfd_open, a parent-death signal the
+ * signalfd reads instead.  getppid() afterwards closes the race with a
+ * parent that died before the watch began: we would have been reparented. */
+static int watch_parent(pid_t parent, int *gone)
+{
+    int fd = (int)syscall(SYS_pidfd_open, parent, 0);
+    if (fd < 0 && prctl(PR_SET_PDEATHSIG, PARENT_GONE_SIGNAL, 0, 0, 0) < 0)
+        *gone = 1; /* cannot watch it: do not outlive it unswept */
+    if (getppid() != parent)
+        *gone = 1;
+    return fd;
 }
 
 /* Close every descriptor but a and b (either may be -1), gap by gap.
@@ -190,6 +238,7 @@ int main(int argc, char **argv)
     if (argc < 5)
         return 125;
     pid_t program = (pid_t)atoi(argv[1]);
+    program_pid = program;
     int status_fd = atoi(argv[2]);
     int listener = atoi(argv[3]);
     long long wall_ms = atoll(argv[4]);
@@ -199,6 +248,7 @@ int main(int argc, char **argv)
     int supervising = argc > 6 && argv[6][0];
     if (supervising && iso_supervise_init(argv[6], &status) < 0)
         return 125;
+    pid_t parent = argc > 7 ? (pid_t)atoi(argv[7]) : 0;
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
@@ -218,6 +268,8 @@ int main(int argc, char **argv)
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
+    if (parent > 0)
+        sigaddset(&mask, PARENT_GONE_SIGNAL);
     for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
         sigaddset(&mask, forwarded[i]);
     if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
@@ -232,6 +284,9 @@ int main(int argc, char **argv)
         if (timer < 0 || timerfd_settime(timer, 0, &when, NULL) < 0)
             return 125;
     }
+    int parent_fd = -1, parent_gone = 0;
+    if (parent > 0)
+        parent_fd = watch_parent(parent, &parent_gone);
     /* No file access from here on.  A supervisor needs its hands on the
      * program (pidfd_getfd, process_vm_readv, /proc/PID/cwd, the program's
      * paths): a Landlock domain made now would be a sibling of the
@@ -246,18 +301,31 @@ int main(int argc, char **argv)
      * path): look once before waiting for the signal. */
     done = reap(program);
     while (!done) {
-        struct pollfd fds[3] = {
+        if (parent_gone) {
+            /* No one is left to wait for the run: end it now, whole. */
+            kill_everything(program, pid_namespace);
+            parent_gone = 0;
+            if (parent_fd >= 0)
+                close(parent_fd);
+            parent_fd = -1;
+            if (program_reaped)
+                break;
+        }
+        struct pollfd fds[4] = {
             {.fd = sigfd, .events = POLLIN},
             {.fd = timer, .events = POLLIN},
             {.fd = listener, .events = POLLIN},
+            {.fd = parent_fd, .events = POLLIN},
         };
-        int ready = poll(fds, 3, -1);
+        int ready = poll(fds, 4, -1);
         if (ready < 0) {
             if (errno == EINTR)
                 continue;
             kill_everything(program, pid_namespace);
             return 125;
         }
+        if (fds[3].revents & (POLLIN | POLLHUP | POLLERR))
+            parent_gone = 1;
         if (fds[2].revents & POLLIN)
             answer_notification(listener);
         if (fds[2].revents & (POLLHUP | POLLERR | POLLNVAL))
@@ -271,11 +339,17 @@ int main(int argc, char **argv)
             kill_everything(program, pid_namespace);
             close(timer);
             timer = -1;
+            if (program_reaped)
+                break;
         }
         if (fds[0].revents & POLLIN) {
             struct signalfd_siginfo info;
             while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info) {
                 int sig = (int)info.ssi_signo;
+                if (parent > 0 && sig == PARENT_GONE_SIGNAL && getppid() != parent) {
+                    parent_gone = 1;
+                    continue;
+                }
                 if (sig != SIGCHLD) {
                     kill(program, sig);
                     continue;

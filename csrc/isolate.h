@@ -233,7 +233,9 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure);
 /* The pre-exec hook: called in the child of a fork (subprocess's
  * preexec_fn).  Returns 0 in the process that goes on to exec the program;
  * on failure returns -1 with *failure filled in.  May fork. */
-int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure);
+/* parent_pid: the caller (whose death ends the run's whole tree when there
+ * is no PID namespace), or 0. */
+int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure *failure);
 
 /* The highest Landlock ABI this kernel offers, 0 when it has none. */
 int iso_landlock_abi(void);

@@ -12,6 +12,9 @@
  *     inside the PID namespace, before the host's root is detached), forks
  *     Y2 and execs the init;
  *   Y2 takes the program's last steps and returns 0: subprocess execs.
+ * Without namespaces but with die_with_parent, H forks the program and
+ * becomes the init (a subreaper that watches the caller, see init.c), so
+ * that the caller's death ends the program's daemons too.
  * Every fork here copies the Python process: this path costs what fork
  * costs, which is why isolate.run uses spawn.c instead.
  */
@@ -164,7 +167,39 @@ static int program_steps(const struct iso_plan *plan, struct iso_failure *failur
     return 0;
 }
 
-int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
+/* No namespaces: H forks the program (Y) and execs the init, which
+ * subprocess then waits for: it forwards signals, reaps the orphans as a
+ * subreaper and, when the caller dies, kills the whole tree.  A failure of
+ * Y's steps reaches subprocess through its error pipe (Y shares it); the
+ * init then reports Y's exit. */
+static int watched_program(const struct iso_plan *plan, int parent_pid, struct iso_failure *failure)
+{
+    int step;
+    pid_t program = fork();
+    if (program < 0)
+        return fail(failure, ISO_STEP_FORK, -1);
+    if (program == 0) {
+        /* The group the init kills first (setsid above made H its leader). */
+        if (setpgid(0, 0) < 0)
+            return fail(failure, ISO_STEP_SETSID, -1);
+        return program_steps(plan, failure, plan->cwd);
+    }
+    if ((step = iso_creds_apply(plan)))
+        return fail(failure, step, -1);
+    if ((step = iso_no_new_privs()))
+        return fail(failure, step, -1);
+    char pid_arg[16], wall_arg[32], parent_arg[16];
+    snprintf(pid_arg, sizeof pid_arg, "%d", program);
+    snprintf(wall_arg, sizeof wall_arg, "%lld", plan->wall_ms);
+    snprintf(parent_arg, sizeof parent_arg, "%d", parent_pid);
+    /* No errno table, no supervisor (preexec_fn has none), the caller to watch. */
+    char *argv[] = {"isolate-init", pid_arg, "-1", "-1", wall_arg, "", "", parent_arg, NULL};
+    char *envp[] = {NULL};
+    syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
+    return fail(failure, ISO_STEP_INIT, -1);
+}
+
+int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure *failure)
 {
     int index = -1, step;
     failure->step = ISO_STEP_NONE;
@@ -173,6 +208,8 @@ int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
 
     if (plan->new_session && setsid() < 0 && errno != EPERM)
         return fail(failure, ISO_STEP_SETSID, -1);
+    if (plan->clone_flags == 0 && plan->die_with_parent && parent_pid > 0)
+        return watched_program(plan, parent_pid, failure);
     if (plan->clone_flags == 0)
         return program_steps(plan, failure, plan->cwd);
 
@@ -209,12 +246,20 @@ int iso_preexec(const struct iso_plan *plan, struct iso_failure *failure)
     if (first < 0)
         return fail(failure, ISO_STEP_FORK, -1);
     if (first > 0) {
-        /* H: relay the program's end to subprocess, which waits for us. */
-        if (plan->die_with_parent && iso_die_with_parent())
-            return fail(failure, ISO_STEP_PDEATHSIG, -1);
-        /* The relay holds the new namespace's capabilities: drop them too. */
+        /* H: relay the program's end to subprocess, which waits for us.
+         * The relay holds the new namespace's capabilities: drop them too. */
         if ((step = iso_creds_apply(plan)))
             return fail(failure, step, -1);
+        /* After the ids: a change of credentials clears the parent-death
+         * signal (set before, a root caller's relay outlived its caller and
+         * so did PID 1 of the namespace).  A caller that died before this
+         * point is seen as a new parent. */
+        if (plan->die_with_parent && iso_die_with_parent())
+            return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        if (plan->die_with_parent && parent_pid > 0 && getppid() != parent_pid) {
+            errno = ESRCH;
+            return fail(failure, ISO_STEP_PDEATHSIG, -1);
+        }
         if ((step = iso_no_new_privs()))
             return fail(failure, step, -1);
         exec_init(plan, first, 1);

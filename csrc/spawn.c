@@ -51,6 +51,7 @@ struct spawn_ctx {
     int sync_write_fd;  /* so that a parent that gives up is seen as end of file */
     int sync_fd;
     int listener_fd;
+    pid_t parent_pid;   /* the caller's process, which the init watches without a PID namespace */
     volatile int program_failed;
     char *program_stack_top;
 };
@@ -163,7 +164,11 @@ static int first_main(void *arg)
      * capability, and lets only its own descriptors through exec. */
     if ((step = iso_creds_apply(plan)))
         goto fail_kill;
-    if (plan->die_with_parent && (step = iso_die_with_parent()))
+    /* In a PID namespace the init's death ends every process in it, so a
+     * parent-death SIGKILL is enough.  Without one the init must outlive its
+     * parent long enough to sweep the tree: it watches the parent itself
+     * (a pidfd, see init.c) instead of being killed with it. */
+    if (plan->die_with_parent && (plan->clone_flags & CLONE_NEWPID) && (step = iso_die_with_parent()))
         goto fail_kill;
     if ((step = iso_no_new_privs()))
         goto fail_kill;
@@ -173,13 +178,17 @@ static int first_main(void *arg)
         goto fail_kill;
     }
     {
-        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32];
+        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32], parent_arg[16];
         snprintf(pid_arg, sizeof pid_arg, "%d", program);
         snprintf(status_arg, sizeof status_arg, "%d", plan->status_fd);
         snprintf(listener_arg, sizeof listener_arg, "%d", ctx->listener_fd);
         snprintf(wall_arg, sizeof wall_arg, "%lld", plan->wall_ms);
-        char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg,
-                        (char *)(plan->seccomp_errnos ? plan->seccomp_errnos : ""), (char *)plan->supervise, NULL};
+        int watch = plan->die_with_parent && !(plan->clone_flags & CLONE_NEWPID);
+        snprintf(parent_arg, sizeof parent_arg, "%d", watch ? (int)ctx->parent_pid : 0);
+        char *errnos = plan->seccomp_errnos ? (char *)plan->seccomp_errnos : "";
+        char *supervise = plan->supervise ? (char *)plan->supervise : "";
+        char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg, errnos, supervise, parent_arg,
+                        NULL};
         char *envp[] = {NULL};
         syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
     }
@@ -244,6 +253,7 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
     ctx->sync_write_fd = sync_pipe[1];
     ctx->sync_fd = sync_pipe[0];
     ctx->listener_fd = -1;
+    ctx->parent_pid = getpid();
     ctx->program_failed = 0;
     ctx->program_stack_top = mem + 2 * page + ISO_STACK_SIZE;
 

@@ -860,7 +860,9 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     deny_setid = use_ns and root_caller and bool(write)
     seccomp_unix = {"supervisor": "supervise", "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
-                   notify=use_ns and not for_preexec, unix_sockets=seccomp_unix)
+                   notify=use_ns and not for_preexec, unix_sockets=seccomp_unix, deny_host_reach=not use_ns)
+    if not use_ns:
+        _report_host_reach(plan, enforced, refusals, network)
     observed = denials_observed(use_ns, bool(plan.seccomp_notify), abi)
     if enforced.get("seccomp") is None:
         observed.pop("seccomp")
@@ -1046,21 +1048,23 @@ def _apply_seccomp(
     deny_setid: bool,
     notify: bool,
     unix_sockets: str = "",
+    deny_host_reach: bool = False,
 ) -> None:
-    if policy.seccomp == "none" and not deny_sockets and not deny_setid and not unix_sockets:
+    if policy.seccomp == "none" and not (deny_sockets or deny_setid or unix_sockets or deny_host_reach):
         enforced["seccomp"] = None
         return
     from . import _bpfcache
 
     cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid, unix_sockets == "supervise",
-                                               unix_sockets == "deny"))
+                                               unix_sockets == "deny", deny_host_reach))
     compiled: Any = _bpfcache.load(cache_key) if cache_key else None
     try:
         if compiled is None:
             from . import seccomp
 
             compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
-                                              deny_setid=deny_setid, unix_sockets=unix_sockets)
+                                              deny_setid=deny_setid, unix_sockets=unix_sockets,
+                                              deny_host_reach=deny_host_reach)
             if compiled is not None and cache_key:
                 _bpfcache.store(cache_key, compiled)
     except UnsupportedError as exc:
@@ -1101,7 +1105,33 @@ def _apply_seccomp(
         enforced["seccomp_sockets"] = "socket() refused (socketpair(AF_UNIX) allowed)"
     if deny_setid:
         enforced["setid_files"] = "refused (seccomp)"
+    if deny_host_reach:
+        enforced["host_ipc"] = "refused (seccomp): SysV IPC, POSIX message queues, keyrings"
+        enforced["other_processes"] = "limits and priorities refused (seccomp)"
 
+
+def _report_host_reach(plan: Any, enforced: dict[str, Any], refusals: _Refusals, network: str) -> None:
+    """Without namespaces: say how signals and abstract unix sockets toward the host are kept back.
+
+    Landlock scoping (ABI 6) confines both; below it a program can signal
+    every process of its uid, and reach abstract sockets when the network is
+    the host's. The caller gave up the PID namespace explicitly (namespaces=
+    false), so this is reported and warned about, not refused.
+    """
+    if "host_ipc" not in enforced:  # seccomp refused under best effort: the warning is there already
+        enforced["host_ipc"] = None
+    if plan.landlock_scoped:
+        enforced["signals"] = enforced["abstract_unix_sockets"] = "landlock-scope"
+        return
+    enforced["abstract_unix_sockets"] = (
+        "socket() refused (seccomp)" if network == "none" and "seccomp_sockets" in enforced
+        else "reachable (no network namespace, Landlock below ABI 6)"
+    )
+    enforced["signals"] = "host processes of the same uid (no PID namespace, Landlock below ABI 6)"
+    refusals.warnings.append(
+        "namespaces=false: this kernel's Landlock cannot scope signals (ABI 6, Linux 6.12): the program can "
+        "signal every process of its uid; use namespaces to prevent it"
+    )
 
 def _prepare_cgroup(
     policy: Policy,

@@ -32,11 +32,16 @@ class PreexecHook:
         # confinement is planned; argv and an explicit env= stay subprocess's.
         self._prepared = native.prepare(policy, ["/proc/self/exe"], for_preexec=True)
         self._failure = ffi.new("struct iso_failure *")
+        # The caller whose death ends the run (without namespaces the hook's
+        # init watches it); read here, as the child cannot tell whether the
+        # parent it sees is still the one that forked it.
+        self._parent_pid = os.getpid()
         self.enforced = self._prepared.enforced
         self.warnings = self._prepared.warnings
 
     def __call__(self) -> None:
-        if lib.iso_preexec(self._prepared.plan, self._failure) == 0:
+        parent = self._parent_pid if os.getppid() == self._parent_pid else os.getppid()
+        if lib.iso_preexec(self._prepared.plan, parent, self._failure) == 0:
             return
         failure = self._failure
         detail = ""

@@ -1086,9 +1086,74 @@ def _deny_setid_prologue(native: int) -> bytes:
     return b"".join(code)
 
 
+#: What a missing namespace would have kept from the program and no other
+#: mechanism governs: (call, condition). None denies the call outright;
+#: ("ne0", i) denies it unless argument i is 0 (the caller itself);
+#: ("eq", i, v) denies it when argument i is v.
+_HOST_REACH_RULES: tuple[tuple[str, tuple[Any, ...] | None], ...] = (
+    # SysV IPC: every segment, queue and semaphore set of the host's IPC namespace.
+    ("shmget", None), ("shmat", None), ("shmctl", None), ("shmdt", None),
+    ("msgget", None), ("msgsnd", None), ("msgrcv", None), ("msgctl", None),
+    ("semget", None), ("semop", None), ("semtimedop", None), ("semctl", None),
+    # POSIX message queues live in the IPC namespace too (not in /dev/mqueue's mount).
+    ("mq_open", None), ("mq_unlink", None), ("mq_timedsend", None), ("mq_timedreceive", None),
+    ("mq_notify", None), ("mq_getsetattr", None),
+    # The user's and session's keyrings (secrets of the caller's uid).
+    ("keyctl", None), ("add_key", None), ("request_key", None),
+    # Limits and priorities of other processes of the same uid (Landlock does
+    # not govern these; a PID namespace would hide the targets).
+    ("prlimit64", ("ne0", 0)),
+    ("setpriority", ("ne0", 1)), ("setpriority", ("eq", 0, 2)),  # PRIO_USER: every process of the uid
+    ("ioprio_set", ("ne0", 1)), ("ioprio_set", ("eq", 0, 3)),  # IOPRIO_WHO_USER
+)
+
+
+def host_reach_denied() -> list[str]:
+    """The calls ``deny_host_reach`` refuses (some only toward other processes)."""
+    return sorted({name for name, _ in _HOST_REACH_RULES})
+
+
+def _deny_host_reach_prologue(native: int) -> bytes:
+    """BPF run before the filter: what an IPC/PID/user namespace would have isolated -> EPERM.
+
+    Without namespaces the program shares the host's SysV IPC and POSIX
+    message queues, the caller's keyrings, and can change the limits and
+    priorities of every process of its uid; these calls are refused whatever
+    the profile (``none`` included).
+    """
+    arg_low = [16 + 8 * i + (0 if sys.byteorder == "little" else 4) for i in range(6)]
+    ld, jeq, ret = 0x20, 0x15, 0x06
+    blocks: list[list[tuple[int, int, int | str, int | str]]] = []
+    for name, cond in _HOST_REACH_RULES:
+        try:
+            nr = _resolve(name)
+        except Exception:  # a call this arch does not have (e.g. the ipc() multiplexer's parts)
+            continue
+        if cond is None:
+            blocks.append([(jeq, nr, "deny", 0)])
+        elif cond[0] == "ne0":
+            blocks.append([(jeq, nr, 0, 3), (ld, arg_low[cond[1]], 0, 0), (jeq, 0, 0, "deny"), (ld, 0, 0, 0)])
+        else:
+            blocks.append([(jeq, nr, 0, 3), (ld, arg_low[cond[1]], 0, 0), (jeq, cond[2], "deny", 0),
+                           (ld, 0, 0, 0)])
+    flat = [ins for block in blocks for ins in block]
+    deny_at = 3 + len(flat) + 1  # after [ld arch, jeq arch, ld nr] + body + [ja past the deny]
+    code = [struct.pack("=HBBI", ld, 0, 0, 4), struct.pack("=HBBI", jeq, 0, len(flat) + 3, native),
+            struct.pack("=HBBI", ld, 0, 0, 0)]  # foreign ABI -> the filter, which kills
+    for i, (op, k, jt, jf) in enumerate(flat):
+        here = 3 + i
+        jt_n = deny_at - here - 1 if jt == "deny" else jt
+        jf_n = deny_at - here - 1 if jf == "deny" else jf
+        assert isinstance(jt_n, int) and isinstance(jf_n, int) and 0 <= jt_n < 256 and 0 <= jf_n < 256
+        code.append(struct.pack("=HBBI", op, jt_n, jf_n, k))
+    code.append(struct.pack("=HBBI", 0x05, 0, 0, 1))  # BPF_JMP|BPF_JA: no match -> past the deny
+    code.append(struct.pack("=HBBI", ret, 0, 0, RET_ERRNO | errno_mod.EPERM))
+    return b"".join(code)
+
+
 def _compile(
     label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False,
-    unix_sockets: str = "",
+    unix_sockets: str = "", deny_host_reach: bool = False,
 ) -> CompiledFilter:
     parsed = _parse(data, source)
     bpf, table, default_errno = _build(parsed, notify, source)
@@ -1107,6 +1172,8 @@ def _compile(
         bpf = _deny_inet_prologue(native, notify_for) + bpf
     if deny_setid:
         bpf = _deny_setid_prologue(native) + bpf
+    if deny_host_reach:
+        bpf = _deny_host_reach_prologue(native) + bpf
     if len(bpf) // 8 > MAX_INSTRUCTIONS:
         raise _err(source, "", f"the compiled filter has {len(bpf) // 8} instructions, more than the kernel's "
                    f"{MAX_INSTRUCTIONS}; use fewer argument conditions")
@@ -1119,7 +1186,7 @@ def _compile(
     )
 
 
-_cache: dict[tuple[str, str, bool, bool, bool, str], CompiledFilter] = {}
+_cache: dict[tuple[str, str, bool, bool, bool, str, bool], CompiledFilter] = {}
 _cache_lock = threading.Lock()
 
 
@@ -1131,7 +1198,7 @@ def cache_clear() -> None:
 
 def compile_filter(
     mode: str, *, notify: bool = False, deny_inet_sockets: bool = False, deny_setid: bool = False,
-    unix_sockets: str = "",
+    unix_sockets: str = "", deny_host_reach: bool = False,
 ) -> CompiledFilter | None:
     """Compile the filter for ``mode`` (default, strict, none, or the path of a JSON profile).
 
@@ -1141,7 +1208,9 @@ def compile_filter(
     ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for a root
     caller's idmapped writable paths); ``unix_sockets`` is "" (nothing),
     "supervise" (connect() to the init, which needs ``notify``) or "deny"
-    (socket(AF_UNIX) refused): see the module doc.
+    (socket(AF_UNIX) refused): see the module doc; ``deny_host_reach`` refuses
+    SysV IPC, POSIX message queues, keyrings and changing other processes'
+    limits and priorities (for a run without namespaces, see ``host_reach_denied``).
     Returns None for ``none`` without ``deny_inet_sockets``. Results are cached
     per (mode, file content, flags). Raises ``PolicyError`` for a bad profile
     and ``UnsupportedError`` when libseccomp or the kernel cannot do it.
@@ -1150,7 +1219,7 @@ def compile_filter(
         raise PolicyError("seccomp: expected default, strict, none or the path of a JSON profile", "seccomp")
     if unix_sockets not in ("", "supervise", "deny") or (unix_sockets == "supervise" and not notify):
         raise ValueError(f"unix_sockets: {unix_sockets!r}")
-    if mode == "none" and not deny_inet_sockets and not deny_setid and not unix_sockets:
+    if mode == "none" and not (deny_inet_sockets or deny_setid or unix_sockets or deny_host_reach):
         return None
     content: bytes | None = None
     if mode in BUILTIN_PROFILES:
@@ -1158,13 +1227,15 @@ def compile_filter(
     else:
         source, content = _read_profile_file(mode)
         label, digest = f"file:{os.path.abspath(mode)}", hashlib.sha256(content).hexdigest()
-    key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets)
+    key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets,
+           bool(deny_host_reach))
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
     data = _load_json(content, source) if content is not None else oci_profile(mode)
-    compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets)
+    compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets,
+                        bool(deny_host_reach))
     with _cache_lock:
         compiled = _cache.setdefault(key, compiled)
         while len(_cache) > _CACHE_SIZE:

@@ -1053,20 +1053,16 @@ def _apply_seccomp(
     if policy.seccomp == "none" and not (deny_sockets or deny_setid or unix_sockets or deny_host_reach):
         enforced["seccomp"] = None
         return
-    from . import _bpfcache
-
-    cache_key = _bpfcache.key(policy.seccomp, (notify, deny_sockets, deny_setid, unix_sockets == "supervise",
-                                               unix_sockets == "deny", deny_host_reach))
-    compiled: Any = _bpfcache.load(cache_key) if cache_key else None
+    # Compiled in this process (and kept in seccomp's in-memory cache), never
+    # read back from disk: any file of the caller's may have been written by
+    # an earlier sandbox granted that directory, and a filter loaded from it
+    # would be whatever that sandbox wanted.
     try:
-        if compiled is None:
-            from . import seccomp
+        from . import seccomp
 
-            compiled = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
-                                              deny_setid=deny_setid, unix_sockets=unix_sockets,
-                                              deny_host_reach=deny_host_reach)
-            if compiled is not None and cache_key:
-                _bpfcache.store(cache_key, compiled)
+        compiled: Any = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
+                                               deny_setid=deny_setid, unix_sockets=unix_sockets,
+                                               deny_host_reach=deny_host_reach)
     except UnsupportedError as exc:
         if deny_setid:
             raise UnsupportedError(

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -471,3 +472,14 @@ def test_no_setuid_file_reaches_the_host(workdir: str) -> None:
             if os.path.exists(path):
                 assert os.stat(path).st_mode & 0o6000 == 0, (mode, name, oct(os.stat(path).st_mode))
                 os.unlink(path)
+
+
+def test_no_filter_is_ever_read_from_the_callers_files(tmp_path: Path) -> None:
+    # A sandbox granted the caller's home could write ~/.cache: a compiled
+    # filter cached there would be loaded by every later run, so none is.
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-m", "isolate.cli", "--", "true"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "cache" / "isolate").exists()
+

@@ -161,6 +161,10 @@ def _int_option(value: str | None, name: str) -> int | None:
 def policy_from_args(options: argparse.Namespace) -> Policy:
     """The policy the options describe (a profile first, then the flags on top)."""
     base = Policy.load(options.profile) if options.profile else Policy()
+    if options.tmpfs and (options.no_namespaces or not base.namespaces):
+        # Asked for explicitly: never dropped in silence.
+        raise CliError("--tmpfs needs a mount namespace, and this run has none (--no-namespaces); without "
+                       "namespaces the program's TMPDIR is a private directory in its home instead")
     read = list(base.read)
     write = list(base.write)
     tmpfs = list(base.tmpfs)

@@ -113,7 +113,8 @@ def _writable_by(info: os.stat_result, uid: int, gid: int) -> bool:
     return bool(info.st_mode & 0o002)
 
 
-def _write_route(write: Sequence[str], policy: Policy, uid: int, gid: int) -> tuple[str, int, int]:
+def _write_route(write: Sequence[str], policy: Policy, uid: int, gid: int,
+                 no_idmap: str | None = None) -> tuple[str, int, int]:
     """How a root caller's program gets its writable paths: (route, program uid, program gid).
 
     "idmapped" where every writable path's file system takes an idmapped
@@ -125,7 +126,7 @@ def _write_route(write: Sequence[str], policy: Policy, uid: int, gid: int) -> tu
     and the ways out.
     """
     infos = {path: os.stat(grants.host_symlinks(path, "write")[1]) for path in write}
-    problems = {path: _idmap_problem(info.st_dev, grants.host_symlinks(path, "write")[1], uid, gid)
+    problems = {path: no_idmap or _idmap_problem(info.st_dev, grants.host_symlinks(path, "write")[1], uid, gid)
                 for path, info in infos.items()}
     failing = {path: why for path, why in problems.items() if why}
     if not failing:
@@ -138,8 +139,9 @@ def _write_route(write: Sequence[str], policy: Policy, uid: int, gid: int) -> tu
     if all(_writable_by(info, uid, gid) for info in infos.values()):
         return "plain", uid, gid
     raise UnsupportedError(
-        f"write: {path}: a root caller's program runs as uid {uid} and owns its writable paths through an "
-        f"idmapped mount, and {why}; ways out: work in a directory owned by a regular user (the program then "
+        f"write: {path}: a root caller's program runs as uid {uid}, which cannot write there: it would own its "
+        f"writable paths through an idmapped mount, but {why}; ways out: work in a directory owned by a regular "
+        "user (the program then "
         f"runs as that user), make {path} writable by uid {uid} (chown {uid} {path}), pass --uid N for a "
         "directory owned by uid N, or run isolate-run as a regular user"
     )
@@ -308,6 +310,25 @@ def _plan_home(
             raise PolicyError(f"home_files: two files would be {target}; share one of them", "home_files")
         files.append((real, target))
     return home, files
+
+
+def _no_ns_tmpdir(home: str, uid: int, gid: int) -> str | None:
+    """A run without namespaces has no private /tmp: TMPDIR is a ``tmp`` directory in its private home.
+
+    Made by the parent with mkdir (which never follows a link the program may
+    have left at that name) and handed to the program's uid; whatever is
+    already there is left as it is (it is the program's own).
+    """
+    path = os.path.join(home, "tmp")
+    try:
+        os.mkdir(path, 0o700)
+        if os.geteuid() == 0:
+            os.chown(path, uid, gid, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    return path
 
 
 def _no_ns_home(uid: int, gid: int) -> str:
@@ -499,6 +520,7 @@ class _Static:
     run_cwd: str
     home: str | None
     observed: dict[str, dict[str, Any]]
+    tmpdir: str | None  # TMPDIR of a run without namespaces (no private /tmp there)
     granted: tuple[str, ...]  # what the program can see of the host: granted paths, as named and real
     stamps: list[tuple[str, tuple[int, int]]]
     fds: list[int]
@@ -652,8 +674,10 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
             tmpfs = []
     # -- a root caller's writable paths: idmapped, or another route -----------
     write_route = "idmapped"
-    if use_ns and root_caller and write:
-        write_route, program_uid, program_gid = _write_route(write, policy, program_uid, program_gid)
+    if root_caller and write:
+        write_route, program_uid, program_gid = _write_route(
+            write, policy, program_uid, program_gid,
+            None if use_ns else "without namespaces there is no idmapped mount: plain permissions decide")
     if use_ns:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
         if network != "host":
@@ -774,6 +798,8 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     else:
         enforced["filesystem"] = ["landlock"] if abi else []
         idmap_steps = []
+        if root_caller and write:
+            enforced["write_ownership"] = write_route
 
     # -- Landlock ----------------------------------------------------------
     if abi:
@@ -904,6 +930,7 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         plan=plan, keep=keep, enforced=enforced, warnings=refusals.warnings, rlimits=rlimits,
         cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,
         program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, home=home, observed=observed,
+        tmpdir=_no_ns_tmpdir(home, program_uid, program_gid) if home and not use_ns else None,
         granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write])), stamps=stamps,
         fds=static_fds,
     )
@@ -979,6 +1006,8 @@ def prepare(
 
     # -- the program ---------------------------------------------------------
     program_env = program_environment(policy, env, static.home)
+    if static.tmpdir and "TMPDIR" not in program_env:
+        program_env["TMPDIR"] = static.tmpdir
     if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
         # The caller's PATH, reduced to the directories that exist inside.
         program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)

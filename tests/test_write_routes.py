@@ -79,3 +79,36 @@ def test_root_owned_path_is_refused_with_the_cause(overlay: str) -> None:
     assert f"chown 65534 {work}" in line and "--uid" in line
     assert not os.path.exists(os.path.join(work, "made"))
     assert report["status"] == "setup-error"
+
+
+def cli(cwd: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_no_namespaces_root_gets_a_usable_run(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Without namespaces there is no idmapped mount: the cwd is written with
+    # plain permissions, so the program runs as the directory's owner, and
+    # its TMPDIR is a private directory (there is no private /tmp).
+    work = tmp_path_factory.mktemp("alice")
+    os.chown(work, 1000, 1000)
+    result = cli(str(work), "--no-namespaces", "--", "sh", "-c", 'id -u; t=$(mktemp) && echo tmp-ok; touch made')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1000", "tmp-ok"]
+    assert os.stat(os.path.join(work, "made")).st_uid == 1000
+
+
+def test_no_namespaces_root_owned_cwd_is_refused_not_silently_unwritable(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    work = tmp_path_factory.mktemp("project")
+    os.chmod(work, 0o755)
+    result = cli(str(work), "--no-namespaces", "--", "touch", "made")
+    assert result.returncode == 125
+    assert "plain permissions" in result.stderr and f"chown 65534 {work}" in result.stderr
+    assert not os.path.exists(os.path.join(work, "made"))
+
+
+def test_no_namespaces_explicit_tmpfs_is_refused(tmp_path_factory: pytest.TempPathFactory) -> None:
+    work = tmp_path_factory.mktemp("any")
+    result = cli(str(work), "--no-namespaces", "--tmpfs", "/tmp", "--", "true")
+    assert result.returncode == 125 and "--tmpfs needs a mount namespace" in result.stderr

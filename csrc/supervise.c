@@ -138,6 +138,23 @@ static void record(int kind, int family, const void *address, int port, const ch
     report->n_net_denied = n + 1;
 }
 
+/* The thread group (process) of thread tid, from /proc/TID/status; -1 if unknown. */
+static pid_t thread_group_of(pid_t tid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)tid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    char *line = strstr(buf, "\nTgid:");
+    return line ? (pid_t)strtol(line + 6, NULL, 10) : -1;
+}
+
 static void answer(int listener, uint64_t id, int err)
 {
     struct seccomp_notif_resp resp;
@@ -332,8 +349,14 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
         goto out;
     }
     pidfd = (int)syscall(SYS_pidfd_open, tid, PIDFD_THREAD);
-    if (pidfd < 0 && errno == EINVAL)
-        pidfd = (int)syscall(SYS_pidfd_open, tid, 0); /* before Linux 6.9: leaders only */
+    if (pidfd < 0 && errno == EINVAL) {
+        /* Before Linux 6.9 a pidfd names a thread-group leader only; the
+         * descriptor table is the whole group's, so its leader's will do.
+         * (Checked below: the call still waiting means tid, hence its
+         * group, is alive and the same.) */
+        pid_t group = thread_group_of(tid);
+        pidfd = group > 0 ? (int)syscall(SYS_pidfd_open, group, 0) : -1;
+    }
     if (pidfd < 0)
         goto out;
     /* The pid named the caller only if its call is still waiting. */

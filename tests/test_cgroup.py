@@ -600,8 +600,10 @@ def test_v2_group_kill_and_dir_fd(runs: list[RunCgroup]) -> None:
     proc = spawn_attached(
         run, "import os, time\nfor _ in range(3):\n    os.fork()\ntime.sleep(30)\n", stdout=subprocess.DEVNULL
     )
-    time.sleep(0.3)
     try:
+        deadline = time.monotonic() + 20  # forks are slow under emulation (the VM)
+        while len(run.pids()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert len(run.pids()) == 8
         hierarchy = next(h for h in cg_mod.discover() if h.version == 2)
         assert hierarchy.mountpoint is not None  # /sys/fs/cgroup/unified here, /sys/fs/cgroup on v2-only hosts
@@ -721,18 +723,18 @@ def test_root_hands_its_cgroups_over_inside_another_users_cgroup() -> None:
     if top is None:
         pytest.skip("no writable cgroup here")
     delegated = os.path.join(top, f"isolate-test-delegated-{os.getpid()}")
+    made = os.path.join(delegated, "isolate")
+    own = os.path.join(top, f"isolate-test-own-{os.getpid()}")
     os.mkdir(delegated)
     try:
         os.chown(delegated, 65534, 65534)
-        made = os.path.join(delegated, "isolate")
         cg_mod._ensure_dir(made)
         assert os.stat(made).st_uid == 65534
         assert os.stat(os.path.join(made, "cgroup.procs")).st_uid == 65534
-        own = os.path.join(top, f"isolate-test-own-{os.getpid()}")
-        cg_mod._ensure_dir(own)  # inside root's own cgroup: stays root's
-        assert os.stat(own).st_uid == 0
-        os.rmdir(own)
-        os.rmdir(made)
+        cg_mod._ensure_dir(own)  # beside it, in the caller's own cgroup: its owner's (root's unless delegated)
+        assert os.stat(own).st_uid == os.stat(top).st_uid
     finally:
-        os.rmdir(delegated)
+        for path in (own, made, delegated):
+            if os.path.isdir(path):
+                os.rmdir(path)
 

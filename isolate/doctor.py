@@ -24,11 +24,16 @@ class Check:
     detail: str
 
 
+DOCTOR_HINT = "; run `isolate-run doctor` to see what this host can enforce"
+
+
 def _check(name: str, probe: Callable[[], tuple[bool, str]]) -> Check:
     try:
         ok, detail = probe()
     except Exception as exc:  # a doctor reports every failure, it never crashes
-        ok, detail = False, f"{type(exc).__name__}: {exc}"
+        # Messages elsewhere send the user here: the doctor must not send them back.
+        message = str(exc).replace(DOCTOR_HINT, "")
+        ok, detail = False, f"{type(exc).__name__}: {message}"
     return Check(name, ok, detail)
 
 
@@ -52,12 +57,14 @@ def _landlock() -> tuple[bool, str]:
 
 
 def _userns() -> tuple[bool, str]:
-    from . import native
+    from . import hostinfo, native
 
     err = native.userns_error()
+    where = hostinfo.container()
+    inside = f" (inside a {where} container)" if where else ""
     if err:
-        return False, f"cannot create a user namespace: {os.strerror(err)}"
-    return True, "unprivileged user namespaces work for this caller"
+        return False, f"cannot create a user namespace{inside}: {os.strerror(err)}: {hostinfo.userns_advice(err)}"
+    return True, f"unprivileged user namespaces work for this caller{inside}"
 
 
 def _sandbox() -> tuple[bool, str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from . import grants, landlock, mounts
+from . import grants, hostinfo, landlock, mounts
 from ._core import ffi, init_fd, lib, step_name
 from .errors import (
     CommandNotExecutableError,
@@ -666,9 +666,8 @@ def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
         err = userns_error()
         if err:
             refusals.refuse(
-                f"namespaces: this caller cannot create a user namespace ({os.strerror(err)}); enable "
-                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or the AppArmor "
-                "userns restriction), or run with namespaces=false"
+                f"namespaces: this caller cannot create a user namespace ({os.strerror(err)}): "
+                + hostinfo.userns_advice(err)
             )
             use_ns = False
             tmpfs = []
@@ -1250,6 +1249,9 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
             name, err, detail,
         )
     where = f" ({detail})" if detail else ""
+    if step == lib.ISO_STEP_MOUNT_PROC and err in (errno_mod.EPERM, errno_mod.EACCES):
+        return SetupError(f"sandbox setup failed at {name}{where}: {os.strerror(err)}: "
+                          + hostinfo.proc_mount_advice(), name, err, detail)
     return SetupError(
         f"sandbox setup failed at {name}{where}: {os.strerror(err)}; run `isolate-run doctor` to see what this "
         "host can enforce",

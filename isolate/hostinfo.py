@@ -25,12 +25,25 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _root_fstype() -> str | None:
+    """The file system type mounted at / (the last such mount wins), from /proc/self/mountinfo."""
+    kind = None
+    for line in (_read("/proc/self/mountinfo") or "").splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == "/" and " - " in line:
+            kind = line.split(" - ", 1)[1].split()[0]
+    return kind
+
+
 @lru_cache(maxsize=1)
 def container() -> str | None:
     """"docker", "podman", "kubernetes", "lxc" or "container" when this process runs in one, else None."""
-    if os.path.exists("/.dockerenv"):
+    # The marker files alone are not enough (a VM image made from a container
+    # image keeps /.dockerenv): a container's root is an overlay as well.
+    overlay_root = _root_fstype() in ("overlay", "fuse-overlayfs", "aufs")
+    if os.path.exists("/.dockerenv") and overlay_root:
         return "docker"
-    if os.path.exists("/run/.containerenv"):
+    if os.path.exists("/run/.containerenv") and overlay_root:
         return "podman"
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         return "kubernetes"

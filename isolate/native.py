@@ -468,7 +468,8 @@ def unsupported_reasons(policy: Policy) -> list[str]:
         if refusal:
             reasons.append(refusal)
     if policy.namespaces and userns_error():
-        reasons.append(f"namespaces: this caller cannot create a user namespace ({os.strerror(userns_error())})")
+        reasons.append(f"namespaces: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
+                       + hostinfo.userns_advice(userns_error()))
     if not policy.namespaces and landlock.abi() == 0:
         reasons.append("filesystem: without namespaces, Landlock is needed and this kernel has none")
     return reasons

@@ -370,6 +370,11 @@ def choose_backend(policy: Policy) -> str:
             if not refused:
                 return "docker"
             docker_reason = "; ".join(f"{name}: {why}" for name, why in refused.items())
+    from . import hostinfo
+
+    if hostinfo.container() and not os.environ.get("DOCKER_HOST"):
+        # Inside a container, "start dockerd" is no way out: say what is.
+        raise UnsupportedError("the native backend cannot enforce this policy: " + "; ".join(reasons))
     raise UnsupportedError(
         "the native backend cannot enforce this policy: " + "; ".join(reasons)
         + f"; and Docker cannot take over: {docker_reason}"

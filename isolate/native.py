@@ -135,7 +135,8 @@ def _write_route(write: Sequence[str], policy: Policy, uid: int, gid: int,
     owners = {(info.st_uid, info.st_gid) for info in infos.values()}
     if policy.uid is None and len(owners) == 1 and next(iter(owners))[0] != 0:
         owner_uid, owner_gid = next(iter(owners))
-        return "owner", owner_uid, (policy.gid if policy.gid is not None else owner_gid)
+        # Never the root group: a root-group directory gives the program 65534's group instead.
+        return "owner", owner_uid, (policy.gid if policy.gid is not None else owner_gid or gid)
     if all(_writable_by(info, uid, gid) for info in infos.values()):
         return "plain", uid, gid
     raise UnsupportedError(

@@ -90,10 +90,10 @@ def test_no_namespaces_root_gets_a_usable_run(tmp_path_factory: pytest.TempPathF
     # plain permissions, so the program runs as the directory's owner, and
     # its TMPDIR is a private directory (there is no private /tmp).
     work = tmp_path_factory.mktemp("alice")
-    os.chown(work, 1000, 1000)
-    result = cli(str(work), "--no-namespaces", "--", "sh", "-c", 'id -u; t=$(mktemp) && echo tmp-ok; touch made')
+    os.chown(work, 1000, 0)  # the root group: never given to the program
+    result = cli(str(work), "--no-namespaces", "--", "sh", "-c", 'id -u; id -G; t=$(mktemp) && echo tmp-ok; touch made')
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1000", "tmp-ok"]
+    assert result.stdout.split() == ["1000", "65534", "tmp-ok"]
     assert os.stat(os.path.join(work, "made")).st_uid == 1000
 
 

@@ -72,7 +72,8 @@ def test_doctor_says_it_runs_in_a_container() -> None:
 def test_unconfined_container_root_gets_a_sandbox_by_another_route() -> None:
     # overlayfs and no CAP_SYS_ADMIN: no idmapped mount. /work is alice's, so
     # the program runs as alice, never as root; a root-owned cwd is refused.
-    result = in_container(UNCONFINED, "root", "isolate-run -- sh -c 'id -u; cat /etc/shadow 2>/dev/null || echo no-shadow'")
+    script = "isolate-run -- sh -c 'id -u; cat /etc/shadow 2>/dev/null || echo no-shadow'"
+    result = in_container(UNCONFINED, "root", script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1000", "no-shadow"]
     refused = in_container(UNCONFINED, "root", "mkdir /w2 && cd /w2 && isolate-run -- true")

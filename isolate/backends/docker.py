@@ -284,6 +284,16 @@ class ContainerSpec:
     def user(self) -> str:
         return f"{self.uid}:{self.gid}"
 
+    def verify_binds(self) -> None:
+        """Refuse a bind whose host path now leads elsewhere than when the spec was built.
+
+        The engine resolves bind sources by path at every start (a kept
+        container's restart included): called before each create and start.
+        """
+        for m in self.mounts:
+            if m.grant is not None:
+                check_unchanged(m.grant, "read" if m.read_only else "write")
+
     def host_config(self) -> dict[str, Any]:
         """Keyword arguments of ``APIClient.create_host_config``, made just before the container is.
 
@@ -292,9 +302,7 @@ class ContainerSpec:
         """
         from docker.types import Mount, Ulimit
 
-        for m in self.mounts:
-            if m.grant is not None:
-                check_unchanged(m.grant, "read" if m.read_only else "write")
+        self.verify_binds()
 
         config: dict[str, Any] = {
             "read_only": True,
@@ -1433,6 +1441,7 @@ def run(
         engine_warnings = [str(w) for w in created.get("Warnings") or []]
         with _engine_errors("attach to the container"):
             conn = _attach(api, container_id, streams.open_stdin)
+        spec.verify_binds()  # the engine binds the paths at start: the last moment to look
         try:
             api.start(container_id)
         except Exception as exc:
@@ -1528,6 +1537,7 @@ def ensure_kept(name: str, spec: ContainerSpec) -> tuple[str, str]:
             if labels.get(LABEL_SPEC_HASH) == spec.spec_hash():
                 if (info.get("State") or {}).get("Running"):
                     return str(info["Id"]), "reused"
+                spec.verify_binds()  # a restart binds the host paths again
                 try:
                     api.start(info["Id"])
                 except docker.errors.NotFound:
@@ -1561,10 +1571,13 @@ def ensure_kept(name: str, spec: ContainerSpec) -> tuple[str, str]:
             with _engine_errors(f"create the kept container {cname} from {spec.image}"):
                 raise exc
         try:
+            spec.verify_binds()
             api.start(created["Id"])
         except Exception as exc:
             with contextlib.suppress(Exception):
                 api.remove_container(created["Id"], force=True, v=True)
+            if isinstance(exc, PolicyError):
+                raise
             if isinstance(exc, docker.errors.APIError) and "not found" in _short(exc).lower():
                 raise UnsupportedError(
                     f"sandbox {name!r}: the image {spec.image} cannot keep a container alive: it has no "

@@ -114,7 +114,10 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         # and the init is reaped in the background.
         prepared = self._prepared
         if prepared is not None and prepared.status_fd >= 0:
-            ready, _, _ = select.select([prepared.status_fd], [], [], None if wait_flags == 0 else 0)
+            # poll, not select: a caller holding many sandboxes has descriptors past FD_SETSIZE.
+            poller = select.poll()
+            poller.register(prepared.status_fd, select.POLLIN | select.POLLHUP)
+            ready = poller.poll(None if wait_flags == 0 else 0)
             if not ready:
                 return 0, 0
             status = self._read_status()

@@ -95,3 +95,23 @@ def test_popen_context_manager_and_signals(workdir: str) -> None:
 def test_timeout_expired_like_subprocess(workdir: str) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         isolate.run(["sleep", "10"], policy=policy(write=[workdir]), cwd=workdir, timeout=0.3)
+
+
+def test_a_caller_with_descriptors_past_fd_setsize(workdir: str) -> None:
+    # Agents and benchmarks hold many sandboxes: the status pipe's descriptor
+    # may be above 1023, where select() cannot look (poll can).
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is too low to pass 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY else hard, hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        result = isolate.run(["true"], policy=policy(write=[workdir]), cwd=workdir)
+        assert result.returncode == 0 and result.report.status == "ok"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+

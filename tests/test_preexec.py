@@ -105,7 +105,7 @@ def test_preexec_gives_the_policy_environment_not_the_parents(
     names = {line.split("=", 1)[0] for line in result.stdout.splitlines()}
     assert "ISOLATE_TEST_SECRET" not in names
     assert "GIVEN=yes" in result.stdout.splitlines()
-    assert names <= {"PATH", "HOME", "LANG", "TERM", "GIVEN", "PWD", "SHLVL", "_"}
+    assert names <= {"PATH", "HOME", "LANG", "TERM", "GIVEN", "PWD", "SHLVL", "_", "TMPDIR"}
     # An explicit env= is the program's environment as given.
     explicit = subprocess.run(["env"], preexec_fn=hook, cwd=workdir, capture_output=True, text=True,
                               env={"ONLY": "this"})

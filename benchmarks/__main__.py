@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"mode": "quick" if args.quick else "full", "machine": machine.describe(),
                                "settings": {**settings.__dict__, "rounds": rounds, "docker_runs": docker_runs}}
     workdir = tempfile.mkdtemp(prefix="isolate-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
-    os.chmod(workdir, 0o755)  # the program runs as another uid when the caller is root
+    # The program runs as 65534 when the caller is root; without namespaces
+    # (no idmapped mount) it writes its granted cwd with plain permissions.
+    os.chmod(workdir, 0o777)
     try:
         found: dict[str, peers.Peer] = {}
         if "spawn" in args.sections or "memory" in args.sections:

@@ -95,5 +95,20 @@ def policy(**changes: object) -> isolate.Policy:
     return isolate.Policy(**fields)  # type: ignore[arg-type]
 
 
+def processes_with(marker: str) -> list[int]:
+    """Pids of the processes whose command line contains ``marker``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if marker.encode() in handle.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def py(code: str) -> list[str]:
     return [PYTHON, "-I", "-S", "-c", code]

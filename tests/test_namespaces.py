@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import PYTHON, not_granted_top, policy, py
+from conftest import PYTHON, not_granted_top, policy, processes_with, py
 
 import isolate
 
@@ -164,20 +164,6 @@ DAEMON = (
     "        open(sys.argv[1], 'w').write('up')\n        time.sleep(60)\n    os._exit(0)\n"
     "time.sleep(0.3)\n"
 )
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                if marker.encode() in handle.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_daemon_does_not_outlive_the_run(workdir: str) -> None:

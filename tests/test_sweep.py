@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import PYTHON, policy, py
+from conftest import PYTHON, policy, processes_with, py
 
 import isolate
 
@@ -29,20 +29,6 @@ TREE = (
     "    os._exit(0)\n"
     "time.sleep(120)\n"
 )
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                if marker.encode() in handle.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def wait_for(paths: list[str]) -> None:

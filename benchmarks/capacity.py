@@ -77,7 +77,7 @@ def throughput(*, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
     import isolate
 
     default = isolate.Policy()
-    landlock_only = isolate.Policy(namespaces=False, tmpfs=())
+    landlock_only = isolate.Policy(namespaces=False, tmpfs=(), write=())
     quiet: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL}
 
     def plain() -> None:
@@ -283,7 +283,7 @@ def memory(*, n: int, reps: int, docker_image: str | None, docker_n: int, log: C
     cgroup_file = _cgroup_usage_file()
     devnull: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     default = isolate.Policy()
-    landlock_only = isolate.Policy(namespaces=False, tmpfs=())
+    landlock_only = isolate.Policy(namespaces=False, tmpfs=(), write=())
     kinds = [
         _Kind("plain process", lambda: subprocess.Popen(SLEEP, **devnull), _kill),
         _Kind("isolate (default policy)", lambda: isolate.Popen(SLEEP, policy=default, **devnull), _kill),

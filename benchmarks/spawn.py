@@ -98,7 +98,7 @@ class _Worker:
         import isolate
 
         default = isolate.Policy()
-        landlock_only = isolate.Policy(namespaces=False, tmpfs=())
+        landlock_only = isolate.Policy(namespaces=False, tmpfs=(), write=())
         quiet: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL}
         peers: dict[str, list[str]] = self.config.get("peers", {})
         cli: list[str] = self.config["cli"]

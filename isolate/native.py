@@ -569,11 +569,23 @@ def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
 
 
 def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
-    """Resolve paths, choose mechanisms, build mounts, Landlock rules and seccomp: once per policy and directory."""
+    """Resolve paths, choose mechanisms, build mounts, Landlock rules and seccomp: once per policy and directory.
+
+    A refusal part-way closes what was opened so far (a caller retrying a
+    refused policy in a loop must not run out of descriptors).
+    """
+    opened: list[int] = []
+    try:
+        return _build_static(policy, run_cwd, for_preexec, opened)
+    except BaseException:
+        _close_all(opened)
+        raise
+
+
+def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: list[int]) -> _Static:
     refusals = _Refusals(policy.best_effort)
     enforced: dict[str, Any] = {}
     keep: list[Any] = []
-    static_fds: list[int] = []
 
     def cstr(text: str | bytes) -> Any:
         data = ffi.new("char[]", os.fsencode(text))

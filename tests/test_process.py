@@ -115,3 +115,16 @@ def test_a_caller_with_descriptors_past_fd_setsize(workdir: str) -> None:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
+
+
+@pytest.mark.skipif(not ROOT, reason="the refusal used (an unwritable cwd without namespaces) is a root caller's")
+def test_a_refused_policy_leaks_no_descriptor(workdir: str) -> None:
+    # The plan opens every granted path before it can find a refusal further
+    # on: a caller retrying in a loop (the throughput benchmark did) ran out of
+    # descriptors.
+    refused = policy(namespaces=False, write=[workdir], tmpfs=())
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with pytest.raises(isolate.IsolationError):
+            isolate.run(["true"], policy=refused, cwd=workdir)
+    assert len(os.listdir("/proc/self/fd")) <= before

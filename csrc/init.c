@@ -2,6 +2,7 @@
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
  *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID]]]
+ *   isolate-exec-server ...   (a kept sandbox's program: see execserver.c)
  *
  * The first child of a sandbox execs this once the program is running.  It
  *   - reaps every process that ends in the namespace (orphans come to it);
@@ -235,6 +236,9 @@ static void kill_everything(pid_t program, int pid_namespace)
 
 int main(int argc, char **argv)
 {
+    /* The same executable is a kept sandbox's program (execserver.c). */
+    if (argc > 0 && !strcmp(argv[0], "isolate-exec-server"))
+        return iso_exec_server_main(argc, argv);
     if (argc < 5)
         return 125;
     pid_t program = (pid_t)atoi(argv[1]);

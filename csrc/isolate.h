@@ -163,7 +163,9 @@ struct iso_plan {
     const int32_t *keep_fds;       /* sorted ascending */
     int32_t n_keep_fds;
 
-    /* The program: a name searched in search_path (PATH inside), or a path. */
+    /* The program: a name searched in search_path (PATH inside), or a path;
+     * or, when program_fd >= 0, that executable (execveat, argv as given). */
+    int32_t program_fd;
     const char *file;
     const char *search_path;
     char *const *argv;
@@ -221,6 +223,98 @@ struct iso_status {
 };
 
 #define ISO_STATUS_MAGIC 0x150a7e01
+
+/* --- the exec server (execserver.c) --------------------------------------
+ *
+ * A kept sandbox's program is the init executable run under the name
+ * "isolate-exec-server": confined exactly as any program of the sandbox, it
+ * starts commands and performs file operations for the host.  The host made
+ * the listening SOCK_SEQPACKET socket; every message is one packet that
+ * starts with struct iso_xs_request (host to sandbox) or struct iso_xs_reply
+ * (sandbox to host), followed by the op's strings or entries.  Descriptors
+ * travel as SCM_RIGHTS: the command's stdin, stdout, stderr with EXEC, the
+ * opened file with OPEN's reply. */
+enum iso_xs_op {
+    ISO_XS_EXEC = 1,      /* strings: cwd, argv (n_argv), environment */
+    ISO_XS_SIGNAL = 2,    /* on an EXEC's connection: mode is the signal */
+    ISO_XS_OPEN = 3,      /* strings: path; flags: open(2) flags; mode */
+    ISO_XS_STAT = 4,      /* strings: path */
+    ISO_XS_LSTAT = 5,
+    ISO_XS_MKDIR = 6,     /* strings: path; mode */
+    ISO_XS_UNLINK = 7,
+    ISO_XS_RMDIR = 8,
+    ISO_XS_RENAME = 9,    /* strings: from, to */
+    ISO_XS_READDIR = 10,  /* strings: path; replies ENTRIES..., then END */
+    ISO_XS_PING = 11      /* replies OK with the server's pid */
+};
+
+enum iso_xs_flag {
+    ISO_XS_F_PTY = 1,          /* EXEC: stdin is a terminal to make controlling */
+    ISO_XS_F_DESCENDANTS = 2   /* SIGNAL: every process the command started, not itself */
+};
+
+enum iso_xs_kind {
+    ISO_XS_OK = 1,
+    ISO_XS_ERROR = 2,          /* err is the errno; step says which for EXEC */
+    ISO_XS_STARTED = 3,        /* pid */
+    ISO_XS_EXITED = 4,         /* wait_status, reason, usage */
+    ISO_XS_ENTRIES = 5,        /* count entries follow */
+    ISO_XS_END = 6
+};
+
+enum iso_xs_reason {
+    ISO_XS_REASON_EXITED = 0,
+    ISO_XS_REASON_TIMEOUT = 1,
+    ISO_XS_REASON_KILLED = 2,      /* the host asked (SIGKILL), or hung up */
+    ISO_XS_REASON_SHUTDOWN = 3     /* the server ended meanwhile */
+};
+
+struct iso_xs_request {
+    uint32_t magic;
+    uint32_t op;
+    int32_t flags;
+    int32_t mode;
+    int64_t timeout_ms;
+    uint32_t n_strings;
+    uint32_t n_argv;
+};
+
+struct iso_xs_stat {
+    uint32_t mode;
+    uint32_t uid;
+    uint32_t gid;
+    uint32_t nlink;
+    int64_t size;
+    int64_t mtime_ns;
+    uint64_t ino;
+    uint64_t dev;
+};
+
+struct iso_xs_reply {
+    uint32_t magic;
+    uint32_t kind;
+    int32_t err;
+    int32_t step;
+    int32_t pid;
+    int32_t wait_status;
+    int32_t reason;
+    uint32_t count;
+    int64_t user_usec;
+    int64_t system_usec;
+    int64_t maxrss_kib;
+    struct iso_xs_stat st;
+};
+
+/* ENTRIES: count times this, then the name (name_len bytes and a NUL),
+ * padded to a multiple of 8. */
+struct iso_xs_dirent {
+    struct iso_xs_stat st;
+    uint32_t name_len;
+    uint32_t pad;
+};
+
+#define ISO_XS_MAGIC 0x15a7e5e1
+#define ISO_XS_MAX_MESSAGE 196608
 
 /* --- parent side -------------------------------------------------------- */
 

@@ -20,6 +20,9 @@
 #ifndef SYS_close_range
 #define SYS_close_range 436
 #endif
+#ifndef AT_EMPTY_PATH
+#define AT_EMPTY_PATH 0x1000
+#endif
 
 /* Handlers installed by the parent (Python's among them) are addresses in
  * its memory; the child must not run them.  Ignored signals (Python ignores
@@ -149,6 +152,10 @@ int iso_die_with_parent(void)
  * with errno: EACCES if some candidate was found but not executable. */
 int iso_exec_program(const struct iso_plan *plan)
 {
+    if (plan->program_fd >= 0) {
+        syscall(SYS_execveat, plan->program_fd, "", plan->argv, plan->envp, AT_EMPTY_PATH);
+        return ISO_STEP_EXEC;
+    }
     const char *file = plan->file;
     if (strchr(file, '/') != NULL || plan->search_path == NULL) {
         execve(file, plan->argv, plan->envp);

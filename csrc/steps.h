@@ -48,6 +48,9 @@ struct seccomp_notif;
 int iso_supervise_init(const char *spec, struct iso_status *status);
 int iso_supervise_notification(int listener, const struct seccomp_notif *req);
 
+/* execserver.c (linked into the init): a kept sandbox's program. */
+int iso_exec_server_main(int argc, char **argv);
+
 /* spawn.c: the shared tail of both paths (fast spawn and pre-exec hook). */
 void iso_report(int fd, int step, int err, int index);
 

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from . import policy as _policy
 from ._version import __version__
 from .errors import (
     CommandNotExecutableError,
@@ -18,20 +20,33 @@ from .errors import (
     SetupError,
     UnsupportedError,
 )
-from .policy import Egress, Limits, Policy
+from .policy import Egress, Limits, Mount, Policy
 from .report import Report
+from .workspace import Workspace
 
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
     from .popen import CompletedProcess, Popen, run
-    from .sandbox import Sandbox
+    from .sandbox import AsyncSandbox, Sandbox
+
+
+def _make_preexec_fn(policy: Policy) -> Callable[[], None]:
+    from .preexec import make_preexec_fn
+
+    return make_preexec_fn(policy)
+
+
+# The policy model runs nothing itself: policy.preexec_fn asks this package for the hook.
+_policy.PREEXEC_FACTORY = _make_preexec_fn
 
 __all__ = [
+    "AsyncSandbox",
     "CommandNotExecutableError",
     "CommandNotFoundError",
     "CompletedProcess",
     "Egress",
     "IsolationError",
     "Limits",
+    "Mount",
     "Policy",
     "PolicyError",
     "Popen",
@@ -39,6 +54,7 @@ __all__ = [
     "Sandbox",
     "SetupError",
     "UnsupportedError",
+    "Workspace",
     "__version__",
     "run",
 ]
@@ -50,8 +66,8 @@ def __getattr__(name: str) -> object:
         from . import popen
 
         return getattr(popen, name)
-    if name == "Sandbox":
-        from .sandbox import Sandbox
+    if name in ("Sandbox", "AsyncSandbox"):
+        from . import sandbox
 
-        return Sandbox
+        return getattr(sandbox, name)
     raise AttributeError(f"module 'isolate' has no attribute {name!r}")

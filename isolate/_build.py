@@ -25,7 +25,7 @@ CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-fno-str
 # The extension's C files; init.c is the init's main, linked on its own.
 CORE_SOURCES = ["spawn.c", "preexec.c", "process.c", "userns.c", "mounts.c", "net.c",
                 "rlimits.c", "caps.c", "landlock.c", "seccomp.c"]
-INIT_SOURCES = ["init.c", "landlock.c", "supervise.c"]
+INIT_SOURCES = ["init.c", "landlock.c", "supervise.c", "execserver.c", "process.c"]
 INIT_NAME = "isolate-init"
 
 

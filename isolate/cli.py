@@ -25,7 +25,7 @@ from .errors import (
     PolicyError,
     SetupError,
 )
-from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Policy
+from .policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, NETWORK_MODES, Egress, Limits, Mount, Policy
 from .report import Report, ReportTarget
 from .units import format_size
 
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="grant read + execute under PATH, e.g. --ro ~/.venv")
     fs.add_argument("--rw", action="append", default=[], metavar="PATH",
                     help="grant read + write + execute under PATH, e.g. --rw build/")
+    fs.add_argument("--bind", action="append", default=[], metavar="SRC:DST",
+                    help="show host path SRC at DST inside, writable, e.g. --bind ./out:/output")
+    fs.add_argument("--ro-bind", action="append", default=[], metavar="SRC:DST",
+                    help="show host path SRC at DST inside, read-only, e.g. --ro-bind ~/data:/data")
     fs.add_argument("--tmpfs", action="append", default=[], metavar="PATH",
                     help="a fresh private writable tmpfs at PATH inside, e.g. --tmpfs /var/tmp")
     fs.add_argument("--chdir", metavar="DIR",
@@ -204,6 +208,13 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
         "limits": Limits(**limits),
         "network": network,
     }
+    for text in options.ro_bind:
+        if text.endswith(":rw"):
+            raise CliError(f"--ro-bind {text}: a read-only bind cannot say :rw (use --bind)")
+    binds = [Mount.parse(text, "rw") for text in options.bind] + [Mount.parse(text, "ro") for text in options.ro_bind]
+    if binds:
+        changes["binds"] = tuple(base.binds) + tuple(
+            Mount(os.path.abspath(os.path.expanduser(b.source)), b.target, b.mode) for b in binds)
     if options.unix_socket:
         changes["unix_sockets"] = tuple(base.unix_sockets) + tuple(options.unix_socket)
     if options.chdir:
@@ -421,9 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return doctor_main(args[1:])
         if args and args[0] == "sandbox":
-            from .sandbox import cli_main
+            from .sandbox_cli import sandbox_main
 
-            return cli_main(args[1:])
+            return sandbox_main(args[1:])
         return _main(args)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

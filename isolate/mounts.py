@@ -113,11 +113,14 @@ def plan_root(
     source_fds: dict[str, int] | None = None,
     home: Home | None = None,
     shm_options: str = "mode=1777",
+    binds: list[tuple[str, str, bool, int]] | None = None,
 ) -> MountPlan:
     """Mount steps for granted paths (write entries carry an idmapped-tree marker or -1).
 
     ``source_fds`` maps a real path to an O_PATH descriptor of it, opened by
     the parent: binds and idmapped trees are made from those inodes.
+    ``binds`` are host paths shown elsewhere: (real source, target, read-only,
+    idmapped-tree marker or -1).
     """
     source_fds = source_fds or {}
     plan = MountPlan()
@@ -131,15 +134,18 @@ def plan_root(
         resolved.append((real, readonly, fd))
     # Parents before children, so that a nested grant (a workspace under a
     # private /tmp, a writable dir under a read-only one) lands on top.
-    entries: list[tuple[str, bool, int, bool]] = [(real, ro, fd, False) for real, ro, fd in resolved]
-    entries += [(path, False, -1, True) for path in tmpfs]
+    # (target, source, read-only, idmap marker, is a tmpfs)
+    entries: list[tuple[str, str, bool, int, bool]] = [(real, real, ro, fd, False) for real, ro, fd in resolved]
+    entries += [(target, source, ro, fd, False) for source, target, ro, fd in binds or ()]
+    entries += [(path, "", False, -1, True) for path in tmpfs]
     if home is not None and home.options:
-        entries.append((home.path, False, -1, True))
-    for path, readonly, fd, is_tmpfs in sorted(entries, key=lambda e: (e[0].rstrip("/").count("/"), e[3] is False)):
+        entries.append((home.path, "", False, -1, True))
+    for path, source, readonly, fd, is_tmpfs in sorted(
+            entries, key=lambda e: (e[0].rstrip("/").count("/"), e[4] is False)):
         if is_tmpfs:
             plan.tmpfs(path, home.options if home is not None and path == home.path else tmpfs_options)
         elif path != "/":
-            plan.bind(path, path, readonly=readonly, fd=fd, source_fd=source_fds.get(path, -1))
+            plan.bind(source, path, readonly=readonly, fd=fd, source_fd=source_fds.get(source, -1))
     if home is not None:
         # After every grant: a file shared into the home lands on the home's tmpfs.
         for real, target in home.files:

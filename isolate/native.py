@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 from . import grants, hostinfo, landlock, mounts
-from ._core import ffi, init_fd, lib, step_name
+from ._core import INIT_PATH, ffi, init_fd, lib, step_name
 from .errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
@@ -178,10 +178,11 @@ class Prepared:
         _close_all(self._close_after_spawn)
 
 
-def _close_all(fds: list[int]) -> None:
+def _close_all(fds: list[int], _os_close: Callable[[int], None] = os.close) -> None:
+    # (The default argument keeps os.close reachable at interpreter shutdown.)
     for fd in fds:
         try:
-            os.close(fd)
+            _os_close(fd)
         except OSError:
             pass
     fds.clear()
@@ -338,7 +339,7 @@ def _no_ns_home(uid: int, gid: int) -> str:
         base = NO_NS_HOME_ROOT
         leaf = os.path.join(base, str(uid))
     else:
-        from .sandbox import state_dir
+        from .registry import state_dir
 
         base = state_dir()
         leaf = os.path.join(base, "home")
@@ -652,6 +653,10 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         open_source(path, "read")
     for path in write:
         open_source(path, "write")
+    # Host paths shown at other paths: (real source, target, read-only).
+    binds = [(open_source(os.path.join(run_cwd, m.source), "binds"), m.target, m.mode == "ro")
+             for m in policy.binds]
+    rw_sources = [source for source, _, readonly in binds if not readonly]
     use_ns = policy.namespaces
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
     if tmpfs and not use_ns:
@@ -663,6 +668,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     for i in range(8):
         plan.cgroup_procs_fds[i] = -1
     plan.idmap_userns_fd = -1
+    plan.program_fd = -1
     caller_uid, caller_gid = os.geteuid(), os.getegid()
     root_caller = caller_uid == 0
     program_uid = policy.uid if policy.uid is not None else (NOBODY if root_caller else caller_uid)
@@ -687,9 +693,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             tmpfs = []
     # -- a root caller's writable paths: idmapped, or another route -----------
     write_route = "idmapped"
-    if root_caller and write:
+    if root_caller and (write or rw_sources):
         write_route, program_uid, program_gid = _write_route(
-            write, policy, program_uid, program_gid,
+            write + rw_sources, policy, program_uid, program_gid,
             None if use_ns else "without namespaces there is no idmapped mount: plain permissions decide")
     if use_ns:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
@@ -779,6 +785,13 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
                     plan.idmap_userns_fd = userns_fd
                 fd = mounts.IDMAP
             write_trees.append((path, fd))
+        bind_trees = [(source, target, readonly,
+                       mounts.IDMAP if not readonly and root_caller and write_route == "idmapped" else -1)
+                      for source, target, readonly in binds]
+        if any(fd == mounts.IDMAP for *_, fd in bind_trees):
+            userns_fd = _idmap_userns(program_uid, program_gid)
+            if for_preexec:
+                plan.idmap_userns_fd = userns_fd
         tmpfs_size, shm_size = policy.limits.tmpfs_sizes()
         tmpfs_options = "mode=1777," + mounts.tmpfs_bounds(tmpfs_size)
         enforced["tmpfs_size"] = {"tmpfs": tmpfs_size, "/dev/shm": shm_size}
@@ -788,7 +801,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             home_mount = mounts.Home(home, home_options if home not in tmpfs else "", home_files)
         mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options,
                                       source_fds if os.path.isdir("/proc/self/fd") else None, home_mount,
-                                      shm_options="mode=1777," + mounts.tmpfs_bounds(shm_size))
+                                      shm_options="mode=1777," + mounts.tmpfs_bounds(shm_size),
+                                      binds=bind_trees)
         steps = mount_plan.steps
         cmounts = ffi.new("struct iso_mount[]", max(len(steps), 1))
         keep.append(cmounts)
@@ -806,8 +820,10 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         plan.n_mounts = len(steps)
         enforced["filesystem"] = ["mount-namespace"] + (["landlock"] if abi else [])
         enforced["root"] = "built (pivot_root)"
-        if root_caller and write:
+        if root_caller and (write or rw_sources):
             enforced["write_ownership"] = write_route
+        if binds:
+            enforced["binds"] = [f"{source}:{target}:{'ro' if ro else 'rw'}" for source, target, ro in binds]
     else:
         enforced["filesystem"] = ["landlock"] if abi else []
         idmap_steps = []
@@ -840,6 +856,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             grant(real, landlock.read_rights(abi) | (resolve_unix if real in sockets else 0))
         for path in write:
             grant(grants.host_symlinks(path, "write")[1], landlock.write_rights(abi) | resolve_unix)
+        # A rule is on the inode: it holds wherever a bind shows it.
+        for source, _, readonly in binds:
+            grant(source, landlock.read_rights(abi) if readonly else landlock.write_rights(abi) | resolve_unix)
         if use_ns:
             for path in tmpfs:
                 rules.append((path, landlock.write_rights(abi) | resolve_unix))
@@ -851,6 +870,11 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             # The root is the sandbox's own read-only tmpfs: listing it shows
             # only what was granted.
             rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
+            # A kept sandbox's program is the init executable (execserver.c),
+            # exec'd through the parent's descriptor. No path inside leads to
+            # it and the descriptor is closed at exec: only that exec uses this.
+            rule_fds[len(rules)] = init_fd()
+            rules.append((INIT_PATH, landlock.LANDLOCK_ACCESS_FS_EXECUTE | landlock.LANDLOCK_ACCESS_FS_READ_FILE))
         else:
             if home is not None:
                 grant(home, landlock.write_rights(abi))
@@ -896,7 +920,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     deny_sockets = not use_ns and network == "none"
     # What a root caller's program creates in an idmapped writable path is
     # root's on disk: no set-user/group-ID bit may be set there.
-    deny_setid = use_ns and root_caller and bool(write)
+    deny_setid = use_ns and root_caller and bool(write or rw_sources)
     seccomp_unix = {"supervisor": "supervise", "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
                    notify=use_ns and not for_preexec, unix_sockets=seccomp_unix, deny_host_reach=not use_ns)
@@ -936,7 +960,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         plan.cwd = ffi.NULL  # the hook keeps the directory subprocess chose
 
     stamps = []
-    for path in read + write:
+    for path in read + write + [source for source, _, _ in binds]:
         info = os.stat(path)
         stamps.append((path, (info.st_dev, info.st_ino)))
     return _Static(
@@ -944,7 +968,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,
         program_uid=program_uid, program_gid=program_gid, run_cwd=run_cwd, home=home, observed=observed,
         tmpdir=_no_ns_tmpdir(home, program_uid, program_gid) if home and not use_ns else None,
-        granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write])), stamps=stamps,
+        granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write]
+                                    + [target for _, target, _ in binds])), stamps=stamps,
         fds=static_fds,
     )
 
@@ -959,8 +984,13 @@ def prepare(
     stdio: tuple[int, int, int] = (-1, -1, -1),
     pass_fds: Sequence[int] = (),
     for_preexec: bool = False,
+    program_fd: int = -1,
 ) -> Prepared:
-    """The plan for one run of ``args``: the cached static part plus what is this run's own."""
+    """The plan for one run of ``args``: the cached static part plus what is this run's own.
+
+    ``program_fd``: exec that executable (an O_PATH descriptor) with ``args``
+    as its argv, instead of looking ``args[0]`` up (a kept sandbox's server).
+    """
     run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
     static = _static_for(policy, run_cwd, for_preexec)
     keep: list[Any] = [static]
@@ -1024,7 +1054,7 @@ def prepare(
     if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
         # The caller's PATH, reduced to the directories that exist inside.
         program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)
-    if not for_preexec and args:
+    if not for_preexec and args and program_fd < 0:
         check_command(os.fsdecode(executable) if executable else os.fsdecode(args[0]), program_env["PATH"],
                       static.granted, run_cwd)
     envp = ffi.new("char *[]", len(program_env) + 1)
@@ -1043,6 +1073,7 @@ def prepare(
     plan.argv = argv
     plan.envp = envp
     plan.file = cstr(os.fsdecode(executable) if executable else args[0])
+    plan.program_fd = program_fd
     plan.search_path = cstr(program_env.get("PATH", DEFAULT_PATH))
     for i in range(3):
         plan.stdio[i] = stdio[i]

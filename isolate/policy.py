@@ -145,6 +145,74 @@ def _str_tuple(value: object, name: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: Makes policy.preexec_fn's hook; set by the isolate package (the model itself runs nothing).
+PREEXEC_FACTORY: Callable[[Policy], Callable[[], None]] | None = None
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host path shown at another path inside the sandbox (bubblewrap's ``--bind SRC DST``).
+
+    ``source`` is a host path (relative ones are resolved against each run's
+    working directory, like ``read``/``write``); ``target`` is an absolute path
+    inside; ``mode`` is "ro" or "rw". The TOML and CLI spelling is
+    ``"SRC:DST"`` or ``"SRC:DST:ro"``.
+    """
+
+    source: str
+    target: str
+    mode: str = "ro"
+
+    def __post_init__(self) -> None:
+        source = os.fsdecode(os.fspath(self.source)) if isinstance(self.source, (bytes, os.PathLike)) else self.source
+        if not isinstance(source, str) or not source or "\0" in source:
+            raise PolicyError(f"binds: {self.source!r} is not a usable host path", "binds")
+        target = self.target
+        if not isinstance(target, str) or not os.path.isabs(target) or "\0" in target:
+            raise PolicyError(f"binds: {target!r} must be an absolute path inside the sandbox", "binds")
+        target = os.path.normpath(target)
+        if target == "/" or any(target == p or target.startswith(p + "/") for p in ("/proc", "/dev")):
+            raise PolicyError(f"binds: {target} cannot be a mount point (the sandbox builds it itself)", "binds")
+        if self.mode not in ("ro", "rw"):
+            raise PolicyError(f"binds: mode {self.mode!r} is not ro or rw", "binds")
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "target", target)
+
+    @classmethod
+    def parse(cls, text: str, mode: str | None = None) -> Mount:
+        """``SRC:DST`` or ``SRC:DST:ro|rw`` (``mode`` given by the caller wins over a missing suffix)."""
+        parts = text.split(":")
+        if len(parts) == 3 and parts[2] in ("ro", "rw"):
+            return cls(parts[0], parts[1], parts[2])
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise PolicyError(f"binds: {text!r} is not SRC:DST (or SRC:DST:ro, SRC:DST:rw)", "binds")
+        return cls(parts[0], parts[1], mode or "ro")
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.target}:{self.mode}"
+
+
+def _mount_tuple(value: object) -> tuple[Mount, ...]:
+    if isinstance(value, (str, Mount)):
+        value = [value]
+    if not isinstance(value, Iterable):
+        raise PolicyError("binds: expected a list of isolate.Mount or \"SRC:DST[:ro|rw]\"", "binds")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            item = Mount.parse(item)
+        elif isinstance(item, Mapping):
+            item = _from_mapping(Mount, item, "binds.")
+        if not isinstance(item, Mount):
+            raise PolicyError(f"binds: {item!r} is not an isolate.Mount", "binds")
+        out.append(item)
+    targets = [m.target for m in out]
+    for target in targets:
+        if targets.count(target) > 1:
+            raise PolicyError(f"binds: {target} is the target of two mounts", "binds")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Policy:
     """What a sandboxed program may do.
@@ -176,9 +244,18 @@ class Policy:
     #: Unix sockets the program may connect to although they lie outside its
     #: write grants (a host daemon's socket: docker.sock, a D-Bus bus ...).
     unix_sockets: tuple[str, ...] = ()
+    #: Host paths shown at other paths inside (isolate.Mount): --bind SRC:DST.
+    binds: tuple[Mount, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "binds", _mount_tuple(self.binds))
+        for bind in self.binds:
+            if not os.path.exists(bind.source):
+                raise PolicyError(f"binds: {bind.source!r} does not exist; create it or drop the mount", "binds")
+        if self.binds and not self.namespaces:
+            raise PolicyError("binds: showing a path at another place needs a mount namespace (namespaces=True)",
+                              "binds")
         for name in ("read", "write", "tmpfs", "keep_env", "unix_sockets", "home_files"):
             set_(self, name, _str_tuple(getattr(self, name), name))
         for name in ("tmpfs",):
@@ -305,6 +382,8 @@ class Policy:
                 value = {"egress": list(value.hosts)}
             elif f.name == "env":
                 value = dict(value)
+            elif f.name == "binds":
+                value = [str(m) for m in value]
             elif isinstance(value, tuple):
                 value = list(value)
             elif f.name == "home" and value is None:
@@ -383,9 +462,9 @@ class Policy:
         parent. The policy is prepared (paths resolved, filters compiled) when
         this property is read, in the parent.
         """
-        from .preexec import make_preexec_fn
-
-        return make_preexec_fn(self)
+        if PREEXEC_FACTORY is None:  # pragma: no cover - the package sets it on import
+            raise RuntimeError("isolate.policy was loaded without the isolate package")
+        return PREEXEC_FACTORY(self)
 
 
 class _FrozenEnv(dict):  # type: ignore[type-arg]

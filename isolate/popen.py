@@ -45,6 +45,9 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     to it are forwarded to the program, and SIGKILL ends the whole sandbox.
     """
 
+    #: An executable (O_PATH descriptor) to run instead of looking args[0] up; -1: none.
+    _program_fd = -1
+
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
         self.policy = policy if policy is not None else Policy()
         if not isinstance(self.policy, Policy):
@@ -86,6 +89,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             env=env,
             stdio=(p2cread, c2pwrite, errwrite),
             pass_fds=pass_fds,
+            program_fd=self._program_fd,
         )
         self._prepared = prepared
         cgroup = prepared.cgroup

@@ -94,34 +94,41 @@ class ReportTarget:
     a directory there fails the write. ``close()`` releases the directory.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, label: str = "--report") -> None:
         self.path = path
+        self.label = label
         parent, self.name = os.path.split(os.path.abspath(path))
         if not self.name:
-            raise IsolationError(f"--report {path}: names a directory; choose a file path")
+            raise IsolationError(f"{label} {path}: names a directory; choose a file path")
         try:
             self._dir_fd: int | None = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise IsolationError(f"--report {path}: its directory {parent} cannot be opened: {exc.strerror}") from None
+            raise IsolationError(f"{label} {path}: its directory {parent} cannot be opened: {exc.strerror}") from None
         try:
             info = os.stat(self.name, dir_fd=self._dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return
         except OSError as exc:
             self.close()
-            raise IsolationError(f"--report {path}: cannot check it: {exc.strerror}") from None
+            raise IsolationError(f"{label} {path}: cannot check it: {exc.strerror}") from None
         problem = ("is a symbolic link; refusing to write through it" if stat.S_ISLNK(info.st_mode) else
                    None if stat.S_ISREG(info.st_mode) else "is not a regular file; choose a file path")
         if problem:
             self.close()
-            raise IsolationError(f"--report {path}: {problem}")
+            raise IsolationError(f"{label} {path}: {problem}")
 
     def write(self, report: Report) -> None:
         """Write the report (once); raises ``IsolationError`` naming the path."""
         if self._dir_fd is None:
-            raise IsolationError(f"--report {self.path}: already written")
+            raise IsolationError(f"{self.label} {self.path}: already written")
+        self.write_bytes((report.to_json() + "\n").encode())
+
+    def write_bytes(self, data: bytes) -> None:
+        """Write data as the file's content (once); raises ``IsolationError`` naming the path."""
+        if self._dir_fd is None:
+            raise IsolationError(f"{self.label} {self.path}: already written")
         try:
-            self._write(self._dir_fd, (report.to_json() + "\n").encode())
+            self._write(self._dir_fd, data)
         finally:
             self.close()
 
@@ -135,9 +142,9 @@ class ReportTarget:
             except FileExistsError:
                 continue
             except OSError as exc:
-                raise IsolationError(f"--report {self.path}: cannot write it: {exc.strerror}") from None
+                raise IsolationError(f"{self.label} {self.path}: cannot write it: {exc.strerror}") from None
         else:
-            raise IsolationError(f"--report {self.path}: cannot create a temporary file beside it")
+            raise IsolationError(f"{self.label} {self.path}: cannot create a temporary file beside it")
         try:
             try:
                 view = memoryview(data)
@@ -151,7 +158,7 @@ class ReportTarget:
                 os.unlink(temporary, dir_fd=dir_fd)
             except OSError:
                 pass
-            raise IsolationError(f"--report {self.path}: cannot write it: {exc.strerror}") from None
+            raise IsolationError(f"{self.label} {self.path}: cannot write it: {exc.strerror}") from None
 
     @property
     def pending(self) -> bool:

@@ -1,490 +1,614 @@
-"""Kept sandboxes: a container that lives across commands, and the registry of them.
+"""``isolate.Sandbox``: a sandbox an agent keeps — a workspace, many commands, files, shells.
 
-``Sandbox(policy, backend="docker", name="build")`` keeps a container named
-``isolate-build``; each ``sandbox.run(args)`` executes in it (far cheaper than
-a fresh container). The container is reused while its configuration hash
-matches and recreated when the policy (or the image, or the working directory
-it was resolved against) changed. Without a name the sandbox is private to the
-object and removed on ``close()``.
+    with isolate.Sandbox(policy, workspace=isolate.Workspace("./repo")) as sb:
+        sb.exec(["pytest", "-q"], timeout=60)
+        sb.write_file("notes.txt", "done\\n")
+        sb.commit()
 
-Kept sandboxes are recorded in a small SQLite registry under the user's state
-directory (``$ISOLATE_STATE_DIR``, else ``$XDG_STATE_HOME/isolate``, else
-``~/.local/state/isolate``): name, hashes, image, created, last used. ``prune``
-removes the idle and the old; ``cli_main`` serves ``isolate-run sandbox``.
+Native by default: one set of namespaces whose exec server (csrc/execserver.c)
+starts each command and performs each file operation from inside, as the
+program. ``backend="docker"`` keeps a container instead (commands only, for
+now: see ``DockerSandbox``). ``AsyncSandbox`` has the same methods as
+coroutines.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
+import asyncio
+import functools
+import math
 import os
 import re
 import secrets
-import sqlite3
-import sys
+import shlex
+import signal
+import subprocess
+import termios
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+from .backends.native import files as native_files
+from .backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, run_collecting
+from .backends.native.files import DirEntry, GrepMatch
+from .backends.native.kept import NativeSandbox, environment_for
+from .backends.native.protocol import Stat
 from .errors import IsolationError, PolicyError, UnsupportedError
-from .policy import Policy
+from .policy import Mount, Policy
+from .registry import Registry, SandboxRecord, _check_name
+from .workspace import Changes, Workspace, apply, check_target, diff, entries_of
 
-#: ``prune`` without options removes sandboxes unused for a day or created more than a week ago.
-DEFAULT_IDLE_SECONDS = 24 * 3600.0
-DEFAULT_AGE_SECONDS = 7 * 24 * 3600.0
-#: ``last_used`` is written at most this often per sandbox object (a write per command would cost a sync).
-TOUCH_INTERVAL = 1.0
+__all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
+           "Stat", "Workspace"]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+#: A named native sandbox ends after this long without a connection or a running command, unless told.
+DEFAULT_NAMED_IDLE = 3600.0
 
-
-def state_dir() -> str:
-    """``$ISOLATE_STATE_DIR``, else ``$XDG_STATE_HOME/isolate``, else ``~/.local/state/isolate``."""
-    explicit = os.environ.get("ISOLATE_STATE_DIR")
-    if explicit:
-        return os.path.abspath(explicit)
-    xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg and os.path.isabs(xdg):
-        return os.path.join(xdg, "isolate")
-    return os.path.join(os.path.expanduser("~"), ".local", "state", "isolate")
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class SandboxRecord:
-    """One kept sandbox as the registry knows it."""
-
-    engine: str
-    name: str
-    container_id: str
-    config_hash: str
-    spec_hash: str
-    image: str
-    created: float
-    last_used: float
-
-
-class Registry:
-    """The SQLite file of kept sandboxes, keyed by (engine address, name)."""
-
-    def __init__(self, path: str | None = None) -> None:
-        self.path = path or os.path.join(state_dir(), "sandboxes.sqlite3")
-
-    @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
-        directory = os.path.dirname(self.path)
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=10.0)
-        except (OSError, sqlite3.Error) as exc:
-            raise IsolationError(
-                f"sandbox registry {self.path}: cannot open it ({exc}); set ISOLATE_STATE_DIR to a writable directory"
-            ) from None
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS sandboxes ("
-                " engine TEXT NOT NULL, name TEXT NOT NULL, container_id TEXT NOT NULL,"
-                " config_hash TEXT NOT NULL, spec_hash TEXT NOT NULL, image TEXT NOT NULL,"
-                " created REAL NOT NULL, last_used REAL NOT NULL, PRIMARY KEY (engine, name))"
-            )
-            with conn:
-                yield conn
-        except sqlite3.Error as exc:
-            raise IsolationError(
-                f"sandbox registry {self.path}: {exc}; remove the file to start afresh (kept containers stay)"
-            ) from None
-        finally:
-            conn.close()
-
-    def record(self, rec: SandboxRecord) -> None:
-        with self._db() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    rec.engine, rec.name, rec.container_id, rec.config_hash, rec.spec_hash, rec.image,
-                    rec.created, rec.last_used,
-                ),
-            )  # fmt: skip
-
-    def touch(self, engine: str, name: str, when: float) -> None:
-        with self._db() as db:
-            db.execute("UPDATE sandboxes SET last_used = ? WHERE engine = ? AND name = ?", (when, engine, name))
-
-    def get(self, engine: str, name: str) -> SandboxRecord | None:
-        with self._db() as db:
-            row = db.execute("SELECT * FROM sandboxes WHERE engine = ? AND name = ?", (engine, name)).fetchone()
-        return SandboxRecord(*row) if row else None
-
-    def all(self, engine: str | None = None) -> list[SandboxRecord]:
-        with self._db() as db:
-            if engine is None:
-                rows = db.execute("SELECT * FROM sandboxes ORDER BY engine, name").fetchall()
-            else:
-                rows = db.execute("SELECT * FROM sandboxes WHERE engine = ? ORDER BY name", (engine,)).fetchall()
-        return [SandboxRecord(*row) for row in rows]
-
-    def forget(self, engine: str, name: str) -> bool:
-        with self._db() as db:
-            cursor = db.execute("DELETE FROM sandboxes WHERE engine = ? AND name = ?", (engine, name))
-        return cursor.rowcount > 0
-
-
-def _check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise PolicyError(
-            f"sandbox name {name!r}: use 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit",
-            "name",
-        )
-    return name
+def _seconds(value: float | None, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise PolicyError(f"{name}: expected a positive number of seconds, got {value!r}", name)
+    return None if math.isinf(value) else float(value)
 
 
 class Sandbox:
-    """A kept container that runs many commands under one policy.
+    """A kept sandbox (see the module's docstring).
 
-    ``backend`` must be "docker" (or "auto", which means docker here): the
-    native backend has no process to keep. ``cwd`` is the host directory that
-    relative paths of the policy are resolved against (default: the current
-    one); it is the working directory of commands unless ``policy.cwd`` or
-    ``run(cwd=...)`` says otherwise. ``image`` overrides ``policy.image``.
+    ``policy``: what every command may do (``write`` defaults to nothing
+    beyond the workspace, ``/tmp`` and the home). ``workspace``: where commands
+    start (an empty ``/workspace`` by default). ``mounts``: more host paths at
+    paths inside. ``name``: keep it past this process (``Sandbox.attach``).
+    ``ttl``: end it after that many seconds whatever happens; ``idle_timeout``:
+    after that long with no command and no connection (a named native sandbox
+    defaults to an hour; ``math.inf`` keeps it until removed).
     """
 
-    def __init__(
-        self,
-        policy: Policy | None = None,
-        *,
-        backend: str = "docker",
-        name: str | None = None,
-        cwd: str | os.PathLike[str] | None = None,
-        image: str | None = None,
-        registry: Registry | None = None,
-    ) -> None:
-        self.policy = policy if policy is not None else Policy()
-        if backend not in ("docker", "auto") or self.policy.backend == "native":
-            raise UnsupportedError(
-                f"Sandbox: kept sandboxes need the docker backend (got backend={backend!r}, "
-                f"policy.backend={self.policy.backend!r}); use isolate.run for native one-shot runs"
-            )
-        self.ephemeral = name is None
-        self.name = _check_name(name) if name is not None else f"tmp-{secrets.token_hex(6)}"
-        self.cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-        self.image = image
-        self.registry = registry or Registry()
-        #: What the last ``start`` did: "created", "reused", "restarted" or "recreated".
-        self.last_action: str | None = None
-        self._container_id: str | None = None
-        self._spec: Any = None
-        self._touched = 0.0
-        self._armed_id: str | None = None
+    def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
+                 mounts: Sequence[Mount] = (), name: str | None = None, backend: str | None = None,
+                 ttl: float | None = None, idle_timeout: float | None = None) -> None:
+        policy = policy if policy is not None else Policy()
+        if not isinstance(policy, Policy):
+            raise TypeError("policy must be an isolate.Policy")
+        if isinstance(workspace, (str, os.PathLike)):
+            workspace = Workspace(os.fspath(workspace))
+        self.workspace = workspace if workspace is not None else Workspace()
+        self.mounts = tuple(Mount.parse(m, "ro") if isinstance(m, str) else m for m in mounts)
+        self.name = _check_name(name) if name is not None else None
+        self.backend = backend or (policy.backend if policy.backend != "auto" else "native")
+        if self.backend not in ("native", "docker"):
+            raise PolicyError(f"backend: {self.backend!r} is not native or docker", "backend")
+        self.policy = policy
+        ttl = _seconds(ttl, "ttl")
+        idle = _seconds(idle_timeout, "idle_timeout")
+        if idle_timeout is None and name is not None:
+            idle = DEFAULT_NAMED_IDLE
+        self._impl: NativeSandbox | None = None
+        self._docker: Any = None
+        if self.backend == "native":
+            self._impl = NativeSandbox(policy, self.workspace, self.mounts, self.name, ttl, idle)
+        else:
+            from .backends.docker_sandbox import DockerSandbox
+
+            if self.workspace.source is not None or self.mounts:
+                raise UnsupportedError("the Docker backend of Sandbox takes no workspace or mounts yet; use the "
+                                       "native backend, or policy write= paths")
+            self._docker = DockerSandbox(policy, backend="docker", name=name)
+        self._shells: dict[str, Shell] = {}
+        self._started = False
 
     def __repr__(self) -> str:
-        return f"Sandbox(name={self.name!r}, container={(self._container_id or '')[:12]!r})"
+        return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
+
+    # -- lifecycle ---------------------------------------------------------------
 
     def __enter__(self) -> Sandbox:
         self.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        if self.name is None:
+            self.close()
+        else:
+            self.detach()
 
-    @property
-    def container_id(self) -> str | None:
-        return self._container_id
+    def start(self) -> Sandbox:
+        if self._started:
+            return self
+        if self._impl is not None:
+            self._impl.start()
+            if self.name is not None:
+                now = time.time()
+                Registry().record(SandboxRecord("native", self.name, self._impl.paths.key, self.policy.config_hash(),
+                                                "", "", now, now))
+        else:
+            self._docker.start()
+        self._started = True
+        return self
 
-    @property
-    def container_name(self) -> str:
-        from .backends import docker as backend
+    @classmethod
+    def attach(cls, name: str) -> Sandbox:
+        """The running named native sandbox, made earlier (maybe by another process of this user)."""
+        impl = NativeSandbox.attach(_check_name(name))
+        box = cls.__new__(cls)
+        box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, "native"
+        box.policy, box._impl, box._docker, box._shells, box._started = impl.policy, impl, None, {}, True
+        return box
 
-        return backend.kept_container_name(self.name)
-
-    def start(self) -> str:
-        """Make sure the container runs (create, reuse, restart or recreate it); its id."""
-        from .backends import docker as backend
-
-        spec = backend.prepare(self.policy, cwd=self.cwd, image=self.image)
-        container_id, action = backend.ensure_kept(self.name, spec)
-        now = time.time()
-        engine = backend.engine_address()
-        previous = self.registry.get(engine, self.name)
-        created = now if previous is None or action in ("created", "recreated") else previous.created
-        self.registry.record(
-            SandboxRecord(engine, self.name, container_id, spec.config_hash, spec.spec_hash(), spec.image, created, now)
-        )
-        if self.ephemeral and spec.die_with_parent and self._armed_id != container_id:
-            if self._armed_id is not None:
-                backend.watchdog.disarm(self._armed_id, "rm")
-            backend.watchdog.arm(container_id, "rm")  # an unnamed sandbox dies with this process
-            self._armed_id = container_id
-        self._touched = now
-        self._spec = spec
-        self._container_id = container_id
-        self.last_action = action
-        return container_id
-
-    def run(
-        self,
-        args: Any,
-        *,
-        input: bytes | str | None = None,
-        stdin: Any = None,
-        stdout: Any = None,
-        stderr: Any = None,
-        capture_output: bool = False,
-        timeout: float | None = None,
-        check: bool = False,
-        cwd: str | os.PathLike[str] | None = None,
-        text: bool | None = None,
-        encoding: str | None = None,
-        errors: str | None = None,
-    ) -> Any:
-        """Run ``args`` in the kept container, like ``subprocess.run``; the result has ``.report``.
-
-        ``cwd`` is a directory inside the container. A deadline or the CPU
-        limit kills the whole container; the next ``run`` starts it again.
-        """
-        from .backends import docker as backend
-
-        if self._container_id is None:
-            self.start()
-        import docker.errors  # importable now: start() reached the engine through it
-
-        environ = {key: os.environ[key] for key in self.policy.keep_env if key in os.environ}
-        if self.policy.home is not None:
-            environ["HOME"] = self.policy.home  # the container's private home, as for a single run
-        environ.update(self.policy.env)
-        kwargs: dict[str, Any] = dict(
-            input=input, stdin=stdin, stdout=stdout, stderr=stderr, capture_output=capture_output,
-            timeout=timeout, check=check, cwd=cwd, text=text, encoding=encoding, errors=errors, environ=environ,
-        )  # fmt: skip
-        for attempt in (1, 2):
-            assert self._container_id is not None
-            try:
-                result = backend.exec_run(self._container_id, self._spec, args, **kwargs)
-            except IsolationError as exc:
-                cause = exc.__context__
-                gone = isinstance(cause, docker.errors.NotFound) or "is not running" in str(exc)
-                if attempt == 2 or not gone:
-                    reason = backend.kept_failure(self._container_id) if gone else None
-                    if reason:
-                        raise UnsupportedError(f"sandbox {self.name!r}: {reason}") from None
-                    raise
-                self.start()  # stopped (a deadline killed it) or removed (pruned): bring it back once
-                continue
-            break
-        now = time.time()
-        if now - self._touched >= TOUCH_INTERVAL:
-            self._touched = now
-            with contextlib.suppress(IsolationError):
-                self.registry.touch(backend.engine_address(), self.name, now)
-        return result
-
-    def remove(self) -> None:
-        """Remove the container and its registry entry."""
-        from .backends import docker as backend
-
-        backend.remove_container(self.container_name)
-        if self._armed_id is not None:
-            backend.watchdog.disarm(self._armed_id, "rm")
-            self._armed_id = None
-        self.registry.forget(backend.engine_address(), self.name)
-        self._container_id = None
+    def detach(self) -> None:
+        """Let go of a named sandbox without ending it (it stays for attach, rm or prune)."""
+        for shell in list(self._shells.values()):
+            shell.close()
+        if self._impl is not None and self._impl._files is not None:
+            self._impl._files.close()
+            self._impl._files = None
+        self._started = False
 
     def close(self) -> None:
-        """End the use of this object: an unnamed sandbox is removed, a named one is kept."""
-        if self.ephemeral and self._container_id is not None:
-            self.remove()
+        """End the sandbox and everything in it (and forget a named one)."""
+        for shell in list(self._shells.values()):
+            shell.close()
+        if self._impl is not None:
+            self._impl.close()
+            if self.name is not None:
+                Registry().forget("native", self.name)
+        elif self._docker is not None:
+            self._docker.remove() if self.name is not None else self._docker.close()
+        self._started = False
 
+    def pause(self) -> str:
+        """Stop every process of the sandbox; returns the mechanism ("cgroup-freezer" or "sigstop")."""
+        return self._native("pause").pause()
 
-# --------------------------------------------------------------------------
-# Listing and pruning
+    def resume(self) -> str:
+        return self._native("resume").resume()
 
+    def processes(self) -> list[Any]:
+        """psutil.Process objects of the sandbox's processes (its init first)."""
+        return self._native("processes").processes()
 
-@dataclass(frozen=True)
-class SandboxStatus:
-    """A kept sandbox with the engine's view of its container."""
+    @property
+    def enforced(self) -> dict[str, Any]:
+        return dict(self._native("enforced").report_enforced)
 
-    record: SandboxRecord
-    state: str  # the engine's State.Status, or "missing"
-    registered: bool = True  # False: a kept container of this engine that this registry does not know
+    def _native(self, what: str) -> NativeSandbox:
+        if self._impl is None:
+            raise UnsupportedError(f"{what}: not available on the Docker backend of Sandbox yet")
+        if not self._started:
+            raise IsolationError(f"{what}: the sandbox is not running; start() it first")
+        return self._impl
 
+    # -- commands ------------------------------------------------------------------
 
-def list_sandboxes(registry: Registry | None = None) -> list[SandboxStatus]:
-    """The kept sandboxes of the current engine, with their containers' states.
+    def _argv(self, cmd: str | Sequence[str], shell: bool) -> list[str]:
+        if isinstance(cmd, str):
+            return ["/bin/sh", "-c", cmd]  # a command line, as the agent frameworks pass them
+        argv = [os.fsdecode(a) for a in cmd]
+        if not argv:
+            raise PolicyError("command: nothing to run; give a command", "command")
+        return ["/bin/sh", "-c", shlex.join(argv)] if shell else argv
 
-    Kept containers that this registry does not know (another user's, or a
-    registry file that was removed) are listed too, rebuilt from their labels,
-    with ``registered`` False; ``prune`` leaves them alone.
-    """
-    from .backends import docker as backend
-
-    registry = registry or Registry()
-    engine = backend.engine_address()
-    records = {rec.name: rec for rec in registry.all(engine)}
-    states: dict[str, str] = {}
-    orphans: set[str] = set()
-    for container in backend.list_containers("kept"):
-        labels = container.get("Labels") or {}
-        name = labels.get(backend.LABEL_NAME)
-        if not name:
-            continue
-        states[name] = str(container.get("State") or "unknown")
-        if name not in records:
-            created = float(container.get("Created") or 0)
-            orphans.add(name)
-            records[name] = SandboxRecord(
-                engine, name, str(container.get("Id")), labels.get(backend.LABEL_CONFIG_HASH, ""),
-                labels.get(backend.LABEL_SPEC_HASH, ""), str(container.get("Image") or ""), created, created,
-            )  # fmt: skip
-    return [SandboxStatus(records[n], states.get(n, "missing"), n not in orphans) for n in sorted(records)]
-
-
-def remove_sandbox(name: str, registry: Registry | None = None) -> bool:
-    """Remove the kept sandbox ``name`` (container and record); False when neither existed."""
-    from .backends import docker as backend
-
-    _check_name(name)
-    registry = registry or Registry()
-    removed = backend.remove_container(backend.kept_container_name(name))
-    forgotten = registry.forget(backend.engine_address(), name)
-    return removed or forgotten
-
-
-def prune(
-    idle: float | None = DEFAULT_IDLE_SECONDS,
-    age: float | None = DEFAULT_AGE_SECONDS,
-    *,
-    registry: Registry | None = None,
-    now: float | None = None,
-) -> list[tuple[str, str]]:
-    """Remove the registered kept sandboxes unused for ``idle`` seconds or created ``age`` seconds ago.
-
-    Also forgets records whose container is gone, and removes one-shot
-    containers that ended more than a minute ago (left by a process that died
-    before it could remove them). Returns (name, why) for each.
-    """
-    from .backends import docker as backend
-
-    registry = registry or Registry()
-    now = time.time() if now is None else now
-    done: list[tuple[str, str]] = []
-    for entry in list_sandboxes(registry):
-        rec = entry.record
-        if not entry.registered:
-            continue
-        if entry.state == "missing":
-            registry.forget(rec.engine, rec.name)
-            done.append((rec.name, "container gone"))
-            continue
-        why = ""
-        if idle is not None and now - rec.last_used >= idle:
-            why = f"idle {_duration(now - rec.last_used)}"
-        elif age is not None and now - rec.created >= age:
-            why = f"age {_duration(now - rec.created)}"
-        if why:
-            backend.remove_container(backend.kept_container_name(rec.name))
-            registry.forget(rec.engine, rec.name)
-            done.append((rec.name, why))
-    for container_id in backend.ended_runs(older_than=60.0, now=now):
-        backend.remove_container(container_id)
-        done.append((container_id[:12], "leftover one-shot container"))
-    return done
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
-
-
-def _when(stamp: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
-
-
-# --------------------------------------------------------------------------
-# isolate-run sandbox ...
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text.strip().removesuffix("s"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be zero or more seconds")
-    return value
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="isolate-run sandbox", description="Manage kept Docker sandboxes.")
-    commands = parser.add_subparsers(dest="command", metavar="list|rm|prune", parser_class=_Parser)
-    commands.required = True
-    commands.add_parser("list", help="list kept sandboxes of the current engine")
-    rm = commands.add_parser("rm", help="remove kept sandboxes by name")
-    rm.add_argument("names", nargs="+", metavar="NAME")
-    prune_cmd = commands.add_parser("prune", help="remove idle or old kept sandboxes")
-    prune_cmd.add_argument(
-        "--idle", type=_seconds, default=DEFAULT_IDLE_SECONDS, metavar="SECONDS",
-        help=f"remove sandboxes unused for this long (default {DEFAULT_IDLE_SECONDS:.0f})",
-    )  # fmt: skip
-    prune_cmd.add_argument(
-        "--age", type=_seconds, default=DEFAULT_AGE_SECONDS, metavar="SECONDS",
-        help=f"remove sandboxes created this long ago (default {DEFAULT_AGE_SECONDS:.0f})",
-    )  # fmt: skip
-    return parser
-
-
-def cli_main(argv: Sequence[str]) -> int:
-    """``isolate-run sandbox list|rm NAME...|prune [--idle S] [--age S]``; the exit status.
-
-    ``argv`` holds the words after ``sandbox`` (a leading "sandbox" is
-    accepted too). Errors print one line on stderr and return 125.
-    """
-    words = list(argv)
-    if words[:1] == ["sandbox"]:
-        words = words[1:]
-    try:
+    def exec(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+             input: str | bytes | None = None, timeout: float | None = None,
+             output_limit: int = DEFAULT_OUTPUT_LIMIT, shell: bool = False, text: bool = True) -> ExecResult:
+        """Run a command to its end; a timeout ends everything it started. A string is run by /bin/sh -c."""
+        timeout = _seconds(timeout, "timeout")
+        if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 1:
+            raise PolicyError(f"output_limit: expected a positive number of bytes, got {output_limit!r}",
+                              "output_limit")
+        argv = self._argv(cmd, shell)
+        if self._impl is None:
+            return self._docker_exec(argv, cwd, env, input, timeout, text)
+        impl = self._native("exec")
+        data = input.encode() if isinstance(input, str) else (input or b"")
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            options = _parser().parse_args(words)
-        except SystemExit as stop:  # --help
-            return int(stop.code or 0)
-        if options.command == "list":
-            _print_list(list_sandboxes())
-        elif options.command == "rm":
-            missing = [name for name in options.names if not remove_sandbox(name)]
-            if missing:
-                raise IsolationError(f"no such sandbox: {', '.join(missing)} (see isolate-run sandbox list)")
+            command = Command(impl.connect(), argv, cwd or "", environment_for(impl.environment, env), timeout,
+                              (in_r, out_w, err_w), False, impl.report_enforced)
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        try:
+            stdout, stderr, truncated = run_collecting(command, in_w if in_w >= 0 else None, data, out_r, err_r,
+                                                       output_limit)
+        finally:
+            command.close()
+            os.close(out_r)
+            os.close(err_r)
+        assert command.returncode is not None
+        out: Any = stdout.decode(errors="replace") if text else stdout
+        err: Any = stderr.decode(errors="replace") if text else stderr
+        return ExecResult(argv, command.returncode, out, err, truncated, command.report())
+
+    def _docker_exec(self, argv: list[str], cwd: str | None, env: Mapping[str, str] | None,
+                     input: str | bytes | None, timeout: float | None, text: bool) -> ExecResult:
+        kwargs: dict[str, Any] = {"capture_output": True, "text": text, "cwd": cwd, "env": env, "timeout": timeout}
+        if input is not None:
+            kwargs["input"] = input
         else:
-            for name, why in prune(options.idle, options.age):
-                print(f"removed {name} ({why})")
-        return 0
-    except _UsageError as exc:
-        print(f"isolate-run sandbox: {exc} (see isolate-run sandbox --help)", file=sys.stderr)
-    except IsolationError as exc:
-        print(f"isolate-run sandbox: {exc}", file=sys.stderr)
-    except Exception as exc:  # never a traceback for a CLI user
-        print(f"isolate-run sandbox: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
-    return 125
+            kwargs["stdin"] = subprocess.DEVNULL
+        result = self._docker.run(argv, **kwargs)
+        return ExecResult(argv, result.returncode, result.stdout, result.stderr, False, result.report)
+
+    def spawn(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+              timeout: float | None = None, shell: bool = False, pty: bool = False) -> SandboxProcess:
+        """Start a command and return at once: stream its output, write to it, kill it, wait for it."""
+        impl = self._native("spawn")
+        return SandboxProcess(impl, self._argv(cmd, shell), cwd or "", environment_for(impl.environment, env),
+                              _seconds(timeout, "timeout"), pty)
+
+    def shell(self, name: str = "default", pty: bool = True) -> Shell:
+        """A persistent shell (``cd``, variables and functions persist between ``run`` calls)."""
+        existing = self._shells.get(name)
+        if existing is not None and existing.alive:
+            return existing
+        shell = Shell(self, name, pty)
+        self._shells[name] = shell
+        return shell
+
+    # -- files, as the program sees them -------------------------------------------
+
+    def _conn(self) -> Any:
+        return self._native("file methods").files()
+
+    def read_file(self, path: str, *, text: bool = True, limit: int = native_files.DEFAULT_READ_LIMIT) -> Any:
+        data = native_files.read_bytes(self._conn(), path, limit)
+        return data.decode() if text else data
+
+    def write_file(self, path: str, data: str | bytes, *, append: bool = False, make_parents: bool = True,
+                   mode: int = 0o644) -> None:
+        native_files.write_bytes(self._conn(), path, data.encode() if isinstance(data, str) else data, append,
+                                 make_parents, mode)
+
+    def replace_text(self, path: str, old: str, new: str, count: int | None = None) -> int:
+        """Replace old by new; with count, exactly that many occurrences must exist. Returns how many."""
+        if not old:
+            raise ValueError("replace_text: old must not be empty")
+        text = self.read_file(path)
+        found = text.count(old)
+        if found == 0:
+            raise ValueError(f"replace_text: {old[:60]!r} does not occur in {path}")
+        if count is not None and found != count:
+            raise ValueError(f"replace_text: {old[:60]!r} occurs {found} times in {path}, not {count}")
+        self.write_file(path, text.replace(old, new))
+        return int(found)
+
+    def list_dir(self, path: str = ".", depth: int = 1) -> list[DirEntry]:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError("list_dir: depth must be a positive integer")
+        return native_files.list_dir(self._conn(), path, depth)
+
+    def stat(self, path: str, follow_symlinks: bool = True) -> Stat:
+        return native_files.stat(self._conn(), path, follow_symlinks)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def mkdir(self, path: str, parents: bool = True, exist_ok: bool = True, mode: int = 0o755) -> None:
+        if parents:
+            native_files.makedirs(self._conn(), path, mode, exist_ok)
+            return
+        from ._core import lib
+
+        try:
+            self._conn().call(lib.ISO_XS_MKDIR, [path], mode=mode)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        native_files.remove(self._conn(), path, recursive)
+
+    def move(self, source: str, destination: str, overwrite: bool = True) -> None:
+        native_files.move(self._conn(), source, destination, overwrite)
+
+    def glob(self, pattern: str, root: str = ".") -> list[str]:
+        return native_files.glob(self._conn(), pattern, root)
+
+    def grep(self, regex: str, glob: str | None = None, *, root: str = ".", max_matches: int = 1000) -> list[GrepMatch]:
+        return native_files.grep(self._conn(), regex, glob, root, max_matches)
+
+    def upload(self, host_src: str | os.PathLike[str], dst: str) -> None:
+        """Copy a host file (or directory tree) into the sandbox, written as the program."""
+        src = os.fspath(host_src)
+        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            import stat as stat_mod
+
+            if stat_mod.S_ISDIR(info.st_mode):
+                self.mkdir(dst)
+                for name in sorted(os.listdir(fd)):
+                    child = os.path.join(src, name)
+                    if os.path.islink(child):
+                        continue
+                    self.upload(child, os.path.join(dst, name))
+                return
+            if not stat_mod.S_ISREG(info.st_mode):
+                raise OSError(22, "not a regular file or directory", src)
+            os.set_blocking(fd, True)
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            self.write_file(dst, b"".join(chunks), mode=stat_mod.S_IMODE(info.st_mode) & 0o777)
+        finally:
+            os.close(fd)
+
+    def download(self, src: str, host_dst: str | os.PathLike[str]) -> None:
+        """Copy a file of the sandbox to the host, never through a link or onto a FIFO at host_dst."""
+        from .report import ReportTarget
+
+        data = native_files.read_bytes(self._conn(), src)
+        target = ReportTarget(os.fspath(host_dst), label="download")
+        try:
+            target.write_bytes(data)
+        finally:
+            target.close()
+
+    # -- the workspace against its source --------------------------------------------
+
+    def diff(self) -> Changes:
+        """What the workspace changed against its source (empty for a bind workspace or none)."""
+        impl = self._native("diff")
+        if self.workspace.mode == "bind":
+            return Changes()
+        ws_fd, _ = entries_of(impl.workspace_host, self.workspace)
+        try:
+            if self.workspace.source is None:
+                return diff(ws_fd, None, self.workspace)
+            src_fd, _ = entries_of(self.workspace.source, self.workspace)
+            try:
+                return diff(ws_fd, src_fd, self.workspace)
+            finally:
+                os.close(src_fd)
+        finally:
+            os.close(ws_fd)
+
+    def commit(self, target_dir: str | os.PathLike[str] | None = None) -> Changes:
+        """Make target_dir (default: the source) match the workspace; returns what was written.
+
+        Links that lead out of the tree, devices, FIFOs and sockets are not
+        written (``Changes.refused`` says why); no set-id bit reaches the host.
+        """
+        impl = self._native("commit")
+        if self.workspace.mode == "bind" and target_dir is None:
+            return Changes()  # the source is the workspace
+        target = target_dir if target_dir is not None else self.workspace.source
+        if target is None:
+            raise IsolationError("commit: this workspace has no source; give a target directory")
+        real = check_target(os.fspath(target), [impl.workspace_host])
+        ws_fd, entries = entries_of(impl.workspace_host, self.workspace)
+        try:
+            tgt_fd, _ = entries_of(real, self.workspace)
+            try:
+                changes = diff(ws_fd, tgt_fd, self.workspace)
+                apply(ws_fd, tgt_fd, changes, entries)
+                return changes
+            finally:
+                os.close(tgt_fd)
+        finally:
+            os.close(ws_fd)
 
 
-def _print_list(entries: list[SandboxStatus]) -> None:
-    rows = [("NAME", "STATE", "IMAGE", "CREATED", "LAST USED", "CONFIG")]
-    for entry in entries:
-        rec = entry.record
-        state = entry.state if entry.registered else f"{entry.state} (unregistered)"
-        last_used = _when(rec.last_used) if entry.registered else "-"
-        rows.append((rec.name, state, rec.image, _when(rec.created), last_used, rec.config_hash[:12]))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+class SandboxProcess:
+    """A command started by ``Sandbox.spawn``: stream ``stdout``/``stderr``, ``write()``, ``kill()``, ``wait()``."""
+
+    def __init__(self, impl: NativeSandbox, argv: list[str], cwd: str, environment: list[str],
+                 timeout: float | None, pty: bool) -> None:
+        self.args = argv
+        self.master_fd = -1
+        if pty:
+            master, slave = os.openpty()
+            os.set_inheritable(master, False)
+            stdio = (slave, slave, slave)
+            closers = [slave]
+            self.master_fd = master
+            self.stdin_fd, self.stdout_fd, self.stderr_fd = master, master, -1
+        else:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            stdio = (in_r, out_w, err_w)
+            closers = [in_r, out_w, err_w]
+            self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
+        try:
+            self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced)
+        except BaseException:
+            for fd in {self.stdin_fd, self.stdout_fd, self.stderr_fd} - {-1}:
+                os.close(fd)
+            raise
+        finally:
+            for fd in closers:
+                os.close(fd)
+        self.stdout = os.fdopen(self.stdout_fd, "rb", buffering=0, closefd=not pty)
+        self.stderr = os.fdopen(self.stderr_fd, "rb", buffering=0) if self.stderr_fd >= 0 else None
+        self.pid = self._command.pid
+
+    def __iter__(self) -> Iterator[bytes]:
+        """stdout, line by line (a terminal's output with pty=True)."""
+        buffered = b""
+        while True:
+            try:
+                chunk = os.read(self.stdout_fd, 65536)
+            except OSError:  # EIO: the terminal's last user is gone
+                chunk = b""
+            if not chunk:
+                if buffered:
+                    yield buffered
+                return
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for line in lines:
+                yield line + b"\n"
+
+    def write(self, data: str | bytes) -> None:
+        view = memoryview(data.encode() if isinstance(data, str) else data)
+        while view:
+            view = view[os.write(self.stdin_fd, view):]
+
+    def close_stdin(self) -> None:
+        if self.master_fd < 0 and self.stdin_fd >= 0:
+            os.close(self.stdin_fd)
+            self.stdin_fd = -1
+
+    def signal(self, sig: int, descendants: bool = False) -> None:
+        self._command.signal(sig, descendants)
+
+    def kill(self) -> None:
+        """End the command and everything it started."""
+        self._command.kill()
+
+    def poll(self) -> int | None:
+        self._command.poll_exit(0)
+        return self._command.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._command.poll_exit(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        rc = self._command.returncode
+        assert rc is not None
+        return rc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._command.returncode
+
+    @property
+    def report(self) -> Any:
+        return self._command.report() if self._command.exit is not None else None
+
+    def close(self) -> None:
+        self._command.close()
+        for fd in (self.stdin_fd, self.master_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.stdin_fd = self.master_fd = -1
+        self.stdout.close()
+        if self.stderr is not None:
+            self.stderr.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Shell:
+    """A persistent shell in a sandbox: ``run(command)`` returns (output, exit status); state persists."""
+
+    def __init__(self, box: Sandbox, name: str, pty: bool) -> None:
+        self.name = name
+        self.pty = pty
+        self._token = secrets.token_hex(8)
+        env = {"PS1": "", "PS2": "", "TERM": "dumb"}
+        self._process = box.spawn(["/bin/sh"], env=env, pty=pty)
+        if pty:
+            attrs = termios.tcgetattr(self._process.master_fd)
+            attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
+            attrs[1] &= ~termios.ONLCR
+            termios.tcsetattr(self._process.master_fd, termios.TCSANOW, attrs)
+        self._buffer = b""
+        self._seq = 0
+        self._stale = re.compile(rb"(?s).*\n__isolate_" + self._token.encode() + rb"_\d+_-?\d+__\n")
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def run(self, command: str, timeout: float | None = 60.0) -> tuple[str, int]:
+        """Run one command line; returns its output (stdout and stderr) and exit status."""
+        if "\n" in command.strip("\n") and command.count("\n") > 1000:
+            raise ValueError("run: the command is too long")
+        if not self.alive:
+            raise IsolationError(f"shell {self.name!r} has ended")
+        self._seq += 1
+        marker = f"__isolate_{self._token}_{self._seq}_"
+        redirect = "" if self.pty else " 2>&1"
+        self._process.write(f"{{ {command}\n}}{redirect}\nprintf '\\n{marker}%d__\\n' \"$?\"\n")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pattern = marker.encode()
+        import select
+
+        while True:
+            at = self._buffer.find(pattern)
+            if at >= 0:
+                end = self._buffer.find(b"__\n", at + len(pattern))
+                if end >= 0:
+                    status = int(self._buffer[at + len(pattern):end] or b"-1")
+                    # What an interrupted earlier run printed late, up to its own marker, is not this run's.
+                    output = self._stale.sub(b"", self._buffer[:at])
+                    self._buffer = self._buffer[end + 3:]
+                    if output.endswith(b"\n"):
+                        output = output[:-1]
+                    return output.decode(errors="replace"), status
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                self.interrupt()
+                raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s "
+                                   "(it was interrupted)")
+            ready, _, _ = select.select([self._process.stdout_fd], [], [], wait)
+            if ready:
+                try:
+                    chunk = os.read(self._process.stdout_fd, 65536)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    raise IsolationError(f"shell {self.name!r} ended")
+                self._buffer += chunk
+
+    def interrupt(self) -> None:
+        """SIGINT to what the shell is running (not the shell itself)."""
+        self._process.signal(signal.SIGINT, descendants=True)
+
+    def close(self) -> None:
+        self._process.kill()
+        self._process.close()
+
+
+class AsyncSandbox:
+    """``Sandbox`` with its methods as coroutines (each runs in a worker thread)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sync = Sandbox(*args, **kwargs)
+
+    @classmethod
+    async def attach(cls, name: str) -> AsyncSandbox:
+        box = cls.__new__(cls)
+        box.sync = await asyncio.to_thread(Sandbox.attach, name)
+        return box
+
+    async def __aenter__(self) -> AsyncSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.sync.__exit__, *exc_info)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.sync, name)
+        if not callable(method):
+            return method  # type: ignore[no-any-return]
+
+        @functools.wraps(method)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(method, *args, **kwargs)
+
+        return call

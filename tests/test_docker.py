@@ -26,9 +26,12 @@ from typing import Any
 import pytest
 
 from isolate.backends import docker as backend
+from isolate.backends.docker_sandbox import DockerSandbox as Sandbox
+from isolate.backends.docker_sandbox import list_sandboxes, prune
 from isolate.errors import CommandNotExecutableError, CommandNotFoundError, PolicyError, UnsupportedError
 from isolate.policy import Egress, Limits, Policy
-from isolate.sandbox import Registry, Sandbox, SandboxRecord, cli_main, list_sandboxes, prune
+from isolate.registry import Registry, SandboxRecord
+from isolate.sandbox_cli import sandbox_main as cli_main
 
 IMAGE = os.environ.get("ISOLATE_TEST_IMAGE", "isolate-test:busybox")
 ROOT = os.geteuid() == 0

@@ -62,10 +62,12 @@ def test_environment_is_minimal(workdir: str, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_new_session_blocks_tiocsti_path(workdir: str) -> None:
-    result = isolate.run(py("import os; print(os.getsid(0) == os.getpid() or os.getsid(0))"),
+    result = isolate.run(py("import os; print('leader' if os.getsid(0) == os.getpid() else os.getsid(0))"),
                          policy=policy(write=[workdir]), cwd=workdir, capture_output=True, text=True)
-    # The program is not in the caller's session: no controlling terminal to push input into.
-    assert int(result.stdout.split()[0]) != os.getsid(0) or result.stdout.strip() == "True"
+    # The program is not in the caller's session (which may be pytest's own, when pytest leads one):
+    # no controlling terminal to push input into.
+    out = result.stdout.strip()
+    assert out == "leader" or int(out) != os.getsid(0), out
     tty = isolate.run(["sh", "-c", "cat /dev/tty"], policy=policy(write=[workdir]), cwd=workdir,
                       capture_output=True, text=True)
     assert tty.returncode != 0

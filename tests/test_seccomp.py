@@ -474,12 +474,14 @@ def test_no_setuid_file_reaches_the_host(workdir: str) -> None:
                 os.unlink(path)
 
 
-def test_no_filter_is_ever_read_from_the_callers_files(tmp_path: Path) -> None:
+def test_no_filter_is_ever_read_from_the_callers_files(workdir: str) -> None:
     # A sandbox granted the caller's home could write ~/.cache: a compiled
     # filter cached there would be loaded by every later run, so none is.
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    result = subprocess.run([sys.executable, "-m", "isolate.cli", "--", "true"], cwd=tmp_path, env=env,
+    # (workdir, not tmp_path: the run's cwd is written, and TMPDIR may not be idmappable.)
+    cache = Path(workdir) / "cache"
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+    result = subprocess.run([sys.executable, "-m", "isolate.cli", "--", "true"], cwd=workdir, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert not (tmp_path / "cache" / "isolate").exists()
+    assert not (cache / "isolate").exists()
 

@@ -1,0 +1,704 @@
+/*
+ * execserver.c - a kept sandbox's program: commands and file operations,
+ * performed from inside.
+ *
+ *   isolate-exec-server LISTEN_FD PEER_UID IDLE_MS
+ *
+ * The init executable runs this when its argv[0] is "isolate-exec-server".
+ * The program child of a kept sandbox execs it (plan->program_fd) after every
+ * step a program gets: it holds the program's ids, no capability, the
+ * sandbox's mounts, rlimits, Landlock domain and seccomp filter, and so does
+ * everything it starts.  Nothing needs to exist inside the sandbox.
+ *
+ * LISTEN_FD is a SOCK_SEQPACKET socket the host bound in a directory only
+ * its user can enter (the program never sees that path).  Each connection
+ * is checked once, when accepted: the peer must be outside the sandbox's
+ * PID namespace (SO_PEERCRED gives pid 0 then) and have PEER_UID, the
+ * caller's uid as this user namespace sees it.  The program can connect to
+ * nothing of the host's, but a process of the sandbox that somehow held a
+ * socket to here would still be refused.
+ *
+ * On a connection, the host sends requests (struct iso_xs_request):
+ *   - file operations (OPEN, STAT, MKDIR, READDIR...) are answered here, in
+ *     order, with the program's credentials and view: a path resolves as
+ *     the program's would, inside its root, through its mounts and links,
+ *     so nothing the program planted can lead outside its own view.  Files
+ *     are opened O_NONBLOCK (a planted FIFO cannot hang the server) and the
+ *     descriptor goes back to the host, which checks its type and reads or
+ *     writes it itself;
+ *   - EXEC hands the connection to a new monitor process, which starts the
+ *     command, reports STARTED, then EXITED with its status and usage.  The
+ *     monitor is a subreaper: whatever the command starts and leaves (a
+ *     setsid daemon included) becomes its child, so a timeout, a SIGKILL
+ *     from the host or the host hanging up ends the command's whole tree
+ *     and nothing else.  When the command exits by itself, what it left in
+ *     the background goes on running, as on any machine.
+ * With IDLE_MS > 0 the server exits after that long without a connection
+ * or a running command; its exit ends the sandbox (the init then ends the
+ * PID namespace).
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/timerfd.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "steps.h"
+
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef SYS_renameat2
+#define SYS_renameat2 316
+#endif
+
+#define MAX_CLIENTS 64
+#define MAX_STRINGS 16384
+
+/* One request as received: the header, its strings, its descriptors. */
+struct request {
+    struct iso_xs_request head;
+    char *strings[MAX_STRINGS + 1];
+    int fds[3];
+    int n_fds;
+};
+
+static char message[ISO_XS_MAX_MESSAGE + 8];
+static struct request current;
+
+static void close_fds(struct request *req)
+{
+    for (int i = 0; i < req->n_fds; i++)
+        close(req->fds[i]);
+    req->n_fds = 0;
+}
+
+/* Receive one packet into `current`.  Returns 1 on a request, 0 when the
+ * peer hung up, -1 on a malformed packet (its descriptors are closed). */
+static int receive(int conn)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 3)];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = {.iov_base = message, .iov_len = ISO_XS_MAX_MESSAGE};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    ssize_t n;
+    do {
+        n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    current.n_fds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; i++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+            if (current.n_fds < 3)
+                current.fds[current.n_fds++] = fd;
+            else
+                close(fd);
+        }
+    }
+    if (n <= 0) {
+        close_fds(&current);
+        return 0;
+    }
+    if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || (size_t)n < sizeof current.head)
+        goto malformed;
+    memcpy(&current.head, message, sizeof current.head);
+    if (current.head.magic != ISO_XS_MAGIC || current.head.n_strings > MAX_STRINGS ||
+        current.head.n_argv > current.head.n_strings)
+        goto malformed;
+    /* Every string must end inside the packet. */
+    message[n] = 0;
+    char *p = message + sizeof current.head, *end = message + n;
+    for (uint32_t i = 0; i < current.head.n_strings; i++) {
+        char *nul = memchr(p, 0, (size_t)(end - p));
+        if (!nul)
+            goto malformed;
+        current.strings[i] = p;
+        p = nul + 1;
+    }
+    current.strings[current.head.n_strings] = NULL;
+    return 1;
+malformed:
+    close_fds(&current);
+    return -1;
+}
+
+static int send_reply(int conn, const struct iso_xs_reply *reply, const void *extra, size_t extra_len, int fd)
+{
+    struct iovec iov[2] = {{.iov_base = (void *)reply, .iov_len = sizeof *reply},
+                           {.iov_base = (void *)extra, .iov_len = extra_len}};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = extra_len ? 2 : 1};
+    if (fd >= 0) {
+        memset(&control, 0, sizeof control);
+        msg.msg_control = control.buf;
+        msg.msg_controllen = sizeof control.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    }
+    ssize_t n;
+    do {
+        n = sendmsg(conn, &msg, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    return n < 0 ? -1 : 0;
+}
+
+static void reply_kind(int conn, uint32_t kind, int err)
+{
+    struct iso_xs_reply reply = {.magic = ISO_XS_MAGIC, .kind = kind, .err = err};
+    send_reply(conn, &reply, NULL, 0, -1);
+}
+
+static void fill_stat(struct iso_xs_stat *out, const struct stat *st)
+{
+    out->mode = st->st_mode;
+    out->uid = st->st_uid;
+    out->gid = st->st_gid;
+    out->nlink = (uint32_t)st->st_nlink;
+    out->size = st->st_size;
+    out->mtime_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
+    out->ino = st->st_ino;
+    out->dev = st->st_dev;
+}
+
+/* --- file operations ------------------------------------------------------ */
+
+static void do_readdir(int conn, const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NONBLOCK);
+    DIR *dir = fd < 0 ? NULL : fdopendir(fd);
+    if (!dir) {
+        int err = errno;
+        if (fd >= 0)
+            close(fd);
+        reply_kind(conn, ISO_XS_ERROR, err);
+        return;
+    }
+    static char batch[ISO_XS_MAX_MESSAGE];
+    size_t used = 0;
+    uint32_t count = 0;
+    struct iso_xs_reply reply = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_ENTRIES};
+    struct dirent *entry;
+    for (;;) {
+        errno = 0;
+        entry = readdir(dir);
+        if (!entry && errno) {
+            int err = errno;
+            closedir(dir);
+            reply_kind(conn, ISO_XS_ERROR, err);
+            return;
+        }
+        size_t name_len = entry ? strlen(entry->d_name) : 0;
+        size_t need = (sizeof(struct iso_xs_dirent) + name_len + 1 + 7) & ~(size_t)7;
+        if (count && (!entry || used + need > sizeof batch - sizeof reply)) {
+            reply.count = count;
+            if (send_reply(conn, &reply, batch, used, -1) < 0)
+                break;
+            used = 0;
+            count = 0;
+        }
+        if (!entry)
+            break;
+        if (!strcmp(entry->d_name, ".") || !strcmp(entry->d_name, ".."))
+            continue;
+        struct iso_xs_dirent *out = (struct iso_xs_dirent *)(batch + used);
+        memset(out, 0, need);
+        struct stat st;
+        /* An entry that vanished meanwhile is listed with mode 0. */
+        if (fstatat(dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0)
+            fill_stat(&out->st, &st);
+        out->name_len = (uint32_t)name_len;
+        memcpy((char *)(out + 1), entry->d_name, name_len + 1);
+        used += need;
+        count++;
+    }
+    closedir(dir);
+    reply_kind(conn, ISO_XS_END, 0);
+}
+
+/* The flags the host may ask open() for; the server adds its own. */
+#define OPEN_FLAGS (O_ACCMODE | O_CREAT | O_EXCL | O_TRUNC | O_APPEND | O_DIRECTORY | O_NOFOLLOW)
+
+static void do_file_op(int conn, const struct request *req)
+{
+    const struct iso_xs_request *h = &req->head;
+    const char *path = h->n_strings > 0 ? req->strings[0] : NULL;
+    const char *other = h->n_strings > 1 ? req->strings[1] : NULL;
+    struct iso_xs_reply reply = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_OK};
+    struct stat st;
+    int rc = -1, fd = -1;
+    if (h->op == ISO_XS_PING) {
+        reply.pid = getpid();
+        send_reply(conn, &reply, NULL, 0, -1);
+        return;
+    }
+    if (!path || !path[0] || ((h->op == ISO_XS_RENAME) && (!other || !other[0]))) {
+        reply_kind(conn, ISO_XS_ERROR, EINVAL);
+        return;
+    }
+    switch (h->op) {
+    case ISO_XS_OPEN:
+        fd = open(path, (h->flags & OPEN_FLAGS) | O_CLOEXEC | O_NOCTTY | O_NONBLOCK, (mode_t)(h->mode & 07777));
+        rc = fd < 0 ? -1 : fstat(fd, &st);
+        if (rc == 0)
+            fill_stat(&reply.st, &st);
+        break;
+    case ISO_XS_STAT:
+    case ISO_XS_LSTAT:
+        rc = h->op == ISO_XS_STAT ? stat(path, &st) : lstat(path, &st);
+        if (rc == 0)
+            fill_stat(&reply.st, &st);
+        break;
+    case ISO_XS_MKDIR:
+        rc = mkdir(path, (mode_t)(h->mode & 07777));
+        break;
+    case ISO_XS_UNLINK:
+        rc = unlink(path);
+        break;
+    case ISO_XS_RMDIR:
+        rc = rmdir(path);
+        break;
+    case ISO_XS_RENAME:
+        rc = (int)syscall(SYS_renameat2, AT_FDCWD, path, AT_FDCWD, other, (unsigned int)h->flags);
+        break;
+    case ISO_XS_READDIR:
+        do_readdir(conn, path);
+        return;
+    default:
+        errno = EINVAL;
+    }
+    if (rc < 0) {
+        int err = errno;
+        if (fd >= 0)
+            close(fd);
+        reply_kind(conn, ISO_XS_ERROR, err);
+        return;
+    }
+    send_reply(conn, &reply, NULL, 0, fd);
+    if (fd >= 0)
+        close(fd);
+}
+
+/* --- commands ------------------------------------------------------------- */
+
+static pid_t command;
+static int command_reaped;
+static int command_status;
+static int children_fd = -1; /* /proc/self/task/TID/children of the monitor */
+
+/* Reap children without blocking; note the command's status. */
+static void reap_some(void)
+{
+    int wstatus;
+    pid_t pid;
+    while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+        if (pid == command) {
+            command_status = wstatus;
+            command_reaped = 1;
+        }
+    }
+}
+
+/* End the command's whole tree: its group, then, round after round, every
+ * child of this subreaper (the orphans each round makes come here), each
+ * killed one reaped.  A killed process forks no more, so the rounds end. */
+static void kill_tree(void)
+{
+    char buf[4096];
+    kill(-command, SIGKILL);
+    kill(command, SIGKILL);
+    for (int round = 0; round < 100000 && children_fd >= 0; round++) {
+        ssize_t n = pread(children_fd, buf, sizeof buf - 1, 0);
+        if (n <= 0)
+            break;
+        buf[n] = 0;
+        for (char *p = buf; *p;) {
+            char *end;
+            long pid = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            kill((pid_t)pid, SIGKILL);
+            int wstatus;
+            pid_t got;
+            while ((got = waitpid((pid_t)pid, &wstatus, 0)) < 0 && errno == EINTR)
+                ;
+            if (got == command) {
+                command_status = wstatus;
+                command_reaped = 1;
+            }
+            p = end;
+            while (*p == ' ' || *p == '\n')
+                p++;
+        }
+    }
+    if (children_fd < 0 && !command_reaped) {
+        /* Without /proc only the group and the command can be named. */
+        while (waitpid(command, &command_status, 0) < 0 && errno == EINTR)
+            ;
+        command_reaped = 1;
+    }
+}
+
+/* Send sig to every process below pid (not pid itself), depth first. */
+static void signal_below(pid_t pid, int sig, int depth)
+{
+    char path[64], buf[4096];
+    if (depth > 64)
+        return;
+    snprintf(path, sizeof path, "/proc/%d/task/%d/children", (int)pid, (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return;
+    buf[n] = 0;
+    for (char *p = buf; *p;) {
+        char *end;
+        long child = strtol(p, &end, 10);
+        if (end == p)
+            break;
+        signal_below((pid_t)child, sig, depth + 1);
+        kill((pid_t)child, sig);
+        p = end;
+        while (*p == ' ' || *p == '\n')
+            p++;
+    }
+}
+
+static void do_signal(int sig, int flags)
+{
+    if (sig == SIGKILL && !(flags & ISO_XS_F_DESCENDANTS)) {
+        kill_tree();
+        return;
+    }
+    if (flags & ISO_XS_F_DESCENDANTS) {
+        signal_below(command, sig, 0);
+        signal_below(getpid(), sig, 0); /* orphans the command left here */
+        return;
+    }
+    kill(-command, sig); /* the command leads its own group */
+}
+
+/* The command's child: session, terminal, stdio, cwd, exec. */
+static void start_command(const struct request *req, int err_fd)
+{
+    const struct iso_xs_request *h = &req->head;
+    sigset_t none;
+    sigemptyset(&none);
+    struct iso_failure failure = {.step = ISO_STEP_SETSID, .index = -1};
+    /* The server ignores SIGPIPE; a command gets the default back. */
+    if (signal(SIGPIPE, SIG_DFL) == SIG_ERR || sigprocmask(SIG_SETMASK, &none, NULL) < 0 || setsid() < 0)
+        goto fail;
+    failure.step = ISO_STEP_STDIO;
+    if ((h->flags & ISO_XS_F_PTY) && ioctl(req->fds[0], TIOCSCTTY, 0) < 0)
+        goto fail;
+    for (int i = 0; i < 3; i++)
+        if (dup2(req->fds[i], i) < 0)
+            goto fail;
+    if (err_fd > 3)
+        syscall(SYS_close_range, 3, (unsigned int)err_fd - 1, 0);
+    syscall(SYS_close_range, (unsigned int)err_fd + 1, ~0U, 0);
+    failure.step = ISO_STEP_CHDIR;
+    const char *cwd = req->strings[0];
+    if (cwd[0] && chdir(cwd) < 0)
+        goto fail;
+    /* argv ends where the environment begins: copy it out, NULL-terminated. */
+    static char *argv[MAX_STRINGS + 1];
+    memcpy(argv, req->strings + 1, sizeof(char *) * h->n_argv);
+    argv[h->n_argv] = NULL;
+    char *const *envp = req->strings + 1 + h->n_argv;
+    const char *search = NULL;
+    for (char *const *e = envp; *e; e++)
+        if (!strncmp(*e, "PATH=", 5))
+            search = *e + 5;
+    struct iso_plan plan;
+    memset(&plan, 0, sizeof plan);
+    plan.program_fd = -1;
+    plan.file = argv[0];
+    plan.search_path = search ? search : "/usr/local/bin:/usr/bin:/bin";
+    plan.argv = argv;
+    plan.envp = envp;
+    failure.step = iso_exec_program(&plan);
+fail:
+    failure.err = errno;
+    if (write(err_fd, &failure, sizeof failure) < 0) {
+        /* The monitor is gone: nobody to tell. */
+    }
+    _exit(127);
+}
+
+static void send_exited(int conn, int reason)
+{
+    struct iso_xs_reply reply = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_EXITED, .pid = command,
+                                 .wait_status = command_status, .reason = reason};
+    struct rusage usage;
+    if (getrusage(RUSAGE_CHILDREN, &usage) == 0) {
+        reply.user_usec = (int64_t)usage.ru_utime.tv_sec * 1000000 + usage.ru_utime.tv_usec;
+        reply.system_usec = (int64_t)usage.ru_stime.tv_sec * 1000000 + usage.ru_stime.tv_usec;
+        reply.maxrss_kib = usage.ru_maxrss;
+    }
+    send_reply(conn, &reply, NULL, 0, -1);
+}
+
+/* A monitor: owns conn and one command, until the command has ended. */
+static void monitor(int conn, struct request *req)
+{
+    const struct iso_xs_request *h = &req->head;
+    int64_t timeout_ms = h->timeout_ms; /* req is `current`, which the loop below reuses */
+    if (req->n_fds != 3 || h->n_argv < 1 || h->n_strings < h->n_argv + 1) {
+        reply_kind(conn, ISO_XS_ERROR, EINVAL);
+        _exit(0);
+    }
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+        reply_kind(conn, ISO_XS_ERROR, errno);
+        _exit(0);
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
+    children_fd = open(path, O_RDONLY | O_CLOEXEC);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    int sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    int err_pipe[2];
+    if (sigfd < 0 || pipe2(err_pipe, O_CLOEXEC) < 0) {
+        reply_kind(conn, ISO_XS_ERROR, errno);
+        _exit(0);
+    }
+    command = fork();
+    if (command < 0) {
+        reply_kind(conn, ISO_XS_ERROR, errno);
+        _exit(0);
+    }
+    if (command == 0) {
+        close(err_pipe[0]);
+        start_command(req, err_pipe[1]);
+    }
+    close(err_pipe[1]);
+    close_fds(req);
+    struct iso_failure failure;
+    ssize_t got;
+    do {
+        got = read(err_pipe[0], &failure, sizeof failure);
+    } while (got < 0 && errno == EINTR);
+    close(err_pipe[0]);
+    if (got == (ssize_t)sizeof failure) {
+        while (waitpid(command, NULL, 0) < 0 && errno == EINTR)
+            ;
+        struct iso_xs_reply reply = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_ERROR, .err = failure.err,
+                                     .step = failure.step};
+        send_reply(conn, &reply, NULL, 0, -1);
+        _exit(0);
+    }
+    struct iso_xs_reply started = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_STARTED, .pid = command};
+    send_reply(conn, &started, NULL, 0, -1);
+
+    int timer = -1;
+    if (timeout_ms > 0) {
+        timer = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC);
+        struct itimerspec when = {
+            .it_value = {.tv_sec = timeout_ms / 1000, .tv_nsec = (timeout_ms % 1000) * 1000000}};
+        if (timer < 0 || timerfd_settime(timer, 0, &when, NULL) < 0) {
+            kill_tree();
+            send_exited(conn, ISO_XS_REASON_KILLED);
+            _exit(0);
+        }
+    }
+    int reason = ISO_XS_REASON_EXITED;
+    reap_some();
+    while (!command_reaped) {
+        struct pollfd fds[3] = {{.fd = sigfd, .events = POLLIN}, {.fd = conn, .events = POLLIN},
+                                {.fd = timer, .events = POLLIN}};
+        if (poll(fds, 3, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            kill_tree();
+            reason = ISO_XS_REASON_KILLED;
+            break;
+        }
+        if (fds[0].revents & POLLIN) {
+            struct signalfd_siginfo info;
+            while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info)
+                ;
+            reap_some();
+        }
+        if (fds[2].revents & POLLIN) {
+            reason = ISO_XS_REASON_TIMEOUT;
+            kill_tree();
+        }
+        if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
+            int r = receive(conn);
+            if (r == 0) {
+                /* The host hung up: nobody waits for this command any more. */
+                reason = ISO_XS_REASON_KILLED;
+                kill_tree();
+                _exit(0);
+            }
+            if (r > 0 && current.head.op == ISO_XS_SIGNAL) {
+                if (current.head.mode == SIGKILL && !(current.head.flags & ISO_XS_F_DESCENDANTS))
+                    reason = ISO_XS_REASON_KILLED;
+                do_signal(current.head.mode, current.head.flags);
+            }
+            if (r > 0)
+                close_fds(&current);
+        }
+    }
+    if (reason != ISO_XS_REASON_EXITED)
+        kill_tree(); /* the last round: anything forked meanwhile */
+    send_exited(conn, reason);
+    _exit(0);
+}
+
+/* --- the server ----------------------------------------------------------- */
+
+static int peer_allowed(int conn, uid_t peer_uid)
+{
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
+        return 0;
+    /* pid 0: the peer is not in this PID namespace (nor below it). */
+    return cred.pid == 0 && cred.uid == peer_uid;
+}
+
+static long long now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+int iso_exec_server_main(int argc, char **argv)
+{
+    if (argc < 4)
+        return 125;
+    int listener = atoi(argv[1]);
+    uid_t peer_uid = (uid_t)strtoul(argv[2], NULL, 10);
+    long long idle_ms = atoll(argv[3]);
+    /* Not dumpable: a process of the sandbox, same uid, cannot ptrace this
+     * one or take its descriptors (the host's connections among them). */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        return 125;
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
+        return 125;
+    int sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sigfd < 0 || fcntl(listener, F_SETFD, FD_CLOEXEC) < 0)
+        return 125;
+
+    int clients[MAX_CLIENTS];
+    int n_clients = 0, running = 0;
+    long long idle_since = now_ms();
+    for (;;) {
+        struct pollfd fds[2 + MAX_CLIENTS];
+        fds[0] = (struct pollfd){.fd = n_clients < MAX_CLIENTS ? listener : -1, .events = POLLIN};
+        fds[1] = (struct pollfd){.fd = sigfd, .events = POLLIN};
+        for (int i = 0; i < n_clients; i++)
+            fds[2 + i] = (struct pollfd){.fd = clients[i], .events = POLLIN};
+        int wait_ms = -1;
+        if (idle_ms > 0 && n_clients == 0 && running == 0) {
+            long long left = idle_since + idle_ms - now_ms();
+            if (left <= 0)
+                return 0;
+            wait_ms = left > 1000000 ? 1000000 : (int)left;
+        }
+        int ready = poll(fds, (nfds_t)(2 + n_clients), wait_ms);
+        if (ready < 0) {
+            if (errno == EINTR)
+                continue;
+            return 125;
+        }
+        if (fds[1].revents & POLLIN) {
+            struct signalfd_siginfo info;
+            while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info)
+                ;
+            while (waitpid(-1, NULL, WNOHANG) > 0)
+                running--;
+            if (running < 0)
+                running = 0;
+            if (running == 0)
+                idle_since = now_ms();
+        }
+        int polled = ready > 0 ? n_clients : 0;
+        if (fds[0].revents & POLLIN) {
+            int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+            if (conn >= 0 && !peer_allowed(conn, peer_uid)) {
+                close(conn);
+                conn = -1;
+            }
+            if (conn >= 0)
+                clients[n_clients++] = conn;
+        }
+        /* The clients polled this round, last first: a dropped one is
+         * replaced by the last, which was either seen already or is the
+         * one just accepted (not polled yet: its fds entry is not looked at). */
+        for (int i = polled - 1; i >= 0; i--) {
+            if (fds[2 + i].fd != clients[i] || !fds[2 + i].revents)
+                continue;
+            int conn = clients[i];
+            int r = receive(conn);
+            int drop = r == 0;
+            if (r < 0)
+                reply_kind(conn, ISO_XS_ERROR, EPROTO);
+            if (r > 0 && current.head.op == ISO_XS_EXEC) {
+                pid_t pid = fork();
+                if (pid == 0) {
+                    close(listener);
+                    close(sigfd);
+                    for (int j = 0; j < n_clients; j++)
+                        if (clients[j] != conn)
+                            close(clients[j]);
+                    monitor(conn, &current);
+                }
+                if (pid < 0)
+                    reply_kind(conn, ISO_XS_ERROR, errno);
+                else
+                    running++;
+                close_fds(&current);
+                drop = 1;
+            } else if (r > 0) {
+                do_file_op(conn, &current);
+                close_fds(&current);
+            }
+            if (drop) {
+                close(conn);
+                clients[i] = clients[--n_clients];
+            }
+        }
+        if (n_clients > 0 || running > 0)
+            idle_since = now_ms();
+    }
+}

@@ -1,0 +1,231 @@
+"""The host's side of the exec server's protocol (csrc/execserver.c).
+
+One SOCK_SEQPACKET connection per conversation: a file connection carries
+requests one after another; an EXEC request hands its connection to a
+monitor inside, which answers STARTED and, later, EXITED. The layouts are
+isolate.h's, read through cffi, so both sides share one definition.
+
+Everything that comes back is the sandbox's word, and the sandbox may be
+hostile: replies are checked for size and magic, descriptors for type, and
+an unexpected packet ends the conversation.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import os
+import socket
+import stat as stat_mod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..._core import ffi, lib
+from ...errors import IsolationError
+
+REQUEST_SIZE = ffi.sizeof("struct iso_xs_request")
+REPLY_SIZE = ffi.sizeof("struct iso_xs_reply")
+DIRENT_SIZE = ffi.sizeof("struct iso_xs_dirent")
+MAX_MESSAGE = int(lib.ISO_XS_MAX_MESSAGE)
+
+
+class ServerGone(IsolationError):
+    """The sandbox's exec server does not answer: the sandbox has ended (or was killed from inside)."""
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A file's status as the program sees it (uid and gid are the sandbox's)."""
+
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    mtime_ns: int
+    ino: int
+    dev: int
+
+    @property
+    def is_dir(self) -> bool:
+        return stat_mod.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        return stat_mod.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat_mod.S_ISLNK(self.mode)
+
+
+def _stat(raw: Any) -> Stat:
+    return Stat(int(raw.mode), int(raw.uid), int(raw.gid), int(raw.nlink), int(raw.size), int(raw.mtime_ns),
+                int(raw.ino), int(raw.dev))
+
+
+@dataclass(frozen=True)
+class Reply:
+    kind: int
+    err: int
+    step: int
+    pid: int
+    wait_status: int
+    reason: int
+    count: int
+    user_usec: int
+    system_usec: int
+    maxrss_kib: int
+    stat: Stat
+    payload: bytes
+    fd: int | None
+
+
+def encode(op: int, strings: Sequence[str | bytes] = (), *, flags: int = 0, mode: int = 0, timeout_ms: int = 0,
+           n_argv: int = 0) -> bytes:
+    """One request packet; raises ValueError for what the server would refuse."""
+    req = ffi.new("struct iso_xs_request *")
+    req.magic = lib.ISO_XS_MAGIC
+    req.op = op
+    req.flags = flags
+    req.mode = mode
+    req.timeout_ms = timeout_ms
+    req.n_strings = len(strings)
+    req.n_argv = n_argv
+    parts = [bytes(ffi.buffer(req))]
+    for text in strings:
+        data = os.fsencode(text)
+        if b"\0" in data:
+            raise ValueError(f"{os.fsdecode(data)[:60]!r} holds a NUL byte")
+        parts.append(data + b"\0")
+    packet = b"".join(parts)
+    if len(packet) > MAX_MESSAGE:
+        raise ValueError(f"the command and its environment take {len(packet)} bytes; at most {MAX_MESSAGE} go "
+                         "to a sandbox in one request")
+    return packet
+
+
+class Connection:
+    """One connection to the exec server (a socket file only the caller's user can reach)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise ServerGone(f"the sandbox does not answer ({path}: {exc.strerror})") from None
+        # The peer is the server itself (the kernel says who accepted): its
+        # host pid lets the host find the sandbox's init without trusting a file.
+        creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        self.peer_pid = int.from_bytes(creds[:4], "little")
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def send(self, packet: bytes, fds: Sequence[int] = ()) -> None:
+        try:
+            if fds:
+                self.sock.sendmsg([packet], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            else:
+                self.sock.send(packet)
+        except OSError as exc:
+            raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
+
+    def receive(self, timeout: float | None = None) -> Reply:
+        """The next reply; ServerGone when the server hung up."""
+        self.sock.settimeout(timeout)
+        try:
+            data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+        except (TimeoutError, BlockingIOError):
+            raise TimeoutError from None
+        except OSError as exc:
+            raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
+        finally:
+            self.sock.settimeout(None)
+        fds: list[int] = []
+        for level, kind, blob in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(blob) - len(blob) % 4
+                fds.extend(array.array("i", blob[:usable]))
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise ServerGone("the sandbox's exec server hung up")
+        if len(data) < REPLY_SIZE or len(fds) > 1 or msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            for fd in fds:
+                os.close(fd)
+            raise ServerGone("the sandbox's exec server sent a malformed reply")
+        raw = ffi.new("struct iso_xs_reply *")
+        ffi.memmove(raw, data, REPLY_SIZE)
+        if raw.magic != lib.ISO_XS_MAGIC:
+            for fd in fds:
+                os.close(fd)
+            raise ServerGone("the sandbox's exec server sent a malformed reply")
+        return Reply(int(raw.kind), int(raw.err), int(raw.step), int(raw.pid), int(raw.wait_status), int(raw.reason),
+                     int(raw.count), int(raw.user_usec), int(raw.system_usec), int(raw.maxrss_kib), _stat(raw.st),
+                     data[REPLY_SIZE:], fds[0] if fds else None)
+
+    # -- file operations (answered in order by the server) ---------------------
+
+    def call(self, op: int, strings: Sequence[str] = (), *, flags: int = 0, mode: int = 0) -> Reply:
+        self.send(encode(op, strings, flags=flags, mode=mode))
+        reply = self.receive()
+        if reply.kind == lib.ISO_XS_ERROR:
+            if reply.fd is not None:
+                os.close(reply.fd)
+            raise _os_error(reply.err, strings[0] if strings else "")
+        if reply.kind != lib.ISO_XS_OK:
+            if reply.fd is not None:
+                os.close(reply.fd)
+            raise ServerGone("the sandbox's exec server sent an unexpected reply")
+        return reply
+
+    def readdir(self, path: str) -> Iterator[tuple[str, Stat]]:
+        self.send(encode(lib.ISO_XS_READDIR, [path]))
+        while True:
+            reply = self.receive()
+            if reply.fd is not None:
+                os.close(reply.fd)
+            if reply.kind == lib.ISO_XS_END:
+                return
+            if reply.kind == lib.ISO_XS_ERROR:
+                raise _os_error(reply.err, path)
+            if reply.kind != lib.ISO_XS_ENTRIES:
+                raise ServerGone("the sandbox's exec server sent an unexpected reply")
+            yield from _entries(reply.payload, reply.count)
+
+
+def _entries(payload: bytes, count: int) -> Iterator[tuple[str, Stat]]:
+    offset = 0
+    raw = ffi.new("struct iso_xs_dirent *")
+    for _ in range(count):
+        if offset + DIRENT_SIZE > len(payload):
+            raise ServerGone("the sandbox's exec server sent a malformed listing")
+        ffi.memmove(raw, payload[offset:offset + DIRENT_SIZE], DIRENT_SIZE)
+        length = int(raw.name_len)
+        start = offset + DIRENT_SIZE
+        name = payload[start:start + length]
+        if len(name) != length or b"/" in name or b"\0" in name or name in (b"", b".", b".."):
+            raise ServerGone("the sandbox's exec server sent a malformed listing")
+        offset += (DIRENT_SIZE + length + 1 + 7) & ~7
+        yield os.fsdecode(name), _stat(raw.st)
+
+
+def _os_error(err: int, path: str) -> OSError:
+    """The exception Python raises for this errno (FileNotFoundError, PermissionError ...), naming the path."""
+    if err <= 0 or err > 4095:
+        err = errno.EIO
+    return OSError(err, os.strerror(err), path)

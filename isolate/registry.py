@@ -1,0 +1,164 @@
+"""The registry of kept sandboxes (both backends), and where their state lives.
+
+- ``state_dir()``: data that may be large and survives a reboot (workspace
+  copies, the SQLite registry): ``$ISOLATE_STATE_DIR``, else
+  ``$XDG_STATE_HOME/isolate``, else ``~/.local/state/isolate``.
+- ``runtime_dir()``: what the host trusts about a running sandbox (its
+  socket and its description): ``/run/isolate`` for root, else
+  ``$XDG_RUNTIME_DIR/isolate``, else ``/tmp/isolate-UID``; owned by the
+  caller, mode 0700, checked on every use. A sandbox never gets it writable
+  (native runs refuse such a grant), while the state directory may well lie
+  under a sandbox's writable home: nothing read from it is trusted for
+  a path, a pid or a permission.
+
+The SQLite registry lists kept sandboxes of both backends for ``list``,
+``rm`` and ``prune``: (engine, name) -> ids, hashes, created, last used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sqlite3
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .errors import IsolationError, PolicyError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def state_dir() -> str:
+    """``$ISOLATE_STATE_DIR``, else ``$XDG_STATE_HOME/isolate``, else ``~/.local/state/isolate``."""
+    explicit = os.environ.get("ISOLATE_STATE_DIR")
+    if explicit:
+        return os.path.abspath(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "isolate")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "isolate")
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    """One kept sandbox as the registry knows it."""
+
+    engine: str
+    name: str
+    container_id: str
+    config_hash: str
+    spec_hash: str
+    image: str
+    created: float
+    last_used: float
+
+
+class Registry:
+    """The SQLite file of kept sandboxes, keyed by (engine address, name)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or os.path.join(state_dir(), "sandboxes.sqlite3")
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        directory = os.path.dirname(self.path)
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=10.0)
+        except (OSError, sqlite3.Error) as exc:
+            raise IsolationError(
+                f"sandbox registry {self.path}: cannot open it ({exc}); set ISOLATE_STATE_DIR to a writable directory"
+            ) from None
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS sandboxes ("
+                " engine TEXT NOT NULL, name TEXT NOT NULL, container_id TEXT NOT NULL,"
+                " config_hash TEXT NOT NULL, spec_hash TEXT NOT NULL, image TEXT NOT NULL,"
+                " created REAL NOT NULL, last_used REAL NOT NULL, PRIMARY KEY (engine, name))"
+            )
+            with conn:
+                yield conn
+        except sqlite3.Error as exc:
+            raise IsolationError(
+                f"sandbox registry {self.path}: {exc}; remove the file to start afresh (kept containers stay)"
+            ) from None
+        finally:
+            conn.close()
+
+    def record(self, rec: SandboxRecord) -> None:
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    rec.engine, rec.name, rec.container_id, rec.config_hash, rec.spec_hash, rec.image,
+                    rec.created, rec.last_used,
+                ),
+            )  # fmt: skip
+
+    def touch(self, engine: str, name: str, when: float) -> None:
+        with self._db() as db:
+            db.execute("UPDATE sandboxes SET last_used = ? WHERE engine = ? AND name = ?", (when, engine, name))
+
+    def get(self, engine: str, name: str) -> SandboxRecord | None:
+        with self._db() as db:
+            row = db.execute("SELECT * FROM sandboxes WHERE engine = ? AND name = ?", (engine, name)).fetchone()
+        return SandboxRecord(*row) if row else None
+
+    def all(self, engine: str | None = None) -> list[SandboxRecord]:
+        with self._db() as db:
+            if engine is None:
+                rows = db.execute("SELECT * FROM sandboxes ORDER BY engine, name").fetchall()
+            else:
+                rows = db.execute("SELECT * FROM sandboxes WHERE engine = ? ORDER BY name", (engine,)).fetchall()
+        return [SandboxRecord(*row) for row in rows]
+
+    def forget(self, engine: str, name: str) -> bool:
+        with self._db() as db:
+            cursor = db.execute("DELETE FROM sandboxes WHERE engine = ? AND name = ?", (engine, name))
+        return cursor.rowcount > 0
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise PolicyError(
+            f"sandbox name {name!r}: use 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit",
+            "name",
+        )
+    return name
+
+
+def runtime_dir(create: bool = True) -> str:
+    """The caller's private runtime directory for isolate (see the module's docstring)."""
+    uid = os.geteuid()
+    if uid == 0 and os.path.isdir("/run"):
+        path = "/run/isolate"
+    else:
+        xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+        base = xdg if xdg and os.path.isabs(xdg) and _owned_private(xdg, uid) else None
+        path = os.path.join(base, "isolate") if base else f"/tmp/isolate-{uid}"
+    if not create:
+        return path
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise IsolationError(f"runtime directory {path}: cannot create it ({exc.strerror})") from None
+    if not _owned_private(path, uid):
+        raise IsolationError(
+            f"runtime directory {path} is not a directory owned by uid {uid} with mode 0700 (someone else made it, "
+            "or it is a link): remove it, or set XDG_RUNTIME_DIR to a private directory"
+        )
+    return path
+
+
+def _owned_private(path: str, uid: int) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077

@@ -1,0 +1,372 @@
+"""A kept sandbox's workspace: what it starts from, what changed, and writing it back.
+
+``Workspace(source, target="/workspace", mode="copy")`` is the directory every
+command of a ``Sandbox`` starts in:
+
+- ``copy``: a private copy of ``source`` (or an empty directory), minus the
+  names in ``exclude`` (``.git``, ``node_modules`` ...); ``diff()`` compares it
+  with the source and ``commit()`` writes it back;
+- ``bind``: the source itself, writable: the program's changes land at once
+  and there is nothing to diff or commit.
+
+Everything here runs on the host, over a tree the sandboxed program wrote.
+So every walk goes through directory descriptors opened with ``O_NOFOLLOW``
+(a link the program planted is read as a link, never followed), files are
+opened non-blocking and must be regular (a FIFO cannot hang the host), and
+what is written to the host is never a device, a FIFO, a socket, a set-id
+bit or a link that leads out of the tree. Nothing here runs a process.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .errors import IsolationError, PolicyError
+
+WORKSPACE_MODES = ("copy", "bind")
+DEFAULT_TARGET = "/workspace"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a Sandbox's commands work (see the module's docstring)."""
+
+    source: str | None = None
+    target: str = DEFAULT_TARGET
+    mode: str = "copy"
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in WORKSPACE_MODES:
+            raise PolicyError(f"workspace: mode {self.mode!r} is not one of {', '.join(WORKSPACE_MODES)}",
+                              "workspace")
+        if not isinstance(self.target, str) or not os.path.isabs(self.target) or "\0" in self.target:
+            raise PolicyError(f"workspace: target {self.target!r} must be an absolute path inside", "workspace")
+        target = os.path.normpath(self.target)
+        if target == "/" or any(target == p or target.startswith(p + "/") for p in ("/proc", "/dev")):
+            raise PolicyError(f"workspace: {target} cannot be the workspace", "workspace")
+        object.__setattr__(self, "target", target)
+        if self.source is not None:
+            source = os.path.abspath(os.fsdecode(os.fspath(self.source)))
+            if not os.path.isdir(source):
+                raise PolicyError(f"workspace: {source} is not a directory", "workspace")
+            object.__setattr__(self, "source", source)
+        elif self.mode == "bind":
+            raise PolicyError("workspace: mode bind needs a source directory", "workspace")
+        exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
+        for pattern in exclude:
+            if not isinstance(pattern, str) or not pattern or "/" in pattern.strip("/"):
+                raise PolicyError(f"workspace: exclude {pattern!r} must be a file name or a glob of one "
+                                  "(matched at any depth)", "workspace")
+        object.__setattr__(self, "exclude", tuple(p.strip("/") for p in exclude))
+
+    def excluded(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One node of a walked tree: kind is "file", "dir" or "link" (anything else is "other")."""
+
+    kind: str
+    mode: int
+    size: int
+    link: str = ""
+
+
+@dataclass
+class Changes:
+    """What a workspace changed against a directory: paths relative to the workspace."""
+
+    added: list[str] = field(default_factory=list)
+    modified: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    #: Entries commit will not write to the host, with the reason.
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.modified or self.deleted)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "link"
+    return "other"
+
+
+def _open_dir(path: str) -> int:
+    try:
+        return os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        raise IsolationError(f"workspace: {path}: {exc.strerror}") from None
+
+
+def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
+    """Every node under a directory descriptor, by relative path; links are not followed."""
+    out: dict[str, Entry] = {}
+
+    def visit(dir_fd: int, prefix: str) -> None:
+        for name in sorted(os.listdir(dir_fd)):
+            if workspace is not None and workspace.excluded(name):
+                continue
+            rel = prefix + name
+            try:
+                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            kind = _kind(info.st_mode)
+            link = os.readlink(name, dir_fd=dir_fd) if kind == "link" else ""
+            out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link)
+            if kind == "dir":
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                except OSError:
+                    continue  # replaced meanwhile: listed as it was
+                try:
+                    visit(child, rel + "/")
+                finally:
+                    os.close(child)
+
+    visit(root_fd, "")
+    return out
+
+
+def _open_file(dir_fd: int, rel: str) -> int:
+    """A regular file under dir_fd, reached without following any link."""
+    parent_fd = _descend(dir_fd, os.path.dirname(rel))
+    try:
+        fd = os.open(os.path.basename(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=parent_fd)
+    finally:
+        if parent_fd != dir_fd:
+            os.close(parent_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", rel)
+    return fd
+
+
+def _descend(dir_fd: int, rel_dir: str) -> int:
+    """A descriptor of rel_dir under dir_fd, every component a real directory (dir_fd itself for "")."""
+    fd = dir_fd
+    for part in [p for p in rel_dir.split("/") if p]:
+        try:
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        finally:
+            if fd != dir_fd:
+                os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _same_content(a_fd: int, b_fd: int) -> bool:
+    while True:
+        a = os.read(a_fd, _CHUNK)
+        b = os.read(b_fd, _CHUNK)
+        if a != b:
+            return False
+        if not a:
+            return True
+
+
+def _refusal(rel: str, entry: Entry) -> str | None:
+    """Why commit will not carry this entry to the host (None: it will)."""
+    if entry.kind == "other":
+        return "not a regular file, directory or link (devices, FIFOs and sockets stay in the sandbox)"
+    if entry.kind == "link":
+        text = entry.link
+        if os.path.isabs(text):
+            return f"a link to an absolute path ({text}) would lead out of the tree"
+        resolved = os.path.normpath(os.path.join(os.path.dirname(rel), text))
+        if resolved == ".." or resolved.startswith("../"):
+            return f"a link ({text}) that leads out of the tree"
+    return None
+
+
+def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace) -> Changes:
+    """What makes ``other`` (None: an empty tree) equal to the workspace; excluded names are left alone."""
+    mine = walk(workspace_fd, workspace)
+    theirs = walk(other_fd, workspace) if other_fd is not None else {}
+    changes = Changes()
+    for rel, entry in mine.items():
+        why = _refusal(rel, entry)
+        if why:
+            changes.refused[rel] = why
+            continue
+        old = theirs.get(rel)
+        if old is None:
+            changes.added.append(rel)
+        elif old.kind != entry.kind or (entry.kind == "link" and old.link != entry.link):
+            changes.modified.append(rel)
+        elif entry.kind == "file" and (old.size != entry.size or (old.mode & 0o777) != (entry.mode & 0o777)
+                                       or not _files_equal(workspace_fd, other_fd, rel)):
+            changes.modified.append(rel)
+    for rel in theirs:
+        if rel not in mine and not any(rel.startswith(r + "/") for r in changes.refused):
+            parent = os.path.dirname(rel)
+            # Under a deleted directory, the directory's deletion says it all.
+            if not parent or parent in mine:
+                changes.deleted.append(rel)
+    return changes
+
+
+def _files_equal(a_dir: int, b_dir: int | None, rel: str) -> bool:
+    if b_dir is None:
+        return False
+    try:
+        a = _open_file(a_dir, rel)
+    except OSError:
+        return False
+    try:
+        b = _open_file(b_dir, rel)
+    except OSError:
+        os.close(a)
+        return False
+    try:
+        return _same_content(a, b)
+    finally:
+        os.close(a)
+        os.close(b)
+
+
+# -- writing to the host ------------------------------------------------------
+
+
+def _remove_tree(dir_fd: int, name: str) -> None:
+    """Remove name under dir_fd, recursively, never following a link."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        for entry in os.listdir(child):
+            _remove_tree(child, entry)
+    finally:
+        os.close(child)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _ensure_dir(dir_fd: int, name: str, mode: int) -> None:
+    """A real directory named name under dir_fd (a link or file there is replaced)."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.mkdir(name, mode & 0o777, dir_fd=dir_fd)
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        os.mkdir(name, mode & 0o777, dir_fd=dir_fd)
+
+
+def _write_file(src_fd: int, dir_fd: int, name: str, mode: int) -> None:
+    """Copy src_fd to name under dir_fd through a fresh temporary file, then rename it into place."""
+    temp = f".{name[:200]}.isolate-{secrets.token_hex(4)}"
+    # No set-user-ID, set-group-ID or sticky bit ever reaches the host.
+    out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777,
+                  dir_fd=dir_fd)
+    try:
+        while True:
+            chunk = os.read(src_fd, _CHUNK)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out, view):]
+        os.fchmod(out, mode & 0o777)
+    except BaseException:
+        os.close(out)
+        os.unlink(temp, dir_fd=dir_fd)
+        raise
+    os.close(out)
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        info = None
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        _remove_tree(dir_fd, name)
+    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str, Entry]) -> None:
+    """Write changes (computed by diff against target) from the workspace into target."""
+    for rel in sorted(changes.deleted, key=lambda r: -r.count("/")):
+        parent = _descend(target_fd, os.path.dirname(rel))
+        try:
+            _remove_tree(parent, os.path.basename(rel))
+        finally:
+            if parent != target_fd:
+                os.close(parent)
+    for rel in sorted(changes.added + changes.modified, key=lambda r: (r.count("/"), r)):
+        entry = entries[rel]
+        parent = _descend(target_fd, os.path.dirname(rel))
+        name = os.path.basename(rel)
+        try:
+            if entry.kind == "dir":
+                _ensure_dir(parent, name, entry.mode)
+                os.chmod(name, entry.mode & 0o777, dir_fd=parent, follow_symlinks=False)
+            elif entry.kind == "link":
+                _remove_tree(parent, name)
+                os.symlink(entry.link, name, dir_fd=parent)
+            elif entry.kind == "file":
+                src = _open_file(workspace_fd, rel)
+                try:
+                    _write_file(src, parent, name, entry.mode)
+                finally:
+                    os.close(src)
+        finally:
+            if parent != target_fd:
+                os.close(parent)
+
+
+def copy_tree(source: str, destination: str, workspace: Workspace) -> None:
+    """Fill the empty directory destination with source's tree (links as links, no special files)."""
+    src_fd = _open_dir(source)
+    dst_fd = _open_dir(destination)
+    try:
+        entries = walk(src_fd, workspace)
+        changes = diff(src_fd, None, workspace)
+        changes.added = [r for r in changes.added if not any(r.startswith(x + "/") for x in changes.refused)]
+        apply(src_fd, dst_fd, changes, entries)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+
+
+def entries_of(path: str, workspace: Workspace) -> tuple[int, dict[str, Entry]]:
+    """A descriptor of the directory and its walk (the caller closes the descriptor)."""
+    fd = _open_dir(path)
+    return fd, walk(fd, workspace)
+
+
+def listed(changes: Changes) -> Iterator[tuple[str, str]]:
+    for name in ("added", "modified", "deleted"):
+        for rel in getattr(changes, name):
+            yield name, rel
+
+
+def check_target(path: str, forbidden: Sequence[str]) -> str:
+    """A commit target: an existing directory, not inside one of ``forbidden`` (the workspace itself)."""
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        raise IsolationError(f"commit: {path} is not a directory")
+    for other in forbidden:
+        other_real = os.path.realpath(other)
+        if real == other_real or real.startswith(other_real.rstrip("/") + "/"):
+            raise IsolationError(f"commit: {path} lies inside the sandbox's own workspace")
+    return real

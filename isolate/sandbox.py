@@ -18,24 +18,21 @@ import asyncio
 import functools
 import math
 import os
-import re
-import secrets
 import shlex
-import signal
 import subprocess
-import termios
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .backends.native import files as native_files
-from .backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, run_collecting
+from .backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, SandboxProcess, run_collecting
 from .backends.native.files import DirEntry, GrepMatch
 from .backends.native.kept import NativeSandbox, environment_for
 from .backends.native.protocol import Stat
 from .errors import IsolationError, PolicyError, UnsupportedError
 from .policy import Mount, Policy
 from .registry import Registry, SandboxRecord, _check_name
+from .shell import Shell
 from .workspace import Changes, Workspace, apply, check_target, diff, entries_of
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
@@ -130,9 +127,12 @@ class Sandbox:
         return self
 
     @classmethod
-    def attach(cls, name: str) -> Sandbox:
-        """The running named native sandbox, made earlier (maybe by another process of this user)."""
-        impl = NativeSandbox.attach(_check_name(name))
+    def attach(cls, name: str, ping: bool = True) -> Sandbox:
+        """The running named native sandbox, made earlier (maybe by another process of this user).
+
+        ``ping=False``: do not wait for its exec server's answer (needed to resume a paused one).
+        """
+        impl = NativeSandbox.attach(_check_name(name), ping)
         box = cls.__new__(cls)
         box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, "native"
         box.policy, box._impl, box._docker, box._shells, box._started = impl.policy, impl, None, {}, True
@@ -402,185 +402,6 @@ class Sandbox:
                 os.close(tgt_fd)
         finally:
             os.close(ws_fd)
-
-
-class SandboxProcess:
-    """A command started by ``Sandbox.spawn``: stream ``stdout``/``stderr``, ``write()``, ``kill()``, ``wait()``."""
-
-    def __init__(self, impl: NativeSandbox, argv: list[str], cwd: str, environment: list[str],
-                 timeout: float | None, pty: bool) -> None:
-        self.args = argv
-        self.master_fd = -1
-        if pty:
-            master, slave = os.openpty()
-            os.set_inheritable(master, False)
-            stdio = (slave, slave, slave)
-            closers = [slave]
-            self.master_fd = master
-            self.stdin_fd, self.stdout_fd, self.stderr_fd = master, master, -1
-        else:
-            in_r, in_w = os.pipe2(os.O_CLOEXEC)
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            stdio = (in_r, out_w, err_w)
-            closers = [in_r, out_w, err_w]
-            self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
-        try:
-            self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced)
-        except BaseException:
-            for fd in {self.stdin_fd, self.stdout_fd, self.stderr_fd} - {-1}:
-                os.close(fd)
-            raise
-        finally:
-            for fd in closers:
-                os.close(fd)
-        self.stdout = os.fdopen(self.stdout_fd, "rb", buffering=0, closefd=not pty)
-        self.stderr = os.fdopen(self.stderr_fd, "rb", buffering=0) if self.stderr_fd >= 0 else None
-        self.pid = self._command.pid
-
-    def __iter__(self) -> Iterator[bytes]:
-        """stdout, line by line (a terminal's output with pty=True)."""
-        buffered = b""
-        while True:
-            try:
-                chunk = os.read(self.stdout_fd, 65536)
-            except OSError:  # EIO: the terminal's last user is gone
-                chunk = b""
-            if not chunk:
-                if buffered:
-                    yield buffered
-                return
-            buffered += chunk
-            *lines, buffered = buffered.split(b"\n")
-            for line in lines:
-                yield line + b"\n"
-
-    def write(self, data: str | bytes) -> None:
-        view = memoryview(data.encode() if isinstance(data, str) else data)
-        while view:
-            view = view[os.write(self.stdin_fd, view):]
-
-    def close_stdin(self) -> None:
-        if self.master_fd < 0 and self.stdin_fd >= 0:
-            os.close(self.stdin_fd)
-            self.stdin_fd = -1
-
-    def signal(self, sig: int, descendants: bool = False) -> None:
-        self._command.signal(sig, descendants)
-
-    def kill(self) -> None:
-        """End the command and everything it started."""
-        self._command.kill()
-
-    def poll(self) -> int | None:
-        self._command.poll_exit(0)
-        return self._command.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self._command.poll_exit(timeout) is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        rc = self._command.returncode
-        assert rc is not None
-        return rc
-
-    @property
-    def returncode(self) -> int | None:
-        return self._command.returncode
-
-    @property
-    def report(self) -> Any:
-        return self._command.report() if self._command.exit is not None else None
-
-    def close(self) -> None:
-        self._command.close()
-        for fd in (self.stdin_fd, self.master_fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.stdin_fd = self.master_fd = -1
-        self.stdout.close()
-        if self.stderr is not None:
-            self.stderr.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Shell:
-    """A persistent shell in a sandbox: ``run(command)`` returns (output, exit status); state persists."""
-
-    def __init__(self, box: Sandbox, name: str, pty: bool) -> None:
-        self.name = name
-        self.pty = pty
-        self._token = secrets.token_hex(8)
-        env = {"PS1": "", "PS2": "", "TERM": "dumb"}
-        self._process = box.spawn(["/bin/sh"], env=env, pty=pty)
-        if pty:
-            attrs = termios.tcgetattr(self._process.master_fd)
-            attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
-            attrs[1] &= ~termios.ONLCR
-            termios.tcsetattr(self._process.master_fd, termios.TCSANOW, attrs)
-        self._buffer = b""
-        self._seq = 0
-        self._stale = re.compile(rb"(?s).*\n__isolate_" + self._token.encode() + rb"_\d+_-?\d+__\n")
-
-    @property
-    def alive(self) -> bool:
-        return self._process.poll() is None
-
-    def run(self, command: str, timeout: float | None = 60.0) -> tuple[str, int]:
-        """Run one command line; returns its output (stdout and stderr) and exit status."""
-        if "\n" in command.strip("\n") and command.count("\n") > 1000:
-            raise ValueError("run: the command is too long")
-        if not self.alive:
-            raise IsolationError(f"shell {self.name!r} has ended")
-        self._seq += 1
-        marker = f"__isolate_{self._token}_{self._seq}_"
-        redirect = "" if self.pty else " 2>&1"
-        self._process.write(f"{{ {command}\n}}{redirect}\nprintf '\\n{marker}%d__\\n' \"$?\"\n")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pattern = marker.encode()
-        import select
-
-        while True:
-            at = self._buffer.find(pattern)
-            if at >= 0:
-                end = self._buffer.find(b"__\n", at + len(pattern))
-                if end >= 0:
-                    status = int(self._buffer[at + len(pattern):end] or b"-1")
-                    # What an interrupted earlier run printed late, up to its own marker, is not this run's.
-                    output = self._stale.sub(b"", self._buffer[:at])
-                    self._buffer = self._buffer[end + 3:]
-                    if output.endswith(b"\n"):
-                        output = output[:-1]
-                    return output.decode(errors="replace"), status
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                self.interrupt()
-                raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s "
-                                   "(it was interrupted)")
-            ready, _, _ = select.select([self._process.stdout_fd], [], [], wait)
-            if ready:
-                try:
-                    chunk = os.read(self._process.stdout_fd, 65536)
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    raise IsolationError(f"shell {self.name!r} ended")
-                self._buffer += chunk
-
-    def interrupt(self) -> None:
-        """SIGINT to what the shell is running (not the shell itself)."""
-        self._process.signal(signal.SIGINT, descendants=True)
-
-    def close(self) -> None:
-        self._process.kill()
-        self._process.close()
 
 
 class AsyncSandbox:

@@ -57,7 +57,7 @@ def _parser() -> _Parser:
 
     parser = _Parser(prog="isolate-run sandbox", description="Kept sandboxes: create one, run commands in it, "
                      "copy files, diff and commit its workspace, remove it.")
-    commands = parser.add_subparsers(dest="command", parser_class=_Parser,
+    commands = parser.add_subparsers(dest="action", parser_class=_Parser,
                                      metavar="create|exec|shell|cp|diff|commit|pause|resume|list|rm|prune")
     commands.required = True
     create = commands.add_parser("create", help="make a named native sandbox (policy options as isolate-run's)")
@@ -114,7 +114,7 @@ def sandbox_main(argv: Sequence[str]) -> int:
             options = _parser().parse_args(words)
         except SystemExit as stop:  # --help
             return int(stop.code or 0)
-        return int(_COMMANDS[options.command](options))
+        return int(_COMMANDS[options.action](options))
     except _UsageError as exc:
         print(f"isolate-run sandbox: {exc} (see isolate-run sandbox --help)", file=sys.stderr)
     except (CommandNotFoundError, CommandNotExecutableError) as exc:
@@ -124,7 +124,11 @@ def sandbox_main(argv: Sequence[str]) -> int:
         print(f"isolate-run sandbox: {exc}", file=sys.stderr)
     except OSError as exc:
         print(f"isolate-run sandbox: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
-    except Exception as exc:  # never a traceback for a CLI user
+    except Exception as exc:  # never a traceback for a CLI user (unless ISOLATE_DEBUG asks for one)
+        if os.environ.get("ISOLATE_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
         print(f"isolate-run sandbox: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
     return EXIT_SETUP
 
@@ -156,10 +160,10 @@ def _create(words: list[str]) -> int:
     return 0
 
 
-def _attach(name: str) -> Any:
+def _attach(name: str, ping: bool = True) -> Any:
     from .sandbox import Sandbox
 
-    return Sandbox.attach(name)
+    return Sandbox.attach(name, ping)
 
 
 def _exec(options: argparse.Namespace) -> int:
@@ -302,21 +306,21 @@ def _commit(options: argparse.Namespace) -> int:
 
 
 def _pause(options: argparse.Namespace) -> int:
-    box = _attach(options.name)
+    box = _attach(options.name, ping=False)  # a paused sandbox does not answer
     try:
-        print(box.pause() if options.command == "pause" else box.resume())
+        print(box.pause() if options.action == "pause" else box.resume())
     finally:
         box.detach()
     return 0
 
 
-def native_names() -> list[str]:
-    """Named native sandboxes this user has (running or ended but not removed)."""
+def native_names(unnamed: bool = False) -> list[str]:
+    """Named native sandboxes this user has (running or ended but not removed); with unnamed, the others too."""
     try:
         entries = os.listdir(runtime_dir())
     except (OSError, IsolationError):
         return []
-    return sorted(e[:-5] for e in entries if e.endswith(".json") and not e.startswith("anon-"))
+    return sorted(e[:-5] for e in entries if e.endswith(".json") and (unnamed or not e.startswith("anon-")))
 
 
 def _native_state(name: str) -> tuple[str, float]:
@@ -330,9 +334,11 @@ def _native_state(name: str) -> tuple[str, float]:
             created = float(json.load(handle).get("created") or 0)
     except (OSError, ValueError, TypeError):
         pass
-    box = NativeSandbox.__new__(NativeSandbox)
-    box.paths, box.process = paths, None
-    return ("running" if box.running() else "ended"), created
+    try:
+        box = NativeSandbox.attach(name, ping=False)
+    except IsolationError:
+        return "ended", created
+    return box.state(), created
 
 
 def _list(options: argparse.Namespace) -> int:
@@ -371,7 +377,7 @@ def remove_native(name: str) -> bool:
     if not os.path.exists(paths.meta) and not os.path.exists(paths.socket):
         return False
     try:
-        box = NativeSandbox.attach(name)
+        box = NativeSandbox.attach(name, ping=False)  # a paused one does not answer, and need not
     except IsolationError:
         # Ended already: only its files are left.
         box = NativeSandbox(__import__("isolate").Policy(), Workspace(), (), name, None, None)
@@ -401,7 +407,7 @@ def _rm(options: argparse.Namespace) -> int:
 def prune_native() -> list[tuple[str, str]]:
     """Remove the named native sandboxes that have ended (ttl, idle timeout, killed, reboot)."""
     done = []
-    for name in native_names():
+    for name in native_names(unnamed=True):  # an unnamed one whose creator died leaves its files
         if _native_state(name)[0] == "ended":
             remove_native(name)
             done.append((name, "ended"))

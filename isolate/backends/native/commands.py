@@ -13,8 +13,9 @@ import errno
 import os
 import selectors
 import signal
+import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,3 +231,110 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
         if stdin_w is not None:
             os.close(stdin_w)
     return bytes(out.data), bytes(err.data), out.truncated or err.truncated
+
+
+class SandboxProcess:
+    """A command started by ``Sandbox.spawn``: stream ``stdout``/``stderr``, ``write()``, ``kill()``, ``wait()``."""
+
+    def __init__(self, impl: Any, argv: list[str], cwd: str, environment: list[str],
+                 timeout: float | None, pty: bool) -> None:
+        self.args = argv
+        self.master_fd = -1
+        if pty:
+            master, slave = os.openpty()
+            os.set_inheritable(master, False)
+            stdio = (slave, slave, slave)
+            closers = [slave]
+            self.master_fd = master
+            self.stdin_fd, self.stdout_fd, self.stderr_fd = master, master, -1
+        else:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            stdio = (in_r, out_w, err_w)
+            closers = [in_r, out_w, err_w]
+            self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
+        try:
+            self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced)
+        except BaseException:
+            for fd in {self.stdin_fd, self.stdout_fd, self.stderr_fd} - {-1}:
+                os.close(fd)
+            raise
+        finally:
+            for fd in closers:
+                os.close(fd)
+        self.stdout = os.fdopen(self.stdout_fd, "rb", buffering=0, closefd=not pty)
+        self.stderr = os.fdopen(self.stderr_fd, "rb", buffering=0) if self.stderr_fd >= 0 else None
+        self.pid = self._command.pid
+
+    def __iter__(self) -> Iterator[bytes]:
+        """stdout, line by line (a terminal's output with pty=True)."""
+        buffered = b""
+        while True:
+            try:
+                chunk = os.read(self.stdout_fd, 65536)
+            except OSError:  # EIO: the terminal's last user is gone
+                chunk = b""
+            if not chunk:
+                if buffered:
+                    yield buffered
+                return
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for line in lines:
+                yield line + b"\n"
+
+    def write(self, data: str | bytes) -> None:
+        view = memoryview(data.encode() if isinstance(data, str) else data)
+        while view:
+            view = view[os.write(self.stdin_fd, view):]
+
+    def close_stdin(self) -> None:
+        if self.master_fd < 0 and self.stdin_fd >= 0:
+            os.close(self.stdin_fd)
+            self.stdin_fd = -1
+
+    def signal(self, sig: int, descendants: bool = False) -> None:
+        self._command.signal(sig, descendants)
+
+    def kill(self) -> None:
+        """End the command and everything it started."""
+        self._command.kill()
+
+    def poll(self) -> int | None:
+        self._command.poll_exit(0)
+        return self._command.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._command.poll_exit(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        rc = self._command.returncode
+        assert rc is not None
+        return rc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._command.returncode
+
+    @property
+    def report(self) -> Any:
+        return self._command.report() if self._command.exit is not None else None
+
+    def close(self) -> None:
+        self._command.close()
+        for fd in (self.stdin_fd, self.master_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.stdin_fd = self.master_fd = -1
+        self.stdout.close()
+        if self.stderr is not None:
+            self.stderr.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

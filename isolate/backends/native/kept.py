@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import runtime_dir, state_dir
 from ...workspace import Workspace, copy_tree
-from .protocol import Connection, ServerGone
+from .protocol import Connection, ServerGone, encode
 
 SERVER_NAME = "isolate-exec-server"
 #: How long start() waits for the server to answer its first ping.
@@ -92,11 +93,13 @@ class NativeSandbox:
         self.idle_timeout = idle_timeout
         self.paths = Paths.of(name or f"anon-{os.getpid()}-{secrets.token_hex(6)}")
         self.process: _ServerProcess | None = None
-        self.server_pid = 0  # the exec server's host pid (from the socket's peer credentials)
+        #: The init's host pid and start time (psutil's create_time): together they name it, even after pid reuse.
+        self.init_identity: tuple[int, float] | None = None
         self.environment: dict[str, str] = {}
         self.report_enforced: dict[str, Any] = {}
         self.paused = False
         self._files: Connection | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -140,6 +143,9 @@ class NativeSandbox:
             self.report_enforced = dict(prepared.enforced)
             self._wait_ready()
             self._write_meta()
+            if self.name is None:
+                # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
+                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.workspace.mode == "copy")
         except BaseException:
             if listener is not None:
                 listener.close()
@@ -172,8 +178,8 @@ class NativeSandbox:
             try:
                 conn = Connection(self.paths.socket)
                 conn.call(lib.ISO_XS_PING)
-                self.server_pid = conn.peer_pid
                 self._files = conn
+                self.init_identity = _identity(self.process.pid)
                 return
             except ServerGone:
                 if time.monotonic() > deadline:
@@ -187,21 +193,19 @@ class NativeSandbox:
                               "mode": self.workspace.mode, "exclude": list(self.workspace.exclude)},
                 "mounts": [str(m) for m in self.mounts], "environment": self.environment,
                 "enforced": self.report_enforced, "created": time.time(),
-                "cgroup": self._cgroup_path()}
+                "init": list(self.init_identity) if self.init_identity else None}
         temp = self.paths.meta + f".{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(meta, handle)
         os.rename(temp, self.paths.meta)
 
-    def _cgroup_path(self) -> str | None:
-        prepared = self.process._prepared if self.process is not None else None
-        cgroup = prepared.cgroup if prepared is not None else None
-        return str(cgroup.path) if cgroup is not None and getattr(cgroup, "path", None) else None
-
     @classmethod
-    def attach(cls, name: str) -> NativeSandbox:
-        """The running sandbox of that name (made by this user), as its creator left it."""
+    def attach(cls, name: str, ping: bool = True) -> NativeSandbox:
+        """The running sandbox of that name (made by this user), as its creator left it.
+
+        ``ping=False`` does not ask the exec server (a paused sandbox would not answer).
+        """
         paths = Paths.of(name)
         try:
             fd = os.open(paths.meta, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -215,12 +219,16 @@ class NativeSandbox:
                   [Mount.parse(m) for m in meta["mounts"]], name, None, None)
         box.environment = {str(k): str(v) for k, v in meta["environment"].items()}
         box.report_enforced = dict(meta["enforced"])
+        init = meta.get("init")
+        if isinstance(init, list) and len(init) == 2:
+            box.init_identity = (int(init[0]), float(init[1]))
+        if not ping:
+            return box
         try:
             conn = Connection(paths.socket)
             conn.call(lib.ISO_XS_PING)
         except ServerGone:
             raise IsolationError(f"sandbox {name!r} has ended; remove it with isolate-run sandbox rm {name}") from None
-        box.server_pid = conn.peer_pid
         box._files = conn
         return box
 
@@ -232,29 +240,28 @@ class NativeSandbox:
     def connect(self) -> Connection:
         return Connection(self.paths.socket)
 
-    def running(self) -> bool:
-        if self.process is not None:
-            return self.process.poll() is None
+    def state(self) -> str:
+        """"running", "ended", or "not answering" (paused, or its exec server killed from inside)."""
+        if self.process is not None and self.process.poll() is not None:
+            return "ended"
         try:
             with self.connect() as conn:
-                conn.call(lib.ISO_XS_PING)
-            return True
+                conn.send(encode(lib.ISO_XS_PING))
+                conn.receive(timeout=2.0)
+            return "running"
+        except TimeoutError:
+            return "not answering"
         except (ServerGone, OSError):
-            return False
+            return "ended" if self._init_pid() is None else "not answering"
 
     def _init_pid(self) -> int | None:
-        """The sandbox's init on the host: the exec server's parent (the kernel's word, not a file's)."""
+        """The sandbox's init on the host, if it still runs (a reused pid is told apart by its start time)."""
         if self.process is not None:
             return self.process.pid
-        if not self.server_pid:
+        if self.init_identity is None:
             return None
-        import psutil
-
-        try:
-            parent = psutil.Process(self.server_pid).parent()
-        except psutil.Error:
-            return None
-        return parent.pid if parent is not None else None
+        pid, started = self.init_identity
+        return pid if _identity(pid) == (pid, started) else None
 
     def processes(self) -> list[Any]:
         """psutil.Process objects of every process in the sandbox, its init first."""
@@ -285,17 +292,15 @@ class NativeSandbox:
             except subprocess.TimeoutExpired:
                 pass
             self.process = None
-        elif self.server_pid:
+        else:
             init = self._init_pid()
             if init is not None:
                 with _suppress_missing():
                     os.kill(init, signal.SIGKILL)
-        self.server_pid = 0
-        for path in (self.paths.socket, self.paths.meta):
-            with _suppress_missing():
-                os.unlink(path)
-        if remove_data and self.workspace.mode == "copy" and os.path.isdir(self.paths.data):
-            _remove_dir(self.paths.data)
+        self.init_identity = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _remove_files(self.paths, remove_data and self.workspace.mode == "copy")
 
     # -- pause -------------------------------------------------------------------
 
@@ -334,6 +339,18 @@ class NativeSandbox:
         return "sigstop"
 
 
+def _identity(pid: int) -> tuple[int, float] | None:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None  # dead, not yet reaped (its parent is gone, and the host's init may be slow to)
+        return pid, process.create_time()
+    except psutil.Error:
+        return None
+
+
 def _environment_of(plan: Any) -> dict[str, str]:
     """The environment the plan gives the program (the policy's, with PATH, HOME and TMPDIR worked out)."""
     env: dict[str, str] = {}
@@ -353,6 +370,14 @@ class _suppress_missing:
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
         return kind is not None and issubclass(kind, (ProcessLookupError, FileNotFoundError))
+
+
+def _remove_files(paths: Paths, data: bool) -> None:
+    for path in (paths.socket, paths.meta):
+        with _suppress_missing():
+            os.unlink(path)
+    if data and os.path.isdir(paths.data):
+        _remove_dir(paths.data)
 
 
 def _remove_dir(path: str) -> None:

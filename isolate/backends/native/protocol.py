@@ -116,10 +116,6 @@ class Connection:
         except OSError as exc:
             self.sock.close()
             raise ServerGone(f"the sandbox does not answer ({path}: {exc.strerror})") from None
-        # The peer is the server itself (the kernel says who accepted): its
-        # host pid lets the host find the sandbox's init without trusting a file.
-        creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        self.peer_pid = int.from_bytes(creds[:4], "little")
 
     def fileno(self) -> int:
         return self.sock.fileno()

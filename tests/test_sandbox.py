@@ -1,0 +1,456 @@
+"""isolate.Sandbox, native: a kept sandbox with a workspace, commands, files, shells.
+
+Every test runs on the real kernel, as root and as uid 65534 (tests/run-all.sh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import NAMESPACES_WHY, PYTHON, WORK_BASE, policy, python_read
+
+import isolate
+from isolate import Mount, Sandbox, Workspace
+from isolate.registry import runtime_dir
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+
+
+def sandbox_policy(**changes: object) -> isolate.Policy:
+    return policy(write=(), **changes)
+
+
+@pytest.fixture
+def source(workdir: str) -> str:
+    """A small project to start a workspace from."""
+    root = Path(workdir) / "project"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "main.py").write_text("print('hello')\n")
+    (root / "README").write_text("readme\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref: main\n")
+    (root / "node_modules" / "x").mkdir(parents=True)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    root.chmod(0o755)
+    return str(root)
+
+
+@pytest.fixture
+def box(source: str) -> Iterator[Sandbox]:
+    with Sandbox(sandbox_policy(), workspace=Workspace(source, exclude=(".git", "node_modules"))) as sandbox:
+        yield sandbox
+
+
+def test_commands_share_files_tmp_and_processes(box: Sandbox) -> None:
+    first = box.exec("echo kept > /tmp/state && echo work > here.txt && pwd")
+    assert first.returncode == 0 and first.stdout == "/workspace\n", first
+    assert box.exec(["cat", "/tmp/state", "here.txt"]).stdout == "kept\nwork\n"
+    # A background process of one command is seen, and can be signalled, by the next.
+    box.exec("sleep 300 >/dev/null 2>&1 & echo $! > /tmp/pid")
+    assert "sleep 300" in box.exec("cat /proc/$(cat /tmp/pid)/cmdline | tr '\\0' ' '").stdout
+    assert box.exec("kill $(cat /tmp/pid)").returncode == 0
+
+
+def test_exec_result_fields(box: Sandbox) -> None:
+    result = box.exec(["sh", "-c", "echo out; echo err >&2; exit 3"], env={"X": "1"})
+    assert (result.returncode, result.stdout, result.stderr, result.truncated) == (3, "out\n", "err\n", False)
+    assert result.report.status == "exited" and result.report.exit_code == 3
+    assert result.report.backend == "native" and result.report.wall_seconds > 0
+    assert box.exec("echo $X", env={"X": "given"}).stdout == "given\n"
+    assert box.exec(["cat"], input="fed\n").stdout == "fed\n"
+    assert box.exec("pwd", cwd="/tmp").stdout == "/tmp\n"
+    big = box.exec("head -c 300000 /dev/zero | tr '\\0' a; echo END", output_limit=1000)
+    assert big.truncated and len(big.stdout) == 1000 and big.stdout.endswith("aEND\n")
+    with pytest.raises(isolate.CommandNotFoundError):
+        box.exec(["no-such-command-here"])
+    with pytest.raises(isolate.SetupError):
+        box.exec(["true"], cwd="/no/such/dir")
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(isolate.PolicyError):
+            box.exec(["true"], timeout=bad)
+
+
+def test_timeout_ends_the_whole_tree_and_nothing_else(box: Sandbox) -> None:
+    # Another command's background process, started before, must survive.
+    box.exec("setsid sh -c 'exec sleep 301' >/dev/null 2>&1 < /dev/null &")
+    started = time.monotonic()
+    result = box.exec("setsid sh -c 'exec sleep 302' >/dev/null 2>&1 < /dev/null & sleep 303 & sleep 60",
+                      timeout=0.5)
+    assert time.monotonic() - started < 10
+    assert result.timed_out and result.report.status == "timeout" and result.returncode == 137
+    time.sleep(0.2)
+    cmdlines = box.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
+    assert "sleep 301" in cmdlines
+    assert "sleep 302" not in cmdlines and "sleep 303" not in cmdlines
+
+
+def test_spawn_streams_and_kill_ends_the_tree(box: Sandbox) -> None:
+    proc = box.spawn(["sh", "-c", "read line; echo got $line; echo second"])
+    proc.write("hello\n")
+    assert list(proc) == [b"got hello\n", b"second\n"]
+    assert proc.wait(10) == 0 and proc.report.status == "ok"
+    proc.close()
+
+    daemon = box.spawn("setsid sh -c 'exec sleep 304' </dev/null >/dev/null 2>&1 & echo started; sleep 100")
+    assert next(iter(daemon)) == b"started\n"
+    daemon.kill()
+    assert daemon.wait(10) == 137
+    daemon.close()
+    assert "sleep 304" not in box.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
+
+
+def test_dropping_a_command_ends_it(box: Sandbox) -> None:
+    proc = box.spawn("sleep 305")
+    proc.close()  # the conversation ends: so does the command
+    for _ in range(100):
+        if "sleep 305" not in box.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the command outlived its conversation")
+
+
+def test_files_as_the_program_sees_them(box: Sandbox) -> None:
+    box.write_file("notes/today.txt", "one\n")
+    box.write_file("notes/today.txt", "two\n", append=True)
+    assert box.read_file("notes/today.txt") == "one\ntwo\n"
+    assert box.exec("cat notes/today.txt").stdout == "one\ntwo\n"
+    info = box.stat("notes/today.txt")
+    assert info.is_file and info.size == 8
+    # Written as the program: its uid inside.
+    uid = int(box.exec("id -u").stdout)
+    assert info.uid == uid
+    assert box.replace_text("notes/today.txt", "two", "2") == 1
+    with pytest.raises(ValueError):
+        box.replace_text("notes/today.txt", "absent", "x")
+    box.write_file("notes/b.txt", "x x x")
+    with pytest.raises(ValueError):
+        box.replace_text("notes/b.txt", "x", "y", count=2)
+    assert box.replace_text("notes/b.txt", "x", "y", count=3) == 3
+    names = [e.path for e in box.list_dir(depth=2)]
+    assert "notes" in names and "notes/today.txt" in names and "src/main.py" in names
+    assert ".git" not in names and "node_modules" not in names  # excluded from the copy
+    assert box.glob("**/*.txt") == ["notes/b.txt", "notes/today.txt"]
+    assert [(m.path, m.line_number) for m in box.grep(r"^print", glob="*.py")] == [("src/main.py", 1)]
+    box.mkdir("deep/er/still")
+    box.move("notes/b.txt", "deep/er/b.txt")
+    assert box.exists("deep/er/b.txt") and not box.exists("notes/b.txt")
+    box.remove("deep", recursive=True)
+    assert not box.exists("deep")
+    with pytest.raises(FileNotFoundError):
+        box.read_file("missing.txt")
+    with pytest.raises(IsADirectoryError):
+        box.read_file("notes")
+    with pytest.raises(OSError):
+        box.read_file("notes/today.txt", limit=3)
+
+
+def test_file_methods_cannot_leave_the_sandbox(box: Sandbox, workdir: str) -> None:
+    secret = Path(workdir) / "host-secret"
+    secret.write_text("host only\n")
+    secret.chmod(0o644)
+    # Links the program plants resolve inside its own view, never the host's.
+    box.exec(f"ln -s {secret} planted; ln -s /etc/shadow shadow; ln -s ../../../../{secret} dots; mkfifo fifo")
+    for path in ("planted", "dots", str(secret), f"../../../..{secret}"):
+        with pytest.raises(FileNotFoundError):
+            box.read_file(path)
+    with pytest.raises((PermissionError, FileNotFoundError)):
+        box.read_file("shadow")
+    with pytest.raises(OSError):
+        box.read_file("fifo")  # not a regular file: refused at once, never blocks
+    with pytest.raises((PermissionError, OSError)):
+        box.write_file("/usr/bin/planted", "x")
+    assert not os.path.exists("/usr/bin/planted")
+    # The host's path names the sandbox's own file there (its /tmp is private): the host file is untouched.
+    box.write_file(str(secret), "overwritten")
+    assert box.read_file(str(secret)) == "overwritten"
+    assert secret.read_text() == "host only\n"
+
+
+def test_diff_and_commit(box: Sandbox, source: str) -> None:
+    box.write_file("src/main.py", "print('changed')\n")
+    box.write_file("src/new.py", "x = 1\n")
+    box.remove("README")
+    changes = box.diff()
+    assert changes.added == ["src/new.py"] and changes.modified == ["src/main.py"] and changes.deleted == ["README"]
+    assert Path(source, "src", "main.py").read_text() == "print('hello')\n"  # nothing before commit
+    box.commit()
+    assert Path(source, "src", "main.py").read_text() == "print('changed')\n"
+    assert Path(source, "src", "new.py").read_text() == "x = 1\n"
+    assert not Path(source, "README").exists()
+    assert Path(source, ".git", "HEAD").exists()  # excluded names are left alone
+    assert not box.diff()
+
+
+def test_commit_refuses_planted_links_and_strips_setid(box: Sandbox, source: str, workdir: str) -> None:
+    secret = Path(workdir) / "host-secret"
+    secret.write_text("host only\n")
+    box.exec(f"ln -s {secret} abs-link; ln -s ../../outside rel-out; ln -s src/main.py inside-link; "
+             "mkfifo pipe; echo x > tool; chmod 4755 tool || chmod 755 tool")
+    # The program replaces a directory of the workspace by a link to the host's secret place.
+    box.exec(f"rm -rf src && ln -s {workdir} src")
+    changes = box.commit()
+    assert set(changes.refused) == {"abs-link", "rel-out", "pipe", "src"}
+    assert not Path(source, "abs-link").exists() and not Path(source, "rel-out").is_symlink()
+    assert not Path(source, "pipe").exists()
+    assert Path(source, "src").is_dir() and not Path(source, "src").is_symlink()  # left as it was
+    assert os.readlink(Path(source, "inside-link")) == "src/main.py"
+    mode = os.stat(Path(source, "tool")).st_mode
+    assert stat.S_IMODE(mode) & 0o7000 == 0 and stat.S_IMODE(mode) & 0o111
+    assert secret.read_text() == "host only\n"
+
+
+def test_commit_through_a_planted_target_link_is_refused(box: Sandbox, workdir: str) -> None:
+    target = Path(workdir) / "out"
+    target.mkdir()
+    elsewhere = Path(workdir) / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, target / "src")  # a link where the workspace has a directory
+    box.commit(target)
+    assert (target / "src").is_dir() and not (target / "src").is_symlink()
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_persistent_shell(box: Sandbox) -> None:
+    shell = box.shell()
+    assert shell.run("cd src && X=5 && f() { echo fn$1; }") == ("", 0)
+    assert shell.run("pwd; echo $X; f 1") == ("/workspace/src\n5\nfn1\n", 0)
+    assert shell.run("false")[1] == 1
+    with pytest.raises(TimeoutError):
+        shell.run("sleep 30", timeout=0.5)
+    assert shell.run("echo still here") == ("still here\n", 0)
+    other = box.shell("second", pty=False)
+    assert other.run("pwd; echo err >&2") == ("/workspace\nerr\n", 0)
+    assert box.shell() is shell
+
+
+def test_pause_stops_cpu_use(box: Sandbox) -> None:
+    spinner = box.spawn("while :; do :; done")
+    time.sleep(0.3)
+    mechanism = box.pause()
+    assert mechanism in ("cgroup-freezer", "sigstop")
+
+    def cpu() -> float:
+        return sum(p.cpu_times().user + p.cpu_times().system for p in box.processes() if p.is_running())
+
+    before = cpu()
+    time.sleep(0.5)
+    assert cpu() - before < 0.05
+    box.resume()
+    time.sleep(0.3)
+    assert cpu() - before > 0.05
+    spinner.kill()
+    spinner.close()
+
+
+def test_bind_workspace_and_mounts(source: str, workdir: str) -> None:
+    data = Path(workdir) / "data"
+    data.mkdir()
+    (data / "input").write_text("given\n")
+    data.chmod(0o755)
+    (data / "input").chmod(0o644)
+    with Sandbox(sandbox_policy(), workspace=Workspace(source, target="/repo", mode="bind"),
+                 mounts=[Mount(str(data), "/data", "ro")]) as sb:
+        assert sb.exec("pwd; cat /data/input").stdout == "/repo\ngiven\n"
+        assert sb.exec("touch /data/x").returncode != 0
+        assert sb.exec("echo direct > direct.txt").returncode == 0
+        assert not sb.diff()
+    assert Path(source, "direct.txt").read_text() == "direct\n"
+
+
+def test_mount_in_isolate_run_and_cli(workdir: str) -> None:
+    shown = Path(workdir) / "shown"
+    shown.mkdir()
+    (shown / "f").write_text("content\n")
+    shown.chmod(0o755)
+    (shown / "f").chmod(0o644)
+    result = isolate.run(["sh", "-c", "cat /elsewhere/f; echo new > /elsewhere/g"], capture_output=True, text=True,
+                         policy=policy(write=(), binds=[Mount(str(shown), "/elsewhere", "rw")], cwd="/elsewhere"))
+    assert result.stdout == "content\n" and result.returncode == 0, result.stderr
+    assert (shown / "g").read_text() == "new\n"
+    cli = subprocess.run([sys.executable, "-m", "isolate.cli", "--ro-bind", f"{shown}:/ro", "--", "sh", "-c",
+                          "cat /ro/f; touch /ro/x"], capture_output=True, text=True, cwd=workdir, timeout=60)
+    assert cli.stdout == "content\n" and cli.returncode != 0
+    with pytest.raises(isolate.PolicyError):
+        Mount(str(shown), "relative")
+    with pytest.raises(isolate.PolicyError):
+        Mount(str(shown), "/proc/x")
+    assert Mount.parse("a:/b:rw") == Mount("a", "/b", "rw")
+
+
+def test_peer_credentials_refuse_the_program(source: str) -> None:
+    # Even shown the host's socket, a process inside the sandbox is refused.
+    run_dir = runtime_dir()
+    with Sandbox(sandbox_policy(), workspace=Workspace(source)) as sb:
+        assert sb._impl is not None
+        name = os.path.basename(sb._impl.paths.socket)
+    with Sandbox(sandbox_policy(read=python_read(), binds=[Mount(run_dir, "/run-isolate", "ro")]),
+                 workspace=Workspace(source)) as sb:
+        assert sb._impl is not None
+        name = os.path.basename(sb._impl.paths.socket)
+        probe = ("import socket, struct\n"
+                 f"s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect('/run-isolate/{name}')\n"
+                 "s.send(struct.pack('=IIiiqII', 0x15a7e5e1, 11, 0, 0, 0, 0, 0))\n"
+                 "print('answered' if s.recv(4096) else 'refused')\n")
+        result = sb.exec([PYTHON, "-c", probe])
+        assert "answered" not in result.stdout, result
+        # The host, of course, is still served.
+        assert sb.exec("echo ok").stdout == "ok\n"
+
+
+def test_named_sandbox_outlives_its_creator_and_is_pruned(source: str, workdir: str) -> None:
+    name = f"t{os.getpid()}-{time.monotonic_ns() % 100000}"
+    script = (
+        "import isolate, sys\n"
+        f"sb = isolate.Sandbox(isolate.Policy(write=()), workspace=isolate.Workspace({source!r}), name={name!r})\n"
+        "sb.start(); sb.exec('echo from-creator > mark')\n"
+    )
+    created = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert created.returncode == 0, created.stderr
+    try:
+        again = Sandbox.attach(name)
+        assert again.exec("cat mark").stdout == "from-creator\n"
+        again.detach()
+        listed = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "list"], capture_output=True,
+                                text=True, timeout=60)
+        assert name in listed.stdout and "running" in listed.stdout
+        out = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "exec", name, "--", "cat", "mark"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout == "from-creator\n" and out.returncode == 0
+        # Killed from outside (as a reboot or an OOM kill would): prune removes what is left.
+        box = Sandbox.attach(name)
+        assert box._impl is not None
+        init = box._impl._init_pid()
+        assert init is not None
+        box.detach()
+        os.kill(init, 9)
+        time.sleep(0.3)
+        pruned = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "prune"], capture_output=True,
+                                text=True, timeout=60)
+        assert f"removed {name}" in pruned.stdout, pruned
+        assert not os.path.exists(os.path.join(runtime_dir(), f"{name}.json"))
+    finally:
+        subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "rm", name], capture_output=True, timeout=60)
+
+
+def test_unnamed_sandbox_dies_with_its_creator(source: str) -> None:
+    script = (
+        "import isolate, os, sys\n"
+        f"sb = isolate.Sandbox(isolate.Policy(write=()), workspace=isolate.Workspace({source!r}))\n"
+        "sb.start(); print(sb._impl.process.pid, flush=True); sys.stdin.read()\n"
+    )
+    creator = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    assert creator.stdout is not None
+    init = int(creator.stdout.readline())
+    creator.kill()
+    creator.wait()
+    for _ in range(100):
+        try:
+            os.kill(init, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the sandbox outlived its creator")
+
+
+def test_idle_timeout_ends_the_sandbox(source: str) -> None:
+    sb = Sandbox(sandbox_policy(), workspace=Workspace(source), idle_timeout=0.5).start()
+    try:
+        assert sb._impl is not None and sb._impl.process is not None
+        sb.detach()  # no connection left: the server counts idle time from now
+        sb._impl.process.wait(timeout=10)
+    finally:
+        sb.close()
+
+
+def test_cli_create_exec_diff_commit_rm(source: str) -> None:
+    name = f"c{os.getpid()}-{time.monotonic_ns() % 100000}"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", *args], capture_output=True,
+                              text=True, timeout=60)
+
+    created = cli("create", name, "--workspace", source, "--exclude", ".git", "--memory", "256M")
+    if created.returncode and "memory" in created.stderr:
+        created = cli("create", name, "--workspace", source, "--exclude", ".git")
+    assert created.returncode == 0, created.stderr
+    try:
+        first = cli("exec", name, "--", "sh", "-c", "echo more >> README; exit 4")
+        assert first.returncode == 4, first.stderr
+        assert cli("exec", name, "--", "no-such-cmd").returncode == 127
+        assert cli("diff", name).stdout == "M README\n"
+        assert "1 modified" in cli("commit", name).stdout
+        assert Path(source, "README").read_text() == "readme\nmore\n"
+        host_copy = Path(WORK_BASE or "/tmp") / f"{name}-copy"
+        assert cli("cp", f"{name}:README", str(host_copy)).returncode == 0
+        assert host_copy.read_text() == "readme\nmore\n"
+        host_copy.unlink()
+        assert cli("pause", name).returncode == 0 and cli("resume", name).returncode == 0
+        bad = cli("exec", "no-such-sandbox", "--", "true")
+        assert bad.returncode == 125 and len(bad.stderr.splitlines()) == 1
+    finally:
+        assert cli("rm", name).returncode == 0
+    assert cli("rm", name).returncode == 125
+
+
+def test_async_sandbox(source: str) -> None:
+    async def main() -> tuple[str, str]:
+        async with isolate.AsyncSandbox(sandbox_policy(), workspace=Workspace(source)) as sb:
+            await sb.write_file("a.txt", "async\n")
+            result = await sb.exec("cat a.txt")
+            return result.stdout, await sb.read_file("a.txt")
+
+    assert asyncio.run(main()) == ("async\n", "async\n")
+
+
+def test_many_sandboxes_at_once(source: str) -> None:
+    boxes = [Sandbox(sandbox_policy(), workspace=Workspace()).start() for _ in range(12)]
+    try:
+        for i, sb in enumerate(boxes):
+            sb.write_file("id", str(i))
+        assert [sb.exec("cat id").stdout for sb in boxes] == [str(i) for i in range(12)]
+    finally:
+        for sb in boxes:
+            sb.close()
+
+
+def test_workspace_and_sandbox_arguments_are_checked(workdir: str) -> None:
+    with pytest.raises(isolate.PolicyError):
+        Workspace(mode="overlay")
+    with pytest.raises(isolate.PolicyError):
+        Workspace(mode="bind")
+    with pytest.raises(isolate.PolicyError):
+        Workspace(os.path.join(workdir, "missing"))
+    with pytest.raises(isolate.PolicyError):
+        Workspace(target="relative")
+    for bad in (0, -5, float("nan")):
+        with pytest.raises(isolate.PolicyError):
+            Sandbox(sandbox_policy(), ttl=bad)
+    with pytest.raises(isolate.PolicyError):
+        Sandbox(sandbox_policy(), name="../escape")
+
+
+def test_the_socket_directory_is_private_and_checked(monkeypatch: pytest.MonkeyPatch, workdir: str) -> None:
+    path = runtime_dir()
+    info = os.lstat(path)
+    assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and info.st_mode & 0o077 == 0
+    if os.geteuid() != 0:
+        # A directory someone else could enter or swap is refused, not used.
+        shared = Path(workdir) / "xdg"
+        (shared / "isolate").mkdir(parents=True)
+        shared.chmod(0o700)
+        (shared / "isolate").chmod(0o755)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
+        with pytest.raises(isolate.IsolationError):
+            runtime_dir()

@@ -903,9 +903,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             enforced["landlock_scope"] = ["signal", "abstract-unix-socket"]
     else:
         enforced["landlock"] = None
-        if use_ns:
-            refusals.warnings.append("Landlock is not available: only the mount namespace confines the filesystem")
-        else:
+        if not use_ns:
             refusals.refuse("filesystem: without namespaces, Landlock is needed and this kernel has none")
     if not use_ns and network == "none":
         enforced["network"] = "landlock-tcp+seccomp-sockets"

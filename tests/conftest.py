@@ -62,6 +62,28 @@ def _namespaces_problem() -> str | None:
 NAMESPACES_WHY = _namespaces_problem()
 
 
+def _landlock_problem() -> str | None:
+    """Why runs without namespaces are refused on this host (they need Landlock), or None."""
+    from isolate import landlock
+
+    if landlock.abi() == 0:
+        return ("this kernel has no Landlock: isolate refuses runs without namespaces here (Landlock is what "
+                "confines them), so every no-namespace test is skipped for that one reason")
+    return None
+
+
+LANDLOCK_WHY = _landlock_problem()
+
+
+def skip_unless_runnable(args: tuple[str, ...] | list[str]) -> None:
+    """Skip a CLI test this host cannot run: namespaces missing, or --no-namespaces without Landlock."""
+    if "--no-namespaces" in args:
+        if LANDLOCK_WHY:
+            pytest.skip(LANDLOCK_WHY)
+    elif NAMESPACES_WHY and "--" in args:
+        pytest.skip(NAMESPACES_WHY)
+
+
 def _work_base() -> str | None:
     """Where test directories go: TMPDIR, unless a root caller cannot idmap there (tmpfs before Linux 6.3,
     overlayfs): then the first of /var/tmp and the checkout's directory that can."""
@@ -90,6 +112,8 @@ def policy(**changes: object) -> isolate.Policy:
     """A test policy; a namespaced one skips the test where this host has no namespaces (one reason)."""
     if NAMESPACES_WHY and changes.get("namespaces", True):
         pytest.skip(NAMESPACES_WHY)
+    if LANDLOCK_WHY and changes.get("namespaces", True) is False:
+        pytest.skip(LANDLOCK_WHY)
     fields: dict[str, object] = {"read": python_read(), "backend": "native"}
     fields.update(changes)
     return isolate.Policy(**fields)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import tempfile
 import pytest
 
 import isolate
+from isolate import landlock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +60,8 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
     assert spawn["rounds"] == 3
     for parent in ("small", "1GiB"):
         variants = spawn["parents"][parent]["variants"]
-        for key in ("subprocess", "isolate.run", "isolate.run/ll", "cli"):
+        # The Landlock-only variant runs without namespaces: a kernel without Landlock refuses it.
+        for key in ("subprocess", "isolate.run", "cli") + (("isolate.run/ll",) if landlock.abi() else ()):
             assert variants[key]["n"] + variants[key].get("failures", 0) == 3, (parent, key, variants[key])
             assert variants[key]["median_ms"] > 0
         for key, entry in variants.items():

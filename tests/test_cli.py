@@ -8,14 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, ROOT
+from conftest import PYTHON, ROOT, skip_unless_runnable
+
+from isolate import landlock
 
 CLI = [sys.executable, "-m", "isolate.cli"]
 
 
 def cli(*args: str, cwd: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    if NAMESPACES_WHY and "--no-namespaces" not in args and "--" in args:
-        pytest.skip(NAMESPACES_WHY)
+    skip_unless_runnable(args)
     return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs)  # type: ignore[call-overload]
 
 
@@ -210,7 +211,7 @@ def test_version_and_doctor(workdir: str) -> None:
     assert doctor.returncode == 0 and "landlock" in doctor.stdout
     data = json.loads(cli("doctor", "--json", cwd=workdir).stdout)
     checks = {c["mechanism"]: c for c in data["checks"]}
-    assert checks["landlock"]["available"] and checks["sandbox"]["available"], checks["sandbox"]
+    assert checks["landlock"]["available"] == bool(landlock.abi()) and checks["sandbox"]["available"], checks
 
 
 _ = ROOT

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, skip_unless_runnable
 
 pytestmark = pytest.mark.skipif(not ROOT, reason="the routes are those of a root caller")
 
@@ -82,6 +82,7 @@ def test_root_owned_path_is_refused_with_the_cause(overlay: str) -> None:
 
 
 def cli(cwd: str, *args: str) -> subprocess.CompletedProcess[str]:
+    skip_unless_runnable(args)
     return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 

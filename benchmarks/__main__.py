@@ -22,7 +22,7 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -37,12 +37,17 @@ class Settings:
     memory_n: int
     memory_reps: int
     docker_memory_n: int
+    kept_rounds: int
+    kept_idle_n: int
+    kept_many_n: int
 
 
 FULL = Settings(rounds=250, docker_runs=200, syscall_loops=200_000, syscall_runs=15, workload_runs=15,
-                throughput_seconds=4.0, memory_n=30, memory_reps=3, docker_memory_n=10)
+                throughput_seconds=4.0, memory_n=30, memory_reps=3, docker_memory_n=10,
+                kept_rounds=60, kept_idle_n=20, kept_many_n=50)
 QUICK = Settings(rounds=20, docker_runs=4, syscall_loops=50_000, syscall_runs=3, workload_runs=3,
-                 throughput_seconds=1.0, memory_n=5, memory_reps=1, docker_memory_n=0)
+                 throughput_seconds=1.0, memory_n=5, memory_reps=1, docker_memory_n=0,
+                 kept_rounds=5, kept_idle_n=3, kept_many_n=5)
 
 
 def _log(message: str) -> None:
@@ -144,6 +149,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     results["memory"]["method"] = (capacity.__doc__ or "").strip()
                 except Exception as exc:
                     results["memory"] = {"error": _error(exc)}
+        if "kept" in args.sections:
+            from . import kept
+
+            _log("kept sandboxes")
+            try:
+                results["kept"] = kept.measure(settings.kept_rounds, settings.kept_idle_n, settings.kept_many_n,
+                                               _log)
+            except Exception as exc:
+                results["kept"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()
@@ -164,7 +178,7 @@ def summary(results: dict[str, Any]) -> list[str]:
     if analysis:
         small = spawn_figures["parents"]["small"]["variants"]
         for key in ("subprocess", "isolate.run", "isolate.run/ll", "preexec", "cli", "bwrap", "nsjail", "firejail",
-                    "docker-run", "isolate-docker", "isolate-sandbox"):
+                    "docker-run", "isolate-docker", "sandbox-exec", "isolate-sandbox"):
             entry = small.get(key, {})
             if "median_ms" in entry:
                 failed = f" ({entry['failures']} failed runs)" if entry.get("failures") else ""
@@ -178,6 +192,16 @@ def summary(results: dict[str, Any]) -> list[str]:
         for name, value in analysis["isolate_vs_peers"]["small"].items():
             if value is not None:
                 lines.append(f"ratio {name}: {value:.3f}")
+    kept_figures = results.get("kept", {})
+    if "create" in kept_figures:
+        create = kept_figures["create"]
+        lines.append(f"goal: Sandbox create <= 1.5x isolate.run: {create['create_over_run']:.3f} "
+                     f"({'met' if create['create_over_run'] <= 1.5 else 'NOT met'})")
+        idle = kept_figures["idle_memory"]
+        lines.append(f"kept: idle sandbox {idle.get('pss_kib')} KiB PSS, {idle.get('mem_available_drop_kib')} KiB "
+                     "MemAvailable")
+        lines.append(f"kept: {kept_figures['many']['n']} sandboxes at once: "
+                     f"{'ok' if kept_figures['many']['ok'] else 'FAILED'}")
     syscalls = results.get("overhead", {}).get("syscalls")
     if syscalls:
         for text, goal in syscalls["goals"].items():

@@ -16,6 +16,8 @@ PEER_COMPARISONS = (
     ("isolate.run", "firejail"),
     ("isolate.run", "docker-run"),
     ("isolate.run/ll", "bwrap"),
+    ("sandbox-exec", "isolate.run"),
+    ("sandbox-exec", "isolate-sandbox"),
     ("cli", "bwrap"),
     ("cli", "nsjail"),
     ("cli", "firejail"),
@@ -63,6 +65,9 @@ def spawn_analysis(spawn: dict[str, Any]) -> dict[str, Any]:
         _goal(growth.get("isolate.run/ll"), 1.15,
               "isolate.run (Landlock+seccomp only) from a 1 GiB parent <= 1.15x small"),
         _goal(small.get("cli / bwrap"), 2.5, "isolate-run CLI <= 2.5x bwrap (whole process, median)"),
+        _goal(small.get("sandbox-exec / isolate.run"), 0.3, "Sandbox.exec (native) <= 0.3x isolate.run (median)"),
+        _goal(small.get("sandbox-exec / isolate-sandbox"), 1 / 40,
+              "Sandbox.exec (native) <= 1/40 of the Docker backend's kept exec (median)"),
     ]  # fmt: skip
     return out
 
@@ -241,7 +246,28 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{_fmt(row.get('mem_available_drop_kib'), 0)} | "
                          f"{_fmt(row.get('pss_sandbox_processes_kib'), 0)} | {_fmt(row.get('pss_program_kib'), 0)} |")
         lines.append("")
-    for section in ("overhead", "throughput", "memory"):
+    kept = results.get("kept")
+    if isinstance(kept, dict) and "create" in kept:
+        create, idle, many = kept["create"], kept["idle_memory"], kept["many"]
+        lines += [
+            "## Kept sandboxes (`isolate.Sandbox`, native)",
+            "",
+            "| measure | value |",
+            "|---|---:|",
+            f"| create (`Sandbox().start()`), median | {create['create']['median_ms']:.2f} ms |",
+            f"| `isolate.run` of /bin/true in the same rounds, median | {create['isolate.run']['median_ms']:.2f} ms |",
+            f"| create / isolate.run (goal <= 1.5) | {create['create_over_run']:.3f} |",
+            f"| idle sandbox: PSS of its processes ({idle.get('processes_per_sandbox')} per sandbox) | "
+            f"{_fmt(idle.get('pss_kib'), 0)} KiB |",
+            f"| idle sandbox: MemAvailable drop (kernel memory included; noisy) | "
+            f"{_fmt(idle.get('mem_available_drop_kib'), 0)} KiB |",
+            f"| {many['n']} sandboxes open at once, a command and a file in each | "
+            f"{'ok' if many['ok'] else 'FAILED'} ({many['total_seconds']} s) |",
+            "",
+            "Exec latency: `sandbox-exec` in the spawn table above (same rounds as `isolate.run`).",
+            "",
+        ]
+    for section in ("overhead", "throughput", "memory", "kept"):
         value = results.get(section)
         if isinstance(value, dict) and "error" in value:
             lines += [f"{section}: not measured: {value['error']}", ""]

@@ -63,6 +63,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("nsjail", "nsjail -Mo", "peer"),
     Variant("docker-run", "docker run --rm", "peer", slow=True),
     Variant("isolate-docker", "isolate Docker backend, one-shot", "isolate", slow=True),
+    Variant("sandbox-exec", "isolate.Sandbox (native), exec in a kept sandbox", "isolate"),
     Variant("isolate-sandbox", "isolate.Sandbox (Docker), exec in a kept container", "isolate", slow=True),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
@@ -141,6 +142,7 @@ class _Worker:
             "cli/ll": lambda: command([*cli, "--no-namespaces", "--", TRUE]),
             "isolate-docker": lambda: self._docker_one_shot(isolate, image),
             "isolate-sandbox": lambda: self._docker_sandbox(isolate, image),
+            "sandbox-exec": lambda: self._native_sandbox(isolate),
         }
         for key in peers:
             makers[key] = (lambda argv: lambda: command(argv))(list(peers[key]))
@@ -193,9 +195,21 @@ class _Worker:
         self.cleanups.append(sandbox.close)
 
         def go() -> None:
-            done = sandbox.run([TRUE], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            done = sandbox.exec([TRUE])
             if done.returncode != 0:
-                raise RuntimeError(f"Sandbox.run exited {done.returncode}")
+                raise RuntimeError(f"Sandbox.exec exited {done.returncode}")
+
+        return go
+
+    def _native_sandbox(self, isolate: Any) -> Callable[[], None]:
+        sandbox = isolate.Sandbox(isolate.Policy(write=()))
+        sandbox.start()
+        self.cleanups.append(sandbox.close)
+
+        def go() -> None:
+            done = sandbox.exec([TRUE])
+            if done.returncode != 0:
+                raise RuntimeError(f"Sandbox.exec exited {done.returncode}")
 
         return go
 

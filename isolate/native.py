@@ -80,13 +80,23 @@ def _filesystem_type(path: str) -> str:
     return kind
 
 
-@lru_cache(maxsize=64)
+_IDMAP_PROBED: dict[tuple[int, int, int], str | None] = {}
+
+
 def _idmap_problem(device: int, path: str, uid: int, gid: int) -> str | None:
     """None when ``path``'s file system (``device``) takes an idmapped mount here, else why not.
 
-    Probed once per file system, in the parent, with the very call a run
-    makes; never discovered by a failure in the child.
+    Probed once per file system (and mapping), in the parent, with the very
+    call a run makes; never discovered by a failure in the child. (A kept
+    sandbox's workspace is a new directory each time: the path is not the key.)
     """
+    key = (device, uid, gid)
+    if key not in _IDMAP_PROBED:
+        _IDMAP_PROBED[key] = _probe_idmap(path, uid, gid)
+    return _IDMAP_PROBED[key]
+
+
+def _probe_idmap(path: str, uid: int, gid: int) -> str | None:
     userns = int(lib.iso_make_idmap_userns(uid, gid))
     if userns < 0:
         err = ffi.errno

@@ -232,12 +232,24 @@ class Sandbox:
 
     def _docker_exec(self, argv: list[str], cwd: str | None, env: Mapping[str, str] | None,
                      input: str | bytes | None, timeout: float | None, text: bool) -> ExecResult:
-        kwargs: dict[str, Any] = {"capture_output": True, "text": text, "cwd": cwd, "env": env, "timeout": timeout}
+        kwargs: dict[str, Any] = {"capture_output": True, "text": text, "timeout": timeout}
+        if cwd is not None:
+            kwargs["cwd"] = cwd
+        if env:
+            raise UnsupportedError("exec(env=...): not on the Docker backend of Sandbox yet; set policy.env")
         if input is not None:
             kwargs["input"] = input
         else:
             kwargs["stdin"] = subprocess.DEVNULL
-        result = self._docker.run(argv, **kwargs)
+        try:
+            result = self._docker.run(argv, **kwargs)
+        except subprocess.TimeoutExpired as exc:
+            from .report import Report
+
+            # As the native backend says it: the command's end, with the reason.
+            report = Report(backend="docker", status="timeout", signal=9)
+            return ExecResult(argv, 137, exc.stdout or ("" if text else b""), exc.stderr or ("" if text else b""),
+                              False, report)
         return ExecResult(argv, result.returncode, result.stdout, result.stderr, False, result.report)
 
     def spawn(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,

@@ -1,0 +1,108 @@
+"""Kept sandboxes (``isolate.Sandbox``, native): creating one, keeping one idle, holding many.
+
+- create: ``Sandbox(...).start()`` against ``isolate.run(["/bin/true"])``,
+  interleaved in the same rounds (closing is not timed);
+- idle memory: n sandboxes started and left idle (no command running); the
+  proportional set size of their processes (init and exec server), and the
+  drop of MemAvailable, which also counts kernel memory (namespaces, page
+  tables, the tmpfs roots), each per sandbox;
+- many: 50 sandboxes open at once, one command and one file in each.
+
+Exec latency is measured with the spawn section (variant ``sandbox-exec``), in
+the same rounds as ``isolate.run`` and the Docker backend's kept exec.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._stats import median, summary_ms
+from .capacity import _cgroup_usage_file, _descendants, _pss, _settle, _snapshot
+
+TRUE = "/bin/true"
+
+
+def _policy() -> Any:
+    import isolate
+
+    return isolate.Policy(write=())
+
+
+def create(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    policy = _policy()
+    one_shot = policy.replace(cwd="/tmp")  # the same policy; its cwd a place inside (nothing of the host's)
+    created: list[float] = []
+    runs: list[float] = []
+    for i in range(rounds):
+        for which in (("create", "run") if i % 2 == 0 else ("run", "create")):
+            started = time.perf_counter()
+            if which == "create":
+                box = isolate.Sandbox(policy).start()
+                created.append(time.perf_counter() - started)
+                box.close()
+            else:
+                done = isolate.run([TRUE], policy=one_shot)
+                runs.append(time.perf_counter() - started)
+                if done.returncode != 0:
+                    raise RuntimeError(f"isolate.run exited {done.returncode}")
+    log(f"kept: create median {median(created) * 1e3:.2f} ms, isolate.run {median(runs) * 1e3:.2f} ms")
+    return {"rounds": rounds, "create": summary_ms(created), "isolate.run": summary_ms(runs),
+            "create_over_run": round(median(created) / median(runs), 3)}
+
+
+def idle_memory(n: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    cgroup_file = _cgroup_usage_file()
+    before = {p.pid for p in _descendants()}
+    _settle(cgroup_file)
+    base = _snapshot(cgroup_file)
+    boxes = []
+    try:
+        for _ in range(n):
+            boxes.append(isolate.Sandbox(_policy()).start())
+        time.sleep(0.5)
+        after = _snapshot(cgroup_file)
+        helpers = [p for p in _descendants() if p.pid not in before]
+        row: dict[str, Any] = {"n": n, "processes_per_sandbox": round(len(helpers) / n, 2),
+                               "pss_kib": round(_pss(helpers) / n / 1024, 1)}
+        if base["available"] is not None and after["available"] is not None:
+            row["mem_available_drop_kib"] = round((base["available"] - after["available"]) / n / 1024, 1)
+    finally:
+        for box in boxes:
+            box.close()
+    log(f"kept: idle sandbox {row.get('pss_kib')} KiB PSS, {row.get('mem_available_drop_kib')} KiB of MemAvailable")
+    return row
+
+
+def many(n: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    started = time.perf_counter()
+    boxes = []
+    try:
+        for _ in range(n):
+            boxes.append(isolate.Sandbox(_policy()).start())
+        opened = time.perf_counter() - started
+        for i, box in enumerate(boxes):
+            box.write_file("id", str(i))
+        answers = [box.exec(["cat", "id"]).stdout for box in boxes]
+        ok = answers == [str(i) for i in range(n)]
+    finally:
+        for box in boxes:
+            box.close()
+    total = time.perf_counter() - started
+    log(f"kept: {n} sandboxes at once: {'ok' if ok else 'FAILED'} ({total:.1f} s)")
+    return {"n": n, "ok": ok, "open_seconds": round(opened, 2), "total_seconds": round(total, 2)}
+
+
+def measure(rounds: int, idle_n: int, many_n: int, log: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": (__doc__ or "").strip()}
+    out["create"] = create(rounds, log)
+    out["idle_memory"] = idle_memory(idle_n, log)
+    out["many"] = many(many_n, log)
+    return out

@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Union
 
-from ..errors import (
+from ...errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
     IsolationError,
@@ -75,9 +75,9 @@ from ..errors import (
     SetupError,
     UnsupportedError,
 )
-from ..grants import Grant, check_unchanged, read_input_file, resolve_grant
-from ..policy import DEFAULT_READ, Egress, Policy
-from ..report import Report, status_for
+from ...grants import Grant, check_unchanged, read_input_file, resolve_grant
+from ...policy import DEFAULT_READ, Egress, Policy
+from ...report import Report, status_for
 
 #: Environment variable naming the image used when a policy names none.
 IMAGE_ENV = "ISOLATE_DOCKER_IMAGE"
@@ -389,7 +389,7 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
     if mode == "none" and not (no_network or unix_guard):
         return "seccomp=unconfined", "none"
     try:
-        from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
+        from ... import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
     except ImportError as exc:
         if mode in ("default", "strict") or no_network or unix_guard:
             raise UnsupportedError(
@@ -439,7 +439,7 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
         )
     if policy.seccomp in ("default", "strict"):
         try:
-            from .. import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]  # noqa: F401
+            from ... import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]  # noqa: F401
         except ImportError as exc:
             reasons["seccomp"] = f"the {policy.seccomp!r} profile cannot be built ({exc}); pass a JSON profile file"
     if policy.unix_sockets:

@@ -88,7 +88,7 @@ class Sandbox:
         if self.backend == "native":
             self._impl = NativeSandbox(policy, self.workspace, self.mounts, self.name, ttl, idle)
         else:
-            from .backends.docker_sandbox import DockerSandbox
+            from .backends.docker.sandbox import DockerSandbox
 
             if self.workspace.source is not None or self.mounts:
                 raise UnsupportedError("the Docker backend of Sandbox takes no workspace or mounts yet; use the "

@@ -53,7 +53,7 @@ def _seconds(text: str) -> float:
 
 
 def _parser() -> _Parser:
-    from .backends.docker_sandbox import DEFAULT_AGE_SECONDS, DEFAULT_IDLE_SECONDS
+    from .backends.docker.sandbox import DEFAULT_AGE_SECONDS, DEFAULT_IDLE_SECONDS
 
     parser = _Parser(prog="isolate-run sandbox", description="Kept sandboxes: create one, run commands in it, "
                      "copy files, diff and commit its workspace, remove it.")
@@ -348,7 +348,7 @@ def _list(options: argparse.Namespace) -> int:
         rows.append((name, "native", state, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))))
     docker_note = None
     try:
-        from .backends import docker_sandbox
+        from .backends.docker import sandbox as docker_sandbox
 
         for entry in docker_sandbox.list_sandboxes():
             rec = entry.record
@@ -392,7 +392,7 @@ def _rm(options: argparse.Namespace) -> int:
         if remove_native(name):
             continue
         try:
-            from .backends import docker_sandbox
+            from .backends.docker import sandbox as docker_sandbox
 
             if docker_sandbox.remove_sandbox(name):
                 continue
@@ -422,7 +422,7 @@ def _prune(options: argparse.Namespace) -> int:
     for name, why in prune_native():
         print(f"removed {name} ({why})")
     if _docker_wanted():
-        from .backends import docker_sandbox
+        from .backends.docker import sandbox as docker_sandbox
 
         for name, why in docker_sandbox.prune(options.idle, options.age):
             print(f"removed {name} ({why})")

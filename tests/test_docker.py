@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from isolate.backends import docker as backend
-from isolate.backends.docker_sandbox import DockerSandbox as Sandbox
-from isolate.backends.docker_sandbox import list_sandboxes, prune
+from isolate.backends.docker.sandbox import DockerSandbox as Sandbox
+from isolate.backends.docker.sandbox import list_sandboxes, prune
 from isolate.errors import CommandNotExecutableError, CommandNotFoundError, PolicyError, UnsupportedError
 from isolate.policy import Egress, Limits, Policy
 from isolate.registry import Registry, SandboxRecord

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import IsolationError, UnsupportedError
-from ..policy import Policy
-from ..registry import Registry, SandboxRecord, _check_name
+from ...errors import IsolationError, UnsupportedError
+from ...policy import Policy
+from ...registry import Registry, SandboxRecord, _check_name
 
 #: ``prune`` without options removes sandboxes unused for a day or created more than a week ago.
 DEFAULT_IDLE_SECONDS = 24 * 3600.0
@@ -90,13 +90,13 @@ class DockerSandbox:
 
     @property
     def container_name(self) -> str:
-        from . import docker as backend
+        from .. import docker as backend
 
         return backend.kept_container_name(self.name)
 
     def start(self) -> str:
         """Make sure the container runs (create, reuse, restart or recreate it); its id."""
-        from . import docker as backend
+        from .. import docker as backend
 
         spec = backend.prepare(self.policy, cwd=self.cwd, image=self.image)
         container_id, action = backend.ensure_kept(self.name, spec)
@@ -139,7 +139,7 @@ class DockerSandbox:
         ``cwd`` is a directory inside the container. A deadline or the CPU
         limit kills the whole container; the next ``run`` starts it again.
         """
-        from . import docker as backend
+        from .. import docker as backend
 
         if self._container_id is None:
             self.start()
@@ -177,7 +177,7 @@ class DockerSandbox:
 
     def remove(self) -> None:
         """Remove the container and its registry entry."""
-        from . import docker as backend
+        from .. import docker as backend
 
         backend.remove_container(self.container_name)
         if self._armed_id is not None:
@@ -212,7 +212,7 @@ def list_sandboxes(registry: Registry | None = None) -> list[SandboxStatus]:
     registry file that was removed) are listed too, rebuilt from their labels,
     with ``registered`` False; ``prune`` leaves them alone.
     """
-    from . import docker as backend
+    from .. import docker as backend
 
     registry = registry or Registry()
     engine = backend.engine_address()
@@ -237,7 +237,7 @@ def list_sandboxes(registry: Registry | None = None) -> list[SandboxStatus]:
 
 def remove_sandbox(name: str, registry: Registry | None = None) -> bool:
     """Remove the kept sandbox ``name`` (container and record); False when neither existed."""
-    from . import docker as backend
+    from .. import docker as backend
 
     _check_name(name)
     registry = registry or Registry()
@@ -259,7 +259,7 @@ def prune(
     containers that ended more than a minute ago (left by a process that died
     before it could remove them). Returns (name, why) for each.
     """
-    from . import docker as backend
+    from .. import docker as backend
 
     registry = registry or Registry()
     now = time.time() if now is None else now

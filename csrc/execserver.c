@@ -495,7 +495,9 @@ static void monitor(int conn, struct request *req)
         reply_kind(conn, ISO_XS_ERROR, errno);
         _exit(0);
     }
-    command = fork();
+    /* vfork: the child only sets up its session, stdio and cwd, then execs
+     * (or reports and _exits), so nothing of this process need be copied. */
+    command = vfork();
     if (command < 0) {
         reply_kind(conn, ISO_XS_ERROR, errno);
         _exit(0);

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from . import grants, hostinfo, landlock, mounts
-from ._core import INIT_PATH, ffi, init_fd, lib, step_name
-from .errors import (
+from ... import grants, hostinfo, landlock, mounts
+from ..._core import INIT_PATH, ffi, init_fd, lib, step_name
+from ...errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
     PolicyError,
     SetupError,
     UnsupportedError,
 )
-from .policy import DEFAULT_HOME, DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
-from .units import milliseconds_up
+from ...policy import DEFAULT_HOME, DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
+from ...units import milliseconds_up
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -349,7 +349,7 @@ def _no_ns_home(uid: int, gid: int) -> str:
         base = NO_NS_HOME_ROOT
         leaf = os.path.join(base, str(uid))
     else:
-        from .registry import state_dir
+        from ...registry import state_dir
 
         base = state_dir()
         leaf = os.path.join(base, "home")
@@ -494,7 +494,7 @@ def _cgroup_refusal(needs: frozenset[str]) -> str | None:
     Only the backend choice uses this; each run still creates its own cgroup
     and refuses then if that fails.
     """
-    from . import cgroup
+    from ... import cgroup
 
     try:
         cgroup.check_available(set(needs))
@@ -764,7 +764,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
                 + "; use isolate.run/Popen with namespaces, or network='host'"
             )
     if unix_mode == "supervisor":
-        from . import seccomp as seccomp_mod
+        from ... import seccomp as seccomp_mod
 
         spec = ",".join(
             ["n" if network == "none" else "l"]
@@ -1139,7 +1139,7 @@ def _apply_seccomp(
     # an earlier sandbox granted that directory, and a filter loaded from it
     # would be whatever that sandbox wanted.
     try:
-        from . import seccomp
+        from ... import seccomp
 
         compiled: Any = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
                                                deny_setid=deny_setid, unix_sockets=unix_sockets,
@@ -1221,7 +1221,7 @@ def _prepare_cgroup(
 ) -> Any:
     limits = policy.limits
     try:
-        from . import cgroup
+        from ... import cgroup
 
         run_cgroup = cgroup.RunCgroup.create(limits, need=needs)
     except (ImportError, UnsupportedError) as exc:

@@ -244,7 +244,8 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
 
 def explain(policy: Policy, command: Sequence[str]) -> str:
     """What would run, and which mechanism enforces each part."""
-    from . import native, popen
+    from . import popen
+    from .backends import native
 
     lines = [f"command: {' '.join(command) if command else '(none given)'}"]
     backend = popen.choose_backend(policy)
@@ -272,7 +273,7 @@ def explain(policy: Policy, command: Sequence[str]) -> str:
 def explain_paths(policy: Policy, command: Sequence[str]) -> list[str]:
     """Each granted path as given and as resolved on the host, the home, the working directory,
     the PATH the program gets and where the command resolves."""
-    from . import native
+    from .backends import native
 
     cwd = os.getcwd()
     lines = ["paths (as given -> on the host):"]

@@ -57,7 +57,8 @@ def _landlock() -> tuple[bool, str]:
 
 
 def _userns() -> tuple[bool, str]:
-    from . import hostinfo, native
+    from . import hostinfo
+    from .backends import native
 
     err = native.userns_error()
     where = hostinfo.container()
@@ -84,8 +85,8 @@ def _sandbox() -> tuple[bool, str]:
 def _idmap() -> tuple[bool, str]:
     if os.geteuid() != 0:
         return True, "not needed: the caller is not root, the program runs as the caller"
-    from . import native
     from ._core import ffi, lib
+    from .backends import native
 
     fd = native._idmap_userns(native.NOBODY, native.NOBODY)
     tree = lib.iso_open_idmapped_tree(os.fsencode(os.getcwd()), fd)

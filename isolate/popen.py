@@ -18,8 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import native
 from ._core import ffi, lib
+from .backends import native
 from .errors import UnsupportedError
 from .policy import Policy
 from .report import Report, status_for

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from . import native
 from ._core import ffi, lib, step_name
+from .backends import native
 from .policy import Policy
 
 SETUP_FAILED = 125

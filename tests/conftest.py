@@ -50,7 +50,7 @@ def not_granted_top(*granted: str, home: bool = True) -> set[str]:
 
 def _namespaces_problem() -> str | None:
     """Why this host cannot run a namespaced sandbox at all (asked once), or None."""
-    from isolate import native
+    from isolate.backends import native
 
     err = native.userns_error()
     if err:
@@ -89,7 +89,7 @@ def _work_base() -> str | None:
     overlayfs): then the first of /var/tmp and the checkout's directory that can."""
     if not ROOT or NAMESPACES_WHY:
         return None
-    from isolate import native
+    from isolate.backends import native
 
     for base in (tempfile.gettempdir(), "/var/tmp", os.path.dirname(os.path.abspath(__file__))):
         if os.path.isdir(base) and native._idmap_problem(os.stat(base).st_dev, base, 65534, 65534) is None:

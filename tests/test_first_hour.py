@@ -191,7 +191,8 @@ def test_report_says_which_denials_it_observes(workdir: str) -> None:
     from conftest import policy
 
     import isolate
-    from isolate import landlock, native
+    from isolate import landlock
+    from isolate.backends import native
 
     with_ns = isolate.run(["sh", "-c", "cat /etc/shadow /root/x 2>/dev/null; unshare -U true 2>/dev/null; true"],
                           policy=policy(write=[workdir]), cwd=workdir)

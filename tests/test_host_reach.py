@@ -88,7 +88,8 @@ def test_without_namespaces_the_host_is_out_of_reach(workdir: str, host_objects:
 
 def test_the_report_says_how_the_host_is_kept_out(workdir: str) -> None:
     os.chmod(workdir, 0o777)  # without an idmapped mount, a root caller's program (65534) must be able to write it
-    prepared = isolate.native.prepare(policy(write=[workdir], namespaces=False, tmpfs=(), seccomp="none"), ["true"])
+    prepared = isolate.backends.native.prepare(policy(write=[workdir], namespaces=False, tmpfs=(), seccomp="none"),
+                                               ["true"])
     try:
         assert prepared.enforced["host_ipc"].startswith("refused (seccomp)")
         assert prepared.enforced["seccomp"] == "none"
@@ -113,6 +114,6 @@ def test_without_namespaces_host_abstract_sockets_are_scoped(workdir: str) -> No
         pol = policy(write=[workdir], namespaces=False, tmpfs=(), network="host", seccomp="none")
         result = isolate.run(py(code), policy=pol, cwd=workdir, capture_output=True, text=True)
         assert result.stdout.strip() == "1", result.stderr
-        prepared = isolate.native.prepare(pol, ["true"])
+        prepared = isolate.backends.native.prepare(pol, ["true"])
         assert prepared.enforced["abstract_unix_sockets"] == "landlock-scope"
         prepared.close_child_side()

@@ -21,7 +21,8 @@ import pytest
 from conftest import policy, py
 
 import isolate
-from isolate import landlock, native
+from isolate import landlock
+from isolate.backends import native
 
 
 class Server:

@@ -1,0 +1,86 @@
+"""What every part of a native plan shares: the program's default ids, whether this caller can
+make a user namespace, refusals (raise, or warn under best effort), and the cached static plan.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from ..._core import lib
+from ...errors import UnsupportedError
+
+#: The uid a root caller's program runs as, unless the policy names one.
+NOBODY = 65534
+
+
+@lru_cache(maxsize=1)
+def userns_error() -> int:
+    """0 when this caller can create a user namespace, else the errno."""
+    return int(lib.iso_probe_userns())
+
+
+def _close_all(fds: list[int], _os_close: Callable[[int], None] = os.close) -> None:
+    # (The default argument keeps os.close reachable at interpreter shutdown.)
+    for fd in fds:
+        try:
+            _os_close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
+class _Refusals:
+    """Collects what cannot be enforced: raises, or warns under best effort."""
+
+    def __init__(self, best_effort: bool) -> None:
+        self.best_effort = best_effort
+        self.warnings: list[str] = []
+
+    def refuse(self, message: str) -> None:
+        if not self.best_effort:
+            raise UnsupportedError(message)
+        self.warnings.append(f"not enforced: {message}")
+
+
+@dataclass
+class _Static:
+    """The part of a plan that depends only on the policy, the directory and the caller: cached."""
+
+    plan: Any
+    keep: list[Any]
+    enforced: dict[str, Any]
+    warnings: list[str]
+    rlimits: list[tuple[int, int, int]]
+    cgroup_needs: set[str]
+    limit_cpu_seconds: float | None
+    idmap_steps: list[tuple[int, str]]
+    program_uid: int
+    program_gid: int
+    run_cwd: str
+    home: str | None
+    observed: dict[str, dict[str, Any]]
+    tmpdir: str | None  # TMPDIR of a run without namespaces (no private /tmp there)
+    granted: tuple[str, ...]  # what the program can see of the host: granted paths, as named and real
+    stamps: list[tuple[str, tuple[int, int]]]
+    fds: list[int]
+
+    def fresh(self) -> bool:
+        """Whether every granted path is still the inode it was when the plan was made."""
+        for path, stamp in self.stamps:
+            try:
+                info = os.stat(path)
+            except OSError:
+                return False
+            if (info.st_dev, info.st_ino) != stamp:
+                return False
+        return True
+
+    def __del__(self, _close: Callable[[list[int]], None] = _close_all) -> None:
+        # Only when no run holds this plan any more: a descriptor closed
+        # under a child that is adding its Landlock rules could be reused.
+        # (The default argument keeps the helper reachable at shutdown.)
+        _close(self.fds)

@@ -1,0 +1,305 @@
+"""The native backend: turn a policy into a plan for the C core.
+
+``prepare`` does every costly or fallible thing in the parent (resolving and
+checking paths, choosing mechanisms, compiling seccomp, opening idmapped
+trees, creating cgroups) and fills a ``struct iso_plan``; the C core then only
+applies it in the child. Whatever cannot be enforced is refused here, before
+anything runs, unless the policy asks for best effort.
+
+This module caches the static part of each plan (``static``), adds what is each run's own
+(``prepare``), starts it (``spawn``) and turns the C core's failures into errors.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ... import hostinfo, landlock, mounts
+from ..._core import ffi, lib, step_name
+from ...errors import CommandNotExecutableError, CommandNotFoundError, PolicyError, SetupError, UnsupportedError
+from ...policy import Egress, Policy
+from .common import _close_all, _Refusals, _Static, userns_error
+from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
+from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
+from .static import _build_static
+from .writes import _idmap_userns
+
+
+@dataclass
+class Prepared:
+    """A plan for one run, and everything that must outlive the spawn."""
+
+    plan: Any
+    enforced: dict[str, Any]
+    warnings: list[str]
+    status_fd: int = -1  # read end of the init's status pipe
+    cgroup: Any = None
+    limit_cpu_seconds: float | None = None
+    observed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _keep: list[Any] = field(default_factory=list)
+    _close_after_spawn: list[int] = field(default_factory=list)
+
+    def close_child_side(self) -> None:
+        _close_all(self._close_after_spawn)
+
+
+_STATIC_CACHE: OrderedDict[tuple[Any, ...], _Static] = OrderedDict()
+_STATIC_CACHE_SIZE = 16
+_STATIC_LOCK = threading.Lock()
+
+
+def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
+    if for_preexec:
+        return _prepare_static(policy, run_cwd, for_preexec)
+    key = (policy, run_cwd, os.geteuid(), os.getegid())
+    with _STATIC_LOCK:
+        static = _STATIC_CACHE.get(key)
+        if static is not None and static.fresh():
+            _STATIC_CACHE.move_to_end(key)
+            return static
+    static = _prepare_static(policy, run_cwd, for_preexec)
+    with _STATIC_LOCK:
+        _STATIC_CACHE[key] = static
+        _STATIC_CACHE.move_to_end(key)
+        while len(_STATIC_CACHE) > _STATIC_CACHE_SIZE:
+            _STATIC_CACHE.popitem(last=False)
+    return static
+
+
+def _prepare_static(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
+    """Resolve paths, choose mechanisms, build mounts, Landlock rules and seccomp: once per policy and directory.
+
+    A refusal part-way closes what was opened so far (a caller retrying a
+    refused policy in a loop must not run out of descriptors).
+    """
+    opened: list[int] = []
+    try:
+        return _build_static(policy, run_cwd, for_preexec, opened)
+    except BaseException:
+        _close_all(opened)
+        raise
+
+
+def prepare(
+    policy: Policy,
+    args: Sequence[str],
+    *,
+    executable: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdio: tuple[int, int, int] = (-1, -1, -1),
+    pass_fds: Sequence[int] = (),
+    for_preexec: bool = False,
+    program_fd: int = -1,
+) -> Prepared:
+    """The plan for one run of ``args``: the cached static part plus what is this run's own.
+
+    ``program_fd``: exec that executable (an O_PATH descriptor) with ``args``
+    as its argv, instead of looking ``args[0]`` up (a kept sandbox's server).
+    """
+    run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
+    static = _static_for(policy, run_cwd, for_preexec)
+    keep: list[Any] = [static]
+    close_after: list[int] = []
+    enforced = dict(static.enforced)
+    refusals = _Refusals(policy.best_effort)
+    refusals.warnings = list(static.warnings)
+
+    def cstr(text: str | bytes) -> Any:
+        data = ffi.new("char[]", os.fsencode(text))
+        keep.append(data)
+        return data
+
+    plan = ffi.new("struct iso_plan *")
+    keep.append(plan)
+    ffi.memmove(plan, static.plan, ffi.sizeof("struct iso_plan"))
+
+    # -- idmapped trees are consumed by each sandbox ---------------------------
+    if static.idmap_steps:
+        cmounts = ffi.new("struct iso_mount[]", plan.n_mounts)
+        keep.append(cmounts)
+        ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
+        userns_fd = _idmap_userns(static.program_uid, static.program_gid)
+        for index, path in static.idmap_steps:
+            fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns_fd))
+            if fd < 0:
+                err = ffi.errno
+                for opened in close_after:
+                    os.close(opened)
+                # ``path`` may be /proc/self/fd/N: name the directory as granted.
+                target = os.fsdecode(ffi.string(cmounts[index].target))[len(mounts.NEWROOT):]
+                raise UnsupportedError(
+                    f"write: {target}: cannot give the program (uid {static.program_uid}) ownership through an "
+                    f"idmapped mount: {os.strerror(err)} (it worked when the policy was prepared: the directory "
+                    "or its file system changed since)"
+                )
+            close_after.append(fd)
+            cmounts[index].fd = fd
+        plan.mounts = cmounts
+
+    # -- limits over the tree -------------------------------------------------
+    rlimits = list(static.rlimits)
+    prepared_cgroup = None
+    needs = static.cgroup_needs
+    if needs - {"cpuacct"} or (needs and not for_preexec):
+        prepared_cgroup = _prepare_cgroup(policy, needs, plan, enforced, refusals, rlimits, for_preexec)
+    crl = ffi.new("struct iso_rlimit[]", len(rlimits))
+    keep.append(crl)
+    for i, (res, soft, hard) in enumerate(rlimits):
+        crl[i].resource = res
+        crl[i].soft = soft
+        crl[i].hard = hard
+    plan.rlimits = crl
+    plan.n_rlimits = len(rlimits)
+    limit_cpu = static.limit_cpu_seconds
+
+    # -- the program ---------------------------------------------------------
+    program_env = program_environment(policy, env, static.home)
+    if static.tmpdir and "TMPDIR" not in program_env:
+        program_env["TMPDIR"] = static.tmpdir
+    if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
+        # The caller's PATH, reduced to the directories that exist inside.
+        program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)
+    if not for_preexec and args and program_fd < 0:
+        check_command(os.fsdecode(executable) if executable else os.fsdecode(args[0]), program_env["PATH"],
+                      static.granted, run_cwd)
+    envp = ffi.new("char *[]", len(program_env) + 1)
+    keep.append(envp)
+    for i, (name, value) in enumerate(program_env.items()):
+        envp[i] = cstr(f"{name}={value}")
+    args = [os.fsdecode(a) for a in args]
+    if not args:
+        raise PolicyError("command: nothing to run; give a command", "command")
+    argv = ffi.new("char *[]", len(args) + 1)
+    keep.append(argv)
+    for i, arg in enumerate(args):
+        if "\0" in arg:
+            raise PolicyError("command: an argument holds a NUL byte", "command")
+        argv[i] = cstr(arg)
+    plan.argv = argv
+    plan.envp = envp
+    plan.file = cstr(os.fsdecode(executable) if executable else args[0])
+    plan.program_fd = program_fd
+    plan.search_path = cstr(program_env.get("PATH", DEFAULT_PATH))
+    for i in range(3):
+        plan.stdio[i] = stdio[i]
+    fds = sorted({int(fd) for fd in pass_fds if int(fd) > 2})
+    if len(fds) > 64:
+        raise PolicyError("pass_fds: at most 64 descriptors can be passed on", "pass_fds")
+    keep_fds = ffi.new("int32_t[]", max(len(fds), 1))
+    keep.append(keep_fds)
+    for i, fd in enumerate(fds):
+        keep_fds[i] = fd
+    plan.keep_fds = keep_fds
+    plan.n_keep_fds = len(fds)
+
+    # -- the init's report ----------------------------------------------------
+    status_r = -1
+    if for_preexec:
+        plan.status_fd = -1
+    else:
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        plan.status_fd = status_w
+        close_after.append(status_w)
+    enforced["fds"] = "closed above 2" + (f" except {fds}" if fds else "")
+
+    prepared = Prepared(
+        plan=plan,
+        enforced=enforced,
+        warnings=refusals.warnings,
+        status_fd=status_r,
+        cgroup=prepared_cgroup,
+        limit_cpu_seconds=limit_cpu,
+        observed=static.observed,
+        _keep=keep,
+        _close_after_spawn=close_after,
+    )
+    return prepared
+
+
+def spawn(prepared: Prepared, args: Sequence[str]) -> int:
+    """Start the sandbox; returns the pid of its init. Raises SetupError and friends."""
+    failure = ffi.new("struct iso_failure *")
+    try:
+        pid = lib.iso_spawn(prepared.plan, failure)
+    finally:
+        prepared.close_child_side()
+    if pid < 0:
+        if prepared.status_fd >= 0:
+            os.close(prepared.status_fd)
+            prepared.status_fd = -1
+        raise failure_to_error(prepared, failure, args)
+    return int(pid)
+
+
+def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> Exception:
+    step, err, index = int(failure.step), int(failure.err), int(failure.index)
+    plan = prepared.plan
+    name = step_name(step)
+    if step == lib.ISO_STEP_EXEC:
+        program = ffi.string(plan.file).decode(errors="replace")
+        if err == errno_mod.ENOENT and "/" in program and os.path.exists(program):
+            return CommandNotFoundError(
+                err, f"{program}: exists, but its interpreter or dynamic loader is not in the sandbox "
+                "(grant /lib, /lib64 or the interpreter's directory with read=)", program,
+            )
+        if err in (errno_mod.ENOENT, errno_mod.ENOTDIR):
+            return CommandNotFoundError(
+                err, f"{program}: command not found inside the sandbox (is its directory granted with read=?)",
+                program,
+            )
+        if err == errno_mod.EACCES:
+            return CommandNotExecutableError(
+                err, f"{program}: permission denied inside the sandbox (not executable, or not granted)", program
+            )
+        return CommandNotExecutableError(err, f"{program}: cannot execute: {os.strerror(err)}", program)
+    detail = ""
+    if step in (lib.ISO_STEP_MOUNT_DIR, lib.ISO_STEP_MOUNT_BIND, lib.ISO_STEP_MOUNT_TMPFS,
+                lib.ISO_STEP_MOUNT_SYMLINK, lib.ISO_STEP_MOUNT_MOVE, lib.ISO_STEP_MOUNT_READONLY,
+                lib.ISO_STEP_MOUNT_PROC, lib.ISO_STEP_MOUNT_DEVPTS) and 0 <= index < plan.n_mounts:
+        detail = ffi.string(plan.mounts[index].target).decode()
+        detail = detail[len(mounts.NEWROOT):] or "/"
+    elif step == lib.ISO_STEP_LANDLOCK and 0 <= index < plan.n_landlock_rules:
+        detail = ffi.string(plan.landlock_rules[index].path).decode()
+    elif step == lib.ISO_STEP_RLIMIT and 0 <= index < plan.n_rlimits:
+        detail = f"resource {plan.rlimits[index].resource}"
+    elif step == lib.ISO_STEP_CHDIR and plan.cwd != ffi.NULL:
+        detail = ffi.string(plan.cwd).decode()
+        return SetupError(
+            f"sandbox setup failed at chdir: {detail}: {os.strerror(err)}; the working directory must be "
+            "inside a granted path (grant it with write= or read=, or set cwd=)",
+            name, err, detail,
+        )
+    where = f" ({detail})" if detail else ""
+    if step == lib.ISO_STEP_MOUNT_PROC and err in (errno_mod.EPERM, errno_mod.EACCES):
+        return SetupError(f"sandbox setup failed at {name}{where}: {os.strerror(err)}: "
+                          + hostinfo.proc_mount_advice(), name, err, detail)
+    return SetupError(
+        f"sandbox setup failed at {name}{where}: {os.strerror(err)}; run `isolate-run doctor` to see what this "
+        "host can enforce",
+        name, err, detail,
+    )
+
+
+def unsupported_reasons(policy: Policy) -> list[str]:
+    """What the native backend cannot enforce for ``policy`` on this host (empty: all of it)."""
+    reasons = []
+    if isinstance(policy.network, Egress):
+        reasons.append("network: filtered egress (allow-host) is not available in the native backend yet")
+    limits = policy.limits
+    if limits.memory is not None or limits.pids is not None or limits.cpus is not None:
+        refusal = _cgroup_refusal(frozenset(_cgroup_needs(policy)))
+        if refusal:
+            reasons.append(refusal)
+    if policy.namespaces and userns_error():
+        reasons.append(f"namespaces: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
+                       + hostinfo.userns_advice(userns_error()))
+    if not policy.namespaces and landlock.abi() == 0:
+        reasons.append("filesystem: without namespaces, Landlock is needed and this kernel has none")
+    return reasons

@@ -181,7 +181,43 @@ def _same_content(a_fd: int, b_fd: int) -> bool:
             return True
 
 
-def _refusal(rel: str, entry: Entry) -> str | None:
+#: How many links one link's resolution may go through (the kernel's own limit).
+_MAX_HOPS = 40
+
+
+def _leads_out(rel: str, entries: dict[str, Entry]) -> bool:
+    """Whether the link at rel, resolved as the kernel would through the tree's other links, leaves the tree.
+
+    Looking at the link's text alone is not enough: ``a/b -> ..`` stays
+    inside, but ``c -> a/b/..`` then names the tree's parent. Absolute links
+    are refused (never written), so a path through one meets whatever the
+    target has there: it is followed by its name only.
+    """
+    stack = [p for p in os.path.dirname(rel).split("/") if p]
+    parts = entries[rel].link.split("/")
+    parts.reverse()
+    hops = 0
+    while parts:
+        part = parts.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not stack:
+                return True
+            stack.pop()
+            continue
+        entry = entries.get("/".join([*stack, part]))
+        if entry is not None and entry.kind == "link" and not os.path.isabs(entry.link):
+            hops += 1
+            if hops > _MAX_HOPS:
+                return True  # a loop: never written, whatever it would mean
+            parts.extend(reversed(entry.link.split("/")))
+            continue
+        stack.append(part)
+    return False
+
+
+def _refusal(rel: str, entry: Entry, entries: dict[str, Entry]) -> str | None:
     """Why commit will not carry this entry to the host (None: it will)."""
     if entry.kind == "other":
         return "not a regular file, directory or link (devices, FIFOs and sockets stay in the sandbox)"
@@ -189,8 +225,7 @@ def _refusal(rel: str, entry: Entry) -> str | None:
         text = entry.link
         if os.path.isabs(text):
             return f"a link to an absolute path ({text}) would lead out of the tree"
-        resolved = os.path.normpath(os.path.join(os.path.dirname(rel), text))
-        if resolved == ".." or resolved.startswith("../"):
+        if _leads_out(rel, entries):
             return f"a link ({text}) that leads out of the tree"
     return None
 
@@ -201,7 +236,7 @@ def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace) -> Chang
     theirs = walk(other_fd, workspace) if other_fd is not None else {}
     changes = Changes()
     for rel, entry in mine.items():
-        why = _refusal(rel, entry)
+        why = _refusal(rel, entry, mine)
         if why:
             changes.refused[rel] = why
             continue

@@ -194,8 +194,7 @@ def _exec(options: argparse.Namespace) -> int:
     for sig in previous:
         signal.signal(sig, forward)
     try:
-        while running.poll_exit(None) is None:
-            pass
+        running.wait_exit()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from conftest import NAMESPACES_WHY, policy
 
+import isolate
 from isolate import Sandbox, Workspace
+from isolate.backends.native import protocol
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
@@ -68,3 +70,28 @@ def test_commit_refuses_links_that_leave_the_tree_through_other_links(box: Sandb
     for link in (p for p in target.rglob("*") if p.is_symlink()):
         real = os.path.realpath(link)
         assert real == str(target) or real.startswith(str(target) + "/"), (link, real)
+
+
+def test_a_stopped_exec_server_does_not_hang_the_host(box: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A command may SIGSTOP the exec server (same uid, same Landlock domain): the host's next file
+    # operation, or its next command (even one with a timeout), must fail, not wait for ever.
+    monkeypatch.setattr(protocol, "REPLY_TIMEOUT", 2.0, raising=False)
+    assert box.exec(f"kill -STOP {SERVER}").returncode == 0
+    done, value = _finishes(lambda: box.read_file("a.txt"), 20)
+    assert done, "read_file hung on a stopped exec server"
+    assert isinstance(value, isolate.IsolationError), value
+    done, value = _finishes(lambda: box.exec("echo hi", timeout=1), 20)
+    assert done, "exec(timeout=1) hung on a stopped exec server"
+    assert isinstance(value, isolate.IsolationError), value
+
+
+def test_a_command_that_stops_its_monitor_does_not_outwait_its_timeout(box: Sandbox,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.backends.native import commands
+
+    monkeypatch.setattr(commands, "GRACE", 1.0)
+    done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 30)
+    assert done, "exec(timeout=1) hung on a stopped monitor"
+    assert isinstance(value, (isolate.IsolationError, commands.ExecResult)), value
+    if isinstance(value, commands.ExecResult):
+        assert value.timed_out, value

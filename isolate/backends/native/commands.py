@@ -98,7 +98,7 @@ class Command:
         packet = encode(lib.ISO_XS_EXEC, [cwd, *self.args, *environment], n_argv=len(self.args),
                         timeout_ms=timeout_ms, flags=int(lib.ISO_XS_F_PTY) if pty else 0)
         conn.send(packet, stdio)
-        reply = conn.receive()
+        reply = conn.answer()
         if reply.kind == lib.ISO_XS_ERROR:
             conn.close()
             raise _start_error(reply, self.args, cwd)
@@ -138,6 +138,22 @@ class Command:
         self.conn.close()
         return reply
 
+    def wait_exit(self) -> Reply:
+        """The EXITED reply; with a timeout, never waits past it by more than twice GRACE (see run_collecting)."""
+        if self.timeout is None:
+            reply = self.poll_exit(None)
+            assert reply is not None
+            return reply
+        deadline = self.started + self.timeout + GRACE
+        for _ in range(2):
+            reply = self.poll_exit(max(0.0, deadline - time.monotonic()))
+            if reply is not None:
+                return reply
+            self.kill()
+            deadline = time.monotonic() + GRACE
+        self.close()
+        raise _unenforced(self)
+
     def report(self) -> Report:
         assert self.exit is not None
         return report_of(self.exit, self.started, self.enforced)
@@ -149,6 +165,14 @@ class Command:
     def close(self) -> None:
         """Drop the conversation: a command still running is ended, with its whole tree."""
         self.conn.close()
+
+
+def _unenforced(command: Command) -> IsolationError:
+    # The monitor took neither its own timeout nor the host's kill: a process
+    # of the sandbox stopped it (same uid). Say so rather than wait for ever.
+    return IsolationError(f"{command.args[0]}: its timeout ({command.timeout:g} s) could not be enforced: the "
+                          "sandbox's exec server does not answer (a process of the sandbox stopped it); close the "
+                          "sandbox to end everything in it")
 
 
 class _Tail:
@@ -185,13 +209,21 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
             os.close(stdin_w)
             stdin_w = None
     deadline = None if command.timeout is None else command.started + command.timeout + GRACE
+    killed = False
     try:
         while command.exit is None:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             events = sel.select(wait)
             if not events and deadline is not None and time.monotonic() >= deadline:
+                if killed:
+                    # The monitor took neither its own timeout nor the kill: a
+                    # process of the sandbox stopped it (same uid). Say so
+                    # rather than wait for ever.
+                    command.close()
+                    raise _unenforced(command)
                 command.kill()
-                deadline = None
+                killed = True
+                deadline = time.monotonic() + GRACE
             for key, _ in events:
                 fd = int(key.fd)
                 if fd == stdin_w:

@@ -235,6 +235,8 @@ class NativeSandbox:
     def files(self) -> Connection:
         if self._files is None:
             raise IsolationError("the sandbox is not running; start() it first")
+        if self._files.closed:  # dropped after an answer that did not come: start a fresh conversation
+            self._files = Connection(self.paths.socket)
         return self._files
 
     def connect(self) -> Connection:

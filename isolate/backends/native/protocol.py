@@ -28,6 +28,11 @@ REQUEST_SIZE = ffi.sizeof("struct iso_xs_request")
 REPLY_SIZE = ffi.sizeof("struct iso_xs_reply")
 DIRENT_SIZE = ffi.sizeof("struct iso_xs_dirent")
 MAX_MESSAGE = int(lib.ISO_XS_MAX_MESSAGE)
+#: How long the host waits for the server's answer to a file operation or a
+#: command's start. The server answers these at once; one that does not was
+#: stopped (a command may SIGSTOP it: same uid, same Landlock domain) or its
+#: sandbox paused, and the host must not wait for it forever.
+REPLY_TIMEOUT = 30.0
 
 
 class ServerGone(IsolationError):
@@ -123,6 +128,20 @@ class Connection:
     def close(self) -> None:
         self.sock.close()
 
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
+
+    def answer(self) -> Reply:
+        """The server's prompt answer; a server that gives none in REPLY_TIMEOUT ends the conversation."""
+        try:
+            return self.receive(REPLY_TIMEOUT)
+        except TimeoutError:
+            # A late answer would be taken for the next request's: this conversation is over.
+            self.close()
+            raise ServerGone(f"the sandbox's exec server did not answer within {REPLY_TIMEOUT:g} s (a process of "
+                             "the sandbox stopped it, or the sandbox is paused)") from None
+
     def __enter__(self) -> Connection:
         return self
 
@@ -178,7 +197,7 @@ class Connection:
 
     def call(self, op: int, strings: Sequence[str] = (), *, flags: int = 0, mode: int = 0) -> Reply:
         self.send(encode(op, strings, flags=flags, mode=mode))
-        reply = self.receive()
+        reply = self.answer()
         if reply.kind == lib.ISO_XS_ERROR:
             if reply.fd is not None:
                 os.close(reply.fd)
@@ -192,7 +211,7 @@ class Connection:
     def readdir(self, path: str) -> Iterator[tuple[str, Stat]]:
         self.send(encode(lib.ISO_XS_READDIR, [path]))
         while True:
-            reply = self.receive()
+            reply = self.answer()
             if reply.fd is not None:
                 os.close(reply.fd)
             if reply.kind == lib.ISO_XS_END:

@@ -95,3 +95,63 @@ def test_a_command_that_stops_its_monitor_does_not_outwait_its_timeout(box: Sand
     assert isinstance(value, (isolate.IsolationError, commands.ExecResult)), value
     if isinstance(value, commands.ExecResult):
         assert value.timed_out, value
+
+
+def _planted(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """A named sandbox whose state directory's `sandboxes` became a link to a host directory that holds
+    another directory of the sandbox's name (what a sandbox granted the home could do); returns that one."""
+    state = Path(workdir) / "state"
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
+    Sandbox(policy(write=()), workspace=Workspace(source), name=name).start().detach()
+    precious = Path(workdir) / "precious"
+    (precious / name / "workspace").mkdir(parents=True)
+    (precious / name / "workspace" / "keep.txt").write_text("mine\n")
+    sandboxes = state / "sandboxes"
+    sandboxes.rename(state / "moved")
+    sandboxes.symlink_to(precious)
+    return precious / name / "workspace" / "keep.txt"
+
+
+def test_rm_does_not_follow_a_link_planted_in_the_state_directory(source: str, workdir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}"
+    try:
+        keep = _planted(source, workdir, monkeypatch, name)
+        assert remove_native(name)
+        assert keep.read_text() == "mine\n"
+    finally:
+        remove_native(name)
+
+
+def test_diff_and_commit_do_not_read_a_planted_workspace(source: str, workdir: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}c"
+    try:
+        _planted(source, workdir, monkeypatch, name)
+        attached = Sandbox.attach(name)
+        with pytest.raises(isolate.IsolationError):
+            attached.diff()
+        with pytest.raises(isolate.IsolationError):
+            attached.commit()
+        attached.detach()
+        assert not Path(source, "keep.txt").exists()
+    finally:
+        remove_native(name)
+
+
+def test_rm_removes_the_data_it_made(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = Path(workdir) / "state"
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
+    name = f"atk{os.getpid()}b"
+    box = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    box.exec("echo x > made")
+    box.detach()
+    assert (state / "sandboxes" / name / "workspace" / "made").exists()
+    from isolate.sandbox_cli import remove_native
+
+    assert remove_native(name)
+    assert not (state / "sandboxes" / name).exists()

@@ -90,6 +90,8 @@ def test_a_command_that_stops_its_monitor_does_not_outwait_its_timeout(box: Sand
     from isolate.backends.native import commands
 
     monkeypatch.setattr(commands, "GRACE", 1.0)
+    # The monitor may be stopped before it says STARTED (then the start's own wait ends it).
+    monkeypatch.setattr(protocol, "REPLY_TIMEOUT", 2.0)
     done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 30)
     assert done, "exec(timeout=1) hung on a stopped monitor"
     assert isinstance(value, (isolate.IsolationError, commands.ExecResult)), value

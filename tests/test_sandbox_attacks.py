@@ -157,3 +157,14 @@ def test_rm_removes_the_data_it_made(source: str, workdir: str, monkeypatch: pyt
 
     assert remove_native(name)
     assert not (state / "sandboxes" / name).exists()
+
+
+def test_a_shell_output_flood_costs_the_host_neither_memory_nor_quadratic_time(box: Sandbox) -> None:
+    from isolate import shell
+
+    sh = box.shell()
+    # Before: the whole output was kept and searched from its start at every read (64 MB did not
+    # finish in 30 s, and with no timeout a flood grew the host's memory without end).
+    output, status = sh.run("head -c 64000000 /dev/zero | tr '\\0' a; echo; echo end", timeout=30)
+    assert status == 0 and output.endswith("end\n") and len(output) <= shell.OUTPUT_LIMIT
+    assert sh.run("echo next") == ("next\n", 0)

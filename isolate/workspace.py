@@ -80,6 +80,9 @@ class Entry:
     mode: int
     size: int
     link: str = ""
+    #: The inode and its link count: one file under several names (hard links) is told apart.
+    ino: int = 0
+    nlink: int = 1
 
 
 @dataclass
@@ -128,7 +131,7 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
                 continue
             kind = _kind(info.st_mode)
             link = os.readlink(name, dir_fd=dir_fd) if kind == "link" else ""
-            out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link)
+            out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link, info.st_ino, info.st_nlink)
             if kind == "dir":
                 try:
                     child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -230,13 +233,24 @@ def _refusal(rel: str, entry: Entry, entries: dict[str, Entry]) -> str | None:
     return None
 
 
-def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace) -> Changes:
-    """What makes ``other`` (None: an empty tree) equal to the workspace; excluded names are left alone."""
+def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_links: bool = False) -> Changes:
+    """What makes ``other`` (None: an empty tree) equal to the workspace; excluded names are left alone.
+
+    A file with several names in the workspace (hard links) is written
+    once, under its first name: its other names are refused, or a program
+    could make one file of N bytes cost the host N bytes per name
+    (``hard_links=True``: every name is written, for a trusted tree).
+    """
     mine = walk(workspace_fd, workspace)
     theirs = walk(other_fd, workspace) if other_fd is not None else {}
     changes = Changes()
+    first_name: dict[int, str] = {}
     for rel, entry in mine.items():
         why = _refusal(rel, entry, mine)
+        if not why and entry.kind == "file" and entry.nlink > 1 and not hard_links:
+            first = first_name.setdefault(entry.ino, rel)
+            if first != rel:
+                why = f"another name (hard link) of {first}, which is written once"
         if why:
             changes.refused[rel] = why
             continue
@@ -309,6 +323,39 @@ def _ensure_dir(dir_fd: int, name: str, mode: int) -> None:
         os.mkdir(name, mode & 0o777, dir_fd=dir_fd)
 
 
+def _copy_extents(src_fd: int, out: int) -> None:
+    """Copy src_fd's data to out, holes kept as holes, up to the size src_fd had when the copy began.
+
+    A program can make a sparse file of a petabyte at no cost: copied byte
+    by byte it would fill the host's disk, so only the data extents are
+    written (SEEK_DATA/SEEK_HOLE), and data appended meanwhile is not.
+    """
+    size = os.fstat(src_fd).st_size
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(src_fd, pos, os.SEEK_DATA)
+            end = min(os.lseek(src_fd, start, os.SEEK_HOLE), size)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break  # nothing but a hole up to the end
+            if exc.errno != errno.EINVAL:
+                raise
+            start, end = pos, size  # no hole support here: all of it is data
+        while start < end:
+            chunk = os.pread(src_fd, min(_CHUNK, end - start), start)
+            if not chunk:
+                end = start  # shrunk meanwhile
+                break
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(out, view, start)
+                view = view[written:]
+                start += written
+        pos = max(end, pos + 1)
+    os.ftruncate(out, size)
+
+
 def _write_file(src_fd: int, dir_fd: int, name: str, mode: int) -> None:
     """Copy src_fd to name under dir_fd through a fresh temporary file, then rename it into place."""
     temp = f".{name[:200]}.isolate-{secrets.token_hex(4)}"
@@ -316,13 +363,7 @@ def _write_file(src_fd: int, dir_fd: int, name: str, mode: int) -> None:
     out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777,
                   dir_fd=dir_fd)
     try:
-        while True:
-            chunk = os.read(src_fd, _CHUNK)
-            if not chunk:
-                break
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(out, view):]
+        _copy_extents(src_fd, out)
         os.fchmod(out, mode & 0o777)
     except BaseException:
         os.close(out)
@@ -375,7 +416,7 @@ def copy_tree(source: str, destination: str, workspace: Workspace) -> None:
     dst_fd = _open_dir(destination)
     try:
         entries = walk(src_fd, workspace)
-        changes = diff(src_fd, None, workspace)
+        changes = diff(src_fd, None, workspace, hard_links=True)
         changes.added = [r for r in changes.added if not any(r.startswith(x + "/") for x in changes.refused)]
         apply(src_fd, dst_fd, changes, entries)
     finally:

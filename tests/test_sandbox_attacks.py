@@ -168,3 +168,24 @@ def test_a_shell_output_flood_costs_the_host_neither_memory_nor_quadratic_time(b
     output, status = sh.run("head -c 64000000 /dev/zero | tr '\\0' a; echo; echo end", timeout=30)
     assert status == 0 and output.endswith("end\n") and len(output) <= shell.OUTPUT_LIMIT
     assert sh.run("echo next") == ("next\n", 0)
+
+
+def test_commit_writes_no_more_than_the_workspace_holds(box: Sandbox, workdir: str) -> None:
+    # A sparse file costs the program nothing; one file under many names costs it one file.
+    # Copied byte by byte and name by name, either could fill the host's disk at commit.
+    box.exec("truncate -s 1G sparse && printf x | dd of=sparse bs=1 seek=1000000 conv=notrunc 2>/dev/null; "
+             "head -c 100000 /dev/urandom > one && for i in 1 2 3 4 5 6 7 8; do ln one name$i; done")
+    target = Path(workdir) / "target"
+    target.mkdir()
+    changes = box.commit(target)
+    info = os.stat(target / "sparse")
+    assert info.st_size == 1 << 30 and info.st_blocks * 512 < 1 << 20, info
+    with open(target / "sparse", "rb") as handle:
+        handle.seek(999999)
+        assert handle.read(3) == b"\0x\0"
+    names = {"one", *(f"name{i}" for i in range(1, 9))}
+    written = names - set(changes.refused)
+    assert len(written) == 1 and written <= set(changes.added), changes
+    assert (target / written.pop()).stat().st_size == 100000
+    assert sum((target / n).exists() for n in names) == 1
+    assert len(names & box.diff().refused.keys()) == 8

@@ -33,6 +33,9 @@ WORKSPACE_MODES = ("copy", "bind")
 DEFAULT_TARGET = "/workspace"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
+#: How deep walk() goes. A program can nest directories without end; each level costs the walk a
+#: descriptor and a Python frame, so a deeper directory is listed as refused, not descended into.
+MAX_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
     """Every node under a directory descriptor, by relative path; links are not followed."""
     out: dict[str, Entry] = {}
 
-    def visit(dir_fd: int, prefix: str) -> None:
+    def visit(dir_fd: int, prefix: str, depth: int) -> None:
         for name in sorted(os.listdir(dir_fd)):
             if workspace is not None and workspace.excluded(name):
                 continue
@@ -130,6 +133,8 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
             except FileNotFoundError:
                 continue
             kind = _kind(info.st_mode)
+            if kind == "dir" and depth >= MAX_DEPTH:
+                kind = "deep"
             link = os.readlink(name, dir_fd=dir_fd) if kind == "link" else ""
             out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link, info.st_ino, info.st_nlink)
             if kind == "dir":
@@ -138,11 +143,11 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
                 except OSError:
                     continue  # replaced meanwhile: listed as it was
                 try:
-                    visit(child, rel + "/")
+                    visit(child, rel + "/", depth + 1)
                 finally:
                     os.close(child)
 
-    visit(root_fd, "")
+    visit(root_fd, "", 1)
     return out
 
 
@@ -222,6 +227,8 @@ def _leads_out(rel: str, entries: dict[str, Entry]) -> bool:
 
 def _refusal(rel: str, entry: Entry, entries: dict[str, Entry]) -> str | None:
     """Why commit will not carry this entry to the host (None: it will)."""
+    if entry.kind == "deep":
+        return f"a directory more than {MAX_DEPTH} levels deep (not walked)"
     if entry.kind == "other":
         return "not a regular file, directory or link (devices, FIFOs and sockets stay in the sandbox)"
     if entry.kind == "link":
@@ -294,7 +301,13 @@ def _files_equal(a_dir: int, b_dir: int | None, rel: str) -> bool:
 
 
 def _remove_tree(dir_fd: int, name: str) -> None:
-    """Remove name under dir_fd, recursively, never following a link."""
+    """Remove name under dir_fd, recursively, never following a link.
+
+    A tree the program made may be nested without end: this holds two
+    descriptors and no recursion whatever the depth. It goes down into the
+    first subdirectory it finds, and back up through ".." once a directory
+    is empty, checking that the parent reached is the one it came from.
+    """
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -302,12 +315,44 @@ def _remove_tree(dir_fd: int, name: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(name, dir_fd=dir_fd)
         return
-    child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    top = os.fstat(fd)
+    path: list[tuple[str, int, int]] = []  # (name, st_dev, st_ino) of each directory below the top one
     try:
-        for entry in os.listdir(child):
-            _remove_tree(child, entry)
+        while True:
+            below = None
+            for entry in os.listdir(fd):
+                try:
+                    entry_info = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(entry_info.st_mode):
+                    below = (entry, entry_info)
+                    break
+                os.unlink(entry, dir_fd=fd)
+            if below is not None:
+                child = os.open(below[0], _DIR_FLAGS, dir_fd=fd)
+                child_info = os.fstat(child)
+                path.append((below[0], child_info.st_dev, child_info.st_ino))
+                os.close(fd)
+                fd = child
+                continue
+            if not path:
+                break
+            done, dev, ino = path.pop()
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            # ".." must be the directory this came down from, and hold the one it leaves: a tree
+            # moved meanwhile is not followed out.
+            came_from = (path[-1][1], path[-1][2]) if path else (top.st_dev, top.st_ino)
+            here = os.fstat(fd)
+            there = os.stat(done, dir_fd=fd, follow_symlinks=False)
+            if (here.st_dev, here.st_ino) != came_from or (there.st_dev, there.st_ino) != (dev, ino):
+                raise OSError(errno.ESTALE, "a directory moved while it was being removed", done)
+            os.rmdir(done, dir_fd=fd)
     finally:
-        os.close(child)
+        os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
 
 

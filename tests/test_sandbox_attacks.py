@@ -189,3 +189,28 @@ def test_commit_writes_no_more_than_the_workspace_holds(box: Sandbox, workdir: s
     assert (target / written.pop()).stat().st_size == 100000
     assert sum((target / n).exists() for n in names) == 1
     assert len(names & box.diff().refused.keys()) == 8
+
+
+def test_a_deeply_nested_workspace_breaks_neither_diff_nor_removal(source: str, workdir: str) -> None:
+    from isolate import workspace
+
+    box = Sandbox(policy(write=()), workspace=Workspace(source)).start()
+    try:
+        assert box._impl is not None
+        data = box._impl.paths.data
+        # Before: diff, commit and close() raised RecursionError, and close() left the data behind.
+        depth = 1200
+        made = box.exec(f"i=0; while [ $i -lt {depth} ]; do mkdir d && cd d || break; i=$((i+1)); done; "
+                        "echo x > f; echo $i")
+        assert made.stdout == f"{depth}\n", made
+        changes = box.diff()
+        deep = "/".join(["d"] * workspace.MAX_DEPTH)
+        assert deep in changes.refused and "d" in changes.added, list(changes.refused)
+        target = Path(workdir) / "target"
+        target.mkdir()
+        box.commit(target)
+        assert (target / "/".join(["d"] * (workspace.MAX_DEPTH - 1))).is_dir()
+        assert not (target / deep).exists()
+    finally:
+        box.close()
+    assert not os.path.exists(data)

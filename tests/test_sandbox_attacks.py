@@ -214,3 +214,21 @@ def test_a_deeply_nested_workspace_breaks_neither_diff_nor_removal(source: str, 
     finally:
         box.close()
     assert not os.path.exists(data)
+
+
+def test_file_methods_from_many_threads_get_their_own_files(box: Sandbox) -> None:
+    # AsyncSandbox runs each method in a worker thread, all on one conversation with the server:
+    # before, concurrent calls took each other's answers (read_file("f1") gave f3's content, and
+    # write_file could write into another call's file).
+    from concurrent.futures import ThreadPoolExecutor
+
+    for i in range(24):
+        box.write_file(f"f{i}", f"content {i}\n")
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(4):
+            got = list(pool.map(lambda i: box.read_file(f"f{i}"), range(24)))
+            assert got == [f"content {i}\n" for i in range(24)]
+            list(pool.map(lambda i: box.write_file(f"g{i}", f"{i}\n"), range(24)))
+            listed = list(pool.map(lambda _: [e.path for e in box.list_dir()], range(8)))
+            assert all(names == listed[0] for names in listed) and len(listed[0]) == 49, listed[0]
+    assert [box.read_file(f"g{i}") for i in range(24)] == [f"{i}\n" for i in range(24)]

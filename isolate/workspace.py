@@ -102,6 +102,28 @@ class Changes:
         return bool(self.added or self.modified or self.deleted)
 
 
+def _umask() -> int:
+    """The caller's umask, read without changing it (os.umask would race with other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & 0o777
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def host_mode(mode: int) -> int:
+    """The permission bits written to the host for a workspace entry's mode.
+
+    No set-user-ID, set-group-ID or sticky bit, and the caller's umask
+    applied, as cp does: a program's chmod 777 must not make the user's
+    tree writable by every local user.
+    """
+    return mode & 0o777 & ~_umask()
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISREG(mode):
         return "file"
@@ -266,7 +288,7 @@ def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_lin
             changes.added.append(rel)
         elif old.kind != entry.kind or (entry.kind == "link" and old.link != entry.link):
             changes.modified.append(rel)
-        elif entry.kind == "file" and (old.size != entry.size or (old.mode & 0o777) != (entry.mode & 0o777)
+        elif entry.kind == "file" and (old.size != entry.size or (old.mode & 0o777) != host_mode(entry.mode)
                                        or not _files_equal(workspace_fd, other_fd, rel)):
             changes.modified.append(rel)
     for rel in theirs:
@@ -439,15 +461,15 @@ def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str
         name = os.path.basename(rel)
         try:
             if entry.kind == "dir":
-                _ensure_dir(parent, name, entry.mode)
-                os.chmod(name, entry.mode & 0o777, dir_fd=parent, follow_symlinks=False)
+                _ensure_dir(parent, name, host_mode(entry.mode))
+                os.chmod(name, host_mode(entry.mode), dir_fd=parent, follow_symlinks=False)
             elif entry.kind == "link":
                 _remove_tree(parent, name)
                 os.symlink(entry.link, name, dir_fd=parent)
             elif entry.kind == "file":
                 src = _open_file(workspace_fd, rel)
                 try:
-                    _write_file(src, parent, name, entry.mode)
+                    _write_file(src, parent, name, host_mode(entry.mode))
                 finally:
                     os.close(src)
         finally:

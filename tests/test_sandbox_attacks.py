@@ -232,3 +232,21 @@ def test_file_methods_from_many_threads_get_their_own_files(box: Sandbox) -> Non
             listed = list(pool.map(lambda _: [e.path for e in box.list_dir()], range(8)))
             assert all(names == listed[0] for names in listed) and len(listed[0]) == 49, listed[0]
     assert [box.read_file(f"g{i}") for i in range(24)] == [f"{i}\n" for i in range(24)]
+
+
+def test_commit_makes_nothing_world_writable_against_the_callers_umask(box: Sandbox, workdir: str) -> None:
+    # Before: a program's chmod 777 reached the host as is, making the user's tree writable by
+    # every local user. Commit applies the caller's umask, as cp does.
+    box.exec("mkdir open && chmod 777 open && echo x > ww && chmod 666 ww && chmod 777 a.txt")
+    target = Path(workdir) / "target"
+    target.mkdir()
+    old = os.umask(0o022)
+    try:
+        changes = box.commit(target)
+        assert box.diff().modified == ["a.txt"]  # against the source (0644): only the x bits differ
+    finally:
+        os.umask(old)
+    assert {"open", "ww", "a.txt"} <= set(changes.added)
+    for name in ("open", "ww", "a.txt"):
+        assert os.stat(target / name).st_mode & 0o022 == 0, name
+    assert os.stat(target / "a.txt").st_mode & 0o777 == 0o755

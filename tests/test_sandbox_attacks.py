@@ -250,3 +250,23 @@ def test_commit_makes_nothing_world_writable_against_the_callers_umask(box: Sand
     for name in ("open", "ww", "a.txt"):
         assert os.stat(target / name).st_mode & 0o022 == 0, name
     assert os.stat(target / "a.txt").st_mode & 0o777 == 0o755
+
+
+def test_cli_diff_prints_each_name_on_one_line(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # A name with a newline forged lines of `isolate-run sandbox diff` (here: a deletion that is not).
+    from isolate.sandbox_cli import remove_native, sandbox_main
+
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(Path(workdir) / "state"))
+    name = f"atk{os.getpid()}n"
+    box = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    try:
+        box.exec("touch \"$(printf 'x\\nD a.txt')\"; ln -s \"$(printf '/etc\\n! fake')\" link")
+        box.detach()
+        capsys.readouterr()
+        assert sandbox_main(["diff", name]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert "D a.txt" not in lines and "! fake" not in lines, lines
+        assert len(lines) == 2, lines
+    finally:
+        remove_native(name)

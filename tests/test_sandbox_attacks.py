@@ -270,3 +270,10 @@ def test_cli_diff_prints_each_name_on_one_line(source: str, workdir: str, monkey
         assert len(lines) == 2, lines
     finally:
         remove_native(name)
+
+
+def test_a_huge_timeout_is_no_timeout(box: Sandbox) -> None:
+    # Before: any timeout past 2**63 ms raised OverflowError from the request's encoding.
+    for seconds in (1e17, 1e300):
+        result = box.exec("echo ok", timeout=seconds)
+        assert result.stdout == "ok\n" and not result.timed_out

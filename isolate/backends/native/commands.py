@@ -26,6 +26,9 @@ from .protocol import Connection, Reply, ServerGone, encode
 
 #: exec()'s default cap on each of stdout and stderr (the tail is kept).
 DEFAULT_OUTPUT_LIMIT = 16 << 20
+#: A timeout of this many seconds (about 31 years) or more is no timeout: larger ones overflow the
+#: request's int64 milliseconds and the host's own waits (select takes at most about 292 years).
+MAX_TIMEOUT = 1e9
 #: How long the host waits past a command's own timeout for the server's word.
 GRACE = 10.0
 
@@ -92,6 +95,8 @@ class Command:
         self.args = list(argv)
         self.enforced = enforced
         self.started = time.monotonic()
+        if timeout is not None and timeout >= MAX_TIMEOUT:
+            timeout = None
         self.timeout = timeout
         self.exit: Reply | None = None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))

@@ -277,3 +277,16 @@ def test_a_huge_timeout_is_no_timeout(box: Sandbox) -> None:
     for seconds in (1e17, 1e300):
         result = box.exec("echo ok", timeout=seconds)
         assert result.stdout == "ok\n" and not result.timed_out
+
+
+def test_a_stopped_monitor_is_continued_and_enforces_the_timeout(box: Sandbox) -> None:
+    # The exec server continues a monitor a command stopped, so the timeout still ends the
+    # command's whole tree (before: the host waited for ever, then, with the host-side bound,
+    # gave up with the tree still running).
+    import time
+
+    started = time.monotonic()
+    done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 25)
+    assert done and not isinstance(value, BaseException), value
+    assert value.timed_out and time.monotonic() - started < 10, value
+    assert "sleep 1000" not in box.exec("ps -eo args").stdout

@@ -647,8 +647,17 @@ int iso_exec_server_main(int argc, char **argv)
             struct signalfd_siginfo info;
             while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info)
                 ;
-            while (waitpid(-1, NULL, WNOHANG) > 0)
-                running--;
+            /* A command shares the monitor's uid and Landlock domain, so it
+             * can SIGSTOP its monitor, which would then enforce neither its
+             * timeout nor a kill: a stopped monitor is continued at once. */
+            int wstatus;
+            pid_t child;
+            while ((child = waitpid(-1, &wstatus, WNOHANG | WUNTRACED)) > 0) {
+                if (WIFSTOPPED(wstatus))
+                    kill(child, SIGCONT);
+                else
+                    running--;
+            }
             if (running < 0)
                 running = 0;
             if (running == 0)

@@ -33,7 +33,7 @@ from .errors import IsolationError, PolicyError, UnsupportedError
 from .policy import Mount, Policy
 from .registry import Registry, SandboxRecord, _check_name
 from .shell import Shell
-from .workspace import Changes, Workspace, apply, check_target, diff, entries_of
+from .workspace import Changes, Workspace, apply, check_target, diff, entries_of, walk
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
            "Stat", "Workspace"]
@@ -378,7 +378,7 @@ class Sandbox:
         impl = self._native("diff")
         if self.workspace.mode == "bind":
             return Changes()
-        ws_fd, _ = entries_of(impl.workspace_host, self.workspace)
+        ws_fd = impl.open_workspace()
         try:
             if self.workspace.source is None:
                 return diff(ws_fd, None, self.workspace)
@@ -403,8 +403,9 @@ class Sandbox:
         if target is None:
             raise IsolationError("commit: this workspace has no source; give a target directory")
         real = check_target(os.fspath(target), [impl.workspace_host])
-        ws_fd, entries = entries_of(impl.workspace_host, self.workspace)
+        ws_fd = impl.open_workspace()
         try:
+            entries = walk(ws_fd, self.workspace)
             tgt_fd, _ = entries_of(real, self.workspace)
             try:
                 changes = diff(ws_fd, tgt_fd, self.workspace)

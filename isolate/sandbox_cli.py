@@ -194,8 +194,7 @@ def _exec(options: argparse.Namespace) -> int:
     for sig in previous:
         signal.signal(sig, forward)
     try:
-        while running.poll_exit(None) is None:
-            pass
+        running.wait_exit()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -279,6 +278,14 @@ def _cp(options: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(rel: str) -> str:
+    """A path the program named, printable on one line: a newline or escape in a name could
+    otherwise forge lines of this output (``x\\nD README``) or drive the terminal."""
+    if rel.isprintable():
+        return rel
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode() for c in rel)
+
+
 def _diff(options: argparse.Namespace) -> int:
     box = _attach(options.name)
     try:
@@ -287,9 +294,9 @@ def _diff(options: argparse.Namespace) -> int:
         box.detach()
     for mark, names in (("A", changes.added), ("M", changes.modified), ("D", changes.deleted)):
         for rel in names:
-            print(f"{mark} {rel}")
+            print(f"{mark} {_shown(rel)}")
     for rel, why in changes.refused.items():
-        print(f"! {rel}: {why}")
+        print(f"! {_shown(rel)}: {_shown(why)}")
     return 0
 
 
@@ -301,7 +308,7 @@ def _commit(options: argparse.Namespace) -> int:
         box.detach()
     print(f"{len(changes.added)} added, {len(changes.modified)} modified, {len(changes.deleted)} deleted")
     for rel, why in changes.refused.items():
-        print(f"isolate-run sandbox: not committed: {rel}: {why}", file=sys.stderr)
+        print(f"isolate-run sandbox: not committed: {_shown(rel)}: {_shown(why)}", file=sys.stderr)
     return 0
 
 

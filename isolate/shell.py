@@ -19,6 +19,9 @@ from typing import Any
 
 from .errors import IsolationError
 
+#: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
+OUTPUT_LIMIT = 16 << 20
+
 
 class Shell:
     """A persistent shell in a sandbox: ``run(command)`` returns (output, exit status); state persists."""
@@ -34,7 +37,7 @@ class Shell:
             attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
             attrs[1] &= ~termios.ONLCR
             termios.tcsetattr(self._process.master_fd, termios.TCSANOW, attrs)
-        self._buffer = b""
+        self._buffer = bytearray()
         self._seq = 0
         self._unsynced = False
 
@@ -57,19 +60,27 @@ class Shell:
         redirect = "" if self.pty else " 2>&1"
         self._process.write(f"{{ {command}\n}}{redirect}\nprintf '\\n%s%d__\\n' '{marker.decode()}' \"$?\"\n")
         deadline = None if timeout is None else time.monotonic() + timeout
+        # The command's output may be a flood: it is kept in a bytearray (appending is not a copy),
+        # only its tail is kept, and only what is new is searched for the marker (a search from
+        # the start each time would make a flood cost the host quadratic time).
+        start = 0
         while True:
-            at = self._buffer.find(marker)
+            at = self._buffer.find(marker, start)
             end = self._buffer.find(b"__\n", at + len(marker)) if at >= 0 else -1
             if end >= 0:
-                status = int(self._buffer[at + len(marker):end] or b"-1")
-                output = self._buffer[:at].removesuffix(b"\n")  # the marker's own line break
-                self._buffer = self._buffer[end + 3:]
+                try:
+                    status = int(self._buffer[at + len(marker):end] or b"-1")
+                except ValueError:
+                    status = -1
+                output = bytes(self._buffer[:at]).removesuffix(b"\n")  # the marker's own line break
+                del self._buffer[:end + 3]
                 return output.decode(errors="replace"), status
+            start = at if at >= 0 else max(0, len(self._buffer) - len(marker) - 32)
             wait = None if deadline is None else deadline - time.monotonic()
             if wait is not None and wait <= 0:
                 self.interrupt()
                 self._unsynced = True
-                self._buffer = b""
+                self._buffer = bytearray()
                 raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s "
                                    "(it was interrupted)")
             ready, _, _ = select.select([self._process.stdout_fd], [], [], wait)
@@ -81,6 +92,10 @@ class Shell:
                 if not chunk:
                     raise IsolationError(f"shell {self.name!r} ended")
                 self._buffer += chunk
+                excess = len(self._buffer) - OUTPUT_LIMIT
+                if excess > 0:
+                    del self._buffer[:excess]
+                    start = max(0, start - excess)
 
     def interrupt(self) -> None:
         """SIGINT to what the shell is running (not the shell itself)."""

@@ -33,6 +33,9 @@ WORKSPACE_MODES = ("copy", "bind")
 DEFAULT_TARGET = "/workspace"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
+#: How deep walk() goes. A program can nest directories without end; each level costs the walk a
+#: descriptor and a Python frame, so a deeper directory is listed as refused, not descended into.
+MAX_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class Entry:
     mode: int
     size: int
     link: str = ""
+    #: The inode and its link count: one file under several names (hard links) is told apart.
+    ino: int = 0
+    nlink: int = 1
 
 
 @dataclass
@@ -94,6 +100,28 @@ class Changes:
 
     def __bool__(self) -> bool:
         return bool(self.added or self.modified or self.deleted)
+
+
+def _umask() -> int:
+    """The caller's umask, read without changing it (os.umask would race with other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & 0o777
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def host_mode(mode: int) -> int:
+    """The permission bits written to the host for a workspace entry's mode.
+
+    No set-user-ID, set-group-ID or sticky bit, and the caller's umask
+    applied, as cp does: a program's chmod 777 must not make the user's
+    tree writable by every local user.
+    """
+    return mode & 0o777 & ~_umask()
 
 
 def _kind(mode: int) -> str:
@@ -117,7 +145,7 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
     """Every node under a directory descriptor, by relative path; links are not followed."""
     out: dict[str, Entry] = {}
 
-    def visit(dir_fd: int, prefix: str) -> None:
+    def visit(dir_fd: int, prefix: str, depth: int) -> None:
         for name in sorted(os.listdir(dir_fd)):
             if workspace is not None and workspace.excluded(name):
                 continue
@@ -127,19 +155,21 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
             except FileNotFoundError:
                 continue
             kind = _kind(info.st_mode)
+            if kind == "dir" and depth >= MAX_DEPTH:
+                kind = "deep"
             link = os.readlink(name, dir_fd=dir_fd) if kind == "link" else ""
-            out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link)
+            out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link, info.st_ino, info.st_nlink)
             if kind == "dir":
                 try:
                     child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
                 except OSError:
                     continue  # replaced meanwhile: listed as it was
                 try:
-                    visit(child, rel + "/")
+                    visit(child, rel + "/", depth + 1)
                 finally:
                     os.close(child)
 
-    visit(root_fd, "")
+    visit(root_fd, "", 1)
     return out
 
 
@@ -181,27 +211,75 @@ def _same_content(a_fd: int, b_fd: int) -> bool:
             return True
 
 
-def _refusal(rel: str, entry: Entry) -> str | None:
+#: How many links one link's resolution may go through (the kernel's own limit).
+_MAX_HOPS = 40
+
+
+def _leads_out(rel: str, entries: dict[str, Entry]) -> bool:
+    """Whether the link at rel, resolved as the kernel would through the tree's other links, leaves the tree.
+
+    Looking at the link's text alone is not enough: ``a/b -> ..`` stays
+    inside, but ``c -> a/b/..`` then names the tree's parent. Absolute links
+    are refused (never written), so a path through one meets whatever the
+    target has there: it is followed by its name only.
+    """
+    stack = [p for p in os.path.dirname(rel).split("/") if p]
+    parts = entries[rel].link.split("/")
+    parts.reverse()
+    hops = 0
+    while parts:
+        part = parts.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not stack:
+                return True
+            stack.pop()
+            continue
+        entry = entries.get("/".join([*stack, part]))
+        if entry is not None and entry.kind == "link" and not os.path.isabs(entry.link):
+            hops += 1
+            if hops > _MAX_HOPS:
+                return True  # a loop: never written, whatever it would mean
+            parts.extend(reversed(entry.link.split("/")))
+            continue
+        stack.append(part)
+    return False
+
+
+def _refusal(rel: str, entry: Entry, entries: dict[str, Entry]) -> str | None:
     """Why commit will not carry this entry to the host (None: it will)."""
+    if entry.kind == "deep":
+        return f"a directory more than {MAX_DEPTH} levels deep (not walked)"
     if entry.kind == "other":
         return "not a regular file, directory or link (devices, FIFOs and sockets stay in the sandbox)"
     if entry.kind == "link":
         text = entry.link
         if os.path.isabs(text):
             return f"a link to an absolute path ({text}) would lead out of the tree"
-        resolved = os.path.normpath(os.path.join(os.path.dirname(rel), text))
-        if resolved == ".." or resolved.startswith("../"):
+        if _leads_out(rel, entries):
             return f"a link ({text}) that leads out of the tree"
     return None
 
 
-def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace) -> Changes:
-    """What makes ``other`` (None: an empty tree) equal to the workspace; excluded names are left alone."""
+def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_links: bool = False) -> Changes:
+    """What makes ``other`` (None: an empty tree) equal to the workspace; excluded names are left alone.
+
+    A file with several names in the workspace (hard links) is written
+    once, under its first name: its other names are refused, or a program
+    could make one file of N bytes cost the host N bytes per name
+    (``hard_links=True``: every name is written, for a trusted tree).
+    """
     mine = walk(workspace_fd, workspace)
     theirs = walk(other_fd, workspace) if other_fd is not None else {}
     changes = Changes()
+    first_name: dict[int, str] = {}
     for rel, entry in mine.items():
-        why = _refusal(rel, entry)
+        why = _refusal(rel, entry, mine)
+        if not why and entry.kind == "file" and entry.nlink > 1 and not hard_links:
+            first = first_name.setdefault(entry.ino, rel)
+            if first != rel:
+                why = f"another name (hard link) of {first}, which is written once"
         if why:
             changes.refused[rel] = why
             continue
@@ -210,7 +288,7 @@ def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace) -> Chang
             changes.added.append(rel)
         elif old.kind != entry.kind or (entry.kind == "link" and old.link != entry.link):
             changes.modified.append(rel)
-        elif entry.kind == "file" and (old.size != entry.size or (old.mode & 0o777) != (entry.mode & 0o777)
+        elif entry.kind == "file" and (old.size != entry.size or (old.mode & 0o777) != host_mode(entry.mode)
                                        or not _files_equal(workspace_fd, other_fd, rel)):
             changes.modified.append(rel)
     for rel in theirs:
@@ -245,7 +323,13 @@ def _files_equal(a_dir: int, b_dir: int | None, rel: str) -> bool:
 
 
 def _remove_tree(dir_fd: int, name: str) -> None:
-    """Remove name under dir_fd, recursively, never following a link."""
+    """Remove name under dir_fd, recursively, never following a link.
+
+    A tree the program made may be nested without end: this holds two
+    descriptors and no recursion whatever the depth. It goes down into the
+    first subdirectory it finds, and back up through ".." once a directory
+    is empty, checking that the parent reached is the one it came from.
+    """
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -253,12 +337,44 @@ def _remove_tree(dir_fd: int, name: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(name, dir_fd=dir_fd)
         return
-    child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    top = os.fstat(fd)
+    path: list[tuple[str, int, int]] = []  # (name, st_dev, st_ino) of each directory below the top one
     try:
-        for entry in os.listdir(child):
-            _remove_tree(child, entry)
+        while True:
+            below = None
+            for entry in os.listdir(fd):
+                try:
+                    entry_info = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(entry_info.st_mode):
+                    below = (entry, entry_info)
+                    break
+                os.unlink(entry, dir_fd=fd)
+            if below is not None:
+                child = os.open(below[0], _DIR_FLAGS, dir_fd=fd)
+                child_info = os.fstat(child)
+                path.append((below[0], child_info.st_dev, child_info.st_ino))
+                os.close(fd)
+                fd = child
+                continue
+            if not path:
+                break
+            done, dev, ino = path.pop()
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            # ".." must be the directory this came down from, and hold the one it leaves: a tree
+            # moved meanwhile is not followed out.
+            came_from = (path[-1][1], path[-1][2]) if path else (top.st_dev, top.st_ino)
+            here = os.fstat(fd)
+            there = os.stat(done, dir_fd=fd, follow_symlinks=False)
+            if (here.st_dev, here.st_ino) != came_from or (there.st_dev, there.st_ino) != (dev, ino):
+                raise OSError(errno.ESTALE, "a directory moved while it was being removed", done)
+            os.rmdir(done, dir_fd=fd)
     finally:
-        os.close(child)
+        os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
 
 
@@ -274,6 +390,39 @@ def _ensure_dir(dir_fd: int, name: str, mode: int) -> None:
         os.mkdir(name, mode & 0o777, dir_fd=dir_fd)
 
 
+def _copy_extents(src_fd: int, out: int) -> None:
+    """Copy src_fd's data to out, holes kept as holes, up to the size src_fd had when the copy began.
+
+    A program can make a sparse file of a petabyte at no cost: copied byte
+    by byte it would fill the host's disk, so only the data extents are
+    written (SEEK_DATA/SEEK_HOLE), and data appended meanwhile is not.
+    """
+    size = os.fstat(src_fd).st_size
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(src_fd, pos, os.SEEK_DATA)
+            end = min(os.lseek(src_fd, start, os.SEEK_HOLE), size)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break  # nothing but a hole up to the end
+            if exc.errno != errno.EINVAL:
+                raise
+            start, end = pos, size  # no hole support here: all of it is data
+        while start < end:
+            chunk = os.pread(src_fd, min(_CHUNK, end - start), start)
+            if not chunk:
+                end = start  # shrunk meanwhile
+                break
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(out, view, start)
+                view = view[written:]
+                start += written
+        pos = max(end, pos + 1)
+    os.ftruncate(out, size)
+
+
 def _write_file(src_fd: int, dir_fd: int, name: str, mode: int) -> None:
     """Copy src_fd to name under dir_fd through a fresh temporary file, then rename it into place."""
     temp = f".{name[:200]}.isolate-{secrets.token_hex(4)}"
@@ -281,13 +430,7 @@ def _write_file(src_fd: int, dir_fd: int, name: str, mode: int) -> None:
     out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777,
                   dir_fd=dir_fd)
     try:
-        while True:
-            chunk = os.read(src_fd, _CHUNK)
-            if not chunk:
-                break
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(out, view):]
+        _copy_extents(src_fd, out)
         os.fchmod(out, mode & 0o777)
     except BaseException:
         os.close(out)
@@ -318,15 +461,15 @@ def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str
         name = os.path.basename(rel)
         try:
             if entry.kind == "dir":
-                _ensure_dir(parent, name, entry.mode)
-                os.chmod(name, entry.mode & 0o777, dir_fd=parent, follow_symlinks=False)
+                _ensure_dir(parent, name, host_mode(entry.mode))
+                os.chmod(name, host_mode(entry.mode), dir_fd=parent, follow_symlinks=False)
             elif entry.kind == "link":
                 _remove_tree(parent, name)
                 os.symlink(entry.link, name, dir_fd=parent)
             elif entry.kind == "file":
                 src = _open_file(workspace_fd, rel)
                 try:
-                    _write_file(src, parent, name, entry.mode)
+                    _write_file(src, parent, name, host_mode(entry.mode))
                 finally:
                     os.close(src)
         finally:
@@ -340,7 +483,7 @@ def copy_tree(source: str, destination: str, workspace: Workspace) -> None:
     dst_fd = _open_dir(destination)
     try:
         entries = walk(src_fd, workspace)
-        changes = diff(src_fd, None, workspace)
+        changes = diff(src_fd, None, workspace, hard_links=True)
         changes.added = [r for r in changes.added if not any(r.startswith(x + "/") for x in changes.refused)]
         apply(src_fd, dst_fd, changes, entries)
     finally:

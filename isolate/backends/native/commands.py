@@ -26,6 +26,9 @@ from .protocol import Connection, Reply, ServerGone, encode
 
 #: exec()'s default cap on each of stdout and stderr (the tail is kept).
 DEFAULT_OUTPUT_LIMIT = 16 << 20
+#: A timeout of this many seconds (about 31 years) or more is no timeout: larger ones overflow the
+#: request's int64 milliseconds and the host's own waits (select takes at most about 292 years).
+MAX_TIMEOUT = 1e9
 #: How long the host waits past a command's own timeout for the server's word.
 GRACE = 10.0
 
@@ -92,13 +95,15 @@ class Command:
         self.args = list(argv)
         self.enforced = enforced
         self.started = time.monotonic()
+        if timeout is not None and timeout >= MAX_TIMEOUT:
+            timeout = None
         self.timeout = timeout
         self.exit: Reply | None = None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
         packet = encode(lib.ISO_XS_EXEC, [cwd, *self.args, *environment], n_argv=len(self.args),
                         timeout_ms=timeout_ms, flags=int(lib.ISO_XS_F_PTY) if pty else 0)
         conn.send(packet, stdio)
-        reply = conn.receive()
+        reply = conn.answer()
         if reply.kind == lib.ISO_XS_ERROR:
             conn.close()
             raise _start_error(reply, self.args, cwd)
@@ -138,6 +143,22 @@ class Command:
         self.conn.close()
         return reply
 
+    def wait_exit(self) -> Reply:
+        """The EXITED reply; with a timeout, never waits past it by more than twice GRACE (see run_collecting)."""
+        if self.timeout is None:
+            reply = self.poll_exit(None)
+            assert reply is not None
+            return reply
+        deadline = self.started + self.timeout + GRACE
+        for _ in range(2):
+            reply = self.poll_exit(max(0.0, deadline - time.monotonic()))
+            if reply is not None:
+                return reply
+            self.kill()
+            deadline = time.monotonic() + GRACE
+        self.close()
+        raise _unenforced(self)
+
     def report(self) -> Report:
         assert self.exit is not None
         return report_of(self.exit, self.started, self.enforced)
@@ -149,6 +170,14 @@ class Command:
     def close(self) -> None:
         """Drop the conversation: a command still running is ended, with its whole tree."""
         self.conn.close()
+
+
+def _unenforced(command: Command) -> IsolationError:
+    # The monitor took neither its own timeout nor the host's kill: a process
+    # of the sandbox stopped it (same uid). Say so rather than wait for ever.
+    return IsolationError(f"{command.args[0]}: its timeout ({command.timeout:g} s) could not be enforced: the "
+                          "sandbox's exec server does not answer (a process of the sandbox stopped it); close the "
+                          "sandbox to end everything in it")
 
 
 class _Tail:
@@ -185,13 +214,21 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
             os.close(stdin_w)
             stdin_w = None
     deadline = None if command.timeout is None else command.started + command.timeout + GRACE
+    killed = False
     try:
         while command.exit is None:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             events = sel.select(wait)
             if not events and deadline is not None and time.monotonic() >= deadline:
+                if killed:
+                    # The monitor took neither its own timeout nor the kill: a
+                    # process of the sandbox stopped it (same uid). Say so
+                    # rather than wait for ever.
+                    command.close()
+                    raise _unenforced(command)
                 command.kill()
-                deadline = None
+                killed = True
+                deadline = time.monotonic() + GRACE
             for key, _ in events:
                 fd = int(key.fd)
                 if fd == stdin_w:

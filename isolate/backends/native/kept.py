@@ -96,6 +96,11 @@ class NativeSandbox:
         #: The init's host pid and start time (psutil's create_time): together they name it, even after pid reuse.
         self.init_identity: tuple[int, float] | None = None
         self.environment: dict[str, str] = {}
+        #: (st_dev, st_ino) of the copied workspace's data directory and of the workspace in it, taken when
+        #: start() made them. They lie in the state directory, which a sandbox granted the home may rewrite:
+        #: diff, commit and removal only touch the directories that still carry these identities.
+        self.data_identity: tuple[int, int] | None = None
+        self.workspace_identity: tuple[int, int] | None = None
         self.report_enforced: dict[str, Any] = {}
         self.paused = False
         self._files: Connection | None = None
@@ -125,6 +130,8 @@ class NativeSandbox:
                 os.mkdir(self.paths.data, 0o700)
                 made_data = True
                 os.mkdir(self.workspace_host, 0o755)
+                self.data_identity = _dir_identity(self.paths.data)
+                self.workspace_identity = _dir_identity(self.workspace_host)
                 if self.workspace.source is not None:
                     copy_tree(self.workspace.source, self.workspace_host, self.workspace)
             listener = self._listen()
@@ -145,7 +152,7 @@ class NativeSandbox:
             self._write_meta()
             if self.name is None:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
-                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.workspace.mode == "copy")
+                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity)
         except BaseException:
             if listener is not None:
                 listener.close()
@@ -193,7 +200,9 @@ class NativeSandbox:
                               "mode": self.workspace.mode, "exclude": list(self.workspace.exclude)},
                 "mounts": [str(m) for m in self.mounts], "environment": self.environment,
                 "enforced": self.report_enforced, "created": time.time(),
-                "init": list(self.init_identity) if self.init_identity else None}
+                "init": list(self.init_identity) if self.init_identity else None,
+                "data": list(self.data_identity) if self.data_identity else None,
+                "workspace_dir": list(self.workspace_identity) if self.workspace_identity else None}
         temp = self.paths.meta + f".{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -222,6 +231,8 @@ class NativeSandbox:
         init = meta.get("init")
         if isinstance(init, list) and len(init) == 2:
             box.init_identity = (int(init[0]), float(init[1]))
+        box.data_identity = _pair(meta.get("data"))
+        box.workspace_identity = _pair(meta.get("workspace_dir"))
         if not ping:
             return box
         try:
@@ -232,9 +243,24 @@ class NativeSandbox:
         box._files = conn
         return box
 
+    def open_workspace(self) -> int:
+        """A descriptor of the workspace on the host (copy mode: only the directory start() made)."""
+        from ...workspace import _open_dir
+
+        fd = _open_dir(self.workspace_host)
+        if self.workspace.mode == "copy":
+            info = os.fstat(fd)
+            if self.workspace_identity is None or (info.st_dev, info.st_ino) != self.workspace_identity:
+                os.close(fd)
+                raise IsolationError(f"workspace {self.workspace_host} is not the directory this sandbox was made "
+                                     "with (replaced, or reached through a planted link); not read")
+        return fd
+
     def files(self) -> Connection:
         if self._files is None:
             raise IsolationError("the sandbox is not running; start() it first")
+        if self._files.closed:  # dropped after an answer that did not come: start a fresh conversation
+            self._files = Connection(self.paths.socket)
         return self._files
 
     def connect(self) -> Connection:
@@ -300,7 +326,7 @@ class NativeSandbox:
         self.init_identity = None
         if self._finalizer is not None:
             self._finalizer.detach()
-        _remove_files(self.paths, remove_data and self.workspace.mode == "copy")
+        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode == "copy" else None)
 
     # -- pause -------------------------------------------------------------------
 
@@ -372,21 +398,51 @@ class _suppress_missing:
         return kind is not None and issubclass(kind, (ProcessLookupError, FileNotFoundError))
 
 
-def _remove_files(paths: Paths, data: bool) -> None:
+def _dir_identity(path: str) -> tuple[int, int]:
+    info = os.stat(path, follow_symlinks=False)
+    return info.st_dev, info.st_ino
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    return None
+
+
+def _remove_files(paths: Paths, data: tuple[int, int] | None) -> None:
+    """Remove the socket and description; with data (its identity), the data directory start() made."""
     for path in (paths.socket, paths.meta):
         with _suppress_missing():
             os.unlink(path)
-    if data and os.path.isdir(paths.data):
-        _remove_dir(paths.data)
+    if data is not None:
+        _remove_dir(paths.data, data)
 
 
-def _remove_dir(path: str) -> None:
-    """Remove a sandbox's data directory without following anything the program planted in it."""
-    from ...workspace import _remove_tree
+def _remove_dir(path: str, identity: tuple[int, int]) -> None:
+    """Remove a sandbox's data directory without following anything planted in it or on the way to it.
 
-    parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    The state directory may be writable by a sandbox (one granted the home):
+    a planted link on the way could lead to another directory of the same
+    name, so only the directory that still is the one start() made goes.
+    """
+    from ...workspace import _DIR_FLAGS, _remove_tree
+
     try:
-        _remove_tree(parent, os.path.basename(path))
+        parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        name = os.path.basename(path)
+        child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        try:
+            info = os.fstat(child)
+            if (info.st_dev, info.st_ino) != identity:
+                return
+            for entry in os.listdir(child):
+                _remove_tree(child, entry)
+        finally:
+            os.close(child)
+        os.rmdir(name, dir_fd=parent)
     except OSError:
         pass
     finally:

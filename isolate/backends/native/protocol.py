@@ -17,6 +17,7 @@ import errno
 import os
 import socket
 import stat as stat_mod
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,11 @@ REQUEST_SIZE = ffi.sizeof("struct iso_xs_request")
 REPLY_SIZE = ffi.sizeof("struct iso_xs_reply")
 DIRENT_SIZE = ffi.sizeof("struct iso_xs_dirent")
 MAX_MESSAGE = int(lib.ISO_XS_MAX_MESSAGE)
+#: How long the host waits for the server's answer to a file operation or a
+#: command's start. The server answers these at once; one that does not was
+#: stopped (a command may SIGSTOP it: same uid, same Landlock domain) or its
+#: sandbox paused, and the host must not wait for it forever.
+REPLY_TIMEOUT = 30.0
 
 
 class ServerGone(IsolationError):
@@ -111,6 +117,10 @@ class Connection:
 
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        # One request and its answers at a time: the server answers in order, so two threads
+        # (AsyncSandbox's workers) sharing this conversation would take each other's answers,
+        # and read or write each other's files.
+        self._turn = threading.Lock()
         try:
             self.sock.connect(path)
         except OSError as exc:
@@ -122,6 +132,20 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
+
+    def answer(self) -> Reply:
+        """The server's prompt answer; a server that gives none in REPLY_TIMEOUT ends the conversation."""
+        try:
+            return self.receive(REPLY_TIMEOUT)
+        except TimeoutError:
+            # A late answer would be taken for the next request's: this conversation is over.
+            self.close()
+            raise ServerGone(f"the sandbox's exec server did not answer within {REPLY_TIMEOUT:g} s (a process of "
+                             "the sandbox stopped it, or the sandbox is paused)") from None
 
     def __enter__(self) -> Connection:
         return self
@@ -177,8 +201,9 @@ class Connection:
     # -- file operations (answered in order by the server) ---------------------
 
     def call(self, op: int, strings: Sequence[str] = (), *, flags: int = 0, mode: int = 0) -> Reply:
-        self.send(encode(op, strings, flags=flags, mode=mode))
-        reply = self.receive()
+        with self._turn:
+            self.send(encode(op, strings, flags=flags, mode=mode))
+            reply = self.answer()
         if reply.kind == lib.ISO_XS_ERROR:
             if reply.fd is not None:
                 os.close(reply.fd)
@@ -186,22 +211,31 @@ class Connection:
         if reply.kind != lib.ISO_XS_OK:
             if reply.fd is not None:
                 os.close(reply.fd)
+            self.close()  # out of step with the server: this conversation is over
             raise ServerGone("the sandbox's exec server sent an unexpected reply")
         return reply
 
-    def readdir(self, path: str) -> Iterator[tuple[str, Stat]]:
-        self.send(encode(lib.ISO_XS_READDIR, [path]))
-        while True:
-            reply = self.receive()
-            if reply.fd is not None:
-                os.close(reply.fd)
-            if reply.kind == lib.ISO_XS_END:
-                return
-            if reply.kind == lib.ISO_XS_ERROR:
-                raise _os_error(reply.err, path)
-            if reply.kind != lib.ISO_XS_ENTRIES:
-                raise ServerGone("the sandbox's exec server sent an unexpected reply")
-            yield from _entries(reply.payload, reply.count)
+    def readdir(self, path: str) -> list[tuple[str, Stat]]:
+        """The directory's entries, all of them (read in one turn of the conversation)."""
+        entries: list[tuple[str, Stat]] = []
+        with self._turn:
+            self.send(encode(lib.ISO_XS_READDIR, [path]))
+            while True:
+                reply = self.answer()
+                if reply.fd is not None:
+                    os.close(reply.fd)
+                if reply.kind == lib.ISO_XS_END:
+                    return entries
+                if reply.kind == lib.ISO_XS_ERROR:
+                    raise _os_error(reply.err, path)
+                if reply.kind != lib.ISO_XS_ENTRIES:
+                    self.close()  # what follows would be read as the next request's answers
+                    raise ServerGone("the sandbox's exec server sent an unexpected reply")
+                try:
+                    entries.extend(_entries(reply.payload, reply.count))
+                except ServerGone:
+                    self.close()
+                    raise
 
 
 def _entries(payload: bytes, count: int) -> Iterator[tuple[str, Stat]]:

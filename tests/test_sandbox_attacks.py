@@ -1,0 +1,292 @@
+"""isolate.Sandbox under attack: the program inside is hostile, and so is everything it can write.
+
+Each test is a hole found by attacking the feature; it failed before its fix.
+Real kernel, root and uid 65534 alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import NAMESPACES_WHY, policy
+
+import isolate
+from isolate import Sandbox, Workspace
+from isolate.backends.native import protocol
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+
+#: The exec server, seen from inside: the only child of the sandbox's init.
+SERVER = "$(cat /proc/1/task/1/children)"
+
+
+@pytest.fixture
+def source(workdir: str) -> str:
+    root = Path(workdir) / "project"
+    root.mkdir()
+    (root / "a.txt").write_text("a\n")
+    root.chmod(0o755)
+    (root / "a.txt").chmod(0o644)
+    return str(root)
+
+
+@pytest.fixture
+def box(source: str) -> Iterator[Sandbox]:
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as sandbox:
+        yield sandbox
+
+
+def _finishes(call: Callable[[], Any], within: float) -> tuple[bool, Any]:
+    """Run call in a thread: (whether it returned or raised within the time, what it gave)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = call()
+        except BaseException as exc:
+            out["value"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    return not thread.is_alive(), out.get("value")
+
+
+def test_commit_refuses_links_that_leave_the_tree_through_other_links(box: Sandbox, workdir: str) -> None:
+    # Each link's own text stays inside; followed as the kernel does, `out` names the target's parent.
+    box.exec("mkdir a && ln -s .. a/up && ln -s a/up/.. out && ln -s a/up/a/up/../.. out2 && ln -s a/up/a.txt ok")
+    target = Path(workdir) / "target"
+    target.mkdir()
+    changes = box.commit(target)
+    assert {"out", "out2"} <= set(changes.refused), changes
+    assert not (target / "out").is_symlink() and not (target / "out2").is_symlink()
+    # Links that stay inside, even through another link, are still written.
+    assert os.readlink(target / "a" / "up") == ".." and os.readlink(target / "ok") == "a/up/a.txt"
+    for link in (p for p in target.rglob("*") if p.is_symlink()):
+        real = os.path.realpath(link)
+        assert real == str(target) or real.startswith(str(target) + "/"), (link, real)
+
+
+def test_a_stopped_exec_server_does_not_hang_the_host(box: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A command may SIGSTOP the exec server (same uid, same Landlock domain): the host's next file
+    # operation, or its next command (even one with a timeout), must fail, not wait for ever.
+    monkeypatch.setattr(protocol, "REPLY_TIMEOUT", 2.0, raising=False)
+    assert box.exec(f"kill -STOP {SERVER}").returncode == 0
+    done, value = _finishes(lambda: box.read_file("a.txt"), 20)
+    assert done, "read_file hung on a stopped exec server"
+    assert isinstance(value, isolate.IsolationError), value
+    done, value = _finishes(lambda: box.exec("echo hi", timeout=1), 20)
+    assert done, "exec(timeout=1) hung on a stopped exec server"
+    assert isinstance(value, isolate.IsolationError), value
+
+
+def test_a_command_that_stops_its_monitor_does_not_outwait_its_timeout(box: Sandbox,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.backends.native import commands
+
+    monkeypatch.setattr(commands, "GRACE", 1.0)
+    # The monitor may be stopped before it says STARTED (then the start's own wait ends it).
+    monkeypatch.setattr(protocol, "REPLY_TIMEOUT", 2.0)
+    done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 30)
+    assert done, "exec(timeout=1) hung on a stopped monitor"
+    assert isinstance(value, (isolate.IsolationError, commands.ExecResult)), value
+    if isinstance(value, commands.ExecResult):
+        assert value.timed_out, value
+
+
+def _planted(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """A named sandbox whose state directory's `sandboxes` became a link to a host directory that holds
+    another directory of the sandbox's name (what a sandbox granted the home could do); returns that one."""
+    state = Path(workdir) / "state"
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
+    Sandbox(policy(write=()), workspace=Workspace(source), name=name).start().detach()
+    precious = Path(workdir) / "precious"
+    (precious / name / "workspace").mkdir(parents=True)
+    (precious / name / "workspace" / "keep.txt").write_text("mine\n")
+    sandboxes = state / "sandboxes"
+    sandboxes.rename(state / "moved")
+    sandboxes.symlink_to(precious)
+    return precious / name / "workspace" / "keep.txt"
+
+
+def test_rm_does_not_follow_a_link_planted_in_the_state_directory(source: str, workdir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}"
+    try:
+        keep = _planted(source, workdir, monkeypatch, name)
+        assert remove_native(name)
+        assert keep.read_text() == "mine\n"
+    finally:
+        remove_native(name)
+
+
+def test_diff_and_commit_do_not_read_a_planted_workspace(source: str, workdir: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}c"
+    try:
+        _planted(source, workdir, monkeypatch, name)
+        attached = Sandbox.attach(name)
+        with pytest.raises(isolate.IsolationError):
+            attached.diff()
+        with pytest.raises(isolate.IsolationError):
+            attached.commit()
+        attached.detach()
+        assert not Path(source, "keep.txt").exists()
+    finally:
+        remove_native(name)
+
+
+def test_rm_removes_the_data_it_made(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = Path(workdir) / "state"
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
+    name = f"atk{os.getpid()}b"
+    box = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    box.exec("echo x > made")
+    box.detach()
+    assert (state / "sandboxes" / name / "workspace" / "made").exists()
+    from isolate.sandbox_cli import remove_native
+
+    assert remove_native(name)
+    assert not (state / "sandboxes" / name).exists()
+
+
+def test_a_shell_output_flood_costs_the_host_neither_memory_nor_quadratic_time(box: Sandbox) -> None:
+    from isolate import shell
+
+    sh = box.shell()
+    # Before: the whole output was kept and searched from its start at every read (64 MB did not
+    # finish in 30 s, and with no timeout a flood grew the host's memory without end).
+    output, status = sh.run("head -c 64000000 /dev/zero | tr '\\0' a; echo; echo end", timeout=30)
+    assert status == 0 and output.endswith("end\n") and len(output) <= shell.OUTPUT_LIMIT
+    assert sh.run("echo next") == ("next\n", 0)
+
+
+def test_commit_writes_no_more_than_the_workspace_holds(box: Sandbox, workdir: str) -> None:
+    # A sparse file costs the program nothing; one file under many names costs it one file.
+    # Copied byte by byte and name by name, either could fill the host's disk at commit.
+    box.exec("truncate -s 1G sparse && printf x | dd of=sparse bs=1 seek=1000000 conv=notrunc 2>/dev/null; "
+             "head -c 100000 /dev/urandom > one && for i in 1 2 3 4 5 6 7 8; do ln one name$i; done")
+    target = Path(workdir) / "target"
+    target.mkdir()
+    changes = box.commit(target)
+    info = os.stat(target / "sparse")
+    assert info.st_size == 1 << 30 and info.st_blocks * 512 < 1 << 20, info
+    with open(target / "sparse", "rb") as handle:
+        handle.seek(999999)
+        assert handle.read(3) == b"\0x\0"
+    names = {"one", *(f"name{i}" for i in range(1, 9))}
+    written = names - set(changes.refused)
+    assert len(written) == 1 and written <= set(changes.added), changes
+    assert (target / written.pop()).stat().st_size == 100000
+    assert sum((target / n).exists() for n in names) == 1
+    assert len(names & box.diff().refused.keys()) == 8
+
+
+def test_a_deeply_nested_workspace_breaks_neither_diff_nor_removal(source: str, workdir: str) -> None:
+    from isolate import workspace
+
+    box = Sandbox(policy(write=()), workspace=Workspace(source)).start()
+    try:
+        assert box._impl is not None
+        data = box._impl.paths.data
+        # Before: diff, commit and close() raised RecursionError, and close() left the data behind.
+        depth = 1200
+        made = box.exec(f"i=0; while [ $i -lt {depth} ]; do mkdir d && cd d || break; i=$((i+1)); done; "
+                        "echo x > f; echo $i")
+        assert made.stdout == f"{depth}\n", made
+        changes = box.diff()
+        deep = "/".join(["d"] * workspace.MAX_DEPTH)
+        assert deep in changes.refused and "d" in changes.added, list(changes.refused)
+        target = Path(workdir) / "target"
+        target.mkdir()
+        box.commit(target)
+        assert (target / "/".join(["d"] * (workspace.MAX_DEPTH - 1))).is_dir()
+        assert not (target / deep).exists()
+    finally:
+        box.close()
+    assert not os.path.exists(data)
+
+
+def test_file_methods_from_many_threads_get_their_own_files(box: Sandbox) -> None:
+    # AsyncSandbox runs each method in a worker thread, all on one conversation with the server:
+    # before, concurrent calls took each other's answers (read_file("f1") gave f3's content, and
+    # write_file could write into another call's file).
+    from concurrent.futures import ThreadPoolExecutor
+
+    for i in range(24):
+        box.write_file(f"f{i}", f"content {i}\n")
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(4):
+            got = list(pool.map(lambda i: box.read_file(f"f{i}"), range(24)))
+            assert got == [f"content {i}\n" for i in range(24)]
+            list(pool.map(lambda i: box.write_file(f"g{i}", f"{i}\n"), range(24)))
+            listed = list(pool.map(lambda _: [e.path for e in box.list_dir()], range(8)))
+            assert all(names == listed[0] for names in listed) and len(listed[0]) == 49, listed[0]
+    assert [box.read_file(f"g{i}") for i in range(24)] == [f"{i}\n" for i in range(24)]
+
+
+def test_commit_makes_nothing_world_writable_against_the_callers_umask(box: Sandbox, workdir: str) -> None:
+    # Before: a program's chmod 777 reached the host as is, making the user's tree writable by
+    # every local user. Commit applies the caller's umask, as cp does.
+    box.exec("mkdir open && chmod 777 open && echo x > ww && chmod 666 ww && chmod 777 a.txt")
+    target = Path(workdir) / "target"
+    target.mkdir()
+    old = os.umask(0o022)
+    try:
+        changes = box.commit(target)
+        assert box.diff().modified == ["a.txt"]  # against the source (0644): only the x bits differ
+    finally:
+        os.umask(old)
+    assert {"open", "ww", "a.txt"} <= set(changes.added)
+    for name in ("open", "ww", "a.txt"):
+        assert os.stat(target / name).st_mode & 0o022 == 0, name
+    assert os.stat(target / "a.txt").st_mode & 0o777 == 0o755
+
+
+def test_cli_diff_prints_each_name_on_one_line(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # A name with a newline forged lines of `isolate-run sandbox diff` (here: a deletion that is not).
+    from isolate.sandbox_cli import remove_native, sandbox_main
+
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(Path(workdir) / "state"))
+    name = f"atk{os.getpid()}n"
+    box = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    try:
+        box.exec("touch \"$(printf 'x\\nD a.txt')\"; ln -s \"$(printf '/etc\\n! fake')\" link")
+        box.detach()
+        capsys.readouterr()
+        assert sandbox_main(["diff", name]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert "D a.txt" not in lines and "! fake" not in lines, lines
+        assert len(lines) == 2, lines
+    finally:
+        remove_native(name)
+
+
+def test_a_huge_timeout_is_no_timeout(box: Sandbox) -> None:
+    # Before: any timeout past 2**63 ms raised OverflowError from the request's encoding.
+    for seconds in (1e17, 1e300):
+        result = box.exec("echo ok", timeout=seconds)
+        assert result.stdout == "ok\n" and not result.timed_out
+
+
+def test_a_stopped_monitor_is_continued_and_enforces_the_timeout(box: Sandbox) -> None:
+    # The exec server continues a monitor a command stopped, so the timeout still ends the
+    # command's whole tree (before: the host waited for ever, then, with the host-side bound,
+    # gave up with the tree still running).
+    import time
+
+    started = time.monotonic()
+    done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 25)
+    assert done and not isinstance(value, BaseException), value
+    assert value.timed_out and time.monotonic() - started < 10, value
+    assert "sleep 1000" not in box.exec("ps -eo args").stdout

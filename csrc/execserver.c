@@ -387,8 +387,11 @@ static void signal_below(pid_t pid, int sig, int depth)
         long child = strtol(p, &end, 10);
         if (end == p)
             break;
-        signal_below((pid_t)child, sig, depth + 1);
-        kill((pid_t)child, sig);
+        /* The command is the monitor's child too: it is below it, not "below the command". */
+        if ((pid_t)child != command) {
+            signal_below((pid_t)child, sig, depth + 1);
+            kill((pid_t)child, sig);
+        }
         p = end;
         while (*p == ' ' || *p == '\n')
             p++;

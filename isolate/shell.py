@@ -17,6 +17,7 @@ import termios
 import time
 from typing import Any
 
+from .backends.native.commands import wait_seconds
 from .errors import IsolationError
 
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
@@ -47,6 +48,7 @@ class Shell:
 
     def run(self, command: str, timeout: float | None = 60.0) -> tuple[str, int]:
         """Run one command line; returns its output (stdout and stderr, as printed) and exit status."""
+        timeout = wait_seconds(timeout, "timeout")
         if not self.alive:
             raise IsolationError(f"shell {self.name!r} has ended")
         if self._unsynced:

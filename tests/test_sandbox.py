@@ -454,3 +454,14 @@ def test_the_socket_directory_is_private_and_checked(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
         with pytest.raises(isolate.IsolationError):
             runtime_dir()
+
+
+def test_host_waits_take_any_number(box: Sandbox) -> None:
+    # A timeout too large for the host's own waits is no timeout; NaN and negatives are refused.
+    assert box.shell().run("echo x", timeout=1e18) == ("x\n", 0)
+    proc = box.spawn("true")
+    assert proc.wait(1e20) == 0
+    proc.close()
+    for bad in (float("nan"), -1):
+        with pytest.raises(ValueError):
+            box.shell().run("echo", timeout=bad)

@@ -10,6 +10,7 @@ Python object dropped, the caller killed) ends the command's whole tree.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import selectors
 import signal
@@ -29,6 +30,15 @@ DEFAULT_OUTPUT_LIMIT = 16 << 20
 #: A timeout of this many seconds (about 31 years) or more is no timeout: larger ones overflow the
 #: request's int64 milliseconds and the host's own waits (select takes at most about 292 years).
 MAX_TIMEOUT = 1e9
+def wait_seconds(value: float | None, name: str) -> float | None:
+    """A host-side wait in seconds: None or one at least MAX_TIMEOUT waits for ever; NaN and negatives refused."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(f"{name}: expected a number of seconds, got {value!r}")
+    return None if value >= MAX_TIMEOUT else float(value)
+
+
 #: How long the host waits past a command's own timeout for the server's word.
 GRACE = 10.0
 
@@ -343,6 +353,7 @@ class SandboxProcess:
         return self._command.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        timeout = wait_seconds(timeout, "timeout")
         if self._command.poll_exit(timeout) is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         rc = self._command.returncode

@@ -420,6 +420,9 @@ def test_many_sandboxes_at_once(source: str) -> None:
         for i, sb in enumerate(boxes):
             sb.write_file("id", str(i))
         assert [sb.exec("cat id").stdout for sb in boxes] == [str(i) for i in range(12)]
+        # One policy, one prepared plan; each sandbox binds (and reports) its own workspace in it.
+        shown = [next(b for b in sb.enforced["binds"] if b.endswith(":/workspace:rw")) for sb in boxes]
+        assert len(set(shown)) == 12 and not any(".workspace-stand-in" in b for b in shown)
     finally:
         for sb in boxes:
             sb.close()

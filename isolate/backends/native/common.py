@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -67,6 +67,8 @@ class _Static:
     granted: tuple[str, ...]  # what the program can see of the host: granted paths, as named and real
     stamps: list[tuple[str, tuple[int, int]]]
     fds: list[int]
+    #: The O_PATH descriptor of each granted or bound host path (real path), which mounts and rules use.
+    source_fds: dict[str, int] = field(default_factory=dict)
 
     def fresh(self) -> bool:
         """Whether every granted path is still the inode it was when the plan was made."""

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ... import grants
 from ..._core import ffi, init_fd, lib
 from ...errors import IsolationError, UnsupportedError
 from ...policy import DEFAULT_WRITE, Mount, Policy
@@ -44,8 +45,10 @@ class _ServerProcess(Popen):
 
     _program_fd = -1
 
-    def __init__(self, args: Any, *, policy: Policy, **kwargs: Any) -> None:
+    def __init__(self, args: Any, *, policy: Policy, bind_sources: dict[str, int] | None = None,
+                 **kwargs: Any) -> None:
         self._program_fd = init_fd()
+        self._bind_sources = bind_sources
         super().__init__(args, policy=policy, **kwargs)
 
 
@@ -124,6 +127,7 @@ class NativeSandbox:
                                  f"(isolate-run sandbox rm {self.name})")
         made_data = False
         listener = None
+        workspace_fd = -1
         try:
             if self.workspace.mode == "copy":
                 os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
@@ -135,15 +139,30 @@ class NativeSandbox:
                 if self.workspace.source is not None:
                     copy_tree(self.workspace.source, self.workspace_host, self.workspace)
             listener = self._listen()
-            policy = _server_policy(self.policy, self.workspace, self.workspace_host, self.mounts,
+            # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
+            # this run binds the workspace in its place, so that every sandbox of one policy shares one
+            # prepared plan (paths resolved, rules and filters built) instead of making its own.
+            shown, bind_sources = self.workspace_host, None
+            if self.workspace.mode == "copy":
+                shown = _stand_in()
+                workspace_fd = os.open(self.workspace_host, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                info = os.fstat(workspace_fd)
+                if (info.st_dev, info.st_ino) != self.workspace_identity:
+                    raise IsolationError(f"{self.workspace_host}: replaced while the sandbox was made")
+                bind_sources = {shown: workspace_fd}
+            policy = _server_policy(self.policy, self.workspace, shown, self.mounts,
                                     self.name is not None, self.ttl)
             idle_ms = 0 if self.idle_timeout is None else max(1, int(self.idle_timeout * 1000))
             args = [SERVER_NAME, str(listener.fileno()), str(os.geteuid()), str(idle_ms)]
-            self.process = _ServerProcess(args, policy=policy, pass_fds=[listener.fileno()],
+            self.process = _ServerProcess(args, policy=policy, bind_sources=bind_sources,
+                                          pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=self.name is not None)
             listener.close()
             listener = None
+            if workspace_fd >= 0:
+                os.close(workspace_fd)
+                workspace_fd = -1
             prepared = self.process._prepared
             assert prepared is not None
             self.environment = _environment_of(prepared.plan)
@@ -156,6 +175,8 @@ class NativeSandbox:
         except BaseException:
             if listener is not None:
                 listener.close()
+            if workspace_fd >= 0:
+                os.close(workspace_fd)
             self._teardown(remove_data=made_data)
             raise
 
@@ -206,7 +227,7 @@ class NativeSandbox:
         temp = self.paths.meta + f".{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as handle:
-            json.dump(meta, handle)
+            handle.write(json.dumps(meta))  # one write: json.dump writes piece by piece
         os.rename(temp, self.paths.meta)
 
     @classmethod
@@ -363,6 +384,13 @@ class NativeSandbox:
                 with _suppress_missing():
                     os.kill(proc.pid, sig)
         return "sigstop"
+
+
+def _stand_in() -> str:
+    """The directory a copied workspace's policy binds, replaced by the workspace in each run (real path)."""
+    path = os.path.join(state_dir(), "sandboxes", ".workspace-stand-in")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return grants.host_symlinks(path, "binds")[1]
 
 
 def _identity(pid: int) -> tuple[int, float] | None:

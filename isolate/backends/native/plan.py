@@ -22,7 +22,14 @@ from typing import Any
 
 from ... import hostinfo, landlock, mounts
 from ..._core import ffi, lib, step_name
-from ...errors import CommandNotExecutableError, CommandNotFoundError, PolicyError, SetupError, UnsupportedError
+from ...errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    IsolationError,
+    PolicyError,
+    SetupError,
+    UnsupportedError,
+)
 from ...policy import Egress, Policy
 from .common import _close_all, _Refusals, _Static, userns_error
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
@@ -97,11 +104,17 @@ def prepare(
     pass_fds: Sequence[int] = (),
     for_preexec: bool = False,
     program_fd: int = -1,
+    bind_sources: Mapping[str, int] | None = None,
 ) -> Prepared:
     """The plan for one run of ``args``: the cached static part plus what is this run's own.
 
     ``program_fd``: exec that executable (an O_PATH descriptor) with ``args``
     as its argv, instead of looking ``args[0]`` up (a kept sandbox's server).
+    ``bind_sources``: {stand-in: descriptor}: the policy binds the stand-in
+    directory (a real, empty one on the same file system); this run binds the
+    directory open at the descriptor (O_PATH, the caller's) in its place. A
+    kept sandbox's workspace is a new directory each time, and this keeps its
+    policy's plan cached.
     """
     run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
     static = _static_for(policy, run_cwd, for_preexec)
@@ -119,14 +132,22 @@ def prepare(
     plan = ffi.new("struct iso_plan *")
     keep.append(plan)
     ffi.memmove(plan, static.plan, ffi.sizeof("struct iso_plan"))
+    cmounts = None
+    if static.idmap_steps or bind_sources:
+        cmounts = ffi.new("struct iso_mount[]", max(plan.n_mounts, 1))
+        keep.append(cmounts)
+        ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
+        plan.mounts = cmounts
+    if bind_sources:
+        assert cmounts is not None
+        _substitute_binds(plan, cmounts, static, bind_sources, enforced, keep)
 
     # -- idmapped trees are consumed by each sandbox ---------------------------
     if static.idmap_steps:
-        cmounts = ffi.new("struct iso_mount[]", plan.n_mounts)
-        keep.append(cmounts)
-        ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
+        assert cmounts is not None
         userns_fd = _idmap_userns(static.program_uid, static.program_gid)
-        for index, path in static.idmap_steps:
+        for index, _ in static.idmap_steps:
+            path = os.fsdecode(ffi.string(cmounts[index].source))
             fd = int(lib.iso_open_idmapped_tree(os.fsencode(path), userns_fd))
             if fd < 0:
                 err = ffi.errno
@@ -141,7 +162,6 @@ def prepare(
                 )
             close_after.append(fd)
             cmounts[index].fd = fd
-        plan.mounts = cmounts
 
     # -- limits over the tree -------------------------------------------------
     rlimits = list(static.rlimits)
@@ -221,6 +241,54 @@ def prepare(
         _close_after_spawn=close_after,
     )
     return prepared
+
+
+def _substitute_binds(plan: Any, cmounts: Any, static: _Static, bind_sources: Mapping[str, int],
+                      enforced: dict[str, Any], keep: list[Any]) -> None:
+    """Point this run's bind steps and Landlock rules at other directories than the stand-ins planned.
+
+    The caller opened each directory (and checked it is the one it made); the
+    child checks it bound that inode, as for any planned bind.
+    """
+    rules = None
+    if plan.n_landlock_rules:
+        rules = ffi.new("struct iso_landlock_rule[]", plan.n_landlock_rules)
+        keep.append(rules)
+        ffi.memmove(rules, plan.landlock_rules, ffi.sizeof("struct iso_landlock_rule") * plan.n_landlock_rules)
+        plan.landlock_rules = rules
+    for stand_in, fd in bind_sources.items():
+        old_fd = static.source_fds.get(stand_in, -1)
+        if old_fd < 0:
+            raise IsolationError(f"binds: {stand_in} is not a source this policy binds")
+        directory = os.readlink(f"/proc/self/fd/{fd}")
+        found = 0
+        old_sources = {(mounts.OLDROOT + stand_in).encode(), f"/proc/self/fd/{old_fd}".encode()}
+        for i in range(plan.n_mounts):
+            step = cmounts[i]
+            if step.source == ffi.NULL or ffi.string(step.source) not in old_sources:
+                continue
+            if step.kind == lib.ISO_MOUNT_BIND:
+                source = ffi.new("char[]", os.fsencode(mounts.OLDROOT + directory))
+                step.fd = fd
+            elif step.kind == lib.ISO_MOUNT_MOVE:
+                source = ffi.new("char[]", f"/proc/self/fd/{fd}".encode())
+            else:
+                continue
+            keep.append(source)  # the plan points into it: it lives as long as the run's plan
+            step.source = source
+            found += 1
+        if rules is not None:
+            for i in range(plan.n_landlock_rules):
+                if rules[i].fd == old_fd:
+                    path = ffi.new("char[]", os.fsencode(directory))
+                    keep.append(path)
+                    rules[i].fd = fd
+                    rules[i].path = path
+        if found != 1:
+            raise IsolationError(f"binds: {stand_in} is bound {found} times by this policy; expected once")
+        if "binds" in enforced:
+            enforced["binds"] = [b.replace(stand_in + ":", directory + ":", 1) if b.startswith(stand_in + ":")
+                                 else b for b in enforced["binds"]]
 
 
 def spawn(prepared: Prepared, args: Sequence[str]) -> int:

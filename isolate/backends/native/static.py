@@ -453,5 +453,5 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         tmpdir=_no_ns_tmpdir(home, program_uid, program_gid) if home and not use_ns else None,
         granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write]
                                     + [target for _, target, _ in binds])), stamps=stamps,
-        fds=static_fds,
+        fds=static_fds, source_fds=dict(source_fds),
     )

@@ -1,7 +1,7 @@
 /*
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
- *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID]]]
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID [KEEP_RUNNING]]]]
  *   isolate-exec-server ...   (a kept sandbox's program: see execserver.c)
  *
  * The first child of a sandbox execs this once the program is running.  It
@@ -208,12 +208,24 @@ static void close_all_but(int a, int b)
     syscall(SYS_close_range, lo, ~0U, 0);
 }
 
+/* A kept sandbox's program is its exec server, which shares its uid with
+ * every command: a command could SIGSTOP it, and every later request would
+ * hang.  The init cannot be stopped from inside its PID namespace, so it
+ * continues the server whenever it stops. */
+static int keep_program_running;
+
 /* Reap every child that has ended; 1 when the program was among them. */
 static int reap(pid_t program)
 {
     int wstatus, found = 0;
     pid_t pid;
-    while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+    while ((pid = waitpid(-1, &wstatus, WNOHANG | (keep_program_running ? WUNTRACED : 0))) > 0) {
+        if (WIFSTOPPED(wstatus)) {
+            if (pid == program && kill(program, SIGCONT) < 0) {
+                /* It ended meanwhile: its exit is reaped in a later round. */
+            }
+            continue;
+        }
         if (pid == program) {
             status.wait_status = wstatus;
             found = 1;
@@ -253,6 +265,7 @@ int main(int argc, char **argv)
     if (supervising && iso_supervise_init(argv[6], &status) < 0)
         return 125;
     pid_t parent = argc > 7 ? (pid_t)atoi(argv[7]) : 0;
+    keep_program_running = argc > 8 && !strcmp(argv[8], "1");
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open

@@ -187,8 +187,10 @@ static int first_main(void *arg)
         snprintf(parent_arg, sizeof parent_arg, "%d", watch ? (int)ctx->parent_pid : 0);
         char *errnos = plan->seccomp_errnos ? (char *)plan->seccomp_errnos : "";
         char *supervise = plan->supervise ? (char *)plan->supervise : "";
+        /* A kept sandbox's exec server (run through program_fd) must never stay stopped: see init.c. */
+        char *keep_running = plan->program_fd >= 0 ? "1" : "0";
         char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg, errnos, supervise, parent_arg,
-                        NULL};
+                        keep_running, NULL};
         char *envp[] = {NULL};
         syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
     }

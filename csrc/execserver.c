@@ -478,9 +478,36 @@ static void monitor(int conn, struct request *req)
 {
     const struct iso_xs_request *h = &req->head;
     int64_t timeout_ms = h->timeout_ms; /* req is `current`, which the loop below reuses */
-    if (req->n_fds != 3 || h->n_argv < 1 || h->n_strings < h->n_argv + 1) {
+    int want_fds = (h->flags & ISO_XS_F_PTY) ? 0 : 3;
+    if (req->n_fds != want_fds || h->n_argv < 1 || h->n_strings < h->n_argv + 1) {
         reply_kind(conn, ISO_XS_ERROR, EINVAL);
         _exit(0);
+    }
+    /* A terminal is made here, in the sandbox's own devpts, so that the
+     * command's tty has a name inside (ttyname, `tty`, ssh and sudo need
+     * one); the host gets the master side with STARTED. */
+    int master = -1;
+    if (h->flags & ISO_XS_F_PTY) {
+        int unlock = 0;
+        master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (master < 0 || ioctl(master, TIOCSPTLCK, &unlock) < 0) {
+            reply_kind(conn, ISO_XS_ERROR, errno);
+            _exit(0);
+        }
+        /* TIOCGPTPEER (4.13): the slave from the master, not from a path. */
+        int slave = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (slave < 0) {
+            reply_kind(conn, ISO_XS_ERROR, errno);
+            _exit(0);
+        }
+        req->fds[0] = slave;
+        req->fds[1] = fcntl(slave, F_DUPFD_CLOEXEC, 0);
+        req->fds[2] = fcntl(slave, F_DUPFD_CLOEXEC, 0);
+        req->n_fds = 3;
+        if (req->fds[1] < 0 || req->fds[2] < 0) {
+            reply_kind(conn, ISO_XS_ERROR, errno);
+            _exit(0);
+        }
     }
     if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
         reply_kind(conn, ISO_XS_ERROR, errno);
@@ -526,7 +553,9 @@ static void monitor(int conn, struct request *req)
         _exit(0);
     }
     struct iso_xs_reply started = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_STARTED, .pid = command};
-    send_reply(conn, &started, NULL, 0, -1);
+    send_reply(conn, &started, NULL, 0, master);
+    if (master >= 0)
+        close(master); /* the host holds it now; the command's side stays open in the command */
 
     int timer = -1;
     if (timeout_ms > 0) {

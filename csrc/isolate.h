@@ -249,7 +249,7 @@ enum iso_xs_op {
 };
 
 enum iso_xs_flag {
-    ISO_XS_F_PTY = 1,          /* EXEC: stdin is a terminal to make controlling */
+    ISO_XS_F_PTY = 1,          /* EXEC: no stdio sent; the monitor makes a terminal, STARTED carries its master */
     ISO_XS_F_DESCENDANTS = 2   /* SIGNAL: every process the command started, not itself */
 };
 

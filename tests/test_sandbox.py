@@ -228,6 +228,9 @@ def test_persistent_shell(box: Sandbox) -> None:
     with pytest.raises(TimeoutError):
         shell.run("sleep 30", timeout=0.5)
     assert shell.run("echo still here") == ("still here\n", 0)
+    # The terminal is the sandbox's own (its devpts): it has a name inside.
+    out, status = shell.run('t=$(tty) && test -c "$t" && echo "$t"')
+    assert status == 0 and out.startswith("/dev/pts/"), out
     other = box.shell("second", pty=False)
     assert other.run("pwd; echo err >&2") == ("/workspace\nerr\n", 0)
     assert box.shell() is shell

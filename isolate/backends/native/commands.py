@@ -100,7 +100,8 @@ class Command:
     """One command started in the sandbox; ``conn`` is its conversation with the server's monitor."""
 
     def __init__(self, conn: Connection, argv: Sequence[str], cwd: str, environment: Sequence[str],
-                 timeout: float | None, stdio: tuple[int, int, int], pty: bool, enforced: Mapping[str, Any]) -> None:
+                 timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any]) -> None:
+        """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side."""
         self.conn = conn
         self.args = list(argv)
         self.enforced = enforced
@@ -121,6 +122,13 @@ class Command:
             conn.close()
             raise ServerGone("the sandbox's exec server sent an unexpected reply")
         self.pid = reply.pid  # inside the sandbox's PID namespace
+        #: With pty: the master side of the terminal the monitor made (the caller owns it).
+        self.terminal: int | None = None
+        if reply.fd is not None:
+            if pty and os.isatty(reply.fd):
+                self.terminal = reply.fd
+            else:
+                os.close(reply.fd)
 
     def signal(self, sig: int, descendants: bool = False) -> None:
         """Send sig to the command's process group (SIGKILL: to its whole tree), or to what it started."""
@@ -287,13 +295,11 @@ class SandboxProcess:
                  timeout: float | None, pty: bool) -> None:
         self.args = argv
         self.master_fd = -1
+        stdio: tuple[int, ...] = ()
+        closers: list[int] = []
         if pty:
-            master, slave = os.openpty()
-            os.set_inheritable(master, False)
-            stdio = (slave, slave, slave)
-            closers = [slave]
-            self.master_fd = master
-            self.stdin_fd, self.stdout_fd, self.stderr_fd = master, master, -1
+            # The monitor makes the terminal in the sandbox's devpts and sends its master with STARTED.
+            self.stdin_fd = self.stdout_fd = self.stderr_fd = -1
         else:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -303,6 +309,12 @@ class SandboxProcess:
             self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
         try:
             self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced)
+            if pty:
+                master = self._command.terminal
+                if master is None:
+                    self._command.close()
+                    raise ServerGone("the sandbox's exec server sent no terminal")
+                self.master_fd = self.stdin_fd = self.stdout_fd = master
         except BaseException:
             for fd in {self.stdin_fd, self.stdout_fd, self.stderr_fd} - {-1}:
                 os.close(fd)
@@ -370,7 +382,7 @@ class SandboxProcess:
 
     def close(self) -> None:
         self._command.close()
-        for fd in (self.stdin_fd, self.master_fd):
+        for fd in {self.stdin_fd, self.master_fd}:  # with pty, one descriptor: closed once
             if fd >= 0:
                 try:
                     os.close(fd)

@@ -425,6 +425,9 @@ def _tool_errors(op: str, path: str) -> Iterator[None]:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _link_refused(path) from None
+        if exc.errno == errno.EROFS:
+            raise ToolError(f"{op} {path}: read-only here (the sandbox's policy does not let the program write "
+                            "there)", path) from None
         if exc.errno == errno.EFBIG:
             raise ToolError(f"{op} {path}: larger than the read limit; look at a part of it with a command",
                             path) from None
@@ -937,14 +940,20 @@ def _flags(policy: Policy) -> list[str]:
         flags.append(f"--backend={policy.backend}")
     if policy.image is not None:
         flags.append(f"--image={policy.image}")
-    flags += [f"--{'bind' if m.mode == 'rw' else 'ro-bind'}={m.source}:{m.target}" for m in policy.binds]
+    # isolate-run orders its --bind mounts before its --ro-bind ones (_comparable says when that matters).
+    flags += [f"--bind={m.source}:{m.target}" for m in policy.binds if m.mode == "rw"]
+    flags += [f"--ro-bind={m.source}:{m.target}" for m in policy.binds if m.mode == "ro"]
     return flags
 
 
 def _comparable(policy: Policy) -> dict[str, Any]:
     """The fields, with what isolate-run resolves at once (bind sources, the cwd) resolved alike on both sides."""
     out = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-    out["binds"] = tuple((os.path.abspath(os.path.expanduser(m.source)), m.target, m.mode) for m in policy.binds)
+    binds = [(os.path.abspath(os.path.expanduser(m.source)), m.target, m.mode) for m in policy.binds]
+    targets = [b[1] for b in binds]
+    if not any(t != u and t.startswith(u.rstrip("/") + "/") for t in targets for u in targets):
+        binds.sort(key=lambda b: b[1])  # no mount lies under another: their order changes nothing
+    out["binds"] = tuple(binds)
     out["cwd"] = os.path.abspath(policy.cwd) if policy.cwd is not None else None
     return out
 

@@ -24,6 +24,7 @@ import builtins
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -41,7 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .errors import IsolationError, PolicyError, UnsupportedError
 from .policy import DEFAULT_HOME, DEFAULT_KEEP_ENV, DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Mount, Policy
-from .registry import state_dir
+from .registry import runtime_dir, state_dir
 from .sandbox import ExecResult, Sandbox, _seconds
 from .workspace import _DIR_FLAGS, Changes, Workspace, _open_file
 
@@ -173,7 +174,7 @@ class AgentSandboxes:
             raise TypeError("config must be an isolate.agents.SandboxConfig or an isolate.Policy")
         name = self.name_of(agent_id)
         want = config.config_hash()
-        with self._lock:
+        with self._locked():
             now = time.time()
             rec = self._record(agent_id)
             box = self._held.pop(agent_id, None)
@@ -186,8 +187,10 @@ class AgentSandboxes:
                         why = "configuration changed"
                     elif not _alive(box):
                         why = "ended"
-                elif rec is not None and (config.backend == "native" or rec.config_hash != want):
-                    why = "ended" if rec.config_hash == want else "configuration changed"
+                elif rec is not None and config.backend == "native":
+                    why = "ended"
+                elif rec is not None and rec.config_hash != want:
+                    why = "configuration changed"
             created = rec.created if rec is not None else now
             made = False
             if box is None or why is not None:
@@ -207,6 +210,25 @@ class AgentSandboxes:
             self._save(AgentRecord(agent_id, name, want, created, now))
             return box
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This object's threads, and every process of this user with the same prefix, one at a time.
+
+        Without it, a second process that finds no sandbox yet would clear the name (what an ended
+        one left) while the first is starting it. The lock file lies in the private runtime directory.
+        """
+        with self._lock:
+            path = os.path.join(runtime_dir(), f"{self.prefix}.agents.lock")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise IsolationError(f"agent lock {path}: {exc.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
     def _expired(self, rec: AgentRecord, now: float) -> str | None:
         if self.max_age is not None and now - rec.created > self.max_age:
             return f"older than max_age {self.max_age:g} s"
@@ -224,7 +246,7 @@ class AgentSandboxes:
     def rm(self, agent_id: str) -> bool:
         """End and remove the agent's sandbox; False when it had none."""
         name = self.name_of(agent_id)
-        with self._lock:
+        with self._locked():
             box = self._held.pop(agent_id, None)
             if box is not None:
                 _close_quietly(box)

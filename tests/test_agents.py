@@ -451,20 +451,25 @@ def test_wrapped_command_runs_under_the_policy(workdir: str) -> None:
     assert "wall-clock limit" in ended.stderr
 
 
-def test_manager_get_is_safe_from_threads(manager: Any) -> None:
-    m = manager()
+def test_manager_get_at_once_from_threads_and_managers(manager: Any) -> None:
+    # Two managers (as two processes would) and two threads each ask for the same new agent at once:
+    # one sandbox is made, none is removed from under another, and every caller gets the running one.
+    managers = [manager(), manager()]
     boxes: list[Sandbox] = []
     errors: list[BaseException] = []
 
-    def get() -> None:
+    def get(m: AgentSandboxes) -> None:
         try:
             boxes.append(m.get("shared", policy(write=())))
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=get) for _ in range(4)]
+    threads = [threading.Thread(target=get, args=(m,)) for m in managers * 2]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len({id(b) for b in boxes}) == 1
+    assert not errors, errors
+    assert len({id(b) for b in boxes}) == 2 and len({b.name for b in boxes}) == 1
+    for b in boxes:
+        assert b.exec("echo alive").stdout == "alive\n"

@@ -743,6 +743,10 @@ class BranchStrategy(Protocol):
 
     def clean_up_all(self) -> None: ...
 
+    def __enter__(self) -> BranchStrategy: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
 
 class StrategyFallbackWarning(RuntimeWarning):
     """A branch strategy could not be made and the next one is used (the message says why)."""
@@ -892,7 +896,9 @@ _LIMIT_FLAGS = (("memory", "--memory"), ("cpu_seconds", "--cpu"), ("cpus", "--cp
 
 
 def _number(value: float) -> str:
-    return str(value) if isinstance(value, int) else repr(float(value))
+    if isinstance(value, int) or (float(value).is_integer() and abs(value) < 1e15):
+        return str(int(value))  # --wall=60, not --wall=60.0 (read back as the same number)
+    return repr(float(value))
 
 
 def wrap(argv: Sequence[str], policy: Policy | None = None, *,

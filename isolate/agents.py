@@ -182,6 +182,10 @@ class AgentSandboxes:
             if why is None:
                 if box is None:
                     box = _attach(name)
+                    if box is None and config.backend == "native" and _running(name):
+                        raise IsolationError(
+                            f"the sandbox of agent {agent_id!r} ({name}) runs but does not answer (paused, or its "
+                            f"exec server was killed from inside): resume it, or rm it (isolate-run sandbox rm {name})")
                 if box is not None:
                     if SandboxConfig.of(box).config_hash() != want:
                         why = "configuration changed"
@@ -261,12 +265,9 @@ class AgentSandboxes:
         now = time.time()
         for rec in self.list():
             why = self._expired(rec, now)
-            if why is None and rec.agent_id not in self._held:
-                probe = _attach(rec.name)
-                if probe is None and _backend_of(rec.name) != "docker":
-                    why = "ended"
-                elif probe is not None:
-                    probe.detach()
+            if why is None and rec.agent_id not in self._held and _backend_of(rec.name) != "docker" \
+                    and not _running(rec.name):
+                why = "ended"  # a paused one is not asked (it would not answer), only looked at
             if why is not None:
                 self.rm(rec.agent_id)
                 done.append((rec.agent_id, why))
@@ -327,6 +328,22 @@ def _attach(name: str) -> Sandbox | None:
         return Sandbox.attach(name)
     except (IsolationError, OSError):
         return None
+
+
+def _running(name: str) -> bool:
+    """Whether the named native sandbox still has processes (asking nothing of it: it may be paused)."""
+    try:
+        box = Sandbox.attach(name, ping=False)
+    except (IsolationError, OSError):
+        return False
+    try:
+        return bool(box.processes())
+    except UnsupportedError:
+        return True
+    except (IsolationError, OSError):
+        return False
+    finally:
+        box.detach()
 
 
 def _alive(box: Sandbox) -> bool:

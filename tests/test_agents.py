@@ -151,6 +151,10 @@ def test_manager_replaces_an_ended_sandbox(manager: Any) -> None:
     Sandbox.attach(box.name).close()  # ended from elsewhere (rm, its ttl, a reboot)
     fresh = m.get("a", policy(write=()))
     assert m.last_action == "recreated (ended)" and fresh.exec("echo up").stdout == "up\n"
+    # A paused sandbox is not taken for an ended one: prune leaves it (it only looks at its processes).
+    assert fresh.pause() in ("cgroup-freezer", "sigstop")
+    assert manager().prune() == []
+    assert fresh.resume() and fresh.exec("echo back").stdout == "back\n"
     Sandbox.attach(fresh.name).close()
     assert manager().prune() == [("a", "ended")]
 

@@ -926,7 +926,8 @@ def wrap(argv: Sequence[str], policy: Policy | None = None, *,
     start with '-'), and the flags are read back with isolate-run's own
     parser: a field that no flag can express (``new_session=False``,
     ``die_with_parent=False``, a default ``keep_env`` or ``tmpfs`` entry
-    dropped, an empty ``Egress``, a bind whose path holds ':') raises
+    dropped, an empty ``Egress``, a bind whose path holds ':', a read-only
+    bind over a writable one, which isolate-run would mount in the other order) raises
     ``PolicyError`` naming it, never dropped. Relative paths stay relative:
     run the line in the directory the policy is meant for. ``program`` is
     the command that is isolate-run (e.g. ``[sys.executable, "-m", "isolate.cli"]``).

@@ -5,6 +5,7 @@ Runs as root and as uid 65534 (tests/run-all.sh).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -23,6 +24,7 @@ import isolate
 from isolate import Sandbox, Workspace, agents
 from isolate.agents import AgentSandboxes, SandboxConfig, ToolError
 from isolate.cli import build_parser, policy_from_args
+from isolate.registry import runtime_dir
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
@@ -59,6 +61,8 @@ def manager(state: str) -> Iterator[AgentSandboxes]:
         for rec in m.list():
             m.rm(rec.agent_id)
         m.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(runtime_dir(), f"t{os.getpid()}.agents.lock"))
 
 
 def _gone(name: str) -> bool:

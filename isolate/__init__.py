@@ -25,6 +25,7 @@ from .report import Report
 from .workspace import Workspace
 
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
+    from .agents import wrap
     from .popen import CompletedProcess, Popen, run
     from .sandbox import AsyncSandbox, Sandbox
 
@@ -57,6 +58,7 @@ __all__ = [
     "Workspace",
     "__version__",
     "run",
+    "wrap",
 ]
 
 
@@ -70,4 +72,8 @@ def __getattr__(name: str) -> object:
         from . import sandbox
 
         return getattr(sandbox, name)
+    if name == "wrap":
+        from .agents import wrap
+
+        return wrap
     raise AttributeError(f"module 'isolate' has no attribute {name!r}")

@@ -47,6 +47,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
     #: An executable (O_PATH descriptor) to run instead of looking args[0] up; -1: none.
     _program_fd = -1
+    #: An overlay workspace (isolate.overlay.Layers) mounted at its target instead of the tmpfs there.
+    _overlay: Any = None
 
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
         self.policy = policy if policy is not None else Policy()
@@ -90,6 +92,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             stdio=(p2cread, c2pwrite, errwrite),
             pass_fds=pass_fds,
             program_fd=self._program_fd,
+            overlay=self._overlay,
         )
         self._prepared = prepared
         cgroup = prepared.cgroup

@@ -31,6 +31,7 @@ from ...errors import IsolationError, UnsupportedError
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import runtime_dir, state_dir
+from ...overlay import make_layers
 from ...workspace import Workspace, copy_tree
 from .protocol import Connection, ServerGone, encode
 
@@ -44,8 +45,9 @@ class _ServerProcess(Popen):
 
     _program_fd = -1
 
-    def __init__(self, args: Any, *, policy: Policy, **kwargs: Any) -> None:
+    def __init__(self, args: Any, *, policy: Policy, overlay: Any = None, **kwargs: Any) -> None:
         self._program_fd = init_fd()
+        self._overlay = overlay
         super().__init__(args, policy=policy, **kwargs)
 
 
@@ -68,9 +70,15 @@ class Paths:
 def _server_policy(policy: Policy, workspace: Workspace, workspace_host: str, mounts: Sequence[Mount],
                    named: bool, ttl: float | None) -> Policy:
     """The policy the sandbox runs with: the workspace shown at its target, the default cwd grant dropped."""
-    binds = tuple(policy.binds) + tuple(mounts) + (Mount(workspace_host, workspace.target, "rw"),)
-    changes: dict[str, Any] = {"binds": binds, "cwd": workspace.target, "die_with_parent": not named,
-                               "backend": "native"}
+    binds = tuple(policy.binds) + tuple(mounts)
+    changes: dict[str, Any] = {"cwd": workspace.target, "die_with_parent": not named, "backend": "native"}
+    if workspace.mode == "overlay":
+        # A private tmpfs at the target places it among the mounts and gives it Landlock's write rights;
+        # the plan mounts the overlay there instead (isolate/overlay.py).
+        changes["tmpfs"] = tuple(policy.tmpfs) + (workspace.target,)
+    else:
+        binds += (Mount(workspace_host, workspace.target, "rw"),)
+    changes["binds"] = binds
     if policy.write == DEFAULT_WRITE:
         changes["write"] = ()  # a sandbox's writable place is its workspace, not the caller's cwd
     if ttl is not None:
@@ -113,9 +121,15 @@ class NativeSandbox:
         if self.workspace.mode == "bind":
             assert self.workspace.source is not None
             return self.workspace.source
+        if self.workspace.mode == "overlay":
+            return os.path.join(self.paths.data, "overlay", "upper")  # what the host reads the changes from
         return os.path.join(self.paths.data, "workspace")
 
     def start(self) -> None:
+        if not self.policy.namespaces and self.workspace.mode == "overlay":
+            raise UnsupportedError("workspace mode overlay: the overlay is mounted inside the sandbox's user and "
+                                   "mount namespaces, and namespaces=False has none; use namespaces=True (a kept "
+                                   "native sandbox needs them whatever its workspace)")
         if not self.policy.namespaces:
             raise UnsupportedError("a kept native sandbox needs namespaces (its commands share one PID and mount "
                                    "namespace); use namespaces=True, or backend='docker'")
@@ -124,6 +138,7 @@ class NativeSandbox:
                                  f"(isolate-run sandbox rm {self.name})")
         made_data = False
         listener = None
+        layers = None
         try:
             if self.workspace.mode == "copy":
                 os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
@@ -134,6 +149,13 @@ class NativeSandbox:
                 self.workspace_identity = _dir_identity(self.workspace_host)
                 if self.workspace.source is not None:
                     copy_tree(self.workspace.source, self.workspace_host, self.workspace)
+            elif self.workspace.mode == "overlay":
+                os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
+                os.mkdir(self.paths.data, 0o700)
+                made_data = True
+                self.data_identity = _dir_identity(self.paths.data)
+                layers = make_layers(self.workspace, self.paths.data)
+                self.workspace_identity = _dir_identity(self.workspace_host)
             listener = self._listen()
             policy = _server_policy(self.policy, self.workspace, self.workspace_host, self.mounts,
                                     self.name is not None, self.ttl)
@@ -141,7 +163,8 @@ class NativeSandbox:
             args = [SERVER_NAME, str(listener.fileno()), str(os.geteuid()), str(idle_ms)]
             self.process = _ServerProcess(args, policy=policy, pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, start_new_session=self.name is not None)
+                                          stderr=subprocess.DEVNULL, start_new_session=self.name is not None,
+                                          overlay=layers)
             listener.close()
             listener = None
             prepared = self.process._prepared
@@ -248,7 +271,7 @@ class NativeSandbox:
         from ...workspace import _open_dir
 
         fd = _open_dir(self.workspace_host)
-        if self.workspace.mode == "copy":
+        if self.workspace.mode != "bind":
             info = os.fstat(fd)
             if self.workspace_identity is None or (info.st_dev, info.st_ino) != self.workspace_identity:
                 os.close(fd)
@@ -326,7 +349,7 @@ class NativeSandbox:
         self.init_identity = None
         if self._finalizer is not None:
             self._finalizer.detach()
-        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode == "copy" else None)
+        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode != "bind" else None)
 
     # -- pause -------------------------------------------------------------------
 

@@ -28,10 +28,10 @@ from typing import Any
 
 from ..._core import ffi, init_fd, lib
 from ...errors import IsolationError, UnsupportedError
+from ...overlay import make_layers
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import runtime_dir, state_dir
-from ...overlay import make_layers
 from ...workspace import Workspace, copy_tree
 from .protocol import Connection, ServerGone, encode
 
@@ -75,9 +75,9 @@ def _server_policy(policy: Policy, workspace: Workspace, workspace_host: str, mo
     if workspace.mode == "overlay":
         # A private tmpfs at the target places it among the mounts and gives it Landlock's write rights;
         # the plan mounts the overlay there instead (isolate/overlay.py).
-        changes["tmpfs"] = tuple(policy.tmpfs) + (workspace.target,)
+        changes["tmpfs"] = (*policy.tmpfs, workspace.target)
     else:
-        binds += (Mount(workspace_host, workspace.target, "rw"),)
+        binds = (*binds, Mount(workspace_host, workspace.target, "rw"))
     changes["binds"] = binds
     if policy.write == DEFAULT_WRITE:
         changes["write"] = ()  # a sandbox's writable place is its workspace, not the caller's cwd

@@ -218,7 +218,8 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
             raise UnsupportedError(
                 f"workspace mode overlay: a root caller's program (uid {program_uid}) owns the source's files "
                 f"through an idmapped mount, and the source's file system ({_filesystem_type(layers.source)}) "
-                f"takes none ({os.strerror(err)}); {WAY_OUT}, or pass uid={owner.st_uid} (the source's owner)")
+                f"takes none ({os.strerror(err)}); {WAY_OUT}"
+                + (f", or pass uid={owner.st_uid} (the source's owner)" if owner.st_uid else ""))
         fds.append(tree)
         steps.append(Step(lib.ISO_MOUNT_MOVE, STAGING_LOWER, flags=lib.ISO_MOUNT_F_READONLY, fd=tree))
         enforced["lower"] += f", idmapped: uid {owner.st_uid} shown as {program_uid}"

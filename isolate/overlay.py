@@ -235,14 +235,22 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
     return Planned(steps, fds, enforced)
 
 
-def failure(err: int, layers: Layers) -> UnsupportedError:
+def failure(err: int, layers: Layers, step: str = "mount-overlay") -> UnsupportedError:
     """The kernel refused the overlay in the child: why, as far as can be told, and the way out."""
     from .backends.native.writes import _filesystem_type
 
     lower_fs = _filesystem_type(layers.source)
     upper_fs = _filesystem_type(layers.state)
+    below = _mounts_below(layers.source)
     if err == errno.ESTALE:
         cause = "a layer's directory was replaced while the sandbox was being made"
+    elif err == errno.EINVAL and below and os.geteuid() != 0:
+        cause = (f"the source has other file systems mounted inside it ({below[0]}"
+                 + (f" and {len(below) - 1} more" if len(below) > 1 else "") + "), and the kernel takes no lower "
+                 "layer whose mounts a user namespace may not uncover (they are locked to it)")
+    elif err == errno.EINVAL and lower_fs == "overlay":
+        cause = ("the source is on an overlayfs, and another overlay over it may exceed the kernel's stacking "
+                 "depth (2)")
     elif err == errno.ENODEV:
         cause = "this kernel has no overlayfs (module overlay not loaded or not built)"
     elif err in (errno.EPERM, errno.EACCES):
@@ -251,7 +259,24 @@ def failure(err: int, layers: Layers) -> UnsupportedError:
     else:
         cause = (f"the kernel refused it ({os.strerror(err)}): its layers' file systems (source on {lower_fs}, "
                  f"upper layer on {upper_fs}) may not serve as lower and upper layers (the kernel log says which)")
-    return UnsupportedError(f"workspace mode overlay: cannot mount the overlay: {cause}; {WAY_OUT}")
+    return UnsupportedError(f"workspace mode overlay: cannot mount the overlay (at {step}): {cause}; {WAY_OUT}")
+
+
+def _mounts_below(path: str) -> list[str]:
+    """Mount points strictly inside path (from /proc/self/mountinfo)."""
+    out = []
+    prefix = path.rstrip("/") + "/"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) > 4:
+                    point = fields[4].replace("\\040", " ")
+                    if point.startswith(prefix):
+                        out.append(point)
+    except OSError:
+        pass
+    return out
 
 
 # -- reading the changes back ------------------------------------------------------

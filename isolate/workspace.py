@@ -348,6 +348,31 @@ def _files_equal(open_a: Opener, b_dir: int | None, rel: str) -> bool:
 # -- writing to the host ------------------------------------------------------
 
 
+def _open_removable(name: str, dir_fd: int) -> int:
+    """A descriptor of the directory name under dir_fd, made listable and writable by its owner if it was not.
+
+    A program (or overlayfs, whose work directory is mode 000) may leave a
+    directory its owner cannot read or write: a caller who is not root could
+    then never remove it. Its mode is changed through an O_PATH descriptor,
+    never by a name a link could have replaced meanwhile.
+    """
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            if os.fstat(path_fd).st_uid != os.geteuid():
+                raise
+            os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+        finally:
+            os.close(path_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    info = os.fstat(fd)
+    if info.st_mode & 0o700 != 0o700 and info.st_uid == os.geteuid():
+        os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o700)
+    return fd
+
+
 def _remove_tree(dir_fd: int, name: str) -> None:
     """Remove name under dir_fd, recursively, never following a link.
 
@@ -363,7 +388,7 @@ def _remove_tree(dir_fd: int, name: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(name, dir_fd=dir_fd)
         return
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fd = _open_removable(name, dir_fd)
     top = os.fstat(fd)
     path: list[tuple[str, int, int]] = []  # (name, st_dev, st_ino) of each directory below the top one
     try:
@@ -379,7 +404,7 @@ def _remove_tree(dir_fd: int, name: str) -> None:
                     break
                 os.unlink(entry, dir_fd=fd)
             if below is not None:
-                child = os.open(below[0], _DIR_FLAGS, dir_fd=fd)
+                child = _open_removable(below[0], fd)
                 child_info = os.fstat(child)
                 path.append((below[0], child_info.st_dev, child_info.st_ino))
                 os.close(fd)

@@ -295,7 +295,7 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     if prepared.overlay is not None and index in prepared.overlay_steps:
         from ... import overlay as overlay_mod
 
-        return overlay_mod.failure(err, prepared.overlay)
+        return overlay_mod.failure(err, prepared.overlay, name)
     if step == lib.ISO_STEP_EXEC:
         program = ffi.string(plan.file).decode(errors="replace")
         if err == errno_mod.ENOENT and "/" in program and os.path.exists(program):

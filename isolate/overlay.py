@@ -30,6 +30,7 @@ redirects): ``mv`` copies and deletes instead, which the diff shows as such.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import platform
@@ -356,7 +357,9 @@ def merged_view(source_fd: int, upper_fd: int, workspace: Workspace,
         parts = rel.split("/")
         if any("/".join(parts[:i]) in hiding for i in range(1, len(parts))):
             continue
-        entries[rel] = entry
+        # The source's own hard links are the user's, not the program's: each name is a file of its own here
+        # (the one-name-per-file rule of diff is against links a program makes to multiply a file).
+        entries[rel] = dataclasses.replace(entry, nlink=1) if entry.nlink > 1 else entry
     entries.update(upper)
     return Merged(dict(sorted(entries.items())), set(upper))
 

@@ -129,6 +129,32 @@ def test_commit_writes_back_and_another_directory(box: Sandbox, source: str, wor
     assert box.exec("cat src/main.py").stdout == "changed\n"
 
 
+def test_hard_links_of_the_source_and_of_the_program(source: str, workdir: str) -> None:
+    os.link(Path(source, "README"), Path(source, "README.again"))
+    with Sandbox(sandbox_policy(), workspace=Workspace(source, mode="overlay")) as sb:
+        assert not sb.diff()  # the source's own links are no change, and nothing refused
+        sb.exec("head -c 100000 /dev/zero > big && ln big big2 && ln big big3")
+        changes = sb.diff()
+        assert changes.added == ["big"] and set(changes.refused) == {"big2", "big3"}
+        other = Path(workdir) / "other"
+        other.mkdir()
+        sb.commit(other)
+        assert (other / "README.again").read_text() == "readme\n" and (other / "big").stat().st_size == 100000
+        assert not (other / "big2").exists()
+
+
+@pytest.mark.skipif(not ROOT, reason="a root caller's source owned by another user")
+def test_a_root_callers_program_owns_a_users_source(source: str) -> None:
+    for path in [Path(source), *Path(source).rglob("*")]:
+        os.lchown(path, 1000, 1000)
+    with Sandbox(sandbox_policy(), workspace=Workspace(source, mode="overlay")) as sb:
+        result = sb.exec("echo x >> README && echo y > src/new && stat -c '%u %U' README . && id -u")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "65534 nobody\n65534 nobody\n65534\n"
+        assert sorted(sb.diff().added) == ["src/new"] and sb.diff().modified == ["README"]
+        assert os.stat(Path(source, "README")).st_uid == 1000 and Path(source, "README").read_text() == "readme\n"
+
+
 def test_commit_refuses_planted_links_and_strips_setid(box: Sandbox, source: str, workdir: str) -> None:
     secret = Path(workdir) / "host-secret"
     secret.write_text("host only\n")

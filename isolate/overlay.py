@@ -80,13 +80,18 @@ class Layers:
         return os.path.join(self.state, "work")
 
 
-def make_layers(workspace: Workspace, data: str) -> Layers:
-    """Make the upper and work directories in the sandbox's fresh data directory; refuse early what cannot work."""
+def layers_for(workspace: Workspace, data: str) -> Layers:
+    """Where the layers of a sandbox whose data directory is data go; refuses early what cannot work."""
     assert workspace.source is not None
     layers = Layers(os.path.realpath(workspace.source), workspace.target, os.path.join(data, "overlay"))
     refusal = host_refusal(layers)
     if refusal:
         raise UnsupportedError(f"workspace mode overlay: {refusal}; {WAY_OUT}")
+    return layers
+
+
+def make_layers(layers: Layers) -> Layers:
+    """Make the upper and work directories in the sandbox's fresh data directory."""
     os.mkdir(layers.state, 0o700)
     os.mkdir(layers.upper, 0o755)
     os.mkdir(layers.work, 0o700)
@@ -116,6 +121,11 @@ def host_refusal(layers: Layers) -> str | None:
     err = userns_error()
     if err:
         return f"this caller cannot create a user namespace ({os.strerror(err)}): {userns_advice(err)}"
+    data = os.path.realpath(os.path.dirname(layers.state))
+    if data.startswith(layers.source.rstrip("/") + "/") or layers.source.startswith(data + "/"):
+        # Overlapping layers: the program would see its own upper layer through the lower one.
+        return (f"the sandbox's state directory {data} lies inside the source {layers.source}; set "
+                "ISOLATE_STATE_DIR (or XDG_STATE_HOME) to a directory outside it")
     state_fs = _filesystem_type(os.path.dirname(layers.state))
     if state_fs == "overlay":
         return (f"the sandbox's state directory {os.path.dirname(layers.state)} is on an overlayfs, which the "

@@ -257,6 +257,15 @@ def test_a_directory_the_program_made_unreadable_leaves_with_the_sandbox(source:
         assert not os.path.exists(data), mode
 
 
+def test_refused_when_the_state_directory_lies_inside_the_source(source: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # As with an overlay over one's home, whose ~/.local/state holds the upper layer.
+    monkeypatch.setenv("ISOLATE_STATE_DIR", os.path.join(source, ".state"))
+    with pytest.raises(isolate.UnsupportedError, match=r"state directory .* lies inside the source"):
+        Sandbox(sandbox_policy(), workspace=Workspace(source, mode="overlay")).start()
+    assert not os.path.exists(os.path.join(source, ".state"))  # refused before anything was made
+
+
 def test_named_overlay_sandbox_is_attached_and_diffed(source: str) -> None:
     name = f"ov{os.getpid()}-{time.monotonic_ns() % 100000}"
     sb = Sandbox(sandbox_policy(), workspace=Workspace(source, mode="overlay"), name=name).start()

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..._core import ffi, init_fd, lib
 from ...errors import IsolationError, UnsupportedError
-from ...overlay import make_layers
+from ...overlay import layers_for, make_layers
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import runtime_dir, state_dir
@@ -150,11 +150,12 @@ class NativeSandbox:
                 if self.workspace.source is not None:
                     copy_tree(self.workspace.source, self.workspace_host, self.workspace)
             elif self.workspace.mode == "overlay":
+                layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
                 os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
                 os.mkdir(self.paths.data, 0o700)
                 made_data = True
                 self.data_identity = _dir_identity(self.paths.data)
-                layers = make_layers(self.workspace, self.paths.data)
+                make_layers(layers)
                 self.workspace_identity = _dir_identity(self.workspace_host)
             listener = self._listen()
             policy = _server_policy(self.policy, self.workspace, self.workspace_host, self.mounts,

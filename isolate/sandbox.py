@@ -405,7 +405,7 @@ class Sandbox:
         if self.workspace.mode == "overlay":
             ws_fd = impl.open_workspace()
             try:
-                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.workspace_host])
+                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.paths.data])
             finally:
                 os.close(ws_fd)
         target = target_dir if target_dir is not None else self.workspace.source

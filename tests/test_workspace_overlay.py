@@ -187,6 +187,10 @@ def test_commit_through_a_planted_target_link_is_refused(box: Sandbox, workdir: 
     assert (target / "src").is_dir() and not (target / "src").is_symlink()
     assert (target / "src" / "added").read_text() == "in\n"
     assert list(elsewhere.iterdir()) == []
+    assert box._impl is not None
+    for inside in ("overlay/upper", "overlay/work", "overlay"):
+        with pytest.raises(isolate.IsolationError, match="inside the sandbox's own workspace"):
+            box.commit(os.path.join(box._impl.paths.data, inside))
 
 
 def test_the_program_reaches_neither_layer(box: Sandbox, source: str) -> None:

@@ -261,6 +261,30 @@ def test_a_directory_the_program_made_unreadable_leaves_with_the_sandbox(source:
         assert not os.path.exists(data), mode
 
 
+@pytest.mark.skipif(not ROOT, reason="mounts overlayfs on the host to hold the source")
+def test_refused_when_the_kernel_refuses_the_mount(workdir: str) -> None:
+    # A source on an overlayfs over an overlayfs: a third one over it exceeds the kernel's stacking depth,
+    # which only the mount itself, in the child, finds out. (The source belongs to the program's uid: no
+    # idmapped layer, which an overlayfs would refuse in the parent already.)
+    base = Path(workdir)
+    for d in ("l1", "u1", "w1", "m1", "u2", "w2", "m2"):
+        (base / d).mkdir()
+    (base / "l1" / "project").mkdir()
+    os.chown(base / "l1" / "project", 65534, 65534)
+    mounted = []
+    try:
+        for lower, upper, work, point in (("l1", "u1", "w1", "m1"), ("m1", "u2", "w2", "m2")):
+            subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                            f"lowerdir={base / lower},upperdir={base / upper},workdir={base / work}",
+                            str(base / point)], check=True)
+            mounted.insert(0, base / point)
+        with pytest.raises(isolate.UnsupportedError, match=r"mount-overlay.*stacking depth.*mode='copy'"):
+            Sandbox(sandbox_policy(), workspace=Workspace(str(base / "m2" / "project"), mode="overlay")).start()
+    finally:
+        for point in mounted:
+            subprocess.run(["umount", "-l", str(point)], check=True)
+
+
 def test_refused_when_the_state_directory_lies_inside_the_source(source: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # As with an overlay over one's home, whose ~/.local/state holds the upper layer.

@@ -102,11 +102,12 @@ def make_layers(layers: Layers) -> Layers:
 
 
 def _kernel() -> tuple[int, int]:
+    """(major, minor) of the running kernel."""
     try:
         major, minor = platform.release().split(".")[:2]
         return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
     except ValueError:
-        return (0, 0)
+        return (1 << 16, 0)  # a release this cannot read: let the mount itself tell
 
 
 def host_refusal(layers: Layers) -> str | None:

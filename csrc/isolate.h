@@ -57,7 +57,8 @@ enum iso_step {
     ISO_STEP_EXEC = 33,
     ISO_STEP_INIT = 34,
     ISO_STEP_UNSHARE = 35,
-    ISO_STEP_IDMAP = 36
+    ISO_STEP_IDMAP = 36,
+    ISO_STEP_MOUNT_OVERLAY = 37
 };
 
 /* What the error pipe carries when a step fails. */
@@ -75,7 +76,11 @@ enum iso_mount_kind {
     ISO_MOUNT_DEVPTS = 5,    /* a private devpts instance */
     ISO_MOUNT_SYMLINK = 6,   /* a symlink at target pointing to source */
     ISO_MOUNT_MOVE = 7,      /* attach the detached mount fd at target */
-    ISO_MOUNT_FILE = 8       /* create an empty file at target (a mount point) */
+    ISO_MOUNT_FILE = 8,      /* create an empty file at target (a mount point) */
+    ISO_MOUNT_OVERLAY = 9    /* an overlayfs at target: source is the lower layer,
+                              * upper and work its writable layers (all three
+                              * mounted in this namespace already); fd is the
+                              * upper directory the parent opened, checked */
 };
 
 /* Mount flags of struct iso_mount. */
@@ -96,6 +101,8 @@ struct iso_mount {
     int32_t mode;
     const char *source;
     const char *target;
+    const char *upper;   /* ISO_MOUNT_OVERLAY only: the upper and work directories */
+    const char *work;
 };
 
 struct iso_rlimit {
@@ -337,6 +344,10 @@ int iso_landlock_abi(void);
 /* A user namespace whose map is "0 outside_uid 1" / "0 outside_gid 1", for
  * idmapped mounts; returns its fd or -1 (errno set).  Needs privilege. */
 int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid);
+
+/* The same with the map "inside_uid outside_uid 1" (and gids): an idmapped
+ * mount made with it shows inside_uid's files as outside_uid's. */
+int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t outside_uid, uint32_t outside_gid);
 
 /* A detached recursive clone of path with the idmap of userns_fd applied;
  * returns a mount fd or -1 (errno set). */

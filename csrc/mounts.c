@@ -11,6 +11,8 @@
  *      mount_setattr, which keeps the locked flags a user namespace may not
  *      clear), tmpfs, proc, devpts, symlinks, and idmapped trees the parent
  *      prepared;
+ *      and overlays (an overlayfs whose layers earlier steps mounted at
+ *      staging points, see mount_overlay);
  *   4. pivots into /newroot, detaches the staging root and the host's root
  *      beneath it, and makes "/" itself read-only.
  * After this nothing of the host is reachable but what was bound.
@@ -38,6 +40,15 @@
 #ifndef MOUNT_ATTR_IDMAP
 #define MOUNT_ATTR_IDMAP 0x00100000
 #endif
+#ifndef SYS_fsopen
+#define SYS_fsopen 430
+#endif
+#ifndef SYS_fsconfig
+#define SYS_fsconfig 431
+#endif
+#ifndef SYS_fsmount
+#define SYS_fsmount 432
+#endif
 
 static int pivot_root(const char *new_root, const char *put_old)
 {
@@ -48,6 +59,64 @@ static int set_attr(const char *path, unsigned int flags, uint64_t attr_set)
 {
     struct mount_attr attr = {.attr_set = attr_set};
     return (int)syscall(SYS_mount_setattr, AT_FDCWD, path, flags, &attr, sizeof attr);
+}
+
+static int fs_set(int fs, unsigned int cmd, const char *key, const char *value)
+{
+    return (int)syscall(SYS_fsconfig, fs, cmd, key, value, 0);
+}
+
+/* An overlayfs at m->target over layers earlier steps mounted in this
+ * namespace (the kernel takes a layer only from the mounter's own mount
+ * namespace, so the parent's descriptors cannot be given directly): lower
+ * m->source, upper m->upper, work m->work.  Mounted inside the sandbox's user
+ * namespace (unprivileged since Linux 5.11): "userxattr" keeps its metadata in
+ * user.overlay.* xattrs, and implies no redirects and no metacopy, so the
+ * upper layer holds whole files, whiteouts and opaque directories only, which
+ * is what the host reads back (isolate/overlay.py).  The new mount API only
+ * (Linux 5.2, older than any kernel with unprivileged overlayfs). */
+static int mount_overlay(const struct iso_mount *m)
+{
+    /* The upper directory must be the one the parent made and opened, not
+     * something planted in the state directory since. */
+    struct stat opened, found;
+    if (fstat(m->fd, &opened) < 0 || fstatat(AT_FDCWD, m->upper, &found, AT_SYMLINK_NOFOLLOW) < 0)
+        return ISO_STEP_MOUNT_OVERLAY;
+    if (opened.st_dev != found.st_dev || opened.st_ino != found.st_ino) {
+        errno = ESTALE;
+        return ISO_STEP_MOUNT_OVERLAY;
+    }
+    int fs = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC);
+    if (fs < 0)
+        return ISO_STEP_MOUNT_OVERLAY;
+    int saved;
+    if (fs_set(fs, FSCONFIG_SET_STRING, "lowerdir", m->source) < 0 ||
+        fs_set(fs, FSCONFIG_SET_STRING, "upperdir", m->upper) < 0 ||
+        fs_set(fs, FSCONFIG_SET_STRING, "workdir", m->work) < 0 ||
+        fs_set(fs, FSCONFIG_SET_FLAG, "userxattr", NULL) < 0 ||
+        /* Said explicitly, whatever the kernel's defaults: the upper layer
+         * must hold each changed file whole, and nothing else. */
+        fs_set(fs, FSCONFIG_SET_STRING, "index", "off") < 0 ||
+        fs_set(fs, FSCONFIG_SET_STRING, "metacopy", "off") < 0 ||
+        fs_set(fs, FSCONFIG_CMD_CREATE, NULL, NULL) < 0)
+        goto fail;
+    int mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
+    if (mnt < 0)
+        goto fail;
+    close(fs);
+    if (syscall(SYS_move_mount, mnt, "", AT_FDCWD, m->target, MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+        saved = errno;
+        close(mnt);
+        errno = saved;
+        return ISO_STEP_MOUNT_OVERLAY;
+    }
+    close(mnt);
+    return 0;
+fail:
+    saved = errno;
+    close(fs);
+    errno = saved;
+    return ISO_STEP_MOUNT_OVERLAY;
 }
 
 static int apply_one(const struct iso_mount *m)
@@ -98,6 +167,12 @@ static int apply_one(const struct iso_mount *m)
             }
         }
         break;
+    case ISO_MOUNT_OVERLAY: {
+        int step = mount_overlay(m);
+        if (step)
+            return step;
+        break;
+    }
     case ISO_MOUNT_MOVE:
         if (syscall(SYS_move_mount, m->fd, "", AT_FDCWD, m->target, MOVE_MOUNT_F_EMPTY_PATH) < 0)
             return ISO_STEP_MOUNT_MOVE;

@@ -49,6 +49,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     _program_fd = -1
     #: Directories (O_PATH descriptors) bound in place of the stand-ins the policy binds (see native.prepare).
     _bind_sources: dict[str, int] | None = None
+    #: An overlay workspace (isolate.overlay.Layers) mounted at its target instead of the tmpfs there.
+    _overlay: Any = None
 
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
         self.policy = policy if policy is not None else Policy()
@@ -93,6 +95,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             pass_fds=pass_fds,
             program_fd=self._program_fd,
             bind_sources=self._bind_sources,
+            overlay=self._overlay,
         )
         self._prepared = prepared
         cgroup = prepared.cgroup

@@ -30,6 +30,7 @@ from .backends.native.files import DirEntry, GrepMatch
 from .backends.native.kept import NativeSandbox, environment_for
 from .backends.native.protocol import Stat
 from .errors import IsolationError, PolicyError, UnsupportedError
+from .overlay import overlay_commit, overlay_diff
 from .policy import Mount, Policy
 from .registry import Registry, SandboxRecord, _check_name
 from .shell import Shell
@@ -380,6 +381,8 @@ class Sandbox:
             return Changes()
         ws_fd = impl.open_workspace()
         try:
+            if self.workspace.mode == "overlay":
+                return overlay_diff(self.workspace, ws_fd)  # ws_fd: the upper layer
             if self.workspace.source is None:
                 return diff(ws_fd, None, self.workspace)
             src_fd, _ = entries_of(self.workspace.source, self.workspace)
@@ -399,6 +402,12 @@ class Sandbox:
         impl = self._native("commit")
         if self.workspace.mode == "bind" and target_dir is None:
             return Changes()  # the source is the workspace
+        if self.workspace.mode == "overlay":
+            ws_fd = impl.open_workspace()
+            try:
+                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.paths.data])
+            finally:
+                os.close(ws_fd)
         target = target_dir if target_dir is not None else self.workspace.source
         if target is None:
             raise IsolationError("commit: this workspace has no source; give a target directory")

@@ -1,6 +1,6 @@
 """``isolate-run sandbox ...``: kept sandboxes from the shell.
 
-    isolate-run sandbox create NAME [POLICY OPTIONS] [--workspace SRC] [--mode copy|bind] [--exclude PAT]
+    isolate-run sandbox create NAME [POLICY OPTIONS] [--workspace SRC] [--mode copy|overlay|bind] [--exclude PAT]
     isolate-run sandbox exec NAME [--cwd DIR] [--timeout S] [--env N=V] -- CMD [ARG...]
     isolate-run sandbox shell NAME            an interactive shell, on a terminal of its own
     isolate-run sandbox cp NAME:PATH HOSTPATH | HOSTPATH NAME:PATH
@@ -63,8 +63,9 @@ def _parser() -> _Parser:
     create = commands.add_parser("create", help="make a named native sandbox (policy options as isolate-run's)")
     create.add_argument("name", metavar="NAME")
     create.add_argument("--workspace", metavar="SRC", help="the directory the workspace starts from (default: empty)")
-    create.add_argument("--mode", choices=("copy", "bind"), default="copy",
-                        help="copy SRC (default), or bind SRC itself writable")
+    create.add_argument("--mode", choices=("copy", "overlay", "bind"), default="copy",
+                        help="copy SRC (default), overlay SRC (read-only lower layer; changes kept apart until "
+                        "commit), or bind SRC itself writable")
     create.add_argument("--target", default="/workspace", metavar="PATH",
                         help="where the workspace is inside (default /workspace)")
     create.add_argument("--exclude", action="append", default=[], metavar="NAME",

@@ -6,6 +6,10 @@ command of a ``Sandbox`` starts in:
 - ``copy``: a private copy of ``source`` (or an empty directory), minus the
   names in ``exclude`` (``.git``, ``node_modules`` ...); ``diff()`` compares it
   with the source and ``commit()`` writes it back;
+- ``overlay``: an overlayfs over ``source`` (isolate/overlay.py): the source is
+  its read-only lower layer, the program's changes land in an upper layer in
+  the sandbox's private state directory; ``diff()`` and ``commit()`` read them
+  from there, with the same guarantees as a copy's;
 - ``bind``: the source itself, writable: the program's changes land at once
   and there is nothing to diff or commit.
 
@@ -21,15 +25,16 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import functools
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .errors import IsolationError, PolicyError
 
-WORKSPACE_MODES = ("copy", "bind")
+WORKSPACE_MODES = ("copy", "overlay", "bind")
 DEFAULT_TARGET = "/workspace"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
@@ -62,13 +67,18 @@ class Workspace:
             if not os.path.isdir(source):
                 raise PolicyError(f"workspace: {source} is not a directory", "workspace")
             object.__setattr__(self, "source", source)
-        elif self.mode == "bind":
-            raise PolicyError("workspace: mode bind needs a source directory", "workspace")
+        elif self.mode in ("bind", "overlay"):
+            raise PolicyError(f"workspace: mode {self.mode} needs a source directory", "workspace")
         exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
         for pattern in exclude:
             if not isinstance(pattern, str) or not pattern or "/" in pattern.strip("/"):
                 raise PolicyError(f"workspace: exclude {pattern!r} must be a file name or a glob of one "
                                   "(matched at any depth)", "workspace")
+        if exclude and self.mode == "overlay":
+            # An overlay shows the whole source: a name cannot be left out of the view, and leaving it out
+            # of diff and commit only would make them lie about what the program saw and changed.
+            raise PolicyError("workspace: exclude works with mode copy only (an overlay shows the whole source); "
+                              "use mode='copy' to leave names out", "workspace")
         object.__setattr__(self, "exclude", tuple(p.strip("/") for p in exclude))
 
     def excluded(self, name: str) -> bool:
@@ -262,16 +272,30 @@ def _refusal(rel: str, entry: Entry, entries: dict[str, Entry]) -> str | None:
     return None
 
 
-def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_links: bool = False) -> Changes:
+#: Opens a file of a tree by its relative path: a regular file, reached without following a link.
+Opener = Callable[[str], int]
+
+
+def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_links: bool = False, *,
+         mine: dict[str, Entry] | None = None, open_mine: Opener | None = None,
+         theirs: dict[str, Entry] | None = None, same: Container[str] = ()) -> Changes:
     """What makes ``other`` (None: an empty tree) equal to the workspace; excluded names are left alone.
 
     A file with several names in the workspace (hard links) is written
     once, under its first name: its other names are refused, or a program
     could make one file of N bytes cost the host N bytes per name
     (``hard_links=True``: every name is written, for a trusted tree).
+
+    A workspace that is no single directory (an overlay's merged view) is
+    given as ``mine`` (its entries) and ``open_mine`` (how to open one of its
+    files); ``theirs``: other's entries when already walked; ``same``: paths
+    known to be the very same node in both (not compared).
     """
-    mine = walk(workspace_fd, workspace)
-    theirs = walk(other_fd, workspace) if other_fd is not None else {}
+    if mine is None:
+        mine = walk(workspace_fd, workspace)
+    if theirs is None:
+        theirs = walk(other_fd, workspace) if other_fd is not None else {}
+    opener = open_mine if open_mine is not None else functools.partial(_open_file, workspace_fd)
     changes = Changes()
     first_name: dict[int, str] = {}
     for rel, entry in mine.items():
@@ -286,10 +310,12 @@ def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_lin
         old = theirs.get(rel)
         if old is None:
             changes.added.append(rel)
+        elif rel in same:
+            continue
         elif old.kind != entry.kind or (entry.kind == "link" and old.link != entry.link):
             changes.modified.append(rel)
         elif entry.kind == "file" and (old.size != entry.size or (old.mode & 0o777) != host_mode(entry.mode)
-                                       or not _files_equal(workspace_fd, other_fd, rel)):
+                                       or not _files_equal(opener, other_fd, rel)):
             changes.modified.append(rel)
     for rel in theirs:
         if rel not in mine and not any(rel.startswith(r + "/") for r in changes.refused):
@@ -300,11 +326,11 @@ def diff(workspace_fd: int, other_fd: int | None, workspace: Workspace, hard_lin
     return changes
 
 
-def _files_equal(a_dir: int, b_dir: int | None, rel: str) -> bool:
+def _files_equal(open_a: Opener, b_dir: int | None, rel: str) -> bool:
     if b_dir is None:
         return False
     try:
-        a = _open_file(a_dir, rel)
+        a = open_a(rel)
     except OSError:
         return False
     try:
@@ -322,6 +348,31 @@ def _files_equal(a_dir: int, b_dir: int | None, rel: str) -> bool:
 # -- writing to the host ------------------------------------------------------
 
 
+def _open_removable(name: str, dir_fd: int) -> int:
+    """A descriptor of the directory name under dir_fd, made listable and writable by its owner if it was not.
+
+    A program (or overlayfs, whose work directory is mode 000) may leave a
+    directory its owner cannot read or write: a caller who is not root could
+    then never remove it. Its mode is changed through an O_PATH descriptor,
+    never by a name a link could have replaced meanwhile.
+    """
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            if os.fstat(path_fd).st_uid != os.geteuid():
+                raise
+            os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+        finally:
+            os.close(path_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    info = os.fstat(fd)
+    if info.st_mode & 0o700 != 0o700 and info.st_uid == os.geteuid():
+        os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o700)
+    return fd
+
+
 def _remove_tree(dir_fd: int, name: str) -> None:
     """Remove name under dir_fd, recursively, never following a link.
 
@@ -337,7 +388,7 @@ def _remove_tree(dir_fd: int, name: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(name, dir_fd=dir_fd)
         return
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fd = _open_removable(name, dir_fd)
     top = os.fstat(fd)
     path: list[tuple[str, int, int]] = []  # (name, st_dev, st_ino) of each directory below the top one
     try:
@@ -353,7 +404,7 @@ def _remove_tree(dir_fd: int, name: str) -> None:
                     break
                 os.unlink(entry, dir_fd=fd)
             if below is not None:
-                child = os.open(below[0], _DIR_FLAGS, dir_fd=fd)
+                child = _open_removable(below[0], fd)
                 child_info = os.fstat(child)
                 path.append((below[0], child_info.st_dev, child_info.st_ino))
                 os.close(fd)
@@ -446,8 +497,13 @@ def _write_file(src_fd: int, dir_fd: int, name: str, mode: int) -> None:
     os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str, Entry]) -> None:
-    """Write changes (computed by diff against target) from the workspace into target."""
+def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str, Entry],
+          open_file: Opener | None = None) -> None:
+    """Write changes (computed by diff against target) from the workspace into target.
+
+    ``open_file``: how to open one of the workspace's files (default: under workspace_fd).
+    """
+    opener = open_file if open_file is not None else functools.partial(_open_file, workspace_fd)
     for rel in sorted(changes.deleted, key=lambda r: -r.count("/")):
         parent = _descend(target_fd, os.path.dirname(rel))
         try:
@@ -467,7 +523,7 @@ def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str
                 _remove_tree(parent, name)
                 os.symlink(entry.link, name, dir_fd=parent)
             elif entry.kind == "file":
-                src = _open_file(workspace_fd, rel)
+                src = opener(rel)
                 try:
                     _write_file(src, parent, name, host_mode(entry.mode))
                 finally:

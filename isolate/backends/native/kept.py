@@ -29,6 +29,7 @@ from typing import Any
 from ... import grants
 from ..._core import ffi, init_fd, lib
 from ...errors import IsolationError, UnsupportedError
+from ...overlay import layers_for, make_layers
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import runtime_dir, state_dir
@@ -46,9 +47,10 @@ class _ServerProcess(Popen):
     _program_fd = -1
 
     def __init__(self, args: Any, *, policy: Policy, bind_sources: dict[str, int] | None = None,
-                 **kwargs: Any) -> None:
+                 overlay: Any = None, **kwargs: Any) -> None:
         self._program_fd = init_fd()
         self._bind_sources = bind_sources
+        self._overlay = overlay
         super().__init__(args, policy=policy, **kwargs)
 
 
@@ -71,9 +73,15 @@ class Paths:
 def _server_policy(policy: Policy, workspace: Workspace, workspace_host: str, mounts: Sequence[Mount],
                    named: bool, ttl: float | None) -> Policy:
     """The policy the sandbox runs with: the workspace shown at its target, the default cwd grant dropped."""
-    binds = tuple(policy.binds) + tuple(mounts) + (Mount(workspace_host, workspace.target, "rw"),)
-    changes: dict[str, Any] = {"binds": binds, "cwd": workspace.target, "die_with_parent": not named,
-                               "backend": "native"}
+    binds = tuple(policy.binds) + tuple(mounts)
+    changes: dict[str, Any] = {"cwd": workspace.target, "die_with_parent": not named, "backend": "native"}
+    if workspace.mode == "overlay":
+        # A private tmpfs at the target places it among the mounts and gives it Landlock's write rights;
+        # the plan mounts the overlay there instead (isolate/overlay.py).
+        changes["tmpfs"] = (*policy.tmpfs, workspace.target)
+    else:
+        binds = (*binds, Mount(workspace_host, workspace.target, "rw"))
+    changes["binds"] = binds
     if policy.write == DEFAULT_WRITE:
         changes["write"] = ()  # a sandbox's writable place is its workspace, not the caller's cwd
     if ttl is not None:
@@ -116,9 +124,15 @@ class NativeSandbox:
         if self.workspace.mode == "bind":
             assert self.workspace.source is not None
             return self.workspace.source
+        if self.workspace.mode == "overlay":
+            return os.path.join(self.paths.data, "overlay", "upper")  # what the host reads the changes from
         return os.path.join(self.paths.data, "workspace")
 
     def start(self) -> None:
+        if not self.policy.namespaces and self.workspace.mode == "overlay":
+            raise UnsupportedError("workspace mode overlay: the overlay is mounted inside the sandbox's user and "
+                                   "mount namespaces, and namespaces=False has none; use namespaces=True (a kept "
+                                   "native sandbox needs them whatever its workspace)")
         if not self.policy.namespaces:
             raise UnsupportedError("a kept native sandbox needs namespaces (its commands share one PID and mount "
                                    "namespace); use namespaces=True, or backend='docker'")
@@ -128,6 +142,7 @@ class NativeSandbox:
         made_data = False
         listener = None
         workspace_fd = -1
+        layers = None
         try:
             if self.workspace.mode == "copy":
                 os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
@@ -138,6 +153,14 @@ class NativeSandbox:
                 self.workspace_identity = _dir_identity(self.workspace_host)
                 if self.workspace.source is not None:
                     copy_tree(self.workspace.source, self.workspace_host, self.workspace)
+            elif self.workspace.mode == "overlay":
+                layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
+                os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
+                os.mkdir(self.paths.data, 0o700)
+                made_data = True
+                self.data_identity = _dir_identity(self.paths.data)
+                make_layers(layers)
+                self.workspace_identity = _dir_identity(self.workspace_host)
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
             # this run binds the workspace in its place, so that every sandbox of one policy shares one
@@ -157,7 +180,8 @@ class NativeSandbox:
             self.process = _ServerProcess(args, policy=policy, bind_sources=bind_sources,
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, start_new_session=self.name is not None)
+                                          stderr=subprocess.DEVNULL, start_new_session=self.name is not None,
+                                          overlay=layers)
             listener.close()
             listener = None
             if workspace_fd >= 0:
@@ -269,7 +293,7 @@ class NativeSandbox:
         from ...workspace import _open_dir
 
         fd = _open_dir(self.workspace_host)
-        if self.workspace.mode == "copy":
+        if self.workspace.mode != "bind":
             info = os.fstat(fd)
             if self.workspace_identity is None or (info.st_dev, info.st_ino) != self.workspace_identity:
                 os.close(fd)
@@ -347,7 +371,7 @@ class NativeSandbox:
         self.init_identity = None
         if self._finalizer is not None:
             self._finalizer.detach()
-        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode == "copy" else None)
+        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode != "bind" else None)
 
     # -- pause -------------------------------------------------------------------
 

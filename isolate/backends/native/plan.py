@@ -51,6 +51,9 @@ class Prepared:
     observed: dict[str, dict[str, Any]] = field(default_factory=dict)
     _keep: list[Any] = field(default_factory=list)
     _close_after_spawn: list[int] = field(default_factory=list)
+    #: An overlay workspace's layers, and the indices of its mount steps (their failures are its refusals).
+    overlay: Any = None
+    overlay_steps: range = range(0)
 
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
@@ -105,6 +108,7 @@ def prepare(
     for_preexec: bool = False,
     program_fd: int = -1,
     bind_sources: Mapping[str, int] | None = None,
+    overlay: Any = None,
 ) -> Prepared:
     """The plan for one run of ``args``: the cached static part plus what is this run's own.
 
@@ -115,6 +119,8 @@ def prepare(
     directory open at the descriptor (O_PATH, the caller's) in its place. A
     kept sandbox's workspace is a new directory each time, and this keeps its
     policy's plan cached.
+    ``overlay``: an overlay workspace (``isolate.overlay.Layers``), mounted in
+    place of the tmpfs the policy has at its target (a kept sandbox's).
     """
     run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
     static = _static_for(policy, run_cwd, for_preexec)
@@ -162,6 +168,15 @@ def prepare(
                 )
             close_after.append(fd)
             cmounts[index].fd = fd
+
+    # -- an overlay workspace takes the place of the tmpfs at its target --------
+    overlay_steps = range(0)
+    if overlay is not None:
+        try:
+            overlay_steps = _plan_overlay(overlay, plan, static, keep, close_after, enforced, cstr)
+        except BaseException:
+            _close_all(close_after)
+            raise
 
     # -- limits over the tree -------------------------------------------------
     rlimits = list(static.rlimits)
@@ -239,6 +254,8 @@ def prepare(
         observed=static.observed,
         _keep=keep,
         _close_after_spawn=close_after,
+        overlay=overlay,
+        overlay_steps=overlay_steps,
     )
     return prepared
 
@@ -289,6 +306,37 @@ def _substitute_binds(plan: Any, cmounts: Any, static: _Static, bind_sources: Ma
         if "binds" in enforced:
             enforced["binds"] = [b.replace(stand_in + ":", directory + ":", 1) if b.startswith(stand_in + ":")
                                  else b for b in enforced["binds"]]
+def _plan_overlay(layers: Any, plan: Any, static: _Static, keep: list[Any], close_after: list[int],
+                  enforced: dict[str, Any], cstr: Any) -> range:
+    """Put the overlay's steps (isolate/overlay.py) where the plan mounts a tmpfs at its target."""
+    from ... import overlay as overlay_mod
+
+    target = os.fsencode(mounts.NEWROOT + layers.target)
+    at = next((i for i in range(plan.n_mounts)
+               if plan.mounts[i].kind == lib.ISO_MOUNT_TMPFS and ffi.string(plan.mounts[i].target) == target), -1)
+    if at < 0 or not plan.clone_flags:
+        raise UnsupportedError(f"workspace mode overlay: {layers.target} is mounted inside the sandbox's own "
+                               "mount namespace, and this plan has none; " + overlay_mod.WAY_OUT)
+    planned = overlay_mod.plan(layers, mounts.NEWROOT, mounts.OLDROOT, static.program_uid, static.program_gid)
+    close_after.extend(planned.fds)
+    n = plan.n_mounts - 1 + len(planned.steps)
+    cmounts = ffi.new("struct iso_mount[]", n)
+    keep.append(cmounts)
+    ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * at)
+    for j, step in enumerate(planned.steps):
+        c = cmounts[at + j]
+        c.kind, c.target, c.flags, c.fd, c.mode = step.kind, cstr(step.target), step.flags, step.fd, step.mode
+        c.source = cstr(step.source) if step.source else ffi.NULL
+        c.upper = cstr(step.upper) if step.upper else ffi.NULL
+        c.work = cstr(step.work) if step.work else ffi.NULL
+    rest = plan.n_mounts - at - 1
+    if rest:
+        ffi.memmove(cmounts + (at + len(planned.steps)), plan.mounts + (at + 1),
+                    ffi.sizeof("struct iso_mount") * rest)
+    plan.mounts = cmounts
+    plan.n_mounts = n
+    enforced["workspace"] = planned.enforced
+    return range(at, at + len(planned.steps))
 
 
 def spawn(prepared: Prepared, args: Sequence[str]) -> int:
@@ -310,6 +358,10 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     step, err, index = int(failure.step), int(failure.err), int(failure.index)
     plan = prepared.plan
     name = step_name(step)
+    if prepared.overlay is not None and index in prepared.overlay_steps:
+        from ... import overlay as overlay_mod
+
+        return overlay_mod.failure(err, prepared.overlay, name)
     if step == lib.ISO_STEP_EXEC:
         program = ffi.string(plan.file).decode(errors="replace")
         if err == errno_mod.ENOENT and "/" in program and os.path.exists(program):

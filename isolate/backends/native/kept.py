@@ -30,7 +30,7 @@ from ..._core import ffi, init_fd, lib
 from ...errors import IsolationError, UnsupportedError
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
-from ...registry import runtime_dir, state_dir
+from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
 from ...workspace import Workspace, copy_tree
 from .protocol import Connection, ServerGone, encode
 
@@ -150,6 +150,10 @@ class NativeSandbox:
             self.report_enforced = dict(prepared.enforced)
             self._wait_ready()
             self._write_meta()
+            if self.name is not None:
+                now = time.time()
+                Registry().record(SandboxRecord("native", self.name, self.paths.key, self.policy.config_hash(),
+                                                "", "", now, now))
             if self.name is None:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
                 self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity)
@@ -305,6 +309,14 @@ class NativeSandbox:
     def close(self) -> None:
         """End the sandbox and everything in it; remove its socket, description and copied workspace."""
         self._teardown(remove_data=True)
+        if self.name is not None:
+            Registry().forget("native", self.name)
+
+    def detach(self) -> None:
+        """Let go of the sandbox without ending it (its file conversation is closed)."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
 
     def _teardown(self, remove_data: bool) -> None:
         if self._files is not None:

@@ -71,10 +71,13 @@ class DockerPaths:
 
     @classmethod
     def of(cls, name: str) -> DockerPaths:
-        base = runtime_dir()
-        run = os.path.join(base, f"docker-{name}.d")
-        return cls(name, run, os.path.join(run, SOCKET_NAME), os.path.join(base, f"docker-{name}.json"),
-                   os.path.join(state_dir(), "sandboxes", f"docker-{name}"))
+        # Apart from the native sandboxes' files (NAME.sock, NAME.json, sandboxes/NAME): names never collide.
+        base = os.path.join(runtime_dir(), "docker")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(base, 0o700)
+        run = os.path.join(base, f"{name}.d")
+        return cls(name, run, os.path.join(run, SOCKET_NAME), os.path.join(base, f"{name}.json"),
+                   os.path.join(state_dir(), "docker-sandboxes", name))
 
 
 def _peer_pid(conn: Connection) -> int:

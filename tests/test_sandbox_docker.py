@@ -204,3 +204,16 @@ def test_cli_lists_and_prunes_docker_sandboxes(project: str) -> None:
     finally:
         box.close()
     assert not os.path.exists(box._impl.workspace_host)
+
+
+def test_orphans_reaped_by_the_server_do_not_count_as_commands(project: str) -> None:
+    # The server is the container's PID 1: what a command leaves behind comes to it when it dies. Reaping
+    # such an orphan must not count as a command's end, or the idle timeout would end a running command.
+    with Sandbox(docker_policy(), workspace=Workspace(project), backend="docker", idle_timeout=0.5) as box:
+        long = box.spawn("sleep 3; echo done")
+        for _ in range(3):
+            box.exec("sleep 0.2 >/dev/null 2>&1 &")  # orphaned at once, reaped by PID 1 0.2 s later
+        box._impl.detach()  # no file conversation open: only the running command keeps the sandbox up
+        assert long.wait(20) == 0 and list(long) == [b"done\n"]
+        long.close()
+        assert "Z" not in box.exec("ps -o stat | tail -n +2").stdout  # no zombie left

@@ -7,6 +7,7 @@ user with no access to the engine, such as 65534) these tests skip saying why.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 import isolate
 from isolate import Mount, Sandbox, Workspace
 from isolate.backends.docker.served import DockerKept
+from isolate.backends.native.protocol import ServerGone
 
 IMAGE = os.environ.get("ISOLATE_TEST_IMAGE", "isolate-test:busybox")
 
@@ -107,6 +109,8 @@ def test_a_socket_planted_in_the_servers_place_is_refused(box: Sandbox) -> None:
         time.sleep(0.02)
         try:
             box._impl.connect().close()
+        except ServerGone:
+            continue  # between the unlink and the planted server's bind
         except isolate.IsolationError as exc:
             assert "not served by the container's main process" in str(exc)
             break
@@ -217,3 +221,17 @@ def test_orphans_reaped_by_the_server_do_not_count_as_commands(project: str) -> 
         assert long.wait(20) == 0 and list(long) == [b"done\n"]
         long.close()
         assert "Z" not in box.exec("ps -o stat | tail -n +2").stdout  # no zombie left
+
+
+def test_a_link_planted_in_the_socket_directory_is_not_followed(box: Sandbox, tmp_path: Path) -> None:
+    # A link in the server's place would make the host connect wherever it leads, on the host's side.
+    trap = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    trap.bind(str(tmp_path / "trap.sock"))
+    trap.listen(4)
+    trap.setblocking(False)
+    box.exec(f"rm -f /.isolate/run/server.sock; ln -s {tmp_path / 'trap.sock'} /.isolate/run/server.sock")
+    with pytest.raises(isolate.IsolationError, match="not a socket"):
+        box._impl.connect()
+    with pytest.raises(BlockingIOError):
+        trap.accept()  # nobody came
+    trap.close()

@@ -34,6 +34,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import struct
 import time
 import weakref
@@ -397,8 +398,23 @@ class DockerKept:
         return box
 
     def connect(self) -> Connection:
-        """A conversation with the server: the socket's listener must be the container's main process."""
-        conn = Connection(self.paths.socket)
+        """A conversation with the server: the socket's listener must be the container's main process.
+
+        The socket directory is writable from inside: the path's last
+        component is opened without following a link and must be a socket,
+        so nothing planted there leads the host to connect elsewhere.
+        """
+        try:
+            fd = os.open(self.paths.socket, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ServerGone(f"the sandbox does not answer ({self.paths.socket}: {exc.strerror})") from None
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise IsolationError(f"sandbox {self.box_name!r}: {self.paths.socket} is not a socket (replaced "
+                                     "from inside?); not used")
+            conn = Connection(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
         pid = _peer_pid(conn)
         if pid != self.server_pid:
             from . import client

@@ -235,3 +235,25 @@ def test_a_link_planted_in_the_socket_directory_is_not_followed(box: Sandbox, tm
     with pytest.raises(BlockingIOError):
         trap.accept()  # nobody came
     trap.close()
+
+
+def test_unnamed_sandbox_dies_with_its_creator(project: str) -> None:
+    script = ("import isolate, os, sys, time\n"
+              f"box = isolate.Sandbox(isolate.Policy(backend='docker', image={IMAGE!r}, write=()),\n"
+              f"                      workspace=isolate.Workspace({project!r}), backend='docker').start()\n"
+              "print(box._impl.container_id, box._impl.box_name, box._impl.workspace_host, flush=True)\n"
+              "time.sleep(300)\n")
+    creator = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert creator.stdout is not None
+    container, name, host = creator.stdout.readline().split()
+    assert _engine_state(container) == "running"
+    creator.kill()  # no close(), no atexit: only the watchdog is left to remove it
+    creator.wait()
+    deadline = time.monotonic() + 30
+    while _engine_state(container) != "missing" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _engine_state(container) == "missing"
+    # What it left on the host goes with rm (or prune, which finds its record without a container).
+    from isolate.backends.docker.sandbox import remove_sandbox
+
+    assert os.path.isdir(host) and remove_sandbox(name) and not os.path.exists(host)

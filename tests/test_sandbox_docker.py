@@ -257,3 +257,9 @@ def test_unnamed_sandbox_dies_with_its_creator(project: str) -> None:
     from isolate.backends.docker.sandbox import remove_sandbox
 
     assert os.path.isdir(host) and remove_sandbox(name) and not os.path.exists(host)
+
+
+def test_strict_seccomp_is_refused_with_the_reason() -> None:
+    # The strict profile refuses the server's socket calls: said at once, not after a start that fails.
+    with pytest.raises(isolate.UnsupportedError, match="strict"):
+        Sandbox(docker_policy(seccomp="strict"), backend="docker")

@@ -96,6 +96,9 @@ class DockerKept:
         if workspace.mode not in ("copy", "bind"):
             raise UnsupportedError(f"workspace mode {workspace.mode!r}: not on the Docker backend of Sandbox; use "
                                    "mode copy or bind there, or the native backend")
+        if policy.seccomp == "strict":
+            raise UnsupportedError("seccomp strict: a kept Docker sandbox's exec server listens on a unix socket, "
+                                   "which the strict profile refuses (socket, bind, accept4); use seccomp default")
         self.policy = policy
         self.workspace = workspace
         self.mounts = tuple(mounts)
@@ -318,7 +321,8 @@ class DockerKept:
                 code = state.get("ExitCode")
                 raise SetupError(f"sandbox {self.box_name!r}: the container's exec server ended as it started "
                                  f"(status {code}{'; ' + state['Error'] if state.get('Error') else ''}); "
-                                 "it could not listen on its socket", "docker")
+                                 "it could not listen on its socket (does the seccomp profile refuse socket, bind, "
+                                 "listen or accept4?)", "docker")
             self.server_pid = int(state.get("Pid") or 0)
             try:
                 conn = self.connect()

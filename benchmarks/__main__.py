@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _log("kept sandboxes")
             try:
                 results["kept"] = kept.measure(settings.kept_rounds, settings.kept_idle_n, settings.kept_many_n,
-                                               _log)
+                                               _log, None if args.no_docker else peers.docker_image())
             except Exception as exc:
                 results["kept"] = {"error": _error(exc)}
     finally:

@@ -1,4 +1,4 @@
-"""Kept sandboxes (``isolate.Sandbox``, native): creating one, keeping one idle, holding many.
+"""Kept sandboxes (``isolate.Sandbox``): creating one, keeping one idle, holding many; the Docker backend's exec.
 
 - create: ``Sandbox(...).start()`` against ``isolate.run(["/bin/true"])``,
   interleaved in the same rounds (closing is not timed);
@@ -6,7 +6,11 @@
   proportional set size of their processes (init and exec server), and the
   drop of MemAvailable, which also counts kernel memory (namespaces, page
   tables, the tmpfs roots), each per sandbox;
-- many: 50 sandboxes open at once, one command and one file in each.
+- many: 50 sandboxes open at once, one command and one file in each;
+- docker: ``Sandbox(backend="docker")`` (a container whose main process is
+  the exec server): its creation, ``exec(["/bin/true"])`` and a 4 KiB
+  ``write_file`` + ``read_file`` round trip, against ``docker exec`` through
+  the engine in a kept container (``DockerSandbox.run``) in the same rounds.
 
 Exec latency is measured with the spawn section (variant ``sandbox-exec``), in
 the same rounds as ``isolate.run`` and the Docker backend's kept exec.
@@ -100,9 +104,66 @@ def many(n: int, log: Callable[[str], None]) -> dict[str, Any]:
     return {"n": n, "ok": ok, "open_seconds": round(opened, 2), "total_seconds": round(total, 2)}
 
 
-def measure(rounds: int, idle_n: int, many_n: int, log: Callable[[str], None]) -> dict[str, Any]:
+def docker(rounds: int, image: str, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+    from isolate.backends import docker as backend
+    from isolate.backends.docker.sandbox import DockerSandbox
+
+    usable, why = backend.available()
+    if not usable:
+        return {"skipped": why}
+    backend.check_image(image)
+    policy = isolate.Policy(image=image, network="loopback", write=())
+    created: list[float] = []
+    for _ in range(max(1, rounds // 10)):
+        started = time.perf_counter()
+        box = isolate.Sandbox(policy, backend="docker").start()
+        created.append(time.perf_counter() - started)
+        box.close()
+    box = isolate.Sandbox(policy, backend="docker").start()
+    engine_exec = DockerSandbox(policy.replace(cwd="/tmp"), image=image)
+    engine_exec.start()
+    execs: list[float] = []
+    files: list[float] = []
+    engine: list[float] = []
+    payload = "x" * 4096
+    try:
+        for i in range(rounds):
+            started = time.perf_counter()
+            done = box.exec([TRUE])
+            execs.append(time.perf_counter() - started)
+            if done.returncode != 0:
+                raise RuntimeError(f"Sandbox.exec exited {done.returncode}")
+            started = time.perf_counter()
+            box.write_file(f"f{i % 4}", payload)
+            if box.read_file(f"f{i % 4}") != payload:
+                raise RuntimeError("read_file did not return what write_file wrote")
+            files.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            ran = engine_exec.run([TRUE])
+            engine.append(time.perf_counter() - started)
+            if ran.returncode != 0:
+                raise RuntimeError(f"docker exec exited {ran.returncode}")
+    finally:
+        box.close()
+        engine_exec.remove()
+    log(f"kept docker: create {median(created) * 1e3:.0f} ms, exec {median(execs) * 1e3:.2f} ms "
+        f"(docker exec {median(engine) * 1e3:.2f} ms), file round trip {median(files) * 1e3:.2f} ms")
+    return {"rounds": rounds, "image": image, "create": summary_ms(created), "exec": summary_ms(execs),
+            "file_round_trip": summary_ms(files), "docker_exec": summary_ms(engine)}
+
+
+def measure(rounds: int, idle_n: int, many_n: int, log: Callable[[str], None],
+            docker_image: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"method": (__doc__ or "").strip()}
     out["create"] = create(rounds, log)
     out["idle_memory"] = idle_memory(idle_n, log)
     out["many"] = many(many_n, log)
+    if docker_image is None:
+        out["docker"] = {"skipped": "Docker left out"}
+    else:
+        try:
+            out["docker"] = docker(rounds, docker_image, log)
+        except Exception as exc:
+            out["docker"] = {"skipped": f"{type(exc).__name__}: {exc}"}
     return out

@@ -2,7 +2,7 @@
  * execserver.c - a kept sandbox's program: commands and file operations,
  * performed from inside.
  *
- *   isolate-exec-server LISTEN_FD PEER_UID IDLE_MS
+ *   isolate-exec-server LISTEN_FD|/SOCKET/PATH PEER_UID IDLE_MS [TTL_MS]
  *
  * The init executable runs this when its argv[0] is "isolate-exec-server".
  * The program child of a kept sandbox execs it (plan->program_fd) after every
@@ -35,7 +35,17 @@
  *     the background goes on running, as on any machine.
  * With IDLE_MS > 0 the server exits after that long without a connection
  * or a running command; its exit ends the sandbox (the init then ends the
- * PID namespace).
+ * PID namespace).  With TTL_MS > 0 it exits that long after it started,
+ * whatever runs.
+ *
+ * In a container (the Docker backend of a kept sandbox) nothing can hand
+ * the server a descriptor: the first argument is then an absolute path,
+ * where the server binds and listens itself (mode 0600), in a directory
+ * the host made for it and bound into the container.  The server is the
+ * container's main process, its PID 1: orphans come to it, so it counts
+ * its monitors by pid, not by every child it reaps.  The host checks from
+ * its side that the listener is that process (a process of the container
+ * could otherwise unlink the socket and listen in its place).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -55,6 +65,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/timerfd.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -69,6 +80,8 @@
 #endif
 
 #define MAX_CLIENTS 64
+/* Commands running at once (each has a monitor process). */
+#define MAX_MONITORS 4096
 #define MAX_STRINGS 16384
 
 /* One request as received: the header, its strings, its descriptors. */
@@ -625,6 +638,57 @@ static int peer_allowed(int conn, uid_t peer_uid)
     return cred.pid == 0 && cred.uid == peer_uid;
 }
 
+/* A listening socket at path (the container case): the old socket, left
+ * by an earlier start of the same container, is replaced. */
+static int listen_at(const char *path)
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    size_t len = strlen(path);
+    if (len >= sizeof addr.sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(addr.sun_path, path, len + 1);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (unlink(path) < 0 && errno != ENOENT) {
+        close(fd);
+        return -1;
+    }
+    mode_t old = umask(0177);
+    int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+    umask(old);
+    if (rc < 0 || listen(fd, 64) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static pid_t monitors[MAX_MONITORS];
+static int n_monitors;
+
+static int is_monitor(pid_t pid)
+{
+    for (int i = 0; i < n_monitors; i++)
+        if (monitors[i] == pid)
+            return 1;
+    return 0;
+}
+
+/* 1 when pid was one of our monitors (now forgotten), 0 for an orphan. */
+static int forget_monitor(pid_t pid)
+{
+    for (int i = 0; i < n_monitors; i++) {
+        if (monitors[i] == pid) {
+            monitors[i] = monitors[--n_monitors];
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static long long now_ms(void)
 {
     struct timespec t;
@@ -636,9 +700,13 @@ int iso_exec_server_main(int argc, char **argv)
 {
     if (argc < 4)
         return 125;
-    int listener = atoi(argv[1]);
     uid_t peer_uid = (uid_t)strtoul(argv[2], NULL, 10);
     long long idle_ms = atoll(argv[3]);
+    long long ttl_ms = argc > 4 ? atoll(argv[4]) : 0;
+    long long started = now_ms();
+    int listener = argv[1][0] == '/' ? listen_at(argv[1]) : atoi(argv[1]);
+    if (listener < 0)
+        return 125;
     /* Not dumpable: a process of the sandbox, same uid, cannot ptrace this
      * one or take its descriptors (the host's connections among them). */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
@@ -662,9 +730,21 @@ int iso_exec_server_main(int argc, char **argv)
         fds[1] = (struct pollfd){.fd = sigfd, .events = POLLIN};
         for (int i = 0; i < n_clients; i++)
             fds[2 + i] = (struct pollfd){.fd = clients[i], .events = POLLIN};
-        int wait_ms = -1;
+        /* The nearest end: idleness (when nothing runs) or the ttl. */
+        int bounded = 0;
+        long long left = 0;
         if (idle_ms > 0 && n_clients == 0 && running == 0) {
-            long long left = idle_since + idle_ms - now_ms();
+            left = idle_since + idle_ms - now_ms();
+            bounded = 1;
+        }
+        if (ttl_ms > 0) {
+            long long ttl_left = started + ttl_ms - now_ms();
+            if (!bounded || ttl_left < left)
+                left = ttl_left;
+            bounded = 1;
+        }
+        int wait_ms = -1;
+        if (bounded) {
             if (left <= 0)
                 return 0;
             wait_ms = left > 1000000 ? 1000000 : (int)left;
@@ -685,10 +765,12 @@ int iso_exec_server_main(int argc, char **argv)
             int wstatus;
             pid_t child;
             while ((child = waitpid(-1, &wstatus, WNOHANG | WUNTRACED)) > 0) {
-                if (WIFSTOPPED(wstatus))
-                    kill(child, SIGCONT);
-                else
+                if (WIFSTOPPED(wstatus)) {
+                    if (is_monitor(child)) /* an orphan of the program may stay stopped */
+                        kill(child, SIGCONT);
+                } else if (forget_monitor(child)) {
                     running--;
+                }
             }
             if (running < 0)
                 running = 0;
@@ -717,7 +799,7 @@ int iso_exec_server_main(int argc, char **argv)
             if (r < 0)
                 reply_kind(conn, ISO_XS_ERROR, EPROTO);
             if (r > 0 && current.head.op == ISO_XS_EXEC) {
-                pid_t pid = fork();
+                pid_t pid = n_monitors < MAX_MONITORS ? fork() : (errno = EAGAIN, -1);
                 if (pid == 0) {
                     close(listener);
                     close(sigfd);
@@ -726,10 +808,12 @@ int iso_exec_server_main(int argc, char **argv)
                             close(clients[j]);
                     monitor(conn, &current);
                 }
-                if (pid < 0)
+                if (pid < 0) {
                     reply_kind(conn, ISO_XS_ERROR, errno);
-                else
+                } else {
+                    monitors[n_monitors++] = pid;
                     running++;
+                }
                 close_fds(&current);
                 drop = 1;
             } else if (r > 0) {

@@ -248,8 +248,12 @@ static void kill_everything(pid_t program, int pid_namespace)
 
 int main(int argc, char **argv)
 {
-    /* The same executable is a kept sandbox's program (execserver.c). */
-    if (argc > 0 && !strcmp(argv[0], "isolate-exec-server"))
+    /* The same executable is a kept sandbox's program (execserver.c); a
+     * container runs it by its path (/.isolate/isolate-exec-server), so the
+     * last component of argv[0] decides. */
+    const char *role = argc > 0 ? strrchr(argv[0], '/') : NULL;
+    role = role ? role + 1 : (argc > 0 ? argv[0] : "");
+    if (!strcmp(role, "isolate-exec-server"))
         return iso_exec_server_main(argc, argv);
     if (argc < 5)
         return 125;

@@ -7,9 +7,10 @@
 
 Native by default: one set of namespaces whose exec server (csrc/execserver.c)
 starts each command and performs each file operation from inside, as the
-program. ``backend="docker"`` keeps a container instead (commands only, for
-now: see ``DockerSandbox``). ``AsyncSandbox`` has the same methods as
-coroutines.
+program. ``backend="docker"`` keeps a container whose main process is the
+same exec server, with the same API. Both implement one interface
+(``isolate.backends.kept.KeptBackend``) that this class uses.
+``AsyncSandbox`` has the same methods as coroutines.
 """
 
 from __future__ import annotations
@@ -19,20 +20,19 @@ import functools
 import math
 import os
 import shlex
-import subprocess
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from .backends.kept import KeptBackend, attach_backend, make_backend
 from .backends.native import files as native_files
 from .backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, SandboxProcess, run_collecting
 from .backends.native.files import DirEntry, GrepMatch
-from .backends.native.kept import NativeSandbox, environment_for
+from .backends.native.kept import environment_for
 from .backends.native.protocol import Stat
-from .errors import IsolationError, PolicyError, UnsupportedError
+from .errors import IsolationError, PolicyError
 from .overlay import overlay_commit, overlay_diff
 from .policy import Mount, Policy
-from .registry import Registry, SandboxRecord, _check_name
+from .registry import _check_name
 from .shell import Shell
 from .workspace import Changes, Workspace, apply, check_target, diff, entries_of, walk
 
@@ -84,17 +84,8 @@ class Sandbox:
         idle = _seconds(idle_timeout, "idle_timeout")
         if idle_timeout is None and name is not None:
             idle = DEFAULT_NAMED_IDLE
-        self._impl: NativeSandbox | None = None
-        self._docker: Any = None
-        if self.backend == "native":
-            self._impl = NativeSandbox(policy, self.workspace, self.mounts, self.name, ttl, idle)
-        else:
-            from .backends.docker.sandbox import DockerSandbox
-
-            if self.workspace.source is not None or self.mounts:
-                raise UnsupportedError("the Docker backend of Sandbox takes no workspace or mounts yet; use the "
-                                       "native backend, or policy write= paths")
-            self._docker = DockerSandbox(policy, backend="docker", name=name)
+        self._impl: KeptBackend = make_backend(self.backend, policy, self.workspace, self.mounts, self.name, ttl,
+                                               idle)
         self._shells: dict[str, Shell] = {}
         self._started = False
 
@@ -116,68 +107,52 @@ class Sandbox:
     def start(self) -> Sandbox:
         if self._started:
             return self
-        if self._impl is not None:
-            self._impl.start()
-            if self.name is not None:
-                now = time.time()
-                Registry().record(SandboxRecord("native", self.name, self._impl.paths.key, self.policy.config_hash(),
-                                                "", "", now, now))
-        else:
-            self._docker.start()
+        self._impl.start()
         self._started = True
         return self
 
     @classmethod
     def attach(cls, name: str, ping: bool = True) -> Sandbox:
-        """The running named native sandbox, made earlier (maybe by another process of this user).
+        """The running named sandbox (native, else Docker), made earlier (maybe by another process of this user).
 
         ``ping=False``: do not wait for its exec server's answer (needed to resume a paused one).
         """
-        impl = NativeSandbox.attach(_check_name(name), ping)
+        impl = attach_backend(_check_name(name), ping)
         box = cls.__new__(cls)
-        box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, "native"
-        box.policy, box._impl, box._docker, box._shells, box._started = impl.policy, impl, None, {}, True
+        box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
+        box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
         return box
 
     def detach(self) -> None:
         """Let go of a named sandbox without ending it (it stays for attach, rm or prune)."""
         for shell in list(self._shells.values()):
             shell.close()
-        if self._impl is not None and self._impl._files is not None:
-            self._impl._files.close()
-            self._impl._files = None
+        self._impl.detach()
         self._started = False
 
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
         for shell in list(self._shells.values()):
             shell.close()
-        if self._impl is not None:
-            self._impl.close()
-            if self.name is not None:
-                Registry().forget("native", self.name)
-        elif self._docker is not None:
-            self._docker.remove() if self.name is not None else self._docker.close()
+        self._impl.close()
         self._started = False
 
     def pause(self) -> str:
         """Stop every process of the sandbox; returns the mechanism ("cgroup-freezer" or "sigstop")."""
-        return self._native("pause").pause()
+        return self._running("pause").pause()
 
     def resume(self) -> str:
-        return self._native("resume").resume()
+        return self._running("resume").resume()
 
     def processes(self) -> list[Any]:
         """psutil.Process objects of the sandbox's processes (its init first)."""
-        return self._native("processes").processes()
+        return self._running("processes").processes()
 
     @property
     def enforced(self) -> dict[str, Any]:
-        return dict(self._native("enforced").report_enforced)
+        return dict(self._running("enforced").report_enforced)
 
-    def _native(self, what: str) -> NativeSandbox:
-        if self._impl is None:
-            raise UnsupportedError(f"{what}: not available on the Docker backend of Sandbox yet")
+    def _running(self, what: str) -> KeptBackend:
         if not self._started:
             raise IsolationError(f"{what}: the sandbox is not running; start() it first")
         return self._impl
@@ -201,16 +176,14 @@ class Sandbox:
             raise PolicyError(f"output_limit: expected a positive number of bytes, got {output_limit!r}",
                               "output_limit")
         argv = self._argv(cmd, shell)
-        if self._impl is None:
-            return self._docker_exec(argv, cwd, env, input, timeout, text)
-        impl = self._native("exec")
+        impl = self._running("exec")
         data = input.encode() if isinstance(input, str) else (input or b"")
         in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             command = Command(impl.connect(), argv, cwd or "", environment_for(impl.environment, env), timeout,
-                              (in_r, out_w, err_w), False, impl.report_enforced)
+                              (in_r, out_w, err_w), False, impl.report_enforced, impl.backend)
         except BaseException:
             for fd in (in_w, out_r, err_r):
                 if fd >= 0:
@@ -231,32 +204,10 @@ class Sandbox:
         err: Any = stderr.decode(errors="replace") if text else stderr
         return ExecResult(argv, command.returncode, out, err, truncated, command.report())
 
-    def _docker_exec(self, argv: list[str], cwd: str | None, env: Mapping[str, str] | None,
-                     input: str | bytes | None, timeout: float | None, text: bool) -> ExecResult:
-        kwargs: dict[str, Any] = {"capture_output": True, "text": text, "timeout": timeout}
-        if cwd is not None:
-            kwargs["cwd"] = cwd
-        if env:
-            raise UnsupportedError("exec(env=...): not on the Docker backend of Sandbox yet; set policy.env")
-        if input is not None:
-            kwargs["input"] = input
-        else:
-            kwargs["stdin"] = subprocess.DEVNULL
-        try:
-            result = self._docker.run(argv, **kwargs)
-        except subprocess.TimeoutExpired as exc:
-            from .report import Report
-
-            # As the native backend says it: the command's end, with the reason.
-            report = Report(backend="docker", status="timeout", signal=9)
-            return ExecResult(argv, 137, exc.stdout or ("" if text else b""), exc.stderr or ("" if text else b""),
-                              False, report)
-        return ExecResult(argv, result.returncode, result.stdout, result.stderr, False, result.report)
-
     def spawn(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
               timeout: float | None = None, shell: bool = False, pty: bool = False) -> SandboxProcess:
         """Start a command and return at once: stream its output, write to it, kill it, wait for it."""
-        impl = self._native("spawn")
+        impl = self._running("spawn")
         return SandboxProcess(impl, self._argv(cmd, shell), cwd or "", environment_for(impl.environment, env),
                               _seconds(timeout, "timeout"), pty)
 
@@ -272,7 +223,7 @@ class Sandbox:
     # -- files, as the program sees them -------------------------------------------
 
     def _conn(self) -> Any:
-        return self._native("file methods").files()
+        return self._running("file methods").files()
 
     def read_file(self, path: str, *, text: bool = True, limit: int = native_files.DEFAULT_READ_LIMIT) -> Any:
         data = native_files.read_bytes(self._conn(), path, limit)
@@ -376,7 +327,7 @@ class Sandbox:
 
     def diff(self) -> Changes:
         """What the workspace changed against its source (empty for a bind workspace or none)."""
-        impl = self._native("diff")
+        impl = self._running("diff")
         if self.workspace.mode == "bind":
             return Changes()
         ws_fd = impl.open_workspace()
@@ -399,13 +350,13 @@ class Sandbox:
         Links that lead out of the tree, devices, FIFOs and sockets are not
         written (``Changes.refused`` says why); no set-id bit reaches the host.
         """
-        impl = self._native("commit")
+        impl = self._running("commit")
         if self.workspace.mode == "bind" and target_dir is None:
             return Changes()  # the source is the workspace
         if self.workspace.mode == "overlay":
             ws_fd = impl.open_workspace()
             try:
-                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.paths.data])
+                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.data_dir])
             finally:
                 os.close(ws_fd)
         target = target_dir if target_dir is not None else self.workspace.source

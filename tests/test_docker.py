@@ -212,6 +212,41 @@ def test_network_none_is_the_default_and_refuses_sockets() -> None:
         "seccomp=unconfined") == 1
 
 
+def test_kept_server_guard_refuses_unix_stream_and_dgram_but_not_seqpacket(tmp_path: Path) -> None:
+    # A kept Sandbox's exec server makes its own listening socket (nothing can hand one into a container):
+    # under the unix socket guard, socket(AF_UNIX) stays refused for stream and datagram types only.
+    shown = tmp_path / "ro"
+    shown.mkdir()
+    for server in (False, True):
+        spec = backend.build_spec(Policy(seccomp="default", write=[], read=[str(shown)]), server_socket=server)
+        option = next(o for o in spec.security_opt if o.startswith("seccomp="))
+        profile = json.loads(option[len("seccomp="):])
+        guards = [r for r in profile["syscalls"] if r["names"] == ["socket"] and r["action"] == "SCMP_ACT_ERRNO"
+                  and any(a.get("valueTwo") == 1 and a["index"] == 0 for a in r.get("args", []))]
+        types = sorted(a["valueTwo"] for r in guards for a in r.get("args", []) if a["index"] == 1)
+        if server:
+            assert types == [1, 2, 3] and len(guards) == 3, guards
+            assert spec.enforced["unix_sockets"] == "seccomp-no-unix-sockets-but-seqpacket"
+        else:
+            assert types == [] and len(guards) == 1, guards
+            assert spec.enforced["unix_sockets"] == "seccomp-no-unix-sockets"
+
+
+def test_binds_are_mounted_at_their_target_through_the_grant_resolver(tmp_path: Path) -> None:
+    # Policy.binds (isolate.Mount) were ignored by this backend: a host path asked for was silently absent.
+    from isolate.policy import Mount
+
+    shown = tmp_path / "shown"
+    shown.mkdir()
+    spec = backend.build_spec(Policy(write=[], binds=[Mount(str(shown), "/elsewhere", "rw"),
+                                                      Mount(str(shown), "/again")]))
+    assert {(m.source, m.target, m.read_only) for m in spec.mounts} >= {
+        (str(shown.resolve()), "/elsewhere", False), (str(shown.resolve()), "/again", True)}
+    assert spec.enforced["binds"] == {"ro": ["/again"], "rw": ["/elsewhere"]}
+    with pytest.raises(PolicyError, match="does not exist"):
+        backend.build_spec(Policy(write=[], binds=[Mount(str(tmp_path / "missing"), "/x")]))
+
+
 def test_network_sockets_rule_never_widens_a_profile() -> None:
     from isolate import seccomp
 

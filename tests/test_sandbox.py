@@ -1,6 +1,9 @@
-"""isolate.Sandbox, native: a kept sandbox with a workspace, commands, files, shells.
+"""isolate.Sandbox: a kept sandbox with a workspace, commands, files, shells.
 
 Every test runs on the real kernel, as root and as uid 65534 (tests/run-all.sh).
+The tests of the ``box`` fixture run on both backends: natively, and on Docker
+where an engine and the test image answer (tests/docker_env.sh; not as 65534,
+which has no access to the engine).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import NAMESPACES_WHY, PYTHON, WORK_BASE, policy, python_read
+from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
 from isolate import Mount, Sandbox, Workspace
@@ -44,10 +48,25 @@ def source(workdir: str) -> str:
     return str(root)
 
 
+@pytest.fixture(params=["native", "docker"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "docker" and DOCKER_WHY:
+        pytest.skip(f"no usable Docker engine: {DOCKER_WHY}")
+    return str(request.param)
+
+
 @pytest.fixture
-def box(source: str) -> Iterator[Sandbox]:
-    with Sandbox(sandbox_policy(), workspace=Workspace(source, exclude=(".git", "node_modules"))) as sandbox:
+def box(source: str, backend: str) -> Iterator[Sandbox]:
+    pol = sandbox_policy() if backend == "native" else sandbox_policy(backend="docker", image=IMAGE)
+    with Sandbox(pol, workspace=Workspace(source, exclude=(".git", "node_modules")), backend=backend) as sandbox:
         yield sandbox
+
+
+def terminal_shell_works(box: Sandbox) -> None:
+    """Skip on the busybox test image: its ash edits lines, echoing a terminal's input (see Shell)."""
+    if box.backend == "docker" and "busybox" in IMAGE:
+        pytest.skip("busybox ash echoes what a terminal types (line editing): Shell(pty=True) needs a /bin/sh "
+                    "without it (dash, as on Debian images)")
 
 
 def test_commands_share_files_tmp_and_processes(box: Sandbox) -> None:
@@ -64,7 +83,7 @@ def test_exec_result_fields(box: Sandbox) -> None:
     result = box.exec(["sh", "-c", "echo out; echo err >&2; exit 3"], env={"X": "1"})
     assert (result.returncode, result.stdout, result.stderr, result.truncated) == (3, "out\n", "err\n", False)
     assert result.report.status == "exited" and result.report.exit_code == 3
-    assert result.report.backend == "native" and result.report.wall_seconds > 0
+    assert result.report.backend == box.backend and result.report.wall_seconds > 0
     assert box.exec("echo $X", env={"X": "given"}).stdout == "given\n"
     assert box.exec(["cat"], input="fed\n").stdout == "fed\n"
     assert box.exec("pwd", cwd="/tmp").stdout == "/tmp\n"
@@ -221,6 +240,7 @@ def test_commit_through_a_planted_target_link_is_refused(box: Sandbox, workdir: 
 
 
 def test_persistent_shell(box: Sandbox) -> None:
+    terminal_shell_works(box)
     shell = box.shell()
     assert shell.run("cd src && X=5 && f() { echo fn$1; }") == ("", 0)
     assert shell.run("pwd; echo $X; f 1") == ("/workspace/src\n5\nfn1\n", 0)
@@ -464,6 +484,7 @@ def test_the_socket_directory_is_private_and_checked(monkeypatch: pytest.MonkeyP
 
 def test_host_waits_take_any_number(box: Sandbox) -> None:
     # A timeout too large for the host's own waits is no timeout; NaN and negatives are refused.
+    terminal_shell_works(box)
     assert box.shell().run("echo x", timeout=1e18) == ("x\n", 0)
     proc = box.spawn("true")
     assert proc.wait(1e20) == 0

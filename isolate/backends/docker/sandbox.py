@@ -241,9 +241,13 @@ def remove_sandbox(name: str, registry: Registry | None = None) -> bool:
 
     _check_name(name)
     registry = registry or Registry()
+    from .served import DockerPaths, remove_files
+
     removed = backend.remove_container(backend.kept_container_name(name))
     forgotten = registry.forget(backend.engine_address(), name)
-    return removed or forgotten
+    described = os.path.lexists(DockerPaths.of(name).meta)
+    remove_files(name)  # a Sandbox(backend="docker")'s socket directory and workspace
+    return removed or forgotten or described
 
 
 def prune(
@@ -260,6 +264,7 @@ def prune(
     before it could remove them). Returns (name, why) for each.
     """
     from .. import docker as backend
+    from .served import remove_files
 
     registry = registry or Registry()
     now = time.time() if now is None else now
@@ -270,6 +275,7 @@ def prune(
             continue
         if entry.state == "missing":
             registry.forget(rec.engine, rec.name)
+            remove_files(rec.name)
             done.append((rec.name, "container gone"))
             continue
         why = ""
@@ -280,6 +286,7 @@ def prune(
         if why:
             backend.remove_container(backend.kept_container_name(rec.name))
             registry.forget(rec.engine, rec.name)
+            remove_files(rec.name)
             done.append((rec.name, why))
     for container_id in backend.ended_runs(older_than=60.0, now=now):
         backend.remove_container(container_id)

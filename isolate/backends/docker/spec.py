@@ -170,7 +170,8 @@ def program_ids(policy: Policy) -> tuple[int, int]:
     return uid, gid
 
 
-def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False) -> tuple[str, str]:
+def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False,
+                   server_socket: bool = False) -> tuple[str, str]:
     """(security option, report value) for a policy's ``seccomp``.
 
     "default"/"strict" hand ``isolate.seccomp.oci_profile(mode)`` to the engine
@@ -179,6 +180,9 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
     family but AF_UNIX to that profile (to an allow-all one for "none");
     ``unix_guard`` adds the rules refusing AF_UNIX sockets
     (``isolate.seccomp.unix_guard_rules``), to "none"'s allow-all profile too.
+    ``server_socket`` (a kept sandbox, whose exec server must make its
+    listening socket): the guard refuses AF_UNIX stream and datagram sockets
+    but lets seqpacket ones be made.
     """
     if mode == "none" and not (no_network or unix_guard):
         return "seccomp=unconfined", "none"
@@ -198,7 +202,10 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
         if no_network:
             profile = seccomp_mod.without_network_sockets(profile)
         if unix_guard:
-            profile["syscalls"] = list(profile.get("syscalls", [])) + seccomp_mod.unix_guard_rules()
+            guard = seccomp_mod.unix_guard_rules()
+            if server_socket:
+                guard = _but_seqpacket(guard)
+            profile["syscalls"] = list(profile.get("syscalls", [])) + guard
             try:
                 seccomp_mod._parse(profile, f"<{mode} profile with the unix socket guard>")
             except PolicyError as exc:
@@ -209,6 +216,24 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
                 ) from None
     report = mode if mode in ("default", "strict", "none") else os.path.abspath(mode)
     return "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":")), report
+
+
+def _but_seqpacket(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The unix socket guard with socket(AF_UNIX, SOCK_SEQPACKET) allowed (types 1 stream, 2 dgram, 3 raw refused).
+
+    Nothing can hand a descriptor into a container, so a kept sandbox's exec
+    server makes its own listening socket; a host socket of that type under a
+    read-only bind stays reachable, which the report says.
+    """
+    out: list[dict[str, Any]] = []
+    for rule in rules:
+        if rule.get("names") != ["socket"]:
+            out.append(rule)
+            continue
+        for kind in (1, 2, 3):
+            type_arg = {"index": 1, "value": 0xF, "valueTwo": kind, "op": "SCMP_CMP_MASKED_EQ"}
+            out.append(dict(rule, args=[*rule.get("args", []), type_arg]))
+    return out
 
 
 def _read_profile(path: str) -> dict[str, Any]:
@@ -283,6 +308,7 @@ def build_spec(
     environ: Mapping[str, str] | None = None,
     image: str | None = None,
     engine: EngineInfo | None = None,
+    server_socket: bool = False,
 ) -> ContainerSpec:
     """Map ``policy`` onto a container: the one place that decides the mapping.
 
@@ -291,6 +317,8 @@ def build_spec(
     the working directory inside unless ``policy.cwd`` says otherwise.
     ``environ`` is the caller's environment for ``keep_env`` (default:
     ``os.environ``). ``engine`` (when known) refuses what the engine cannot do.
+    ``server_socket``: the container's main process is a kept sandbox's exec
+    server, which makes a unix seqpacket socket (see ``seccomp_option``).
 
     Raises ``UnsupportedError`` for what cannot be mapped (``warnings`` in
     the spec instead, under ``policy.best_effort``) and ``PolicyError`` for a
@@ -320,6 +348,10 @@ def build_spec(
             target = _abs(path, base)
             grant = resolve_grant(target, kind)
             mounts.append(BindMount(grant.real, target, read_only, grant))
+    # Mounts at other paths (isolate.Mount): the same resolver, bound at their target.
+    for bind in policy.binds:
+        grant = resolve_grant(_abs(bind.source, base), "binds")
+        mounts.append(BindMount(grant.real, bind.target, bind.mode == "ro", grant))
     # The program's home, as with the native backend: a private tmpfs, files shared read-only into it.
     home_tmpfs: tuple[str, ...] = ()
     if policy.home is not None:
@@ -375,10 +407,11 @@ def build_spec(
             warnings.append("unix_sockets not enforced by the docker backend: host sockets under read-only binds "
                             "are reachable (no seccomp)")
     else:
-        option, seccomp_report = seccomp_option(policy.seccomp, no_network, unix_guard)
+        option, seccomp_report = seccomp_option(policy.seccomp, no_network, unix_guard, server_socket)
         security.append(option)
         if unix_guard:
-            enforced["unix_sockets"] = "seccomp-no-unix-sockets"
+            enforced["unix_sockets"] = ("seccomp-no-unix-sockets-but-seqpacket" if server_socket else
+                                        "seccomp-no-unix-sockets")
     enforced["seccomp"] = seccomp_report
     enforced["no_new_privs"] = True
     enforced["capabilities"] = "dropped"
@@ -453,10 +486,11 @@ def build_spec(
     )
 
 
-def prepare(policy: Policy, *, cwd: str | os.PathLike[str] | None = None, image: str | None = None) -> ContainerSpec:
+def prepare(policy: Policy, *, cwd: str | os.PathLike[str] | None = None, image: str | None = None,
+            server_socket: bool = False) -> ContainerSpec:
     """``build_spec`` checked against the engine in use, whose image must be present."""
     cl = client()
-    spec = build_spec(policy, cwd=cwd, image=image, engine=engine_info(cl))
+    spec = build_spec(policy, cwd=cwd, image=image, engine=engine_info(cl), server_socket=server_socket)
     check_image(spec.image, cl)
     return spec
 

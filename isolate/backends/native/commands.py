@@ -70,10 +70,10 @@ def returncode_of(wait_status: int) -> int:
     return os.waitstatus_to_exitcode(wait_status) if os.WIFEXITED(wait_status) else 255
 
 
-def report_of(reply: Reply, started: float, enforced: Mapping[str, Any]) -> Report:
+def report_of(reply: Reply, started: float, enforced: Mapping[str, Any], backend: str = "native") -> Report:
     rc = returncode_of(reply.wait_status)
     limit = {int(lib.ISO_XS_REASON_TIMEOUT): "timeout", int(lib.ISO_XS_REASON_KILLED): "killed"}.get(reply.reason)
-    report = Report(backend="native", enforced=dict(enforced))
+    report = Report(backend=backend, enforced=dict(enforced))
     report.wall_seconds = round(time.monotonic() - started, 6)
     report.user_seconds = round(reply.user_usec / 1e6, 6)
     report.system_seconds = round(reply.system_usec / 1e6, 6)
@@ -100,9 +100,11 @@ class Command:
     """One command started in the sandbox; ``conn`` is its conversation with the server's monitor."""
 
     def __init__(self, conn: Connection, argv: Sequence[str], cwd: str, environment: Sequence[str],
-                 timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any]) -> None:
+                 timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any],
+                 backend: str = "native") -> None:
         """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side."""
         self.conn = conn
+        self.backend = backend
         self.args = list(argv)
         self.enforced = enforced
         self.started = time.monotonic()
@@ -179,7 +181,7 @@ class Command:
 
     def report(self) -> Report:
         assert self.exit is not None
-        return report_of(self.exit, self.started, self.enforced)
+        return report_of(self.exit, self.started, self.enforced, self.backend)
 
     @property
     def returncode(self) -> int | None:
@@ -308,7 +310,8 @@ class SandboxProcess:
             closers = [in_r, out_w, err_w]
             self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
         try:
-            self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced)
+            self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced,
+                                    impl.backend)
             if pty:
                 master = self._command.terminal
                 if master is None:

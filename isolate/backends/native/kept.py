@@ -32,7 +32,7 @@ from ...errors import IsolationError, UnsupportedError
 from ...overlay import layers_for, make_layers
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
-from ...registry import runtime_dir, state_dir
+from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
 from ...workspace import Workspace, copy_tree
 from .protocol import Connection, ServerGone, encode
 
@@ -128,6 +128,10 @@ class NativeSandbox:
             return os.path.join(self.paths.data, "overlay", "upper")  # what the host reads the changes from
         return os.path.join(self.paths.data, "workspace")
 
+    @property
+    def data_dir(self) -> str:
+        return self.paths.data
+
     def start(self) -> None:
         if not self.policy.namespaces and self.workspace.mode == "overlay":
             raise UnsupportedError("workspace mode overlay: the overlay is mounted inside the sandbox's user and "
@@ -193,6 +197,10 @@ class NativeSandbox:
             self.report_enforced = dict(prepared.enforced)
             self._wait_ready()
             self._write_meta()
+            if self.name is not None:
+                now = time.time()
+                Registry().record(SandboxRecord("native", self.name, self.paths.key, self.policy.config_hash(),
+                                                "", "", now, now))
             if self.name is None:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
                 self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity)
@@ -350,6 +358,14 @@ class NativeSandbox:
     def close(self) -> None:
         """End the sandbox and everything in it; remove its socket, description and copied workspace."""
         self._teardown(remove_data=True)
+        if self.name is not None:
+            Registry().forget("native", self.name)
+
+    def detach(self) -> None:
+        """Let go of the sandbox without ending it (its file conversation is closed)."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
 
     def _teardown(self, remove_data: bool) -> None:
         if self._files is not None:

@@ -1,0 +1,114 @@
+"""The one interface ``isolate.Sandbox`` uses: a kept sandbox backend.
+
+Both backends keep the same exec server (csrc/execserver.c) running inside
+the sandbox and speak its protocol (``native.protocol``); they differ in how
+the sandbox is made, found again, frozen and ended:
+
+- ``native.kept.NativeSandbox``: namespaces made by isolate, the server a
+  child of isolate's init, its listening socket handed over as a descriptor;
+- ``docker.served.DockerKept``: a container whose main process is the same
+  server (bound in read-only), listening on a socket in a host directory
+  bound into the container.
+
+``Sandbox`` holds one of them and never asks which: commands and file
+operations go through ``connect()`` and ``files()``, ``diff``/``commit``
+through ``open_workspace()`` and ``workspace_host``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..policy import Mount, Policy
+    from ..workspace import Workspace
+    from .native.protocol import Connection
+
+
+class KeptBackend(Protocol):
+    """What a kept sandbox backend provides (see the module's docstring)."""
+
+    #: "native" or "docker": the ``backend`` of every report.
+    backend: str
+    policy: Policy
+    workspace: Workspace
+    mounts: tuple[Mount, ...]
+    name: str | None
+    #: The environment every command starts with (``exec(env=...)`` adds to it).
+    environment: dict[str, str]
+    #: What the sandbox enforces and by which mechanism (the ``enforced`` of every report).
+    report_enforced: dict[str, Any]
+
+    @property
+    def workspace_host(self) -> str:
+        """The workspace's directory on the host (what ``diff`` and ``commit`` read)."""
+        ...
+
+    @property
+    def data_dir(self) -> str:
+        """The host directory of what start() made for the sandbox (commit never writes into it)."""
+        ...
+
+    def start(self) -> None:
+        """Make the sandbox and wait for its exec server (a named one is recorded in the registry)."""
+        ...
+
+    def close(self) -> None:
+        """End the sandbox and everything in it; remove what start() made (and forget a named one)."""
+        ...
+
+    def detach(self) -> None:
+        """Let go of the sandbox without ending it (a named one stays for attach, rm or prune)."""
+        ...
+
+    def pause(self) -> str:
+        """Stop every process of the sandbox; the mechanism ("cgroup-freezer" or "sigstop")."""
+        ...
+
+    def resume(self) -> str:
+        ...
+
+    def processes(self) -> list[Any]:
+        """psutil.Process objects of the sandbox's processes, its first process first."""
+        ...
+
+    def state(self) -> str:
+        """"running", "ended", or "not answering" (paused, or its server killed from inside)."""
+        ...
+
+    def connect(self) -> Connection:
+        """A new conversation with the exec server, its peer checked (one per command)."""
+        ...
+
+    def files(self) -> Connection:
+        """The conversation file operations share (made again if it was dropped)."""
+        ...
+
+    def open_workspace(self) -> int:
+        """A descriptor of ``workspace_host`` (a copied one: only the directory start() made)."""
+        ...
+
+
+def make_backend(backend: str, policy: Policy, workspace: Workspace, mounts: tuple[Mount, ...], name: str | None,
+                 ttl: float | None, idle_timeout: float | None) -> KeptBackend:
+    """The kept sandbox of that backend ("native" or "docker"), not started."""
+    if backend == "docker":
+        from .docker.served import DockerKept
+
+        return DockerKept(policy, workspace, mounts, name, ttl, idle_timeout)
+    from .native.kept import NativeSandbox
+
+    return NativeSandbox(policy, workspace, mounts, name, ttl, idle_timeout)
+
+
+def attach_backend(name: str, ping: bool = True) -> KeptBackend:
+    """The running named sandbox: the native one of that name, else the Docker one."""
+    import os
+
+    from .native.kept import NativeSandbox, Paths
+
+    if os.path.lexists(Paths.of(name).meta):
+        return NativeSandbox.attach(name, ping)
+    from .docker.served import DockerKept
+
+    return DockerKept.attach(name, ping)

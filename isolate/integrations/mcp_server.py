@@ -269,9 +269,7 @@ class _State:
                     pass
             try:
                 if entry.keep:
-                    if entry.paused:
-                        pass  # a paused sandbox is let go of as it is
-                    entry.box.detach()
+                    entry.box.detach()  # a paused one stays paused
                 else:
                     if entry.paused:
                         entry.box.resume()
@@ -690,7 +688,7 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
             found = entry.box.glob(pattern, path)
             out = []
             for name in found:
-                full = name if name.startswith("/") else os.path.join(path, name)
+                full = os.path.normpath(os.path.join(path, name))
                 try:
                     out.append(_entry_info(full, entry.box.stat(full, follow_symlinks=False)))
                 except OSError:  # gone meanwhile

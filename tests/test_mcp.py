@@ -83,6 +83,16 @@ def gone(marker: str, within: float = 10.0) -> bool:
     return True
 
 
+async def ended(marker: str, within: float = 10.0) -> bool:
+    """``gone``, letting the client's event loop go on meanwhile (it may have a cancellation to send)."""
+    deadline = time.monotonic() + within
+    while processes_with(marker):
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(0.1)
+    return True
+
+
 def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
     marker = f"3000.{secrets.randbelow(10**6):06d}"  # an argument of sleep no other process has
     left = f"3001.{secrets.randbelow(10**6):06d}"
@@ -120,8 +130,11 @@ def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
             run = await c.call("command_run", on_progress, sandbox_id=sid,
                                command="./src/app.sh; echo $GREETING; sleep 0.2; echo oops >&2; exit 4")
             assert (run["exit_code"], run["stdout"], run["stderr"]) == (4, "v2\nhello\n", "oops\n"), run
-            assert "".join(progress) == "stdout: v2\nhello\nstderr: oops\n" or \
-                sorted(progress) == sorted(["stdout: v2\n", "stdout: hello\n", "stderr: oops\n"]), progress
+            streamed = {"stdout": "", "stderr": ""}
+            for message in progress:
+                stream, _, text = message.partition(": ")
+                streamed[stream] += text
+            assert streamed == {"stdout": "v2\nhello\n", "stderr": "oops\n"}, progress
             run = await c.call("command_run", sandbox_id=sid, command="pwd", working_directory="/tmp")
             assert run["stdout"] == "/tmp\n"
 
@@ -140,7 +153,7 @@ def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
                     break
                 await anyio.sleep(0.1)
             assert status["exit_code"] == 137, status
-            assert gone(marker)
+            assert await ended(marker)
 
             # A persistent shell: cd and variables persist.
             session = (await c.call("command_create_session", sandbox_id=sid, session_id="s1"))["session_id"]
@@ -190,7 +203,7 @@ def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
             await c.call("command_run", sandbox_id=sid, command=f"sleep {marker} >/dev/null 2>&1 &")
             assert processes_with(marker)
             assert (await c.call("sandbox_kill", sandbox_id=sid))["status"] == "killed"
-            assert gone(marker)
+            assert await ended(marker)
             assert (await c.call("sandbox_list"))["sandboxes"] == []
 
             # What the server still holds when it exits ends with it.
@@ -276,3 +289,40 @@ def test_a_profile_that_cannot_be_read_is_one_line_and_125(tmp_path: Path) -> No
                               stdin=subprocess.DEVNULL, env={**os.environ})
         assert done.returncode == 125, done
         assert done.stderr.startswith("isolate-mcp: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_flood_is_streamed_bounded_and_a_cancelled_call_ends_its_command(tmp_path: Path) -> None:
+    marker = f"3002.{secrets.randbelow(10**6):06d}"
+
+    async def main() -> None:
+        async with server("--profile", profile(tmp_path)) as c:
+            sid = (await c.call("sandbox_create"))["sandbox_id"]
+            seen: list[tuple[float, str]] = []
+
+            async def on_progress(done: float, total: float | None, message: str | None) -> None:
+                seen.append((done, message or ""))
+
+            run = await c.call("command_run", on_progress, sandbox_id=sid,
+                               command="head -c 50000000 /dev/zero | tr '\\0' x; echo; echo end")
+            assert run["exit_code"] == 0 and run["truncated"] is True
+            assert len(run["stdout"]) == 1 << 20 and run["stdout"].endswith("x\nend\n")
+            # Every byte is counted in the progress, but what the client could not take was not queued.
+            assert seen[-1][0] == 50_000_005, seen[-1][0]
+            assert any("bytes not streamed" in m for _, m in seen)
+            assert sum(len(m) for _, m in seen) < 20_000_000
+
+            # A call the client gives up on (it sends notifications/cancelled) ends its command.
+            with pytest.raises(Exception, match=r"(?i)timed out|timeout"):
+                await c.session.call_tool("command_run", {"sandbox_id": sid, "command": f"sleep {marker}"},
+                                          read_timeout_seconds=2)
+            assert await ended(marker)
+            assert (await c.call("command_run", sandbox_id=sid, command="echo alive"))["stdout"] == "alive\n"
+
+            # A session whose shell exited says so (it is not replaced by a fresh one behind the agent's back).
+            await c.call("command_create_session", sandbox_id=sid, session_id="s")
+            await c.call("command_run_in_session", sandbox_id=sid, session_id="s", command="cd /tmp")
+            await c.error("command_run_in_session", sandbox_id=sid, session_id="s", command="exit 3")
+            assert "ended" in await c.error("command_run_in_session", sandbox_id=sid, session_id="s", command="pwd")
+            await c.call("command_delete_session", sandbox_id=sid, session_id="s")
+
+    anyio.run(main)

@@ -23,7 +23,6 @@ import base64
 import dataclasses
 import functools
 import os
-import queue
 import re
 import secrets
 import select
@@ -43,12 +42,14 @@ from pydantic import BaseModel
 
 from ..errors import IsolationError, PolicyError, UnsupportedError
 from ..policy import Policy
-from ..sandbox import Sandbox, SandboxProcess
+from ..sandbox import Sandbox, SandboxProcess, Shell
 
 __all__ = ["build_server", "main"]
 
 #: The tail of each output stream a command run keeps (what it prints beyond is dropped as it comes).
 OUTPUT_LIMIT = 1 << 20
+#: The most output of a running command held for streaming (a client slower than the command gets less).
+STREAM_LIMIT = 256 << 10
 #: How long a file_read may be without a range.
 READ_LIMIT = 16 << 20
 
@@ -127,6 +128,36 @@ class _Tail:
 
     def text(self) -> str:
         return bytes(self.data).decode(errors="replace")
+
+
+class _Pending:
+    """Output chunks not yet streamed to the client, at most ``limit`` bytes (a flood is not queued)."""
+
+    def __init__(self, limit: int = STREAM_LIMIT) -> None:
+        self.lock = threading.Lock()
+        self.chunks: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self.dropped = {"stdout": 0, "stderr": 0}
+        self.limit = limit
+
+    def add(self, name: str, chunk: bytes) -> None:
+        with self.lock:
+            room = self.limit - sum(len(c) for c in self.chunks.values())
+            self.chunks[name] += chunk[:max(0, room)]
+            self.dropped[name] += max(0, len(chunk) - max(0, room))
+
+    def take(self) -> list[tuple[str, str, int]]:
+        """(stream, text, bytes) for each stream with something new; what was dropped is said in the text."""
+        with self.lock:
+            out = []
+            for name, data in self.chunks.items():
+                if data or self.dropped[name]:
+                    text = data.decode(errors="replace")
+                    if self.dropped[name]:
+                        text += f"[... {self.dropped[name]} bytes not streamed; the result has the tail ...]\n"
+                    out.append((name, text, len(data) + self.dropped[name]))
+                    self.chunks[name] = bytearray()
+                    self.dropped[name] = 0
+            return out
 
 
 class _Execution:
@@ -226,7 +257,7 @@ class _Entry:
     metadata: dict[str, str]
     paused: str | None = None  # the mechanism, while paused
     executions: dict[str, _Execution] = dataclasses.field(default_factory=dict)
-    sessions: set[str] = dataclasses.field(default_factory=set)
+    sessions: dict[str, Shell] = dataclasses.field(default_factory=dict)
 
     def info(self) -> dict[str, Any]:
         return {"sandbox_id": self.id, "name": self.box.name, "backend": self.box.backend,
@@ -504,21 +535,17 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
             execution = _Execution(process)
             entry.executions[execution.id] = execution
             return {"id": execution.id, "status": "running"}
-        chunks: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
-        execution = _Execution(process, (lambda name, chunk: chunks.put((name, chunk))) if ctx is not None else None)
+        pending = _Pending()
+        execution = _Execution(process, pending.add if ctx is not None else None)
         entry.executions[execution.id] = execution
         sent = 0
         try:
             while True:
-                ended = not execution.running  # read before draining: nothing comes after the end
-                while ctx is not None:
-                    try:
-                        name, chunk = chunks.get_nowait()
-                    except queue.Empty:
-                        break
-                    text = chunk.decode(errors="replace")
-                    sent += len(chunk)
-                    # The chunk is the progress message, named by its stream (MCP's logging is deprecated).
+                ended = not execution.running  # read before taking: nothing comes after the end
+                for name, text, size in pending.take() if ctx is not None else ():
+                    assert ctx is not None
+                    sent += size
+                    # The output is the progress message, named by its stream (MCP's logging is deprecated).
                     await ctx.report_progress(sent, None, f"{name}: {text}")
                 if ended:
                     break
@@ -526,7 +553,8 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
             return execution.result()
         finally:
             entry.executions.pop(execution.id, None)
-            await _thread(execution.close)  # also when the client cancelled: the command ends with the call
+            with anyio.CancelScope(shield=True):  # also when the client cancelled: the command ends with the call
+                await _thread(execution.close)
 
     @tool
     async def command_get_status(sandbox_id: str, execution_id: str) -> dict[str, Any]:
@@ -560,8 +588,7 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
         session_id = session_id or "session-" + secrets.token_hex(3)
         if session_id in entry.sessions:
             raise IsolationError(f"session {session_id!r} is open already in sandbox {sandbox_id!r}")
-        await _thread(entry.box.shell, session_id)
-        entry.sessions.add(session_id)
+        entry.sessions[session_id] = await _thread(entry.box.shell, session_id)
         return {"session_id": session_id}
 
     @tool
@@ -574,23 +601,23 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
         (SIGINT) and the shell goes on.
         """
         entry = state.get(sandbox_id)
-        if session_id not in entry.sessions:
+        shell = entry.sessions.get(session_id)
+        if shell is None:
             raise IsolationError(f"no session {session_id!r} in sandbox {sandbox_id!r}; command_create_session first")
         if working_directory is not None:
             quoted = "'" + working_directory.replace("'", "'\\''") + "'"
             command = f"cd -- {quoted} && {{ {command}\n}}"
-        shell = entry.box.shell(session_id)
-        output, code = await _thread(shell.run, command, timeout_seconds)
+        output, code = await _thread(shell.run, command, timeout_seconds)  # a shell that exited says so
         return {"output": output, "exit_code": code}
 
     @tool
     async def command_delete_session(sandbox_id: str, session_id: str) -> dict[str, str]:
         """Close a session's shell (and what it runs)."""
         entry = state.get(sandbox_id, running=False)
-        if session_id not in entry.sessions:
+        shell = entry.sessions.pop(session_id, None)
+        if shell is None:
             raise IsolationError(f"no session {session_id!r} in sandbox {sandbox_id!r}")
-        entry.sessions.discard(session_id)
-        await _thread(entry.box.shell(session_id).close)
+        await _thread(shell.close)
         return {"status": "deleted"}
 
     # -- files -----------------------------------------------------------------------------

@@ -252,9 +252,10 @@ def test_a_kept_sandbox_outlives_the_server(tmp_path: Path) -> None:
 
 def test_the_profile_decides_and_what_cannot_be_honoured_is_refused(tmp_path: Path) -> None:
     async def main() -> None:
-        async with server("--profile", profile(tmp_path, env={"FROM_PROFILE": "yes"},
-                                               limits={"file_size": "1k"})) as c:
+        async with server("--profile", profile(tmp_path, env={"FROM_PROFILE": "yes"}, limits={"file_size": "1k"}),
+                          "--max-sandboxes", "1") as c:
             sid = (await c.call("sandbox_create"))["sandbox_id"]
+            assert "--max-sandboxes" in await c.error("sandbox_create")
             run = await c.call("command_run", sandbox_id=sid,
                                command="echo $FROM_PROFILE; head -c 4096 /dev/zero > big; stat -c %s big")
             assert run["stdout"].split() == ["yes", "1024"], run

@@ -48,6 +48,8 @@ __all__ = ["build_server", "main"]
 
 #: The tail of each output stream a command run keeps (what it prints beyond is dropped as it comes).
 OUTPUT_LIMIT = 1 << 20
+#: How many sandboxes one server holds at most, unless told (--max-sandboxes): an agent in a loop stops there.
+DEFAULT_MAX_SANDBOXES = 16
 #: The most output of a running command held for streaming (a client slower than the command gets less).
 STREAM_LIMIT = 256 << 10
 #: How long a file_read may be without a range.
@@ -271,9 +273,10 @@ class _Entry:
 class _State:
     """The sandboxes this server holds (by id), and the policy every one of them gets."""
 
-    def __init__(self, policy: Policy, profile: str | None) -> None:
+    def __init__(self, policy: Policy, profile: str | None, max_sandboxes: int) -> None:
         self.policy = policy
         self.profile = profile
+        self.max_sandboxes = max_sandboxes
         self.entries: dict[str, _Entry] = {}
         self.lock = threading.Lock()
 
@@ -341,9 +344,10 @@ def _entry_info(path: str, info: Any) -> dict[str, Any]:
             "owner": info.uid, "group": info.gid, "modified_at": info.mtime_ns / 1e9}
 
 
-def build_server(policy: Policy | None = None, *, profile: str | None = None) -> tuple[MCPServer, _State]:
+def build_server(policy: Policy | None = None, *, profile: str | None = None,
+                 max_sandboxes: int = DEFAULT_MAX_SANDBOXES) -> tuple[MCPServer, _State]:
     """The MCP server (not yet running) and its state; every sandbox it creates gets ``policy``."""
-    state = _State(policy if policy is not None else Policy(), profile)
+    state = _State(policy if policy is not None else Policy(), profile, max_sandboxes)
 
     @asynccontextmanager
     async def lifespan(_server: Any) -> AsyncIterator[None]:
@@ -399,6 +403,9 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
         sandbox_id = name if name is not None else "sbx-" + secrets.token_hex(4)
         if sandbox_id in state.entries:
             raise IsolationError(f"a sandbox {sandbox_id!r} exists in this server already")
+        if len(state.entries) >= state.max_sandboxes:
+            raise IsolationError(f"this server holds {len(state.entries)} sandboxes, its most (--max-sandboxes); "
+                                 "sandbox_kill one first")
         policy = state.policy
         if env:
             policy = dataclasses.replace(policy, env={**policy.env, **env})
@@ -407,9 +414,10 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
         box = Sandbox(policy, name=name, ttl=timeout_seconds, idle_timeout=idle_timeout_seconds)
         await _thread(box.start)
         entry = _Entry(sandbox_id, box, time.time(), keep, dict(metadata or {}))
-        if sandbox_id in state.entries:  # created meanwhile by a concurrent call
+        if sandbox_id in state.entries or len(state.entries) >= state.max_sandboxes:  # concurrent calls
             await _thread(box.close)
-            raise IsolationError(f"a sandbox {sandbox_id!r} exists in this server already")
+            raise IsolationError(f"a sandbox {sandbox_id!r} exists in this server already, or it holds its most "
+                                 "sandboxes (--max-sandboxes)")
         state.entries[sandbox_id] = entry
         if ctx is not None:
             await ctx.report_progress(1.0, 1.0, "started")
@@ -429,6 +437,10 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None) ->
             await _thread(box.detach)
             raise PolicyError(f"sandbox {sandbox_id!r} was made with another policy than this server's profile; "
                               "connect to it from a server started with that profile", "sandbox_id")
+        if len(state.entries) >= state.max_sandboxes:
+            await _thread(box.detach)
+            raise IsolationError(f"this server holds {len(state.entries)} sandboxes, its most (--max-sandboxes); "
+                                 "sandbox_kill one first")
         entry = _Entry(sandbox_id, box, time.time(), keep, {})
         state.entries[sandbox_id] = entry
         return entry.info()
@@ -791,13 +803,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="FILE",
                         help="a policy profile (TOML, as isolate.Policy.load reads) every created sandbox gets; "
                              "default: isolate.Policy() (no network, writes only in the sandbox's own places)")
+    parser.add_argument("--max-sandboxes", type=int, default=DEFAULT_MAX_SANDBOXES, metavar="N",
+                        help=f"the most sandboxes it holds at once (default {DEFAULT_MAX_SANDBOXES})")
     args = parser.parse_args(argv)
+    if args.max_sandboxes < 1:
+        parser.error("--max-sandboxes: expected a positive number")
     try:
         policy = Policy.load(args.profile) if args.profile else Policy()
     except IsolationError as exc:
         print(f"isolate-mcp: {_one_line(exc)}", file=sys.stderr)
         return 125
-    server, state = build_server(policy, profile=args.profile)
+    server, state = build_server(policy, profile=args.profile, max_sandboxes=args.max_sandboxes)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _terminate)
     try:

@@ -264,7 +264,8 @@ class _Entry:
     def info(self) -> dict[str, Any]:
         return {"sandbox_id": self.id, "name": self.box.name, "backend": self.box.backend,
                 "state": "paused" if self.paused else "running", "kept": self.keep,
-                "workspace": self.box.workspace.target, "created_at": self.created,
+                "workspace": self.box.workspace.target if self.box.backend == "native" else None,
+                "created_at": self.created,
                 "metadata": dict(self.metadata),
                 "running_commands": sorted(e.id for e in self.executions.values() if e.running),
                 "sessions": sorted(self.sessions)}
@@ -539,6 +540,9 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         entry = state.get(sandbox_id)
         box = entry.box
         if box.backend != "native":  # the Docker backend has no streaming
+            if background:
+                raise UnsupportedError("background: not on the Docker backend of Sandbox yet; run it in the "
+                                       "foreground, or use a native profile")
             result = await _thread(box.exec, command, cwd=working_directory, env=env, timeout=timeout_seconds)
             return {"id": None, "status": result.report.status, "exit_code": result.returncode,
                     "stdout": result.stdout, "stderr": result.stderr, "truncated": result.truncated}

@@ -327,3 +327,28 @@ def test_a_flood_is_streamed_bounded_and_a_cancelled_call_ends_its_command(tmp_p
             await c.call("command_delete_session", sandbox_id=sid, session_id="s")
 
     anyio.run(main)
+
+
+def test_a_docker_profile_runs_commands_and_refuses_the_rest(tmp_path: Path) -> None:
+    from test_docker import ENGINE_OK, ENGINE_WHY, IMAGE
+
+    if not ENGINE_OK:
+        pytest.skip(f"no usable Docker engine: {ENGINE_WHY}")
+    import isolate
+
+    path = tmp_path / "docker.toml"
+    isolate.Policy(backend="docker", image=IMAGE).save(path)
+
+    async def main() -> None:
+        async with server("--profile", str(path)) as c:
+            box = await c.call("sandbox_create", image=IMAGE)  # the profile's own image is accepted
+            sid = box["sandbox_id"]
+            assert box["backend"] == "docker" and box["workspace"] is None
+            run = await c.call("command_run", sandbox_id=sid, command="echo in; echo err >&2; exit 2")
+            assert (run["exit_code"], run["stdout"], run["stderr"]) == (2, "in\n", "err\n"), run
+            assert "Docker" in await c.error("command_run", sandbox_id=sid, command="true", background=True)
+            assert "Docker" in await c.error("file_read", sandbox_id=sid, path="x")
+            assert "Docker" in await c.error("sandbox_pause", sandbox_id=sid)
+            assert (await c.call("sandbox_kill", sandbox_id=sid))["status"] == "killed"
+
+    anyio.run(main)

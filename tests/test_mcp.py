@@ -29,7 +29,9 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
-SERVER = [sys.executable, "-m", "isolate.integrations.mcp_server"]
+#: The installed console script, as a client's configuration names it (else the module, as -m runs it).
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "isolate-mcp")
+SERVER = [SCRIPT] if os.access(SCRIPT, os.X_OK) else [sys.executable, "-m", "isolate.integrations.mcp_server"]
 
 
 def profile(tmp: Path, **changes: Any) -> str:
@@ -352,3 +354,12 @@ def test_a_docker_profile_runs_commands_and_refuses_the_rest(tmp_path: Path) -> 
             assert (await c.call("sandbox_kill", sandbox_id=sid))["status"] == "killed"
 
     anyio.run(main)
+
+
+def test_without_the_mcp_package_the_command_says_so_in_one_line() -> None:
+    code = ("import sys; sys.modules['mcp'] = None\n"  # as if the extra were not installed
+            "from isolate.integrations.mcp_command import main; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 125, done
+    assert done.stderr.startswith("isolate-mcp: ") and done.stderr.count("\n") == 1 and "[mcp]" in done.stderr, \
+        done.stderr

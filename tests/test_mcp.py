@@ -363,3 +363,32 @@ def test_without_the_mcp_package_the_command_says_so_in_one_line() -> None:
     assert done.returncode == 125, done
     assert done.stderr.startswith("isolate-mcp: ") and done.stderr.count("\n") == 1 and "[mcp]" in done.stderr, \
         done.stderr
+
+
+def test_a_command_that_closes_its_output_or_stops_its_monitor_is_still_followed(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with server("--profile", profile(tmp_path)) as c:
+            sid = (await c.call("sandbox_create"))["sandbox_id"]
+            # Its output closed, the command goes on: it is running until it ends, then its status is known.
+            bg = await c.call("command_run", sandbox_id=sid, command="exec >&- 2>&-; sleep 2; exit 5",
+                              background=True)
+            await anyio.sleep(0.5)
+            status = await c.call("command_get_status", sandbox_id=sid, execution_id=bg["id"])
+            assert status["status"] == "running", status
+            run = await c.call("command_run", sandbox_id=sid, command="exec >&- 2>&-; sleep 1; exit 5")
+            assert run["exit_code"] == 5, run
+            # A command that stops the sandbox's exec servers (same uid) cannot make the call hang: the
+            # server continues a stopped monitor when it can (the timeout then ends the command); when it
+            # cannot, past the timeout, the kill and twice 10 s, the call fails saying why.
+            stop = ("for p in /proc/[0-9]*; do grep -q exec-server $p/cmdline 2>/dev/null && "
+                    "kill -STOP ${p#/proc/}; done; sleep 100")
+            result = await c.session.call_tool("command_run", {"sandbox_id": sid, "timeout_seconds": 1,
+                                                               "command": stop}, read_timeout_seconds=60)
+            text = result.content[0].text  # type: ignore[union-attr]
+            if result.is_error:
+                assert "does not answer" in text and "\n" not in text, text
+            else:
+                assert result.structured_content["status"] == "timeout", text  # type: ignore[index]
+            assert (await c.call("sandbox_kill", sandbox_id=sid))["status"] == "killed"
+
+    anyio.run(main)

@@ -165,9 +165,11 @@ class _Pending:
 class _Execution:
     """A command started by command_run: its output is drained by a thread as it comes."""
 
-    def __init__(self, process: SandboxProcess, on_chunk: Callable[[str, bytes], None] | None = None) -> None:
+    def __init__(self, process: SandboxProcess, timeout: float | None,
+                 on_chunk: Callable[[str, bytes], None] | None = None) -> None:
         self.id = "exec-" + secrets.token_hex(6)
         self.process = process
+        self.timeout = timeout
         self.started = time.monotonic()
         self.ended: float | None = None
         self.stdout, self.stderr = _Tail(), _Tail()
@@ -186,18 +188,31 @@ class _Execution:
             for fd in streams:
                 os.set_blocking(fd, False)
             exited = False
-            while streams:
+            # Past this, the sandbox's monitor did not take its own timeout: a process of the sandbox
+            # may have stopped it (same uid). The command is killed, and then given up on.
+            deadline = None if self.timeout is None else self.started + self.timeout + 10.0
+            killed = False
+            while True:
                 # The exit is polled: a background process of the command may keep the pipes
                 # open after it ended, and is not waited for (as Sandbox.exec).
-                ready, _, _ = select.select(list(streams), [], [], 0.05)
-                for fd in ready:
-                    self._read(fd, streams)
+                if streams:
+                    ready, _, _ = select.select(list(streams), [], [], 0.05)
+                    for fd in ready:
+                        self._read(fd, streams)
+                else:
+                    time.sleep(0.05)  # the command closed its output and goes on
                 if exited:
                     for fd in list(streams):
                         while fd in streams and self._read(fd, streams):
                             pass
                     break
                 exited = self.process.poll() is not None
+                if not exited and deadline is not None and time.monotonic() > deadline:
+                    if killed:
+                        raise IsolationError("the command outlived its timeout and its kill: the sandbox's exec "
+                                             "server does not answer (stopped by a process inside?)")
+                    self.process.kill()
+                    killed, deadline = True, deadline + 10.0
         except BaseException as exc:  # the thread's end is reported by the caller
             self.error = exc
         finally:
@@ -548,11 +563,11 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
                     "stdout": result.stdout, "stderr": result.stderr, "truncated": result.truncated}
         process = await _thread(box.spawn, command, cwd=working_directory, env=env, timeout=timeout_seconds)
         if background:
-            execution = _Execution(process)
+            execution = _Execution(process, timeout_seconds)
             entry.executions[execution.id] = execution
             return {"id": execution.id, "status": "running"}
         pending = _Pending()
-        execution = _Execution(process, pending.add if ctx is not None else None)
+        execution = _Execution(process, timeout_seconds, pending.add if ctx is not None else None)
         entry.executions[execution.id] = execution
         sent = 0
         try:

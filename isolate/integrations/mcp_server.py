@@ -554,13 +554,6 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         """
         entry = state.get(sandbox_id)
         box = entry.box
-        if box.backend != "native":  # the Docker backend has no streaming
-            if background:
-                raise UnsupportedError("background: not on the Docker backend of Sandbox yet; run it in the "
-                                       "foreground, or use a native profile")
-            result = await _thread(box.exec, command, cwd=working_directory, env=env, timeout=timeout_seconds)
-            return {"id": None, "status": result.report.status, "exit_code": result.returncode,
-                    "stdout": result.stdout, "stderr": result.stderr, "truncated": result.truncated}
         process = await _thread(box.spawn, command, cwd=working_directory, env=env, timeout=timeout_seconds)
         if background:
             execution = _Execution(process, timeout_seconds)

@@ -465,6 +465,11 @@ def test_workspace_and_sandbox_arguments_are_checked(workdir: str) -> None:
             Sandbox(sandbox_policy(), ttl=bad)
     with pytest.raises(isolate.PolicyError):
         Sandbox(sandbox_policy(), name="../escape")
+    # The strict seccomp profile refuses the exec server's accept4: said at once, not after a silent wait.
+    started = time.monotonic()
+    with pytest.raises(isolate.UnsupportedError, match="strict"):
+        Sandbox(sandbox_policy(seccomp="strict")).start()
+    assert time.monotonic() - started < 5
 
 
 def test_the_socket_directory_is_private_and_checked(monkeypatch: pytest.MonkeyPatch, workdir: str) -> None:

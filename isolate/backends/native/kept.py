@@ -137,6 +137,10 @@ class NativeSandbox:
             raise UnsupportedError("workspace mode overlay: the overlay is mounted inside the sandbox's user and "
                                    "mount namespaces, and namespaces=False has none; use namespaces=True (a kept "
                                    "native sandbox needs them whatever its workspace)")
+        if self.policy.seccomp == "strict":
+            raise UnsupportedError("seccomp strict: a kept sandbox's exec server accepts the host's connections on a "
+                                   "unix socket, which the strict profile refuses (accept4); use seccomp default, "
+                                   "or isolate.run for a strict one-shot run")
         if not self.policy.namespaces:
             raise UnsupportedError("a kept native sandbox needs namespaces (its commands share one PID and mount "
                                    "namespace); use namespaces=True, or backend='docker'")

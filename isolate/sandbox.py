@@ -30,6 +30,7 @@ from .backends.native.files import DirEntry, GrepMatch
 from .backends.native.kept import NativeSandbox, environment_for
 from .backends.native.protocol import Stat
 from .errors import IsolationError, PolicyError, UnsupportedError
+from .interpreter import Interpreter
 from .policy import Mount, Policy
 from .registry import Registry, SandboxRecord, _check_name
 from .shell import Shell
@@ -267,6 +268,16 @@ class Sandbox:
         shell = Shell(self, name, pty)
         self._shells[name] = shell
         return shell
+
+    def python(self, name: str = "default", executable: str = "python3") -> Interpreter:
+        """A persistent Python interpreter (the sandbox's own ``python3``); see ``isolate.interpreter``."""
+        interpreters: dict[str, Interpreter] = self.__dict__.setdefault("_interpreters", {})
+        existing = interpreters.get(name)
+        if existing is not None and not existing._closed:
+            return existing
+        interpreter = Interpreter(self, name, executable)
+        interpreters[name] = interpreter
+        return interpreter
 
     # -- files, as the program sees them -------------------------------------------
 

@@ -1,0 +1,321 @@
+"""The driver of ``Sandbox.python``: runs inside the sandbox, in the sandbox's own ``python3``.
+
+The host passes this file's text with ``python3 -c``; it imports nothing of
+isolate and runs on Python 3.7 and later. What it does, once:
+
+* moves the host's two pipes (fds 0 and 1 as started) to private,
+  close-on-exec descriptors: the control channel. Requests come in on one,
+  frames go out on the other; nothing the user's code prints reaches it;
+* gives the user's code its own fds: 0 is /dev/null, 1 and 2 are pipes this
+  driver reads (a thread each) and forwards as ``o``/``e`` frames, so output
+  of C code and of child processes is captured as well as ``print``.
+
+Then, per request: restore fds 0-2 and ``sys.stdout``/``sys.stderr`` (the
+previous run may have closed or replaced them), run the code in one
+persistent namespace (the last expression's value is kept, as a REPL does),
+forward what is left in the output pipes, and send one ``r`` frame (JSON:
+id, value repr, error). A frame is ``KIND LENGTH\\n`` then LENGTH bytes.
+
+SIGINT raises KeyboardInterrupt only while the user's code runs; between
+runs it is ignored, so an interrupt can never break a frame in two.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# The workspace is on sys.path for the user's code (as with ``python3 -c``), but a file
+# named json.py or ast.py there must not replace the modules this driver uses.
+_CWD_ON_PATH = bool(sys.path) and sys.path[0] == ""
+if _CWD_ON_PATH:
+    del sys.path[0]
+
+import ast  # noqa: E402
+import builtins  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import linecache  # noqa: E402
+import os  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import termios  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+import types  # noqa: E402
+from typing import Any  # noqa: E402
+
+#: Caps on what one result carries (the host refuses larger frames).
+VALUE_LIMIT = 1 << 20
+MESSAGE_LIMIT = 1 << 20
+TRACEBACK_LIMIT = 256 << 10
+REQUEST_LIMIT = 64 << 20
+CHUNK = 65536
+
+_LOCK = threading.Lock()
+_RUNNING = [False]
+_STATE: dict[str, Any] = {}
+
+
+def _private(fd: int) -> int:
+    """A close-on-exec copy of fd numbered high, away from the fds user code tends to close."""
+    try:
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 512)
+    except OSError:
+        new = os.dup(fd)  # non-inheritable too
+    return new
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send(kind: bytes, data: bytes) -> None:
+    """One frame to the host; the caller holds _LOCK."""
+    _write_all(_STATE["ctl_out"], kind + b" %d\n" % len(data) + data)
+
+
+def _pending(fd: int) -> int:
+    buf = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+    return int.from_bytes(buf, sys.byteorder)
+
+
+def _forward(fd: int, kind: bytes, limit: int | None) -> bool:
+    """Read what the pipe holds (at most limit bytes) and send it; False at end of file."""
+    while limit is None or limit > 0:
+        try:
+            data = os.read(fd, CHUNK if limit is None else min(CHUNK, limit))
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        _send(kind, data)
+        if limit is not None:
+            limit -= len(data)
+    return True
+
+
+def _pump(fd: int, kind: bytes) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        try:
+            poller.poll()
+            with _LOCK:
+                if not _forward(fd, kind, CHUNK):
+                    return
+        except InterruptedError:
+            continue
+        except OSError:
+            return  # the channel is gone: the host will see it end
+
+
+def _drain() -> None:
+    """Forward what the run wrote and the pipes still hold (only that much: a flood from a
+    background process must not hold the result back). The caller holds _LOCK."""
+    for fd, kind in ((_STATE["out_r"], b"o"), (_STATE["err_r"], b"e")):
+        _forward(fd, kind, _pending(fd))
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    parts = []
+    while n > 0:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
+def _read_request() -> dict[str, Any]:
+    fd = _STATE["ctl_in"]
+    header = b""
+    while not header.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte or len(header) > 24:
+            raise EOFError
+        header += byte
+    size = int(header)
+    if not 0 <= size <= REQUEST_LIMIT:
+        raise EOFError
+    request = json.loads(_read_exact(fd, size).decode())
+    if not isinstance(request, dict):
+        raise EOFError
+    return request
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    if _RUNNING[0]:
+        raise KeyboardInterrupt
+
+
+def _restore_stdio() -> None:
+    """Fds 0-2 and sys.std* as at start, whatever the previous run did to them."""
+    for fd, want in ((0, _STATE["null"]), (1, _STATE["out_w"]), (2, _STATE["err_w"])):
+        try:
+            same = os.path.sameopenfile(fd, want)
+        except OSError:
+            same = False
+        if not same:
+            os.dup2(want, fd)
+    sys.stdin, sys.stdout, sys.stderr = _STATE["stdin"], _STATE["stdout"], _STATE["stderr"]
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr, _STATE["stdout"], _STATE["stderr"]):
+        try:
+            stream.flush()
+        except BaseException:  # a closed or broken stream of the user's: nothing to flush
+            pass
+
+
+def _user_traceback(exc: BaseException) -> types.TracebackType | None:
+    """The traceback without this driver's frames (the exec call above, the SIGINT handler below)."""
+    kept = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals is not globals():
+            kept.append(tb)
+        tb = tb.tb_next
+    for i, item in enumerate(kept):
+        item.tb_next = kept[i + 1] if i + 1 < len(kept) else None
+    return kept[0] if kept else None
+
+
+def _clip(text: str, limit: int, tail: bool = False) -> str:
+    if len(text) <= limit:
+        return text
+    return "[...]\n" + text[-limit:] if tail else text[:limit] + "[...]"
+
+
+def _describe(exc: BaseException) -> dict[str, str]:
+    name = type(exc).__name__
+    try:
+        message = str(exc)
+    except BaseException as inner:  # a __str__ of the user's that raises
+        message = f"<str() of the exception raised {type(inner).__name__}>"
+    try:
+        if isinstance(exc, SyntaxError):
+            text = "".join(traceback.format_exception_only(type(exc), exc))
+        else:
+            text = "".join(traceback.format_exception(type(exc), exc, _user_traceback(exc)))
+    except BaseException as inner:
+        text = f"<the traceback could not be formatted: {type(inner).__name__}>"
+    return {"type": str(name), "message": _clip(str(message), MESSAGE_LIMIT),
+            "traceback": _clip(str(text), TRACEBACK_LIMIT, tail=True)}
+
+
+def _execute(code: str, number: int) -> str | None:
+    """Run code in the namespace; the repr of its last expression's value (None: no value)."""
+    filename = f"<python-input-{number}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    tree = ast.parse(code, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        expression = tree.body.pop()
+        assert isinstance(expression, ast.Expr)
+        last = ast.Expression(expression.value)
+    namespace = _STATE["namespace"]
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    value = eval(compile(last, filename, "eval"), namespace)
+    if value is None:
+        return None
+    builtins._ = value  # type: ignore[attr-defined]  # as the REPL does
+    return _clip(repr(value), VALUE_LIMIT)
+
+
+def _run(request: dict[str, Any]) -> dict[str, Any]:
+    number = request.get("id")
+    code = request.get("code")
+    result: dict[str, Any] = {"id": number, "value": None, "error": None}
+    if not isinstance(number, int) or not isinstance(code, str):
+        result["error"] = {"type": "ValueError", "message": "malformed request", "traceback": ""}
+        return result
+    _restore_stdio()
+    try:
+        _RUNNING[0] = True
+        try:
+            result["value"] = _execute(code, number)
+        except BaseException as exc:
+            result["error"] = _describe(exc)
+        finally:
+            _RUNNING[0] = False
+    except KeyboardInterrupt:
+        # The interrupt came just as the code ended (between its end and the flag's reset).
+        _RUNNING[0] = False
+        result["value"] = None
+        result["error"] = {"type": "KeyboardInterrupt", "message": "", "traceback": ""}
+    return result
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, _on_sigint)
+    _STATE["pid"] = os.getpid()
+    _STATE["ctl_in"] = _private(0)
+    _STATE["ctl_out"] = _private(1)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
+    _STATE.update(null=_private(null), out_r=_private(out_r), out_w=_private(out_w), err_r=_private(err_r),
+                  err_w=_private(err_w))
+    for fd in (null, out_r, out_w, err_r, err_w):
+        os.close(fd)
+    os.dup2(_STATE["null"], 0)
+    os.dup2(_STATE["out_w"], 1)
+    os.dup2(_STATE["err_w"], 2)  # from here on, a crash of this driver is told by the host, not on fd 2
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(encoding="utf-8", errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            pass
+    _STATE.update(stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr)
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main_module
+    _STATE["namespace"] = main_module.__dict__
+    if _CWD_ON_PATH:
+        sys.path.insert(0, "")
+    for fd, kind in ((_STATE["out_r"], b"o"), (_STATE["err_r"], b"e")):
+        threading.Thread(target=_pump, args=(fd, kind), daemon=True).start()
+    version = ".".join(str(part) for part in sys.version_info[:3])
+    hello = {"pid": os.getpid(), "python": version, "executable": sys.executable}
+    with _LOCK:
+        _send(b"h", json.dumps(hello).encode())
+    while True:
+        try:
+            request = _read_request()
+        except (EOFError, ValueError, OSError):
+            return  # the host hung up, or sent what is not a request
+        result = _run(request)
+        _flush()
+        if os.getpid() != _STATE["pid"]:
+            os._exit(0)  # a child the code forked came back here: it ends, as at the end of a script
+        signal.signal(signal.SIGINT, _on_sigint)
+        with _LOCK:
+            _drain()
+            try:
+                payload = json.dumps(result).encode("utf-8", "backslashreplace")
+            except (TypeError, ValueError):
+                payload = json.dumps({"id": result["id"], "value": None, "error": {
+                    "type": "ValueError", "message": "the result could not be encoded", "traceback": ""}}).encode()
+            _send(b"r", payload)
+
+
+#: The driver's exit status when its channel is gone while the host still listens (the code closed it).
+CHANNEL_LOST = 121
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BrokenPipeError:
+        pass  # the host hung up
+    except OSError:
+        os._exit(CHANNEL_LOST)
+    os._exit(0)  # not sys.exit: threads and atexit handlers of the user's code do not hold the end

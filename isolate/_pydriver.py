@@ -272,7 +272,10 @@ def main() -> None:
     os.dup2(_STATE["err_w"], 2)  # from here on, a crash of this driver is told by the host, not on fd 2
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(encoding="utf-8", errors="backslashreplace")  # type: ignore[union-attr]
+            # UTF-8 whatever the sandbox's locale, and line by line as on a terminal (so that print's
+            # lines and those of child processes come in the order they were written).
+            reconfigure = stream.reconfigure  # type: ignore[union-attr]
+            reconfigure(encoding="utf-8", errors="backslashreplace", line_buffering=True)
         except (AttributeError, ValueError):
             pass
     _STATE.update(stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr)

@@ -1,23 +1,26 @@
 """The driver of ``Sandbox.python``: runs inside the sandbox, in the sandbox's own ``python3``.
 
-The host passes this file's text with ``python3 -c``; it imports nothing of
-isolate and runs on Python 3.7 and later. What it does, once:
+The host passes this file's text with ``python3 -c`` and a random boundary as
+its argument; it imports nothing of isolate and runs on Python 3.7 and later.
 
-* moves the host's two pipes (fds 0 and 1 as started) to private,
-  close-on-exec descriptors: the control channel. Requests come in on one,
-  frames go out on the other; nothing the user's code prints reaches it;
-* gives the user's code its own fds: 0 is /dev/null, 1 and 2 are pipes this
-  driver reads (a thread each) and forwards as ``o``/``e`` frames, so output
-  of C code and of child processes is captured as well as ``print``.
+* Requests come in on stdin as started, which the driver moves to a private,
+  close-on-exec descriptor before any user code runs; the code's fd 0 is
+  /dev/null.
+* The code's fds 1 and 2 are the host's own pipes: what it (or a child)
+  writes goes there as it is, and stays there for the host even if the
+  interpreter dies the next instant.
+* Each run's result (JSON: id, value repr, error) goes on stdout too, in
+  chunks of at most PIPE_BUF bytes (so no other writer can cut into one),
+  each starting with the run's random boundary: ``BOUNDARY ID MORE|END
+  LENGTH\n DATA``. The host takes them out of the output. Code that merely
+  prints cannot produce them; code that reads the boundary out of this
+  process's memory can forge its own run's result, and no more.
 
-Then, per request: restore fds 0-2 and ``sys.stdout``/``sys.stderr`` (the
-previous run may have closed or replaced them), run the code in one
-persistent namespace (the last expression's value is kept, as a REPL does),
-forward what is left in the output pipes, and send one ``r`` frame (JSON:
-id, value repr, error). A frame is ``KIND LENGTH\\n`` then LENGTH bytes.
-
-SIGINT raises KeyboardInterrupt only while the user's code runs; between
-runs it is ignored, so an interrupt can never break a frame in two.
+Per request: restore fds 0-2 and ``sys.std*`` (the previous run may have
+closed or replaced them), run the code in one persistent namespace (the last
+expression's value is kept, as a REPL does), flush, send the result. SIGINT
+raises KeyboardInterrupt only while the user's code runs; between runs it is
+ignored.
 """
 
 from __future__ import annotations
@@ -36,22 +39,19 @@ import fcntl  # noqa: E402
 import json  # noqa: E402
 import linecache  # noqa: E402
 import os  # noqa: E402
-import select  # noqa: E402
 import signal  # noqa: E402
-import termios  # noqa: E402
-import threading  # noqa: E402
 import traceback  # noqa: E402
 import types  # noqa: E402
 from typing import Any  # noqa: E402
 
-#: Caps on what one result carries (the host refuses larger frames).
+#: Caps on what one result carries (the host refuses larger results).
 VALUE_LIMIT = 1 << 20
 MESSAGE_LIMIT = 1 << 20
 TRACEBACK_LIMIT = 256 << 10
 REQUEST_LIMIT = 64 << 20
-CHUNK = 65536
+#: A write of at most this many bytes to a pipe is never interleaved with another's (POSIX PIPE_BUF).
+PIPE_BUF = 4096
 
-_LOCK = threading.Lock()
 _RUNNING = [False]
 _STATE: dict[str, Any] = {}
 
@@ -65,57 +65,19 @@ def _private(fd: int) -> int:
     return new
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _send(kind: bytes, data: bytes) -> None:
-    """One frame to the host; the caller holds _LOCK."""
-    _write_all(_STATE["ctl_out"], kind + b" %d\n" % len(data) + data)
-
-
-def _pending(fd: int) -> int:
-    buf = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
-    return int.from_bytes(buf, sys.byteorder)
-
-
-def _forward(fd: int, kind: bytes, limit: int | None) -> bool:
-    """Read what the pipe holds (at most limit bytes) and send it; False at end of file."""
-    while limit is None or limit > 0:
-        try:
-            data = os.read(fd, CHUNK if limit is None else min(CHUNK, limit))
-        except BlockingIOError:
-            return True
-        if not data:
-            return False
-        _send(kind, data)
-        if limit is not None:
-            limit -= len(data)
-    return True
-
-
-def _pump(fd: int, kind: bytes) -> None:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
+def _send(boundary: bytes, number: int, payload: bytes) -> None:
+    """The payload to the host in chunks, each one write() of at most PIPE_BUF bytes."""
+    fd = _STATE["out"]
+    view = memoryview(payload)
     while True:
-        try:
-            poller.poll()
-            with _LOCK:
-                if not _forward(fd, kind, CHUNK):
-                    return
-        except InterruptedError:
-            continue
-        except OSError:
-            return  # the channel is gone: the host will see it end
-
-
-def _drain() -> None:
-    """Forward what the run wrote and the pipes still hold (only that much: a flood from a
-    background process must not hold the result back). The caller holds _LOCK."""
-    for fd, kind in ((_STATE["out_r"], b"o"), (_STATE["err_r"], b"e")):
-        _forward(fd, kind, _pending(fd))
+        head = b"%s %d " % (boundary, number)
+        room = PIPE_BUF - len(head) - 16
+        piece, view = view[:room], view[room:]
+        chunk = head + (b"more" if view else b"end") + b" %d\n" % len(piece) + bytes(piece)
+        if os.write(fd, chunk) != len(chunk):  # a pipe takes all of a write this small, or blocks
+            raise OSError("short write on the host's pipe")
+        if not view:
+            return
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -153,7 +115,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 def _restore_stdio() -> None:
     """Fds 0-2 and sys.std* as at start, whatever the previous run did to them."""
-    for fd, want in ((0, _STATE["null"]), (1, _STATE["out_w"]), (2, _STATE["err_w"])):
+    for fd, want in ((0, _STATE["null"]), (1, _STATE["out"]), (2, _STATE["err"])):
         try:
             same = os.path.sameopenfile(fd, want)
         except OSError:
@@ -253,23 +215,21 @@ def _run(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _boundary(value: Any) -> bytes:
+    if not isinstance(value, str) or not 16 <= len(value) <= 64 or not value.isalnum() or not value.isascii():
+        raise ValueError("not a boundary")
+    return value.encode()
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, _on_sigint)
     _STATE["pid"] = os.getpid()
+    hello_boundary = _boundary(sys.argv[1] if len(sys.argv) > 1 else None)
     _STATE["ctl_in"] = _private(0)
-    _STATE["ctl_out"] = _private(1)
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    for fd in (out_r, err_r):
-        os.set_blocking(fd, False)
-    _STATE.update(null=_private(null), out_r=_private(out_r), out_w=_private(out_w), err_r=_private(err_r),
-                  err_w=_private(err_w))
-    for fd in (null, out_r, out_w, err_r, err_w):
-        os.close(fd)
+    _STATE.update(null=_private(null), out=_private(1), err=_private(2))
+    os.close(null)
     os.dup2(_STATE["null"], 0)
-    os.dup2(_STATE["out_w"], 1)
-    os.dup2(_STATE["err_w"], 2)  # from here on, a crash of this driver is told by the host, not on fd 2
     for stream in (sys.stdout, sys.stderr):
         try:
             # UTF-8 whatever the sandbox's locale, and line by line as on a terminal (so that print's
@@ -285,15 +245,13 @@ def main() -> None:
     _STATE["namespace"] = main_module.__dict__
     if _CWD_ON_PATH:
         sys.path.insert(0, "")
-    for fd, kind in ((_STATE["out_r"], b"o"), (_STATE["err_r"], b"e")):
-        threading.Thread(target=_pump, args=(fd, kind), daemon=True).start()
     version = ".".join(str(part) for part in sys.version_info[:3])
     hello = {"pid": os.getpid(), "python": version, "executable": sys.executable}
-    with _LOCK:
-        _send(b"h", json.dumps(hello).encode())
+    _send(hello_boundary, 0, json.dumps(hello).encode())
     while True:
         try:
             request = _read_request()
+            boundary = _boundary(request.get("boundary"))
         except (EOFError, ValueError, OSError):
             return  # the host hung up, or sent what is not a request
         result = _run(request)
@@ -301,17 +259,15 @@ def main() -> None:
         if os.getpid() != _STATE["pid"]:
             os._exit(0)  # a child the code forked came back here: it ends, as at the end of a script
         signal.signal(signal.SIGINT, _on_sigint)
-        with _LOCK:
-            _drain()
-            try:
-                payload = json.dumps(result).encode("utf-8", "backslashreplace")
-            except (TypeError, ValueError):
-                payload = json.dumps({"id": result["id"], "value": None, "error": {
-                    "type": "ValueError", "message": "the result could not be encoded", "traceback": ""}}).encode()
-            _send(b"r", payload)
+        try:
+            payload = json.dumps(result).encode("utf-8", "backslashreplace")
+        except (TypeError, ValueError):
+            payload = json.dumps({"id": result["id"], "value": None, "error": {
+                "type": "ValueError", "message": "the result could not be encoded", "traceback": ""}}).encode()
+        _send(boundary, result["id"] if isinstance(result["id"], int) else -1, payload)
 
 
-#: The driver's exit status when its channel is gone while the host still listens (the code closed it).
+#: The driver's exit status when its descriptors are gone while the host still listens (the code closed them).
 CHANNEL_LOST = 121
 
 if __name__ == "__main__":

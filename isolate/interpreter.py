@@ -9,18 +9,22 @@
 The sandbox's own ``python3`` (found on the sandbox's PATH; the host's, read
 only, under the default policy) runs a small driver (``_pydriver.py``) that
 the host passes on its command line, so nothing in the sandbox can replace it.
-The host and the driver talk over the command's stdin and stdout, which the
-driver moves to private descriptors before any user code runs; the user's
-code gets /dev/null as stdin and pipes of the driver's as stdout and stderr,
-forwarded as framed chunks. What the code prints, however it prints it, is
-data inside a frame and never a frame itself.
+Requests go in on the command's stdin, which the driver moves to a private
+descriptor before any user code runs (the code's stdin is /dev/null). The
+code's stdout and stderr are the host's own pipes: whatever writes there (the
+code, C code, child processes) is kept as it is, also when the interpreter
+dies the next instant. Each run's result follows on stdout in chunks of at
+most PIPE_BUF bytes, so that no other writer can cut into one, each marked by
+a random boundary drawn for that run; the host takes them out of the output.
+Code that prints cannot make one: it does not know the boundary.
 
-What comes back is the sandbox's word and is read as such: frames are
-length-prefixed and capped, the result is JSON checked field by field, output
-is kept to its tail; nothing is unpickled or evaluated on the host. Code that
-deliberately writes to the driver's descriptors can forge its own run's
-result (as any program can lie about its output), and no more: a malformed
-frame ends the interpreter with a ``ChannelError`` result.
+What comes back is the sandbox's word and is read as such: chunks are
+length-checked, the result is capped and is JSON checked field by field,
+output is kept to its tail; nothing is unpickled or evaluated on the host.
+Code that deliberately reads the boundary out of the driver's memory (same
+process) can forge its own run's result, as any program can lie about its
+output, and no more; a malformed chunk ends the interpreter with a
+``ChannelError`` result.
 
 A run that passes its timeout is ended with the whole interpreter and
 everything it started (SIGKILL to the process tree); the result says so
@@ -32,10 +36,14 @@ running code gets KeyboardInterrupt and the interpreter keeps its state.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import secrets
 import select
 import signal
+import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -47,8 +55,12 @@ from .errors import CommandNotFoundError, IsolationError
 
 #: The most output one run keeps of each of stdout and stderr (the tail).
 OUTPUT_LIMIT = 16 << 20
-#: The largest frame the host accepts from the driver (the driver's own caps are below it).
-MAX_FRAME = 4 << 20
+#: The largest result the host accepts from the driver (the driver's own caps are below it).
+MAX_RESULT = 4 << 20
+#: The largest chunk of a result (POSIX PIPE_BUF: a write this small is never interleaved).
+PIPE_BUF = 4096
+#: How often a run waiting for its result checks that the interpreter is still there.
+POLL = 0.25
 #: The largest piece of code one run takes (the driver's cap on a request).
 MAX_CODE = 64 << 20
 #: How long the driver has to start and say hello.
@@ -105,7 +117,7 @@ class _Tail:
         self.data = bytearray()
         self.truncated = False
 
-    def add(self, chunk: bytes) -> None:
+    def add(self, chunk: bytes | bytearray) -> None:
         self.data += chunk
         if len(self.data) > self.limit:
             del self.data[:len(self.data) - self.limit]
@@ -115,45 +127,68 @@ class _Tail:
         return bytes(self.data).decode("utf-8", errors="replace")
 
 
-class _Frames:
-    """Frames ``KIND LENGTH\\n DATA`` from the driver's channel, read without trusting any of it."""
+class _Stdout:
+    """The interpreter's stdout: the code's output, with the driver's chunks taken out of it.
 
-    KINDS = (b"h", b"o", b"e", b"r")
+    A chunk is ``BOUNDARY ID more|end LENGTH\\n`` then LENGTH bytes, written at
+    once; the boundary is random, drawn per run.
+    """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.buffer = bytearray()
         self.eof = False
 
-    def parse(self) -> tuple[bytes, bytes] | None:
-        """The next complete frame in the buffer, or None; ChannelError for what is not a frame."""
-        end = self.buffer.find(b"\n", 0, 24)
-        if end < 0:
-            if len(self.buffer) >= 24:
-                raise ChannelError("the interpreter's channel carried something that is not a frame")
-            return None
-        parts = bytes(self.buffer[:end]).split(b" ")
-        if len(parts) != 2 or parts[0] not in self.KINDS or not parts[1].isdigit():
-            raise ChannelError("the interpreter's channel carried something that is not a frame")
-        size = int(parts[1])
-        if size > MAX_FRAME:
-            raise ChannelError(f"the interpreter sent a frame of {size} bytes (at most {MAX_FRAME})")
-        if len(self.buffer) < end + 1 + size:
-            return None
-        data = bytes(self.buffer[end + 1:end + 1 + size])
-        del self.buffer[:end + 1 + size]
-        return parts[0], data
-
-    def fill(self) -> None:
+    def fill(self, limit: int = 1 << 16) -> int:
         try:
-            chunk = os.read(self.fd, 1 << 16)
+            chunk = os.read(self.fd, limit)
         except BlockingIOError:
-            return
+            return 0
         except OSError:
             chunk = b""
         if not chunk:
             self.eof = True
         self.buffer += chunk
+        return len(chunk)
+
+    def take(self, boundary: bytes, out: _Tail) -> tuple[int, bool, bytes] | None:
+        """Move the output before the next chunk to out; that chunk (id, last, data), or None for now."""
+        at = self.buffer.find(boundary)
+        if at < 0:
+            # All of it is output, but for a tail that may be the start of a boundary.
+            keep = 0
+            if not self.eof:
+                for size in range(min(len(self.buffer), len(boundary) - 1), 0, -1):
+                    if self.buffer.endswith(boundary[:size]):
+                        keep = size
+                        break
+            out.add(self.buffer[:len(self.buffer) - keep])
+            del self.buffer[:len(self.buffer) - keep]
+            return None
+        out.add(self.buffer[:at])
+        del self.buffer[:at]
+        end = self.buffer.find(b"\n", 0, len(boundary) + 48)
+        if end < 0:
+            if len(self.buffer) >= len(boundary) + 48 or self.eof:
+                raise ChannelError("the interpreter's output held a broken result chunk")
+            return None
+        parts = bytes(self.buffer[len(boundary):end]).split(b" ")
+        if (len(parts) != 4 or parts[0] or not parts[1].isdigit() or parts[2] not in (b"more", b"end")
+                or not parts[3].isdigit() or int(parts[3]) > PIPE_BUF):
+            raise ChannelError("the interpreter's output held a broken result chunk")
+        size = int(parts[3])
+        if len(self.buffer) < end + 1 + size:
+            if self.eof:
+                raise ChannelError("the interpreter's output held a broken result chunk")
+            return None
+        data = bytes(self.buffer[end + 1:end + 1 + size])
+        del self.buffer[:end + 1 + size]
+        return int(parts[1]), parts[2] == b"end", data
+
+
+def _pending(fd: int) -> int:
+    """How many bytes the pipe holds now."""
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
 
 
 def _text(value: Any, what: str) -> str:
@@ -197,7 +232,7 @@ class Interpreter:
         #: The sandbox's Python version, as its interpreter said at start ("3.11.2").
         self.python_version = ""
         self._process: Any = None
-        self._frames: _Frames | None = None
+        self._stdout: _Stdout | None = None
         self._seq = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -213,8 +248,9 @@ class Interpreter:
         return process is not None and process.poll() is None
 
     def _start(self) -> None:
+        boundary = secrets.token_hex(16)
         try:
-            process = self._box.spawn([self.executable, "-c", _DRIVER])
+            process = self._box.spawn([self.executable, "-c", _DRIVER, boundary])
         except CommandNotFoundError:
             raise CommandNotFoundError(
                 f"python: {self.executable} is not found inside the sandbox (on its PATH): the sandbox runs its "
@@ -222,61 +258,59 @@ class Interpreter:
                 "a policy without it needs a read= path holding python3), or give python(executable=) the path "
                 "of one inside, e.g. a virtualenv in the workspace") from None
         self.starts += 1
-        frames = _Frames(process.stdout_fd)
-        os.set_blocking(process.stdout_fd, False)
-        assert process.stderr is not None
-        os.set_blocking(process.stderr_fd, False)
-        errors = _Tail(8192)
-        deadline = time.monotonic() + START_TIMEOUT
-        hello = None
         try:
-            while hello is None:
-                frame = frames.parse()
-                if frame is not None:
-                    if frame[0] != b"h":
-                        raise ChannelError("the interpreter spoke before it said hello")
-                    hello = frame[1]
-                    break
-                if frames.eof:
-                    break
-                wait = deadline - time.monotonic()
-                if wait <= 0:
-                    break
-                ready, _, _ = select.select([process.stdout_fd, process.stderr_fd], [], [], wait)
-                if process.stderr_fd in ready:
-                    try:
-                        chunk = os.read(process.stderr_fd, 8192)
-                    except OSError:
-                        chunk = b""
-                    errors.add(chunk)
-                if process.stdout_fd in ready:
-                    frames.fill()
+            hello = self._hello(process, boundary.encode())
         except BaseException:
+            process.kill()
             process.close()
             raise
-        if hello is None:
-            process.kill()
-            status = ""
-            try:
-                status = f" (exit status {process.wait(GRACE)})"
-            except Exception:  # the status is a detail of the message
-                pass
-            process.close()
-            said = errors.text().strip()
-            raise IsolationError(f"python: {self.executable} inside the sandbox did not start the interpreter"
-                                 f"{status} (it needs Python 3.7 or later)" + (f": {said[-2000:]}" if said else ""))
         try:
             info = json.loads(hello)
             self.python_version = str(info.get("python", ""))[:32] if isinstance(info, dict) else ""
         except (ValueError, RecursionError):
             self.python_version = ""
-        self._process, self._frames = process, frames
+        self._process = process
+
+    def _hello(self, process: Any, boundary: bytes) -> bytes:
+        """The driver's first chunk (what a startup file printed before it is dropped)."""
+        stdout = self._stdout = _Stdout(process.stdout_fd)
+        for fd in (process.stdin_fd, process.stdout_fd, process.stderr_fd):
+            os.set_blocking(fd, False)
+        errors, ignored = _Tail(8192), _Tail(1)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            chunk = stdout.take(boundary, ignored)
+            if chunk is not None:
+                if chunk[0] != 0 or not chunk[1]:
+                    raise ChannelError("the interpreter did not start as the driver does")
+                return chunk[2]
+            wait = deadline - time.monotonic()
+            if stdout.eof or wait <= 0:
+                break
+            ready, _, _ = select.select([process.stdout_fd, process.stderr_fd], [], [], wait)
+            if process.stderr_fd in ready:
+                try:
+                    errors.add(os.read(process.stderr_fd, 8192))
+                except OSError:
+                    pass
+            if process.stdout_fd in ready:
+                stdout.fill()
+        status = ""
+        process.kill()
+        try:
+            status = f" (exit status {process.wait(GRACE)})"
+        except Exception:  # the status is a detail of the message
+            pass
+        said = errors.text().strip()
+        raise IsolationError(f"python: {self.executable} inside the sandbox did not start the interpreter"
+                             f"{status} (it needs Python 3.7 or later)" + (f": {said[-2000:]}" if said else ""))
 
     def run(self, code: str, timeout: float | None = None, output_limit: int = OUTPUT_LIMIT) -> PythonResult:
         """Run code in the interpreter's namespace; see ``PythonResult``.
 
         ``timeout`` (seconds, None: none): past it the interpreter and
         everything it started are killed and the next run starts afresh.
+        ``output_limit``: the most bytes kept of each of stdout and stderr (the tail).
         """
         if not isinstance(code, str):
             raise TypeError("python: code must be a str")
@@ -289,72 +323,100 @@ class Interpreter:
             if self._process is None:
                 self._start()
             self._seq += 1
-            payload = json.dumps({"id": self._seq, "code": code}).encode("utf-8", errors="surrogatepass")
+            boundary = secrets.token_hex(16)
+            payload = json.dumps({"id": self._seq, "code": code, "boundary": boundary}).encode(
+                "utf-8", errors="surrogatepass")
             if len(payload) > MAX_CODE:
                 raise ValueError(f"python: the code takes {len(payload)} bytes; at most {MAX_CODE} go in one run")
-            return self._exchange(b"%d\n" % len(payload) + payload, timeout, output_limit)
+            return self._exchange(b"%d\n" % len(payload) + payload, boundary.encode(), timeout, output_limit)
 
-    def _exchange(self, request: bytes, timeout: float | None, output_limit: int) -> PythonResult:
-        process, frames = self._process, self._frames
-        assert process is not None and frames is not None
+    def _exchange(self, request: bytes, boundary: bytes, timeout: float | None, output_limit: int) -> PythonResult:
+        process, stdout = self._process, self._stdout
+        assert process is not None and stdout is not None
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         out, err = _Tail(output_limit), _Tail(output_limit)
         pending = memoryview(request)
-        os.set_blocking(process.stdin_fd, False)
+        answer = bytearray()
+        err_open = True
+        next_poll = started + POLL
 
         def result(value: str | None, error: PythonError | None, **flags: bool) -> PythonResult:
             return PythonResult(out.text(), err.text(), value, error, truncated=out.truncated or err.truncated,
                                 seconds=round(time.monotonic() - started, 6), **flags)
 
+        def read_err(limit: int) -> None:
+            nonlocal err_open
+            try:
+                data = os.read(process.stderr_fd, limit)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                err_open = False
+            err.add(data)
+
         try:
             while True:
-                frame = frames.parse()
-                if frame is not None:
-                    kind, data = frame
-                    if kind == b"o":
-                        out.add(data)
-                    elif kind == b"e":
-                        err.add(data)
-                    elif kind == b"r":
-                        number, value, error = _parse_result(data)
-                        if number == self._seq and not pending:
-                            return result(value, error)
-                        # A stale result (a child the code forked, say): not this run's.
-                    else:
-                        raise ChannelError("the interpreter said hello twice")
-                    continue
-                if frames.eof:
-                    return result(None, self._ended(process), ended=True)
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
+                chunk = stdout.take(boundary, out)
+                if chunk is not None:
+                    number, last, data = chunk
+                    if number != self._seq:
+                        continue  # not this run's (a stale one): dropped
+                    answer += data
+                    if len(answer) > MAX_RESULT:
+                        raise ChannelError(f"the interpreter's result passed {MAX_RESULT} bytes")
+                    if not last:
+                        continue
+                    # What went to stderr before the result was written is in the pipe now; what a
+                    # background process keeps writing is left for the next run.
+                    if err_open:
+                        read_err(max(1, _pending(process.stderr_fd)))
+                    number, value, error = _parse_result(bytes(answer))
+                    if number != self._seq:
+                        raise ChannelError("the interpreter answered for another run")
+                    return result(value, error)
+                now = time.monotonic()
+                if stdout.eof or now >= next_poll:
+                    next_poll = now + POLL
+                    if stdout.eof or process.poll() is not None:
+                        return result(None, self._ended(process, boundary, out, read_err), ended=True)
+                if deadline is not None and now >= deadline:
+                    self._stop(process)
+                    self._collect(process, boundary, out, read_err)
                     self._end(process)
                     message = (f"the run did not finish within {timeout:g} s: the interpreter and everything it "
                                "started were killed; the next run starts a new interpreter (variables are lost)")
                     return result(None, PythonError("TimeoutError", message, ""), timed_out=True, ended=True)
+                wait = min(POLL, deadline - now) if deadline is not None else POLL
+                readers = [process.stdout_fd] + ([process.stderr_fd] if err_open else [])
                 writers = [process.stdin_fd] if pending else []
-                readable, writable, _ = select.select([frames.fd], writers, [], wait)
+                readable, writable, _ = select.select(readers, writers, [], max(0.0, wait))
                 if writable:
                     try:
                         pending = pending[os.write(process.stdin_fd, pending[:1 << 16]):]
                     except BlockingIOError:
                         pass
                     except OSError:
-                        pending = pending[:0]  # the driver is gone: its channel's end says how
-                if readable:
-                    frames.fill()
+                        pending = pending[:0]  # the driver is gone: the poll says how
+                if process.stderr_fd in readable:
+                    read_err(1 << 16)
+                if process.stdout_fd in readable:
+                    stdout.fill()
         except ChannelError as exc:
             self._end(process)
             message = f"{exc}; the interpreter was ended and the next run starts a new one (variables are lost)"
             return result(None, PythonError("ChannelError", message, ""), ended=True)
 
-    def _ended(self, process: Any) -> PythonError:
-        """The interpreter's channel ended during a run: say why, and make sure it is gone."""
+    def _ended(self, process: Any, boundary: bytes, out: _Tail, read_err: Any) -> PythonError:
+        """The interpreter ended (or closed its stdout) during a run: keep what it wrote, say why."""
         how = ""
         try:
             process.wait(2.0)
-        except Exception:  # still running with its channel closed (os.closerange, say)
-            how = "closed its channel to the host"
+        except Exception:  # still running with its stdout closed
+            how = "closed its stdout"
+        self._collect(process, boundary, out, read_err)
         self._end(process)
         if not how:
             report = process.report
@@ -370,15 +432,40 @@ class Interpreter:
         return PythonError("InterpreterExited", f"the interpreter {how} during the run; the next run starts a "
                            "new one (variables are lost)", "")
 
-    def _end(self, process: Any) -> None:
-        process.kill()  # SIGKILL to its whole tree
+    def _collect(self, process: Any, boundary: bytes, out: _Tail, read_err: Any) -> None:
+        """Keep what the interpreter wrote before it ended: it is in the pipes now (a background
+        child that keeps them open and goes on writing is not waited for)."""
+        stdout = _Stdout(process.stdout_fd)
+        stdout.buffer = self._stdout.buffer if self._stdout is not None else bytearray()
+        for _ in range(64):
+            if stdout.eof or not stdout.fill(max(1, _pending(stdout.fd))):
+                break
+        stdout.eof = True
+        try:
+            while stdout.take(boundary, out) is not None:
+                pass  # a result chunk the driver wrote before it ended: not output
+        except ChannelError:
+            pass
+        out.add(stdout.buffer)
+        stdout.buffer.clear()
+        for _ in range(64):
+            if not _pending(process.stderr_fd):
+                break
+            read_err(_pending(process.stderr_fd))
+
+    @staticmethod
+    def _stop(process: Any) -> None:
+        process.kill()  # SIGKILL to its whole tree (nothing once it has ended)
         try:
             process.wait(GRACE)
-        except Exception:  # closing the conversation below ends it all the same
+        except Exception:  # closing the conversation (_end) ends it all the same
             pass
+
+    def _end(self, process: Any) -> None:
+        self._stop(process)
         process.close()
         if self._process is process:
-            self._process, self._frames = None, None
+            self._process, self._stdout = None, None
 
     def interrupt(self) -> None:
         """SIGINT to the interpreter (and what it started in its process group): KeyboardInterrupt in the code.

@@ -91,24 +91,47 @@ def test_closed_or_replaced_stdio_is_restored_for_the_next_run(box: Sandbox) -> 
     assert py.run("print('back')").stdout == "back\n"
 
 
-def test_garbage_in_the_drivers_own_channel_ends_the_interpreter(box: Sandbox) -> None:
+def test_writing_to_the_drivers_own_descriptors_is_output(box: Sandbox) -> None:
+    py = box.python()
+    # The code finds the driver's private descriptors (it can: same process) and writes a frame-like line.
+    attack = ("import os\nfor name in os.listdir('/proc/self/fd'):\n    fd = int(name)\n"
+              "    if fd >= 512:\n        try:\n            os.write(fd, b'r 2 end 5\\n{}xyz\\n')\n"
+              "        except OSError:\n            pass\n'done'")
+    result = py.run(attack, timeout=20)
+    assert result.ok and result.value == "'done'" and "r 2 end 5\n{}xyz\n" in result.stdout, result
+    assert py.run("1 + 1").value == "2" and py.starts == 1
+
+
+# The code reads this run's boundary out of the driver's frames (same process: it can).
+STEAL = ("import sys\nframe = sys._getframe()\nwhile 'request' not in frame.f_locals:\n"
+         "    frame = frame.f_back\nboundary = frame.f_locals['request']['boundary']\n"
+         "number = frame.f_locals['request']['id']\n")
+
+
+def test_a_broken_chunk_under_a_stolen_boundary_ends_the_interpreter(box: Sandbox) -> None:
     py = box.python()
     py.run("secret = 1")
-    # The code finds the driver's descriptors (it can: same process) and writes what is not a frame.
-    attack = ("import os\nfor name in os.listdir('/proc/self/fd'):\n    fd = int(name)\n"
-              "    if fd >= 512:\n        try:\n            os.write(fd, b'not a frame at all, and long enough\\n')\n"
-              "        except OSError:\n            pass\n")
-    result = py.run(attack, timeout=20)
+    result = py.run(STEAL + "sys.stdout.write(boundary + ' 7 end 99999999\\n')\nsys.stdout.flush()", timeout=20)
     assert result.ended and not result.timed_out, result
     assert result.error is not None and result.error.type == "ChannelError", result
-    assert "not a frame" in result.error.message
+    assert "broken result chunk" in result.error.message
     fresh = py.run("'secret' in globals()")
     assert fresh.value == "False" and py.starts == 2, fresh
-    # A frame header claiming more than the host takes is refused the same way.
-    big = py.run("import os\nfor name in os.listdir('/proc/self/fd'):\n    if int(name) >= 512:\n"
-                 "        try:\n            os.write(int(name), b'o 99999999999\\n')\n"
-                 "        except OSError:\n            pass\n", timeout=20)
-    assert big.error is not None and big.error.type == "ChannelError" and big.ended, big
+
+
+def test_a_forged_result_is_only_that_runs_own(box: Sandbox) -> None:
+    # What the module's docstring says: code that steals the boundary can lie about its own run's
+    # result, as any program can lie in its output; the host parses it as data and goes on.
+    py = box.python()
+    forged = ('{"id": %d, "value": "\'forged\'", "error": null}')
+    code = STEAL + (f"doc = {forged!r} % number\n"
+                    "sys.stdout.write('%s %d end %d\\n%s' % (boundary, number, len(doc), doc))\n"
+                    "sys.stdout.flush()\nimport time\ntime.sleep(0.5)\n'real'")
+    result = py.run(code, timeout=20)
+    assert result.value == "'forged'" and not result.ended, result
+    # The driver's own answer for that run comes later and is dropped; the next runs are the real ones.
+    assert py.run("boundary == 1").value == "False"
+    assert py.run("'next'").value == "'next'" and py.starts == 1
 
 
 def test_closing_the_drivers_descriptors_is_reported(box: Sandbox) -> None:
@@ -132,8 +155,12 @@ def test_a_timeout_kills_everything_the_run_started_and_the_next_run_starts_afre
     py = box.python()
     py.run("state = 'kept'")
     marker = f"isolate-py-timeout-{time.monotonic_ns()}"
-    code = (f"import os, subprocess\nsubprocess.Popen(['sleep', '300', '{marker}'])\n"
-            f"subprocess.Popen(['setsid', 'sleep', '301', '{marker}'])\n"
+    code = (f"import os, subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 300; : {marker}'])\n"
+            f"subprocess.Popen(['setsid', 'sh', '-c', 'sleep 301; : {marker}'])\n"
+            "import time\ndef shells():\n    found = 0\n    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+            "        try:\n            found += b'sleep 30' in open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+            "        except OSError:\n            pass\n    return found\n"
+            "while shells() < 2:\n    time.sleep(0.05)\n"
             "print('started', flush=True)\nwhile True:\n    pass")
     started = time.monotonic()
     result = py.run(code, timeout=2)
@@ -141,6 +168,7 @@ def test_a_timeout_kills_everything_the_run_started_and_the_next_run_starts_afre
     assert result.timed_out and result.ended and result.stdout == "started\n", result
     assert result.error is not None and result.error.type == "TimeoutError"
     assert "killed" in result.error.message and "new interpreter" in result.error.message
+    assert "Popen" not in result.stderr, result.stderr
     deadline = time.monotonic() + 10
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)

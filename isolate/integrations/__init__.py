@@ -1,0 +1,1 @@
+"""Adapters that let agent and evaluation frameworks use isolate (each needs its extra: isolate[smolagents], ...)."""

@@ -144,10 +144,18 @@ def test_closing_the_drivers_descriptors_is_reported(box: Sandbox) -> None:
 
 def test_a_forked_child_that_falls_through_does_not_answer_for_the_parent(box: Sandbox) -> None:
     py = box.python()
-    result = py.run("import os\npid = os.fork()\npid", timeout=20)
+    result = py.run("import os, time\nparent = os.getpid()\npid = os.fork()\n"
+                    "if pid == 0:\n    time.sleep(0.2)\npid", timeout=20)
     assert result.ok and result.value is not None and result.value != "0", result
-    for i in range(3):
-        assert py.run(f"x = {i}\nx").value == str(i)
+    # Only the interpreter answers from here on (a child left in the driver's loop would take requests).
+    for _ in range(10):
+        assert py.run("os.getpid() == parent", timeout=20).value == "True"
+    # The child ended when its code did (it does not wait in the driver's loop).
+    count = "grep -l 'The [d]river of' /proc/[0-9]*/cmdline 2>/dev/null | wc -l"
+    deadline = time.monotonic() + 10
+    while box.exec(count).stdout.strip() != "1" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert box.exec(count).stdout.strip() == "1"
     assert py.starts == 1
 
 

@@ -186,6 +186,16 @@ class _Stdout:
         return int(parts[1]), parts[2] == b"end", data
 
 
+def _wait(readers: list[int], writers: list[int], timeout: float) -> set[int]:
+    """The fds ready (poll, not select: a host process may hold more than FD_SETSIZE fds)."""
+    poller = select.poll()
+    for fd in readers:
+        poller.register(fd, select.POLLIN)
+    for fd in writers:
+        poller.register(fd, select.POLLOUT)
+    return {fd for fd, _ in poller.poll(max(0, int(timeout * 1000 + 0.999)))}
+
+
 def _pending(fd: int) -> int:
     """How many bytes the pipe holds now."""
     return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
@@ -287,7 +297,7 @@ class Interpreter:
             wait = deadline - time.monotonic()
             if stdout.eof or wait <= 0:
                 break
-            ready, _, _ = select.select([process.stdout_fd, process.stderr_fd], [], [], wait)
+            ready = _wait([process.stdout_fd, process.stderr_fd], [], wait)
             if process.stderr_fd in ready:
                 try:
                     errors.add(os.read(process.stderr_fd, 8192))
@@ -392,17 +402,17 @@ class Interpreter:
                 wait = min(POLL, deadline - now) if deadline is not None else POLL
                 readers = [process.stdout_fd] + ([process.stderr_fd] if err_open else [])
                 writers = [process.stdin_fd] if pending else []
-                readable, writable, _ = select.select(readers, writers, [], max(0.0, wait))
-                if writable:
+                ready = _wait(readers, writers, max(0.0, wait))
+                if process.stdin_fd in ready and pending:
                     try:
                         pending = pending[os.write(process.stdin_fd, pending[:1 << 16]):]
                     except BlockingIOError:
                         pass
                     except OSError:
                         pending = pending[:0]  # the driver is gone: the poll says how
-                if process.stderr_fd in readable:
+                if process.stderr_fd in ready:
                     read_err(1 << 16)
-                if process.stdout_fd in readable:
+                if process.stdout_fd in ready:
                     stdout.fill()
         except ChannelError as exc:
             self._end(process)

@@ -36,6 +36,7 @@ if _CWD_ON_PATH:
 import ast  # noqa: E402
 import builtins  # noqa: E402
 import fcntl  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import linecache  # noqa: E402
 import os  # noqa: E402
@@ -170,6 +171,23 @@ def _describe(exc: BaseException) -> dict[str, str]:
             "traceback": _clip(str(text), TRACEBACK_LIMIT, tail=True)}
 
 
+#: ``await`` at the top level of a run, as in Jupyter (Python 3.8 and later).
+_TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+
+
+def _await(result: Any) -> Any:
+    """The value of code compiled with top-level await: a coroutine is run on one loop kept for all runs."""
+    if not inspect.iscoroutine(result):
+        return result
+    import asyncio  # only for code that awaits: it costs the others nothing
+
+    loop = _STATE.get("loop")
+    if loop is None or loop.is_closed():
+        loop = _STATE["loop"] = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(result)
+
+
 def _execute(code: str, number: int) -> str | None:
     """Run code in the namespace; the repr of its last expression's value (None: no value)."""
     filename = f"<python-input-{number}>"
@@ -181,10 +199,13 @@ def _execute(code: str, number: int) -> str | None:
         assert isinstance(expression, ast.Expr)
         last = ast.Expression(expression.value)
     namespace = _STATE["namespace"]
-    exec(compile(tree, filename, "exec"), namespace)
+    _await(eval(compile(tree, filename, "exec", flags=_TOP_LEVEL_AWAIT), namespace))
     if last is None:
         return None
-    value = eval(compile(last, filename, "eval"), namespace)
+    code_object = compile(last, filename, "eval", flags=_TOP_LEVEL_AWAIT)
+    value = eval(code_object, namespace)
+    if code_object.co_flags & inspect.CO_COROUTINE:
+        value = _await(value)
     if value is None:
         return None
     builtins._ = value  # type: ignore[attr-defined]  # as the REPL does

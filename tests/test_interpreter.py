@@ -43,6 +43,17 @@ def test_variables_persist_and_the_last_expression_is_the_value(box: Sandbox) ->
     assert py.python_version.startswith("3.") and py.starts == 1
 
 
+def test_top_level_await_runs_on_one_loop_kept_between_runs(box: Sandbox) -> None:
+    py = box.python()
+    first = py.run("import asyncio\nasync def double(x):\n    await asyncio.sleep(0.01)\n    return 2 * x\n"
+                   "r = await double(21)\nprint(r)")
+    assert first.ok and first.stdout == "42\n" and first.value is None, first
+    assert py.run("await double(r)").value == "84"
+    assert py.run("async def same():\n    return asyncio.get_running_loop()\n(await same()) is (await same())"
+                  ).value == "True"
+    assert py.run("double(1)").value.startswith("<coroutine object")  # not awaited: a value like any other
+
+
 def test_an_exception_is_reported_with_its_traceback_and_the_state_stays(box: Sandbox) -> None:
     py = box.python()
     py.run("items = [1, 2]\ndef pick(i):\n    return items[i]")

@@ -92,9 +92,13 @@ def test_an_error_in_the_code_is_shown_to_the_agent(executor: IsolateExecutor) -
 def test_a_step_past_its_timeout_is_an_error_and_the_executor_goes_on() -> None:
     ex = IsolateExecutor(logger=AgentLogger(LogLevel.OFF), policy=policy(write=()), timeout=1)
     try:
+        ex.send_tools({"shout": shout})
         with pytest.raises(AgentError, match="did not finish within 1 s"):
-            ex("while True:\n    pass")
-        assert ex("6 * 7").output == "42"
+            ex("kept = 1\nwhile True:\n    pass")
+        # A new interpreter: the tools are there again, the step's variables are not.
+        assert ex("shout('again')").output == "'AGAIN!'"
+        assert ex("'kept' in globals()").output == "False"
+        assert ex.interpreter.starts == 2
     finally:
         ex.cleanup()
 

@@ -73,6 +73,7 @@ class IsolateExecutor(RemotePythonExecutor):
             raise ValueError("IsolateExecutor: give a sandbox, or a policy and options to make one, not both")
         super().__init__(list(additional_imports or []), logger or AgentLogger(LogLevel.INFO), allow_pickle=False)
         self.timeout = timeout
+        self._setup: list[str] = []  # what send_tools defined: again in a new interpreter
         self._owns_sandbox = sandbox is None
         self.sandbox = sandbox if sandbox is not None else Sandbox(policy, **sandbox_options)
         try:
@@ -87,7 +88,18 @@ class IsolateExecutor(RemotePythonExecutor):
                         level=LogLevel.INFO)
 
     def run_code_raise_errors(self, code: str) -> CodeOutput:
-        """Run one step's code; its printed output is the logs, its last expression's repr the output."""
+        """Run one step's code; its printed output is the logs, its last expression's repr the output.
+
+        After a step that ended the interpreter (its timeout, a crash), the
+        next starts a new one: the tools are defined in it again first (the
+        step's own variables are gone, as the error said).
+        """
+        if self._setup and not self.interpreter.alive:
+            for setup in self._setup:
+                self._run_step(setup)
+        return self._run_step(code)
+
+    def _run_step(self, code: str) -> CodeOutput:
         result = self.interpreter.run(code, timeout=self.timeout)
         logs = result.stdout + result.stderr
         error = result.error
@@ -156,6 +168,7 @@ class IsolateExecutor(RemotePythonExecutor):
             code = _TOP_IMPORT.sub(lambda m: (f"try:\n    import {m.group(1)}\nexcept ImportError:\n    pass"
                                               if m.group(1) in missing else m.group(0)), code)
         self.logger.log(self.run_code_raise_errors(code).logs)
+        self._setup.append(code)
 
     def cleanup(self) -> None:
         """End the interpreter, and the sandbox if this executor made it."""

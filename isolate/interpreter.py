@@ -72,7 +72,7 @@ _DRIVER = (Path(__file__).with_name("_pydriver.py")).read_text()
 
 
 class ChannelError(IsolationError):
-    """The interpreter sent something that is not a frame of the driver's protocol."""
+    """The interpreter's output held a broken result chunk (under the run's boundary)."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .backends.native.files import DirEntry, GrepMatch
 from .backends.native.kept import environment_for
 from .backends.native.protocol import Stat
 from .errors import IsolationError, PolicyError
+from .interpreter import Interpreter
 from .overlay import overlay_commit, overlay_diff
 from .policy import Mount, Policy
 from .registry import _check_name
@@ -87,6 +88,7 @@ class Sandbox:
         self._impl: KeptBackend = make_backend(self.backend, policy, self.workspace, self.mounts, self.name, ttl,
                                                idle)
         self._shells: dict[str, Shell] = {}
+        self._interpreters: dict[str, Interpreter] = {}
         self._started = False
 
     def __repr__(self) -> str:
@@ -121,19 +123,25 @@ class Sandbox:
         box = cls.__new__(cls)
         box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
+        box._interpreters = {}
         return box
+
+    def _close_sessions(self) -> None:
+        """End this object's shells and interpreters (their processes and the host's pipes)."""
+        for shell in list(self._shells.values()):
+            shell.close()
+        for interpreter in list(self._interpreters.values()):
+            interpreter.close()
 
     def detach(self) -> None:
         """Let go of a named sandbox without ending it (it stays for attach, rm or prune)."""
-        for shell in list(self._shells.values()):
-            shell.close()
+        self._close_sessions()
         self._impl.detach()
         self._started = False
 
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
-        for shell in list(self._shells.values()):
-            shell.close()
+        self._close_sessions()
         self._impl.close()
         self._started = False
 
@@ -219,6 +227,15 @@ class Sandbox:
         shell = Shell(self, name, pty)
         self._shells[name] = shell
         return shell
+
+    def python(self, name: str = "default", executable: str = "python3") -> Interpreter:
+        """A persistent Python interpreter (the sandbox's own ``python3``); see ``isolate.interpreter``."""
+        existing = self._interpreters.get(name)
+        if existing is not None and not existing._closed:
+            return existing
+        interpreter = Interpreter(self, name, executable)
+        self._interpreters[name] = interpreter
+        return interpreter
 
     # -- files, as the program sees them -------------------------------------------
 

@@ -1,1 +1,1 @@
-"""Adapters that let agent frameworks use isolate (each needs its extra: isolate[mcp], ...)."""
+"""Adapters that let agent and evaluation frameworks use isolate (each needs its extra: isolate[mcp], ...)."""

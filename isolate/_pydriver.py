@@ -1,0 +1,301 @@
+"""The driver of ``Sandbox.python``: runs inside the sandbox, in the sandbox's own ``python3``.
+
+The host passes this file's text with ``python3 -c`` and a random boundary as
+its argument; it imports nothing of isolate and runs on Python 3.7 and later.
+
+* Requests come in on stdin as started, which the driver moves to a private,
+  close-on-exec descriptor before any user code runs; the code's fd 0 is
+  /dev/null.
+* The code's fds 1 and 2 are the host's own pipes: what it (or a child)
+  writes goes there as it is, and stays there for the host even if the
+  interpreter dies the next instant.
+* Each run's result (JSON: id, value repr, error) goes on stdout too, in
+  chunks of at most PIPE_BUF bytes (so no other writer can cut into one),
+  each starting with the run's random boundary: ``BOUNDARY ID MORE|END
+  LENGTH\n DATA``. The host takes them out of the output. Code that merely
+  prints cannot produce them; code that reads the boundary out of this
+  process's memory can forge its own run's result, and no more.
+
+Per request: restore fds 0-2 and ``sys.std*`` (the previous run may have
+closed or replaced them), run the code in one persistent namespace (the last
+expression's value is kept, as a REPL does), flush, send the result. SIGINT
+raises KeyboardInterrupt only while the user's code runs; between runs it is
+ignored.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# The workspace is on sys.path for the user's code (as with ``python3 -c``), but a file
+# named json.py or ast.py there must not replace the modules this driver uses.
+_CWD_ON_PATH = bool(sys.path) and sys.path[0] == ""
+if _CWD_ON_PATH:
+    del sys.path[0]
+
+import ast  # noqa: E402
+import builtins  # noqa: E402
+import fcntl  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import linecache  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import traceback  # noqa: E402
+import types  # noqa: E402
+from typing import Any  # noqa: E402
+
+#: Caps on what one result carries (the host refuses larger results).
+VALUE_LIMIT = 1 << 20
+MESSAGE_LIMIT = 1 << 20
+TRACEBACK_LIMIT = 256 << 10
+REQUEST_LIMIT = 64 << 20
+#: A write of at most this many bytes to a pipe is never interleaved with another's (POSIX PIPE_BUF).
+PIPE_BUF = 4096
+
+_RUNNING = [False]
+_STATE: dict[str, Any] = {}
+
+
+def _private(fd: int) -> int:
+    """A close-on-exec copy of fd numbered high, away from the fds user code tends to close."""
+    try:
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 512)
+    except OSError:
+        new = os.dup(fd)  # non-inheritable too
+    return new
+
+
+def _send(boundary: bytes, number: int, payload: bytes) -> None:
+    """The payload to the host in chunks, each one write() of at most PIPE_BUF bytes."""
+    fd = _STATE["out"]
+    view = memoryview(payload)
+    while True:
+        head = b"%s %d " % (boundary, number)
+        room = PIPE_BUF - len(head) - 16
+        piece, view = view[:room], view[room:]
+        chunk = head + (b"more" if view else b"end") + b" %d\n" % len(piece) + bytes(piece)
+        if os.write(fd, chunk) != len(chunk):  # a pipe takes all of a write this small, or blocks
+            raise OSError("short write on the host's pipe")
+        if not view:
+            return
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    parts = []
+    while n > 0:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
+def _read_request() -> dict[str, Any]:
+    fd = _STATE["ctl_in"]
+    header = b""
+    while not header.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte or len(header) > 24:
+            raise EOFError
+        header += byte
+    size = int(header)
+    if not 0 <= size <= REQUEST_LIMIT:
+        raise EOFError
+    request = json.loads(_read_exact(fd, size).decode())
+    if not isinstance(request, dict):
+        raise EOFError
+    return request
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    if _RUNNING[0]:
+        raise KeyboardInterrupt
+
+
+def _restore_stdio() -> None:
+    """Fds 0-2 and sys.std* as at start, whatever the previous run did to them."""
+    for fd, want in ((0, _STATE["null"]), (1, _STATE["out"]), (2, _STATE["err"])):
+        try:
+            same = os.path.sameopenfile(fd, want)
+        except OSError:
+            same = False
+        if not same:
+            os.dup2(want, fd)
+    sys.stdin, sys.stdout, sys.stderr = _STATE["stdin"], _STATE["stdout"], _STATE["stderr"]
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr, _STATE["stdout"], _STATE["stderr"]):
+        try:
+            stream.flush()
+        except BaseException:  # a closed or broken stream of the user's: nothing to flush
+            pass
+
+
+def _user_traceback(exc: BaseException) -> types.TracebackType | None:
+    """The traceback without this driver's frames (the exec call above, the SIGINT handler below)."""
+    kept = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals is not globals():
+            kept.append(tb)
+        tb = tb.tb_next
+    for i, item in enumerate(kept):
+        item.tb_next = kept[i + 1] if i + 1 < len(kept) else None
+    return kept[0] if kept else None
+
+
+def _clip(text: str, limit: int, tail: bool = False) -> str:
+    if len(text) <= limit:
+        return text
+    return "[...]\n" + text[-limit:] if tail else text[:limit] + "[...]"
+
+
+def _describe(exc: BaseException) -> dict[str, str]:
+    name = type(exc).__name__
+    try:
+        message = str(exc)
+    except BaseException as inner:  # a __str__ of the user's that raises
+        message = f"<str() of the exception raised {type(inner).__name__}>"
+    try:
+        if isinstance(exc, SyntaxError):
+            text = "".join(traceback.format_exception_only(type(exc), exc))
+        else:
+            text = "".join(traceback.format_exception(type(exc), exc, _user_traceback(exc)))
+    except BaseException as inner:
+        text = f"<the traceback could not be formatted: {type(inner).__name__}>"
+    return {"type": str(name), "message": _clip(str(message), MESSAGE_LIMIT),
+            "traceback": _clip(str(text), TRACEBACK_LIMIT, tail=True)}
+
+
+#: ``await`` at the top level of a run, as in Jupyter (Python 3.8 and later).
+_TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+
+
+def _await(result: Any) -> Any:
+    """The value of code compiled with top-level await: a coroutine is run on one loop kept for all runs."""
+    if not inspect.iscoroutine(result):
+        return result
+    import asyncio  # only for code that awaits: it costs the others nothing
+
+    loop = _STATE.get("loop")
+    if loop is None or loop.is_closed():
+        loop = _STATE["loop"] = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(result)
+
+
+def _execute(code: str, number: int) -> str | None:
+    """Run code in the namespace; the repr of its last expression's value (None: no value)."""
+    filename = f"<python-input-{number}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    tree = ast.parse(code, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        expression = tree.body.pop()
+        assert isinstance(expression, ast.Expr)
+        last = ast.Expression(expression.value)
+    namespace = _STATE["namespace"]
+    _await(eval(compile(tree, filename, "exec", flags=_TOP_LEVEL_AWAIT), namespace))
+    if last is None:
+        return None
+    code_object = compile(last, filename, "eval", flags=_TOP_LEVEL_AWAIT)
+    value = eval(code_object, namespace)
+    if code_object.co_flags & inspect.CO_COROUTINE:
+        value = _await(value)
+    if value is None:
+        return None
+    builtins._ = value  # type: ignore[attr-defined]  # as the REPL does
+    return _clip(repr(value), VALUE_LIMIT)
+
+
+def _run(request: dict[str, Any]) -> dict[str, Any]:
+    number = request.get("id")
+    code = request.get("code")
+    result: dict[str, Any] = {"id": number, "value": None, "error": None}
+    if not isinstance(number, int) or not isinstance(code, str):
+        result["error"] = {"type": "ValueError", "message": "malformed request", "traceback": ""}
+        return result
+    _restore_stdio()
+    try:
+        _RUNNING[0] = True
+        try:
+            result["value"] = _execute(code, number)
+        except BaseException as exc:
+            result["error"] = _describe(exc)
+        finally:
+            _RUNNING[0] = False
+    except KeyboardInterrupt:
+        # The interrupt came just as the code ended (between its end and the flag's reset).
+        _RUNNING[0] = False
+        result["value"] = None
+        result["error"] = {"type": "KeyboardInterrupt", "message": "", "traceback": ""}
+    return result
+
+
+def _boundary(value: Any) -> bytes:
+    if not isinstance(value, str) or not 16 <= len(value) <= 64 or not value.isalnum() or not value.isascii():
+        raise ValueError("not a boundary")
+    return value.encode()
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, _on_sigint)
+    _STATE["pid"] = os.getpid()
+    hello_boundary = _boundary(sys.argv[1] if len(sys.argv) > 1 else None)
+    _STATE["ctl_in"] = _private(0)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    _STATE.update(null=_private(null), out=_private(1), err=_private(2))
+    os.close(null)
+    os.dup2(_STATE["null"], 0)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            # UTF-8 whatever the sandbox's locale, and line by line as on a terminal (so that print's
+            # lines and those of child processes come in the order they were written).
+            reconfigure = stream.reconfigure  # type: ignore[union-attr]
+            reconfigure(encoding="utf-8", errors="backslashreplace", line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+    _STATE.update(stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr)
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main_module
+    _STATE["namespace"] = main_module.__dict__
+    if _CWD_ON_PATH:
+        sys.path.insert(0, "")
+    version = ".".join(str(part) for part in sys.version_info[:3])
+    hello = {"pid": os.getpid(), "python": version, "executable": sys.executable}
+    _send(hello_boundary, 0, json.dumps(hello).encode())
+    while True:
+        try:
+            request = _read_request()
+            boundary = _boundary(request.get("boundary"))
+        except (EOFError, ValueError, OSError):
+            return  # the host hung up, or sent what is not a request
+        result = _run(request)
+        _flush()
+        if os.getpid() != _STATE["pid"]:
+            os._exit(0)  # a child the code forked came back here: it ends, as at the end of a script
+        signal.signal(signal.SIGINT, _on_sigint)
+        try:
+            payload = json.dumps(result).encode("utf-8", "backslashreplace")
+        except (TypeError, ValueError):
+            payload = json.dumps({"id": result["id"], "value": None, "error": {
+                "type": "ValueError", "message": "the result could not be encoded", "traceback": ""}}).encode()
+        _send(boundary, result["id"] if isinstance(result["id"], int) else -1, payload)
+
+
+#: The driver's exit status when its descriptors are gone while the host still listens (the code closed them).
+CHANNEL_LOST = 121
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BrokenPipeError:
+        pass  # the host hung up
+    except OSError:
+        os._exit(CHANNEL_LOST)
+    os._exit(0)  # not sys.exit: threads and atexit handlers of the user's code do not hold the end

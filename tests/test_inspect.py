@@ -13,6 +13,7 @@ Runs as root and as uid 65534 (tests/run-all.sh).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from inspect_ai.log import EvalLog
 from inspect_ai.scorer import Score, Target, accuracy, scorer
 from inspect_ai.solver import Generate, TaskState, solver
 from inspect_ai.tool import bash, bash_session, python, text_editor
-from inspect_ai.util import SandboxEnvironment, SandboxUserUnsupportedError, sandbox
+from inspect_ai.util import SandboxEnvironment, SandboxUnavailableError, SandboxUserUnsupportedError, sandbox
 from inspect_ai.util._sandbox.registry import registry_find_sandboxenv
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403  (the checks, collected here)
 
@@ -182,3 +183,49 @@ def test_eval_with_inspect_tools(tmp_path: Any) -> None:
     assert score.value == 1, score.explanation
     # The sample's sandbox is gone: sample_cleanup removed it.
     assert set(native_names()) <= before, native_names()
+
+
+# -- cleanup: keep this section last (cli_cleanup ends every inspect-* sandbox of this user) --------
+
+
+def test_task_cleanup_ends_only_its_own_task() -> None:
+    from isolate.sandbox_cli import native_names
+
+    cls = IsolateSandboxEnvironment
+
+    async def run() -> None:
+        first = await cls.sample_init("task-a", None, {})
+        second = await cls.sample_init("task-b", None, {})
+        a, b = (envs["default"].as_type(cls).box.name for envs in (first, second))
+        await cls.task_cleanup("task-a", None, True)  # a sample that was never cleaned up, then its task ends
+        assert a not in native_names() and b in native_names()
+        assert (await second["default"].exec(["echo", "still here"])).stdout == "still here\n"
+        await cls.task_cleanup("task-b", None, False)  # --no-sandbox-cleanup: it stays
+        assert b in native_names()
+        await cls.sample_cleanup("task-b", None, second, False)
+        assert b not in native_names()
+
+    asyncio.run(run())
+
+
+def test_cli_cleanup_removes_inspect_sandboxes_only() -> None:
+    from isolate.sandbox_cli import native_names
+
+    cls = IsolateSandboxEnvironment
+    other = isolate.Sandbox(name="not-inspect-" + os.urandom(4).hex()).start()
+    try:
+        async def run() -> None:
+            one = await cls.sample_init("cli", None, {})
+            two = await cls.sample_init("cli", None, {})
+            x, y = (envs["default"].as_type(cls).box.name for envs in (one, two))
+            await cls.cli_cleanup(x)  # inspect sandbox cleanup isolate NAME
+            assert x not in native_names() and y in native_names()
+            await cls.cli_cleanup(None)  # inspect sandbox cleanup isolate
+            assert y not in native_names() and other.name in native_names()
+            with pytest.raises(SandboxUnavailableError):
+                await two["default"].exec(["true"])
+            await cls.sample_cleanup("cli", None, two, True)  # after an outside removal: no error
+
+        asyncio.run(run())
+    finally:
+        other.close()

@@ -25,7 +25,6 @@ import functools
 import os
 import secrets
 import shlex
-import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -105,8 +104,8 @@ def _with_name(exc: OSError, file: str) -> OSError:
 class IsolateSandboxEnvironment(SandboxEnvironment):
     """One sample's ``isolate.Sandbox`` (see the module's docstring)."""
 
-    #: The sandboxes this process started and has not closed yet, by name (task_cleanup's list).
-    _live: dict[str, Sandbox] = {}
+    #: The sandboxes this process started and has not closed yet: name -> (task, sandbox), task_cleanup's list.
+    _live: dict[str, tuple[str, Sandbox]] = {}
     _live_lock = threading.Lock()
 
     def __init__(self, box: Sandbox, uid: int, names: frozenset[str]) -> None:
@@ -129,16 +128,16 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         policy = _load_policy(config)
-        env = await _in_thread(cls._start, policy)
+        env = await _in_thread(cls._start, task_name, policy)
         return {"default": env}
 
     @classmethod
-    def _start(cls, policy: Policy) -> IsolateSandboxEnvironment:
+    def _start(cls, task_name: str, policy: Policy) -> IsolateSandboxEnvironment:
         name = NAME_PREFIX + secrets.token_hex(6)
         box = Sandbox(policy, name=name)
         box.start()
         with cls._live_lock:
-            cls._live[name] = box
+            cls._live[name] = (task_name, box)
         try:
             uid = _program_uid(box)
             names = _names_of(box, uid)
@@ -164,19 +163,19 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None, cleanup: bool) -> None:
         if not cleanup:
             return  # --no-sandbox-cleanup: they stay, for isolate-run sandbox shell/rm
-        with cls._live_lock:
-            boxes = list(cls._live.values())
+        with cls._live_lock:  # this task's only: other tasks of the same eval may still be running
+            boxes = [box for task, box in cls._live.values() if task == task_name]
         for box in boxes:
             await _in_thread(cls._close, box)
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
-        """``inspect sandbox cleanup isolate [NAME]``: remove this user's inspect sandboxes (or one)."""
+        """``inspect sandbox cleanup isolate [NAME]``: remove this user's inspect sandboxes (or that one)."""
         from ..sandbox_cli import native_names, remove_native
 
         def remove() -> None:
-            names = [id] if id is not None else [n for n in native_names() if n.startswith(NAME_PREFIX)]
-            for name in names:
+            ours = [n for n in native_names() if n.startswith(NAME_PREFIX)]  # never a sandbox inspect did not make
+            for name in ours if id is None else [n for n in ours if n == id]:
                 remove_native(name)
 
         await _in_thread(remove)
@@ -305,8 +304,9 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
     async def connection(self, *, user: str | None = None) -> SandboxConnection:
         self._check_user(user)
         assert self.box.name is not None
-        run = shutil.which("isolate-run")
-        prefix = [run] if run else [sys.executable, "-m", "isolate.cli"]
+        # The isolate-run of this very install (another one on PATH may speak another protocol).
+        beside = os.path.join(os.path.dirname(sys.executable), "isolate-run")
+        prefix = [beside] if os.access(beside, os.X_OK) else [sys.executable, "-m", "isolate.cli"]
         return SandboxConnection(type="isolate", command=shlex.join([*prefix, "sandbox", "shell", self.box.name]))
 
     def default_polling_interval(self) -> float:

@@ -88,7 +88,8 @@ def _load_policy(config: SandboxEnvironmentConfigType | None) -> Policy:
 
 
 async def _in_thread(fn: Callable[..., T], *args: Any, abandon: bool = False, **kwargs: Any) -> T:
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=abandon)
+    result: T = await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=abandon)
+    return result
 
 
 def _with_name(exc: OSError, file: str) -> OSError:

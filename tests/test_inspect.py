@@ -124,6 +124,10 @@ def test_profile_config(tmp_path: Any) -> None:
 
     stdout, stderr = asyncio.run(run())
     assert stdout == "yes\n1777\n", stderr
+    # A profile the provider cannot serve fails the task at its start, saying why.
+    isolate.Policy(backend="docker").save(profile)
+    with pytest.raises(isolate.UnsupportedError, match="backend"):
+        asyncio.run(IsolateSandboxEnvironment.task_init("t", str(profile)))
 
 
 # -- inspect's tools in an eval ------------------------------------------------------------
@@ -183,6 +187,38 @@ def test_eval_with_inspect_tools(tmp_path: Any) -> None:
     assert score.value == 1, score.explanation
     # The sample's sandbox is gone: sample_cleanup removed it.
     assert set(native_names()) <= before, native_names()
+
+
+@solver
+def echo_profile_variable() -> Any:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        out = await bash(timeout=60)("echo \"$FROM_PROFILE\"")
+        state.metadata["results"] = {"bash": str(out)}
+        return state
+
+    return solve
+
+
+@scorer(metrics=[accuracy()])
+def profile_seen() -> Any:
+    async def score(state: TaskState, target: Target) -> Score:
+        out = state.metadata["results"]["bash"]
+        return Score(value=1 if out.strip() == "from-the-profile" else 0, explanation=out)
+
+    return score
+
+
+def test_eval_with_profile_tuple(tmp_path: Any) -> None:
+    """sandbox=("isolate", "profile.toml") in a Task: the sample's commands run under that profile."""
+    profile = tmp_path / "profile.toml"
+    isolate.Policy(env={"FROM_PROFILE": "from-the-profile"}).save(profile)
+    task = Task(dataset=[Sample(input="x")], solver=echo_profile_variable(), scorer=profile_seen(),
+                sandbox=("isolate", str(profile)))
+    log = eval(task, model="mockllm/model", log_dir=str(tmp_path / "logs"), display="none")[0]
+    assert log.status == "success", log.error
+    assert log.samples is not None and log.samples[0].scores is not None
+    score = next(iter(log.samples[0].scores.values()))
+    assert score.value == 1, score.explanation
 
 
 # -- cleanup: keep this section last (cli_cleanup ends every inspect-* sandbox of this user) --------

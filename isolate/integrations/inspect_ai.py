@@ -44,7 +44,7 @@ from inspect_ai.util import (
 )
 from pydantic import BaseModel
 
-from ..errors import CommandNotFoundError, IsolationError, PolicyError, SetupError
+from ..errors import CommandNotFoundError, IsolationError, PolicyError, SetupError, UnsupportedError
 from ..policy import Policy
 from ..sandbox import Sandbox
 
@@ -77,7 +77,14 @@ def _load_policy(config: SandboxEnvironmentConfigType | None) -> Policy:
     if config is None:
         return inspect_policy(Policy())
     if isinstance(config, str):
-        return inspect_policy(Policy.load(config))
+        policy = Policy.load(config)
+        if policy.backend == "docker":
+            raise UnsupportedError(
+                f"{config}: backend = \"docker\": inspect's provider reads and writes files in the sandbox, which "
+                "the Docker backend of isolate.Sandbox cannot do yet; use backend = \"native\" (or inspect's own "
+                "docker provider)"
+            )
+        return inspect_policy(policy)
     if isinstance(config, BaseModel):
         raise PolicyError(
             f"sandbox config: the isolate provider takes the path of a TOML policy profile, not "

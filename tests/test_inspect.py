@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -219,6 +220,29 @@ def test_eval_with_profile_tuple(tmp_path: Any) -> None:
     assert log.samples is not None and log.samples[0].scores is not None
     score = next(iter(log.samples[0].scores.values()))
     assert score.value == 1, score.explanation
+
+
+@solver
+def sleep_long() -> Any:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        await sandbox().exec(["sleep", "90"])  # no timeout: only the sample's time limit ends it
+        return state
+
+    return solve
+
+
+def test_time_limit_ends_a_running_command(tmp_path: Any) -> None:
+    """A sample's time limit cancels a command that runs in its sandbox; cleanup ends the command."""
+    from isolate.sandbox_cli import native_names
+
+    before = set(native_names())
+    started = time.monotonic()
+    log = eval(Task(dataset=[Sample(input="x")], solver=sleep_long(), sandbox="isolate", time_limit=3),
+               model="mockllm/model", log_dir=str(tmp_path / "logs"), display="none")[0]
+    assert time.monotonic() - started < 60, "the eval waited for the command instead of its time limit"
+    assert log.samples is not None and log.samples[0].limit is not None
+    assert log.samples[0].limit.type == "time"
+    assert set(native_names()) <= before
 
 
 # -- cleanup: keep this section last (cli_cleanup ends every inspect-* sandbox of this user) --------

@@ -72,6 +72,17 @@ def sandbox_env(provider_env: IsolateSandboxEnvironment, request: pytest.Fixture
 # -- the provider's own contract, beyond the shared checks ------------------------------
 
 
+def test_entry_point_registers_the_provider() -> None:
+    """A fresh interpreter that never imported isolate finds "isolate" through inspect's entry point group."""
+    import subprocess
+    import sys
+
+    code = ("from inspect_ai.util._sandbox.registry import registry_find_sandboxenv as find; "
+            "cls = find('isolate'); print(cls.__module__, cls.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert done.stdout.split() == ["isolate.integrations.inspect_ai", "IsolateSandboxEnvironment"], done.stderr
+
+
 async def test_user_is_the_sandbox_uid_and_never_root(provider_env: IsolateSandboxEnvironment) -> None:
     uid = provider_env.uid
     assert uid != 0
@@ -278,7 +289,7 @@ def test_cli_cleanup_removes_inspect_sandboxes_only() -> None:
             one = await cls.sample_init("cli", None, {})
             two = await cls.sample_init("cli", None, {})
             x, y = (envs["default"].as_type(cls).box.name for envs in (one, two))
-            await cls.cli_cleanup(x)  # inspect sandbox cleanup isolate NAME
+            await cls.cli_cleanup(x)  # what inspect sandbox cleanup isolate NAME calls
             assert x not in native_names() and y in native_names()
             await cls.cli_cleanup(None)  # inspect sandbox cleanup isolate
             assert y not in native_names() and other.name in native_names()

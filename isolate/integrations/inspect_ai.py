@@ -80,9 +80,9 @@ def _load_policy(config: SandboxEnvironmentConfigType | None) -> Policy:
         policy = Policy.load(config)
         if policy.backend == "docker":
             raise UnsupportedError(
-                f"{config}: backend = \"docker\": inspect's provider reads and writes files in the sandbox, which "
-                "the Docker backend of isolate.Sandbox cannot do yet; use backend = \"native\" (or inspect's own "
-                "docker provider)"
+                f"{config}: backend = \"docker\": this provider runs inspect's samples on the native backend only "
+                "(its tool helper and limits are proven there); use backend = \"native\", or inspect's own docker "
+                "provider for an image"
             )
         return inspect_policy(policy)
     if isinstance(config, BaseModel):

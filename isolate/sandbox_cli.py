@@ -328,7 +328,10 @@ def native_names(unnamed: bool = False) -> list[str]:
         entries = os.listdir(runtime_dir())
     except (OSError, IsolationError):
         return []
-    return sorted(e[:-5] for e in entries if e.endswith(".json") and (unnamed or not e.startswith("anon-")))
+    # A description (.json) names a sandbox that started; a socket alone, one that is starting or whose
+    # maker died before describing it (prune tells them apart by whether the socket is held).
+    names = {e.rsplit(".", 1)[0] for e in entries if e.endswith((".json", ".sock"))}
+    return sorted(n for n in names if unnamed or not n.startswith("anon-"))
 
 
 def _native_state(name: str) -> tuple[str, float]:
@@ -345,8 +348,25 @@ def _native_state(name: str) -> tuple[str, float]:
     try:
         box = NativeSandbox.attach(name, ping=False)
     except IsolationError:
-        return "ended", created
+        # No description yet: it may be starting (its maker writes the description once the server
+        # answers, after copying the workspace). The socket is bound and listening from the start, so a
+        # connection that is accepted into its backlog means someone holds it: not ended.
+        return ("starting" if _listening(paths.socket) else "ended"), created
     return box.state(), created
+
+
+def _listening(path: str) -> bool:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(1.0)
+        sock.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def _list(options: argparse.Namespace) -> int:

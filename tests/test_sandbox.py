@@ -365,6 +365,28 @@ def test_named_sandbox_outlives_its_creator_and_is_pruned(source: str, workdir: 
         subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "rm", name], capture_output=True, timeout=60)
 
 
+def test_prune_leaves_a_starting_sandbox_and_removes_one_never_described() -> None:
+    # Its maker has bound and is holding the socket but has not described it yet (copying a large
+    # workspace, or a loaded machine): prune must not take it for ended.
+    import socket
+
+    from isolate.backends.native.kept import Paths
+
+    name = f"starting-{os.getpid()}"
+    path = Paths.of(name).socket
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(4)
+    prune = [sys.executable, "-m", "isolate.cli", "sandbox", "prune"]
+    try:
+        pruned = subprocess.run(prune, capture_output=True, text=True, timeout=60)
+        assert name not in pruned.stdout and os.path.exists(path), pruned
+    finally:
+        listener.close()
+    pruned = subprocess.run(prune, capture_output=True, text=True, timeout=60)
+    assert f"removed {name}" in pruned.stdout and not os.path.exists(path), pruned
+
+
 def test_unnamed_sandbox_dies_with_its_creator(source: str) -> None:
     script = (
         "import isolate, os, sys\n"

@@ -1,0 +1,589 @@
+"""``isolate-run serve``: the OpenSandbox SDK's own examples, run unchanged against the server.
+
+The server runs as a subprocess on a free port of 127.0.0.1 (as a user
+starts it); the SDK (``opensandbox``, the ``server-test`` extra) is the
+client. Skipped only when the ``server`` extra or the SDK is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette", reason="the server extra is not installed: pip install 'isolate[server]'")
+pytest.importorskip("uvicorn", reason="the server extra is not installed: pip install 'isolate[server]'")
+pytest.importorskip("multipart", reason="the server extra is not installed: pip install 'isolate[server]'")
+pytest.importorskip("opensandbox", reason="the OpenSandbox SDK is not installed: pip install 'isolate[server-test]'")
+
+psutil = pytest.importorskip("psutil")
+
+KEY = "test-key-" + "0123456789abcdef"
+
+
+class Server:
+    def __init__(self, *extra: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.domain = f"127.0.0.1:{self.port}"
+        env = dict(os.environ, OPENSANDBOX_DISABLE_METRICS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "isolate.cli", "serve", "--listen", self.domain, "--api-key", KEY,
+             "--image", "ubuntu=default", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.call("GET", "/v1/sandboxes")
+                break
+            except (ConnectionError, urllib.error.URLError):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    out = self.proc.stdout.read().decode() if self.proc.stdout else ""
+                    raise RuntimeError(f"the server did not start: {out}") from None
+                time.sleep(0.1)
+
+    def call(self, method: str, path: str, body: Any = None, key: str | None = KEY,
+             headers: dict[str, str] | None = None, raw: bytes | None = None) -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        request = urllib.request.Request(f"http://{self.domain}{path}", data=data, method=method)
+        if key is not None:
+            request.add_header("OPEN-SANDBOX-API-KEY", key)
+        request.add_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            request.add_header(name, value)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                text = response.read()
+                status = response.status
+        except urllib.error.HTTPError as err:
+            text, status = err.read(), err.code
+        try:
+            return status, json.loads(text) if text else None
+        except ValueError:
+            return status, text
+
+    def sandbox_pids(self) -> set[int]:
+        return {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = Server()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def run_example(server: Server, code: str, timeout: float = 120) -> str:
+    """Run an SDK example as its own program (as a user would), with this server's domain and key."""
+    env = dict(os.environ, OPEN_SANDBOX_DOMAIN=server.domain, OPEN_SANDBOX_API_KEY=KEY,
+               OPENSANDBOX_DISABLE_METRICS="1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def sdk_readme(code: str, server: Server) -> str:
+    """An example of the SDK's README, with its placeholder domain and key pointed at this server."""
+    code = textwrap.dedent(code)
+    return code.replace('"api.opensandbox.io"', repr(server.domain)).replace('"your-api-key"', repr(KEY))
+
+
+# The SDK README's "Quick Start" (asynchronous), unchanged but for the domain and key.
+HELLO_ASYNC = '''
+import asyncio
+from opensandbox.sandbox import Sandbox
+from opensandbox.config import ConnectionConfig
+from opensandbox.exceptions import SandboxException
+
+async def main():
+    # 1. Configure connection
+    config = ConnectionConfig(
+        domain="api.opensandbox.io",
+        api_key="your-api-key"
+    )
+
+    # 2. Create a Sandbox
+    try:
+        sandbox = await Sandbox.create(
+            "ubuntu",
+            connection_config=config
+        )
+        try:
+            # 3. Execute a shell command
+            execution = await sandbox.commands.run("echo 'Hello Sandbox!'")
+
+            # 4. Print output
+            print(execution.logs.stdout[0].text)
+        finally:
+            # 5. Terminate the remote sandbox and close local resources
+            await sandbox.destroy()
+
+    except SandboxException as e:
+        # Handle Sandbox specific exceptions
+        print(f"Sandbox Error: [{e.error.code}] {e.error.message}")
+        # Server logs can be correlated by this request id (if available)
+        print(f"Request ID: {e.request_id}")
+    except Exception as e:
+        print(f"Error: {e}")
+
+if __name__ == "__main__":
+    asyncio.run(main())
+'''
+
+# The SDK README's "Synchronous Quick Start", unchanged but for the domain and key.
+HELLO_SYNC = '''
+from datetime import timedelta
+
+import httpx
+from opensandbox import SandboxSync
+from opensandbox.config import ConnectionConfigSync
+
+config = ConnectionConfigSync(
+    domain="api.opensandbox.io",
+    api_key="your-api-key",
+    request_timeout=timedelta(seconds=30),
+    transport=httpx.HTTPTransport(limits=httpx.Limits(max_connections=20)),
+)
+
+sandbox = SandboxSync.create("ubuntu", connection_config=config)
+try:
+    execution = sandbox.commands.run("echo 'Hello Sandbox!'")
+    print(execution.logs.stdout[0].text)
+finally:
+    sandbox.destroy()
+'''
+
+
+def test_sdk_quick_start_async(server: Server) -> None:
+    before = server.sandbox_pids()
+    assert run_example(server, sdk_readme(HELLO_ASYNC, server)) == "Hello Sandbox!\n"
+    # destroy() ended the sandbox: none of its processes is left under the server.
+    assert server.sandbox_pids() <= before
+    assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+
+
+def test_sdk_quick_start_sync(server: Server) -> None:
+    assert run_example(server, sdk_readme(HELLO_SYNC, server)) == "Hello Sandbox!\n"
+    assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+
+
+# The README's sections 1 (lifecycle), 3 (streaming with handlers) and 4 (files), in one program: each snippet
+# is as printed there; around them, the create and destroy of its quick start.
+SECTIONS = '''
+import asyncio
+from opensandbox.sandbox import Sandbox
+from opensandbox.config import ConnectionConfig
+
+async def main():
+    config = ConnectionConfig(domain="api.opensandbox.io", api_key="your-api-key")
+    sandbox = await Sandbox.create("ubuntu", connection_config=config)
+    try:
+%s
+    finally:
+        await sandbox.destroy()
+
+asyncio.run(main())
+'''
+
+LIFECYCLE = '''
+from datetime import timedelta
+
+# Renew the sandbox
+# This resets the expiration time to (current time + duration)
+await sandbox.renew(timedelta(minutes=30))
+
+# Pause execution (suspends all processes)
+await sandbox.pause()
+
+# Resume execution
+sandbox = await Sandbox.resume(
+    sandbox_id=sandbox.id,
+    connection_config=config,
+)
+
+# Get current status
+info = await sandbox.get_info()
+print(f"State: {info.status.state}")
+print(f"Expires: {info.expires_at}")  # None when no automatic expiration is configured
+'''
+
+STREAMING = '''
+from opensandbox.models.execd import ExecutionHandlers, RunCommandOpts
+
+# Define async handlers for streaming output
+async def handle_stdout(msg):
+    print(f"STDOUT: {msg.text}")
+
+async def handle_stderr(msg):
+    print(f"STDERR: {msg.text}")
+
+async def handle_complete(complete):
+    print(f"Command finished in {complete.execution_time_in_millis}ms")
+
+# Create handlers (all handlers must be async)
+handlers = ExecutionHandlers(
+    on_stdout=handle_stdout,
+    on_stderr=handle_stderr,
+    on_execution_complete=handle_complete
+)
+
+# Execute command with handlers
+result = await sandbox.commands.run(
+    "for i in {1..5}; do echo \\"Count $i\\"; sleep 0.5; done",
+    handlers=handlers
+)
+'''
+
+FILES = '''
+from opensandbox.models.filesystem import WriteEntry, SearchEntry
+
+# 1. Write file
+await sandbox.files.write_files([
+    WriteEntry(
+        path="/tmp/hello.txt",
+        data="Hello World",
+        mode=644
+    )
+])
+
+# 2. Read file
+content = await sandbox.files.read_file("/tmp/hello.txt")
+print(f"Content: {content}")
+
+# 3. List/Search files
+files = await sandbox.files.search(
+    SearchEntry(
+        path="/tmp",
+        pattern="*.txt"
+    )
+)
+for f in files:
+    print(f"Found: {f.path}")
+
+# 4. Delete file
+await sandbox.files.delete_files(["/tmp/hello.txt"])
+print("left:", [f.path for f in await sandbox.files.search(SearchEntry(path="/tmp", pattern="*.txt"))])
+'''
+
+
+def section(snippet: str, server: Server) -> str:
+    body = textwrap.indent(textwrap.dedent(snippet), " " * 8)
+    return sdk_readme(SECTIONS % body, server)
+
+
+def test_sdk_lifecycle_example_pause_resume_renew(server: Server) -> None:
+    out = run_example(server, section(LIFECYCLE, server))
+    lines = out.splitlines()
+    assert lines[0] == "State: Running"
+    assert lines[1].startswith("Expires: 20")
+
+
+def test_sdk_streaming_example_in_order(server: Server) -> None:
+    started = time.monotonic()
+    out = run_example(server, section(STREAMING, server))
+    lines = out.splitlines()
+    assert lines[:5] == [f"STDOUT: Count {i}" for i in range(1, 6)]
+    assert lines[5].startswith("Command finished in ") and lines[5].endswith("ms")
+    assert int(lines[5].split()[3][:-2]) >= 2000  # five half-second sleeps
+    assert time.monotonic() - started < 60
+
+
+def test_sdk_files_example(server: Server) -> None:
+    out = run_example(server, section(FILES, server))
+    assert "Content: Hello World" in out.splitlines()
+    assert "Found: /tmp/hello.txt" in out.splitlines()
+    assert "left: []" in out.splitlines()
+
+
+def test_sdk_output_is_live(server: Server) -> None:
+    """Each line reaches the handler while the command still runs (not all at its end)."""
+    code = section('''
+import time
+from opensandbox.models.execd import ExecutionHandlers
+seen = []
+async def on_stdout(msg):
+    seen.append((msg.text, time.monotonic()))
+start = time.monotonic()
+await sandbox.commands.run("echo first; sleep 2; echo second", handlers=ExecutionHandlers(on_stdout=on_stdout))
+end = time.monotonic()
+print([t for t, _ in seen], round(end - seen[0][1], 1) >= 1.5)
+''', server)
+    assert run_example(server, code).strip() == "['first', 'second'] True"
+
+
+def test_sdk_exit_code_stderr_env_cwd(server: Server) -> None:
+    code = section('''
+from opensandbox.models.execd import RunCommandOpts
+r = await sandbox.commands.run("echo out; echo err >&2; exit 3")
+print(r.exit_code, [m.text for m in r.logs.stdout], [m.text for m in r.logs.stderr])
+opts = RunCommandOpts(envs={"GREETING": "hi"}, working_directory="/tmp")
+r = await sandbox.commands.run("echo $GREETING; pwd", opts=opts)
+print(r.exit_code, [m.text for m in r.logs.stdout])
+r = await sandbox.commands.run("true")
+print(r.exit_code)
+''', server)
+    assert run_example(server, code).splitlines() == ["3 ['out'] ['err']", "0 ['hi', '/tmp']", "0"]
+
+
+def test_sdk_background_command_status_and_logs(server: Server) -> None:
+    code = section('''
+import asyncio
+from opensandbox.models.execd import RunCommandOpts
+bg = await sandbox.commands.run("echo one; sleep 1; echo two; exit 4", opts=RunCommandOpts(background=True))
+status = await sandbox.commands.get_command_status(bg.id)
+print("running", status.running)
+while status.running:
+    await asyncio.sleep(0.2)
+    status = await sandbox.commands.get_command_status(bg.id)
+print("exit", status.exit_code)
+logs = await sandbox.commands.get_background_command_logs(bg.id)
+print(repr(logs.content), logs.cursor)
+more = await sandbox.commands.get_background_command_logs(bg.id, cursor=4)
+print(repr(more.content), more.cursor)
+''', server)
+    assert run_example(server, code).splitlines() == ["running True", "exit 4", "'one\\ntwo\\n' 8", "'two\\n' 8"]
+
+
+def test_sdk_interrupt(server: Server) -> None:
+    code = section('''
+import asyncio, time
+from opensandbox.models.execd import ExecutionHandlers, RunCommandOpts
+ids = []
+async def on_init(init):
+    ids.append(init.id)
+async def interrupter():
+    while not ids:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    await sandbox.commands.interrupt(ids[0])
+start = time.monotonic()
+task = asyncio.create_task(interrupter())
+r = await sandbox.commands.run("echo started; sleep 60", handlers=ExecutionHandlers(on_init=on_init))
+await task
+print(r.exit_code, [m.text for m in r.logs.stdout], time.monotonic() - start < 20)
+bg = await sandbox.commands.run("sleep 60", opts=RunCommandOpts(background=True))
+await sandbox.commands.interrupt(bg.id)
+status = await sandbox.commands.get_command_status(bg.id)
+print(status.running, status.exit_code)
+''', server)
+    assert run_example(server, code).splitlines() == ["143 ['started'] True", "False 143"]
+
+
+def test_sdk_files_and_directories(server: Server) -> None:
+    code = section('''
+from opensandbox.models.filesystem import (ContentReplaceEntry, MoveEntry, SearchEntry, WriteEntry,
+                                           DirectoryListEntry)
+await sandbox.files.create_directories([WriteEntry(path="/workspace/d/e", mode=755)])
+await sandbox.files.write_file("/workspace/d/a.txt", "alpha beta alpha")
+await sandbox.files.write_file("/workspace/d/e/b.py", b"print(1)\\n", mode=600)
+await sandbox.files.replace_contents([ContentReplaceEntry(path="/workspace/d/a.txt", old_content="alpha",
+                                                          new_content="gamma")])
+print(await sandbox.files.read_file("/workspace/d/a.txt"))
+await sandbox.files.move_files([MoveEntry(src="/workspace/d/a.txt", dest="/workspace/d/c.txt")])
+info = await sandbox.files.get_file_info(["/workspace/d/c.txt", "/workspace/d/e/b.py"])
+print(sorted((p, i.size, i.mode) for p, i in info.items()))
+found = await sandbox.files.search(SearchEntry(path="/workspace", pattern="*.py"))
+print([f.path for f in found])
+listed = await sandbox.files.list_directory(DirectoryListEntry(path="/workspace/d", depth=2))
+print(sorted(e.path for e in listed))
+await sandbox.files.delete_directories(["/workspace/d"])
+print(await sandbox.files.search(SearchEntry(path="/workspace", pattern="*")))
+''', server)
+    assert run_example(server, code).splitlines() == [
+        "gamma beta gamma",
+        "[('/workspace/d/c.txt', 16, 755), ('/workspace/d/e/b.py', 9, 600)]",
+        "['/workspace/d/e/b.py']",
+        "['/workspace/d/c.txt', '/workspace/d/e', '/workspace/d/e/b.py']",
+        "[]",
+    ]
+
+
+def test_file_outside_the_sandbox_view_is_refused(server: Server) -> None:
+    """Paths resolve inside the sandbox, as the program: the host's files are not reachable."""
+    code = section('''
+from opensandbox.exceptions import SandboxException
+for path in ["/etc/shadow", "/root/x", "../../../../etc/shadow"]:
+    try:
+        await sandbox.files.read_file(path)
+        print("read", path)
+    except SandboxException as e:
+        print("refused", path)
+''', server)
+    assert run_example(server, code).splitlines() == ["refused /etc/shadow", "refused /root/x",
+                                                      "refused ../../../../etc/shadow"]
+
+
+# -- the API's errors ---------------------------------------------------------------------------
+
+def test_wrong_or_missing_key_is_401_with_the_error_shape(server: Server) -> None:
+    for key in (None, "wrong", KEY + "x", ""):
+        status, body = server.call("GET", "/v1/sandboxes", key=key)
+        assert status == 401
+        assert body["code"] == "UNAUTHORIZED" and body["message"]
+
+
+def test_malformed_requests_get_4xx_and_the_error_shape(server: Server) -> None:
+    cases: list[tuple[str, str, Any, bytes | None]] = [
+        ("POST", "/v1/sandboxes", None, b"{not json"),
+        ("POST", "/v1/sandboxes", None, b""),
+        ("POST", "/v1/sandboxes", [1, 2], None),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "timeout": "soon"}, None),
+        ("POST", "/v1/sandboxes", None, b'{"image":{"uri":"ubuntu"},"timeout":NaN}'),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "resourceLimits": {"memory": "lots"}}, None),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "resourceLimits": {"gpu": "1"}}, None),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "python:3.11"}}, None),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "mountPath": "/v"}]}, None),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "networkPolicy": {"defaultAction": "allow",
+                                                                                 "egress": [{"action": "deny",
+                                                                                             "target": "x.com"}]}},
+         None),
+        ("POST", "/v1/sandboxes", {"snapshotId": "snap"}, None),
+        ("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "surprise": 1}, None),
+        ("GET", "/v1/sandboxes?page=0", None, None),
+        ("GET", "/v1/sandboxes?pageSize=abc", None, None),
+        ("GET", "/v1/sandboxes/nope", None, None),
+        ("DELETE", "/v1/sandboxes/nope", None, None),
+        ("GET", "/v1/nowhere", None, None),
+    ]
+    for method, path, body, raw in cases:
+        status, answer = server.call(method, path, body, raw=raw)
+        assert 400 <= status < 500, (method, path, body, status, answer)
+        assert isinstance(answer, dict) and set(answer) == {"code", "message"}, (path, body, answer)
+        assert "Traceback" not in answer["message"]
+
+
+def _create(server: Server, **fields: Any) -> dict[str, Any]:
+    status, body = server.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, **fields})
+    assert status == 202, body
+    return body  # type: ignore[no-any-return]
+
+
+def _endpoint(server: Server, sandbox_id: str) -> tuple[str, dict[str, str]]:
+    status, body = server.call("GET", f"/v1/sandboxes/{sandbox_id}/endpoints/44772")
+    assert status == 200, body
+    return "/" + body["endpoint"].split("/", 1)[1], body["headers"]
+
+
+def test_execd_needs_the_sandbox_token_and_bad_bodies_are_4xx(server: Server) -> None:
+    box = _create(server)
+    try:
+        prefix, headers = _endpoint(server, box["id"])
+        assert server.call("GET", prefix + "/ping", key=None, headers=headers)[0] == 200
+        assert server.call("GET", prefix + "/ping", key=None)[0] == 401
+        assert server.call("GET", prefix + "/ping", key=None, headers={"X-EXECD-ACCESS-TOKEN": "x"})[0] == 401
+        other = _create(server)
+        try:
+            # One sandbox's token does not reach another sandbox.
+            other_prefix, _ = _endpoint(server, other["id"])
+            assert server.call("GET", other_prefix + "/ping", key=None, headers=headers)[0] == 401
+        finally:
+            server.call("DELETE", f"/v1/sandboxes/{other['id']}")
+        for method, path, body, raw in [
+            ("POST", "/command", None, b"[["),
+            ("POST", "/command", {"command": ""}, None),
+            ("POST", "/command", {"command": "id", "uid": 0}, None),
+            ("POST", "/command", {"command": "id", "timeout": -5}, None),
+            ("POST", "/command", {"command": "id", "envs": {"A=B": "c"}}, None),
+            ("POST", "/command", {"command": "pwd", "cwd": "/does/not/exist"}, None),
+            ("GET", "/command/status/nope", None, None),
+            ("GET", "/command/nope/logs?cursor=-1", None, None),
+            ("DELETE", "/command", None, None),
+            ("GET", "/files/download?path=/nope", None, None),
+            ("GET", "/files/download", None, None),
+            ("GET", "/files/info?path=/nope", None, None),
+            ("POST", "/files/mv", {"src": "a"}, None),
+            ("POST", "/files/replace", {"/x": {"old": "", "new": "y"}}, None),
+            ("POST", "/directories", {"/workspace/x": {"mode": 999}}, None),
+            ("POST", "/directories", {"/workspace/x": {"mode": 755, "owner": "root"}}, None),
+            ("POST", "/files/upload", None, b"not multipart"),
+            ("GET", "/directories/list?path=/workspace&depth=x", None, None),
+            ("GET", "/nothing", None, None),
+        ]:
+            status, answer = server.call(method, prefix + path, body, key=None, headers=headers, raw=raw)
+            assert 400 <= status < 500, (method, path, body, status, answer)
+            assert isinstance(answer, dict) and set(answer) == {"code", "message"}, (path, answer)
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_create_maps_limits_env_and_refuses_what_it_cannot_honour(server: Server) -> None:
+    box = _create(server, env={"FROM_CREATE": "yes"}, resourceLimits={"cpu": "500m", "memory": "256Mi"},
+                  metadata={"team": "a"})
+    try:
+        listed = server.call("GET", "/v1/sandboxes?metadata=team%3Da&state=RUNNING")[1]
+        assert [item["id"] for item in listed["items"]] == [box["id"]]
+        assert server.call("GET", "/v1/sandboxes?metadata=team%3Db")[1]["items"] == []
+        prefix, headers = _endpoint(server, box["id"])
+        request = urllib.request.Request(f"http://{server.domain}{prefix}/command", method="POST",
+                                         data=json.dumps({"command": "echo $FROM_CREATE"}).encode(),
+                                         headers={**headers, "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                      if line.startswith("data: ")]
+        assert [e["type"] for e in events] == ["init", "stdout", "execution_complete"]
+        assert events[1]["text"] == "yes"
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_expiry_reaps_the_sandbox_and_its_processes(server: Server) -> None:
+    before = server.sandbox_pids()
+    box = _create(server, timeout=2)
+    assert box["expiresAt"]
+    during = server.sandbox_pids() - before
+    assert during, "the sandbox has processes under the server"
+    deadline = time.monotonic() + 15
+    while server.call("GET", f"/v1/sandboxes/{box['id']}")[0] == 200:
+        assert time.monotonic() < deadline, "not reaped"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert not (server.sandbox_pids() & during)
+
+
+def test_restart_reaps_what_the_server_made() -> None:
+    """A killed server takes its sandboxes with it; the next one starts with none."""
+    first = Server()
+    try:
+        box_ids = [_create(first)["id"] for _ in range(2)]
+        assert len(first.call("GET", "/v1/sandboxes")[1]["items"]) == 2
+        pids = first.sandbox_pids()
+        assert pids
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.monotonic() < deadline, "sandbox processes outlived their server"
+            time.sleep(0.1)
+    finally:
+        first.stop()
+    second = Server()
+    try:
+        assert second.call("GET", "/v1/sandboxes")[1]["items"] == []
+        assert all(second.call("GET", f"/v1/sandboxes/{i}")[0] == 404 for i in box_ids)
+    finally:
+        second.stop()

@@ -89,9 +89,22 @@ class Server:
             self.proc.stdout.close()
 
 
+def limits_enforceable() -> bool:
+    """Whether this host lets the caller enforce the SDK's default limits (a cgroup it may write)."""
+    import isolate
+
+    try:
+        with isolate.Sandbox(isolate.Policy(limits=isolate.Limits(memory="2G", cpus=1.0))):
+            return True
+    except isolate.UnsupportedError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    srv = Server()
+    # The SDK asks for 1 CPU and 2 GiB by default; where this caller has no cgroup (uid 65534 here), the
+    # examples run with --best-effort (test_limits_enforced_or_refused covers the refusal).
+    srv = Server(*(() if limits_enforceable() else ("--best-effort",)))
     try:
         yield srv
     finally:
@@ -549,6 +562,36 @@ def test_create_maps_limits_env_and_refuses_what_it_cannot_honour(server: Server
         assert events[1]["text"] == "yes"
     finally:
         server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_limits_enforced_or_refused() -> None:
+    """Without --best-effort, resourceLimits are enforced (a cgroup) or the create is refused (400), never dropped."""
+    srv = Server()
+    try:
+        status, body = srv.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"},
+                                                          "resourceLimits": {"memory": "128Mi", "cpu": "1"}})
+        if not limits_enforceable():
+            assert status == 400 and body["code"] == "UNSUPPORTED", body
+            assert "cgroup" in body["message"]
+            return
+        assert status == 202, body
+        try:
+            info = srv.call("GET", f"/v1/sandboxes/{body['id']}")[1]
+            assert "memory: cgroup" in info["status"]["message"], info
+            prefix, headers = _endpoint(srv, body["id"])
+            request = urllib.request.Request(
+                f"http://{srv.domain}{prefix}/command", method="POST",
+                data=json.dumps({"command": "python3 -c 'b = bytearray(512 << 20); print(len(b))'"}).encode(),
+                headers={**headers, "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                events = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                          if line.startswith("data: ")]
+            assert events[-1]["type"] == "error", events  # killed or MemoryError: not 512 MiB
+            assert not any(e.get("text") == str(512 << 20) for e in events)
+        finally:
+            srv.call("DELETE", f"/v1/sandboxes/{body['id']}")
+    finally:
+        srv.stop()
 
 
 def test_expiry_reaps_the_sandbox_and_its_processes(server: Server) -> None:

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image", action="append", default=[], metavar="NAME=FILE",
                         help="the image NAME runs under the TOML policy FILE ('default' for isolate's defaults); "
                              "repeatable")
+    parser.add_argument("--best-effort", action="store_true",
+                        help="create sandboxes whose resourceLimits this host cannot enforce (e.g. no cgroup for "
+                             "this user) instead of refusing them; the sandbox's status message says what is not "
+                             "enforced")
     return parser
 
 
@@ -81,6 +85,9 @@ def serve_main(argv: Sequence[str]) -> int:
                 raise PolicyError(f"--image {item!r}: expected NAME=FILE", "image")
             profiles[name] = _profile(path)
         any_image = _profile(options.profile) if options.profile else None
+        if options.best_effort:
+            profiles = {name: policy.replace(best_effort=True) for name, policy in profiles.items()}
+            any_image = any_image.replace(best_effort=True) if any_image is not None else None
     except (PolicyError, OSError) as exc:
         print(f"isolate-run serve: {exc}", file=sys.stderr)
         return 125

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import execd, lifecycle
 from .common import error_response, log
@@ -39,6 +44,30 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, code, str(exc.detail))
 
 
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestId:
+    """Every answer carries X-Request-ID: the caller's (when it is a plain token) or a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.match(given) else str(uuid.uuid4())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-ID"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(state: ServerState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -50,6 +79,6 @@ def create_app(state: ServerState) -> Starlette:
             await run_in_threadpool(state.close_all)
 
     app = Starlette(routes=[Mount("/v1", routes=lifecycle.routes), *execd.routes], lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error})
+                    exception_handlers={HTTPException: _http_error}, middleware=[Middleware(RequestId)])
     app.state.isolate = state
     return app

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, SSE_HEADERS, LineSplitter, api, json_body, query_int, same, sse
-from .models import EXECD_PORT, ApiError, absolute, bad_request, file_info, octal_mode
+from .models import EXECD_PORT, ApiError, absolute, bad_request, file_info, name_of, octal_mode
 from .state import CommandRecord, ManagedSandbox, ServerState
 
 #: Where relative paths start: the sandbox's workspace (its commands' default cwd).
@@ -317,7 +317,7 @@ async def make_dirs(request: Request) -> Response:
     body = await json_body(request)
     if not isinstance(body, dict) or not all(isinstance(v, dict) for v in body.values()):
         raise bad_request("the body must be {PATH: {\"mode\": 755}}", "INVALID_REQUEST_BODY")
-    plan = [(path, _permission(perm, f"{path}", 0o755)) for path, perm in body.items()]
+    plan = [(path, _permission(perm, path, 0o755, managed)) for path, perm in body.items()]
 
     def work() -> None:
         for path, mode in plan:
@@ -327,10 +327,17 @@ async def make_dirs(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def _permission(perm: dict[str, Any], where: str, default: int) -> int:
-    for name in ("owner", "group"):
-        if perm.get(name):
-            raise bad_request(f"{where}.{name}: files belong to the sandbox's user; owner and group cannot be set")
+def _permission(perm: dict[str, Any], where: str, default: int, managed: ManagedSandbox | None = None) -> int:
+    """The mode asked for; an owner or group is accepted only when it is the sandbox's own (files are its user's)."""
+    user = managed.box.enforced.get("user", {}) if managed is not None and managed.box.backend == "native" else {}
+    for name, key, kind in (("owner", "uid", "user"), ("group", "gid", "group")):
+        value = perm.get(name)
+        if not value:
+            continue
+        own = user.get(key)
+        if own is None or value not in (str(own), name_of(int(own), kind)):
+            raise bad_request(f"{where}.{name}: {str(value)[:40]!r}: files belong to the sandbox's own user "
+                              f"({name_of(int(own), kind) if own is not None else 'unknown'}); another cannot be set")
     return octal_mode(perm.get("mode"), f"{where}.mode", default)
 
 
@@ -340,7 +347,7 @@ async def chmod_files(request: Request) -> Response:
     body = await json_body(request)
     if not isinstance(body, dict) or not all(isinstance(v, dict) for v in body.values()):
         raise bad_request("the body must be {PATH: {\"mode\": 644}}", "INVALID_REQUEST_BODY")
-    plan = [(path, _permission(perm, path, 0o755)) for path, perm in body.items()]
+    plan = [(path, _permission(perm, path, 0o755, managed)) for path, perm in body.items()]
 
     def work() -> None:
         for path, mode in plan:
@@ -498,7 +505,7 @@ async def upload_files(request: Request) -> Response:
             elif name == "file":
                 if pending is None:
                     raise bad_request("file: each file part must follow its metadata part", "INVALID_REQUEST_BODY")
-                plan.append((pending["path"], _permission(pending, "metadata", 0o644), value))
+                plan.append((pending["path"], _permission(pending, "metadata", 0o644, managed), value))
                 pending = None
         if pending is not None or not plan:
             raise bad_request("every metadata part needs a file part after it", "INVALID_REQUEST_BODY")

@@ -61,6 +61,11 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]
+    if asked and box.backend == "native":
+        enforced = box.enforced
+        managed.message += "; " + ", ".join(f"{name}: {enforced.get(name) or 'not enforced (best effort)'}"
+                                            for name in asked)
     try:
         if req.entrypoint != KEEPALIVE_ENTRYPOINT:
             # The entry process runs as a background command (its output: GET /command/{id}/logs).

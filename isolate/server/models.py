@@ -267,7 +267,7 @@ def file_type(mode: int) -> str:
     return "other"
 
 
-def _name(uid: int, kind: str) -> str:
+def name_of(uid: int, kind: str) -> str:
     import grp
     import pwd
 
@@ -281,7 +281,7 @@ def file_info(path: str, mode: int, size: int, mtime_ns: int, uid: int | None = 
               gid: int | None = None) -> dict[str, Any]:
     when = iso(mtime_ns / 1e9)
     return {"path": path, "type": file_type(mode), "size": size, "modified_at": when, "created_at": when,
-            "owner": _name(uid, "user") if uid is not None else "", "group": _name(gid, "group") if gid is not None
+            "owner": name_of(uid, "user") if uid is not None else "", "group": name_of(gid, "group") if gid is not None
             else "", "mode": mode_digits(mode)}
 
 

@@ -200,6 +200,15 @@ def test_sdk_quick_start_async(server: Server) -> None:
     assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
 
 
+def test_readme_example(server: Server) -> None:
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme.split("## OpenSandbox-compatible server", 1)[1].split("\n## ", 1)[0]
+    lines = section.split("(`tests/test_server.py` runs this block):\n\n", 1)[1].splitlines()
+    block = "\n".join(line for line in lines[:next(i for i, t in enumerate(lines) if t and not t.startswith(" "))])
+    code = textwrap.dedent(block).replace('"127.0.0.1:8080"', repr(server.domain)).replace('"KEY"', repr(KEY))
+    assert run_example(server, code) == "hi\n"
+
+
 def test_sdk_quick_start_sync(server: Server) -> None:
     assert run_example(server, sdk_readme(HELLO_SYNC, server)) == "Hello Sandbox!\n"
     assert server.call("GET", "/v1/sandboxes")[1]["items"] == []

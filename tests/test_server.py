@@ -639,3 +639,65 @@ def test_restart_reaps_what_the_server_made() -> None:
         assert all(second.call("GET", f"/v1/sandboxes/{i}")[0] == 404 for i in box_ids)
     finally:
         second.stop()
+
+
+# -- opensandbox-mcp, driven by an MCP client ---------------------------------------------------
+
+MCP_DRIVER = '''
+import asyncio, json, os, sys
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+async def main():
+    params = StdioServerParameters(command=sys.executable, args=["-m", "opensandbox_mcp"], env=dict(os.environ))
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            tools = sorted(t.name for t in (await session.list_tools()).tools)
+            results = {}
+
+            async def call(name, **args):
+                r = await session.call_tool(name, args)
+                results[name] = "error: " + "".join(getattr(c, "text", "") for c in r.content)[:200] \\
+                    if r.is_error else "ok"
+                return r.structured_content
+
+            created = await call("sandbox_create", image="ubuntu", resource={"cpu": "1", "memory": "512Mi"})
+            sid = created["sandbox_id"]
+            await call("sandbox_get_info", sandbox_id=sid)
+            await call("sandbox_list")
+            await call("sandbox_renew", sandbox_id=sid, timeout_seconds=900)
+            await call("sandbox_healthcheck", sandbox_id=sid)
+            await call("sandbox_get_metrics", sandbox_id=sid)
+            await call("sandbox_get_endpoint", sandbox_id=sid, port=44772)
+            out = await call("command_run", sandbox_id=sid, command="echo mcp-hello")
+            assert "mcp-hello" in json.dumps(out), out
+            bg = await call("command_run", sandbox_id=sid, command="sleep 60", background=True)
+            await call("command_interrupt", sandbox_id=sid, execution_id=bg["id"])
+            await call("file_create_directories", sandbox_id=sid, entries=[{"path": "/workspace/m", "mode": 755}])
+            await call("file_write", sandbox_id=sid, path="/workspace/m/a.txt", content="one two")
+            await call("file_replace_contents", sandbox_id=sid,
+                       entries=[{"path": "/workspace/m/a.txt", "old_content": "one", "new_content": "three"}])
+            assert "three two" in json.dumps(await call("file_read", sandbox_id=sid, path="/workspace/m/a.txt"))
+            await call("file_move", sandbox_id=sid,
+                       entries=[{"src": "/workspace/m/a.txt", "dest": "/workspace/m/b.txt"}])
+            found = await call("file_search", sandbox_id=sid, path="/workspace", pattern="*.txt")
+            assert "/workspace/m/b.txt" in json.dumps(found), found
+            await call("file_delete", sandbox_id=sid, paths=["/workspace/m/b.txt"])
+            await call("file_delete_directories", sandbox_id=sid, paths=["/workspace/m"])
+            await call("sandbox_connect", sandbox_id=sid)
+            await call("sandbox_kill", sandbox_id=sid)
+            print(json.dumps({name: results.get(name, "not called") for name in tools}))
+
+asyncio.run(main())
+'''
+
+
+def test_opensandbox_mcp_every_tool(server: Server) -> None:
+    """opensandbox-mcp (its stdio server) driven by the mcp client: every one of its tools works here."""
+    pytest.importorskip("mcp", reason="the mcp client is not installed: pip install 'isolate[server-test]'")
+    pytest.importorskip("opensandbox_mcp", reason="opensandbox-mcp is missing: pip install 'isolate[server-test]'")
+    lines = run_example(server, MCP_DRIVER, timeout=180).strip().splitlines()
+    results = json.loads(lines[-1])
+    assert len(results) >= 19, results
+    assert all(value == "ok" for value in results.values()), results

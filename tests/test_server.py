@@ -701,3 +701,40 @@ def test_opensandbox_mcp_every_tool(server: Server) -> None:
     results = json.loads(lines[-1])
     assert len(results) >= 19, results
     assert all(value == "ok" for value in results.values()), results
+
+
+def test_client_going_away_ends_its_command(server: Server) -> None:
+    """A foreground command whose client disconnects is ended with everything it started (as upstream's)."""
+    box = _create(server)
+    try:
+        prefix, headers = _endpoint(server, box["id"])
+        request = urllib.request.Request(f"http://{server.domain}{prefix}/command", method="POST",
+                                         data=json.dumps({"command": "echo up; sleep 300"}).encode(),
+                                         headers={**headers, "Content-Type": "application/json"})
+        response = urllib.request.urlopen(request, timeout=30)
+        init = json.loads(response.readline().decode()[6:])
+        assert init["type"] == "init"
+        assert json.loads((response.readline(), response.readline())[1].decode()[6:])["text"] == "up"
+        response.close()
+        deadline = time.monotonic() + 15
+        while True:
+            status = server.call("GET", f"{prefix}/command/status/{init['text']}", key=None, headers=headers)[1]
+            if not status["running"]:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        assert status["exit_code"] == 137
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_benchmark_runs() -> None:
+    """benchmarks/opensandbox.py runs (one round, no Docker); its figures are not asserted."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        from benchmarks import opensandbox as bench
+    finally:
+        sys.path.pop(0)
+    results = bench.run(1, False, lambda message: None)
+    assert results["sdk-default-limits"]["n"] == 1 and results["sdk-no-limits"]["n"] == 1
+    assert "skipped" in results["docker-backend-direct"]

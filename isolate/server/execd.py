@@ -12,6 +12,7 @@ import asyncio
 import fnmatch
 import os
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +31,8 @@ from .state import CommandRecord, ManagedSandbox, ServerState
 WORKDIR = "/workspace"
 #: Largest file one upload part may carry, and one download may return.
 MAX_FILE = 1 << 30
+#: Output of a streamed command waiting for a slow client before the command is held up.
+BRIDGE_LIMIT = 8 << 20
 
 
 def sandbox_for(request: Request, running: bool = True) -> ManagedSandbox:
@@ -83,16 +86,56 @@ def _exit_events(record: CommandRecord) -> list[bytes]:
                                              "traceback": [record.error or f"exit status {record.exit_code}"]}})]
 
 
-async def _stream(record: CommandRecord, queue: asyncio.Queue[tuple[str, Any]],
-                  managed: ManagedSandbox) -> AsyncIterator[bytes]:
+class Bridge:
+    """A command's output, from its thread to the response, with back-pressure.
+
+    When the client reads slower than the command writes, more than
+    BRIDGE_LIMIT bytes waiting stops the command's thread, so the command
+    blocks on its full pipe instead of the server's memory growing.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.pending = 0
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def put(self, kind: str, payload: Any) -> None:  # the command's thread
+        size = len(payload) if isinstance(payload, bytes) else 0
+        with self.cond:
+            while self.pending > BRIDGE_LIMIT and not self.closed:
+                self.cond.wait(1.0)
+            if self.closed:
+                return
+            self.pending += size
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.close()
+
+    def taken(self, payload: Any) -> None:
+        with self.cond:
+            self.pending -= len(payload) if isinstance(payload, bytes) else 0
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+async def _stream(record: CommandRecord, bridge: Bridge) -> AsyncIterator[bytes]:
     yield sse({"type": "init", "text": record.id})
     splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
     try:
         while True:
-            kind, payload = await queue.get()
+            kind, payload = await bridge.queue.get()
             if kind == "exit":
                 break
-            for line in splitters[kind].feed(payload):
+            lines = splitters[kind].feed(payload)
+            bridge.taken(payload)
+            for line in lines:
                 yield sse({"type": kind, "text": line})
         for kind, splitter in splitters.items():
             for line in splitter.flush():
@@ -100,6 +143,7 @@ async def _stream(record: CommandRecord, queue: asyncio.Queue[tuple[str, Any]],
         for event in _exit_events(record):
             yield event
     finally:
+        bridge.close()
         if record.running:  # the client went away: the command goes with it, as upstream's does
             record.proc.kill()
 
@@ -121,14 +165,9 @@ async def run_command(request: Request) -> Response:
         raise bad_request("background: expected true or false")
     timeout = _timeout_ms(body.get("timeout"))
     envs = _envs(body.get("envs"))
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-    def listener(kind: str, payload: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
-
+    bridge = Bridge(asyncio.get_running_loop())
     record = await run_in_threadpool(managed.start_command, body["command"], background, cwd or None, envs, timeout,
-                                     None if background else listener)
+                                     None if background else bridge.put)
     if background:
         events = [sse({"type": "init", "text": record.id}), sse({"type": "execution_complete", "execution_time": 0})]
 
@@ -137,7 +176,7 @@ async def run_command(request: Request) -> Response:
                 yield event
 
         return StreamingResponse(done(), media_type="text/event-stream", headers=SSE_HEADERS)
-    return StreamingResponse(_stream(record, queue, managed), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(_stream(record, bridge), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _command(managed: ManagedSandbox, command_id: str) -> CommandRecord:

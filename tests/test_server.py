@@ -738,3 +738,42 @@ def test_benchmark_runs() -> None:
     results = bench.run(1, False, lambda message: None)
     assert results["sdk-default-limits"]["n"] == 1 and results["sdk-no-limits"]["n"] == 1
     assert "skipped" in results["docker-backend-direct"]
+
+
+def test_network_policy_maps_to_network_modes(server: Server) -> None:
+    """deny → no network (the server's own port is unreachable from inside); allow → the host's network."""
+    probe = f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {server.port}), 3); print(1)'"
+    code = sdk_readme(f'''
+import asyncio
+from opensandbox.sandbox import Sandbox
+from opensandbox.config import ConnectionConfig
+from opensandbox.models.sandboxes import NetworkPolicy, NetworkRule
+from opensandbox.exceptions import SandboxException
+
+PROBE = {probe!r}
+
+async def main():
+    config = ConnectionConfig(domain="api.opensandbox.io", api_key="your-api-key")
+    for action in ("deny", "allow"):
+        sandbox = await Sandbox.create("ubuntu", connection_config=config,
+                                       network_policy=NetworkPolicy(defaultAction=action))
+        try:
+            policy = await sandbox.get_egress_policy()
+            r = await sandbox.commands.run(PROBE)
+            print(action, policy.default_action, r.exit_code, [m.text for m in r.logs.stdout])
+            try:
+                await sandbox.patch_egress_rules([NetworkRule(action="allow", target="example.com")])
+                print("patched")
+            except SandboxException:
+                print("patch refused")
+        finally:
+            await sandbox.destroy()
+
+asyncio.run(main())
+''', server)
+    lines = run_example(server, code).splitlines()
+    assert lines[0].startswith("deny deny 1 [")
+    assert "'1'" not in lines[0]
+    assert lines[1] == "patch refused"
+    assert lines[2] == "allow allow 0 ['1']"
+    assert lines[3] == "patch refused"

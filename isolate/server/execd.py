@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, SSE_HEADERS, LineSplitter, api, json_body, query_int, same, sse
-from .models import EXECD_PORT, ApiError, absolute, bad_request, file_info, name_of, octal_mode
+from .models import EGRESS_PORT, EXECD_PORT, ApiError, absolute, bad_request, file_info, name_of, octal_mode
 from .state import CommandRecord, ManagedSandbox, ServerState
 
 #: Where relative paths start: the sandbox's workspace (its commands' default cwd).
@@ -35,7 +35,7 @@ MAX_FILE = 1 << 30
 BRIDGE_LIMIT = 8 << 20
 
 
-def sandbox_for(request: Request, running: bool = True) -> ManagedSandbox:
+def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) -> ManagedSandbox:
     state: ServerState = request.app.state.isolate
     try:
         managed = state.get(request.path_params["sandbox_id"])
@@ -46,7 +46,7 @@ def sandbox_for(request: Request, running: bool = True) -> ManagedSandbox:
                                   or same(request.headers.get(API_KEY_HEADER), state.api_key))
     if managed is None or not ok:
         raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
-    if request.path_params.get("port") != str(EXECD_PORT):
+    if request.path_params.get("port") != str(port):
         raise ApiError(404, "NOT_FOUND", "this port of the sandbox serves nothing here")
     if running:
         managed.usable()
@@ -579,6 +579,24 @@ async def metrics(request: Request) -> Response:
     return JSONResponse(await run_in_threadpool(work))
 
 
+# -- the egress sidecar's policy (port 18080), read-only ---------------------------------------
+
+@api
+async def egress_policy(request: Request) -> Response:
+    """The sandbox's network as the sidecar's policy shape; it is fixed at create (changes are refused)."""
+    managed = sandbox_for(request, running=False, port=EGRESS_PORT)
+    if request.method != "GET":
+        raise ApiError(400, "UNSUPPORTED", "the network of a running sandbox cannot change here; create another "
+                       "sandbox with the networkPolicy wanted")
+    network = managed.box.policy.network
+    if isinstance(network, str):
+        policy: dict[str, Any] = {"defaultAction": "allow" if network == "host" else "deny", "egress": []}
+    else:
+        policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": h} for h in network.hosts]}
+    mode = network if isinstance(network, str) else "allow-list"
+    return JSONResponse({"status": "ok", "mode": mode, "enforcementMode": "isolate", "policy": policy})
+
+
 PREFIX = "/sandboxes/{sandbox_id}/port/{port}"
 
 routes = [
@@ -602,4 +620,5 @@ routes = [
     Route(PREFIX + "/directories", make_dirs, methods=["POST"]),
     Route(PREFIX + "/directories", remove_dirs, methods=["DELETE"]),
     Route(PREFIX + "/metrics", metrics, methods=["GET"]),
+    Route(PREFIX + "/policy", egress_policy, methods=["GET", "PATCH", "DELETE"]),
 ]

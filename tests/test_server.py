@@ -777,3 +777,30 @@ asyncio.run(main())
     assert lines[1] == "patch refused"
     assert lines[2] == "allow allow 0 ['1']"
     assert lines[3] == "patch refused"
+
+
+def test_upload_total_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload's whole body is bounded (its parts are spooled to the server's disk), not only each part."""
+    from starlette.testclient import TestClient
+
+    from isolate.server import create_app, execd
+
+    monkeypatch.setattr(execd, "MAX_UPLOAD", 64 << 10)
+    import isolate
+
+    with TestClient(create_app(KEY, {"ubuntu": isolate.Policy()})) as client:  # type: ignore[arg-type]
+        created = client.post("/v1/sandboxes", json={"image": {"uri": "ubuntu"}}, headers={"OPEN-SANDBOX-API-KEY": KEY})
+        assert created.status_code == 202, created.text
+        sid = created.json()["id"]
+        endpoint = client.get(f"/v1/sandboxes/{sid}/endpoints/44772", headers={"OPEN-SANDBOX-API-KEY": KEY}).json()
+        prefix = "/" + endpoint["endpoint"].split("/", 1)[1]
+
+        def upload(size: int) -> Any:
+            files = [("metadata", ("metadata", json.dumps({"path": "/tmp/f", "mode": 644}), "application/json")),
+                     ("file", ("f", b"x" * size, "application/octet-stream"))]
+            return client.post(prefix + "/files/upload", files=files, headers=endpoint["headers"])
+
+        assert upload(1000).status_code == 200
+        too_big = upload(100 << 10)
+        assert too_big.status_code == 413 and too_big.json()["code"] == "REQUEST_TOO_LARGE"
+        assert client.delete(f"/v1/sandboxes/{sid}", headers={"OPEN-SANDBOX-API-KEY": KEY}).status_code == 204

@@ -22,6 +22,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message
 
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, SSE_HEADERS, LineSplitter, api, json_body, query_int, same, sse
 from .models import EGRESS_PORT, EXECD_PORT, ApiError, absolute, bad_request, file_info, name_of, octal_mode
@@ -31,6 +32,8 @@ from .state import CommandRecord, ManagedSandbox, ServerState
 WORKDIR = "/workspace"
 #: Largest file one upload part may carry, and one download may return.
 MAX_FILE = 1 << 30
+#: Largest upload request (all its files).
+MAX_UPLOAD = 2 << 30
 #: Output of a streamed command waiting for a slow client before the command is held up.
 BRIDGE_LIMIT = 8 << 20
 
@@ -523,8 +526,22 @@ async def upload_files(request: Request) -> Response:
     managed = sandbox_for(request)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise bad_request("the body must be multipart/form-data (metadata, file) pairs", "INVALID_REQUEST_BODY")
+    total = 0
+
+    async def receive() -> Message:
+        nonlocal total
+        message = await request.receive()
+        if message["type"] == "http.request":
+            total += len(message.get("body", b""))
+            if total > MAX_UPLOAD:  # parts are spooled to disk: bound the whole body, not only each part
+                raise ApiError(413, "REQUEST_TOO_LARGE", f"an upload carries at most {MAX_UPLOAD} bytes")
+        return message
+
     try:
-        form = await request.form(max_files=10000, max_fields=10000, max_part_size=MAX_FILE)
+        form = await Request(request.scope, receive).form(max_files=10000, max_fields=10000,
+                                                          max_part_size=MAX_FILE)
+    except ApiError:
+        raise
     except Exception as exc:
         raise bad_request(f"the multipart body cannot be read: {exc}", "INVALID_REQUEST_BODY") from None
     try:

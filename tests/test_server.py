@@ -804,3 +804,29 @@ def test_upload_total_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         too_big = upload(100 << 10)
         assert too_big.status_code == 413 and too_big.json()["code"] == "REQUEST_TOO_LARGE"
         assert client.delete(f"/v1/sandboxes/{sid}", headers={"OPEN-SANDBOX-API-KEY": KEY}).status_code == 204
+
+
+def test_sdk_bash_session_keeps_state(server: Server) -> None:
+    code = section('''
+from datetime import timedelta
+sid = await sandbox.commands.create_session(working_directory="/tmp")
+r = await sandbox.commands.run_in_session(sid, "X=5; cd /workspace; f() { echo \\"f:$1\\"; }")
+print(r.exit_code)
+r = await sandbox.commands.run_in_session(sid, "echo $X; pwd; f arg")
+print(r.exit_code, [m.text for m in r.logs.stdout])
+r = await sandbox.commands.run_in_session(sid, "pwd", working_directory="/tmp")
+print([m.text for m in r.logs.stdout])
+r = await sandbox.commands.run_in_session(sid, "false")
+print(r.exit_code)
+r = await sandbox.commands.run_in_session(sid, "sleep 30", timeout=timedelta(seconds=1))
+r = await sandbox.commands.run_in_session(sid, "echo still $X")
+print([m.text for m in r.logs.stdout])
+await sandbox.commands.delete_session(sid)
+try:
+    await sandbox.commands.run_in_session(sid, "true")
+    print("ran")
+except Exception:
+    print("gone")
+''', server)
+    assert run_example(server, code).splitlines() == ["0", "0 ['5', '/workspace', 'f:arg']", "['/tmp']", "1",
+                                                      "['still 5']", "gone"]

@@ -830,3 +830,41 @@ except Exception:
 ''', server)
     assert run_example(server, code).splitlines() == ["0", "0 ['5', '/workspace', 'f:arg']", "['/tmp']", "1",
                                                       "['still 5']", "gone"]
+
+
+def test_code_interpreter_contexts(server: Server) -> None:
+    """opensandbox-code-interpreter: Python contexts keep state, give results, errors and streams; bash too."""
+    pytest.importorskip("code_interpreter", reason="the code-interpreter SDK is missing: pip install "
+                        "'isolate[server-test]'")
+    code = section('''
+import asyncio, time
+from code_interpreter import CodeInterpreter
+from code_interpreter.models.code import SupportedLanguage
+# No Jupyter behind this server: its strict health check (a Jupyter port) is skipped.
+interpreter = await CodeInterpreter.create(sandbox=sandbox, skip_health_check=True)
+context = await interpreter.codes.create_context(SupportedLanguage.PYTHON)
+r = await interpreter.codes.run("x = 41\\nprint('hello')\\nx + 1", context=context)
+print([m.text for m in r.logs.stdout], [x.text for x in r.result], r.error, r.execution_count)
+r = await interpreter.codes.run("import sys; print('e', file=sys.stderr); 1/0", context=context)
+print([m.text for m in r.logs.stderr], r.error.name, r.error.value)
+r = await interpreter.codes.run("x", context=context)
+print([x.text for x in r.result], r.execution_count)
+print([m.text for m in (await interpreter.codes.run("print('default')")).logs.stdout])
+bash = await interpreter.codes.create_context(SupportedLanguage.BASH)
+await interpreter.codes.run("Y=3", context=bash)
+print([m.text for m in (await interpreter.codes.run("echo again $Y", context=bash)).logs.stdout])
+async def stop():
+    await asyncio.sleep(1)
+    await interpreter.codes.interrupt(context.id)
+start = time.monotonic()
+task = asyncio.create_task(stop())
+r = await interpreter.codes.run("import time\\ntime.sleep(60)", context=context)
+await task
+print(r.error.name, time.monotonic() - start < 20)
+r = await interpreter.codes.run("x * 2", context=context)
+print([x.text for x in r.result])
+print(len(await interpreter.codes.list_contexts(SupportedLanguage.PYTHON)))
+''', server)
+    assert run_example(server, code).splitlines() == [
+        "['hello'] ['42'] None 1", "['e'] ZeroDivisionError division by zero", "['41'] 3", "['default']",
+        "['again 3']", "KeyboardInterrupt True", "['82']", "2"]

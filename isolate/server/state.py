@@ -165,6 +165,7 @@ class ManagedSandbox:
     transition_at: float = field(default_factory=time.time)
     commands: dict[str, CommandRecord] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
+    contexts: dict[str, Any] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def set_state(self, state: str, reason: str, message: str = "") -> None:
@@ -205,12 +206,13 @@ class ManagedSandbox:
 
     def close(self) -> None:
         with self.lock:
-            for session in list(self.sessions.values()):
+            for session in [*self.sessions.values(), *self.contexts.values()]:
                 try:
                     session.close()
                 except Exception:
                     pass
             self.sessions.clear()
+            self.contexts.clear()
         if self.state == "Paused":
             try:
                 self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed

@@ -868,3 +868,15 @@ print(len(await interpreter.codes.list_contexts(SupportedLanguage.PYTHON)))
     assert run_example(server, code).splitlines() == [
         "['hello'] ['42'] None 1", "['e'] ZeroDivisionError division by zero", "['41'] 3", "['default']",
         "['again 3']", "KeyboardInterrupt True", "['82']", "2"]
+
+
+def test_max_sandboxes() -> None:
+    srv = Server("--max-sandboxes", "2")
+    try:
+        first, _second = _create(srv), _create(srv)
+        status, body = srv.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}})
+        assert status == 429 and body["code"] == "TOO_MANY_SANDBOXES", body
+        assert srv.call("DELETE", f"/v1/sandboxes/{first['id']}")[0] == 204
+        _create(srv)
+    finally:
+        srv.stop()

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image", action="append", default=[], metavar="NAME=FILE",
                         help="the image NAME runs under the TOML policy FILE ('default' for isolate's defaults); "
                              "repeatable")
+    parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
+                        help="sandboxes kept at once; more creates are refused with 429 (default 64)")
     parser.add_argument("--best-effort", action="store_true",
                         help="create sandboxes whose resourceLimits this host cannot enforce (e.g. no cgroup for "
                              "this user) instead of refusing them; the sandbox's status message says what is not "
@@ -107,6 +109,9 @@ def serve_main(argv: Sequence[str]) -> int:
         pass
     names = ", ".join(sorted(profiles)) + (", any other name (--profile)" if any_image is not None else "")
     print(f"isolate-run serve: http://{host}:{port} (images: {names})", flush=True)
-    app = _create(ServerState(key, profiles, any_image))
+    if options.max_sandboxes < 1:
+        print("isolate-run serve: --max-sandboxes: at least 1", file=sys.stderr)
+        return 125
+    app = _create(ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes))
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -7,7 +7,7 @@ import secrets
 import shlex
 import time
 from typing import Any
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -81,7 +81,12 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
 async def create_sandbox(request: Request) -> Response:
     state = check_key(request)
     req = parse_create(await json_body(request), state.profiles, state.any_image)
-    managed = await run_in_threadpool(_start, state, req)
+    state.reserve()
+    try:
+        managed = await run_in_threadpool(_start, state, req)
+    except BaseException:
+        state.release()
+        raise
     state.add(managed)
     return JSONResponse(sandbox_json(managed, full=False), status_code=202,
                         headers={"Location": f"/v1/sandboxes/{managed.id}"})
@@ -96,8 +101,8 @@ async def get_sandbox(request: Request) -> Response:
 def _metadata_filter(raw: str | None) -> dict[str, str]:
     if not raw:
         return {}
-    pairs = parse_qsl(unquote(raw) if "%3D" in raw.upper() else raw, keep_blank_values=True)
-    return dict(pairs)
+    # The SDK quotes each key and value, then the query string once more; Starlette undid the outer layer.
+    return dict(parse_qsl(raw, keep_blank_values=True))
 
 
 @api

@@ -27,6 +27,9 @@ from .models import ApiError
 OUTPUT_LIMIT = 16 << 20
 #: Finished commands remembered per sandbox for status and logs.
 KEEP_FINISHED = 256
+#: Sandboxes one server keeps at once (--max-sandboxes), and commands running at once in one sandbox.
+MAX_SANDBOXES = 64
+MAX_RUNNING = 256
 #: SIGTERM, then this long before SIGKILL, as upstream's interrupt does.
 INTERRUPT_GRACE = 3.0
 
@@ -178,6 +181,9 @@ class ManagedSandbox:
 
     def start_command(self, content: str, background: bool, cwd: str | None, env: Mapping[str, str] | None,
                       timeout: float | None, listener: Listener | None) -> CommandRecord:
+        with self.lock:
+            if sum(1 for c in self.commands.values() if c.running) >= MAX_RUNNING:
+                raise ApiError(429, "TOO_MANY_COMMANDS", f"at most {MAX_RUNNING} commands run at once in a sandbox")
         # bash when the sandbox has it (as upstream's execd: brace expansion, [[ ]], ...), else sh.
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
         try:
@@ -225,8 +231,10 @@ class ServerState:
     """The sandboxes of one server (one API key)."""
 
     def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES) -> None:
         self.api_key = api_key
+        self.max_sandboxes = max_sandboxes
+        self.starting = 0
         self.profiles = dict(profiles)
         self.any_image = any_image
         self.backend = backend
@@ -240,8 +248,21 @@ class ServerState:
             raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {sandbox_id[:64]!r} not found")
         return managed
 
+    def reserve(self) -> None:
+        """Count a sandbox being made against --max-sandboxes, or refuse it (429)."""
+        with self.lock:
+            if len(self.sandboxes) + self.starting >= self.max_sandboxes:
+                raise ApiError(429, "TOO_MANY_SANDBOXES", f"this server keeps at most {self.max_sandboxes} sandboxes "
+                               "(--max-sandboxes); delete one first")
+            self.starting += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.starting -= 1
+
     def add(self, managed: ManagedSandbox) -> None:
         with self.lock:
+            self.starting -= 1
             self.sandboxes[managed.id] = managed
 
     def remove(self, sandbox_id: str) -> ManagedSandbox | None:

@@ -880,3 +880,16 @@ def test_max_sandboxes() -> None:
         _create(srv)
     finally:
         srv.stop()
+
+
+def test_docker_profile_is_refused(tmp_path: Any) -> None:
+    """A profile on the Docker backend is refused at create, clearly (commands and files need the native one)."""
+    profile = tmp_path / "docker.toml"
+    profile.write_text('backend = "docker"\nimage = "isolate-test:busybox"\n')
+    srv = Server("--image", f"busybox={profile}")
+    try:
+        status, body = srv.call("POST", "/v1/sandboxes", {"image": {"uri": "busybox"}})
+        assert status == 400 and body["code"] == "UNSUPPORTED" and "native backend only" in body["message"], body
+        assert srv.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        srv.stop()

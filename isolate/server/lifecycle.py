@@ -56,6 +56,10 @@ def sandbox_json(managed: ManagedSandbox, full: bool = True) -> dict[str, Any]:
 
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     box = Sandbox(req.policy, backend=state.backend)
+    if box.backend != "native":
+        raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; this "
+                       "server streams commands and serves files through the native backend only (the Docker "
+                       "backend of Sandbox has no spawn or file methods yet)")
     box.start()
     now = time.time()
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,

@@ -893,3 +893,37 @@ def test_docker_profile_is_refused(tmp_path: Any) -> None:
         assert srv.call("GET", "/v1/sandboxes")[1]["items"] == []
     finally:
         srv.stop()
+
+
+def test_pause_stops_the_sandbox_and_refuses_execution(server: Server) -> None:
+    box = _create(server)
+    sid = box["id"]
+    try:
+        prefix, headers = _endpoint(server, sid)
+
+        def lines() -> int:
+            status, body = server.call("GET", f"{prefix}/files/download?path=/tmp/ticks", key=None, headers=headers)
+            assert status == 200, body
+            return len(body.splitlines()) if isinstance(body, bytes) else len(str(body).splitlines())
+
+        run = {"command": "while true; do echo t >> /tmp/ticks; sleep 0.05; done", "background": True}
+        request = urllib.request.Request(f"http://{server.domain}{prefix}/command", method="POST",
+                                         data=json.dumps(run).encode(),
+                                         headers={**headers, "Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).read()
+        time.sleep(0.5)
+        assert server.call("POST", f"/v1/sandboxes/{sid}/pause")[0] == 202
+        assert server.call("GET", f"/v1/sandboxes/{sid}")[1]["status"]["state"] == "Paused"
+        assert server.call("POST", f"/v1/sandboxes/{sid}/pause")[0] == 409
+        status, body = server.call("GET", f"{prefix}/ping", key=None, headers=headers)
+        assert status == 409 and body["code"] == "SANDBOX_NOT_RUNNING"
+        time.sleep(2)
+        assert server.call("POST", f"/v1/sandboxes/{sid}/resume")[0] == 202
+        after_resume = lines()
+        time.sleep(1)
+        later = lines()
+        # Paused for 2 s, nothing was written then; running 1 s, about 20 lines were.
+        assert later - after_resume >= 5, (after_resume, later)
+        assert after_resume <= 20, after_resume  # ~0.5 s of ticks before the pause, not 2.5 s
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{sid}")

@@ -6,6 +6,7 @@ import math
 import secrets
 import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -137,15 +138,26 @@ async def delete_sandbox(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def _transition(managed: ManagedSandbox, source: str, passing: str, target: str, reason: str,
+                      work: Callable[[], str]) -> None:
+    # The check and the move to the passing state happen on the event loop, with no await between them:
+    # a second pause (or a command) arriving meanwhile sees Pausing and is refused.
+    if managed.state != source:
+        raise ApiError(409, "INVALID_STATE", f"sandbox {managed.id} is {managed.state}, not {source}")
+    managed.set_state(passing, reason)
+    try:
+        mechanism = await run_in_threadpool(work)
+    except BaseException:
+        managed.set_state(source, reason, f"{passing.lower()} failed")
+        raise
+    managed.set_state(target, reason, f"{target.lower()} ({mechanism})")
+
+
 @api
 async def pause_sandbox(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
-    with managed.lock:
-        if managed.state != "Running":
-            raise ApiError(409, "INVALID_STATE", f"sandbox {managed.id} is {managed.state}, not Running")
-        mechanism = await run_in_threadpool(managed.box.pause)
-        managed.set_state("Paused", "user_pause", f"every process stopped ({mechanism})")
+    await _transition(managed, "Running", "Pausing", "Paused", "user_pause", managed.box.pause)
     return Response(status_code=202)
 
 
@@ -153,11 +165,7 @@ async def pause_sandbox(request: Request) -> Response:
 async def resume_sandbox(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
-    with managed.lock:
-        if managed.state != "Paused":
-            raise ApiError(409, "INVALID_STATE", f"sandbox {managed.id} is {managed.state}, not Paused")
-        mechanism = await run_in_threadpool(managed.box.resume)
-        managed.set_state("Running", "user_resume", f"resumed ({mechanism})")
+    await _transition(managed, "Paused", "Resuming", "Running", "user_resume", managed.box.resume)
     return Response(status_code=202)
 
 

@@ -219,7 +219,7 @@ class ManagedSandbox:
                     pass
             self.sessions.clear()
             self.contexts.clear()
-        if self.state == "Paused":
+        if self.state in ("Paused", "Pausing", "Resuming"):
             try:
                 self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed
             except Exception:

@@ -203,12 +203,15 @@ class ManagedSandbox:
 
     def interrupt(self, record: CommandRecord) -> None:
         """SIGTERM to the command's process group; after INTERRUPT_GRACE, SIGKILL to everything it started."""
-        if not record.running:
-            return
-        record.proc.signal(signal.SIGTERM)
-        if not record.done.wait(INTERRUPT_GRACE):
-            record.proc.kill()
-            record.done.wait(INTERRUPT_GRACE)
+        try:
+            if not record.running:
+                return
+            record.proc.signal(signal.SIGTERM)
+            if not record.done.wait(INTERRUPT_GRACE):
+                record.proc.kill()
+                record.done.wait(INTERRUPT_GRACE)
+        except OSError:
+            pass  # it ended meanwhile and its conversation is closed
 
     def close(self) -> None:
         with self.lock:

@@ -637,6 +637,13 @@ def test_restart_reaps_what_the_server_made() -> None:
     try:
         assert second.call("GET", "/v1/sandboxes")[1]["items"] == []
         assert all(second.call("GET", f"/v1/sandboxes/{i}")[0] == 404 for i in box_ids)
+        # A server stopped by SIGTERM leaves nothing running either (uvicorn re-raises the signal on its way out).
+        _create(second)
+        pids = second.sandbox_pids()
+        assert pids
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(30) in (0, -signal.SIGTERM)
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     finally:
         second.stop()
 

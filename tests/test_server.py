@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import textwrap
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -934,3 +936,24 @@ def test_pause_stops_the_sandbox_and_refuses_execution(server: Server) -> None:
         assert after_resume <= 20, after_resume  # ~0.5 s of ticks before the pause, not 2.5 s
     finally:
         server.call("DELETE", f"/v1/sandboxes/{sid}")
+
+
+def test_download_of_a_hostile_file_name(server: Server) -> None:
+    """A file name made inside (quotes, CR/LF, non-Latin-1) does not reach the response's headers as such."""
+    box = _create(server)
+    try:
+        prefix, headers = _endpoint(server, box["id"])
+        name = 'a"b\r\nX-Injected: 1\u2603'
+        run = {"command": f"printf data > {shlex.quote('/tmp/' + name)}"}
+        request = urllib.request.Request(f"http://{server.domain}{prefix}/command", method="POST",
+                                         data=json.dumps(run).encode(),
+                                         headers={**headers, "Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=30).read()
+        query = urllib.parse.urlencode({"path": "/tmp/" + name})
+        request = urllib.request.Request(f"http://{server.domain}{prefix}/files/download?{query}", headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.read() == b"data"
+            assert response.headers.get("X-Injected") is None
+            assert response.headers["Content-Disposition"] == 'attachment; filename="a_b__X-Injected__1_"'
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")

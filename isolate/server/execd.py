@@ -501,7 +501,9 @@ async def download_file(request: Request) -> Response:
         lines = data.splitlines(keepends=True)
         start = (offset or 1) - 1
         data = b"".join(lines[start:] if limit is None else lines[start:start + limit])
-    headers = {"Content-Disposition": f"attachment; filename=\"{os.path.basename(path) or 'file'}\""}
+    # The name is the sandbox's (any bytes but / and NUL): only a plain token goes into the header.
+    name = re.sub(r"[^A-Za-z0-9._+-]", "_", os.path.basename(path))[:128] or "file"
+    headers = {"Content-Disposition": f"attachment; filename=\"{name}\""}
     spec = request.headers.get("range")
     if spec:
         match = _RANGE.match(spec.strip())

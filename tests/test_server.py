@@ -957,3 +957,22 @@ def test_download_of_a_hostile_file_name(server: Server) -> None:
             assert response.headers["Content-Disposition"] == 'attachment; filename="a_b__X-Injected__1_"'
     finally:
         server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_code_context_forged_marker_ends_the_stream(server: Server) -> None:
+    """A cell that prints its context's marker with garbage (it can read the token) still gets an answer."""
+    pytest.importorskip("code_interpreter", reason="the code-interpreter SDK is missing: pip install "
+                        "'isolate[server-test]'")
+    code = section('''
+import asyncio
+from code_interpreter import CodeInterpreter
+from code_interpreter.models.code import SupportedLanguage
+interpreter = await CodeInterpreter.create(sandbox=sandbox, skip_health_check=True)
+context = await interpreter.codes.create_context(SupportedLanguage.PYTHON)
+for forged in ('[1, 2]', '{"count": "x", "error": {"ename": 5}}', 'not json'):
+    r = await asyncio.wait_for(interpreter.codes.run(f"import sys\\nprint('\\\\n' + sys.argv[1] + {forged!r})",
+                                                     context=context), 20)
+    print(r.error)
+print("alive", (await sandbox.commands.run("echo ok")).logs.stdout[0].text)
+''', server)
+    assert run_example(server, code).splitlines() == ["None", "None", "None", "alive ok"]

@@ -93,7 +93,11 @@ class CodeContext:
                                                    "traceback": [f"exit status {status}"]}
                 emit("done", {"count": self.count, "result": None, "error": error})
                 return
-            self._run_python(code, emit)
+            try:
+                self._run_python(code, emit)
+            except Exception as exc:  # the stream always ends, whatever the context did
+                emit("done", {"count": self.count, "result": None,
+                              "error": {"ename": "ContextError", "evalue": str(exc)[:500], "traceback": []}})
 
     def _run_python(self, code: str, emit: Emit) -> None:
         data = code.encode()
@@ -131,12 +135,23 @@ class CodeContext:
                 break
         while (chunk := _read(err)):  # what the cell wrote to stderr before its marker
             emit("stderr", chunk)
+        # The marker comes from inside (a cell can read the token and print its own): take only well-formed parts.
         try:
             info = json.loads(marker)
         except ValueError:
-            info = {"count": self.count, "result": None, "error": None}
-        self.count = int(info.get("count") or self.count)
-        emit("done", info)
+            info = None
+        info = info if isinstance(info, dict) else {}
+        count = info.get("count")
+        self.count = count if isinstance(count, int) and not isinstance(count, bool) else self.count + 1
+        result = info.get("result")
+        error = info.get("error")
+        if not (isinstance(error, dict) and all(isinstance(error.get(k), str) for k in ("ename", "evalue"))):
+            error = None
+        else:
+            trace = error.get("traceback")
+            error = {"ename": error["ename"], "evalue": error["evalue"],
+                     "traceback": [str(t) for t in trace] if isinstance(trace, list) else []}
+        emit("done", {"count": self.count, "result": result if isinstance(result, str) else None, "error": error})
 
     def interrupt(self) -> None:
         if self._shell is not None:

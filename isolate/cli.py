@@ -67,7 +67,8 @@ examples:
   isolate-run --explain --rw out -- sh -c 'ls > out/list'    show the plan, run nothing
 
 subcommands: 'isolate-run doctor [--json]' shows what this host can enforce;
-'isolate-run sandbox list|rm NAME|prune' manages kept Docker sandboxes.
+'isolate-run sandbox list|rm NAME|prune' manages kept Docker sandboxes;
+'isolate-run serve [--listen HOST:PORT] [--api-key KEY] [--profile FILE]' serves the OpenSandbox API.
 exit status: the command's; 128+N if it died of signal N; 125 isolate-run failed;
 126 the command cannot be executed; 127 not found.
 """
@@ -436,6 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sandbox_cli import sandbox_main
 
             return sandbox_main(args[1:])
+        if args and args[0] == "serve":
+            from .server import serve_main
+
+            return serve_main(args[1:])
         return _main(args)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

@@ -34,7 +34,7 @@ if [ "$(id -u)" = 0 ] && [ "${ISOLATE_SKIP_UNPRIVILEGED:-0}" != 1 ]; then
         # A clean copy of the tree (no build products of the root install).
         git ls-files -z | xargs -0 -I{} cp --parents {} "$work/src/" 2>/dev/null || cp -r . "$work/src"
         /usr/bin/python3 -m venv "$work/venv"
-        "$work/venv/bin/pip" install -q "$work/src[test,inspect,mcp,smolagents,llm-sandbox]"
+        "$work/venv/bin/pip" install -q "$work/src[test,inspect,mcp,smolagents,llm-sandbox,server,server-test]"
         chmod -R a+rX "$work"
         (cd /tmp && setpriv --reuid=65534 --regid=65534 --clear-groups \
             env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \

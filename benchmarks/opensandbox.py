@@ -1,0 +1,151 @@
+"""``python -m benchmarks.opensandbox [--rounds N] [--no-docker]``: from create to the first command's output.
+
+Through the OpenSandbox SDK (``opensandbox``, synchronous client) against
+``isolate-run serve`` on a free loopback port: ``SandboxSync.create`` (which
+waits for the endpoints and a ping), then ``commands.run("echo hi")`` until
+its output is in hand. Two variants, interleaved in the same rounds:
+
+- ``sdk-default-limits``: the SDK's default ``resource`` (1 CPU, 2 GiB), so a
+  cgroup is made for each sandbox (where the caller may; else --best-effort);
+- ``sdk-no-limits``: ``resource={"gpu": "0"}`` (no CPU or memory limit, no cgroup).
+
+For reference, the same two steps through isolate's Docker backend directly
+(``isolate.Sandbox(backend="docker")``, no HTTP: the server's commands stream
+through ``spawn``, which that backend does not have yet), when an engine and
+the test image answer. Deleting a sandbox is not timed. Figures are printed
+as JSON (median, p99, mean, min, max in milliseconds); nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._stats import summary_ms
+
+KEY = "bench-key-" + "0123456789abcdef"
+DOCKER_IMAGE = "isolate-test:busybox"
+
+
+def _server(best_effort: bool) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        domain = f"127.0.0.1:{s.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "isolate.cli", "serve", "--listen", domain, "--api-key", KEY,
+           "--image", "bench=default", *(["--best-effort"] if best_effort else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(tuple(domain.split(":")), timeout=1):  # type: ignore[arg-type]
+                return proc, domain
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("isolate-run serve did not start") from None
+            time.sleep(0.05)
+
+
+def _limits_enforceable() -> bool:
+    import isolate
+
+    try:
+        with isolate.Sandbox(isolate.Policy(limits=isolate.Limits(memory="2G", cpus=1.0))):
+            return True
+    except isolate.UnsupportedError:
+        return False
+
+
+def _sdk_round(config: Any, resource: dict[str, str] | None) -> float:
+    from opensandbox import SandboxSync
+
+    started = time.perf_counter()
+    box = SandboxSync.create("bench", connection_config=config, resource=resource)
+    try:
+        out = box.commands.run("echo hi")
+        elapsed = time.perf_counter() - started
+        if [m.text for m in out.logs.stdout] != ["hi"]:
+            raise RuntimeError(f"unexpected output {out.logs.stdout!r}")
+    finally:
+        box.kill()
+    return elapsed
+
+
+def _docker_round() -> float:
+    import isolate
+
+    started = time.perf_counter()
+    box = isolate.Sandbox(isolate.Policy(image=DOCKER_IMAGE, backend="docker", write=()), backend="docker")
+    box.start()
+    try:
+        out = box.exec(["echo", "hi"])
+        elapsed = time.perf_counter() - started
+        if out.stdout != "hi\n":
+            raise RuntimeError(f"unexpected output {out.stdout!r}")
+    finally:
+        box.close()
+    return elapsed
+
+
+def _docker_reason() -> str | None:
+    try:
+        _docker_round()
+    except Exception as exc:  # no engine, no image, no permission: say why, measure the rest
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def run(rounds: int, docker: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    import httpx
+    from opensandbox.config import ConnectionConfigSync
+
+    os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
+    enforceable = _limits_enforceable()
+    proc, domain = _server(best_effort=not enforceable)
+    results: dict[str, Any] = {"rounds": rounds, "limits": "enforced (cgroup)" if enforceable
+                               else "best effort (no cgroup for this user)"}
+    try:
+        config = ConnectionConfigSync(domain=domain, api_key=KEY,
+                                      transport=httpx.HTTPTransport(limits=httpx.Limits(max_connections=20)))
+        _sdk_round(config, None)  # warm-up: imports, first connection
+        variants: dict[str, Callable[[], float]] = {
+            "sdk-default-limits": lambda: _sdk_round(config, None),
+            "sdk-no-limits": lambda: _sdk_round(config, {"gpu": "0"}),
+        }
+        reason = _docker_reason() if docker else "left out (--no-docker)"
+        if reason is None:
+            variants["docker-backend-direct"] = _docker_round
+        else:
+            results["docker-backend-direct"] = {"skipped": reason}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(rounds):
+            names = list(variants)
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                times[name].append(variants[name]())
+        for name, values in times.items():
+            results[name] = summary_ms(values)
+            log(f"{name}: median {results[name]['median_ms']} ms")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.opensandbox", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of each variant (default 20)")
+    parser.add_argument("--no-docker", action="store_true", help="leave the Docker backend out")
+    args = parser.parse_args(argv)
+    results = run(args.rounds, not args.no_docker, lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

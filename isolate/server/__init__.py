@@ -1,0 +1,117 @@
+"""``isolate-run serve``: an OpenSandbox-compatible HTTP server over ``isolate.Sandbox``.
+
+The OpenSandbox SDKs (``opensandbox`` on PyPI and the tools built on it)
+speak a lifecycle API (``/v1/sandboxes``) and, per sandbox, an execution
+API; this package serves both from one process, each sandbox an unnamed
+native ``isolate.Sandbox``. Needs the ``server`` extra (starlette, uvicorn,
+python-multipart): ``pip install 'isolate[server]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import secrets
+import sys
+from collections.abc import Sequence
+
+from ..errors import PolicyError
+from ..policy import Policy
+
+__all__ = ["create_app", "serve_main"]
+
+
+def create_app(api_key: str, profiles: dict[str, Policy] | None = None, any_image: Policy | None = None,
+               backend: str | None = None) -> object:
+    """The ASGI application (starlette), for embedding or tests."""
+    from .app import create_app as _create
+    from .state import ServerState
+
+    return _create(ServerState(api_key, profiles if profiles is not None else {"default": Policy()}, any_image,
+                               backend))
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def _profile(text: str) -> Policy:
+    return Policy() if text == "default" else Policy.load(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="isolate-run serve",
+        description="Serve the OpenSandbox lifecycle and execution APIs over isolate sandboxes. "
+                    "An image name selects a policy profile: 'default' (isolate's defaults) always, "
+                    "--image NAME=FILE for more, --profile FILE for any other name.")
+    parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
+                        help="where to listen (default 127.0.0.1:8080)")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="the key clients send in OPEN-SANDBOX-API-KEY (default: a new random key, printed)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="a TOML policy for every image name not given by --image ('default': isolate's "
+                             "defaults); without it, other names are refused")
+    parser.add_argument("--image", action="append", default=[], metavar="NAME=FILE",
+                        help="the image NAME runs under the TOML policy FILE ('default' for isolate's defaults); "
+                             "repeatable")
+    parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
+                        help="sandboxes kept at once; more creates are refused with 429 (default 64)")
+    parser.add_argument("--best-effort", action="store_true",
+                        help="create sandboxes whose resourceLimits this host cannot enforce (e.g. no cgroup for "
+                             "this user) instead of refusing them; the sandbox's status message says what is not "
+                             "enforced")
+    return parser
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    options = build_parser().parse_args(list(argv))
+    try:
+        import uvicorn
+
+        from .app import create_app as _create
+        from .state import ServerState
+    except ImportError as exc:
+        print(f"isolate-run serve: {exc.name} is missing; install the extra: pip install 'isolate[server]'",
+              file=sys.stderr)
+        return 125
+    try:
+        profiles = {"default": Policy()}
+        for item in options.image:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise PolicyError(f"--image {item!r}: expected NAME=FILE", "image")
+            profiles[name] = _profile(path)
+        any_image = _profile(options.profile) if options.profile else None
+        if options.best_effort:
+            profiles = {name: policy.replace(best_effort=True) for name, policy in profiles.items()}
+            any_image = any_image.replace(best_effort=True) if any_image is not None else None
+    except (PolicyError, OSError) as exc:
+        print(f"isolate-run serve: {exc}", file=sys.stderr)
+        return 125
+    key = options.api_key
+    if key is not None and len(key) < 16:
+        print("isolate-run serve: --api-key: at least 16 characters", file=sys.stderr)
+        return 125
+    if key is None:
+        key = secrets.token_urlsafe(24)
+        print(f"isolate-run serve: API key (OPEN-SANDBOX-API-KEY): {key}", flush=True)
+    host, port = options.listen
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            print(f"isolate-run serve: warning: listening on {host}, not loopback; the API is plain HTTP",
+                  file=sys.stderr)
+    except ValueError:
+        pass
+    names = ", ".join(sorted(profiles)) + (", any other name (--profile)" if any_image is not None else "")
+    print(f"isolate-run serve: http://{host}:{port} (images: {names})", flush=True)
+    if options.max_sandboxes < 1:
+        print("isolate-run serve: --max-sandboxes: at least 1", file=sys.stderr)
+        return 125
+    app = _create(ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes))
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,84 @@
+"""The ASGI application: the lifecycle API under /v1, each sandbox's execution API under /sandboxes/{id}/port/44772."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import execd, lifecycle
+from .common import error_response, log
+from .state import ServerState
+
+#: How often the reaper looks for expired sandboxes.
+REAP_INTERVAL = 1.0
+
+
+async def _reaper(state: ServerState) -> None:
+    while True:
+        await asyncio.sleep(REAP_INTERVAL)
+        for managed in state.expired(time.time()):
+            log.info("sandbox %s expired", managed.id)
+            try:
+                await run_in_threadpool(managed.close)
+            except Exception as exc:
+                log.warning("closing expired sandbox %s: %s", managed.id, exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
+    return error_response(exc.status_code, code, str(exc.detail))
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestId:
+    """Every answer carries X-Request-ID: the caller's (when it is a plain token) or a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.match(given) else str(uuid.uuid4())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-ID"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(state: ServerState) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(_reaper(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await run_in_threadpool(state.close_all)
+
+    app = Starlette(routes=[Mount("/v1", routes=lifecycle.routes), *execd.routes], lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error}, middleware=[Middleware(RequestId)])
+    app.state.isolate = state
+    return app

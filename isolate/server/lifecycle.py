@@ -1,0 +1,245 @@
+"""The lifecycle API (``/v1/sandboxes...``): create, get, list, delete, pause, resume, renew, endpoints."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import shlex
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..sandbox import Sandbox
+from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
+from .models import (
+    EGRESS_PORT,
+    EXECD_PORT,
+    KEEPALIVE_ENTRYPOINT,
+    MAX_TIMEOUT,
+    ApiError,
+    CreateRequest,
+    bad_request,
+    iso,
+    parse_create,
+    parse_time,
+)
+from .state import ManagedSandbox, ServerState
+
+
+def check_key(request: Request) -> ServerState:
+    state: ServerState = request.app.state.isolate
+    if not same(request.headers.get(API_KEY_HEADER), state.api_key):
+        raise ApiError(401, "UNAUTHORIZED", f"missing or wrong {API_KEY_HEADER} header")
+    return state
+
+
+def sandbox_json(managed: ManagedSandbox, full: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": managed.id,
+        "status": {"state": managed.state, "reason": managed.reason, "message": managed.message,
+                   "lastTransitionAt": iso(managed.transition_at)},
+        "metadata": dict(managed.metadata),
+        "createdAt": iso(managed.created_at),
+        "entrypoint": list(managed.entrypoint),
+    }
+    if managed.expires_at is not None:
+        out["expiresAt"] = iso(managed.expires_at)
+    if full:
+        out["image"] = {"uri": managed.image}
+    return out
+
+
+def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
+    box = Sandbox(req.policy, backend=state.backend)
+    if box.backend != "native":
+        raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; this "
+                       "server streams commands and serves files through the native backend only (the Docker "
+                       "backend of Sandbox has no spawn or file methods yet)")
+    box.start()
+    now = time.time()
+    managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
+                             req.metadata, now, None if req.timeout is None else now + req.timeout)
+    managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]
+    if asked and box.backend == "native":
+        enforced = box.enforced
+        managed.message += "; " + ", ".join(f"{name}: {enforced.get(name) or 'not enforced (best effort)'}"
+                                            for name in asked)
+    try:
+        if req.entrypoint != KEEPALIVE_ENTRYPOINT:
+            # The entry process runs as a background command (its output: GET /command/{id}/logs).
+            record = managed.start_command(shlex.join(req.entrypoint), True, None, None, None, None)
+            managed.message = f"entrypoint runs as background command {record.id}"
+    except BaseException:
+        box.close()
+        raise
+    return managed
+
+
+@api
+async def create_sandbox(request: Request) -> Response:
+    state = check_key(request)
+    req = parse_create(await json_body(request), state.profiles, state.any_image)
+    state.reserve()
+    try:
+        managed = await run_in_threadpool(_start, state, req)
+    except BaseException:
+        state.release()
+        raise
+    state.add(managed)
+    return JSONResponse(sandbox_json(managed, full=False), status_code=202,
+                        headers={"Location": f"/v1/sandboxes/{managed.id}"})
+
+
+@api
+async def get_sandbox(request: Request) -> Response:
+    state = check_key(request)
+    return JSONResponse(sandbox_json(state.get(request.path_params["sandbox_id"])))
+
+
+def _metadata_filter(raw: str | None) -> dict[str, str]:
+    if not raw:
+        return {}
+    # The SDK quotes each key and value, then the query string once more; Starlette undid the outer layer.
+    return dict(parse_qsl(raw, keep_blank_values=True))
+
+
+@api
+async def list_sandboxes(request: Request) -> Response:
+    state = check_key(request)
+    states = {s.lower() for s in request.query_params.getlist("state") if s}
+    wanted = _metadata_filter(request.query_params.get("metadata"))
+    page = query_int(request, "page", 1, 1, 1 << 30)
+    size = query_int(request, "pageSize", 20, 1, 1000)
+    assert page is not None and size is not None
+    items = [m for m in sorted(state.all(), key=lambda m: m.created_at)
+             if (not states or m.state.lower() in states)
+             and all(m.metadata.get(k) == v for k, v in wanted.items())]
+    total = len(items)
+    pages = math.ceil(total / size) if total else 0
+    chosen = items[(page - 1) * size:page * size]
+    return JSONResponse({"items": [sandbox_json(m) for m in chosen],
+                         "pagination": {"page": page, "pageSize": size, "totalItems": total, "totalPages": pages,
+                                        "hasNextPage": page < pages}})
+
+
+@api
+async def delete_sandbox(request: Request) -> Response:
+    state = check_key(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    if state.remove(managed.id) is not None:
+        await run_in_threadpool(managed.close)
+    return Response(status_code=204)
+
+
+async def _transition(managed: ManagedSandbox, source: str, passing: str, target: str, reason: str,
+                      work: Callable[[], str]) -> None:
+    # The check and the move to the passing state happen on the event loop, with no await between them:
+    # a second pause (or a command) arriving meanwhile sees Pausing and is refused.
+    if managed.state != source:
+        raise ApiError(409, "INVALID_STATE", f"sandbox {managed.id} is {managed.state}, not {source}")
+    managed.set_state(passing, reason)
+    try:
+        mechanism = await run_in_threadpool(work)
+    except BaseException:
+        managed.set_state(source, reason, f"{passing.lower()} failed")
+        raise
+    managed.set_state(target, reason, f"{target.lower()} ({mechanism})")
+
+
+@api
+async def pause_sandbox(request: Request) -> Response:
+    state = check_key(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    await _transition(managed, "Running", "Pausing", "Paused", "user_pause", managed.box.pause)
+    return Response(status_code=202)
+
+
+@api
+async def resume_sandbox(request: Request) -> Response:
+    state = check_key(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    await _transition(managed, "Paused", "Resuming", "Running", "user_resume", managed.box.resume)
+    return Response(status_code=202)
+
+
+@api
+async def renew_expiration(request: Request) -> Response:
+    state = check_key(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    body = await json_body(request)
+    if not isinstance(body, dict) or set(body) != {"expiresAt"}:
+        raise bad_request("the body must be {\"expiresAt\": RFC 3339 time}", "INVALID_REQUEST_BODY")
+    when = parse_time(body["expiresAt"], "expiresAt")
+    now = time.time()
+    if not now < when <= now + MAX_TIMEOUT:
+        raise bad_request(f"expiresAt: must be in the future and at most {MAX_TIMEOUT} s away")
+    managed.expires_at = when
+    return JSONResponse({"expiresAt": iso(when)})
+
+
+@api
+async def patch_metadata(request: Request) -> Response:
+    state = check_key(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    body = await json_body(request)
+    if not isinstance(body, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                             for k, v in body.items()):
+        raise bad_request("the body must be an object of string or null values", "INVALID_REQUEST_BODY")
+    for key in body:
+        if key.startswith("opensandbox.io/"):
+            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved")
+    merged = dict(managed.metadata)
+    for key, value in body.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    managed.metadata = merged
+    return JSONResponse(sandbox_json(managed))
+
+
+@api
+async def get_endpoint(request: Request) -> Response:
+    state = check_key(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    raw = request.path_params["port"]
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        raise bad_request(f"port: {raw[:16]!r} is not a port number (1-65535)", "INVALID_PORT")
+    port = int(raw)
+    if port not in (EXECD_PORT, EGRESS_PORT):
+        raise ApiError(404, "ENDPOINT_NOT_AVAILABLE",
+                       f"port {port}: this server does not expose a sandbox's own ports (only its execution API, "
+                       f"port {EXECD_PORT})")
+    if request.query_params.get("expires"):
+        raise bad_request("expires: signed endpoints are not supported by this server")
+    host = request.url.netloc
+    return JSONResponse({"endpoint": f"{host}/sandboxes/{managed.id}/port/{port}",
+                         "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+
+
+@api
+async def metrics_event(request: Request) -> Response:
+    check_key(request)
+    await json_body(request, required=False)  # the SDK's create-latency report: accepted, not kept
+    return Response(status_code=204)
+
+
+routes = [
+    Route("/sandboxes", create_sandbox, methods=["POST"]),
+    Route("/sandboxes", list_sandboxes, methods=["GET"]),
+    Route("/sandboxes/{sandbox_id}", get_sandbox, methods=["GET"]),
+    Route("/sandboxes/{sandbox_id}", delete_sandbox, methods=["DELETE"]),
+    Route("/sandboxes/{sandbox_id}/pause", pause_sandbox, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/resume", resume_sandbox, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/renew-expiration", renew_expiration, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/metadata", patch_metadata, methods=["PATCH"]),
+    Route("/sandboxes/{sandbox_id}/endpoints/{port}", get_endpoint, methods=["GET"]),
+    Route("/metrics/events", metrics_event, methods=["POST"]),
+]

@@ -1,0 +1,289 @@
+"""The OpenSandbox request and response shapes, and how a create request becomes an isolate policy.
+
+Pure data: nothing here runs anything. Every field of a request is checked
+by hand (the API is small) and a request the server cannot honour is
+refused with ``ApiError`` (HTTP 400 and the API's ``{"code", "message"}``)
+naming the field, rather than half-honoured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import re
+import stat as stat_mod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import PolicyError
+from ..policy import Limits, Policy
+
+#: The port the SDK asks for to reach a sandbox's execution API, and the egress sidecar's.
+EXECD_PORT = 44772
+EGRESS_PORT = 18080
+#: The entrypoint the SDK sends when the caller gives none: a keep-alive, nothing to run.
+KEEPALIVE_ENTRYPOINT = ["tail", "-f", "/dev/null"]
+#: The longest timeout (seconds) a create or renew may ask for: 30 days.
+MAX_TIMEOUT = 30 * 24 * 3600
+
+
+class ApiError(Exception):
+    """An error answered with the API's shape: ``{"code": ..., "message": ...}`` and an HTTP status."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def bad_request(message: str, code: str = "INVALID_REQUEST") -> ApiError:
+    return ApiError(400, code, message)
+
+
+def iso(ts: float | None) -> str | None:
+    """RFC 3339 UTC with milliseconds, as the API writes times."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(value: object, name: str) -> float:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{name}: expected an RFC 3339 time such as 2030-01-01T00:00:00Z")
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise bad_request(f"{name}: {value[:64]!r} is not an RFC 3339 time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
+# -- Kubernetes quantities (resourceLimits) ------------------------------------------
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|K|M|G|T|P|E|m)?$")
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"k": 1, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+
+
+def quantity(value: object, name: str) -> float:
+    """A Kubernetes quantity ("512Mi", "1G", "500m", "2") as a number."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise bad_request(f"{name}: expected a quantity such as \"512Mi\" or \"500m\"")
+    text = str(value).strip()
+    match = _QUANTITY.match(text)
+    if not match:
+        raise bad_request(f"{name}: {text[:32]!r} is not a quantity (e.g. 512Mi, 2Gi, 500m, 1)")
+    number, suffix = float(match.group(1)), match.group(2) or ""
+    if suffix == "m":
+        number /= 1000
+    elif suffix in _BINARY:
+        number *= 1024 ** _BINARY[suffix]
+    elif suffix in _DECIMAL:
+        number *= 1000 ** _DECIMAL[suffix]
+    if not math.isfinite(number) or number <= 0:
+        raise bad_request(f"{name}: {text!r} must be more than zero")
+    return number
+
+
+def limits_from(resource: object, base: Limits) -> Limits:
+    """resourceLimits → isolate Limits: memory (bytes, the cgroup's limit) and cpu (CPU bandwidth)."""
+    if resource is None:
+        return base
+    if not isinstance(resource, Mapping):
+        raise bad_request("resourceLimits: expected an object such as {\"cpu\": \"1\", \"memory\": \"2Gi\"}")
+    changes: dict[str, Any] = {}
+    for key, value in resource.items():
+        if key == "memory":
+            changes["memory"] = math.ceil(quantity(value, "resourceLimits.memory"))
+        elif key == "cpu":
+            changes["cpus"] = quantity(value, "resourceLimits.cpu")
+        elif key in ("gpu", "nvidia.com/gpu") and str(value).strip() == "0":
+            continue  # no GPU asked for
+        else:
+            raise bad_request(f"resourceLimits.{key}: not supported by this server (it maps cpu and memory)")
+    try:
+        return dataclasses.replace(base, **changes)
+    except PolicyError as exc:
+        raise bad_request(f"resourceLimits: {exc}") from None
+
+
+def network_from(policy: object, base: Policy) -> Any:
+    """networkPolicy → isolate's network: deny → none, deny + allow rules → an allow-list, allow → host."""
+    if policy is None or policy == {}:
+        return base.network
+    if not isinstance(policy, Mapping):
+        raise bad_request("networkPolicy: expected an object with defaultAction and egress")
+    unknown = set(policy) - {"defaultAction", "egress"}
+    if unknown:
+        raise bad_request(f"networkPolicy: unknown field {sorted(unknown)[0]!r}")
+    action = policy.get("defaultAction", "deny")
+    rules = policy.get("egress") or []
+    if action not in ("allow", "deny"):
+        raise bad_request("networkPolicy.defaultAction: expected allow or deny")
+    if not isinstance(rules, list):
+        raise bad_request("networkPolicy.egress: expected a list of {action, target}")
+    allow: list[str] = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, Mapping) or not isinstance(rule.get("target"), str) or \
+                rule.get("action") not in ("allow", "deny"):
+            raise bad_request(f"networkPolicy.egress[{i}]: expected {{\"action\": allow|deny, \"target\": HOST}}")
+        if rule["action"] == "deny":
+            if action == "deny":
+                continue  # denied anyway
+            raise bad_request(f"networkPolicy.egress[{i}]: deny rules under defaultAction allow cannot be "
+                              "enforced here (isolate filters by allow-list); use defaultAction deny with allow "
+                              "rules")
+        allow.append(rule["target"])
+    if action == "allow":
+        return "host"
+    if not allow:
+        return "none"
+    # An allow-list: isolate.Egress, enforced where the policy layer supports it (else refused at start).
+    from ..policy import Egress
+
+    try:
+        return Egress(tuple(allow))
+    except PolicyError as exc:
+        raise bad_request(f"networkPolicy: {exc}") from None
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """A create request, checked and mapped."""
+
+    image: str
+    policy: Policy
+    timeout: float | None
+    metadata: dict[str, str]
+    entrypoint: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _str_map(value: object, name: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in value.items()):
+        raise bad_request(f"{name}: expected an object of string values")
+    return dict(value)
+
+
+def _empty(value: object) -> bool:
+    return value is None or value == {} or value == [] or value is False
+
+
+def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy | None) -> CreateRequest:
+    """Map a CreateSandboxRequest onto a policy; refuse what cannot be honoured."""
+    if not isinstance(body, Mapping):
+        raise bad_request("the body must be a JSON object (CreateSandboxRequest)")
+    known = {"image", "snapshotId", "templateId", "platform", "timeout", "resourceLimits", "resourceRequests", "env",
+             "metadata", "entrypoint", "networkPolicy", "credentialProxy", "secureAccess", "volumes", "extensions",
+             "lifecycle"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(f"{unknown[0]}: unknown field of CreateSandboxRequest")
+    for name in ("snapshotId", "templateId"):
+        if body.get(name) is not None:
+            raise bad_request(f"{name}: snapshots and templates are not supported by this server; give image")
+    for name in ("volumes", "lifecycle", "resourceRequests", "extensions"):
+        if not _empty(body.get(name)):
+            raise bad_request(f"{name}: not supported by this server")
+    credential = body.get("credentialProxy")
+    if isinstance(credential, Mapping) and credential.get("enabled"):
+        raise bad_request("credentialProxy: the credential vault is not supported by this server")
+    plat = body.get("platform")
+    if plat is not None:
+        arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+        if not isinstance(plat, Mapping) or plat.get("os") != "linux" or plat.get("arch") != arch:
+            raise bad_request(f"platform: this server runs linux/{arch} only")
+    image = body.get("image")
+    if not isinstance(image, Mapping) or not isinstance(image.get("uri"), str) or not image["uri"]:
+        raise bad_request("image: expected {\"uri\": NAME}; the name selects a policy profile of this server")
+    if image.get("auth"):
+        raise bad_request("image.auth: registries are not used by this server (an image names a policy profile)")
+    uri = image["uri"]
+    base = profiles.get(uri, any_image)
+    if base is None:
+        names = ", ".join(sorted(profiles)) or "none"
+        raise bad_request(f"image {uri[:80]!r}: this server maps image names to isolate policy profiles and has "
+                          f"none by that name (it has: {names}); start it with --image {uri[:40]}=PROFILE.toml or "
+                          "--profile FILE for any image", "IMAGE_NOT_SUPPORTED")
+    timeout = body.get("timeout")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or \
+                timeout <= 0 or timeout > MAX_TIMEOUT:
+            raise bad_request(f"timeout: expected seconds between 1 and {MAX_TIMEOUT} (or null for no expiry)")
+        timeout = float(timeout)
+    env = _str_map(body.get("env"), "env")
+    metadata = _str_map(body.get("metadata"), "metadata")
+    for key in metadata:
+        if key.startswith("opensandbox.io/"):
+            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved")
+    entrypoint = body.get("entrypoint", KEEPALIVE_ENTRYPOINT)
+    if entrypoint is None:
+        entrypoint = KEEPALIVE_ENTRYPOINT
+    if not isinstance(entrypoint, list) or not entrypoint or not all(isinstance(a, str) for a in entrypoint):
+        raise bad_request("entrypoint: expected a non-empty list of strings")
+    try:
+        policy = base.replace(limits=limits_from(body.get("resourceLimits"), base.limits),
+                              network=network_from(body.get("networkPolicy"), base),
+                              env={**base.env, **env})
+    except PolicyError as exc:
+        raise bad_request(str(exc)) from None
+    return CreateRequest(uri, policy, timeout, metadata, list(entrypoint), env)
+
+
+# -- files ------------------------------------------------------------------------------
+
+def octal_mode(value: object, name: str, default: int) -> int:
+    """The API's mode: octal digits written as a decimal number (755 means 0o755)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request(f"{name}: expected octal digits such as 644 or 755")
+    digits = str(value)
+    if any(c not in "01234567" for c in digits) or len(digits) > 4:
+        raise bad_request(f"{name}: {value} is not a mode in octal digits (e.g. 644, 755)")
+    return int(digits, 8)
+
+
+def mode_digits(mode: int) -> int:
+    return int(f"{stat_mod.S_IMODE(mode):o}")
+
+
+def file_type(mode: int) -> str:
+    if stat_mod.S_ISREG(mode):
+        return "file"
+    if stat_mod.S_ISDIR(mode):
+        return "directory"
+    if stat_mod.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def name_of(uid: int, kind: str) -> str:
+    import grp
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name if kind == "user" else grp.getgrgid(uid).gr_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
+def file_info(path: str, mode: int, size: int, mtime_ns: int, uid: int | None = None,
+              gid: int | None = None) -> dict[str, Any]:
+    when = iso(mtime_ns / 1e9)
+    return {"path": path, "type": file_type(mode), "size": size, "modified_at": when, "created_at": when,
+            "owner": name_of(uid, "user") if uid is not None else "", "group": name_of(gid, "group") if gid is not None
+            else "", "mode": mode_digits(mode)}
+
+
+def absolute(path: str, workdir: str) -> str:
+    return path if path.startswith("/") else os.path.normpath(os.path.join(workdir, path))

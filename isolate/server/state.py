@@ -1,0 +1,294 @@
+"""What the server keeps: its sandboxes, each with a token, its commands and their output.
+
+Every sandbox is an unnamed ``isolate.Sandbox`` owned by the server
+process: it ends with ``DELETE``, at its expiry (the server's reaper), at
+server shutdown, or with the server process itself if that is killed (an
+unnamed sandbox ends with its creator). A restarted server therefore starts
+empty: nothing it made before survives it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..policy import Policy
+from ..sandbox import Sandbox, SandboxProcess
+from .models import ApiError
+
+#: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.
+OUTPUT_LIMIT = 16 << 20
+#: Finished commands remembered per sandbox for status and logs.
+KEEP_FINISHED = 256
+#: Sandboxes one server keeps at once (--max-sandboxes), and commands running at once in one sandbox.
+MAX_SANDBOXES = 64
+MAX_RUNNING = 256
+#: SIGTERM, then this long before SIGKILL, as upstream's interrupt does.
+INTERRUPT_GRACE = 3.0
+
+Listener = Callable[[str, Any], None]
+
+
+@dataclass
+class CommandRecord:
+    """One command: its process, its combined output, its end."""
+
+    id: str
+    content: str
+    background: bool
+    proc: SandboxProcess
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    exit_code: int | None = None
+    error: str = ""
+    report_status: str = ""
+    output: bytearray = field(default_factory=bytearray)
+    output_base: int = 0  # absolute offset of output[0] (the tail is kept)
+    listener: Listener | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def running(self) -> bool:
+        return self.finished_at is None
+
+    def add_output(self, kind: str, chunk: bytes) -> None:
+        with self.lock:
+            self.output += chunk
+            excess = len(self.output) - OUTPUT_LIMIT
+            if excess > 0:
+                del self.output[:excess]
+                self.output_base += excess
+            listener = self.listener
+        if listener is not None:
+            listener(kind, chunk)
+
+    def read_from(self, cursor: int) -> tuple[bytes, int]:
+        with self.lock:
+            start = max(0, cursor - self.output_base)
+            return bytes(self.output[start:]), self.output_base + len(self.output)
+
+
+def _pump(record: CommandRecord) -> None:
+    """The command's thread: read stdout/stderr as they come, then its end (a background child may hold the pipes)."""
+    proc = record.proc
+    fds = {proc.stdout_fd: "stdout"}
+    if proc.stderr_fd >= 0:
+        fds[proc.stderr_fd] = "stderr"
+    for fd in fds:
+        os.set_blocking(fd, False)
+    sel = selectors.DefaultSelector()
+    for fd in fds:
+        sel.register(fd, selectors.EVENT_READ)
+    wait = 0.005
+    try:
+        while True:
+            if sel.get_map():
+                events = sel.select(wait)
+            else:
+                time.sleep(wait)
+                events = []
+            got = False
+            for key, _ in events:
+                fd = int(key.fd)
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    got = True
+                    record.add_output(fds[fd], chunk)
+                else:
+                    sel.unregister(fd)
+            if got:
+                wait = 0.005
+                continue
+            try:
+                rc = proc.poll()
+            except Exception as exc:  # the sandbox ended under the command
+                record.error = str(exc)
+                rc = -1
+            if rc is not None:
+                break
+            # Idle: back off (a command's end is seen within this long).
+            wait = min(wait * 2, 0.1)
+        # What it wrote before it ended is in the pipes now; a background child keeping them open is not waited on.
+        for fd, kind in fds.items():
+            while True:
+                try:
+                    chunk = os.read(fd, 65536)
+                except (BlockingIOError, OSError):
+                    break
+                if not chunk:
+                    break
+                record.add_output(kind, chunk)
+        report = proc.report
+        record.report_status = report.status if report is not None else ""
+        record.exit_code = rc
+        if rc != 0 and not record.error:
+            record.error = {"timeout": "timed out", "killed": "killed"}.get(record.report_status,
+                                                                              f"exit status {rc}")
+    finally:
+        sel.close()
+        record.finished_at = time.time()
+        try:
+            proc.close()
+        except OSError:
+            pass
+        listener = record.listener
+        record.done.set()
+        if listener is not None:
+            listener("exit", record)
+
+
+@dataclass
+class ManagedSandbox:
+    """One sandbox of the server, as the API sees it."""
+
+    id: str
+    token: str
+    box: Sandbox
+    image: str
+    entrypoint: list[str]
+    metadata: dict[str, str]
+    created_at: float
+    expires_at: float | None
+    state: str = "Running"
+    reason: str = "running"
+    message: str = ""
+    transition_at: float = field(default_factory=time.time)
+    commands: dict[str, CommandRecord] = field(default_factory=dict)
+    sessions: dict[str, Any] = field(default_factory=dict)
+    contexts: dict[str, Any] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def set_state(self, state: str, reason: str, message: str = "") -> None:
+        self.state, self.reason, self.message, self.transition_at = state, reason, message, time.time()
+
+    def usable(self) -> None:
+        """Refuse execution requests while paused (the exec server is frozen and would not answer)."""
+        if self.state != "Running":
+            raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {self.id} is {self.state}; resume it first")
+
+    def start_command(self, content: str, background: bool, cwd: str | None, env: Mapping[str, str] | None,
+                      timeout: float | None, listener: Listener | None) -> CommandRecord:
+        with self.lock:
+            if sum(1 for c in self.commands.values() if c.running) >= MAX_RUNNING:
+                raise ApiError(429, "TOO_MANY_COMMANDS", f"at most {MAX_RUNNING} commands run at once in a sandbox")
+        # bash when the sandbox has it (as upstream's execd: brace expansion, [[ ]], ...), else sh.
+        shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        try:
+            proc = self.box.spawn([shell, "-c", content], cwd=cwd, env=env, timeout=timeout)
+        except FileNotFoundError:
+            if shell == "/bin/sh":
+                raise
+            proc = self.box.spawn(["/bin/sh", "-c", content], cwd=cwd, env=env, timeout=timeout)
+        record = CommandRecord(secrets.token_hex(8), content, background, proc, listener=listener)
+        with self.lock:
+            self.commands[record.id] = record
+            finished = [c for c in self.commands.values() if not c.running]
+            for old in finished[:max(0, len(finished) - KEEP_FINISHED)]:
+                del self.commands[old.id]
+        threading.Thread(target=_pump, args=(record,), name=f"isolate-serve-cmd-{record.id}", daemon=True).start()
+        return record
+
+    def interrupt(self, record: CommandRecord) -> None:
+        """SIGTERM to the command's process group; after INTERRUPT_GRACE, SIGKILL to everything it started."""
+        try:
+            if not record.running:
+                return
+            record.proc.signal(signal.SIGTERM)
+            if not record.done.wait(INTERRUPT_GRACE):
+                record.proc.kill()
+                record.done.wait(INTERRUPT_GRACE)
+        except OSError:
+            pass  # it ended meanwhile and its conversation is closed
+
+    def close(self) -> None:
+        with self.lock:
+            for session in [*self.sessions.values(), *self.contexts.values()]:
+                try:
+                    session.close()
+                except Exception:
+                    pass
+            self.sessions.clear()
+            self.contexts.clear()
+        if self.state in ("Paused", "Pausing", "Resuming"):
+            try:
+                self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed
+            except Exception:
+                pass
+        self.box.close()
+
+
+class ServerState:
+    """The sandboxes of one server (one API key)."""
+
+    def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
+                 backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES) -> None:
+        self.api_key = api_key
+        self.max_sandboxes = max_sandboxes
+        self.starting = 0
+        self.profiles = dict(profiles)
+        self.any_image = any_image
+        self.backend = backend
+        self.sandboxes: dict[str, ManagedSandbox] = {}
+        self.lock = threading.Lock()
+
+    def get(self, sandbox_id: str) -> ManagedSandbox:
+        with self.lock:
+            managed = self.sandboxes.get(sandbox_id)
+        if managed is None:
+            raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {sandbox_id[:64]!r} not found")
+        return managed
+
+    def reserve(self) -> None:
+        """Count a sandbox being made against --max-sandboxes, or refuse it (429)."""
+        with self.lock:
+            if len(self.sandboxes) + self.starting >= self.max_sandboxes:
+                raise ApiError(429, "TOO_MANY_SANDBOXES", f"this server keeps at most {self.max_sandboxes} sandboxes "
+                               "(--max-sandboxes); delete one first")
+            self.starting += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.starting -= 1
+
+    def add(self, managed: ManagedSandbox) -> None:
+        with self.lock:
+            self.starting -= 1
+            self.sandboxes[managed.id] = managed
+
+    def remove(self, sandbox_id: str) -> ManagedSandbox | None:
+        with self.lock:
+            return self.sandboxes.pop(sandbox_id, None)
+
+    def all(self) -> list[ManagedSandbox]:
+        with self.lock:
+            return list(self.sandboxes.values())
+
+    def expired(self, now: float) -> list[ManagedSandbox]:
+        with self.lock:
+            gone = [m for m in self.sandboxes.values() if m.expires_at is not None and m.expires_at <= now]
+            for managed in gone:
+                del self.sandboxes[managed.id]
+            return gone
+
+    def close_all(self) -> None:
+        with self.lock:
+            boxes = list(self.sandboxes.values())
+            self.sandboxes.clear()
+        for managed in boxes:
+            try:
+                managed.close()
+            except Exception:
+                pass

@@ -10,9 +10,9 @@ its output is in hand. Two variants, interleaved in the same rounds:
 - ``sdk-no-limits``: ``resource={"gpu": "0"}`` (no CPU or memory limit, no cgroup).
 
 For reference, the same two steps through isolate's Docker backend directly
-(``isolate.Sandbox(backend="docker")``, no HTTP: the server's commands stream
-through ``spawn``, which that backend does not have yet), when an engine and
-the test image answer. Deleting a sandbox is not timed. Figures are printed
+(``isolate.Sandbox(backend="docker")``, no HTTP: the server takes native
+profiles only), when an engine and the test image answer. The latest figures
+are kept in ``benchmarks/results/opensandbox.json``. Deleting a sandbox is not timed. Figures are printed
 as JSON (median, p99, mean, min, max in milliseconds); nothing is asserted.
 """
 

@@ -304,23 +304,34 @@ class Sandbox:
         return native_files.grep(self._conn(), regex, glob, root, max_matches)
 
     def upload(self, host_src: str | os.PathLike[str], dst: str) -> None:
-        """Copy a host file (or directory tree) into the sandbox, written as the program."""
+        """Copy a host file (or directory tree) into the sandbox, written as the program.
+
+        Below ``host_src`` every name is opened relative to its directory's
+        descriptor without following links: a link is skipped, and a name a
+        program swaps for a link meanwhile is skipped too, never followed.
+        """
         src = os.fspath(host_src)
-        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._upload(os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), src, dst)
+
+    def _upload(self, fd: int, label: str, dst: str) -> None:
+        import errno
+        import stat as stat_mod
+
         try:
             info = os.fstat(fd)
-            import stat as stat_mod
-
             if stat_mod.S_ISDIR(info.st_mode):
                 self.mkdir(dst)
                 for name in sorted(os.listdir(fd)):
-                    child = os.path.join(src, name)
-                    if os.path.islink(child):
-                        continue
-                    self.upload(child, os.path.join(dst, name))
+                    try:
+                        child = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                    except OSError as exc:
+                        if exc.errno == errno.ELOOP:
+                            continue  # a link: not copied
+                        raise OSError(exc.errno, exc.strerror, os.path.join(label, name)) from None
+                    self._upload(child, os.path.join(label, name), os.path.join(dst, name))
                 return
             if not stat_mod.S_ISREG(info.st_mode):
-                raise OSError(22, "not a regular file or directory", src)
+                raise OSError(errno.EINVAL, "not a regular file or directory", label)
             os.set_blocking(fd, True)
             chunks = []
             while chunk := os.read(fd, 1 << 20):

@@ -195,6 +195,23 @@ def test_file_methods_cannot_leave_the_sandbox(box: Sandbox, workdir: str) -> No
     assert secret.read_text() == "host only\n"
 
 
+def test_upload_copies_a_tree_without_its_links(box: Sandbox, workdir: str) -> None:
+    tree = Path(workdir) / "up"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("a")
+    (tree / "sub" / "b.sh").write_text("echo b")
+    (tree / "sub" / "b.sh").chmod(0o755)
+    (tree / "leak").symlink_to("/etc/hostname")
+    (tree / "sub" / "dir-leak").symlink_to("/etc")
+    box.upload(tree, "up")
+    assert box.read_file("up/a.txt") == "a"
+    assert box.exec("up/sub/b.sh").stdout == "b\n"
+    assert sorted(e.path for e in box.list_dir("up", depth=2)) == ["a.txt", "sub", "sub/b.sh"]
+    os.mkfifo(tree / "fifo")
+    with pytest.raises(OSError, match="not a regular file"):
+        box.upload(tree, "up2")  # a FIFO is refused, never waited on
+
+
 def test_diff_and_commit(box: Sandbox, source: str) -> None:
     box.write_file("src/main.py", "print('changed')\n")
     box.write_file("src/new.py", "x = 1\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, policy
+from conftest import NAMESPACES_WHY, PYTHON, policy
 from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
@@ -314,3 +314,37 @@ def test_a_stopped_monitor_is_continued_and_enforces_the_timeout(box: Sandbox) -
     assert done and not isinstance(value, BaseException), value
     assert value.timed_out and time.monotonic() - started < 10, value
     assert "sleep 1000" not in box.exec("ps -eo args").stdout
+
+
+def test_a_grant_that_holds_the_runtime_directory_is_refused(source: str, workdir: str) -> None:
+    # The host trusts what lies in its runtime directory: kept sandboxes' sockets and descriptions. A
+    # program that may write there rewrites another sandbox's description so that its commit() lands on
+    # a directory of the attacker's choosing (here: one with a file to lose). Root's is /run/isolate,
+    # 65534's (no XDG_RUNTIME_DIR) /tmp/isolate-65534: granting /run or /tmp must be refused.
+    from isolate.registry import runtime_dir
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}r"
+    target = Path(workdir) / "target"
+    target.mkdir()
+    (target / "keep").write_text("precious\n")
+    meta = os.path.join(runtime_dir(), f"{name}.json")
+    parent = os.path.dirname(runtime_dir())
+    code = (f"import json, os\nm = json.load(open({meta!r}))\nm['workspace']['source'] = {str(target)!r}\n"
+            f"open({meta!r} + '.x', 'w').write(json.dumps(m))\nos.rename({meta!r} + '.x', {meta!r})\n")
+    victim = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    try:
+        refused = None
+        try:
+            isolate.run([PYTHON, "-c", code], policy=policy(write=(parent,), cwd=parent),
+                        capture_output=True)
+        except isolate.PolicyError as exc:
+            refused = exc
+        victim.detach()
+        attached = Sandbox.attach(name)
+        attached.commit()
+        attached.detach()
+        assert (target / "keep").read_text() == "precious\n"
+        assert refused is not None and "runtime directory" in str(refused)
+    finally:
+        remove_native(name)

@@ -263,3 +263,18 @@ def test_strict_seccomp_is_refused_with_the_reason() -> None:
     # The strict profile refuses the server's socket calls: said at once, not after a start that fails.
     with pytest.raises(isolate.UnsupportedError, match="strict"):
         Sandbox(docker_policy(seccomp="strict"), backend="docker")
+
+
+def test_a_grant_that_holds_the_runtime_directory_is_refused(tmp_path: Path) -> None:
+    # As natively (tests/test_sandbox_attacks.py): a container whose user may write the runtime directory
+    # (a caller who is not root, granting /tmp where that directory is /tmp/isolate-UID) could rewrite
+    # the kept sandboxes' descriptions there.
+    from isolate.backends.docker import prepare
+    from isolate.registry import runtime_dir
+
+    parent = os.path.dirname(runtime_dir())
+    writes = isolate.Policy(backend="docker", image=IMAGE, write=(parent,), cwd=parent)
+    for pol in (writes, docker_policy(binds=(Mount(parent, "/x", "rw"),))):
+        with pytest.raises(isolate.PolicyError, match="runtime directory"):
+            prepare(pol)
+    prepare(docker_policy(binds=(Mount(parent, "/x", "ro"),)))  # seeing it is not writing it

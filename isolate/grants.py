@@ -58,7 +58,7 @@ def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, 
 
 
 def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
-    """Refuse a writable grant that holds isolate's runtime directory (``isolate.registry.runtime_dir``).
+    """Refuse a writable grant that holds, or lies in, isolate's runtime directory (``registry.runtime_dir``).
 
     The host trusts what lies there: kept sandboxes' sockets and their
     descriptions (a sandbox's workspace source is where ``commit()``
@@ -71,10 +71,10 @@ def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
     from .registry import runtime_dir
 
     private = os.path.realpath(runtime_dir(create=False))
-    top = real.rstrip("/") + "/"
-    if private == real or private.startswith(top):
+    if private == real or private.startswith(real.rstrip("/") + "/") or real.startswith(private + "/"):
+        where = "lies in" if real.startswith(private + "/") else "holds"
         raise PolicyError(
-            f"{field_name}: {path} holds isolate's runtime directory {private} (kept sandboxes' sockets and "
+            f"{field_name}: {path} {where} isolate's runtime directory {private} (kept sandboxes' sockets and "
             "descriptions, which a program there could rewrite); grant only the directories the program needs, "
             "none that holds it"
             + (", or set XDG_RUNTIME_DIR to a private directory outside it" if os.geteuid() != 0 else ""),

@@ -274,7 +274,9 @@ def test_a_grant_that_holds_the_runtime_directory_is_refused(tmp_path: Path) -> 
 
     parent = os.path.dirname(runtime_dir())
     writes = isolate.Policy(backend="docker", image=IMAGE, write=(parent,), cwd=parent)
-    for pol in (writes, docker_policy(binds=(Mount(parent, "/x", "rw"),))):
+    os.makedirs(os.path.join(runtime_dir(), "docker"), 0o700, exist_ok=True)
+    inside = docker_policy(binds=(Mount(os.path.join(runtime_dir(), "docker"), "/x", "rw"),))
+    for pol in (writes, docker_policy(binds=(Mount(parent, "/x", "rw"),)), inside):
         with pytest.raises(isolate.PolicyError, match="runtime directory"):
             prepare(pol)
     prepare(docker_policy(binds=(Mount(parent, "/x", "ro"),)))  # seeing it is not writing it

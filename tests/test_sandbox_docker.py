@@ -78,6 +78,27 @@ def _engine_state(container_id: str) -> str:
         return "missing"
 
 
+def _reopen_socket_directory(box: Sandbox) -> None:
+    """Give the socket directory back to the container's user, as for a caller who is not root (who is that
+    user): a root caller closes it once the server listens, and the host's own checks are tested behind."""
+    from isolate.backends.docker.spec import program_ids
+
+    impl = box._impl
+    assert isinstance(impl, DockerKept)
+    impl._run_dir_owner(*program_ids(impl.policy))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the container's user owns the socket directory of a non-root caller")
+def test_the_program_can_write_nothing_in_the_socket_directory(box: Sandbox) -> None:
+    # It lies on the host (/run/isolate/docker/NAME.d, often a small tmpfs the whole host needs): a program
+    # that shares the server's uid could fill it, or replace the socket.
+    run = box._impl.paths.run
+    result = box.exec("dd if=/dev/zero of=/.isolate/run/fill bs=1M count=4; rm -f /.isolate/run/server.sock")
+    assert result.returncode != 0
+    assert os.listdir(run) == ["server.sock"]
+    assert box.exec("echo still").stdout == "still\n"
+
+
 def test_files_are_written_and_read_as_the_container_user(box: Sandbox) -> None:
     uid = int(box.exec("id -u").stdout)
     box.write_file("made.txt", "by the host\n")
@@ -103,6 +124,7 @@ def test_files_are_written_and_read_as_the_container_user(box: Sandbox) -> None:
 def test_a_socket_planted_in_the_servers_place_is_refused(box: Sandbox) -> None:
     # The program shares the server's uid: it can unlink the socket and listen there itself, here with
     # the very server binary bound into the container. The host must notice the listener is not PID 1.
+    _reopen_socket_directory(box)
     planted = box.spawn("rm -f /.isolate/run/server.sock; exec /.isolate/isolate-exec-server "
                         "/.isolate/run/server.sock 0 0")
     for _ in range(200):
@@ -229,6 +251,7 @@ def test_a_link_planted_in_the_socket_directory_is_not_followed(box: Sandbox, tm
     trap.bind(str(tmp_path / "trap.sock"))
     trap.listen(4)
     trap.setblocking(False)
+    _reopen_socket_directory(box)
     box.exec(f"rm -f /.isolate/run/server.sock; ln -s {tmp_path / 'trap.sock'} /.isolate/run/server.sock")
     with pytest.raises(isolate.IsolationError, match="not a socket"):
         box._impl.connect()

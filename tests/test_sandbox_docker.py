@@ -303,3 +303,20 @@ def test_a_grant_that_holds_the_runtime_directory_is_refused(tmp_path: Path) -> 
         with pytest.raises(isolate.PolicyError, match="runtime directory"):
             prepare(pol)
     prepare(docker_policy(binds=(Mount(parent, "/x", "ro"),)))  # seeing it is not writing it
+
+
+def test_a_running_named_sandbox_is_not_replaced_by_another_of_its_name(project: str) -> None:
+    # isolate-mcp's sandbox_create(name=...) lets an agent pick the name: another configuration (here only
+    # a ttl) must not remove the running sandbox of that name, and its workspace with it (as natively).
+    name = f"dk{os.getpid()}x"
+    first = Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker").start()
+    try:
+        first.write_file("work.txt", "uncommitted\n")
+        with pytest.raises(isolate.IsolationError, match="exists already"):
+            Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker", ttl=600).start()
+        assert first.read_file("work.txt") == "uncommitted\n"
+        same = Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker").start()
+        assert same._impl.last_action == "reused"  # the same configuration is still reached by its name
+        same.detach()
+    finally:
+        first.close()

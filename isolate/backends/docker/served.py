@@ -191,6 +191,12 @@ class DockerKept:
             if (self.name is not None and labels.get(LABEL_SERVER) == "1" and labels.get(LABEL_SPEC_HASH) == kept_hash
                     and self._reuse(info)):
                 return
+            if (info.get("State") or {}).get("Running"):
+                # As natively: a running sandbox is never replaced by one that only shares its name (its
+                # workspace would go with it); whoever may end it says so (close, rm).
+                raise IsolationError(f"sandbox {self.box_name!r} exists already, running with another "
+                                     "configuration; attach to it, or remove it first (isolate-run sandbox rm "
+                                     f"{self.box_name})")
             with _engine_errors(f"remove the outdated kept container {cname}"):
                 with contextlib.suppress(docker.errors.NotFound):
                     api.remove_container(info["Id"], force=True, v=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, policy, processes_with
+from conftest import NAMESPACES_WHY, descriptors_past_fd_setsize, policy, processes_with
 
 pytest.importorskip("mcp", reason="the mcp package is not installed (pip install 'isolate[mcp]')")
 
@@ -430,31 +430,14 @@ def test_an_agent_cannot_make_the_server_hold_commands_or_sessions_without_end(t
     assert gone(marker)
 
 
-def test_a_command_is_followed_when_the_server_holds_descriptors_past_fd_setsize(tmp_path: Path) -> None:
+def test_a_command_is_followed_when_the_server_holds_descriptors_past_fd_setsize() -> None:
     # Many sandboxes and commands put the server's descriptors past 1024, where select() fails.
-    import resource
-
     from isolate import Sandbox
     from isolate.integrations.mcp_server import _Execution
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 1200:
-        pytest.skip(f"the descriptor limit here is {hard}")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if soft != resource.RLIM_INFINITY else soft, hard))
-    held = []
-    try:
-        with Sandbox(policy(write=())) as box:
-            while True:
-                fd = os.open("/dev/null", os.O_RDONLY)
-                held.append(fd)
-                if fd > 1050:
-                    break
-            execution = _Execution(box.spawn("echo past FD_SETSIZE"), 30.0)
-            assert execution.done.wait(30.0)
-            result = execution.result()
-            execution.close()
-            assert result["stdout"] == "past FD_SETSIZE\n" and result["exit_code"] == 0
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with Sandbox(policy(write=())) as box, descriptors_past_fd_setsize():
+        execution = _Execution(box.spawn("echo past FD_SETSIZE"), 30.0)
+        assert execution.done.wait(30.0)
+        result = execution.result()
+        execution.close()
+        assert result["stdout"] == "past FD_SETSIZE\n" and result["exit_code"] == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, policy
+from conftest import NAMESPACES_WHY, PYTHON, descriptors_past_fd_setsize, policy
 from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
@@ -348,3 +348,15 @@ def test_a_grant_that_holds_the_runtime_directory_is_refused(source: str, workdi
         assert refused is not None and "runtime directory" in str(refused)
     finally:
         remove_native(name)
+
+
+def test_a_host_that_holds_many_descriptors_still_runs_shells_and_commands(box: Sandbox) -> None:
+    # An agent's host process (isolate-mcp, a manager of many sandboxes) gets descriptors past FD_SETSIZE,
+    # where select() fails: every wait on the host side is a poll.
+    with descriptors_past_fd_setsize():
+        assert box.exec("echo one").stdout == "one\n"
+        assert box.shell("many", pty=False).run("sleep 0.2; echo two", timeout=30) == ("two\n", 0)
+        if box.backend == "docker":
+            result = isolate.run(["sh", "-c", "sleep 0.3; echo three"], capture_output=True,
+                                 policy=isolate.Policy(backend="docker", image=IMAGE, write=(), cwd="/"))
+            assert result.stdout == b"three\n"

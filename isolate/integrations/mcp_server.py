@@ -25,7 +25,6 @@ import functools
 import os
 import re
 import secrets
-import select
 import signal
 import sys
 import threading
@@ -41,6 +40,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import BaseModel
 
 from ..errors import IsolationError, PolicyError, UnsupportedError
+from ..fdwait import ready
 from ..policy import Policy
 from ..sandbox import Sandbox, SandboxProcess, Shell
 
@@ -202,10 +202,7 @@ class _Execution:
                 # open after it ended, and is not waited for (as Sandbox.exec).
                 if streams:
                     # poll, not select: many commands (or sandboxes) put descriptors past FD_SETSIZE.
-                    poller = select.poll()
-                    for fd in streams:
-                        poller.register(fd, select.POLLIN)
-                    for fd, _ in poller.poll(50):
+                    for fd in ready(list(streams), timeout=0.05):
                         self._read(fd, streams)
                 else:
                     time.sleep(0.05)  # the command closed its output and goes on

@@ -320,3 +320,26 @@ def test_a_running_named_sandbox_is_not_replaced_by_another_of_its_name(project:
         same.detach()
     finally:
         first.close()
+
+
+def test_prune_uses_no_name_that_isolate_did_not_give(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The registry lies in the state directory, which a sandbox granted it can write: a record named with
+    # '..' made prune unlink "<runtime>/docker/NAME.json", i.e. any .json file on the host.
+    import sqlite3
+
+    from isolate.backends.docker import engine_address
+    from isolate.backends.docker.sandbox import prune
+    from isolate.registry import Registry, runtime_dir
+
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "state"))
+    victim = tmp_path / "victim.json"
+    victim.write_text("{}\n")
+    name = "../" * (runtime_dir().count("/") + 1) + str(victim)[1:-len(".json")]
+    assert os.path.normpath(os.path.join(runtime_dir(), "docker", name + ".json")) == str(victim)
+    Registry().touch(engine_address(), "x", 0.0)  # makes the file and its table
+    with sqlite3.connect(Registry().path) as db:
+        db.execute("INSERT INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   (engine_address(), name, "0" * 64, "", "", "", 0.0, 0.0))
+    prune(idle=0.0, age=0.0)
+    assert victim.read_text() == "{}\n"
+    assert all(rec.name != name for rec in Registry().all())

@@ -57,6 +57,31 @@ def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, 
     return links, current
 
 
+def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
+    """Refuse a writable grant that holds, or lies in, isolate's runtime directory (``registry.runtime_dir``).
+
+    The host trusts what lies there: kept sandboxes' sockets and their
+    descriptions (a sandbox's workspace source is where ``commit()``
+    writes). A program that could write there could make the host talk to a
+    listener of its own, or commit another sandbox's workspace over any
+    directory the caller may write. Typical case: a caller without
+    ``XDG_RUNTIME_DIR`` (the directory is then ``/tmp/isolate-UID``) granting
+    ``/tmp``. ``real`` is the grant's real path.
+    """
+    from .registry import runtime_dir
+
+    private = os.path.realpath(runtime_dir(create=False))
+    if private == real or private.startswith(real.rstrip("/") + "/") or real.startswith(private + "/"):
+        where = "lies in" if real.startswith(private + "/") else "holds"
+        raise PolicyError(
+            f"{field_name}: {path} {where} isolate's runtime directory {private} (kept sandboxes' sockets and "
+            "descriptions, which a program there could rewrite); grant only the directories the program needs, "
+            "none that holds it"
+            + (", or set XDG_RUNTIME_DIR to a private directory outside it" if os.geteuid() != 0 else ""),
+            field_name,
+        )
+
+
 @dataclass(frozen=True)
 class Grant:
     """A host path as asked for (absolute), its real path and the inode found there."""

@@ -106,7 +106,7 @@ class Registry:
     def get(self, engine: str, name: str) -> SandboxRecord | None:
         with self._db() as db:
             row = db.execute("SELECT * FROM sandboxes WHERE engine = ? AND name = ?", (engine, name)).fetchone()
-        return SandboxRecord(*row) if row else None
+        return SandboxRecord(*row) if row and _valid_row(row) else None
 
     def all(self, engine: str | None = None) -> list[SandboxRecord]:
         with self._db() as db:
@@ -114,12 +114,19 @@ class Registry:
                 rows = db.execute("SELECT * FROM sandboxes ORDER BY engine, name").fetchall()
             else:
                 rows = db.execute("SELECT * FROM sandboxes WHERE engine = ? ORDER BY name", (engine,)).fetchall()
-        return [SandboxRecord(*row) for row in rows]
+        return [SandboxRecord(*row) for row in rows if _valid_row(row)]
 
     def forget(self, engine: str, name: str) -> bool:
         with self._db() as db:
             cursor = db.execute("DELETE FROM sandboxes WHERE engine = ? AND name = ?", (engine, name))
         return cursor.rowcount > 0
+
+
+def _valid_row(row: tuple[object, ...]) -> bool:
+    """A record's name becomes paths (sockets, descriptions, data to remove): one that is not a valid
+    name was not written by isolate (the file lies in the state directory, which a sandbox granted it
+    can write) and is skipped, never used."""
+    return len(row) == 8 and isinstance(row[1], str) and bool(_NAME.match(row[1]))
 
 
 def _check_name(name: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import signal
 import sys
 import termios
@@ -27,6 +26,7 @@ import tty
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from . import fdwait
 from .errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, PolicyError
 from .registry import Registry, runtime_dir
 
@@ -228,7 +228,7 @@ def _shell(options: argparse.Namespace) -> int:
         stdin_open = True
         while process.poll() is None:
             watched = [master] + ([0] if stdin_open else [])
-            ready, _, _ = select.select(watched, [], [], 0.2)
+            ready = fdwait.ready(watched, timeout=0.2)
             if master in ready:
                 try:
                     data = os.read(master, 65536)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import select
 import signal
 import termios
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 from .backends.native.commands import wait_seconds
 from .errors import IsolationError
+from .fdwait import ready
 
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
 OUTPUT_LIMIT = 16 << 20
@@ -85,8 +85,7 @@ class Shell:
                 self._buffer = bytearray()
                 raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s "
                                    "(it was interrupted)")
-            ready, _, _ = select.select([self._process.stdout_fd], [], [], wait)
-            if ready:
+            if ready([self._process.stdout_fd], timeout=wait):
                 try:
                     chunk = os.read(self._process.stdout_fd, 65536)
                 except OSError:

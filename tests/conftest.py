@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -136,3 +137,25 @@ def processes_with(marker: str) -> list[int]:
 
 def py(code: str) -> list[str]:
     return [PYTHON, "-I", "-S", "-c", code]
+
+
+@contextlib.contextmanager
+def descriptors_past_fd_setsize() -> Iterator[None]:
+    """Hold descriptors until the next one opened is numbered past 1024, where select() fails
+    (an agent's host process that holds many sandboxes and commands gets there)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit here is {hard}")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1050:
+            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

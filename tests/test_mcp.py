@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, policy, processes_with
+from conftest import NAMESPACES_WHY, descriptors_past_fd_setsize, policy, processes_with
 
 pytest.importorskip("mcp", reason="the mcp package is not installed (pip install 'isolate[mcp]')")
 
@@ -401,3 +401,43 @@ def test_a_command_that_closes_its_output_or_stops_its_monitor_is_still_followed
             assert (await c.call("sandbox_kill", sandbox_id=sid))["status"] == "killed"
 
     anyio.run(main)
+
+
+def test_an_agent_cannot_make_the_server_hold_commands_or_sessions_without_end(tmp_path: Path) -> None:
+    # Each background command costs the server descriptors, a thread and up to 2 MiB of output until it is
+    # collected; each session a shell. An agent that starts them in a loop must hit a limit, not the host's.
+    from isolate.integrations.mcp_server import MAX_COMMANDS, MAX_SESSIONS
+
+    marker = f"3002.{secrets.randbelow(10**6):06d}"
+
+    async def main() -> None:
+        async with server("--profile", profile(tmp_path)) as c:
+            sid = (await c.call("sandbox_create"))["sandbox_id"]
+            ids = [(await c.call("command_run", sandbox_id=sid, command=f"sleep {marker}", background=True))["id"]
+                   for _ in range(MAX_COMMANDS)]
+            assert "its most" in await c.error("command_run", sandbox_id=sid, command="true", background=True)
+            await c.call("command_interrupt", sandbox_id=sid, execution_id=ids[0])
+            for _ in range(100):  # collected once ended: room for one more
+                if (await c.call("command_get_status", sandbox_id=sid, execution_id=ids[0]))["status"] != "running":
+                    break
+                await anyio.sleep(0.1)
+            assert (await c.call("command_run", sandbox_id=sid, command="echo one more"))["stdout"] == "one more\n"
+            for i in range(MAX_SESSIONS):
+                await c.call("command_create_session", sandbox_id=sid, session_id=f"s{i}")
+            assert "its most" in await c.error("command_create_session", sandbox_id=sid, session_id="extra")
+
+    anyio.run(main)
+    assert gone(marker)
+
+
+def test_a_command_is_followed_when_the_server_holds_descriptors_past_fd_setsize() -> None:
+    # Many sandboxes and commands put the server's descriptors past 1024, where select() fails.
+    from isolate import Sandbox
+    from isolate.integrations.mcp_server import _Execution
+
+    with Sandbox(policy(write=())) as box, descriptors_past_fd_setsize():
+        execution = _Execution(box.spawn("echo past FD_SETSIZE"), 30.0)
+        assert execution.done.wait(30.0)
+        result = execution.result()
+        execution.close()
+        assert result["stdout"] == "past FD_SETSIZE\n" and result["exit_code"] == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, policy
+from conftest import NAMESPACES_WHY, PYTHON, descriptors_past_fd_setsize, policy
 from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
@@ -314,3 +314,49 @@ def test_a_stopped_monitor_is_continued_and_enforces_the_timeout(box: Sandbox) -
     assert done and not isinstance(value, BaseException), value
     assert value.timed_out and time.monotonic() - started < 10, value
     assert "sleep 1000" not in box.exec("ps -eo args").stdout
+
+
+def test_a_grant_that_holds_the_runtime_directory_is_refused(source: str, workdir: str) -> None:
+    # The host trusts what lies in its runtime directory: kept sandboxes' sockets and descriptions. A
+    # program that may write there rewrites another sandbox's description so that its commit() lands on
+    # a directory of the attacker's choosing (here: one with a file to lose). Root's is /run/isolate,
+    # 65534's (no XDG_RUNTIME_DIR) /tmp/isolate-65534: granting /run or /tmp must be refused.
+    from isolate.registry import runtime_dir
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}r"
+    target = Path(workdir) / "target"
+    target.mkdir()
+    (target / "keep").write_text("precious\n")
+    meta = os.path.join(runtime_dir(), f"{name}.json")
+    parent = os.path.dirname(runtime_dir())
+    code = (f"import json, os\nm = json.load(open({meta!r}))\nm['workspace']['source'] = {str(target)!r}\n"
+            f"open({meta!r} + '.x', 'w').write(json.dumps(m))\nos.rename({meta!r} + '.x', {meta!r})\n")
+    victim = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    try:
+        refused = None
+        try:
+            isolate.run([PYTHON, "-c", code], policy=policy(write=(parent,), cwd=parent),
+                        capture_output=True)
+        except isolate.PolicyError as exc:
+            refused = exc
+        victim.detach()
+        attached = Sandbox.attach(name)
+        attached.commit()
+        attached.detach()
+        assert (target / "keep").read_text() == "precious\n"
+        assert refused is not None and "runtime directory" in str(refused)
+    finally:
+        remove_native(name)
+
+
+def test_a_host_that_holds_many_descriptors_still_runs_shells_and_commands(box: Sandbox) -> None:
+    # An agent's host process (isolate-mcp, a manager of many sandboxes) gets descriptors past FD_SETSIZE,
+    # where select() fails: every wait on the host side is a poll.
+    with descriptors_past_fd_setsize():
+        assert box.exec("echo one").stdout == "one\n"
+        assert box.shell("many", pty=False).run("sleep 0.2; echo two", timeout=30) == ("two\n", 0)
+        if box.backend == "docker":
+            result = isolate.run(["sh", "-c", "sleep 0.3; echo three"], capture_output=True,
+                                 policy=isolate.Policy(backend="docker", image=IMAGE, write=(), cwd="/"))
+            assert result.stdout == b"three\n"

@@ -78,6 +78,27 @@ def _engine_state(container_id: str) -> str:
         return "missing"
 
 
+def _reopen_socket_directory(box: Sandbox) -> None:
+    """Give the socket directory back to the container's user, as for a caller who is not root (who is that
+    user): a root caller closes it once the server listens, and the host's own checks are tested behind."""
+    from isolate.backends.docker.spec import program_ids
+
+    impl = box._impl
+    assert isinstance(impl, DockerKept)
+    impl._run_dir_owner(*program_ids(impl.policy))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the container's user owns the socket directory of a non-root caller")
+def test_the_program_can_write_nothing_in_the_socket_directory(box: Sandbox) -> None:
+    # It lies on the host (/run/isolate/docker/NAME.d, often a small tmpfs the whole host needs): a program
+    # that shares the server's uid could fill it, or replace the socket.
+    run = box._impl.paths.run
+    result = box.exec("dd if=/dev/zero of=/.isolate/run/fill bs=1M count=4; rm -f /.isolate/run/server.sock")
+    assert result.returncode != 0
+    assert os.listdir(run) == ["server.sock"]
+    assert box.exec("echo still").stdout == "still\n"
+
+
 def test_files_are_written_and_read_as_the_container_user(box: Sandbox) -> None:
     uid = int(box.exec("id -u").stdout)
     box.write_file("made.txt", "by the host\n")
@@ -103,6 +124,7 @@ def test_files_are_written_and_read_as_the_container_user(box: Sandbox) -> None:
 def test_a_socket_planted_in_the_servers_place_is_refused(box: Sandbox) -> None:
     # The program shares the server's uid: it can unlink the socket and listen there itself, here with
     # the very server binary bound into the container. The host must notice the listener is not PID 1.
+    _reopen_socket_directory(box)
     planted = box.spawn("rm -f /.isolate/run/server.sock; exec /.isolate/isolate-exec-server "
                         "/.isolate/run/server.sock 0 0")
     for _ in range(200):
@@ -229,6 +251,7 @@ def test_a_link_planted_in_the_socket_directory_is_not_followed(box: Sandbox, tm
     trap.bind(str(tmp_path / "trap.sock"))
     trap.listen(4)
     trap.setblocking(False)
+    _reopen_socket_directory(box)
     box.exec(f"rm -f /.isolate/run/server.sock; ln -s {tmp_path / 'trap.sock'} /.isolate/run/server.sock")
     with pytest.raises(isolate.IsolationError, match="not a socket"):
         box._impl.connect()
@@ -263,3 +286,60 @@ def test_strict_seccomp_is_refused_with_the_reason() -> None:
     # The strict profile refuses the server's socket calls: said at once, not after a start that fails.
     with pytest.raises(isolate.UnsupportedError, match="strict"):
         Sandbox(docker_policy(seccomp="strict"), backend="docker")
+
+
+def test_a_grant_that_holds_the_runtime_directory_is_refused(tmp_path: Path) -> None:
+    # As natively (tests/test_sandbox_attacks.py): a container whose user may write the runtime directory
+    # (a caller who is not root, granting /tmp where that directory is /tmp/isolate-UID) could rewrite
+    # the kept sandboxes' descriptions there.
+    from isolate.backends.docker import prepare
+    from isolate.registry import runtime_dir
+
+    parent = os.path.dirname(runtime_dir())
+    writes = isolate.Policy(backend="docker", image=IMAGE, write=(parent,), cwd=parent)
+    os.makedirs(os.path.join(runtime_dir(), "docker"), 0o700, exist_ok=True)
+    inside = docker_policy(binds=(Mount(os.path.join(runtime_dir(), "docker"), "/x", "rw"),))
+    for pol in (writes, docker_policy(binds=(Mount(parent, "/x", "rw"),)), inside):
+        with pytest.raises(isolate.PolicyError, match="runtime directory"):
+            prepare(pol)
+    prepare(docker_policy(binds=(Mount(parent, "/x", "ro"),)))  # seeing it is not writing it
+
+
+def test_a_running_named_sandbox_is_not_replaced_by_another_of_its_name(project: str) -> None:
+    # isolate-mcp's sandbox_create(name=...) lets an agent pick the name: another configuration (here only
+    # a ttl) must not remove the running sandbox of that name, and its workspace with it (as natively).
+    name = f"dk{os.getpid()}x"
+    first = Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker").start()
+    try:
+        first.write_file("work.txt", "uncommitted\n")
+        with pytest.raises(isolate.IsolationError, match="exists already"):
+            Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker", ttl=600).start()
+        assert first.read_file("work.txt") == "uncommitted\n"
+        same = Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker").start()
+        assert same._impl.last_action == "reused"  # the same configuration is still reached by its name
+        same.detach()
+    finally:
+        first.close()
+
+
+def test_prune_uses_no_name_that_isolate_did_not_give(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The registry lies in the state directory, which a sandbox granted it can write: a record named with
+    # '..' made prune unlink "<runtime>/docker/NAME.json", i.e. any .json file on the host.
+    import sqlite3
+
+    from isolate.backends.docker import engine_address
+    from isolate.backends.docker.sandbox import prune
+    from isolate.registry import Registry, runtime_dir
+
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "state"))
+    victim = tmp_path / "victim.json"
+    victim.write_text("{}\n")
+    name = "../" * (runtime_dir().count("/") + 1) + str(victim)[1:-len(".json")]
+    assert os.path.normpath(os.path.join(runtime_dir(), "docker", name + ".json")) == str(victim)
+    Registry().touch(engine_address(), "x", 0.0)  # makes the file and its table
+    with sqlite3.connect(Registry().path) as db:
+        db.execute("INSERT INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   (engine_address(), name, "0" * 64, "", "", "", 0.0, 0.0))
+    prune(idle=0.0, age=0.0)
+    assert victim.read_text() == "{}\n"
+    assert all(rec.name != name for rec in Registry().all())

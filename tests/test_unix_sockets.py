@@ -458,8 +458,9 @@ def test_preexec_fn_without_a_supervisor_refuses_unix_sockets(granted: tuple[str
                             text=True, timeout=60)
     assert result.stdout.split() == ["refused", "13", "y"], result.stderr
     assert server.accepted == 0
+    # write=: not the default grant of the cwd, which as 65534 is /tmp, refused for holding its runtime directory.
     with pytest.raises(isolate.UnsupportedError, match="unix_sockets"):
-        policy(unix_sockets=(server.path,)).preexec_fn()
+        policy(unix_sockets=(server.path,), write=(workdir,)).preexec_fn()
 
 
 def test_the_hint_line_escapes_the_programs_path() -> None:

@@ -25,7 +25,6 @@ import functools
 import os
 import re
 import secrets
-import select
 import signal
 import sys
 import threading
@@ -41,6 +40,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import BaseModel
 
 from ..errors import IsolationError, PolicyError, UnsupportedError
+from ..fdwait import ready
 from ..policy import Policy
 from ..sandbox import Sandbox, SandboxProcess, Shell
 
@@ -52,6 +52,11 @@ OUTPUT_LIMIT = 1 << 20
 DEFAULT_MAX_SANDBOXES = 16
 #: The most output of a running command held for streaming (a client slower than the command gets less).
 STREAM_LIMIT = 256 << 10
+#: The most commands a sandbox holds for the client (running, or ended and not yet collected with
+#: command_get_status): each costs the host descriptors, a thread and up to twice OUTPUT_LIMIT.
+MAX_COMMANDS = 64
+#: The most sessions (persistent shells) a sandbox holds at once.
+MAX_SESSIONS = 16
 #: How long a file_read may be without a range.
 READ_LIMIT = 16 << 20
 
@@ -196,8 +201,8 @@ class _Execution:
                 # The exit is polled: a background process of the command may keep the pipes
                 # open after it ended, and is not waited for (as Sandbox.exec).
                 if streams:
-                    ready, _, _ = select.select(list(streams), [], [], 0.05)
-                    for fd in ready:
+                    # poll, not select: many commands (or sandboxes) put descriptors past FD_SETSIZE.
+                    for fd in ready(list(streams), timeout=0.05):
                         self._read(fd, streams)
                 else:
                     time.sleep(0.05)  # the command closed its output and goes on
@@ -554,6 +559,9 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         """
         entry = state.get(sandbox_id)
         box = entry.box
+        if len(entry.executions) >= MAX_COMMANDS:
+            raise IsolationError(f"sandbox {sandbox_id!r} holds {len(entry.executions)} commands, its most: collect "
+                                 "the ended ones (command_get_status) or end one (command_interrupt) first")
         process = await _thread(box.spawn, command, cwd=working_directory, env=env, timeout=timeout_seconds)
         if background:
             execution = _Execution(process, timeout_seconds)
@@ -612,6 +620,9 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         session_id = session_id or "session-" + secrets.token_hex(3)
         if session_id in entry.sessions:
             raise IsolationError(f"session {session_id!r} is open already in sandbox {sandbox_id!r}")
+        if len(entry.sessions) >= MAX_SESSIONS:
+            raise IsolationError(f"sandbox {sandbox_id!r} has {len(entry.sessions)} sessions open, its most: "
+                                 "command_delete_session one first")
         entry.sessions[session_id] = await _thread(entry.box.shell, session_id)
         return {"session_id": session_id}
 

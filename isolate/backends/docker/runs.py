@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import secrets
-import select
 import signal as signal_mod
 import subprocess
 import threading
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ...errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
+from ...fdwait import ready
 from ...policy import Policy
 from ...report import Report, status_for
 from .engine import _engine_errors, _short, client
@@ -81,7 +81,7 @@ def _drive(
             wait = 0.5 if deadline is None or outcome.killed_for else max(0.0, min(0.5, deadline - now))
             data = conn.recv()
             if data is None:
-                select.select([conn.sock], [], [], wait)
+                ready([conn.sock.fileno()], timeout=wait)
                 continue
             if not data:
                 break

@@ -222,8 +222,8 @@ def list_sandboxes(registry: Registry | None = None) -> list[SandboxStatus]:
     for container in backend.list_containers("kept"):
         labels = container.get("Labels") or {}
         name = labels.get(backend.LABEL_NAME)
-        if not name:
-            continue
+        if not isinstance(name, str) or not _NAME.match(name):
+            continue  # not a name isolate gave (it would become paths)
         states[name] = str(container.get("State") or "unknown")
         if name not in records:
             created = float(container.get("Created") or 0)

@@ -191,6 +191,12 @@ class DockerKept:
             if (self.name is not None and labels.get(LABEL_SERVER) == "1" and labels.get(LABEL_SPEC_HASH) == kept_hash
                     and self._reuse(info)):
                 return
+            if (info.get("State") or {}).get("Running"):
+                # As natively: a running sandbox is never replaced by one that only shares its name (its
+                # workspace would go with it); whoever may end it says so (close, rm).
+                raise IsolationError(f"sandbox {self.box_name!r} exists already, running with another "
+                                     "configuration; attach to it, or remove it first (isolate-run sandbox rm "
+                                     f"{self.box_name})")
             with _engine_errors(f"remove the outdated kept container {cname}"):
                 with contextlib.suppress(docker.errors.NotFound):
                     api.remove_container(info["Id"], force=True, v=True)
@@ -223,6 +229,7 @@ class DockerKept:
             with _engine_errors(f"start the kept container {cname}"):
                 api.start(self.container_id)
             self._wait_ready()
+            self._run_dir_owner(0, 0)
             self.last_action = "created"
             self._write_meta()
             now = time.time()
@@ -257,13 +264,36 @@ class DockerKept:
             spec = self._spec()  # every bind resolved and checked again before the engine binds it anew
             if spec.spec_hash() != meta.get("spec_hash"):
                 return False
+            self._run_dir_owner(*program_ids(self.policy))  # its server binds its socket anew
             with _engine_errors(f"restart the kept container {self.container_name}"):
                 client().api.start(self.container_id)
             self.last_action = "restarted"
         else:
             self.last_action = "reused"
         self._wait_ready()
+        self._run_dir_owner(0, 0)
         return True
+
+    def _run_dir_owner(self, uid: int, gid: int) -> None:
+        """Give the socket directory to the container's user (its server binds there) or back to root.
+
+        A root caller takes it back once the server listens: the program,
+        which shares the server's uid, can then neither replace the socket
+        nor fill the host's /run with files of its own. (A caller who is not
+        root is the container's user itself; the listener check in connect()
+        is what holds there.)
+        """
+        if os.geteuid() != 0:
+            return
+        fd = os.open(self.paths.run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if self.run_identity is None or (info.st_dev, info.st_ino) != self.run_identity:
+                raise IsolationError(f"sandbox {self.box_name!r}: {self.paths.run} is not the directory this sandbox "
+                                     "was made with; remove it with isolate-run sandbox rm " + self.box_name)
+            os.fchown(fd, uid, gid)
+        finally:
+            os.close(fd)
 
     def _make_dirs(self) -> None:
         uid, gid = program_ids(self.policy)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import IsolationError, PolicyError, UnsupportedError
-from ...grants import Grant, check_unchanged, read_input_file, resolve_grant
+from ...grants import Grant, check_unchanged, read_input_file, refuse_runtime_dir, resolve_grant
 from ...policy import DEFAULT_READ, Egress, Policy
 from .engine import IMAGE_ENV, EngineInfo, check_image, client, engine_info
 
@@ -347,10 +347,14 @@ def build_spec(
                 continue  # the image provides the system directories
             target = _abs(path, base)
             grant = resolve_grant(target, kind)
+            if not read_only:
+                refuse_runtime_dir(grant.real, target, kind)
             mounts.append(BindMount(grant.real, target, read_only, grant))
     # Mounts at other paths (isolate.Mount): the same resolver, bound at their target.
     for bind in policy.binds:
         grant = resolve_grant(_abs(bind.source, base), "binds")
+        if bind.mode != "ro":
+            refuse_runtime_dir(grant.real, bind.source, "binds")
         mounts.append(BindMount(grant.real, bind.target, bind.mode == "ro", grant))
     # The program's home, as with the native backend: a private tmpfs, files shared read-only into it.
     home_tmpfs: tuple[str, ...] = ()

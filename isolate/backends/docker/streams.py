@@ -7,7 +7,6 @@ import errno as errno_mod
 import locale
 import os
 import re
-import select
 import socket
 import ssl
 import subprocess
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ...errors import UnsupportedError
+from ...fdwait import ready
 from .engine import engine_address
 
 Args = Union[str, bytes, "os.PathLike[str]", Sequence[Union[str, bytes, "os.PathLike[str]"]]]
@@ -50,7 +50,7 @@ def _write_all(fd: int, data: bytes) -> None:
         try:
             written = os.write(fd, view)
         except BlockingIOError:
-            select.select([], [fd], [], 1.0)
+            ready(writers=[fd], timeout=1.0)
             continue
         except OSError as exc:
             if exc.errno == errno_mod.EPIPE:
@@ -214,8 +214,7 @@ class _Conn:
         while view:
             if stop.is_set():
                 return False
-            _, writable, _ = select.select([], [self.sock], [], 0.1)
-            if not writable:
+            if not ready(writers=[self.sock.fileno()], timeout=0.1):
                 continue
             try:
                 sent = self.sock.send(view)
@@ -340,8 +339,7 @@ def _feed_stdin(conn: _Conn, streams: _Streams, stop: threading.Event) -> None:
             conn.send_all(streams.stdin_data, stop)
         elif streams.stdin_fd is not None:
             while not stop.is_set():
-                ready, _, _ = select.select([streams.stdin_fd], [], [], 0.1)
-                if not ready:
+                if not ready([streams.stdin_fd], timeout=0.1):
                     continue
                 try:
                     chunk = os.read(streams.stdin_fd, 65536)

@@ -137,10 +137,13 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     for path in read:
         open_source(path, "read")
     for path in write:
-        open_source(path, "write")
+        grants.refuse_runtime_dir(open_source(path, "write"), path, "write")
     # Host paths shown at other paths: (real source, target, read-only).
     binds = [(open_source(os.path.join(run_cwd, m.source), "binds"), m.target, m.mode == "ro")
              for m in policy.binds]
+    for (source, _, readonly), m in zip(binds, policy.binds, strict=True):
+        if not readonly:
+            grants.refuse_runtime_dir(source, m.source, "binds")
     rw_sources = [source for source, _, readonly in binds if not readonly]
     use_ns = policy.namespaces
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []

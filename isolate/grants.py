@@ -57,8 +57,8 @@ def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, 
     return links, current
 
 
-def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
-    """Refuse a writable grant that holds, or lies in, isolate's runtime directory (``registry.runtime_dir``).
+def runtime_dir_below(real: str, path: str, field_name: str) -> str | None:
+    """Where isolate's runtime directory (``registry.runtime_dir``) lies below a writable grant, or None.
 
     The host trusts what lies there: kept sandboxes' sockets and their
     descriptions (a sandbox's workspace source is where ``commit()``
@@ -66,17 +66,35 @@ def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
     listener of its own, or commit another sandbox's workspace over any
     directory the caller may write. Typical case: a caller without
     ``XDG_RUNTIME_DIR`` (the directory is then ``/tmp/isolate-UID``) granting
-    ``/tmp``. ``real`` is the grant's real path.
+    ``/tmp``. Returns the directory's path relative to ``real`` (the grant's
+    real path) when the grant holds it, for the caller to hide it (a mount
+    namespace puts an empty tmpfs over it) or refuse; a grant that is the
+    directory or lies inside it is refused here.
     """
     from .registry import runtime_dir
 
     private = os.path.realpath(runtime_dir(create=False))
-    if private == real or private.startswith(real.rstrip("/") + "/") or real.startswith(private + "/"):
-        where = "lies in" if real.startswith(private + "/") else "holds"
+    if private == real or real.startswith(private + "/"):
         raise PolicyError(
-            f"{field_name}: {path} {where} isolate's runtime directory {private} (kept sandboxes' sockets and "
-            "descriptions, which a program there could rewrite); grant only the directories the program needs, "
-            "none that holds it"
+            f"{field_name}: {path} lies in isolate's runtime directory {private} (kept sandboxes' sockets and "
+            "descriptions, which a program there could rewrite); grant only the directories the program needs",
+            field_name,
+        )
+    if private.startswith(real.rstrip("/") + "/"):
+        return os.path.relpath(private, real)
+    return None
+
+
+def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
+    """Refuse a writable grant that holds, or lies in, isolate's runtime directory (where nothing can hide it)."""
+    if runtime_dir_below(real, path, field_name) is not None:
+        from .registry import runtime_dir
+
+        private = os.path.realpath(runtime_dir(create=False))
+        raise PolicyError(
+            f"{field_name}: {path} holds isolate's runtime directory {private} (kept sandboxes' sockets and "
+            "descriptions, which a program there could rewrite), and this sandbox has no mount namespace to hide "
+            "it in; grant only the directories the program needs, none that holds it"
             + (", or set XDG_RUNTIME_DIR to a private directory outside it" if os.geteuid() != 0 else ""),
             field_name,
         )

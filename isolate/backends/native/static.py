@@ -16,6 +16,7 @@ from ... import grants, hostinfo, landlock, mounts
 from ..._core import INIT_PATH, ffi, init_fd, lib
 from ...errors import PolicyError
 from ...policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
+from ...registry import runtime_dir
 from ...units import milliseconds_up
 from .common import NOBODY, _Refusals, _Static, userns_error
 from .environment import _no_ns_tmpdir, _plan_home
@@ -134,22 +135,39 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             source_fds[real] = fd
         return real
 
+    use_ns = policy.namespaces
+    # isolate's runtime directory under a writable grant: hidden under an empty private tmpfs inside,
+    # or, with no mount namespace to do that in, refused (grants.runtime_dir_below says why).
+    hidden: list[str] = []
+
+    def hide_runtime_dir(real: str, target: str, path: str, field_name: str) -> None:
+        below = grants.runtime_dir_below(real, path, field_name)
+        if below is None:
+            return
+        if not use_ns:
+            grants.refuse_runtime_dir(real, path, field_name)
+        runtime_dir()  # it must exist now, to be covered, rather than appear later in a granted tree
+        hidden.append(os.path.normpath(os.path.join(target, below)))
+
     for path in read:
         open_source(path, "read")
     for path in write:
-        grants.refuse_runtime_dir(open_source(path, "write"), path, "write")
+        real = open_source(path, "write")
+        hide_runtime_dir(real, real, path, "write")
     # Host paths shown at other paths: (real source, target, read-only).
     binds = [(open_source(os.path.join(run_cwd, m.source), "binds"), m.target, m.mode == "ro")
              for m in policy.binds]
-    for (source, _, readonly), m in zip(binds, policy.binds, strict=True):
+    for (source, target, readonly), m in zip(binds, policy.binds, strict=True):
         if not readonly:
-            grants.refuse_runtime_dir(source, m.source, "binds")
+            hide_runtime_dir(source, target, m.source, "binds")
     rw_sources = [source for source, _, readonly in binds if not readonly]
-    use_ns = policy.namespaces
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
     if tmpfs and not use_ns:
         refusals.refuse("tmpfs: a private tmpfs needs namespaces (namespaces=true)")
         tmpfs = []
+    tmpfs += [path for path in hidden if path not in tmpfs]
+    if hidden:
+        enforced["runtime_dir_hidden"] = hidden
 
     plan = ffi.new("struct iso_plan *")
     keep.append(plan)

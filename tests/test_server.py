@@ -629,10 +629,7 @@ def test_restart_reaps_what_the_server_made() -> None:
         assert pids
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
-        deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            assert time.monotonic() < deadline, "sandbox processes outlived their server"
-            time.sleep(0.1)
+        _wait_gone(pids)
     finally:
         first.stop()
     second = Server()
@@ -645,9 +642,24 @@ def test_restart_reaps_what_the_server_made() -> None:
         assert pids
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(30) in (0, -signal.SIGTERM)
-        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        _wait_gone(pids)
     finally:
         second.stop()
+
+
+def _wait_gone(pids: list[int]) -> None:
+    """Every one of pids ends (or is a zombie) within 10 s: a killed init takes a moment to take its tree."""
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, "sandbox processes outlived their server"
+        time.sleep(0.1)
 
 
 # -- opensandbox-mcp, driven by an MCP client ---------------------------------------------------

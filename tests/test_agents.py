@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -138,13 +139,21 @@ def test_manager_prunes_by_max_age(manager: Any) -> None:
 
 
 def test_manager_prunes_the_idle_only(manager: Any) -> None:
-    m = manager(idle=1.0, max_age=None)
+    # The idle limit is scaled to how long a reuse takes here (seconds in an emulated VM), so that
+    # "busy", touched midway, is always younger than the limit and "idle" always older.
+    probe = manager(idle=None, max_age=None)
+    probe.get("probe", policy(write=()))
+    started = time.monotonic()
+    probe.get("probe", policy(write=()))
+    limit = float(max(1, math.ceil(8 * (time.monotonic() - started))))
+    probe.rm("probe")
+    m = manager(idle=limit, max_age=None)
     m.get("busy", policy(write=()))
     idle = m.get("idle", policy(write=()))
-    time.sleep(0.6)
+    time.sleep(0.6 * limit)
     busy = m.get("busy", policy(write=()))
-    time.sleep(0.6)
-    assert m.prune() == [("idle", "idle longer than 1 s")]
+    time.sleep(0.6 * limit)
+    assert m.prune() == [("idle", f"idle longer than {limit:g} s")]
     assert _gone(idle.name) and busy.exec("true").returncode == 0
     assert [r.agent_id for r in m.list()] == ["busy"]
 

@@ -40,7 +40,6 @@ import fcntl
 import json
 import os
 import secrets
-import select
 import signal
 import sys
 import termios
@@ -52,6 +51,7 @@ from typing import Any
 
 from .backends.native.commands import GRACE, wait_seconds
 from .errors import CommandNotFoundError, IsolationError
+from .fdwait import ready as wait_ready
 
 #: The most output one run keeps of each of stdout and stderr (the tail).
 OUTPUT_LIMIT = 16 << 20
@@ -186,16 +186,6 @@ class _Stdout:
         return int(parts[1]), parts[2] == b"end", data
 
 
-def _wait(readers: list[int], writers: list[int], timeout: float) -> set[int]:
-    """The fds ready (poll, not select: a host process may hold more than FD_SETSIZE fds)."""
-    poller = select.poll()
-    for fd in readers:
-        poller.register(fd, select.POLLIN)
-    for fd in writers:
-        poller.register(fd, select.POLLOUT)
-    return {fd for fd, _ in poller.poll(max(0, int(timeout * 1000 + 0.999)))}
-
-
 def _pending(fd: int) -> int:
     """How many bytes the pipe holds now."""
     return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
@@ -297,7 +287,7 @@ class Interpreter:
             wait = deadline - time.monotonic()
             if stdout.eof or wait <= 0:
                 break
-            ready = _wait([process.stdout_fd, process.stderr_fd], [], wait)
+            ready = wait_ready([process.stdout_fd, process.stderr_fd], [], wait)
             if process.stderr_fd in ready:
                 try:
                     errors.add(os.read(process.stderr_fd, 8192))
@@ -402,7 +392,7 @@ class Interpreter:
                 wait = min(POLL, deadline - now) if deadline is not None else POLL
                 readers = [process.stdout_fd] + ([process.stderr_fd] if err_open else [])
                 writers = [process.stdin_fd] if pending else []
-                ready = _wait(readers, writers, max(0.0, wait))
+                ready = wait_ready(readers, writers, max(0.0, wait))
                 if process.stdin_fd in ready and pending:
                     try:
                         pending = pending[os.write(process.stdin_fd, pending[:1 << 16]):]

@@ -337,9 +337,14 @@ def test_a_grant_that_holds_the_runtime_directory_hides_it_or_is_refused(source:
             f"open({meta!r} + '.x', 'w').write(json.dumps(m))\nos.rename({meta!r} + '.x', {meta!r})\n")
     victim = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
     try:
-        done = isolate.run([PYTHON, "-c", code], policy=policy(write=(parent,), cwd=parent), capture_output=True)
-        assert done.returncode != 0 and b"No such file" in done.stderr, done  # an empty directory there
-        assert os.listdir(parent) and done.report.enforced["runtime_dir_hidden"] == [runtime_dir()]
+        try:
+            done = isolate.run([PYTHON, "-c", code], policy=policy(write=(parent,), cwd=parent),
+                               capture_output=True)
+        except isolate.UnsupportedError:
+            done = None  # the grant itself cannot be given here (root, /run a tmpfs without idmap before 6.3)
+        if done is not None:
+            assert done.returncode != 0 and b"No such file" in done.stderr, done  # an empty directory there
+            assert os.listdir(parent) and done.report.enforced["runtime_dir_hidden"] == [runtime_dir()]
         if not LANDLOCK_WHY:
             with pytest.raises(isolate.PolicyError, match="runtime directory"):
                 isolate.run([PYTHON, "-c", code], policy=policy(write=(parent,), cwd=parent, namespaces=False))

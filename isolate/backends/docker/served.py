@@ -48,7 +48,7 @@ from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
 from ...workspace import Workspace, _open_dir, copy_tree
 from ..native.kept import _dir_identity, _pair, _remove_dir, _suppress_missing
-from ..native.protocol import Connection, ServerGone, encode
+from ..native.protocol import Connection, ServerGone, probe
 from .spec import LABEL, LABEL_SPEC_HASH, BindMount, ContainerSpec, default_image, program_ids
 
 SERVER_TARGET = "/.isolate/isolate-exec-server"
@@ -491,15 +491,8 @@ class DockerKept:
             return "ended"
         if state.get("Paused"):
             return "not answering"
-        try:
-            with self.connect() as conn:
-                conn.send(encode(lib.ISO_XS_PING))
-                conn.receive(timeout=2.0)
-            return "running"
-        except TimeoutError:
-            return "not answering"
-        except (IsolationError, OSError):
-            return "ended"
+        answer = probe(self.connect)
+        return "ended" if answer == "gone" else answer
 
     def processes(self) -> list[Any]:
         import psutil

@@ -34,7 +34,7 @@ from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
 from ...workspace import Workspace, copy_tree
-from .protocol import Connection, ServerGone, encode
+from .protocol import Connection, ServerGone, probe
 
 SERVER_NAME = "isolate-exec-server"
 #: How long start() waits for the server to answer its first ping.
@@ -327,15 +327,10 @@ class NativeSandbox:
         """"running", "ended", or "not answering" (paused, or its exec server killed from inside)."""
         if self.process is not None and self.process.poll() is not None:
             return "ended"
-        try:
-            with self.connect() as conn:
-                conn.send(encode(lib.ISO_XS_PING))
-                conn.receive(timeout=2.0)
-            return "running"
-        except TimeoutError:
-            return "not answering"
-        except (ServerGone, OSError):
-            return "ended" if self._init_pid() is None else "not answering"
+        answer = probe(self.connect)
+        if answer != "gone":
+            return answer
+        return "ended" if self._init_pid() is None else "not answering"
 
     def _init_pid(self) -> int | None:
         """The sandbox's init on the host, if it still runs (a reused pid is told apart by its start time)."""

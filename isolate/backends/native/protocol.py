@@ -18,7 +18,7 @@ import os
 import socket
 import stat as stat_mod
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,19 @@ class Connection:
                 except ServerGone:
                     self.close()
                     raise
+
+
+def probe(connect: Callable[[], Connection], timeout: float = 2.0) -> str:
+    """Ask a sandbox's exec server for a ping: "running", "not answering" (stopped, paused) or "gone"."""
+    try:
+        with connect() as conn:
+            conn.send(encode(lib.ISO_XS_PING))
+            conn.receive(timeout=timeout)
+        return "running"
+    except TimeoutError:
+        return "not answering"
+    except (IsolationError, OSError):
+        return "gone"
 
 
 def _entries(payload: bytes, count: int) -> Iterator[tuple[str, Stat]]:

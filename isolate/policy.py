@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import egress_rules
 from .errors import PolicyError
 from .grants import read_input_file
 from .units import format_size, parse_count, parse_seconds, parse_size
@@ -41,17 +42,68 @@ BACKENDS = ("auto", "native", "docker")
 
 @dataclass(frozen=True)
 class Egress:
-    """A filtered network: only these ``HOST[:PORT]`` destinations are reachable."""
+    """A filtered network: only the allowed names and ports are reachable.
+
+    ``hosts``: ``NAME``, ``NAME:PORT``, ``*.DOMAIN[:PORT]`` (no port: 80 and
+    443). ``add_hosts``: static names, ``{NAME: IP}`` or ``("NAME:IP", ...)``
+    (Docker's ``--add-host``); such a name is reached at that address, loopback
+    included, once the allow-list allows it. ``resolver``: ``IP[:PORT]`` of the
+    DNS server isolate asks (default: the host's own resolver).
+    ``allow_private``: let a name that DNS resolves to a loopback, private or
+    link-local address be reached (off: the DNS-rebinding guard refuses it).
+    """
 
     hosts: tuple[str, ...] = ()
+    add_hosts: Mapping[str, str] | tuple[str, ...] = ()
+    resolver: str | None = None
+    allow_private: bool = False
 
     def __post_init__(self) -> None:
         hosts = _str_tuple(self.hosts, "network")
-        for host in hosts:
-            name, _, port = host.rpartition(":") if host.count(":") == 1 else (host, "", "")
-            if not (name or host).strip() or (port and not (port.isdigit() and 0 < int(port) < 65536)):
-                raise PolicyError(f"network: {host!r} is not HOST or HOST:PORT", "network")
-        object.__setattr__(self, "hosts", hosts)
+        if len(hosts) > egress_rules.MAX_ENTRIES:
+            raise PolicyError(f"network: {len(hosts)} allow-list entries; at most {egress_rules.MAX_ENTRIES}",
+                              "network")
+        rules = tuple(egress_rules.parse_host_rule(host) for host in hosts)
+        ports = {port for rule in rules for port in rule.ports}
+        if len(ports) > egress_rules.MAX_PORTS:
+            raise PolicyError(f"network: the allow-list names {len(ports)} ports; at most "
+                              f"{egress_rules.MAX_PORTS} (each is a listener inside)", "network")
+        static = self.add_hosts
+        pairs = ([f"{k}:{v}" for k, v in static.items()] if isinstance(static, Mapping)
+                 else list(_str_tuple(static, "add_hosts")))
+        add_hosts = tuple(sorted({f"{n}:{a}" for n, a in map(egress_rules.parse_static_host, pairs)}))
+        for entry in add_hosts:
+            name = entry.partition(":")[0]
+            if not any(rule.matches(name) for rule in rules):
+                raise PolicyError(f"add_hosts: {name!r} is named but not allowed; allow it too "
+                                  f"(--allow-host {name}:PORT)", "add_hosts")
+        if self.resolver is not None:
+            if not isinstance(self.resolver, str):
+                raise PolicyError("network: resolver must be a string IP[:PORT]", "network")
+            egress_rules.parse_resolver(self.resolver)
+        if not isinstance(self.allow_private, bool):
+            raise PolicyError("network: allow_private must be true or false", "network")
+        object.__setattr__(self, "hosts", tuple(str(rule) for rule in rules))
+        object.__setattr__(self, "add_hosts", add_hosts)
+
+    def rules(self) -> egress_rules.EgressRules:
+        """The allow-list compiled for the mediator."""
+        return egress_rules.EgressRules(
+            rules=tuple(egress_rules.parse_host_rule(host) for host in self.hosts),
+            static_hosts=tuple(egress_rules.parse_static_host(entry) for entry in self.add_hosts),
+            resolver=egress_rules.parse_resolver(self.resolver) if self.resolver else None,
+            allow_private=self.allow_private,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"egress": list(self.hosts)}
+        if self.add_hosts:
+            out["add_hosts"] = list(self.add_hosts)
+        if self.resolver:
+            out["resolver"] = self.resolver
+        if self.allow_private:
+            out["allow_private"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -379,7 +431,7 @@ class Policy:
             if f.name == "limits":
                 value = value.to_dict()
             elif f.name == "network" and isinstance(value, Egress):
-                value = {"egress": list(value.hosts)}
+                value = value.to_dict()
             elif f.name == "env":
                 value = dict(value)
             elif f.name == "binds":
@@ -404,9 +456,13 @@ class Policy:
         data = dict(data)
         network = data.get("network")
         if isinstance(network, Mapping):
-            if set(network) != {"egress"}:
-                raise PolicyError("network: a table must hold only egress = [\"HOST:PORT\", ...]", "network")
-            data["network"] = Egress(tuple(network["egress"]))
+            known = {"egress", "add_hosts", "resolver", "allow_private"}
+            if "egress" not in network or set(network) - known:
+                raise PolicyError("network: a table holds egress = [\"HOST[:PORT]\", ...] and optionally "
+                                  "add_hosts, resolver, allow_private", "network")
+            data["network"] = Egress(tuple(network["egress"]), add_hosts=tuple(network.get("add_hosts", ())),
+                                     resolver=network.get("resolver"),
+                                     allow_private=network.get("allow_private", False))
         policy: Policy = _from_mapping(cls, data, "")
         return policy
 

@@ -1,0 +1,181 @@
+"""Egress by name: the allow-list's grammar and the sandbox's address plan.
+
+Pure data, imported by the policy model; nothing here opens a socket.
+
+An allow-list entry is ``NAME``, ``NAME:PORT``, ``*.DOMAIN`` or
+``*.DOMAIN:PORT``. Without a port, 80 and 443 are allowed (the web: package
+indexes, APIs, git over HTTPS); any other port is named. ``*.github.com``
+matches every name below github.com at any depth, not github.com itself.
+Addresses are not names: to reach an address, name it with ``add_hosts``
+(``--add-host NAME:IP``) and allow the name.
+
+Inside the sandbox's own network namespace, isolate's mediator answers on
+loopback addresses of the block ``127.77.0.0/16``:
+
+- ``127.77.0.53`` port 53 (UDP and TCP): the DNS server; /etc/resolv.conf
+  names it. An allowed name resolves to an address of its own in
+  ``127.77.1.0`` and above, a denied one to NXDOMAIN.
+- ``127.77.0.1`` port 3128: an HTTP proxy (CONNECT, and plain HTTP);
+  ``http_proxy``/``https_proxy`` point at it.
+- every other port of the allow-list, on every address: a connection to a
+  name's address and an allowed port is relayed to that name (the
+  transparent path, for programs that ignore proxy variables).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from .errors import PolicyError
+
+#: The loopback block the mediator answers on inside the sandbox.
+BLOCK = ipaddress.IPv4Network("127.77.0.0/16")
+DNS_ADDRESS = "127.77.0.53"
+DNS_PORT = 53
+PROXY_ADDRESS = "127.77.0.1"
+PROXY_PORT = 3128
+#: The first address handed to a name; names get consecutive addresses from here.
+FIRST_NAME_ADDRESS = ipaddress.IPv4Address("127.77.1.0")
+#: Ports allowed when an entry names none.
+DEFAULT_PORTS: tuple[int, ...] = (80, 443)
+#: Every allowed port is a listening socket inside the sandbox: a bound on them.
+MAX_PORTS = 64
+MAX_ENTRIES = 256
+
+_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
+
+
+def normalize_name(text: str, what: str) -> str:
+    """A DNS name in lower case without the final dot; PolicyError if it is none."""
+    name = text.strip().lower().rstrip(".")
+    if not name.isascii():
+        raise PolicyError(f"{what}: {text!r} is not an ASCII name; give its IDNA form (xn--...)", "network")
+    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
+        raise PolicyError(f"{what}: {text!r} is not a host name", "network")
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return name
+    raise PolicyError(f"{what}: {text!r} is an address, not a name; name it with --add-host NAME:{name} "
+                      "(add_hosts={NAME: ADDRESS}) and allow NAME", "network")
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """One allow-list entry: a name (or ``*.`` suffix) and its ports."""
+
+    pattern: str                 # "pypi.org" or "*.github.com"
+    ports: tuple[int, ...]
+
+    @property
+    def wildcard(self) -> bool:
+        return self.pattern.startswith("*.")
+
+    def matches(self, name: str) -> bool:
+        if self.wildcard:
+            return name.endswith(self.pattern[1:])
+        return name == self.pattern
+
+    def __str__(self) -> str:
+        return self.pattern if len(self.ports) != 1 else f"{self.pattern}:{self.ports[0]}"
+
+
+def parse_host_rule(text: str) -> HostRule:
+    """``NAME[:PORT]`` or ``*.DOMAIN[:PORT]``; PolicyError naming the entry otherwise."""
+    if not isinstance(text, str):
+        raise PolicyError(f"network: expected HOST[:PORT] strings, got {type(text).__name__}", "network")
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep:
+        host, port_text = text.strip(), ""
+    if "[" in host or ":" in host:
+        raise PolicyError(f"network: {text!r} is an address, not a name; name it with --add-host NAME:IP and "
+                          "allow NAME", "network")
+    if sep and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+        raise PolicyError(f"network: {text!r}: the port must be a number from 1 to 65535", "network")
+    wildcard = host.startswith("*.")
+    name = normalize_name(host[2:] if wildcard else host, "network")
+    if wildcard and "." not in name:
+        raise PolicyError(f"network: {text!r} would allow a whole top-level domain; name a domain under it",
+                          "network")
+    ports = (int(port_text),) if sep else DEFAULT_PORTS
+    return HostRule(("*." if wildcard else "") + name, ports)
+
+
+def parse_static_host(text: str) -> tuple[str, str]:
+    """``NAME:IP`` (as Docker's --add-host; an IPv6 address may be bracketed)."""
+    name, sep, address = text.partition(":")
+    if not sep:
+        raise PolicyError(f"network: --add-host {text!r} is not NAME:IP", "network")
+    return normalize_name(name, "add_hosts"), parse_address(address.strip("[]"), f"add_hosts: {name}")
+
+
+def parse_address(text: str, what: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text.strip()))
+    except ValueError:
+        raise PolicyError(f"{what}: {text!r} is not an IP address", "network") from None
+
+
+def parse_resolver(text: str) -> tuple[str, int]:
+    """``IP`` or ``IP:PORT`` (``[IPv6]:PORT``): the DNS server the mediator asks."""
+    text = text.strip()
+    address, port = text, 53
+    if text.startswith("["):
+        address, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise PolicyError(f"network: resolver {text!r} is not IP[:PORT]", "network")
+            port = int(rest[1:])
+    elif text.count(":") == 1:
+        address, _, port_text = text.partition(":")
+        if not port_text.isdigit():
+            raise PolicyError(f"network: resolver {text!r} is not IP[:PORT]", "network")
+        port = int(port_text)
+    if not 0 < port < 65536:
+        raise PolicyError(f"network: resolver {text!r}: the port must be a number from 1 to 65535", "network")
+    return parse_address(address, "network: resolver"), port
+
+
+def is_public(address: str) -> bool:
+    """Whether DNS may hand this address out for an allowed name (the rebinding guard)."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+@dataclass(frozen=True)
+class EgressRules:
+    """The allow-list, compiled: what the mediator and the listeners need."""
+
+    rules: tuple[HostRule, ...]
+    static_hosts: tuple[tuple[str, str], ...]     # (name, address), from add_hosts
+    resolver: tuple[str, int] | None               # None: the host's own resolver
+    allow_private: bool
+
+    def ports_of(self, name: str) -> frozenset[int]:
+        """The ports ``name`` may be reached on (empty: the name is not allowed)."""
+        ports: set[int] = set()
+        for rule in self.rules:
+            if rule.matches(name):
+                ports.update(rule.ports)
+        return frozenset(ports)
+
+    def allows(self, name: str, port: int) -> bool:
+        return port in self.ports_of(name)
+
+    def static_address(self, name: str) -> str | None:
+        for static, address in self.static_hosts:
+            if static == name:
+                return address
+        return None
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port a listener inside answers on: the allow-list's, DNS's and the proxy's."""
+        ports = {DNS_PORT, PROXY_PORT}
+        for rule in self.rules:
+            ports.update(rule.ports)
+        return tuple(sorted(ports))

@@ -58,7 +58,8 @@ enum iso_step {
     ISO_STEP_INIT = 34,
     ISO_STEP_UNSHARE = 35,
     ISO_STEP_IDMAP = 36,
-    ISO_STEP_MOUNT_OVERLAY = 37
+    ISO_STEP_MOUNT_OVERLAY = 37,
+    ISO_STEP_EGRESS = 38
 };
 
 /* What the error pipe carries when a step fails. */
@@ -186,6 +187,17 @@ struct iso_plan {
     /* Supervised connect() (supervise.c): NULL, or the init's spec
      * "MODE,NR_CONNECT,NR_SOCKET,NR_SOCKETPAIR[,DEV:INO...]" (MODE n or l). */
     const char *supervise;
+
+    /* Egress by name (net.c): the sandbox's own network namespace keeps no
+     * route out; the host's mediator answers on listeners made inside it.
+     * egress_fd: a unix socket to the mediator, or -1.  Once the loopback is
+     * up, the first child makes a UDP socket at egress_dns_address:53 and a
+     * TCP listener on every one of egress_ports (any address), sends them
+     * all in one message on egress_fd and closes its copies. */
+    int32_t egress_fd;
+    uint32_t egress_dns_address;   /* IPv4, host byte order */
+    const uint16_t *egress_ports;
+    int32_t n_egress_ports;
 };
 
 /* What the init reports when the program ended: wait status, why, denials. */

@@ -151,6 +151,8 @@ static int first_main(void *arg)
     }
     if (plan->loopback_up && (step = iso_loopback_up()))
         goto fail;
+    if (plan->egress_fd >= 0 && (step = iso_egress_listen(plan)))
+        goto fail;
 
     int program = clone(program_main, ctx->program_stack_top, CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD, ctx);
     if (program < 0) {

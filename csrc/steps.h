@@ -15,6 +15,7 @@ int iso_mounts_apply(const struct iso_plan *plan, int *index);
 
 /* net.c: bring the loopback interface of a fresh network namespace up. */
 int iso_loopback_up(void);
+int iso_egress_listen(const struct iso_plan *plan);
 
 /* rlimits.c */
 int iso_rlimits_apply(const struct iso_plan *plan, int *index, int only_nofile);

@@ -1,7 +1,7 @@
 /*
  * supervise.c - the init performs connect() on the program's behalf.
  *
- * Under network "none" or "loopback", on kernels whose Landlock cannot
+ * Under network "none", "loopback" or egress by name, on kernels whose Landlock cannot
  * govern the lookup of pathname unix sockets (before ABI 9), the program's
  * seccomp filter sends every connect() it would allow to the init as a user
  * notification (isolate/seccomp.py, "supervised connect").  Letting the call
@@ -21,7 +21,10 @@
  *     descriptor, which the kernel follows to exactly the inode checked;
  *   - answers the notification with the result.
  * Other families: under "none" an AF_INET/AF_INET6 destination is answered
- * ENETUNREACH and recorded; anything else is connected with the copied
+ * ENETUNREACH and recorded, and so is every address off the loopback under
+ * "loopback" and egress; under egress, the mediator's block on a port it
+ * does not listen on is answered ECONNREFUSED and recorded, so that the
+ * report names what was tried.  Anything else is connected with the copied
  * address.  A blocking socket is connected by a short-lived thread, so that
  * the init's loop (wall clock, reaping) never waits on a peer.
  * AF_UNIX datagram sockets name their peer on every sendmsg(), behind a
@@ -68,7 +71,11 @@
 
 #define MAX_ALLOWED 64
 
-static int mode;          /* 'n' none, 'l' loopback, 0 off */
+static int mode;          /* 'n' none, 'l' loopback, 'e' egress, 0 off */
+/* Egress: the block the mediator answers on, and its listening ports. */
+static uint32_t egress_net, egress_mask;
+static uint16_t egress_ports[MAX_ALLOWED + 2];
+static int n_egress_ports;
 static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1;
 static struct {
     dev_t dev;
@@ -77,13 +84,36 @@ static struct {
 static int n_allowed;
 static struct iso_status *report;
 
-/* "MODE,CONNECT,SOCKET,SOCKETPAIR[,DEV:INO...]" from the parent. */
+/* "MODE,CONNECT,SOCKET,SOCKETPAIR[,DEV:INO...]" from the parent; MODE is
+ * n, l, or "e:NET/PREFIX:PORT:PORT..." (egress; NET an IPv4 number). */
 int iso_supervise_init(const char *spec, struct iso_status *status)
 {
     report = status;
-    if (spec == NULL || (spec[0] != 'n' && spec[0] != 'l') || spec[1] != ',')
+    if (spec == NULL || (spec[0] != 'n' && spec[0] != 'l' && spec[0] != 'e'))
         return -1;
-    char *p = (char *)spec + 2, *end;
+    char *p = (char *)spec + 1, *end;
+    if (spec[0] == 'e') {
+        if (*p != ':')
+            return -1;
+        unsigned long net = strtoul(p + 1, &end, 10);
+        if (*end != '/')
+            return -1;
+        unsigned long prefix = strtoul(end + 1, &end, 10);
+        if (prefix < 1 || prefix > 32 || net > 0xffffffffUL)
+            return -1;
+        egress_mask = (uint32_t)(0xffffffffUL << (32 - prefix));
+        egress_net = (uint32_t)net & egress_mask;
+        while (*end == ':' && n_egress_ports < (int)(sizeof egress_ports / sizeof egress_ports[0])) {
+            unsigned long port = strtoul(end + 1, &end, 10);
+            if (port == 0 || port > 65535)
+                return -1;
+            egress_ports[n_egress_ports++] = (uint16_t)port;
+        }
+        p = end;
+    }
+    if (*p != ',')
+        return -1;
+    p++;
     nr_connect = (int)strtol(p, &end, 10);
     if (*end != ',')
         return -1;
@@ -292,28 +322,51 @@ static int do_connect(int listener, uint64_t id, int *sock, int *target, const s
     return 1;
 }
 
+static int egress_port(uint16_t port)
+{
+    for (int i = 0; i < n_egress_ports; i++)
+        if (egress_ports[i] == port)
+            return 1;
+    return 0;
+}
+
+/* What an IPv4 destination gets: 0 (go on) or the error to answer. */
+static int inet4_verdict(uint32_t a, uint16_t port)
+{
+    if (mode == 'n')
+        return ENETUNREACH;
+    if (!((a >> 24) == 127 || a == 0))
+        return ENETUNREACH; /* no route leaves the namespace: said here, and recorded */
+    if (mode == 'e' && (a & egress_mask) == egress_net && !egress_port(port))
+        return ECONNREFUSED; /* a name's address, on a port no rule allows */
+    return 0;
+}
+
 /* Whether an AF_INET/AF_INET6 destination lies outside what the network
  * namespace offers: everything under "none", all but the loopback addresses
- * under "loopback" (the kernel would say ENETUNREACH too). */
+ * under "loopback" and "egress" (the kernel would say ENETUNREACH too), and
+ * under "egress" the mediator's addresses on a port it does not answer on
+ * (ECONNREFUSED, which the kernel would say; recorded so that the report
+ * names the destination).  Returns 0 or the error. */
 static int unreachable(const struct sockaddr_storage *copy, int addrlen)
 {
     if (copy->ss_family == AF_INET && addrlen >= (int)sizeof(struct sockaddr_in)) {
-        uint32_t a = ntohl(((const struct sockaddr_in *)copy)->sin_addr.s_addr);
-        return mode == 'n' || !((a >> 24) == 127 || a == 0);
+        const struct sockaddr_in *in = (const struct sockaddr_in *)copy;
+        return inet4_verdict(ntohl(in->sin_addr.s_addr), ntohs(in->sin_port));
     }
     if (copy->ss_family == AF_INET6 && addrlen >= (int)sizeof(struct sockaddr_in6)) {
-        const struct in6_addr *a = &((const struct sockaddr_in6 *)copy)->sin6_addr;
+        const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)copy;
+        const struct in6_addr *a = &in6->sin6_addr;
         if (mode == 'n')
-            return 1;
+            return ENETUNREACH;
         if (IN6_IS_ADDR_LOOPBACK(a) || IN6_IS_ADDR_UNSPECIFIED(a))
             return 0;
         if (IN6_IS_ADDR_V4MAPPED(a)) {
-            uint8_t first = a->s6_addr[12];
             uint32_t v4 = ((uint32_t)a->s6_addr[12] << 24) | ((uint32_t)a->s6_addr[13] << 16) |
                           ((uint32_t)a->s6_addr[14] << 8) | a->s6_addr[15];
-            return !(first == 127 || v4 == 0);
+            return inet4_verdict(v4, ntohs(in6->sin6_port));
         }
-        return 1;
+        return ENETUNREACH;
     }
     return 0; /* AF_UNSPEC (disconnect) and short addresses: the kernel answers */
 }
@@ -409,7 +462,8 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
     /* Abstract and unnamed unix addresses live in the sandbox's own network
      * namespace; other families are the network namespace's business, and
      * an address it cannot reach is answered (and recorded) here. */
-    if ((domain == AF_INET || domain == AF_INET6) && unreachable(&copy, addrlen)) {
+    int verdict = (domain == AF_INET || domain == AF_INET6) ? unreachable(&copy, addrlen) : 0;
+    if (verdict) {
         if (copy.ss_family == AF_INET) {
             struct sockaddr_in *in = (struct sockaddr_in *)&copy;
             record(ISO_NET_DENIAL_INET, AF_INET, &in->sin_addr, ntohs(in->sin_port), NULL);
@@ -417,7 +471,7 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
             struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&copy;
             record(ISO_NET_DENIAL_INET, AF_INET6, &in6->sin6_addr, ntohs(in6->sin6_port), NULL);
         }
-        err = ENETUNREACH;
+        err = verdict;
         goto out;
     }
     if (do_connect(listener, req->id, &sock, &target, (struct sockaddr *)&copy, (socklen_t)addrlen, &err))

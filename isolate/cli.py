@@ -111,7 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let the program connect to this unix socket (under --net none/loopback only sockets "
                           "in writable paths are reachable), e.g. --unix-socket /run/postgresql/.s.PGSQL.5432")
     net.add_argument("--allow-host", action="append", default=[], metavar="HOST[:PORT]",
-                     help="permit egress to HOST only (not built yet: refused), e.g. --allow-host pypi.org:443")
+                     help="let the program reach this name (repeatable; *.DOMAIN for names under it; no port: "
+                          "80 and 443) and nothing else, through isolate's mediator, e.g. --allow-host pypi.org")
+    net.add_argument("--add-host", action="append", default=[], metavar="NAME:IP",
+                     help="a static name for --allow-host, reached at IP (loopback included), "
+                          "e.g. --add-host db.test:127.0.0.1 --allow-host db.test:5432")
+    net.add_argument("--dns", metavar="IP[:PORT]",
+                     help="the DNS server the mediator asks for allowed names (default: the host's resolver)")
+    net.add_argument("--allow-private", action="store_true",
+                     help="let an allowed name that DNS resolves to a loopback or private address be reached "
+                          "(refused by default: DNS rebinding)")
     lim = parser.add_argument_group("limits (none by default)")
     lim.add_argument("--memory", metavar="SIZE",
                      help="memory of the whole tree, bytes or K/M/G, swap off, e.g. --memory 512M")
@@ -199,7 +208,17 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
     if options.allow_host:
         if options.net not in (None, "none"):
             raise CliError(f"--allow-host filters the network; it cannot go with --net {options.net}")
-        network = Egress(tuple(options.allow_host))
+        network = Egress(tuple(options.allow_host), add_hosts=tuple(options.add_host), resolver=options.dns,
+                         allow_private=options.allow_private)
+    else:
+        for flag, given in (("--add-host", options.add_host), ("--dns", options.dns),
+                            ("--allow-private", options.allow_private)):
+            if given and not isinstance(network, Egress):
+                raise CliError(f"{flag} belongs to egress by name; allow the names with --allow-host NAME[:PORT]")
+        if isinstance(network, Egress) and (options.add_host or options.dns or options.allow_private):
+            network = Egress(network.hosts, add_hosts=tuple(network.add_hosts) + tuple(options.add_host),
+                             resolver=options.dns or network.resolver,
+                             allow_private=options.allow_private or network.allow_private)
     changes: dict[str, Any] = {
         "read": tuple(read),
         "write": tuple(write),
@@ -263,11 +282,7 @@ def explain(policy: Policy, command: Sequence[str]) -> str:
             for warning in prepared.warnings:
                 lines.append(f"warning: {warning}")
         finally:
-            prepared.close_child_side()
-            if prepared.status_fd >= 0:
-                os.close(prepared.status_fd)
-            if prepared.cgroup is not None:
-                prepared.cgroup.remove()
+            prepared.discard()
     return "\n".join(lines)
 
 
@@ -395,7 +410,11 @@ def denial_hints(report: Report, policy: Policy) -> list[str]:
     network = policy.network if isinstance(policy.network, str) else "none"
     for entry in report.denied:
         mechanism = entry.get("mechanism")
-        if mechanism == "network" and not any(line.startswith("the network") for line in lines):
+        if mechanism == "egress" and not any(line.startswith("egress") for line in lines):
+            what = entry.get("host") or entry.get("address") or "?"
+            port = f":{entry['port']}" if entry.get("port") else ""
+            lines.append(f"egress to {_printable(str(what))}{port} was refused: {_printable(str(entry.get('reason')))}")
+        elif mechanism == "network" and not any(line.startswith("the network") for line in lines):
             host = entry["address"]
             where = f"[{host}]:{entry['port']}" if ":" in host else f"{host}:{entry['port']}"
             what = "off" if network == "none" else "loopback only"
@@ -404,13 +423,18 @@ def denial_hints(report: Report, policy: Policy) -> list[str]:
         elif mechanism == "unix-socket" and not any(line.startswith("unix socket") for line in lines):
             if entry.get("path"):
                 # The program chose the path: nothing in it may reach the terminal as a control sequence.
-                path = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in entry["path"])
+                path = _printable(entry["path"])
                 lines.append(f"unix socket {path} is outside the writable paths (--net {network}): "
                              f"connect was refused; allow it with --unix-socket {path}")
             else:
                 lines.append(f"unix socket: AF_UNIX datagram sockets are refused under --net {network} on this "
                              "kernel (no Landlock ABI 9); use stream sockets, or --net host")
     return lines
+
+
+def _printable(text: str) -> str:
+    """What the program chose, with nothing in it that reaches the terminal as a control sequence."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
 def _setup_error_report(target: ReportTarget | None, error: Exception) -> None:

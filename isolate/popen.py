@@ -250,7 +250,11 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                     {"mechanism": "seccomp", "syscall": seccomp.syscall_name(nr), "nr": nr,
                      "count": int(status.denied[i].count)}
                 )
-            report.denied.extend(net_denials(status))
+            report.denied.extend(net_denials(status, prepared.mediator))
+        if prepared.mediator is not None:
+            from .backends.native import egress
+
+            egress.finish(prepared.mediator, report)
         rc = self.returncode if self.returncode is not None else 0
         if limit == "cpu" and rc >= 0:
             limit = None
@@ -397,8 +401,11 @@ def choose_backend(policy: Policy) -> str:
 __all__ = ["CompletedProcess", "Popen", "choose_backend", "run"]
 
 
-def net_denials(status: Any) -> list[dict[str, Any]]:
-    """The connect() calls the init's supervisor refused (csrc/supervise.c), as report entries."""
+def net_denials(status: Any, mediator: Any = None) -> list[dict[str, Any]]:
+    """The connect() calls the init's supervisor refused (csrc/supervise.c), as report entries.
+
+    Under egress by name (a ``mediator``), an address of the mediator's is reported as its name.
+    """
     import ipaddress
     import socket
 
@@ -412,7 +419,13 @@ def net_denials(status: Any) -> list[dict[str, Any]]:
         elif kind == lib.ISO_NET_DENIAL_INET:
             raw = bytes(ffi.buffer(entry.address, 16))
             address = ipaddress.ip_address(raw[:4] if int(entry.family) == socket.AF_INET else raw)
-            out.append({"mechanism": "network", "address": str(address), "port": int(entry.port), "count": count})
+            if mediator is None:
+                out.append({"mechanism": "network", "address": str(address), "port": int(entry.port),
+                            "count": count})
+                continue
+            from .backends.native import egress
+
+            out.append(egress.connect_denial(mediator, address, int(entry.port), count))
         elif kind == lib.ISO_NET_DENIAL_DGRAM:
             out.append({"mechanism": "unix-socket", "syscall": "socket", "type": "datagram",
                         "reason": "AF_UNIX datagram sockets name their peer on each send", "count": count})

@@ -43,6 +43,9 @@ class Report:
     denials_observed: dict[str, dict[str, Any]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     error: dict[str, Any] | None = None
+    #: Egress by name: each destination reached and each refused, with counts:
+    #: ``{"allowed": [{"host", "port", "count"}], "denied": [{"host" | "address", "port", "count", "reason"}]}``.
+    egress: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -197,10 +197,13 @@ def test_no_defaults(workdir: str) -> None:
 
 
 def test_best_effort_warns(workdir: str) -> None:
-    result = cli("--best-effort", "--allow-host", "example.org:443", "--", "true", cwd=workdir)
+    # Egress by name needs a network namespace: without namespaces it is refused, or warned about.
+    result = cli("--best-effort", "--no-namespaces", "--no-defaults", "--ro", "/usr", "--allow-host",
+                 "example.org:443", "--", "true", cwd=workdir)
     assert result.returncode == 0
     assert "warning" in result.stderr and "egress" in result.stderr
-    refused = cli("--allow-host", "example.org:443", "--backend", "native", "--", "true", cwd=workdir)
+    refused = cli("--no-namespaces", "--no-defaults", "--ro", "/usr", "--allow-host", "example.org:443",
+                  "--backend", "native", "--", "true", cwd=workdir)
     assert refused.returncode == 125
 
 

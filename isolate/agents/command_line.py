@@ -64,6 +64,11 @@ def _flags(policy: Policy) -> list[str]:
     flags += [f"--tmpfs={p}" for p in policy.tmpfs if p not in DEFAULT_TMPFS]
     if isinstance(policy.network, Egress):
         flags += [f"--allow-host={h}" for h in policy.network.hosts]
+        flags += [f"--add-host={h}" for h in policy.network.add_hosts]
+        if policy.network.resolver:
+            flags.append(f"--dns={policy.network.resolver}")
+        if policy.network.allow_private:
+            flags.append("--allow-private")
     elif policy.network != "none":
         flags.append(f"--net={policy.network}")
     flags += [f"--unix-socket={p}" for p in policy.unix_sockets]

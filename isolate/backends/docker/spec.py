@@ -253,8 +253,8 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
     reasons: dict[str, str] = {}
     if isinstance(policy.network, Egress):
         reasons["network"] = (
-            "a filtered network (egress to chosen hosts) cannot be expressed with the Docker API; "
-            "use network loopback or host, or the native backend"
+            "egress by name (--allow-host) runs through isolate's mediator, which the Docker backend does not "
+            "have; use the native backend (--backend native, backend=\"native\"), which enforces it"
         )
     if policy.seccomp in ("default", "strict"):
         try:

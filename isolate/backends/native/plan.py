@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import os
+import signal
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from ...errors import (
     UnsupportedError,
 )
 from ...policy import Egress, Policy
+from . import egress as egress_plan
 from .common import _close_all, _Refusals, _Static, userns_error
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
 from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
@@ -54,9 +56,25 @@ class Prepared:
     #: An overlay workspace's layers, and the indices of its mount steps (their failures are its refusals).
     overlay: Any = None
     overlay_steps: range = range(0)
+    #: Egress by name: the allow-list, the host's end of the listeners' channel, then the run's mediator.
+    egress: Egress | None = None
+    egress_channel: Any = None
+    mediator: Any = None
 
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
+
+    def discard(self) -> None:
+        """Release what a plan that never ran holds (``--explain``): descriptors and its cgroup."""
+        self.close_child_side()
+        if self.status_fd >= 0:
+            os.close(self.status_fd)
+            self.status_fd = -1
+        if self.egress_channel is not None:
+            self.egress_channel.close()
+            self.egress_channel = None
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
 _STATIC_CACHE: OrderedDict[tuple[Any, ...], _Static] = OrderedDict()
@@ -204,6 +222,12 @@ def prepare(
     if not for_preexec and args and program_fd < 0:
         check_command(os.fsdecode(executable) if executable else os.fsdecode(args[0]), program_env["PATH"],
                       static.granted, run_cwd)
+    egress_channel = None
+    if isinstance(policy.network, Egress) and plan.n_egress_ports and not for_preexec:
+        for name, value in egress_plan.proxy_environment().items():
+            program_env.setdefault(name, value)
+        egress_channel, plan.egress_fd = egress_plan.channel()
+        close_after.append(plan.egress_fd)
     envp = ffi.new("char *[]", len(program_env) + 1)
     keep.append(envp)
     for i, (name, value) in enumerate(program_env.items()):
@@ -256,6 +280,8 @@ def prepare(
         _close_after_spawn=close_after,
         overlay=overlay,
         overlay_steps=overlay_steps,
+        egress=policy.network if egress_channel is not None else None,  # type: ignore[arg-type]
+        egress_channel=egress_channel,
     )
     return prepared
 
@@ -350,7 +376,20 @@ def spawn(prepared: Prepared, args: Sequence[str]) -> int:
         if prepared.status_fd >= 0:
             os.close(prepared.status_fd)
             prepared.status_fd = -1
+        if prepared.egress_channel is not None:
+            prepared.egress_channel.close()
+            prepared.egress_channel = None
         raise failure_to_error(prepared, failure, args)
+    if prepared.egress_channel is not None:
+        assert prepared.egress is not None
+        channel, prepared.egress_channel = prepared.egress_channel, None
+        try:
+            prepared.mediator = egress_plan.start_mediator(prepared.egress, channel)
+        except BaseException:
+            # No mediator, no run: the sandbox ends before its program can wait on it.
+            os.kill(int(pid), signal.SIGKILL)
+            os.waitpid(int(pid), 0)
+            raise
     return int(pid)
 
 
@@ -410,8 +449,8 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
 def unsupported_reasons(policy: Policy) -> list[str]:
     """What the native backend cannot enforce for ``policy`` on this host (empty: all of it)."""
     reasons = []
-    if isinstance(policy.network, Egress):
-        reasons.append("network: filtered egress (allow-host) is not available in the native backend yet")
+    if isinstance(policy.network, Egress) and not policy.namespaces:
+        reasons.append("network: egress by name needs a network namespace of its own (namespaces=true)")
     limits = policy.limits
     if limits.memory is not None or limits.pids is not None or limits.cpus is not None:
         refusal = _cgroup_refusal(frozenset(_cgroup_needs(policy)))

@@ -18,6 +18,7 @@ from ...errors import PolicyError
 from ...policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
 from ...registry import runtime_dir
 from ...units import milliseconds_up
+from . import egress as egress_plan
 from .common import NOBODY, _Refusals, _Static, userns_error
 from .environment import _no_ns_tmpdir, _plan_home
 from .filters import _apply_seccomp, _report_host_reach
@@ -175,6 +176,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         plan.cgroup_procs_fds[i] = -1
     plan.idmap_userns_fd = -1
     plan.program_fd = -1
+    plan.egress_fd = -1
     caller_uid, caller_gid = os.geteuid(), os.getegid()
     root_caller = caller_uid == 0
     program_uid = policy.uid if policy.uid is not None else (NOBODY if root_caller else caller_uid)
@@ -183,10 +185,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         raise PolicyError("uid/gid: only a root caller can run the program as another user", "uid")
 
     # -- namespaces and ids ------------------------------------------------
-    network = policy.network
-    if isinstance(network, Egress):
-        refusals.refuse("network: filtered egress (allow-host) is not built yet; use none, loopback or host")
-        network = "none"
+    # Egress by name is the namespace's own loopback, plus the mediator's listeners on it.
+    egress = policy.network if isinstance(policy.network, Egress) else None
+    network: str = "loopback" if isinstance(policy.network, Egress) else policy.network
     flags = 0
     if use_ns:
         err = userns_error()
@@ -223,6 +224,20 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         enforced["network"] = {"none": "netns-empty", "loopback": "netns-loopback", "host": "host"}[network]
     else:
         enforced["namespaces"] = []
+    if egress is not None:
+        if for_preexec or not use_ns:
+            refusals.refuse("network: egress by name needs a network namespace of its own and isolate's mediator; "
+                            + ("preexec_fn has no mediator: use isolate.run, isolate.Popen or isolate.Sandbox"
+                               if for_preexec else "this run has no namespaces: drop --no-namespaces "
+                               "(namespaces=True)"))
+            network, egress = "none", None
+            plan.loopback_up = 0
+            if use_ns:
+                enforced["network"] = "netns-empty"
+        else:
+            egress_plan.plan_listeners(plan, egress, keep, enforced)
+            for source, target in egress_plan.name_files():
+                binds.append((open_source(source, "network"), target, True))
     plan.clone_flags = flags
     plan.set_ids = 1 if root_caller else 0
     plan.uid = program_uid
@@ -263,7 +278,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         from ... import seccomp as seccomp_mod
 
         spec = ",".join(
-            ["n" if network == "none" else "l"]
+            [egress_plan.supervise_mode(network, egress)]
             + [str(seccomp_mod.syscall_number(n)) for n in ("connect", "socket", "socketpair")]
             + [f"{dev}:{ino}" for dev, ino in socket_ids]
         )

@@ -1,0 +1,184 @@
+"""Egress by name, the native backend's side: plan the listeners, hand them to the mediator.
+
+The sandbox keeps a network namespace of its own with only its loopback; the
+first child makes the mediator's listening sockets inside it (csrc/net.c)
+and sends them over a unix socket made here for each run. ``start_mediator``
+receives them and starts ``isolate.egress.Mediator`` in this process. The
+program finds the mediator three ways: the proxy variables set here, the DNS
+server that /etc/resolv.conf (bound over the host's) names, and the
+listeners on every allowed port for programs that connect by themselves.
+"""
+
+from __future__ import annotations
+
+import array
+import ipaddress
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from ... import egress_rules
+from ...errors import SetupError
+from ...registry import runtime_dir
+
+if TYPE_CHECKING:
+    from ...egress.mediator import Mediator
+    from ...policy import Egress
+
+#: The sandbox's /etc/resolv.conf: isolate's DNS only (no search domain: a
+#: short name must not turn into a host's internal one).
+RESOLV_CONF = f"nameserver {egress_rules.DNS_ADDRESS}\noptions timeout:2 attempts:2\n"
+HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+PROXY_URL = f"http://{egress_rules.PROXY_ADDRESS}:{egress_rules.PROXY_PORT}"
+
+
+def plan_listeners(plan: Any, egress: Egress, keep: list[Any], enforced: dict[str, Any]) -> None:
+    """The static part: which ports the first child listens on, and what the report says."""
+    from ..._core import ffi
+
+    rules = egress.rules()
+    ports = ffi.new("uint16_t[]", list(rules.ports))
+    keep.append(ports)
+    plan.egress_ports = ports
+    plan.n_egress_ports = len(rules.ports)
+    plan.egress_dns_address = int(ipaddress.IPv4Address(egress_rules.DNS_ADDRESS))
+    enforced["network"] = "netns-egress"
+    enforced["egress"] = {
+        "allow": list(egress.hosts),
+        "add_hosts": list(egress.add_hosts),
+        "resolver": egress.resolver or "host",
+        "private_addresses": "allowed" if egress.allow_private else "refused",
+        "mediator": {"dns": f"{egress_rules.DNS_ADDRESS}:53", "proxy": PROXY_URL.removeprefix("http://"),
+                     "ports": list(rules.ports)},
+    }
+
+
+def supervise_mode(network: str, egress: Egress | None) -> str:
+    """The init's connect() supervisor mode (csrc/supervise.c)."""
+    if egress is None:
+        return "n" if network == "none" else "l"
+    block = egress_rules.BLOCK
+    ports = ":".join(str(p) for p in egress.rules().ports)
+    return f"e:{int(block.network_address)}/{block.prefixlen}:{ports}"
+
+
+def _generated(name: str, text: str) -> str:
+    """A file of isolate's own in the caller's private runtime directory, rewritten when it differs."""
+    directory = os.path.join(runtime_dir(), "egress")
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        pass
+    info = os.lstat(directory)
+    if not os.path.isdir(directory) or os.path.islink(directory) or info.st_uid != os.geteuid():
+        raise SetupError(f"{directory} is not a directory of this user's; remove it")
+    path = os.path.join(directory, name)
+    data = text.encode()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.read(fd, len(data) + 1) == data:
+                return path
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    temporary = f"{path}.{os.getpid()}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, 0o644)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    return path
+
+
+def name_files() -> list[tuple[str, str]]:
+    """(host file, path inside): isolate's resolv.conf and hosts, over the host's.
+
+    Bound where the host's own file really is (/etc/resolv.conf is often a
+    link into /run), or at /etc when the host has none.
+    """
+    out = []
+    for name, text in (("resolv.conf", RESOLV_CONF), ("hosts", HOSTS)):
+        target = os.path.realpath("/etc/" + name)
+        if not os.path.isfile(target):
+            target = "/etc/" + name
+        out.append((_generated(name, text), target))
+    return out
+
+
+def proxy_environment() -> dict[str, str]:
+    """The variables that send pip, curl, git, npm, urllib and requests through the mediator's proxy."""
+    no_proxy = "localhost,127.0.0.1,::1"
+    return {"http_proxy": PROXY_URL, "https_proxy": PROXY_URL, "HTTP_PROXY": PROXY_URL, "HTTPS_PROXY": PROXY_URL,
+            "no_proxy": no_proxy, "NO_PROXY": no_proxy}
+
+
+def channel() -> tuple[socket.socket, int]:
+    """The per-run unix socket: (the host's end, the child's descriptor)."""
+    host_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    return host_end, child_end.detach()
+
+
+def receive_listeners(host_end: socket.socket, count: int) -> list[socket.socket]:
+    """The listeners the first child sent (the DNS socket first), once it has exec'd."""
+    fds = array.array("i")
+    host_end.setblocking(False)
+    try:
+        data, ancillary, flags, _ = host_end.recvmsg(1, socket.CMSG_SPACE(count * fds.itemsize))
+    except BlockingIOError:
+        raise SetupError("egress: the sandbox sent no listeners to the mediator") from None
+    finally:
+        host_end.close()
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    sockets = [socket.socket(fileno=fd) for fd in fds]
+    if len(sockets) != count or flags & socket.MSG_CTRUNC or data != bytes([count]):
+        for sock in sockets:
+            sock.close()
+        raise SetupError(f"egress: the sandbox sent {len(sockets)} listeners, {count} expected")
+    return sockets
+
+
+def start_mediator(egress: Egress, host_end: socket.socket) -> Mediator:
+    """Receive the run's listeners and start its mediator (threads of this process)."""
+    from ...egress.mediator import Mediator
+
+    rules = egress.rules()
+    sockets = receive_listeners(host_end, 1 + len(rules.ports))
+    mediator = Mediator(rules, sockets[0], sockets[1:])
+    mediator.start()
+    return mediator
+
+
+def connect_denial(mediator: Mediator, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int,
+                   count: int) -> dict[str, Any]:
+    """A connect() the init refused under egress, as a report entry."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    name = mediator.address_name(str(address)) if address in egress_rules.BLOCK else None
+    if name is not None:
+        return {"mechanism": "egress", "host": name, "port": port, "count": count,
+                "reason": f"port {port} is not allowed for {name} (allow {name}:{port})"}
+    if address in egress_rules.BLOCK:
+        return {"mechanism": "egress", "address": str(address), "port": port, "count": count,
+                "reason": "no name has this address"}
+    return {"mechanism": "egress", "address": str(address), "port": port, "count": count,
+            "reason": "a direct connection to an address: only allowed names are reachable "
+                      "(name it with --add-host NAME:IP and allow NAME)"}
+
+
+def finish(mediator: Mediator, report: Any) -> None:
+    """Stop the run's mediator and put what it saw into the report."""
+    mediator.close()
+    summary = mediator.summary()
+    refused = [dict(entry) for entry in report.denied if entry.get("mechanism") == "egress"]
+    for entry in summary.get("denied", []):
+        report.denied.append({"mechanism": "egress", **entry})
+    for entry in refused:
+        entry.pop("mechanism", None)
+    report.egress = {"allowed": list(summary.get("allowed", [])),
+                     "denied": list(summary.get("denied", [])) + refused}

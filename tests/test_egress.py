@@ -1,0 +1,329 @@
+"""Egress by name, end to end: real sandboxes, real clients, servers of our own on the host's loopback.
+
+Every name here is given with ``add_hosts`` (``--add-host``) and reached at
+127.0.0.1 of the host, through the mediator: the sandbox's own network
+namespace has no route out. No internet is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import zipfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import isolate
+from tests.conftest import PYTHON, python_read
+
+HERE = "127.0.0.1"
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A web server on the host's loopback: a file, a pip index with one wheel, a git repository."""
+    root = tmp_path_factory.mktemp("site")
+    (root / "hello.txt").write_text("hello from the host\n")
+    # A pip "simple" index with one pure-Python wheel.
+    wheel = root / "packages" / "tinypkg-1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("tinypkg/__init__.py", "VALUE = 42\n")
+        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        z.writestr("tinypkg-1.0.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    index = root / "simple" / "tinypkg"
+    index.mkdir(parents=True)
+    (index / "index.html").write_text(
+        '<html><body><a href="../../packages/tinypkg-1.0-py3-none-any.whl">tinypkg-1.0-py3-none-any.whl</a>'
+        "</body></html>")
+    # A git repository over "dumb" HTTP (plain files after update-server-info).
+    if shutil.which("git"):
+        env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                   GIT_COMMITTER_EMAIL="t@t", HOME=str(root))
+        work = tmp_path_factory.mktemp("gitwork")
+        subprocess.run(["git", "init", "-q", str(work)], check=True, env=env)
+        (work / "README").write_text("cloned through the mediator\n")
+        subprocess.run(["git", "-C", str(work), "add", "README"], check=True, env=env)
+        subprocess.run(["git", "-C", str(work), "commit", "-qm", "one"], check=True, env=env)
+        subprocess.run(["git", "clone", "-q", "--bare", str(work), str(root / "repo.git")], check=True, env=env)
+        subprocess.run(["git", "-C", str(root / "repo.git"), "update-server-info"], check=True, env=env)
+    os.chmod(root, 0o755)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    handler = functools.partial(_Quiet, directory=str(root))
+    server = http.server.ThreadingHTTPServer((HERE, 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        yield {"port": port, "root": root}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _egress(port: int, *extra: str, **kwargs: Any) -> isolate.Egress:
+    names = ("web.test", "pypi.test", "git.test")
+    return isolate.Egress(tuple(f"{n}:{port}" for n in names) + extra,
+                          add_hosts={n: HERE for n in names}, **kwargs)
+
+
+def _run(argv: list[str], egress: isolate.Egress, **kwargs: Any) -> isolate.CompletedProcess:
+    policy = isolate.Policy(network=egress, read=python_read(), write=[], cwd="/tmp",
+                            limits=isolate.Limits(wall_seconds=60))
+    return isolate.run(argv, policy=policy, capture_output=True, text=True, **kwargs)
+
+
+def _allowed(report: Any) -> set[tuple[str, int]]:
+    return {(e["host"], e["port"]) for e in report.egress["allowed"]}
+
+
+def _denied(report: Any) -> list[dict[str, Any]]:
+    return list(report.egress["denied"])
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="curl is not installed (apt-get install curl)")
+def test_curl_reaches_an_allowed_name_through_the_proxy_and_directly(site: dict[str, Any]) -> None:
+    port = site["port"]
+    url = f"http://web.test:{port}/hello.txt"
+    # With the proxy variables isolate sets, and with them ignored (--noproxy: DNS and the listener).
+    result = _run(["sh", "-c", f"curl -sSf {url} && curl -sSf --noproxy '*' {url}"], _egress(port))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "hello from the host\n" * 2
+    assert ("web.test", port) in _allowed(result.report)
+    assert result.report.enforced["network"] == "netns-egress"
+
+
+def test_a_raw_socket_client_reaches_an_allowed_name(site: dict[str, Any]) -> None:
+    port = site["port"]
+    probe = (
+        "import socket\n"
+        f"s = socket.create_connection(('web.test', {port}), timeout=10)\n"
+        "s.sendall(b'GET /hello.txt HTTP/1.0\\r\\nHost: web.test\\r\\n\\r\\n')\n"
+        "data = b''\n"
+        "while chunk := s.recv(65536):\n"
+        "    data += chunk\n"
+        "print(data.split(b'\\r\\n\\r\\n', 1)[1].decode(), end='')\n"
+        "print(socket.gethostbyname('web.test'))\n"
+    )
+    result = _run([PYTHON, "-c", probe], _egress(port))
+    assert result.returncode == 0, result.stderr
+    body, address = result.stdout.rsplit("\n", 2)[:2]
+    assert body == "hello from the host"
+    # The name resolves to the mediator's address inside, never to the host's.
+    assert address.startswith("127.77.") and address != HERE
+
+
+def test_pip_installs_from_a_local_index(site: dict[str, Any]) -> None:
+    port = site["port"]
+    check = subprocess.run([PYTHON, "-m", "pip", "--version"], capture_output=True)
+    if check.returncode != 0:
+        pytest.skip(f"{PYTHON} has no pip")
+    pip = (f"{PYTHON} -m pip download -q --no-deps --no-cache-dir --disable-pip-version-check "
+           f"--index-url http://pypi.test:{port}/simple/ --trusted-host pypi.test -d /tmp/dl tinypkg && ls /tmp/dl")
+    result = _run(["sh", "-c", pip], _egress(port))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "tinypkg-1.0-py3-none-any.whl\n"
+    assert ("pypi.test", port) in _allowed(result.report)
+
+
+@pytest.mark.skipif(not shutil.which("git"), reason="git is not installed")
+def test_git_clones_over_http(site: dict[str, Any]) -> None:
+    port = site["port"]
+    result = _run(["sh", "-c", f"git clone -q http://git.test:{port}/repo.git /tmp/clone && cat /tmp/clone/README"],
+                  _egress(port))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "cloned through the mediator\n"
+    assert ("git.test", port) in _allowed(result.report)
+
+
+DENIED_PROBE = """
+import json, socket, sys, time, urllib.request
+port = int(sys.argv[1])
+out = {}
+def attempt(name, call):
+    started = time.monotonic()
+    try:
+        call()
+        out[name] = ["reached", 0]
+    except Exception as exc:
+        out[name] = [type(exc).__name__ + ": " + str(exc), round(time.monotonic() - started, 3)]
+attempt("dns", lambda: socket.getaddrinfo("evil.test", 80))
+attempt("port", lambda: socket.create_connection(("web.test", port + 1), timeout=20))
+attempt("address", lambda: socket.create_connection(("192.0.2.7", 443), timeout=20))
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(("198.51.100.9", 53))
+    s.send(b"x")
+attempt("udp", udp)
+attempt("proxy", lambda: urllib.request.urlopen("http://evil.test/", timeout=20).read())
+print(json.dumps(out))
+"""
+
+
+def test_denied_destinations_fail_fast_and_are_reported(site: dict[str, Any]) -> None:
+    port = site["port"]
+    result = _run([PYTHON, "-c", DENIED_PROBE, str(port)], _egress(port))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    for name, (what, seconds) in out.items():
+        assert what != "reached", name
+        # Refused at once, not after a connect timeout: no 20-second wait.
+        assert seconds < 10, (name, what, seconds)
+    assert "refused" in out["port"][0].lower()
+    assert "unreachable" in out["address"][0].lower() and "unreachable" in out["udp"][0].lower()
+    assert "403" in out["proxy"][0]
+    denied = _denied(result.report)
+    hosts = {(e.get("host") or e.get("address"), e.get("port")) for e in denied}
+    assert ("web.test", port + 1) in hosts
+    assert ("192.0.2.7", 443) in hosts
+    assert ("198.51.100.9", 53) in hosts
+    assert any(h == "evil.test" for h, _ in hosts)
+    assert all(e["count"] >= 1 and e["reason"] for e in denied)
+    # Each denial also reaches report.denied, as every mechanism's do.
+    assert {e["mechanism"] for e in result.report.denied} == {"egress"}
+
+
+def _dns_server(answers: dict[str, str]) -> tuple[socket.socket, int]:
+    """A tiny DNS server on the host's loopback answering A records from ``answers``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((HERE, 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                query, peer = sock.recvfrom(512)
+            except OSError:
+                return
+            labels, i = [], 12
+            while query[i]:
+                labels.append(query[i + 1:i + 1 + query[i]].decode())
+                i += 1 + query[i]
+            qtype = struct.unpack("!H", query[i + 1:i + 3])[0]
+            question = query[12:i + 5]
+            address = answers.get(".".join(labels).lower())
+            if address is None:
+                header = query[:2] + struct.pack("!HHHHH", 0x8183, 1, 0, 0, 0)
+                sock.sendto(header + question, peer)
+                continue
+            records = b""
+            if qtype == 1:
+                records = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(address)
+            header = query[:2] + struct.pack("!HHHHH", 0x8180, 1, 1 if records else 0, 0, 0)
+            sock.sendto(header + question + records, peer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, sock.getsockname()[1]
+
+
+def test_a_name_resolving_to_a_private_address_is_refused_unless_allowed(site: dict[str, Any]) -> None:
+    """DNS rebinding: an allowed name whose DNS answer is a loopback address is not reached."""
+    port = site["port"]
+    dns, dns_port = _dns_server({"rebind.test": HERE})
+    try:
+        probe = ("import socket, sys\n"
+                 "try:\n"
+                 f"    s = socket.create_connection(('rebind.test', {port}), timeout=10)\n"
+                 "    s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\n'); print(s.recv(100)[:12])\n"
+                 "except OSError as exc:\n"
+                 "    print('refused', exc)\n")
+        guarded = isolate.Egress((f"rebind.test:{port}",), resolver=f"{HERE}:{dns_port}")
+        result = _run([PYTHON, "-c", probe], guarded)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("refused"), result.stdout
+        reasons = [e["reason"] for e in _denied(result.report) if e.get("host") == "rebind.test"]
+        assert reasons and any("private" in r or "loopback" in r for r in reasons), _denied(result.report)
+        assert any("allow_private" in r or "--allow-private" in r for r in reasons)
+        allowed = isolate.Egress((f"rebind.test:{port}",), resolver=f"{HERE}:{dns_port}", allow_private=True)
+        result = _run([PYTHON, "-c", probe], allowed)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("b'HTTP/1.0 200"), result.stdout
+    finally:
+        dns.close()
+
+
+def test_many_connections_at_once(site: dict[str, Any]) -> None:
+    port = site["port"]
+    probe = (
+        "import socket, concurrent.futures as cf\n"
+        "def get(_):\n"
+        f"    s = socket.create_connection(('web.test', {port}), timeout=30)\n"
+        "    s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\n')\n"
+        "    data = b''\n"
+        "    while chunk := s.recv(65536):\n"
+        "        data += chunk\n"
+        "    return data.endswith(b'hello from the host\\n')\n"
+        "with cf.ThreadPoolExecutor(50) as pool:\n"
+        "    print(sum(pool.map(get, range(50))))\n"
+    )
+    result = _run([PYTHON, "-c", probe], _egress(port))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "50"
+    counts = {(e["host"], e["port"]): e["count"] for e in result.report.egress["allowed"]}
+    assert counts[("web.test", port)] >= 50
+
+
+def test_popen_and_the_mediator_ends_with_the_run(site: dict[str, Any]) -> None:
+    port = site["port"]
+    policy = isolate.Policy(network=_egress(port), read=python_read(), write=[], cwd="/tmp")
+    before = threading.active_count()
+    with isolate.Popen([PYTHON, "-c", f"import urllib.request; print(urllib.request.urlopen("
+                        f"'http://web.test:{port}/hello.txt').read().decode(), end='')"],
+                       policy=policy, stdout=subprocess.PIPE, text=True) as process:
+        out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and out == "hello from the host\n"
+    assert process.report is not None and ("web.test", port) in _allowed(process.report)
+    # The mediator's threads are gone with the run.
+    assert threading.active_count() <= before
+
+
+def test_the_cli_allows_hosts_explains_and_reports(site: dict[str, Any], tmp_path: Any) -> None:
+    port = site["port"]
+    cli = [sys.executable, "-m", "isolate.cli"]
+    flags = [f"--allow-host=web.test:{port}", f"--add-host=web.test:{HERE}", "--no-defaults",
+             *[f"--ro={p}" for p in python_read()]]
+    explained = subprocess.run([*cli, *flags, "--explain", "--", "true"], capture_output=True, text=True)
+    assert explained.returncode == 0, explained.stderr
+    assert f"web.test:{port}" in explained.stdout and "netns-egress" in explained.stdout
+    report = tmp_path / "report.json"
+    result = subprocess.run([*cli, *flags, f"--report={report}", "--", PYTHON, "-c",
+                             "import socket\n"
+                             "try:\n    socket.getaddrinfo('elsewhere.test', 443)\nexcept OSError: pass\n"
+                             f"socket.create_connection(('web.test', {port})).close()"],
+                            capture_output=True, text=True, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert {"host": "web.test", "port": port} in [{k: e[k] for k in ("host", "port")}
+                                                  for e in data["egress"]["allowed"]]
+    assert any(e.get("host") == "elsewhere.test" for e in data["egress"]["denied"])
+    # One line on stderr names the refused destination.
+    assert "egress to elsewhere.test" in result.stderr
+    bad = subprocess.run([*cli, "--add-host=web.test:127.0.0.1", "--", "true"], capture_output=True, text=True)
+    assert bad.returncode == 125 and "--allow-host" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_preexec_fn_refuses_egress() -> None:
+    policy = isolate.Policy(network=isolate.Egress(("web.test:80",)))
+    with pytest.raises(isolate.UnsupportedError, match="preexec_fn has no mediator"):
+        subprocess.run(["true"], preexec_fn=policy.preexec_fn)

@@ -76,7 +76,7 @@ static int mode;          /* 'n' none, 'l' loopback, 'e' egress, 0 off */
 static uint32_t egress_net, egress_mask;
 static uint16_t egress_ports[MAX_ALLOWED + 2];
 static int n_egress_ports;
-static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1;
+static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1, nr_sendto = -1;
 static struct {
     dev_t dev;
     ino_t ino;
@@ -85,7 +85,8 @@ static int n_allowed;
 static struct iso_status *report;
 
 /* "MODE,CONNECT,SOCKET,SOCKETPAIR[,DEV:INO...]" from the parent; MODE is
- * n, l, or "e:NET/PREFIX:PORT:PORT..." (egress; NET an IPv4 number). */
+ * n, l, or "e:NET/PREFIX/SENDTO:PORT:PORT..." (egress; NET an IPv4 number,
+ * SENDTO the number of sendto, whose calls naming an address come here). */
 int iso_supervise_init(const char *spec, struct iso_status *status)
 {
     report = status;
@@ -99,8 +100,9 @@ int iso_supervise_init(const char *spec, struct iso_status *status)
         if (*end != '/')
             return -1;
         unsigned long prefix = strtoul(end + 1, &end, 10);
-        if (prefix < 1 || prefix > 32 || net > 0xffffffffUL)
+        if (prefix < 1 || prefix > 32 || net > 0xffffffffUL || *end != '/')
             return -1;
+        nr_sendto = (int)strtol(end + 1, &end, 10);
         egress_mask = (uint32_t)(0xffffffffUL << (32 - prefix));
         egress_net = (uint32_t)net & egress_mask;
         while (*end == ':' && n_egress_ports < (int)(sizeof egress_ports / sizeof egress_ports[0])) {
@@ -371,6 +373,50 @@ static int unreachable(const struct sockaddr_storage *copy, int addrlen)
     return 0; /* AF_UNSPEC (disconnect) and short addresses: the kernel answers */
 }
 
+static void record_inet(const struct sockaddr_storage *copy)
+{
+    if (copy->ss_family == AF_INET) {
+        const struct sockaddr_in *in = (const struct sockaddr_in *)copy;
+        record(ISO_NET_DENIAL_INET, AF_INET, &in->sin_addr, ntohs(in->sin_port), NULL);
+    } else {
+        const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)copy;
+        record(ISO_NET_DENIAL_INET, AF_INET6, &in6->sin6_addr, ntohs(in6->sin6_port), NULL);
+    }
+}
+
+/* sendto() naming a destination, under egress.  The network namespace
+ * decides (no route leaves it); this only says it at once and records an
+ * address off the loopback, so the report can name UDP that was tried.
+ * Nothing is decided on the copy: the call goes on, or fails as the kernel
+ * would fail it, so a program that changes the address meanwhile gains
+ * nothing. */
+static int sendto_notification(int listener, const struct seccomp_notif *req)
+{
+    struct sockaddr_storage copy;
+    memset(&copy, 0, sizeof copy);
+    uint64_t user_addr = req->data.args[4];
+    int addrlen = (int)(uint32_t)req->data.args[5];
+    int verdict = 0;
+    if (addrlen > 0 && (size_t)addrlen <= sizeof copy) {
+        struct iovec local = {.iov_base = &copy, .iov_len = (size_t)addrlen};
+        struct iovec remote = {.iov_base = (void *)(uintptr_t)user_addr, .iov_len = (size_t)addrlen};
+        if (process_vm_readv((pid_t)req->pid, &local, 1, &remote, 1, 0) == addrlen &&
+            (copy.ss_family == AF_INET || copy.ss_family == AF_INET6))
+            verdict = unreachable(&copy, addrlen) == ENETUNREACH ? ENETUNREACH : 0;
+    }
+    if (verdict) {
+        record_inet(&copy);
+        answer(listener, req->id, verdict);
+        return 1;
+    }
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = req->id;
+    resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+    ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp); /* ENOENT: the call was interrupted */
+    return 1;
+}
+
 /* Whether the notification is one of ours; when it is, it is answered. */
 int iso_supervise_notification(int listener, const struct seccomp_notif *req)
 {
@@ -385,6 +431,8 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
         answer(listener, req->id, EACCES);
         return 1;
     }
+    if (nr == nr_sendto && mode == 'e')
+        return sendto_notification(listener, req);
     if (nr != nr_connect)
         return 0;
 
@@ -464,13 +512,7 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
      * an address it cannot reach is answered (and recorded) here. */
     int verdict = (domain == AF_INET || domain == AF_INET6) ? unreachable(&copy, addrlen) : 0;
     if (verdict) {
-        if (copy.ss_family == AF_INET) {
-            struct sockaddr_in *in = (struct sockaddr_in *)&copy;
-            record(ISO_NET_DENIAL_INET, AF_INET, &in->sin_addr, ntohs(in->sin_port), NULL);
-        } else {
-            struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&copy;
-            record(ISO_NET_DENIAL_INET, AF_INET6, &in6->sin6_addr, ntohs(in6->sin6_port), NULL);
-        }
+        record_inet(&copy);
         err = verdict;
         goto out;
     }

@@ -925,6 +925,8 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
                    mode: str) -> bytes:
     """Route the profile's allowed connect()/socket()/socketpair() through an epilogue (see the module doc)."""
     connect_nr, socket_nr, socketpair_nr = _resolve("connect"), _resolve("socket"), _resolve("socketpair")
+    # Egress by name: sendto() naming a destination goes to the init too, which records the refused ones.
+    sendto_nr = _resolve("sendto") if mode == "supervise-sendto" else None
     try:
         uring_nr: int | None = _resolve("io_uring_setup")
     except Exception:  # an architecture or libseccomp without it
@@ -932,7 +934,7 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     arg0_low = 16 if sys.byteorder == "little" else 20
     arg1_low = arg0_low + 8
     ld, jeq, jge, ret, ja, alu_and = 0x20, 0x15, 0x35, 0x06, 0x05, 0x54
-    supervise = mode == "supervise"
+    supervise = mode in ("supervise", "supervise-sendto")
     notify_ret = RET_USER_NOTIF if supervise else RET_ERRNO | errno_mod.EACCES
 
     # A tiny assembler: (code, k, jt label, jf label) with labels resolved below.
@@ -963,6 +965,9 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     label("not_socket")
     emit(jeq, socketpair_nr, "socketpair", "not_socketpair")
     label("not_socketpair")
+    if sendto_nr is not None:
+        emit(jeq, sendto_nr, "sendto", "not_sendto")
+        label("not_sendto")
     if uring_nr is not None:
         emit(jeq, uring_nr, "eperm", "ret_allow")
     label("ret_allow")
@@ -981,6 +986,15 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     emit(jeq, _SOCK_STREAM, "ret_allow2", "not_stream")
     label("not_stream")
     emit(jeq, _SOCK_SEQPACKET, "ret_allow2", "unix_refused")
+    if sendto_nr is not None:
+        label("sendto")  # sendto(fd, buf, len, flags, addr, addrlen): only a non-NULL addr is looked at
+        emit(ld, arg0_low + 32)
+        emit(jeq, 0, "sendto_high", "sendto_notify")
+        label("sendto_high")
+        emit(ld, arg0_low + 36 if sys.byteorder == "little" else arg0_low + 28)
+        emit(jeq, 0, "ret_allow2", "sendto_notify")
+        label("sendto_notify")
+        emit(ret, RET_USER_NOTIF)
     label("unix_refused")
     emit(ret, notify_ret)
     label("ret_allow2")
@@ -1207,7 +1221,8 @@ def compile_filter(
     but AF_UNIX, with EPERM (for network "none" without a network namespace);
     ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for a root
     caller's idmapped writable paths); ``unix_sockets`` is "" (nothing),
-    "supervise" (connect() to the init, which needs ``notify``) or "deny"
+    "supervise" (connect() to the init, which needs ``notify``), "supervise-sendto"
+    (also sendto() with an address: egress by name records refused UDP) or "deny"
     (socket(AF_UNIX) refused): see the module doc; ``deny_host_reach`` refuses
     SysV IPC, POSIX message queues, keyrings and changing other processes'
     limits and priorities (for a run without namespaces, see ``host_reach_denied``).
@@ -1217,7 +1232,8 @@ def compile_filter(
     """
     if not isinstance(mode, str) or not mode:
         raise PolicyError("seccomp: expected default, strict, none or the path of a JSON profile", "seccomp")
-    if unix_sockets not in ("", "supervise", "deny") or (unix_sockets == "supervise" and not notify):
+    if (unix_sockets not in ("", "supervise", "supervise-sendto", "deny")
+            or (unix_sockets.startswith("supervise") and not notify)):
         raise ValueError(f"unix_sockets: {unix_sockets!r}")
     if mode == "none" and not (deny_inet_sockets or deny_setid or unix_sockets or deny_host_reach):
         return None

@@ -53,13 +53,14 @@ def plan_listeners(plan: Any, egress: Egress, keep: list[Any], enforced: dict[st
     }
 
 
-def supervise_mode(network: str, egress: Egress | None) -> str:
-    """The init's connect() supervisor mode (csrc/supervise.c)."""
+def supervise_mode(network: str, egress: Egress | None, sendto_nr: int) -> str:
+    """The init's connect() supervisor mode (csrc/supervise.c): under egress, the mediator's
+    block, sendto's number (a sendto() naming a destination is looked at too) and the listened ports."""
     if egress is None:
         return "n" if network == "none" else "l"
     block = egress_rules.BLOCK
     ports = ":".join(str(p) for p in egress.rules().ports)
-    return f"e:{int(block.network_address)}/{block.prefixlen}:{ports}"
+    return f"e:{int(block.network_address)}/{block.prefixlen}/{sendto_nr}:{ports}"
 
 
 def _generated(name: str, text: str) -> str:
@@ -167,7 +168,7 @@ def connect_denial(mediator: Mediator, address: ipaddress.IPv4Address | ipaddres
         return {"mechanism": "egress", "address": str(address), "port": port, "count": count,
                 "reason": "no name has this address"}
     return {"mechanism": "egress", "address": str(address), "port": port, "count": count,
-            "reason": "a direct connection to an address: only allowed names are reachable "
+            "reason": "an address, not a name: only allowed names are reachable "
                       "(name it with --add-host NAME:IP and allow NAME)"}
 
 

@@ -278,7 +278,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         from ... import seccomp as seccomp_mod
 
         spec = ",".join(
-            [egress_plan.supervise_mode(network, egress)]
+            [egress_plan.supervise_mode(network, egress, seccomp_mod.syscall_number("sendto"))]
             + [str(seccomp_mod.syscall_number(n)) for n in ("connect", "socket", "socketpair")]
             + [f"{dev}:{ino}" for dev, ino in socket_ids]
         )
@@ -440,7 +440,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     # What a root caller's program creates in an idmapped writable path is
     # root's on disk: no set-user/group-ID bit may be set there.
     deny_setid = use_ns and root_caller and bool(write or rw_sources)
-    seccomp_unix = {"supervisor": "supervise", "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
+    seccomp_unix = {"supervisor": "supervise-sendto" if egress else "supervise",
+                    "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
                    notify=use_ns and not for_preexec, unix_sockets=seccomp_unix, deny_host_reach=not use_ns)
     if not use_ns:

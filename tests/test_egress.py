@@ -301,7 +301,7 @@ def test_popen_and_the_mediator_ends_with_the_run(site: dict[str, Any]) -> None:
 def test_the_cli_allows_hosts_explains_and_reports(site: dict[str, Any], tmp_path: Any) -> None:
     port = site["port"]
     cli = [sys.executable, "-m", "isolate.cli"]
-    flags = [f"--allow-host=web.test:{port}", f"--add-host=web.test:{HERE}", "--no-defaults",
+    flags = [f"--allow-host=web.test:{port}", f"--add-host=web.test:{HERE}", "--no-defaults", "--chdir=/tmp",
              *[f"--ro={p}" for p in python_read()]]
     explained = subprocess.run([*cli, *flags, "--explain", "--", "true"], capture_output=True, text=True)
     assert explained.returncode == 0, explained.stderr
@@ -310,14 +310,16 @@ def test_the_cli_allows_hosts_explains_and_reports(site: dict[str, Any], tmp_pat
     result = subprocess.run([*cli, *flags, f"--report={report}", "--", PYTHON, "-c",
                              "import socket\n"
                              "try:\n    socket.getaddrinfo('elsewhere.test', 443)\nexcept OSError: pass\n"
-                             f"socket.create_connection(('web.test', {port})).close()"],
+                             f"s = socket.create_connection(('web.test', {port}))\n"
+                             "s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\n'); assert s.recv(100)\n"
+                             "raise SystemExit(3)"],
                             capture_output=True, text=True, cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 3, result.stderr
     data = json.loads(report.read_text())
     assert {"host": "web.test", "port": port} in [{k: e[k] for k in ("host", "port")}
                                                   for e in data["egress"]["allowed"]]
     assert any(e.get("host") == "elsewhere.test" for e in data["egress"]["denied"])
-    # One line on stderr names the refused destination.
+    # The command failed: one line on stderr names the refused destination.
     assert "egress to elsewhere.test" in result.stderr
     bad = subprocess.run([*cli, "--add-host=web.test:127.0.0.1", "--", "true"], capture_output=True, text=True)
     assert bad.returncode == 125 and "--allow-host" in bad.stderr and "Traceback" not in bad.stderr

@@ -22,9 +22,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import NAMESPACES_WHY, PYTHON, python_read
 
 import isolate
-from tests.conftest import PYTHON, python_read
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
 HERE = "127.0.0.1"
 

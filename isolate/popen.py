@@ -51,6 +51,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     _bind_sources: dict[str, int] | None = None
     #: An overlay workspace (isolate.overlay.Layers) mounted at its target instead of the tmpfs there.
     _overlay: Any = None
+    #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox).
+    _egress_detached = False
 
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
         self.policy = policy if policy is not None else Policy()
@@ -96,6 +98,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             program_fd=self._program_fd,
             bind_sources=self._bind_sources,
             overlay=self._overlay,
+            egress_detached=self._egress_detached,
         )
         self._prepared = prepared
         cgroup = prepared.cgroup

@@ -331,3 +331,63 @@ def test_preexec_fn_refuses_egress() -> None:
     policy = isolate.Policy(network=isolate.Egress(("web.test:80",)))
     with pytest.raises(isolate.UnsupportedError, match="preexec_fn has no mediator"):
         subprocess.run(["true"], preexec_fn=policy.preexec_fn)
+
+
+HTTP_GET = ("import socket, sys\n"
+            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)\n"
+            "s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\n')\n"
+            "data = b''\n"
+            "while chunk := s.recv(65536):\n"
+            "    data += chunk\n"
+            "print(data.split(b'\\r\\n\\r\\n', 1)[1].decode(), end='')\n")
+
+
+def test_a_kept_sandbox_reaches_allowed_names_in_every_command(site: dict[str, Any]) -> None:
+    port = site["port"]
+    policy = isolate.Policy(network=_egress(port), read=python_read(), write=())
+    with isolate.Sandbox(policy) as sb:
+        for _ in range(2):
+            result = sb.exec([PYTHON, "-c", HTTP_GET, "web.test", str(port)], timeout=60)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == "hello from the host\n"
+        refused = sb.exec([PYTHON, "-c", HTTP_GET, "evil.test", str(port)], timeout=60)
+        assert refused.returncode != 0 and "gaierror" in refused.stderr
+
+
+def test_a_named_sandbox_keeps_its_egress_after_its_creator_exits(site: dict[str, Any]) -> None:
+    """The mediator of a named sandbox is a process of its own, ended by the sandbox's end."""
+    port = site["port"]
+    name = f"egress{os.getpid()}"
+    script = (
+        "import isolate\n"
+        f"egress = isolate.Egress(('web.test:{port}',), add_hosts={{'web.test': '{HERE}'}})\n"
+        f"policy = isolate.Policy(network=egress, read={python_read()!r}, write=())\n"
+        f"isolate.Sandbox(policy, name={name!r}).start()\n"
+    )
+    created = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert created.returncode == 0, created.stderr
+    box = isolate.Sandbox.attach(name)
+    try:
+        result = box.exec([PYTHON, "-c", HTTP_GET, "web.test", str(port)], timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "hello from the host\n"
+    finally:
+        mediators = [p for p in _processes() if "isolate.egress" in " ".join(p)]
+        box.close()
+    assert len(mediators) >= 1
+    # The mediator ends with the sandbox.
+    for _ in range(200):
+        if not [p for p in _processes() if "isolate.egress" in " ".join(p)]:
+            break
+        threading.Event().wait(0.05)
+    else:
+        raise AssertionError("the named sandbox's mediator outlived it")
+
+
+def _processes() -> list[list[str]]:
+    import psutil
+
+    out = []
+    for process in psutil.process_iter(["cmdline"]):
+        out.append(list(process.info["cmdline"] or []))
+    return out

@@ -15,6 +15,8 @@ import array
 import ipaddress
 import os
 import socket
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ... import egress_rules
@@ -153,6 +155,39 @@ def start_mediator(egress: Egress, host_end: socket.socket) -> Mediator:
     mediator = Mediator(rules, sockets[0], sockets[1:])
     mediator.start()
     return mediator
+
+
+def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: int) -> subprocess.Popen[bytes]:
+    """The same, as a process of its own that outlives this one (a named sandbox): ``python -m
+    isolate.egress``, in a session of its own, ending when the sandbox's init does (a pidfd)."""
+    from ...egress import rules_to_json
+
+    rules = egress.rules()
+    sockets = receive_listeners(host_end, 1 + len(rules.ports))
+    rules_r, rules_w = os.pipe2(os.O_CLOEXEC)
+    pidfd = -1
+    try:
+        pidfd = os.pidfd_open(init_pid)
+        fds = [rules_r, pidfd] + [sock.fileno() for sock in sockets]
+        argv = [sys.executable, "-I", "-m", "isolate.egress", "--rules-fd", str(rules_r), "--pidfd", str(pidfd),
+                "--dns-fd", str(sockets[0].fileno())]
+        for sock in sockets[1:]:
+            argv += ["--listen-fd", str(sock.fileno())]
+        process = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
+                                   env={"PATH": os.defpath})
+        os.close(rules_r)
+        rules_r = -1
+        os.write(rules_w, rules_to_json(rules).encode())
+    finally:
+        os.close(rules_w)
+        if rules_r >= 0:
+            os.close(rules_r)
+        if pidfd >= 0:
+            os.close(pidfd)
+        for sock in sockets:
+            sock.close()
+    return process
 
 
 def connect_denial(mediator: Mediator, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int,

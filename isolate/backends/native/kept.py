@@ -47,10 +47,11 @@ class _ServerProcess(Popen):
     _program_fd = -1
 
     def __init__(self, args: Any, *, policy: Policy, bind_sources: dict[str, int] | None = None,
-                 overlay: Any = None, **kwargs: Any) -> None:
+                 overlay: Any = None, egress_detached: bool = False, **kwargs: Any) -> None:
         self._program_fd = init_fd()
         self._bind_sources = bind_sources
         self._overlay = overlay
+        self._egress_detached = egress_detached
         super().__init__(args, policy=policy, **kwargs)
 
 
@@ -189,7 +190,7 @@ class NativeSandbox:
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=self.name is not None,
-                                          overlay=layers)
+                                          overlay=layers, egress_detached=self.name is not None)
             listener.close()
             listener = None
             if workspace_fd >= 0:

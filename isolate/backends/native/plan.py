@@ -60,6 +60,9 @@ class Prepared:
     egress: Egress | None = None
     egress_channel: Any = None
     mediator: Any = None
+    #: The mediator is a process of its own that outlives the caller (a named kept sandbox).
+    egress_detached: bool = False
+    mediator_process: Any = None
 
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
@@ -127,6 +130,7 @@ def prepare(
     program_fd: int = -1,
     bind_sources: Mapping[str, int] | None = None,
     overlay: Any = None,
+    egress_detached: bool = False,
 ) -> Prepared:
     """The plan for one run of ``args``: the cached static part plus what is this run's own.
 
@@ -282,6 +286,7 @@ def prepare(
         overlay_steps=overlay_steps,
         egress=policy.network if egress_channel is not None else None,  # type: ignore[arg-type]
         egress_channel=egress_channel,
+        egress_detached=egress_detached,
     )
     return prepared
 
@@ -384,7 +389,10 @@ def spawn(prepared: Prepared, args: Sequence[str]) -> int:
         assert prepared.egress is not None
         channel, prepared.egress_channel = prepared.egress_channel, None
         try:
-            prepared.mediator = egress_plan.start_mediator(prepared.egress, channel)
+            if prepared.egress_detached:
+                prepared.mediator_process = egress_plan.start_mediator_process(prepared.egress, channel, int(pid))
+            else:
+                prepared.mediator = egress_plan.start_mediator(prepared.egress, channel)
         except BaseException:
             # No mediator, no run: the sandbox ends before its program can wait on it.
             os.kill(int(pid), signal.SIGKILL)

@@ -82,6 +82,23 @@ def _sandbox() -> tuple[bool, str]:
     return True, f"started a sandbox with namespaces {namespaces}, a built root and an init"
 
 
+def _egress() -> tuple[bool, str]:
+    """Egress by name: a sandbox whose allow-list is empty asks isolate's DNS for a name, which refuses it."""
+    import tempfile
+
+    from . import popen
+    from .policy import Egress, Policy
+
+    with tempfile.TemporaryDirectory(prefix="isolate-doctor-") as workdir:
+        result = popen.run(["getent", "hosts", "isolate-doctor.invalid"],
+                           policy=Policy(backend="native", network=Egress(())), cwd=workdir, capture_output=True)
+    denied = [e.get("host") for e in (result.report.egress or {}).get("denied", [])]
+    if "isolate-doctor.invalid" not in denied:
+        return False, f"the mediator did not answer the sandbox's DNS (getent exited {result.returncode})"
+    return True, ("the mediator answers inside a sandbox (its DNS refused a name off the allow-list); "
+                  "--allow-host works")
+
+
 def _idmap() -> tuple[bool, str]:
     if os.geteuid() != 0:
         return True, "not needed: the caller is not root, the program runs as the caller"
@@ -132,6 +149,7 @@ CHECKS: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
     ("landlock", _landlock),
     ("user-namespaces", _userns),
     ("sandbox", _sandbox),
+    ("egress", _egress),
     ("idmapped-mounts", _idmap),
     ("seccomp", _seccomp),
     ("cgroups", _cgroups),

@@ -215,6 +215,8 @@ def test_version_and_doctor(workdir: str) -> None:
     data = json.loads(cli("doctor", "--json", cwd=workdir).stdout)
     checks = {c["mechanism"]: c for c in data["checks"]}
     assert checks["landlock"]["available"] == bool(landlock.abi()) and checks["sandbox"]["available"], checks
+    # Egress by name works wherever a namespaced sandbox does.
+    assert checks["egress"]["available"] == checks["user-namespaces"]["available"], checks["egress"]
 
 
 _ = ROOT

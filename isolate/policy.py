@@ -71,6 +71,8 @@ class Egress:
         static = self.add_hosts
         pairs = ([f"{k}:{v}" for k, v in static.items()] if isinstance(static, Mapping)
                  else list(_str_tuple(static, "add_hosts")))
+        if len(pairs) > egress_rules.MAX_ENTRIES:
+            raise PolicyError(f"add_hosts: {len(pairs)} names; at most {egress_rules.MAX_ENTRIES}", "add_hosts")
         add_hosts = tuple(sorted({f"{n}:{a}" for n, a in map(egress_rules.parse_static_host, pairs)}))
         for entry in add_hosts:
             name = entry.partition(":")[0]
@@ -460,7 +462,9 @@ class Policy:
             if "egress" not in network or set(network) - known:
                 raise PolicyError("network: a table holds egress = [\"HOST[:PORT]\", ...] and optionally "
                                   "add_hosts, resolver, allow_private", "network")
-            data["network"] = Egress(tuple(network["egress"]), add_hosts=tuple(network.get("add_hosts", ())),
+            static = network.get("add_hosts", ())
+            data["network"] = Egress(tuple(network["egress"]),
+                                     add_hosts=static if isinstance(static, Mapping) else tuple(static),
                                      resolver=network.get("resolver"),
                                      allow_private=network.get("allow_private", False))
         policy: Policy = _from_mapping(cls, data, "")

@@ -143,3 +143,31 @@ def test_fractions_round_up_never_to_nothing() -> None:
     assert parse_size("0.5", "x") == 1
     assert milliseconds_up(0.0004) == 1 and milliseconds_up(1e-12) == 1 and milliseconds_up(1.0001) == 1001
     assert Limits(cpus=0.01).cpus == 0.01
+
+
+def test_egress_grammar() -> None:
+    egress = Egress(("PyPI.org.", "*.github.com:443", "db.test:5432"), add_hosts={"db.test": "127.0.0.1"},
+                    resolver="[::1]:5353", allow_private=True)
+    assert egress.hosts == ("pypi.org", "*.github.com:443", "db.test:5432")
+    rules = egress.rules()
+    assert rules.ports_of("pypi.org") == {80, 443}  # no port: the web's two
+    assert rules.ports_of("api.github.com") == {443} and rules.ports_of("a.b.github.com") == {443}
+    assert not rules.ports_of("github.com")  # *.DOMAIN is the names below it
+    assert rules.static_address("db.test") == "127.0.0.1" and rules.resolver == ("::1", 5353)
+    assert set(rules.ports) == {53, 80, 443, 3128, 5432}
+    assert Policy.from_toml(Policy(network=egress).to_toml()).network == egress
+    for hosts, kwargs, needle in (
+        (("1.2.3.4",), {}, "--add-host"),                      # an address is not a name
+        (("[::1]:80",), {}, "--add-host"),
+        (("*.com",), {}, "top-level"),
+        (("a.test:0",), {}, "port"),
+        (("a.test:http",), {}, "port"),
+        (("bad name",), {}, "host name"),
+        (("a.test",), {"add_hosts": ("b.test:127.0.0.1",)}, "not allowed"),
+        (("a.test",), {"add_hosts": ("a.test:nowhere",)}, "not an IP"),
+        (("a.test",), {"resolver": "8.8.8.8:99999"}, "port"),
+        (("a.test",), {"allow_private": "yes"}, "true or false"),
+        (tuple(f"a.test:{p}" for p in range(1000, 1070)), {}, "ports"),
+    ):
+        with pytest.raises(PolicyError, match=needle):
+            Egress(hosts, **kwargs)

@@ -42,6 +42,7 @@ from ..egress_rules import (
 from ..errors import PolicyError
 from . import dns, http
 from .relay import relay
+from .workers import Workers
 
 #: How long a proxy client has to send its request head, and a DNS-over-TCP client its query.
 HEAD_TIMEOUT = 10.0
@@ -114,7 +115,7 @@ class Mediator:
         self._addresses: dict[str, str] = {}    # fake address -> name
         self._next_address = int(FIRST_NAME_ADDRESS)
         self._sockets: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
+        self._workers = Workers("isolate-egress-conn")
         self._dns_slots = threading.BoundedSemaphore(MAX_DNS_WORKERS)
         self._allowed: dict[tuple[str, int], int] = {}
         self._denied: dict[tuple[str, str, int | None, str], int] = {}
@@ -155,18 +156,16 @@ class Mediator:
             except OSError:
                 pass
         deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                threads = [t for t in self._threads if t is not threading.current_thread()]
-            if not threads or time.monotonic() >= deadline:
-                break
-            threads[0].join(max(0.0, deadline - time.monotonic()))
-            with self._lock:   # a connection accepted in the meantime
-                for sock in self._sockets:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+        while self._workers.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with self._lock:   # an upstream connection opened in the meantime
+                sockets = list(self._sockets)
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._workers.close(max(0.0, deadline - time.monotonic()))
         for sock in [self._udp, *self._listeners, self._wake_r, self._wake_w]:
             sock.close()
 
@@ -265,19 +264,9 @@ class Mediator:
     # --- threads ------------------------------------------------------------------------------------
 
     def _spawn(self, target: Any, *args: Any) -> bool:
-        thread = threading.Thread(target=self._guarded, args=(target, *args), daemon=True,
-                                  name="isolate-egress-conn")
-        with self._lock:
-            if self._closed:
-                return False
-            self._threads.add(thread)
-        try:
-            thread.start()
-        except RuntimeError:
-            with self._lock:
-                self._threads.discard(thread)
+        if self._closed:
             return False
-        return True
+        return self._workers.submit(self._guarded, target, *args)
 
     def _guarded(self, target: Any, *args: Any) -> None:
         try:
@@ -285,9 +274,6 @@ class Mediator:
         except Exception:
             with self._lock:
                 self._errors += 1
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     def _accept_loop(self) -> None:
         selector = selectors.DefaultSelector()
@@ -469,7 +455,7 @@ class Mediator:
         self._count_allowed(name, port)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            relay(conn, upstream)
+            relay(conn, upstream, self._workers.submit)
         finally:
             self._forget(upstream)
             upstream.close()
@@ -508,7 +494,7 @@ class Mediator:
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 if rest:
                     upstream.sendall(rest)
-                relay(conn, upstream)
+                relay(conn, upstream, self._workers.submit)
                 return False
             host_header = name if port == 80 else f"{name}:{port}"
             upstream.sendall(http.forward_head(request, host_header, path))

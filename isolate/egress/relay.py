@@ -13,6 +13,9 @@ import fcntl
 import os
 import socket
 import threading
+from collections.abc import Callable
+
+Spawn = Callable[[Callable[[], None]], bool]
 
 #: The pipe's size between the two sockets. Beyond the user's pipe quota
 #: (fs.pipe-user-pages-soft) the kernel refuses the change; the default size then.
@@ -65,11 +68,15 @@ def _quiet_shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
 
 
 class Relay:
-    """Both directions between ``a`` and ``b``; ``run()`` returns when both are done."""
+    """Both directions between ``a`` and ``b``; ``run()`` returns when both are done.
 
-    def __init__(self, a: socket.socket, b: socket.socket) -> None:
+    ``spawn(fn)`` runs ``fn()`` in another thread (a pool's), False if it cannot.
+    """
+
+    def __init__(self, a: socket.socket, b: socket.socket, spawn: Spawn | None = None) -> None:
         self.a = a
         self.b = b
+        self.spawn = spawn
         self.failed = False
 
     def _direction(self, src: socket.socket, dst: socket.socket) -> None:
@@ -84,15 +91,22 @@ class Relay:
     def run(self) -> None:
         for sock in (self.a, self.b):
             sock.settimeout(None)    # splice needs blocking sockets (a timeout makes them non-blocking)
-        other = threading.Thread(target=self._direction, args=(self.b, self.a), daemon=True,
-                                 name="isolate-egress-relay")
-        other.start()
+        done = threading.Event()
+
+        def back() -> None:
+            try:
+                self._direction(self.b, self.a)
+            finally:
+                done.set()
+
+        if self.spawn is None or not self.spawn(back):
+            threading.Thread(target=back, daemon=True, name="isolate-egress-relay").start()
         self._direction(self.a, self.b)
-        other.join()
+        done.wait()
 
 
-def relay(a: socket.socket, b: socket.socket) -> bool:
+def relay(a: socket.socket, b: socket.socket, spawn: Spawn | None = None) -> bool:
     """Relay both directions until both end; True when neither failed."""
-    r = Relay(a, b)
+    r = Relay(a, b, spawn)
     r.run()
     return not r.failed

@@ -608,3 +608,39 @@ def test_mediator_process_serves_and_reports(echo: EchoServer) -> None:
             process.kill()
             process.wait()
         control.close()
+
+
+def test_mediator_process_stops_when_the_sandbox_exits() -> None:
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no os.pidfd_open")
+    rules = _rules(("one.test", (443,)))
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((DNS_ADDRESS, 0))
+    rules_r, rules_w = os.pipe()
+    os.write(rules_w, rules_to_json(rules).encode())
+    os.close(rules_w)
+    sandbox = subprocess.Popen(["sleep", "30"])
+    pidfd = os.pidfd_open(sandbox.pid)
+    process = subprocess.Popen([sys.executable, "-m", "isolate.egress", "--rules-fd", str(rules_r), "--dns-fd",
+                                str(udp.fileno()), "--pidfd", str(pidfd)], pass_fds=[rules_r, udp.fileno(), pidfd])
+    os.close(rules_r)
+    os.close(pidfd)
+    udp.close()
+    try:
+        time.sleep(0.5)
+        assert process.poll() is None
+        sandbox.kill()
+        sandbox.wait()
+        assert process.wait(timeout=10) == 0
+    finally:
+        for child in (process, sandbox):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def test_a_dot_inside_a_label_is_not_a_name() -> None:
+    with plan(_rules(("*.one.test", (443,)), static=(("a.one.test", "127.0.0.1"),))) as p:
+        query = struct.pack("!HHHHHH", 9, 0x0100, 1, 0, 0, 0) + b"\x0aa.one.test\x00\x00\x01\x00\x01"
+        reply = p.mediator.answer_dns(query)
+        assert reply is not None and reply[3] & 0xF == dns.FORMERR

@@ -50,7 +50,8 @@ HEAD_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
 #: How long a request body may stall.
 BODY_IDLE_TIMEOUT = 120.0
-#: Connections handled at once; beyond, a new one is reset (and counted as denied).
+#: Sockets open at once (a relayed connection counts its two ends); beyond, a new connection is
+#: reset (and counted as denied).
 MAX_CONNECTIONS = 1024
 #: DNS queries over UDP answered at once; beyond, a query is dropped (the client asks again).
 MAX_DNS_WORKERS = 64

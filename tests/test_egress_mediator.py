@@ -404,6 +404,7 @@ def test_plain_http_proxy_sends_one_request_per_connection(web: WebServer) -> No
         reply = _recv_all(s)
         assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"hello /first?x=1")
         assert b"/second" not in reply
+        assert reply.count(b"\r\nConnection: close\r\n") == 1      # the client is told, too
         time.sleep(0.2)
         # The server saw one request, in origin form, for the URI's host (not the Host the client sent),
         # with Connection: close; the second request reached no one.

@@ -514,6 +514,7 @@ class Mediator:
         def down() -> None:
             try:
                 upstream.settimeout(None)
+                conn.sendall(http.close_response_head(upstream))
                 while True:
                     data = upstream.recv(1 << 20)
                     if not data:

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -69,9 +70,9 @@ class EchoServer:
 
 
 class WebServer:
-    """http.server on 127.0.0.1 recording each request's Host, path and Connection headers."""
+    """http.server on 127.0.0.1 recording each request's Host, path and Connection headers (TLS with ``tls``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
         outer = self
 
@@ -111,6 +112,8 @@ class WebServer:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.port = int(self.server.server_address[1])
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -471,6 +474,35 @@ def test_urllib_and_curl_through_the_proxy(web: WebServer) -> None:
         refused = subprocess.run(["curl", "-sS", "--max-time", "10", "--proxytunnel", f"http://two.test:{web.port}/"],
                                  env=env, capture_output=True, text=True)
         assert refused.returncode != 0 and "403" in refused.stderr
+
+
+def test_tls_passes_through_untouched(tmp_path: Any) -> None:
+    """https through CONNECT: the client checks the server's own certificate for the name it asked for."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=one.test",
+                    "-addext", "subjectAltName=DNS:one.test", "-days", "1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    web = WebServer(tls)
+    rules = _rules(("one.test", (web.port,)), static=(("one.test", "127.0.0.1"),))
+    try:
+        with plan(rules) as p:
+            client = ssl.create_default_context(cafile=cert)
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({"https": p.proxy_url}),
+                                                 urllib.request.HTTPSHandler(context=client))
+            with opener.open(f"https://one.test:{web.port}/tls", timeout=10) as response:
+                assert response.read() == b"hello /tls"
+            if shutil.which("curl") is not None:
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "https_proxy": p.proxy_url}
+                done = subprocess.run(["curl", "-sS", "--max-time", "10", "--cacert", cert,
+                                       f"https://one.test:{web.port}/curl"], env=env, capture_output=True, text=True)
+                assert done.stdout == "hello /curl", done.stderr
+            assert p.mediator.summary()["allowed"][0]["host"] == "one.test"
+    finally:
+        web.close()
 
 
 # --- the transparent path --------------------------------------------------------------------------------

@@ -677,3 +677,66 @@ def test_a_dot_inside_a_label_is_not_a_name() -> None:
         query = struct.pack("!HHHHHH", 9, 0x0100, 1, 0, 0, 0) + b"\x0aa.one.test\x00\x00\x01\x00\x01"
         reply = p.mediator.answer_dns(query)
         assert reply is not None and reply[3] & 0xF == dns.FORMERR
+
+
+def test_hostile_proxy_clients_get_short_answers(echo: EchoServer) -> None:
+    rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
+    with plan(rules) as p:
+        for request, status in ((b"GET http://one.test/ HTTP/1.1\r\nX: " + b"a" * 70000, b"431"),
+                                (b"GET / HTTP/1.1\r\n\r\n", b"400"),                      # not a proxy request
+                                (b"GET http://u:p@one.test/ HTTP/1.1\r\n\r\n", b"400"),
+                                (b"GET https://one.test/ HTTP/1.1\r\n\r\n", b"501"),
+                                (b"GET http://one.test/ HTTP/1.1\r\nX: a\nY: b\r\n\r\n", b"400"),   # bare LF
+                                (b"GET http://one.test/ HTTP/1.1\r\n folded\r\n\r\n", b"400"),
+                                (b"CONNECT one.test HTTP/1.1\r\n\r\n", b"400")):             # no port
+            with socket.create_connection(p.proxy, timeout=10) as s:
+                try:
+                    s.sendall(request)
+                except ConnectionResetError:
+                    pass
+                assert _recv_all(s).split(b" ")[1] == status, request[:60]
+        # A CONNECT to a name's own address (a client that resolved first) is that name.
+        address = p.resolve("one.test")
+        s, head = _connect_request(p, f"{address}:{echo.port}")
+        with s:
+            assert head.startswith(b"HTTP/1.1 200")
+
+
+def test_an_error_in_one_connection_leaves_the_others_served(echo: EchoServer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
+    with plan(rules, ports=(echo.port,)) as p:
+        address = p.resolve("one.test")
+        real = p.mediator._serve_transparent
+        calls = []
+
+        def broken_once(*args: Any) -> bool:
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return real(*args)
+
+        monkeypatch.setattr(p.mediator, "_serve_transparent", broken_once)
+        _assert_reset((address, echo.port))                 # the broken one: reset, not left hanging
+        with socket.create_connection((address, echo.port), timeout=10) as s:
+            s.sendall(b"ok")
+            assert _recv_exact(s, 2) == b"ok"
+        assert p.mediator.summary()["errors"] == 1
+
+
+def test_fifty_dns_queries_at_once() -> None:
+    names = tuple(f"n{i}.test" for i in range(50))
+    rules = _rules(*((n, (443,)) for n in names), static=tuple((n, "127.0.0.1") for n in names))
+    with plan(rules) as p:
+        results: dict[str, str] = {}
+
+        def ask(name: str) -> None:
+            results[name] = p.resolve(name)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(set(results.values())) == 50
+        assert all(p.mediator.address_name(address) == name for name, address in results.items())

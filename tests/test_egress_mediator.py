@@ -276,14 +276,12 @@ def _connect_request(p: Plan, target: str) -> tuple[socket.socket, bytes]:
     return s, head
 
 
-def _assert_reset(address: tuple[str, int]) -> float:
-    """Connect and read: the mediator resets the connection at once. The time it took."""
-    started = time.monotonic()
+def _assert_reset(address: tuple[str, int]) -> None:
+    """Connect and read: the mediator resets the connection (a hang would end in TimeoutError)."""
     with pytest.raises(ConnectionResetError):   # the reset may come before connect() returns
         with socket.create_connection(address, timeout=10) as s:
             s.sendall(b"hello")
             s.recv(10)
-    return time.monotonic() - started
 
 
 # --- DNS -----------------------------------------------------------------------------------------------
@@ -441,16 +439,18 @@ def test_plain_http_proxy_forwards_bodies_exactly(web: WebServer) -> None:
 
 def test_a_silent_client_times_out_and_blocks_no_one(echo: EchoServer) -> None:
     rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
-    with plan(rules, head_timeout=1.5) as p:
+    with plan(rules, head_timeout=3) as p:
         silent = socket.create_connection(p.proxy, timeout=10)
-        started = time.monotonic()
         s, head = _connect_request(p, f"one.test:{echo.port}")
         with s:
             assert head.startswith(b"HTTP/1.1 200")
-            assert time.monotonic() - started < 1.0
         with silent:
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):      # served while the silent one still waits
+                silent.recv(10)
+            silent.setblocking(True)
+            silent.settimeout(10)
             assert _recv_all(silent).startswith(b"HTTP/1.1 408")
-        assert time.monotonic() - started < 5
 
 
 def test_urllib_and_curl_through_the_proxy(web: WebServer) -> None:
@@ -519,9 +519,9 @@ def test_transparent_path_relays_allowed_names_and_resets_the_rest(echo: EchoSer
             assert _recv_exact(s, 7) == b"through"
             s.shutdown(socket.SHUT_WR)               # half-close reaches the server, whose close comes back
             assert _recv_all(s) == b""
-        assert _assert_reset((address, other)) < 2                   # a port the name is not allowed on
-        assert _assert_reset(("127.77.1.1", echo.port)) < 2         # an address no name has (yet)
-        assert _assert_reset(("127.0.0.3", echo.port)) < 2          # a direct address
+        _assert_reset((address, other))                    # a port the name is not allowed on
+        _assert_reset(("127.77.1.1", echo.port))          # an address no name has (yet)
+        _assert_reset(("127.0.0.3", echo.port))           # a direct address
         summary = p.mediator.summary()
         assert summary["allowed"] == [{"host": "one.test", "port": echo.port, "count": 1}]
         denied = {(d.get("host") or d.get("address"), d["port"]): d["reason"] for d in summary["denied"]}
@@ -534,7 +534,7 @@ def test_transparent_path_resets_when_the_name_cannot_be_reached() -> None:
     closed = _free_port()
     rules = _rules(("one.test", (closed,)), static=(("one.test", "127.0.0.1"),))
     with plan(rules, ports=(closed,)) as p:
-        assert _assert_reset((p.resolve("one.test"), closed)) < 2
+        _assert_reset((p.resolve("one.test"), closed))
 
 
 def test_fifty_connections_at_once(echo: EchoServer) -> None:
@@ -560,10 +560,8 @@ def test_close_ends_relays_and_is_idempotent(echo: EchoServer) -> None:
     s = socket.create_connection((p.resolve("one.test"), echo.port), timeout=10)
     s.sendall(b"x")
     assert _recv_exact(s, 1) == b"x"
-    started = time.monotonic()
     p.mediator.close()
-    assert time.monotonic() - started < 2
-    try:
+    try:                     # ended by close(): not left to the 10 s timeout
         assert s.recv(10) == b""
     except ConnectionResetError:
         pass

@@ -333,6 +333,8 @@ def test_dns_asks_the_policy_resolver_and_guards_against_rebinding() -> None:
             p.resolve("big.test")                                     # truncated over UDP: asked again over TCP
             assert upstream.tcp_queries >= 1
             assert p.query("gone.test").rcode == dns.NXDOMAIN
+            assert p.mediator.summary()["failed"] == [{"host": "gone.test", "port": None, "count": 1,
+                                                       "reason": "gone.test does not resolve"}]
         with plan(_rules(("lan.test", (443,)), resolver=("127.0.0.1", upstream.port), allow_private=True)) as p:
             p.resolve("lan.test")
             assert p.mediator.resolver.resolve("lan.test").addresses == ("10.0.0.5",)
@@ -535,6 +537,10 @@ def test_transparent_path_resets_when_the_name_cannot_be_reached() -> None:
     rules = _rules(("one.test", (closed,)), static=(("one.test", "127.0.0.1"),))
     with plan(rules, ports=(closed,)) as p:
         _assert_reset((p.resolve("one.test"), closed))
+        (failed,) = p.mediator.summary()["failed"]
+        assert failed["host"] == "one.test" and failed["port"] == closed
+        assert failed["reason"].startswith(f"cannot connect: 127.0.0.1:{closed}: ")
+        assert p.mediator.summary()["denied"] == []
 
 
 def test_fifty_connections_at_once(echo: EchoServer) -> None:

@@ -120,6 +120,7 @@ class Mediator:
         self._dns_slots = threading.BoundedSemaphore(MAX_DNS_WORKERS)
         self._allowed: dict[tuple[str, int], int] = {}
         self._denied: dict[tuple[str, str, int | None, str], int] = {}
+        self._failed: dict[tuple[str, str, int | None, str], int] = {}
         self._dropped = 0
         self._errors = 0
         self._wake_r, self._wake_w = socket.socketpair()
@@ -184,6 +185,14 @@ class Mediator:
             return self._addresses.get(_plain_address(address))
 
     def summary(self) -> dict[str, Any]:
+        """What the sandbox reached and tried: a new dict, safe to call from any thread.
+
+        ``allowed``: ``{host, port, count}`` per connection relayed (proxy or transparent).
+        ``denied``: ``{host or address, port, count, reason}``; ``port`` None for a DNS
+        query. Only when non-empty: ``failed`` (allowed, but the name does not resolve or
+        does not answer; same shape), ``dropped`` (entries beyond MAX_SUMMARY_ENTRIES per
+        list, counted, not kept), ``errors`` (connections ended by an internal error).
+        """
         with self._lock:
             allowed = [{"host": host, "port": port, "count": count}
                        for (host, port), count in sorted(self._allowed.items())]
@@ -191,6 +200,10 @@ class Mediator:
                       for (kind, target, port, reason), count in
                       sorted(self._denied.items(), key=lambda item: (item[0][1], item[0][2] or 0, item[0][3]))]
             out: dict[str, Any] = {"allowed": allowed, "denied": denied}
+            if self._failed:   # allowed, but the name does not resolve or does not answer
+                out["failed"] = [{kind: target, "port": port, "count": count, "reason": reason}
+                                 for (kind, target, port, reason), count in
+                                 sorted(self._failed.items(), key=lambda item: (item[0][1], item[0][2] or 0))]
             if self._dropped:
                 out["dropped"] = self._dropped
             if self._errors:
@@ -207,15 +220,20 @@ class Mediator:
             else:
                 self._dropped += 1
 
-    def _count_denied(self, kind: str, target: str, port: int | None, reason: str) -> None:
+    def _count_denied(self, kind: str, target: str, port: int | None, reason: str,
+                      table: dict[tuple[str, str, int | None, str], int] | None = None) -> None:
         with self._lock:
+            counts = self._denied if table is None else table
             key = (kind, target, port, reason)
-            if key in self._denied:
-                self._denied[key] += 1
-            elif len(self._denied) < MAX_SUMMARY_ENTRIES:
-                self._denied[key] = 1
+            if key in counts:
+                counts[key] += 1
+            elif len(counts) < MAX_SUMMARY_ENTRIES:
+                counts[key] = 1
             else:
                 self._dropped += 1
+
+    def _count_failed(self, name: str, port: int | None, reason: str) -> None:
+        self._count_denied("host", name, port, reason, self._failed)
 
     # --- names -------------------------------------------------------------------------------------
 
@@ -253,6 +271,8 @@ class Mediator:
         if not resolution.addresses:
             if resolution.refused:
                 self._count_denied("host", name, None, resolution.error)
+            else:
+                self._count_failed(name, None, resolution.error)
             return dns.build_response(query, dns.NXDOMAIN)
         address = self._address_of(name)
         if address is None:
@@ -415,6 +435,7 @@ class Mediator:
             if resolution.refused:
                 self._count_denied("host", name, port, resolution.error)
                 raise _Denied(resolution.error, 403, f"isolate: {resolution.error}")
+            self._count_failed(name, port, resolution.error)
             raise _Denied(resolution.error, 502, f"isolate: {resolution.error}")
         deadline = time.monotonic() + self.connect_timeout
         failure = "no address"
@@ -438,6 +459,7 @@ class Mediator:
                 failure = f"{address}:{port}: {exc.strerror or exc}"
                 self._forget(upstream)
                 upstream.close()
+        self._count_failed(name, port, f"cannot connect: {failure}")
         raise _Denied(failure, 502, f"isolate: cannot connect to {name}:{port} ({failure})")
 
     def _serve_transparent(self, conn: socket.socket, address: str, port: int) -> bool:

@@ -744,3 +744,44 @@ def test_fifty_dns_queries_at_once() -> None:
             t.join(30)
         assert len(set(results.values())) == 50
         assert all(p.mediator.address_name(address) == name for name, address in results.items())
+
+
+def test_a_keep_alive_server_sees_only_the_first_request() -> None:
+    """A server that ignores Connection: close and reads on still gets one request from the proxy."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = int(server.getsockname()[1])
+    received: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(1.0)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                while chunk := conn.recv(65536):   # a keep-alive server waits for the next request
+                    data += chunk
+            except OSError:
+                pass
+            received.append(data)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    rules = _rules(("one.test", (port,)), ("two.test", (port,)),
+                   static=(("one.test", "127.0.0.1"), ("two.test", "127.0.0.1")))
+    try:
+        with plan(rules) as p, socket.create_connection(p.proxy, timeout=10) as s:
+            s.sendall(f"GET http://one.test:{port}/first HTTP/1.1\r\n\r\n"
+                      f"GET http://two.test:{port}/second HTTP/1.1\r\n\r\n".encode())
+            s.settimeout(10)
+            data = b""
+            while not data.endswith(b"ok"):
+                chunk = s.recv(65536)
+                assert chunk
+                data += chunk
+            thread.join(10)
+        assert len(received) == 1 and b"/first" in received[0] and b"second" not in received[0]
+    finally:
+        server.close()

@@ -9,6 +9,7 @@ of the tests' own play the outside world on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import json
 import os
@@ -785,3 +786,34 @@ def test_a_keep_alive_server_sees_only_the_first_request() -> None:
         assert len(received) == 1 and b"/first" in received[0] and b"second" not in received[0]
     finally:
         server.close()
+
+
+def test_git_clones_over_http_through_the_proxy(tmp_path: Any) -> None:
+    """git (libcurl) through http_proxy: many requests, each on its own proxied connection."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    work, served = tmp_path / "work", tmp_path / "served"
+    for argv in (["git", "init", "-q", str(work)], ["git", "-C", str(work), "commit", "-q", "--allow-empty", "-m", "x"],
+                 ["git", "clone", "-q", "--bare", str(work), str(served / "repo.git")],
+                 ["git", "-C", str(served / "repo.git"), "update-server-info"]):
+        subprocess.run(argv, env=env, check=True, capture_output=True)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    rules = _rules(("git.test", (port,)), static=(("git.test", "127.0.0.1"),))
+    try:
+        with plan(rules) as p:
+            done = subprocess.run(["git", "clone", "-q", f"http://git.test:{port}/repo.git", str(tmp_path / "clone")],
+                                  env={**env, "http_proxy": p.proxy_url}, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            (allowed,) = p.mediator.summary()["allowed"]
+            assert allowed["host"] == "git.test" and allowed["count"] >= 3
+    finally:
+        server.shutdown()
+        server.server_close()

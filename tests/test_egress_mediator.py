@@ -817,3 +817,43 @@ def test_git_clones_over_http_through_the_proxy(tmp_path: Any) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_pip_downloads_from_an_index_through_the_proxy(tmp_path: Any) -> None:
+    """pip (requests) through http_proxy, against a local simple index holding one wheel."""
+    import zipfile
+
+    index = tmp_path / "index"
+    (index / "simple" / "tinypkg").mkdir(parents=True)
+    wheel = index / "simple" / "tinypkg" / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("tinypkg/__init__.py", "")
+        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        z.writestr("tinypkg-1.0.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    (index / "simple" / "tinypkg" / "index.html").write_text(
+        '<html><body><a href="tinypkg-1.0-py3-none-any.whl">tinypkg-1.0-py3-none-any.whl</a></body></html>')
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(index)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    rules = _rules(("pypi.test", (port,)), static=(("pypi.test", "127.0.0.1"),))
+    try:
+        with plan(rules) as p:
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "http_proxy": p.proxy_url,
+                   "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d",
+                                   str(tmp_path / "got"), "--index-url", f"http://pypi.test:{port}/simple/",
+                                   "--trusted-host", f"pypi.test:{port}", "tinypkg"],
+                                  env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            assert os.listdir(tmp_path / "got") == ["tinypkg-1.0-py3-none-any.whl"]
+            assert p.mediator.summary()["allowed"][0]["host"] == "pypi.test"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -670,6 +670,22 @@ def test_mediator_process_stops_when_the_sandbox_exits() -> None:
         sandbox.kill()
         sandbox.wait()
         assert process.wait(timeout=10) == 0
+        # SIGTERM stops it too.
+        rules_r, rules_w = os.pipe()
+        os.write(rules_w, rules_to_json(rules).encode())
+        os.close(rules_w)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind((DNS_ADDRESS, 0))
+        process = subprocess.Popen([sys.executable, "-m", "isolate.egress", "--rules-fd", str(rules_r),
+                                    "--dns-fd", str(udp.fileno())], pass_fds=[rules_r, udp.fileno()])
+        os.close(rules_r)
+        dns_port = int(udp.getsockname()[1])
+        udp.close()
+        p = Plan.__new__(Plan)
+        p.dns_port = dns_port
+        assert p.query("no.test").rcode == dns.NXDOMAIN     # serving: its signal handlers are in place
+        process.terminate()
+        assert process.wait(timeout=10) == 0
     finally:
         for child in (process, sandbox):
             if child.poll() is None:

@@ -17,35 +17,40 @@ from collections.abc import Callable
 
 Spawn = Callable[[Callable[[], None]], bool]
 
-#: The pipe's size between the two sockets. Beyond the user's pipe quota
-#: (fs.pipe-user-pages-soft) the kernel refuses the change; the default size then.
+#: The pipe's size between the two sockets once a direction carries bulk data (GROW_AFTER bytes).
+#: A pipe starts at the kernel's default (64 KiB): the user's pipe quota
+#: (fs.pipe-user-pages-soft, 64 MiB) counts a pipe's nominal size, so idle
+#: connections must not hold 1 MiB each. Beyond the quota the kernel refuses
+#: the change, and the pipe keeps its size.
 PIPE_SIZE = 1 << 20
+GROW_AFTER = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1)
-
-
-def _pipe() -> tuple[int, int, int]:
-    r, w = os.pipe2(os.O_CLOEXEC)
-    size = 65536
-    try:
-        size = fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
-    except OSError:
-        pass
-    return r, w, size
+_DEFAULT_PIPE = 65536
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:
     """Copy src to dst until EOF (then shut dst's writing side); raise on errors."""
     if hasattr(os, "splice"):
-        r, w, size = _pipe()
+        r, w = os.pipe2(os.O_CLOEXEC)
+        size = _DEFAULT_PIPE
+        moved = 0
+        grown = False
         try:
             src_fd, dst_fd = src.fileno(), dst.fileno()
             while True:
                 n = os.splice(src_fd, w, size, flags=_SPLICE_FLAGS)
                 if n == 0:
                     break
+                moved += n
                 while n:
                     n -= os.splice(r, dst_fd, n, flags=_SPLICE_FLAGS)
+                if moved >= GROW_AFTER and not grown:
+                    grown = True   # asked once; refused (the quota): the pipe keeps its size
+                    try:
+                        size = fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)   # the pipe is empty here
+                    except OSError:
+                        pass
         finally:
             os.close(r)
             os.close(w)

@@ -9,11 +9,13 @@ of the tests' own play the outside world on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import json
 import os
 import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -69,9 +71,9 @@ class EchoServer:
 
 
 class WebServer:
-    """http.server on 127.0.0.1 recording each request's Host, path and Connection headers."""
+    """http.server on 127.0.0.1 recording each request's Host, path and Connection headers (TLS with ``tls``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict[str, Any]] = []
         outer = self
 
@@ -111,6 +113,8 @@ class WebServer:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.port = int(self.server.server_address[1])
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -273,14 +277,12 @@ def _connect_request(p: Plan, target: str) -> tuple[socket.socket, bytes]:
     return s, head
 
 
-def _assert_reset(address: tuple[str, int]) -> float:
-    """Connect and read: the mediator resets the connection at once. The time it took."""
-    started = time.monotonic()
-    with socket.create_connection(address, timeout=10) as s:
-        with pytest.raises(ConnectionResetError):
+def _assert_reset(address: tuple[str, int]) -> None:
+    """Connect and read: the mediator resets the connection (a hang would end in TimeoutError)."""
+    with pytest.raises(ConnectionResetError):   # the reset may come before connect() returns
+        with socket.create_connection(address, timeout=10) as s:
             s.sendall(b"hello")
             s.recv(10)
-    return time.monotonic() - started
 
 
 # --- DNS -----------------------------------------------------------------------------------------------
@@ -332,6 +334,8 @@ def test_dns_asks_the_policy_resolver_and_guards_against_rebinding() -> None:
             p.resolve("big.test")                                     # truncated over UDP: asked again over TCP
             assert upstream.tcp_queries >= 1
             assert p.query("gone.test").rcode == dns.NXDOMAIN
+            assert p.mediator.summary()["failed"] == [{"host": "gone.test", "port": None, "count": 1,
+                                                       "reason": "gone.test does not resolve"}]
         with plan(_rules(("lan.test", (443,)), resolver=("127.0.0.1", upstream.port), allow_private=True)) as p:
             p.resolve("lan.test")
             assert p.mediator.resolver.resolve("lan.test").addresses == ("10.0.0.5",)
@@ -404,6 +408,7 @@ def test_plain_http_proxy_sends_one_request_per_connection(web: WebServer) -> No
         reply = _recv_all(s)
         assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"hello /first?x=1")
         assert b"/second" not in reply
+        assert reply.count(b"\r\nConnection: close\r\n") == 1      # the client is told, too
         time.sleep(0.2)
         # The server saw one request, in origin form, for the URI's host (not the Host the client sent),
         # with Connection: close; the second request reached no one.
@@ -437,16 +442,18 @@ def test_plain_http_proxy_forwards_bodies_exactly(web: WebServer) -> None:
 
 def test_a_silent_client_times_out_and_blocks_no_one(echo: EchoServer) -> None:
     rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
-    with plan(rules, head_timeout=1.5) as p:
+    with plan(rules, head_timeout=3) as p:
         silent = socket.create_connection(p.proxy, timeout=10)
-        started = time.monotonic()
         s, head = _connect_request(p, f"one.test:{echo.port}")
         with s:
             assert head.startswith(b"HTTP/1.1 200")
-            assert time.monotonic() - started < 1.0
         with silent:
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):      # served while the silent one still waits
+                silent.recv(10)
+            silent.setblocking(True)
+            silent.settimeout(10)
             assert _recv_all(silent).startswith(b"HTTP/1.1 408")
-        assert time.monotonic() - started < 5
 
 
 def test_urllib_and_curl_through_the_proxy(web: WebServer) -> None:
@@ -472,6 +479,35 @@ def test_urllib_and_curl_through_the_proxy(web: WebServer) -> None:
         assert refused.returncode != 0 and "403" in refused.stderr
 
 
+def test_tls_passes_through_untouched(tmp_path: Any) -> None:
+    """https through CONNECT: the client checks the server's own certificate for the name it asked for."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=one.test",
+                    "-addext", "subjectAltName=DNS:one.test", "-days", "1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    web = WebServer(tls)
+    rules = _rules(("one.test", (web.port,)), static=(("one.test", "127.0.0.1"),))
+    try:
+        with plan(rules) as p:
+            client = ssl.create_default_context(cafile=cert)
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({"https": p.proxy_url}),
+                                                 urllib.request.HTTPSHandler(context=client))
+            with opener.open(f"https://one.test:{web.port}/tls", timeout=10) as response:
+                assert response.read() == b"hello /tls"
+            if shutil.which("curl") is not None:
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "https_proxy": p.proxy_url}
+                done = subprocess.run(["curl", "-sS", "--max-time", "10", "--cacert", cert,
+                                       f"https://one.test:{web.port}/curl"], env=env, capture_output=True, text=True)
+                assert done.stdout == "hello /curl", done.stderr
+            assert p.mediator.summary()["allowed"][0]["host"] == "one.test"
+    finally:
+        web.close()
+
+
 # --- the transparent path --------------------------------------------------------------------------------
 
 
@@ -486,9 +522,9 @@ def test_transparent_path_relays_allowed_names_and_resets_the_rest(echo: EchoSer
             assert _recv_exact(s, 7) == b"through"
             s.shutdown(socket.SHUT_WR)               # half-close reaches the server, whose close comes back
             assert _recv_all(s) == b""
-        assert _assert_reset((address, other)) < 2                   # a port the name is not allowed on
-        assert _assert_reset(("127.77.1.1", echo.port)) < 2         # an address no name has (yet)
-        assert _assert_reset(("127.0.0.3", echo.port)) < 2          # a direct address
+        _assert_reset((address, other))                    # a port the name is not allowed on
+        _assert_reset(("127.77.1.1", echo.port))          # an address no name has (yet)
+        _assert_reset(("127.0.0.3", echo.port))           # a direct address
         summary = p.mediator.summary()
         assert summary["allowed"] == [{"host": "one.test", "port": echo.port, "count": 1}]
         denied = {(d.get("host") or d.get("address"), d["port"]): d["reason"] for d in summary["denied"]}
@@ -501,7 +537,11 @@ def test_transparent_path_resets_when_the_name_cannot_be_reached() -> None:
     closed = _free_port()
     rules = _rules(("one.test", (closed,)), static=(("one.test", "127.0.0.1"),))
     with plan(rules, ports=(closed,)) as p:
-        assert _assert_reset((p.resolve("one.test"), closed)) < 2
+        _assert_reset((p.resolve("one.test"), closed))
+        (failed,) = p.mediator.summary()["failed"]
+        assert failed["host"] == "one.test" and failed["port"] == closed
+        assert failed["reason"].startswith(f"cannot connect: 127.0.0.1:{closed}: ")
+        assert p.mediator.summary()["denied"] == []
 
 
 def test_fifty_connections_at_once(echo: EchoServer) -> None:
@@ -527,10 +567,8 @@ def test_close_ends_relays_and_is_idempotent(echo: EchoServer) -> None:
     s = socket.create_connection((p.resolve("one.test"), echo.port), timeout=10)
     s.sendall(b"x")
     assert _recv_exact(s, 1) == b"x"
-    started = time.monotonic()
     p.mediator.close()
-    assert time.monotonic() - started < 2
-    try:
+    try:                     # ended by close(): not left to the 10 s timeout
         assert s.recv(10) == b""
     except ConnectionResetError:
         pass
@@ -608,3 +646,230 @@ def test_mediator_process_serves_and_reports(echo: EchoServer) -> None:
             process.kill()
             process.wait()
         control.close()
+
+
+def test_mediator_process_stops_when_the_sandbox_exits() -> None:
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no os.pidfd_open")
+    rules = _rules(("one.test", (443,)))
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((DNS_ADDRESS, 0))
+    rules_r, rules_w = os.pipe()
+    os.write(rules_w, rules_to_json(rules).encode())
+    os.close(rules_w)
+    sandbox = subprocess.Popen(["sleep", "30"])
+    pidfd = os.pidfd_open(sandbox.pid)
+    process = subprocess.Popen([sys.executable, "-m", "isolate.egress", "--rules-fd", str(rules_r), "--dns-fd",
+                                str(udp.fileno()), "--pidfd", str(pidfd)], pass_fds=[rules_r, udp.fileno(), pidfd])
+    os.close(rules_r)
+    os.close(pidfd)
+    udp.close()
+    try:
+        time.sleep(0.5)
+        assert process.poll() is None
+        sandbox.kill()
+        sandbox.wait()
+        assert process.wait(timeout=10) == 0
+        # SIGTERM stops it too.
+        rules_r, rules_w = os.pipe()
+        os.write(rules_w, rules_to_json(rules).encode())
+        os.close(rules_w)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind((DNS_ADDRESS, 0))
+        process = subprocess.Popen([sys.executable, "-m", "isolate.egress", "--rules-fd", str(rules_r),
+                                    "--dns-fd", str(udp.fileno())], pass_fds=[rules_r, udp.fileno()])
+        os.close(rules_r)
+        dns_port = int(udp.getsockname()[1])
+        udp.close()
+        p = Plan.__new__(Plan)
+        p.dns_port = dns_port
+        assert p.query("no.test").rcode == dns.NXDOMAIN     # serving: its signal handlers are in place
+        process.terminate()
+        assert process.wait(timeout=10) == 0
+    finally:
+        for child in (process, sandbox):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def test_a_dot_inside_a_label_is_not_a_name() -> None:
+    with plan(_rules(("*.one.test", (443,)), static=(("a.one.test", "127.0.0.1"),))) as p:
+        query = struct.pack("!HHHHHH", 9, 0x0100, 1, 0, 0, 0) + b"\x0aa.one.test\x00\x00\x01\x00\x01"
+        reply = p.mediator.answer_dns(query)
+        assert reply is not None and reply[3] & 0xF == dns.FORMERR
+
+
+def test_hostile_proxy_clients_get_short_answers(echo: EchoServer) -> None:
+    rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
+    with plan(rules) as p:
+        for request, status in ((b"GET http://one.test/ HTTP/1.1\r\nX: " + b"a" * 70000, b"431"),
+                                (b"GET / HTTP/1.1\r\n\r\n", b"400"),                      # not a proxy request
+                                (b"GET http://u:p@one.test/ HTTP/1.1\r\n\r\n", b"400"),
+                                (b"GET https://one.test/ HTTP/1.1\r\n\r\n", b"501"),
+                                (b"GET http://one.test/ HTTP/1.1\r\nX: a\nY: b\r\n\r\n", b"400"),   # bare LF
+                                (b"GET http://one.test/ HTTP/1.1\r\n folded\r\n\r\n", b"400"),
+                                (b"CONNECT one.test HTTP/1.1\r\n\r\n", b"400")):             # no port
+            with socket.create_connection(p.proxy, timeout=10) as s:
+                try:
+                    s.sendall(request)
+                except ConnectionResetError:
+                    pass
+                assert _recv_all(s).split(b" ")[1] == status, request[:60]
+        # A CONNECT to a name's own address (a client that resolved first) is that name.
+        address = p.resolve("one.test")
+        s, head = _connect_request(p, f"{address}:{echo.port}")
+        with s:
+            assert head.startswith(b"HTTP/1.1 200")
+
+
+def test_an_error_in_one_connection_leaves_the_others_served(echo: EchoServer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
+    with plan(rules, ports=(echo.port,)) as p:
+        address = p.resolve("one.test")
+        real = p.mediator._serve_transparent
+        calls = []
+
+        def broken_once(*args: Any) -> bool:
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return real(*args)
+
+        monkeypatch.setattr(p.mediator, "_serve_transparent", broken_once)
+        _assert_reset((address, echo.port))                 # the broken one: reset, not left hanging
+        with socket.create_connection((address, echo.port), timeout=10) as s:
+            s.sendall(b"ok")
+            assert _recv_exact(s, 2) == b"ok"
+        assert p.mediator.summary()["errors"] == 1
+
+
+def test_fifty_dns_queries_at_once() -> None:
+    names = tuple(f"n{i}.test" for i in range(50))
+    rules = _rules(*((n, (443,)) for n in names), static=tuple((n, "127.0.0.1") for n in names))
+    with plan(rules) as p:
+        results: dict[str, str] = {}
+
+        def ask(name: str) -> None:
+            results[name] = p.resolve(name)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(set(results.values())) == 50
+        assert all(p.mediator.address_name(address) == name for name, address in results.items())
+
+
+def test_a_keep_alive_server_sees_only_the_first_request() -> None:
+    """A server that ignores Connection: close and reads on still gets one request from the proxy."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = int(server.getsockname()[1])
+    received: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(1.0)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                while chunk := conn.recv(65536):   # a keep-alive server waits for the next request
+                    data += chunk
+            except OSError:
+                pass
+            received.append(data)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    rules = _rules(("one.test", (port,)), ("two.test", (port,)),
+                   static=(("one.test", "127.0.0.1"), ("two.test", "127.0.0.1")))
+    try:
+        with plan(rules) as p, socket.create_connection(p.proxy, timeout=10) as s:
+            s.sendall(f"GET http://one.test:{port}/first HTTP/1.1\r\n\r\n"
+                      f"GET http://two.test:{port}/second HTTP/1.1\r\n\r\n".encode())
+            s.settimeout(10)
+            data = b""
+            while not data.endswith(b"ok"):
+                chunk = s.recv(65536)
+                assert chunk
+                data += chunk
+            thread.join(10)
+        assert len(received) == 1 and b"/first" in received[0] and b"second" not in received[0]
+    finally:
+        server.close()
+
+
+def test_git_clones_over_http_through_the_proxy(tmp_path: Any) -> None:
+    """git (libcurl) through http_proxy: many requests, each on its own proxied connection."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    work, served = tmp_path / "work", tmp_path / "served"
+    for argv in (["git", "init", "-q", str(work)], ["git", "-C", str(work), "commit", "-q", "--allow-empty", "-m", "x"],
+                 ["git", "clone", "-q", "--bare", str(work), str(served / "repo.git")],
+                 ["git", "-C", str(served / "repo.git"), "update-server-info"]):
+        subprocess.run(argv, env=env, check=True, capture_output=True)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    rules = _rules(("git.test", (port,)), static=(("git.test", "127.0.0.1"),))
+    try:
+        with plan(rules) as p:
+            done = subprocess.run(["git", "clone", "-q", f"http://git.test:{port}/repo.git", str(tmp_path / "clone")],
+                                  env={**env, "http_proxy": p.proxy_url}, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            (allowed,) = p.mediator.summary()["allowed"]
+            assert allowed["host"] == "git.test" and allowed["count"] >= 3
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_pip_downloads_from_an_index_through_the_proxy(tmp_path: Any) -> None:
+    """pip (requests) through http_proxy, against a local simple index holding one wheel."""
+    import zipfile
+
+    index = tmp_path / "index"
+    (index / "simple" / "tinypkg").mkdir(parents=True)
+    wheel = index / "simple" / "tinypkg" / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("tinypkg/__init__.py", "")
+        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        z.writestr("tinypkg-1.0.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    (index / "simple" / "tinypkg" / "index.html").write_text(
+        '<html><body><a href="tinypkg-1.0-py3-none-any.whl">tinypkg-1.0-py3-none-any.whl</a></body></html>')
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(index)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    rules = _rules(("pypi.test", (port,)), static=(("pypi.test", "127.0.0.1"),))
+    try:
+        with plan(rules) as p:
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "http_proxy": p.proxy_url,
+                   "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d",
+                                   str(tmp_path / "got"), "--index-url", f"http://pypi.test:{port}/simple/",
+                                   "--trusted-host", f"pypi.test:{port}", "tinypkg"],
+                                  env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            assert os.listdir(tmp_path / "got") == ["tinypkg-1.0-py3-none-any.whl"]
+            assert p.mediator.summary()["allowed"][0]["host"] == "pypi.test"
+    finally:
+        server.shutdown()
+        server.server_close()

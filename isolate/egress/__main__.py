@@ -23,6 +23,7 @@ import socket
 import sys
 from typing import Any
 
+from ..errors import PolicyError
 from . import Mediator, rules_from_json
 
 
@@ -56,10 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dns-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--proxy-port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    rules = rules_from_json(_read_all(args.rules_fd))
-    udp = socket.socket(fileno=args.dns_fd)
-    listeners = [socket.socket(fileno=fd) for fd in args.listen_fd]
-    control = socket.socket(fileno=args.control_fd) if args.control_fd is not None else None
+    try:
+        rules = rules_from_json(_read_all(args.rules_fd))
+        udp = socket.socket(fileno=args.dns_fd)
+        listeners = [socket.socket(fileno=fd) for fd in args.listen_fd]
+        control = socket.socket(fileno=args.control_fd) if args.control_fd is not None else None
+    except (OSError, PolicyError) as exc:
+        print(f"python -m isolate.egress: {exc}", file=sys.stderr)
+        return 2
     stop_r, stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     signal.set_wakeup_fd(stop_w)
     for signum in (signal.SIGTERM, signal.SIGINT):

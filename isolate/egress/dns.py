@@ -94,6 +94,9 @@ def _read_name(data: bytes, offset: int) -> tuple[str, int]:
         total += length + 1
         if total > 255:
             raise DNSError("name too long")
+        if b"." in label:
+            # "a.b" as one label is not the name a.b: checking one and resolving the other is a bypass.
+            raise DNSError("a dot inside a label")
         labels.append(label.decode("ascii", "replace").lower())
         offset += length
     return ".".join(labels), (end if end >= 0 else offset)

@@ -241,3 +241,36 @@ def copy_body(reader: BodyReader, framing: tuple[str, int], upstream: socket.soc
                 data = reader.take(min(remaining, 1 << 20))
                 upstream.sendall(data)
                 remaining -= len(data)
+
+
+def close_response_head(upstream: socket.socket) -> bytes:
+    """The response's first bytes, its head saying ``Connection: close`` (the connection ends after it).
+
+    The client learns that it cannot send a second request on this
+    connection, whatever the server answers. Interim (1xx) heads pass
+    unchanged; a head that is not HTTP/1 or is too large passes as it came.
+    """
+    out = bytearray()
+    data = bytearray()
+    for _ in range(8):
+        while b"\r\n\r\n" not in data:
+            if len(data) > MAX_HEAD:
+                return bytes(out + data)
+            chunk = upstream.recv(65536)
+            if not chunk:
+                return bytes(out + data)
+            data += chunk
+        end = data.index(b"\r\n\r\n")
+        lines = bytes(data[:end]).split(b"\r\n")
+        status = lines[0].split(b" ")
+        if not lines[0].startswith(b"HTTP/1.") or len(status) < 2 or not status[1].isdigit():
+            return bytes(out + data)
+        if status[1].startswith(b"1") and status[1] != b"101":
+            out += data[:end + 4]
+            del data[:end + 4]
+            continue
+        kept = [line for line in lines[1:]
+                if line.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive",
+                                                                   b"proxy-connection")]
+        return bytes(out + b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + data[end + 4:])
+    return bytes(out + data)

@@ -42,6 +42,7 @@ from ..egress_rules import (
 from ..errors import PolicyError
 from . import dns, http
 from .relay import relay
+from .workers import Workers
 
 #: How long a proxy client has to send its request head, and a DNS-over-TCP client its query.
 HEAD_TIMEOUT = 10.0
@@ -49,7 +50,8 @@ HEAD_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
 #: How long a request body may stall.
 BODY_IDLE_TIMEOUT = 120.0
-#: Connections handled at once; beyond, a new one is reset (and counted as denied).
+#: Sockets open at once (a relayed connection counts its two ends); beyond, a new connection is
+#: reset (and counted as denied).
 MAX_CONNECTIONS = 1024
 #: DNS queries over UDP answered at once; beyond, a query is dropped (the client asks again).
 MAX_DNS_WORKERS = 64
@@ -114,10 +116,11 @@ class Mediator:
         self._addresses: dict[str, str] = {}    # fake address -> name
         self._next_address = int(FIRST_NAME_ADDRESS)
         self._sockets: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
+        self._workers = Workers("isolate-egress-conn")
         self._dns_slots = threading.BoundedSemaphore(MAX_DNS_WORKERS)
         self._allowed: dict[tuple[str, int], int] = {}
         self._denied: dict[tuple[str, str, int | None, str], int] = {}
+        self._failed: dict[tuple[str, str, int | None, str], int] = {}
         self._dropped = 0
         self._errors = 0
         self._wake_r, self._wake_w = socket.socketpair()
@@ -155,18 +158,16 @@ class Mediator:
             except OSError:
                 pass
         deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                threads = [t for t in self._threads if t is not threading.current_thread()]
-            if not threads or time.monotonic() >= deadline:
-                break
-            threads[0].join(max(0.0, deadline - time.monotonic()))
-            with self._lock:   # a connection accepted in the meantime
-                for sock in self._sockets:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+        while self._workers.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            with self._lock:   # an upstream connection opened in the meantime
+                sockets = list(self._sockets)
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._workers.close(max(0.0, deadline - time.monotonic()))
         for sock in [self._udp, *self._listeners, self._wake_r, self._wake_w]:
             sock.close()
 
@@ -184,6 +185,14 @@ class Mediator:
             return self._addresses.get(_plain_address(address))
 
     def summary(self) -> dict[str, Any]:
+        """What the sandbox reached and tried: a new dict, safe to call from any thread.
+
+        ``allowed``: ``{host, port, count}`` per connection relayed (proxy or transparent).
+        ``denied``: ``{host or address, port, count, reason}``; ``port`` None for a DNS
+        query. Only when non-empty: ``failed`` (allowed, but the name does not resolve or
+        does not answer; same shape), ``dropped`` (entries beyond MAX_SUMMARY_ENTRIES per
+        list, counted, not kept), ``errors`` (connections ended by an internal error).
+        """
         with self._lock:
             allowed = [{"host": host, "port": port, "count": count}
                        for (host, port), count in sorted(self._allowed.items())]
@@ -191,6 +200,10 @@ class Mediator:
                       for (kind, target, port, reason), count in
                       sorted(self._denied.items(), key=lambda item: (item[0][1], item[0][2] or 0, item[0][3]))]
             out: dict[str, Any] = {"allowed": allowed, "denied": denied}
+            if self._failed:   # allowed, but the name does not resolve or does not answer
+                out["failed"] = [{kind: target, "port": port, "count": count, "reason": reason}
+                                 for (kind, target, port, reason), count in
+                                 sorted(self._failed.items(), key=lambda item: (item[0][1], item[0][2] or 0))]
             if self._dropped:
                 out["dropped"] = self._dropped
             if self._errors:
@@ -207,15 +220,20 @@ class Mediator:
             else:
                 self._dropped += 1
 
-    def _count_denied(self, kind: str, target: str, port: int | None, reason: str) -> None:
+    def _count_denied(self, kind: str, target: str, port: int | None, reason: str,
+                      table: dict[tuple[str, str, int | None, str], int] | None = None) -> None:
         with self._lock:
+            counts = self._denied if table is None else table
             key = (kind, target, port, reason)
-            if key in self._denied:
-                self._denied[key] += 1
-            elif len(self._denied) < MAX_SUMMARY_ENTRIES:
-                self._denied[key] = 1
+            if key in counts:
+                counts[key] += 1
+            elif len(counts) < MAX_SUMMARY_ENTRIES:
+                counts[key] = 1
             else:
                 self._dropped += 1
+
+    def _count_failed(self, name: str, port: int | None, reason: str) -> None:
+        self._count_denied("host", name, port, reason, self._failed)
 
     # --- names -------------------------------------------------------------------------------------
 
@@ -253,6 +271,8 @@ class Mediator:
         if not resolution.addresses:
             if resolution.refused:
                 self._count_denied("host", name, None, resolution.error)
+            else:
+                self._count_failed(name, None, resolution.error)
             return dns.build_response(query, dns.NXDOMAIN)
         address = self._address_of(name)
         if address is None:
@@ -265,19 +285,9 @@ class Mediator:
     # --- threads ------------------------------------------------------------------------------------
 
     def _spawn(self, target: Any, *args: Any) -> bool:
-        thread = threading.Thread(target=self._guarded, args=(target, *args), daemon=True,
-                                  name="isolate-egress-conn")
-        with self._lock:
-            if self._closed:
-                return False
-            self._threads.add(thread)
-        try:
-            thread.start()
-        except RuntimeError:
-            with self._lock:
-                self._threads.discard(thread)
+        if self._closed:
             return False
-        return True
+        return self._workers.submit(self._guarded, target, *args)
 
     def _guarded(self, target: Any, *args: Any) -> None:
         try:
@@ -285,9 +295,6 @@ class Mediator:
         except Exception:
             with self._lock:
                 self._errors += 1
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     def _accept_loop(self) -> None:
         selector = selectors.DefaultSelector()
@@ -428,6 +435,7 @@ class Mediator:
             if resolution.refused:
                 self._count_denied("host", name, port, resolution.error)
                 raise _Denied(resolution.error, 403, f"isolate: {resolution.error}")
+            self._count_failed(name, port, resolution.error)
             raise _Denied(resolution.error, 502, f"isolate: {resolution.error}")
         deadline = time.monotonic() + self.connect_timeout
         failure = "no address"
@@ -451,6 +459,7 @@ class Mediator:
                 failure = f"{address}:{port}: {exc.strerror or exc}"
                 self._forget(upstream)
                 upstream.close()
+        self._count_failed(name, port, f"cannot connect: {failure}")
         raise _Denied(failure, 502, f"isolate: cannot connect to {name}:{port} ({failure})")
 
     def _serve_transparent(self, conn: socket.socket, address: str, port: int) -> bool:
@@ -469,7 +478,7 @@ class Mediator:
         self._count_allowed(name, port)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            relay(conn, upstream)
+            relay(conn, upstream, self._workers.submit)
         finally:
             self._forget(upstream)
             upstream.close()
@@ -508,7 +517,7 @@ class Mediator:
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 if rest:
                     upstream.sendall(rest)
-                relay(conn, upstream)
+                relay(conn, upstream, self._workers.submit)
                 return False
             host_header = name if port == 80 else f"{name}:{port}"
             upstream.sendall(http.forward_head(request, host_header, path))
@@ -527,6 +536,7 @@ class Mediator:
         def down() -> None:
             try:
                 upstream.settimeout(None)
+                conn.sendall(http.close_response_head(upstream))
                 while True:
                     data = upstream.recv(1 << 20)
                     if not data:

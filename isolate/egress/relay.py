@@ -13,36 +13,44 @@ import fcntl
 import os
 import socket
 import threading
+from collections.abc import Callable
 
-#: The pipe's size between the two sockets. Beyond the user's pipe quota
-#: (fs.pipe-user-pages-soft) the kernel refuses the change; the default size then.
+Spawn = Callable[[Callable[[], None]], bool]
+
+#: The pipe's size between the two sockets once a direction carries bulk data (GROW_AFTER bytes).
+#: A pipe starts at the kernel's default (64 KiB): the user's pipe quota
+#: (fs.pipe-user-pages-soft, 64 MiB) counts a pipe's nominal size, so idle
+#: connections must not hold 1 MiB each. Beyond the quota the kernel refuses
+#: the change, and the pipe keeps its size.
 PIPE_SIZE = 1 << 20
+GROW_AFTER = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1)
-
-
-def _pipe() -> tuple[int, int, int]:
-    r, w = os.pipe2(os.O_CLOEXEC)
-    size = 65536
-    try:
-        size = fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
-    except OSError:
-        pass
-    return r, w, size
+_DEFAULT_PIPE = 65536
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:
     """Copy src to dst until EOF (then shut dst's writing side); raise on errors."""
     if hasattr(os, "splice"):
-        r, w, size = _pipe()
+        r, w = os.pipe2(os.O_CLOEXEC)
+        size = _DEFAULT_PIPE
+        moved = 0
+        grown = False
         try:
             src_fd, dst_fd = src.fileno(), dst.fileno()
             while True:
                 n = os.splice(src_fd, w, size, flags=_SPLICE_FLAGS)
                 if n == 0:
                     break
+                moved += n
                 while n:
                     n -= os.splice(r, dst_fd, n, flags=_SPLICE_FLAGS)
+                if moved >= GROW_AFTER and not grown:
+                    grown = True   # asked once; refused (the quota): the pipe keeps its size
+                    try:
+                        size = fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)   # the pipe is empty here
+                    except OSError:
+                        pass
         finally:
             os.close(r)
             os.close(w)
@@ -65,11 +73,15 @@ def _quiet_shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
 
 
 class Relay:
-    """Both directions between ``a`` and ``b``; ``run()`` returns when both are done."""
+    """Both directions between ``a`` and ``b``; ``run()`` returns when both are done.
 
-    def __init__(self, a: socket.socket, b: socket.socket) -> None:
+    ``spawn(fn)`` runs ``fn()`` in another thread (a pool's), False if it cannot.
+    """
+
+    def __init__(self, a: socket.socket, b: socket.socket, spawn: Spawn | None = None) -> None:
         self.a = a
         self.b = b
+        self.spawn = spawn
         self.failed = False
 
     def _direction(self, src: socket.socket, dst: socket.socket) -> None:
@@ -84,15 +96,22 @@ class Relay:
     def run(self) -> None:
         for sock in (self.a, self.b):
             sock.settimeout(None)    # splice needs blocking sockets (a timeout makes them non-blocking)
-        other = threading.Thread(target=self._direction, args=(self.b, self.a), daemon=True,
-                                 name="isolate-egress-relay")
-        other.start()
+        done = threading.Event()
+
+        def back() -> None:
+            try:
+                self._direction(self.b, self.a)
+            finally:
+                done.set()
+
+        if self.spawn is None or not self.spawn(back):
+            threading.Thread(target=back, daemon=True, name="isolate-egress-relay").start()
         self._direction(self.a, self.b)
-        other.join()
+        done.wait()
 
 
-def relay(a: socket.socket, b: socket.socket) -> bool:
+def relay(a: socket.socket, b: socket.socket, spawn: Spawn | None = None) -> bool:
     """Relay both directions until both end; True when neither failed."""
-    r = Relay(a, b)
+    r = Relay(a, b, spawn)
     r.run()
     return not r.failed

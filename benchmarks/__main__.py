@@ -22,7 +22,7 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -40,14 +40,19 @@ class Settings:
     kept_rounds: int
     kept_idle_n: int
     kept_many_n: int
+    egress_rounds: int
+    egress_downloads: int
+    egress_size_mb: int
 
 
 FULL = Settings(rounds=250, docker_runs=200, syscall_loops=200_000, syscall_runs=15, workload_runs=15,
                 throughput_seconds=4.0, memory_n=30, memory_reps=3, docker_memory_n=10,
-                kept_rounds=60, kept_idle_n=20, kept_many_n=50)
+                kept_rounds=60, kept_idle_n=20, kept_many_n=50, egress_rounds=300, egress_downloads=7,
+                egress_size_mb=100)
 QUICK = Settings(rounds=20, docker_runs=4, syscall_loops=50_000, syscall_runs=3, workload_runs=3,
                  throughput_seconds=1.0, memory_n=5, memory_reps=1, docker_memory_n=0,
-                 kept_rounds=5, kept_idle_n=3, kept_many_n=5)
+                 kept_rounds=5, kept_idle_n=3, kept_many_n=5, egress_rounds=20, egress_downloads=1,
+                 egress_size_mb=10)
 
 
 def _log(message: str) -> None:
@@ -158,6 +163,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                _log, None if args.no_docker else peers.docker_image())
             except Exception as exc:
                 results["kept"] = {"error": _error(exc)}
+        if "egress" in args.sections:
+            from . import egress
+
+            _log("egress by name: the mediator on the host's loopback, then in a sandbox")
+            try:
+                results["egress"] = {
+                    "mediator": egress.measure(settings.egress_rounds, settings.egress_downloads,
+                                               settings.egress_size_mb, log=_log),
+                    "sandboxed": egress.measure_sandboxed(settings.egress_rounds, settings.egress_downloads,
+                                                          settings.egress_size_mb, log=_log),
+                }
+            except Exception as exc:
+                results["egress"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()
@@ -202,6 +220,12 @@ def summary(results: dict[str, Any]) -> list[str]:
                      "MemAvailable")
         lines.append(f"kept: {kept_figures['many']['n']} sandboxes at once: "
                      f"{'ok' if kept_figures['many']['ok'] else 'FAILED'}")
+    sandboxed = results.get("egress", {}).get("sandboxed")
+    if sandboxed:
+        lines.append(f"goal: egress adds < 1 ms per connection: {sandboxed['added_ms']:.3f} ms "
+                     f"({'met' if sandboxed['goals']['added_under_1ms'] else 'NOT met'})")
+        lines.append(f"goal: egress throughput >= 80% of the host network's: {sandboxed['throughput']['ratio']} "
+                     f"({'met' if sandboxed['goals']['throughput_at_least_80pct'] else 'NOT met'})")
     syscalls = results.get("overhead", {}).get("syscalls")
     if syscalls:
         for text, goal in syscalls["goals"].items():

@@ -61,7 +61,15 @@ while True:
 CLIENT = r"""
 import json, socket, sys, time
 targets = json.loads(sys.argv[1]); mode = sys.argv[2]; rounds = int(sys.argv[3]); size = int(sys.argv[4])
+warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 buffer = bytearray(1 << 20)
+for target in targets.values():
+    if target.get("resolve"):  # once: the connections are measured, not the lookups
+        target["host"] = socket.gethostbyname(target["host"])
+def lookup(target):
+    t = time.perf_counter()
+    socket.gethostbyname(target["name"])
+    return time.perf_counter() - t
 def connect(target):
     s = socket.create_connection((target["host"], target["port"]))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -96,9 +104,12 @@ def download(target):
     s.close()
     assert got == size, got
     return time.perf_counter() - t
-work = ping if mode == "latency" else download
+work = {"latency": ping, "download": download, "dns": lookup}[mode]
 samples = {name: [] for name in targets}
 names = list(targets)
+for name in names:  # a warm-up per target: the first connections of a run start the mediator's threads
+    for _ in range(warmup):
+        work(targets[name])
 for i in range(rounds):
     for name in (names if i % 2 == 0 else names[::-1]):
         samples[name].append(work(targets[name]))
@@ -194,6 +205,107 @@ def measure(rounds: int = 300, download_rounds: int = 7, size_mb: int = 100,
     return out
 
 
+def _python_in_sandbox() -> tuple[str, tuple[str, ...]]:
+    """An interpreter the sandbox can run (the system's, under /usr), and what to grant for it."""
+    from isolate.policy import DEFAULT_READ
+
+    if os.access("/usr/bin/python3", os.X_OK):
+        return "/usr/bin/python3", DEFAULT_READ
+    real = os.path.realpath(sys.executable)
+    return real, (*DEFAULT_READ, os.path.dirname(os.path.dirname(real)))
+
+
+def measure_sandboxed(rounds: int = 300, download_rounds: int = 7, size_mb: int = 100, alternations: int = 4,
+                      log: Any = lambda text: print(text, file=sys.stderr)) -> dict[str, Any]:
+    """The real path: the client inside a sandbox, through its mediator (``Egress``), against the same
+    client in a sandbox that shares the host's network (``network="host"``, the direct baseline).
+
+    Sandboxes of both kinds alternate ``alternations`` times, each running its share of the rounds
+    after 5 unmeasured connections (the first connections of a run start the mediator's threads);
+    ``start`` is a whole ``isolate.run(["true"])`` with an allow-list against one with ``network="none"``,
+    interleaved: what starting and ending the mediator costs a run.
+    """
+    import time
+
+    import isolate
+
+    python, read = _python_in_sandbox()
+    size = size_mb * 1024 * 1024
+    directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="isolate-egress-bench-") as blob:
+        chunk = os.urandom(1 << 20)
+        for _ in range(size_mb):
+            blob.write(chunk)
+        blob.flush()
+        os.chmod(blob.name, 0o644)
+        server = subprocess.Popen([sys.executable, "-I", "-S", "-c", SERVER, blob.name], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert server.stdout is not None
+            port = int(server.stdout.readline())
+            egress = isolate.Egress((f"bench.test:{port}",), add_hosts={"bench.test": "127.0.0.1"})
+            policies = {
+                "direct": (isolate.Policy(network="host", read=read, write=(), cwd="/tmp"),
+                           {"direct": {"host": "127.0.0.1", "port": port}}),
+                "mediated": (isolate.Policy(network=egress, read=read, write=(), cwd="/tmp"),
+                             {"mediated": {"host": "bench.test", "port": port, "resolve": True,
+                                           "name": "bench.test"}}),
+            }
+
+            def client(kind: str, mode: str, count: int) -> list[float]:
+                policy, targets = policies[kind]
+                done = isolate.run([python, "-I", "-S", "-c", CLIENT, json.dumps(targets), mode, str(count),
+                                    str(size), "5" if mode == "latency" else "0"],
+                                   policy=policy, capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{kind}: {done.stderr.strip()[-500:]}")
+                samples: list[float] = json.loads(done.stdout)[kind]
+                return samples
+
+            latency: dict[str, list[float]] = {"direct": [], "mediated": []}
+            downloads: dict[str, list[float]] = {"direct": [], "mediated": []}
+            client("direct", "latency", 10)
+            client("mediated", "latency", 10)  # warm-up
+            share = max(1, rounds // alternations)
+            for i in range(alternations):
+                for kind in (("direct", "mediated") if i % 2 == 0 else ("mediated", "direct")):
+                    latency[kind] += client(kind, "latency", share)
+            for i in range(download_rounds):
+                for kind in (("direct", "mediated") if i % 2 == 0 else ("mediated", "direct")):
+                    downloads[kind] += client(kind, "download", 1)
+            lookups = client("mediated", "dns", rounds)
+            starts: dict[str, list[float]] = {"none": [], "egress": []}
+            start_policies = {"none": isolate.Policy(write=(), cwd="/tmp"),
+                              "egress": isolate.Policy(network=egress, write=(), cwd="/tmp")}
+            for i in range(max(20, rounds // 5)):
+                for kind in (("none", "egress") if i % 2 == 0 else ("egress", "none")):
+                    started = time.perf_counter()
+                    isolate.run(["true"], policy=start_policies[kind])
+                    starts[kind].append(time.perf_counter() - started)
+        finally:
+            server.kill()
+            server.wait()
+    medians = {name: median(samples) for name, samples in latency.items()}
+    mb_s = {name: [size / 1e6 / s for s in samples] for name, samples in downloads.items()}
+    out: dict[str, Any] = {
+        "method": (measure_sandboxed.__doc__ or "").strip().split("\n\n")[0],
+        "latency": {name: summary_ms(samples) for name, samples in latency.items()},
+        "added_ms": round((medians["mediated"] - medians["direct"]) * 1000, 4),
+        "throughput": {"size_mb": size_mb, "rounds": download_rounds,
+                       **{f"{name}_mb_s": round(median(values), 1) for name, values in mb_s.items()},
+                       "ratio": ratio(median(mb_s["mediated"]), median(mb_s["direct"]))},
+        "dns_lookup": summary_ms(lookups),
+        "start": {name: summary_ms(samples) for name, samples in starts.items()},
+        "start_added_ms": round((median(starts["egress"]) - median(starts["none"])) * 1000, 3),
+    }
+    out["goals"] = {"added_under_1ms": out["added_ms"] < 1.0,
+                    "throughput_at_least_80pct": (out["throughput"]["ratio"] or 0) >= 0.8}
+    log(f"egress (in a sandbox): added {out['added_ms']} ms per connection; throughput host network "
+        f"{out['throughput']['direct_mb_s']} MB/s, through the mediator {out['throughput']['mediated_mb_s']} MB/s "
+        f"(ratio {out['throughput']['ratio']}); a run with an allow-list starts {out['start_added_ms']} ms later")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.egress", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=300, help="latency rounds per target")
@@ -201,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=100, help="download size in MB")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    results = {"machine": describe(), "egress": measure(args.rounds, args.downloads, args.size)}
+    results = {"machine": describe(), "egress": measure(args.rounds, args.downloads, args.size),
+               "egress_sandboxed": measure_sandboxed(args.rounds, args.downloads, args.size)}
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
         f.write("\n")
-    print(json.dumps(results["egress"], indent=2))
+    print(json.dumps({k: results[k] for k in ("egress", "egress_sandboxed")}, indent=2))
     return 0
 
 

@@ -267,7 +267,34 @@ def markdown(results: dict[str, Any]) -> str:
             "Exec latency: `sandbox-exec` in the spawn table above (same rounds as `isolate.run`).",
             "",
         ]
-    for section in ("overhead", "throughput", "memory", "kept"):
+    egress = results.get("egress")
+    if isinstance(egress, dict) and "sandboxed" in egress:
+        boxed, mediator = egress["sandboxed"], egress["mediator"]
+        cpu = mediator["mediator_cpu_ms_per_download"]
+        size = boxed["throughput"]["size_mb"]
+        lines += [
+            "## Egress by name (`--allow-host`)",
+            "",
+            "| measure | value |",
+            "|---|---:|",
+            f"| connect + 1-byte request/response, sandbox on the host network, median | "
+            f"{boxed['latency']['direct']['median_ms']:.3f} ms |",
+            f"| the same through the mediator (a sandbox with an allow-list), median | "
+            f"{boxed['latency']['mediated']['median_ms']:.3f} ms |",
+            f"| added per connection (goal < 1 ms) | {boxed['added_ms']:.3f} ms |",
+            f"| a DNS lookup answered by the mediator, median | {boxed['dns_lookup']['median_ms']:.3f} ms |",
+            f"| {size} MB download, host network | {boxed['throughput']['direct_mb_s']} MB/s |",
+            f"| the same through the mediator | {boxed['throughput']['mediated_mb_s']} MB/s |",
+            f"| ratio (goal >= 0.8) | {boxed['throughput']['ratio']} |",
+            f"| `isolate.run(['true'])` with an allow-list, minus without (the mediator's start and end) | "
+            f"{boxed['start_added_ms']:.3f} ms |",
+            f"| the mediator alone on the host's loopback: added per connection (transparent, proxy) | "
+            f"{mediator['added_ms']['transparent']:.3f}, {mediator['added_ms']['proxy']:.3f} ms |",
+            f"| the mediator alone: throughput ratio; its CPU per download (user+system) | "
+            f"{mediator['throughput']['ratio']}; {cpu['user'] + cpu['system']:.0f} ms |",
+            "",
+        ]
+    for section in ("overhead", "throughput", "memory", "kept", "egress"):
         value = results.get(section)
         if isinstance(value, dict) and "error" in value:
             lines += [f"{section}: not measured: {value['error']}", ""]

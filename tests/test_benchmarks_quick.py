@@ -76,6 +76,10 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
         assert set(syscalls["ns_per_call"]) == {"unsandboxed", "seccomp=none", "seccomp=default", "seccomp=strict"}
     assert results["throughput"]["per_second"]["isolate.run"]["1 worker"] > 0
     assert results["memory"]["kib_per_sandbox"]["isolate (default policy)"]
+    egress = results["egress"]
+    assert "error" not in egress, egress
+    assert egress["sandboxed"]["latency"]["mediated"]["median_ms"] > 0
+    assert egress["sandboxed"]["throughput"]["mediated_mb_s"] > 0 and egress["mediator"]["throughput"]["ratio"]
 
     with open(os.path.join(out, "quick.md"), encoding="utf-8") as f:
         text = f.read()

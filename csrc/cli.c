@@ -1210,11 +1210,12 @@ int main(int argc, char **argv)
         }
     }
 
+    /* The descriptors first, at their numbers; then the report's directory (a free number: no clash). */
+    if (!place_fds(&rp))
+        handover(0, "a granted path is not the inode the plan holds");
     struct report_target target = {.dir_fd = -1};
     if (a.report && !report_open(&target, a.report, cwd))
         handover(0, "--report needs isolate.cli's check");
-    if (!place_fds(&rp))
-        handover(0, "a granted path is not the inode the plan holds");
 
     /* A root caller's writable trees: idmapped now (attaching one consumes it). */
     int userns_fd = -1;

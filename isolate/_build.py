@@ -14,10 +14,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from distutils.command.build_scripts import build_scripts  # (setuptools provides distutils)
 
 from cffi import FFI
 from setuptools.command.build_ext import build_ext
-from distutils.command.build_scripts import build_scripts  # (setuptools provides distutils)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

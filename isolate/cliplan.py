@@ -378,7 +378,6 @@ def _write_report_parts(w: _Writer, policy: Any, prepared: Any) -> None:
     for status in ("timeout", "cpu", "file-size"):
         message = cli.limit_message(policy, Report(status=status))
         w.data(f"isolate-run: {message}" if message else None)
-    hints = []
     for entry in ({"mechanism": "network", "address": "@H@", "port": "@P@"},
                   {"mechanism": "unix-socket", "path": "@S@"},
                   {"mechanism": "unix-socket", "syscall": "socket", "type": "datagram"}):

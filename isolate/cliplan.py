@@ -279,12 +279,12 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
             w.u64(ino)
         w.u32(len(fds))
         for fd in fds:
-            path = os.readlink(f"/proc/self/fd/{fd}".encode())
-            if not path.startswith(b"/") or path.endswith(b" (deleted)"):
+            target = os.readlink(f"/proc/self/fd/{fd}".encode())
+            if not target.startswith(b"/") or target.endswith(b" (deleted)"):
                 raise NotCovered(f"descriptor {fd} has no path")
             finfo = os.fstat(fd)
             w.i32(fd)
-            w.data(path)
+            w.data(target)
             w.u32(stat.S_IFMT(finfo.st_mode))
             w.u64(finfo.st_dev)
             w.u64(finfo.st_ino)

@@ -13,7 +13,7 @@ for bwrap, whose binds are the other benchmarks' plus that directory):
 - ``bwrap``: ``bwrap --unshare-all`` with the equivalent binds.
 
 Peak RSS: GNU time's %M (ru_maxrss of the process it forks and execs) over
-20 more runs of each variant, the largest seen; the binary's figure is its
+20 more runs of each variant (fewer with fewer rounds), the largest seen; the binary's figure is its
 own process (it reads the init's report and waits for no sandbox process).
 (wait4 from this Python parent would not do: posix_spawn's child shares the
 parent's pages until exec, and ru_maxrss counts them.) ``python -m benchmarks.cli [--rounds N]`` writes
@@ -66,17 +66,15 @@ def _run(argv: list[str], cwd: str) -> tuple[float, int]:
     return elapsed, int(usage.ru_maxrss)
 
 
-def _clear_plans() -> None:
+def _clear_plans(workdir: str) -> None:
+    """Remove the cached plan of ``isolate-run -- /bin/true`` in workdir (with this environment)."""
     from isolate import cliplan
 
-    directory = cliplan.cache_dir(create=False)
+    key = cliplan.key_material([], workdir)
     try:
-        names = os.listdir(directory)
+        os.unlink(os.path.join(cliplan.cache_dir(create=False), f"{cliplan.fnv1a64(key):016x}.plan"))
     except FileNotFoundError:
-        return
-    for name in names:
-        if name.endswith(".plan"):
-            os.unlink(os.path.join(directory, name))
+        pass
 
 
 def _peak_rss(variants_argv: dict[str, list[str]], workdir: str, runs: int = 20) -> dict[str, int | str]:
@@ -91,7 +89,7 @@ def _peak_rss(variants_argv: dict[str, list[str]], workdir: str, runs: int = 20)
         peaks = []
         for _ in range(runs):
             if key == "binary cold":
-                _clear_plans()
+                _clear_plans(workdir)
             done = subprocess.run([gnu_time, "-f", "%M", *argv], cwd=workdir, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True, check=True)
             peaks.append(int(done.stderr.strip().splitlines()[-1]))
@@ -115,7 +113,7 @@ def measure(*, rounds: int, workdir: str, log: Callable[[str], None]) -> dict[st
     def variant(key: str) -> Callable[[], tuple[float, int]]:
         def go() -> tuple[float, int]:
             if key == "binary cold":
-                _clear_plans()
+                _clear_plans(workdir)
             return _run(variants_argv[key], workdir)
         return go
 
@@ -131,7 +129,7 @@ def measure(*, rounds: int, workdir: str, log: Callable[[str], None]) -> dict[st
             samples[key].append(seconds)
         if (round_no + 1) % max(1, rounds // 5) == 0:
             log(f"  cli: {round_no + 1}/{rounds} rounds")
-    peak = _peak_rss(variants_argv, workdir)
+    peak = _peak_rss(variants_argv, workdir, runs=min(20, max(3, rounds)))
     figures = {k: {**summary_ms(v), "peak_rss_kib_max": peak.get(k)} for k, v in samples.items()}
     result: dict[str, Any] = {"rounds": rounds, "variants": figures,
                               "method": (__doc__ or "").strip().split("\n\n")[1]}

@@ -439,7 +439,11 @@ def handover_main() -> int:
             sys.stderr.flush()
             env = dict(os.environb)
             env[ENV_REPLAY.encode()] = b"1"
-            os.execve(binary, [binary, *args], env)
+            try:
+                os.execve(binary, [binary, *args], env)
+            except OSError:
+                pass  # the binary is gone meanwhile: run here
+
     from .cli import main
 
     return main(args)

@@ -76,6 +76,9 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
         assert set(syscalls["ns_per_call"]) == {"unsandboxed", "seccomp=none", "seccomp=default", "seccomp=strict"}
     assert results["throughput"]["per_second"]["isolate.run"]["1 worker"] > 0
     assert results["memory"]["kib_per_sandbox"]["isolate (default policy)"]
+    cli = results["cli"]["variants"]
+    for key in ("binary warm", "binary cold", "python CLI"):
+        assert cli[key]["n"] == 3 and cli[key]["median_ms"] > 0, (key, cli[key])
 
     with open(os.path.join(out, "quick.md"), encoding="utf-8") as f:
         text = f.read()

@@ -1152,6 +1152,10 @@ static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUS
 int main(int argc, char **argv)
 {
     g_argv = argv;
+    /* As the Python CLI: a closed stderr is an error to survive, not a death (the sandbox's
+     * processes get default dispositions back: iso_signals_reset). */
+    if (signal(SIGPIPE, SIG_IGN) == SIG_ERR)
+        return 125;
     g_replay = getenv(ENV_REPLAY) != NULL;
     g_trace = getenv(ENV_TRACE) != NULL;
     /* The markers are between this program and the Python side: never a key, never passed on. */

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cli": measure(rounds=args.rounds, workdir=workdir, log=log)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    results["machine_line"] = (f"{described.get('cpu_model', '?')}, {described.get('cpus', '?')} cores, "
+    results["machine_line"] = (f"{described.get('cpu_model', '?')}, {described.get('cores', '?')} cores, "
                                f"load average {machine.load_average()}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cli.json"), "w", encoding="utf-8") as handle:

@@ -55,7 +55,7 @@ HOST_FILES = (
     "/proc/sys/kernel/unprivileged_userns_clone",
     "/proc/sys/kernel/apparmor_restrict_unprivileged_userns",
 )
-#: Options the binary understands (the others make it hand over); --report is not part of the key.
+#: Plans kept per caller (the oldest go first).
 MAX_PLANS = 256
 NULL = 0xFFFFFFFF
 

@@ -72,7 +72,7 @@ def _clear_plans(workdir: str) -> None:
 
     key = cliplan.key_material([], workdir)
     try:
-        os.unlink(os.path.join(cliplan.cache_dir(create=False), f"{cliplan.fnv1a64(key):016x}.plan"))
+        os.unlink(os.path.join(cliplan.cache_dir(create=False), cliplan.plan_name(key)))
     except FileNotFoundError:
         pass
 

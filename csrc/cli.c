@@ -257,14 +257,76 @@ static int which(const char *program, const char *search_path, char *out, size_t
     }
 }
 
-static uint64_t fnv1a64(const unsigned char *data, size_t len)
+/* SHA-256 (FIPS 180-4) of the key: the plan holds the digest, never the caller's environment. */
+static const uint32_t SHA_K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_block(uint32_t h[8], const unsigned char *block)
 {
-    uint64_t value = 0xcbf29ce484222325ULL;
-    for (size_t i = 0; i < len; i++) {
-        value ^= data[i];
-        value *= 0x100000001b3ULL;
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)block[4 * i] << 24 | (uint32_t)block[4 * i + 1] << 16 | (uint32_t)block[4 * i + 2] << 8 |
+               (uint32_t)block[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
     }
-    return value;
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = k + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) + SHA_K[i] + w[i];
+        uint32_t t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        k = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = c;
+        c = b;
+        b = a;
+        a = t1 + t2;
+    }
+    h[0] += a;
+    h[1] += b;
+    h[2] += c;
+    h[3] += d;
+    h[4] += e;
+    h[5] += f;
+    h[6] += g;
+    h[7] += k;
+}
+
+static void sha256(const unsigned char *data, size_t len, unsigned char out[32])
+{
+    uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    size_t done = 0;
+    for (; len - done >= 64; done += 64)
+        sha256_block(h, data + done);
+    unsigned char tail[128];
+    size_t rest = len - done;
+    memset(tail, 0, sizeof tail);
+    memcpy(tail, data + done, rest);
+    tail[rest] = 0x80;
+    size_t blocks = rest + 9 > 64 ? 2 : 1;
+    uint64_t bits = (uint64_t)len * 8;
+    for (int i = 0; i < 8; i++)
+        tail[blocks * 64 - 1 - i] = (unsigned char)(bits >> (8 * i));
+    for (size_t i = 0; i < blocks; i++)
+        sha256_block(h, tail + 64 * i);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(h[i] >> 24);
+        out[4 * i + 1] = (unsigned char)(h[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(h[i] >> 8);
+        out[4 * i + 3] = (unsigned char)h[i];
+    }
 }
 
 static int cmp_strings(const void *a, const void *b)
@@ -505,11 +567,15 @@ static int cache_dir(char *out, size_t size)
 }
 
 /* The plan file of this key, checked: a regular file of the caller's, writable by nobody else. */
-static unsigned char *load_plan(const char *dir, const struct buf *key, size_t *len_out)
+static unsigned char *load_plan(const char *dir, const unsigned char digest[32], size_t *len_out)
 {
     char path[PATH_MAX + 32];
-    snprintf(path, sizeof path, "%s/%016llx.plan", dir,
-             (unsigned long long)fnv1a64((const unsigned char *)key->data, key->len));
+    int at = snprintf(path, sizeof path, "%s/", dir);
+    if (at <= 0 || (size_t)at + 22 >= sizeof path)
+        return NULL;
+    for (int i = 0; i < 8; i++)
+        at += snprintf(path + at, sizeof path - (size_t)at, "%02x", digest[i]);
+    snprintf(path + at, sizeof path - (size_t)at, ".plan");
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return NULL;
@@ -578,14 +644,14 @@ static int same_time(const struct stat *st, int64_t mtime_ns)
 }
 
 /* Parse the plan and check every premise it records; 0: stale, foreign or malformed. */
-static int parse_plan(struct reader *r, const struct buf *key, struct replay *rp)
+static int parse_plan(struct reader *r, const unsigned char digest[32], struct replay *rp)
 {
     const char *magic = take(r, 8);
     if (!magic || memcmp(magic, MAGIC, 8) != 0)
         return miss("stale or malformed plan", "check at cli.c:575");
     uint32_t len;
     const char *stored = r_data(r, &len);
-    if (!stored || len != key->len || memcmp(stored, key->data, len) != 0)
+    if (!stored || len != 32 || memcmp(stored, digest, 32) != 0)
         return miss("stale or malformed plan", "check at cli.c:579");
 
     /* This program, and every file of the package that wrote the plan. */
@@ -1178,14 +1244,16 @@ int main(int argc, char **argv)
     char dir[PATH_MAX];
     if (!cache_dir(dir, sizeof dir))
         handover(0, "no private cache directory");
+    unsigned char digest[32];
+    sha256((const unsigned char *)key.data, key.len, digest);
     size_t plan_len = 0;
-    unsigned char *plan_data = load_plan(dir, &key, &plan_len);
+    unsigned char *plan_data = load_plan(dir, digest, &plan_len);
     if (!plan_data)
         handover(0, "no plan for these options here");
     struct reader r = {plan_data, plan_data + plan_len, 0};
     struct replay rp;
     memset(&rp, 0, sizeof rp);
-    if (!parse_plan(&r, &key, &rp))
+    if (!parse_plan(&r, digest, &rp))
         handover(0, "the plan's premises changed");
 
     /* The command: one that cli's check would refuse (found on the host outside the grants) is Python's

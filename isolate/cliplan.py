@@ -14,7 +14,8 @@ what it depends on into the cache, and execs the binary back to run it; a
 run the binary cannot replay is run by ``isolate.cli.main`` itself.
 
 A plan is keyed by the option arguments (``--report`` aside), the working
-directory, the caller's ids and the whole environment; it records, and the
+directory, the caller's ids and the whole environment (the plan holds its
+SHA-256, not the environment); it records, and the
 binary re-checks before every replay: the identity (device, inode, type) of
 each descriptor the plan uses, reopened by path at the same number; the
 inode of every path the policy names (or its absence); the contents of the
@@ -28,6 +29,7 @@ is never used.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import struct
@@ -76,12 +78,9 @@ def cache_dir(create: bool) -> str:
     return path
 
 
-def fnv1a64(data: bytes) -> int:
-    """The file name of a key (the key itself is stored in the plan and compared whole)."""
-    value = 0xCBF29CE484222325
-    for byte in data:
-        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return value
+def plan_name(key: bytes) -> str:
+    """The file name of a key's plan: the start of its SHA-256 (the plan holds the whole digest)."""
+    return hashlib.sha256(key).hexdigest()[:16] + ".plan"
 
 
 def key_material(option_args: Sequence[str], cwd: str) -> bytes:
@@ -232,7 +231,7 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         w = _Writer()
         w.parts.append(MAGIC)
         key = key_material(option_args, cwd)
-        w.data(key)
+        w.data(hashlib.sha256(key).digest())  # never the key: it holds the caller's whole environment
         # -- what the plan relies on -------------------------------------------
         info = os.stat(binary)
         w.u64(info.st_dev)
@@ -400,7 +399,7 @@ def _write_report_parts(w: _Writer, policy: Any, prepared: Any) -> None:
 def write_plan(key: bytes, data: bytes) -> str:
     """Store a plan (atomically, mode 0600) and keep the cache bounded; returns its path."""
     directory = cache_dir(create=True)
-    name = f"{fnv1a64(key):016x}.plan"
+    name = plan_name(key)
     temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:

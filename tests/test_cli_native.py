@@ -40,7 +40,7 @@ def plan_file(args: list[str], cwd: str) -> str:
     """The cache file of ``isolate-run ARGS`` run from cwd with this environment."""
     command_at = args.index("--") if "--" in args else len(args)
     key = cliplan.key_material(cliplan.split_options(args, args[command_at:]), cwd)
-    return os.path.join(cliplan.cache_dir(create=False), f"{cliplan.fnv1a64(key):016x}.plan")
+    return os.path.join(cliplan.cache_dir(create=False), cliplan.plan_name(key))
 
 
 def warm(args: list[str], cwd: str) -> None:

@@ -1323,6 +1323,17 @@ int main(int argc, char **argv)
     plan->argv = &argv[a.command];
     plan->status_fd = status_pipe[1];
 
+    /* The handlers before the spawn: a signal that comes as soon as the program runs is forwarded,
+     * not the death of this process. (iso_spawn blocks every signal around clone, and the sandbox's
+     * processes reset every disposition: no handler of this process ever runs in them.) */
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = on_signal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
+        if (sigaction(FORWARDED[i], &action, NULL) < 0)
+            handover(1, "signal handlers");
+
     struct iso_failure failure;
     int64_t started = now_ns();
     if (g_trace)
@@ -1343,13 +1354,6 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < rp.n_warnings; i++)
         fprintf(stderr, "%s\n", rp.warnings[i]);
 
-    struct sigaction action;
-    memset(&action, 0, sizeof action);
-    action.sa_handler = on_signal;
-    sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
-        if (sigaction(FORWARDED[i], &action, NULL) < 0)
-            fprintf(stderr, "isolate-run: warning: signal %d is not forwarded: %s\n", FORWARDED[i], strerror(errno));
 
     /* Wait for the init's report, forwarding signals; after SIGTERM/SIGHUP a grace period, then SIGKILL. */
     int64_t kill_at = 0;

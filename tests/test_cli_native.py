@@ -208,3 +208,32 @@ def test_an_unprivileged_caller_caches_in_its_own_runtime_directory(workdir: str
     directory = cliplan.cache_dir(create=False)
     info = os.lstat(directory)
     assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700
+
+
+def _started(args: list[str], cwd: str) -> subprocess.Popen[str]:
+    process = subprocess.Popen([ISOLATE_RUN, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout is not None
+    assert process.stdout.readline() == "ready\n"
+    return process
+
+
+def test_signals_reach_the_program_and_a_deaf_one_is_killed_after_the_grace(workdir: str) -> None:
+    import signal
+    import time
+
+    skip_unless_runnable(["--", "sh"])
+    polite = ["--", "sh", "-c", "trap 'echo got TERM; exit 7' TERM; echo ready; while :; do sleep 0.1; done"]
+    warm(["--", "true"], workdir)
+    process = _started(polite, workdir)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 7, err
+    assert out == "got TERM\n"
+    deaf = ["--", "sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done"]
+    process = _started(deaf, workdir)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGKILL
+    assert time.monotonic() - started >= 1.5  # the grace period (2 s) came first

@@ -150,6 +150,41 @@ class NotCovered(Exception):
     """The binary cannot replay this run: isolate.cli runs it."""
 
 
+#: The fields of the C structs the plan file carries (csrc/cli.c reads them back). A field added to
+#: csrc/isolate.h later is not carried: a plan that sets it is never written, so it is never replayed
+#: without it (isolate.cli runs such a run) until both sides carry it.
+CARRIED = {
+    "struct iso_plan": frozenset((
+        "clone_flags", "uid_map", "gid_map", "setgroups_deny", "cgroup_procs_fds", "staging", "mounts", "n_mounts",
+        "hostname", "idmap_userns_fd", "loopback_up", "new_session", "die_with_parent", "cwd", "rlimits",
+        "n_rlimits", "set_ids", "uid", "gid", "clear_groups", "drop_caps", "no_new_privs", "landlock_abi",
+        "landlock_handled_fs", "landlock_handled_net", "landlock_scoped", "landlock_rules", "n_landlock_rules",
+        "seccomp_filter", "seccomp_len", "seccomp_notify", "seccomp_errnos", "stdio", "keep_fds", "n_keep_fds",
+        "program_fd", "file", "search_path", "argv", "envp", "init_fd", "status_fd", "wall_ms", "supervise")),
+    "struct iso_mount": frozenset(("kind", "flags", "fd", "mode", "source", "target", "upper", "work")),
+    "struct iso_landlock_rule": frozenset(("path", "access", "fd")),
+}
+
+
+def _uncarried(ffi: Any, ctype: str, value: Any) -> str | None:
+    """The first field of ``value`` the plan file does not carry and this plan sets, or None."""
+    for name, _ in ffi.typeof(ctype).fields:
+        if name in CARRIED[ctype]:
+            continue
+        field = getattr(value, name)
+        if isinstance(field, int):
+            unset = field == 0
+        elif isinstance(field, ffi.CData) and ffi.typeof(field).kind == "array":
+            unset = not any(field[i] for i in range(len(field)))
+        elif isinstance(field, ffi.CData):
+            unset = field == ffi.NULL
+        else:
+            unset = not field
+        if not unset:
+            return f"{ctype}.{name}"
+    return None
+
+
 def _cstring(ffi: Any, value: Any) -> bytes | None:
     return None if value == ffi.NULL else bytes(ffi.string(value))
 
@@ -209,6 +244,12 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         plan = prepared.plan
         if plan.n_keep_fds or plan.program_fd >= 0 or plan.idmap_userns_fd >= 0:
             raise NotCovered("descriptors passed on")
+        uncarried = _uncarried(ffi, "struct iso_plan", plan) or next(
+            (u for i in range(plan.n_mounts) if (u := _uncarried(ffi, "struct iso_mount", plan.mounts[i]))), None
+        ) or next((u for i in range(plan.n_landlock_rules)
+                   if (u := _uncarried(ffi, "struct iso_landlock_rule", plan.landlock_rules[i]))), None)
+        if uncarried:
+            raise NotCovered(f"{uncarried} is not carried by the plan file")
         idmap = {index for index, _ in static.idmap_steps}
         fds: dict[int, None] = {}
         if plan.init_fd >= 0:

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -176,6 +176,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             except Exception as exc:
                 results["egress"] = {"error": _error(exc)}
+        if "cli" in args.sections:
+            from . import cli
+
+            _log(f"isolate-run binary against bwrap: {rounds} rounds")
+            try:
+                results["cli"] = cli.measure(rounds=rounds, workdir=workdir, log=_log)
+            except Exception as exc:
+                results["cli"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()

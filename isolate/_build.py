@@ -12,7 +12,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
+from distutils.command.build_scripts import build_scripts  # (setuptools provides distutils)
 
 from cffi import FFI
 from setuptools.command.build_ext import build_ext
@@ -27,6 +29,16 @@ CORE_SOURCES = ["spawn.c", "preexec.c", "process.c", "userns.c", "mounts.c", "ne
                 "rlimits.c", "caps.c", "landlock.c", "seccomp.c"]
 INIT_SOURCES = ["init.c", "landlock.c", "supervise.c", "execserver.c", "process.c"]
 INIT_NAME = "isolate-init"
+# The native isolate-run (csrc/cli.c): the core's objects and its main, linked here and installed into
+# the scripts directory (<prefix>/bin) as a data file by setup.py (the console script is gone).
+CLI_SOURCES = ["cli.c"]
+CLI_DIR = os.path.join("build", "isolate-run-bin")
+CLI_PATH = os.path.join(CLI_DIR, "isolate-run")
+
+
+def _c_string(text: str) -> str:
+    """A C string literal of any path (octal escapes: no quoting or trigraph surprises)."""
+    return '"' + "".join(f"\\{byte:03o}" for byte in os.fsencode(text)) + '"'
 
 
 def cdef_source() -> str:
@@ -74,9 +86,14 @@ class BuildExt(build_ext):  # type: ignore[misc]
         objects_dir = os.path.join(self.build_temp, "csrc")
         os.makedirs(objects_dir, exist_ok=True)
         objects = {}
-        for name in sorted(set(CORE_SOURCES) | set(INIT_SOURCES)):
+        # The interpreter the CLI binary hands over to: this build's (pip builds with the target's).
+        config = os.path.join(objects_dir, "cli_config.h")
+        with open(config, "w", encoding="ascii") as handle:
+            handle.write(f"#define ISO_CLI_PYTHON {_c_string(sys.executable)}\n")
+        for name in sorted(set(CORE_SOURCES) | set(INIT_SOURCES) | set(CLI_SOURCES)):
             obj = os.path.join(objects_dir, name[:-2] + ".o")
-            self._run(compiler + CFLAGS + ["-c", os.path.join(CSRC, name), "-o", obj])
+            extra = ["-include", config] if name in CLI_SOURCES else []
+            self._run(compiler + CFLAGS + extra + ["-c", os.path.join(CSRC, name), "-o", obj])
             objects[name] = obj
         package_dir = HERE if self.inplace else os.path.join(self.build_lib, "isolate")
         os.makedirs(package_dir, exist_ok=True)
@@ -89,6 +106,13 @@ class BuildExt(build_ext):  # type: ignore[misc]
                 "isolate cannot be built: linking the static init failed; the C library's static "
                 "archive is missing: apt-get install libc6-dev (dnf install glibc-static)"
             ) from None
+        cli_path = os.path.join(ROOT, CLI_PATH)
+        os.makedirs(os.path.dirname(cli_path), exist_ok=True)
+        cli_objects = [objects[n] for n in CLI_SOURCES + CORE_SOURCES]
+        try:
+            self._run([*compiler, "-static", "-o", cli_path, *cli_objects])
+        except SystemExit:
+            self._run([*compiler, "-o", cli_path, *cli_objects])  # a dynamic one still starts in about 1 ms
         for ext in self.extensions:
             ext.extra_objects = [objects[n] for n in CORE_SOURCES]
             ext.depends = list(ext.depends) + ext.extra_objects
@@ -99,6 +123,19 @@ class BuildExt(build_ext):  # type: ignore[misc]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise SystemExit(f"isolate: build step failed: {' '.join(command)}\n{result.stderr}")
+
+
+class BuildScripts(build_scripts):  # type: ignore[misc]
+    """Copy the scripts (the native isolate-run only) byte for byte: no shebang to adjust in a binary.
+
+    setuptools' own copy reads each script as Python text; the ELF file is not."""
+
+    def run(self) -> None:
+        self.mkpath(self.build_dir)
+        for script in self.scripts or []:
+            target = os.path.join(self.build_dir, os.path.basename(script))
+            self.copy_file(script, target, preserve_mode=True)
+            os.chmod(target, 0o755)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ ROOT = os.geteuid() == 0
 PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.path.realpath(sys.executable)
 PYTHON_PREFIX = os.path.dirname(os.path.dirname(PYTHON)) if PYTHON != "/usr/bin/python3" else "/usr"
 
+#: The installed isolate-run: the native binary pip put beside this interpreter (csrc/cli.c), never a
+#: Python stand-in; a missing one fails every CLI test.
+ISOLATE_RUN = os.path.join(os.path.dirname(sys.executable), "isolate-run")
+
 root_only = pytest.mark.skipif(not ROOT, reason="needs a root caller (checks how a root caller is confined)")
 
 

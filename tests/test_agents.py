@@ -11,7 +11,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, policy, python_read
+from conftest import ISOLATE_RUN, NAMESPACES_WHY, PYTHON, policy, python_read
 
 import isolate
 from isolate import Sandbox, Workspace, agents
@@ -425,8 +424,7 @@ def test_wrap_round_trips_every_field(workdir: str) -> None:
 
 
 def _isolate_run() -> list[str]:
-    beside = os.path.join(os.path.dirname(sys.executable), "isolate-run")
-    return [beside] if os.access(beside, os.X_OK) else [sys.executable, "-m", "isolate.cli"]
+    return [ISOLATE_RUN]
 
 
 PROBE = """

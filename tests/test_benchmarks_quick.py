@@ -80,6 +80,9 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
     assert "error" not in egress, egress
     assert egress["sandboxed"]["latency"]["mediated"]["median_ms"] > 0
     assert egress["sandboxed"]["throughput"]["mediated_mb_s"] > 0 and egress["mediator"]["throughput"]["ratio"]
+    cli = results["cli"]["variants"]
+    for key in ("binary warm", "binary cold", "python CLI"):
+        assert cli[key]["n"] == 3 and cli[key]["median_ms"] > 0, (key, cli[key])
 
     with open(os.path.join(out, "quick.md"), encoding="utf-8") as f:
         text = f.read()

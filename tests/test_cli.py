@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import PYTHON, ROOT, skip_unless_runnable
+from conftest import ISOLATE_RUN, PYTHON, ROOT, skip_unless_runnable
 
 from isolate import landlock
 
-CLI = [sys.executable, "-m", "isolate.cli"]
+CLI = [ISOLATE_RUN]
 
 
 def cli(*args: str, cwd: str, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ISOLATE_RUN
 
 from isolate.backends import docker as backend
 from isolate.backends.docker.sandbox import DockerSandbox as Sandbox
@@ -530,7 +531,7 @@ def test_default_network_none_runs_and_has_no_usable_socket(cleanup: None) -> No
     assert result.stdout.split() == ["lo", "nc=1"], result.stdout + result.stderr
     assert "socket: Operation not permitted" in result.stderr
     assert result.report.enforced["network"] == "netns-loopback+seccomp-sockets"
-    cli = subprocess.run([sys.executable, "-m", "isolate.cli", "--backend", "docker", "--image", IMAGE, "--", "true"],
+    cli = subprocess.run([ISOLATE_RUN, "--backend", "docker", "--image", IMAGE, "--", "true"],
                          capture_output=True, text=True, timeout=120, cwd="/tmp")
     assert cli.returncode == 0, cli.stderr
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import LANDLOCK_WHY, PYTHON, skip_unless_runnable
+from conftest import ISOLATE_RUN, LANDLOCK_WHY, PYTHON, skip_unless_runnable
 from test_limits import cgroup_usable
 
-CLI = [sys.executable, "-m", "isolate.cli"]
+CLI = [ISOLATE_RUN]
 
 
 def cli(*args: str, cwd: str, **kwargs: object) -> subprocess.CompletedProcess[str]:

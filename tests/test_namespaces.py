@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import PYTHON, not_granted_top, policy, processes_with, py
+from conftest import ISOLATE_RUN, PYTHON, not_granted_top, policy, processes_with, py
 
 import isolate
 
@@ -186,7 +186,7 @@ def test_nothing_left_behind_after_cli_sigterm_and_parent_sigkill(workdir: str) 
     before = mountinfo()
     marker = os.path.join(workdir, f"left-{time.monotonic_ns()}")
     # SIGTERM to isolate-run: the program (ignoring SIGTERM) and its daemon still go.
-    cli = subprocess.Popen([sys.executable, "-m", "isolate.cli", "--ro", os.path.dirname(PYTHON), "--",
+    cli = subprocess.Popen([ISOLATE_RUN, "--ro", os.path.dirname(PYTHON), "--",
                             *py(DAEMON.replace("time.sleep(0.3)", "time.sleep(60)")), marker], cwd=workdir)
     deadline = time.monotonic() + 10
     while not os.path.exists(marker) and time.monotonic() < deadline:

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 import pytest
+from conftest import ISOLATE_RUN
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
@@ -62,7 +63,7 @@ def test_quick_start_sandboxed_command_runs(workdir: str) -> None:
     assert marker in install
     args = shlex.split(install.split(marker, 1)[1])
     env = {**os.environ, "PATH": USER_PATH}
-    result = subprocess.run([sys.executable, "-m", "isolate.cli", *args], cwd=workdir, capture_output=True,
+    result = subprocess.run([ISOLATE_RUN, *args], cwd=workdir, capture_output=True,
                             text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, WORK_BASE, policy, python_read
+from conftest import ISOLATE_RUN, NAMESPACES_WHY, PYTHON, WORK_BASE, policy, python_read
 from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
@@ -317,7 +317,7 @@ def test_mount_in_isolate_run_and_cli(workdir: str) -> None:
                          policy=policy(write=(), binds=[Mount(str(shown), "/elsewhere", "rw")], cwd="/elsewhere"))
     assert result.stdout == "content\n" and result.returncode == 0, result.stderr
     assert (shown / "g").read_text() == "new\n"
-    cli = subprocess.run([sys.executable, "-m", "isolate.cli", "--ro-bind", f"{shown}:/ro", "--", "sh", "-c",
+    cli = subprocess.run([ISOLATE_RUN, "--ro-bind", f"{shown}:/ro", "--", "sh", "-c",
                           "cat /ro/f; touch /ro/x"], capture_output=True, text=True, cwd=workdir, timeout=60)
     assert cli.stdout == "content\n" and cli.returncode != 0
     with pytest.raises(isolate.PolicyError):
@@ -360,10 +360,10 @@ def test_named_sandbox_outlives_its_creator_and_is_pruned(source: str, workdir: 
         again = Sandbox.attach(name)
         assert again.exec("cat mark").stdout == "from-creator\n"
         again.detach()
-        listed = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "list"], capture_output=True,
+        listed = subprocess.run([ISOLATE_RUN, "sandbox", "list"], capture_output=True,
                                 text=True, timeout=60)
         assert name in listed.stdout and "running" in listed.stdout
-        out = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "exec", name, "--", "cat", "mark"],
+        out = subprocess.run([ISOLATE_RUN, "sandbox", "exec", name, "--", "cat", "mark"],
                              capture_output=True, text=True, timeout=60)
         assert out.stdout == "from-creator\n" and out.returncode == 0
         # Killed from outside (as a reboot or an OOM kill would): prune removes what is left.
@@ -374,12 +374,12 @@ def test_named_sandbox_outlives_its_creator_and_is_pruned(source: str, workdir: 
         box.detach()
         os.kill(init, 9)
         time.sleep(0.3)
-        pruned = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "prune"], capture_output=True,
+        pruned = subprocess.run([ISOLATE_RUN, "sandbox", "prune"], capture_output=True,
                                 text=True, timeout=60)
         assert f"removed {name}" in pruned.stdout, pruned
         assert not os.path.exists(os.path.join(runtime_dir(), f"{name}.json"))
     finally:
-        subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "rm", name], capture_output=True, timeout=60)
+        subprocess.run([ISOLATE_RUN, "sandbox", "rm", name], capture_output=True, timeout=60)
 
 
 def test_prune_leaves_a_starting_sandbox_and_removes_one_never_described() -> None:
@@ -394,7 +394,7 @@ def test_prune_leaves_a_starting_sandbox_and_removes_one_never_described() -> No
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(4)
-    prune = [sys.executable, "-m", "isolate.cli", "sandbox", "prune"]
+    prune = [ISOLATE_RUN, "sandbox", "prune"]
     try:
         pruned = subprocess.run(prune, capture_output=True, text=True, timeout=60)
         assert name not in pruned.stdout and os.path.exists(path), pruned
@@ -440,7 +440,7 @@ def test_cli_create_exec_diff_commit_rm(source: str) -> None:
     name = f"c{os.getpid()}-{time.monotonic_ns() % 100000}"
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", *args], capture_output=True,
+        return subprocess.run([ISOLATE_RUN, "sandbox", *args], capture_output=True,
                               text=True, timeout=60)
 
     created = cli("create", name, "--workspace", source, "--exclude", ".git", "--memory", "256M")

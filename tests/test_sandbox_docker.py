@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import ISOLATE_RUN
 
 import isolate
 from isolate import Mount, Sandbox, Workspace
@@ -224,7 +225,7 @@ def test_cli_lists_and_prunes_docker_sandboxes(project: str) -> None:
     box = Sandbox(docker_policy(), workspace=Workspace(project), name=name, backend="docker").start()
     box.detach()
     try:
-        listed = subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", "list"], capture_output=True,
+        listed = subprocess.run([ISOLATE_RUN, "sandbox", "list"], capture_output=True,
                                 text=True, timeout=60)
         assert any(line.split()[:2] == [name, "docker"] for line in listed.stdout.splitlines()), listed
     finally:

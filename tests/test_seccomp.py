@@ -15,13 +15,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PYTHON, policy, py
+from conftest import ISOLATE_RUN, PYTHON, policy, py
 
 from isolate import seccomp
 from isolate.popen import CompletedProcess
@@ -411,7 +410,7 @@ BAD_PROFILES: list[tuple[str, str, list[str]]] = [
 
 
 def cli(workdir: str, profile: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "isolate.cli", "--seccomp", profile, "--", "touch", "MARKER"],
+    return subprocess.run([ISOLATE_RUN, "--seccomp", profile, "--", "touch", "MARKER"],
                           cwd=workdir, capture_output=True, text=True, timeout=60)
 
 
@@ -480,7 +479,7 @@ def test_no_filter_is_ever_read_from_the_callers_files(workdir: str) -> None:
     # (workdir, not tmp_path: the run's cwd is written, and TMPDIR may not be idmappable.)
     cache = Path(workdir) / "cache"
     env = dict(os.environ, XDG_CACHE_HOME=str(cache))
-    result = subprocess.run([sys.executable, "-m", "isolate.cli", "--", "true"], cwd=workdir, env=env,
+    result = subprocess.run([ISOLATE_RUN, "--", "true"], cwd=workdir, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert not (cache / "isolate").exists()

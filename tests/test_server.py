@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import ISOLATE_RUN
 
 pytest.importorskip("starlette", reason="the server extra is not installed: pip install 'isolate[server]'")
 pytest.importorskip("uvicorn", reason="the server extra is not installed: pip install 'isolate[server]'")
@@ -42,7 +43,7 @@ class Server:
         self.domain = f"127.0.0.1:{self.port}"
         env = dict(os.environ, OPENSANDBOX_DISABLE_METRICS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "isolate.cli", "serve", "--listen", self.domain, "--api-key", KEY,
+            [ISOLATE_RUN, "serve", "--listen", self.domain, "--api-key", KEY,
              "--image", "ubuntu=default", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import PYTHON, policy, processes_with, py, skip_unless_runnable
+from conftest import ISOLATE_RUN, PYTHON, policy, processes_with, py, skip_unless_runnable
 
 import isolate
 
@@ -93,7 +93,7 @@ def test_sigkill_of_isolate_run_ends_the_whole_tree(workdir: str, namespaces: bo
     marker = os.path.join(workdir, f"sweep-cli-{time.monotonic_ns()}")
     flags = [] if namespaces else ["--no-namespaces"]
     skip_unless_runnable([*flags, "--"])
-    cli = subprocess.Popen([sys.executable, "-m", "isolate.cli", *flags, "--ro", os.path.dirname(PYTHON),
+    cli = subprocess.Popen([ISOLATE_RUN, *flags, "--ro", os.path.dirname(PYTHON),
                             "--rw", workdir, "--", *py(TREE), marker], cwd=workdir)
     assert kill_caller(cli, marker) == []
 

@@ -12,13 +12,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import policy, py
+from conftest import ISOLATE_RUN, policy, py
 
 import isolate
 from isolate import landlock
@@ -240,7 +239,7 @@ def test_unix_socket_option_reaches_exactly_that_socket(granted: tuple[str, Serv
         assert other.accepted == 0
         # The CLI's flag, and without --ro: the socket alone is bound in.
         cli = subprocess.run(
-            [sys.executable, "-m", "isolate.cli", "--backend", "native", "--unix-socket", server.path,
+            [ISOLATE_RUN, "--backend", "native", "--unix-socket", server.path,
              *(arg for path in policy().read for arg in ("--ro", path)), "--",
              *py(CONNECT), server.path],
             cwd=workdir, capture_output=True, text=True, timeout=60,
@@ -352,7 +351,7 @@ def test_none_fails_fast_and_says_so(workdir: str) -> None:
     if result.report.enforced["unix_sockets"] == "supervisor":
         assert {"mechanism": "network", "address": "1.1.1.1", "port": 53, "count": 2} in result.report.denied
         cli = subprocess.run(
-            [sys.executable, "-m", "isolate.cli", "--backend", "native",
+            [ISOLATE_RUN, "--backend", "native",
              *(arg for path in policy().read for arg in ("--ro", path)), "--", *py(code)],
             cwd=workdir, capture_output=True, text=True, timeout=60,
         )

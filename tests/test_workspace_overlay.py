@@ -11,13 +11,12 @@ import hashlib
 import os
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NAMESPACES_WHY, ROOT, policy
+from conftest import ISOLATE_RUN, NAMESPACES_WHY, ROOT, policy
 
 import isolate
 from isolate import Sandbox, Workspace
@@ -311,7 +310,7 @@ def test_cli_overlay_create_diff_commit(source: str) -> None:
     name = f"oc{os.getpid()}-{time.monotonic_ns() % 100000}"
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "isolate.cli", "sandbox", *args], capture_output=True,
+        return subprocess.run([ISOLATE_RUN, "sandbox", *args], capture_output=True,
                               text=True, timeout=60)
 
     created = cli("create", name, "--workspace", source, "--mode", "overlay")

@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT, skip_unless_runnable
+from conftest import ISOLATE_RUN, ROOT, skip_unless_runnable
 
 pytestmark = pytest.mark.skipif(not ROOT, reason="the routes are those of a root caller")
 
-CLI = [sys.executable, "-m", "isolate.cli"]
+CLI = [ISOLATE_RUN]
 
 
 @pytest.fixture

@@ -151,7 +151,9 @@ static int first_main(void *arg)
     }
     if (plan->loopback_up && (step = iso_loopback_up()))
         goto fail;
-    if (plan->egress_fd >= 0 && (step = iso_egress_listen(plan)))
+    /* n_egress_ports too: a plan zeroed by someone who never heard of egress
+     * (egress_fd 0) must not send anything down descriptor 0. */
+    if (plan->egress_fd >= 0 && plan->n_egress_ports > 0 && (step = iso_egress_listen(plan)))
         goto fail;
 
     int program = clone(program_main, ctx->program_stack_top, CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD, ctx);

@@ -166,6 +166,10 @@ CARRIED = {
 }
 
 
+#: Fields not carried whose "not used" value is not 0: the binary sets these itself (csrc/cli.c).
+UNSET = {"struct iso_plan": {"egress_fd": -1}}
+
+
 def _uncarried(ffi: Any, ctype: str, value: Any) -> str | None:
     """The first field of ``value`` the plan file does not carry and this plan sets, or None."""
     for name, _ in ffi.typeof(ctype).fields:
@@ -173,7 +177,7 @@ def _uncarried(ffi: Any, ctype: str, value: Any) -> str | None:
             continue
         field = getattr(value, name)
         if isinstance(field, int):
-            unset = field == 0
+            unset = field == UNSET.get(ctype, {}).get(name, 0)
         elif isinstance(field, ffi.CData) and ffi.typeof(field).kind == "array":
             unset = not any(field[i] for i in range(len(field)))
         elif isinstance(field, ffi.CData):

@@ -58,13 +58,16 @@ def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, 
 
 
 def runtime_dir_below(real: str, path: str, field_name: str) -> str | None:
-    """Where isolate's runtime directory (``registry.runtime_dir``) lies below a writable grant, or None.
+    """Where isolate's runtime directory (``registry.runtime_dir``) lies below a grant, or None.
 
     The host trusts what lies there: kept sandboxes' sockets and their
     descriptions (a sandbox's workspace source is where ``commit()``
-    writes). A program that could write there could make the host talk to a
-    listener of its own, or commit another sandbox's workspace over any
-    directory the caller may write. Typical case: a caller without
+    writes), and the CLI's cached plans. A program that could write there
+    could make the host talk to a listener of its own, or commit another
+    sandbox's workspace over any directory the caller may write; one that
+    could only read there could still read the plans (their options and
+    environments) and connect() to a kept sandbox's exec server, which a
+    read-only mount does not prevent. Typical case: a caller without
     ``XDG_RUNTIME_DIR`` (the directory is then ``/tmp/isolate-UID``) granting
     ``/tmp``. Returns the directory's path relative to ``real`` (the grant's
     real path) when the grant holds it, for the caller to hide it (a mount
@@ -77,7 +80,7 @@ def runtime_dir_below(real: str, path: str, field_name: str) -> str | None:
     if private == real or real.startswith(private + "/"):
         raise PolicyError(
             f"{field_name}: {path} lies in isolate's runtime directory {private} (kept sandboxes' sockets and "
-            "descriptions, which a program there could rewrite); grant only the directories the program needs",
+            "descriptions, the CLI's cached plans); grant only the directories the program needs",
             field_name,
         )
     if private.startswith(real.rstrip("/") + "/"):
@@ -86,14 +89,14 @@ def runtime_dir_below(real: str, path: str, field_name: str) -> str | None:
 
 
 def refuse_runtime_dir(real: str, path: str, field_name: str) -> None:
-    """Refuse a writable grant that holds, or lies in, isolate's runtime directory (where nothing can hide it)."""
+    """Refuse a grant that holds, or lies in, isolate's runtime directory (where nothing can hide it)."""
     if runtime_dir_below(real, path, field_name) is not None:
         from .registry import runtime_dir
 
         private = os.path.realpath(runtime_dir(create=False))
         raise PolicyError(
             f"{field_name}: {path} holds isolate's runtime directory {private} (kept sandboxes' sockets and "
-            "descriptions, which a program there could rewrite), and this sandbox has no mount namespace to hide "
+            "descriptions, the CLI's cached plans), and this sandbox has no mount namespace to hide "
             "it in; grant only the directories the program needs, none that holds it"
             + (", or set XDG_RUNTIME_DIR to a private directory outside it" if os.geteuid() != 0 else ""),
             field_name,

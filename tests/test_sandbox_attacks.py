@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, descriptors_past_fd_setsize, policy
+from conftest import NAMESPACES_WHY, PYTHON, descriptors_past_fd_setsize, policy, python_read
 from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
@@ -354,6 +354,42 @@ def test_a_grant_that_holds_the_runtime_directory_hides_it_or_is_refused(source:
         attached.detach()
         assert (target / "keep").read_text() == "precious\n"
     finally:
+        remove_native(name)
+
+
+def test_a_read_grant_that_holds_the_runtime_directory_hides_it_too(source: str) -> None:
+    # Read access is enough to harm: connect() to a kept sandbox's exec server needs no write access to
+    # the mount (only to the socket's inode, which is the caller's), and the CLI's cached plans hold
+    # other runs' options and environments. With the host's network (no connect supervisor), a program
+    # granted the runtime directory's parent read-only would drive another sandbox. Hidden like a
+    # writable grant; without a mount namespace, refused for a caller whose program runs as itself.
+    from conftest import LANDLOCK_WHY
+
+    from isolate.registry import runtime_dir
+    from isolate.sandbox_cli import remove_native
+
+    name = f"atk{os.getpid()}q"
+    parent = os.path.dirname(runtime_dir())
+    victim = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
+    try:
+        sock = os.path.join(runtime_dir(), f"{name}.sock")
+        probe = ("import os, socket\n"
+                 f"print(sorted(os.listdir({parent!r}))[:0], os.path.exists({runtime_dir()!r}) and "
+                 f"bool(os.listdir({runtime_dir()!r})))\n"
+                 "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+                 f"try:\n    s.connect({sock!r}); print('connected')\nexcept OSError as e: print('refused', e)\n")
+        done = isolate.run([PYTHON, "-c", probe], policy=policy(read=(*python_read(), parent), write=(),
+                                                               network="host", cwd="/"),
+                           capture_output=True, text=True)
+        assert "connected" not in done.stdout, done
+        assert "[] False" in done.stdout, done  # the directory inside is empty
+        assert done.report.enforced["runtime_dir_hidden"] == [runtime_dir()]
+        if not LANDLOCK_WHY and os.geteuid() != 0:
+            with pytest.raises(isolate.PolicyError, match="runtime directory"):
+                isolate.run(["true"], policy=policy(read=(*python_read(), parent), write=(), network="host",
+                                                    cwd="/", namespaces=False))
+    finally:
+        victim.detach()
         remove_native(name)
 
 

@@ -347,13 +347,13 @@ def build_spec(
                 continue  # the image provides the system directories
             target = _abs(path, base)
             grant = resolve_grant(target, kind)
-            if not read_only:
+            if not read_only or os.geteuid() != 0:  # a root caller's container user is another uid
                 refuse_runtime_dir(grant.real, target, kind)
             mounts.append(BindMount(grant.real, target, read_only, grant))
     # Mounts at other paths (isolate.Mount): the same resolver, bound at their target.
     for bind in policy.binds:
         grant = resolve_grant(_abs(bind.source, base), "binds")
-        if bind.mode != "ro":
+        if bind.mode != "ro" or os.geteuid() != 0:
             refuse_runtime_dir(grant.real, bind.source, "binds")
         mounts.append(BindMount(grant.real, bind.target, bind.mode == "ro", grant))
     # The program's home, as with the native backend: a private tmpfs, files shared read-only into it.

@@ -137,21 +137,26 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         return real
 
     use_ns = policy.namespaces
-    # isolate's runtime directory under a writable grant: hidden under an empty private tmpfs inside,
-    # or, with no mount namespace to do that in, refused (grants.runtime_dir_below says why).
+    # isolate's runtime directory under a grant: hidden under an empty private tmpfs inside, or, with no
+    # mount namespace to do that in, refused (grants.runtime_dir_below says why). A read grant too: a
+    # program could read the cached CLI plans there, and connect() to a kept sandbox's socket needs no
+    # write access to the mount. (A root caller's program is another uid: the directory's mode keeps it out.)
     hidden: list[str] = []
 
-    def hide_runtime_dir(real: str, target: str, path: str, field_name: str) -> None:
+    def hide_runtime_dir(real: str, target: str, path: str, field_name: str, readonly: bool = False) -> None:
         below = grants.runtime_dir_below(real, path, field_name)
         if below is None:
             return
         if not use_ns:
+            if readonly and os.geteuid() == 0:
+                return
             grants.refuse_runtime_dir(real, path, field_name)
         runtime_dir()  # it must exist now, to be covered, rather than appear later in a granted tree
         hidden.append(os.path.normpath(os.path.join(target, below)))
 
     for path in read:
-        open_source(path, "read")
+        real = open_source(path, "read")
+        hide_runtime_dir(real, real, path, "read", readonly=True)
     for path in write:
         real = open_source(path, "write")
         hide_runtime_dir(real, real, path, "write")
@@ -159,8 +164,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     binds = [(open_source(os.path.join(run_cwd, m.source), "binds"), m.target, m.mode == "ro")
              for m in policy.binds]
     for (source, target, readonly), m in zip(binds, policy.binds, strict=True):
-        if not readonly:
-            hide_runtime_dir(source, target, m.source, "binds")
+        hide_runtime_dir(source, target, m.source, "binds", readonly)
     rw_sources = [source for source, _, readonly in binds if not readonly]
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
     if tmpfs and not use_ns:

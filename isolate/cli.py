@@ -370,11 +370,16 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
             report_target.write(report)
         return _exit_status(result.returncode)
 
-    process = popen.Popen(command, policy=policy)
-    for warning in process.warnings:
-        print(f"isolate-run: warning: {warning}", file=sys.stderr)
+    # The handlers go in before the sandbox starts: a signal sent as soon as the program runs (or
+    # while it starts) is the program's, never isolate-run's own death with the sandbox left behind.
+    started: list[popen.Popen] = []
+    pending: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
+        if not started:
+            pending.append(signum)
+            return
+        process = started[0]
         try:
             process.send_signal(signum)
         except (ProcessLookupError, OSError):
@@ -390,6 +395,12 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         previous[signum] = signal.signal(signum, forward)
     try:
+        process = popen.Popen(command, policy=policy)
+        started.append(process)
+        for early in pending:
+            forward(early, None)
+        for warning in process.warnings:
+            print(f"isolate-run: warning: {warning}", file=sys.stderr)
         returncode = process.wait()
     finally:
         for signum, handler in previous.items():

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import NAMESPACES_WHY
 from test_egress_mediator import FakeResolver, _recv_all, _rules, plan
 
 import isolate
@@ -113,3 +114,15 @@ def test_the_cli_says_bad_egress_flags_in_one_line(flags: list[str]) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 125, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+# --- the allow-list's bound holds end to end ------------------------------------------------------
+
+@pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+def test_the_most_ports_the_policy_accepts_can_run() -> None:
+    """64 ports pass the policy's check; with DNS's and the proxy's that is 66 listeners, which the
+    first child used to refuse (EINVAL at step egress) beyond 64."""
+    egress = isolate.Egress([f"p{i}.test:{2000 + i}" for i in range(64)])
+    result = isolate.run(["true"], policy=isolate.Policy(network=egress), timeout=60)
+    assert result.returncode == 0
+    assert len(result.report.enforced["egress"]["mediator"]["ports"]) == 66

@@ -126,3 +126,60 @@ def test_the_most_ports_the_policy_accepts_can_run() -> None:
     result = isolate.run(["true"], policy=isolate.Policy(network=egress), timeout=60)
     assert result.returncode == 0
     assert len(result.report.enforced["egress"]["mediator"]["ports"]) == 66
+
+
+# --- the host process's descriptors -------------------------------------------------------------
+
+_FLOOD_HOST = r"""
+import json, os, resource, socket, sys, threading, time
+import isolate
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+server = socket.create_server(("127.0.0.1", 0), backlog=1024)
+port = server.getsockname()[1]
+held = []
+def accept():
+    while True:
+        try:
+            held.append(server.accept()[0])
+        except OSError:
+            return
+threading.Thread(target=accept, daemon=True).start()
+inside = (
+    "import socket, sys, time\n"
+    "socks = []\n"
+    "for _ in range(200):\n"
+    "    try:\n"
+    "        s = socket.create_connection(('127.77.0.1', 3128), timeout=5)\n"
+    f"        s.sendall(b'CONNECT one.test:{port} HTTP/1.1\\r\\n\\r\\n'); socks.append(s)\n"
+    "    except OSError: pass\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+policy = isolate.Policy(network=isolate.Egress([f"one.test:{port}"], add_hosts={"one.test": "127.0.0.1"}),
+                        read=json.loads(sys.argv[2]))
+process = isolate.Popen([sys.argv[1], "-c", inside], policy=policy, stdin=-1, stdout=-1)
+assert process.stdout.readline() == b"ready\n"
+time.sleep(0.5)
+# While the program holds every connection it could get, this process still has descriptors.
+files = [os.open("/dev/null", os.O_RDONLY) for _ in range(64)]
+for fd in files:
+    os.close(fd)
+second = isolate.run(["true"], policy=isolate.Policy(network="none"))
+process.stdin.close()
+process.wait(timeout=60)
+denied = process.report.egress["denied"]
+print(json.dumps({"second": second.returncode, "refused": sum(e["count"] for e in denied)}))
+"""
+
+
+@pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+def test_a_program_cannot_exhaust_the_host_process_descriptors() -> None:
+    import json
+
+    from conftest import PYTHON, python_read
+
+    result = subprocess.run([sys.executable, "-c", _FLOOD_HOST, PYTHON, json.dumps(list(python_read()))],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["second"] == 0 and out["refused"] > 0

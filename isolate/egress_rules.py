@@ -219,10 +219,12 @@ class EgressRules:
         return port in self.ports_of(name)
 
     def static_address(self, name: str) -> str | None:
-        for static, address in self.static_hosts:
-            if static == name:
-                return address
-        return None
+        addresses = self.static_addresses(name)
+        return addresses[0] if addresses else None
+
+    def static_addresses(self, name: str) -> tuple[str, ...]:
+        """Every address add_hosts gives ``name`` (as /etc/hosts lines: each is tried in turn)."""
+        return tuple(address for static, address in self.static_hosts if static == name)
 
     @property
     def ports(self) -> tuple[int, ...]:

@@ -183,3 +183,23 @@ def test_a_program_cannot_exhaust_the_host_process_descriptors() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["second"] == 0 and out["refused"] > 0
+
+
+def test_every_address_add_hosts_gives_a_name_is_tried() -> None:
+    """Two --add-host lines for one name: the first address refuses, the second answers. One of them
+    used to be dropped without a word."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.2", 0))          # bound, not listening: a connection to it is refused
+    port = dead.getsockname()[1]
+    server = socket.create_server(("127.0.0.3", port))
+    try:
+        egress = isolate.Egress([f"two.test:{port}"], add_hosts=("two.test:127.0.0.3", "two.test:127.0.0.2"))
+        rules = egress.rules()
+        with plan(rules) as p:
+            with socket.create_connection(p.proxy, timeout=10) as s:
+                s.sendall(f"CONNECT two.test:{port} HTTP/1.1\r\n\r\n".encode())
+                assert s.recv(100).startswith(b"HTTP/1.1 200")
+            assert p.mediator.resolver.resolve("two.test").addresses == ("127.0.0.2", "127.0.0.3")
+    finally:
+        server.close()
+        dead.close()

@@ -47,7 +47,10 @@ fail:;
     return ISO_STEP_LOOPBACK;
 }
 
-#define ISO_EGRESS_MAX_FDS 65 /* the DNS socket and at most 64 ports (egress_rules.MAX_PORTS) */
+/* The DNS server's UDP socket, a listener on each of at most 64 allow-list
+ * ports (egress_rules.MAX_PORTS), and the two the mediator always has: DNS
+ * over TCP (53) and the proxy (3128), unless the allow-list names them. */
+#define ISO_EGRESS_MAX_FDS (1 + 64 + 2)
 
 static int egress_socket(int type, uint32_t address, uint16_t port)
 {

@@ -74,7 +74,8 @@
 static int mode;          /* 'n' none, 'l' loopback, 'e' egress, 0 off */
 /* Egress: the block the mediator answers on, and its listening ports. */
 static uint32_t egress_net, egress_mask;
-static uint16_t egress_ports[MAX_ALLOWED + 2];
+/* At most 64 allow-list ports (egress_rules.MAX_PORTS), DNS's and the proxy's. */
+static uint16_t egress_ports[64 + 2];
 static int n_egress_ports;
 static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1, nr_sendto = -1;
 static struct {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 
 from .errors import PolicyError
@@ -45,6 +46,29 @@ MAX_PORTS = 64
 MAX_ENTRIES = 256
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
+#: An interface name after an IPv6 address's "%" (IFNAMSIZ - 1 at most, as the kernel's).
+_SCOPE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+
+
+def parse_port(text: str) -> int | None:
+    """A port written in ASCII digits, 1 to 65535; None otherwise.
+
+    ``str.isdigit`` is not enough: it accepts "\u00b2" (superscript two), which
+    ``int`` then refuses with a ValueError, and other scripts' digits.
+    """
+    if not text.isascii() or not text.isdigit() or len(text) > 5:
+        return None
+    port = int(text)
+    return port if 0 < port < 65536 else None
+
+
+def _numeric_host(name: str) -> bool:
+    """Whether the C resolver would read ``name`` as an IPv4 address ("127.1", "0x7f000001", "2130706433")."""
+    try:
+        socket.inet_aton(name)
+    except OSError:
+        return False
+    return True
 
 
 def normalize_name(text: str, what: str) -> str:
@@ -57,7 +81,8 @@ def normalize_name(text: str, what: str) -> str:
     try:
         ipaddress.ip_address(name)
     except ValueError:
-        return name
+        if not _numeric_host(name):
+            return name
     raise PolicyError(f"{what}: {text!r} is an address, not a name; name it with --add-host NAME:{name} "
                       "(add_hosts={NAME: ADDRESS}) and allow NAME", "network")
 
@@ -92,7 +117,7 @@ def parse_host_rule(text: str) -> HostRule:
     if "[" in host or ":" in host:
         raise PolicyError(f"network: {text!r} is an address, not a name; name it with --add-host NAME:IP and "
                           "allow NAME", "network")
-    if sep and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+    if sep and parse_port(port_text) is None:
         raise PolicyError(f"network: {text!r}: the port must be a number from 1 to 65535", "network")
     wildcard = host.startswith("*.")
     name = normalize_name(host[2:] if wildcard else host, "network")
@@ -113,36 +138,63 @@ def parse_static_host(text: str) -> tuple[str, str]:
 
 def parse_address(text: str, what: str) -> str:
     try:
-        return str(ipaddress.ip_address(text.strip()))
+        address = ipaddress.ip_address(text.strip())
     except ValueError:
         raise PolicyError(f"{what}: {text!r} is not an IP address", "network") from None
+    # ipaddress takes any text after "%" as the scope (control characters included): only an interface name.
+    scope = getattr(address, "scope_id", None)
+    if scope is not None and not _SCOPE.match(scope):
+        raise PolicyError(f"{what}: {text!r}: the part after % must be an interface name", "network")
+    return str(address)
 
 
 def parse_resolver(text: str) -> tuple[str, int]:
     """``IP`` or ``IP:PORT`` (``[IPv6]:PORT``): the DNS server the mediator asks."""
     text = text.strip()
     address, port = text, 53
+    port_text: str | None = None
     if text.startswith("["):
         address, _, rest = text[1:].partition("]")
         if rest:
-            if not rest.startswith(":") or not rest[1:].isdigit():
+            if not rest.startswith(":"):
                 raise PolicyError(f"network: resolver {text!r} is not IP[:PORT]", "network")
-            port = int(rest[1:])
+            port_text = rest[1:]
     elif text.count(":") == 1:
         address, _, port_text = text.partition(":")
-        if not port_text.isdigit():
-            raise PolicyError(f"network: resolver {text!r} is not IP[:PORT]", "network")
-        port = int(port_text)
-    if not 0 < port < 65536:
-        raise PolicyError(f"network: resolver {text!r}: the port must be a number from 1 to 65535", "network")
+    if port_text is not None:
+        parsed = parse_port(port_text)
+        if parsed is None:
+            raise PolicyError(f"network: resolver {text!r}: the port must be a number from 1 to 65535", "network")
+        port = parsed
     return parse_address(address, "network: resolver"), port
 
 
+#: IPv6 prefixes that carry an IPv4 address in their last 32 bits, which a host or its network
+#: turns into that IPv4 address: the well-known NAT64 prefix (RFC 6052; a DNS64/NAT64 network
+#: reaches 64:ff9b::a00:5 at 10.0.0.5) and IPv4-translated addresses (SIIT, RFC 2765).
+_EMBEDDING = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("::ffff:0:0:0/96"))
+#: Global unicast IPv6 (RFC 4291): everything outside it (IPv4-compatible ::/96, site-local
+#: fec0::/10, the local-use NAT64 prefix 64:ff9b:1::/48, unique local, link-local) is not public.
+_GLOBAL_UNICAST = ipaddress.IPv6Network("2000::/3")
+
+
 def is_public(address: str) -> bool:
-    """Whether DNS may hand this address out for an allowed name (the rebinding guard)."""
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    """Whether DNS may hand this address out for an allowed name (the rebinding guard).
+
+    An IPv6 address that stands for an IPv4 one (mapped, NAT64, SIIT, 6to4) is
+    judged by that IPv4 address: Python's ``is_global`` alone calls
+    64:ff9b::a00:5 global, and a NAT64 network translates it to 10.0.0.5.
+    """
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_public(str(ip.ipv4_mapped))
+        if any(ip in net for net in _EMBEDDING):
+            return is_public(str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)))
+        if ip.sixtofour is not None:
+            return is_public(str(ip.sixtofour))
+        if ip not in _GLOBAL_UNICAST:
+            return False
     return ip.is_global and not ip.is_multicast
 
 
@@ -167,10 +219,12 @@ class EgressRules:
         return port in self.ports_of(name)
 
     def static_address(self, name: str) -> str | None:
-        for static, address in self.static_hosts:
-            if static == name:
-                return address
-        return None
+        addresses = self.static_addresses(name)
+        return addresses[0] if addresses else None
+
+    def static_addresses(self, name: str) -> tuple[str, ...]:
+        """Every address add_hosts gives ``name`` (as /etc/hosts lines: each is tried in turn)."""
+        return tuple(address for static, address in self.static_hosts if static == name)
 
     @property
     def ports(self) -> tuple[int, ...]:

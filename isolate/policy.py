@@ -462,9 +462,8 @@ class Policy:
             if "egress" not in network or set(network) - known:
                 raise PolicyError("network: a table holds egress = [\"HOST[:PORT]\", ...] and optionally "
                                   "add_hosts, resolver, allow_private", "network")
-            static = network.get("add_hosts", ())
-            data["network"] = Egress(tuple(network["egress"]),
-                                     add_hosts=static if isinstance(static, Mapping) else tuple(static),
+            # As given: Egress checks the types (a bare string is one entry, never its characters).
+            data["network"] = Egress(network["egress"], add_hosts=network.get("add_hosts", ()),
                                      resolver=network.get("resolver"),
                                      allow_private=network.get("allow_private", False))
         policy: Policy = _from_mapping(cls, data, "")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -65,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, PolicyError) as exc:
         print(f"python -m isolate.egress: {exc}", file=sys.stderr)
         return 2
+    # A process of its own that waits with poll and epoll only: it may use its whole hard limit of
+    # descriptors (the mediator takes a share of the soft one).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            pass
     stop_r, stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     signal.set_wakeup_fd(stop_w)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -242,9 +242,9 @@ class Resolver:
         self._cache: dict[str, tuple[float, Resolution]] = {}
 
     def resolve(self, name: str) -> Resolution:
-        static = self.rules.static_address(name)
-        if static is not None:
-            return Resolution((static,))
+        static = self.rules.static_addresses(name)
+        if static:
+            return Resolution(static)
         now = time.monotonic()
         with self._lock:
             cached = self._cache.get(name)

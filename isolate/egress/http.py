@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from ..egress_rules import parse_port
+
 #: A request head larger than this is refused (431).
 MAX_HEAD = 64 * 1024
 #: A chunk-size or trailer line larger than this ends the request.
@@ -116,9 +118,10 @@ def split_authority(authority: str, default_port: int | None) -> tuple[str, int]
     elif ":" in authority:
         host, _, port_text = authority.rpartition(":")
     if port_text:
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        parsed = parse_port(port_text)
+        if parsed is None:
             raise HTTPError(400, f"bad port in {authority!r}")
-        port = int(port_text)
+        port = parsed
     elif default_port is None:
         raise HTTPError(400, f"{authority!r} names no port")
     else:
@@ -134,7 +137,10 @@ def absolute_target(request: Request) -> tuple[str, int, str]:
         if request.target.lower().startswith("https://"):
             raise HTTPError(501, "https:// through a plain request; use CONNECT (https_proxy)")
         raise HTTPError(400, "a proxy request needs an absolute http:// URI")
-    parts = urlsplit(request.target)
+    try:
+        parts = urlsplit(request.target)
+    except ValueError:   # "http://[" and "http://[not-an-address]/"
+        raise HTTPError(400, "a malformed URI") from None
     if parts.username is not None or parts.password is not None:
         raise HTTPError(400, "credentials in the proxy URI")
     host, port = split_authority(parts.netloc, 80)
@@ -157,7 +163,7 @@ def body_framing(request: Request) -> tuple[str, int]:
         return "chunked", 0
     if lengths:
         values = {value.strip() for value in lengths}
-        if len(values) != 1 or not next(iter(values)).isdigit():
+        if len(values) != 1 or not next(iter(values)).isascii() or not next(iter(values)).isdigit():
             raise HTTPError(400, "a bad or repeated Content-Length")
         return "length", int(next(iter(values)))
     return "none", 0

@@ -20,7 +20,9 @@ alone.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import resource
 import selectors
 import socket
 import struct
@@ -53,6 +55,13 @@ BODY_IDLE_TIMEOUT = 120.0
 #: Sockets open at once (a relayed connection counts its two ends); beyond, a new connection is
 #: reset (and counted as denied).
 MAX_CONNECTIONS = 1024
+#: Descriptors one connection may hold at worst: the client's socket, the upstream one, and the
+#: relay's two pipes (relay.py). Reserved when it is accepted, from the process's budget below.
+FDS_PER_CONNECTION = 6
+#: The share of the process's descriptor limit (RLIMIT_NOFILE, soft) that all of its mediators
+#: together may hold: the rest stays the host process's (its files, its other sandboxes), whatever
+#: a program inside does. Beyond it a new connection is reset, and counted as denied.
+FD_SHARE = 0.5
 #: DNS queries over UDP answered at once; beyond, a query is dropped (the client asks again).
 MAX_DNS_WORKERS = 64
 #: Distinct entries kept in each list of the summary; the others are counted.
@@ -60,6 +69,41 @@ MAX_SUMMARY_ENTRIES = 512
 _LAST_NAME_ADDRESS = int(BLOCK.broadcast_address)
 
 NOT_ALLOWED = "not allowed"
+
+
+class _DescriptorBudget:
+    """The descriptors this process's mediators hold, bounded by a share of RLIMIT_NOFILE.
+
+    One budget for the whole process: the mediators of a server's many sandboxes
+    share it, and a sandbox that opens connections without end runs into this
+    bound, not into EMFILE in the host process's own work.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @staticmethod
+    def limit() -> int:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY or soft <= 0:
+            soft = 1 << 20
+        return int(soft * FD_SHARE)
+
+    def take(self, n: int) -> bool:
+        limit = self.limit()
+        with self._lock:
+            if self._held + n > limit:
+                return False
+            self._held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._held = max(0, self._held - n)
+
+
+_budget = _DescriptorBudget()
 
 
 class _Denied(Exception):
@@ -349,18 +393,29 @@ class Mediator:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # The connection stays queued and the listener readable: pause rather than spin.
+                    with self._lock:
+                        self._errors += 1
+                    time.sleep(0.05)
                 return
             with self._lock:
                 full = len(self._sockets) >= MAX_CONNECTIONS or self._closed
-                if not full:
-                    self._sockets.add(conn)
             if full:
                 self._count_denied("address", "(any)", None, f"more than {MAX_CONNECTIONS} connections at once")
                 _reset(conn)
                 continue
+            if not _budget.take(FDS_PER_CONNECTION):
+                self._count_denied("address", "(any)", None, "the host process's share of descriptors is in "
+                                   "use (RLIMIT_NOFILE)")
+                _reset(conn)
+                continue
+            with self._lock:
+                self._sockets.add(conn)
             if not self._spawn(self._serve, conn):
                 self._forget(conn)
+                _budget.give(FDS_PER_CONNECTION)
                 _reset(conn)
 
     def _forget(self, sock: socket.socket) -> None:
@@ -388,6 +443,7 @@ class Mediator:
                 _reset(conn)
             else:
                 conn.close()
+            _budget.give(FDS_PER_CONNECTION)
 
     def _serve_dns_tcp(self, conn: socket.socket) -> None:
         while not self._closed:

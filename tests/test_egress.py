@@ -391,3 +391,22 @@ def _processes() -> list[list[str]]:
     for process in psutil.process_iter(["cmdline"]):
         out.append(list(process.info["cmdline"] or []))
     return out
+
+
+def test_a_named_sandbox_whose_mediator_cannot_start_is_refused(site: dict[str, Any]) -> None:
+    """Never a named sandbox whose egress silently does not work."""
+    name = f"egressfail{os.getpid()}"
+    script = (
+        "import sys, isolate\n"
+        "sys.executable = '/bin/false'  # the mediator process exits at once\n"
+        f"egress = isolate.Egress(('web.test:{site['port']}',), add_hosts={{'web.test': '{HERE}'}})\n"
+        "try:\n"
+        f"    isolate.Sandbox(isolate.Policy(network=egress, write=()), name={name!r}).start()\n"
+        "except isolate.IsolationError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "mediator process" in done.stdout, done.stdout
+    with pytest.raises(isolate.IsolationError):
+        isolate.Sandbox.attach(name)

@@ -7,7 +7,8 @@ Descriptors it inherits (numbers given on the command line):
 - ``--control-fd N`` (optional): a stream socket. A line ``summary`` is answered with the summary
   as one line of JSON; ``stop`` (or EOF) stops the mediator, which writes the final summary
   as one line of JSON before it exits;
-- ``--pidfd N`` (optional): a pidfd of the sandbox's process; the mediator stops when it exits.
+- ``--pidfd N`` (optional): a pidfd of the sandbox's process; the mediator stops when it exits;
+- ``--ready-fd N`` (optional): written ``ready`` and closed once the mediator serves.
 
 SIGTERM and SIGINT stop it too. The exit status is 0 after a stop, 2 on bad arguments.
 """
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen-fd", type=int, action="append", default=[])
     parser.add_argument("--control-fd", type=int)
     parser.add_argument("--pidfd", type=int)
+    parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--dns-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--proxy-port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -84,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.proxy_port is not None:
         extra["proxy_port"] = args.proxy_port
     mediator = Mediator(rules, udp, listeners, **extra).start()
+    if args.ready_fd is not None:
+        try:
+            os.write(args.ready_fd, b"ready\n")
+            os.close(args.ready_fd)
+        except OSError:
+            pass
     poller = select.poll()
     poller.register(stop_r, select.POLLIN)
     if control is not None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ... import egress_rules
+from ... import egress_rules, fdwait
 from ...errors import SetupError
 from ...registry import runtime_dir
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 #: short name must not turn into a host's internal one).
 RESOLV_CONF = f"nameserver {egress_rules.DNS_ADDRESS}\noptions timeout:2 attempts:2\n"
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+#: How long a named sandbox's mediator process may take to start serving.
+MEDIATOR_START_TIMEOUT = 30.0
 PROXY_URL = f"http://{egress_rules.PROXY_ADDRESS}:{egress_rules.PROXY_PORT}"
 
 
@@ -165,12 +167,13 @@ def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: in
     rules = egress.rules()
     sockets = receive_listeners(host_end, 1 + len(rules.ports))
     rules_r, rules_w = os.pipe2(os.O_CLOEXEC)
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     pidfd = -1
     try:
         pidfd = os.pidfd_open(init_pid)
-        fds = [rules_r, pidfd] + [sock.fileno() for sock in sockets]
+        fds = [rules_r, ready_w, pidfd] + [sock.fileno() for sock in sockets]
         argv = [sys.executable, "-I", "-m", "isolate.egress", "--rules-fd", str(rules_r), "--pidfd", str(pidfd),
-                "--dns-fd", str(sockets[0].fileno())]
+                "--ready-fd", str(ready_w), "--dns-fd", str(sockets[0].fileno())]
         for sock in sockets[1:]:
             argv += ["--listen-fd", str(sock.fileno())]
         process = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -178,9 +181,22 @@ def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: in
                                    env={"PATH": os.defpath})
         os.close(rules_r)
         rules_r = -1
+        os.close(ready_w)
+        ready_w = -1
         os.write(rules_w, rules_to_json(rules).encode())
-    finally:
         os.close(rules_w)
+        rules_w = -1
+        # Never a named sandbox whose egress silently does not work: the mediator says it serves.
+        served = ready_r in fdwait.ready([ready_r], timeout=MEDIATOR_START_TIMEOUT)
+        if not served or os.read(ready_r, 16) != b"ready\n":
+            process.kill()
+            status = process.wait()
+            raise SetupError(f"egress: the mediator process ({sys.executable} -I -m isolate.egress) did not start "
+                             f"(status {status}); run it by hand to see why")
+    finally:
+        for fd in (rules_w, ready_r, ready_w):
+            if fd >= 0:
+                os.close(fd)
         if rules_r >= 0:
             os.close(rules_r)
         if pidfd >= 0:

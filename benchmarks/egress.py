@@ -24,6 +24,7 @@ throughput. Results: ``benchmarks/results/egress.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -31,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from ._stats import median, ratio, summary_ms
@@ -138,47 +140,54 @@ def _client(targets: dict[str, Any], mode: str, rounds: int, size: int) -> dict[
     return data
 
 
-def measure(rounds: int = 300, download_rounds: int = 7, size_mb: int = 100,
-            log: Any = lambda text: print(text, file=sys.stderr)) -> dict[str, Any]:
-    from isolate.egress import Mediator
-    from isolate.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
-
-    size = size_mb * 1024 * 1024
+@contextlib.contextmanager
+def _server(size_mb: int) -> Iterator[int]:
+    """The download server (a process of its own) serving ``size_mb`` MB of random bytes; yields its port."""
     directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.NamedTemporaryFile(dir=directory, prefix="isolate-egress-bench-") as blob:
         chunk = os.urandom(1 << 20)
         for _ in range(size_mb):
             blob.write(chunk)
         blob.flush()
+        os.chmod(blob.name, 0o644)  # read by the server only, but a sandbox's uid may differ
         server = subprocess.Popen([sys.executable, "-I", "-S", "-c", SERVER, blob.name], stdout=subprocess.PIPE,
                                   text=True)
         try:
             assert server.stdout is not None
-            port = int(server.stdout.readline())
-            rules = EgressRules((HostRule("bench.test", (port,)),), (("bench.test", "127.0.0.1"),), None, False)
-            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            udp.bind((DNS_ADDRESS, 0))
-            dns_port = int(udp.getsockname()[1])
-            proxy = socket.create_server((PROXY_ADDRESS, 0), backlog=1024)
-            proxy_port = int(proxy.getsockname()[1])
-            name_listener = socket.create_server(("127.77.1.0", port), backlog=1024)
-            with Mediator(rules, udp, [proxy, name_listener], dns_port=dns_port, proxy_port=proxy_port) as mediator:
-                address = _dns_query(dns_port, "bench.test")
-                targets = {
-                    "direct": {"host": "127.0.0.1", "port": port},
-                    "transparent": {"host": address, "port": port},
-                    "proxy": {"host": PROXY_ADDRESS, "port": proxy_port, "connect": f"bench.test:{port}"},
-                }
-                _client(targets, "latency", 20, size)    # warm-up
-                latency = _client(targets, "latency", rounds, size)
-                before = resource.getrusage(resource.RUSAGE_SELF)
-                downloads = _client({k: targets[k] for k in ("direct", "transparent")}, "download",
-                                    download_rounds, size)
-                after = resource.getrusage(resource.RUSAGE_SELF)
-                served = mediator.summary()
+            yield int(server.stdout.readline())
         finally:
             server.kill()
             server.wait()
+
+
+def measure(rounds: int = 300, download_rounds: int = 7, size_mb: int = 100,
+            log: Any = lambda text: print(text, file=sys.stderr)) -> dict[str, Any]:
+    from isolate.egress import Mediator
+    from isolate.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
+
+    size = size_mb * 1024 * 1024
+    with _server(size_mb) as port:
+        rules = EgressRules((HostRule("bench.test", (port,)),), (("bench.test", "127.0.0.1"),), None, False)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind((DNS_ADDRESS, 0))
+        dns_port = int(udp.getsockname()[1])
+        proxy = socket.create_server((PROXY_ADDRESS, 0), backlog=1024)
+        proxy_port = int(proxy.getsockname()[1])
+        name_listener = socket.create_server(("127.77.1.0", port), backlog=1024)
+        with Mediator(rules, udp, [proxy, name_listener], dns_port=dns_port, proxy_port=proxy_port) as mediator:
+            address = _dns_query(dns_port, "bench.test")
+            targets = {
+                "direct": {"host": "127.0.0.1", "port": port},
+                "transparent": {"host": address, "port": port},
+                "proxy": {"host": PROXY_ADDRESS, "port": proxy_port, "connect": f"bench.test:{port}"},
+            }
+            _client(targets, "latency", 20, size)    # warm-up
+            latency = _client(targets, "latency", rounds, size)
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            downloads = _client({k: targets[k] for k in ("direct", "transparent")}, "download",
+                                download_rounds, size)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            served = mediator.summary()
     medians = {name: median(samples) for name, samples in latency.items()}
     mb_s = {name: [size / 1e6 / s for s in samples] for name, samples in downloads.items()}
     out: dict[str, Any] = {
@@ -231,60 +240,46 @@ def measure_sandboxed(rounds: int = 300, download_rounds: int = 7, size_mb: int 
 
     python, read = _python_in_sandbox()
     size = size_mb * 1024 * 1024
-    directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.NamedTemporaryFile(dir=directory, prefix="isolate-egress-bench-") as blob:
-        chunk = os.urandom(1 << 20)
-        for _ in range(size_mb):
-            blob.write(chunk)
-        blob.flush()
-        os.chmod(blob.name, 0o644)
-        server = subprocess.Popen([sys.executable, "-I", "-S", "-c", SERVER, blob.name], stdout=subprocess.PIPE,
-                                  text=True)
-        try:
-            assert server.stdout is not None
-            port = int(server.stdout.readline())
-            egress = isolate.Egress((f"bench.test:{port}",), add_hosts={"bench.test": "127.0.0.1"})
-            policies = {
-                "direct": (isolate.Policy(network="host", read=read, write=(), cwd="/tmp"),
-                           {"direct": {"host": "127.0.0.1", "port": port}}),
-                "mediated": (isolate.Policy(network=egress, read=read, write=(), cwd="/tmp"),
-                             {"mediated": {"host": "bench.test", "port": port, "resolve": True,
-                                           "name": "bench.test"}}),
-            }
+    with _server(size_mb) as port:
+        egress = isolate.Egress((f"bench.test:{port}",), add_hosts={"bench.test": "127.0.0.1"})
+        policies = {
+            "direct": (isolate.Policy(network="host", read=read, write=(), cwd="/tmp"),
+                       {"direct": {"host": "127.0.0.1", "port": port}}),
+            "mediated": (isolate.Policy(network=egress, read=read, write=(), cwd="/tmp"),
+                         {"mediated": {"host": "bench.test", "port": port, "resolve": True,
+                                       "name": "bench.test"}}),
+        }
 
-            def client(kind: str, mode: str, count: int) -> list[float]:
-                policy, targets = policies[kind]
-                done = isolate.run([python, "-I", "-S", "-c", CLIENT, json.dumps(targets), mode, str(count),
-                                    str(size), "5" if mode == "latency" else "0"],
-                                   policy=policy, capture_output=True, text=True, timeout=1800)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{kind}: {done.stderr.strip()[-500:]}")
-                samples: list[float] = json.loads(done.stdout)[kind]
-                return samples
+        def client(kind: str, mode: str, count: int) -> list[float]:
+            policy, targets = policies[kind]
+            done = isolate.run([python, "-I", "-S", "-c", CLIENT, json.dumps(targets), mode, str(count),
+                                str(size), "5" if mode == "latency" else "0"],
+                               policy=policy, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise RuntimeError(f"{kind}: {done.stderr.strip()[-500:]}")
+            samples: list[float] = json.loads(done.stdout)[kind]
+            return samples
 
-            latency: dict[str, list[float]] = {"direct": [], "mediated": []}
-            downloads: dict[str, list[float]] = {"direct": [], "mediated": []}
-            client("direct", "latency", 10)
-            client("mediated", "latency", 10)  # warm-up
-            share = max(1, rounds // alternations)
-            for i in range(alternations):
-                for kind in (("direct", "mediated") if i % 2 == 0 else ("mediated", "direct")):
-                    latency[kind] += client(kind, "latency", share)
-            for i in range(download_rounds):
-                for kind in (("direct", "mediated") if i % 2 == 0 else ("mediated", "direct")):
-                    downloads[kind] += client(kind, "download", 1)
-            lookups = client("mediated", "dns", rounds)
-            starts: dict[str, list[float]] = {"none": [], "egress": []}
-            start_policies = {"none": isolate.Policy(write=(), cwd="/tmp"),
-                              "egress": isolate.Policy(network=egress, write=(), cwd="/tmp")}
-            for i in range(max(20, rounds // 5)):
-                for kind in (("none", "egress") if i % 2 == 0 else ("egress", "none")):
-                    started = time.perf_counter()
-                    isolate.run(["true"], policy=start_policies[kind])
-                    starts[kind].append(time.perf_counter() - started)
-        finally:
-            server.kill()
-            server.wait()
+        latency: dict[str, list[float]] = {"direct": [], "mediated": []}
+        downloads: dict[str, list[float]] = {"direct": [], "mediated": []}
+        client("direct", "latency", 10)
+        client("mediated", "latency", 10)  # warm-up
+        share = max(1, rounds // alternations)
+        for i in range(alternations):
+            for kind in (("direct", "mediated") if i % 2 == 0 else ("mediated", "direct")):
+                latency[kind] += client(kind, "latency", share)
+        for i in range(download_rounds):
+            for kind in (("direct", "mediated") if i % 2 == 0 else ("mediated", "direct")):
+                downloads[kind] += client(kind, "download", 1)
+        lookups = client("mediated", "dns", rounds)
+        starts: dict[str, list[float]] = {"none": [], "egress": []}
+        start_policies = {"none": isolate.Policy(write=(), cwd="/tmp"),
+                          "egress": isolate.Policy(network=egress, write=(), cwd="/tmp")}
+        for i in range(max(20, rounds // 5)):
+            for kind in (("none", "egress") if i % 2 == 0 else ("egress", "none")):
+                started = time.perf_counter()
+                isolate.run(["true"], policy=start_policies[kind])
+                starts[kind].append(time.perf_counter() - started)
     medians = {name: median(samples) for name, samples in latency.items()}
     mb_s = {name: [size / 1e6 / s for s in samples] for name, samples in downloads.items()}
     out: dict[str, Any] = {

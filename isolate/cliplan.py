@@ -37,6 +37,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .grants import write_all
+
 #: Environment variables between the binary and this module; never part of a key, never passed on.
 ENV_BINARY = "ISOLATE_RUN_BINARY"  # the binary's path: this process may exec it back
 ENV_NO_CACHE = "ISOLATE_RUN_NO_CACHE"  # the binary could not replay: run here, write nothing
@@ -396,12 +398,7 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         _write_report_parts(w, policy, prepared)
         return key, w.getvalue()
     finally:
-        prepared.close_child_side()
-        if prepared.status_fd >= 0:
-            os.close(prepared.status_fd)
-            prepared.status_fd = -1
-        if prepared.cgroup is not None:
-            prepared.cgroup.remove()
+        prepared.discard()
 
 
 def _write_report_parts(w: _Writer, policy: Any, prepared: Any) -> None:
@@ -448,9 +445,7 @@ def write_plan(key: bytes, data: bytes) -> str:
     temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
     finally:
         os.close(fd)
     path = os.path.join(directory, name)

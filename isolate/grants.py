@@ -172,3 +172,10 @@ def read_input_file(path: str | os.PathLike[str]) -> bytes:
     finally:
         os.close(fd)
 
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (os.write may write less than it was given)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import IsolationError
+from .grants import write_all
 
 #: Values of ``status``.
 STATUSES = ("ok", "exited", "signaled", "timeout", "memory", "cpu", "file-size", "setup-error")
@@ -150,9 +151,7 @@ class ReportTarget:
             raise IsolationError(f"{self.label} {self.path}: cannot create a temporary file beside it")
         try:
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
             finally:
                 os.close(fd)
             os.rename(temporary, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

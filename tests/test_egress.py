@@ -117,19 +117,19 @@ def test_curl_reaches_an_allowed_name_through_the_proxy_and_directly(site: dict[
     assert result.report.enforced["network"] == "netns-egress"
 
 
+HTTP_GET = ("import socket, sys\n"
+            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)\n"
+            "s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\n')\n"
+            "data = b''\n"
+            "while chunk := s.recv(65536):\n"
+            "    data += chunk\n"
+            "print(data.split(b'\\r\\n\\r\\n', 1)[1].decode(), end='')\n")
+
+
 def test_a_raw_socket_client_reaches_an_allowed_name(site: dict[str, Any]) -> None:
     port = site["port"]
-    probe = (
-        "import socket\n"
-        f"s = socket.create_connection(('web.test', {port}), timeout=10)\n"
-        "s.sendall(b'GET /hello.txt HTTP/1.0\\r\\nHost: web.test\\r\\n\\r\\n')\n"
-        "data = b''\n"
-        "while chunk := s.recv(65536):\n"
-        "    data += chunk\n"
-        "print(data.split(b'\\r\\n\\r\\n', 1)[1].decode(), end='')\n"
-        "print(socket.gethostbyname('web.test'))\n"
-    )
-    result = _run([PYTHON, "-c", probe], _egress(port))
+    probe = HTTP_GET + "print(socket.gethostbyname(sys.argv[1]))\n"
+    result = _run([PYTHON, "-c", probe, "web.test", str(port)], _egress(port))
     assert result.returncode == 0, result.stderr
     body, address = result.stdout.rsplit("\n", 2)[:2]
     assert body == "hello from the host"
@@ -331,15 +331,6 @@ def test_preexec_fn_refuses_egress() -> None:
     policy = isolate.Policy(network=isolate.Egress(("web.test:80",)))
     with pytest.raises(isolate.UnsupportedError, match="preexec_fn has no mediator"):
         subprocess.run(["true"], preexec_fn=policy.preexec_fn)
-
-
-HTTP_GET = ("import socket, sys\n"
-            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)\n"
-            "s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\n')\n"
-            "data = b''\n"
-            "while chunk := s.recv(65536):\n"
-            "    data += chunk\n"
-            "print(data.split(b'\\r\\n\\r\\n', 1)[1].decode(), end='')\n")
 
 
 def test_a_kept_sandbox_reaches_allowed_names_in_every_command(site: dict[str, Any]) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -328,23 +330,29 @@ def test_mount_in_isolate_run_and_cli(workdir: str) -> None:
 
 
 def test_peer_credentials_refuse_the_program(source: str) -> None:
-    # Even shown the host's socket, a process inside the sandbox is refused.
+    # Even shown the host's socket, a process inside the sandbox is refused. The runtime directory
+    # itself cannot be granted (or bound) any more: the socket is shown through a hard link of it.
     run_dir = runtime_dir()
-    with Sandbox(sandbox_policy(), workspace=Workspace(source)) as sb:
-        assert sb._impl is not None
-        name = os.path.basename(sb._impl.paths.socket)
-    with Sandbox(sandbox_policy(read=python_read(), binds=[Mount(run_dir, "/run-isolate", "ro")]),
-                 workspace=Workspace(source)) as sb:
-        assert sb._impl is not None
-        name = os.path.basename(sb._impl.paths.socket)
-        probe = ("import socket, struct\n"
-                 f"s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect('/run-isolate/{name}')\n"
-                 "s.send(struct.pack('=IIiiqII', 0x15a7e5e1, 11, 0, 0, 0, 0, 0))\n"
-                 "print('answered' if s.recv(4096) else 'refused')\n")
-        result = sb.exec([PYTHON, "-c", probe])
-        assert "answered" not in result.stdout, result
-        # The host, of course, is still served.
-        assert sb.exec("echo ok").stdout == "ok\n"
+    with pytest.raises(isolate.PolicyError, match="runtime directory"):
+        Sandbox(sandbox_policy(binds=[Mount(run_dir, "/run-isolate", "ro")]), workspace=Workspace(source)).start()
+    shown = tempfile.mkdtemp(dir=os.path.dirname(run_dir))  # the same file system: a link can be made
+    try:
+        os.chmod(shown, 0o755)
+        with Sandbox(sandbox_policy(read=python_read(), binds=[Mount(shown, "/run-isolate", "ro")]),
+                     workspace=Workspace(source)) as sb:
+            assert sb._impl is not None
+            name = os.path.basename(sb._impl.paths.socket)
+            os.link(sb._impl.paths.socket, os.path.join(shown, name))
+            probe = ("import socket, struct\n"
+                     f"s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect('/run-isolate/{name}')\n"
+                     "s.send(struct.pack('=IIiiqII', 0x15a7e5e1, 11, 0, 0, 0, 0, 0))\n"
+                     "print('answered' if s.recv(4096) else 'refused')\n")
+            result = sb.exec([PYTHON, "-c", probe])
+            assert "answered" not in result.stdout, result
+            # The host, of course, is still served.
+            assert sb.exec("echo ok").stdout == "ok\n"
+    finally:
+        shutil.rmtree(shown, ignore_errors=True)
 
 
 def test_named_sandbox_outlives_its_creator_and_is_pruned(source: str, workdir: str) -> None:

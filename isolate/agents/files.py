@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 from ..errors import IsolationError, PolicyError
+from ..grants import write_all
 from ..sandbox import Sandbox
 from ..workspace import _DIR_FLAGS, _open_file
 
@@ -311,9 +312,7 @@ class HostFiles:
                 out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
                               dir_fd=parent)
                 try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(out, view):]
+                    write_all(out, data)
                     if info is not None:  # keep the file's permissions, never a set-id bit
                         os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o777)
                     os.close(out)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..._core import lib
+from ...grants import write_all
 from .protocol import Connection, Stat
 
 #: read_file's default cap.
@@ -114,9 +115,7 @@ def write_bytes(conn: Connection, path: str, data: bytes, append: bool = False, 
     _regular(fd, info, path)
     try:
         os.set_blocking(fd, True)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
     finally:
         os.close(fd)
 

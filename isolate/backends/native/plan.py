@@ -67,15 +67,19 @@ class Prepared:
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
 
-    def discard(self) -> None:
-        """Release what a plan that never ran holds (``--explain``): descriptors and its cgroup."""
-        self.close_child_side()
+    def close_host_side(self) -> None:
+        """Close the host's ends of a run that will not happen: the status pipe and the egress channel."""
         if self.status_fd >= 0:
             os.close(self.status_fd)
             self.status_fd = -1
         if self.egress_channel is not None:
             self.egress_channel.close()
             self.egress_channel = None
+
+    def discard(self) -> None:
+        """Release what a plan that never ran holds (``--explain``): descriptors and its cgroup."""
+        self.close_child_side()
+        self.close_host_side()
         if self.cgroup is not None:
             self.cgroup.remove()
 
@@ -378,12 +382,7 @@ def spawn(prepared: Prepared, args: Sequence[str]) -> int:
     finally:
         prepared.close_child_side()
     if pid < 0:
-        if prepared.status_fd >= 0:
-            os.close(prepared.status_fd)
-            prepared.status_fd = -1
-        if prepared.egress_channel is not None:
-            prepared.egress_channel.close()
-            prepared.egress_channel = None
+        prepared.close_host_side()
         raise failure_to_error(prepared, failure, args)
     if prepared.egress_channel is not None:
         assert prepared.egress is not None

@@ -31,7 +31,7 @@ INIT_SOURCES = ["init.c", "landlock.c", "supervise.c", "execserver.c", "process.
 INIT_NAME = "isolate-init"
 # The native isolate-run (csrc/cli.c): the core's objects and its main, linked here and installed into
 # the scripts directory (<prefix>/bin) as a data file by setup.py (the console script is gone).
-CLI_SOURCES = ["cli.c"]
+CLI_SOURCES = ["cli.c", "cli_util.c", "cli_plan.c", "cli_report.c"]
 CLI_DIR = os.path.join("build", "isolate-run-bin")
 CLI_PATH = os.path.join(CLI_DIR, "isolate-run")
 

@@ -163,3 +163,15 @@ def descriptors_past_fd_setsize() -> Iterator[None]:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def write_tiny_wheel(path: str | os.PathLike[str]) -> None:
+    """A valid pure-Python wheel ``tinypkg-1.0-py3-none-any.whl`` at ``path``: what a pip index serves in tests."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("tinypkg/__init__.py", "VALUE = 42\n")
+        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        z.writestr("tinypkg-1.0.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tinypkg-1.0.dist-info/RECORD", "")

@@ -17,12 +17,11 @@ import struct
 import subprocess
 import sys
 import threading
-import zipfile
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, python_read
+from conftest import NAMESPACES_WHY, PYTHON, python_read, write_tiny_wheel
 
 import isolate
 
@@ -44,12 +43,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     # A pip "simple" index with one pure-Python wheel.
     wheel = root / "packages" / "tinypkg-1.0-py3-none-any.whl"
     wheel.parent.mkdir()
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("tinypkg/__init__.py", "VALUE = 42\n")
-        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
-        z.writestr("tinypkg-1.0.dist-info/WHEEL",
-                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    write_tiny_wheel(wheel)
     index = root / "simple" / "tinypkg"
     index.mkdir(parents=True)
     (index / "index.html").write_text(

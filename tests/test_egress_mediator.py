@@ -837,17 +837,11 @@ def test_git_clones_over_http_through_the_proxy(tmp_path: Any) -> None:
 
 def test_pip_downloads_from_an_index_through_the_proxy(tmp_path: Any) -> None:
     """pip (requests) through http_proxy, against a local simple index holding one wheel."""
-    import zipfile
+    from conftest import write_tiny_wheel
 
     index = tmp_path / "index"
     (index / "simple" / "tinypkg").mkdir(parents=True)
-    wheel = index / "simple" / "tinypkg" / "tinypkg-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("tinypkg/__init__.py", "")
-        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
-        z.writestr("tinypkg-1.0.dist-info/WHEEL",
-                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    write_tiny_wheel(index / "simple" / "tinypkg" / "tinypkg-1.0-py3-none-any.whl")
     (index / "simple" / "tinypkg" / "index.html").write_text(
         '<html><body><a href="tinypkg-1.0-py3-none-any.whl">tinypkg-1.0-py3-none-any.whl</a></body></html>')
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import egress_rules, fdwait
 from ...errors import SetupError
+from ...grants import write_all
 from ...registry import runtime_dir
 
 if TYPE_CHECKING:
@@ -183,7 +184,10 @@ def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: in
         rules_r = -1
         os.close(ready_w)
         ready_w = -1
-        os.write(rules_w, rules_to_json(rules).encode())
+        try:
+            write_all(rules_w, rules_to_json(rules).encode())
+        except BrokenPipeError:
+            pass  # it is gone already: said below
         os.close(rules_w)
         rules_w = -1
         # Never a named sandbox whose egress silently does not work: the mediator says it serves.

@@ -57,17 +57,14 @@ static int egress_socket(int type, uint32_t address, uint16_t port)
     int sock = socket(AF_INET, type | SOCK_CLOEXEC, 0);
     if (sock < 0)
         return -1;
-    int one = 1;
     struct sockaddr_in sin;
     memset(&sin, 0, sizeof sin);
     sin.sin_family = AF_INET;
     sin.sin_addr.s_addr = htonl(address);
     sin.sin_port = htons(port);
-    /* SO_REUSEADDR lets the wildcard TCP listener on port 53 coexist with
-     * nothing else here; it matters for a kept sandbox's mediator that is
-     * handed the listeners again, never for a fresh namespace. */
-    if (setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
-        bind(sock, (struct sockaddr *)&sin, sizeof sin) < 0 ||
+    /* No SO_REUSEADDR: the namespace is fresh, nothing holds these ports,
+     * and without it nothing the program binds later can share them. */
+    if (bind(sock, (struct sockaddr *)&sin, sizeof sin) < 0 ||
         (type == SOCK_STREAM && listen(sock, SOMAXCONN) < 0)) {
         int saved = errno;
         close(sock);

@@ -92,7 +92,7 @@ def _generated(name: str, text: str) -> str:
     temporary = f"{path}.{os.getpid()}"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, data)
+        write_all(fd, data)
         os.fchmod(fd, 0o644)
     finally:
         os.close(fd)

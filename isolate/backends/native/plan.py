@@ -62,7 +62,7 @@ class Prepared:
     mediator: Any = None
     #: The mediator is a process of its own that outlives the caller (a named kept sandbox).
     egress_detached: bool = False
-    mediator_process: Any = None
+    mediator_process: Any = None  # held so that the Popen of a named sandbox's mediator is reaped, not leaked
 
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
@@ -288,7 +288,7 @@ def prepare(
         _close_after_spawn=close_after,
         overlay=overlay,
         overlay_steps=overlay_steps,
-        egress=policy.network if egress_channel is not None else None,  # type: ignore[arg-type]
+        egress=policy.network if isinstance(policy.network, Egress) and egress_channel is not None else None,
         egress_channel=egress_channel,
         egress_detached=egress_detached,
     )

@@ -7,10 +7,10 @@
  * stack and the read-only plan, until it execs.
  *
  *   parent ──clone(CLONE_VM | CLONE_NEW*)──> first child (PID 1 inside)
- *     writes the child's id maps, joins it to its cgroups, says "go";
+ *     writes the child's id maps, says "go";
  *   first child: session, mounts, pivot_root, hostname, loopback, then
  *     clone(CLONE_VM | CLONE_VFORK | CLONE_FILES) ──> program child:
- *       stdio, chdir, rlimits, ids, capabilities, no_new_privs, Landlock,
+ *       its cgroups, stdio, chdir, rlimits, ids, capabilities, no_new_privs, Landlock,
  *       descriptors, seccomp, exec;
  *     once the program child has exec'd, the first child gives up its
  *     credentials too and execs the init (a small static binary, opened by
@@ -74,6 +74,24 @@ static int program_main(void *arg)
     int index = -1;
     int step;
 
+    /* Join the run's cgroups first, from here and not from the parent.  The
+     * first child shares the caller's memory (CLONE_VM) until it execs the
+     * init, and the OOM killer kills every process that shares its victim's
+     * memory: with the first child in the run's memory cgroup, a program
+     * that reached its limit early (or a limit too small for the setup)
+     * could have the caller killed, a Python process or a server holding
+     * other sandboxes.  This child is a vfork child, which the OOM killer
+     * never picks, and from its exec on it has a memory of its own; the
+     * first child and the init stay outside the limits.  Writing "0" moves
+     * the writer; the kernel checks the descriptor's opener, the parent
+     * (Linux 5.16, and the stable kernels the fix went back to). */
+    for (int i = 0; i < 8 && plan->cgroup_procs_fds[i] >= 0; i++) {
+        if (write(plan->cgroup_procs_fds[i], "0", 1) != 1) {
+            index = i;
+            step = ISO_STEP_CGROUP;
+            goto fail;
+        }
+    }
     if ((step = iso_stdio_apply(plan)))
         goto fail;
     if (plan->cwd && chdir(plan->cwd) < 0) {
@@ -288,15 +306,8 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
         failure->step = ISO_STEP_USERNS_MAP;
         failure->err = errno;
     }
-    for (int i = 0; failure->step == ISO_STEP_NONE && i < 8 && plan->cgroup_procs_fds[i] >= 0; i++) {
-        char text[16];
-        int len = snprintf(text, sizeof text, "%d", pid);
-        if (write(plan->cgroup_procs_fds[i], text, (size_t)len) != len) {
-            failure->step = ISO_STEP_CGROUP;
-            failure->err = errno;
-            failure->index = i;
-        }
-    }
+    /* The first child is not put in the run's cgroups: the program child
+     * joins them itself (program_main says why). */
     if (failure->step == ISO_STEP_NONE) {
         ssize_t w;
         do {

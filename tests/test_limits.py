@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import PYTHON, ROOT, policy, py
+from conftest import PYTHON, ROOT, policy, py, python_read
 
 import isolate
 from isolate import Limits
@@ -179,3 +181,22 @@ def test_no_cgroup_left_behind() -> None:
 
 
 _ = ROOT
+
+
+@needs_cgroup
+def test_a_memory_limit_the_setup_cannot_meet_never_kills_the_caller(workdir: str) -> None:
+    # The OOM killer kills every process that shares its victim's memory. The sandbox's first child
+    # shares the caller's (it is cloned with CLONE_VM, for speed) until it execs the init: were it in
+    # the run's memory cgroup, a limit reached before that exec took the caller down with it, a Python
+    # process or a server holding other sandboxes. Only the program child (a vfork child, which the OOM
+    # killer never picks, then a process with its own memory) joins the run's cgroups. In a child
+    # process, so that the old behaviour fails the test instead of killing pytest.
+    code = (
+        "import isolate\n"
+        f"pol = isolate.Policy(read={python_read()!r}, limits=isolate.Limits(memory='64K'), backend='native')\n"
+        "r = isolate.run(['true'], policy=pol)\n"
+        "print('caller alive', r.returncode, r.report.status)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["caller", "alive", str(-signal.SIGKILL), "memory"], done.stdout

@@ -108,6 +108,13 @@ class Egress:
         return out
 
 
+#: The floors of the limits (see Limits.__post_init__).
+MIN_MEMORY = 1024 * 1024
+MIN_TMPFS_SIZE = 4096
+MIN_LIMIT_SECONDS = 0.01
+MIN_OPEN_FILES = 16
+
+
 @dataclass(frozen=True)
 class Limits:
     """Resource limits. Sizes take K/M/G/T suffixes, times are seconds.
@@ -128,15 +135,20 @@ class Limits:
     tmpfs_size: int | str | None = None
 
     def __post_init__(self) -> None:
+        # Each limit has a floor below which nothing could run, so that bad input is refused before
+        # anything starts instead of killing the program at once and looking like its own failure.
         parsers: dict[str, Callable[[object, str], object]] = {
-            "memory": parse_size,
+            "memory": lambda v, f: parse_size(v, f, MIN_MEMORY, ": the dynamic loader and the C library alone "
+                                              "take more, and so does the sandbox's setup"),
             "file_size": parse_size,
-            "tmpfs_size": parse_size,
-            "cpu_seconds": parse_seconds,
-            "wall_seconds": parse_seconds,
+            "tmpfs_size": lambda v, f: parse_size(v, f, MIN_TMPFS_SIZE, ": one page"),
+            "cpu_seconds": lambda v, f: parse_seconds(v, f, MIN_LIMIT_SECONDS, ": the watchdog's poll"),
+            "wall_seconds": lambda v, f: parse_seconds(v, f, MIN_LIMIT_SECONDS, ": less is gone before the "
+                                                       "program has started"),
             "cpus": parse_seconds,
             "pids": parse_count,
-            "open_files": parse_count,
+            "open_files": lambda v, f: parse_count(v, f, MIN_OPEN_FILES, ": the standard streams and the "
+                                                   "sandbox's own descriptors while it starts"),
         }
         for name, parse in parsers.items():
             value = getattr(self, name)

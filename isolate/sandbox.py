@@ -35,6 +35,7 @@ from .overlay import overlay_commit, overlay_diff
 from .policy import Mount, Policy
 from .registry import _check_name
 from .shell import Shell
+from .units import MIN_SECONDS
 from .workspace import Changes, Workspace, apply, check_target, diff, entries_of, walk
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
@@ -51,6 +52,9 @@ def _seconds(value: float | None, name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
         raise PolicyError(f"{name}: expected a positive number of seconds, got {value!r}", name)
+    if value < MIN_SECONDS:
+        raise PolicyError(f"{name}: {value!r} is too short (at least {MIN_SECONDS:g} seconds, the millisecond the "
+                          "clocks count in)", name)
     return None if math.isinf(value) else float(value)
 
 

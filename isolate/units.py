@@ -16,13 +16,17 @@ _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 MAX_SIZE = 2**62
 MAX_SECONDS = 100 * 365 * 24 * 3600.0
 MAX_COUNT = 2**31 - 1
+#: Lower bounds: a duration shorter than the millisecond every clock isolate arms counts in is not
+#: one it can keep (the limits set their own, larger, floors).
+MIN_SECONDS = 0.001
 
 
-def parse_size(value: object, field: str) -> int:
+def parse_size(value: object, field: str, minimum: int = 1, why: str = "") -> int:
     """Bytes from ``value``: an int, or a string such as ``"64M"``, ``"1.5G"``, ``"512KiB"``.
 
     Suffixes are powers of 1024 and case-insensitive; a trailing ``B`` or
-    ``iB`` is allowed. Raises ``PolicyError`` naming ``field``.
+    ``iB`` is allowed. At least ``minimum`` bytes (``why`` says why, in the
+    message). Raises ``PolicyError`` naming ``field``.
     """
     if isinstance(value, bool):
         raise PolicyError(f"{field}: expected a size such as 64M, got {value!r}", field)
@@ -50,11 +54,13 @@ def parse_size(value: object, field: str) -> int:
         raise PolicyError(f"{field}: a size must be more than zero bytes ({value!r})", field)
     if size > MAX_SIZE:
         raise PolicyError(f"{field}: {value!r} is too large (at most {format_size(MAX_SIZE)})", field)
+    if size < minimum:
+        raise PolicyError(f"{field}: {value!r} is too small (at least {format_size(minimum)}{why})", field)
     return size
 
 
-def parse_seconds(value: object, field: str) -> float:
-    """Seconds from an int, a float or a numeric string; must be positive and finite."""
+def parse_seconds(value: object, field: str, minimum: float = MIN_SECONDS, why: str = "") -> float:
+    """Seconds from an int, a float or a numeric string; finite, at least ``minimum`` (``why`` says why)."""
     if isinstance(value, bool):
         raise PolicyError(f"{field}: expected seconds, got {value!r}", field)
     if isinstance(value, (int, float)):
@@ -70,6 +76,9 @@ def parse_seconds(value: object, field: str) -> float:
         raise PolicyError(f"{field}: seconds must be a positive number, got {value!r}", field)
     if seconds > MAX_SECONDS:
         raise PolicyError(f"{field}: {value!r} is too long (at most {MAX_SECONDS:.0f} seconds, 100 years)", field)
+    if seconds < minimum:
+        why = why or ", the millisecond the clocks count in"
+        raise PolicyError(f"{field}: {value!r} is too short (at least {minimum:g} seconds{why})", field)
     return seconds
 
 
@@ -78,8 +87,8 @@ def milliseconds_up(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000)) if seconds > 0 else 0
 
 
-def parse_count(value: object, field: str) -> int:
-    """A positive whole number from an int or a numeric string."""
+def parse_count(value: object, field: str, minimum: int = 1, why: str = "") -> int:
+    """A whole number from an int or a numeric string, at least ``minimum`` (``why`` says why)."""
     if isinstance(value, bool):
         raise PolicyError(f"{field}: expected a whole number, got {value!r}", field)
     if isinstance(value, int):
@@ -92,6 +101,8 @@ def parse_count(value: object, field: str) -> int:
         raise PolicyError(f"{field}: must be a positive whole number, got {value!r}", field)
     if count > MAX_COUNT:
         raise PolicyError(f"{field}: {value!r} is too large (at most {MAX_COUNT})", field)
+    if count < minimum:
+        raise PolicyError(f"{field}: {value!r} is too small (at least {minimum}{why})", field)
     return count
 
 

@@ -215,7 +215,7 @@ def test_find_hierarchies_on_this_host() -> None:
 
 def test_required_features_and_usage() -> None:
     assert required_features(Limits()) == set()
-    assert required_features(Limits(memory="1G", pids=3, cpus=1.5, cpu_seconds=2, open_files=5)) == {
+    assert required_features(Limits(memory="1G", pids=3, cpus=1.5, cpu_seconds=2, open_files=16)) == {
         "memory",
         "pids",
         "cpu",

@@ -48,6 +48,18 @@ def one_line(stderr: str) -> str:
         (["--net", "host", "--allow-host", "example.org"], "--allow-host"),
         (["--chdir", "relative"], "cwd"),
         (["--bogus"], "unrecognized"),
+        # Below a floor: refused, never run and killed at once (--memory 0.5 ran and died with 137).
+        (["--memory", "0.5"], "limits.memory"),
+        (["--memory", "64K"], "at least 1M"),
+        (["--nofile", "3"], "at least 16"),
+        (["--wall", "0"], "wall"),
+        (["--wall", "0.001"], "at least 0.01"),
+        (["--cpu", "1e-9"], "limits.cpu_seconds"),
+        (["--cpus", "0.001"], "limits.cpus"),
+        (["--pids", "0"], "limits.pids"),
+        (["--wall", "nan"], "wall"),
+        (["--cpu", "inf"], "cpu"),
+        (["--memory", "1e400"], "limits.memory"),
     ],
 )
 def test_bad_input_exits_125_with_one_line_and_runs_nothing(workdir: str, flags: list[str], needle: str) -> None:

@@ -84,11 +84,14 @@ def test_wall_clock_ends_the_run(workdir: str) -> None:
 
 
 @pytest.mark.parametrize("wall", [0.0004, 1e-9])
-def test_a_wall_clock_under_a_millisecond_is_still_a_limit(workdir: str, wall: float) -> None:
-    # It was truncated to 0 ms, which the init reads as "no limit", while the
-    # report said the limit was enforced: it must end the run at once instead.
+def test_a_wall_clock_under_the_floor_is_refused_and_the_floor_is_a_limit(workdir: str, wall: float) -> None:
+    # A sub-millisecond wall clock was truncated to 0 ms, which the init reads as "no limit", while the
+    # report said it was enforced; it is now refused as input (below 0.01 s nothing can start), and
+    # the floor itself ends the run at once.
+    with pytest.raises(isolate.PolicyError, match="wall_seconds"):
+        Limits(wall_seconds=wall)
     started = time.monotonic()
-    result = isolate.run(["sleep", "5"], policy=policy(write=[workdir], limits=Limits(wall_seconds=wall)), cwd=workdir)
+    result = isolate.run(["sleep", "5"], policy=policy(write=[workdir], limits=Limits(wall_seconds=0.01)), cwd=workdir)
     assert time.monotonic() - started < 4
     assert result.report.status == "timeout"
     assert result.report.enforced["wall_seconds"] == "init"
@@ -193,7 +196,10 @@ def test_a_memory_limit_the_setup_cannot_meet_never_kills_the_caller(workdir: st
     # process, so that the old behaviour fails the test instead of killing pytest.
     code = (
         "import isolate\n"
-        f"pol = isolate.Policy(read={python_read()!r}, limits=isolate.Limits(memory='64K'), backend='native')\n"
+        # Below the floor a Limits refuses (1 MiB): as a limit the setup cannot meet, whatever the cause.
+        "limits = isolate.Limits(memory='1M')\n"
+        "object.__setattr__(limits, 'memory', 64 * 1024)\n"
+        f"pol = isolate.Policy(read={python_read()!r}, limits=limits, backend='native')\n"
         "r = isolate.run(['true'], policy=pol)\n"
         "print('caller alive', r.returncode, r.report.status)\n"
     )

@@ -137,6 +137,24 @@ def test_limits_that_would_wrap_or_truncate_to_off_are_refused(limits: dict[str,
     assert info.value.field == field
 
 
+@pytest.mark.parametrize(
+    ("limits", "field"),
+    [({"memory": "0.5"}, "limits.memory"), ({"memory": "1023K"}, "limits.memory"),
+     ({"tmpfs_size": 1}, "limits.tmpfs_size"), ({"open_files": 15}, "limits.open_files"),
+     ({"wall_seconds": 0.009}, "limits.wall_seconds"), ({"cpu_seconds": "1e-6"}, "limits.cpu_seconds"),
+     ({"pids": 0}, "limits.pids"), ({"file_size": 0}, "limits.file_size"), ({"wall_seconds": 0}, "limits.wall_seconds"),
+     ({"memory": -1}, "limits.memory"), ({"cpu_seconds": float("nan")}, "limits.cpu_seconds")],
+)
+def test_limits_below_their_floor_are_refused(limits: dict[str, object], field: str) -> None:
+    # Below these nothing can run: such a limit would start the program only to kill it at once,
+    # which reads like the program's own failure. The floors are the least that runs `true`.
+    with pytest.raises(PolicyError) as info:
+        Limits(**limits)  # type: ignore[arg-type]
+    assert info.value.field == field
+    floors = Limits(memory="1M", tmpfs_size="4K", open_files=16, wall_seconds=0.01, cpu_seconds=0.01, pids=1)
+    assert floors.memory == 1 << 20 and floors.open_files == 16
+
+
 def test_fractions_round_up_never_to_nothing() -> None:
     from isolate.units import milliseconds_up
 

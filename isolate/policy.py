@@ -25,8 +25,9 @@ from .units import format_size, parse_count, parse_seconds, parse_size
 DEFAULT_READ: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc")
 #: Writable by default: the working directory of the run.
 DEFAULT_WRITE: tuple[str, ...] = (".",)
-#: A fresh private tmpfs by default.
-DEFAULT_TMPFS: tuple[str, ...] = ("/tmp",)
+#: Fresh private tmpfs mounts by default: /tmp, and /var/tmp (programs and test suites expect /var and a
+#: writable /var/tmp; nothing else of the host's /var is shown unless granted).
+DEFAULT_TMPFS: tuple[str, ...] = ("/tmp", "/var/tmp")
 #: Sizes of the private tmpfs mounts when neither limits.tmpfs_size nor limits.memory is set.
 DEFAULT_TMPFS_SIZE = 1 << 30
 DEFAULT_SHM_SIZE = 64 << 20

@@ -35,7 +35,7 @@ def python_read() -> tuple[str, ...]:
 
 
 #: Top-level host directories a test may expect to be absent from the sandbox's root.
-HOST_TOP = ("root", "home", "boot", "var", "sys", "srv", "opt", "mnt", "media", "run", "data")
+HOST_TOP = ("root", "home", "boot", "sys", "srv", "opt", "mnt", "media", "run", "data")
 
 
 def not_granted_top(*granted: str, home: bool = True) -> set[str]:

@@ -355,7 +355,7 @@ def _samples(workdir: str) -> dict[str, Any]:
     return {
         "read": ("/usr", "/etc", "/var"),
         "write": (workdir,),
-        "tmpfs": ("/tmp", "/var/tmp"),
+        "tmpfs": ("/tmp", "/var/tmp", "/scratch"),
         "network": "loopback",
         "limits": isolate.Limits(memory="256M", cpu_seconds=30, wall_seconds=12.5, pids=64, open_files=128,
                                  file_size="8M", cpus=1.5, tmpfs_size="32M"),

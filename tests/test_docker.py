@@ -120,7 +120,7 @@ def test_default_policy_mapping(tmp_path: Path) -> None:
                               environ={"PATH": "/bin", "SECRET": "x"})
     assert spec.mounts == (backend.BindMount(str(tmp_path.resolve()), str(tmp_path), False),)  # cwd rw, no /usr...
     assert spec.working_dir == str(tmp_path)
-    assert spec.tmpfs == ("/tmp", "/home/sandbox")  # the private home, as with the native backend
+    assert spec.tmpfs == ("/tmp", "/var/tmp", "/home/sandbox")  # the private home, as with the native backend
     assert spec.network_mode == "none"
     assert "no-new-privileges:true" in spec.security_opt
     assert "seccomp=unconfined" in spec.security_opt

@@ -246,3 +246,28 @@ def test_private_tmpfs_is_bounded_by_default_and_settable(workdir: str, path: st
     result = isolate.run(fill, policy=small, cwd=workdir, capture_output=True, text=True)
     assert result.stdout.strip() == "ENOSPC", result.stderr
 
+
+
+def test_var_holds_a_private_writable_var_tmp_and_nothing_of_the_hosts(workdir: str) -> None:
+    # Programs and test suites `cd /var` and write /var/tmp (the OpenSandbox e2e tests do): /var exists,
+    # with a private tmpfs at /var/tmp as at /tmp; nothing of the host's /var (logs, package state, its
+    # own /var/tmp) is shown unless granted.
+    leftover = os.path.join("/var/tmp", f"isolate-test-{os.getpid()}")
+    with open(leftover, "w"):
+        pass
+    try:
+        script = ("cd /var && ls -A /var && ls -A /var/tmp | wc -l && echo written > /var/tmp/f && cat /var/tmp/f && "
+                  "stat -c %a /var/tmp && { touch /var/x 2>/dev/null && echo var-writable || echo var-read-only; }")
+        first = isolate.run(["sh", "-c", script], policy=policy(write=[workdir]), cwd=workdir, capture_output=True,
+                            text=True)
+        assert first.returncode == 0, first.stderr
+        assert first.stdout.split() == ["tmp", "0", "written", "1777", "var-read-only"]
+        again = isolate.run(["ls", "-A", "/var/tmp"], policy=policy(write=[workdir]), cwd=workdir,
+                            capture_output=True, text=True)
+        assert again.stdout == ""  # private to each run
+        with isolate.Sandbox(policy(write=())) as sb:  # one kept sandbox: shared by its commands, as /tmp is
+            assert sb.exec(["sh", "-c", "echo kept > /var/tmp/k"]).returncode == 0
+            assert sb.exec(["cat", "/var/tmp/k"]).stdout == "kept\n"
+        assert not os.path.exists("/var/tmp/k")
+    finally:
+        os.unlink(leftover)

@@ -6,42 +6,104 @@
 #   3. when run as root, the suite again as an unprivileged user (uid 65534)
 #      from a copy of the tree and a venv that user can read, because most
 #      users are not root and namespaces, Landlock and cgroups behave
-#      differently for them;
+#      differently for them. The two runs go side by side: each caller has
+#      its own runtime directory, registry, plan cache and cgroups, and the
+#      tests mostly wait on sandboxes, so two runs take little longer than one;
 #   4. the benchmark harness in --quick mode, so that it never rots (its
 #      figures are not asserted).
-# Exit status: non-zero if any step fails.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# Each phase prints its duration, each pytest run its summary. Exit status:
+# non-zero if any step fails.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
 PYTHON="${PYTHON:-python3}"
+LOGS="$(mktemp -d /tmp/isolate-suite.XXXXXX)"
+chmod 755 "$LOGS"
 status=0
 
-echo "== ruff and mypy"
-"$PYTHON" -m ruff check isolate/ tests/ benchmarks/ || status=1
-"$PYTHON" -m mypy || status=1
+# phase NAME CMD...: run CMD under a header, then print how long it took and how it ended.
+phase() {
+    local name="$1" t0 rc; shift
+    t0=$(date +%s)
+    echo "== $name"
+    "$@"; rc=$?
+    echo "-- $name: $(( $(date +%s) - t0 )) s, exit $rc"
+    [ "$rc" = 0 ] || status=1
+}
 
-echo "== pytest as $(id -un) (uid $(id -u))"
-"$PYTHON" -m pytest -p no:cacheprovider tests/ || status=1
+lint() { "$PYTHON" -m ruff check isolate/ tests/ benchmarks/ && "$PYTHON" -m mypy; }
 
-if [ "$(id -u)" = 0 ] && [ "${ISOLATE_SKIP_UNPRIVILEGED:-0}" != 1 ]; then
-    echo "== pytest as uid 65534"
+# A clean copy of the tree (no build products of the root install) and a venv uid 65534 can read.
+prepare_unprivileged() {
     if ! command -v setpriv >/dev/null || [ ! -x /usr/bin/python3 ]; then
         echo "the unprivileged run needs setpriv (util-linux) and /usr/bin/python3 with venv" >&2
-        status=1
-    else
-        work="$(mktemp -d /tmp/isolate-unprivileged.XXXXXX)"
-        trap 'rm -rf "$work"' EXIT
-        mkdir "$work/src"
-        # A clean copy of the tree (no build products of the root install).
-        git ls-files -z | xargs -0 -I{} cp --parents {} "$work/src/" 2>/dev/null || cp -r . "$work/src"
-        /usr/bin/python3 -m venv "$work/venv"
-        "$work/venv/bin/pip" install -q "$work/src[test,inspect,mcp,smolagents,llm-sandbox,server,server-test]"
+        return 1
+    fi
+    mkdir "$work/src"
+    git ls-files -z | xargs -0 -I{} cp --parents {} "$work/src/" 2>/dev/null || cp -r . "$work/src"
+    /usr/bin/python3 -m venv "$work/venv" &&
+        "$work/venv/bin/pip" install -q "$work/src[test,inspect,mcp,smolagents,llm-sandbox,server,server-test]" &&
         chmod -R a+rX "$work"
+}
+
+# suite WHO LOG: pytest as WHO (the current user, or 65534), its output into LOG; then its summary.
+suite() {
+    local who="$1" log="$2" t0 rc
+    t0=$(date +%s)
+    if [ "$who" = current ]; then
+        "$PYTHON" -m pytest -p no:cacheprovider tests/ > "$log" 2>&1
+    else
         (cd /tmp && setpriv --reuid=65534 --regid=65534 --clear-groups \
             env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
-            "$work/venv/bin/python" -m pytest -p no:cacheprovider "$work/src/tests") || status=1
+            "$work/venv/bin/python" -m pytest -p no:cacheprovider "$work/src/tests") > "$log" 2>&1
     fi
+    rc=$?
+    echo "$rc" > "$log.rc"
+    echo "$(( $(date +%s) - t0 ))" > "$log.seconds"
+}
+
+# show NAME LOG: the run's failures and summary (its whole output when it failed).
+show() {
+    local name="$1" log="$2" rc
+    rc="$(cat "$log.rc" 2>/dev/null || echo 1)"
+    if [ "$rc" = 0 ]; then
+        grep -E '^(SKIPPED|XFAIL|XPASS)' "$log" | head -n 40
+    else
+        cat "$log"
+    fi
+    echo "-- $name: $(tail -n 1 "$log") ($(cat "$log.seconds" 2>/dev/null) s, exit $rc)"
+    [ "$rc" = 0 ] || status=1
+}
+
+unprivileged=0
+if [ "$(id -u)" = 0 ] && [ "${ISOLATE_SKIP_UNPRIVILEGED:-0}" != 1 ]; then
+    unprivileged=1
+    work="$(mktemp -d /tmp/isolate-unprivileged.XXXXXX)"
+    trap 'rm -rf "$work" "$LOGS"' EXIT
+    # Its install goes on while ruff and mypy run.
+    prepare_unprivileged > "$LOGS/prepare.log" 2>&1 &
+    prepare_pid=$!
+else
+    trap 'rm -rf "$LOGS"' EXIT
 fi
 
-echo "== benchmarks --quick"
-"$PYTHON" -m benchmarks --quick || status=1
+phase "ruff and mypy" lint
+
+both() {
+    suite current "$LOGS/current.log" &
+    local current_pid=$!
+    if [ "$unprivileged" = 1 ]; then
+        if wait "$prepare_pid"; then
+            suite 65534 "$LOGS/65534.log"
+        else
+            cat "$LOGS/prepare.log"; echo 1 > "$LOGS/65534.log.rc"; echo "preparing the unprivileged run failed" > "$LOGS/65534.log"
+        fi
+    fi
+    wait "$current_pid"
+    show "pytest as $(id -un) (uid $(id -u))" "$LOGS/current.log"
+    [ "$unprivileged" = 0 ] || show "pytest as uid 65534" "$LOGS/65534.log"
+    [ "$status" = 0 ]
+}
+phase "pytest as $(id -un)$([ "$unprivileged" = 1 ] && echo " and as uid 65534, side by side")" both
+
+phase "benchmarks --quick" "$PYTHON" -m benchmarks --quick
 exit $status

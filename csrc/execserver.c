@@ -88,7 +88,7 @@
 struct request {
     struct iso_xs_request head;
     char *strings[MAX_STRINGS + 1];
-    int fds[3];
+    int fds[4]; /* stdin, stdout, stderr, and the command's descriptor 3 if one came */
     int n_fds;
 };
 
@@ -107,7 +107,7 @@ static void close_fds(struct request *req)
 static int receive(int conn)
 {
     union {
-        char buf[CMSG_SPACE(sizeof(int) * 3)];
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
         struct cmsghdr align;
     } control;
     struct iovec iov = {.iov_base = message, .iov_len = ISO_XS_MAX_MESSAGE};
@@ -125,7 +125,7 @@ static int receive(int conn)
         for (size_t i = 0; i < count; i++) {
             int fd;
             memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-            if (current.n_fds < 3)
+            if (current.n_fds < 4)
                 current.fds[current.n_fds++] = fd;
             else
                 close(fd);
@@ -438,11 +438,20 @@ static void start_command(const struct request *req, int err_fd)
     failure.step = ISO_STEP_STDIO;
     if ((h->flags & ISO_XS_F_PTY) && ioctl(req->fds[0], TIOCSCTTY, 0) < 0)
         goto fail;
+    /* A fourth descriptor is the command's 3 (a persistent shell's status
+     * channel).  It and the error pipe are first moved out of the way of
+     * the numbers they are about to take. */
+    int extra = req->n_fds == 4 ? fcntl(req->fds[3], F_DUPFD_CLOEXEC, 10) : -1;
+    if (req->n_fds == 4 && (extra < 0 || (err_fd <= 3 && (err_fd = fcntl(err_fd, F_DUPFD_CLOEXEC, 10)) < 0)))
+        goto fail;
     for (int i = 0; i < 3; i++)
         if (dup2(req->fds[i], i) < 0)
             goto fail;
-    if (err_fd > 3)
-        syscall(SYS_close_range, 3, (unsigned int)err_fd - 1, 0);
+    if (extra >= 0 && dup2(extra, 3) < 0)
+        goto fail;
+    int keep = extra >= 0 ? 4 : 3;
+    if (err_fd > keep)
+        syscall(SYS_close_range, (unsigned int)keep, (unsigned int)err_fd - 1, 0);
     syscall(SYS_close_range, (unsigned int)err_fd + 1, ~0U, 0);
     failure.step = ISO_STEP_CHDIR;
     const char *cwd = req->strings[0];
@@ -491,8 +500,10 @@ static void monitor(int conn, struct request *req)
 {
     const struct iso_xs_request *h = &req->head;
     int64_t timeout_ms = h->timeout_ms; /* req is `current`, which the loop below reuses */
-    int want_fds = (h->flags & ISO_XS_F_PTY) ? 0 : 3;
-    if (req->n_fds != want_fds || h->n_argv < 1 || h->n_strings < h->n_argv + 1) {
+    /* stdin, stdout and stderr unless the command gets a terminal, then
+     * optionally the command's descriptor 3. */
+    int stdio_fds = (h->flags & ISO_XS_F_PTY) ? 0 : 3;
+    if ((req->n_fds != stdio_fds && req->n_fds != stdio_fds + 1) || h->n_argv < 1 || h->n_strings < h->n_argv + 1) {
         reply_kind(conn, ISO_XS_ERROR, EINVAL);
         _exit(0);
     }
@@ -513,10 +524,12 @@ static void monitor(int conn, struct request *req)
             reply_kind(conn, ISO_XS_ERROR, errno);
             _exit(0);
         }
+        if (req->n_fds == 1)
+            req->fds[3] = req->fds[0];
         req->fds[0] = slave;
         req->fds[1] = fcntl(slave, F_DUPFD_CLOEXEC, 0);
         req->fds[2] = fcntl(slave, F_DUPFD_CLOEXEC, 0);
-        req->n_fds = 3;
+        req->n_fds += 3;
         if (req->fds[1] < 0 || req->fds[2] < 0) {
             reply_kind(conn, ISO_XS_ERROR, errno);
             _exit(0);

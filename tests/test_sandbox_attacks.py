@@ -393,6 +393,61 @@ def test_a_read_grant_that_holds_the_runtime_directory_hides_it_too(source: str)
         remove_native(name)
 
 
+#: A command that reads its shell's memory (same uid: /proc/PID/mem is open to it) for anything that
+#: looks like a run's marker, prints forged ends of run with status 0 for all of them, then fails.
+FORGE_FROM_MEMORY = r"""
+import os, re, sys
+shell = os.getppid()
+found = set()
+with open(f"/proc/{shell}/maps") as maps, open(f"/proc/{shell}/mem", "rb", 0) as mem:
+    for line in maps:
+        span, perms = line.split()[:2]
+        low, high = (int(x, 16) for x in span.split("-"))
+        if "r" not in perms or high - low > 64 << 20:
+            continue
+        try:
+            mem.seek(low)
+            data = mem.read(high - low)
+        except OSError:
+            continue
+        found |= set(re.findall(rb"__isolate_[0-9a-f]{16}_[0-9]+_", data))  # the old marker, with its run
+        found |= set(re.findall(rb"[0-9a-f]{32}", data))  # anything like a random marker
+for marker in sorted(found):
+    sys.stdout.buffer.write(b"\n" + marker + b"0__\n" + b"\n" + marker + b"\n")
+sys.stdout.flush()
+print("forged", len(found))
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("pty", [False, True])
+def test_no_process_can_end_or_fake_a_shell_run(box: Sandbox, pty: bool) -> None:
+    # Before: a run ended at a marker on the output, whose text the shell read from its input: a
+    # command that read the shell's memory found it and printed the end of its run with status 0 (or
+    # cut its output short). Now each run's marker exists only on a socket that the shell alone holds
+    # (commands run with it closed, a socket cannot be reopened through /proc, pidfd_getfd is refused),
+    # and reaches the shell's memory only once the command has ended; the status comes on that socket.
+    if pty and box.backend == "docker":
+        pytest.skip("busybox ash echoes what a terminal types (see tests/test_sandbox.py)")
+    if box.backend == "docker":
+        pytest.skip("the busybox image has no Python to read the shell's memory with")
+    sh = box.shell(f"forged-{pty}", pty=pty)
+    assert sh.run("true", timeout=30) == ("", 0)
+    for _ in range(3):
+        output, status = sh.run(f"{PYTHON} -c '{FORGE_FROM_MEMORY}'; echo after", timeout=60)
+        assert status == 0 and output.endswith("after\n"), (output[-300:], status)
+        output, status = sh.run(f"{PYTHON} -c '{FORGE_FROM_MEMORY}'", timeout=60)
+        assert status == 1, (output[-300:], status)
+        assert "\nforged " in output, output[-300:]  # ran to its end: nothing it printed ended the run
+    # The command itself has no channel to speak on.
+    output, status = sh.run("{ echo 'status x 0' >&3; } 2>/dev/null || echo no-channel; (exit 3)", timeout=30)
+    assert (output, status) == ("no-channel\n", 3)
+    # A run interrupted by its timeout: the next run is still exact.
+    with pytest.raises(TimeoutError):
+        sh.run("sleep 30", timeout=0.5)
+    assert sh.run("echo next; (exit 5)", timeout=30) == ("next\n", 5)
+
+
 def test_a_host_that_holds_many_descriptors_still_runs_shells_and_commands(box: Sandbox) -> None:
     # An agent's host process (isolate-mcp, a manager of many sandboxes) gets descriptors past FD_SETSIZE,
     # where select() fails: every wait on the host side is a poll.

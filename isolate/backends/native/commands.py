@@ -294,7 +294,9 @@ class SandboxProcess:
     """A command started by ``Sandbox.spawn``: stream ``stdout``/``stderr``, ``write()``, ``kill()``, ``wait()``."""
 
     def __init__(self, impl: Any, argv: list[str], cwd: str, environment: list[str],
-                 timeout: float | None, pty: bool) -> None:
+                 timeout: float | None, pty: bool, fd3: int = -1) -> None:
+        """``fd3``: a descriptor of the caller's that the command gets as its descriptor 3 (the caller
+        keeps its own; a persistent shell's out-of-band status channel)."""
         self.args = argv
         self.master_fd = -1
         stdio: tuple[int, ...] = ()
@@ -310,8 +312,8 @@ class SandboxProcess:
             closers = [in_r, out_w, err_w]
             self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
         try:
-            self._command = Command(impl.connect(), argv, cwd, environment, timeout, stdio, pty, impl.report_enforced,
-                                    impl.backend)
+            self._command = Command(impl.connect(), argv, cwd, environment, timeout,
+                                    stdio + ((fd3,) if fd3 >= 0 else ()), pty, impl.report_enforced, impl.backend)
             if pty:
                 master = self._command.terminal
                 if master is None:

@@ -1056,9 +1056,10 @@ _SETID_BITS = 0o6000
 def _deny_setid_prologue(native: int) -> bytes:
     """BPF run before the filter: no set-user-ID or set-group-ID bit on any file.
 
-    A root caller's writable paths are idmapped so that what the program
-    creates is owned by root on disk: a setuid bit there would be a setuid-root
-    binary on the host. chmod-family calls and file creation with S_ISUID or
+    What the program creates in its writable paths outlives the run: for a
+    root caller (idmapped) it is owned by root on disk, a setuid-root binary
+    on the host; for a user it would lend that user's rights to whoever runs
+    it later. chmod-family calls and file creation with S_ISUID or
     S_ISGID in the mode get EPERM; openat2 (its mode sits behind a pointer)
     gets ENOSYS, so libc falls back to openat.
     """
@@ -1219,8 +1220,8 @@ def compile_filter(
     ``notify`` turns denials into user notifications (see the module doc);
     ``deny_inet_sockets`` refuses socket() for every domain and socketpair()
     but AF_UNIX, with EPERM (for network "none" without a network namespace);
-    ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for a root
-    caller's idmapped writable paths); ``unix_sockets`` is "" (nothing),
+    ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for runs with
+    writable paths); ``unix_sockets`` is "" (nothing),
     "supervise" (connect() to the init, which needs ``notify``), "supervise-sendto"
     (also sendto() with an address: egress by name records refused UDP) or "deny"
     (socket(AF_UNIX) refused): see the module doc; ``deny_host_reach`` refuses

@@ -444,28 +444,30 @@ def test_valid_profile_runs_in_the_cli(workdir: str) -> None:
 def test_proc_status_shows_the_filter(workdir: str, mode: str, value: str) -> None:
     result = run(workdir, [PYTHON, "-I", "-S", "-c", "print(open('/proc/self/status').read())"], seccomp=mode)
     assert result.returncode == 0, result.stderr
-    supervised = result.report.enforced.get("unix_sockets") == "supervisor"
-    if mode == "none" and (os.geteuid() == 0 or supervised):
-        # A root caller's writable paths keep the set-ID guard even without a
-        # profile, and network none keeps the connect() supervisor (issue 11).
+    if mode == "none":
+        # Writable paths (the working directory) keep the set-ID guard even without a profile, for
+        # every caller, and network none keeps the connect() supervisor (issue 11).
         assert "Seccomp:\t2\n" in result.stdout
         assert result.report.enforced["seccomp"] == "none"
-        if os.geteuid() == 0:
-            assert result.report.enforced["setid_files"] == "refused (seccomp)"
+        assert result.report.enforced["setid_files"] == "refused (seccomp)"
         return
     assert f"Seccomp:\t{value}\n" in result.stdout
     assert result.report.enforced["seccomp"] == (None if mode == "none" else mode)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a non-root caller's program can only make files set-ID to the "
-                    "caller itself, which grants nothing; the guard is for a root caller's idmapped paths")
-def test_no_setuid_file_reaches_the_host(workdir: str) -> None:
-    # A root caller's program owns root's files through the idmapped mount: it
-    # must not be able to leave a set-user-ID (or set-group-ID) binary behind.
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_no_setuid_file_reaches_the_host(workdir: str, namespaces: bool) -> None:
+    # A root caller's program owns root's files through the idmapped mount, and a user's program that
+    # user's files: neither may leave a set-user-ID (or set-group-ID) binary behind, which would lend
+    # its owner's rights to whoever runs it later (another account, a service). Before, only a root
+    # caller's namespaced runs had the guard.
     script = ("cp /bin/true t; chmod 4755 t; chmod 2755 t; chmod u+s t; "
               "python3 -c \"import os; os.close(os.open('u', os.O_CREAT | os.O_WRONLY, 0o6755))\"; true")
+    if not namespaces and os.geteuid() == 0:
+        os.chown(workdir, 65534, 65534)  # without idmapped mounts a root caller's program writes as 65534
     for mode in ("default", "none"):
-        run(workdir, ["sh", "-c", script], seccomp=mode)
+        done = run(workdir, ["sh", "-c", script], seccomp=mode, namespaces=namespaces)
+        assert done.report.enforced["setid_files"] == "refused (seccomp)", done.report.enforced
         for name in ("t", "u"):
             path = os.path.join(workdir, name)
             if os.path.exists(path):

@@ -38,8 +38,8 @@ def _apply_seccomp(
     except UnsupportedError as exc:
         if deny_setid:
             raise UnsupportedError(
-                f"a root caller's writable paths need seccomp to forbid set-user-ID files, and it is not "
-                f"available: {exc}; run as a regular user or grant no writable path"
+                f"writable paths need seccomp to forbid set-user-ID files, and it is not available: {exc}; "
+                "grant no writable path, or run where seccomp works"
             ) from None
         if unix_sockets:
             # Nothing else keeps the program from the host's unix sockets.

@@ -441,9 +441,13 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
 
     # -- seccomp -----------------------------------------------------------
     deny_sockets = not use_ns and network == "none"
-    # What a root caller's program creates in an idmapped writable path is
-    # root's on disk: no set-user/group-ID bit may be set there.
-    deny_setid = use_ns and root_caller and bool(write or rw_sources)
+    # No set-user/group-ID bit on anything the program writes, for every
+    # caller: what a root caller's program creates in an idmapped writable
+    # path is root's on disk, and what a user's program creates is that
+    # user's, which a set-ID bit would lend to whoever runs it later (another
+    # account, a service). The namespace's nosuid mounts do not cover the
+    # host's view of the grant.
+    deny_setid = bool(write or rw_sources)
     seccomp_unix = {"supervisor": "supervise-sendto" if egress else "supervise",
                     "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,

@@ -1,7 +1,7 @@
 """The registry of kept sandboxes (both backends), and where their state lives.
 
 - ``state_dir()``: data that may be large and survives a reboot (workspace
-  copies, the SQLite registry): ``$ISOLATE_STATE_DIR``, else
+  copies, overlay layers): ``$ISOLATE_STATE_DIR``, else
   ``$XDG_STATE_HOME/isolate``, else ``~/.local/state/isolate``.
 - ``runtime_dir()``: what the host trusts about a running sandbox (its
   socket and its description): ``/run/isolate`` for root, else
@@ -13,11 +13,18 @@
 
 The SQLite registry lists kept sandboxes of both backends for ``list``,
 ``rm`` and ``prune``: (engine, name) -> ids, hashes, created, last used.
+It lives in the runtime directory, one file per state directory: SQLite
+follows links at its file and its journal's, and a sandbox granted the home
+could plant one in the state directory (the registry's rows and journal
+would then be written into any file the caller may write). After a reboot
+the registry starts empty: kept Docker containers are then listed from their
+labels (``registered`` False).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import sqlite3
@@ -59,7 +66,12 @@ class Registry:
     """The SQLite file of kept sandboxes, keyed by (engine address, name)."""
 
     def __init__(self, path: str | None = None) -> None:
-        self.path = path or os.path.join(state_dir(), "sandboxes.sqlite3")
+        if path is None:
+            # Out of every grant's reach (see the module's docstring), named after the state directory
+            # whose sandboxes it lists.
+            key = hashlib.sha256(os.fsencode(os.path.realpath(state_dir()))).hexdigest()[:16]
+            path = os.path.join(runtime_dir(), f"registry-{key}.sqlite3")
+        self.path = path
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:

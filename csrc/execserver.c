@@ -58,6 +58,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -87,13 +88,16 @@
 /* One request as received: the header, its strings, its descriptors. */
 struct request {
     struct iso_xs_request head;
-    char *strings[MAX_STRINGS + 1];
-    int fds[4]; /* stdin, stdout, stderr, and the command's descriptor 3 if one came */
+    char **strings; /* inline_strings, or (ISO_XS_F_STRINGS_FD) a monitor's own mapping */
+    /* The strings' memfd (ISO_XS_F_STRINGS_FD), stdin, stdout, stderr, and
+     * the command's descriptor 3 if one came. */
+    int fds[5];
     int n_fds;
 };
 
 static char message[ISO_XS_MAX_MESSAGE + 8];
-static struct request current;
+static char *inline_strings[MAX_STRINGS + 1];
+static struct request current = {.strings = inline_strings};
 
 static void close_fds(struct request *req)
 {
@@ -107,7 +111,7 @@ static void close_fds(struct request *req)
 static int receive(int conn)
 {
     union {
-        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        char buf[CMSG_SPACE(sizeof(int) * 5)];
         struct cmsghdr align;
     } control;
     struct iovec iov = {.iov_base = message, .iov_len = ISO_XS_MAX_MESSAGE};
@@ -125,7 +129,7 @@ static int receive(int conn)
         for (size_t i = 0; i < count; i++) {
             int fd;
             memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-            if (current.n_fds < 4)
+            if (current.n_fds < 5)
                 current.fds[current.n_fds++] = fd;
             else
                 close(fd);
@@ -138,8 +142,18 @@ static int receive(int conn)
     if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || (size_t)n < sizeof current.head)
         goto malformed;
     memcpy(&current.head, message, sizeof current.head);
-    if (current.head.magic != ISO_XS_MAGIC || current.head.n_strings > MAX_STRINGS ||
-        current.head.n_argv > current.head.n_strings)
+    current.strings = inline_strings;
+    if (current.head.magic != ISO_XS_MAGIC || current.head.n_argv > current.head.n_strings)
+        goto malformed;
+    if (current.head.op == ISO_XS_EXEC && (current.head.flags & ISO_XS_F_STRINGS_FD)) {
+        /* The strings come in a memfd, which the monitor reads: nothing
+         * else may be in the packet, and the memfd must have come. */
+        if ((size_t)n != sizeof current.head || current.n_fds < 1 ||
+            current.head.n_strings > ISO_XS_MAX_FD_STRINGS)
+            goto malformed;
+        return 1;
+    }
+    if (current.head.n_strings > MAX_STRINGS)
         goto malformed;
     /* Every string must end inside the packet. */
     message[n] = 0;
@@ -425,8 +439,66 @@ static void do_signal(int sig, int flags)
     kill(-command, sig); /* the command leads its own group */
 }
 
-/* The command's child: session, terminal, stdio, cwd, exec. */
-static void start_command(const struct request *req, int err_fd)
+/* ISO_XS_F_STRINGS_FD: the strings from the request's first descriptor,
+ * which is then closed and dropped from its list.  The monitor maps its own
+ * copy (no static buffer could hold the kernel's limit), checks that it
+ * holds exactly n_strings strings, each ending inside, and points
+ * req->strings at them.  0, or an errno. */
+static int load_strings(struct request *req)
+{
+    int fd = req->fds[0];
+    memmove(req->fds, req->fds + 1, sizeof(int) * (size_t)(req->n_fds - 1));
+    req->n_fds--;
+    struct stat st;
+    int err = 0;
+    if (fstat(fd, &st) < 0) {
+        err = errno;
+    } else if (!S_ISREG(st.st_mode) || st.st_size <= 0 || st.st_size > ISO_XS_MAX_STRINGS_BYTES) {
+        err = E2BIG;
+    }
+    size_t size = err ? 0 : (size_t)st.st_size;
+    size_t n = req->head.n_strings;
+    char *text = MAP_FAILED;
+    char **strings = MAP_FAILED;
+    if (!err) {
+        /* One more byte, always 0: a last string without its NUL ends there and is refused below. */
+        text = mmap(NULL, size + 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        strings = mmap(NULL, (n + 1) * sizeof(char *), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (text == MAP_FAILED || strings == MAP_FAILED)
+            err = ENOMEM;
+    }
+    for (size_t done = 0; !err && done < size;) {
+        ssize_t got = pread(fd, text + done, size - done, (off_t)done);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            err = got < 0 ? errno : EIO;
+        else
+            done += (size_t)got;
+    }
+    close(fd);
+    char *p = text, *end = text + size;
+    for (size_t i = 0; !err && i < n; i++) {
+        char *nul = p < end ? memchr(p, 0, (size_t)(end - p)) : NULL;
+        if (!nul) {
+            err = EINVAL;
+            break;
+        }
+        strings[i] = p;
+        p = nul + 1;
+    }
+    if (!err && p != end)
+        err = EINVAL; /* more than n_strings strings: the counts are the host's word, and must agree */
+    if (err)
+        return err;
+    strings[n] = NULL;
+    req->strings = strings;
+    return 0;
+}
+
+/* The command's child: session, terminal, stdio, cwd, exec.  argv is the
+ * monitor's NULL-terminated copy of the request's. */
+static void start_command(const struct request *req, char **argv, int err_fd)
 {
     const struct iso_xs_request *h = &req->head;
     sigset_t none;
@@ -457,10 +529,6 @@ static void start_command(const struct request *req, int err_fd)
     const char *cwd = req->strings[0];
     if (cwd[0] && chdir(cwd) < 0)
         goto fail;
-    /* argv ends where the environment begins: copy it out, NULL-terminated. */
-    static char *argv[MAX_STRINGS + 1];
-    memcpy(argv, req->strings + 1, sizeof(char *) * h->n_argv);
-    argv[h->n_argv] = NULL;
     char *const *envp = req->strings + 1 + h->n_argv;
     const char *search = NULL;
     for (char *const *e = envp; *e; e++)
@@ -500,6 +568,13 @@ static void monitor(int conn, struct request *req)
 {
     const struct iso_xs_request *h = &req->head;
     int64_t timeout_ms = h->timeout_ms; /* req is `current`, which the loop below reuses */
+    if (h->flags & ISO_XS_F_STRINGS_FD) {
+        int err = load_strings(req);
+        if (err) {
+            reply_kind(conn, ISO_XS_ERROR, err);
+            _exit(0);
+        }
+    }
     /* stdin, stdout and stderr unless the command gets a terminal, then
      * optionally the command's descriptor 3. */
     int stdio_fds = (h->flags & ISO_XS_F_PTY) ? 0 : 3;
@@ -551,6 +626,20 @@ static void monitor(int conn, struct request *req)
         reply_kind(conn, ISO_XS_ERROR, errno);
         _exit(0);
     }
+    /* argv ends where the environment begins: copied out, NULL-terminated,
+     * here (the vfork child allocates nothing). */
+    static char *inline_argv[MAX_STRINGS + 1];
+    char **argv = inline_argv;
+    if (h->n_argv > MAX_STRINGS) {
+        argv = mmap(NULL, ((size_t)h->n_argv + 1) * sizeof(char *), PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (argv == MAP_FAILED) {
+            reply_kind(conn, ISO_XS_ERROR, ENOMEM);
+            _exit(0);
+        }
+    }
+    memcpy(argv, req->strings + 1, sizeof(char *) * h->n_argv);
+    argv[h->n_argv] = NULL;
     /* vfork: the child only sets up its session, stdio and cwd, then execs
      * (or reports and _exits), so nothing of this process need be copied. */
     command = vfork();
@@ -560,7 +649,7 @@ static void monitor(int conn, struct request *req)
     }
     if (command == 0) {
         close(err_pipe[0]);
-        start_command(req, err_pipe[1]);
+        start_command(req, argv, err_pipe[1]);
     }
     close(err_pipe[1]);
     close_fds(req);
@@ -636,6 +725,13 @@ static void monitor(int conn, struct request *req)
     if (reason != ISO_XS_REASON_EXITED)
         kill_tree(); /* the last round: anything forked meanwhile */
     send_exited(conn, reason);
+    /* A request that crossed the end (a kill sent as the command exited)
+     * is read and dropped: a unix socket closed with unread data resets
+     * its peer, which is then told that error before the EXITED above. */
+    int flags = fcntl(conn, F_GETFL);
+    if (flags >= 0 && fcntl(conn, F_SETFL, flags | O_NONBLOCK) == 0)
+        while (receive(conn) != 0)
+            close_fds(&current);
     _exit(0);
 }
 

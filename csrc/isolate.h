@@ -269,7 +269,10 @@ enum iso_xs_op {
 
 enum iso_xs_flag {
     ISO_XS_F_PTY = 1,          /* EXEC: no stdio sent; the monitor makes a terminal, STARTED carries its master */
-    ISO_XS_F_DESCENDANTS = 2   /* SIGNAL: every process the command started, not itself */
+    ISO_XS_F_DESCENDANTS = 2,  /* SIGNAL: every process the command started, not itself */
+    ISO_XS_F_STRINGS_FD = 4    /* EXEC: the strings are not in the packet but in the first descriptor
+                                  (a memfd), for what one packet cannot hold (argv and environment
+                                  up to the kernel's own limit) */
 };
 
 enum iso_xs_kind {
@@ -334,6 +337,11 @@ struct iso_xs_dirent {
 
 #define ISO_XS_MAGIC 0x15a7e5e1
 #define ISO_XS_MAX_MESSAGE 196608
+/* ISO_XS_F_STRINGS_FD: at most this many bytes and strings.  execve's own
+ * limit on argv and environment is at most 6 MiB (3/4 of the 8 MiB stack
+ * cap), so this never refuses what a kernel would run. */
+#define ISO_XS_MAX_STRINGS_BYTES 16777216
+#define ISO_XS_MAX_FD_STRINGS 4194304
 
 /* --- parent side -------------------------------------------------------- */
 

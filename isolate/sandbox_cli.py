@@ -186,7 +186,7 @@ def _exec(options: argparse.Namespace) -> int:
     impl = box._impl
     # The command gets this process's own stdin, stdout and stderr: nothing is copied in between.
     running = Command(impl.connect(), command, options.cwd or "", environment_for(impl.environment, env),
-                      options.timeout, (0, 1, 2), False, impl.report_enforced)
+                      options.timeout, (0, 1, 2), False, impl.report_enforced, impl.backend, impl)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def forward(signum: int, _frame: Any) -> None:

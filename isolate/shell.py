@@ -60,7 +60,10 @@ class Shell:
 
     @property
     def alive(self) -> bool:
-        return self._process.poll() is None
+        try:
+            return self._process.poll() is None
+        except IsolationError:  # its monitor is gone: the host ended the sandbox
+            return False
 
     def run(self, command: str, timeout: float | None = 60.0) -> tuple[str, int]:
         """Run one command line; returns its output (stdout and stderr, as printed) and exit status."""

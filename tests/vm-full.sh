@@ -12,6 +12,7 @@
 #   --all    every test of the suite (the integrations' extras are not installed in the guest:
 #            their tests skip and say why)
 #   --out    where results/ go (pytest output, junit XML, quick start; default /tmp/isolate-vm)
+#   PYTEST_ARGS in the environment: more pytest arguments (e.g. "-k monitor")
 # Exit status: 0 when both callers' runs passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,7 @@ t0=$(date +%s)
 echo "-- the guest's venv, built here: $(( $(date +%s) - t0 )) s"
 set +e
 "$VM/run.sh" --share "$work" --cgroup delegated --mem 4096 --timeout 3000 "${RUN_OPTS[@]}" -- \
-    env MARK="$MARK" VENV="$work/venv" bash ./guest-suite.sh > "$work/console.txt" 2>&1
+    env MARK="$MARK" VENV="$work/venv" PYTEST_ARGS="${PYTEST_ARGS:-}" bash ./guest-suite.sh > "$work/console.txt" 2>&1
 rc=$?
 set -e
 rm -rf "$OUT"; mkdir -p "$OUT"

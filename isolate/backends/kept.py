@@ -61,8 +61,17 @@ class KeptBackend(Protocol):
         """Let go of the sandbox without ending it (a named one stays for attach, rm or prune)."""
         ...
 
+    #: True between this object's pause() and resume().
+    paused: bool
+
     def pause(self) -> str:
         """Stop every process of the sandbox; the mechanism ("cgroup-freezer" or "sigstop")."""
+        ...
+
+    def end(self, reason: str) -> bool:
+        """End everything running in the sandbox now, from the host (its files stay until close()): what
+        the host does when a command's monitor inside no longer answers for it. False when it had ended
+        already. Later operations fail naming ``reason``."""
         ...
 
     def resume(self) -> str:

@@ -116,6 +116,9 @@ class DockerKept:
         self.workspace_identity: tuple[int, int] | None = None
         self.run_identity: tuple[int, int] | None = None
         self.last_action: str | None = None
+        self.paused = False
+        #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
+        self.ended_because: str | None = None
         self._spec_hash = ""
         self._files: Connection | None = None
         self._armed: str | None = None
@@ -442,6 +445,8 @@ class DockerKept:
         component is opened without following a link and must be a socket,
         so nothing planted there leads the host to connect elsewhere.
         """
+        if self.ended_because is not None:
+            raise IsolationError(f"the sandbox was ended by the host: {self.ended_because}")
         try:
             fd = os.open(self.paths.socket, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
@@ -511,7 +516,23 @@ class DockerKept:
 
         with _engine_errors(f"pause the container of sandbox {self.box_name!r}"):
             client().api.pause(self.container_id)
+        self.paused = True
         return "cgroup-freezer"
+
+    def end(self, reason: str) -> bool:
+        """Kill the container from the host: its main process (the exec server) and everything in it end;
+        the container and files stay until close()."""
+        from . import client
+
+        if self.ended_because is None:
+            self.ended_because = reason
+        if self.container_id is None:
+            return False
+        try:
+            client().api.kill(self.container_id)
+        except Exception:  # not running (ended already), or the engine is gone with it
+            return False
+        return True
 
     def resume(self) -> str:
         from . import client
@@ -519,6 +540,7 @@ class DockerKept:
 
         with _engine_errors(f"resume the container of sandbox {self.box_name!r}"):
             client().api.unpause(self.container_id)
+        self.paused = False
         return "cgroup-freezer"
 
     def detach(self) -> None:

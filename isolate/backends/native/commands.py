@@ -5,6 +5,14 @@ ends with the request; the exec server's monitor starts the command in its
 own session and answers STARTED, then EXITED with the wait status, why it
 ended and the usage of its whole tree. Closing the conversation (the
 Python object dropped, the caller killed) ends the command's whole tree.
+
+The monitor runs with the command's uid, so the command can kill or stop it.
+The host therefore never takes a monitor's silence for an end: past the
+command's timeout by GRACE with no EXITED, a conversation that breaks
+without one, or a dropped command whose end the monitor does not confirm
+within GRACE, and the host ends the whole sandbox itself (it holds the
+sandbox's init, which no process inside can reach), so that what the
+command started never outlives its timeout or its caller.
 """
 
 from __future__ import annotations
@@ -18,12 +26,15 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._core import lib, step_name
 from ...errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
 from ...report import Report, status_for
-from .protocol import Connection, Reply, ServerGone, encode
+from .protocol import Connection, Reply, ServerGone, encode, encode_exec
+
+if TYPE_CHECKING:
+    from ..kept import KeptBackend
 
 #: exec()'s default cap on each of stdout and stderr (the tail is kept).
 DEFAULT_OUTPUT_LIMIT = 16 << 20
@@ -39,7 +50,8 @@ def wait_seconds(value: float | None, name: str) -> float | None:
     return None if value >= MAX_TIMEOUT else float(value)
 
 
-#: How long the host waits past a command's own timeout for the server's word.
+#: How long the host waits past a command's own timeout for the monitor's word, and for the monitor
+#: to confirm that a dropped command has ended, before it ends the sandbox itself.
 GRACE = 10.0
 
 
@@ -101,9 +113,11 @@ class Command:
 
     def __init__(self, conn: Connection, argv: Sequence[str], cwd: str, environment: Sequence[str],
                  timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any],
-                 backend: str = "native") -> None:
-        """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side."""
+                 backend: str = "native", sandbox: KeptBackend | None = None) -> None:
+        """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side.
+        ``sandbox``: what the host ends when the command's monitor no longer answers for it."""
         self.conn = conn
+        self.sandbox = sandbox
         self.backend = backend
         self.args = list(argv)
         self.enforced = enforced
@@ -113,9 +127,13 @@ class Command:
         self.timeout = timeout
         self.exit: Reply | None = None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        packet = encode(lib.ISO_XS_EXEC, [cwd, *self.args, *environment], n_argv=len(self.args),
-                        timeout_ms=timeout_ms, flags=int(lib.ISO_XS_F_PTY) if pty else 0)
-        conn.send(packet, stdio)
+        packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms,
+                                         int(lib.ISO_XS_F_PTY) if pty else 0)
+        try:
+            conn.send(packet, ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio))
+        finally:
+            if strings_fd is not None:
+                os.close(strings_fd)
         reply = conn.answer()
         if reply.kind == lib.ISO_XS_ERROR:
             conn.close()
@@ -145,39 +163,56 @@ class Command:
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
 
+    @property
+    def deadline(self) -> float | None:
+        """When the host stops waiting for the monitor to enforce the command's timeout."""
+        return None if self.timeout is None else self.started + self.timeout + GRACE
+
     def poll_exit(self, timeout: float | None) -> Reply | None:
-        """The EXITED reply, waiting at most timeout seconds (None: as long as it takes)."""
+        """The EXITED reply, waiting at most timeout seconds (None: as long as it takes, but never past
+        the deadline: there the host ends the sandbox and raises)."""
         if self.exit is not None:
             return self.exit
+        wait, hard = timeout, False
+        if self.deadline is not None:
+            left = max(0.0, self.deadline - time.monotonic())
+            if wait is None or left <= wait:
+                wait, hard = left, True
         try:
-            reply = self.conn.receive(timeout)
+            reply = self.conn.receive(wait)
         except TimeoutError:
+            if hard:
+                raise self.lost(f"its timeout ({self.timeout:g} s) passed by {GRACE:g} s and its monitor did "
+                                "not end it") from None
             return None
         except ServerGone:
-            raise IsolationError("the sandbox ended while the command ran") from None
+            raise self.lost("its monitor inside the sandbox went away before it") from None
         if reply.fd is not None:
             os.close(reply.fd)
         if reply.kind != lib.ISO_XS_EXITED:
-            raise ServerGone("the sandbox's exec server sent an unexpected reply")
+            raise self.lost("its monitor sent an unexpected reply")
         self.exit = reply
         self.conn.close()
         return reply
 
     def wait_exit(self) -> Reply:
-        """The EXITED reply; with a timeout, never waits past it by more than twice GRACE (see run_collecting)."""
-        if self.timeout is None:
-            reply = self.poll_exit(None)
-            assert reply is not None
-            return reply
-        deadline = self.started + self.timeout + GRACE
-        for _ in range(2):
-            reply = self.poll_exit(max(0.0, deadline - time.monotonic()))
-            if reply is not None:
-                return reply
-            self.kill()
-            deadline = time.monotonic() + GRACE
-        self.close()
-        raise _unenforced(self)
+        """The EXITED reply; with a timeout, never waits past the deadline (see poll_exit)."""
+        reply = self.poll_exit(None)
+        assert reply is not None
+        return reply
+
+    def lost(self, what: str) -> IsolationError:
+        """The monitor no longer answers for the command (a process of the sandbox, same uid, killed or
+        stopped it, or the sandbox ended): the host ends the sandbox itself, so that nothing the command
+        started runs on. Returns the error to raise."""
+        self.conn.close()
+        message = f"{self.args[0]}: {what}"
+        if self.sandbox is None:
+            return IsolationError(f"{message}; close the sandbox to end everything in it")
+        if self.sandbox.end(f"a command ({self.args[0]}) lost its monitor: {what}"):
+            return IsolationError(f"{message} (a process of the sandbox killed or stopped it): the sandbox was "
+                                  "ended so that nothing the command started runs on")
+        return IsolationError(f"{message}: the sandbox has ended")
 
     def report(self) -> Report:
         assert self.exit is not None
@@ -188,16 +223,20 @@ class Command:
         return None if self.exit is None else returncode_of(self.exit.wait_status)
 
     def close(self) -> None:
-        """Drop the conversation: a command still running is ended, with its whole tree."""
+        """Drop the conversation: a command still running is ended, with its whole tree. The monitor
+        confirms the end (EXITED) within GRACE, or the host ends the sandbox (a paused one: the monitor
+        ends the command on hang-up once it runs again)."""
+        if self.exit is None and not self.conn.closed and self.sandbox is not None and not self.sandbox.paused:
+            try:
+                self.conn.send(encode(lib.ISO_XS_SIGNAL, mode=int(signal.SIGKILL)))
+            except ServerGone:
+                pass  # the monitor may have ended it already: its EXITED is then waiting to be read
+            try:
+                if self.poll_exit(GRACE) is None:
+                    self.lost(f"its monitor did not confirm its end within {GRACE:g} s of being dropped")
+            except IsolationError:
+                pass  # lost(): the sandbox was ended
         self.conn.close()
-
-
-def _unenforced(command: Command) -> IsolationError:
-    # The monitor took neither its own timeout nor the host's kill: a process
-    # of the sandbox stopped it (same uid). Say so rather than wait for ever.
-    return IsolationError(f"{command.args[0]}: its timeout ({command.timeout:g} s) could not be enforced: the "
-                          "sandbox's exec server does not answer (a process of the sandbox stopped it); close the "
-                          "sandbox to end everything in it")
 
 
 class _Tail:
@@ -233,22 +272,14 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
         else:
             os.close(stdin_w)
             stdin_w = None
-    deadline = None if command.timeout is None else command.started + command.timeout + GRACE
-    killed = False
+    deadline = command.deadline
     try:
         while command.exit is None:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             events = sel.select(wait)
             if not events and deadline is not None and time.monotonic() >= deadline:
-                if killed:
-                    # The monitor took neither its own timeout nor the kill: a
-                    # process of the sandbox stopped it (same uid). Say so
-                    # rather than wait for ever.
-                    command.close()
-                    raise _unenforced(command)
-                command.kill()
-                killed = True
-                deadline = time.monotonic() + GRACE
+                command.poll_exit(0)  # the monitor's word, or the end of the sandbox (it raises)
+                continue
             for key, _ in events:
                 fd = int(key.fd)
                 if fd == stdin_w:
@@ -313,7 +344,8 @@ class SandboxProcess:
             self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
         try:
             self._command = Command(impl.connect(), argv, cwd, environment, timeout,
-                                    stdio + ((fd3,) if fd3 >= 0 else ()), pty, impl.report_enforced, impl.backend)
+                                    stdio + ((fd3,) if fd3 >= 0 else ()), pty, impl.report_enforced, impl.backend,
+                                    impl)
             if pty:
                 master = self._command.terminal
                 if master is None:

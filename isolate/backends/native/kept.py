@@ -13,6 +13,7 @@ from inside, whoever is left to ask.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -115,6 +116,8 @@ class NativeSandbox:
         self.workspace_identity: tuple[int, int] | None = None
         self.report_enforced: dict[str, Any] = {}
         self.paused = False
+        #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
+        self.ended_because: str | None = None
         self._files: Connection | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -318,11 +321,33 @@ class NativeSandbox:
         if self._files is None:
             raise IsolationError("the sandbox is not running; start() it first")
         if self._files.closed:  # dropped after an answer that did not come: start a fresh conversation
-            self._files = Connection(self.paths.socket)
+            self._files = self.connect()
         return self._files
 
     def connect(self) -> Connection:
+        if self.ended_because is not None:
+            raise IsolationError(f"the sandbox was ended by the host: {self.ended_because}")
         return Connection(self.paths.socket)
+
+    def end(self, reason: str) -> bool:
+        """SIGKILL to the init, from the host (no process inside can stop that): the PID namespace and
+        everything in it end; the files stay until close()."""
+        if self.ended_because is None:
+            self.ended_because = reason
+        if self.process is not None:
+            if self.process.poll() is not None:
+                return False
+            with _suppress_missing():
+                self.process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
+            return True
+        init = self._init_pid()
+        if init is None:
+            return False
+        with _suppress_missing():
+            os.kill(init, signal.SIGKILL)
+        return True
 
     def state(self) -> str:
         """"running", "ended", or "not answering" (paused, or its exec server killed from inside)."""

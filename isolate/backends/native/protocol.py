@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import os
 import socket
 import stat as stat_mod
@@ -29,6 +30,8 @@ REQUEST_SIZE = ffi.sizeof("struct iso_xs_request")
 REPLY_SIZE = ffi.sizeof("struct iso_xs_reply")
 DIRENT_SIZE = ffi.sizeof("struct iso_xs_dirent")
 MAX_MESSAGE = int(lib.ISO_XS_MAX_MESSAGE)
+#: Strings in one packet at most (the server's MAX_STRINGS); more go in a memfd (encode_exec).
+MAX_INLINE_STRINGS = 16384
 #: How long the host waits for the server's answer to a file operation or a
 #: command's start. The server answers these at once; one that does not was
 #: stopped (a command may SIGSTOP it: same uid, same Landlock domain) or its
@@ -91,25 +94,64 @@ class Reply:
 def encode(op: int, strings: Sequence[str | bytes] = (), *, flags: int = 0, mode: int = 0, timeout_ms: int = 0,
            n_argv: int = 0) -> bytes:
     """One request packet; raises ValueError for what the server would refuse."""
+    packet = b"".join([_header(op, flags, mode, timeout_ms, len(strings), n_argv),
+                       *(_nul_terminated(text) for text in strings)])
+    if len(packet) > MAX_MESSAGE or len(strings) > MAX_INLINE_STRINGS:
+        raise _TooLarge(f"the request takes {len(packet)} bytes in {len(strings)} strings; at most {MAX_MESSAGE} "
+                        f"bytes and {MAX_INLINE_STRINGS} strings go to a sandbox in one packet")
+    return packet
+
+
+#: argv and environment of one EXEC at most (the kernel's own limit, ARG_MAX, is lower: 6 MiB at most).
+MAX_STRINGS_BYTES = int(lib.ISO_XS_MAX_STRINGS_BYTES)
+
+
+def encode_exec(strings: Sequence[str | bytes], n_argv: int, timeout_ms: int, flags: int) -> tuple[bytes, int | None]:
+    """An EXEC request: the packet, and a descriptor to send before the command's own when the strings
+    (cwd, argv, environment) do not fit in one packet: a sealed memfd holding them (the caller closes it)."""
+    try:
+        return encode(lib.ISO_XS_EXEC, strings, n_argv=n_argv, timeout_ms=timeout_ms, flags=flags), None
+    except _TooLarge:
+        pass
+    data = b"".join(_nul_terminated(text) for text in strings)
+    if len(data) > MAX_STRINGS_BYTES or len(strings) > int(lib.ISO_XS_MAX_FD_STRINGS):
+        raise ValueError(f"the command and its environment take {len(data)} bytes in {len(strings)} strings; at "
+                         f"most {MAX_STRINGS_BYTES} bytes go to a sandbox (and the kernel runs at most its ARG_MAX)")
+    fd = os.memfd_create("isolate-exec-strings", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE)
+        req = _header(lib.ISO_XS_EXEC, flags | int(lib.ISO_XS_F_STRINGS_FD), 0, timeout_ms, len(strings), n_argv)
+    except BaseException:
+        os.close(fd)
+        raise
+    return req, fd
+
+
+class _TooLarge(ValueError):
+    pass
+
+
+def _nul_terminated(text: str | bytes) -> bytes:
+    data = os.fsencode(text)
+    if b"\0" in data:
+        raise ValueError(f"{os.fsdecode(data)[:60]!r} holds a NUL byte")
+    return data + b"\0"
+
+
+def _header(op: int, flags: int, mode: int, timeout_ms: int, n_strings: int, n_argv: int) -> bytes:
     req = ffi.new("struct iso_xs_request *")
     req.magic = lib.ISO_XS_MAGIC
     req.op = op
     req.flags = flags
     req.mode = mode
     req.timeout_ms = timeout_ms
-    req.n_strings = len(strings)
+    req.n_strings = n_strings
     req.n_argv = n_argv
-    parts = [bytes(ffi.buffer(req))]
-    for text in strings:
-        data = os.fsencode(text)
-        if b"\0" in data:
-            raise ValueError(f"{os.fsdecode(data)[:60]!r} holds a NUL byte")
-        parts.append(data + b"\0")
-    packet = b"".join(parts)
-    if len(packet) > MAX_MESSAGE:
-        raise ValueError(f"the command and its environment take {len(packet)} bytes; at most {MAX_MESSAGE} go "
-                         "to a sandbox in one request")
-    return packet
+    return bytes(ffi.buffer(req))
 
 
 class Connection:
@@ -166,7 +208,16 @@ class Connection:
         """The next reply; ServerGone when the server hung up."""
         self.sock.settimeout(timeout)
         try:
-            data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+            try:
+                data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+            except ConnectionResetError:
+                # The peer closed with a request of ours unread (a kill that crossed the command's end):
+                # the kernel reports that first, once, and what the peer sent before is still queued.
+                self.sock.settimeout(0)
+                try:
+                    data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+                except BlockingIOError:
+                    data, ancdata, msg_flags = b"", [], 0  # nothing was queued: it hung up
         except (TimeoutError, BlockingIOError):
             raise TimeoutError from None
         except OSError as exc:

@@ -83,6 +83,20 @@ def test_wall_clock_ends_the_run(workdir: str) -> None:
 
 
 
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_the_wall_limit_holds_whatever_the_program_kills(workdir: str, namespaces: bool) -> None:
+    # The program kills or stops every process it can see (its parent, PID 1, the init) and sleeps on:
+    # the wall limit still ends it, and nothing it printed after the attempt comes out.
+    script = ("for p in /proc/[0-9]*; do n=${p#/proc/}; [ \"$n\" = $$ ] || kill -STOP \"$n\" 2>/dev/null; "
+              "[ \"$n\" = $$ ] || kill -9 \"$n\" 2>/dev/null; done; sleep 5; echo survived")
+    started = time.monotonic()
+    result = isolate.run(["sh", "-c", script], policy=policy(write=[workdir], namespaces=namespaces,
+                                                             limits=Limits(wall_seconds=1)),
+                         cwd=workdir, capture_output=True, text=True)
+    assert time.monotonic() - started < 4.5, result.report
+    assert result.report.status == "timeout" and "survived" not in result.stdout, (result.stdout, result.report)
+
+
 @pytest.mark.parametrize("wall", [0.0004, 1e-9])
 def test_a_wall_clock_under_the_floor_is_refused_and_the_floor_is_a_limit(workdir: str, wall: float) -> None:
     # A sub-millisecond wall clock was truncated to 0 ms, which the init reads as "no limit", while the

@@ -64,6 +64,31 @@ def box(source: str, backend: str) -> Iterator[Sandbox]:
         yield sandbox
 
 
+def test_argv_and_environment_up_to_the_kernels_limit_reach_the_command(box: Sandbox) -> None:
+    # One request packet holds 192 KiB: larger ones were refused ("at most 196608 go to a sandbox in one
+    # request"), though the kernel runs up to ARG_MAX. They now travel in a sealed memfd.
+    env = {f"BIG{i}": "v" * 100_000 for i in range(12)}  # 1.2 MB, each under MAX_ARG_STRLEN (128 KiB)
+    args = ["x"] * 20_000  # more strings than one packet's table holds
+    result = box.exec(["sh", "-c", 'echo "$#" "${#BIG7}"', "sh", *args], env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["20000", "100000"], result.stdout[:200]
+    process = box.spawn(["sh", "-c", 'echo "${#BIG11}"'], env=env)
+    assert process.stdout.read().split() == [b"100000"] and process.wait(60) == 0
+    # Past the kernel's own limit: the kernel's refusal, named; past isolate's bound: one clear line.
+    with pytest.raises(isolate.IsolationError, match="Argument list too long"):
+        box.exec(["true", *(["y" * 1000] * 8000)])
+    with pytest.raises(ValueError, match="at most 16777216 bytes"):
+        box.exec(["true", *(["y" * 100_000] * 200)])
+    assert box.exec("echo still").stdout == "still\n"
+
+
+def test_a_file_of_many_mebibytes_is_written_and_read_whole(box: Sandbox) -> None:
+    data = os.urandom(5 << 20)
+    box.write_file("big.bin", data)
+    assert box.read_file("big.bin", text=False) == data
+    assert box.exec("wc -c < big.bin").stdout.strip() == str(5 << 20)
+
+
 def terminal_shell_works(box: Sandbox) -> None:
     """Skip on the busybox test image: its ash edits lines, echoing a terminal's input (see Shell)."""
     if box.backend == "docker" and "busybox" in IMAGE:

@@ -163,6 +163,32 @@ def test_diff_and_commit_do_not_read_a_planted_workspace(source: str, workdir: s
         remove_native(name)
 
 
+def test_a_link_planted_where_the_registry_was_leads_nowhere(source: str, workdir: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SQLite registry lay in the state directory, which a sandbox granted the home reaches: a link
+    # planted at its name (or at its journal's) made the host write the registry's rows into any file the
+    # caller may write. It now lives in the runtime directory, which every grant hides or is refused.
+    import sqlite3
+
+    from isolate.registry import Registry, runtime_dir
+
+    state = Path(workdir) / "state"
+    state.mkdir()
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
+    victim = Path(workdir) / "victim.sqlite3"
+    with sqlite3.connect(victim) as db:
+        db.execute("CREATE TABLE mine (x)")
+    for name in ("sandboxes.sqlite3", "sandboxes.sqlite3-journal", "sandboxes.sqlite3-wal"):
+        (state / name).symlink_to(victim)  # what a program with the state directory writable can do
+    assert Registry().path.startswith(runtime_dir() + "/")
+    name = f"atk{os.getpid()}r"
+    Sandbox(policy(write=()), workspace=Workspace(source), name=name).start().close()
+    with sqlite3.connect(victim) as db:
+        tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master")]
+    assert tables == ["mine"], tables
+    assert not Path(workdir, "victim.sqlite3-journal").exists()
+
+
 def test_rm_removes_the_data_it_made(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     state = Path(workdir) / "state"
     monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
@@ -314,6 +340,58 @@ def test_a_stopped_monitor_is_continued_and_enforces_the_timeout(box: Sandbox) -
     assert done and not isinstance(value, BaseException), value
     assert value.timed_out and time.monotonic() - started < 10, value
     assert "sleep 1000" not in box.exec("ps -eo args").stdout
+
+
+def _left_running(box: Sandbox, name: str) -> list[str]:
+    """The command lines of the sandbox's processes (seen from the host) that run `name`."""
+    import psutil
+
+    found = []
+    for proc in box._impl.processes():
+        try:
+            line = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if name in line:
+            found.append(line)
+    return found
+
+
+def test_a_command_that_kills_its_monitor_does_not_outlive_it(box: Sandbox) -> None:
+    # The monitor holds the command's timeout and end, and runs with its uid: a command could kill it and
+    # run on, reparented, until close() (before: "the sandbox ended while the command ran", which it had
+    # not, and `sleep 1000` ran on). The host now ends the sandbox itself.
+    with pytest.raises(isolate.IsolationError, match="was ended"):
+        box.exec("sleep 1000 & kill -9 $PPID; wait", timeout=60)
+    assert not _left_running(box, "sleep 1000")
+    with pytest.raises(isolate.IsolationError, match="ended by the host"):
+        box.exec("true")
+
+
+def test_a_dropped_command_whose_monitor_was_killed_does_not_run_on(box: Sandbox) -> None:
+    # Dropping a command ends its tree through its monitor; one that killed its monitor first ran on.
+    process = box.spawn(["sh", "-c", "sleep 1000 & kill -9 $PPID; echo killed; wait"])
+    assert process.stdout.readline() == b"killed\n"
+    process.close()
+    assert not _left_running(box, "sleep 1000")
+
+
+def test_a_command_that_keeps_stopping_its_monitor_ends_by_its_deadline(box: Sandbox,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A monitor stopped again as soon as it is continued may never get to its timer: the host's own
+    # deadline (the timeout and GRACE) ends the sandbox then; nothing the command started runs on.
+    from isolate.backends.native import commands
+
+    monkeypatch.setattr(commands, "GRACE", 2.0)
+    started = time.monotonic()
+    done, value = _finishes(lambda: box.exec("while :; do kill -STOP $PPID; done & sleep 1000", timeout=1), 30)
+    assert done, "exec(timeout=1) outlived its deadline"
+    assert time.monotonic() - started < 20
+    if not isinstance(value, BaseException):
+        assert value.timed_out, value  # the monitor got its turn and ended the tree itself
+    else:
+        assert isinstance(value, isolate.IsolationError) and "was ended" in str(value), value
+    assert not _left_running(box, "sleep 1000")
 
 
 def test_a_grant_that_holds_the_runtime_directory_hides_it_or_is_refused(source: str, workdir: str) -> None:

@@ -111,6 +111,24 @@ def scoped(version: int) -> int:
     return 0
 
 
+def without_namespaces_refusal(version: int) -> str | None:
+    """Why a run without namespaces cannot be confined on this kernel, or None.
+
+    Without a mount namespace Landlock is what confines the files; without a
+    PID namespace its ABI 6 scoping is what keeps the program's signals to its
+    own domain (Landlock governs ptrace and /proc/PID/mem from ABI 1): before
+    it, the program could kill or stop every process of the uid it runs as,
+    the caller's own for a regular user.
+    """
+    if version == 0:
+        return "filesystem: without namespaces, Landlock is needed and this kernel has none"
+    if version < 6:
+        return (f"processes: without namespaces, Landlock ABI 6 (Linux 6.12) is what keeps the program's signals "
+                f"from every other process of its uid (the caller's own, for a regular user), and this kernel has "
+                f"ABI {version}; use namespaces (the default), or best_effort to run without that")
+    return None
+
+
 def resolve_unix_right(version: int) -> int:
     """The right that lets write grants, tmpfs mounts and named sockets be connected to (0 before ABI 9)."""
     return LANDLOCK_ACCESS_FS_RESOLVE_UNIX if version >= 9 else 0

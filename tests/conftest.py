@@ -68,12 +68,13 @@ NAMESPACES_WHY = _namespaces_problem()
 
 
 def _landlock_problem() -> str | None:
-    """Why runs without namespaces are refused on this host (they need Landlock), or None."""
+    """Why runs without namespaces are refused on this host (they need Landlock, ABI 6), or None."""
     from isolate import landlock
 
-    if landlock.abi() == 0:
-        return ("this kernel has no Landlock: isolate refuses runs without namespaces here (Landlock is what "
-                "confines them), so every no-namespace test is skipped for that one reason")
+    refusal = landlock.without_namespaces_refusal(landlock.abi())
+    if refusal:
+        return (f"isolate refuses runs without namespaces on this kernel ({refusal.split(';')[0]}), so every "
+                "no-namespace test is skipped for that one reason")
     return None
 
 

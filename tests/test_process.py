@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 
 import pytest
-from conftest import ROOT, policy, py
+from conftest import ROOT, policy, py, python_read
 
 import isolate
 
@@ -130,3 +131,34 @@ def test_a_refused_policy_leaks_no_descriptor(workdir: str) -> None:
         with pytest.raises(isolate.IsolationError):
             isolate.run(["true"], policy=refused, cwd=workdir)
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_without_namespaces_the_program_signals_nothing_outside_or_is_refused(workdir: str) -> None:
+    # Without a PID namespace only Landlock's ABI 6 scoping keeps the program's signals in its own
+    # domain. Before, on older kernels a run without namespaces went ahead and its program could kill
+    # every process of its uid: the caller itself, for a regular user (in the VM, the test runner). It is
+    # now refused there unless best effort is asked, and where it runs the caller's processes are safe.
+    from isolate import landlock
+
+    abi = landlock.abi()
+    if abi == 0:
+        pytest.skip("no Landlock: runs without namespaces are refused for their files already")
+    root = os.geteuid() == 0
+    if root:
+        os.chown(workdir, 65534, 65534)  # without idmapped mounts a root caller's program writes as 65534
+    victim = subprocess.Popen(["sleep", "60"], user=65534 if root else None)  # of the program's uid
+    try:
+        pol = isolate.Policy(read=python_read(), write=(workdir,), namespaces=False, backend="native")
+        script = f"kill -TERM {victim.pid}; kill -STOP {victim.pid}"
+        if abi < 6:
+            with pytest.raises(isolate.UnsupportedError, match="processes: without namespaces, Landlock ABI 6"):
+                isolate.run(["sh", "-c", script], policy=pol, cwd=workdir)
+            done = isolate.run(["true"], policy=dataclasses.replace(pol, best_effort=True), cwd=workdir)
+            assert done.returncode == 0 and any("Landlock ABI 6" in w for w in done.report.warnings), done.report
+        else:
+            done = isolate.run(["sh", "-c", script], policy=pol, cwd=workdir, capture_output=True, text=True)
+            assert done.returncode != 0 and "not permitted" in done.stderr, (done.stderr, done.report)
+        assert victim.poll() is None, "the caller's process was signalled"
+    finally:
+        victim.kill()
+        victim.wait()

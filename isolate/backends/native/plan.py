@@ -466,6 +466,7 @@ def unsupported_reasons(policy: Policy) -> list[str]:
     if policy.namespaces and userns_error():
         reasons.append(f"namespaces: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
                        + hostinfo.userns_advice(userns_error()))
-    if not policy.namespaces and landlock.abi() == 0:
-        reasons.append("filesystem: without namespaces, Landlock is needed and this kernel has none")
+    refusal = None if policy.namespaces else landlock.without_namespaces_refusal(landlock.abi())
+    if refusal:
+        reasons.append(refusal)
     return reasons

@@ -428,8 +428,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             enforced["landlock_scope"] = ["signal", "abstract-unix-socket"]
     else:
         enforced["landlock"] = None
-        if not use_ns:
-            refusals.refuse("filesystem: without namespaces, Landlock is needed and this kernel has none")
+    refusal = None if use_ns else landlock.without_namespaces_refusal(abi)
+    if refusal:
+        refusals.refuse(refusal)
     if not use_ns and network == "none":
         enforced["network"] = "landlock-tcp+seccomp-sockets"
     elif not use_ns and network == "loopback":

@@ -9,12 +9,14 @@ its argument; it imports nothing of isolate and runs on Python 3.7 and later.
 * The code's fds 1 and 2 are the host's own pipes: what it (or a child)
   writes goes there as it is, and stays there for the host even if the
   interpreter dies the next instant.
-* Each run's result (JSON: id, value repr, error) goes on stdout too, in
-  chunks of at most PIPE_BUF bytes (so no other writer can cut into one),
-  each starting with the run's random boundary: ``BOUNDARY ID MORE|END
-  LENGTH\n DATA``. The host takes them out of the output. Code that merely
-  prints cannot produce them; code that reads the boundary out of this
-  process's memory can forge its own run's result, and no more.
+* Each run's result (JSON: id, value repr, error) goes on the descriptor 3
+  the host gave (one end of a socket pair), moved at once to a private,
+  close-on-exec descriptor: no other process of the sandbox holds it, and a
+  socket cannot be reopened through /proc (a pipe can). It comes in chunks
+  ``BOUNDARY ID MORE|END LENGTH\n DATA`` under the run's random boundary.
+  The result is written after the run's output was flushed into the stdout
+  pipe, so the host has the whole output once it has the result. The
+  code's own process can forge its own run's result, and no more.
 
 Per request: restore fds 0-2 and ``sys.std*`` (the previous run may have
 closed or replaced them), run the code in one persistent namespace (the last
@@ -50,7 +52,7 @@ VALUE_LIMIT = 1 << 20
 MESSAGE_LIMIT = 1 << 20
 TRACEBACK_LIMIT = 256 << 10
 REQUEST_LIMIT = 64 << 20
-#: A write of at most this many bytes to a pipe is never interleaved with another's (POSIX PIPE_BUF).
+#: The largest chunk of a result (the host refuses larger ones).
 PIPE_BUF = 4096
 
 _RUNNING = [False]
@@ -67,16 +69,16 @@ def _private(fd: int) -> int:
 
 
 def _send(boundary: bytes, number: int, payload: bytes) -> None:
-    """The payload to the host in chunks, each one write() of at most PIPE_BUF bytes."""
-    fd = _STATE["out"]
+    """The payload to the host on the result channel, in chunks of at most PIPE_BUF bytes."""
+    fd = _STATE["res"]
     view = memoryview(payload)
     while True:
         head = b"%s %d " % (boundary, number)
         room = PIPE_BUF - len(head) - 16
         piece, view = view[:room], view[room:]
         chunk = head + (b"more" if view else b"end") + b" %d\n" % len(piece) + bytes(piece)
-        if os.write(fd, chunk) != len(chunk):  # a pipe takes all of a write this small, or blocks
-            raise OSError("short write on the host's pipe")
+        while chunk:
+            chunk = chunk[os.write(fd, chunk):]
         if not view:
             return
 
@@ -247,6 +249,8 @@ def main() -> None:
     _STATE["pid"] = os.getpid()
     hello_boundary = _boundary(sys.argv[1] if len(sys.argv) > 1 else None)
     _STATE["ctl_in"] = _private(0)
+    _STATE["res"] = _private(3)
+    os.close(3)
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     _STATE.update(null=_private(null), out=_private(1), err=_private(2))
     os.close(null)

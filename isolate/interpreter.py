@@ -13,18 +13,22 @@ Requests go in on the command's stdin, which the driver moves to a private
 descriptor before any user code runs (the code's stdin is /dev/null). The
 code's stdout and stderr are the host's own pipes: whatever writes there (the
 code, C code, child processes) is kept as it is, also when the interpreter
-dies the next instant. Each run's result follows on stdout in chunks of at
-most PIPE_BUF bytes, so that no other writer can cut into one, each marked by
-a random boundary drawn for that run; the host takes them out of the output.
-Code that prints cannot make one: it does not know the boundary.
+dies the next instant. Each run's result comes on a channel of its own: a
+socket pair whose far end the driver gets as its descriptor 3 and moves to a
+private close-on-exec descriptor at once. No other process of the sandbox
+holds it, and a socket, unlike a pipe, cannot be reopened through /proc, so
+nothing that prints, nor a process that reads the driver's memory, can end
+or fake a run's result (before, results came on stdout under a boundary
+that such a process could read and forge). The driver flushes the run's
+output into the stdout pipe before it writes the result, so once the host
+has the result it has the run's whole output too.
 
 What comes back is the sandbox's word and is read as such: chunks are
 length-checked, the result is capped and is JSON checked field by field,
 output is kept to its tail; nothing is unpickled or evaluated on the host.
-Code that deliberately reads the boundary out of the driver's memory (same
-process) can forge its own run's result, as any program can lie about its
-output, and no more; a malformed chunk ends the interpreter with a
-``ChannelError`` result.
+The code's own process can forge its own run's result, as any program can
+lie about its output, and no more; a malformed chunk ends the interpreter
+with a ``ChannelError`` result.
 
 A run that passes its timeout is ended with the whole interpreter and
 everything it started (SIGKILL to the process tree); the result says so
@@ -41,6 +45,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import termios
 import threading
@@ -57,8 +62,9 @@ from .fdwait import ready as wait_ready
 OUTPUT_LIMIT = 16 << 20
 #: The largest result the host accepts from the driver (the driver's own caps are below it).
 MAX_RESULT = 4 << 20
-#: The largest chunk of a result (POSIX PIPE_BUF: a write this small is never interleaved).
+#: The largest chunk of a result (as in _pydriver.py), and of a chunk's header line.
 PIPE_BUF = 4096
+HEADER_LIMIT = 128
 #: How often a run waiting for its result checks that the interpreter is still there.
 POLL = 0.25
 #: The largest piece of code one run takes (the driver's cap on a request).
@@ -72,7 +78,7 @@ _DRIVER = (Path(__file__).with_name("_pydriver.py")).read_text()
 
 
 class ChannelError(IsolationError):
-    """The interpreter's output held a broken result chunk (under the run's boundary)."""
+    """The interpreter's result channel carried a broken result chunk, or what is not one."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +133,9 @@ class _Tail:
         return bytes(self.data).decode("utf-8", errors="replace")
 
 
-class _Stdout:
-    """The interpreter's stdout: the code's output, with the driver's chunks taken out of it.
-
-    A chunk is ``BOUNDARY ID more|end LENGTH\\n`` then LENGTH bytes, written at
-    once; the boundary is random, drawn per run.
-    """
+class _Results:
+    """The driver's result channel: chunks of ``BOUNDARY ID more|end LENGTH\\n`` then LENGTH bytes,
+    under a boundary drawn per run; nothing else may come on it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -151,39 +154,27 @@ class _Stdout:
         self.buffer += chunk
         return len(chunk)
 
-    def take(self, boundary: bytes, out: _Tail) -> tuple[int, bool, bytes] | None:
-        """Move the output before the next chunk to out; that chunk (id, last, data), or None for now."""
-        at = self.buffer.find(boundary)
-        if at < 0:
-            # All of it is output, but for a tail that may be the start of a boundary.
-            keep = 0
-            if not self.eof:
-                for size in range(min(len(self.buffer), len(boundary) - 1), 0, -1):
-                    if self.buffer.endswith(boundary[:size]):
-                        keep = size
-                        break
-            out.add(self.buffer[:len(self.buffer) - keep])
-            del self.buffer[:len(self.buffer) - keep]
-            return None
-        out.add(self.buffer[:at])
-        del self.buffer[:at]
-        end = self.buffer.find(b"\n", 0, len(boundary) + 48)
+    def take(self, boundary: bytes) -> tuple[int, bool, bytes] | None:
+        """The next chunk (id, last, data), or None for now; a chunk under another run's boundary (the
+        driver's late answer for a run whose code forged its own) comes with id -1."""
+        broken = ChannelError("the interpreter's result channel held a broken result chunk")
+        end = self.buffer.find(b"\n", 0, HEADER_LIMIT)
         if end < 0:
-            if len(self.buffer) >= len(boundary) + 48 or self.eof:
-                raise ChannelError("the interpreter's output held a broken result chunk")
+            if len(self.buffer) >= HEADER_LIMIT or (self.eof and self.buffer):
+                raise broken
             return None
-        parts = bytes(self.buffer[len(boundary):end]).split(b" ")
-        if (len(parts) != 4 or parts[0] or not parts[1].isdigit() or parts[2] not in (b"more", b"end")
-                or not parts[3].isdigit() or int(parts[3]) > PIPE_BUF):
-            raise ChannelError("the interpreter's output held a broken result chunk")
+        parts = bytes(self.buffer[:end]).split(b" ")
+        if (len(parts) != 4 or not 16 <= len(parts[0]) <= 64 or not parts[0].isalnum() or not parts[1].isdigit()
+                or parts[2] not in (b"more", b"end") or not parts[3].isdigit() or int(parts[3]) > PIPE_BUF):
+            raise broken
         size = int(parts[3])
         if len(self.buffer) < end + 1 + size:
             if self.eof:
-                raise ChannelError("the interpreter's output held a broken result chunk")
+                raise broken
             return None
         data = bytes(self.buffer[end + 1:end + 1 + size])
         del self.buffer[:end + 1 + size]
-        return int(parts[1]), parts[2] == b"end", data
+        return int(parts[1]) if parts[0] == boundary else -1, parts[2] == b"end", data
 
 
 def _pending(fd: int) -> int:
@@ -232,7 +223,8 @@ class Interpreter:
         #: The sandbox's Python version, as its interpreter said at start ("3.11.2").
         self.python_version = ""
         self._process: Any = None
-        self._stdout: _Stdout | None = None
+        self._results: _Results | None = None
+        self._channel: socket.socket | None = None
         self._seq = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -249,52 +241,65 @@ class Interpreter:
 
     def _start(self) -> None:
         boundary = secrets.token_hex(16)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            process = self._box.spawn([self.executable, "-c", _DRIVER, boundary])
+            process = self._box.spawn([self.executable, "-c", _DRIVER, boundary], fd3=theirs.fileno())
         except CommandNotFoundError:
+            ours.close()
             raise CommandNotFoundError(
                 f"python: {self.executable} is not found inside the sandbox (on its PATH): the sandbox runs its "
                 "own Python, not the host's; make one visible (the default policy shows the host's /usr read-only, "
                 "a policy without it needs a read= path holding python3), or give python(executable=) the path "
                 "of one inside, e.g. a virtualenv in the workspace") from None
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the driver holds its own copy now
         self.starts += 1
         try:
-            hello = self._hello(process, boundary.encode())
+            hello = self._hello(process, ours, boundary.encode())
         except BaseException:
             process.kill()
             process.close()
+            ours.close()
             raise
         try:
             info = json.loads(hello)
             self.python_version = str(info.get("python", ""))[:32] if isinstance(info, dict) else ""
         except (ValueError, RecursionError):
             self.python_version = ""
-        self._process = process
+        self._process, self._channel = process, ours
 
-    def _hello(self, process: Any, boundary: bytes) -> bytes:
-        """The driver's first chunk (what a startup file printed before it is dropped)."""
-        stdout = self._stdout = _Stdout(process.stdout_fd)
-        for fd in (process.stdin_fd, process.stdout_fd, process.stderr_fd):
+    def _hello(self, process: Any, channel: socket.socket, boundary: bytes) -> bytes:
+        """The driver's first chunk (what a startup file printed meanwhile is dropped)."""
+        results = self._results = _Results(channel.fileno())
+        for fd in (process.stdin_fd, process.stdout_fd, process.stderr_fd, channel.fileno()):
             os.set_blocking(fd, False)
-        errors, ignored = _Tail(8192), _Tail(1)
+        errors = _Tail(8192)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            chunk = stdout.take(boundary, ignored)
+            chunk = results.take(boundary)
             if chunk is not None:
                 if chunk[0] != 0 or not chunk[1]:
                     raise ChannelError("the interpreter did not start as the driver does")
                 return chunk[2]
             wait = deadline - time.monotonic()
-            if stdout.eof or wait <= 0:
+            if results.eof or wait <= 0:
                 break
-            ready = wait_ready([process.stdout_fd, process.stderr_fd], [], wait)
+            ready = wait_ready([channel.fileno(), process.stdout_fd, process.stderr_fd], [], wait)
             if process.stderr_fd in ready:
                 try:
                     errors.add(os.read(process.stderr_fd, 8192))
                 except OSError:
                     pass
             if process.stdout_fd in ready:
-                stdout.fill()
+                try:
+                    os.read(process.stdout_fd, 1 << 16)
+                except OSError:
+                    pass
+            if channel.fileno() in ready:
+                results.fill()
         status = ""
         process.kill()
         try:
@@ -331,35 +336,34 @@ class Interpreter:
             return self._exchange(b"%d\n" % len(payload) + payload, boundary.encode(), timeout, output_limit)
 
     def _exchange(self, request: bytes, boundary: bytes, timeout: float | None, output_limit: int) -> PythonResult:
-        process, stdout = self._process, self._stdout
-        assert process is not None and stdout is not None
+        process, results, channel = self._process, self._results, self._channel
+        assert process is not None and results is not None and channel is not None
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         out, err = _Tail(output_limit), _Tail(output_limit)
         pending = memoryview(request)
         answer = bytearray()
-        err_open = True
+        open_fds = {process.stdout_fd: out, process.stderr_fd: err}
         next_poll = started + POLL
 
         def result(value: str | None, error: PythonError | None, **flags: bool) -> PythonResult:
             return PythonResult(out.text(), err.text(), value, error, truncated=out.truncated or err.truncated,
                                 seconds=round(time.monotonic() - started, 6), **flags)
 
-        def read_err(limit: int) -> None:
-            nonlocal err_open
+        def read_into(fd: int, limit: int) -> None:
             try:
-                data = os.read(process.stderr_fd, limit)
+                data = os.read(fd, limit)
             except BlockingIOError:
                 return
             except OSError:
                 data = b""
             if not data:
-                err_open = False
-            err.add(data)
+                open_fds.pop(fd, None)
+            (out if fd == process.stdout_fd else err).add(data)
 
         try:
             while True:
-                chunk = stdout.take(boundary, out)
+                chunk = results.take(boundary)
                 if chunk is not None:
                     number, last, data = chunk
                     if number != self._seq:
@@ -369,28 +373,28 @@ class Interpreter:
                         raise ChannelError(f"the interpreter's result passed {MAX_RESULT} bytes")
                     if not last:
                         continue
-                    # What went to stderr before the result was written is in the pipe now; what a
-                    # background process keeps writing is left for the next run.
-                    if err_open:
-                        read_err(max(1, _pending(process.stderr_fd)))
+                    # What the run wrote before its result is in the pipes now; what a background
+                    # process keeps writing is left for the next run.
+                    for fd in list(open_fds):
+                        read_into(fd, max(1, _pending(fd)))
                     number, value, error = _parse_result(bytes(answer))
                     if number != self._seq:
                         raise ChannelError("the interpreter answered for another run")
                     return result(value, error)
                 now = time.monotonic()
-                if stdout.eof or now >= next_poll:
+                if results.eof or now >= next_poll:
                     next_poll = now + POLL
-                    if stdout.eof or process.poll() is not None:
-                        return result(None, self._ended(process, boundary, out, read_err), ended=True)
+                    if results.eof or process.poll() is not None:
+                        return result(None, self._ended(process, out, err), ended=True)
                 if deadline is not None and now >= deadline:
                     self._stop(process)
-                    self._collect(process, boundary, out, read_err)
+                    self._collect(process, out, err)
                     self._end(process)
                     message = (f"the run did not finish within {timeout:g} s: the interpreter and everything it "
                                "started were killed; the next run starts a new interpreter (variables are lost)")
                     return result(None, PythonError("TimeoutError", message, ""), timed_out=True, ended=True)
                 wait = min(POLL, deadline - now) if deadline is not None else POLL
-                readers = [process.stdout_fd] + ([process.stderr_fd] if err_open else [])
+                readers = [channel.fileno(), *open_fds]
                 writers = [process.stdin_fd] if pending else []
                 ready = wait_ready(readers, writers, max(0.0, wait))
                 if process.stdin_fd in ready and pending:
@@ -400,23 +404,24 @@ class Interpreter:
                         pass
                     except OSError:
                         pending = pending[:0]  # the driver is gone: the poll says how
-                if process.stderr_fd in ready:
-                    read_err(1 << 16)
-                if process.stdout_fd in ready:
-                    stdout.fill()
+                for fd in list(open_fds):
+                    if fd in ready:
+                        read_into(fd, 1 << 16)
+                if channel.fileno() in ready:
+                    results.fill()
         except ChannelError as exc:
             self._end(process)
             message = f"{exc}; the interpreter was ended and the next run starts a new one (variables are lost)"
             return result(None, PythonError("ChannelError", message, ""), ended=True)
 
-    def _ended(self, process: Any, boundary: bytes, out: _Tail, read_err: Any) -> PythonError:
-        """The interpreter ended (or closed its stdout) during a run: keep what it wrote, say why."""
+    def _ended(self, process: Any, out: _Tail, err: _Tail) -> PythonError:
+        """The interpreter ended (or closed its result channel) during a run: keep what it wrote, say why."""
         how = ""
         try:
             process.wait(2.0)
-        except Exception:  # still running with its stdout closed
-            how = "closed its stdout"
-        self._collect(process, boundary, out, read_err)
+        except Exception:  # still running with its channel closed
+            how = "closed its result channel"
+        self._collect(process, out, err)
         self._end(process)
         if not how:
             report = process.report
@@ -432,26 +437,19 @@ class Interpreter:
         return PythonError("InterpreterExited", f"the interpreter {how} during the run; the next run starts a "
                            "new one (variables are lost)", "")
 
-    def _collect(self, process: Any, boundary: bytes, out: _Tail, read_err: Any) -> None:
+    @staticmethod
+    def _collect(process: Any, out: _Tail, err: _Tail) -> None:
         """Keep what the interpreter wrote before it ended: it is in the pipes now (a background
         child that keeps them open and goes on writing is not waited for)."""
-        stdout = _Stdout(process.stdout_fd)
-        stdout.buffer = self._stdout.buffer if self._stdout is not None else bytearray()
-        for _ in range(64):
-            if stdout.eof or not stdout.fill(max(1, _pending(stdout.fd))):
-                break
-        stdout.eof = True
-        try:
-            while stdout.take(boundary, out) is not None:
-                pass  # a result chunk the driver wrote before it ended: not output
-        except ChannelError:
-            pass
-        out.add(stdout.buffer)
-        stdout.buffer.clear()
-        for _ in range(64):
-            if not _pending(process.stderr_fd):
-                break
-            read_err(_pending(process.stderr_fd))
+        for fd, tail in ((process.stdout_fd, out), (process.stderr_fd, err)):
+            for _ in range(64):
+                try:
+                    size = _pending(fd)
+                    if not size:
+                        break
+                    tail.add(os.read(fd, size))
+                except OSError:
+                    break
 
     @staticmethod
     def _stop(process: Any) -> None:
@@ -465,7 +463,13 @@ class Interpreter:
         self._stop(process)
         process.close()
         if self._process is process:
-            self._process, self._stdout = None, None
+            self._close_channel()
+            self._process = None
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel, self._results = None, None
 
     def interrupt(self) -> None:
         """SIGINT to the interpreter (and what it started in its process group): KeyboardInterrupt in the code.
@@ -485,6 +489,7 @@ class Interpreter:
             process.kill()
             process.close()
             self._process = None
+        self._close_channel()
 
     def __enter__(self) -> Interpreter:
         return self

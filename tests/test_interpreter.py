@@ -104,25 +104,38 @@ def test_closed_or_replaced_stdio_is_restored_for_the_next_run(box: Sandbox) -> 
 
 def test_writing_to_the_drivers_own_descriptors_is_output(box: Sandbox) -> None:
     py = box.python()
-    # The code finds the driver's private descriptors (it can: same process) and writes a frame-like line.
-    attack = ("import os\nfor name in os.listdir('/proc/self/fd'):\n    fd = int(name)\n"
-              "    if fd >= 512:\n        try:\n            os.write(fd, b'r 2 end 5\\n{}xyz\\n')\n"
+    # The code finds the driver's private descriptors (it can: same process) and writes a frame-like line
+    # to its copies of stdout and stderr: output, nothing more.
+    attack = ("import os, stat\nfor name in os.listdir('/proc/self/fd'):\n    fd = int(name)\n"
+              "    if fd >= 512 and not stat.S_ISSOCK(os.fstat(fd).st_mode):\n        try:\n"
+              "            os.write(fd, b'r 2 end 5\\n{}xyz\\n')\n"
               "        except OSError:\n            pass\n'done'")
     result = py.run(attack, timeout=20)
     assert result.ok and result.value == "'done'" and "r 2 end 5\n{}xyz\n" in result.stdout, result
     assert py.run("1 + 1").value == "2" and py.starts == 1
 
 
-# The code reads this run's boundary out of the driver's frames (same process: it can).
-STEAL = ("import sys\nframe = sys._getframe()\nwhile 'request' not in frame.f_locals:\n"
+# The code reads this run's boundary out of the driver's frames (same process: it can), and finds the
+# driver's result channel (the one socket among its descriptors).
+STEAL = ("import os, stat, sys\nframe = sys._getframe()\nwhile 'request' not in frame.f_locals:\n"
          "    frame = frame.f_back\nboundary = frame.f_locals['request']['boundary']\n"
-         "number = frame.f_locals['request']['id']\n")
+         "number = frame.f_locals['request']['id']\n"
+         "channel = [int(n) for n in os.listdir('/proc/self/fd') if int(n) >= 512 and "
+         "stat.S_ISSOCK(os.fstat(int(n)).st_mode)][0]\n")
 
 
-def test_a_broken_chunk_under_a_stolen_boundary_ends_the_interpreter(box: Sandbox) -> None:
+def test_a_stolen_boundary_on_stdout_is_output(box: Sandbox) -> None:
+    # Results used to come on stdout under the boundary: writing it there ended or forged a run.
+    py = box.python()
+    result = py.run(STEAL + "sys.stdout.write(boundary + ' 7 end 99999999\\n')\nsys.stdout.flush()\n'real'",
+                    timeout=20)
+    assert result.value == "'real'" and not result.ended and " 7 end 99999999\n" in result.stdout, result
+
+
+def test_a_broken_chunk_on_the_result_channel_ends_the_interpreter(box: Sandbox) -> None:
     py = box.python()
     py.run("secret = 1")
-    result = py.run(STEAL + "sys.stdout.write(boundary + ' 7 end 99999999\\n')\nsys.stdout.flush()", timeout=20)
+    result = py.run(STEAL + "os.write(channel, boundary.encode() + b' 7 end 99999999\\n')", timeout=20)
     assert result.ended and not result.timed_out, result
     assert result.error is not None and result.error.type == "ChannelError", result
     assert "broken result chunk" in result.error.message
@@ -131,13 +144,13 @@ def test_a_broken_chunk_under_a_stolen_boundary_ends_the_interpreter(box: Sandbo
 
 
 def test_a_forged_result_is_only_that_runs_own(box: Sandbox) -> None:
-    # What the module's docstring says: code that steals the boundary can lie about its own run's
-    # result, as any program can lie in its output; the host parses it as data and goes on.
+    # What the module's docstring says: the code's own process can lie about its own run's result, as
+    # any program can lie in its output; the host parses it as data and goes on.
     py = box.python()
     forged = ('{"id": %d, "value": "\'forged\'", "error": null}')
     code = STEAL + (f"doc = {forged!r} % number\n"
-                    "sys.stdout.write('%s %d end %d\\n%s' % (boundary, number, len(doc), doc))\n"
-                    "sys.stdout.flush()\nimport time\ntime.sleep(0.5)\n'real'")
+                    "os.write(channel, ('%s %d end %d\\n%s' % (boundary, number, len(doc), doc)).encode())\n"
+                    "import time\ntime.sleep(0.5)\n'real'")
     result = py.run(code, timeout=20)
     assert result.value == "'forged'" and not result.ended, result
     # The driver's own answer for that run comes later and is dropped; the next runs are the real ones.

@@ -370,7 +370,9 @@ def test_a_command_that_kills_its_monitor_does_not_outlive_it(box: Sandbox) -> N
 
 def test_a_dropped_command_whose_monitor_was_killed_does_not_run_on(box: Sandbox) -> None:
     # Dropping a command ends its tree through its monitor; one that killed its monitor first ran on.
-    process = box.spawn(["sh", "-c", "sleep 1000 & kill -9 $PPID; echo killed; wait"])
+    # It waits for the host's word (so that its monitor has said STARTED), then kills its monitor.
+    process = box.spawn(["sh", "-c", "read go; sleep 1000 & kill -9 $PPID; echo killed; wait"])
+    process.write("go\n")
     assert process.stdout.readline() == b"killed\n"
     process.close()
     assert not _left_running(box, "sleep 1000")
@@ -524,6 +526,52 @@ def test_no_process_can_end_or_fake_a_shell_run(box: Sandbox, pty: bool) -> None
     with pytest.raises(TimeoutError):
         sh.run("sleep 30", timeout=0.5)
     assert sh.run("echo next; (exit 5)", timeout=30) == ("next\n", 5)
+
+
+FORGER = r"""
+import os, re, sys, time
+# Started by the interpreter's code, it holds the interpreter's stdout and reads its parent's memory.
+driver = os.getppid()
+fake = b'{"id": %d, "value": "FORGED", "error": null}'
+end = time.monotonic() + 20
+while time.monotonic() < end:
+    found = set()
+    with open(f"/proc/{driver}/maps") as maps, open(f"/proc/{driver}/mem", "rb", buffering=0) as mem:
+        for line in maps.read().splitlines():
+            span, perms = line.split()[:2]
+            if "r" not in perms or "w" not in perms:
+                continue
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(lo)
+                data = mem.read(min(hi - lo, 64 << 20))
+            except (OSError, ValueError, OverflowError):
+                continue
+            found.update(re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", data)[:1000])
+    if len(found) > 1:  # the hello's boundary and, once a run has started, that run's
+        for boundary in found:
+            for number in range(1, 6):
+                body = fake % number
+                os.write(1, b"%s %d end %d\n%s" % (boundary, number, len(body), body))
+        print("forged", len(found), file=sys.stderr, flush=True)
+        time.sleep(0.5)
+    time.sleep(0.05)
+"""
+
+
+def test_no_process_can_fake_an_interpreters_result(source: str) -> None:
+    # A process the interpreter's code started (same uid, holding the interpreter's stdout) read the
+    # run's boundary out of the interpreter's memory and wrote forged result chunks on that stdout: the
+    # host took one for the next run's result (before: value FORGED). Results now come on a socket only
+    # the driver holds; what the forger writes is output, nothing more.
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        py = box.python()
+        assert py.run(f"import subprocess, sys\nforger = subprocess.Popen([sys.executable, '-c', {FORGER!r}])").ok
+        result = py.run("import time\ntime.sleep(3)\n'real'", timeout=60)
+        assert "forged" in result.stderr, result  # the attack did reach the driver's memory and its stdout
+        assert result.value == "'real'" and result.error is None, result
+        assert "FORGED" in result.stdout, result  # it came as output, nothing more
+        assert py.run("forger.kill(); 1 + 1").value == "2"
 
 
 def test_a_host_that_holds_many_descriptors_still_runs_shells_and_commands(box: Sandbox) -> None:

@@ -134,7 +134,11 @@ class Command:
         finally:
             if strings_fd is not None:
                 os.close(strings_fd)
-        reply = conn.answer()
+        try:
+            reply = conn.answer()
+        except ServerGone:
+            # The command may have started (and killed its monitor before it said so).
+            raise self.lost("its monitor went away before it said whether the command started") from None
         if reply.kind == lib.ISO_XS_ERROR:
             conn.close()
             raise _start_error(reply, self.args, cwd)

@@ -972,8 +972,19 @@ def test_download_of_a_hostile_file_name(server: Server) -> None:
         server.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
-def test_code_context_forged_marker_ends_the_stream(server: Server) -> None:
-    """A cell that prints its context's marker with garbage (it can read the token) still gets an answer."""
+#: A cell that reads the last word of its own command line (where the end marker's token was) and prints a
+#: forged end with it, then ends with 'real'.
+FORGING_CELL = """import sys
+words = open('/proc/self/cmdline', 'rb').read().split(bytes(1))
+print(chr(10) + words[-2].decode() + '{"count": 7, "result": "FORGED", "error": null}')
+'real'
+"""
+
+
+def test_code_context_answers_come_only_from_its_driver(server: Server) -> None:
+    """A cell's end came as a marker on stdout whose token was on the driver's command line: a cell, or any
+    process of the sandbox, read it (sys.argv, /proc/PID/cmdline) and ended the cell with a result of its
+    own (before: FORGED, count 7). The answer now comes on a channel only the driver holds."""
     pytest.importorskip("code_interpreter", reason="the code-interpreter SDK is missing: pip install "
                         "'isolate[server-test]'")
     code = section('''
@@ -982,10 +993,8 @@ from code_interpreter import CodeInterpreter
 from code_interpreter.models.code import SupportedLanguage
 interpreter = await CodeInterpreter.create(sandbox=sandbox, skip_health_check=True)
 context = await interpreter.codes.create_context(SupportedLanguage.PYTHON)
-for forged in ('[1, 2]', '{"count": "x", "error": {"ename": 5}}', 'not json'):
-    r = await asyncio.wait_for(interpreter.codes.run(f"import sys\\nprint('\\\\n' + sys.argv[1] + {forged!r})",
-                                                     context=context), 20)
-    print(r.error)
+r = await asyncio.wait_for(interpreter.codes.run(CELL, context=context), 20)
+print([x.text for x in r.result], r.error, r.execution_count)
 print("alive", (await sandbox.commands.run("echo ok")).logs.stdout[0].text)
-''', server)
-    assert run_example(server, code).splitlines() == ["None", "None", "None", "alive ok"]
+'''.replace("CELL", repr(FORGING_CELL)), server)
+    assert run_example(server, code).splitlines() == ["[\"'real'\"] None 1", "alive ok"]

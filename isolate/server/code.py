@@ -3,10 +3,16 @@
 A Python context is the sandbox's own ``python3`` running a small driver
 that reads length-prefixed cells on stdin, executes each in one namespace
 (the value of a last bare expression is the cell's result, as in a
-notebook) and ends each with a marker line carrying a random token, the
-execution count, the result and any error. No Jupyter: what the image would
-have provided is the sandbox's python3 and what its policy lets it import.
-A bash context is a bash session (``Sandbox.shell``).
+notebook) and ends each with a line of JSON (execution count, result,
+error) on a channel of its own: a socket pair whose far end the driver gets
+as its descriptor 3 and keeps private. No other process of the sandbox
+holds it and a socket cannot be reopened through /proc, so no output can end
+or fake a cell (before, the end was a marker on stdout whose token was on
+the driver's command line, readable by any process of the sandbox). The
+driver flushes the cell's output first: the host has it all with the
+answer. No Jupyter: what the image would have provided is the sandbox's
+python3 and what its policy lets it import. A bash context is a bash
+session (``Sandbox.shell``, framed out of band as well).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import secrets
 import select
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +30,9 @@ from typing import Any
 from ..sandbox import Sandbox
 
 DRIVER = r'''
-import ast, json, signal, sys, traceback
-token = sys.argv[1]
+import ast, fcntl, json, os, signal, sys, traceback
+channel = fcntl.fcntl(3, fcntl.F_DUPFD_CLOEXEC, 512)  # private: no cell or child of one gets it as 3
+os.close(3)
 namespace = {"__name__": "__main__"}
 count = 0
 source = sys.stdin.buffer
@@ -53,11 +61,14 @@ while True:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.stdout.write("\n" + token + json.dumps({"count": count, "result": result, "error": error}) + "\n")
-    sys.stdout.flush()
+    answer = (json.dumps({"count": count, "result": result, "error": error}) + "\n").encode()
+    while answer:
+        answer = answer[os.write(channel, answer):]
 '''
 
 LANGUAGES = ("python", "bash")
+#: The largest answer (count, result, error) a cell may give.
+MAX_ANSWER = 16 << 20
 Emit = Callable[[str, Any], None]
 
 
@@ -69,14 +80,23 @@ class CodeContext:
         self.language = language
         self.lock = threading.Lock()
         self.count = 0
-        self._token = f"__isolate_cell_{secrets.token_hex(12)}__"
         self._shell: Any = None
         self._proc: Any = None
+        self._channel: socket.socket | None = None
         if language == "bash":
             self._shell = box.shell(self.id, pty=False)
         else:
-            self._proc = box.spawn(["python3", "-u", "-c", DRIVER, self._token], env={"PYTHONUNBUFFERED": "1"})
-            for fd in (self._proc.stdout_fd, self._proc.stderr_fd):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._proc = box.spawn(["python3", "-u", "-c", DRIVER], env={"PYTHONUNBUFFERED": "1"},
+                                       fd3=theirs.fileno())
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()  # the driver holds its own copy now
+            self._channel = ours
+            for fd in (self._proc.stdout_fd, self._proc.stderr_fd, ours.fileno()):
                 os.set_blocking(fd, False)
 
     def run(self, code: str, timeout: float | None, emit: Emit) -> None:
@@ -103,39 +123,34 @@ class CodeContext:
         data = code.encode()
         self._proc.write(f"{len(data)}\n".encode() + data)
         out, err = self._proc.stdout_fd, self._proc.stderr_fd
-        token = self._token.encode()
-        pending = b""
-        marker: bytes | None = None
-        while True:
-            ready, _, _ = select.select([out, err], [], [], 1.0)
-            if err in ready:
-                chunk = _read(err)
-                if chunk:
-                    emit("stderr", chunk)
-            if out in ready:
-                chunk = _read(out)
+        assert self._channel is not None
+        channel = self._channel.fileno()
+        answer = b""
+        watched = [out, err, channel]
+        while b"\n" not in answer:
+            ready, _, _ = select.select(watched, [], [], 1.0)
+            for fd, kind in ((out, "stdout"), (err, "stderr")):
+                if fd in ready:
+                    chunk = _read(fd)
+                    if chunk is None:
+                        watched.remove(fd)
+                    elif chunk:
+                        emit(kind, chunk)
+            if channel in ready:
+                chunk = _read(channel)
                 if chunk is None:
                     emit("done", {"count": self.count, "result": None,
                                   "error": {"ename": "ContextDied", "evalue": "the interpreter ended",
                                             "traceback": []}})
                     return
-                if marker is not None:
-                    marker += chunk
-                else:
-                    pending += chunk
-                    at = pending.find(token)
-                    if at >= 0:
-                        emit("stdout", pending[:at])
-                        marker, pending = pending[at + len(token):], b""
-                    elif len(pending) > len(token):
-                        emit("stdout", pending[:-len(token)])  # what cannot be the start of the marker
-                        pending = pending[-len(token):]
-            if marker is not None and b"\n" in marker:
-                marker = marker.split(b"\n", 1)[0]
-                break
-        while (chunk := _read(err)):  # what the cell wrote to stderr before its marker
-            emit("stderr", chunk)
-        # The marker comes from inside (a cell can read the token and print its own): take only well-formed parts.
+                answer += chunk
+                if len(answer) > MAX_ANSWER:
+                    raise ValueError(f"the interpreter's answer passed {MAX_ANSWER} bytes")
+        marker = answer.split(b"\n", 1)[0]
+        for fd, kind in ((out, "stdout"), (err, "stderr")):  # what the cell wrote before its answer
+            while fd in watched and (chunk := _read(fd)):
+                emit(kind, chunk)
+        # The answer comes from inside (the cell's own process can write there): take only well-formed parts.
         try:
             info = json.loads(marker)
         except ValueError:
@@ -165,6 +180,8 @@ class CodeContext:
         else:
             self._proc.kill()
             self._proc.close()
+            if self._channel is not None:
+                self._channel.close()
 
 
 def _read(fd: int) -> bytes | None:

@@ -54,8 +54,6 @@ __all__ = ["IsolateSandboxEnvironment", "inspect_policy"]
 TOOLS_PARENT = "/var/tmp"
 #: Every sample's sandbox name starts with this (what cli_cleanup removes).
 NAME_PREFIX = "inspect-"
-#: Above this many bytes of arguments and variables, a command's argv travels as a file (see _exec_argv).
-LARGE_COMMAND = 64 * 1024
 
 T = TypeVar("T")
 
@@ -221,11 +219,7 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
               timeout: int | None, limit: int, limit_str: str) -> ExecResult[str]:
         if not cmd:
             raise ValueError("exec: empty command")
-        argv_file = None
-        size = sum(len(os.fsencode(a)) + 1 for a in cmd) + sum(len(k) + len(v) + 2 for k, v in env.items())
         try:
-            if size > LARGE_COMMAND:
-                argv_file, cmd = self._argv_through_file(cmd)
             result = self.box.exec(cmd, cwd=cwd, env=env, input=input, timeout=timeout, output_limit=limit)
         except CommandNotFoundError as exc:
             # inspect's contract: a missing executable is the command's failure, not the provider's.
@@ -238,9 +232,6 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
             raise  # CommandNotExecutableError: inspect expects a PermissionError
         except IsolationError as exc:  # the sandbox ended (ttl, killed, its server gone)
             raise SandboxUnavailableError(f"the isolate sandbox {self.box.name} cannot run commands: {exc}") from exc
-        finally:
-            if argv_file is not None:
-                self._remove_quietly(argv_file)
         if result.report.status == "timeout":
             error = TimeoutError(f"Command timed out after {timeout} seconds")
             partial = (result.stdout or "") + (result.stderr or "")
@@ -250,29 +241,6 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
         if result.truncated:
             raise OutputLimitExceededError(limit_str, truncated_output=result.stdout + result.stderr)
         return ExecResult(result.returncode == 0, result.returncode, result.stdout, result.stderr)
-
-    def _argv_through_file(self, cmd: list[str]) -> tuple[str, list[str]]:
-        """Run a command whose arguments exceed one request to the exec server (about 190 KiB).
-
-        The arguments go into a private file, NUL-separated; bash reads them
-        into an array, removes the file and execs the command, so its status,
-        stdin and output are the command's own.
-        """
-        if not self.box.exists("/bin/bash"):
-            raise SandboxUnavailableError(
-                "exec: this command's arguments are too long for one request to the isolate sandbox, and the "
-                "sandbox has no /bin/bash to pass them through a file; pass the data on stdin or in a file"
-            )
-        path = f"{self.box.workspace.target}/.isolate-argv-{secrets.token_hex(8)}"
-        self.box.write_file(path, b"".join(os.fsencode(a) + b"\0" for a in cmd), mode=0o600)
-        script = 'mapfile -d "" -t argv < "$0"; status=$?; rm -f -- "$0"; [ $status -eq 0 ] && exec "${argv[@]}"'
-        return path, ["/bin/bash", "-c", script, path]
-
-    def _remove_quietly(self, path: str) -> None:
-        try:
-            self.box.remove(path)
-        except (OSError, IsolationError):
-            pass  # bash removed it already (the usual case)
 
     # -- files ---------------------------------------------------------------------------
 

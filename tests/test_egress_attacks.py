@@ -203,3 +203,66 @@ def test_every_address_add_hosts_gives_a_name_is_tried() -> None:
     finally:
         server.close()
         dead.close()
+
+
+_FLOOD_AMONG_MANY = r"""
+import json, resource, socket, sys, threading
+import isolate
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+server = socket.create_server(("127.0.0.1", 0), backlog=1024)
+port = server.getsockname()[1]
+held = []
+def accept():
+    while True:
+        try:
+            held.append(server.accept()[0])
+        except OSError:
+            return
+threading.Thread(target=accept, daemon=True).start()
+connect = ("import socket\n"
+           "def one():\n"
+           "    s = socket.create_connection(('127.77.0.1', 3128), timeout=10)\n"
+           f"    s.sendall(b'CONNECT one.test:{port} HTTP/1.1\\r\\n\\r\\n')\n"
+           "    return s, s.recv(64).startswith(b'HTTP/1.1 200')\n")
+flood = connect + ("import sys\nsocks = []\nfor _ in range(400):\n    try:\n        s, ok = one()\n"
+                   "        socks.append(s)\n    except OSError:\n        pass\n"
+                   "print('ready', sum(1 for _ in socks), flush=True)\nsys.stdin.read()\n")
+polite = connect + "s, ok = one()\nprint('ok' if ok else 'refused')\n"
+policy = isolate.Policy(network=isolate.Egress([f"one.test:{port}"], add_hosts={"one.test": "127.0.0.1"}),
+                        read=json.loads(sys.argv[2]))
+flooder = isolate.Popen([sys.argv[1], "-c", flood], policy=policy, stdin=-1, stdout=-1)
+line = flooder.stdout.readline().split()
+assert line[0] == b"ready", line
+results = []
+def run():
+    try:
+        done = isolate.run([sys.argv[1], "-c", polite], policy=policy, capture_output=True, text=True, timeout=120)
+        results.append(done.stdout.strip() or done.stderr.strip()[-200:])
+    except Exception as exc:
+        results.append(repr(exc))
+threads = [threading.Thread(target=run) for _ in range(19)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+flooder.stdin.close()
+flooder.wait(timeout=60)
+print(json.dumps({"flooder": int(line[1]), "others": results}))
+"""
+
+
+@pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+def test_one_flooding_sandbox_does_not_starve_nineteen_others() -> None:
+    # The mediators of one host process share its descriptor budget (half its RLIMIT_NOFILE). One
+    # sandbox that held every connection it could get took all of it, and the next sandboxes' connections
+    # were reset. Each mediator is now guaranteed a part, and none takes more than 3/4 of the budget.
+    import json
+
+    from conftest import PYTHON, python_read
+
+    result = subprocess.run([sys.executable, "-c", _FLOOD_AMONG_MANY, PYTHON, json.dumps(list(python_read()))],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["flooder"] >= 32, out  # it got a fair deal: the flood itself is served, up to its share
+    assert out["others"] == ["ok"] * 19, out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import itertools
 import resource
 import selectors
 import socket
@@ -62,6 +63,11 @@ FDS_PER_CONNECTION = 6
 #: together may hold: the rest stays the host process's (its files, its other sandboxes), whatever
 #: a program inside does. Beyond it a new connection is reset, and counted as denied.
 FD_SHARE = 0.5
+#: The descriptors each started mediator is guaranteed from that share (16 connections), or an equal
+#: part of it when there are too many mediators for that.
+RESERVE = 16 * FDS_PER_CONNECTION
+#: The most of that share one mediator may hold.
+MAX_SHARE = 0.75
 #: DNS queries over UDP answered at once; beyond, a query is dropped (the client asks again).
 MAX_DNS_WORKERS = 64
 #: Distinct entries kept in each list of the summary; the others are counted.
@@ -72,16 +78,21 @@ NOT_ALLOWED = "not allowed"
 
 
 class _DescriptorBudget:
-    """The descriptors this process's mediators hold, bounded by a share of RLIMIT_NOFILE.
+    """The descriptors this process's mediators hold, bounded by a share of RLIMIT_NOFILE, fairly.
 
     One budget for the whole process: the mediators of a server's many sandboxes
     share it, and a sandbox that opens connections without end runs into this
-    bound, not into EMFILE in the host process's own work.
+    bound, not into EMFILE in the host process's own work. Each started
+    mediator is guaranteed an equal part of it (up to RESERVE descriptors):
+    what one takes beyond its part comes only from what no other mediator is
+    guaranteed and holds unused, and never more than MAX_SHARE of the budget,
+    so that a sandbox that floods its mediator with connections leaves room
+    for the others, those started later included (before, it took it all).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held = 0
+        self._held: dict[int, int] = {}   # by mediator (id), for each started one
 
     @staticmethod
     def limit() -> int:
@@ -90,20 +101,36 @@ class _DescriptorBudget:
             soft = 1 << 20
         return int(soft * FD_SHARE)
 
-    def take(self, n: int) -> bool:
+    def join(self, key: int) -> None:
+        with self._lock:
+            self._held.setdefault(key, 0)
+
+    def leave(self, key: int) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+
+    def take(self, key: int, n: int) -> bool:
         limit = self.limit()
         with self._lock:
-            if self._held + n > limit:
+            reserve = min(RESERVE, limit // max(1, len(self._held)))
+            held = sum(self._held.values())
+            promised = sum(max(0, reserve - h) for k, h in self._held.items() if k != key)
+            mine = self._held.get(key, 0)
+            if held + n > limit:
                 return False
-            self._held += n
+            if mine + n > reserve and (held + n + promised > limit or mine + n > int(limit * MAX_SHARE)):
+                return False  # beyond its own part: only from what no one else is promised, up to MAX_SHARE
+            self._held[key] = self._held.get(key, 0) + n
             return True
 
-    def give(self, n: int) -> None:
+    def give(self, key: int, n: int) -> None:
         with self._lock:
-            self._held = max(0, self._held - n)
+            if key in self._held:
+                self._held[key] = max(0, self._held[key] - n)
 
 
 _budget = _DescriptorBudget()
+_keys = itertools.count()
 
 
 class _Denied(Exception):
@@ -161,6 +188,7 @@ class Mediator:
         self._next_address = int(FIRST_NAME_ADDRESS)
         self._sockets: set[socket.socket] = set()
         self._workers = Workers("isolate-egress-conn")
+        self._key = next(_keys)  # its account in the process's descriptor budget
         self._dns_slots = threading.BoundedSemaphore(MAX_DNS_WORKERS)
         self._allowed: dict[tuple[str, int], int] = {}
         self._denied: dict[tuple[str, str, int | None, str], int] = {}
@@ -179,6 +207,7 @@ class Mediator:
             self._started = True
         for sock in [self._udp, *self._listeners]:
             sock.setblocking(False)
+        _budget.join(self._key)
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True, name="isolate-egress")
         self._accept_thread.start()
         return self
@@ -214,6 +243,7 @@ class Mediator:
         self._workers.close(max(0.0, deadline - time.monotonic()))
         for sock in [self._udp, *self._listeners, self._wake_r, self._wake_w]:
             sock.close()
+        _budget.leave(self._key)
 
     def __enter__(self) -> Mediator:
         return self.start()
@@ -406,7 +436,7 @@ class Mediator:
                 self._count_denied("address", "(any)", None, f"more than {MAX_CONNECTIONS} connections at once")
                 _reset(conn)
                 continue
-            if not _budget.take(FDS_PER_CONNECTION):
+            if not _budget.take(self._key, FDS_PER_CONNECTION):
                 self._count_denied("address", "(any)", None, "the host process's share of descriptors is in "
                                    "use (RLIMIT_NOFILE)")
                 _reset(conn)
@@ -415,7 +445,7 @@ class Mediator:
                 self._sockets.add(conn)
             if not self._spawn(self._serve, conn):
                 self._forget(conn)
-                _budget.give(FDS_PER_CONNECTION)
+                _budget.give(self._key, FDS_PER_CONNECTION)
                 _reset(conn)
 
     def _forget(self, sock: socket.socket) -> None:
@@ -443,7 +473,7 @@ class Mediator:
                 _reset(conn)
             else:
                 conn.close()
-            _budget.give(FDS_PER_CONNECTION)
+            _budget.give(self._key, FDS_PER_CONNECTION)
 
     def _serve_dns_tcp(self, conn: socket.socket) -> None:
         while not self._closed:

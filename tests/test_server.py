@@ -892,6 +892,33 @@ print(len(await interpreter.codes.list_contexts(SupportedLanguage.PYTHON)))
         "['again 3']", "KeyboardInterrupt True", "['82']", "2"]
 
 
+def test_one_sandbox_cannot_take_the_servers_commands_or_sessions() -> None:
+    # Commands, bash sessions and code contexts each hold a thread and descriptors of the server's; one
+    # client could start them without end (only 256 running commands per sandbox, no bound on sessions,
+    # none over all sandboxes). Now: --max-commands over all sandboxes, a quarter of it per sandbox, and
+    # at most 32 sessions and contexts per sandbox.
+    srv = Server("--max-commands", "8")
+    try:
+        first, second = _create(srv), _create(srv)
+        (prefix_a, headers_a), (prefix_b, headers_b) = _endpoint(srv, first["id"]), _endpoint(srv, second["id"])
+        background = {"command": "sleep 60", "background": True}
+        assert [srv.call("POST", prefix_a + "/command", background, headers=headers_a)[0] for _ in range(2)] \
+            == [200, 200]
+        status, body = srv.call("POST", prefix_a + "/command", background, headers=headers_a)
+        assert status == 429 and body["code"] == "TOO_MANY_COMMANDS", body
+        assert [srv.call("POST", prefix_b + "/command", background, headers=headers_b)[0] for _ in range(2)] \
+            == [200, 200]  # the other sandbox is not starved
+        made = [srv.call("POST", prefix_a + "/session", None, headers=headers_a)[0] for _ in range(32)]
+        assert made == [200] * 32, made
+        status, body = srv.call("POST", prefix_a + "/session", None, headers=headers_a)
+        assert status == 429 and body["code"] == "TOO_MANY_SESSIONS", body
+        status, body = srv.call("POST", prefix_a + "/code/context", {"language": "bash"}, headers=headers_a)
+        assert status == 429 and body["code"] == "TOO_MANY_SESSIONS", body
+        assert srv.call("POST", prefix_b + "/session", None, headers=headers_b)[0] == 200
+    finally:
+        srv.stop()
+
+
 def test_max_sandboxes() -> None:
     srv = Server("--max-sandboxes", "2")
     try:

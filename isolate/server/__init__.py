@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "repeatable")
     parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
                         help="sandboxes kept at once; more creates are refused with 429 (default 64)")
+    parser.add_argument("--max-commands", type=int, default=1024, metavar="N",
+                        help="commands running at once over all sandboxes; one sandbox runs at most a quarter "
+                             "of them (and 256); more are refused with 429 (default 1024)")
     parser.add_argument("--best-effort", action="store_true",
                         help="create sandboxes whose resourceLimits this host cannot enforce (e.g. no cgroup for "
                              "this user) instead of refusing them; the sandbox's status message says what is not "
@@ -93,6 +96,12 @@ def serve_main(argv: Sequence[str]) -> int:
     except (PolicyError, OSError) as exc:
         print(f"isolate-run serve: {exc}", file=sys.stderr)
         return 125
+    if options.max_commands < 1:
+        print("isolate-run serve: --max-commands: at least 1", file=sys.stderr)
+        return 125
+    from . import state as state_module
+
+    state_module.RUNNING.limit = options.max_commands
     key = options.api_key
     if key is not None and len(key) < 16:
         print("isolate-run serve: --api-key: at least 16 characters", file=sys.stderr)

@@ -27,7 +27,7 @@ from starlette.types import Message
 from .code import LANGUAGES, CodeContext
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, SSE_HEADERS, LineSplitter, api, json_body, query_int, same, sse
 from .models import EGRESS_PORT, EXECD_PORT, ApiError, absolute, bad_request, file_info, name_of, octal_mode
-from .state import CommandRecord, ManagedSandbox, ServerState
+from .state import CommandRecord, ManagedSandbox, ServerState, room_for_session
 
 #: Where relative paths start: the sandbox's workspace (its commands' default cwd).
 WORKDIR = "/workspace"
@@ -240,6 +240,7 @@ async def create_session(request: Request) -> Response:
     import secrets
 
     session_id = "session-" + secrets.token_hex(8)
+    room_for_session(managed)
     shell = await run_in_threadpool(managed.box.shell, session_id, False)
     managed.sessions[session_id] = shell
     if cwd:
@@ -623,6 +624,7 @@ async def create_context(request: Request) -> Response:
     if body is not None and not isinstance(body, dict):
         raise bad_request("the body must be {\"language\": \"python\"}", "INVALID_REQUEST_BODY")
     language = _language((body or {}).get("language"))
+    room_for_session(managed)
     context = await run_in_threadpool(CodeContext, managed.box, language)
     managed.contexts[context.id] = context
     return JSONResponse({"id": context.id, "language": language})
@@ -686,6 +688,7 @@ async def run_code(request: Request) -> Response:
         language = _language(spec.get("language"))
         default: CodeContext | None = managed.contexts.get(f"default-{language}")
         if default is None:
+            room_for_session(managed)
             default = await run_in_threadpool(CodeContext, managed.box, language, f"default-{language}")
             managed.contexts[default.id] = default
         context = default

@@ -30,6 +30,41 @@ KEEP_FINISHED = 256
 #: Sandboxes one server keeps at once (--max-sandboxes), and commands running at once in one sandbox.
 MAX_SANDBOXES = 64
 MAX_RUNNING = 256
+#: Commands running at once over all the server's sandboxes: each holds a thread and descriptors of
+#: the server's, which no client may take all of. Bash sessions and code contexts per sandbox.
+MAX_RUNNING_TOTAL = 1024
+MAX_SESSIONS = 32
+
+
+class _Slots:
+    """A count with a ceiling, shared by every sandbox of the server."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._used = 0
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._used >= self.limit:
+                return False
+            self._used += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self._used = max(0, self._used - 1)
+
+
+RUNNING = _Slots(MAX_RUNNING_TOTAL)
+
+
+def room_for_session(managed: ManagedSandbox) -> None:
+    """Refuse (429) a bash session or code context past MAX_SESSIONS in one sandbox: each is a process
+    inside and a thread and descriptors of the server's."""
+    if len(managed.sessions) + len(managed.contexts) >= MAX_SESSIONS:
+        raise ApiError(429, "TOO_MANY_SESSIONS", f"a sandbox keeps at most {MAX_SESSIONS} bash sessions and code "
+                       "contexts together; delete one first")
 #: SIGTERM, then this long before SIGKILL, as upstream's interrupt does.
 INTERRUPT_GRACE = 3.0
 
@@ -138,6 +173,7 @@ def _pump(record: CommandRecord) -> None:
             record.error = {"timeout": "timed out", "killed": "killed"}.get(record.report_status,
                                                                               f"exit status {rc}")
     finally:
+        RUNNING.give()
         sel.close()
         record.finished_at = time.time()
         try:
@@ -181,17 +217,27 @@ class ManagedSandbox:
 
     def start_command(self, content: str, background: bool, cwd: str | None, env: Mapping[str, str] | None,
                       timeout: float | None, listener: Listener | None) -> CommandRecord:
+        # One sandbox runs at most a quarter of what the server runs: a flood of commands in one leaves
+        # room for the others.
+        most = min(MAX_RUNNING, max(1, RUNNING.limit // 4))
         with self.lock:
-            if sum(1 for c in self.commands.values() if c.running) >= MAX_RUNNING:
-                raise ApiError(429, "TOO_MANY_COMMANDS", f"at most {MAX_RUNNING} commands run at once in a sandbox")
+            if sum(1 for c in self.commands.values() if c.running) >= most:
+                raise ApiError(429, "TOO_MANY_COMMANDS", f"at most {most} commands run at once in a sandbox")
+        if not RUNNING.take():
+            raise ApiError(429, "TOO_MANY_COMMANDS", f"this server runs at most {RUNNING.limit} commands at once "
+                           "over all its sandboxes; wait for some to end")
         # bash when the sandbox has it (as upstream's execd: brace expansion, [[ ]], ...), else sh.
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
         try:
-            proc = self.box.spawn([shell, "-c", content], cwd=cwd, env=env, timeout=timeout)
-        except FileNotFoundError:
-            if shell == "/bin/sh":
-                raise
-            proc = self.box.spawn(["/bin/sh", "-c", content], cwd=cwd, env=env, timeout=timeout)
+            try:
+                proc = self.box.spawn([shell, "-c", content], cwd=cwd, env=env, timeout=timeout)
+            except FileNotFoundError:
+                if shell == "/bin/sh":
+                    raise
+                proc = self.box.spawn(["/bin/sh", "-c", content], cwd=cwd, env=env, timeout=timeout)
+        except BaseException:
+            RUNNING.give()
+            raise
         record = CommandRecord(secrets.token_hex(8), content, background, proc, listener=listener)
         with self.lock:
             self.commands[record.id] = record

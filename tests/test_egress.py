@@ -339,6 +339,28 @@ def test_a_kept_sandbox_reaches_allowed_names_in_every_command(site: dict[str, A
         assert refused.returncode != 0 and "gaierror" in refused.stderr
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_a_kept_sandbox_reports_egress_per_command(site: dict[str, Any], named: bool) -> None:
+    # A kept sandbox's commands had no egress in their reports: what each reached or was refused is now
+    # what the mediator saw while it ran (an anonymous sandbox's mediator runs in this process, a named
+    # one's is a process of its own, asked on a socket).
+    port = site["port"]
+    policy = isolate.Policy(network=_egress(port), read=python_read(), write=())
+    sb = isolate.Sandbox(policy, name=f"perc{os.getpid()}" if named else None).start()
+    try:  # not `with`: a named sandbox outlives its with block
+        fetched = sb.exec([PYTHON, "-c", HTTP_GET, "web.test", str(port)], timeout=60)
+        assert fetched.returncode == 0, fetched.stderr
+        assert fetched.report.egress["allowed"] == [{"host": "web.test", "port": port, "count": 1}], \
+            fetched.report.egress
+        quiet = sb.exec(["true"], timeout=60)
+        assert quiet.report.egress == {"allowed": [], "denied": []}, quiet.report.egress
+        refused = sb.exec([PYTHON, "-c", HTTP_GET, "evil.test", str(port)], timeout=60)
+        assert refused.report.egress["allowed"] == [], refused.report.egress
+        assert [e.get("host") for e in refused.report.egress["denied"]] == ["evil.test"], refused.report.egress
+    finally:
+        sb.close()
+
+
 def test_a_named_sandbox_keeps_its_egress_after_its_creator_exits(site: dict[str, Any]) -> None:
     """The mediator of a named sandbox is a process of its own, ended by the sandbox's end."""
     port = site["port"]

@@ -68,6 +68,11 @@ class KeptBackend(Protocol):
         """Stop every process of the sandbox; the mechanism ("cgroup-freezer" or "sigstop")."""
         ...
 
+    def egress_summary(self) -> dict[str, Any] | None:
+        """What the sandbox's egress mediator has seen so far (None: no egress by name, or not known to
+        this process); a command's report holds what it gained while the command ran."""
+        ...
+
     def end(self, reason: str) -> bool:
         """End everything running in the sandbox now, from the host (its files stay until close()): what
         the host does when a command's monitor inside no longer answers for it. False when it had ended

@@ -7,6 +7,8 @@ Descriptors it inherits (numbers given on the command line):
 - ``--control-fd N`` (optional): a stream socket. A line ``summary`` is answered with the summary
   as one line of JSON; ``stop`` (or EOF) stops the mediator, which writes the final summary
   as one line of JSON before it exits;
+- ``--query-fd N`` (optional): a stream socket whose lines ``summary`` are answered as on the control
+  socket; its EOF stops nothing (the process that asks may end before the sandbox);
 - ``--pidfd N`` (optional): a pidfd of the sandbox's process; the mediator stops when it exits;
 - ``--ready-fd N`` (optional): written ``ready`` and closed once the mediator serves.
 
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dns-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, action="append", default=[])
     parser.add_argument("--control-fd", type=int)
+    parser.add_argument("--query-fd", type=int)
     parser.add_argument("--pidfd", type=int)
     parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--dns-port", type=int, default=None, help=argparse.SUPPRESS)
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         udp = socket.socket(fileno=args.dns_fd)
         listeners = [socket.socket(fileno=fd) for fd in args.listen_fd]
         control = socket.socket(fileno=args.control_fd) if args.control_fd is not None else None
+        query = socket.socket(fileno=args.query_fd) if args.query_fd is not None else None
     except (OSError, PolicyError) as exc:
         print(f"python -m isolate.egress: {exc}", file=sys.stderr)
         return 2
@@ -98,11 +102,27 @@ def main(argv: list[str] | None = None) -> int:
         poller.register(control, select.POLLIN)
     if args.pidfd is not None:
         poller.register(args.pidfd, select.POLLIN)
+    if query is not None:
+        poller.register(query, select.POLLIN)
     pending = b""
+    asked = b""
     try:
         running = True
         while running:
             for fd, _ in poller.poll():
+                if query is not None and fd == query.fileno():
+                    data = query.recv(4096)
+                    if not data:
+                        poller.unregister(query)
+                        query.close()
+                        query = None
+                        continue
+                    asked = (asked + data)[-4096:]
+                    while b"\n" in asked:
+                        line, _, asked = asked.partition(b"\n")
+                        if line.strip() == b"summary":
+                            _write_line(query, mediator.summary())
+                    continue
                 if control is not None and fd == control.fileno():
                     data = control.recv(4096)
                     if not data:

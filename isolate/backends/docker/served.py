@@ -519,6 +519,9 @@ class DockerKept:
         self.paused = True
         return "cgroup-freezer"
 
+    def egress_summary(self) -> dict[str, Any] | None:
+        return None  # egress by name is the native backend's
+
     def end(self, reason: str) -> bool:
         """Kill the container from the host: its main process (the exec server) and everything in it end;
         the container and files stay until close()."""

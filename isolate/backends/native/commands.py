@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..._core import lib, step_name
 from ...errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
 from ...report import Report, status_for
+from .egress import summary_delta
 from .protocol import Connection, Reply, ServerGone, encode, encode_exec
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ class Command:
             timeout = None
         self.timeout = timeout
         self.exit: Reply | None = None
+        self._report: Report | None = None
+        #: What the sandbox's egress mediator had seen when the command started (None: no egress by name).
+        self._egress_start = sandbox.egress_summary() if sandbox is not None else None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
         packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms,
                                          int(lib.ISO_XS_F_PTY) if pty else 0)
@@ -220,7 +224,16 @@ class Command:
 
     def report(self) -> Report:
         assert self.exit is not None
-        return report_of(self.exit, self.started, self.enforced, self.backend)
+        if self._report is None:
+            report = report_of(self.exit, self.started, self.enforced, self.backend)
+            if self._egress_start is not None and self.sandbox is not None:
+                # What the mediator saw while the command ran (other commands running at the same time
+                # share the sandbox's network: theirs is counted too).
+                now = self.sandbox.egress_summary()
+                if now is not None:
+                    report.egress = summary_delta(self._egress_start, now)
+            self._report = report
+        return self._report
 
     @property
     def returncode(self) -> int | None:

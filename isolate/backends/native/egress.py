@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -160,9 +161,11 @@ def start_mediator(egress: Egress, host_end: socket.socket) -> Mediator:
     return mediator
 
 
-def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: int) -> subprocess.Popen[bytes]:
+def start_mediator_process(egress: Egress, host_end: socket.socket,
+                           init_pid: int) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """The same, as a process of its own that outlives this one (a named sandbox): ``python -m
-    isolate.egress``, in a session of its own, ending when the sandbox's init does (a pidfd)."""
+    isolate.egress``, in a session of its own, ending when the sandbox's init does (a pidfd). Also
+    returns a socket on which this process may ask for its summary (``summary`` lines)."""
     from ...egress import rules_to_json
 
     rules = egress.rules()
@@ -170,11 +173,13 @@ def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: in
     rules_r, rules_w = os.pipe2(os.O_CLOEXEC)
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     pidfd = -1
+    query, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         pidfd = os.pidfd_open(init_pid)
-        fds = [rules_r, ready_w, pidfd] + [sock.fileno() for sock in sockets]
+        fds = [rules_r, ready_w, pidfd, theirs.fileno()] + [sock.fileno() for sock in sockets]
         argv = [sys.executable, "-I", "-m", "isolate.egress", "--rules-fd", str(rules_r), "--pidfd", str(pidfd),
-                "--ready-fd", str(ready_w), "--dns-fd", str(sockets[0].fileno())]
+                "--ready-fd", str(ready_w), "--query-fd", str(theirs.fileno()),
+                "--dns-fd", str(sockets[0].fileno())]
         for sock in sockets[1:]:
             argv += ["--listen-fd", str(sock.fileno())]
         process = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -197,7 +202,11 @@ def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: in
             status = process.wait()
             raise SetupError(f"egress: the mediator process ({sys.executable} -I -m isolate.egress) did not start "
                              f"(status {status}); run it by hand to see why")
+    except BaseException:
+        query.close()
+        raise
     finally:
+        theirs.close()
         for fd in (rules_w, ready_r, ready_w):
             if fd >= 0:
                 os.close(fd)
@@ -207,7 +216,47 @@ def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: in
             os.close(pidfd)
         for sock in sockets:
             sock.close()
-    return process
+    return process, query
+
+
+def ask_summary(query: socket.socket, timeout: float = 5.0) -> dict[str, Any] | None:
+    """A mediator process's summary, asked on its query socket (None when it does not answer)."""
+    try:
+        query.settimeout(timeout)
+        query.sendall(b"summary\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = query.recv(1 << 20)
+            if not chunk or len(data) > 64 << 20:
+                return None
+            data += chunk
+        answer = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def summary_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What a summary gained since an earlier one: each entry with the count it gained (egress per command)."""
+    out: dict[str, Any] = {}
+    for key in ("allowed", "denied", "failed"):
+        earlier: dict[str, int] = {}
+        for entry in before.get(key, []) if isinstance(before.get(key), list) else []:
+            if isinstance(entry, dict):
+                earlier[_entry_key(entry)] = int(entry.get("count") or 0)
+        gained = []
+        for entry in after.get(key, []) if isinstance(after.get(key), list) else []:
+            if isinstance(entry, dict):
+                count = int(entry.get("count") or 0) - earlier.get(_entry_key(entry), 0)
+                if count > 0:
+                    gained.append({**entry, "count": count})
+        if gained or key != "failed":
+            out[key] = gained
+    return out
+
+
+def _entry_key(entry: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in entry.items() if k != "count"}, sort_keys=True, default=str)
 
 
 def connect_denial(mediator: Mediator, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int,

@@ -21,6 +21,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
 from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
 from ...workspace import Workspace, copy_tree
+from .egress import ask_summary
 from .protocol import Connection, ServerGone, probe
 
 SERVER_NAME = "isolate-exec-server"
@@ -118,6 +120,7 @@ class NativeSandbox:
         self.paused = False
         #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
         self.ended_because: str | None = None
+        self._query_lock = threading.Lock()
         self._files: Connection | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -329,6 +332,20 @@ class NativeSandbox:
             raise IsolationError(f"the sandbox was ended by the host: {self.ended_because}")
         return Connection(self.paths.socket)
 
+    def egress_summary(self) -> dict[str, Any] | None:
+        """The in-process mediator's summary, or the mediator process's (asked on its query socket,
+        which only the process that started the sandbox holds)."""
+        prepared = self.process._prepared if self.process is not None else None
+        if prepared is None:
+            return None
+        if prepared.mediator is not None:
+            summary: dict[str, Any] = prepared.mediator.summary()
+            return summary
+        if prepared.mediator_query is None:
+            return None
+        with self._query_lock:
+            return ask_summary(prepared.mediator_query)
+
     def end(self, reason: str) -> bool:
         """SIGKILL to the init, from the host (no process inside can stop that): the PID namespace and
         everything in it end; the files stay until close()."""
@@ -396,6 +413,10 @@ class NativeSandbox:
         if self._files is not None:
             self._files.close()
             self._files = None
+        prepared = self.process._prepared if self.process is not None else None
+        if prepared is not None and prepared.mediator_query is not None:
+            prepared.mediator_query.close()
+            prepared.mediator_query = None
         if self.process is not None:
             with _suppress_missing():
                 self.process.kill()  # SIGKILL to the init: the PID namespace ends with it

@@ -63,6 +63,8 @@ class Prepared:
     #: The mediator is a process of its own that outlives the caller (a named kept sandbox).
     egress_detached: bool = False
     mediator_process: Any = None  # held so that the Popen of a named sandbox's mediator is reaped, not leaked
+    #: This process's socket to ask that mediator process for its summary (egress per command).
+    mediator_query: Any = None
 
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
@@ -389,7 +391,8 @@ def spawn(prepared: Prepared, args: Sequence[str]) -> int:
         channel, prepared.egress_channel = prepared.egress_channel, None
         try:
             if prepared.egress_detached:
-                prepared.mediator_process = egress_plan.start_mediator_process(prepared.egress, channel, int(pid))
+                prepared.mediator_process, prepared.mediator_query = egress_plan.start_mediator_process(
+                    prepared.egress, channel, int(pid))
             else:
                 prepared.mediator = egress_plan.start_mediator(prepared.egress, channel)
         except BaseException:

@@ -392,11 +392,13 @@ def test_a_named_sandbox_keeps_its_egress_after_its_creator_exits(site: dict[str
 
 
 def _processes() -> list[list[str]]:
+    """The command lines of this user's processes (the suite runs as root and as 65534 side by side)."""
     import psutil
 
     out = []
-    for process in psutil.process_iter(["cmdline"]):
-        out.append(list(process.info["cmdline"] or []))
+    for process in psutil.process_iter(["cmdline", "uids"]):
+        if process.info["uids"] is not None and process.info["uids"].real == os.getuid():
+            out.append(list(process.info["cmdline"] or []))
     return out
 
 

@@ -66,8 +66,10 @@ SOCK_STREAM or SOCK_SEQPACKET (SOCK_DGRAM, and SOCK_RAW which the kernel
 turns into SOCK_DGRAM) become notifications the init refuses, and
 io_uring_setup is refused (EPERM), since a ring's IORING_OP_CONNECT never
 passes through seccomp. A ``ret USER_NOTIF`` of the profile's own (a
-reported denial) jumps to a second epilogue that answers connect() with its
-plain errno, so the init never mistakes a denial for a call to perform.
+reported denial) jumps to a second epilogue that answers connect() (and, under
+egress, sendto(), which the init looks at and lets continue) with its plain
+errno, so the init never mistakes a denial for a call to perform or let
+through; those denials are enforced but not reported.
 ``unix_sockets="deny"`` (the pre-exec hook, which has no init to supervise)
 refuses socket(AF_UNIX) of every type and AF_UNIX datagram socket pairs with
 EACCES instead.
@@ -947,11 +949,17 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     def emit(code: int, k: int, jt: str | None = None, jf: str | None = None) -> None:
         program.append((code, k, jt, jf))
 
-    label("notify")  # the profile's own USER_NOTIF: connect() gets its errno plainly
+    # The profile's own USER_NOTIF (a denial to report): a call the init would take for one to perform
+    # (connect) or to look at and let continue (sendto under egress) gets its errno plainly instead, or the
+    # init would let the denied call through. Those denials are enforced but not reported.
+    plain = [connect_nr] + ([sendto_nr] if sendto_nr is not None else [])
+    label("notify")
     emit(ld, 0)
-    emit(jeq, connect_nr, "connect_denied", "notify_ret")
-    label("connect_denied")
-    emit(ret, RET_ERRNO | table.get(connect_nr, default_errno or errno_mod.EPERM))
+    for i, nr in enumerate(plain):
+        emit(jeq, nr, f"denied_{i}", f"not_denied_{i}")
+        label(f"denied_{i}")
+        emit(ret, RET_ERRNO | table.get(nr, default_errno or errno_mod.EPERM))
+        label(f"not_denied_{i}")
     label("notify_ret")
     emit(ret, RET_USER_NOTIF)
     label("allow")
@@ -1024,7 +1032,8 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
             if not (0 <= jt < 256 and 0 <= jf < 256):
                 raise AssertionError("epilogue jump out of range")
         out.append(struct.pack("=HBBI", code, jt, jf, k))
-    table.pop(connect_nr, None)
+    for nr in plain:
+        table.pop(nr, None)
     return b"".join(out)
 
 

@@ -7,6 +7,7 @@ namespace has no route out. No internet is needed.
 
 from __future__ import annotations
 
+import errno
 import functools
 import http.server
 import json
@@ -199,6 +200,45 @@ def test_denied_destinations_fail_fast_and_are_reported(site: dict[str, Any]) ->
     assert all(e["count"] >= 1 and e["reason"] for e in denied)
     # Each denial also reaches report.denied, as every mechanism's do.
     assert {e["mechanism"] for e in result.report.denied} == {"egress"}
+
+
+DENIED_SENDS = """
+import ctypes, errno, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def sendmmsg(s):
+    sent = libc.sendmmsg(s.fileno(), None, 0, 0)
+    if sent < 0:
+        raise OSError(ctypes.get_errno(), "sendmmsg")
+    return sent
+calls = {"sendto": lambda s: s.sendto(b"x", ("127.0.0.1", 9)),
+         "send": lambda s: (s.connect(("127.0.0.1", 9)), s.send(b"x")),
+         "sendmsg": lambda s: s.sendmsg([b"x"], [], 0, ("127.0.0.1", 9)),
+         # vlen 0 with no vector: the kernel answers 0, the profile's denial an errno.
+         "sendmmsg": sendmmsg}
+for name, call in calls.items():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            call(s)
+            print(name, "sent")
+        except OSError as exc:
+            print(name, errno.errorcode[exc.errno])
+"""
+
+
+def test_a_profile_denying_the_sends_is_obeyed_under_egress(site: dict[str, Any], tmp_path: Any) -> None:
+    """The init looks at sendto() (and sendmsg/sendmmsg) under egress and lets them continue: a call the
+    profile itself denies must not be taken for one of those and let through."""
+    profile = tmp_path / "deny-sends.json"
+    profile.write_text(json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [
+        {"names": ["sendto", "sendmsg", "sendmmsg"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}]}))
+    os.chmod(tmp_path, 0o755)
+    os.chmod(profile, 0o644)
+    policy = isolate.Policy(network=_egress(site["port"]), read=python_read(), write=[], cwd="/tmp",
+                            seccomp=str(profile), limits=isolate.Limits(wall_seconds=60))
+    result = isolate.run([PYTHON, "-c", DENIED_SENDS], policy=policy, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n") == [f"{name} EPERM" for name in ("sendto", "send", "sendmsg",
+                                                                            "sendmmsg")] + [""], result.stdout
 
 
 def _dns_server(answers: dict[str, str]) -> tuple[socket.socket, int]:

@@ -282,7 +282,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         from ... import seccomp as seccomp_mod
 
         spec = ",".join(
-            [egress_plan.supervise_mode(network, egress, seccomp_mod.syscall_number("sendto") or -1)]
+            [egress_plan.supervise_mode(network, egress, *(seccomp_mod.syscall_number(n) or -1
+                                                           for n in ("sendto", "sendmsg", "sendmmsg")))]
             + [str(seccomp_mod.syscall_number(n)) for n in ("connect", "socket", "socketpair")]
             + [f"{dev}:{ino}" for dev, ino in socket_ids]
         )

@@ -27,6 +27,10 @@
  * report names what was tried.  Anything else is connected with the copied
  * address.  A blocking socket is connected by a short-lived thread, so that
  * the init's loop (wall clock, reaping) never waits on a peer.
+ * Under egress, sendto() naming an address and every sendmsg() and
+ * sendmmsg() come here too, only to be looked at: a destination the
+ * namespace cannot reach is recorded and answered ENETUNREACH (what the
+ * kernel says), anything else continues to the kernel.
  * AF_UNIX datagram sockets name their peer on every sendmsg(), behind a
  * pointer the filter cannot read, so their creation is sent here too and
  * refused (EACCES).  Whatever cannot be checked is refused (EACCES).
@@ -77,7 +81,7 @@ static uint32_t egress_net, egress_mask;
 /* At most 64 allow-list ports (egress_rules.MAX_PORTS), DNS's and the proxy's. */
 static uint16_t egress_ports[64 + 2];
 static int n_egress_ports;
-static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1, nr_sendto = -1;
+static int nr_connect = -1, nr_socket = -1, nr_socketpair = -1, nr_sendto = -1, nr_sendmsg = -1, nr_sendmmsg = -1;
 static struct {
     dev_t dev;
     ino_t ino;
@@ -86,8 +90,10 @@ static int n_allowed;
 static struct iso_status *report;
 
 /* "MODE,CONNECT,SOCKET,SOCKETPAIR[,DEV:INO...]" from the parent; MODE is
- * n, l, or "e:NET/PREFIX/SENDTO:PORT:PORT..." (egress; NET an IPv4 number,
- * SENDTO the number of sendto, whose calls naming an address come here). */
+ * n, l, or "e:NET/PREFIX/SENDTO/SENDMSG/SENDMMSG:PORT:PORT..." (egress; NET
+ * an IPv4 number, SENDTO the number of sendto, whose calls naming an address
+ * come here, SENDMSG and SENDMMSG those of sendmsg and sendmmsg, whose every
+ * call comes here). */
 int iso_supervise_init(const char *spec, struct iso_status *status)
 {
     report = status;
@@ -104,6 +110,12 @@ int iso_supervise_init(const char *spec, struct iso_status *status)
         if (prefix < 1 || prefix > 32 || net > 0xffffffffUL || *end != '/')
             return -1;
         nr_sendto = (int)strtol(end + 1, &end, 10);
+        if (*end != '/')
+            return -1;
+        nr_sendmsg = (int)strtol(end + 1, &end, 10);
+        if (*end != '/')
+            return -1;
+        nr_sendmmsg = (int)strtol(end + 1, &end, 10);
         egress_mask = (uint32_t)(0xffffffffUL << (32 - prefix));
         egress_net = (uint32_t)net & egress_mask;
         while (*end == ':' && n_egress_ports < (int)(sizeof egress_ports / sizeof egress_ports[0])) {
@@ -195,6 +207,16 @@ static void answer(int listener, uint64_t id, int err)
     resp.id = id;
     resp.error = err ? -err : 0;
     resp.val = 0;
+    ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp); /* ENOENT: the call was interrupted */
+}
+
+/* Let the call go on: the kernel (the network namespace) decides. */
+static void let_continue(int listener, uint64_t id)
+{
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = id;
+    resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
     ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp); /* ENOENT: the call was interrupted */
 }
 
@@ -410,11 +432,100 @@ static int sendto_notification(int listener, const struct seccomp_notif *req)
         answer(listener, req->id, verdict);
         return 1;
     }
-    struct seccomp_notif_resp resp;
-    memset(&resp, 0, sizeof resp);
-    resp.id = req->id;
-    resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
-    ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &resp); /* ENOENT: the call was interrupted */
+    let_continue(listener, req->id);
+    return 1;
+}
+
+/* Whether the msg_name of a msghdr the program holds names an AF_INET or
+ * AF_INET6 destination off what the namespace reaches (ENETUNREACH); then
+ * *copy holds it.  msg_namelen is clamped to a sockaddr_storage, as the
+ * kernel clamps it; a negative one is left to the kernel (EINVAL), and so
+ * is a name that cannot be read (EFAULT). */
+static int name_unreachable(pid_t pid, const struct msghdr *msg, struct sockaddr_storage *copy)
+{
+    int namelen = (int)msg->msg_namelen;
+    if (msg->msg_name == NULL || namelen <= 0)
+        return 0; /* no address: the socket's peer, the kernel's business */
+    if ((size_t)namelen > sizeof *copy)
+        namelen = (int)sizeof *copy;
+    memset(copy, 0, sizeof *copy);
+    struct iovec local = {.iov_base = copy, .iov_len = (size_t)namelen};
+    struct iovec remote = {.iov_base = msg->msg_name, .iov_len = (size_t)namelen};
+    if (process_vm_readv(pid, &local, 1, &remote, 1, 0) != namelen)
+        return 0;
+    if (copy->ss_family != AF_INET && copy->ss_family != AF_INET6)
+        return 0;
+    return unreachable(copy, namelen) == ENETUNREACH;
+}
+
+/* sendmsg() under egress: its destination (msg_name) lies behind a pointer
+ * the filter cannot follow, so every call comes here.  As for sendto(), the
+ * copy only says at once what the namespace would say, and records it:
+ * the call continues, or fails with the kernel's own ENETUNREACH, so a
+ * program that changes the address meanwhile only refuses itself. */
+static int sendmsg_notification(int listener, const struct seccomp_notif *req)
+{
+    struct msghdr msg;
+    struct sockaddr_storage copy;
+    struct iovec local = {.iov_base = &msg, .iov_len = sizeof msg};
+    struct iovec remote = {.iov_base = (void *)(uintptr_t)req->data.args[1], .iov_len = sizeof msg};
+    if (process_vm_readv((pid_t)req->pid, &local, 1, &remote, 1, 0) == (ssize_t)sizeof msg &&
+        name_unreachable((pid_t)req->pid, &msg, &copy)) {
+        record_inet(&copy);
+        answer(listener, req->id, ENETUNREACH);
+        return 1;
+    }
+    let_continue(listener, req->id);
+    return 1;
+}
+
+/* The entries of one sendmmsg() read here: the kernel takes up to
+ * UIO_MAXIOV (1024), but the init reads into its stack (it does not
+ * allocate), 64 entries of 64 bytes.  A destination past them is refused
+ * by the namespace all the same, only not recorded. */
+#define SENDMMSG_READ 64
+
+/* sendmmsg() under egress.  The kernel sends the entries in order and stops
+ * at the first that fails; it returns an error only when that is the first
+ * (nothing sent), else the count sent.  So:
+ *   - the first entry unreachable: answered ENETUNREACH and recorded, which
+ *     is what the kernel would answer (it would send nothing either);
+ *   - a later one: recorded, and the call continues; the kernel sends those
+ *     before it and fails there.  Answering an error would hide datagrams
+ *     the kernel sends, and answering a count would mean sending them here.
+ * Only the first unreachable entry is recorded, as the kernel tries no
+ * entry after it (a program that sends the rest again comes back here).
+ * An entry before it may fail of its own (no address on an unconnected
+ * socket, a message too long): then the kernel never tried the one
+ * recorded, which the program still meant to send.  Whatever is decided on
+ * the copy is a refusal the kernel would make too, never a permission: a
+ * program that races it only refuses itself. */
+static int sendmmsg_notification(int listener, const struct seccomp_notif *req)
+{
+    struct mmsghdr entries[SENDMMSG_READ];
+    struct sockaddr_storage copy;
+    unsigned int vlen = (unsigned int)req->data.args[2];
+    size_t want = (vlen < SENDMMSG_READ ? vlen : SENDMMSG_READ) * sizeof entries[0];
+    ssize_t got = 0;
+    if (want > 0) {
+        struct iovec local = {.iov_base = entries, .iov_len = want};
+        struct iovec remote = {.iov_base = (void *)(uintptr_t)req->data.args[1], .iov_len = want};
+        /* A partial read (the vector ends in unmapped memory) leaves the
+         * entries read whole; the kernel fails at the first it cannot read. */
+        got = process_vm_readv((pid_t)req->pid, &local, 1, &remote, 1, 0);
+    }
+    size_t n = got > 0 ? (size_t)got / sizeof entries[0] : 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!name_unreachable((pid_t)req->pid, &entries[i].msg_hdr, &copy))
+            continue;
+        record_inet(&copy);
+        if (i == 0) {
+            answer(listener, req->id, ENETUNREACH);
+            return 1;
+        }
+        break;
+    }
+    let_continue(listener, req->id);
     return 1;
 }
 
@@ -434,6 +545,10 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req)
     }
     if (nr == nr_sendto && mode == 'e')
         return sendto_notification(listener, req);
+    if (nr == nr_sendmsg && mode == 'e')
+        return sendmsg_notification(listener, req);
+    if (nr == nr_sendmmsg && mode == 'e')
+        return sendmmsg_notification(listener, req);
     if (nr != nr_connect)
         return 0;
 

@@ -66,8 +66,13 @@ SOCK_STREAM or SOCK_SEQPACKET (SOCK_DGRAM, and SOCK_RAW which the kernel
 turns into SOCK_DGRAM) become notifications the init refuses, and
 io_uring_setup is refused (EPERM), since a ring's IORING_OP_CONNECT never
 passes through seccomp. A ``ret USER_NOTIF`` of the profile's own (a
-reported denial) jumps to a second epilogue that answers connect() with its
-plain errno, so the init never mistakes a denial for a call to perform.
+reported denial) jumps to a second epilogue that answers connect() (and, under
+egress, sendto(), sendmsg() and sendmmsg(), which the init looks at and lets
+continue) with its plain errno, so the init never mistakes a denial for a
+call to perform or let through; those denials are enforced but not reported.
+Under egress, every sendmsg() and sendmmsg() the profile allows goes to the
+init (their address lies behind a pointer BPF cannot follow), which records
+the UDP destinations the namespace refuses.
 ``unix_sockets="deny"`` (the pre-exec hook, which has no init to supervise)
 refuses socket(AF_UNIX) of every type and AF_UNIX datagram socket pairs with
 EACCES instead.
@@ -927,6 +932,10 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     connect_nr, socket_nr, socketpair_nr = _resolve("connect"), _resolve("socket"), _resolve("socketpair")
     # Egress by name: sendto() naming a destination goes to the init too, which records the refused ones.
     sendto_nr = _resolve("sendto") if mode == "supervise-sendto" else None
+    # And so do sendmsg() and sendmmsg(), every call of them: their destination (msg_name) lies behind a
+    # pointer BPF cannot follow, and the descriptor's family is not in seccomp_data either. The cost is a
+    # round trip to the init for each call, TCP and AF_UNIX (descriptor passing) alike, under egress only.
+    sendmsg_nrs = [_resolve("sendmsg"), _resolve("sendmmsg")] if mode == "supervise-sendto" else []
     try:
         uring_nr: int | None = _resolve("io_uring_setup")
     except Exception:  # an architecture or libseccomp without it
@@ -947,11 +956,17 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     def emit(code: int, k: int, jt: str | None = None, jf: str | None = None) -> None:
         program.append((code, k, jt, jf))
 
-    label("notify")  # the profile's own USER_NOTIF: connect() gets its errno plainly
+    # The profile's own USER_NOTIF (a denial to report): a call the init would take for one to perform
+    # (connect) or to look at and let continue (the sends under egress) gets its errno plainly instead, or the
+    # init would let the denied call through. Those denials are enforced but not reported.
+    plain = [connect_nr] + ([sendto_nr] if sendto_nr is not None else []) + sendmsg_nrs
+    label("notify")
     emit(ld, 0)
-    emit(jeq, connect_nr, "connect_denied", "notify_ret")
-    label("connect_denied")
-    emit(ret, RET_ERRNO | table.get(connect_nr, default_errno or errno_mod.EPERM))
+    for i, nr in enumerate(plain):
+        emit(jeq, nr, f"denied_{i}", f"not_denied_{i}")
+        label(f"denied_{i}")
+        emit(ret, RET_ERRNO | table.get(nr, default_errno or errno_mod.EPERM))
+        label(f"not_denied_{i}")
     label("notify_ret")
     emit(ret, RET_USER_NOTIF)
     label("allow")
@@ -968,6 +983,9 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     if sendto_nr is not None:
         emit(jeq, sendto_nr, "sendto", "not_sendto")
         label("not_sendto")
+    for nr in sendmsg_nrs:
+        emit(jeq, nr, "sendto_notify", f"not_{nr}")
+        label(f"not_{nr}")
     if uring_nr is not None:
         emit(jeq, uring_nr, "eperm", "ret_allow")
     label("ret_allow")
@@ -1024,7 +1042,8 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
             if not (0 <= jt < 256 and 0 <= jf < 256):
                 raise AssertionError("epilogue jump out of range")
         out.append(struct.pack("=HBBI", code, jt, jf, k))
-    table.pop(connect_nr, None)
+    for nr in plain:
+        table.pop(nr, None)
     return b"".join(out)
 
 
@@ -1223,7 +1242,8 @@ def compile_filter(
     ``deny_setid`` refuses setting S_ISUID/S_ISGID on files (for runs with
     writable paths); ``unix_sockets`` is "" (nothing),
     "supervise" (connect() to the init, which needs ``notify``), "supervise-sendto"
-    (also sendto() with an address: egress by name records refused UDP) or "deny"
+    (also sendto() with an address, and every sendmsg() and sendmmsg(): egress by
+    name records refused UDP) or "deny"
     (socket(AF_UNIX) refused): see the module doc; ``deny_host_reach`` refuses
     SysV IPC, POSIX message queues, keyrings and changing other processes'
     limits and priorities (for a run without namespaces, see ``host_reach_denied``).

@@ -59,14 +59,15 @@ def plan_listeners(plan: Any, egress: Egress, keep: list[Any], enforced: dict[st
     }
 
 
-def supervise_mode(network: str, egress: Egress | None, sendto_nr: int) -> str:
-    """The init's connect() supervisor mode (csrc/supervise.c): under egress, the mediator's
-    block, sendto's number (a sendto() naming a destination is looked at too) and the listened ports."""
+def supervise_mode(network: str, egress: Egress | None, sendto_nr: int, sendmsg_nr: int, sendmmsg_nr: int) -> str:
+    """The init's connect() supervisor mode (csrc/supervise.c): under egress, the mediator's block,
+    the numbers of sendto, sendmsg and sendmmsg (a sendto() naming a destination, and every sendmsg()
+    and sendmmsg(), are looked at too) and the listened ports."""
     if egress is None:
         return "n" if network == "none" else "l"
     block = egress_rules.BLOCK
     ports = ":".join(str(p) for p in egress.rules().ports)
-    return f"e:{int(block.network_address)}/{block.prefixlen}/{sendto_nr}:{ports}"
+    return f"e:{int(block.network_address)}/{block.prefixlen}/{sendto_nr}/{sendmsg_nr}/{sendmmsg_nr}:{ports}"
 
 
 def _generated(name: str, text: str) -> str:

@@ -57,7 +57,7 @@ def _apply_seccomp(
     keep.extend([compiled, buffer])
     plan.seccomp_filter = buffer
     plan.seccomp_len = len(compiled.bpf) // 8
-    plan.seccomp_notify = 1 if notify and (compiled.notify or unix_sockets == "supervise") else 0
+    plan.seccomp_notify = 1 if notify and (compiled.notify or unix_sockets.startswith("supervise")) else 0
     if plan.seccomp_notify:
         # The init answers each notification with the errno the plain filter
         # would have returned; "-1" carries the profile's default errno.

@@ -278,11 +278,19 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
                                     "preexec_fn has no init to supervise connect(), so unix sockets are refused")
                 + "; use isolate.run/Popen with namespaces, or network='host'"
             )
+    if egress is not None:
+        # Who names a refused direct address (connect, sendto, sendmsg) in the report: the init, which
+        # supervises them, or nobody where it does not (Landlock ABI 9 resolves unix sockets, so there is
+        # no supervisor): the namespace refuses them all the same, and the report says they go unnamed.
+        enforced["egress"]["direct_addresses"] = (
+            "refused by the namespace, named by the init" if unix_mode == "supervisor" else
+            "refused by the namespace, not named (no supervisor on this kernel: Landlock ABI 9)")
     if unix_mode == "supervisor":
         from ... import seccomp as seccomp_mod
 
         spec = ",".join(
-            [egress_plan.supervise_mode(network, egress, seccomp_mod.syscall_number("sendto") or -1)]
+            [egress_plan.supervise_mode(network, egress, *(seccomp_mod.syscall_number(n) or -1
+                                                           for n in ("sendto", "sendmsg", "sendmmsg")))]
             + [str(seccomp_mod.syscall_number(n)) for n in ("connect", "socket", "socketpair")]
             + [f"{dev}:{ino}" for dev, ino in socket_ids]
         )

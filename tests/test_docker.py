@@ -907,3 +907,65 @@ def test_tmpfs_sizes_reach_the_container(tmp_path: Path) -> None:
     config = spec.host_config()
     assert config["tmpfs"]["/tmp"].endswith(",size=8388608") and config["shm_size"] == 8 << 20
 
+
+
+def _as_regular_engine_user(code: str, home: Path) -> subprocess.CompletedProcess[str]:
+    """code run as uid 65534 in the Docker socket's group (a regular user of the engine), by the system's
+    Python with a copy of isolate and its dependencies (this test's own interpreter may live where 65534
+    cannot go, e.g. under /root)."""
+    import importlib
+
+    site = home / "site"
+    site.mkdir(parents=True)
+    for name in ("isolate", "cffi", "_cffi_backend", "pycparser", "docker", "requests", "urllib3", "idna",
+                 "certifi", "charset_normalizer", "psutil", "pyseccomp", "tomli_w"):
+        where = Path(importlib.import_module(name).__file__ or "")
+        if where.name == "__init__.py":
+            shutil.copytree(where.parent, site / where.parent.name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(where, site / where.name)
+    for path in [home, *home.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    os.chown(home, 65534, 65534)
+    group = os.stat("/var/run/docker.sock").st_gid
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", f"--groups={group}", "env", "-i",
+                           "PATH=/usr/bin:/bin", f"HOME={home}", f"PYTHONPATH={site}", "/usr/bin/python3", "-c", code],
+                          cwd=home, capture_output=True, text=True, timeout=120)
+
+
+def _system_python_matches() -> bool:
+    try:
+        out = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        return False
+    return out == str(sys.version_info[:2])
+
+
+@engine
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="becomes a regular user of the engine")
+def test_a_regular_users_host_network_container_never_gets_the_runtime_directory() -> None:
+    # A regular user's runtime directory (without XDG_RUNTIME_DIR: /tmp/isolate-UID) holds its kept
+    # sandboxes' sockets; a container on the host network with /tmp granted could connect() to them. The
+    # grant is refused for such a caller (noticed, never tested as one before).
+    if not _system_python_matches():
+        pytest.skip("the system's python3 is another version than this test's (the C core is built for it)")
+    code = textwrap.dedent(f"""
+        import isolate
+        base = dict(backend="docker", image={IMAGE!r}, network="host", write=())
+        print(isolate.run(["echo", "ran"], policy=isolate.Policy(read=(), **base), capture_output=True,
+                          text=True).stdout, end="")
+        try:
+            isolate.run(["true"], policy=isolate.Policy(read=("/tmp",), **base))
+            print("granted")
+        except isolate.PolicyError as exc:
+            print("refused:", exc)
+    """)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="isolate-engine-user-") as top:  # pytest's own is root's, 0700
+        os.chmod(top, 0o755)
+        done = _as_regular_engine_user(code, Path(top) / "home")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ran\n"), done.stdout
+    assert "refused: read: /tmp holds isolate's runtime directory /tmp/isolate-65534" in done.stdout, done.stdout

@@ -238,6 +238,14 @@ def _run(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _forget_channels() -> None:
+    for key in ("ctl_in", "res"):
+        try:
+            os.close(_STATE[key])
+        except OSError:
+            pass
+
+
 def _boundary(value: Any) -> bytes:
     if not isinstance(value, str) or not 16 <= len(value) <= 64 or not value.isalnum() or not value.isascii():
         raise ValueError("not a boundary")
@@ -251,6 +259,10 @@ def main() -> None:
     _STATE["ctl_in"] = _private(0)
     _STATE["res"] = _private(3)
     os.close(3)
+    # A child the code forks (without exec) does not keep the driver's channels: it could read the next
+    # run's request. (Its results would be dropped anyway: the host takes them from this process only.)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_channels)
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     _STATE.update(null=_private(null), out=_private(1), err=_private(2))
     os.close(null)

@@ -45,7 +45,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import termios
 import threading
@@ -57,6 +56,7 @@ from typing import Any
 from .backends.native.commands import GRACE, wait_seconds
 from .errors import CommandNotFoundError, IsolationError
 from .fdwait import ready as wait_ready
+from .peerchannel import PeerChannel
 
 #: The most output one run keeps of each of stdout and stderr (the tail).
 OUTPUT_LIMIT = 16 << 20
@@ -137,18 +137,15 @@ class _Results:
     """The driver's result channel: chunks of ``BOUNDARY ID more|end LENGTH\\n`` then LENGTH bytes,
     under a boundary drawn per run; nothing else may come on it."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, channel: PeerChannel) -> None:
+        self.channel = channel
         self.buffer = bytearray()
         self.eof = False
 
     def fill(self, limit: int = 1 << 16) -> int:
-        try:
-            chunk = os.read(self.fd, limit)
-        except BlockingIOError:
+        chunk = self.channel.read(limit)  # only the driver's bytes: a process it forked writes in vain
+        if chunk is None:
             return 0
-        except OSError:
-            chunk = b""
         if not chunk:
             self.eof = True
         self.buffer += chunk
@@ -224,7 +221,7 @@ class Interpreter:
         self.python_version = ""
         self._process: Any = None
         self._results: _Results | None = None
-        self._channel: socket.socket | None = None
+        self._channel: PeerChannel | None = None
         self._seq = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -241,7 +238,7 @@ class Interpreter:
 
     def _start(self) -> None:
         boundary = secrets.token_hex(16)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs = PeerChannel.pair()
         try:
             process = self._box.spawn([self.executable, "-c", _DRIVER, boundary], fd3=theirs.fileno())
         except CommandNotFoundError:
@@ -257,23 +254,25 @@ class Interpreter:
         finally:
             theirs.close()  # the driver holds its own copy now
         self.starts += 1
+        channel = PeerChannel(ours)
         try:
-            hello = self._hello(process, ours, boundary.encode())
+            hello = self._hello(process, channel, boundary.encode())
         except BaseException:
             process.kill()
             process.close()
-            ours.close()
+            channel.close()
             raise
         try:
             info = json.loads(hello)
             self.python_version = str(info.get("python", ""))[:32] if isinstance(info, dict) else ""
         except (ValueError, RecursionError):
             self.python_version = ""
-        self._process, self._channel = process, ours
+        self._process, self._channel = process, channel
 
-    def _hello(self, process: Any, channel: socket.socket, boundary: bytes) -> bytes:
-        """The driver's first chunk (what a startup file printed meanwhile is dropped)."""
-        results = self._results = _Results(channel.fileno())
+    def _hello(self, process: Any, channel: PeerChannel, boundary: bytes) -> bytes:
+        """The driver's first chunk (what a startup file printed meanwhile is dropped); its writer is the
+        driver, the only process whose results are taken from then on."""
+        results = self._results = _Results(channel)
         for fd in (process.stdin_fd, process.stdout_fd, process.stderr_fd, channel.fileno()):
             os.set_blocking(fd, False)
         errors = _Tail(8192)

@@ -574,6 +574,48 @@ def test_no_process_can_fake_an_interpreters_result(source: str) -> None:
         assert py.run("forger.kill(); 1 + 1").value == "2"
 
 
+#: Run by the interpreter's code: a child forked by libc (Python's at-fork hooks do not run, so it keeps
+#: the driver's result channel) writes forged results under every boundary-shaped token of its parent's.
+FORK_FORGER = r"""
+import ctypes, gc, os, re, time
+channel = [g for g in gc.get_objects() if isinstance(g, dict) and 'res' in g and 'ctl_in' in g][0]['res']
+driver = os.getpid()
+if ctypes.CDLL(None).fork() == 0:
+    fake = b'{"id": %d, "value": "FORGED", "error": null}'
+    for _ in range(100):
+        time.sleep(0.05)
+        found = set()
+        with open(f"/proc/{driver}/maps") as maps, open(f"/proc/{driver}/mem", "rb", buffering=0) as mem:
+            for line in maps.read().splitlines():
+                span, perms = line.split()[:2]
+                if "rw" not in perms:
+                    continue
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                try:
+                    mem.seek(lo)
+                    found.update(re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", mem.read(hi - lo))[:1000])
+                except (OSError, ValueError, OverflowError):
+                    pass
+        for boundary in found:
+            for number in (2, 3):
+                body = fake % number
+                os.write(channel, b"%s %d end %d\n%s" % (boundary, number, len(body), body))
+    os._exit(0)
+"""
+
+
+def test_a_forked_child_of_the_code_cannot_answer_for_a_later_run(source: str) -> None:
+    # A child the code forks without exec inherits the driver's result channel (at-fork hooks close it,
+    # but a raw fork skips them): it answered the next run with a result of its own (before: FORGED).
+    # The host takes results only from the driver's pid (SO_PASSCRED).
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        py = box.python()
+        assert py.run(FORK_FORGER).error is None
+        result = py.run("import time\ntime.sleep(3)\n'real'", timeout=60)
+        assert result.value == "'real'" and result.error is None, result
+        assert py.run("1 + 1").value == "2"
+
+
 def test_a_host_that_holds_many_descriptors_still_runs_shells_and_commands(box: Sandbox) -> None:
     # An agent's host process (isolate-mcp, a manager of many sandboxes) gets descriptors past FD_SETSIZE,
     # where select() fails: every wait on the host side is a poll.

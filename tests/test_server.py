@@ -1025,3 +1025,38 @@ print([x.text for x in r.result], r.error, r.execution_count)
 print("alive", (await sandbox.commands.run("echo ok")).logs.stdout[0].text)
 '''.replace("CELL", repr(FORGING_CELL)), server)
     assert run_example(server, code).splitlines() == ["[\"'real'\"] None 1", "alive ok"]
+
+
+#: A cell whose child, forked by libc (Python's at-fork hooks do not run: it keeps the driver's answer
+#: channel), answers the next cell before that cell ends.
+FORKING_CELL = r'''
+import ctypes, os, stat, time
+ch = [int(f) for f in os.listdir('/proc/self/fd') if int(f) >= 512 and stat.S_ISSOCK(os.fstat(int(f)).st_mode)][0]
+if ctypes.CDLL(None).fork() == 0:
+    time.sleep(1.0)
+    os.write(ch, b'{"count": 2, "result": "FORGED", "error": null}\n')
+    os._exit(0)
+"cell 1"
+'''
+
+
+def test_a_cells_forked_child_cannot_answer_the_next_cell() -> None:
+    """A child a cell forks inherits the driver's answer channel: it answered the next cell (before:
+    FORGED, after 1 s of a cell that sleeps 3), and every answer after came one cell late. The server takes
+    answers from the driver's pid only (SO_PASSCRED)."""
+    from isolate.sandbox import Sandbox
+    from isolate.server.code import CodeContext
+
+    def run(context: Any, code: str) -> list[Any]:
+        events: list[Any] = []
+        context.run(code, None, lambda kind, value: events.append((kind, value)))
+        return [value for kind, value in events if kind == "done"]
+
+    with Sandbox() as box:
+        context = CodeContext(box, "python")
+        try:
+            assert run(context, FORKING_CELL)[0]["result"] == "'cell 1'"
+            assert run(context, "import time\ntime.sleep(3)\n42")[0]["result"] == "42"
+            assert run(context, "1 + 1")[0]["result"] == "2"
+        finally:
+            context.close()

@@ -22,17 +22,22 @@ import os
 import secrets
 import select
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..peerchannel import PeerChannel
 from ..sandbox import Sandbox
 
 DRIVER = r'''
 import ast, fcntl, json, os, signal, sys, traceback
 channel = fcntl.fcntl(3, fcntl.F_DUPFD_CLOEXEC, 512)  # private: no cell or child of one gets it as 3
 os.close(3)
+def forget():  # a child a cell forks (without exec) keeps neither the channel nor the cells' input
+    os.close(channel)
+    os.close(0)
+os.register_at_fork(after_in_child=forget)
+os.write(channel, b"hello\n")  # before any cell: the host takes answers from this process only
 namespace = {"__name__": "__main__"}
 count = 0
 source = sys.stdin.buffer
@@ -67,6 +72,8 @@ while True:
 '''
 
 LANGUAGES = ("python", "bash")
+#: How long a Python context's driver has to start.
+HELLO_TIMEOUT = 30.0
 #: The largest answer (count, result, error) a cell may give.
 MAX_ANSWER = 16 << 20
 Emit = Callable[[str, Any], None]
@@ -82,11 +89,11 @@ class CodeContext:
         self.count = 0
         self._shell: Any = None
         self._proc: Any = None
-        self._channel: socket.socket | None = None
+        self._channel: PeerChannel | None = None
         if language == "bash":
             self._shell = box.shell(self.id, pty=False)
         else:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            ours, theirs = PeerChannel.pair()
             try:
                 self._proc = box.spawn(["python3", "-u", "-c", DRIVER], env={"PYTHONUNBUFFERED": "1"},
                                        fd3=theirs.fileno())
@@ -95,9 +102,14 @@ class CodeContext:
                 raise
             finally:
                 theirs.close()  # the driver holds its own copy now
-            self._channel = ours
+            self._channel = PeerChannel(ours)
             for fd in (self._proc.stdout_fd, self._proc.stderr_fd, ours.fileno()):
                 os.set_blocking(fd, False)
+            # The driver's hello, before any cell: its writer is the only one whose answers count.
+            ready, _, _ = select.select([ours], [], [], HELLO_TIMEOUT)
+            if not ready or self._channel.read(16) != b"hello\n":
+                self.close()
+                raise RuntimeError("the code context's python3 did not start (it needs Python 3.7 or later)")
 
     def run(self, code: str, timeout: float | None, emit: Emit) -> None:
         """Run one cell; emit ("stdout"|"stderr", bytes), then ("done", {count, result, error})."""
@@ -137,8 +149,10 @@ class CodeContext:
                     elif chunk:
                         emit(kind, chunk)
             if channel in ready:
-                chunk = _read(channel)
+                chunk = self._channel.read()  # only the driver's: what a process it forked writes is dropped
                 if chunk is None:
+                    continue
+                if not chunk:
                     emit("done", {"count": self.count, "result": None,
                                   "error": {"ename": "ContextDied", "evalue": "the interpreter ended",
                                             "traceback": []}})

@@ -9,7 +9,10 @@
   caller, mode 0700, checked on every use. A sandbox never gets it writable
   (native runs refuse such a grant), while the state directory may well lie
   under a sandbox's writable home: nothing read from it is trusted for
-  a path, a pid or a permission.
+  a path, a pid or a permission, and every directory isolate makes in it is
+  reached through ``open_state_dir()``, which follows no link a program
+  could have planted (the host would otherwise copy a workspace, or write
+  layers, wherever such a link points).
 
 The SQLite registry lists kept sandboxes of both backends for ``list``,
 ``rm`` and ``prune``: (engine, name) -> ids, hashes, created, last used.
@@ -48,6 +51,72 @@ def state_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".local", "state", "isolate")
 
 
+def state_key() -> str:
+    """A short name of the state directory, for the files about it that live in the runtime directory."""
+    return hashlib.sha256(os.fsencode(os.path.realpath(state_dir()))).hexdigest()[:16]
+
+
+_WALK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_state_dir(*parts: str) -> int:
+    """A descriptor of ``state_dir()/parts...``, each directory made (0700) if missing; the caller closes it.
+
+    The state directory may lie under a sandbox's writable home, so a program may have replaced any
+    directory in it, or on the way to it, by a link. The way to the state directory follows only
+    root's links directly under ``/`` (as grants do), and each part below it is opened without
+    following a link and must be a directory of this user: what the host then makes through the
+    descriptor lands where isolate meant, wherever a link points.
+    """
+    from .grants import host_symlinks
+
+    base = state_dir()
+    uid = os.geteuid()
+    try:
+        host_symlinks(base, "state directory")
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        fd = os.open(base, _WALK_FLAGS)
+    except PolicyError:
+        raise IsolationError(f"state directory {base}: the way to it goes through a link, which isolate does not "
+                             "follow there (only root's links directly under / are: a program could have planted "
+                             f"it); set ISOLATE_STATE_DIR to its real path, {os.path.realpath(base)}") from None
+    except OSError as exc:
+        raise IsolationError(f"state directory {base}: {exc.strerror}; set ISOLATE_STATE_DIR to a "
+                             "writable directory") from None
+    where = base
+    try:
+        if os.fstat(fd).st_uid not in (uid, 0):
+            raise IsolationError(f"state directory {base} belongs to another user; set ISOLATE_STATE_DIR to "
+                                 "a directory of yours")
+        for part in parts:
+            if not part or "/" in part or part in (".", ".."):
+                raise ValueError(f"not one name: {part!r}")
+            where = os.path.join(where, part)
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                child = os.open(part, _WALK_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise IsolationError(f"state directory: {where} is not a directory isolate made ({exc.strerror}: "
+                                     "a link, or another kind of file); remove it") from None
+            os.close(fd)
+            fd = child
+            if os.fstat(fd).st_uid != uid:
+                raise IsolationError(f"state directory: {where} belongs to another user; remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def state_path(*parts: str) -> str:
+    """``state_dir()/parts...`` made and checked as ``open_state_dir()`` does, as a path."""
+    os.close(open_state_dir(*parts))
+    return os.path.join(state_dir(), *parts)
+
+
 @dataclass(frozen=True)
 class SandboxRecord:
     """One kept sandbox as the registry knows it."""
@@ -69,8 +138,7 @@ class Registry:
         if path is None:
             # Out of every grant's reach (see the module's docstring), named after the state directory
             # whose sandboxes it lists.
-            key = hashlib.sha256(os.fsencode(os.path.realpath(state_dir()))).hexdigest()[:16]
-            path = os.path.join(runtime_dir(), f"registry-{key}.sqlite3")
+            path = os.path.join(runtime_dir(), f"registry-{state_key()}.sqlite3")
         self.path = path
 
     @contextlib.contextmanager

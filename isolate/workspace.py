@@ -533,10 +533,15 @@ def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str
                 os.close(parent)
 
 
-def copy_tree(source: str, destination: str, workspace: Workspace) -> None:
-    """Fill the empty directory destination with source's tree (links as links, no special files)."""
+def copy_tree(source: str, destination: str | int, workspace: Workspace) -> None:
+    """Fill the empty directory destination (a path, or a descriptor the caller keeps) with source's tree
+    (links as links, no special files)."""
     src_fd = _open_dir(source)
-    dst_fd = _open_dir(destination)
+    try:
+        dst_fd = os.dup(destination) if isinstance(destination, int) else _open_dir(destination)
+    except BaseException:
+        os.close(src_fd)
+        raise
     try:
         entries = walk(src_fd, workspace)
         changes = diff(src_fd, None, workspace, hard_links=True)

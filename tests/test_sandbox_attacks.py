@@ -163,6 +163,31 @@ def test_diff_and_commit_do_not_read_a_planted_workspace(source: str, workdir: s
         remove_native(name)
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_a_link_planted_in_the_state_directory_gets_no_copy_of_the_workspace(source: str, workdir: str, named: bool,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sandbox granted the home can replace `sandboxes` in the state directory by a link to a directory it
+    # reads: the next sandbox's workspace was copied there before anything refused the link.
+    state = Path(workdir) / "state"
+    state.mkdir()
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(state))
+    Path(source, "secret.txt").write_text("the caller's\n")
+    loot = Path(workdir) / "loot"
+    loot.mkdir()
+    (state / "sandboxes").symlink_to(loot)
+    with pytest.raises(isolate.IsolationError, match="sandboxes is not a directory isolate made"):
+        Sandbox(policy(write=()), workspace=Workspace(source), name=f"atk{os.getpid()}s" if named else None).start()
+    assert list(loot.iterdir()) == []
+    # Nor one on the way to the state directory.
+    (state / "sandboxes").unlink()
+    (Path(workdir) / "real").mkdir()
+    (Path(workdir) / "way").symlink_to(Path(workdir) / "real")
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(Path(workdir) / "way" / "state"))
+    with pytest.raises(isolate.IsolationError, match="goes through a link"):
+        Sandbox(policy(write=()), workspace=Workspace(source)).start()
+    assert list((Path(workdir) / "real").iterdir()) == []
+
+
 def test_a_link_planted_where_the_registry_was_leads_nowhere(source: str, workdir: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # The SQLite registry lay in the state directory, which a sandbox granted the home reaches: a link

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..errors import IsolationError, PolicyError, UnsupportedError
 from ..policy import Mount, Policy
-from ..registry import runtime_dir, state_dir
+from ..registry import runtime_dir, state_key
 from ..sandbox import Sandbox, _seconds
 from ..workspace import Workspace
 
@@ -96,7 +96,7 @@ class AgentSandboxes:
     ``None`` (or ``math.inf``): never.
 
     What the manager remembers (agent ids, creation and use times) lies in
-    ``agents.sqlite3`` under the state directory; whether a sandbox is
+    ``agents-KEY.sqlite3`` in the runtime directory; whether a sandbox is
     reused is decided by the configuration the running sandbox reports, not by
     that file.
     """
@@ -109,7 +109,9 @@ class AgentSandboxes:
         self.prefix = prefix
         self.idle = _seconds(idle, "idle")
         self.max_age = _seconds(max_age, "max_age")
-        self.db_path = db_path or os.path.join(state_dir(), "agents.sqlite3")
+        # In the runtime directory, as the registry: SQLite follows a link at its file or journal, and the
+        # state directory may lie in a sandbox's writable home.
+        self.db_path = db_path or os.path.join(runtime_dir(), f"agents-{state_key()}.sqlite3")
         #: What the last get() did: "created", "reused", or "recreated (<why>)".
         self.last_action: str | None = None
         self._held: dict[str, Sandbox] = {}

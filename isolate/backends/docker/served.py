@@ -46,8 +46,8 @@ from ...errors import IsolationError, PolicyError, SetupError, UnsupportedError
 from ...grants import resolve_grant
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
-from ...workspace import Workspace, _open_dir, copy_tree
-from ..native.kept import _dir_identity, _pair, _remove_dir, _suppress_missing
+from ...workspace import Workspace, _open_dir
+from ..native.kept import _dir_identity, _pair, _remove_dir, _suppress_missing, make_data_dir
 from ..native.protocol import Connection, ServerGone, probe
 from .spec import LABEL, LABEL_SPEC_HASH, BindMount, ContainerSpec, default_image, program_ids
 
@@ -310,13 +310,8 @@ class DockerKept:
             os.chown(self.paths.run, uid, gid)  # the server, as the container's user, binds its socket here
         if self.workspace.mode != "copy":
             return
-        os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
-        os.mkdir(self.paths.data, 0o700)
-        self.data_identity = _dir_identity(self.paths.data)
-        os.mkdir(self.workspace_host, 0o755)
-        self.workspace_identity = _dir_identity(self.workspace_host)
-        if self.workspace.source is not None:
-            copy_tree(self.workspace.source, self.workspace_host, self.workspace)
+        self.data_identity, self.workspace_identity = make_data_dir("docker-sandboxes", self.box_name,
+                                                                    self.workspace)
         if os.geteuid() == 0 and (uid, gid) != (0, 0):
             _chown_tree(self.workspace_host, uid, gid)  # the program owns its workspace, as on the native backend
 

@@ -108,9 +108,9 @@ def _no_ns_home(uid: int, gid: int) -> str:
         base = NO_NS_HOME_ROOT
         leaf = os.path.join(base, str(uid))
     else:
-        from ...registry import state_dir
+        from ...registry import state_path
 
-        base = state_dir()
+        base = state_path()  # reached without a link a program could have planted (see open_state_dir)
         leaf = os.path.join(base, "home")
     try:
         os.makedirs(base, mode=0o755, exist_ok=True)

@@ -34,10 +34,12 @@ from ...errors import IsolationError, UnsupportedError
 from ...overlay import layers_for, make_layers
 from ...policy import DEFAULT_WRITE, Mount, Policy
 from ...popen import Popen
-from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
+from ...registry import Registry, SandboxRecord, open_state_dir, runtime_dir, state_dir, state_path
 from ...workspace import Workspace, copy_tree
 from .egress import ask_summary
 from .protocol import Connection, ServerGone, probe
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 SERVER_NAME = "isolate-exec-server"
 #: How long start() waits for the server to answer its first ping.
@@ -159,21 +161,15 @@ class NativeSandbox:
         workspace_fd = -1
         layers = None
         try:
-            if self.workspace.mode == "copy":
-                os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
-                os.mkdir(self.paths.data, 0o700)
-                made_data = True
-                os.mkdir(self.workspace_host, 0o755)
-                self.data_identity = _dir_identity(self.paths.data)
-                self.workspace_identity = _dir_identity(self.workspace_host)
-                if self.workspace.source is not None:
-                    copy_tree(self.workspace.source, self.workspace_host, self.workspace)
-            elif self.workspace.mode == "overlay":
+            if self.workspace.mode == "overlay":
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
-                os.makedirs(os.path.dirname(self.paths.data), mode=0o700, exist_ok=True)
-                os.mkdir(self.paths.data, 0o700)
+            if self.workspace.mode in ("copy", "overlay"):
+                self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
+                                                                            self.workspace)
                 made_data = True
-                self.data_identity = _dir_identity(self.paths.data)
+            if layers is not None:
+                if _dir_identity(self.paths.data) != self.data_identity:
+                    raise IsolationError(f"{self.paths.data}: replaced while the sandbox was made")
                 make_layers(layers)
                 self.workspace_identity = _dir_identity(self.workspace_host)
             listener = self._listen()
@@ -474,9 +470,7 @@ class NativeSandbox:
 
 def _stand_in() -> str:
     """The directory a copied workspace's policy binds, replaced by the workspace in each run (real path)."""
-    path = os.path.join(state_dir(), "sandboxes", ".workspace-stand-in")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return grants.host_symlinks(path, "binds")[1]
+    return grants.host_symlinks(state_path("sandboxes", ".workspace-stand-in"), "binds")[1]
 
 
 def _identity(pid: int) -> tuple[int, float] | None:
@@ -515,6 +509,45 @@ class _suppress_missing:
 def _dir_identity(path: str) -> tuple[int, int]:
     info = os.stat(path, follow_symlinks=False)
     return info.st_dev, info.st_ino
+
+
+def _fd_identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def make_data_dir(kind: str, key: str, workspace: Workspace) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """Make a kept sandbox's data directory ``state_dir()/kind/key`` and, for a copied workspace, its
+    ``workspace`` filled from the source; their identities (the workspace's None for other modes).
+
+    Made through descriptors that follow no link a program planted in the state directory (see
+    registry.open_state_dir): the workspace is copied where isolate means, nowhere else. On failure what
+    was made is removed.
+    """
+    parent = open_state_dir(kind)
+    try:
+        os.mkdir(key, 0o700, dir_fd=parent)
+        data_fd = os.open(key, _DIR_FLAGS, dir_fd=parent)
+    finally:
+        os.close(parent)
+    data = _fd_identity(data_fd)
+    try:
+        if workspace.mode != "copy":
+            return data, None
+        os.mkdir("workspace", 0o755, dir_fd=data_fd)
+        copy_fd = os.open("workspace", _DIR_FLAGS, dir_fd=data_fd)
+        try:
+            copied = _fd_identity(copy_fd)
+            if workspace.source is not None:
+                copy_tree(workspace.source, copy_fd, workspace)
+        finally:
+            os.close(copy_fd)
+        return data, copied
+    except BaseException:
+        _remove_dir(os.path.join(state_dir(), kind, key), data)
+        raise
+    finally:
+        os.close(data_fd)
 
 
 def _pair(value: Any) -> tuple[int, int] | None:

@@ -117,6 +117,29 @@ def test_a_command_that_stops_its_monitor_does_not_outwait_its_timeout(box: Sand
         assert value.timed_out, value
 
 
+def test_a_pause_longer_than_a_commands_timeout_does_not_end_the_sandbox(box: Sandbox,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The monitor inside enforces the timeout and cannot act while the sandbox is paused: the host took
+    # the silence of a pause past timeout + GRACE for a lost monitor and ended the whole sandbox.
+    from isolate.backends.native import commands
+
+    monkeypatch.setattr(commands, "GRACE", 1.0)
+    running = box.spawn("sleep 100", timeout=1)
+    waiting = box.spawn("sleep 100", timeout=1)
+    box.pause()
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(value=_finishes(waiting.wait, 30)), daemon=True)
+    thread.start()  # waits through the pause, not past it
+    time.sleep(3)
+    assert "value" not in out, out
+    box.resume()
+    assert running.wait() == 137 and running.report.status == "timeout", running.report
+    thread.join(30)
+    assert out["value"][0] and not isinstance(out["value"][1], Exception), out
+    assert waiting.report.status == "timeout", waiting.report
+    assert box.exec("echo still here").stdout == "still here\n"
+
+
 def _planted(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
     """A named sandbox whose state directory's `sandboxes` became a link to a host directory that holds
     another directory of the sandbox's name (what a sandbox granted the home could do); returns that one."""

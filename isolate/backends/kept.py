@@ -63,6 +63,9 @@ class KeptBackend(Protocol):
 
     #: True between this object's pause() and resume().
     paused: bool
+    #: time.monotonic() of this object's last resume() (None: never resumed): a command's timeout is
+    #: enforced by its monitor inside, which could not act while the sandbox was paused.
+    resumed_at: float | None
 
     def pause(self) -> str:
         """Stop every process of the sandbox; the mechanism ("cgroup-freezer" or "sigstop")."""

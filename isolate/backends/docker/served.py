@@ -117,6 +117,7 @@ class DockerKept:
         self.run_identity: tuple[int, int] | None = None
         self.last_action: str | None = None
         self.paused = False
+        self.resumed_at: float | None = None
         #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
         self.ended_because: str | None = None
         self._spec_hash = ""
@@ -539,6 +540,7 @@ class DockerKept:
         with _engine_errors(f"resume the container of sandbox {self.box_name!r}"):
             client().api.unpause(self.container_id)
         self.paused = False
+        self.resumed_at = time.monotonic()
         return "cgroup-freezer"
 
     def detach(self) -> None:

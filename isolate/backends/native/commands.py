@@ -173,35 +173,52 @@ class Command:
 
     @property
     def deadline(self) -> float | None:
-        """When the host stops waiting for the monitor to enforce the command's timeout."""
-        return None if self.timeout is None else self.started + self.timeout + GRACE
+        """When the host stops waiting for the monitor to enforce the command's timeout.
+
+        A paused sandbox's monitor cannot act: while this process has it paused the deadline stays GRACE
+        ahead, and after its resume() the monitor has GRACE again (it ends a command whose timeout passed
+        meanwhile as soon as it runs). A pause made elsewhere is not known here: it ends the sandbox.
+        """
+        if self.timeout is None:
+            return None
+        end = self.started + self.timeout + GRACE
+        box = self.sandbox
+        if box is not None:
+            if box.paused:
+                return time.monotonic() + GRACE
+            if box.resumed_at is not None:
+                end = max(end, box.resumed_at + GRACE)
+        return end
 
     def poll_exit(self, timeout: float | None) -> Reply | None:
         """The EXITED reply, waiting at most timeout seconds (None: as long as it takes, but never past
         the deadline: there the host ends the sandbox and raises)."""
-        if self.exit is not None:
-            return self.exit
-        wait, hard = timeout, False
-        if self.deadline is not None:
-            left = max(0.0, self.deadline - time.monotonic())
-            if wait is None or left <= wait:
-                wait, hard = left, True
-        try:
-            reply = self.conn.receive(wait)
-        except TimeoutError:
-            if hard:
+        until = None if timeout is None else time.monotonic() + timeout
+        while self.exit is None:
+            now = time.monotonic()
+            wait = None if until is None else max(0.0, until - now)
+            hard = False
+            deadline = self.deadline
+            if deadline is not None and (wait is None or deadline - now <= wait):
+                wait, hard = max(0.0, deadline - now), True
+            try:
+                reply = self.conn.receive(wait)
+            except TimeoutError:
+                if not hard or self.deadline is None:
+                    return None
+                if time.monotonic() < self.deadline:
+                    continue  # paused or resumed meanwhile: the deadline moved
                 raise self.lost(f"its timeout ({self.timeout:g} s) passed by {GRACE:g} s and its monitor did "
                                 "not end it") from None
-            return None
-        except ServerGone:
-            raise self.lost("its monitor inside the sandbox went away before it") from None
-        if reply.fd is not None:
-            os.close(reply.fd)
-        if reply.kind != lib.ISO_XS_EXITED:
-            raise self.lost("its monitor sent an unexpected reply")
-        self.exit = reply
-        self.conn.close()
-        return reply
+            except ServerGone:
+                raise self.lost("its monitor inside the sandbox went away before it") from None
+            if reply.fd is not None:
+                os.close(reply.fd)
+            if reply.kind != lib.ISO_XS_EXITED:
+                raise self.lost("its monitor sent an unexpected reply")
+            self.exit = reply
+            self.conn.close()
+        return self.exit
 
     def wait_exit(self) -> Reply:
         """The EXITED reply; with a timeout, never waits past the deadline (see poll_exit)."""
@@ -289,9 +306,9 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
         else:
             os.close(stdin_w)
             stdin_w = None
-    deadline = command.deadline
     try:
         while command.exit is None:
+            deadline = command.deadline  # it moves while the sandbox is paused (see Command.deadline)
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             events = sel.select(wait)
             if not events and deadline is not None and time.monotonic() >= deadline:

@@ -120,6 +120,7 @@ class NativeSandbox:
         self.workspace_identity: tuple[int, int] | None = None
         self.report_enforced: dict[str, Any] = {}
         self.paused = False
+        self.resumed_at: float | None = None
         #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
         self.ended_because: str | None = None
         self._query_lock = threading.Lock()
@@ -442,6 +443,7 @@ class NativeSandbox:
     def resume(self) -> str:
         mechanism = self._freeze(False)
         self.paused = False
+        self.resumed_at = time.monotonic()
         return mechanism
 
     def _freeze(self, stop: bool) -> str:

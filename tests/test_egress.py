@@ -478,6 +478,13 @@ def test_a_kept_sandbox_reports_egress_per_command(site: dict[str, Any], named: 
         refused = sb.exec([PYTHON, "-c", HTTP_GET, "evil.test", str(port)], timeout=60)
         assert refused.report.egress["allowed"] == [], refused.report.egress
         assert [e.get("host") for e in refused.report.egress["denied"]] == ["evil.test"], refused.report.egress
+        # Past the summary's cap on entries, a command's new refusals are counted, not named: its report
+        # says how many (it said nothing).
+        many = ("import socket\nfor i in range(600):\n    try:\n        socket.getaddrinfo(f'n{i}.evil.test', 80)\n"
+                "    except OSError:\n        pass\n")
+        assert sb.exec([PYTHON, "-c", many], timeout=120).returncode == 0
+        late = sb.exec([PYTHON, "-c", HTTP_GET, "late.evil.test", str(port)], timeout=60)
+        assert late.report.egress["denied"] == [] and late.report.egress.get("dropped", 0) >= 1, late.report.egress
     finally:
         sb.close()
 

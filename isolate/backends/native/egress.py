@@ -238,7 +238,8 @@ def ask_summary(query: socket.socket, timeout: float = 5.0) -> dict[str, Any] | 
 
 
 def summary_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What a summary gained since an earlier one: each entry with the count it gained (egress per command)."""
+    """What a summary gained since an earlier one (egress per command): each entry with the count it gained,
+    and what ``dropped`` (entries past the summary's cap) and ``errors`` gained."""
     out: dict[str, Any] = {}
     for key in ("allowed", "denied", "failed"):
         earlier: dict[str, int] = {}
@@ -253,6 +254,13 @@ def summary_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
                     gained.append({**entry, "count": count})
         if gained or key != "failed":
             out[key] = gained
+    for key in ("dropped", "errors"):  # counts: what the summary could not name, and internal errors
+        try:
+            count = int(after.get(key) or 0) - int(before.get(key) or 0)
+        except (TypeError, ValueError):
+            continue
+        if count > 0:
+            out[key] = count
     return out
 
 

@@ -116,7 +116,8 @@ def encode_exec(strings: Sequence[str | bytes], n_argv: int, timeout_ms: int, fl
     data = b"".join(_nul_terminated(text) for text in strings)
     if len(data) > MAX_STRINGS_BYTES or len(strings) > int(lib.ISO_XS_MAX_FD_STRINGS):
         raise ValueError(f"the command and its environment take {len(data)} bytes in {len(strings)} strings; at "
-                         f"most {MAX_STRINGS_BYTES} bytes go to a sandbox (and the kernel runs at most its ARG_MAX)")
+                         f"most {MAX_STRINGS_BYTES} bytes in {int(lib.ISO_XS_MAX_FD_STRINGS)} strings go to a "
+                         "sandbox (and the kernel runs at most its ARG_MAX)")
     fd = os.memfd_create("isolate-exec-strings", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)

@@ -68,7 +68,7 @@ def _run(argv: list[str], cwd: str) -> tuple[float, int]:
 
 def _clear_plans(workdir: str) -> None:
     """Remove the cached plan of ``isolate-run -- /bin/true`` in workdir (with this environment)."""
-    from isolate import cliplan
+    from isolate.cli import plan as cliplan
 
     key = cliplan.key_material([], workdir)
     try:

@@ -121,7 +121,7 @@ print(json.dumps(samples))
 
 def _dns_query(port: int, name: str) -> str:
     from isolate.egress import dns
-    from isolate.egress_rules import DNS_ADDRESS
+    from isolate.model.egress_rules import DNS_ADDRESS
 
     message = dns.build_query(1, name, dns.TYPE_A)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -163,7 +163,7 @@ def _server(size_mb: int) -> Iterator[int]:
 def measure(rounds: int = 300, download_rounds: int = 7, size_mb: int = 100,
             log: Any = lambda text: print(text, file=sys.stderr)) -> dict[str, Any]:
     from isolate.egress import Mediator
-    from isolate.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
+    from isolate.model.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
 
     size = size_mb * 1024 * 1024
     with _server(size_mb) as port:
@@ -216,7 +216,7 @@ def measure(rounds: int = 300, download_rounds: int = 7, size_mb: int = 100,
 
 def _python_in_sandbox() -> tuple[str, tuple[str, ...]]:
     """An interpreter the sandbox can run (the system's, under /usr), and what to grant for it."""
-    from isolate.policy import DEFAULT_READ
+    from isolate.model.policy import DEFAULT_READ
 
     if os.access("/usr/bin/python3", os.X_OK):
         return "/usr/bin/python3", DEFAULT_READ

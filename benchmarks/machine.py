@@ -55,7 +55,7 @@ def describe() -> dict[str, Any]:
         isolate_version = "not importable"
     landlock_abi: int | None
     try:
-        from isolate import landlock
+        from isolate.kernel import landlock
 
         landlock_abi = int(landlock.abi())
     except Exception:  # the C core may be missing; the description must not fail for it

@@ -134,7 +134,7 @@ def measure(*, workdir: str, loops: int, runs: int, workload_runs: int, log: Cal
 
     # No writable path: for a root caller, a writable path adds a seccomp guard against set-ID files,
     # and seccomp="none" would not mean "no filter" any more.
-    from isolate.policy import DEFAULT_READ
+    from isolate.model.policy import DEFAULT_READ
 
     policies = {name: isolate.Policy(seccomp=name, read=(*DEFAULT_READ, workdir), write=()) for name in FILTERS}
     argv = [binary, str(loops), "/usr/bin/env", "5"]

@@ -3,7 +3,7 @@
  *
  * Python stays the one place where a policy means something: it parses the
  * options, resolves and checks paths, compiles seccomp and builds the
- * struct iso_plan (isolate/cliplan.py).  It writes that plan, with every
+ * struct iso_plan (isolate/cli/plan.py).  It writes that plan, with every
  * premise it rests on, into a per-user cache; this program looks the plan up
  * by its key (the option arguments, the working directory, the ids and the
  * environment), re-checks each premise, reopens each descriptor the plan uses
@@ -14,7 +14,7 @@
  * Whatever it does not know (a miss, a subcommand, an option outside its
  * table, a stale or foreign plan, a setup that failed before the program ran)
  * it hands over: it execs the interpreter recorded at build time on
- * isolate.cliplan.handover_main, which either writes the plan and execs this
+ * isolate.cli.plan.handover_main, which either writes the plan and execs this
  * program back (ISOLATE_RUN_REPLAY=1) or runs the command itself
  * (ISOLATE_RUN_NO_CACHE=1, so that the two never loop).
  */
@@ -38,7 +38,7 @@ int miss(const char *why, const char *what)
 static const char BOOT[] =
     "import sys\n"
     "if sys.path and sys.path[0] == '': del sys.path[0]\n" /* never import from the working directory */
-    "from isolate.cliplan import handover_main\n"
+    "from isolate.cli.plan import handover_main\n"
     "sys.exit(handover_main())\n";
 
 /* Run the Python CLI in this process's place.  no_cache: it must run the

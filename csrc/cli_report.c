@@ -1,5 +1,5 @@
 /*
- * cli_report.c - the JSON report, as isolate/report.py writes it, and where it goes (report.ReportTarget).
+ * cli_report.c - the JSON report, as isolate/model/report.py writes it, and where it goes (report.ReportTarget).
  */
 #define _GNU_SOURCE
 #include "cli.h"

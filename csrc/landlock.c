@@ -2,7 +2,7 @@
  * landlock.c - filesystem, network and scope restrictions with Landlock.
  *
  * The parent computes, for the ABI this kernel offers, which rights are
- * handled and which paths get which rights (isolate/landlock.py).  The child
+ * handled and which paths get which rights (isolate/kernel/landlock.py).  The child
  * opens each path as it sees it (inside its new root, where binds keep the
  * host's inodes), adds the rules and restricts itself.  The kernel headers
  * of older distributions lack the newer ABIs, so the structures are spelled

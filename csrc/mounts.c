@@ -73,7 +73,7 @@ static int fs_set(int fs, unsigned int cmd, const char *key, const char *value)
  * namespace (unprivileged since Linux 5.11): "userxattr" keeps its metadata in
  * user.overlay.* xattrs, and implies no redirects and no metacopy, so the
  * upper layer holds whole files, whiteouts and opaque directories only, which
- * is what the host reads back (isolate/overlay.py).  The new mount API only
+ * is what the host reads back (isolate/kernel/overlay.py).  The new mount API only
  * (Linux 5.2, older than any kernel with unprivileged overlayfs). */
 static int mount_overlay(const struct iso_mount *m)
 {

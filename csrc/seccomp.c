@@ -1,5 +1,5 @@
 /*
- * seccomp.c - install the filter the parent compiled (isolate/seccomp.py).
+ * seccomp.c - install the filter the parent compiled (isolate/kernel/seccomp.py).
  *
  * One seccomp() call, the last step before exec: everything the setup
  * itself needs has been done by then.  With a listener, denials come to the

@@ -4,7 +4,7 @@
  * Under network "none", "loopback" or egress by name, on kernels whose Landlock cannot
  * govern the lookup of pathname unix sockets (before ABI 9), the program's
  * seccomp filter sends every connect() it would allow to the init as a user
- * notification (isolate/seccomp.py, "supervised connect").  Letting the call
+ * notification (isolate/kernel/seccomp.py, "supervised connect").  Letting the call
  * continue after looking at its address would be a race: the program can
  * change the address in memory, the socket behind the descriptor or the
  * path on disk between the check and the kernel's own lookup.  So the init

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import policy as _policy
 from ._version import __version__
-from .errors import (
+from .model import policy as _policy
+from .model.errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
     IsolationError,
@@ -20,18 +20,19 @@ from .errors import (
     SetupError,
     UnsupportedError,
 )
-from .policy import Egress, Limits, Mount, Policy
-from .report import Report
-from .workspace import Workspace
+from .model.policy import Egress, Limits, Mount, Policy
+from .model.report import Report
+from .model.workspace import Workspace
 
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
     from .agents import wrap
-    from .popen import CompletedProcess, Popen, run
-    from .sandbox import AsyncSandbox, Sandbox
+    from .backends.native.popen import Popen
+    from .kept.sandbox import AsyncSandbox, Sandbox
+    from .oneshot.runs import CompletedProcess, run
 
 
 def _make_preexec_fn(policy: Policy) -> Callable[[], None]:
-    from .preexec import make_preexec_fn
+    from .oneshot.preexec import make_preexec_fn
 
     return make_preexec_fn(policy)
 
@@ -65,11 +66,11 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The spawning half loads the C core; the policy model does not need it.
     if name in ("run", "Popen", "CompletedProcess"):
-        from . import popen
+        from .oneshot import runs as popen
 
         return getattr(popen, name)
     if name in ("Sandbox", "AsyncSandbox"):
-        from . import sandbox
+        from .kept import sandbox
 
         return getattr(sandbox, name)
     if name == "wrap":

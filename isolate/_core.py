@@ -6,7 +6,7 @@ import os
 from functools import lru_cache
 from typing import Any
 
-from .errors import UnsupportedError
+from .model.errors import UnsupportedError
 
 try:
     from ._native import ffi, lib

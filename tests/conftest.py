@@ -31,7 +31,7 @@ def python_read() -> tuple[str, ...]:
     venv = os.environ.get("VIRTUAL_ENV")
     if venv:
         extra.append(os.path.realpath(venv))
-    return tuple(dict.fromkeys(list(isolate.policy.DEFAULT_READ) + extra))
+    return tuple(dict.fromkeys(list(isolate.model.policy.DEFAULT_READ) + extra))
 
 
 #: Top-level host directories a test may expect to be absent from the sandbox's root.
@@ -48,8 +48,8 @@ def not_granted_top(*granted: str, home: bool = True) -> set[str]:
             parts = [p for p in form.split("/") if p]
             if parts:
                 tops.add(parts[0])
-    if home and isolate.policy.DEFAULT_HOME:
-        tops.add(isolate.policy.DEFAULT_HOME.split("/")[1])
+    if home and isolate.model.policy.DEFAULT_HOME:
+        tops.add(isolate.model.policy.DEFAULT_HOME.split("/")[1])
     return set(HOST_TOP) - tops
 
 
@@ -69,7 +69,7 @@ NAMESPACES_WHY = _namespaces_problem()
 
 def _landlock_problem() -> str | None:
     """Why runs without namespaces are refused on this host (they need Landlock, ABI 6), or None."""
-    from isolate import landlock
+    from isolate.kernel import landlock
 
     refusal = landlock.without_namespaces_refusal(landlock.abi())
     if refusal:

@@ -22,8 +22,8 @@ from conftest import ISOLATE_RUN, NAMESPACES_WHY, PYTHON, policy, python_read
 import isolate
 from isolate import Sandbox, Workspace, agents
 from isolate.agents import AgentSandboxes, SandboxConfig, ToolError
-from isolate.cli import build_parser, policy_from_args
-from isolate.registry import runtime_dir
+from isolate.cli.flags import build_parser, policy_from_args
+from isolate.kernel.places import runtime_dir
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
@@ -368,7 +368,7 @@ def _samples(workdir: str) -> dict[str, Any]:
                                  file_size="8M", cpus=1.5, tmpfs_size="32M"),
         "seccomp": "strict",
         "env": {"A": "1", "B": "x=y -z"},
-        "keep_env": (*isolate.policy.DEFAULT_KEEP_ENV, "CI"),
+        "keep_env": (*isolate.model.policy.DEFAULT_KEEP_ENV, "CI"),
         "home": "/home/agent",
         "home_files": (".gitconfig",),
         "cwd": "/tmp",

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 import isolate
-from isolate import landlock
+from isolate.kernel import landlock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

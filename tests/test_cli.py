@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import ISOLATE_RUN, PYTHON, ROOT, skip_unless_runnable
 
-from isolate import landlock
+from isolate.kernel import landlock
 
 CLI = [ISOLATE_RUN]
 

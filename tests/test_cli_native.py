@@ -17,7 +17,7 @@ import sys
 import pytest
 from conftest import ISOLATE_RUN, ROOT, root_only, skip_unless_runnable
 
-from isolate import cliplan
+from isolate.cli import plan as cliplan
 
 REPLAYED = "trace: replaying the cached plan"
 

@@ -29,10 +29,10 @@ from conftest import ISOLATE_RUN
 from isolate.backends import docker as backend
 from isolate.backends.docker.sandbox import DockerSandbox as Sandbox
 from isolate.backends.docker.sandbox import list_sandboxes, prune
-from isolate.errors import CommandNotExecutableError, CommandNotFoundError, PolicyError, UnsupportedError
-from isolate.policy import Egress, Limits, Policy
-from isolate.registry import Registry, SandboxRecord
-from isolate.sandbox_cli import sandbox_main as cli_main
+from isolate.backends.registry import Registry, SandboxRecord
+from isolate.cli.sandbox import sandbox_main as cli_main
+from isolate.model.errors import CommandNotExecutableError, CommandNotFoundError, PolicyError, UnsupportedError
+from isolate.model.policy import Egress, Limits, Policy
 
 IMAGE = os.environ.get("ISOLATE_TEST_IMAGE", "isolate-test:busybox")
 ROOT = os.geteuid() == 0
@@ -177,7 +177,7 @@ def test_seccomp_profile_file_is_handed_over(tmp_path: Path) -> None:
 
 
 def test_default_seccomp_is_the_policy_profile() -> None:
-    seccomp = pytest.importorskip("isolate.seccomp")
+    seccomp = pytest.importorskip("isolate.kernel.seccomp")
     option, reported = backend.seccomp_option("default")
     assert reported == "default"
     assert json.loads(option.removeprefix("seccomp=")) == json.loads(json.dumps(seccomp.oci_profile("default")))
@@ -235,7 +235,7 @@ def test_kept_server_guard_refuses_unix_stream_and_dgram_but_not_seqpacket(tmp_p
 
 def test_binds_are_mounted_at_their_target_through_the_grant_resolver(tmp_path: Path) -> None:
     # Policy.binds (isolate.Mount) were ignored by this backend: a host path asked for was silently absent.
-    from isolate.policy import Mount
+    from isolate.model.policy import Mount
 
     shown = tmp_path / "shown"
     shown.mkdir()
@@ -249,7 +249,7 @@ def test_binds_are_mounted_at_their_target_through_the_grant_resolver(tmp_path: 
 
 
 def test_network_sockets_rule_never_widens_a_profile() -> None:
-    from isolate import seccomp
+    from isolate.kernel import seccomp
 
     deny_all = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]}
     assert seccomp.without_network_sockets(deny_all) == deny_all
@@ -414,7 +414,7 @@ def test_default_stdin_and_stdout_pass_through_a_caller_process(cleanup: None) -
     code = textwrap.dedent(
         f"""
         from isolate.backends import docker
-        from isolate.policy import Policy
+        from isolate.model.policy import Policy
         p = Policy(image={IMAGE!r}, read=[], write=[], network='loopback')
         r = docker.run(["sh", "-c", "tr a-z A-Z; exit 7"], policy=p)
         raise SystemExit(0 if r.returncode == 7 and r.stdout is None else 1)
@@ -646,7 +646,7 @@ def test_death_of_the_caller_removes_the_container(tmp_path: Path, cleanup: None
     code = textwrap.dedent(
         f"""
         from isolate.backends import docker
-        from isolate.policy import Policy
+        from isolate.model.policy import Policy
         p = Policy(image={IMAGE!r}, read=[], write=[], network='loopback', env={{"M": {marker!r}}})
         docker.run(["sleep", "300"], policy=p,
                    stdin=-3)

@@ -552,7 +552,7 @@ def test_a_named_sandbox_whose_mediator_cannot_start_is_refused(site: dict[str, 
 def test_the_report_says_who_names_refused_direct_addresses(site: dict[str, Any]) -> None:
     # Where the init does not supervise connect() (Landlock ABI 9), refused direct addresses go unnamed;
     # the report says which case this run is, rather than leave an empty list to mean "nothing tried".
-    from isolate import landlock
+    from isolate.kernel import landlock
 
     result = _run(["true"], _egress(site["port"]))
     said = result.report.enforced["egress"]["direct_addresses"]

@@ -18,7 +18,7 @@ from test_egress_mediator import FakeResolver, _recv_all, _rules, plan
 
 import isolate
 from isolate.egress import dns
-from isolate.egress_rules import is_public
+from isolate.model.egress_rules import is_public
 
 # --- the rebinding guard: IPv6 addresses that stand for IPv4 ones ---------------------------------
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from isolate.egress import Mediator, dns, rules_from_json, rules_to_json
-from isolate.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
+from isolate.model.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
 
 NAME_ADDRESSES = ("127.77.1.0", "127.77.1.1", "127.77.1.2", "127.77.1.3")
 

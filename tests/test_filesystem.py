@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, not_granted_top, policy, py, python_read, root_only
 
 import isolate
-from isolate import landlock
+from isolate.kernel import landlock
 
 PROBE = """
 import errno, os, sys
@@ -232,7 +232,7 @@ def test_private_tmpfs_is_bounded_by_default_and_settable(workdir: str, path: st
     # Unbounded, each private tmpfs could take half of RAM in unswappable pages.
     probe = py(f"import os; s = os.statvfs({path!r}); print(s.f_blocks * s.f_frsize)")
     default = isolate.run(probe, policy=policy(write=[workdir]), cwd=workdir, capture_output=True, text=True)
-    expected = isolate.policy.DEFAULT_TMPFS_SIZE if path == "/tmp" else isolate.policy.DEFAULT_SHM_SIZE
+    expected = isolate.model.policy.DEFAULT_TMPFS_SIZE if path == "/tmp" else isolate.model.policy.DEFAULT_SHM_SIZE
     assert int(default.stdout) == expected, default.stderr
     fill = py(
         "import errno\n"

@@ -151,7 +151,7 @@ def test_path_is_reduced_and_ungranted_command_is_named(workdir: str) -> None:
 def test_help_has_units_examples_and_defaults(workdir: str) -> None:
     result = cli("--help", cwd=workdir, env={**os.environ, "COLUMNS": "1000"})
     assert result.returncode == 0
-    from isolate.cli import build_parser
+    from isolate.cli.flags import build_parser
 
     actions = [a for a in build_parser()._actions if a.option_strings and a.dest not in ("help", "version")]
     assert len(actions) >= 25
@@ -190,8 +190,8 @@ def test_report_says_which_denials_it_observes(workdir: str) -> None:
     from conftest import policy
 
     import isolate
-    from isolate import landlock
     from isolate.backends import native
+    from isolate.kernel import landlock
 
     with_ns = isolate.run(["sh", "-c", "cat /etc/shadow /root/x 2>/dev/null; unshare -U true 2>/dev/null; true"],
                           policy=policy(write=[workdir]), cwd=workdir)

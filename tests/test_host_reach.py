@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, policy, py
 
 import isolate
-from isolate import landlock, seccomp
+from isolate.kernel import landlock, seccomp
 
 IPC_CREAT, O_CREAT, O_RDWR = 0o1000, 0o100, 0o2
 LIBC = ctypes.CDLL(None, use_errno=True)

@@ -46,7 +46,7 @@ EXPECTED_FAILURES = {
 
 def inspect_names() -> set[str]:
     """This user's sandboxes the provider made (others' tests share root's runtime directory)."""
-    from isolate.sandbox_cli import native_names
+    from isolate.backends.native.named import native_names
 
     return {n for n in native_names() if n.startswith("inspect-")}
 
@@ -270,7 +270,7 @@ def test_time_limit_ends_a_running_command(tmp_path: Any) -> None:
 
 
 def test_task_cleanup_ends_only_its_own_task() -> None:
-    from isolate.sandbox_cli import native_names
+    from isolate.backends.native.named import native_names
 
     cls = IsolateSandboxEnvironment
 
@@ -290,7 +290,7 @@ def test_task_cleanup_ends_only_its_own_task() -> None:
 
 
 def test_cli_cleanup_removes_inspect_sandboxes_only() -> None:
-    from isolate.sandbox_cli import native_names
+    from isolate.backends.native.named import native_names
 
     cls = IsolateSandboxEnvironment
     other = isolate.Sandbox(name="not-inspect-" + os.urandom(4).hex()).start()

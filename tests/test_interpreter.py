@@ -15,8 +15,8 @@ import pytest
 from conftest import NAMESPACES_WHY, policy, processes_with
 
 from isolate import Sandbox
-from isolate.errors import CommandNotFoundError, IsolationError
-from isolate.interpreter import Interpreter
+from isolate.kept.interpreter import Interpreter
+from isolate.model.errors import CommandNotFoundError, IsolationError
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 

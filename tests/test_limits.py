@@ -16,7 +16,7 @@ from isolate import Limits
 
 
 def cgroup_usable(*needs: str) -> bool:
-    from isolate import cgroup
+    from isolate.kernel import cgroup
 
     try:
         cgroup.check_available(set(needs))
@@ -87,7 +87,7 @@ def test_wall_clock_ends_the_run(workdir: str) -> None:
 def test_the_wall_limit_holds_whatever_the_program_kills(workdir: str, namespaces: bool) -> None:
     # The program kills or stops every process it can see (its parent, PID 1, the init) and sleeps on:
     # the wall limit still ends it, and nothing it printed after the attempt comes out.
-    from isolate import landlock
+    from isolate.kernel import landlock
 
     if not namespaces and landlock.abi() < 6:
         # Without a PID namespace only Landlock's scoping (ABI 6) keeps the program's signals in its own

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from isolate import Egress, Limits, Policy, PolicyError
-from isolate.units import format_size, parse_seconds, parse_size
+from isolate.model.units import format_size, parse_seconds, parse_size
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_limits_below_their_floor_are_refused(limits: dict[str, object], field: 
 
 
 def test_fractions_round_up_never_to_nothing() -> None:
-    from isolate.units import milliseconds_up
+    from isolate.model.units import milliseconds_up
 
     assert parse_size("0.5", "x") == 1
     assert milliseconds_up(0.0004) == 1 and milliseconds_up(1e-12) == 1 and milliseconds_up(1.0001) == 1001

@@ -138,7 +138,7 @@ def test_without_namespaces_the_program_signals_nothing_outside_or_is_refused(wo
     # domain. Before, on older kernels a run without namespaces went ahead and its program could kill
     # every process of its uid: the caller itself, for a regular user (in the VM, the test runner). It is
     # now refused there unless best effort is asked, and where it runs the caller's processes are safe.
-    from isolate import landlock
+    from isolate.kernel import landlock
 
     abi = landlock.abi()
     if abi == 0:

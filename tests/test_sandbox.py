@@ -25,7 +25,7 @@ from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
 from isolate import Mount, Sandbox, Workspace
-from isolate.registry import runtime_dir
+from isolate.kernel.places import runtime_dir
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 

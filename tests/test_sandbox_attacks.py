@@ -157,7 +157,7 @@ def _planted(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch, name: s
 
 def test_rm_does_not_follow_a_link_planted_in_the_state_directory(source: str, workdir: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from isolate.sandbox_cli import remove_native
+    from isolate.backends.native.named import remove_native
 
     name = f"atk{os.getpid()}"
     try:
@@ -170,7 +170,7 @@ def test_rm_does_not_follow_a_link_planted_in_the_state_directory(source: str, w
 
 def test_diff_and_commit_do_not_read_a_planted_workspace(source: str, workdir: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from isolate.sandbox_cli import remove_native
+    from isolate.backends.native.named import remove_native
 
     name = f"atk{os.getpid()}c"
     try:
@@ -218,7 +218,8 @@ def test_a_link_planted_where_the_registry_was_leads_nowhere(source: str, workdi
     # caller may write. It now lives in the runtime directory, which every grant hides or is refused.
     import sqlite3
 
-    from isolate.registry import Registry, runtime_dir
+    from isolate.backends.registry import Registry
+    from isolate.kernel.places import runtime_dir
 
     state = Path(workdir) / "state"
     state.mkdir()
@@ -245,14 +246,14 @@ def test_rm_removes_the_data_it_made(source: str, workdir: str, monkeypatch: pyt
     box.exec("echo x > made")
     box.detach()
     assert (state / "sandboxes" / name / "workspace" / "made").exists()
-    from isolate.sandbox_cli import remove_native
+    from isolate.backends.native.named import remove_native
 
     assert remove_native(name)
     assert not (state / "sandboxes" / name).exists()
 
 
 def test_a_shell_output_flood_costs_the_host_neither_memory_nor_quadratic_time(box: Sandbox) -> None:
-    from isolate import shell
+    from isolate.kept import shell
 
     sh = box.shell(pty=box.backend == "native")  # busybox ash echoes a terminal's input (tests/test_sandbox.py)
     # Before: the whole output was kept and searched from its start at every read (64 MB did not
@@ -290,7 +291,7 @@ def test_commit_writes_no_more_than_the_workspace_holds(box: Sandbox, workdir: s
 
 
 def test_a_deeply_nested_workspace_breaks_neither_diff_nor_removal(source: str, workdir: str) -> None:
-    from isolate import workspace
+    from isolate.kernel import tree as workspace
 
     box = Sandbox(policy(write=()), workspace=Workspace(source)).start()
     try:
@@ -353,7 +354,8 @@ def test_commit_makes_nothing_world_writable_against_the_callers_umask(box: Sand
 def test_cli_diff_prints_each_name_on_one_line(source: str, workdir: str, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     # A name with a newline forged lines of `isolate-run sandbox diff` (here: a deletion that is not).
-    from isolate.sandbox_cli import remove_native, sandbox_main
+    from isolate.backends.native.named import remove_native
+    from isolate.cli.sandbox import sandbox_main
 
     monkeypatch.setenv("ISOLATE_STATE_DIR", str(Path(workdir) / "state"))
     name = f"atk{os.getpid()}n"
@@ -452,8 +454,8 @@ def test_a_grant_that_holds_the_runtime_directory_hides_it_or_is_refused(source:
     # under an empty private tmpfs; without a mount namespace to hide it in, the grant is refused.
     from conftest import LANDLOCK_WHY
 
-    from isolate.registry import runtime_dir
-    from isolate.sandbox_cli import remove_native
+    from isolate.backends.native.named import remove_native
+    from isolate.kernel.places import runtime_dir
 
     name = f"atk{os.getpid()}r"
     target = Path(workdir) / "target"
@@ -493,8 +495,8 @@ def test_a_read_grant_that_holds_the_runtime_directory_hides_it_too(source: str)
     # writable grant; without a mount namespace, refused for a caller whose program runs as itself.
     from conftest import LANDLOCK_WHY
 
-    from isolate.registry import runtime_dir
-    from isolate.sandbox_cli import remove_native
+    from isolate.backends.native.named import remove_native
+    from isolate.kernel.places import runtime_dir
 
     name = f"atk{os.getpid()}q"
     parent = os.path.dirname(runtime_dir())

@@ -146,7 +146,7 @@ def test_a_socket_planted_in_the_servers_place_is_refused(box: Sandbox) -> None:
 
 def test_named_sandbox_is_attached_reused_and_removed(project: str, request: pytest.FixtureRequest) -> None:
     from isolate.backends.docker.sandbox import list_sandboxes
-    from isolate.sandbox_cli import sandbox_main
+    from isolate.cli.sandbox import sandbox_main
 
     name = f"t-{os.getpid()}-{request.node.name[:20]}".replace("_", "-")
     policy = docker_policy()
@@ -294,7 +294,7 @@ def test_a_grant_that_holds_the_runtime_directory_is_refused(tmp_path: Path) -> 
     # (a caller who is not root, granting /tmp where that directory is /tmp/isolate-UID) could rewrite
     # the kept sandboxes' descriptions there.
     from isolate.backends.docker import prepare
-    from isolate.registry import runtime_dir
+    from isolate.kernel.places import runtime_dir
 
     parent = os.path.dirname(runtime_dir())
     writes = isolate.Policy(backend="docker", image=IMAGE, write=(parent,), cwd=parent)
@@ -330,7 +330,8 @@ def test_prune_uses_no_name_that_isolate_did_not_give(tmp_path: Path, monkeypatc
 
     from isolate.backends.docker import engine_address
     from isolate.backends.docker.sandbox import prune
-    from isolate.registry import Registry, runtime_dir
+    from isolate.backends.registry import Registry
+    from isolate.kernel.places import runtime_dir
 
     monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "state"))
     victim = tmp_path / "victim.json"

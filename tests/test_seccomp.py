@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 from conftest import ISOLATE_RUN, PYTHON, policy, py
 
-from isolate import seccomp
-from isolate.popen import CompletedProcess
-from isolate.popen import run as isolate_run  # what isolate.run resolves to (mypy cannot see through its __getattr__)
+from isolate.kernel import seccomp
+from isolate.oneshot.runs import CompletedProcess
+from isolate.oneshot.runs import (
+    run as isolate_run,  # what isolate.run resolves to (mypy cannot see through its __getattr__)
+)
 
 OK, WHY = seccomp.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"seccomp unavailable here: {WHY}")

@@ -1,4 +1,4 @@
-"""isolate.seccomp: the profile parser, the compiler, and the filters on the real kernel.
+"""isolate.kernel.seccomp: the profile parser, the compiler, and the filters on the real kernel.
 
 The kernel tests install the compiled BPF in a forked child with prctl(NO_NEW_PRIVS)
 and seccomp(SECCOMP_SET_MODE_FILTER), as the C core does, and look at what the
@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from isolate import seccomp
-from isolate.errors import PolicyError, UnsupportedError
+from isolate.kernel import seccomp
+from isolate.model.errors import PolicyError, UnsupportedError
 
 OK, WHY = seccomp.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"seccomp unavailable here: {WHY}")
@@ -405,20 +405,20 @@ def test_binary_tree_layout_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """The attribute is set, and the tree reaches every decision in fewer steps than libseccomp's linear list."""
     import pyseccomp
 
-    filt = seccomp._new_filter(seccomp.RET_ALLOW)
+    filt = seccomp.compiler._new_filter(seccomp.RET_ALLOW)
     assert filt.get_attr(pyseccomp.Attr.CTL_OPTIMIZE) == 2
     parsed = seccomp._parse(seccomp.oci_profile("default"), "default")
     tree, _, _ = seccomp._build(parsed, False, "default")
     assert tree == compiled("default").bpf
 
-    real_new_filter = seccomp._new_filter
+    real_new_filter = seccomp.compiler._new_filter
 
     def linear(default: int) -> Any:
         made = real_new_filter(default)
         made.set_attr(pyseccomp.Attr.CTL_OPTIMIZE, 1)
         return made
 
-    monkeypatch.setattr(seccomp, "_new_filter", linear)
+    monkeypatch.setattr(seccomp.compiler, "_new_filter", linear)
     flat, _, _ = seccomp._build(parsed, False, "default")
     assert flat != tree
     # Instructions run to decide each system call (no arguments); personality's argument checks are long either way.

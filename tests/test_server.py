@@ -1044,7 +1044,7 @@ def test_a_cells_forked_child_cannot_answer_the_next_cell() -> None:
     """A child a cell forks inherits the driver's answer channel: it answered the next cell (before:
     FORGED, after 1 s of a cell that sleeps 3), and every answer after came one cell late. The server takes
     answers from the driver's pid only (SO_PASSCRED)."""
-    from isolate.sandbox import Sandbox
+    from isolate.kept.sandbox import Sandbox
     from isolate.server.code import CodeContext
 
     def run(context: Any, code: str) -> list[Any]:

@@ -21,8 +21,8 @@ from smolagents.monitoring import AgentLogger, LogLevel  # noqa: E402
 from smolagents.utils import AgentError  # noqa: E402
 
 from isolate import Sandbox  # noqa: E402
-from isolate.errors import UnsupportedError  # noqa: E402
 from isolate.integrations.smolagents import IsolateExecutor  # noqa: E402
+from isolate.model.errors import UnsupportedError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 

@@ -20,8 +20,8 @@ import pytest
 from conftest import ISOLATE_RUN, policy, py, python_read
 
 import isolate
-from isolate import landlock
 from isolate.backends import native
+from isolate.kernel import landlock
 
 
 class Server:
@@ -463,7 +463,7 @@ def test_preexec_fn_without_a_supervisor_refuses_unix_sockets(granted: tuple[str
 
 
 def test_the_hint_line_escapes_the_programs_path() -> None:
-    from isolate.cli import denial_hints
+    from isolate.cli.main import denial_hints
 
     report = isolate.Report(denied=[{"mechanism": "unix-socket", "path": "/tmp/\x1b[2Jx", "count": 1}])
     (line,) = denial_hints(report, isolate.Policy())
@@ -499,7 +499,7 @@ def test_every_allow_of_the_profile_goes_through_the_epilogue(mode: str) -> None
     """No path of the compiled profile returns ALLOW (or USER_NOTIF) without the supervisor's epilogue."""
     import struct
 
-    from isolate import seccomp
+    from isolate.kernel import seccomp
 
     reference = seccomp.compile_filter("default", notify=True)
     with_epilogue = seccomp.compile_filter("default", notify=True, unix_sockets="supervise")

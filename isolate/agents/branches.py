@@ -9,10 +9,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from ..errors import IsolationError, PolicyError, UnsupportedError
-from ..policy import Policy
-from ..sandbox import ExecResult, Sandbox
-from ..workspace import Changes, Workspace
+from ..kept.sandbox import ExecResult, Sandbox
+from ..kernel.tree import Changes
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
+from ..model.policy import Policy
+from ..model.workspace import Workspace
 from .manager import _close_quietly
 
 # -- a branch per attempt -------------------------------------------------------------------------------------

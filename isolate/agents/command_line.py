@@ -7,8 +7,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import PolicyError
-from ..policy import DEFAULT_HOME, DEFAULT_KEEP_ENV, DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
+from ..model.errors import PolicyError
+from ..model.policy import DEFAULT_HOME, DEFAULT_KEEP_ENV, DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
 
 # -- wrap: the isolate-run command line of a policy ----------------------------------------------------------
 
@@ -115,7 +115,7 @@ def _comparable(policy: Policy) -> dict[str, Any]:
 
 
 def _check_round_trip(policy: Policy, flags: list[str]) -> None:
-    from ..cli import CliError, build_parser, policy_from_args
+    from ..cli.flags import CliError, build_parser, policy_from_args
 
     try:
         back = policy_from_args(build_parser().parse_args([*flags, "--", "true"]))

@@ -10,10 +10,10 @@ import stat
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
-from ..errors import IsolationError, PolicyError
-from ..grants import write_all
-from ..sandbox import Sandbox
-from ..workspace import _DIR_FLAGS, _open_file
+from ..kept.sandbox import Sandbox
+from ..kernel.tree import _DIR_FLAGS, _open_file
+from ..model.errors import IsolationError, PolicyError
+from ..model.files import write_all
 
 # -- file tools for an agent ----------------------------------------------------------------------------------
 

@@ -16,11 +16,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..errors import IsolationError, PolicyError, UnsupportedError
-from ..policy import Mount, Policy
-from ..registry import runtime_dir, state_key
-from ..sandbox import Sandbox, _seconds
-from ..workspace import Workspace
+from ..kept.sandbox import Sandbox, _seconds
+from ..kernel.places import runtime_dir, state_key
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
+from ..model.policy import Mount, Policy
+from ..model.workspace import Workspace
 
 # -- the configuration of an agent's sandbox ----------------------------------------------------------------
 
@@ -335,14 +335,14 @@ def _close_quietly(box: Sandbox) -> None:
 
 
 def _backend_of(name: str) -> str:
-    from ..registry import Registry
+    from ..backends.registry import Registry
 
     return "docker" if any(r.name == name for r in Registry().all() if r.engine != "native") else "native"
 
 
 def _remove_named(name: str) -> bool:
     """End and remove the kept sandbox of that name, native or Docker (as ``isolate-run sandbox rm``)."""
-    from ..sandbox_cli import remove_native
+    from ..backends.native.named import remove_native
 
     if remove_native(name):
         return True

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..policy import Mount, Policy
-    from ..workspace import Workspace
+    from ..model.policy import Mount, Policy
+    from ..model.workspace import Workspace
     from .native.protocol import Connection
 
 

@@ -1,7 +1,7 @@
 """The egress mediator: isolate's DNS server, HTTP proxy and transparent relay for ``network=Egress(...)``.
 
 The sandbox's side (listening sockets inside its network namespace, the
-address plan) is described in :mod:`isolate.egress_rules`; this package is
+address plan) is described in :mod:`isolate.model.egress_rules`; this package is
 the host's side, in pure Python. ``Mediator`` runs in the host process's
 threads; ``python -m isolate.egress`` runs one as a process of its own (for
 kept sandboxes).
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..egress_rules import EgressRules, HostRule, parse_address, parse_host_rule
-from ..errors import PolicyError
+from ..model.egress_rules import EgressRules, HostRule, parse_address, parse_host_rule
+from ..model.errors import PolicyError
 from .mediator import Mediator
 
 __all__ = ["Mediator", "rules_from_json", "rules_to_json"]

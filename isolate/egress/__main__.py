@@ -27,7 +27,7 @@ import socket
 import sys
 from typing import Any
 
-from ..errors import PolicyError
+from ..model.errors import PolicyError
 from . import Mediator, rules_from_json
 
 

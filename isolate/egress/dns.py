@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..egress_rules import EgressRules, is_public
+from ..model.egress_rules import EgressRules, is_public
 
 TYPE_A = 1
 TYPE_CNAME = 5

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..egress_rules import parse_port
+from ..model.egress_rules import parse_port
 
 #: A request head larger than this is refused (431).
 MAX_HEAD = 64 * 1024

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..egress_rules import (
+from ..model.egress_rules import (
     BLOCK,
     DNS_ADDRESS,
     DNS_PORT,
@@ -42,7 +42,7 @@ from ..egress_rules import (
     EgressRules,
     normalize_name,
 )
-from ..errors import PolicyError
+from ..model.errors import PolicyError
 from . import dns, http
 from .relay import relay
 from .workers import Workers

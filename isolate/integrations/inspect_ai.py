@@ -44,9 +44,9 @@ from inspect_ai.util import (
 )
 from pydantic import BaseModel
 
-from ..errors import CommandNotFoundError, IsolationError, PolicyError, SetupError, UnsupportedError
-from ..policy import Policy
-from ..sandbox import Sandbox
+from ..kept.sandbox import Sandbox
+from ..model.errors import CommandNotFoundError, IsolationError, PolicyError, SetupError, UnsupportedError
+from ..model.policy import Policy
 
 __all__ = ["IsolateSandboxEnvironment", "inspect_policy"]
 
@@ -177,7 +177,7 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
         """``inspect sandbox cleanup isolate [NAME]``: remove this user's inspect sandboxes (or that one)."""
-        from ..sandbox_cli import native_names, remove_native
+        from ..backends.native.named import native_names, remove_native
 
         def remove() -> None:
             ours = [n for n in native_names() if n.startswith(NAME_PREFIX)]  # never a sandbox inspect did not make

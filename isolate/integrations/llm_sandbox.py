@@ -41,9 +41,9 @@ from llm_sandbox.core.session_base import BaseSession
 from llm_sandbox.data import ConsoleOutput
 from llm_sandbox.exceptions import CommandEmptyError, CommandFailedError, NotOpenSessionError, SandboxTimeoutError
 
-from ..policy import Policy
-from ..sandbox import Sandbox
-from ..workspace import Workspace
+from ..kept.sandbox import Sandbox
+from ..model.policy import Policy
+from ..model.workspace import Workspace
 
 __all__ = ["CAPABILITIES", "IsolateSession"]
 

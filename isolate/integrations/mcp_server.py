@@ -39,10 +39,10 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import BaseModel
 
-from ..errors import IsolationError, PolicyError, UnsupportedError
-from ..fdwait import ready
-from ..policy import Policy
-from ..sandbox import Sandbox, SandboxProcess, Shell
+from ..kept.sandbox import Sandbox, SandboxProcess, Shell
+from ..kernel.fdwait import ready
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
+from ..model.policy import Policy
 
 __all__ = ["build_server", "main"]
 

@@ -30,9 +30,9 @@ from smolagents.remote_executors import RemotePythonExecutor
 from smolagents.tools import Tool, get_tools_definition_code
 from smolagents.utils import AgentError
 
-from ..errors import UnsupportedError
-from ..policy import Policy
-from ..sandbox import Sandbox
+from ..kept.sandbox import Sandbox
+from ..model.errors import UnsupportedError
+from ..model.policy import Policy
 
 __all__ = ["IsolateExecutor"]
 

@@ -15,8 +15,8 @@ import secrets
 import sys
 from collections.abc import Sequence
 
-from ..errors import PolicyError
-from ..policy import Policy
+from ..model.errors import PolicyError
+from ..model.policy import Policy
 
 __all__ = ["create_app", "serve_main"]
 

@@ -26,8 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..peerchannel import PeerChannel
-from ..sandbox import Sandbox
+from ..kept.sandbox import Sandbox
+from ..kernel.peerchannel import PeerChannel
 
 DRIVER = r'''
 import ast, fcntl, json, os, signal, sys, traceback

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import IsolationError, PolicyError, SetupError, UnsupportedError
+from ..model.errors import IsolationError, PolicyError, SetupError, UnsupportedError
 from .models import ApiError, bad_request
 
 log = logging.getLogger("isolate.server")

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..sandbox import Sandbox
+from ..kept.sandbox import Sandbox
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
 from .models import (
     EGRESS_PORT,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import PolicyError
-from ..policy import Limits, Policy
+from ..model.errors import PolicyError
+from ..model.policy import Limits, Policy
 
 #: The port the SDK asks for to reach a sandbox's execution API, and the egress sidecar's.
 EXECD_PORT = 44772
@@ -145,7 +145,7 @@ def network_from(policy: object, base: Policy) -> Any:
     if not allow:
         return "none"
     # An allow-list: isolate.Egress, enforced where the policy layer supports it (else refused at start).
-    from ..policy import Egress
+    from ..model.policy import Egress
 
     try:
         return Egress(tuple(allow))

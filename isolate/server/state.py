@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policy import Policy
-from ..sandbox import Sandbox, SandboxProcess
+from ..kept.sandbox import Sandbox, SandboxProcess
+from ..model.policy import Policy
 from .models import ApiError
 
 #: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.

@@ -27,7 +27,7 @@ The mapping (``build_spec``)::
     network            loopback -> NetworkMode none (a private lo, up); none -> the
                        same, plus socket() refused for every family but AF_UNIX in
                        the container's seccomp profile; host -> host; Egress -> refused
-    seccomp            default/strict -> isolate.seccomp.oci_profile(mode) as JSON;
+    seccomp            default/strict -> isolate.kernel.seccomp.oci_profile(mode) as JSON;
                        FILE -> the file's JSON; none -> unconfined
     limits.memory      Memory = MemorySwap
     limits.pids        PidsLimit

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import IsolationError, SetupError, UnsupportedError
+from ...model.errors import IsolationError, SetupError, UnsupportedError
 
 #: Environment variable naming the image used when a policy names none.
 IMAGE_ENV = "ISOLATE_DOCKER_IMAGE"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import PolicyError, SetupError, UnsupportedError
+from ...model.errors import PolicyError, SetupError, UnsupportedError
 from .engine import _engine_errors, _short, client
 from .runs import _classify, _command_error, _drive, _finish, _raise_start_error, _report
 from .spec import LABEL, LABEL_KIND, LABEL_SPEC_HASH, ContainerSpec

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ...errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
-from ...fdwait import ready
-from ...policy import Policy
-from ...report import Report, status_for
+from ...kernel.fdwait import ready
+from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
+from ...model.policy import Policy
+from ...model.report import Report, status_for
 from .engine import _engine_errors, _short, client
 from .spec import ContainerSpec, prepare
 from .streams import _TINI_HOLD, Args, _argv, _attach, _Conn, _Demux, _feed_stdin, _Holder, _HoldRule, _Streams
@@ -210,7 +210,7 @@ def run(
 
     stdout/stderr ``None`` pass through to this process's fds 1 and 2, PIPE
     captures; stdin ``None`` feeds this process's fd 0 to the program. The
-    result carries ``.report`` (``isolate.report.Report``, backend "docker").
+    result carries ``.report`` (``isolate.model.report.Report``, backend "docker").
     ``timeout`` kills the container and raises ``subprocess.TimeoutExpired``;
     ``policy.limits.wall_seconds`` kills it with report status "timeout".
     ``spec`` (from ``prepare``) skips the mapping, for callers that run one

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import IsolationError, UnsupportedError
-from ...policy import Policy
-from ...registry import Registry, SandboxRecord, _check_name
+from ...model.errors import IsolationError, UnsupportedError
+from ...model.policy import Policy
+from ..registry import Registry, SandboxRecord, _check_name
 
 #: ``prune`` without options removes sandboxes unused for a day or created more than a week ago.
 DEFAULT_IDLE_SECONDS = 24 * 3600.0

@@ -19,7 +19,7 @@ and listen in its place (it shares the server's uid), never pass that check.
 The workspace is a host directory bound at its target: a copy made under the
 state directory (chowned to the container's user when the caller is root),
 or the source itself (``bind``); ``diff``/``commit`` read it from the host as
-natively. Mounts go through ``isolate.grants`` as the policy's write grants
+natively. Mounts go through ``isolate.kernel.grants`` as the policy's write grants
 do. Named sandboxes keep the kept-container conventions (container
 ``isolate-NAME``, the registry, ``sandbox list/rm/prune``) and are reused by
 name while their configuration is unchanged.
@@ -42,13 +42,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._core import INIT_PATH, lib
-from ...errors import IsolationError, PolicyError, SetupError, UnsupportedError
-from ...grants import resolve_grant
-from ...policy import DEFAULT_WRITE, Mount, Policy
-from ...registry import Registry, SandboxRecord, runtime_dir, state_dir
-from ...workspace import Workspace, _open_dir
+from ...kernel.grants import resolve_grant
+from ...kernel.places import runtime_dir, state_dir
+from ...kernel.tree import _open_dir
+from ...model.errors import IsolationError, PolicyError, SetupError, UnsupportedError
+from ...model.policy import DEFAULT_WRITE, Mount, Policy
+from ...model.workspace import Workspace
 from ..native.kept import _dir_identity, _pair, _remove_dir, _suppress_missing, make_data_dir
 from ..native.protocol import Connection, ServerGone, probe
+from ..registry import Registry, SandboxRecord
 from .spec import LABEL, LABEL_SPEC_HASH, BindMount, ContainerSpec, default_image, program_ids
 
 SERVER_TARGET = "/.isolate/isolate-exec-server"

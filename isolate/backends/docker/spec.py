@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import IsolationError, PolicyError, UnsupportedError
-from ...grants import Grant, check_unchanged, read_input_file, refuse_runtime_dir, resolve_grant
-from ...policy import DEFAULT_READ, Egress, Policy
+from ...kernel.grants import Grant, check_unchanged, refuse_runtime_dir, resolve_grant
+from ...model.errors import IsolationError, PolicyError, UnsupportedError
+from ...model.files import read_input_file
+from ...model.policy import DEFAULT_READ, Egress, Policy
 from .engine import IMAGE_ENV, EngineInfo, check_image, client, engine_info
 
 #: The image used when neither the policy nor ``$ISOLATE_DOCKER_IMAGE`` names one.
@@ -34,7 +35,7 @@ TMPFS_OPTIONS = "rw,exec,nosuid,nodev,mode=1777"
 
 @dataclass(frozen=True)
 class BindMount:
-    """A host path bound inside the container; ``grant`` is how it was resolved (isolate.grants)."""
+    """A host path bound inside the container; ``grant`` is how it was resolved (isolate.kernel.grants)."""
 
     source: str
     target: str
@@ -174,12 +175,12 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
                    server_socket: bool = False) -> tuple[str, str]:
     """(security option, report value) for a policy's ``seccomp``.
 
-    "default"/"strict" hand ``isolate.seccomp.oci_profile(mode)`` to the engine
+    "default"/"strict" hand ``isolate.kernel.seccomp.oci_profile(mode)`` to the engine
     as JSON, a file path hands over that file's JSON, "none" is ``unconfined``.
     ``no_network`` (network none) adds the refusal of socket() for every
     family but AF_UNIX to that profile (to an allow-all one for "none");
     ``unix_guard`` adds the rules refusing AF_UNIX sockets
-    (``isolate.seccomp.unix_guard_rules``), to "none"'s allow-all profile too.
+    (``isolate.kernel.seccomp.unix_guard_rules``), to "none"'s allow-all profile too.
     ``server_socket`` (a kept sandbox, whose exec server must make its
     listening socket): the guard refuses AF_UNIX stream and datagram sockets
     but lets seqpacket ones be made.
@@ -187,7 +188,7 @@ def seccomp_option(mode: str, no_network: bool = False, unix_guard: bool = False
     if mode == "none" and not (no_network or unix_guard):
         return "seccomp=unconfined", "none"
     try:
-        from ... import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]
+        from ...kernel import seccomp as seccomp_mod
     except ImportError as exc:
         if mode in ("default", "strict") or no_network or unix_guard:
             raise UnsupportedError(
@@ -258,7 +259,7 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
         )
     if policy.seccomp in ("default", "strict"):
         try:
-            from ... import seccomp as seccomp_mod  # type: ignore[attr-defined,unused-ignore]  # noqa: F401
+            from ...kernel import seccomp as seccomp_mod  # noqa: F401
         except ImportError as exc:
             reasons["seccomp"] = f"the {policy.seccomp!r} profile cannot be built ({exc}); pass a JSON profile file"
     if policy.unix_sockets:
@@ -338,7 +339,7 @@ def build_spec(
 
     # Filesystem: the image is the system; host paths are bound at the same path.
     mounts: list[BindMount] = []
-    # Every host path goes through isolate.grants, as with the native backend:
+    # Every host path goes through isolate.kernel.grants, as with the native backend:
     # no link planted below / is followed, and each is checked again just
     # before the container is created (ContainerSpec.host_config).
     for kind, paths, read_only in (("read", policy.read, True), ("write", policy.write, False)):

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from ...errors import UnsupportedError
-from ...fdwait import ready
+from ...kernel.fdwait import ready
+from ...model.errors import UnsupportedError
 from .engine import engine_address
 
 Args = Union[str, bytes, "os.PathLike[str]", Sequence[Union[str, bytes, "os.PathLike[str]"]]]

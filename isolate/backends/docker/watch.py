@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import IsolationError, UnsupportedError
+from ...model.errors import IsolationError, UnsupportedError
 from .streams import _write_all
 
 # --------------------------------------------------------------------------

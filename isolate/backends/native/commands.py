@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..._core import lib, step_name
-from ...errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
-from ...report import Report, status_for
+from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
+from ...model.report import Report, status_for
 from .egress import summary_delta
 from .protocol import Connection, Reply, ServerGone, encode, encode_exec
 

@@ -7,20 +7,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
-from ..._core import lib
-from ...errors import UnsupportedError
+from ...model.errors import UnsupportedError
 
 #: The uid a root caller's program runs as, unless the policy names one.
 NOBODY = 65534
-
-
-@lru_cache(maxsize=1)
-def userns_error() -> int:
-    """0 when this caller can create a user namespace, else the errno."""
-    return int(lib.iso_probe_userns())
 
 
 def _close_all(fds: list[int], _os_close: Callable[[int], None] = os.close) -> None:

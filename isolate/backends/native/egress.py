@@ -20,14 +20,15 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ... import egress_rules, fdwait
-from ...errors import SetupError
-from ...grants import write_all
-from ...registry import runtime_dir
+from ...kernel import fdwait
+from ...kernel.places import runtime_dir
+from ...model import egress_rules
+from ...model.errors import SetupError
+from ...model.files import write_all
 
 if TYPE_CHECKING:
     from ...egress.mediator import Mediator
-    from ...policy import Egress
+    from ...model.policy import Egress
 
 #: The sandbox's /etc/resolv.conf: isolate's DNS only (no search domain: a
 #: short name must not turn into a host's internal one).

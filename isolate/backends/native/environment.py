@@ -7,9 +7,9 @@ import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
 
-from ... import grants
-from ...errors import CommandNotFoundError, PolicyError, UnsupportedError
-from ...policy import DEFAULT_HOME, Policy
+from ...kernel import grants
+from ...model.errors import CommandNotFoundError, PolicyError, UnsupportedError
+from ...model.policy import DEFAULT_HOME, Policy
 from .common import _Refusals
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -108,7 +108,7 @@ def _no_ns_home(uid: int, gid: int) -> str:
         base = NO_NS_HOME_ROOT
         leaf = os.path.join(base, str(uid))
     else:
-        from ...registry import state_path
+        from ...kernel.places import state_path
 
         base = state_path()  # reached without a link a program could have planted (see open_state_dir)
         leaf = os.path.join(base, "home")

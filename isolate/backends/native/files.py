@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..._core import lib
-from ...grants import write_all
+from ...model.files import write_all
 from .protocol import Connection, Stat
 
 #: read_file's default cap.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..._core import ffi
-from ...errors import UnsupportedError
-from ...policy import Policy
+from ...model.errors import UnsupportedError
+from ...model.policy import Policy
 from .common import _Refusals
 
 
@@ -30,7 +30,7 @@ def _apply_seccomp(
     # an earlier sandbox granted that directory, and a filter loaded from it
     # would be whatever that sandbox wanted.
     try:
-        from ... import seccomp
+        from ...kernel import seccomp
 
         compiled: Any = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
                                                deny_setid=deny_setid, unix_sockets=unix_sockets,

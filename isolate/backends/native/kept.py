@@ -28,15 +28,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ... import grants
 from ..._core import ffi, init_fd, lib
-from ...errors import IsolationError, UnsupportedError
-from ...overlay import layers_for, make_layers
-from ...policy import DEFAULT_WRITE, Mount, Policy
-from ...popen import Popen
-from ...registry import Registry, SandboxRecord, open_state_dir, runtime_dir, state_dir, state_path
-from ...workspace import Workspace, copy_tree
+from ...kernel import grants
+from ...kernel.overlay import layers_for, make_layers
+from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
+from ...kernel.tree import copy_tree
+from ...model.errors import IsolationError, UnsupportedError
+from ...model.policy import DEFAULT_WRITE, Mount, Policy
+from ...model.workspace import Workspace
+from ..registry import Registry, SandboxRecord
 from .egress import ask_summary
+from .popen import Popen
 from .protocol import Connection, ServerGone, probe
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -83,7 +85,7 @@ def _server_policy(policy: Policy, workspace: Workspace, workspace_host: str, mo
     changes: dict[str, Any] = {"cwd": workspace.target, "die_with_parent": not named, "backend": "native"}
     if workspace.mode == "overlay":
         # A private tmpfs at the target places it among the mounts and gives it Landlock's write rights;
-        # the plan mounts the overlay there instead (isolate/overlay.py).
+        # the plan mounts the overlay there instead (isolate/kernel/overlay.py).
         changes["tmpfs"] = (*policy.tmpfs, workspace.target)
     else:
         binds = (*binds, Mount(workspace_host, workspace.target, "rw"))
@@ -306,7 +308,7 @@ class NativeSandbox:
 
     def open_workspace(self) -> int:
         """A descriptor of the workspace on the host (copy mode: only the directory start() made)."""
-        from ...workspace import _open_dir
+        from ...kernel.tree import _open_dir
 
         fd = _open_dir(self.workspace_host)
         if self.workspace.mode != "bind":
@@ -574,7 +576,7 @@ def _remove_dir(path: str, identity: tuple[int, int]) -> None:
     a planted link on the way could lead to another directory of the same
     name, so only the directory that still is the one start() made goes.
     """
-    from ...workspace import _DIR_FLAGS, _remove_tree
+    from ...kernel.tree import _DIR_FLAGS, _remove_tree
 
     try:
         parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -8,8 +8,8 @@ import resource
 from functools import lru_cache
 from typing import Any
 
-from ...errors import UnsupportedError
-from ...policy import Policy
+from ...model.errors import UnsupportedError
+from ...model.policy import Policy
 from .common import _Refusals
 
 
@@ -20,7 +20,7 @@ def _cgroup_refusal(needs: frozenset[str]) -> str | None:
     Only the backend choice uses this; each run still creates its own cgroup
     and refuses then if that fails.
     """
-    from ... import cgroup
+    from ...kernel import cgroup
 
     try:
         cgroup.check_available(set(needs))
@@ -53,7 +53,7 @@ def _prepare_cgroup(
 ) -> Any:
     limits = policy.limits
     try:
-        from ... import cgroup
+        from ...kernel import cgroup
 
         run_cgroup = cgroup.RunCgroup.create(limits, need=needs)
     except (ImportError, UnsupportedError) as exc:

@@ -21,9 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import hostinfo, landlock, mounts
 from ..._core import ffi, lib, step_name
-from ...errors import (
+from ...kernel import hostinfo, landlock, mounts
+from ...kernel.hostinfo import userns_error
+from ...model.errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
     IsolationError,
@@ -31,9 +32,9 @@ from ...errors import (
     SetupError,
     UnsupportedError,
 )
-from ...policy import Egress, Policy
+from ...model.policy import Egress, Policy
 from . import egress as egress_plan
-from .common import _close_all, _Refusals, _Static, userns_error
+from .common import _close_all, _Refusals, _Static
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
 from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
 from .static import _build_static
@@ -147,7 +148,7 @@ def prepare(
     directory open at the descriptor (O_PATH, the caller's) in its place. A
     kept sandbox's workspace is a new directory each time, and this keeps its
     policy's plan cached.
-    ``overlay``: an overlay workspace (``isolate.overlay.Layers``), mounted in
+    ``overlay``: an overlay workspace (``isolate.kernel.overlay.Layers``), mounted in
     place of the tmpfs the policy has at its target (a kept sandbox's).
     """
     run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
@@ -345,8 +346,8 @@ def _substitute_binds(plan: Any, cmounts: Any, static: _Static, bind_sources: Ma
                                  else b for b in enforced["binds"]]
 def _plan_overlay(layers: Any, plan: Any, static: _Static, keep: list[Any], close_after: list[int],
                   enforced: dict[str, Any], cstr: Any) -> range:
-    """Put the overlay's steps (isolate/overlay.py) where the plan mounts a tmpfs at its target."""
-    from ... import overlay as overlay_mod
+    """Put the overlay's steps (isolate/kernel/overlay.py) where the plan mounts a tmpfs at its target."""
+    from ...kernel import overlay as overlay_mod
 
     target = os.fsencode(mounts.NEWROOT + layers.target)
     at = next((i for i in range(plan.n_mounts)
@@ -408,7 +409,7 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     plan = prepared.plan
     name = step_name(step)
     if prepared.overlay is not None and index in prepared.overlay_steps:
-        from ... import overlay as overlay_mod
+        from ...kernel import overlay as overlay_mod
 
         return overlay_mod.failure(err, prepared.overlay, name)
     if step == lib.ISO_STEP_EXEC:

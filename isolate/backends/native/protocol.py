@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._core import ffi, lib
-from ...errors import IsolationError
+from ...model.errors import IsolationError
 
 REQUEST_SIZE = ffi.sizeof("struct iso_xs_request")
 REPLY_SIZE = ffi.sizeof("struct iso_xs_reply")

@@ -12,14 +12,15 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-from ... import grants, hostinfo, landlock, mounts
 from ..._core import INIT_PATH, ffi, init_fd, lib
-from ...errors import PolicyError
-from ...policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
-from ...registry import runtime_dir
-from ...units import milliseconds_up
+from ...kernel import grants, hostinfo, landlock, mounts
+from ...kernel.hostinfo import userns_error
+from ...kernel.places import runtime_dir
+from ...model.errors import PolicyError
+from ...model.policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
+from ...model.units import milliseconds_up
 from . import egress as egress_plan
-from .common import NOBODY, _Refusals, _Static, userns_error
+from .common import NOBODY, _Refusals, _Static
 from .environment import _no_ns_tmpdir, _plan_home
 from .filters import _apply_seccomp, _report_host_reach
 from .limits import _cgroup_needs
@@ -286,7 +287,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             "refused by the namespace, named by the init" if unix_mode == "supervisor" else
             "refused by the namespace, not named (no supervisor on this kernel: Landlock ABI 9)")
     if unix_mode == "supervisor":
-        from ... import seccomp as seccomp_mod
+        from ...kernel import seccomp as seccomp_mod
 
         spec = ",".join(
             [egress_plan.supervise_mode(network, egress, *(seccomp_mod.syscall_number(n) or -1

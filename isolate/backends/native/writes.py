@@ -10,29 +10,11 @@ import os
 from collections.abc import Sequence
 from functools import lru_cache
 
-from ... import grants
 from ..._core import ffi, lib
-from ...errors import PolicyError, UnsupportedError
-from ...policy import Policy
-
-
-def _filesystem_type(path: str) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/self/mountinfo), or "unknown"."""
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                fields = line.split()
-                if " - " not in line or len(fields) < 5:
-                    continue
-                point = fields[4].replace("\\040", " ")
-                inside = path == point or path.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, line.split(" - ", 1)[1].split()[0]
-    except OSError:
-        pass
-    return kind
-
+from ...kernel import grants
+from ...kernel.hostinfo import filesystem_type as _filesystem_type
+from ...model.errors import PolicyError, UnsupportedError
+from ...model.policy import Policy
 
 _IDMAP_PROBED: dict[tuple[int, int, int], str | None] = {}
 

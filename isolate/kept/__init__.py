@@ -1,0 +1,9 @@
+"""The kept sandbox: ``isolate.Sandbox`` and what lives in one.
+
+``sandbox`` (the sandbox: commands, files, diff and commit, pause, attach),
+``shell`` (persistent shells, framed out of band), ``interpreter`` with its
+``_pydriver`` (a persistent Python, ``Sandbox.python()``).
+
+May import: the model, the kernel mechanisms and the backends. The command
+line, the agent layer and the server import it.
+"""

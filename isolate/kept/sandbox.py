@@ -1,0 +1,448 @@
+"""``isolate.Sandbox``: a sandbox an agent keeps — a workspace, many commands, files, shells.
+
+    with isolate.Sandbox(policy, workspace=isolate.Workspace("./repo")) as sb:
+        sb.exec(["pytest", "-q"], timeout=60)
+        sb.write_file("notes.txt", "done\\n")
+        sb.commit()
+
+Native by default: one set of namespaces whose exec server (csrc/execserver.c)
+starts each command and performs each file operation from inside, as the
+program. ``backend="docker"`` keeps a container whose main process is the
+same exec server, with the same API. Both implement one interface
+(``isolate.backends.kept.KeptBackend``) that this class uses.
+``AsyncSandbox`` has the same methods as coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import os
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from ..backends.kept import KeptBackend, attach_backend, make_backend
+from ..backends.native import files as native_files
+from ..backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, SandboxProcess, run_collecting
+from ..backends.native.files import DirEntry, GrepMatch
+from ..backends.native.kept import environment_for
+from ..backends.native.protocol import Stat
+from ..backends.registry import _check_name
+from ..kernel.overlay import overlay_commit, overlay_diff
+from ..kernel.tree import Changes, apply, check_target, diff, entries_of, walk
+from ..model.errors import IsolationError, PolicyError
+from ..model.policy import Mount, Policy
+from ..model.units import MIN_SECONDS
+from ..model.workspace import Workspace
+from .interpreter import Interpreter
+from .shell import Shell
+
+__all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
+           "Stat", "Workspace"]
+
+#: A named native sandbox ends after this long without a connection or a running command, unless told.
+DEFAULT_NAMED_IDLE = 3600.0
+
+T = TypeVar("T")
+
+
+def _seconds(value: float | None, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise PolicyError(f"{name}: expected a positive number of seconds, got {value!r}", name)
+    if value < MIN_SECONDS:
+        raise PolicyError(f"{name}: {value!r} is too short (at least {MIN_SECONDS:g} seconds, the millisecond the "
+                          "clocks count in)", name)
+    return None if math.isinf(value) else float(value)
+
+
+class Sandbox:
+    """A kept sandbox (see the module's docstring).
+
+    ``policy``: what every command may do (``write`` defaults to nothing
+    beyond the workspace, ``/tmp`` and the home). ``workspace``: where commands
+    start (an empty ``/workspace`` by default). ``mounts``: more host paths at
+    paths inside. ``name``: keep it past this process (``Sandbox.attach``).
+    ``ttl``: end it after that many seconds whatever happens; ``idle_timeout``:
+    after that long with no command and no connection (a named native sandbox
+    defaults to an hour; ``math.inf`` keeps it until removed).
+    """
+
+    def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
+                 mounts: Sequence[Mount] = (), name: str | None = None, backend: str | None = None,
+                 ttl: float | None = None, idle_timeout: float | None = None) -> None:
+        policy = policy if policy is not None else Policy()
+        if not isinstance(policy, Policy):
+            raise TypeError("policy must be an isolate.Policy")
+        if isinstance(workspace, (str, os.PathLike)):
+            workspace = Workspace(os.fspath(workspace))
+        self.workspace = workspace if workspace is not None else Workspace()
+        self.mounts = tuple(Mount.parse(m, "ro") if isinstance(m, str) else m for m in mounts)
+        self.name = _check_name(name) if name is not None else None
+        self.backend = backend or (policy.backend if policy.backend != "auto" else "native")
+        if self.backend not in ("native", "docker"):
+            raise PolicyError(f"backend: {self.backend!r} is not native or docker", "backend")
+        self.policy = policy
+        ttl = _seconds(ttl, "ttl")
+        idle = _seconds(idle_timeout, "idle_timeout")
+        if idle_timeout is None and name is not None:
+            idle = DEFAULT_NAMED_IDLE
+        self._impl: KeptBackend = make_backend(self.backend, policy, self.workspace, self.mounts, self.name, ttl,
+                                               idle)
+        self._shells: dict[str, Shell] = {}
+        self._interpreters: dict[str, Interpreter] = {}
+        self._started = False
+
+    def __repr__(self) -> str:
+        return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def __enter__(self) -> Sandbox:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.name is None:
+            self.close()
+        else:
+            self.detach()
+
+    def start(self) -> Sandbox:
+        if self._started:
+            return self
+        self._impl.start()
+        self._started = True
+        return self
+
+    @classmethod
+    def attach(cls, name: str, ping: bool = True) -> Sandbox:
+        """The running named sandbox (native, else Docker), made earlier (maybe by another process of this user).
+
+        ``ping=False``: do not wait for its exec server's answer (needed to resume a paused one).
+        """
+        impl = attach_backend(_check_name(name), ping)
+        box = cls.__new__(cls)
+        box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
+        box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
+        box._interpreters = {}
+        return box
+
+    def _close_sessions(self) -> None:
+        """End this object's shells and interpreters (their processes and the host's pipes)."""
+        for shell in list(self._shells.values()):
+            shell.close()
+        for interpreter in list(self._interpreters.values()):
+            interpreter.close()
+
+    def detach(self) -> None:
+        """Let go of a named sandbox without ending it (it stays for attach, rm or prune)."""
+        self._close_sessions()
+        self._impl.detach()
+        self._started = False
+
+    def close(self) -> None:
+        """End the sandbox and everything in it (and forget a named one)."""
+        self._close_sessions()
+        self._impl.close()
+        self._started = False
+
+    def pause(self) -> str:
+        """Stop every process of the sandbox; returns the mechanism ("cgroup-freezer" or "sigstop")."""
+        return self._running("pause").pause()
+
+    def resume(self) -> str:
+        return self._running("resume").resume()
+
+    def processes(self) -> list[Any]:
+        """psutil.Process objects of the sandbox's processes (its init first)."""
+        return self._running("processes").processes()
+
+    @property
+    def enforced(self) -> dict[str, Any]:
+        return dict(self._running("enforced").report_enforced)
+
+    def _running(self, what: str) -> KeptBackend:
+        if not self._started:
+            raise IsolationError(f"{what}: the sandbox is not running; start() it first")
+        return self._impl
+
+    # -- commands ------------------------------------------------------------------
+
+    def _argv(self, cmd: str | Sequence[str], shell: bool) -> list[str]:
+        if isinstance(cmd, str):
+            return ["/bin/sh", "-c", cmd]  # a command line, as the agent frameworks pass them
+        argv = [os.fsdecode(a) for a in cmd]
+        if not argv:
+            raise PolicyError("command: nothing to run; give a command", "command")
+        return ["/bin/sh", "-c", shlex.join(argv)] if shell else argv
+
+    def exec(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+             input: str | bytes | None = None, timeout: float | None = None,
+             output_limit: int = DEFAULT_OUTPUT_LIMIT, shell: bool = False, text: bool = True) -> ExecResult:
+        """Run a command to its end; a timeout ends everything it started. A string is run by /bin/sh -c."""
+        timeout = _seconds(timeout, "timeout")
+        if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 1:
+            raise PolicyError(f"output_limit: expected a positive number of bytes, got {output_limit!r}",
+                              "output_limit")
+        argv = self._argv(cmd, shell)
+        impl = self._running("exec")
+        data = input.encode() if isinstance(input, str) else (input or b"")
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            command = Command(impl.connect(), argv, cwd or "", environment_for(impl.environment, env), timeout,
+                              (in_r, out_w, err_w), False, impl.report_enforced, impl.backend, impl)
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        try:
+            stdout, stderr, truncated = run_collecting(command, in_w if in_w >= 0 else None, data, out_r, err_r,
+                                                       output_limit)
+        finally:
+            command.close()
+            os.close(out_r)
+            os.close(err_r)
+        assert command.returncode is not None
+        out: Any = stdout.decode(errors="replace") if text else stdout
+        err: Any = stderr.decode(errors="replace") if text else stderr
+        return ExecResult(argv, command.returncode, out, err, truncated, command.report())
+
+    def spawn(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+              timeout: float | None = None, shell: bool = False, pty: bool = False,
+              fd3: int | None = None) -> SandboxProcess:
+        """Start a command and return at once: stream its output, write to it, kill it, wait for it.
+
+        ``fd3``: a descriptor of the caller's (a socket, a pipe) that the command gets as its descriptor 3:
+        a channel beside its output that no other process of the sandbox holds.
+        """
+        impl = self._running("spawn")
+        if fd3 is not None and (isinstance(fd3, bool) or not isinstance(fd3, int) or fd3 < 0):
+            raise PolicyError(f"fd3: expected an open descriptor, got {fd3!r}", "fd3")
+        return SandboxProcess(impl, self._argv(cmd, shell), cwd or "", environment_for(impl.environment, env),
+                              _seconds(timeout, "timeout"), pty, -1 if fd3 is None else fd3)
+
+    def shell(self, name: str = "default", pty: bool = True) -> Shell:
+        """A persistent shell (``cd``, variables and functions persist between ``run`` calls)."""
+        existing = self._shells.get(name)
+        if existing is not None and existing.alive:
+            return existing
+        shell = Shell(self, name, pty)
+        self._shells[name] = shell
+        return shell
+
+    def python(self, name: str = "default", executable: str = "python3") -> Interpreter:
+        """A persistent Python interpreter (the sandbox's own ``python3``); see ``isolate.kept.interpreter``."""
+        existing = self._interpreters.get(name)
+        if existing is not None and not existing._closed:
+            return existing
+        interpreter = Interpreter(self, name, executable)
+        self._interpreters[name] = interpreter
+        return interpreter
+
+    # -- files, as the program sees them -------------------------------------------
+
+    def _conn(self) -> Any:
+        return self._running("file methods").files()
+
+    def read_file(self, path: str, *, text: bool = True, limit: int = native_files.DEFAULT_READ_LIMIT) -> Any:
+        data = native_files.read_bytes(self._conn(), path, limit)
+        return data.decode() if text else data
+
+    def write_file(self, path: str, data: str | bytes, *, append: bool = False, make_parents: bool = True,
+                   mode: int = 0o644) -> None:
+        native_files.write_bytes(self._conn(), path, data.encode() if isinstance(data, str) else data, append,
+                                 make_parents, mode)
+
+    def replace_text(self, path: str, old: str, new: str, count: int | None = None) -> int:
+        """Replace old by new; with count, exactly that many occurrences must exist. Returns how many."""
+        if not old:
+            raise ValueError("replace_text: old must not be empty")
+        text = self.read_file(path)
+        found = text.count(old)
+        if found == 0:
+            raise ValueError(f"replace_text: {old[:60]!r} does not occur in {path}")
+        if count is not None and found != count:
+            raise ValueError(f"replace_text: {old[:60]!r} occurs {found} times in {path}, not {count}")
+        self.write_file(path, text.replace(old, new))
+        return int(found)
+
+    def list_dir(self, path: str = ".", depth: int = 1) -> list[DirEntry]:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError("list_dir: depth must be a positive integer")
+        return native_files.list_dir(self._conn(), path, depth)
+
+    def stat(self, path: str, follow_symlinks: bool = True) -> Stat:
+        return native_files.stat(self._conn(), path, follow_symlinks)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def mkdir(self, path: str, parents: bool = True, exist_ok: bool = True, mode: int = 0o755) -> None:
+        if parents:
+            native_files.makedirs(self._conn(), path, mode, exist_ok)
+            return
+        from .._core import lib
+
+        try:
+            self._conn().call(lib.ISO_XS_MKDIR, [path], mode=mode)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        native_files.remove(self._conn(), path, recursive)
+
+    def move(self, source: str, destination: str, overwrite: bool = True) -> None:
+        native_files.move(self._conn(), source, destination, overwrite)
+
+    def glob(self, pattern: str, root: str = ".") -> list[str]:
+        return native_files.glob(self._conn(), pattern, root)
+
+    def grep(self, regex: str, glob: str | None = None, *, root: str = ".", max_matches: int = 1000) -> list[GrepMatch]:
+        return native_files.grep(self._conn(), regex, glob, root, max_matches)
+
+    def upload(self, host_src: str | os.PathLike[str], dst: str) -> None:
+        """Copy a host file (or directory tree) into the sandbox, written as the program.
+
+        Below ``host_src`` every name is opened relative to its directory's
+        descriptor without following links: a link is skipped, and a name a
+        program swaps for a link meanwhile is skipped too, never followed.
+        """
+        src = os.fspath(host_src)
+        self._upload(os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), src, dst)
+
+    def _upload(self, fd: int, label: str, dst: str) -> None:
+        import errno
+        import stat as stat_mod
+
+        try:
+            info = os.fstat(fd)
+            if stat_mod.S_ISDIR(info.st_mode):
+                self.mkdir(dst)
+                for name in sorted(os.listdir(fd)):
+                    try:
+                        child = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                    except OSError as exc:
+                        if exc.errno == errno.ELOOP:
+                            continue  # a link: not copied
+                        raise OSError(exc.errno, exc.strerror, os.path.join(label, name)) from None
+                    self._upload(child, os.path.join(label, name), os.path.join(dst, name))
+                return
+            if not stat_mod.S_ISREG(info.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file or directory", label)
+            os.set_blocking(fd, True)
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            self.write_file(dst, b"".join(chunks), mode=stat_mod.S_IMODE(info.st_mode) & 0o777)
+        finally:
+            os.close(fd)
+
+    def download(self, src: str, host_dst: str | os.PathLike[str]) -> None:
+        """Copy a file of the sandbox to the host, never through a link or onto a FIFO at host_dst."""
+        from ..model.report import ReportTarget
+
+        data = native_files.read_bytes(self._conn(), src)
+        target = ReportTarget(os.fspath(host_dst), label="download")
+        try:
+            target.write_bytes(data)
+        finally:
+            target.close()
+
+    # -- the workspace against its source --------------------------------------------
+
+    def diff(self) -> Changes:
+        """What the workspace changed against its source (empty for a bind workspace or none)."""
+        impl = self._running("diff")
+        if self.workspace.mode == "bind":
+            return Changes()
+        ws_fd = impl.open_workspace()
+        try:
+            if self.workspace.mode == "overlay":
+                return overlay_diff(self.workspace, ws_fd)  # ws_fd: the upper layer
+            if self.workspace.source is None:
+                return diff(ws_fd, None, self.workspace)
+            src_fd, _ = entries_of(self.workspace.source, self.workspace)
+            try:
+                return diff(ws_fd, src_fd, self.workspace)
+            finally:
+                os.close(src_fd)
+        finally:
+            os.close(ws_fd)
+
+    def commit(self, target_dir: str | os.PathLike[str] | None = None) -> Changes:
+        """Make target_dir (default: the source) match the workspace; returns what was written.
+
+        Links that lead out of the tree, devices, FIFOs and sockets are not
+        written (``Changes.refused`` says why); no set-id bit reaches the host.
+        """
+        impl = self._running("commit")
+        if self.workspace.mode == "bind" and target_dir is None:
+            return Changes()  # the source is the workspace
+        if self.workspace.mode == "overlay":
+            ws_fd = impl.open_workspace()
+            try:
+                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.data_dir])
+            finally:
+                os.close(ws_fd)
+        target = target_dir if target_dir is not None else self.workspace.source
+        if target is None:
+            raise IsolationError("commit: this workspace has no source; give a target directory")
+        real = check_target(os.fspath(target), [impl.workspace_host])
+        ws_fd = impl.open_workspace()
+        try:
+            entries = walk(ws_fd, self.workspace)
+            tgt_fd, _ = entries_of(real, self.workspace)
+            try:
+                changes = diff(ws_fd, tgt_fd, self.workspace)
+                apply(ws_fd, tgt_fd, changes, entries)
+                return changes
+            finally:
+                os.close(tgt_fd)
+        finally:
+            os.close(ws_fd)
+
+
+class AsyncSandbox:
+    """``Sandbox`` with its methods as coroutines (each runs in a worker thread)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sync = Sandbox(*args, **kwargs)
+
+    @classmethod
+    async def attach(cls, name: str) -> AsyncSandbox:
+        box = cls.__new__(cls)
+        box.sync = await asyncio.to_thread(Sandbox.attach, name)
+        return box
+
+    async def __aenter__(self) -> AsyncSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.sync.__exit__, *exc_info)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.sync, name)
+        if not callable(method):
+            return method  # type: ignore[no-any-return]
+
+        @functools.wraps(method)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(method, *args, **kwargs)
+
+        return call

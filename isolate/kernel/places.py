@@ -1,0 +1,134 @@
+"""Where isolate keeps its state on the host, and how it reaches it without following a planted link.
+
+- ``state_dir()``: data that may be large and survives a reboot (workspace
+  copies, overlay layers): ``$ISOLATE_STATE_DIR``, else
+  ``$XDG_STATE_HOME/isolate``, else ``~/.local/state/isolate``.
+- ``runtime_dir()``: what the host trusts about a running sandbox (its
+  socket and its description): ``/run/isolate`` for root, else
+  ``$XDG_RUNTIME_DIR/isolate``, else ``/tmp/isolate-UID``; owned by the
+  caller, mode 0700, checked on every use. A sandbox never gets it writable
+  (native runs refuse such a grant), while the state directory may well lie
+  under a sandbox's writable home: nothing read from it is trusted for
+  a path, a pid or a permission, and every directory isolate makes in it is
+  reached through ``open_state_dir()``, which follows no link a program
+  could have planted (the host would otherwise copy a workspace, or write
+  layers, wherever such a link points).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+from ..model.errors import IsolationError, PolicyError
+
+
+def state_dir() -> str:
+    """``$ISOLATE_STATE_DIR``, else ``$XDG_STATE_HOME/isolate``, else ``~/.local/state/isolate``."""
+    explicit = os.environ.get("ISOLATE_STATE_DIR")
+    if explicit:
+        return os.path.abspath(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "isolate")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "isolate")
+
+
+def state_key() -> str:
+    """A short name of the state directory, for the files about it that live in the runtime directory."""
+    return hashlib.sha256(os.fsencode(os.path.realpath(state_dir()))).hexdigest()[:16]
+
+
+_WALK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_state_dir(*parts: str) -> int:
+    """A descriptor of ``state_dir()/parts...``, each directory made (0700) if missing; the caller closes it.
+
+    The state directory may lie under a sandbox's writable home, so a program may have replaced any
+    directory in it, or on the way to it, by a link. The way to the state directory follows only
+    root's links directly under ``/`` (as grants do), and each part below it is opened without
+    following a link and must be a directory of this user: what the host then makes through the
+    descriptor lands where isolate meant, wherever a link points.
+    """
+    from .links import host_symlinks
+
+    base = state_dir()
+    uid = os.geteuid()
+    try:
+        host_symlinks(base, "state directory")
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        fd = os.open(base, _WALK_FLAGS)
+    except PolicyError:
+        raise IsolationError(f"state directory {base}: the way to it goes through a link, which isolate does not "
+                             "follow there (only root's links directly under / are: a program could have planted "
+                             f"it); set ISOLATE_STATE_DIR to its real path, {os.path.realpath(base)}") from None
+    except OSError as exc:
+        raise IsolationError(f"state directory {base}: {exc.strerror}; set ISOLATE_STATE_DIR to a "
+                             "writable directory") from None
+    where = base
+    try:
+        if os.fstat(fd).st_uid not in (uid, 0):
+            raise IsolationError(f"state directory {base} belongs to another user; set ISOLATE_STATE_DIR to "
+                                 "a directory of yours")
+        for part in parts:
+            if not part or "/" in part or part in (".", ".."):
+                raise ValueError(f"not one name: {part!r}")
+            where = os.path.join(where, part)
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                child = os.open(part, _WALK_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise IsolationError(f"state directory: {where} is not a directory isolate made ({exc.strerror}: "
+                                     "a link, or another kind of file); remove it") from None
+            os.close(fd)
+            fd = child
+            if os.fstat(fd).st_uid != uid:
+                raise IsolationError(f"state directory: {where} belongs to another user; remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def state_path(*parts: str) -> str:
+    """``state_dir()/parts...`` made and checked as ``open_state_dir()`` does, as a path."""
+    os.close(open_state_dir(*parts))
+    return os.path.join(state_dir(), *parts)
+
+
+def runtime_dir(create: bool = True) -> str:
+    """The caller's private runtime directory for isolate (see the module's docstring)."""
+    uid = os.geteuid()
+    if uid == 0 and os.path.isdir("/run"):
+        path = "/run/isolate"
+    else:
+        xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+        base = xdg if xdg and os.path.isabs(xdg) and _owned_private(xdg, uid) else None
+        path = os.path.join(base, "isolate") if base else f"/tmp/isolate-{uid}"
+    if not create:
+        return path
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise IsolationError(f"runtime directory {path}: cannot create it ({exc.strerror})") from None
+    if not _owned_private(path, uid):
+        raise IsolationError(
+            f"runtime directory {path} is not a directory owned by uid {uid} with mode 0700 (someone else made it, "
+            "or it is a link): remove it, or set XDG_RUNTIME_DIR to a private directory"
+        )
+    return path
+
+
+def _owned_private(path: str, uid: int) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077

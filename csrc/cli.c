@@ -23,15 +23,6 @@
 
 char **g_argv;
 int g_replay;   /* exec'd back by the Python side after it wrote the plan */
-int g_trace;
-
-/* Why a plan is not replayed (with ISOLATE_RUN_TRACE set); returns 0 for the callers' convenience. */
-int miss(const char *why, const char *what)
-{
-    if (g_trace)
-        fprintf(stderr, "isolate-run: trace: not replayed: %s%s%s\n", why, what ? ": " : "", what ? what : "");
-    return 0;
-}
 
 /* ---------------------------------------------------------------- handover */
 

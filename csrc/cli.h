@@ -106,10 +106,7 @@ struct report_target {
     const char *path;
 };
 
-/* cli.c */
-extern char **g_argv;
-extern int g_replay;
-void __attribute__((noreturn)) handover(int no_cache, const char *why);
+/* cli.c: main, and nothing the other parts may call */
 
 /* cli_util.c: the bottom layer, calling none of the others */
 extern int g_trace;  /* set by main from ISOLATE_RUN_TRACE */

@@ -21,17 +21,10 @@
 #define _GNU_SOURCE
 #include "cli.h"
 
-char **g_argv;
-int g_replay;   /* exec'd back by the Python side after it wrote the plan */
-int g_trace;
-
-/* Why a plan is not replayed (with ISOLATE_RUN_TRACE set); returns 0 for the callers' convenience. */
-int miss(const char *why, const char *what)
-{
-    if (g_trace)
-        fprintf(stderr, "isolate-run: trace: not replayed: %s%s%s\n", why, what ? ": " : "", what ? what : "");
-    return 0;
-}
+/* Static, as everything of this file but main: the other parts of the CLI are below it and never
+ * call back up (a refusal deep in the plan reader returns 0 and main hands over). */
+static char **g_argv;
+static int g_replay;   /* exec'd back by the Python side after it wrote the plan */
 
 /* ---------------------------------------------------------------- handover */
 
@@ -44,7 +37,7 @@ static const char BOOT[] =
 /* Run the Python CLI in this process's place.  no_cache: it must run the
  * command itself (this program could not replay what it planned, or a setup
  * failed before the program ran, and Python says exactly why). */
-void __attribute__((noreturn)) handover(int no_cache, const char *why)
+static void __attribute__((noreturn)) handover(int no_cache, const char *why)
 {
     miss(why, NULL);
     char self[PATH_MAX];

@@ -2,9 +2,13 @@
  * cli.h - the native isolate-run's own parts (not the cffi surface: that is isolate.h).
  *
  * cli.c: the options, the key, the cache, handing over to Python, signals and main;
- * cli_util.c: growing buffers, paths, SHA-256, files; cli_plan.c: reading a plan
+ * cli_util.c: the trace (miss), growing buffers, paths, SHA-256, files; cli_plan.c: reading a plan
  * file and checking its premises (the replay); cli_report.c: the JSON report and
  * where it is written.
+ *
+ * The calls go one way: cli.c calls the other three, cli_plan.c and cli_report.c
+ * call only cli_util.c, and cli_util.c calls none of them (tests/test_csrc_layers.py
+ * fails on a file that calls back into one that calls it).
  */
 #ifndef ISOLATE_CLI_H
 #define ISOLATE_CLI_H
@@ -102,14 +106,11 @@ struct report_target {
     const char *path;
 };
 
-/* cli.c */
-extern char **g_argv;
-extern int g_replay;
-extern int g_trace;
-int miss(const char *why, const char *what);
-void __attribute__((noreturn)) handover(int no_cache, const char *why);
+/* cli.c: main, and nothing the other parts may call */
 
-/* cli_util.c */
+/* cli_util.c: the bottom layer, calling none of the others */
+extern int g_trace;  /* set by main from ISOLATE_RUN_TRACE */
+int miss(const char *why, const char *what);
 void buf_add(struct buf *b, const void *data, size_t len);
 void buf_str(struct buf *b, const char *s);
 void buf_fmt(struct buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

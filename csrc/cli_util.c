@@ -1,8 +1,22 @@
 /*
- * cli_util.c - growing buffers, paths, SHA-256 (FIPS 180-4) and small file reads for isolate-run.
+ * cli_util.c - the trace, growing buffers, paths, SHA-256 (FIPS 180-4) and small file reads for isolate-run.
  */
 #define _GNU_SOURCE
 #include "cli.h"
+
+/* ------------------------------------------------------------------ trace */
+
+/* The trace lives here, below both cli.c and cli_plan.c: the plan reader says why it refuses a plan
+ * without calling back up into main's file (no file of the CLI calls one that calls it back). */
+int g_trace;
+
+/* Why a plan is not replayed (with ISOLATE_RUN_TRACE set); returns 0 for the callers' convenience. */
+int miss(const char *why, const char *what)
+{
+    if (g_trace)
+        fprintf(stderr, "isolate-run: trace: not replayed: %s%s%s\n", why, what ? ": " : "", what ? what : "");
+    return 0;
+}
 
 /* ------------------------------------------------------------ small helpers */
 

@@ -9,14 +9,22 @@ its argument; it imports nothing of isolate and runs on Python 3.7 and later.
 * The code's fds 1 and 2 are the host's own pipes: what it (or a child)
   writes goes there as it is, and stays there for the host even if the
   interpreter dies the next instant.
+* The driver starts isolated (``-I``: no PYTHON* variables, no site or user
+  customisation, nothing of the working directory), and makes itself
+  non-dumpable (``PR_SET_DUMPABLE`` 0) before it takes a request: another
+  process of the sandbox, of the same uid, could otherwise reopen its pipes
+  through /proc/PID/fd and write requests of its own. Then it adds what
+  ``python3 -c`` would have on sys.path (the working directory,
+  ``PYTHONPATH``, the user's site-packages), for the user's code.
 * Each run's result (JSON: id, value repr, error) goes on the descriptor 3
   the host gave (one end of a socket pair), moved at once to a private,
   close-on-exec descriptor: no other process of the sandbox holds it, and a
   socket cannot be reopened through /proc (a pipe can). It comes in chunks
   ``BOUNDARY ID MORE|END LENGTH\n DATA`` under the run's random boundary.
   The result is written after the run's output was flushed into the stdout
-  pipe, so the host has the whole output once it has the result. The
-  code's own process can forge its own run's result, and no more.
+  pipe, so the host has the whole output once it has the result. Code that
+  runs in this process (the user's, or what it imports) can change the
+  driver itself and so forge results; no other process can.
 
 Per request: restore fds 0-2 and ``sys.std*`` (the previous run may have
 closed or replaced them), run the code in one persistent namespace (the last
@@ -29,23 +37,23 @@ from __future__ import annotations
 
 import sys
 
-# The workspace is on sys.path for the user's code (as with ``python3 -c``), but a file
-# named json.py or ast.py there must not replace the modules this driver uses.
-_CWD_ON_PATH = bool(sys.path) and sys.path[0] == ""
-if _CWD_ON_PATH:
+# The workspace is on sys.path for the user's code (as with ``python3 -c``, see _user_paths), but a file
+# named json.py or ast.py there must not replace the modules this driver uses (-I leaves it out; a
+# Python that ignored -I would not).
+if sys.path and sys.path[0] == "":
     del sys.path[0]
 
-import ast  # noqa: E402
-import builtins  # noqa: E402
-import fcntl  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import linecache  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import traceback  # noqa: E402
-import types  # noqa: E402
-from typing import Any  # noqa: E402
+import ast
+import builtins
+import fcntl
+import inspect
+import json
+import linecache
+import os
+import signal
+import traceback
+import types
+from typing import Any
 
 #: Caps on what one result carries (the host refuses larger results).
 VALUE_LIMIT = 1 << 20
@@ -238,6 +246,35 @@ def _run(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _private_process() -> None:
+    """PR_SET_DUMPABLE 0: other processes of this uid no longer open /proc/PID/fd, mem or environ of ours."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.prctl(4, 0, 0, 0, 0) != 0  # PR_SET_DUMPABLE
+    except (ImportError, OSError, AttributeError):
+        failed = True
+    if failed:
+        sys.stderr.write("isolate: the interpreter's driver cannot make itself non-dumpable (prctl through "
+                         "ctypes), so other processes could write it requests; it does not start\n")
+        sys.exit(1)
+
+
+def _user_paths() -> None:
+    """What ``python3 -c`` has on sys.path beyond an isolated start: the working directory, PYTHONPATH and
+    the user's site-packages (its .pth files are read, as site does)."""
+    sys.path[0:0] = ["", *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    try:
+        import site
+
+        user = site.getusersitepackages()
+        if isinstance(user, str) and os.path.isdir(user):
+            site.addsitedir(user)
+    except Exception:  # a broken user site is the user's code's problem, not the driver's
+        pass
+
+
 def _forget_channels() -> None:
     for key in ("ctl_in", "res"):
         try:
@@ -253,6 +290,7 @@ def _boundary(value: Any) -> bytes:
 
 
 def main() -> None:
+    _private_process()
     signal.signal(signal.SIGINT, _on_sigint)
     _STATE["pid"] = os.getpid()
     hello_boundary = _boundary(sys.argv[1] if len(sys.argv) > 1 else None)
@@ -280,8 +318,7 @@ def main() -> None:
     main_module.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main_module
     _STATE["namespace"] = main_module.__dict__
-    if _CWD_ON_PATH:
-        sys.path.insert(0, "")
+    _user_paths()
     version = ".".join(str(part) for part in sys.version_info[:3])
     hello = {"pid": os.getpid(), "python": version, "executable": sys.executable}
     _send(hello_boundary, 0, json.dumps(hello).encode())

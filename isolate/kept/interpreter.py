@@ -240,7 +240,7 @@ class Interpreter:
         boundary = secrets.token_hex(16)
         ours, theirs = PeerChannel.pair()
         try:
-            process = self._box.spawn([self.executable, "-c", _DRIVER, boundary], fd3=theirs.fileno())
+            process = self._box.spawn([self.executable, "-I", "-c", _DRIVER, boundary], fd3=theirs.fileno())
         except CommandNotFoundError:
             ours.close()
             raise CommandNotFoundError(

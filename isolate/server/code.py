@@ -30,7 +30,13 @@ from ..kept.sandbox import Sandbox
 from ..kernel.peerchannel import PeerChannel
 
 DRIVER = r'''
-import ast, fcntl, json, os, signal, sys, traceback
+import sys
+if sys.path and sys.path[0] == "":  # started with -I; a file of the workspace never replaces a module of ours
+    del sys.path[0]
+import ast, ctypes, fcntl, json, os, signal, traceback
+# Non-dumpable: another process of this uid cannot reopen the cells' pipe through /proc/PID/fd.
+if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    sys.exit("isolate: the code context's driver cannot make itself non-dumpable; it does not start")
 channel = fcntl.fcntl(3, fcntl.F_DUPFD_CLOEXEC, 512)  # private: no cell or child of one gets it as 3
 os.close(3)
 def forget():  # a child a cell forks (without exec) keeps neither the channel nor the cells' input
@@ -38,6 +44,13 @@ def forget():  # a child a cell forks (without exec) keeps neither the channel n
     os.close(0)
 os.register_at_fork(after_in_child=forget)
 os.write(channel, b"hello\n")  # before any cell: the host takes answers from this process only
+sys.path[0:0] = ["", *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]  # as python3 -c has
+try:
+    import site
+    if os.path.isdir(site.getusersitepackages()):
+        site.addsitedir(site.getusersitepackages())
+except Exception:
+    pass
 namespace = {"__name__": "__main__"}
 count = 0
 source = sys.stdin.buffer
@@ -95,7 +108,7 @@ class CodeContext:
         else:
             ours, theirs = PeerChannel.pair()
             try:
-                self._proc = box.spawn(["python3", "-u", "-c", DRIVER], env={"PYTHONUNBUFFERED": "1"},
+                self._proc = box.spawn(["python3", "-I", "-u", "-c", DRIVER], env={"PYTHONUNBUFFERED": "1"},
                                        fd3=theirs.fileno())
             except BaseException:
                 ours.close()

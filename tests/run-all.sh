@@ -2,14 +2,17 @@
 # The whole suite, as the README's test command runs it:
 #   1. lint and type-check the package (ruff, mypy); csrc/ is compiled with
 #      -Wall -Wextra -Werror by the install that precedes this script;
-#   2. pytest as the current user (root on CI: root-only tests run);
-#   3. when run as root, the suite again as an unprivileged user (uid 65534)
+#   2. the documentation site (docs/, mkdocs.yml) built with warnings as errors, into a
+#      directory that is thrown away: a broken link or anchor, a page left out of the nav, an
+#      API name that no longer resolves or a CLI option the reference cannot read fails it;
+#   3. pytest as the current user (root on CI: root-only tests run);
+#   4. when run as root, the suite again as an unprivileged user (uid 65534)
 #      from a copy of the tree and a venv that user can read, because most
 #      users are not root and namespaces, Landlock and cgroups behave
 #      differently for them. The two runs go side by side: each caller has
 #      its own runtime directory, registry, plan cache and cgroups, and the
 #      tests mostly wait on sandboxes, so two runs take little longer than one;
-#   4. the benchmark harness in --quick mode, so that it never rots (its
+#   5. the benchmark harness in --quick mode, so that it never rots (its
 #      figures are not asserted).
 # Each phase prints its duration, each pytest run its summary. Exit status:
 # non-zero if any step fails.
@@ -30,7 +33,16 @@ phase() {
     [ "$rc" = 0 ] || status=1
 }
 
-lint() { "$PYTHON" -m ruff check isolate/ tests/ benchmarks/ && "$PYTHON" -m mypy; }
+lint() { "$PYTHON" -m ruff check isolate/ tests/ benchmarks/ docs/ && "$PYTHON" -m mypy; }
+
+# The documentation: the docs extra installs mkdocs; without it the phase fails.
+docs() {
+    if ! "$PYTHON" -m mkdocs --version >/dev/null 2>&1; then
+        echo "mkdocs is missing: install the docs extra (pip install -e '.[docs]')" >&2
+        return 1
+    fi
+    NO_MKDOCS_2_WARNING=1 "$PYTHON" -m mkdocs build --strict -d "$LOGS/site"
+}
 
 # A clean copy of the tree (no build products of the root install) and a venv uid 65534 can read.
 prepare_unprivileged() {
@@ -87,6 +99,7 @@ else
 fi
 
 phase "ruff and mypy" lint
+phase "documentation (mkdocs build --strict)" docs
 
 both() {
     suite current "$LOGS/current.log" &

@@ -1,8 +1,17 @@
-"""Every code block of the README runs as written: the Python blocks in a directory holding the
-files they name, the quick start's sandboxed command, and the test command is the one CI runs."""
+"""Every code block of the README and of the documentation (docs/) runs as written: the Python blocks
+in a directory holding the files they name, the quick start's sandboxed command, and the test command is
+the one CI runs.
+
+The convention: a block fenced ```python is run, in a directory holding job.py (it prints "job ran",
+which the block must print too) and an empty work/. Every other block is shown, not run: commands are
+fenced ```sh, Python that cannot run here (it needs a server, a framework or a placeholder) ```text,
+and indented blocks (the quick start's commands) are never run as Python. Another name for Python
+(```py, ```python3 ...) is refused, so that no block that looks run is skipped.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shlex
@@ -14,8 +23,18 @@ import pytest
 from conftest import ISOLATE_RUN
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
-PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+#: The README and every page of the documentation, by path relative to the checkout.
+PAGES = {rel: open(os.path.join(HERE, rel), encoding="utf-8").read()
+         for rel in ["README.md", *sorted(os.path.relpath(p, HERE)
+                                          for p in glob.glob(os.path.join(HERE, "docs", "**", "*.md"),
+                                                             recursive=True))]}
+README = PAGES["README.md"]
+FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<body>.*?)^```", re.S | re.M)
+PYTHON_BLOCKS = [(f"{rel}-{i}", m.group("body"))
+                 for rel, text in PAGES.items()
+                 for i, m in enumerate(m for m in FENCE.finditer(text) if m.group("info").strip() == "python")]
+#: Names Pygments reads as Python: a block fenced so would look run and be skipped.
+OTHER_PYTHON_NAMES = {"py", "py3", "python3", "pycon"}
 #: What a new user's shell would have: the system's python3 first, no venv or pyenv shims.
 USER_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -25,12 +44,19 @@ def quick_start() -> list[str]:
     return [line[4:] for line in section.splitlines() if line.startswith("    ") and line.strip()]
 
 
-def test_readme_has_python_blocks() -> None:
-    assert PYTHON_BLOCKS
+def test_readme_and_docs_have_python_blocks() -> None:
+    pages = {name.rsplit("-", 1)[0] for name, _ in PYTHON_BLOCKS}
+    assert "README.md" in pages and any(page.startswith("docs/") for page in pages), pages
+
+
+def test_python_is_fenced_python_or_text() -> None:
+    others = [(rel, m.group("info")) for rel, text in PAGES.items() for m in FENCE.finditer(text)
+              if m.group("info").strip().lower() in OTHER_PYTHON_NAMES]
+    assert not others, f"fence Python ```python (run) or ```text (shown only): {others}"
 
 
 @pytest.mark.skipif(not os.access("/usr/bin/python3", os.X_OK), reason="the README's examples run python3")
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"python-{i}" for i in range(len(PYTHON_BLOCKS))])
+@pytest.mark.parametrize("block", [b for _, b in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
 def test_readme_python_block_runs(block: str) -> None:
     with tempfile.TemporaryDirectory(prefix="isolate-readme-") as directory:
         os.chmod(directory, 0o755)
@@ -52,7 +78,8 @@ def test_quick_start_is_two_commands_and_ci_runs_the_second() -> None:
     assert len(commands) == 2, commands
     install, test = commands
     assert "python3 -m venv .venv" in install and "python3 -m venv .venv" in test
-    assert "pip install ." not in README.replace(".venv/bin/pip install", "")  # never outside a venv
+    for rel, text in PAGES.items():  # never outside a venv
+        assert "pip install ." not in text.replace(".venv/bin/pip install", ""), rel
     ci = open(os.path.join(HERE, ".ci", "run"), encoding="utf-8").read().splitlines()
     assert test in ci, "the README's test command and .ci/run differ"
 

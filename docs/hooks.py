@@ -30,8 +30,8 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
         sys.path.insert(0, ROOT)  # this checkout's isolate, not another install's
     os.environ["COLUMNS"] = "100"  # argparse wraps usage lines to it: the same page on every terminal
     try:
-        from isolate.cli import build_parser
-        from isolate.sandbox_cli import _parser as sandbox_parser
+        from isolate.cli.flags import build_parser
+        from isolate.cli.sandbox import _parser as sandbox_parser
         from isolate.server import build_parser as serve_parser
     except ImportError as exc:
         raise PluginError(f"docs/hooks.py: cannot import isolate-run's parsers ({exc}); if the CLI's modules "

@@ -39,7 +39,7 @@ examples:
   isolate-run --explain --rw out -- sh -c 'ls > out/list'    show the plan, run nothing
 
 subcommands: 'isolate-run doctor [--json]' shows what this host can enforce;
-'isolate-run sandbox list|rm NAME|prune' manages kept Docker sandboxes;
+'isolate-run sandbox create|exec|shell|cp|diff|commit|pause|resume|list|rm|prune' keeps sandboxes;
 'isolate-run serve [--listen HOST:PORT] [--api-key KEY] [--profile FILE]' serves the OpenSandbox API.
 exit status: the command's; 128+N if it died of signal N; 125 isolate-run failed;
 126 the command cannot be executed; 127 not found.

@@ -63,8 +63,11 @@ class KeptBackend(Protocol):
 
     #: True between this object's pause() and resume().
     paused: bool
-    #: time.monotonic() of this object's last resume() (None: never resumed): a command's timeout is
-    #: enforced by its monitor inside, which could not act while the sandbox was paused.
+    #: True between this object's pause() and resume() when the pause is the cgroup freezer, which
+    #: nothing inside can undo (SIGSTOP can be: a process the stop rounds missed sends SIGCONT).
+    frozen: bool
+    #: time.monotonic() of this object's last resume() of a frozen sandbox (None: none): a command's
+    #: timeout is enforced by its monitor inside, which could not act while the sandbox was frozen.
     resumed_at: float | None
 
     def pause(self) -> str:

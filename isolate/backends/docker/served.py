@@ -119,6 +119,7 @@ class DockerKept:
         self.run_identity: tuple[int, int] | None = None
         self.last_action: str | None = None
         self.paused = False
+        self.frozen = False
         self.resumed_at: float | None = None
         #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
         self.ended_because: str | None = None
@@ -514,7 +515,7 @@ class DockerKept:
 
         with _engine_errors(f"pause the container of sandbox {self.box_name!r}"):
             client().api.pause(self.container_id)
-        self.paused = True
+        self.paused = self.frozen = True
         return "cgroup-freezer"
 
     def egress_summary(self) -> dict[str, Any] | None:
@@ -541,7 +542,7 @@ class DockerKept:
 
         with _engine_errors(f"resume the container of sandbox {self.box_name!r}"):
             client().api.unpause(self.container_id)
-        self.paused = False
+        self.paused = self.frozen = False
         self.resumed_at = time.monotonic()
         return "cgroup-freezer"
 

@@ -175,16 +175,18 @@ class Command:
     def deadline(self) -> float | None:
         """When the host stops waiting for the monitor to enforce the command's timeout.
 
-        A paused sandbox's monitor cannot act: while this process has it paused the deadline stays GRACE
-        ahead, and after its resume() the monitor has GRACE again (it ends a command whose timeout passed
-        meanwhile as soon as it runs). A pause made elsewhere is not known here: it ends the sandbox.
+        A frozen sandbox's monitor cannot act: while this process has it frozen (the cgroup freezer) the
+        deadline stays GRACE ahead, and after its resume() the monitor has GRACE again (it ends a command
+        whose timeout passed meanwhile as soon as it runs). A pause by SIGSTOP moves nothing: a process
+        the stop rounds missed could undo it and run on, so the timeout counts through it. A pause made
+        elsewhere is not known here: it ends the sandbox.
         """
         if self.timeout is None:
             return None
         end = self.started + self.timeout + GRACE
         box = self.sandbox
         if box is not None:
-            if box.paused:
+            if box.frozen:
                 return time.monotonic() + GRACE
             if box.resumed_at is not None:
                 end = max(end, box.resumed_at + GRACE)

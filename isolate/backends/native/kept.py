@@ -122,6 +122,7 @@ class NativeSandbox:
         self.workspace_identity: tuple[int, int] | None = None
         self.report_enforced: dict[str, Any] = {}
         self.paused = False
+        self.frozen = False
         self.resumed_at: float | None = None
         #: Why the host ended the sandbox while it ran (see end()), for the errors that follow.
         self.ended_because: str | None = None
@@ -440,12 +441,14 @@ class NativeSandbox:
         """Stop every process: the cgroup freezer where there is a cgroup, else SIGSTOP to each."""
         mechanism = self._freeze(True)
         self.paused = True
+        self.frozen = mechanism == "cgroup-freezer"
         return mechanism
 
     def resume(self) -> str:
         mechanism = self._freeze(False)
-        self.paused = False
-        self.resumed_at = time.monotonic()
+        if self.frozen:
+            self.resumed_at = time.monotonic()
+        self.paused = self.frozen = False
         return mechanism
 
     def _freeze(self, stop: bool) -> str:

@@ -8,6 +8,8 @@ backend too, where an engine answers (as in tests/test_sandbox.py).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -214,6 +216,43 @@ def test_a_link_planted_in_the_state_directory_gets_no_copy_of_the_workspace(sou
     with pytest.raises(isolate.IsolationError, match="goes through a link"):
         Sandbox(policy(write=()), workspace=Workspace(source)).start()
     assert list((Path(workdir) / "real").iterdir()) == []
+
+
+SWAPPER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = os.fsencode(sys.argv[1]), os.fsencode(sys.argv[2])
+while True:
+    libc.syscall(316, -100, a, -100, b, 2)  # renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
+"""
+
+
+def test_a_link_swapped_in_while_a_sandbox_starts_gets_no_copy_of_the_workspace(
+        source: str, workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A check of the path, then a use of it: a program that can write a directory on the way to the state
+    # directory swaps it with a link (renameat2 RENAME_EXCHANGE) in between, and the workspace was copied
+    # into the link's target (a reviewer's race, won within a few tens of starts). The way is now walked
+    # descriptor by descriptor.
+    home = Path(workdir) / "home"
+    (home / "state" / "isolate").mkdir(parents=True)
+    loot = Path(workdir) / "loot"
+    (loot / "isolate").mkdir(parents=True)
+    (home / "flip").symlink_to(loot)
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(home / "state" / "isolate"))
+    Path(source, "secret.txt").write_text("the caller's\n")
+    # The swapper is a process of its own (a thread would wait for this one's GIL, missing the window).
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(home / "state"), str(home / "flip")])
+    try:
+        for _ in range(150):
+            try:
+                Sandbox(policy(write=()), workspace=Workspace(source)).start().close()
+            except isolate.IsolationError:
+                pass
+    finally:
+        swapper.kill()
+        swapper.wait()
+    leaked = [str(p) for p in loot.rglob("*") if p.is_file()]
+    assert leaked == []
 
 
 def test_a_link_planted_where_the_registry_was_leads_nowhere(source: str, workdir: str,

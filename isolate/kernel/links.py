@@ -8,6 +8,7 @@ both walk their paths with this one rule.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -52,3 +53,49 @@ def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, 
         else:
             current = candidate
     return links, current
+
+
+def open_directory(path: str, create: bool = False) -> int:
+    """A descriptor of the directory at absolute ``path``, reached by the same rule, without a race.
+
+    ``host_symlinks`` checks a path and its caller then uses the path again: between the two, a program
+    that can write a directory on the way may swap it for a link (``renameat2(RENAME_EXCHANGE)``). Here
+    each component is opened from its parent's descriptor with ``O_NOFOLLOW``; only root's links
+    directly under ``/`` are read and followed. With ``create``, a missing directory is made (0700).
+    Raises PolicyError for a link the rule does not follow, OSError for anything else.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    at_root, hops = True, 0
+    try:
+        while parts:
+            part = parts.pop(0)
+            if part == "..":
+                raise PolicyError(f"{path}: '..' on the way is not followed", "path")
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                info = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(info.st_mode) or not at_root or info.st_uid != 0 or hops >= 40:
+                    raise PolicyError(f"{path}: {part} on the way is a link (or not a directory), which is not "
+                                      "followed there (only root's links directly under / are)", "path") from None
+                hops += 1
+                # The link lies directly under /, so its text, absolute or relative, continues from / (fd).
+                parts = [p for p in os.readlink(part, dir_fd=fd).split("/") if p not in ("", ".")] + parts
+            os.close(fd)
+            fd, at_root = child, False
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

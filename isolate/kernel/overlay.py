@@ -78,15 +78,26 @@ def layers_for(workspace: Workspace, data: str) -> Layers:
     return layers
 
 
-def make_layers(layers: Layers) -> Layers:
-    """Make the upper and work directories in the sandbox's fresh data directory."""
-    os.mkdir(layers.state, 0o700)
-    os.mkdir(layers.upper, 0o755)
-    os.mkdir(layers.work, 0o700)
-    probe = xattr_problem(layers.work)
+def make_layers(layers: Layers, data_fd: int) -> tuple[int, int]:
+    """Make the upper and work directories in the sandbox's fresh data directory (its descriptor: nothing
+    on the way is looked up again); the upper directory's (st_dev, st_ino)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    os.mkdir("overlay", 0o700, dir_fd=data_fd)
+    state = os.open("overlay", flags, dir_fd=data_fd)
+    try:
+        os.mkdir("upper", 0o755, dir_fd=state)
+        os.mkdir("work", 0o700, dir_fd=state)
+        upper = os.stat("upper", dir_fd=state, follow_symlinks=False)
+        work = os.open("work", flags, dir_fd=state)
+        try:
+            probe = xattr_problem(work, layers.work)
+        finally:
+            os.close(work)
+    finally:
+        os.close(state)
     if probe:
         raise UnsupportedError(f"workspace mode overlay: {probe}; {WAY_OUT}")
-    return layers
+    return upper.st_dev, upper.st_ino
 
 
 def _kernel() -> tuple[int, int]:
@@ -121,11 +132,16 @@ def host_refusal(layers: Layers) -> str | None:
     return None
 
 
-def xattr_problem(path: str) -> str | None:
-    """None when path's file system keeps user.* xattrs (the upper layer's metadata), else why not."""
+def xattr_problem(target: int | str, path: str) -> str | None:
+    """None when the file system of ``target`` (a descriptor, or ``path``) keeps user.* xattrs (the upper
+    layer's metadata), else why not."""
     try:
-        os.setxattr(path, "user.isolate-probe", b"1", follow_symlinks=False)
-        os.removexattr(path, "user.isolate-probe", follow_symlinks=False)
+        if isinstance(target, int):
+            os.setxattr(target, "user.isolate-probe", b"1")
+            os.removexattr(target, "user.isolate-probe")
+        else:
+            os.setxattr(target, "user.isolate-probe", b"1", follow_symlinks=False)
+            os.removexattr(target, "user.isolate-probe", follow_symlinks=False)
     except OSError as exc:
         from .hostinfo import filesystem_type as _filesystem_type
 

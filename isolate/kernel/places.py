@@ -52,14 +52,12 @@ def open_state_dir(*parts: str) -> int:
     following a link and must be a directory of this user: what the host then makes through the
     descriptor lands where isolate meant, wherever a link points.
     """
-    from .links import host_symlinks
+    from .links import open_directory
 
     base = state_dir()
     uid = os.geteuid()
     try:
-        host_symlinks(base, "state directory")
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        fd = os.open(base, _WALK_FLAGS)
+        fd = open_directory(base, create=True)  # descriptor by descriptor: no swap on the way is followed
     except PolicyError:
         raise IsolationError(f"state directory {base}: the way to it goes through a link, which isolate does not "
                              "follow there (only root's links directly under / are: a program could have planted "

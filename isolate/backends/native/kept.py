@@ -30,7 +30,7 @@ from typing import Any
 
 from ..._core import ffi, init_fd, lib
 from ...kernel import grants
-from ...kernel.overlay import layers_for, make_layers
+from ...kernel.overlay import Layers, layers_for, make_layers
 from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
 from ...kernel.tree import copy_tree
 from ...model.errors import IsolationError, UnsupportedError
@@ -169,13 +169,8 @@ class NativeSandbox:
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
             if self.workspace.mode in ("copy", "overlay"):
                 self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
-                                                                            self.workspace)
+                                                                            self.workspace, layers)
                 made_data = True
-            if layers is not None:
-                if _dir_identity(self.paths.data) != self.data_identity:
-                    raise IsolationError(f"{self.paths.data}: replaced while the sandbox was made")
-                make_layers(layers)
-                self.workspace_identity = _dir_identity(self.workspace_host)
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
             # this run binds the workspace in its place, so that every sandbox of one policy shares one
@@ -215,12 +210,17 @@ class NativeSandbox:
             if self.name is None:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
                 self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity)
-        except BaseException:
+        except BaseException as exc:
             if listener is not None:
                 listener.close()
             if workspace_fd >= 0:
                 os.close(workspace_fd)
             self._teardown(remove_data=made_data)
+            if isinstance(exc, OSError):
+                # A file of its own vanished or was swapped while it was made (a program that can write
+                # the state directory): refused, in the error every caller expects.
+                raise IsolationError(f"sandbox: could not make it: {exc.strerror or exc}: "
+                                     f"{exc.filename or self.paths.data}") from None
             raise
 
     def _listen(self) -> socket.socket:
@@ -523,38 +523,42 @@ def _fd_identity(fd: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def make_data_dir(kind: str, key: str, workspace: Workspace) -> tuple[tuple[int, int], tuple[int, int] | None]:
-    """Make a kept sandbox's data directory ``state_dir()/kind/key`` and, for a copied workspace, its
-    ``workspace`` filled from the source; their identities (the workspace's None for other modes).
+def make_data_dir(kind: str, key: str, workspace: Workspace,
+                  layers: Layers | None = None) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """Make a kept sandbox's data directory ``state_dir()/kind/key`` and in it, for a copied workspace,
+    ``workspace`` filled from the source, or an overlay's layers; the identities of the data directory
+    and of the workspace as the host reads it (the copy, or the upper layer; None for a bound one).
 
     Made through descriptors that follow no link a program planted in the state directory (see
-    registry.open_state_dir): the workspace is copied where isolate means, nowhere else. On failure what
-    was made is removed.
+    places.open_state_dir): the workspace is copied where isolate means, nowhere else. On failure what
+    was made is removed, through the same descriptors.
     """
     parent = open_state_dir(kind)
     try:
         os.mkdir(key, 0o700, dir_fd=parent)
         data_fd = os.open(key, _DIR_FLAGS, dir_fd=parent)
+        data = _fd_identity(data_fd)
+        try:
+            if layers is not None:
+                return data, make_layers(layers, data_fd)
+            if workspace.mode != "copy":
+                return data, None
+            os.mkdir("workspace", 0o755, dir_fd=data_fd)
+            copy_fd = os.open("workspace", _DIR_FLAGS, dir_fd=data_fd)
+            try:
+                copied = _fd_identity(copy_fd)
+                if workspace.source is not None:
+                    copy_tree(workspace.source, copy_fd, workspace)
+            finally:
+                os.close(copy_fd)
+            return data, copied
+        except BaseException:
+            _remove_at(parent, key, data)
+            raise
+        finally:
+            os.close(data_fd)
     finally:
         os.close(parent)
-    data = _fd_identity(data_fd)
-    try:
-        if workspace.mode != "copy":
-            return data, None
-        os.mkdir("workspace", 0o755, dir_fd=data_fd)
-        copy_fd = os.open("workspace", _DIR_FLAGS, dir_fd=data_fd)
-        try:
-            copied = _fd_identity(copy_fd)
-            if workspace.source is not None:
-                copy_tree(workspace.source, copy_fd, workspace)
-        finally:
-            os.close(copy_fd)
-        return data, copied
-    except BaseException:
-        _remove_dir(os.path.join(state_dir(), kind, key), data)
-        raise
-    finally:
-        os.close(data_fd)
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
@@ -579,18 +583,24 @@ def _remove_dir(path: str, identity: tuple[int, int]) -> None:
     a planted link on the way could lead to another directory of the same
     name, so only the directory that still is the one start() made goes.
     """
-    from ...kernel.tree import _DIR_FLAGS, _remove_tree
-
     try:
         parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return
     try:
-        name = os.path.basename(path)
+        _remove_at(parent, os.path.basename(path), identity)
+    finally:
+        os.close(parent)
+
+
+def _remove_at(parent: int, name: str, identity: tuple[int, int]) -> None:
+    """Remove the directory ``name`` of the directory ``parent`` and its tree, if it still is ``identity``."""
+    from ...kernel.tree import _remove_tree
+
+    try:
         child = os.open(name, _DIR_FLAGS, dir_fd=parent)
         try:
-            info = os.fstat(child)
-            if (info.st_dev, info.st_ino) != identity:
+            if _fd_identity(child) != identity:
                 return
             for entry in os.listdir(child):
                 _remove_tree(child, entry)
@@ -599,8 +609,6 @@ def _remove_dir(path: str, identity: tuple[int, int]) -> None:
         os.rmdir(name, dir_fd=parent)
     except OSError:
         pass
-    finally:
-        os.close(parent)
 
 
 def environment_for(base: Mapping[str, str], env: Mapping[str, str] | None) -> list[str]:

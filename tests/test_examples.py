@@ -1,0 +1,60 @@
+"""Every program in examples/ runs as a user runs it: its own process, this interpreter, a new user's
+PATH, a fresh working directory; it must exit 0 and print its expected line.
+
+The examples import the isolate this test imported (the checkout under test, or the installed
+package), whatever their working directory. An example is skipped, with the reason, only where this
+host cannot do what it shows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from conftest import NAMESPACES_WHY
+
+import isolate
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(HERE, "examples")
+#: What a new user's shell would have: the system's python3 first, no venv or pyenv shims.
+USER_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def missing(*modules: str) -> str | None:
+    """Why an example cannot run here: the first of ``modules`` (its extra's packages) not installed."""
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install 'isolate[...]' with the example's extra)"
+    return None
+
+
+#: name: (a line it prints when it worked, why it cannot run here or None).
+CASES: dict[str, tuple[str, str | None]] = {
+    "agent_loop.py": ("committed: ['NOTES.md', 'calc.py', 'test_calc.py'] fixed", NAMESPACES_WHY),
+}
+
+
+def test_every_example_is_run_here() -> None:
+    assert sorted(CASES) == sorted(n for n in os.listdir(EXAMPLES) if n.endswith(".py"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_runs(name: str) -> None:
+    expected, why = CASES[name]
+    if why:
+        pytest.skip(why)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(isolate.__file__)))
+    env = {**os.environ, "PATH": USER_PATH,
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+    env.pop("VIRTUAL_ENV", None)
+    with tempfile.TemporaryDirectory(prefix="isolate-example-") as directory:
+        os.chmod(directory, 0o755)
+        result = subprocess.run([sys.executable, os.path.join(EXAMPLES, name)], cwd=directory, env=env,
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert expected in result.stdout.splitlines(), result.stdout + result.stderr

@@ -1,5 +1,5 @@
 """Every program in examples/ runs as a user runs it: its own process, this interpreter, a new user's
-PATH, a fresh working directory; it must exit 0 and print its expected line.
+PATH, a fresh working directory; it must exit 0 and print a line that starts as expected.
 
 The examples import the isolate this test imported (the checkout under test, or the installed
 package), whatever their working directory. An example is skipped, with the reason, only where this
@@ -33,9 +33,10 @@ def missing(*modules: str) -> str | None:
     return None
 
 
-#: name: (a line it prints when it worked, why it cannot run here or None).
+#: name: (the start of a line it prints when it worked, why it cannot run here or None).
 CASES: dict[str, tuple[str, str | None]] = {
     "agent_loop.py": ("committed: ['NOTES.md', 'calc.py', 'test_calc.py'] fixed", NAMESPACES_WHY),
+    "egress_index.py": ("refused: pypi.org:443", NAMESPACES_WHY),
     "grader.py": ("all verdicts as expected", NAMESPACES_WHY),
 }
 
@@ -58,4 +59,4 @@ def test_example_runs(name: str) -> None:
         result = subprocess.run([sys.executable, os.path.join(EXAMPLES, name)], cwd=directory, env=env,
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert expected in result.stdout.splitlines(), result.stdout + result.stderr
+    assert any(line.startswith(expected) for line in result.stdout.splitlines()), result.stdout + result.stderr

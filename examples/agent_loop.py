@@ -48,7 +48,7 @@ def main() -> int:
 
         # No write grant besides the workspace (the default would also grant the current directory).
         policy = isolate.Policy(write=())
-        workspace = isolate.Workspace(project, exclude=[".git"])
+        workspace = isolate.Workspace(project, exclude=(".git",))
         with isolate.Sandbox(policy, workspace=workspace) as sb:
             # 1. Look around, and run the tests: they fail. (-B: no __pycache__ in the workspace, so the
             # diff below holds only the agent's changes, and no stale .pyc of the same size and second.)

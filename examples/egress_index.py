@@ -3,7 +3,7 @@
 What it shows
     A "simple" package index (one tiny wheel) served by ``http.server`` in a thread
     on the host's 127.0.0.1, and a kept sandbox whose network is
-    ``isolate.Egress(["index.test:PORT"], add_hosts={"index.test": "127.0.0.1"})``:
+    ``isolate.Egress(("index.test:PORT",), add_hosts={"index.test": "127.0.0.1"})``:
     the name ``index.test`` is allowed and mapped to the host's loopback (a local
     service: ``add_hosts`` says where the name is; the name must be allowed too).
     Inside, ``index.test`` resolves to an address of isolate's mediator, which
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import zipfile
+from typing import Any
 
 import isolate
 
@@ -54,7 +55,8 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def show(what: str, result: isolate.CompletedProcess) -> None:
+def show(what: str, result: Any) -> None:
+    """A command's exit status and the names its report says it reached (Sandbox.exec's result)."""
     egress = result.report.egress or {}
     print(f"{what}: exit {result.returncode}; reached {[(e['host'], e['port']) for e in egress.get('allowed', [])]}")
 
@@ -68,7 +70,7 @@ def main() -> int:
         index = f"http://{HOST}:{port}/simple/"
         print("index on the host at", f"http://127.0.0.1:{port}/simple/", "known inside as", index)
 
-        egress = isolate.Egress([f"{HOST}:{port}"], add_hosts={HOST: "127.0.0.1"})
+        egress = isolate.Egress((f"{HOST}:{port}",), add_hosts={HOST: "127.0.0.1"})
         policy = isolate.Policy(network=egress, write=())
         try:
             with isolate.Sandbox(policy) as sb:

@@ -39,6 +39,7 @@ CASES: dict[str, tuple[str, str | None]] = {
     "egress_index.py": ("refused: pypi.org:443", NAMESPACES_WHY),
     "grader.py": ("all verdicts as expected", NAMESPACES_WHY),
     "inspect_task.py": ("score: 1.0 (C)", missing("inspect_ai") or NAMESPACES_WHY),
+    "mcp_client.py": ("killed; sandboxes left: 0", missing("mcp") or NAMESPACES_WHY),
     "opensandbox_client.py": ("killed: the server holds no sandbox",
                               missing("starlette", "uvicorn", "multipart", "opensandbox") or NAMESPACES_WHY),
 }

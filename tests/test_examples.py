@@ -3,7 +3,9 @@ PATH, a fresh working directory; it must exit 0 and print a line that starts as 
 
 The examples import the isolate this test imported (the checkout under test, or the installed
 package), whatever their working directory. An example is skipped, with the reason, only where this
-host cannot do what it shows.
+host cannot do what it shows. They are started all at once and each test waits for its own: most of
+their time is spent importing frameworks and waiting on servers and sandboxes, so the file takes
+about as long as the slowest (inspect_task.py, which imports inspect_ai).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
 
 import pytest
 from conftest import NAMESPACES_WHY
@@ -23,6 +28,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(HERE, "examples")
 #: What a new user's shell would have: the system's python3 first, no venv or pyenv shims.
 USER_PATH = "/usr/local/bin:/usr/bin:/bin"
+TIMEOUT = 150
 
 
 def missing(*modules: str) -> str | None:
@@ -45,26 +51,67 @@ CASES: dict[str, tuple[str, str | None]] = {
 }
 
 
-def test_every_example_is_run_here() -> None:
-    assert sorted(CASES) == sorted(n for n in os.listdir(EXAMPLES) if n.endswith(".py"))
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_example_runs(name: str) -> None:
-    expected, why = CASES[name]
-    if why:
-        pytest.skip(why)
-    # The commands (isolate-run) of the package under test: a checkout's in-place build
-    # (setup.py build_ext --inplace), else the examples find the one beside this interpreter.
+def example_env() -> dict[str, str]:
+    # The package under test first on sys.path, and its commands: isolate-run from a checkout's in-place
+    # build (setup.py build_ext --inplace) when there is one, else the examples find the ones beside
+    # this interpreter.
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(isolate.__file__)))
     in_place = os.path.join(package_parent, "build", "isolate-run-bin")
     path = f"{in_place}:{USER_PATH}" if os.access(os.path.join(in_place, "isolate-run"), os.X_OK) else USER_PATH
     env = {**os.environ, "PATH": path,
            "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
     env.pop("VIRTUAL_ENV", None)
-    with tempfile.TemporaryDirectory(prefix="isolate-example-") as directory:
-        os.chmod(directory, 0o755)
-        result = subprocess.run([sys.executable, os.path.join(EXAMPLES, name)], cwd=directory, env=env,
-                                capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert any(line.startswith(expected) for line in result.stdout.splitlines()), result.stdout + result.stderr
+    return env
+
+
+@dataclass
+class Started:
+    process: subprocess.Popen[bytes]
+    output: IO[bytes]  # stdout and stderr, in a file: nothing blocks on a pipe nobody reads yet
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest) -> Iterator[dict[str, Started]]:
+    """The selected examples that can run here, each started in a fresh working directory."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    env = example_env()
+    running: dict[str, Started] = {}
+    with tempfile.TemporaryDirectory(prefix="isolate-examples-") as base:
+        os.chmod(base, 0o755)
+        try:
+            for name in sorted(selected):
+                if CASES[name][1]:
+                    continue
+                cwd = os.path.join(base, name.removesuffix(".py"))
+                os.mkdir(cwd, 0o755)
+                output = tempfile.TemporaryFile(dir=base)
+                process = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, name)], cwd=cwd, env=env,
+                                           stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+                running[name] = Started(process, output)
+            yield running
+        finally:
+            for run in running.values():
+                if run.process.poll() is None:
+                    run.process.kill()
+                    run.process.wait()
+                run.output.close()
+
+
+def test_every_example_is_run_here() -> None:
+    assert sorted(CASES) == sorted(n for n in os.listdir(EXAMPLES) if n.endswith(".py"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_runs(name: str, started: dict[str, Started]) -> None:
+    expected, why = CASES[name]
+    if why:
+        pytest.skip(why)
+    run = started[name]
+    try:
+        returncode = run.process.wait(timeout=TIMEOUT)
+    finally:
+        run.output.seek(0)
+        output = run.output.read().decode(errors="replace")
+    assert returncode == 0, output
+    assert any(line.startswith(expected) for line in output.splitlines()), output

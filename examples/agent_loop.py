@@ -62,7 +62,7 @@ def main() -> int:
             sb.replace_text("calc.py", "a - b", "a + b", count=1)
             sb.write_file("NOTES.md", "fixed add(): it subtracted\n")
 
-            # 3. Several commands share the sandbox's files, /tmp and processes.
+            # 3. Run them again: every command of the sandbox sees the same files (and /tmp, and processes).
             second = sb.exec(["python3", "-B", "test_calc.py"])
             print(f"tests: exit {second.returncode}: {second.stdout.strip()}")
             who = sb.exec("id -u; pwd").stdout.split()  # a string runs under /bin/sh -c

@@ -105,10 +105,12 @@ def main() -> int:
         try:
             print("created", sandbox.id, "state:", sandbox.get_info().status.state)
             execution = sandbox.commands.run("echo $GREETING from $(id -un), uid $(id -u); pwd")
-            print("stdout:", [line.text for line in execution.logs.stdout])
+            stdout = [line.text for line in execution.logs.stdout]
+            print("stdout:", stdout)
 
             sandbox.files.write_file("notes/todo.txt", "written through the SDK\n")
-            print("read back:", sandbox.files.read_file("notes/todo.txt").strip())
+            read_back = sandbox.files.read_file("notes/todo.txt")
+            print("read back:", read_back.strip())
             failing = sandbox.commands.run("cat /etc/shadow")
             print("cat /etc/shadow: exit", failing.error.value if failing.error else 0,
                   [line.text for line in failing.logs.stderr])
@@ -118,6 +120,8 @@ def main() -> int:
         finally:
             sandbox.kill()
             sandbox.close()
+        if not stdout or not stdout[0].startswith("hello from") or read_back != "written through the SDK\n":
+            return 1
         left = list_sandboxes(domain, key)
         print("killed: the server holds no sandbox" if not left else f"still held: {left}")
         return 0 if not left else 1

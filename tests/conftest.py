@@ -186,8 +186,11 @@ def write_tiny_wheel(path: str | os.PathLike[str]) -> None:
 HOST_INDEPENDENT = frozenset({
     "test_benchmarks_quick.py",
     "test_containers.py",
+    "test_csrc_layers.py",
     "test_docker.py",
+    "test_examples.py",
     "test_inspect.py",
+    "test_layers.py",
     "test_llm_sandbox.py",
     "test_mcp.py",
     "test_policy.py",

@@ -406,7 +406,7 @@ def test_a_command_that_closes_its_output_or_stops_its_monitor_is_still_followed
 def test_an_agent_cannot_make_the_server_hold_commands_or_sessions_without_end(tmp_path: Path) -> None:
     # Each background command costs the server descriptors, a thread and up to 2 MiB of output until it is
     # collected; each session a shell. An agent that starts them in a loop must hit a limit, not the host's.
-    from isolate.integrations.mcp_server import MAX_COMMANDS, MAX_SESSIONS
+    from isolate.integrations.mcp_state import MAX_COMMANDS, MAX_SESSIONS
 
     marker = f"3002.{secrets.randbelow(10**6):06d}"
 
@@ -433,7 +433,7 @@ def test_an_agent_cannot_make_the_server_hold_commands_or_sessions_without_end(t
 def test_a_command_is_followed_when_the_server_holds_descriptors_past_fd_setsize() -> None:
     # Many sandboxes and commands put the server's descriptors past 1024, where select() fails.
     from isolate import Sandbox
-    from isolate.integrations.mcp_server import _Execution
+    from isolate.integrations.mcp_state import _Execution
 
     with Sandbox(policy(write=())) as box, descriptors_past_fd_setsize():
         execution = _Execution(box.spawn("echo past FD_SETSIZE"), 30.0)

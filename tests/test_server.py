@@ -805,7 +805,8 @@ def test_upload_total_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """An upload's whole body is bounded (its parts are spooled to the server's disk), not only each part."""
     from starlette.testclient import TestClient
 
-    from isolate.server import create_app, execd
+    from isolate.server import create_app
+    from isolate.server.execd import files as execd
 
     monkeypatch.setattr(execd, "MAX_UPLOAD", 64 << 10)
     import isolate

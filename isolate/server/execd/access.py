@@ -1,0 +1,51 @@
+"""Reaching one sandbox's execution API: its access token (or the server's API key), its port, and
+``ping``; the limits every part of the API shares.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, same
+from ..models import EXECD_PORT, ApiError
+from ..state import ManagedSandbox, ServerState
+
+#: Where relative paths start: the sandbox's workspace (its commands' default cwd).
+WORKDIR = "/workspace"
+
+
+#: Largest file one upload part may carry, and one download may return.
+MAX_FILE = 1 << 30
+
+
+#: Largest upload request (all its files).
+MAX_UPLOAD = 2 << 30
+
+
+#: Output of a streamed command waiting for a slow client before the command is held up.
+BRIDGE_LIMIT = 8 << 20
+
+
+def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) -> ManagedSandbox:
+    state: ServerState = request.app.state.isolate
+    try:
+        managed = state.get(request.path_params["sandbox_id"])
+    except ApiError:
+        # Same answer for an unknown sandbox and a wrong token: no probing of ids.
+        managed = None
+    ok = managed is not None and (same(request.headers.get(ACCESS_TOKEN_HEADER), managed.token)
+                                  or same(request.headers.get(API_KEY_HEADER), state.api_key))
+    if managed is None or not ok:
+        raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
+    if request.path_params.get("port") != str(port):
+        raise ApiError(404, "NOT_FOUND", "this port of the sandbox serves nothing here")
+    if running:
+        managed.usable()
+    return managed
+
+
+@api
+async def ping(request: Request) -> Response:
+    sandbox_for(request)
+    return Response(status_code=200)

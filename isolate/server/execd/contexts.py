@@ -1,0 +1,148 @@
+"""Code contexts (``/code``): persistent Python and bash contexts, a cell at a time, streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..code import LANGUAGES, CodeContext
+from ..common import SSE_HEADERS, LineSplitter, api, json_body, sse
+from ..models import ApiError, bad_request
+from ..state import ManagedSandbox, room_for_session
+from .access import sandbox_for
+from .commands import Bridge
+
+# -- code-interpreter contexts ---------------------------------------------------------------------
+
+def _language(value: object) -> str:
+    language = value if value is not None else "python"
+    if language not in LANGUAGES:
+        raise bad_request(f"language: {str(language)[:40]!r} is not served here (it serves {', '.join(LANGUAGES)})",
+                          "UNSUPPORTED_LANGUAGE")
+    return str(language)
+
+
+def _context(managed: ManagedSandbox, context_id: str) -> CodeContext:
+    context: CodeContext | None = managed.contexts.get(context_id)
+    if context is None:
+        raise ApiError(404, "CONTEXT_NOT_FOUND", f"context {context_id[:64]!r} not found")
+    return context
+
+
+@api
+async def create_context(request: Request) -> Response:
+    managed = sandbox_for(request)
+    body = await json_body(request, required=False)
+    if body is not None and not isinstance(body, dict):
+        raise bad_request("the body must be {\"language\": \"python\"}", "INVALID_REQUEST_BODY")
+    language = _language((body or {}).get("language"))
+    room_for_session(managed)
+    context = await run_in_threadpool(CodeContext, managed.box, language)
+    managed.contexts[context.id] = context
+    return JSONResponse({"id": context.id, "language": language})
+
+
+@api
+async def list_contexts(request: Request) -> Response:
+    managed = sandbox_for(request)
+    language = request.query_params.get("language")
+    return JSONResponse([{"id": c.id, "language": c.language} for c in list(managed.contexts.values())
+                         if language in (None, "", c.language)])
+
+
+@api
+async def get_context(request: Request) -> Response:
+    context = _context(sandbox_for(request), request.path_params["context_id"])
+    return JSONResponse({"id": context.id, "language": context.language})
+
+
+@api
+async def delete_context(request: Request) -> Response:
+    managed = sandbox_for(request, running=False)
+    context = _context(managed, request.path_params["context_id"])
+    managed.contexts.pop(context.id, None)
+    await run_in_threadpool(context.close)
+    return Response(status_code=200)
+
+
+@api
+async def delete_contexts(request: Request) -> Response:
+    managed = sandbox_for(request, running=False)
+    language = _language(request.query_params.get("language"))
+    for context in [c for c in managed.contexts.values() if c.language == language]:
+        managed.contexts.pop(context.id, None)
+        await run_in_threadpool(context.close)
+    return Response(status_code=200)
+
+
+@api
+async def interrupt_code(request: Request) -> Response:
+    managed = sandbox_for(request)
+    context_id = request.query_params.get("id")
+    if not context_id:
+        raise bad_request("id: the context's id is required", "MISSING_QUERY")
+    await run_in_threadpool(_context(managed, context_id).interrupt)
+    return Response(status_code=200)
+
+
+@api
+async def run_code(request: Request) -> Response:
+    managed = sandbox_for(request)
+    body = await json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("code"), str) or not body["code"].strip():
+        raise bad_request("code: a non-empty string is required", "INVALID_REQUEST_BODY")
+    spec = body.get("context") or {}
+    if not isinstance(spec, dict):
+        raise bad_request("context: expected {\"id\": ID, \"language\": LANGUAGE}", "INVALID_REQUEST_BODY")
+    if spec.get("id"):
+        context = _context(managed, str(spec["id"]))
+    else:  # the language's default context, made at its first use
+        language = _language(spec.get("language"))
+        default: CodeContext | None = managed.contexts.get(f"default-{language}")
+        if default is None:
+            room_for_session(managed)
+            default = await run_in_threadpool(CodeContext, managed.box, language, f"default-{language}")
+            managed.contexts[default.id] = default
+        context = default
+    bridge = Bridge(asyncio.get_running_loop())
+    threading.Thread(target=context.run, args=(body["code"], None, bridge.put), daemon=True,
+                     name=f"isolate-serve-code-{context.id}").start()
+    started = time.time()
+
+    async def events() -> AsyncIterator[bytes]:
+        yield sse({"type": "init", "text": context.id})
+        splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
+        done = False
+        try:
+            while True:
+                kind, payload = await bridge.queue.get()
+                if kind == "done":
+                    done = True
+                    break
+                lines = splitters[kind].feed(payload)
+                bridge.taken(payload)
+                for line in lines:
+                    yield sse({"type": kind, "text": line})
+            for kind, splitter in splitters.items():
+                for line in splitter.flush():
+                    yield sse({"type": kind, "text": line})
+            yield sse({"type": "execution_count", "execution_count": payload.get("count")})
+            if payload.get("result") is not None:
+                yield sse({"type": "result", "results": {"text": payload["result"]}})
+            if payload.get("error"):
+                yield sse({"type": "error", "error": payload["error"]})
+            else:
+                yield sse({"type": "execution_complete", "execution_time": int((time.time() - started) * 1000)})
+        finally:
+            bridge.close()
+            if not done:  # the client went away: the cell is interrupted
+                context.interrupt()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,91 @@
+"""The execution API's routes, and the egress sidecar's policy (port 18080), read-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..common import api
+from ..models import EGRESS_PORT, ApiError
+from .access import ping, sandbox_for
+from .commands import command_logs, command_status, interrupt_command, run_command
+from .contexts import (
+    create_context,
+    delete_context,
+    delete_contexts,
+    get_context,
+    interrupt_code,
+    list_contexts,
+    run_code,
+)
+from .files import (
+    chmod_files,
+    download_file,
+    files_info,
+    list_directory,
+    make_dirs,
+    metrics,
+    move_files,
+    remove_dirs,
+    remove_files,
+    replace_content,
+    search_files,
+    upload_files,
+)
+from .sessions import create_session, delete_session, run_in_session
+
+# -- the egress sidecar's policy (port 18080), read-only ---------------------------------------
+
+@api
+async def egress_policy(request: Request) -> Response:
+    """The sandbox's network as the sidecar's policy shape; it is fixed at create (changes are refused)."""
+    managed = sandbox_for(request, running=False, port=EGRESS_PORT)
+    if request.method != "GET":
+        raise ApiError(400, "UNSUPPORTED", "the network of a running sandbox cannot change here; create another "
+                       "sandbox with the networkPolicy wanted")
+    network = managed.box.policy.network
+    if isinstance(network, str):
+        policy: dict[str, Any] = {"defaultAction": "allow" if network == "host" else "deny", "egress": []}
+    else:
+        policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": h} for h in network.hosts]}
+    mode = network if isinstance(network, str) else "allow-list"
+    return JSONResponse({"status": "ok", "mode": mode, "enforcementMode": "isolate", "policy": policy})
+
+
+PREFIX = "/sandboxes/{sandbox_id}/port/{port}"
+
+
+routes = [
+    Route(PREFIX + "/ping", ping, methods=["GET"]),
+    Route(PREFIX + "/command", run_command, methods=["POST"]),
+    Route(PREFIX + "/command", interrupt_command, methods=["DELETE"]),
+    Route(PREFIX + "/command/status/{command_id}", command_status, methods=["GET"]),
+    Route(PREFIX + "/command/{command_id}/logs", command_logs, methods=["GET"]),
+    Route(PREFIX + "/session", create_session, methods=["POST"]),
+    Route(PREFIX + "/session/{session_id}/run", run_in_session, methods=["POST"]),
+    Route(PREFIX + "/session/{session_id}", delete_session, methods=["DELETE"]),
+    Route(PREFIX + "/files/info", files_info, methods=["GET"]),
+    Route(PREFIX + "/files", remove_files, methods=["DELETE"]),
+    Route(PREFIX + "/files/mv", move_files, methods=["POST"]),
+    Route(PREFIX + "/files/permissions", chmod_files, methods=["POST"]),
+    Route(PREFIX + "/files/search", search_files, methods=["GET"]),
+    Route(PREFIX + "/files/replace", replace_content, methods=["POST"]),
+    Route(PREFIX + "/files/upload", upload_files, methods=["POST"]),
+    Route(PREFIX + "/files/download", download_file, methods=["GET"]),
+    Route(PREFIX + "/directories/list", list_directory, methods=["GET"]),
+    Route(PREFIX + "/directories", make_dirs, methods=["POST"]),
+    Route(PREFIX + "/directories", remove_dirs, methods=["DELETE"]),
+    Route(PREFIX + "/metrics", metrics, methods=["GET"]),
+    Route(PREFIX + "/policy", egress_policy, methods=["GET", "PATCH", "DELETE"]),
+    Route(PREFIX + "/code", run_code, methods=["POST"]),
+    Route(PREFIX + "/code", interrupt_code, methods=["DELETE"]),
+    Route(PREFIX + "/code/context", create_context, methods=["POST"]),
+    Route(PREFIX + "/code/contexts", list_contexts, methods=["GET"]),
+    Route(PREFIX + "/code/contexts", delete_contexts, methods=["DELETE"]),
+    Route(PREFIX + "/code/contexts/{context_id}", get_context, methods=["GET"]),
+    Route(PREFIX + "/code/contexts/{context_id}", delete_context, methods=["DELETE"]),
+]

@@ -110,8 +110,36 @@ def ensure_kept(name: str, spec: ContainerSpec) -> tuple[str, str]:
                     f"`{' '.join(KEEPER_COMMAND)}`; choose an image with sleep"
                 ) from None
             _raise_start_error(exc, list(KEEPER_COMMAND), spec.image)
+        try:
+            _probe_keeper(api, created["Id"], spec)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                api.remove_container(created["Id"], force=True, v=True)
+            raise
         return str(created["Id"]), action
     raise SetupError(f"sandbox {name!r}: the container {cname} kept changing under isolate; try again", step="docker")
+
+
+def _probe_keeper(api: Any, container_id: str, spec: ContainerSpec) -> None:
+    """Refuse an image whose keeper cannot run. Without ``sleep`` the container's init exits a moment
+    after the start, and a command exec'd in that moment ran as if all were well (the next one failed):
+    the keeper's own program is run once, as ``sleep 0``, before the container is handed out."""
+    import docker.errors
+
+    try:
+        exec_id = api.exec_create(container_id, [KEEPER_COMMAND[0], "0"], user=spec.user)["Id"]
+        api.exec_start(exec_id)
+        code = api.exec_inspect(exec_id).get("ExitCode")
+    except docker.errors.APIError as exc:
+        if "not found" not in _short(exc).lower() and kept_failure(container_id) is None:
+            with _engine_errors(f"start the kept container from {spec.image}"):
+                raise exc
+        code = 127
+    if code in (126, 127):
+        raise UnsupportedError(
+            f"the image {spec.image} cannot keep a container alive: it has no runnable "
+            f"`{' '.join(KEEPER_COMMAND)}`; choose an image with sleep"
+        )
 
 
 def kept_failure(container_id: str) -> str | None:

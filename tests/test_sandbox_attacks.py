@@ -243,7 +243,10 @@ def test_a_link_swapped_in_while_a_sandbox_starts_gets_no_copy_of_the_workspace(
     # The swapper is a process of its own (a thread would wait for this one's GIL, missing the window).
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(home / "state"), str(home / "flip")])
     try:
+        until = time.monotonic() + 3  # (before, the race was won within a second or two here)
         for _ in range(150):
+            if time.monotonic() > until:
+                break
             try:
                 Sandbox(policy(write=()), workspace=Workspace(source)).start().close()
             except isolate.IsolationError:

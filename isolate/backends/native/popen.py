@@ -223,7 +223,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 if usage.cpu_user_seconds is not None and usage.cpu_system_seconds is not None:
                     report.user_seconds = round(usage.cpu_user_seconds, 6)
                     report.system_seconds = round(usage.cpu_system_seconds, 6)
-                    report.cpu_seconds = round(usage.cpu_seconds or 0.0, 6)  # the total the limit is measured on
+                    report.cpu_seconds = round(usage.cpu_user_seconds + usage.cpu_system_seconds, 6)
                 if usage.peak_memory_bytes is not None:
                     report.max_rss_bytes = int(usage.peak_memory_bytes)
                 report.oom_kills = int(usage.oom_kills)

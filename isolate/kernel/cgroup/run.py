@@ -68,15 +68,9 @@ class CgroupUsage:
     peak_memory_bytes: int | None
     oom_kills: int
     pids_max_hit: bool
-    #: The tree's total CPU time as the kernel counts it (v1 cpuacct.usage, v2 usage_usec): what the
-    #: CPU-time limit is measured on. On v1 the user/system split comes from other counters, whose sum
-    #: may fall a little short of it.
-    cpu_total_seconds: float | None = None
 
     @property
     def cpu_seconds(self) -> float | None:
-        if self.cpu_total_seconds is not None:
-            return self.cpu_total_seconds
         if self.cpu_user_seconds is None or self.cpu_system_seconds is None:
             return None
         return self.cpu_user_seconds + self.cpu_system_seconds
@@ -452,7 +446,7 @@ class RunCgroup:
                 pids_hit = _parse_keyed(_read_text(os.path.join(pids, "pids.events"))).get("max", 0) > 0
             except FileNotFoundError:
                 pids_hit = False
-        return CgroupUsage(user, system, peak, oom_kills, pids_hit, None if ns is None else ns[0] / 1e9)
+        return CgroupUsage(user, system, peak, oom_kills, pids_hit)
 
     # -- freezing and killing --
 

@@ -152,7 +152,9 @@ def test_cpu_limit_covers_the_whole_tree(workdir: str) -> None:
     assert result.report.status == "cpu"
     # Four busy processes under a per-process limit of 1 s would use at least 4 CPU seconds; the
     # tree's limit stopped them all at 1 s of the whole tree (the kernel's accounting, whatever the load).
-    assert result.report.cpu_seconds is not None and 1 <= result.report.cpu_seconds < 3.5, result.report
+    # The watchdog reads the tree's total (cpuacct.usage); the report gives user + system, which cgroup v1
+    # splits from tick counts: the two may differ by a few ticks either way (0.98 s seen at a 1 s limit).
+    assert result.report.cpu_seconds is not None and 0.9 <= result.report.cpu_seconds < 3.5, result.report
     assert result.report.enforced["cpu_seconds"].startswith("cgroup")
 
 

@@ -258,6 +258,22 @@ def test_a_link_swapped_in_while_a_sandbox_starts_gets_no_copy_of_the_workspace(
     assert leaked == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a link directly under / (as /home -> var/home on some hosts)")
+def test_a_state_directory_behind_roots_own_link_under_the_root_works(source: str, workdir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root's links directly under / are followed on the way to the state directory (a host whose /home
+    # is such a link keeps working); the descriptor walk crashed on one.
+    link = f"/isolate-test-{os.getpid()}"
+    os.symlink(workdir.lstrip("/"), link)  # relative, as /lib -> usr/lib
+    try:
+        monkeypatch.setenv("ISOLATE_STATE_DIR", f"{link}/state")
+        with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+            assert box.exec("cat a.txt").stdout == "a\n"
+        assert (Path(workdir) / "state" / "sandboxes").is_dir()
+    finally:
+        os.unlink(link)
+
+
 def test_a_link_planted_where_the_registry_was_leads_nowhere(source: str, workdir: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # The SQLite registry lay in the state directory, which a sandbox granted the home reaches: a link

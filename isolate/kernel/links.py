@@ -93,6 +93,7 @@ def open_directory(path: str, create: bool = False) -> int:
                 hops += 1
                 # The link lies directly under /, so its text, absolute or relative, continues from / (fd).
                 parts = [p for p in os.readlink(part, dir_fd=fd).split("/") if p not in ("", ".")] + parts
+                continue
             os.close(fd)
             fd, at_root = child, False
     except BaseException:

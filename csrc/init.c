@@ -191,14 +191,20 @@ static int watch_parent(pid_t parent, int *gone)
     return fd;
 }
 
-/* Close every descriptor but a and b (either may be -1), gap by gap.
- * (Before Linux 5.9 close_range fails and the leftovers merely stay open
- * in this process; the program never sees them.) */
-static void close_all_but(int a, int b)
+/* Close every descriptor but those in keep[] (-1 entries ignored), gap by
+ * gap.  (Before Linux 5.9 close_range fails and the leftovers merely stay
+ * open in this process; the program never sees them.) */
+static void close_all_but(int a, int b, int c)
 {
-    int keep[2] = {a < b ? a : b, a < b ? b : a};
+    int keep[3] = {a, b, c};
+    for (int i = 1; i < 3; i++) /* sort the three */
+        for (int j = i; j > 0 && keep[j] < keep[j - 1]; j--) {
+            int t = keep[j];
+            keep[j] = keep[j - 1];
+            keep[j - 1] = t;
+        }
     unsigned int lo = 0;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         if (keep[i] < 0)
             continue;
         if ((unsigned int)keep[i] > lo)
@@ -268,14 +274,22 @@ int main(int argc, char **argv)
     int supervising = argc > 6 && argv[6][0];
     if (supervising && iso_supervise_init(argv[6], &status) < 0)
         return 125;
-    pid_t parent = argc > 7 ? (pid_t)atoi(argv[7]) : 0;
+    /* PARENT_PID, or "pidfd:N": a pidfd of the caller's process that the
+     * caller opened for us (PID 1 of a new PID namespace cannot name its
+     * parent by pid). */
+    pid_t parent = 0;
+    int inherited_parent_fd = -1;
+    if (argc > 7 && !strncmp(argv[7], "pidfd:", 6))
+        inherited_parent_fd = atoi(argv[7] + 6);
+    else if (argc > 7)
+        parent = (pid_t)atoi(argv[7]);
     keep_program_running = argc > 8 && !strcmp(argv[8], "1");
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
      * here, or a reader of its pipes would wait for this process too, and
      * nothing passed on to the program (pass_fds) belongs to the init. */
-    close_all_but(status_fd, listener);
+    close_all_but(status_fd, listener, inherited_parent_fd);
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         return 125;
     if (!pid_namespace) {
@@ -305,9 +319,15 @@ int main(int argc, char **argv)
         if (timer < 0 || timerfd_settime(timer, 0, &when, NULL) < 0)
             return 125;
     }
-    int parent_fd = -1, parent_gone = 0;
+    int parent_fd = inherited_parent_fd, parent_gone = 0;
     if (parent > 0)
         parent_fd = watch_parent(parent, &parent_gone);
+    /* A parent-death signal set before the exec follows the caller's
+     * *thread* that forked us; with a pidfd watching the caller's process it
+     * would only end a sandbox whose starting thread ended (a pool's, an
+     * executor's).  A pidfd that polls readable at once: the caller is gone. */
+    if (parent_fd >= 0 && prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0) < 0)
+        return 125;
     /* No file access from here on.  A supervisor needs its hands on the
      * program (pidfd_getfd, process_vm_readv, /proc/PID/cwd, the program's
      * paths): a Landlock domain made now would be a sibling of the

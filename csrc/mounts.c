@@ -200,7 +200,21 @@ static int apply_one(const struct iso_mount *m)
     return 0;
 }
 
+static int build_root(const struct iso_plan *plan, int *index);
+
+/* The root's directories and files get the modes the plan gives them, not
+ * those the caller's umask leaves: with a umask of 077, /var would be made
+ * 0700 and a program that is not root there could not reach /var/tmp. The
+ * caller's umask comes back before the program runs (it is theirs to pass). */
 int iso_mounts_apply(const struct iso_plan *plan, int *index)
+{
+    mode_t caller_umask = umask(0); /* umask cannot fail */
+    int step = build_root(plan, index);
+    umask(caller_umask);
+    return step;
+}
+
+static int build_root(const struct iso_plan *plan, int *index)
 {
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         return ISO_STEP_MOUNT_PRIVATE;

@@ -117,12 +117,17 @@ static int unshare_user(const struct iso_plan *plan)
     return 0;
 }
 
-static void exec_init(const struct iso_plan *plan, int child, int relay)
+/* The relay (H) watches the caller as a process: its parent-death signal
+ * fires when the caller's *thread* that forked it ends, and a sandbox started
+ * from a worker thread (a pool's, asyncio's) would die with that thread.
+ * Given the caller's pid, the init replaces the signal by a pidfd watch. */
+static void exec_init(const struct iso_plan *plan, int child, int relay, int parent_pid)
 {
-    char pid_arg[16], wall_arg[32];
+    char pid_arg[16], wall_arg[32], parent_arg[16];
     snprintf(pid_arg, sizeof pid_arg, "%d", child);
     snprintf(wall_arg, sizeof wall_arg, "%lld", relay ? 0LL : plan->wall_ms);
-    char *argv[] = {"isolate-init", pid_arg, "-1", "-1", wall_arg, NULL};
+    snprintf(parent_arg, sizeof parent_arg, "%d", relay && plan->die_with_parent ? parent_pid : 0);
+    char *argv[] = {"isolate-init", pid_arg, "-1", "-1", wall_arg, "", "", parent_arg, NULL};
     char *envp[] = {NULL};
     syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
 }
@@ -262,7 +267,7 @@ int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure 
         }
         if ((step = iso_no_new_privs()))
             return fail(failure, step, -1);
-        exec_init(plan, first, 1);
+        exec_init(plan, first, 1, parent_pid);
         return fail(failure, ISO_STEP_INIT, -1);
     }
     /* Y1: PID 1 of the new namespace.  It dies with the relay, whatever
@@ -284,6 +289,6 @@ int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure 
         return fail(failure, step, -1);
     if ((step = iso_no_new_privs()))
         return fail(failure, step, -1);
-    exec_init(plan, program, 0);
+    exec_init(plan, program, 0, 0);
     return fail(failure, ISO_STEP_INIT, -1);
 }

@@ -40,6 +40,10 @@
 #define AT_EMPTY_PATH 0x1000
 #endif
 
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
 #define ISO_STACK_SIZE (256 * 1024)
 
 /* Shared by the parent and both children; lives at the bottom of the
@@ -52,6 +56,7 @@ struct spawn_ctx {
     int sync_fd;
     int listener_fd;
     pid_t parent_pid;   /* the caller's process, which the init watches without a PID namespace */
+    int parent_pidfd;   /* with one: a pidfd of the caller's process (-1: none; see first_main) */
     volatile int program_failed;
     char *program_stack_top;
 };
@@ -116,8 +121,8 @@ static int program_main(void *arg)
     {
         /* The setup's descriptors are close-on-exec; they must survive
          * until exec (the error pipe reports exec itself). */
-        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd};
-        if ((step = iso_close_fds(plan, keep, 3)))
+        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd, ctx->parent_pidfd};
+        if ((step = iso_close_fds(plan, keep, 4)))
             goto fail;
     }
     if ((step = iso_rlimits_apply(plan, &index, 1)))
@@ -186,12 +191,21 @@ static int first_main(void *arg)
      * capability, and lets only its own descriptors through exec. */
     if ((step = iso_creds_apply(plan)))
         goto fail_kill;
-    /* In a PID namespace the init's death ends every process in it, so a
-     * parent-death SIGKILL is enough.  Without one the init must outlive its
-     * parent long enough to sweep the tree: it watches the parent itself
-     * (a pidfd, see init.c) instead of being killed with it. */
-    if (plan->die_with_parent && (plan->clone_flags & CLONE_NEWPID) && (step = iso_die_with_parent()))
+    /* In a PID namespace the init's death ends every process in it.  It
+     * watches the caller's process through the pidfd the caller opened for
+     * it; a parent-death signal would follow the caller's thread that
+     * cloned us, and a sandbox started from a worker thread would die with
+     * that thread.  Only where pidfd_open is missing (before Linux 5.3) is
+     * the signal the watch.  Without a PID namespace the init must outlive
+     * its parent long enough to sweep the tree: it watches the parent by
+     * pid (see init.c) instead of being killed with it. */
+    if (plan->die_with_parent && (plan->clone_flags & CLONE_NEWPID) && ctx->parent_pidfd < 0 &&
+        (step = iso_die_with_parent()))
         goto fail_kill;
+    if (ctx->parent_pidfd >= 0 && fcntl(ctx->parent_pidfd, F_SETFD, 0) < 0) {
+        step = ISO_STEP_PDEATHSIG;
+        goto fail_kill;
+    }
     if ((step = iso_no_new_privs()))
         goto fail_kill;
     if (fcntl(plan->status_fd, F_SETFD, 0) < 0 ||
@@ -200,13 +214,17 @@ static int first_main(void *arg)
         goto fail_kill;
     }
     {
-        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32], parent_arg[16];
+        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32];
         snprintf(pid_arg, sizeof pid_arg, "%d", program);
         snprintf(status_arg, sizeof status_arg, "%d", plan->status_fd);
         snprintf(listener_arg, sizeof listener_arg, "%d", ctx->listener_fd);
         snprintf(wall_arg, sizeof wall_arg, "%lld", plan->wall_ms);
+        char parent_arg[32];
         int watch = plan->die_with_parent && !(plan->clone_flags & CLONE_NEWPID);
-        snprintf(parent_arg, sizeof parent_arg, "%d", watch ? (int)ctx->parent_pid : 0);
+        if (ctx->parent_pidfd >= 0)
+            snprintf(parent_arg, sizeof parent_arg, "pidfd:%d", ctx->parent_pidfd);
+        else
+            snprintf(parent_arg, sizeof parent_arg, "%d", watch ? (int)ctx->parent_pid : 0);
         char *errnos = plan->seccomp_errnos ? (char *)plan->seccomp_errnos : "";
         char *supervise = plan->supervise ? (char *)plan->supervise : "";
         /* A kept sandbox's exec server (run through program_fd) must never stay stopped: see init.c. */
@@ -278,6 +296,10 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
     ctx->sync_fd = sync_pipe[0];
     ctx->listener_fd = -1;
     ctx->parent_pid = getpid();
+    /* A failure leaves -1: the init then falls back on the parent-death signal. */
+    ctx->parent_pidfd = plan->die_with_parent && (plan->clone_flags & CLONE_NEWPID)
+                            ? (int)syscall(SYS_pidfd_open, ctx->parent_pid, 0)
+                            : -1;
     ctx->program_failed = 0;
     ctx->program_stack_top = mem + 2 * page + ISO_STACK_SIZE;
 
@@ -291,6 +313,8 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
     int clone_errno = errno;
     close(err_pipe[1]);
     close(sync_pipe[0]);
+    if (ctx->parent_pidfd >= 0)
+        close(ctx->parent_pidfd); /* the child has its own copy (no CLONE_FILES) */
 
     if (pid < 0) {
         pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -228,11 +228,12 @@ class NativeSandbox:
         try:
             with _suppress_missing():
                 os.unlink(self.paths.socket)
-            old = os.umask(0o177)
-            try:
-                sock.bind(self.paths.socket)
-            finally:
-                os.umask(old)
+            # Not os.umask(): the umask is the process's, and a sandbox another thread forks meanwhile
+            # would make its directories with it (create_many starts many at once). The runtime
+            # directory is the caller's alone (0700), so the socket's mode before the chmod lets no
+            # one else in.
+            sock.bind(self.paths.socket)
+            os.chmod(self.paths.socket, 0o600)
             sock.listen(64)
         except OSError as exc:
             sock.close()

@@ -17,6 +17,7 @@ from .model.errors import (
     CommandNotFoundError,
     IsolationError,
     PolicyError,
+    SandboxLostError,
     SetupError,
     UnsupportedError,
 )
@@ -27,6 +28,7 @@ from .model.workspace import Workspace
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
     from .agents import wrap
     from .backends.native.popen import Popen
+    from .kept.pool import SandboxPool
     from .kept.sandbox import AsyncSandbox, Sandbox
     from .oneshot.runs import CompletedProcess, run
 
@@ -54,6 +56,8 @@ __all__ = [
     "Popen",
     "Report",
     "Sandbox",
+    "SandboxLostError",
+    "SandboxPool",
     "SetupError",
     "UnsupportedError",
     "Workspace",
@@ -73,6 +77,10 @@ def __getattr__(name: str) -> object:
         from .kept import sandbox
 
         return getattr(sandbox, name)
+    if name == "SandboxPool":
+        from .kept.pool import SandboxPool
+
+        return SandboxPool
     if name == "wrap":
         from .agents import wrap
 

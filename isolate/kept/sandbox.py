@@ -95,6 +95,8 @@ class Sandbox:
         self._shells: dict[str, Shell] = {}
         self._interpreters: dict[str, Interpreter] = {}
         self._started = False
+        #: Called once the sandbox has ended (a pool's release; see ``isolate.kept.pool``).
+        self._on_close: Callable[[Sandbox], None] | None = None
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -128,7 +130,7 @@ class Sandbox:
         box = cls.__new__(cls)
         box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
-        box._interpreters = {}
+        box._interpreters, box._on_close = {}, None
         return box
 
     def _close_sessions(self) -> None:
@@ -146,9 +148,21 @@ class Sandbox:
 
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
-        self._close_sessions()
-        self._impl.close()
-        self._started = False
+        try:
+            self._close_sessions()
+            self._impl.close()
+        finally:
+            self._started = False
+            hook, self._on_close = self._on_close, None
+            if hook is not None:
+                hook(self)
+
+    @classmethod
+    def create_many(cls, n: int, policy: Policy | None = None, **kwargs: Any) -> list[Sandbox]:
+        """n started sandboxes of the same arguments, started side by side (all, or none and the error)."""
+        from .pool import create_many
+
+        return create_many(n, policy, **kwargs)
 
     def pause(self) -> str:
         """Stop every process of the sandbox; returns the mechanism ("cgroup-freezer" or "sigstop")."""
@@ -322,46 +336,11 @@ class Sandbox:
         descriptor without following links: a link is skipped, and a name a
         program swaps for a link meanwhile is skipped too, never followed.
         """
-        src = os.fspath(host_src)
-        self._upload(os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), src, dst)
-
-    def _upload(self, fd: int, label: str, dst: str) -> None:
-        import errno
-        import stat as stat_mod
-
-        try:
-            info = os.fstat(fd)
-            if stat_mod.S_ISDIR(info.st_mode):
-                self.mkdir(dst)
-                for name in sorted(os.listdir(fd)):
-                    try:
-                        child = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                    except OSError as exc:
-                        if exc.errno == errno.ELOOP:
-                            continue  # a link: not copied
-                        raise OSError(exc.errno, exc.strerror, os.path.join(label, name)) from None
-                    self._upload(child, os.path.join(label, name), os.path.join(dst, name))
-                return
-            if not stat_mod.S_ISREG(info.st_mode):
-                raise OSError(errno.EINVAL, "not a regular file or directory", label)
-            os.set_blocking(fd, True)
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            self.write_file(dst, b"".join(chunks), mode=stat_mod.S_IMODE(info.st_mode) & 0o777)
-        finally:
-            os.close(fd)
+        upload_tree(self, host_src, dst)
 
     def download(self, src: str, host_dst: str | os.PathLike[str]) -> None:
         """Copy a file of the sandbox to the host, never through a link or onto a FIFO at host_dst."""
-        from ..model.report import ReportTarget
-
-        data = native_files.read_bytes(self._conn(), src)
-        target = ReportTarget(os.fspath(host_dst), label="download")
-        try:
-            target.write_bytes(data)
-        finally:
-            target.close()
+        save_download(native_files.read_bytes(self._conn(), src), host_dst)
 
     # -- the workspace against its source --------------------------------------------
 
@@ -402,19 +381,69 @@ class Sandbox:
         target = target_dir if target_dir is not None else self.workspace.source
         if target is None:
             raise IsolationError("commit: this workspace has no source; give a target directory")
-        real = check_target(os.fspath(target), [impl.workspace_host])
         ws_fd = impl.open_workspace()
         try:
-            entries = walk(ws_fd, self.workspace)
-            tgt_fd, _ = entries_of(real, self.workspace)
-            try:
-                changes = diff(ws_fd, tgt_fd, self.workspace)
-                apply(ws_fd, tgt_fd, changes, entries)
-                return changes
-            finally:
-                os.close(tgt_fd)
+            return commit_tree(ws_fd, target, self.workspace, impl.workspace_host)
         finally:
             os.close(ws_fd)
+
+
+def commit_tree(ws_fd: int, target: str | os.PathLike[str], workspace: Workspace, workspace_host: str) -> Changes:
+    """Make ``target`` match the tree at ``ws_fd`` (a copied workspace, at ``workspace_host``); what was written."""
+    real = check_target(os.fspath(target), [workspace_host])
+    entries = walk(ws_fd, workspace)
+    tgt_fd, _ = entries_of(real, workspace)
+    try:
+        changes = diff(ws_fd, tgt_fd, workspace)
+        apply(ws_fd, tgt_fd, changes, entries)
+        return changes
+    finally:
+        os.close(tgt_fd)
+
+
+def upload_tree(box: Any, host_src: str | os.PathLike[str], dst: str) -> None:
+    """``Sandbox.upload`` for any box with ``mkdir`` and ``write_file`` (a local or a remote sandbox)."""
+    src = os.fspath(host_src)
+    _upload(box, os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), src, dst)
+
+
+def _upload(box: Any, fd: int, label: str, dst: str) -> None:
+    import errno
+    import stat as stat_mod
+
+    try:
+        info = os.fstat(fd)
+        if stat_mod.S_ISDIR(info.st_mode):
+            box.mkdir(dst)
+            for name in sorted(os.listdir(fd)):
+                try:
+                    child = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        continue  # a link: not copied
+                    raise OSError(exc.errno, exc.strerror, os.path.join(label, name)) from None
+                _upload(box, child, os.path.join(label, name), os.path.join(dst, name))
+            return
+        if not stat_mod.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file or directory", label)
+        os.set_blocking(fd, True)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        box.write_file(dst, b"".join(chunks), mode=stat_mod.S_IMODE(info.st_mode) & 0o777)
+    finally:
+        os.close(fd)
+
+
+def save_download(data: bytes, host_dst: str | os.PathLike[str]) -> None:
+    """Write a downloaded file at host_dst, never through a link or onto a FIFO there."""
+    from ..model.report import ReportTarget
+
+    target = ReportTarget(os.fspath(host_dst), label="download")
+    try:
+        target.write_bytes(data)
+    finally:
+        target.close()
 
 
 class AsyncSandbox:

@@ -47,3 +47,14 @@ class CommandNotFoundError(IsolationError, FileNotFoundError):
 
 class CommandNotExecutableError(IsolationError, PermissionError):
     """The command exists but cannot be executed inside the sandbox (exit 126)."""
+
+
+class SandboxLostError(IsolationError):
+    """The sandbox is gone with the machine (or the process) that held it: a Ray node died or its actor did.
+
+    ``node_id`` names the node it ran on.
+    """
+
+    def __init__(self, message: str, node_id: str = "") -> None:
+        super().__init__(message)
+        self.node_id = node_id

@@ -1,0 +1,168 @@
+"""Many sandboxes on one machine: ``Sandbox.create_many`` and the warm ``SandboxPool``.
+
+Real sandboxes on the real kernel, as root and as uid 65534. The pool's promise
+is that no sandbox reaches a second user: the tests leave files, a background
+process and a shell behind and look for them in every later sandbox.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+from conftest import NAMESPACES_WHY, policy, python_read
+
+import isolate
+from isolate.kept.pool import PoolClosedError, PoolExhaustedError
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+
+
+def box_policy() -> isolate.Policy:
+    return policy(write=())
+
+
+def test_create_many_starts_distinct_running_sandboxes() -> None:
+    boxes = isolate.Sandbox.create_many(6, box_policy())
+    try:
+        inits = {box.processes()[0].pid for box in boxes}
+        assert len(inits) == 6
+        for i, box in enumerate(boxes):
+            box.write_file("mine", str(i))
+        assert [box.exec(["cat", "mine"]).stdout for box in boxes] == [str(i) for i in range(6)]
+    finally:
+        for box in boxes:
+            box.close()
+    assert not any(psutil.pid_exists(pid) for pid in inits)
+
+
+def test_create_many_refuses_bad_input_before_starting_any() -> None:
+    with pytest.raises(isolate.PolicyError, match="n: expected an integer"):
+        isolate.Sandbox.create_many(-1, box_policy())
+    with pytest.raises(isolate.PolicyError, match="cannot share one name"):
+        isolate.Sandbox.create_many(2, box_policy(), name="same")
+    with pytest.raises(isolate.PolicyError):
+        isolate.Sandbox.create_many(2, box_policy(), ttl=float("nan"))
+    assert isolate.Sandbox.create_many(0, box_policy()) == []
+
+
+def test_a_released_sandbox_leaves_nothing_to_the_next_user() -> None:
+    marker = f"left-{uuid.uuid4().hex[:8]}"
+    with isolate.SandboxPool(box_policy(), size=2) as pool:
+        first = pool.acquire()
+        # Everything a user could leave: files in the workspace, /tmp, /var/tmp and the home; a
+        # process that left its session; a persistent shell's variable.
+        first.exec(f"echo x > {marker}; echo x > /tmp/{marker}; echo x > /var/tmp/{marker}; "
+                   f"echo x > ~/{marker}")
+        first.exec(f"setsid sh -c 'sleep 300; :' {marker} >/dev/null 2>&1 &")
+        first.shell().run(f"export LEFT={marker}")
+        leftover = [p.pid for p in first.processes() if marker in " ".join(p.cmdline())]
+        assert leftover, "the background process did not start"
+        with first:
+            pass  # the end of its with block releases it
+        assert not any(psutil.pid_exists(pid) for pid in leftover)
+        with pytest.raises(isolate.IsolationError, match="not running"):
+            first.exec(["true"])
+        # Every sandbox the pool hands out from now on, warm or started for the call, is clean.
+        later = pool.acquire_many(3)
+        try:
+            for box in later:
+                assert box is not first
+                found = box.exec(f"ls -a . /tmp /var/tmp ~ | grep -c {marker}; echo ${{LEFT:-none}}")
+                assert found.stdout.split() == ["0", "none"], found
+                assert not [p for p in box.processes() if marker in " ".join(p.cmdline())]
+                assert box.shell().run("echo ${LEFT:-none}")[0].strip() == "none"
+        finally:
+            for box in later:
+                box.close()
+
+
+def test_acquire_past_max_size_waits_for_a_release() -> None:
+    pool = isolate.SandboxPool(box_policy(), size=1, max_size=2)
+    try:
+        a, b = pool.acquire(), pool.acquire()
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhaustedError, match="max_size"):
+            pool.acquire(timeout=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        got: list[isolate.Sandbox] = []
+        waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=60)))
+        waiter.start()
+        time.sleep(0.2)
+        assert not got  # still waiting: the pool is full
+        a.close()
+        waiter.join(60)
+        assert got and got[0].exec(["true"]).returncode == 0
+        assert pool.stats["in_use"] == 2
+        got[0].close()
+        b.close()
+    finally:
+        pool.close()
+
+
+def test_the_pool_refills_and_close_ends_its_warm_sandboxes() -> None:
+    pool = isolate.SandboxPool(box_policy(), size=2)
+    for box in pool.acquire_many(2):
+        box.close()
+    deadline = time.monotonic() + 30
+    while pool.stats["warm"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.stats == {"warm": 2, "in_use": 0, "starting": 0}
+    warm_inits = [box.processes()[0].pid for box in list(pool._warm)]
+    pool.close()
+    assert not any(psutil.pid_exists(pid) for pid in warm_inits)
+    with pytest.raises(PoolClosedError):
+        pool.acquire()
+    pool.close()  # idempotent
+
+
+def test_a_pool_refuses_bad_sizes_and_names() -> None:
+    for kwargs, match in (({"size": -1}, "size"), ({"size": 2, "max_size": 1}, "below size"),
+                          ({"size": True}, "size"), ({"size": 1, "name": "x"}, "unnamed")):
+        with pytest.raises(isolate.PolicyError, match=match):
+            isolate.SandboxPool(box_policy(), **kwargs)  # type: ignore[arg-type]
+    with isolate.SandboxPool(box_policy(), size=0, max_size=1) as pool:
+        for timeout in (-1, float("nan"), "1"):
+            with pytest.raises(isolate.PolicyError, match="timeout"):
+                pool.acquire(timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(isolate.PolicyError, match="max_size"):
+            pool.acquire_many(2)
+
+
+def test_a_caller_with_umask_077_gets_a_working_root() -> None:
+    """The root's directories take the plan's modes whatever the caller's umask (with 077, /var was
+    made 0700 and every run failed at Landlock's /var/tmp); the program still gets the caller's umask."""
+    code = ("import os, isolate; os.umask(0o077); "
+            f"r = isolate.run(['sh', '-c', 'ls -d /var/tmp && umask'], policy=isolate.Policy(read={python_read()!r}),"
+            " capture_output=True); print(r.returncode, r.stdout.decode().split())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0 ['/var/tmp', '0077']", out.stderr
+
+
+def test_a_sandbox_outlives_the_thread_that_started_it_not_its_process() -> None:
+    """create_many and the pool start sandboxes from worker threads that end: the sandbox's init watches
+    the caller's process (a pidfd), not the parent-death signal, which follows the starting thread."""
+    script = (
+        "import threading, time, isolate, sys\n"
+        f"box = isolate.Sandbox(isolate.Policy(write=(), read={python_read()!r}))\n"
+        "t = threading.Thread(target=box.start); t.start(); t.join()\n"
+        "time.sleep(0.3)\n"
+        "print(box.exec(['echo', 'alive']).stdout.strip(), box._impl.process.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    creator = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    assert creator.stdout is not None
+    said, init = creator.stdout.readline().split()
+    assert said == "alive"
+    creator.kill()
+    creator.wait()
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(int(init)) and psutil.Process(int(init)).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the sandbox outlived its creator"
+        time.sleep(0.05)

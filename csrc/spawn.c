@@ -121,8 +121,10 @@ static int program_main(void *arg)
     {
         /* The setup's descriptors are close-on-exec; they must survive
          * until exec (the error pipe reports exec itself). */
-        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd, ctx->parent_pidfd};
-        if ((step = iso_close_fds(plan, keep, 4)))
+        /* program_fd is a kept sandbox's program (the init binary again):
+         * usually the very descriptor init_fd is, but nothing promises it. */
+        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd, ctx->parent_pidfd, plan->program_fd};
+        if ((step = iso_close_fds(plan, keep, 5)))
             goto fail;
     }
     if ((step = iso_rlimits_apply(plan, &index, 1)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+import threading
 from typing import Any
 
 from .model.errors import UnsupportedError
@@ -21,19 +21,28 @@ INIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isolate-in
 __all__ = ["INIT_PATH", "ffi", "init_fd", "lib", "step_name"]
 
 
-@lru_cache(maxsize=1)
+_INIT_FD: list[int] = []
+_INIT_FD_LOCK = threading.Lock()
+
+
 def init_fd() -> int:
     """An O_PATH descriptor of the init binary, opened once per process.
 
     The sandbox execs it with execveat(fd), so it need not be visible inside
-    the sandbox's root.
+    the sandbox's root. Opened under a lock: threads that start their first
+    sandboxes together (``create_many``) must share one descriptor, not each
+    open its own (lru_cache would let them), since a plan made by one names
+    the descriptor the other's child keeps.
     """
-    try:
-        return os.open(INIT_PATH, os.O_PATH | os.O_CLOEXEC)
-    except OSError as exc:
-        raise UnsupportedError(
-            f"isolate's init binary is missing ({INIT_PATH}: {exc.strerror}); reinstall isolate"
-        ) from None
+    with _INIT_FD_LOCK:
+        if not _INIT_FD:
+            try:
+                _INIT_FD.append(os.open(INIT_PATH, os.O_PATH | os.O_CLOEXEC))
+            except OSError as exc:
+                raise UnsupportedError(
+                    f"isolate's init binary is missing ({INIT_PATH}: {exc.strerror}); reinstall isolate"
+                ) from None
+        return _INIT_FD[0]
 
 
 def step_name(step: int) -> str:

@@ -7,6 +7,7 @@ process and a shell behind and look for them in every later sandbox.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -25,6 +26,13 @@ pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "
 
 def box_policy() -> isolate.Policy:
     return policy(write=())
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return list(process.cmdline())
+    except psutil.Error:  # ended meanwhile (a command's short-lived helper)
+        return []
 
 
 def test_create_many_starts_distinct_running_sandboxes() -> None:
@@ -61,7 +69,7 @@ def test_a_released_sandbox_leaves_nothing_to_the_next_user() -> None:
                    f"echo x > ~/{marker}")
         first.exec(f"setsid sh -c 'sleep 300; :' {marker} >/dev/null 2>&1 &")
         first.shell().run(f"export LEFT={marker}")
-        leftover = [p.pid for p in first.processes() if marker in " ".join(p.cmdline())]
+        leftover = [p.pid for p in first.processes() if marker in " ".join(_cmdline(p))]
         assert leftover, "the background process did not start"
         with first:
             pass  # the end of its with block releases it
@@ -75,7 +83,7 @@ def test_a_released_sandbox_leaves_nothing_to_the_next_user() -> None:
                 assert box is not first
                 found = box.exec(f"ls -a . /tmp /var/tmp ~ | grep -c {marker}; echo ${{LEFT:-none}}")
                 assert found.stdout.split() == ["0", "none"], found
-                assert not [p for p in box.processes() if marker in " ".join(p.cmdline())]
+                assert not [p for p in box.processes() if marker in " ".join(_cmdline(p))]
                 assert box.shell().run("echo ${LEFT:-none}")[0].strip() == "none"
         finally:
             for box in later:
@@ -166,3 +174,20 @@ def test_a_sandbox_outlives_the_thread_that_started_it_not_its_process() -> None
     while psutil.pid_exists(int(init)) and psutil.Process(int(init)).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the sandbox outlived its creator"
         time.sleep(0.05)
+
+
+def test_a_sandbox_starts_when_its_program_descriptor_is_not_the_cached_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads that started a process's first sandboxes together could each open the init binary (the cache
+    was not locked); a child kept only the descriptor its static plan named and its exec server failed with
+    "cannot execute: Bad file descriptor". The child now keeps the program's own descriptor too: here the
+    sandbox's program descriptor is made a second one, as the race made it."""
+    from isolate._core import INIT_PATH
+    from isolate.backends.native import kept
+
+    second = os.open(INIT_PATH, os.O_PATH | os.O_CLOEXEC)
+    monkeypatch.setattr(kept, "init_fd", lambda: second)
+    try:
+        with isolate.Sandbox(box_policy()) as box:
+            assert box.exec(["echo", "up"]).stdout == "up\n"
+    finally:
+        os.close(second)

@@ -23,13 +23,13 @@ LAYERS = (
     ("isolate.backends", 2),
     ("isolate.oneshot", 3), ("isolate.kept", 3),
     ("isolate.cli.flags", 4),
-    ("isolate.agents", 5), ("isolate.integrations", 5),
+    ("isolate.agents", 5), ("isolate.integrations", 5), ("isolate.ray", 5),
     ("isolate.server", 6),
     ("isolate.cli", 7),
 )
 #: Packages of one layer that stay apart (neither imports the other).
 APART = ({"isolate.kernel", "isolate.egress"}, {"isolate.oneshot", "isolate.kept"},
-         {"isolate.agents", "isolate.integrations"})
+         {"isolate.agents", "isolate.integrations", "isolate.ray"})
 
 
 def _modules() -> dict[str, str]:

@@ -59,6 +59,9 @@ def open_state_dir(*parts: str) -> int:
     try:
         fd = open_directory(base, create=True)  # descriptor by descriptor: no swap on the way is followed
     except PolicyError:
+        if os.path.lexists(base) and not os.path.islink(base) and not os.path.isdir(base):
+            raise IsolationError(f"state directory {base} is not a directory; remove it, or set ISOLATE_STATE_DIR "
+                                 "to a directory") from None
         raise IsolationError(f"state directory {base}: the way to it goes through a link, which isolate does not "
                              "follow there (only root's links directly under / are: a program could have planted "
                              f"it); set ISOLATE_STATE_DIR to its real path, {os.path.realpath(base)}") from None

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 
-from ...kernel.places import runtime_dir
+from ...kernel.places import open_state_dir, runtime_dir
 from ...model.errors import IsolationError
 from ...model.policy import Policy
 from ...model.workspace import Workspace
 from ..registry import Registry
-from .kept import NativeSandbox, Paths
+from .kept import NativeSandbox, Paths, _remove_at, _remove_files
 
 
 def native_names(unnamed: bool = False) -> list[str]:
@@ -87,8 +88,55 @@ def prune_native() -> list[tuple[str, str]]:
         if _native_state(name)[0] == "ended":
             remove_native(name)
             done.append((name, "ended"))
+    done += [(name, "creator gone") for name in sweep_unnamed()]
     for rec in Registry().all("native"):
         if rec.name not in native_names() and not os.path.exists(os.path.join(runtime_dir(), f"{rec.name}.sock")):
             Registry().forget("native", rec.name)
             done.append((rec.name, "gone"))
     return done
+
+
+def _creator_gone(name: str) -> bool:
+    """Whether the process that made the unnamed sandbox ``name`` (anon-PID-...) no longer runs."""
+    try:
+        pid = int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # someone's: running
+    return False
+
+
+def sweep_unnamed() -> list[str]:
+    """Remove what unnamed sandboxes left when their creator was killed (no close() ran): the socket, the
+    description and the data directory. Only where the creator's pid no longer runs and no one holds the
+    socket (a creator in another PID namespace may look gone by its pid; its sandbox still listens).
+    The data directory is removed through the state directory's descriptor, as the one found there, never
+    through a link."""
+    try:
+        data_fd = open_state_dir("sandboxes")
+    except (OSError, IsolationError):
+        return []
+    swept = []
+    try:
+        names = {n for n in os.listdir(data_fd) if n.startswith("anon-")}
+        names |= {n for n in native_names(unnamed=True) if n.startswith("anon-")}
+        for name in sorted(names):
+            paths = Paths.of(name)
+            if not _creator_gone(name) or _listening(paths.socket):
+                continue
+            _remove_files(paths, None)
+            try:
+                info = os.stat(name, dir_fd=data_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                info = None
+            if info is not None and stat.S_ISDIR(info.st_mode):
+                _remove_at(data_fd, name, (info.st_dev, info.st_ino))
+            swept.append(name)
+    finally:
+        os.close(data_fd)
+    return swept

@@ -1,0 +1,31 @@
+"""isolate on a Ray cluster: the same sandboxes, placed on the cluster's nodes (extra ``isolate[ray]``).
+
+    import isolate.ray
+    sb = isolate.ray.Sandbox(policy).start()       # every isolate.Sandbox method, remotely
+    sb.node_id
+    pool = isolate.ray.SandboxPool(policy, size=64)
+    boxes = isolate.ray.Sandbox.create_many(500, policy)
+
+``host`` (the actor each node runs for this client: its sandboxes and warm
+pools, native isolate sandboxes confined exactly as locally), ``placement``
+(which node: eligibility, spread, refusals with every node's reason, a lost
+node as ``isolate.SandboxLostError``), ``sandbox`` (the caller's side of one
+sandbox) and ``pool`` (warm pools spread over the nodes).
+
+Connects to the cluster Ray is told of (``ray.init`` before, or
+``RAY_ADDRESS``). May import: the kept sandbox and everything it does.
+"""
+
+from __future__ import annotations
+
+from .placement import Hosts
+from .pool import SandboxPool
+from .sandbox import RemoteProcess, Sandbox
+
+__all__ = ["RemoteProcess", "Sandbox", "SandboxPool", "shutdown"]
+
+
+def shutdown() -> None:
+    """End every sandbox and pool this client holds on the cluster, and its host actors."""
+    if Hosts._instance is not None:
+        Hosts._instance.shutdown()

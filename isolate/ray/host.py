@@ -1,0 +1,297 @@
+"""The node side: one ``SandboxHost`` actor per node (per client) holds that node's sandboxes.
+
+Each sandbox is a native ``isolate.Sandbox`` started by the actor's process on
+its node, confined exactly as a local one (the node enforces or refuses: a
+policy it cannot enforce fails there, with the node's reason). The actor is
+their creator: each sandbox's init watches the actor's process, so when the
+actor dies (its node removed, the client gone and Ray ending the actors it
+owned) every sandbox of the node ends with it.
+
+The methods take and return plain data; an exception is returned as a value
+(``Failure``) and raised again on the caller's side as itself, not wrapped in
+Ray's task error. Large file contents travel through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ..backends.native.named import sweep_unnamed
+from ..kept.pool import SandboxPool
+from ..kept.sandbox import Sandbox, SandboxProcess
+from ..kernel.places import state_path
+from ..model.errors import IsolationError, PolicyError
+from ..model.policy import Policy
+from ..model.workspace import Workspace
+from .transfer import pack_tree, unpack_tree
+
+#: File contents past this size go through the object store as their own object.
+LARGE = 1 << 20
+
+#: The Sandbox methods a caller may run by name (anything else is refused).
+CALLS = frozenset({
+    "exec", "read_file", "write_file", "replace_text", "list_dir", "stat", "exists", "mkdir", "remove", "move",
+    "glob", "grep", "diff", "commit", "pause", "resume", "processes_summary", "enforced_report", "state",
+})
+SESSION_CALLS = {"shell": frozenset({"run", "close", "alive"}),
+                 "python": frozenset({"run", "close", "alive", "interrupt"})}
+PROCESS_CALLS = frozenset({"write", "close_stdin", "signal", "kill", "poll", "wait", "returncode", "report"})
+
+
+@dataclass
+class Failure:
+    """An exception raised on the node, returned as a value."""
+
+    error: BaseException
+
+
+def _attempt(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as exc:  # every failure goes back to the caller, as itself
+        return Failure(exc)
+
+
+class SandboxHost:
+    """The actor of one node (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._lock = threading.Lock()
+        self._boxes: dict[str, Sandbox] = {}
+        self._sources: dict[str, str] = {}
+        self._processes: dict[str, SandboxProcess] = {}
+        self._pools: dict[str, SandboxPool] = {}
+        # What an earlier host on this machine left when it was killed with its node (no close() ran).
+        sweep_unnamed()
+
+    # -- sandboxes ---------------------------------------------------------------------
+
+    def node(self) -> str:
+        return str(self.node_id)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._boxes)
+
+    def _workspace(self, sid: str, workspace: Workspace | str | None, source: bytes | None) -> Workspace | None:
+        if isinstance(workspace, str):
+            return Workspace(workspace)  # a path on this node
+        if source is None or workspace is None:
+            return workspace
+        where = tempfile.mkdtemp(prefix=f"source-{sid}-", dir=state_path("ray-sources"))
+        os.chmod(where, 0o755)  # a root caller's program (another uid) reads a copied workspace's source
+        self._sources[sid] = where
+        unpack_tree(source, where)
+        return Workspace(where, target=workspace.target, mode=workspace.mode, exclude=workspace.exclude)
+
+    def create(self, sid: str, policy: Policy, kwargs: dict[str, Any], workspace: Workspace | str | None,
+               source: bytes | None) -> Any:
+        """Start a sandbox here: its id, or the node's reason it cannot (as a Failure)."""
+        def start() -> dict[str, Any]:
+            try:
+                box = Sandbox(policy, workspace=self._workspace(sid, workspace, source), **kwargs).start()
+            except BaseException:
+                self._drop_source(sid)
+                raise
+            with self._lock:
+                self._boxes[sid] = box
+            return {"node_id": self.node_id, "enforced": box.enforced}
+        return _attempt(start)
+
+    def create_many(self, sids: list[str], policy: Policy, kwargs: dict[str, Any]) -> Any:
+        """Start len(sids) sandboxes here side by side (no workspace source: each starts empty or from a node
+        path)."""
+        def start() -> dict[str, Any]:
+            boxes = Sandbox.create_many(len(sids), policy, **kwargs)
+            with self._lock:
+                self._boxes.update(zip(sids, boxes, strict=True))
+            return {"node_id": self.node_id}
+        return _attempt(start)
+
+    def _box(self, sid: str) -> Sandbox:
+        with self._lock:
+            box = self._boxes.get(sid)
+        if box is None:
+            raise IsolationError(f"sandbox {sid}: not on node {self.node_id} (closed, or never started here)")
+        return box
+
+    def call(self, sid: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if method not in CALLS:
+            return Failure(PolicyError(f"{method}: not a Sandbox method this host runs", "method"))
+
+        def run() -> Any:
+            box = self._box(sid)
+            # Large contents come as refs to the object store (write_file's data, exec's input).
+            resolved = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+            named = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
+            if method == "processes_summary":
+                return [{"pid": p.pid, "name": p.name(), "cmdline": p.cmdline()} for p in box.processes()]
+            if method == "enforced_report":
+                return box.enforced
+            if method == "state":
+                return box._impl.state()
+            result = getattr(box, method)(*resolved, **named)
+            if method == "read_file" and isinstance(result, (bytes, str)) and len(result) > LARGE:
+                return ray.put(result)  # the caller fetches it from the object store
+            return result
+        return _attempt(run)
+
+    def commit_out(self, sid: str) -> Any:
+        """The workspace as a tar, for a commit on the caller's machine: commit() into an empty directory
+        here (links out of the tree, devices and set-id bits refused as always), then packed."""
+        def run() -> Any:
+            box = self._box(sid)
+            where = tempfile.mkdtemp(prefix=f"commit-{sid}-", dir=state_path("ray-sources"))
+            try:
+                refused = box.commit(where).refused
+                data = pack_tree(where)
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+            return {"tar": ray.put(data) if len(data) > LARGE else data, "refused": refused}
+        return _attempt(run)
+
+    def close(self, sid: str) -> None:
+        with self._lock:
+            box = self._boxes.pop(sid, None)
+            doomed = [key for key in self._processes if key.startswith(sid + "/")]
+            processes = [self._processes.pop(key) for key in doomed]
+        for process in processes:
+            process.close()
+        if box is not None:
+            box.close()
+        self._drop_source(sid)
+
+    def _drop_source(self, sid: str) -> None:
+        where = self._sources.pop(sid, None)
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
+
+    # -- shells and interpreters ----------------------------------------------------------
+
+    def session(self, sid: str, kind: str, name: str, method: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        if method not in SESSION_CALLS.get(kind, ()):
+            return Failure(PolicyError(f"{kind}.{method}: not a session method this host runs", "method"))
+
+        def run() -> Any:
+            box = self._box(sid)
+            session: Any = box.shell(name, **kwargs.pop("open", {})) if kind == "shell" else \
+                box.python(name, **kwargs.pop("open", {}))
+            attribute = getattr(session, method)
+            return attribute(*args, **kwargs) if callable(attribute) else attribute
+        return _attempt(run)
+
+    # -- spawned commands -----------------------------------------------------------------
+
+    def spawn(self, sid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def run() -> dict[str, Any]:
+            process = self._box(sid).spawn(*args, **kwargs)
+            key = f"{sid}/{uuid.uuid4().hex}"
+            with self._lock:
+                self._processes[key] = process
+            return {"key": key, "pid": process.pid, "args": process.args}
+        return _attempt(run)
+
+    def _process(self, key: str) -> SandboxProcess:
+        with self._lock:
+            process = self._processes.get(key)
+        if process is None:
+            raise IsolationError("the process was closed")
+        return process
+
+    def read(self, key: str, stream: str, size: int, timeout: float) -> Any:
+        """Up to ``size`` bytes of the process's stdout or stderr: b"" at its end, None if nothing came within
+        ``timeout`` seconds (the caller asks again)."""
+        def run() -> bytes | None:
+            process = self._process(key)
+            fd = process.stdout_fd if stream == "stdout" else process.stderr_fd
+            if fd < 0:
+                return b""
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            try:
+                return os.read(fd, size)
+            except OSError:  # EIO: a terminal's last user is gone
+                return b""
+        return _attempt(run)
+
+    def process(self, key: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if method not in PROCESS_CALLS:
+            return Failure(PolicyError(f"{method}: not a process method this host runs", "method"))
+
+        def run() -> Any:
+            attribute = getattr(self._process(key), method)
+            return attribute(*args, **kwargs) if callable(attribute) else attribute
+        return _attempt(run)
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            process = self._processes.pop(key, None)
+        if process is not None:
+            process.close()
+
+    # -- this node's warm pools -------------------------------------------------------------
+
+    def pool_open(self, pool_id: str, policy: Policy, size: int, kwargs: dict[str, Any],
+                  workspace: Workspace | str | None, source: bytes | None) -> Any:
+        def run() -> dict[str, Any]:
+            try:
+                pool = SandboxPool(policy, size=size, workspace=self._workspace(pool_id, workspace, source),
+                                   **kwargs)
+            except BaseException:
+                self._drop_source(pool_id)
+                raise
+            with self._lock:
+                self._pools[pool_id] = pool
+            return {"node_id": self.node_id}
+        return _attempt(run)
+
+    def pool_acquire(self, pool_id: str, sid: str, timeout: float | None) -> Any:
+        def run() -> dict[str, Any]:
+            with self._lock:
+                pool = self._pools.get(pool_id)
+            if pool is None:
+                raise IsolationError(f"pool {pool_id}: not on node {self.node_id}")
+            box = pool.acquire(timeout)
+            with self._lock:
+                self._boxes[sid] = box
+            return {"node_id": self.node_id}
+        return _attempt(run)
+
+    def pool_stats(self, pool_id: str) -> dict[str, int]:
+        with self._lock:
+            pool = self._pools.get(pool_id)
+        return pool.stats if pool is not None else {"warm": 0, "in_use": 0, "starting": 0}
+
+    def pool_close(self, pool_id: str) -> None:
+        with self._lock:
+            pool = self._pools.pop(pool_id, None)
+        if pool is not None:
+            pool.close()
+        self._drop_source(pool_id)
+
+    def pool_resize(self, pool_id: str, size: int) -> Any:
+        with self._lock:
+            pool = self._pools.get(pool_id)
+        return _attempt(lambda: pool.resize(size)) if pool is not None else None
+
+    def shutdown(self) -> None:
+        """End every sandbox and pool of this host (the client's last word before it lets the actor go)."""
+        with self._lock:
+            sids, pools = list(self._boxes), list(self._pools)
+        for sid in sids:
+            self.close(sid)
+        for pool_id in pools:
+            self.pool_close(pool_id)

@@ -1,0 +1,158 @@
+"""Where sandboxes go: this client's ``SandboxHost`` actors, one per node, and the choice of a node.
+
+The client starts a host actor on a node the first time it places a sandbox
+there (pinned to that node, no CPU reserved: a sandbox's limits are the
+node's business, not Ray's). The actors belong to this client: when it
+exits, Ray ends them and every sandbox they hold.
+
+A node is eligible when it is alive and has what was asked (``node_id``,
+custom ``resources``, ``labels``); among the eligible, the one holding the
+fewest of this client's sandboxes comes first (spread). A node that refuses
+(it cannot enforce the policy, or cannot start sandboxes at all) is skipped
+with its reason; when every node refused, the error names each.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
+from .host import Failure, SandboxHost
+
+#: Concurrent calls one host actor serves (each exec waits in a thread of the actor).
+HOST_CONCURRENCY = 512
+
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.NodeDiedError)
+
+
+class Placement:
+    """Where a sandbox may run (see the module's docstring)."""
+
+    def __init__(self, node_id: str | None = None, resources: Mapping[str, float] | None = None,
+                 labels: Mapping[str, str] | None = None) -> None:
+        if node_id is not None and (not isinstance(node_id, str) or not node_id):
+            raise PolicyError(f"node_id: expected a node id (ray.nodes()), got {node_id!r}", "node_id")
+        for name, amount in dict(resources or {}).items():
+            if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
+                    or not amount >= 0:
+                raise PolicyError(f"resources: {name!r}: expected an amount of 0 or more, got {amount!r}",
+                                  "resources")
+        self.node_id = node_id
+        self.resources = dict(resources or {})
+        self.labels = {str(k): str(v) for k, v in dict(labels or {}).items()}
+
+    def admits(self, node: dict[str, Any]) -> bool:
+        if not node.get("Alive"):
+            return False
+        if self.node_id is not None and node["NodeID"] != self.node_id:
+            return False
+        have = node.get("Resources", {})
+        if any(have.get(name, 0) < amount for name, amount in self.resources.items()):
+            return False
+        labels = node.get("Labels", {})
+        return all(labels.get(key) == value for key, value in self.labels.items())
+
+
+class Hosts:
+    """This client's host actors, by node id, and how many sandboxes each holds for it."""
+
+    _instance: Hosts | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._actors: dict[str, Any] = {}
+        self.placed: dict[str, int] = {}
+
+    @classmethod
+    def get(cls) -> Hosts:
+        with cls._instance_lock:
+            if cls._instance is None:
+                if not ray.is_initialized():
+                    ray.init()  # the cluster at RAY_ADDRESS, or a local one, as Ray does everywhere
+                cls._instance = cls()
+            return cls._instance
+
+    def actor(self, node_id: str) -> Any:
+        with self._lock:
+            actor = self._actors.get(node_id)
+            if actor is None:
+                remote = ray.remote(SandboxHost)
+                actor = remote.options(
+                    num_cpus=0, max_concurrency=HOST_CONCURRENCY, max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+                self._actors[node_id] = actor
+            return actor
+
+    def forget(self, node_id: str) -> None:
+        with self._lock:
+            self._actors.pop(node_id, None)
+            self.placed.pop(node_id, None)
+
+    def count(self, node_id: str, delta: int) -> None:
+        with self._lock:
+            self.placed[node_id] = max(0, self.placed.get(node_id, 0) + delta)
+
+    def candidates(self, placement: Placement) -> list[str]:
+        """The eligible alive nodes, the least used by this client first."""
+        nodes = [node for node in ray.nodes() if placement.admits(node)]
+        if not nodes:
+            wanted = placement.node_id or ", ".join(f"{k}={v}" for k, v in
+                                                    {**placement.resources, **placement.labels}.items())
+            raise UnsupportedError(f"no alive node of the Ray cluster matches the placement ({wanted or 'any'})")
+        with self._lock:
+            return [node["NodeID"] for node in sorted(nodes, key=lambda n: self.placed.get(n["NodeID"], 0))]
+
+    def shutdown(self) -> None:
+        with self._lock:
+            actors, self._actors = list(self._actors.values()), {}
+            self.placed.clear()
+        refs = [actor.shutdown.remote() for actor in actors]
+        try:
+            ray.get(refs, timeout=30)
+        except Exception:  # a host already gone has ended its sandboxes with it
+            pass
+        for actor in actors:
+            ray.kill(actor)
+
+
+def outcome(ref: Any, node_id: str, what: str) -> Any:
+    """The result of a host call: raises the node's exception as itself, a lost node as SandboxLostError."""
+    try:
+        value = ray.get(ref)
+    except _LOST as exc:
+        raise SandboxLostError(f"{what}: node {node_id} is gone ({type(exc).__name__}); its sandboxes ended "
+                               "with it", node_id) from None
+    if isinstance(value, Failure):
+        raise value.error
+    if isinstance(value, ray.ObjectRef):
+        return outcome(value, node_id, what)
+    return value
+
+
+def place(placement: Placement, attempt: Callable[[Any], Any], what: str, hosts: Hosts | None = None) -> Any:
+    """Run ``attempt(actor)`` (a host call's ref) on the eligible nodes in turn until one accepts.
+
+    Returns (node_id, result). Bad input (PolicyError) fails at once; a refusal or a lost node moves on;
+    when every node refused, the error names each node's reason.
+    """
+    hosts = hosts or Hosts.get()
+    reasons: list[tuple[str, BaseException]] = []
+    for node_id in hosts.candidates(placement):
+        try:
+            return node_id, outcome(attempt(hosts.actor(node_id)), node_id, what)
+        except PolicyError:
+            raise
+        except SandboxLostError as exc:
+            hosts.forget(node_id)
+            reasons.append((node_id, exc))
+        except IsolationError as exc:
+            reasons.append((node_id, exc))
+    every = "; ".join(f"node {node_id}: {exc}" for node_id, exc in reasons)
+    kind = UnsupportedError if all(isinstance(e, UnsupportedError) for _, e in reasons) else IsolationError
+    raise kind(f"{what}: no node of the Ray cluster would host it: {every}")

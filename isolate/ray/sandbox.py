@@ -1,0 +1,435 @@
+"""``isolate.ray.Sandbox``: an ``isolate.Sandbox`` on a node of a Ray cluster, with the same methods.
+
+    sb = isolate.ray.Sandbox(policy, workspace=isolate.Workspace("./repo")).start()
+    sb.node_id                        # where it runs
+    sb.exec(["pytest", "-q"])         # the same ExecResult as locally
+    sb.commit()                       # back into ./repo, on this machine
+
+What differs from a local sandbox, and why:
+
+- the workspace's source is read on the caller's machine and shipped to the
+  node (``workspace_on="node"``: it is a path on the node, shared storage);
+  ``commit()`` writes to the caller's machine (``on_node=True``: on the node);
+- ``processes()`` returns dicts (pid, name, cmdline) of the node's processes,
+  not psutil objects of this machine's;
+- a sandbox is never named: it belongs to this client, and ends with it;
+- a call on a sandbox whose node died raises ``isolate.SandboxLostError``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from ..kept.sandbox import commit_tree, save_download, upload_tree
+from ..kernel.tree import Changes
+from ..model.errors import IsolationError, PolicyError, SandboxLostError
+from ..model.policy import Mount, Policy
+from ..model.workspace import Workspace
+from .host import LARGE
+from .placement import Hosts, Placement, outcome, place
+from .transfer import pack_tree, unpack_tree
+
+__all__ = ["RemoteProcess", "Sandbox"]
+
+#: How long one read waits on the node before the caller asks again.
+READ_SLICE = 1.0
+
+
+def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
+    if kwargs.get("name") is not None:
+        raise PolicyError("name: a sandbox on a Ray cluster is unnamed (it belongs to its client and ends with it)",
+                          "name")
+    unknown = set(kwargs) - {"mounts", "backend", "ttl", "idle_timeout", "name"}
+    if unknown:
+        raise TypeError(f"Sandbox() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+
+
+def _workspace(workspace: Workspace | str | None, workspace_on: str) -> tuple[Workspace | str | None, bytes | None]:
+    """The workspace as the node gets it: a Workspace, and the source's tar when it is read here."""
+    if workspace_on not in ("caller", "node"):
+        raise PolicyError(f"workspace_on: {workspace_on!r} is not caller or node", "workspace_on")
+    if workspace is None:
+        return None, None
+    if workspace_on == "node":
+        if isinstance(workspace, os.PathLike):
+            workspace = os.fspath(workspace)
+        if not isinstance(workspace, (str, Workspace)):
+            raise TypeError("workspace must be an isolate.Workspace or a path")
+        return workspace, None  # a path on the node: checked there
+    if isinstance(workspace, (str, os.PathLike)):
+        workspace = Workspace(os.fspath(workspace))
+    if workspace.source is None:
+        return workspace, None
+    if workspace.mode == "bind":
+        raise PolicyError("workspace: mode bind shows the source itself, which is on this machine, not on the node; "
+                          "use copy or overlay, or workspace_on='node' for a path on the node", "workspace")
+    return workspace, pack_tree(workspace.source, workspace.excluded)
+
+
+class Sandbox:
+    """A sandbox on a node of the Ray cluster (see the module's docstring).
+
+    The arguments are ``isolate.Sandbox``'s, plus where it may run:
+    ``node_id`` (that node only), ``resources`` (custom resources the node
+    must have, e.g. ``{"sandbox": 1}``), ``labels`` (node labels it must
+    carry), and ``workspace_on``.
+    """
+
+    def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
+                 mounts: Sequence[Mount] = (), node_id: str | None = None,
+                 resources: Mapping[str, float] | None = None, labels: Mapping[str, str] | None = None,
+                 workspace_on: str = "caller", **kwargs: Any) -> None:
+        _check_kwargs(kwargs)
+        self.policy = policy if policy is not None else Policy()
+        if not isinstance(self.policy, Policy):
+            raise TypeError("policy must be an isolate.Policy")
+        self.workspace, self._source = _workspace(workspace, workspace_on)
+        self._caller_source = self.workspace.source if isinstance(self.workspace, Workspace) and self._source \
+            else None
+        self.placement = Placement(node_id, resources, labels)
+        self._kwargs = {"mounts": tuple(mounts), **kwargs}
+        self.id = uuid.uuid4().hex[:16]
+        self.node_id: str | None = None
+        self._actor: Any = None
+        self._hosts: Hosts | None = None
+        self._lost: SandboxLostError | None = None
+        self._on_close: Any = None
+        self.enforced: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"isolate.ray.Sandbox(id={self.id!r}, node_id={self.node_id!r})"
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> Sandbox:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> Sandbox:
+        if self._actor is not None:
+            return self
+        hosts = Hosts.get()
+        source = ray.put(self._source) if self._source is not None and len(self._source) > LARGE else self._source
+        node_id, info = place(self.placement, lambda actor: actor.create.remote(
+            self.id, self.policy, dict(self._kwargs), self.workspace, source), f"sandbox {self.id}", hosts)
+        self._bind(hosts, node_id, info)
+        return self
+
+    def _bind(self, hosts: Hosts, node_id: str, info: Mapping[str, Any]) -> None:
+        self._hosts, self.node_id, self._actor = hosts, node_id, hosts.actor(node_id)
+        self.enforced = dict(info.get("enforced", {}))
+        hosts.count(node_id, 1)
+
+    @classmethod
+    def create_many(cls, n: int, policy: Policy | None = None, *, node_id: str | None = None,
+                    resources: Mapping[str, float] | None = None, labels: Mapping[str, str] | None = None,
+                    **kwargs: Any) -> list[Sandbox]:
+        """n started sandboxes spread over the eligible nodes, each node starting its share side by side.
+
+        A node that refuses (or is lost) has its share started on the others; when none is left, those started
+        are ended and the error names every node's reason.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise PolicyError(f"n: expected an integer of at least 0, got {n!r}", "n")
+        _check_kwargs(kwargs)
+        boxes = [cls(policy, node_id=node_id, resources=resources, labels=labels, **kwargs) for _ in range(n)]
+        if not boxes:
+            return []
+        hosts = Hosts.get()
+        waiting, nodes = list(boxes), hosts.candidates(boxes[0].placement)
+        reasons: list[str] = []
+        try:
+            while waiting:
+                if not nodes:
+                    raise IsolationError(f"{len(waiting)} sandboxes: no node of the Ray cluster would host them: "
+                                         + "; ".join(reasons))
+                shares = [waiting[i::len(nodes)] for i in range(len(nodes))]
+                calls = [(node, share, hosts.actor(node).create_many.remote(
+                    [b.id for b in share], boxes[0].policy, dict(boxes[0]._kwargs)))
+                    for node, share in zip(nodes, shares, strict=True) if share]
+                waiting = []
+                for node, share, ref in calls:
+                    try:
+                        info = outcome(ref, node, f"{len(share)} sandboxes")
+                    except PolicyError:
+                        raise
+                    except IsolationError as exc:  # refused or lost: its share goes to the other nodes
+                        reasons.append(f"node {node}: {exc}")
+                        nodes.remove(node)
+                        waiting.extend(share)
+                        continue
+                    for box in share:
+                        box._bind(hosts, node, info)
+        except BaseException:
+            for box in boxes:
+                box.close()
+            raise
+        return boxes
+
+    def close(self) -> None:
+        """End the sandbox on its node. Idempotent; a lost sandbox closes quietly."""
+        actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        assert self._hosts is not None and self.node_id is not None
+        self._hosts.count(self.node_id, -1)
+        try:
+            if self._lost is None:
+                outcome(actor.close.remote(self.id), self.node_id, f"sandbox {self.id}")
+        except SandboxLostError:
+            pass
+        finally:
+            hook, self._on_close = self._on_close, None
+            if hook is not None:
+                hook(self)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._host_call("call", self.id, method, args, kwargs)
+
+    def _host_call(self, name: str, *args: Any) -> Any:
+        if self._lost is not None:
+            raise self._lost
+        if self._actor is None:
+            raise IsolationError(f"sandbox {self.id}: not running; start() it first")
+        assert self.node_id is not None
+        try:
+            return outcome(getattr(self._actor, name).remote(*args), self.node_id, f"sandbox {self.id}")
+        except SandboxLostError as exc:
+            self._lost = exc
+            if self._hosts is not None:
+                self._hosts.forget(self.node_id)
+            raise
+
+    # -- what isolate.Sandbox does ------------------------------------------------------------
+
+    def exec(self, cmd: str | Sequence[str], **kwargs: Any) -> Any:
+        """``isolate.Sandbox.exec``, on the node: the same arguments, the same ExecResult."""
+        if isinstance(kwargs.get("input"), (bytes, str)) and len(kwargs["input"]) > LARGE:
+            kwargs["input"] = ray.put(kwargs["input"])
+        return self._call("exec", cmd if isinstance(cmd, str) else [os.fsdecode(a) for a in cmd], **kwargs)
+
+    def spawn(self, cmd: str | Sequence[str], **kwargs: Any) -> RemoteProcess:
+        """``isolate.Sandbox.spawn``: stream its output (``for line in proc``, ``proc.stdout.read()``)."""
+        if kwargs.get("fd3") is not None:
+            raise PolicyError("fd3: a descriptor of this machine cannot reach a sandbox on another node", "fd3")
+        info = self._host_call("spawn", self.id, (cmd if isinstance(cmd, str) else list(cmd),), kwargs)
+        return RemoteProcess(self, info["key"], info["pid"], info["args"])
+
+    def shell(self, name: str = "default", pty: bool = True) -> RemoteSession:
+        return RemoteSession(self, "shell", name, {"pty": pty})
+
+    def python(self, name: str = "default", executable: str = "python3") -> RemoteSession:
+        return RemoteSession(self, "python", name, {"executable": executable})
+
+    def read_file(self, path: str, **kwargs: Any) -> Any:
+        return self._call("read_file", path, **kwargs)
+
+    def write_file(self, path: str, data: str | bytes, **kwargs: Any) -> None:
+        payload: Any = ray.put(data) if len(data) > LARGE else data  # the object store, not one message
+        self._call("write_file", path, payload, **kwargs)
+
+    def replace_text(self, path: str, old: str, new: str, count: int | None = None) -> int:
+        return int(self._call("replace_text", path, old, new, count))
+
+    def list_dir(self, path: str = ".", depth: int = 1) -> Any:
+        return self._call("list_dir", path, depth)
+
+    def stat(self, path: str, follow_symlinks: bool = True) -> Any:
+        return self._call("stat", path, follow_symlinks)
+
+    def exists(self, path: str) -> bool:
+        return bool(self._call("exists", path))
+
+    def mkdir(self, path: str, parents: bool = True, exist_ok: bool = True, mode: int = 0o755) -> None:
+        self._call("mkdir", path, parents, exist_ok, mode)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._call("remove", path, recursive)
+
+    def move(self, source: str, destination: str, overwrite: bool = True) -> None:
+        self._call("move", source, destination, overwrite)
+
+    def glob(self, pattern: str, root: str = ".") -> list[str]:
+        return list(self._call("glob", pattern, root))
+
+    def grep(self, regex: str, glob: str | None = None, **kwargs: Any) -> Any:
+        return self._call("grep", regex, glob, **kwargs)
+
+    def upload(self, host_src: str | os.PathLike[str], dst: str) -> None:
+        """Copy a file or tree of this machine into the sandbox (links skipped, as locally)."""
+        upload_tree(self, host_src, dst)
+
+    def download(self, src: str, host_dst: str | os.PathLike[str]) -> None:
+        """Copy a file of the sandbox to this machine (never through a link or onto a FIFO there)."""
+        save_download(self.read_file(src, text=False), host_dst)
+
+    def diff(self) -> Changes:
+        result: Changes = self._call("diff")
+        return result
+
+    def commit(self, target_dir: str | os.PathLike[str] | None = None, *, on_node: bool = False) -> Changes:
+        """Make target_dir match the workspace: on this machine (default: the source read from here), or on
+        the node with ``on_node=True``. The same refusals as locally (links out, devices, set-id bits)."""
+        if on_node:
+            result: Changes = self._call("commit", None if target_dir is None else os.fspath(target_dir))
+            return result
+        target = target_dir if target_dir is not None else self._caller_source
+        if target is None:
+            raise IsolationError("commit: this workspace has no source on this machine; give a target directory")
+        packed = self._host_call("commit_out", self.id)
+        with tempfile.TemporaryDirectory(prefix="isolate-commit-") as tree:
+            unpack_tree(packed["tar"], tree)
+            fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                filters = self.workspace if isinstance(self.workspace, Workspace) else Workspace()
+                changes = commit_tree(fd, target, filters, tree)
+            finally:
+                os.close(fd)
+        changes.refused.update(packed["refused"])
+        return changes
+
+    def pause(self) -> str:
+        return str(self._call("pause"))
+
+    def resume(self) -> str:
+        return str(self._call("resume"))
+
+    def processes(self) -> list[dict[str, Any]]:
+        """The sandbox's processes on its node: dicts of pid, name and cmdline (its init first)."""
+        return list(self._call("processes_summary"))
+
+    def state(self) -> str:
+        return str(self._call("state"))
+
+
+class RemoteSession:
+    """A persistent shell or Python interpreter of a remote sandbox (``run``, ``close``, ``alive``)."""
+
+    def __init__(self, box: Sandbox, kind: str, name: str, opened: dict[str, Any]) -> None:
+        self.box, self.kind, self.name, self._opened = box, kind, name, opened
+
+    def _session(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.box._host_call("session", self.box.id, self.kind, self.name, method, args,
+                                   {**kwargs, "open": self._opened})
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        return self._session("run", *args, **kwargs)
+
+    def interrupt(self) -> None:
+        self._session("interrupt")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._session("alive"))
+
+    def close(self) -> None:
+        self._session("close")
+
+
+class _RemoteStream:
+    """A spawned command's stdout or stderr, read from its node: ``read()``, ``readline()``, iteration."""
+
+    def __init__(self, process: RemoteProcess, name: str) -> None:
+        self._process, self._name, self._buffer, self._ended = process, name, b"", False
+
+    def _fill(self, size: int = 1 << 16) -> bool:
+        while not self._ended:
+            chunk = self._process._read(self._name, size)
+            if chunk is None:
+                continue  # nothing yet: ask again
+            if not chunk:
+                self._ended = True
+                return False
+            self._buffer += chunk
+            return True
+        return False
+
+    def read(self, size: int = -1) -> bytes:
+        while (size < 0 or len(self._buffer) < size) and self._fill():
+            pass
+        cut = len(self._buffer) if size < 0 else size
+        data, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return data
+
+    def readline(self) -> bytes:
+        while b"\n" not in self._buffer and self._fill():
+            pass
+        end = self._buffer.find(b"\n") + 1 or len(self._buffer)
+        line, self._buffer = self._buffer[:end], self._buffer[end:]
+        return line
+
+    def __iter__(self) -> Iterator[bytes]:
+        while line := self.readline():
+            yield line
+
+
+class RemoteProcess:
+    """A command started by ``Sandbox.spawn`` on a node, as ``isolate.SandboxProcess`` is locally."""
+
+    def __init__(self, box: Sandbox, key: str, pid: int, args: list[str]) -> None:
+        self.box, self._key, self.pid, self.args = box, key, pid, args
+        self.stdout = _RemoteStream(self, "stdout")
+        self.stderr = _RemoteStream(self, "stderr")
+
+    def _read(self, stream: str, size: int) -> bytes | None:
+        result: bytes | None = self.box._host_call("read", self._key, stream, size, READ_SLICE)
+        return result
+
+    def _process(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.box._host_call("process", self._key, method, args, kwargs)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.stdout)
+
+    def write(self, data: str | bytes) -> None:
+        self._process("write", data)
+
+    def close_stdin(self) -> None:
+        self._process("close_stdin")
+
+    def signal(self, sig: int, descendants: bool = False) -> None:
+        self._process("signal", sig, descendants)
+
+    def kill(self) -> None:
+        self._process("kill")
+
+    def poll(self) -> int | None:
+        result: int | None = self._process("poll")
+        return result
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status; ``subprocess.TimeoutExpired`` after ``timeout`` seconds, as locally."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return int(self._process("wait", min(READ_SLICE, left) if left is not None else READ_SLICE))
+            except subprocess.TimeoutExpired:
+                if left is not None and left <= READ_SLICE:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+
+    @property
+    def returncode(self) -> int | None:
+        result: int | None = self._process("returncode")
+        return result
+
+    @property
+    def report(self) -> Any:
+        return self._process("report")
+
+    def close(self) -> None:
+        if self.box._actor is not None and self.box._lost is None:
+            try:
+                self.box._host_call("release", self._key)
+            except SandboxLostError:
+                pass

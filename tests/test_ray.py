@@ -1,0 +1,305 @@
+"""isolate.ray: the same sandboxes on a real multi-node Ray cluster (``ray.cluster_utils.Cluster``).
+
+Three nodes on this machine (a head and two workers, each its own raylet and
+object store), one more that cannot host sandboxes (its isolate state
+directory is a file); as root and as uid 65534. The sandboxes are native
+isolate sandboxes on their nodes; what is tested here is the cluster's part:
+placement, every method through the node's actor, refusals, a node's death,
+and that nothing is left behind. (The confinement itself is the rest of the
+suite's, which the VM runs on other kernels; this file runs on the host only.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import NAMESPACES_WHY, python_read
+
+import isolate
+from isolate.backends.native.named import sweep_unnamed
+from isolate.kernel.places import state_dir
+
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install '.[ray]'")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+import isolate.ray as iray  # noqa: E402  (after the skip: it imports ray)
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+
+
+def box_policy() -> isolate.Policy:
+    return isolate.Policy(read=python_read(), write=())
+
+
+#: The inits of every sandbox the tests started on the cluster's nodes (all on this machine).
+STARTED: set[int] = set()
+
+
+#: The host actors' pids: an unnamed sandbox's data directory is named after its creator's.
+CREATORS: set[int] = set()
+
+
+def remember(*boxes: Any) -> None:
+    for box in boxes:
+        init = box.processes()[0]["pid"]
+        STARTED.add(init)
+        CREATORS.add(psutil.Process(init).ppid())
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _data_dirs() -> set[str]:
+    """The data directories of the sandboxes the host actors made (other runs of this user may have some)."""
+    where = os.path.join(state_dir(), "sandboxes")
+    names = os.listdir(where) if os.path.isdir(where) else []
+    return {n for n in names if any(n.startswith(f"anon-{pid}-") for pid in CREATORS)}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    temp = tempfile.mkdtemp(prefix="iray-")
+    bad_state = Path(temp) / "not-a-directory"
+    bad_state.write_text("")
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
+    workers = [c.add_node(num_cpus=1, resources={"worker": 1}) for _ in range(2)]
+    # A node whose isolate cannot keep any state: it refuses every sandbox, with its reason.
+    broken = c.add_node(num_cpus=1, resources={"broken": 1}, env_vars={"ISOLATE_STATE_DIR": str(bad_state)})
+    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    c.wait_for_nodes()
+    c.workers, c.broken = workers, broken
+    try:
+        yield c
+    finally:
+        iray.shutdown()
+        ray.shutdown()
+        c.shutdown()
+        # Nothing of the sandboxes outlives the cluster: no process, no data directory on any node.
+        deadline = time.monotonic() + 10
+        while _alive(STARTED) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert STARTED and not _alive(STARTED), "sandboxes outlived the cluster"
+        # A node killed with its actor leaves its sandboxes' directories; the next host on that machine
+        # (or `isolate-run sandbox prune`) sweeps them, as this does.
+        sweep_unnamed()
+        assert CREATORS and not _data_dirs(), "sandbox data directories were left behind"
+
+
+def test_sandboxes_spread_over_the_nodes_and_a_refusing_node_is_skipped(cluster: Any) -> None:
+    boxes = iray.Sandbox.create_many(2, box_policy(), resources={"worker": 1})
+    spread = iray.Sandbox.create_many(8, box_policy())  # the broken node refuses its share: the others take it
+    try:
+        assert {box.node_id for box in boxes} == {w.node_id for w in cluster.workers}
+        assert all(box.exec(["true"]).returncode == 0 for box in boxes)
+        good = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - {cluster.broken.node_id}
+        assert {box.node_id for box in spread} == good and len(good) == 3
+        remember(*boxes, *spread)
+        assert len({box.processes()[0]["pid"] for box in spread}) == 8
+    finally:
+        for box in boxes:
+            box.close()
+        for box in spread:
+            box.close()
+
+
+def test_a_node_that_cannot_host_refuses_with_its_reason(cluster: Any) -> None:
+    with pytest.raises(isolate.IsolationError) as refused:
+        iray.Sandbox(box_policy(), node_id=cluster.broken.node_id).start()
+    assert cluster.broken.node_id in str(refused.value) and "not-a-directory is not a directory" in str(refused.value)
+    # Without the pin, placement goes on to a node that can.
+    placed = []
+    for _ in range(4):
+        box = iray.Sandbox(box_policy()).start()
+        placed.append(box)
+    try:
+        assert cluster.broken.node_id not in {box.node_id for box in placed}
+        remember(*placed)
+    finally:
+        for box in placed:
+            box.close()
+
+
+def test_every_sandbox_method_works_remotely(cluster: Any, tmp_path: Path) -> None:
+    source = tmp_path / "repo"
+    (source / "src").mkdir(parents=True)
+    (source / "src" / "a.py").write_text("x = 1\n")
+    (source / "skip.me").write_text("no\n")
+    for path in [source, *source.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    workspace = isolate.Workspace(str(source), exclude=("skip.me",))
+    with iray.Sandbox(box_policy(), workspace=workspace, resources={"worker": 1}) as sb:
+        assert sb.node_id in {w.node_id for w in cluster.workers}
+        remember(sb)
+        assert sb.enforced
+        result = sb.exec(["sh", "-c", "cat src/a.py; ls; echo err >&2; exit 3"])
+        assert (result.returncode, result.stdout, result.stderr) == (3, "x = 1\nsrc\n", "err\n")
+        assert result.report.status == "exited"
+        assert sb.exec("cat", input="piped").stdout == "piped"
+        assert sb.exec(["sleep", "5"], timeout=0.5).timed_out
+        # Files: the same methods, the same exceptions; 3 MiB through the object store.
+        big = os.urandom(3 << 20)
+        sb.write_file("big.bin", big)
+        assert sb.read_file("big.bin", text=False) == big
+        sb.write_file("notes.txt", "one two")
+        assert sb.replace_text("notes.txt", "two", "three") == 1
+        assert sb.read_file("notes.txt") == "one three"
+        sb.mkdir("d/e")
+        sb.move("notes.txt", "d/e/notes.txt")
+        assert sb.exists("d/e/notes.txt") and not sb.exists("notes.txt")
+        assert sb.glob("**/*.txt") == ["d/e/notes.txt"]
+        assert [m.path for m in sb.grep("three")] == ["d/e/notes.txt"]
+        assert {e.path for e in sb.list_dir(".")} >= {"src", "d", "big.bin"}
+        assert sb.stat("big.bin").size == 3 << 20
+        with pytest.raises(FileNotFoundError):
+            sb.read_file("missing")
+        with pytest.raises(isolate.PolicyError, match="timeout"):
+            sb.exec(["true"], timeout=float("nan"))
+        sb.remove("d", recursive=True)
+        assert not sb.exists("d")
+        sb.remove("big.bin")
+        # upload and download act on this machine's files.
+        (tmp_path / "up").mkdir()
+        (tmp_path / "up" / "f").write_text("uploaded")
+        sb.upload(tmp_path / "up", "up")
+        sb.download("up/f", tmp_path / "down")
+        assert (tmp_path / "down").read_text() == "uploaded"
+        # A streamed command, a shell and a Python that persist.
+        proc = sb.spawn(["sh", "-c", "for i in 1 2 3; do echo line$i; sleep 0.1; done; read x; echo got$x"])
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines == [b"line1\n", b"line2\n", b"line3\n"]
+        proc.write("42\n")
+        proc.close_stdin()
+        assert proc.stdout.read() == b"got42\n"
+        assert proc.wait(10) == 0 and proc.returncode == 0
+        proc.close()
+        slow = sb.spawn(["sleep", "30"])
+        with pytest.raises(subprocess.TimeoutExpired):
+            slow.wait(0.3)
+        slow.kill()
+        assert slow.wait(10) != 0
+        slow.close()
+        shell = sb.shell()
+        shell.run("cd src && export V=7")
+        assert shell.run("pwd; echo $V")[0].split() == ["/workspace/src", "7"]
+        python = sb.python()
+        python.run("n = 20")
+        assert python.run("n * 2").value == "40"
+        # pause and resume, the processes on the node.
+        assert sb.pause() in ("cgroup-freezer", "sigstop")
+        sb.resume()
+        assert sb.processes()[0]["name"] == "isolate-init"
+        # diff, and commit to this machine (the source) and on the node.
+        sb.write_file("src/new.py", "y = 2\n")
+        assert set(sb.diff().added) == {"src/new.py", "up", "up/f"}
+        changes = sb.commit()
+        assert "src/new.py" in changes.added and (source / "src" / "new.py").read_text() == "y = 2\n"
+        assert (source / "skip.me").exists() and not sb.exists("skip.me")  # excluded stays out
+        node_dir = tempfile.mkdtemp(dir=tmp_path)
+        os.chmod(node_dir, 0o755)
+        assert "src/new.py" in sb.commit(node_dir, on_node=True).added  # the same machine here
+    with pytest.raises(isolate.IsolationError, match="not running"):
+        sb.exec(["true"])
+
+
+def test_a_pool_over_the_cluster_and_a_node_that_dies(cluster: Any) -> None:
+    doomed = cluster.workers[1]
+    pool = iray.SandboxPool(box_policy(), size=3, resources={"worker": 1})
+    try:
+        assert sorted(pool.nodes) == sorted(w.node_id for w in cluster.workers)
+        boxes = pool.acquire_many(2)
+        assert {b.node_id for b in boxes} == set(pool.nodes)
+        victim = next(b for b in boxes if b.node_id == doomed.node_id)
+        survivor = next(b for b in boxes if b.node_id != doomed.node_id)
+        inits = {p["pid"] for p in victim.processes()}
+        remember(*boxes)
+        raised: list[BaseException] = []
+        started = threading.Event()
+
+        def long_exec() -> None:
+            started.set()
+            try:
+                victim.exec(["sleep", "60"])
+            except BaseException as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=long_exec)
+        thread.start()
+        started.wait()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        cluster.remove_node(doomed, allow_graceful=False)
+        thread.join(30)
+        assert raised and isinstance(raised[0], isolate.SandboxLostError), raised
+        assert time.monotonic() - t0 <= 5.0, "the loss was named too late"
+        assert raised[0].node_id == doomed.node_id and doomed.node_id in str(raised[0])
+        with pytest.raises(isolate.SandboxLostError):
+            victim.read_file("x")
+        victim.close()  # quietly
+        # The node's sandboxes died with its actor: no init left of them.
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(pid) for pid in inits) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(psutil.pid_exists(pid) for pid in inits)
+        # The pool goes on with the survivor, which takes the whole size.
+        more = [pool.acquire(timeout=30) for _ in range(3)]
+        assert {b.node_id for b in more} == {survivor.node_id}
+        assert pool.nodes == [survivor.node_id]
+        for box in [*more, survivor]:
+            box.close()
+        deadline = time.monotonic() + 30
+        while pool.stats["warm"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.stats == {"warm": 3, "in_use": 0, "starting": 0}
+    finally:
+        pool.close()
+
+
+def test_a_clients_sandboxes_end_with_the_client(cluster: Any) -> None:
+    script = (
+        "import ray, isolate, isolate.ray, sys\n"
+        f"ray.init(address={cluster.address!r}, logging_level='ERROR', log_to_driver=False)\n"
+        f"sb = isolate.ray.Sandbox(isolate.Policy(read={python_read()!r}, write=()), resources={{'worker': 1}})\n"
+        "sb.start(); print(sb.processes()[0]['pid'], flush=True); sys.stdin.read()\n"
+    )
+    client = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        assert client.stdout is not None
+        init = int(client.stdout.readline())
+        assert psutil.pid_exists(init)
+    finally:
+        os.killpg(client.pid, signal.SIGKILL)
+        client.wait()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(init) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(init), "the sandbox outlived its client"
+
+
+def test_bad_input_is_refused_before_anything_starts(cluster: Any) -> None:
+    for kwargs, match in (({"name": "x"}, "unnamed"), ({"node_id": ""}, "node_id"),
+                          ({"resources": {"worker": -1}}, "resources"), ({"workspace_on": "moon"}, "workspace_on")):
+        with pytest.raises(isolate.PolicyError, match=match):
+            iray.Sandbox(box_policy(), **kwargs)
+    with pytest.raises(isolate.UnsupportedError, match="no alive node"):
+        iray.Sandbox(box_policy(), resources={"gpu-that-is-not-there": 1}).start()
+    with pytest.raises(isolate.PolicyError, match="size"):
+        iray.SandboxPool(box_policy(), size=-1)

@@ -88,6 +88,10 @@ def test_raycluster_validates_against_kuberays_crd() -> None:
 
 def test_pods_hold_together_as_the_api_server_requires() -> None:
     """Rules of the API server's validation that no schema states, and the profile's name on the node."""
+    # KubeRay wants rayVersion to be the Ray of the image: the Dockerfile's default base.
+    base = next(line for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+                if line.startswith("ARG BASE="))
+    assert base == f"ARG BASE=rayproject/ray:{raycluster()['spec']['rayVersion']}-py311"
     installer = next(doc for _, doc in manifests() if doc["kind"] == "DaemonSet")
     command = " ".join(installer["spec"]["template"]["spec"]["initContainers"][0]["command"])
     for template in pod_templates(raycluster()):
@@ -160,8 +164,10 @@ def _why_not() -> str | None:
         return "no docker client"
     info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
     if info.returncode != 0:
+        if "permission denied" in info.stderr:
+            return "this user may not use the Docker engine's socket"
         last = (info.stderr.strip().splitlines() or ["?"])[-1]
-        return f"no Docker engine answers this user ({last}; bash tests/docker_env.sh starts one)"
+        return f"no Docker engine answers ({last}; bash tests/docker_env.sh starts one)"
     if subprocess.run(["docker", "image", "inspect", BASE], capture_output=True).returncode != 0:
         return f"no base image {BASE} (bash tests/container_image.sh imports it, after ../shared/vm/build.sh)"
     if not WHEELS.is_dir():
@@ -185,11 +191,15 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             (context / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, context / name)
     shutil.copytree(WHEELS, context / ".wheels")
+    old = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", IMAGE], capture_output=True, text=True)
     build = subprocess.run(
         ["docker", "build", "--network", "none", "-q", "-t", IMAGE, "-f", str(context / "deploy" / "Dockerfile"),
          "--build-arg", f"BASE={BASE}", "--build-arg", "PIP_OPTIONS=--no-index --find-links /src/.wheels",
          str(context)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    if old.returncode == 0 and old.stdout.strip() != build.stdout.strip():
+        # The image this build replaced under the tag: nothing else refers to it.
+        subprocess.run(["docker", "image", "rm", old.stdout.strip()], capture_output=True)
     yield IMAGE
 
 

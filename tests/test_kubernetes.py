@@ -25,10 +25,11 @@ PROFILE = K8S / "seccomp-isolate.json"
 CRD_SCHEMA = Path(__file__).resolve().parent / "schemas" / "kuberay-raycluster-v1.json"
 #: The oldest release with every field the manifests use (appArmorProfile: 1.30), and the newest bundled.
 VERSIONS = ("1.30.0", "1.37.0")
+EXTRA = "the schemas come with kubernetes-validate: pip install -e '.[deploy-test]'"
 
 
 def manifests() -> list[tuple[str, dict[str, Any]]]:
-    yaml = pytest.importorskip("yaml")
+    yaml = pytest.importorskip("yaml", reason=EXTRA)
     docs = []
     for path in sorted(K8S.glob("*.yaml")):
         docs += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
@@ -46,7 +47,7 @@ def raycluster() -> dict[str, Any]:
 
 
 def k8s_validate(doc: dict[str, Any], version: str) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=EXTRA)
     kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError naming the path
 
 
@@ -76,7 +77,7 @@ def strict(schema: Any) -> Any:
 
 
 def test_raycluster_validates_against_kuberays_crd() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema = pytest.importorskip("jsonschema", reason=EXTRA)
     schema = strict(json.loads(CRD_SCHEMA.read_text()))
     cluster = raycluster()
     jsonschema.validate(cluster, schema)

@@ -192,6 +192,7 @@ HOST_INDEPENDENT = frozenset({
     "test_docker.py",
     "test_examples.py",
     "test_inspect.py",
+    "test_kubernetes.py",
     "test_layers.py",
     "test_llm_sandbox.py",
     "test_mcp.py",

@@ -16,6 +16,11 @@ from functools import lru_cache
 #: The ways out of a container, as ``docker run`` options.
 DOCKER_OPTIONS = "--security-opt seccomp=unconfined --security-opt systempaths=unconfined"
 
+#: The same ways out for a Kubernetes pod: its securityContext (docs/kubernetes.md; deploy/kubernetes/).
+POD_OPTIONS = ("give the pod a seccomp profile that allows user namespaces (seccompProfile Localhost with "
+               "isolate's deploy/kubernetes/seccomp-isolate.json, or Unconfined), hostUsers: false and "
+               "procMount: Unmasked")
+
 
 def _read(path: str) -> str | None:
     try:
@@ -40,13 +45,15 @@ def container() -> str | None:
     """"docker", "podman", "kubernetes", "lxc" or "container" when this process runs in one, else None."""
     # The marker files alone are not enough (a VM image made from a container
     # image keeps /.dockerenv): a container's root is an overlay as well.
+    # A pod first: every pod has the variable, whatever its runtime (a node that runs
+    # pods with Docker leaves /.dockerenv too), and its ways out are the pod's spec.
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return "kubernetes"
     overlay_root = _root_fstype() in ("overlay", "fuse-overlayfs", "aufs")
     if os.path.exists("/.dockerenv") and overlay_root:
         return "docker"
     if os.path.exists("/run/.containerenv") and overlay_root:
         return "podman"
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return "kubernetes"
     environ = _read("/proc/1/environ") or ""
     if "container=lxc" in environ:
         return "lxc"
@@ -63,6 +70,20 @@ def seccomp_filtered() -> bool:
     for line in (_read("/proc/self/status") or "").splitlines():
         if line.startswith("Seccomp:"):
             return line.split()[1:] == ["2"]
+    return False
+
+
+#: CAP_SETGID (6) and CAP_SETUID (7): root needs both to write a user namespace's id maps.
+_SETID_CAPS = (1 << 6) | (1 << 7)
+
+
+def lacks_setid_caps() -> bool:
+    """Whether this process is root without CAP_SETUID or CAP_SETGID (a container's capabilities dropped)."""
+    if os.geteuid() != 0:
+        return False
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16) & _SETID_CAPS != _SETID_CAPS
     return False
 
 
@@ -84,12 +105,21 @@ def userns_advice(err: int) -> str:
     causes: list[str] = []
     outs: list[str] = []
     where = container()
+    way_out = POD_OPTIONS if where == "kubernetes" else f"start the container with {DOCKER_OPTIONS}"
+    setid = err == errno_mod.EPERM and lacks_setid_caps()
+    if setid:
+        # Root maps its ids from outside (0 to 65534), which takes these capabilities:
+        # the EPERM may be theirs, not the seccomp profile's.
+        causes.append("root without CAP_SETUID and CAP_SETGID cannot map its ids into a user namespace")
+        user = "the pod's runAsUser" if where == "kubernetes" else "e.g. docker run -u 1000"
+        outs.append(f"run as a regular user ({user}), or keep those two capabilities")
     if where and seccomp_filtered() and err == errno_mod.EPERM:
-        causes.append(f"inside a {where} container whose seccomp profile blocks user namespaces")
-        outs.append(f"start the container with {DOCKER_OPTIONS}")
+        blocks = "may also block" if setid else "blocks"
+        causes.append(f"inside a {where} container whose seccomp profile {blocks} user namespaces")
+        outs.append(way_out)
     elif where:
         causes.append(f"inside a {where} container")
-        outs.append(f"start the container with {DOCKER_OPTIONS}")
+        outs.append(way_out)
     if chrooted():
         causes.append("in a chroot (the kernel refuses user namespaces there)")
     if _sysctl("kernel.unprivileged_userns_clone") == "0" and os.geteuid() != 0:
@@ -111,6 +141,10 @@ def userns_advice(err: int) -> str:
 def proc_mount_advice() -> str:
     """Ways out when a fresh /proc cannot be mounted (a container masks parts of its /proc)."""
     where = container()
+    if where == "kubernetes":
+        return ("inside a kubernetes container, parts of /proc are masked, so a fresh /proc cannot be mounted; "
+                "set procMount: Unmasked in the container's securityContext (it needs hostUsers: false), "
+                "or run with --no-namespaces")
     if where:
         return (f"inside a {where} container, parts of /proc are masked, so a fresh /proc cannot be mounted; "
                 "start the container with --security-opt systempaths=unconfined, or run with --no-namespaces")

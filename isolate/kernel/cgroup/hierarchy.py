@@ -233,6 +233,14 @@ def delegation_hint(
     hierarchies: Iterable[Hierarchy], features: Iterable[str] = (), versions: Iterable[int] = (1, 2)
 ) -> str:
     """How to give this user a cgroup it may write, for the versions mounted here (and considered)."""
+    from .. import hostinfo
+
+    if hostinfo.container() == "kubernetes":
+        # The runtime mounts a pod's cgroup file system read-only unless the pod is
+        # privileged: neither mkdir nor a systemd scope is a way out there.
+        return ("inside a Kubernetes pod the cgroup file system is read-only (unless the pod is privileged): "
+                "the pod's resources.limits bound all its sandboxes together; --best-effort falls back to "
+                "RLIMIT_AS / RLIMIT_NPROC per process")
     versions = set(versions)
     hierarchies = [h for h in hierarchies if h.version in versions]
     wanted = set(features) or {"memory", "pids", "cpu"}

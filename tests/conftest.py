@@ -196,6 +196,7 @@ HOST_INDEPENDENT = frozenset({
     "test_policy.py",
     "test_sandbox_docker.py",
     "test_server.py",
+    "test_server_spec.py",
     "test_smolagents.py",
 })
 

@@ -55,6 +55,10 @@ def sandbox_json(managed: ManagedSandbox, full: bool = True) -> dict[str, Any]:
     return out
 
 
+def _network_text(network: object) -> str:
+    return network if isinstance(network, str) else "egress allow-list"
+
+
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     box = Sandbox(req.policy, backend=state.backend)
     if box.backend != "native":
@@ -66,6 +70,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    managed.event(f"created from image {req.image!r} (backend {box.backend}, network "
+                  f"{_network_text(req.policy.network)})")
     asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]
     if asked and box.backend == "native":
         enforced = box.enforced
@@ -76,6 +82,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
             # The entry process runs as a background command (its output: GET /command/{id}/logs).
             record = managed.start_command(shlex.join(req.entrypoint), True, None, None, None, None)
             managed.message = f"entrypoint runs as background command {record.id}"
+            managed.entry_command = record.id
+            managed.event(f"entrypoint {shlex.join(req.entrypoint)[:200]} started as background command {record.id}")
     except BaseException:
         box.close()
         raise
@@ -181,6 +189,7 @@ async def renew_expiration(request: Request) -> Response:
     if not now < when <= now + MAX_TIMEOUT:
         raise bad_request(f"expiresAt: must be in the future and at most {MAX_TIMEOUT} s away")
     managed.expires_at = when
+    managed.event(f"expiration renewed to {iso(when)}")
     return JSONResponse({"expiresAt": iso(when)})
 
 
@@ -202,6 +211,8 @@ async def patch_metadata(request: Request) -> Response:
         else:
             merged[key] = value
     managed.metadata = merged
+    managed.event("metadata patched: " + ", ".join(f"{k}={'(deleted)' if v is None else v!r}"
+                                                    for k, v in sorted(body.items()))[:500])
     return JSONResponse(sandbox_json(managed))
 
 

@@ -45,6 +45,21 @@ def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) 
     return managed
 
 
+def refusal_for(request: Request, status: int, code: str, reason: str) -> ApiError:
+    """A refused route of the execution or egress API: 401 without the sandbox's token or the API key
+    (as its served routes answer), else the refusal. The API key alone suffices: a refusal is the
+    server's, whatever the sandbox."""
+    state: ServerState = request.app.state.isolate
+    if not same(request.headers.get(API_KEY_HEADER), state.api_key):
+        try:
+            managed: ManagedSandbox | None = state.get(request.path_params["sandbox_id"])
+        except ApiError:
+            managed = None
+        if managed is None or not same(request.headers.get(ACCESS_TOKEN_HEADER), managed.token):
+            raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
+    return ApiError(status, code, reason)
+
+
 @api
 async def ping(request: Request) -> Response:
     sandbox_for(request)

@@ -1,4 +1,5 @@
-"""The execution API's routes, and the egress sidecar's policy (port 18080), read-only.
+"""The execution API's routes, the egress sidecar's policy (port 18080, read-only), and a sandbox's own
+ports, forwarded.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..common import api
-from ..models import EGRESS_PORT, ApiError
+from ..models import EGRESS_PORT
 from .access import ping, sandbox_for
 from .commands import command_logs, command_status, interrupt_command, run_command
 from .contexts import (
@@ -28,7 +29,6 @@ from .files import (
     files_info,
     list_directory,
     make_dirs,
-    metrics,
     move_files,
     remove_dirs,
     remove_files,
@@ -36,17 +36,16 @@ from .files import (
     search_files,
     upload_files,
 )
+from .metrics import metrics, watch_metrics
 from .sessions import create_session, delete_session, run_in_session
 
 # -- the egress sidecar's policy (port 18080), read-only ---------------------------------------
 
 @api
 async def egress_policy(request: Request) -> Response:
-    """The sandbox's network as the sidecar's policy shape; it is fixed at create (changes are refused)."""
+    """The sandbox's network as the sidecar's policy shape; it is fixed at create (changes are refused:
+    isolate.server.spec)."""
     managed = sandbox_for(request, running=False, port=EGRESS_PORT)
-    if request.method != "GET":
-        raise ApiError(400, "UNSUPPORTED", "the network of a running sandbox cannot change here; create another "
-                       "sandbox with the networkPolicy wanted")
     network = managed.box.policy.network
     if isinstance(network, str):
         policy: dict[str, Any] = {"defaultAction": "allow" if network == "host" else "deny", "egress": []}
@@ -80,7 +79,8 @@ routes = [
     Route(PREFIX + "/directories", make_dirs, methods=["POST"]),
     Route(PREFIX + "/directories", remove_dirs, methods=["DELETE"]),
     Route(PREFIX + "/metrics", metrics, methods=["GET"]),
-    Route(PREFIX + "/policy", egress_policy, methods=["GET", "PATCH", "DELETE"]),
+    Route(PREFIX + "/metrics/watch", watch_metrics, methods=["GET"]),
+    Route(PREFIX + "/policy", egress_policy, methods=["GET"]),
     Route(PREFIX + "/code", run_code, methods=["POST"]),
     Route(PREFIX + "/code", interrupt_code, methods=["DELETE"]),
     Route(PREFIX + "/code/context", create_context, methods=["POST"]),

@@ -1,0 +1,152 @@
+"""Every route of OpenSandbox's four API specs, and what this server does with it.
+
+The specs (``specs/sandbox-lifecycle.yml``, ``execd-api.yaml``,
+``egress-api.yaml`` and ``diagnostic-api.yml`` in alibaba/OpenSandbox) are
+the contract: each of their routes is either served or refused here, and a
+refusal is the spec's error shape (``{"code", "message"}``) with a status the
+spec lists for that route and a reason that names the way out. The test
+suite walks the spec files against this table and the application, and
+docs/server.md's table of routes is generated from it (``routes_markdown``):
+a route cannot be added, dropped or refused without the table, the docs and
+the test agreeing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .models import EGRESS_PORT, EXECD_PORT
+
+#: Where each spec's paths are served: the lifecycle and diagnostics APIs under /v1, a sandbox's
+#: execution API and egress sidecar under its port path (what the endpoints call hands out).
+PREFIXES = {
+    "lifecycle": "/v1",
+    "diagnostic": "/v1",
+    "execd": f"/sandboxes/{{sandboxId}}/port/{EXECD_PORT}",
+    "egress": f"/sandboxes/{{sandboxId}}/port/{EGRESS_PORT}",
+}
+#: The spec file of each API, as upstream names it.
+SPEC_FILES = {
+    "lifecycle": "sandbox-lifecycle.yml",
+    "execd": "execd-api.yaml",
+    "egress": "egress-api.yaml",
+    "diagnostic": "diagnostic-api.yml",
+}
+
+
+@dataclass(frozen=True)
+class SpecRoute:
+    """One route of a spec: served, or refused with (status, code, reason)."""
+
+    api: str
+    method: str
+    path: str
+    note: str = ""
+    refusal: tuple[int, str, str] | None = None
+
+    @property
+    def served(self) -> bool:
+        return self.refusal is None
+
+    @property
+    def server_path(self) -> str:
+        return PREFIXES[self.api] + self.path
+
+
+_SNAPSHOTS = ("snapshots are not made by this server yet (a sandbox's files can be copied out with the "
+              "files API, or kept with isolate's named sandboxes)")
+_VAULT = ("the credential vault is not served by this server: give the sandbox's program its credentials "
+          "through env at create, or keep them out of the sandbox altogether")
+_POLICY = ("the network of a running sandbox cannot change here: isolate's egress mediator takes its "
+           "allow-list at start; create another sandbox with the networkPolicy wanted")
+
+
+def _refused(api: str, method: str, path: str, status: int, code: str, reason: str) -> SpecRoute:
+    return SpecRoute(api, method, path, refusal=(status, code, reason))
+
+
+ROUTES: tuple[SpecRoute, ...] = (
+    # -- lifecycle ---------------------------------------------------------------------------
+    SpecRoute("lifecycle", "GET", "/sandboxes", "state and metadata filters, pagination"),
+    SpecRoute("lifecycle", "POST", "/sandboxes", "image names a policy profile; snapshotId, volumes refused"),
+    SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}"),
+    SpecRoute("lifecycle", "DELETE", "/sandboxes/{sandboxId}"),
+    SpecRoute("lifecycle", "PATCH", "/sandboxes/{sandboxId}/metadata", "JSON merge patch"),
+    SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/pause", "cgroup freezer, else SIGSTOP"),
+    SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/resume"),
+    SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/renew-expiration"),
+    SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}/endpoints/{port}",
+              "execution API, or any own port forwarded (HTTP) with a per-port token; not signed"),
+    _refused("lifecycle", "POST", "/sandboxes/{sandboxId}/snapshots", 400, "SNAPSHOTS_UNSUPPORTED", _SNAPSHOTS),
+    _refused("lifecycle", "GET", "/snapshots", 400, "SNAPSHOTS_UNSUPPORTED", _SNAPSHOTS),
+    _refused("lifecycle", "GET", "/snapshots/{snapshotId}", 404, "SNAPSHOT_NOT_FOUND", _SNAPSHOTS),
+    _refused("lifecycle", "DELETE", "/snapshots/{snapshotId}", 404, "SNAPSHOT_NOT_FOUND", _SNAPSHOTS),
+    # -- diagnostics -------------------------------------------------------------------------
+    SpecRoute("diagnostic", "GET", "/sandboxes/{sandboxId}/diagnostics/logs",
+              "scopes container (the entrypoint's output), lifecycle, all; inline"),
+    SpecRoute("diagnostic", "GET", "/sandboxes/{sandboxId}/diagnostics/events",
+              "scopes lifecycle (state changes, metadata, renewals), all; inline"),
+    # -- execution (execd) -------------------------------------------------------------------
+    SpecRoute("execd", "GET", "/ping"),
+    SpecRoute("execd", "GET", "/code/contexts", "python and bash contexts (no Jupyter)"),
+    SpecRoute("execd", "DELETE", "/code/contexts"),
+    SpecRoute("execd", "GET", "/code/contexts/{context_id}"),
+    SpecRoute("execd", "DELETE", "/code/contexts/{context_id}"),
+    SpecRoute("execd", "POST", "/code/context"),
+    SpecRoute("execd", "POST", "/code"),
+    SpecRoute("execd", "DELETE", "/code"),
+    SpecRoute("execd", "POST", "/session", "a persistent bash per session"),
+    SpecRoute("execd", "POST", "/session/{sessionId}/run"),
+    SpecRoute("execd", "DELETE", "/session/{sessionId}"),
+    SpecRoute("execd", "POST", "/command", "streamed as server-sent events, or in the background"),
+    SpecRoute("execd", "DELETE", "/command"),
+    SpecRoute("execd", "GET", "/command/status/{id}"),
+    SpecRoute("execd", "GET", "/command/{id}/logs"),
+    SpecRoute("execd", "GET", "/files/info"),
+    SpecRoute("execd", "DELETE", "/files"),
+    SpecRoute("execd", "POST", "/files/permissions", "mode only: the owner is the sandbox's user"),
+    SpecRoute("execd", "POST", "/files/mv"),
+    SpecRoute("execd", "GET", "/files/search"),
+    SpecRoute("execd", "POST", "/files/replace"),
+    SpecRoute("execd", "POST", "/files/upload"),
+    SpecRoute("execd", "GET", "/files/download", "with Range"),
+    SpecRoute("execd", "GET", "/directories/list"),
+    SpecRoute("execd", "POST", "/directories"),
+    SpecRoute("execd", "DELETE", "/directories"),
+    SpecRoute("execd", "GET", "/metrics", "the sandbox's cgroup, else its processes (/proc)"),
+    SpecRoute("execd", "GET", "/metrics/watch", "the same, every second, as server-sent events"),
+    # -- egress sidecar ----------------------------------------------------------------------
+    SpecRoute("egress", "GET", "/policy", "the sandbox's network as the sidecar's policy"),
+    _refused("egress", "PATCH", "/policy", 400, "POLICY_IMMUTABLE", _POLICY),
+    _refused("egress", "DELETE", "/policy", 400, "POLICY_IMMUTABLE", _POLICY),
+    _refused("egress", "POST", "/credential-vault", 400, "CREDENTIAL_VAULT_UNSUPPORTED", _VAULT),
+    _refused("egress", "GET", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
+    _refused("egress", "PATCH", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
+    _refused("egress", "DELETE", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
+    _refused("egress", "GET", "/credential-vault/credentials", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
+    _refused("egress", "GET", "/credential-vault/credentials/{credential_name}", 404, "CREDENTIAL_VAULT_NOT_FOUND",
+             _VAULT),
+    _refused("egress", "GET", "/credential-vault/bindings", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
+    _refused("egress", "GET", "/credential-vault/bindings/{binding_name}", 404, "CREDENTIAL_VAULT_NOT_FOUND",
+             _VAULT),
+)
+
+
+def refused_routes() -> list[SpecRoute]:
+    return [route for route in ROUTES if not route.served]
+
+
+_TITLES = {"lifecycle": "lifecycle", "diagnostic": "diagnostics", "execd": "execution", "egress": "egress"}
+
+
+def routes_markdown() -> str:
+    """docs/server.md's table of routes (checked against this table by the tests)."""
+    lines = ["| API | Method | Path | Here |", "| --- | --- | --- | --- |"]
+    for route in ROUTES:
+        if route.refusal is None:
+            here = "served" + (f": {route.note}" if route.note else "")
+        else:
+            status, code, reason = route.refusal
+            here = f"refused ({status} `{code}`): {reason}"
+        lines.append(f"| {_TITLES[route.api]} | {route.method} | `{route.path}` | {here} |")
+    return "\n".join(lines) + "\n"

@@ -19,10 +19,10 @@ import pytest
 pytest.importorskip("starlette", reason="the server extra is not installed: pip install 'isolate[server]'")
 pytest.importorskip("httpx", reason="starlette's test client needs httpx (the server-test extra)")
 
-from starlette.testclient import TestClient  # noqa: E402
+from starlette.testclient import TestClient
 
-from isolate.server import create_app  # noqa: E402
-from isolate.server.spec import PREFIXES, ROUTES, SPEC_FILES, routes_markdown  # noqa: E402
+from isolate.server import create_app
+from isolate.server.spec import PREFIXES, ROUTES, SPEC_FILES, routes_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "spec-walk-key-0123456789"

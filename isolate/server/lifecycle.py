@@ -29,6 +29,7 @@ from .models import (
     parse_create,
     parse_time,
 )
+from .ports import PORT_TOKEN_HEADER, port_token
 from .state import ManagedSandbox, ServerState
 
 
@@ -211,7 +212,7 @@ async def patch_metadata(request: Request) -> Response:
         else:
             merged[key] = value
     managed.metadata = merged
-    managed.event("metadata patched: " + ", ".join(f"{k}={'(deleted)' if v is None else v!r}"
+    managed.event("metadata patched: " + ", ".join(f"{k}={'(deleted)' if v is None else repr(v)}"
                                                     for k, v in sorted(body.items()))[:500])
     return JSONResponse(sandbox_json(managed))
 
@@ -224,15 +225,18 @@ async def get_endpoint(request: Request) -> Response:
     if not raw.isdigit() or not 1 <= int(raw) <= 65535:
         raise bad_request(f"port: {raw[:16]!r} is not a port number (1-65535)", "INVALID_PORT")
     port = int(raw)
-    if port not in (EXECD_PORT, EGRESS_PORT):
-        raise ApiError(404, "ENDPOINT_NOT_AVAILABLE",
-                       f"port {port}: this server does not expose a sandbox's own ports (only its execution API, "
-                       f"port {EXECD_PORT})")
     if request.query_params.get("expires"):
-        raise bad_request("expires: signed endpoints are not supported by this server")
+        raise bad_request("expires: signed endpoints are not supported by this server (the endpoint's token "
+                          "header is the access control)")
     host = request.url.netloc
-    return JSONResponse({"endpoint": f"{host}/sandboxes/{managed.id}/port/{port}",
-                         "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+    url = f"{host}/sandboxes/{managed.id}/port/{port}"
+    if port in (EXECD_PORT, EGRESS_PORT):
+        return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+    if managed.box.policy.network == "none":
+        raise bad_request(f"port {port}: sandbox {managed.id} has network none, where nothing can listen (not even "
+                          "on loopback); create it with networkPolicy {\"defaultAction\": \"deny\"} (a loopback of "
+                          "its own, no way out) or under a profile whose network is loopback", "ENDPOINT_NOT_AVAILABLE")
+    return JSONResponse({"endpoint": url, "headers": {PORT_TOKEN_HEADER: port_token(managed, port)}})
 
 
 @api

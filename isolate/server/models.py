@@ -114,7 +114,8 @@ def limits_from(resource: object, base: Limits) -> Limits:
 
 
 def network_from(policy: object, base: Policy) -> Any:
-    """networkPolicy → isolate's network: deny → none, deny + allow rules → an allow-list, allow → host."""
+    """networkPolicy → isolate's network: deny → loopback (its own), deny + allow rules → an allow-list,
+    allow → host."""
     if policy is None or policy == {}:
         return base.network
     if not isinstance(policy, Mapping):
@@ -143,7 +144,7 @@ def network_from(policy: object, base: Policy) -> Any:
     if action == "allow":
         return "host"
     if not allow:
-        return "none"
+        return "loopback"  # a loopback of its own (what listens in it can be reached by its endpoints), no way out
     # An allow-list: isolate.Egress, enforced where the policy layer supports it (else refused at start).
     from ..model.policy import Egress
 

@@ -38,7 +38,7 @@ def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) 
                                   or same(request.headers.get(API_KEY_HEADER), state.api_key))
     if managed is None or not ok:
         raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
-    if request.path_params.get("port") != str(port):
+    if request.path_params.get("port", str(port)) != str(port):
         raise ApiError(404, "NOT_FOUND", "this port of the sandbox serves nothing here")
     if running:
         managed.usable()

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..common import api
-from ..models import EGRESS_PORT
+from ..models import EGRESS_PORT, EXECD_PORT
 from .access import ping, sandbox_for
 from .commands import command_logs, command_status, interrupt_command, run_command
 from .contexts import (
@@ -55,7 +55,9 @@ async def egress_policy(request: Request) -> Response:
     return JSONResponse({"status": "ok", "mode": mode, "enforcementMode": "isolate", "policy": policy})
 
 
-PREFIX = "/sandboxes/{sandbox_id}/port/{port}"
+# Literal ports: every other port of a sandbox is forwarded (isolate.server.ports).
+PREFIX = f"/sandboxes/{{sandbox_id}}/port/{EXECD_PORT}"
+EGRESS = f"/sandboxes/{{sandbox_id}}/port/{EGRESS_PORT}"
 
 
 routes = [
@@ -80,7 +82,7 @@ routes = [
     Route(PREFIX + "/directories", remove_dirs, methods=["DELETE"]),
     Route(PREFIX + "/metrics", metrics, methods=["GET"]),
     Route(PREFIX + "/metrics/watch", watch_metrics, methods=["GET"]),
-    Route(PREFIX + "/policy", egress_policy, methods=["GET"]),
+    Route(EGRESS + "/policy", egress_policy, methods=["GET"]),
     Route(PREFIX + "/code", run_code, methods=["POST"]),
     Route(PREFIX + "/code", interrupt_code, methods=["DELETE"]),
     Route(PREFIX + "/code/context", create_context, methods=["POST"]),

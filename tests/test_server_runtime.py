@@ -1,0 +1,159 @@
+"""``isolate-run serve``, the routes of OpenSandbox's current specs beyond SDK 1.1: a sandbox's own ports
+forwarded, metadata patches, metrics and their watch, diagnostics. Through the real SDK (``opensandbox``)
+where it has the method, plain HTTP where it has none; the server runs as in tests/test_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import test_server as base
+
+httpx = pytest.importorskip("httpx")
+
+from opensandbox import SandboxSync  # noqa: E402
+from opensandbox.config import ConnectionConfigSync  # noqa: E402
+from opensandbox.exceptions import SandboxException  # noqa: E402
+from opensandbox.models.execd import RunCommandOpts  # noqa: E402
+from opensandbox.models.sandboxes import NetworkPolicy  # noqa: E402
+
+KEY = base.KEY
+
+# A web app inside the sandbox: answers every request with what it received, as JSON.
+ECHO = r'''
+import http.server, json
+class Echo(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n).decode() if n else ""
+        out = json.dumps({"method": self.command, "path": self.path, "body": body,
+                          "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-App", "echo")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+    do_GET = do_POST = do_PUT = answer
+    def log_message(self, *args):
+        print("served", self.command, self.path, flush=True)
+http.server.HTTPServer(("127.0.0.1", 8000), Echo).serve_forever()
+'''
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[base.Server]:
+    srv = base.Server(*(() if base.limits_enforceable() else ("--best-effort",)))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def config(server: base.Server) -> ConnectionConfigSync:
+    return ConnectionConfigSync(domain=server.domain, api_key=KEY)
+
+
+def until_listening(url: str, headers: dict[str, str]) -> Any:
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.post(url, content=b"hello", headers=headers, timeout=30)
+        if r.status_code != 502 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_endpoint_forwards_http_to_the_sandboxs_own_port(server: base.Server) -> None:
+    sandbox = SandboxSync.create("ubuntu", connection_config=config(server), entrypoint=["python3", "-c", ECHO],
+                                 network_policy=NetworkPolicy(defaultAction="deny"))
+    try:
+        endpoint = sandbox.get_endpoint(8000)
+        assert endpoint.endpoint == f"{server.domain}/sandboxes/{sandbox.id}/port/8000"
+        url = f"http://{endpoint.endpoint}/echo/a%20b?q=1&r=%2F"
+        r = until_listening(url, endpoint.headers)
+        assert r.status_code == 201 and r.headers["x-app"] == "echo", r.text
+        seen = r.json()
+        assert (seen["method"], seen["path"], seen["body"]) == ("POST", "/echo/a%20b?q=1&r=%2F", "hello")
+        assert seen["headers"]["host"] == "127.0.0.1:8000"
+        assert seen["headers"]["x-forwarded-prefix"] == f"/sandboxes/{sandbox.id}/port/8000"
+        # Neither the port's token nor the server's API key (the SDK's server-proxy mode) reaches the app.
+        r = httpx.put(url, content=b"x" * 100000, headers={"OPEN-SANDBOX-API-KEY": KEY, "X-Mine": "1"}, timeout=30)
+        assert r.status_code == 201 and r.json()["body"] == "x" * 100000
+        sent = r.json()["headers"]
+        assert sent["x-mine"] == "1"
+        assert not {"open-sandbox-api-key", "opensandbox-secure-access", "x-execd-access-token"} & set(sent)
+        assert all(KEY not in value for value in sent.values())
+        # The token is the port's: none, or another port's, is refused; a port nothing listens on is 502.
+        assert httpx.get(url).status_code == 401
+        other = sandbox.get_endpoint(8001)
+        r = httpx.get(url, headers=other.headers)
+        assert r.status_code == 401 and set(r.json()) == {"code", "message"}
+        r = httpx.get(f"http://{other.endpoint}/", headers=other.headers)
+        assert (r.status_code, r.json()["code"]) == (502, "PORT_NOT_LISTENING")
+        # The execution API's token does not open other ports either.
+        execd = sandbox.get_endpoint(44772)
+        assert httpx.get(url, headers=execd.headers).status_code == 401
+        # The app's own log (its stdout) is the sandbox's container log.
+        logs = sandbox.get_diagnostic_logs("container")
+        assert "served POST /echo/a%20b?q=1&r=%2F" in (logs.content or "")
+    finally:
+        sandbox.kill()
+    assert httpx.get(url, headers=endpoint.headers).status_code == 401  # gone with its sandbox
+
+
+def test_endpoint_needs_a_loopback(server: base.Server) -> None:
+    """Under network none nothing inside can listen: the endpoint is refused with the way out."""
+    sandbox = SandboxSync.create("ubuntu", connection_config=config(server))
+    try:
+        with pytest.raises(SandboxException, match="networkPolicy"):
+            sandbox.get_endpoint(8000)
+    finally:
+        sandbox.kill()
+
+
+def test_metadata_metrics_and_diagnostics(server: base.Server) -> None:
+    sandbox = SandboxSync.create("ubuntu", connection_config=config(server), metadata={"team": "a", "old": "x"})
+    try:
+        info = sandbox.patch_metadata({"old": None, "env": "test"})
+        assert info.metadata == {"team": "a", "env": "test"}
+        assert sandbox.get_info().metadata == {"team": "a", "env": "test"}
+        with pytest.raises(SandboxException):
+            sandbox.patch_metadata({"opensandbox.io/x": "1"})
+
+        metrics = sandbox.get_metrics()
+        assert metrics.cpu_count > 0 and 0 <= metrics.cpu_used_percentage <= 100
+        assert 0 < metrics.memory_used_in_mib <= metrics.memory_total_in_mib
+        # A busy loop shows: the percentage is the sandbox's own, over the CPUs it may use.
+        sandbox.commands.run("timeout 3 sh -c 'while :; do :; done'", opts=RunCommandOpts(background=True))
+        time.sleep(0.5)
+        sandbox.get_metrics()
+        time.sleep(0.5)
+        assert sandbox.get_metrics().cpu_used_percentage > 20
+
+        # metrics/watch: a reading a second, as server-sent events (the SDK has no method for it).
+        url = f"http://{server.domain}/sandboxes/{sandbox.id}/port/44772/metrics/watch"
+        readings = []
+        with httpx.stream("GET", url, headers={"OPEN-SANDBOX-API-KEY": KEY}, timeout=30) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    readings.append(json.loads(line[6:]))
+                    if len(readings) == 2:
+                        break
+        assert set(readings[0]) == {"cpu_count", "cpu_used_pct", "mem_total_mib", "mem_used_mib", "timestamp"}
+        assert readings[1]["timestamp"] - readings[0]["timestamp"] >= 900
+
+        events = sandbox.get_diagnostic_events("lifecycle")
+        assert (events.kind, events.delivery, events.truncated) == ("events", "inline", False)
+        text = events.content or ""
+        assert "created from image 'ubuntu'" in text and "metadata patched: env='test', old=(deleted)" in text
+        logs = sandbox.get_diagnostic_logs("all")
+        assert "metadata patched" in (logs.content or "")
+        with pytest.raises(SandboxException, match="scope"):
+            sandbox.get_diagnostic_events("runtime")
+    finally:
+        sandbox.kill()

@@ -157,3 +157,84 @@ def test_metadata_metrics_and_diagnostics(server: base.Server) -> None:
             sandbox.get_diagnostic_events("runtime")
     finally:
         sandbox.kill()
+
+
+def test_egress_policy_changes_at_run_time(tmp_path: Any) -> None:
+    """PATCH /policy allows a name from now on; DELETE removes one and closes the connections open to it."""
+    import socket
+    import threading
+
+    from opensandbox.models.sandboxes import NetworkRule
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+
+    def accept() -> None:  # every connection gets "hi\n" and is kept open by this side
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(b"hi\n")
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    profile = tmp_path / "egress.toml"
+    profile.write_text(f'[network]\negress = ["web.test:{port}", "late.test:{port}"]\n'
+                       'add_hosts = {"web.test" = "127.0.0.1", "late.test" = "127.0.0.1"}\n')
+    profile.chmod(0o644)
+    tmp_path.chmod(0o755)
+    srv = base.Server("--image", f"egress={profile}", "--best-effort")
+    probe = ("python3 -c 'import socket, sys\ntry:\n s = socket.create_connection((sys.argv[1], PORT), 5)\n"
+             " print(s.recv(3).decode().strip())\nexcept OSError as e:\n print(type(e).__name__)' ").replace(
+                 "PORT", str(port))
+    hold = ("python3 -c 'import socket\ns = socket.create_connection((\"web.test\", PORT), 5)\n"
+            "print(\"open\", s.recv(3), flush=True)\nprint(\"end\", s.recv(10), flush=True)'").replace(
+                "PORT", str(port))
+    try:
+        sandbox = SandboxSync.create("egress", connection_config=config(srv))
+        try:
+            def run(cmd: str) -> list[str]:
+                return [m.text for m in sandbox.commands.run(cmd).logs.stdout]
+
+            assert run(probe + "web.test") == ["hi"]
+            assert run(probe + "late.test") == ["hi"]
+            sandbox.delete_egress_rules(["late.test"])
+            assert run(probe + "late.test") == ["gaierror"]
+            holder = sandbox.commands.run(hold, opts=RunCommandOpts(background=True)).id
+            logs = f"http://{srv.domain}/sandboxes/{sandbox.id}/port/44772/command/{holder}/logs"
+
+            def holder_says() -> str:
+                return str(httpx.get(logs, headers={"OPEN-SANDBOX-API-KEY": KEY}).text)
+
+            deadline = time.monotonic() + 10
+            while "open" not in holder_says() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+            sandbox.patch_egress_rules([NetworkRule(action="allow", target=f"late.test:{port}")])
+            assert run(probe + "late.test") == ["hi"]
+            policy = sandbox.get_egress_policy()
+            assert [(r.action, r.target) for r in policy.egress or []] == [("allow", f"late.test:{port}"),
+                                                                            ("allow", f"web.test:{port}")]
+            assert "end" not in holder_says()  # still allowed: still open
+
+            sandbox.delete_egress_rules(["web.test"])
+            deadline = time.monotonic() + 10
+            while "end b''" not in holder_says() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "open b'hi\\n'\nend b''" in holder_says()
+            assert run(probe + "web.test") == ["gaierror"]
+            assert run(probe + "late.test") == ["hi"]
+            # A port the sandbox did not listen on at start cannot be added.
+            with pytest.raises(SandboxException, match="listens only on the ports"):
+                sandbox.patch_egress_rules([NetworkRule(action="allow", target="late.test:1")])
+            events = sandbox.get_diagnostic_events("lifecycle").content or ""
+            assert "1 connection(s) to names no longer allowed closed" in events
+        finally:
+            sandbox.kill()
+    finally:
+        srv.stop()
+        listener.close()
+        for conn in held:
+            conn.close()

@@ -146,12 +146,25 @@ def network_from(policy: object, base: Policy) -> Any:
     if not allow:
         return "loopback"  # a loopback of its own (what listens in it can be reached by its endpoints), no way out
     # An allow-list: isolate.Egress, enforced where the policy layer supports it (else refused at start).
-    from ..model.policy import Egress
 
     try:
-        return Egress(tuple(allow))
+        return egress_with(allow, base.network)
     except PolicyError as exc:
         raise bad_request(f"networkPolicy: {exc}") from None
+
+
+def egress_with(hosts: list[str], profile: object) -> Any:
+    """An allow-list of ``hosts`` under a profile's network: its static names (those the hosts allow),
+    its resolver and allow_private stay the operator's."""
+    from ..model import egress_rules
+    from ..model.policy import Egress
+
+    if not isinstance(profile, Egress):
+        return Egress(tuple(hosts))
+    rules = Egress(tuple(hosts)).rules()
+    static = tuple(entry for entry in profile.add_hosts
+                   if rules.ports_of(egress_rules.parse_static_host(entry)[0]))
+    return Egress(tuple(hosts), add_hosts=static, resolver=profile.resolver, allow_private=profile.allow_private)
 
 
 @dataclass(frozen=True)

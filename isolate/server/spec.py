@@ -57,9 +57,6 @@ _SNAPSHOTS = ("snapshots are not made by this server yet (a sandbox's files can 
               "files API, or kept with isolate's named sandboxes)")
 _VAULT = ("the credential vault is not served by this server: give the sandbox's program its credentials "
           "through env at create, or keep them out of the sandbox altogether")
-_POLICY = ("the network of a running sandbox cannot change here: isolate's egress mediator takes its "
-           "allow-list at start; create another sandbox with the networkPolicy wanted")
-
 
 def _refused(api: str, method: str, path: str, status: int, code: str, reason: str) -> SpecRoute:
     return SpecRoute(api, method, path, refusal=(status, code, reason))
@@ -117,8 +114,9 @@ ROUTES: tuple[SpecRoute, ...] = (
     SpecRoute("execd", "GET", "/metrics/watch", "the same, every second, as server-sent events"),
     # -- egress sidecar ----------------------------------------------------------------------
     SpecRoute("egress", "GET", "/policy", "the sandbox's network as the sidecar's policy"),
-    _refused("egress", "PATCH", "/policy", 400, "POLICY_IMMUTABLE", _POLICY),
-    _refused("egress", "DELETE", "/policy", 400, "POLICY_IMMUTABLE", _POLICY),
+    SpecRoute("egress", "PATCH", "/policy", "the running sandbox's allow-list, through its mediator (open "
+              "connections to names no longer allowed are closed); ports of its start only"),
+    SpecRoute("egress", "DELETE", "/policy", "likewise"),
     _refused("egress", "POST", "/credential-vault", 400, "CREDENTIAL_VAULT_UNSUPPORTED", _VAULT),
     _refused("egress", "GET", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
     _refused("egress", "PATCH", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),

@@ -217,6 +217,8 @@ class ManagedSandbox:
     cpu_sample: tuple[float, float] | None = None
     #: The own-port forwarder (isolate.server.ports), made at the first forwarded connection.
     forwarder: Any = None
+    #: The allow-list as changed at run time (PATCH /policy), when it was (isolate.model.policy.Egress).
+    egress: Any = None
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...kept.sandbox import Sandbox
 from ..common import SSE_HEADERS, api
+from ..reach import run_cgroup
 from ..state import ManagedSandbox
 from .access import sandbox_for
 
@@ -30,13 +31,6 @@ from .access import sandbox_for
 WATCH_INTERVAL = 1.0
 #: A first reading is compared with one taken this long after it.
 FIRST_INTERVAL = 0.1
-
-
-def _cgroup(box: Sandbox) -> Any:
-    """The sandbox's own cgroup (isolate.kernel.cgroup.RunCgroup), or None where it has none."""
-    process = getattr(getattr(box, "_impl", None), "process", None)
-    prepared = getattr(process, "_prepared", None)
-    return getattr(prepared, "cgroup", None)
 
 
 def _cgroup_memory(cgroup: Any) -> int | None:
@@ -65,7 +59,7 @@ def _proc_usage(box: Sandbox) -> tuple[float, int]:
 
 def usage(box: Sandbox) -> tuple[float, int]:
     """(CPU seconds used so far, memory in use in bytes)."""
-    cgroup = _cgroup(box)
+    cgroup = run_cgroup(box)
     if cgroup is not None and not cgroup.removed:
         try:
             cpu = cgroup.cpu_seconds()

@@ -1,18 +1,12 @@
-"""The execution API's routes, the egress sidecar's policy (port 18080, read-only), and a sandbox's own
-ports, forwarded.
+"""The execution API's routes (port 44772) and the egress sidecar's (port 18080).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..common import api
 from ..models import EGRESS_PORT, EXECD_PORT
-from .access import ping, sandbox_for
+from .access import ping
 from .commands import command_logs, command_status, interrupt_command, run_command
 from .contexts import (
     create_context,
@@ -23,6 +17,7 @@ from .contexts import (
     list_contexts,
     run_code,
 )
+from .egress import delete_policy, get_policy, patch_policy
 from .files import (
     chmod_files,
     download_file,
@@ -38,22 +33,6 @@ from .files import (
 )
 from .metrics import metrics, watch_metrics
 from .sessions import create_session, delete_session, run_in_session
-
-# -- the egress sidecar's policy (port 18080), read-only ---------------------------------------
-
-@api
-async def egress_policy(request: Request) -> Response:
-    """The sandbox's network as the sidecar's policy shape; it is fixed at create (changes are refused:
-    isolate.server.spec)."""
-    managed = sandbox_for(request, running=False, port=EGRESS_PORT)
-    network = managed.box.policy.network
-    if isinstance(network, str):
-        policy: dict[str, Any] = {"defaultAction": "allow" if network == "host" else "deny", "egress": []}
-    else:
-        policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": h} for h in network.hosts]}
-    mode = network if isinstance(network, str) else "allow-list"
-    return JSONResponse({"status": "ok", "mode": mode, "enforcementMode": "isolate", "policy": policy})
-
 
 # Literal ports: every other port of a sandbox is forwarded (isolate.server.ports).
 PREFIX = f"/sandboxes/{{sandbox_id}}/port/{EXECD_PORT}"
@@ -82,7 +61,9 @@ routes = [
     Route(PREFIX + "/directories", remove_dirs, methods=["DELETE"]),
     Route(PREFIX + "/metrics", metrics, methods=["GET"]),
     Route(PREFIX + "/metrics/watch", watch_metrics, methods=["GET"]),
-    Route(EGRESS + "/policy", egress_policy, methods=["GET"]),
+    Route(EGRESS + "/policy", get_policy, methods=["GET"]),
+    Route(EGRESS + "/policy", patch_policy, methods=["PATCH"]),
+    Route(EGRESS + "/policy", delete_policy, methods=["DELETE"]),
     Route(PREFIX + "/code", run_code, methods=["POST"]),
     Route(PREFIX + "/code", interrupt_code, methods=["DELETE"]),
     Route(PREFIX + "/code/context", create_context, methods=["POST"]),

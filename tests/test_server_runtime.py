@@ -105,6 +105,114 @@ def test_endpoint_forwards_http_to_the_sandboxs_own_port(server: base.Server) ->
     assert httpx.get(url, headers=endpoint.headers).status_code == 401  # gone with its sandbox
 
 
+# A WebSocket echo inside the sandbox, from the standard library only: text comes back prefixed, bytes reversed.
+WS_ECHO = r"""
+import base64, hashlib, socket, struct, threading
+def serve(conn):
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(4096)
+    lines = data.split(b"\r\n\r\n")[0].decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    key = headers["sec-websocket-key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+    accept = base64.b64encode(hashlib.sha1(key.encode()).digest()).decode()
+    proto = headers.get("sec-websocket-protocol", "").split(",")[0].strip()
+    conn.sendall(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  "Sec-WebSocket-Accept: " + accept + "\r\n"
+                  + ("Sec-WebSocket-Protocol: " + proto + "\r\n" if proto else "") + "\r\n").encode())
+    f = conn.makefile("rb")
+    def send(op, payload):
+        n = len(payload)
+        size = bytes([n]) if n < 126 else b"\x7e" + struct.pack("!H", n) if n < 65536 else \
+            b"\x7f" + struct.pack("!Q", n)
+        conn.sendall(bytes([0x80 | op]) + size + payload)
+    send(1, ("path " + lines[0].split()[1]).encode())
+    while True:
+        b1, b2 = f.read(2)
+        n = b2 & 127
+        if n == 126:
+            n = struct.unpack("!H", f.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", f.read(8))[0]
+        mask = f.read(4) if b2 & 128 else bytes(4)
+        payload = bytes(c ^ mask[i % 4] for i, c in enumerate(f.read(n)))
+        op = b1 & 15
+        if op == 8:
+            send(8, payload[:2])
+            return
+        if op == 1:
+            send(1, b"echo:" + payload)
+        elif op == 2:
+            send(2, payload[::-1])
+server = socket.create_server(("127.0.0.1", 8002))
+while True:
+    threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+"""
+
+
+def ws_connect(domain: str, target: str, headers: dict[str, str]) -> tuple[Any, Any, Any]:
+    """A WebSocket client (wsproto over a socket): (socket, connection, the server's first event)."""
+    import socket
+
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import Request
+
+    host, port = domain.split(":")
+    sock = socket.create_connection((host, int(port)), 10)
+    ws = WSConnection(ConnectionType.CLIENT)
+    sock.sendall(ws.send(Request(host=domain, target=target, subprotocols=["chat"],
+                                 extra_headers=[(k.encode(), v.encode()) for k, v in headers.items()])))
+    return sock, ws, ws_next(sock, ws)
+
+
+def ws_next(sock: Any, ws: Any) -> Any:
+    while True:
+        for event in ws.events():
+            return event
+        data = sock.recv(65536)
+        ws.receive_data(data or None)
+
+
+def test_endpoint_forwards_websocket(server: base.Server) -> None:
+    pytest.importorskip("wsproto", reason="the server extra installs wsproto (uvicorn's WebSocket)")
+    from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, RejectConnection, TextMessage
+
+    sandbox = SandboxSync.create("ubuntu", connection_config=config(server), entrypoint=["python3", "-c", WS_ECHO],
+                                 network_policy=NetworkPolicy(defaultAction="deny"))
+    try:
+        endpoint = sandbox.get_endpoint(8002)
+        target = f"/sandboxes/{sandbox.id}/port/8002/live?x=1"
+        deadline = time.monotonic() + 20
+        while True:
+            sock, ws, event = ws_connect(server.domain, target, endpoint.headers)
+            if isinstance(event, AcceptConnection) or time.monotonic() > deadline:
+                break
+            sock.close()  # the app is not listening yet
+            time.sleep(0.05)
+        assert isinstance(event, AcceptConnection) and event.subprotocol == "chat"
+        first = ws_next(sock, ws)
+        assert isinstance(first, TextMessage) and first.data == "path /live?x=1"
+        sock.sendall(ws.send(TextMessage(data="hi")))
+        reply = ws_next(sock, ws)
+        assert isinstance(reply, TextMessage) and reply.data == "echo:hi"
+        sock.sendall(ws.send(BytesMessage(data=b"abc" * 30000)))
+        got = b""
+        while len(got) < 90000:
+            part = ws_next(sock, ws)
+            assert isinstance(part, BytesMessage)
+            got += part.data
+        assert got == (b"abc" * 30000)[::-1]
+        sock.sendall(ws.send(CloseConnection(code=1000)))
+        assert isinstance(ws_next(sock, ws), CloseConnection)
+        sock.close()
+        # Without the port's token the handshake is refused.
+        sock, ws, event = ws_connect(server.domain, target, {})
+        assert isinstance(event, RejectConnection) and event.status_code == 403
+        sock.close()
+    finally:
+        sandbox.kill()
+
+
 def test_endpoint_needs_a_loopback(server: base.Server) -> None:
     """Under network none nothing inside can listen: the endpoint is refused with the way out."""
     sandbox = SandboxSync.create("ubuntu", connection_config=config(server))

@@ -1,4 +1,4 @@
-"""A sandbox's own ports (``/sandboxes/{id}/port/{port}/...``): HTTP forwarded to its loopback.
+"""A sandbox's own ports (``/sandboxes/{id}/port/{port}/...``): HTTP and WebSocket forwarded to its loopback.
 
 The endpoints call hands out this URL and a token for one port of one sandbox
 (``OpenSandbox-Secure-Access``: an HMAC of the sandbox's execution token and
@@ -12,7 +12,8 @@ it). A connector, a small python3 program the server starts inside the
 sandbox (as its program, under its policy) with a private socket pair as its
 descriptor 3, connects to ``127.0.0.1:PORT`` (then ``[::1]:PORT``) for each
 forwarded connection and passes the connected socket back over that pair
-(SCM_RIGHTS); the server then speaks HTTP on it itself. So the sandbox's
+(SCM_RIGHTS); the server then speaks HTTP on it itself (h11), or makes the
+WebSocket handshake with the app and relays messages (wsproto). So the sandbox's
 network policy is unchanged: the connector can reach what the sandbox's own
 programs can (its loopback under ``loopback`` and egress policies, the
 host's loopback under ``host``; nothing under ``none``, which has no
@@ -38,9 +39,10 @@ from typing import Any
 
 import h11
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, log, same
 from .models import EGRESS_PORT, EXECD_PORT, ApiError, bad_request
@@ -203,7 +205,7 @@ def _forwarder(managed: ManagedSandbox) -> Forwarder:
         return forwarder
 
 
-def _authorized(request: Request, state: ServerState) -> tuple[ManagedSandbox, int]:
+def _authorized(request: HTTPConnection, state: ServerState) -> tuple[ManagedSandbox, int]:
     raw = request.path_params["port"]
     try:
         managed: ManagedSandbox | None = state.get(request.path_params["sandbox_id"])
@@ -223,7 +225,7 @@ def _authorized(request: Request, state: ServerState) -> tuple[ManagedSandbox, i
     return managed, port
 
 
-def _target(request: Request) -> bytes:
+def _target(request: HTTPConnection) -> bytes:
     """The request target as the app sees it: the path after the port (still percent-encoded), and the query."""
     raw = request.scope.get("raw_path") or request.scope["path"].encode()
     prefix = f"/sandboxes/{request.path_params['sandbox_id']}/port/{request.path_params['port']}".encode()
@@ -233,7 +235,7 @@ def _target(request: Request) -> bytes:
     return path + (b"?" + query if query else b"")
 
 
-def _request_headers(request: Request, port: int) -> list[tuple[bytes, bytes]]:
+def _request_headers(request: HTTPConnection, port: int) -> list[tuple[bytes, bytes]]:
     named = {h.strip().lower() for h in request.headers.get("connection", "").split(",") if h.strip()}
     out = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _DROP | named]
     out.append((b"host", f"127.0.0.1:{port}".encode()))
@@ -261,8 +263,9 @@ async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any
 async def forward(request: Request) -> Response:
     state: ServerState = request.app.state.isolate
     managed, port = _authorized(request, state)
-    if request.headers.get("upgrade", "").lower() == "websocket":
-        raise ApiError(501, "WEBSOCKET_UNSUPPORTED", "WebSocket is not forwarded to a sandbox's ports yet (HTTP is)")
+    if request.headers.get("upgrade", "").lower() == "websocket":  # uvicorn without a WebSocket library
+        raise ApiError(501, "WEBSOCKET_UNSUPPORTED", "this server was installed without wsproto: WebSocket is not "
+                       "forwarded (pip install 'isolate[server]')")
     sock = await run_in_threadpool(_forwarder(managed).connect, port)
     reader, writer = await asyncio.open_connection(sock=sock)
     conn = h11.Connection(h11.CLIENT)
@@ -308,9 +311,117 @@ async def forward(request: Request) -> Response:
     return response
 
 
+async def _ws_open(websocket: WebSocket, port: int, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> Any:
+    """The WebSocket handshake with the app inside; its AcceptConnection, or None (refused)."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, RejectConnection, RejectData
+    from wsproto.events import Request as WsRequest
+
+    ws = WSConnection(ConnectionType.CLIENT)
+    skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
+    headers = [(k, v) for k, v in _request_headers(websocket, port)
+               if k.decode("latin-1").lower() not in skip | {"host", "connection", "content-length",
+                                                             "transfer-encoding"}]
+    writer.write(ws.send(WsRequest(host=f"127.0.0.1:{port}", target=_target(websocket).decode("latin-1"),
+                                   subprotocols=list(websocket.scope.get("subprotocols", [])),
+                                   extra_headers=headers)))
+    await writer.drain()
+    while True:
+        data = await asyncio.wait_for(reader.read(65536), RESPONSE_TIMEOUT)
+        ws.receive_data(data or None)
+        for event in ws.events():
+            if isinstance(event, AcceptConnection):
+                return ws, event
+            if isinstance(event, (RejectConnection, RejectData)):
+                return None
+        if not data:
+            return None
+
+
+async def forward_websocket(websocket: WebSocket) -> None:
+    """A WebSocket to a sandbox's own port: the handshake with the app inside, then messages both ways."""
+    from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+
+    state: ServerState = websocket.app.state.isolate
+    try:
+        managed, port = _authorized(websocket, state)
+        sock = await run_in_threadpool(_forwarder(managed).connect, port)
+    except ApiError as exc:
+        await websocket.close(code=1008, reason=f"{exc.code}: {exc.message}"[:120])  # before accept: HTTP 403
+        return
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        try:
+            opened = await _ws_open(websocket, port, reader, writer)
+        except (OSError, asyncio.TimeoutError, h11.ProtocolError, Exception) as exc:
+            log.info("WebSocket to sandbox %s port %d: %s", managed.id, port, exc)
+            opened = None
+        if opened is None:
+            await websocket.close(code=1011, reason=f"port {port}: the app refused the WebSocket")
+            return
+        ws, accepted = opened
+        await websocket.accept(subprotocol=accepted.subprotocol)
+
+        async def up() -> None:  # the client's messages to the app
+            while True:
+                try:
+                    message = await websocket.receive()
+                except WebSocketDisconnect:
+                    return
+                if message["type"] == "websocket.disconnect":
+                    with contextlib.suppress(Exception):
+                        writer.write(ws.send(CloseConnection(code=message.get("code", 1000))))
+                    return
+                text: str | None = message.get("text")
+                if text is not None:
+                    writer.write(ws.send(TextMessage(data=text)))
+                else:
+                    writer.write(ws.send(BytesMessage(data=bytes(message.get("bytes") or b""))))
+                await writer.drain()
+
+        async def down() -> None:  # the app's messages to the client
+            parts: dict[type, list[Any]] = {TextMessage: [], BytesMessage: []}
+            data = b"-"  # what came with the handshake's answer is in ws already: its events first
+            while True:
+                for event in ws.events():
+                    if isinstance(event, (TextMessage, BytesMessage)):
+                        parts[type(event)].append(event.data)
+                        if event.message_finished:
+                            if isinstance(event, TextMessage):
+                                await websocket.send_text("".join(parts[TextMessage]))
+                            else:
+                                await websocket.send_bytes(b"".join(parts[BytesMessage]))
+                            parts[type(event)].clear()
+                    elif isinstance(event, Ping):
+                        writer.write(ws.send(event.response()))
+                    elif isinstance(event, CloseConnection):
+                        with contextlib.suppress(Exception):
+                            writer.write(ws.send(event.response()))
+                        await websocket.close(code=event.code if event.code >= 1000 else 1000)
+                        return
+                if not data:
+                    await websocket.close(code=1011)
+                    return
+                data = await reader.read(65536)
+                ws.receive_data(data or None)
+
+        tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+    finally:
+        writer.close()
+
+
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 routes = [
     Route("/sandboxes/{sandbox_id}/port/{port}", forward, methods=_METHODS),
     Route("/sandboxes/{sandbox_id}/port/{port}/{rest:path}", forward, methods=_METHODS),
+    WebSocketRoute("/sandboxes/{sandbox_id}/port/{port}", forward_websocket),
+    WebSocketRoute("/sandboxes/{sandbox_id}/port/{port}/{rest:path}", forward_websocket),
 ]

@@ -73,7 +73,7 @@ ROUTES: tuple[SpecRoute, ...] = (
     SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/resume"),
     SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/renew-expiration"),
     SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}/endpoints/{port}",
-              "execution API, or any own port forwarded (HTTP) with a per-port token; not signed"),
+              "execution API, or any own port forwarded (HTTP, WebSocket) with a per-port token; not signed"),
     _refused("lifecycle", "POST", "/sandboxes/{sandboxId}/snapshots", 400, "SNAPSHOTS_UNSUPPORTED", _SNAPSHOTS),
     _refused("lifecycle", "GET", "/snapshots", 400, "SNAPSHOTS_UNSUPPORTED", _SNAPSHOTS),
     _refused("lifecycle", "GET", "/snapshots/{snapshotId}", 404, "SNAPSHOT_NOT_FOUND", _SNAPSHOTS),

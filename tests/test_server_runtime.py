@@ -97,6 +97,13 @@ def test_endpoint_forwards_http_to_the_sandboxs_own_port(server: base.Server) ->
         # The execution API's token does not open other ports either.
         execd = sandbox.get_endpoint(44772)
         assert httpx.get(url, headers=execd.headers).status_code == 401
+        # A connector killed from inside is started again at the next forward.
+        killed = sandbox.commands.run(
+            "python3 -c 'import os, signal\nfor p in filter(str.isdigit, os.listdir(\"/proc\")):\n"
+            "    if b\"send\" + b\"_fds\" in open(\"/proc/%s/cmdline\" % p, \"rb\").read():\n"
+            "        os.kill(int(p), signal.SIGKILL); print(\"killed\")'")
+        assert [m.text for m in killed.logs.stdout] == ["killed"]
+        assert httpx.get(url, headers=endpoint.headers).status_code == 201
         # The app's own log (its stdout) is the sandbox's container log.
         logs = sandbox.get_diagnostic_logs("container")
         assert "served POST /echo/a%20b?q=1&r=%2F" in (logs.content or "")

@@ -33,7 +33,6 @@ import os
 import socket
 import stat
 import struct
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -95,12 +94,22 @@ def port_token(managed: ManagedSandbox, port: int) -> str:
     return hmac.new(managed.token.encode(), f"port {port}".encode(), hashlib.sha256).hexdigest()
 
 
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
 class Forwarder:
-    """One sandbox's connector: a connected socket to one of its loopback ports at a time."""
+    """One sandbox's connector: a connected socket to one of its loopback ports at a time.
+
+    The conversation with it waits on the event loop, not in a thread: a
+    connector stalled from inside (SIGSTOP) holds none of the server's
+    threads, only its own sandbox's forwards, each for CONNECT_TIMEOUT.
+    """
 
     def __init__(self, managed: ManagedSandbox) -> None:
         self.managed = managed
-        self.lock = threading.Lock()
+        self.lock = asyncio.Lock()
         self.proc: Any = None
         self.channel: socket.socket | None = None
         self.closed = False
@@ -118,7 +127,7 @@ class Forwarder:
             raise
         finally:
             theirs.close()  # the connector holds its own copy now
-        ours.settimeout(CONNECT_TIMEOUT)
+        ours.setblocking(False)
         self.channel = ours
         return ours
 
@@ -133,20 +142,38 @@ class Forwarder:
                 self.proc.close()
             self.proc = None
 
-    def connect(self, port: int) -> socket.socket:
-        with self.lock:
-            if self.closed:
-                raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {self.managed.id} is gone")
+    @staticmethod
+    async def _receive(channel: socket.socket) -> tuple[bytes, list[int]]:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(channel, 64, 1)
+                return message, fds
+            except (BlockingIOError, InterruptedError):
+                pass
+            ready = loop.create_future()
+            loop.add_reader(channel.fileno(), _wake, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(channel.fileno())
+
+    async def connect(self, port: int) -> socket.socket:
+        async with self.lock:
             for attempt in (1, 2):  # a connector that ended (killed from inside) is started again, once
-                channel = self.channel or self._start()
+                if self.closed:
+                    raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {self.managed.id} is gone")
+                channel = self.channel
+                if channel is None:
+                    channel = await run_in_threadpool(self._start)
                 try:
-                    channel.send(struct.pack("!H", port))
-                    message, fds, _, _ = socket.recv_fds(channel, 64, 1)
-                except OSError as exc:  # timeout included
+                    channel.send(struct.pack("!H", port))  # 2 bytes into an empty socket: never blocks
+                    message, fds = await asyncio.wait_for(self._receive(channel), CONNECT_TIMEOUT)
+                except (OSError, asyncio.TimeoutError) as exc:
                     self._stop()
-                    if attempt == 2 or isinstance(exc, TimeoutError):
-                        raise ApiError(502, "FORWARD_FAILED", f"the sandbox's connector did not answer ({exc})") \
-                            from None
+                    if attempt == 2 or isinstance(exc, asyncio.TimeoutError):
+                        raise ApiError(502, "FORWARD_FAILED", "the sandbox's connector did not answer "
+                                       f"({exc or 'timed out'})") from None
                     continue
                 if not message and not fds:
                     self._stop()
@@ -161,9 +188,8 @@ class Forwarder:
         return _checked(fds, message, port)
 
     def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            self._stop()
+        self.closed = True
+        self._stop()
 
 
 def _checked(fds: list[int], message: bytes, port: int) -> socket.socket:
@@ -266,7 +292,7 @@ async def forward(request: Request) -> Response:
     if request.headers.get("upgrade", "").lower() == "websocket":  # uvicorn without a WebSocket library
         raise ApiError(501, "WEBSOCKET_UNSUPPORTED", "this server was installed without wsproto: WebSocket is not "
                        "forwarded (pip install 'isolate[server]')")
-    sock = await run_in_threadpool(_forwarder(managed).connect, port)
+    sock = await _forwarder(managed).connect(port)
     reader, writer = await asyncio.open_connection(sock=sock)
     conn = h11.Connection(h11.CLIENT)
     try:
@@ -346,7 +372,7 @@ async def forward_websocket(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.isolate
     try:
         managed, port = _authorized(websocket, state)
-        sock = await run_in_threadpool(_forwarder(managed).connect, port)
+        sock = await _forwarder(managed).connect(port)
     except ApiError as exc:
         await websocket.close(code=1008, reason=f"{exc.code}: {exc.message}"[:120])  # before accept: HTTP 403
         return

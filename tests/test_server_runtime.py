@@ -353,3 +353,17 @@ def test_egress_policy_changes_at_run_time(tmp_path: Any) -> None:
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_ports_benchmark_runs() -> None:
+    """benchmarks/opensandbox_ports.py runs (two rounds); its figures are not asserted."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        from benchmarks import opensandbox_ports as bench
+    finally:
+        sys.path.pop(0)
+    results = bench.run(2, lambda message: None)
+    assert results["forwarded-get"]["n"] == 2 and results["host-direct-get"]["n"] == 2

@@ -236,8 +236,13 @@ def test_metadata_metrics_and_diagnostics(server: base.Server) -> None:
         info = sandbox.patch_metadata({"old": None, "env": "test"})
         assert info.metadata == {"team": "a", "env": "test"}
         assert sandbox.get_info().metadata == {"team": "a", "env": "test"}
-        with pytest.raises(SandboxException):
-            sandbox.patch_metadata({"opensandbox.io/x": "1"})
+        for bad in ({"opensandbox.io/x": "1"}, {"a b": "1"}, {"k": "two words"}, {"k": "x" * 64},
+                    {"Not_DNS/k": "1"}, {"-k": "1"}):
+            with pytest.raises(SandboxException, match="INVALID_METADATA_LABEL"):
+                sandbox.patch_metadata(bad)
+        assert sandbox.patch_metadata({"example.com/k": "v-1.2_3", "e": ""}).metadata == \
+            {"team": "a", "env": "test", "example.com/k": "v-1.2_3", "e": ""}
+        sandbox.patch_metadata({"example.com/k": None, "e": None})
 
         metrics = sandbox.get_metrics()
         assert metrics.cpu_count > 0 and 0 <= metrics.cpu_used_percentage <= 100

@@ -25,6 +25,7 @@ from .models import (
     ApiError,
     CreateRequest,
     bad_request,
+    check_metadata,
     iso,
     parse_create,
     parse_time,
@@ -202,9 +203,7 @@ async def patch_metadata(request: Request) -> Response:
     if not isinstance(body, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                              for k, v in body.items()):
         raise bad_request("the body must be an object of string or null values", "INVALID_REQUEST_BODY")
-    for key in body:
-        if key.startswith("opensandbox.io/"):
-            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved")
+    check_metadata(body)
     merged = dict(managed.metadata)
     for key, value in body.items():
         if value is None:

@@ -188,6 +188,29 @@ def _str_map(value: object, name: str) -> dict[str, str]:
     return dict(value)
 
 
+# Kubernetes label rules, which the spec puts on metadata: a name (63 characters at most, alphanumeric
+# at both ends, -_. inside), optionally after a DNS subdomain prefix and a slash; values likewise (or empty).
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def check_metadata(metadata: Mapping[str, object]) -> None:
+    """Refuse (400 INVALID_METADATA_LABEL) a key or value the spec's label rules do not allow."""
+    for key, value in metadata.items():
+        if key.startswith("opensandbox.io/"):
+            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved", "INVALID_METADATA_LABEL")
+        prefix, slash, name = key.rpartition("/")
+        if not (len(name) <= 63 and _LABEL_NAME.match(name)
+                and (not slash or (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)))):
+            raise bad_request(f"metadata: key {key[:80]!r} is not a label name (up to 63 of A-Z a-z 0-9 - _ ., "
+                              "alphanumeric at both ends, optionally after a DNS subdomain and /)",
+                              "INVALID_METADATA_LABEL")
+        if value is not None and not (isinstance(value, str) and len(value) <= 63
+                                      and (value == "" or _LABEL_NAME.match(value))):
+            raise bad_request(f"metadata.{key}: value {str(value)[:80]!r} is not a label value (up to 63 of "
+                              "A-Z a-z 0-9 - _ ., alphanumeric at both ends)", "INVALID_METADATA_LABEL")
+
+
 def _empty(value: object) -> bool:
     return value is None or value == {} or value == [] or value is False
 
@@ -236,9 +259,7 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         timeout = float(timeout)
     env = _str_map(body.get("env"), "env")
     metadata = _str_map(body.get("metadata"), "metadata")
-    for key in metadata:
-        if key.startswith("opensandbox.io/"):
-            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved")
+    check_metadata(metadata)
     entrypoint = body.get("entrypoint", KEEPALIVE_ENTRYPOINT)
     if entrypoint is None:
         entrypoint = KEEPALIVE_ENTRYPOINT

@@ -221,7 +221,7 @@ async def get_endpoint(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
     raw = request.path_params["port"]
-    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 5) or not 1 <= int(raw) <= 65535:
         raise bad_request(f"port: {raw[:16]!r} is not a port number (1-65535)", "INVALID_PORT")
     port = int(raw)
     if request.query_params.get("expires"):

@@ -237,7 +237,7 @@ def _authorized(request: HTTPConnection, state: ServerState) -> tuple[ManagedSan
         managed: ManagedSandbox | None = state.get(request.path_params["sandbox_id"])
     except ApiError:
         managed = None  # same answer for an unknown sandbox and a wrong token: no probing of ids
-    port = int(raw) if raw.isdigit() and len(raw) <= 5 else 0
+    port = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 5 else 0
     ok = managed is not None and (same(request.headers.get(API_KEY_HEADER), state.api_key)
                                   or (port > 0 and same(request.headers.get(PORT_TOKEN_HEADER),
                                                         port_token(managed, port))))

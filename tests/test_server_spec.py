@@ -68,13 +68,34 @@ def client() -> TestClient:
 
 def test_the_table_is_the_specs_routes() -> None:
     routes = spec_routes(load_specs())
-    table = {(r.api, r.method, r.path): r for r in ROUTES}
+    table = {(r.api, r.method, r.path): r for r in ROUTES if r.source == "spec"}
     assert set(routes) - set(table) == set(), "routes of the specs missing from isolate.server.spec.ROUTES"
     assert set(table) - set(routes) == set(), "routes in isolate.server.spec.ROUTES that the specs do not have"
     for key, route in table.items():
         if route.refusal is not None:
             assert str(route.refusal[0]) in routes[key], f"{key}: status {route.refusal[0]} is not the spec's"
     assert len(routes) == 54
+
+
+def test_every_route_the_sdk_calls_is_in_the_table() -> None:
+    """The installed SDK's generated clients (one module per route, generated from the specs it was built
+    with, and a few routes no spec has): each is in the table, as a spec route or as the SDK's own."""
+    opensandbox = pytest.importorskip("opensandbox")
+
+    def shape(path: str) -> str:
+        return re.sub(r"\{[^}]+\}", "{}", path)
+
+    root = Path(opensandbox.__file__).parent / "api"
+    called = set()
+    for api in SPEC_FILES:
+        for module in (root / api / "api").rglob("*.py"):
+            found = re.search(r'"method":\s*"(\w+)",\s*"url":\s*"([^"]+)"', module.read_text())
+            if found:
+                called.add((api, found.group(1).upper(), shape(found.group(2))))
+    assert len(called) > 50, f"the SDK's generated clients were not found under {root}"
+    table = {(r.api, r.method, shape(r.path)) for r in ROUTES}
+    assert called - table == set(), "routes the SDK calls that isolate.server.spec.ROUTES does not have"
+    assert {(r.api, r.method, shape(r.path)) for r in ROUTES if r.source == "sdk"} <= called
 
 
 def test_every_route_is_answered_with_the_error_shape(client: TestClient) -> None:

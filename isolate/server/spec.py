@@ -43,6 +43,8 @@ class SpecRoute:
     path: str
     note: str = ""
     refusal: tuple[int, str, str] | None = None
+    #: "spec": a route of the four specs; "sdk": one the SDK (1.1.1) calls that no spec has.
+    source: str = "spec"
 
     @property
     def served(self) -> bool:
@@ -58,8 +60,20 @@ _SNAPSHOTS = ("snapshots are not made by this server yet (a sandbox's files can 
 _VAULT = ("the credential vault is not served by this server: give the sandbox's program its credentials "
           "through env at create, or keep them out of the sandbox altogether")
 
+_TEMPLATES = ("templates (golden images) are not served by this server: an image name selects a policy "
+              "profile (--image NAME=FILE)")
+_NETWORK_POLICY = ("the SDK uses this for template-backed sandboxes only; this server's sandboxes take their "
+                   "egress policy at the egress endpoint (port 18080, /policy)")
+_ISOLATED = ("isolated sessions (OSEP-0013) are not served by this server; each sandbox is isolated as a whole: "
+             "create another sandbox for another session")
+
+
 def _refused(api: str, method: str, path: str, status: int, code: str, reason: str) -> SpecRoute:
     return SpecRoute(api, method, path, refusal=(status, code, reason))
+
+
+def _sdk_refused(api: str, method: str, path: str, reason: str) -> SpecRoute:
+    return SpecRoute(api, method, path, refusal=(501, "NOT_IMPLEMENTED", reason), source="sdk")
 
 
 ROUTES: tuple[SpecRoute, ...] = (
@@ -127,6 +141,25 @@ ROUTES: tuple[SpecRoute, ...] = (
     _refused("egress", "GET", "/credential-vault/bindings", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
     _refused("egress", "GET", "/credential-vault/bindings/{binding_name}", 404, "CREDENTIAL_VAULT_NOT_FOUND",
              _VAULT),
+    # -- what the SDK (1.1.1) calls beyond the four specs -------------------------------------
+    SpecRoute("lifecycle", "POST", "/metrics/events", "the SDK's create-latency report: accepted, not kept",
+              source="sdk"),
+    *(_sdk_refused("lifecycle", method, path, _TEMPLATES) for method, path in (
+        ("GET", "/templates"), ("POST", "/templates"), ("GET", "/templates/{templateId}"),
+        ("DELETE", "/templates/{templateId}"))),
+    *(_sdk_refused("lifecycle", method, "/sandboxes/{sandboxId}/networkpolicy", _NETWORK_POLICY)
+      for method in ("GET", "PUT", "PATCH", "DELETE")),
+    *(_sdk_refused("execd", method, "/v1/isolated" + path, _ISOLATED) for method, path in (
+        ("GET", "/capabilities"), ("GET", "/sessions"), ("POST", "/session"), ("GET", "/session/{sessionId}"),
+        ("DELETE", "/session/{sessionId}"), ("POST", "/session/{sessionId}/run"),
+        ("GET", "/session/{sessionId}/runs/{runId}"), ("GET", "/session/{sessionId}/runs/{runId}/logs"),
+        ("GET", "/session/{sessionId}/diff"), ("POST", "/session/{sessionId}/commit"),
+        ("GET", "/session/{sessionId}/files/info"), ("DELETE", "/session/{sessionId}/files"),
+        ("POST", "/session/{sessionId}/files/mv"), ("POST", "/session/{sessionId}/files/permissions"),
+        ("GET", "/session/{sessionId}/files/search"), ("POST", "/session/{sessionId}/files/replace"),
+        ("POST", "/session/{sessionId}/files/upload"), ("GET", "/session/{sessionId}/files/download"),
+        ("GET", "/session/{sessionId}/directories/list"), ("POST", "/session/{sessionId}/directories"),
+        ("DELETE", "/session/{sessionId}/directories"))),
 )
 
 
@@ -146,5 +179,6 @@ def routes_markdown() -> str:
         else:
             status, code, reason = route.refusal
             here = f"refused ({status} `{code}`): {reason}"
-        lines.append(f"| {_TITLES[route.api]} | {route.method} | `{route.path}` | {here} |")
+        api = _TITLES[route.api] + (" (SDK, no spec)" if route.source == "sdk" else "")
+        lines.append(f"| {api} | {route.method} | `{route.path}` | {here} |")
     return "\n".join(lines) + "\n"

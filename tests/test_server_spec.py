@@ -3,7 +3,8 @@ with the spec's error shape and a status the spec lists; docs/server.md's table 
 
 The spec files are upstream's (alibaba/OpenSandbox ``specs/``, Apache-2.0), read where
 ISOLATE_OPENSANDBOX_SPECS points or from ``../shared/opensandbox/specs`` beside the checkout; they
-are not part of this repository. Without them the spec walk is skipped, except in CI, where it fails.
+are not part of this repository (data fetched from a public repository is kept under shared/ only).
+Without them the spec walk is skipped; the walk of the routes the installed SDK calls still runs.
 No sandbox is started: an unknown sandbox id and a missing key are enough to reach every route.
 """
 
@@ -37,11 +38,9 @@ def spec_dir() -> Path:
 def load_specs() -> dict[str, Any]:
     directory = spec_dir()
     if not all((directory / name).is_file() for name in SPEC_FILES.values()):
-        message = (f"OpenSandbox's spec files ({', '.join(SPEC_FILES.values())}) are not in {directory}: copy "
-                   "alibaba/OpenSandbox's specs/ there, or point ISOLATE_OPENSANDBOX_SPECS at them")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        pytest.skip(f"OpenSandbox's spec files ({', '.join(SPEC_FILES.values())}) are not in {directory}: copy "
+                    "alibaba/OpenSandbox's specs/ there, or point ISOLATE_OPENSANDBOX_SPECS at them (the walk of "
+                    "the installed SDK's routes runs without them)")
     yaml = pytest.importorskip("yaml")
     return {api: yaml.safe_load((directory / name).read_text()) for api, name in SPEC_FILES.items()}
 

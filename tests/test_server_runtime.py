@@ -338,6 +338,11 @@ def test_egress_policy_changes_at_run_time(tmp_path: Any) -> None:
             assert [(r.action, r.target) for r in policy.egress or []] == [("allow", f"late.test:{port}"),
                                                                             ("allow", f"web.test:{port}")]
             assert "end" not in holder_says()  # still allowed: still open
+            # A deny rule (under the default deny) is listed, first, as the egress spec's merge has it.
+            sandbox.patch_egress_rules([NetworkRule(action="deny", target="other.test"),
+                                        NetworkRule(action="allow", target="other.test")])  # the first wins
+            assert [(r.action, r.target) for r in sandbox.get_egress_policy().egress or []] == [
+                ("deny", "other.test"), ("allow", f"late.test:{port}"), ("allow", f"web.test:{port}")]
 
             sandbox.delete_egress_rules(["web.test"])
             deadline = time.monotonic() + 10

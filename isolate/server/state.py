@@ -219,6 +219,8 @@ class ManagedSandbox:
     forwarder: Any = None
     #: The allow-list as changed at run time (PATCH /policy), when it was (isolate.model.policy.Egress).
     egress: Any = None
+    #: Its rules as (action, target) since then, deny rules included, as GET /policy lists them.
+    egress_rules: list[tuple[str, str]] | None = None
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ...model import egress_rules
 from ...model.errors import PolicyError
 from ...model.policy import Egress
 from ..common import api, json_body
@@ -37,13 +38,20 @@ def _current(managed: ManagedSandbox) -> Any:
     return managed.egress if managed.egress is not None else managed.box.policy.network
 
 
+def _rules(managed: ManagedSandbox) -> list[tuple[str, str]]:
+    """The policy's rules as (action, target), in order: as changed at run time, else as created."""
+    if managed.egress_rules is not None:
+        return list(managed.egress_rules)
+    return [("allow", host) for host in getattr(managed.box.policy.network, "hosts", ())]
+
+
 def _status(managed: ManagedSandbox, reason: str = "") -> Response:
     network = _current(managed)
     if isinstance(network, str):
         policy: dict[str, Any] = {"defaultAction": "allow" if network == "host" else "deny", "egress": []}
         mode = network
     else:
-        policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": h} for h in network.hosts]}
+        policy = {"defaultAction": "deny", "egress": [{"action": a, "target": t} for a, t in _rules(managed)]}
         mode = "allow-list"
     out: dict[str, Any] = {"status": "ok", "mode": mode, "enforcementMode": "isolate", "policy": policy}
     if reason:
@@ -57,7 +65,11 @@ def _name(entry: str) -> str:
     return host if sep and port.isdigit() else entry
 
 
-def _apply(managed: ManagedSandbox, hosts: list[str]) -> int:
+def _apply(managed: ManagedSandbox, rules: list[tuple[str, str]]) -> int:
+    """Enforce ``rules`` (defaultAction deny: the allow rules are the allow-list; a deny rule is listed)."""
+    if len(rules) > egress_rules.MAX_ENTRIES:
+        raise bad_request(f"policy: {len(rules)} rules; at most {egress_rules.MAX_ENTRIES}")
+    hosts = [target for action, target in rules if action == "allow"]
     network = _current(managed)
     found = mediator(managed.box)
     if not isinstance(network, Egress) or found is None:
@@ -73,7 +85,7 @@ def _apply(managed: ManagedSandbox, hosts: list[str]) -> int:
         closed: int = found.update_rules(updated.rules())
     except PolicyError as exc:
         raise bad_request(f"policy: {exc}") from None
-    managed.egress = updated
+    managed.egress, managed.egress_rules = updated, list(rules)
     managed.event(f"egress allow-list now {', '.join(hosts)}" + (f"; {closed} connection(s) to names no longer "
                                                                    "allowed closed" if closed else ""))
     return closed
@@ -101,13 +113,14 @@ async def patch_policy(request: Request) -> Response:
             raise bad_request(f"[{i}]: expected {{\"action\": allow|deny, \"target\": HOST}}", "INVALID_REQUEST_BODY")
         wanted.setdefault(rule["target"], rule["action"])  # the first rule for a target wins
 
+    denied = {target for target, action in wanted.items() if action == "deny"}
+
     def work() -> int:
         with _LOCK:
-            network = _current(managed)
-            hosts = [h for h in getattr(network, "hosts", ()) if h not in wanted and _name(h) not in
-                     {t for t, a in wanted.items() if a == "deny"}]
-            hosts = [t for t, a in wanted.items() if a == "allow"] + hosts
-            return _apply(managed, hosts)
+            # The request's rules first; an earlier rule for the same target goes, and a deny also takes
+            # the allow rules of its name on any port.
+            kept = [(a, t) for a, t in _rules(managed) if t not in wanted and not (a == "allow" and _name(t) in denied)]
+            return _apply(managed, [(a, t) for t, a in wanted.items()] + kept)
 
     closed = await run_in_threadpool(work)
     return _status(managed, f"{closed} open connection(s) closed" if closed else "")
@@ -122,9 +135,7 @@ async def delete_policy(request: Request) -> Response:
 
     def work() -> int:
         with _LOCK:
-            network = _current(managed)
-            hosts = [h for h in getattr(network, "hosts", ()) if h not in targets and _name(h) not in targets]
-            return _apply(managed, hosts)
+            return _apply(managed, [(a, t) for a, t in _rules(managed) if t not in targets and _name(t) not in targets])
 
     closed = await run_in_threadpool(work)
     return _status(managed, f"{closed} open connection(s) closed" if closed else "")

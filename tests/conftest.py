@@ -198,8 +198,9 @@ HOST_INDEPENDENT = frozenset({
     "test_mcp.py",
     "test_policy.py",
     "test_sandbox_docker.py",
-    "test_server.py",
     "test_ray.py",
+    "test_server.py",
+    "test_server_spec.py",
     "test_smolagents.py",
 })
 

@@ -173,6 +173,7 @@ class Mediator:
                  dns_port: int = DNS_PORT, proxy_port: int = PROXY_PORT,
                  connect_timeout: float = CONNECT_TIMEOUT, head_timeout: float = HEAD_TIMEOUT) -> None:
         self.rules = rules
+        self._initial = rules  # what update_rules may not go beyond
         self.resolver = dns.Resolver(rules)
         self._udp = dns_udp
         self._listeners = list(listeners)
@@ -187,6 +188,8 @@ class Mediator:
         self._addresses: dict[str, str] = {}    # fake address -> name
         self._next_address = int(FIRST_NAME_ADDRESS)
         self._sockets: set[socket.socket] = set()
+        # Relayed connections by their upstream socket: (name, port, the sandbox's end, upstream).
+        self._active: dict[int, tuple[str, int, socket.socket, socket.socket]] = {}
         self._workers = Workers("isolate-egress-conn")
         self._key = next(_keys)  # its account in the process's descriptor budget
         self._dns_slots = threading.BoundedSemaphore(MAX_DNS_WORKERS)
@@ -250,6 +253,51 @@ class Mediator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def update_rules(self, rules: EgressRules) -> int:
+        """Serve another allow-list from now on; close the open connections it no longer allows.
+
+        Only the host rules may change: the listeners inside were made for the
+        ports of the allow-list at start (a rule on another port is refused);
+        the static hosts are some of those at start, and the resolver and
+        allow_private stay. Returns how many connections were closed.
+        """
+        listened = set(self._initial.ports)
+        extra = sorted(set(rules.ports) - listened)
+        if extra:
+            raise PolicyError(f"port {extra[0]}: the sandbox listens only on the ports of its allow-list at start "
+                              f"({', '.join(str(p) for p in sorted(listened))}); start another sandbox for this one",
+                              "network")
+        if not set(rules.static_hosts) <= set(self._initial.static_hosts) or \
+                (rules.resolver, rules.allow_private) != (self._initial.resolver, self._initial.allow_private):
+            raise PolicyError("only the allowed hosts of a running sandbox can change (not its add_hosts, "
+                              "resolver or allow_private)", "network")
+        with self._lock:
+            # Under the lock that _track takes: a connection is either tracked now (and looked at
+            # below) or checked against the new rules when it is.
+            self.rules = rules
+            self.resolver.rules = rules
+            doomed = [(conn, upstream) for name, port, conn, upstream in self._active.values()
+                      if not rules.allows(name, port)]
+        for pair in doomed:
+            for sock in pair:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return len(doomed)
+
+    def _track(self, name: str, port: int, conn: socket.socket, upstream: socket.socket) -> bool:
+        """Count a relayed connection as open to name:port; False if the rules no longer allow it."""
+        with self._lock:
+            if not self.rules.allows(name, port):
+                return False
+            self._active[id(upstream)] = (name, port, conn, upstream)
+            return True
+
+    def _untrack(self, upstream: socket.socket) -> None:
+        with self._lock:
+            self._active.pop(id(upstream), None)
 
     # --- the report --------------------------------------------------------------------------------
 
@@ -563,9 +611,12 @@ class Mediator:
             return True
         self._count_allowed(name, port)
         try:
+            if not self._track(name, port, conn, upstream):
+                return True  # its rule was removed meanwhile
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             relay(conn, upstream, self._workers.submit)
         finally:
+            self._untrack(upstream)
             self._forget(upstream)
             upstream.close()
         return False
@@ -598,6 +649,9 @@ class Mediator:
             return False
         self._count_allowed(name, port)
         try:
+            if not self._track(name, port, conn, upstream):
+                _send_quietly(conn, http.response(403, f"isolate: {name}:{port} is no longer on the allow-list"))
+                return False
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if framing is None:
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -611,6 +665,7 @@ class Mediator:
         except OSError:
             return True
         finally:
+            self._untrack(upstream)
             self._forget(upstream)
             upstream.close()
 

@@ -16,11 +16,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Mount
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import execd, lifecycle
-from .common import error_response, log
+from . import diagnostics, execd, lifecycle, ports
+from .common import api, error_response, log
+from .execd.access import refusal_for
+from .lifecycle import check_key
+from .models import ApiError
+from .spec import SpecRoute, refused_routes
 from .state import ServerState
 
 #: How often the reaper looks for expired sandboxes.
@@ -68,6 +72,23 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
+def _refusal(route: SpecRoute) -> Route:
+    """A route of the specs this server does not do: the spec's error shape, with the reason."""
+    assert route.refusal is not None
+    status, code, reason = route.refusal
+    lifecycle_api = route.api in ("lifecycle", "diagnostic")
+
+    @api
+    async def refuse(request: Request) -> Response:
+        if lifecycle_api:
+            check_key(request)
+            raise ApiError(status, code, reason)
+        raise refusal_for(request, status, code, reason)
+
+    path = route.server_path.replace("{sandboxId}", "{sandbox_id}")
+    return Route(path, refuse, methods=[route.method], name=f"refused {route.method} {route.server_path}")
+
+
 def create_app(state: ServerState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -78,7 +99,11 @@ def create_app(state: ServerState) -> Starlette:
             task.cancel()
             await run_in_threadpool(state.close_all)
 
-    app = Starlette(routes=[Mount("/v1", routes=lifecycle.routes), *execd.routes], lifespan=lifespan,
+    # Refusals first: the /v1 mount would otherwise take their paths (and answer 405).
+    routes: list[BaseRoute] = [*(_refusal(r) for r in refused_routes()),
+                               Mount("/v1", routes=[*lifecycle.routes, *diagnostics.routes]), *execd.routes,
+                               *ports.routes]
+    app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error}, middleware=[Middleware(RequestId)])
     app.state.isolate = state
     return app

@@ -25,10 +25,12 @@ from .models import (
     ApiError,
     CreateRequest,
     bad_request,
+    check_metadata,
     iso,
     parse_create,
     parse_time,
 )
+from .ports import PORT_TOKEN_HEADER, port_token
 from .state import ManagedSandbox, ServerState
 
 
@@ -55,6 +57,10 @@ def sandbox_json(managed: ManagedSandbox, full: bool = True) -> dict[str, Any]:
     return out
 
 
+def _network_text(network: object) -> str:
+    return network if isinstance(network, str) else "egress allow-list"
+
+
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     box = Sandbox(req.policy, backend=state.backend)
     if box.backend != "native":
@@ -66,6 +72,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    managed.event(f"created from image {req.image!r} (backend {box.backend}, network "
+                  f"{_network_text(req.policy.network)})")
     asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]
     if asked and box.backend == "native":
         enforced = box.enforced
@@ -76,6 +84,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
             # The entry process runs as a background command (its output: GET /command/{id}/logs).
             record = managed.start_command(shlex.join(req.entrypoint), True, None, None, None, None)
             managed.message = f"entrypoint runs as background command {record.id}"
+            managed.entry_command = record.id
+            managed.event(f"entrypoint {shlex.join(req.entrypoint)[:200]} started as background command {record.id}")
     except BaseException:
         box.close()
         raise
@@ -181,6 +191,7 @@ async def renew_expiration(request: Request) -> Response:
     if not now < when <= now + MAX_TIMEOUT:
         raise bad_request(f"expiresAt: must be in the future and at most {MAX_TIMEOUT} s away")
     managed.expires_at = when
+    managed.event(f"expiration renewed to {iso(when)}")
     return JSONResponse({"expiresAt": iso(when)})
 
 
@@ -192,9 +203,7 @@ async def patch_metadata(request: Request) -> Response:
     if not isinstance(body, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                              for k, v in body.items()):
         raise bad_request("the body must be an object of string or null values", "INVALID_REQUEST_BODY")
-    for key in body:
-        if key.startswith("opensandbox.io/"):
-            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved")
+    check_metadata(body)
     merged = dict(managed.metadata)
     for key, value in body.items():
         if value is None:
@@ -202,6 +211,8 @@ async def patch_metadata(request: Request) -> Response:
         else:
             merged[key] = value
     managed.metadata = merged
+    managed.event("metadata patched: " + ", ".join(f"{k}={'(deleted)' if v is None else repr(v)}"
+                                                    for k, v in sorted(body.items()))[:500])
     return JSONResponse(sandbox_json(managed))
 
 
@@ -210,18 +221,21 @@ async def get_endpoint(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
     raw = request.path_params["port"]
-    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 5) or not 1 <= int(raw) <= 65535:
         raise bad_request(f"port: {raw[:16]!r} is not a port number (1-65535)", "INVALID_PORT")
     port = int(raw)
-    if port not in (EXECD_PORT, EGRESS_PORT):
-        raise ApiError(404, "ENDPOINT_NOT_AVAILABLE",
-                       f"port {port}: this server does not expose a sandbox's own ports (only its execution API, "
-                       f"port {EXECD_PORT})")
     if request.query_params.get("expires"):
-        raise bad_request("expires: signed endpoints are not supported by this server")
+        raise bad_request("expires: signed endpoints are not supported by this server (the endpoint's token "
+                          "header is the access control)")
     host = request.url.netloc
-    return JSONResponse({"endpoint": f"{host}/sandboxes/{managed.id}/port/{port}",
-                         "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+    url = f"{host}/sandboxes/{managed.id}/port/{port}"
+    if port in (EXECD_PORT, EGRESS_PORT):
+        return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+    if managed.box.policy.network == "none":
+        raise bad_request(f"port {port}: sandbox {managed.id} has network none, where nothing can listen (not even "
+                          "on loopback); create it with networkPolicy {\"defaultAction\": \"deny\"} (a loopback of "
+                          "its own, no way out) or under a profile whose network is loopback", "ENDPOINT_NOT_AVAILABLE")
+    return JSONResponse({"endpoint": url, "headers": {PORT_TOKEN_HEADER: port_token(managed, port)}})
 
 
 @api

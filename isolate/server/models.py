@@ -114,7 +114,8 @@ def limits_from(resource: object, base: Limits) -> Limits:
 
 
 def network_from(policy: object, base: Policy) -> Any:
-    """networkPolicy → isolate's network: deny → none, deny + allow rules → an allow-list, allow → host."""
+    """networkPolicy → isolate's network: deny → loopback (its own), deny + allow rules → an allow-list,
+    allow → host."""
     if policy is None or policy == {}:
         return base.network
     if not isinstance(policy, Mapping):
@@ -143,14 +144,27 @@ def network_from(policy: object, base: Policy) -> Any:
     if action == "allow":
         return "host"
     if not allow:
-        return "none"
+        return "loopback"  # a loopback of its own (what listens in it can be reached by its endpoints), no way out
     # An allow-list: isolate.Egress, enforced where the policy layer supports it (else refused at start).
-    from ..model.policy import Egress
 
     try:
-        return Egress(tuple(allow))
+        return egress_with(allow, base.network)
     except PolicyError as exc:
         raise bad_request(f"networkPolicy: {exc}") from None
+
+
+def egress_with(hosts: list[str], profile: object) -> Any:
+    """An allow-list of ``hosts`` under a profile's network: its static names (those the hosts allow),
+    its resolver and allow_private stay the operator's."""
+    from ..model import egress_rules
+    from ..model.policy import Egress
+
+    if not isinstance(profile, Egress):
+        return Egress(tuple(hosts))
+    rules = Egress(tuple(hosts)).rules()
+    static = tuple(entry for entry in profile.add_hosts
+                   if rules.ports_of(egress_rules.parse_static_host(entry)[0]))
+    return Egress(tuple(hosts), add_hosts=static, resolver=profile.resolver, allow_private=profile.allow_private)
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,29 @@ def _str_map(value: object, name: str) -> dict[str, str]:
                                                   for k, v in value.items()):
         raise bad_request(f"{name}: expected an object of string values")
     return dict(value)
+
+
+# Kubernetes label rules, which the spec puts on metadata: a name (63 characters at most, alphanumeric
+# at both ends, -_. inside), optionally after a DNS subdomain prefix and a slash; values likewise (or empty).
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def check_metadata(metadata: Mapping[str, object]) -> None:
+    """Refuse (400 INVALID_METADATA_LABEL) a key or value the spec's label rules do not allow."""
+    for key, value in metadata.items():
+        if key.startswith("opensandbox.io/"):
+            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved", "INVALID_METADATA_LABEL")
+        prefix, slash, name = key.rpartition("/")
+        if not (len(name) <= 63 and _LABEL_NAME.match(name)
+                and (not slash or (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)))):
+            raise bad_request(f"metadata: key {key[:80]!r} is not a label name (up to 63 of A-Z a-z 0-9 - _ ., "
+                              "alphanumeric at both ends, optionally after a DNS subdomain and /)",
+                              "INVALID_METADATA_LABEL")
+        if value is not None and not (isinstance(value, str) and len(value) <= 63
+                                      and (value == "" or _LABEL_NAME.match(value))):
+            raise bad_request(f"metadata.{key}: value {str(value)[:80]!r} is not a label value (up to 63 of "
+                              "A-Z a-z 0-9 - _ ., alphanumeric at both ends)", "INVALID_METADATA_LABEL")
 
 
 def _empty(value: object) -> bool:
@@ -222,9 +259,7 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         timeout = float(timeout)
     env = _str_map(body.get("env"), "env")
     metadata = _str_map(body.get("metadata"), "metadata")
-    for key in metadata:
-        if key.startswith("opensandbox.io/"):
-            raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved")
+    check_metadata(metadata)
     entrypoint = body.get("entrypoint", KEEPALIVE_ENTRYPOINT)
     if entrypoint is None:
         entrypoint = KEEPALIVE_ENTRYPOINT

@@ -15,6 +15,7 @@ import selectors
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,8 @@ def room_for_session(managed: ManagedSandbox) -> None:
     if len(managed.sessions) + len(managed.contexts) >= MAX_SESSIONS:
         raise ApiError(429, "TOO_MANY_SESSIONS", f"a sandbox keeps at most {MAX_SESSIONS} bash sessions and code "
                        "contexts together; delete one first")
+#: Lifecycle events kept per sandbox for diagnostics (the oldest are dropped).
+KEEP_EVENTS = 1000
 #: SIGTERM, then this long before SIGKILL, as upstream's interrupt does.
 INTERRUPT_GRACE = 3.0
 
@@ -206,9 +209,25 @@ class ManagedSandbox:
     sessions: dict[str, Any] = field(default_factory=dict)
     contexts: dict[str, Any] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: The background command running the create request's entrypoint (None: the SDK's keep-alive).
+    entry_command: str | None = None
+    #: (time, text) of what happened to the sandbox, for GET .../diagnostics/events.
+    events: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=KEEP_EVENTS))
+    #: The last CPU reading (monotonic time, CPU seconds), for the usage between two readings.
+    cpu_sample: tuple[float, float] | None = None
+    #: The own-port forwarder (isolate.server.ports), made at the first forwarded connection.
+    forwarder: Any = None
+    #: The allow-list as changed at run time (PATCH /policy), when it was (isolate.model.policy.Egress).
+    egress: Any = None
+    #: Its rules as (action, target) since then, deny rules included, as GET /policy lists them.
+    egress_rules: list[tuple[str, str]] | None = None
+
+    def event(self, text: str) -> None:
+        self.events.append((time.time(), text))
 
     def set_state(self, state: str, reason: str, message: str = "") -> None:
         self.state, self.reason, self.message, self.transition_at = state, reason, message, time.time()
+        self.event(f"state {state} (reason {reason})" + (f": {message}" if message else ""))
 
     def usable(self) -> None:
         """Refuse execution requests while paused (the exec server is frozen and would not answer)."""
@@ -260,6 +279,9 @@ class ManagedSandbox:
             pass  # it ended meanwhile and its conversation is closed
 
     def close(self) -> None:
+        forwarder = self.forwarder
+        if forwarder is not None:
+            forwarder.close()
         with self.lock:
             for session in [*self.sessions.values(), *self.contexts.values()]:
                 try:

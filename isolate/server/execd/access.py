@@ -38,11 +38,26 @@ def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) 
                                   or same(request.headers.get(API_KEY_HEADER), state.api_key))
     if managed is None or not ok:
         raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
-    if request.path_params.get("port") != str(port):
+    if request.path_params.get("port", str(port)) != str(port):
         raise ApiError(404, "NOT_FOUND", "this port of the sandbox serves nothing here")
     if running:
         managed.usable()
     return managed
+
+
+def refusal_for(request: Request, status: int, code: str, reason: str) -> ApiError:
+    """A refused route of the execution or egress API: 401 without the sandbox's token or the API key
+    (as its served routes answer), else the refusal. The API key alone suffices: a refusal is the
+    server's, whatever the sandbox."""
+    state: ServerState = request.app.state.isolate
+    if not same(request.headers.get(API_KEY_HEADER), state.api_key):
+        try:
+            managed: ManagedSandbox | None = state.get(request.path_params["sandbox_id"])
+        except ApiError:
+            managed = None
+        if managed is None or not same(request.headers.get(ACCESS_TOKEN_HEADER), managed.token):
+            raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
+    return ApiError(status, code, reason)
 
 
 @api

@@ -7,7 +7,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import time
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -295,25 +294,3 @@ async def upload_files(request: Request) -> Response:
     finally:
         await form.close()
     return Response(status_code=200)
-
-
-@api
-async def metrics(request: Request) -> Response:
-    managed = sandbox_for(request)
-
-    def work() -> dict[str, Any]:
-        rss = 0
-        for proc in managed.box.processes():
-            try:
-                rss += proc.memory_info().rss
-            except Exception:
-                continue
-        limit = managed.box.policy.limits.value("memory")
-        import psutil
-
-        total = limit if limit is not None else psutil.virtual_memory().total
-        cpus = managed.box.policy.limits.value("cpus") or float(os.cpu_count() or 1)
-        return {"cpu_count": float(cpus), "cpu_used_pct": 0.0, "mem_total_mib": total / (1 << 20),
-                "mem_used_mib": rss / (1 << 20), "timestamp": int(time.time() * 1000)}
-
-    return JSONResponse(await run_in_threadpool(work))

@@ -1,17 +1,12 @@
-"""The execution API's routes, and the egress sidecar's policy (port 18080), read-only.
+"""The execution API's routes (port 44772) and the egress sidecar's (port 18080).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..common import api
-from ..models import EGRESS_PORT, ApiError
-from .access import ping, sandbox_for
+from ..models import EGRESS_PORT, EXECD_PORT
+from .access import ping
 from .commands import command_logs, command_status, interrupt_command, run_command
 from .contexts import (
     create_context,
@@ -22,13 +17,13 @@ from .contexts import (
     list_contexts,
     run_code,
 )
+from .egress import delete_policy, get_policy, patch_policy
 from .files import (
     chmod_files,
     download_file,
     files_info,
     list_directory,
     make_dirs,
-    metrics,
     move_files,
     remove_dirs,
     remove_files,
@@ -36,27 +31,12 @@ from .files import (
     search_files,
     upload_files,
 )
+from .metrics import metrics, watch_metrics
 from .sessions import create_session, delete_session, run_in_session
 
-# -- the egress sidecar's policy (port 18080), read-only ---------------------------------------
-
-@api
-async def egress_policy(request: Request) -> Response:
-    """The sandbox's network as the sidecar's policy shape; it is fixed at create (changes are refused)."""
-    managed = sandbox_for(request, running=False, port=EGRESS_PORT)
-    if request.method != "GET":
-        raise ApiError(400, "UNSUPPORTED", "the network of a running sandbox cannot change here; create another "
-                       "sandbox with the networkPolicy wanted")
-    network = managed.box.policy.network
-    if isinstance(network, str):
-        policy: dict[str, Any] = {"defaultAction": "allow" if network == "host" else "deny", "egress": []}
-    else:
-        policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": h} for h in network.hosts]}
-    mode = network if isinstance(network, str) else "allow-list"
-    return JSONResponse({"status": "ok", "mode": mode, "enforcementMode": "isolate", "policy": policy})
-
-
-PREFIX = "/sandboxes/{sandbox_id}/port/{port}"
+# Literal ports: every other port of a sandbox is forwarded (isolate.server.ports).
+PREFIX = f"/sandboxes/{{sandbox_id}}/port/{EXECD_PORT}"
+EGRESS = f"/sandboxes/{{sandbox_id}}/port/{EGRESS_PORT}"
 
 
 routes = [
@@ -80,7 +60,10 @@ routes = [
     Route(PREFIX + "/directories", make_dirs, methods=["POST"]),
     Route(PREFIX + "/directories", remove_dirs, methods=["DELETE"]),
     Route(PREFIX + "/metrics", metrics, methods=["GET"]),
-    Route(PREFIX + "/policy", egress_policy, methods=["GET", "PATCH", "DELETE"]),
+    Route(PREFIX + "/metrics/watch", watch_metrics, methods=["GET"]),
+    Route(EGRESS + "/policy", get_policy, methods=["GET"]),
+    Route(EGRESS + "/policy", patch_policy, methods=["PATCH"]),
+    Route(EGRESS + "/policy", delete_policy, methods=["DELETE"]),
     Route(PREFIX + "/code", run_code, methods=["POST"]),
     Route(PREFIX + "/code", interrupt_code, methods=["DELETE"]),
     Route(PREFIX + "/code/context", create_context, methods=["POST"]),

@@ -27,7 +27,9 @@ from .model.workspace import Workspace
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
     from .agents import wrap
     from .backends.native.popen import Popen
+    from .kept.merge import MergeConflictError, MergeResult, merge
     from .kept.sandbox import AsyncSandbox, Sandbox
+    from .kept.snapshots import Snapshot
     from .oneshot.runs import CompletedProcess, run
 
 
@@ -48,6 +50,8 @@ __all__ = [
     "Egress",
     "IsolationError",
     "Limits",
+    "MergeConflictError",
+    "MergeResult",
     "Mount",
     "Policy",
     "PolicyError",
@@ -55,9 +59,11 @@ __all__ = [
     "Report",
     "Sandbox",
     "SetupError",
+    "Snapshot",
     "UnsupportedError",
     "Workspace",
     "__version__",
+    "merge",
     "run",
     "wrap",
 ]
@@ -73,6 +79,14 @@ def __getattr__(name: str) -> object:
         from .kept import sandbox
 
         return getattr(sandbox, name)
+    if name == "Snapshot":
+        from .kept.snapshots import Snapshot
+
+        return Snapshot
+    if name in ("merge", "MergeResult", "MergeConflictError"):
+        from .kept import merge
+
+        return getattr(merge, name)
     if name == "wrap":
         from .agents import wrap
 

@@ -32,15 +32,16 @@ from ..backends.native.protocol import Stat
 from ..backends.registry import _check_name
 from ..kernel.overlay import overlay_commit, overlay_diff
 from ..kernel.tree import Changes, apply, check_target, diff, entries_of, walk
-from ..model.errors import IsolationError, PolicyError
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
 from .interpreter import Interpreter
 from .shell import Shell
+from .snapshots import Snapshot, check_start, restore_areas, take
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
-           "Stat", "Workspace"]
+           "Snapshot", "Stat", "Workspace"]
 
 #: A named native sandbox ends after this long without a connection or a running command, unless told.
 DEFAULT_NAMED_IDLE = 3600.0
@@ -73,12 +74,17 @@ class Sandbox:
 
     def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
                  mounts: Sequence[Mount] = (), name: str | None = None, backend: str | None = None,
-                 ttl: float | None = None, idle_timeout: float | None = None) -> None:
+                 ttl: float | None = None, idle_timeout: float | None = None,
+                 snapshot: Snapshot | None = None) -> None:
         policy = policy if policy is not None else Policy()
         if not isinstance(policy, Policy):
             raise TypeError("policy must be an isolate.Policy")
         if isinstance(workspace, (str, os.PathLike)):
             workspace = Workspace(os.fspath(workspace))
+        if snapshot is not None:
+            workspace = check_start(snapshot, workspace)
+        #: The snapshot this sandbox's files started from (None: its workspace's source).
+        self.origin = snapshot
         self.workspace = workspace if workspace is not None else Workspace()
         self.mounts = tuple(Mount.parse(m, "ro") if isinstance(m, str) else m for m in mounts)
         self.name = _check_name(name) if name is not None else None
@@ -90,8 +96,9 @@ class Sandbox:
         idle = _seconds(idle_timeout, "idle_timeout")
         if idle_timeout is None and name is not None:
             idle = DEFAULT_NAMED_IDLE
+        self._ttl, self._idle = ttl, idle
         self._impl: KeptBackend = make_backend(self.backend, policy, self.workspace, self.mounts, self.name, ttl,
-                                               idle)
+                                               idle, snapshot)
         self._shells: dict[str, Shell] = {}
         self._interpreters: dict[str, Interpreter] = {}
         self._started = False
@@ -116,6 +123,12 @@ class Sandbox:
             return self
         self._impl.start()
         self._started = True
+        if self.origin is not None and self.origin.areas:
+            try:
+                restore_areas(self, self.origin)
+            except BaseException:
+                self.close()
+                raise
         return self
 
     @classmethod
@@ -128,7 +141,7 @@ class Sandbox:
         box = cls.__new__(cls)
         box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
-        box._interpreters = {}
+        box._interpreters, box.origin, box._ttl, box._idle = {}, None, None, None
         return box
 
     def _close_sessions(self) -> None:
@@ -415,6 +428,65 @@ class Sandbox:
                 os.close(tgt_fd)
         finally:
             os.close(ws_fd)
+
+
+    # -- snapshots and forks (isolate/kept/snapshots.py) -------------------------------------
+
+    def snapshot(self, name: str | None = None) -> Snapshot:
+        """A frozen capture of the sandbox's files: the workspace and its private tmpfs mounts (/tmp, the
+        home). An overlay workspace's costs what changed since the source; a copy's, a copy."""
+        self._running("snapshot")
+        return take(self, name, self.origin)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Bring the sandbox's files back to snapshot (taken of this sandbox, or of one with its workspace).
+
+        Its processes end (commands, shells, interpreters): the sandbox starts again from the snapshot's
+        files, with the same policy, mounts and name.
+        """
+        self._running("restore")
+        workspace = check_start(snapshot, self.workspace)
+        self._close_sessions()
+        fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
+                             snapshot)
+        self._impl.close()
+        self._started = False
+        self._impl, self.origin = fresh, snapshot
+        self.start()
+
+    def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
+        """n new sandboxes (started, unnamed) whose files are this one's as they are now, each on its own.
+
+        Files only: no process is carried (``processes=True`` is refused: isolate does not checkpoint
+        processes). Forks of an overlay workspace cost what changed since the source, not its size.
+        """
+        if processes:
+            import shutil
+
+            why = ("CRIU is not installed" if shutil.which("criu") is None else
+                   "isolate does not drive CRIU's checkpoint and restore")
+            raise UnsupportedError(f"fork(processes=True): carrying processes needs checkpoint/restore, and {why}; "
+                                   "fork() carries the files, and the forks start with no process")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
+        self._running("fork")
+        snap = take(self, None, self.origin)
+        boxes: list[Sandbox] = []
+        try:
+            for _ in range(n):
+                box = Sandbox(self.policy, mounts=self.mounts, backend=self.backend, ttl=self._ttl,
+                              idle_timeout=self._idle, snapshot=snap)
+                box.start()
+                boxes.append(box)
+        except BaseException:
+            for box in boxes:
+                box.close()
+            snap.remove()
+            raise
+        # Each fork holds its own clone of the layer (or copy of the tree): the snapshot is no longer needed,
+        # but merge() finds the forks' common start by its id.
+        snap.remove()
+        return boxes
 
 
 class AsyncSandbox:

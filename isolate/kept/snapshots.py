@@ -110,9 +110,7 @@ class Snapshot:
             fd = os.open(os.path.join(_meta_dir(), f"{name}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd) as handle:
                 meta = json.load(handle)
-            ws = meta["workspace"]
-            return cls(name, str(meta["kind"]), Workspace(ws["source"], ws["target"], ws["mode"],
-                                                          tuple(ws["exclude"])),
+            return cls(name, str(meta["kind"]), _workspace(meta["workspace"]),
                        float(meta["created"]), str(meta["id"]), meta.get("origin"), tuple(meta["areas"]),
                        (int(meta["identity"][0]), int(meta["identity"][1])))
         except (OSError, ValueError, KeyError, TypeError):
@@ -167,6 +165,18 @@ class Snapshot:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
                 raise IsolationError(f"snapshot {self.name!r}: its archive is not a regular file")
             return handle.read(AREAS_LIMIT)
+
+
+def _workspace(ws: dict[str, Any]) -> Workspace:
+    """The workspace a description names, as it was checked when the snapshot was taken: its source may be
+    gone since (the snapshot is still listed, and can be removed; starting from it then fails)."""
+    try:
+        return Workspace(ws["source"], ws["target"], ws["mode"], tuple(ws["exclude"]))
+    except PolicyError:
+        workspace = Workspace(None, ws["target"], "copy", tuple(ws["exclude"]))
+        object.__setattr__(workspace, "source", str(ws["source"]))
+        object.__setattr__(workspace, "mode", str(ws["mode"]))
+        return workspace
 
 
 class _Making:
@@ -286,8 +296,6 @@ def restore_areas(sb: Sandbox, snap: Snapshot) -> None:
 def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True) -> Snapshot:
     """Capture a running native sandbox's files (see the module's docstring)."""
     from ..backends.native.kept import NativeSandbox, _open_base
-    from ..kernel.tree import copy_tree
-
     impl = sb._impl
     if not isinstance(impl, NativeSandbox):
         raise UnsupportedError("snapshot: the Docker backend keeps no snapshots (docker commit captures a "
@@ -314,7 +322,8 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
                     os.fchown(making.data, info.st_uid, info.st_gid)
                 layers.flatten(ws_fd, making.data)
             else:
-                copy_tree(ws_fd, making.data, Workspace())
+                # Every node as it is (a link as a link, whatever it names: stored, never followed).
+                layers.clone(ws_fd, making.data, hard_links=False)
         finally:
             os.close(ws_fd)
         if archive:

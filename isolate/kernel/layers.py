@@ -27,6 +27,9 @@ from collections.abc import Callable
 from .tree import _DIR_FLAGS, MAX_DEPTH, Entry, _copy_extents, _open_file, _remove_tree, walk
 
 OPAQUE_XATTR = "user.overlay.opaque"
+#: No set-user-ID or set-group-ID bit on a file isolate copies (they mean nothing in a sandbox, which
+#: runs with no_new_privs on nosuid mounts, and would be a host's set-id file in the state directory).
+_FILE_BITS = 0o1777
 _FILE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -95,7 +98,7 @@ def copy_node(src_dir: int, name: str, info: os.stat_result, dst_dir: int, dst_n
     elif is_whiteout(info):
         make_whiteout(dst_dir, target)
     elif stat.S_ISFIFO(info.st_mode):
-        os.mkfifo(target, stat.S_IMODE(info.st_mode) & 0o777, dir_fd=dst_dir)
+        os.mkfifo(target, stat.S_IMODE(info.st_mode) & _FILE_BITS, dir_fd=dst_dir)
         _own(target, info, dst_dir)
     # Sockets and devices are not kept (nothing can be read from them).
 
@@ -106,7 +109,7 @@ def write_file(src_fd: int, dst_dir: int, name: str, info: os.stat_result) -> No
     try:
         _copy_extents(src_fd, out)
         _own(out, info)
-        os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o7777)
+        os.fchmod(out, stat.S_IMODE(info.st_mode) & _FILE_BITS)
     finally:
         os.close(out)
 
@@ -317,7 +320,7 @@ def put(root_fd: int, rel: str, entry: Entry, layered: bool, data: bytes | None 
                     while view:
                         view = view[os.write(out, view):]
                     _own(out, info)
-                    os.fchmod(out, entry.mode & 0o7777)
+                    os.fchmod(out, entry.mode & _FILE_BITS)
                 finally:
                     os.close(out)
             else:

@@ -579,7 +579,7 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
             try:
                 copied = _fd_identity(copy_fd)
                 if fill_from >= 0:
-                    copy_tree(fill_from, copy_fd, workspace)
+                    clone(fill_from, copy_fd, hard_links=False)  # a snapshot's tree, as it was
                 elif workspace.source is not None:
                     copy_tree(workspace.source, copy_fd, workspace)
             finally:

@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import shlex
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -27,7 +28,7 @@ from ..backends.kept import KeptBackend, attach_backend, make_backend
 from ..backends.native import files as native_files
 from ..backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, SandboxProcess, run_collecting
 from ..backends.native.files import DirEntry, GrepMatch
-from ..backends.native.kept import environment_for
+from ..backends.native.kept import NativeSandbox, environment_for
 from ..backends.native.protocol import Stat
 from ..backends.registry import _check_name
 from ..kernel.overlay import overlay_commit, overlay_diff
@@ -38,7 +39,7 @@ from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
 from .interpreter import Interpreter
 from .shell import Shell
-from .snapshots import Snapshot, check_start, restore_areas, take
+from .snapshots import HandedOver, Snapshot, check_start, restore_areas, take
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
            "Snapshot", "Stat", "Workspace"]
@@ -449,7 +450,14 @@ class Sandbox:
         self._close_sessions()
         fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
                              snapshot)
-        self._impl.close()
+        old = self._impl
+        if self.name is None and isinstance(old, NativeSandbox):
+            # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files
+            # removed beside the new one's start, not before it.
+            old.end("restored from a snapshot", wait=False)
+            threading.Thread(target=old.close, name="isolate-restore-cleanup", daemon=True).start()
+        else:
+            old.close()  # a named one's socket and description are the new one's too
         self._started = False
         self._impl, self.origin = fresh, snapshot
         self.start()
@@ -473,9 +481,11 @@ class Sandbox:
         snap = take(self, None, self.origin)
         boxes: list[Sandbox] = []
         try:
-            for _ in range(n):
+            for i in range(n):
                 box = Sandbox(self.policy, mounts=self.mounts, backend=self.backend, ttl=self._ttl,
                               idle_timeout=self._idle, snapshot=snap)
+                if i == n - 1 and isinstance(box._impl, NativeSandbox):
+                    box._impl.start_from = HandedOver(snap)  # the last fork takes the snapshot's files as they are
                 box.start()
                 boxes.append(box)
         except BaseException:

@@ -179,6 +179,27 @@ def _workspace(ws: dict[str, Any]) -> Workspace:
         return workspace
 
 
+class HandedOver:
+    """A snapshot handed over to the one sandbox about to start from it (fork's last): its files are moved
+    into the sandbox's data directory (a rename: nothing copied or linked), the snapshot then removed."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def open_data(self) -> int:
+        return self.snapshot.open_data()
+
+    def move_data(self, dir_fd: int, name: str) -> bool:
+        fd = self.snapshot._open()
+        try:
+            os.rename(self.snapshot.kind, name, src_dir_fd=fd, dst_dir_fd=dir_fd)
+        except OSError:
+            return False  # another file system, say: cloned instead
+        finally:
+            os.close(fd)
+        return True
+
+
 class _Making:
     """A snapshot being made: its directory, removed again unless commit() is reached."""
 

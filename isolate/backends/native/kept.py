@@ -172,15 +172,10 @@ class NativeSandbox:
             if self.workspace.mode == "overlay":
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
             if self.workspace.mode in ("copy", "overlay"):
-                fill = self.start_from.open_data() if self.start_from is not None else -1
-                try:
-                    self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
-                                                                                self.workspace, layers, fill)
-                finally:
-                    if fill >= 0:
-                        os.close(fill)
+                self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
+                                                                            self.workspace, layers, self.start_from)
                 made_data = True
-                if layers is not None and fill >= 0:
+                if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
@@ -362,9 +357,9 @@ class NativeSandbox:
         with self._query_lock:
             return ask_summary(prepared.mediator_query)
 
-    def end(self, reason: str) -> bool:
+    def end(self, reason: str, wait: bool = True) -> bool:
         """SIGKILL to the init, from the host (no process inside can stop that): the PID namespace and
-        everything in it end; the files stay until close()."""
+        everything in it end; the files stay until close(). ``wait=False``: not reaped here (close() does)."""
         if self.ended_because is None:
             self.ended_because = reason
         if self.process is not None:
@@ -372,8 +367,9 @@ class NativeSandbox:
                 return False
             with _suppress_missing():
                 self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=10)
+            if wait:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=10)
             return True
         init = self._init_pid()
         if init is None:
@@ -540,15 +536,15 @@ def _fd_identity(fd: int) -> tuple[int, int]:
 
 
 def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | None = None,
-                  fill_from: int = -1) -> tuple[tuple[int, int], tuple[int, int] | None]:
+                  fill_from: Any = None) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """Make a kept sandbox's data directory ``state_dir()/kind/key`` and in it, for a copied workspace,
     ``workspace`` filled from the source, or an overlay's layers; the identities of the data directory
     and of the workspace as the host reads it (the copy, or the upper layer; None for a bound one).
 
     Made through descriptors that follow no link a program planted in the state directory (see
     places.open_state_dir): the workspace is copied where isolate means, nowhere else. On failure what
-    was made is removed, through the same descriptors. ``fill_from``: a snapshot's files (a descriptor
-    of its tree for a copy, of its layer for an overlay) instead of the source's.
+    was made is removed, through the same descriptors. ``fill_from``: a snapshot (isolate.Snapshot, or
+    what fork hands over) whose files are the copy, or the overlay's base layer, instead of the source's.
     """
     parent = open_state_dir(kind)
     try:
@@ -558,29 +554,23 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
         try:
             if layers is not None:
                 upper = make_layers(layers, data_fd)
-                if fill_from >= 0:
-                    # A snapshot's layer, cloned (hard links: its files are never written) as the middle layer.
+                if fill_from is not None:
                     state = os.open("overlay", _DIR_FLAGS, dir_fd=data_fd)
                     try:
-                        os.mkdir("base", 0o755, dir_fd=state)
-                        base = os.open("base", _DIR_FLAGS, dir_fd=state)
-                        try:
-                            _copy_owner(fill_from, base)
-                            clone(fill_from, base)
-                        finally:
-                            os.close(base)
+                        _fill(fill_from, state, "base", hard_links=True)
                     finally:
                         os.close(state)
                 return data, upper
             if workspace.mode != "copy":
                 return data, None
-            os.mkdir("workspace", 0o755, dir_fd=data_fd)
+            if fill_from is not None:
+                _fill(fill_from, data_fd, "workspace", hard_links=False)  # a snapshot's tree, as it was
+            else:
+                os.mkdir("workspace", 0o755, dir_fd=data_fd)
             copy_fd = os.open("workspace", _DIR_FLAGS, dir_fd=data_fd)
             try:
                 copied = _fd_identity(copy_fd)
-                if fill_from >= 0:
-                    clone(fill_from, copy_fd, hard_links=False)  # a snapshot's tree, as it was
-                elif workspace.source is not None:
+                if fill_from is None and workspace.source is not None:
                     copy_tree(workspace.source, copy_fd, workspace)
             finally:
                 os.close(copy_fd)
@@ -592,6 +582,25 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
             os.close(data_fd)
     finally:
         os.close(parent)
+
+
+def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool) -> None:
+    """name under dir_fd made of a snapshot's files: its directory moved there when the snapshot is handed
+    over for this sandbox alone (fork's last), else a clone (hard links for a layer, whose files are never
+    written; copies for a workspace, which the program writes)."""
+    if getattr(snapshot, "move_data", None) is not None and snapshot.move_data(dir_fd, name):
+        return
+    source = snapshot.open_data()
+    try:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        made = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            _copy_owner(source, made)
+            clone(source, made, hard_links=hard_links)
+        finally:
+            os.close(made)
+    finally:
+        os.close(source)
 
 
 def _copy_owner(src_fd: int, dst_fd: int) -> None:

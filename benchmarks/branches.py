@@ -78,26 +78,35 @@ def measure(workdir: str, files: int, size_mb: int, rounds: int, copy_rounds: in
     try:
         isolate_figures: dict[str, list[float]] = {"snapshot": [], "fork": [], "restore": []}
         with isolate.Sandbox(policy, workspace=overlay) as sb:
-            for i in range(rounds):
-                sb.exec(episode(files, i))
-                t = time.perf_counter()
-                snap = sb.snapshot()
-                isolate_figures["snapshot"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                fork, = sb.fork(1)
-                isolate_figures["fork"].append(time.perf_counter() - t)
-                fork.close()
-                snap.remove()
-            start = sb.snapshot()
+            clean = sb.snapshot()  # the source as it is: each round changes EPISODE_FILES files since it
+            try:
+                for i in range(rounds):
+                    sb.restore(clean)
+                    sb.exec(episode(files, i))
+                    t = time.perf_counter()
+                    snap = sb.snapshot()
+                    isolate_figures["snapshot"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    fork, = sb.fork(1)
+                    isolate_figures["fork"].append(time.perf_counter() - t)
+                    fork.close()
+                    snap.remove()
+                # The RL start state: the source and one episode's changes (its setup).
+                sb.restore(clean)
+                sb.exec(episode(files, rounds))
+                start = sb.snapshot()
+            finally:
+                clean.remove()
         try:
             with isolate.Sandbox(policy, snapshot=start) as rl:
                 for i in range(rounds):
-                    rl.exec(episode(files, i + rounds))
+                    rl.exec(episode(files, i + rounds + 1))
                     t = time.perf_counter()
                     rl.restore(start)
                     isolate_figures["restore"].append(time.perf_counter() - t)
-                check = rl.exec(f"cat d00/f{0:05d}.dat | head -c 7").stdout
-                out["restore_checked"] = check != "episode"
+                first = (rounds * 37) % files  # a file the start state's episode wrote
+                check = rl.exec(f"cat d{first % 100:02d}/f{first:05d}.dat").stdout
+                out["restore_checked"] = check == f"episode {rounds}\n"
         finally:
             start.remove()
         out["isolate"] = {k: summary_ms(v) for k, v in isolate_figures.items()}

@@ -39,7 +39,7 @@ from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
 from .interpreter import Interpreter
 from .shell import Shell
-from .snapshots import HandedOver, Snapshot, check_start, restore_areas, take
+from .snapshots import HandedOver, Reused, Snapshot, check_start, restore_areas, take
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
            "Snapshot", "Stat", "Workspace"]
@@ -452,6 +452,9 @@ class Sandbox:
                              snapshot)
         old = self._impl
         if self.name is None and isinstance(old, NativeSandbox):
+            if (workspace.mode == "overlay" and self.origin is not None and self.origin.id == snapshot.id
+                    and isinstance(fresh, NativeSandbox)):
+                fresh.start_from = Reused(snapshot, old.paths.key)  # the old one's base layer is this one's
             # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files
             # removed beside the new one's start, not before it.
             old.end("restored from a snapshot", wait=False)

@@ -200,6 +200,32 @@ class HandedOver:
         return True
 
 
+class Reused:
+    """A snapshot a sandbox is restored to when it started from that very snapshot: the base layer the old
+    sandbox cloned from it (never written, as every lower layer) is moved to the new one (a rename) rather
+    than cloned again; the old sandbox, killed, no longer needs it."""
+
+    def __init__(self, snapshot: Snapshot, key: str) -> None:
+        self.snapshot, self.key = snapshot, key
+
+    def open_data(self) -> int:
+        return self.snapshot.open_data()
+
+    def move_data(self, dir_fd: int, name: str) -> bool:
+        fd = open_state_dir("sandboxes")
+        try:
+            for part in (self.key, "overlay"):
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            os.rename("base", name, src_dir_fd=fd, dst_dir_fd=dir_fd)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+
 class _Making:
     """A snapshot being made: its directory, removed again unless commit() is reached."""
 

@@ -73,8 +73,10 @@ def measure(workdir: str, files: int, size_mb: int, rounds: int, copy_rounds: in
     policy = isolate.Policy(write=())
     overlay = isolate.Workspace(source, mode="overlay")
     out: dict[str, Any] = {"files": files, "size_mb": size_mb, "episode_files": EPISODE_FILES, "rounds": rounds,
-                           "mechanism": "overlay layers: the snapshot is the upper layer laid over the base layer's "
-                                        "hard-link clone; forks and restores mount a hard-link clone of it"}
+                           "mechanism": "overlay layers: a snapshot is the sandbox's upper layer laid over a hard-link "
+                                        "clone of its base layer; a fork mounts a hard-link clone of the snapshot's "
+                                        "layer (the last fork takes it by a rename); a restore to the snapshot the "
+                                        "sandbox started from takes over the old sandbox's base layer (a rename)"}
     try:
         isolate_figures: dict[str, list[float]] = {"snapshot": [], "fork": [], "restore": []}
         with isolate.Sandbox(policy, workspace=overlay) as sb:
@@ -192,3 +194,51 @@ def _docker(source: str, files: int, rounds: int, image: str, log: Callable[[str
             subprocess.run([docker, "rmi", "-f", img], capture_output=True, timeout=120)
     log(f"branches: docker commit {median(commits) * 1e3:.0f} ms, docker run -d {median(runs) * 1e3:.0f} ms")
     return {"commit": summary_ms(commits), "run": summary_ms(runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.branches [--quick] [--no-docker] [--out DIR]``: this section alone, written to
+    ``results/branches.json`` and ``branches.md`` (the full harness keeps it in ``latest.*``)."""
+    import argparse
+    import json
+    import sys
+
+    from . import machine
+    from .output import _branches_markdown
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.branches", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="500 files / 5 MB, 3 rounds")
+    parser.add_argument("--no-docker", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    from .peers import docker_image
+
+    workdir = tempfile.mkdtemp(prefix="isolate-bench-branches-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    os.chmod(workdir, 0o777)
+    load_start = machine.load_average()
+    try:
+        figures = measure(workdir, 500 if args.quick else 10_000, 5 if args.quick else 500, 3 if args.quick else 20,
+                          1 if args.quick else 3, None if args.no_docker else docker_image(), log)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine.describe(),
+               "load_average_start": load_start, "load_average_end": machine.load_average(), "branches": figures}
+    os.makedirs(args.out, exist_ok=True)
+    stem = "branches-quick" if args.quick else "branches"
+    with open(os.path.join(args.out, f"{stem}.json"), "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2)
+        handle.write("\n")
+    text = "\n".join([f"# Branches ({results['date']}; load average {load_start} at the start, "
+                      f"{results['load_average_end']} at the end)", "", *_branches_markdown(figures)])
+    with open(os.path.join(args.out, f"{stem}.md"), "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

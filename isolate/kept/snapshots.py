@@ -318,7 +318,7 @@ def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
             members += [os.path.join(path, name).lstrip("/") for name in sorted(names)]
     if not full:
         return (), b""
-    result = sb.exec(["tar", "-C", "/", "-cf", "-", "--", *members],
+    result = sb.exec(["tar", "-C", "/", "--sparse", "-cf", "-", "--", *members],
                      text=False, output_limit=AREAS_LIMIT)
     if result.returncode == 127:
         raise UnsupportedError(f"snapshot: {', '.join(full)} hold files, which a snapshot keeps with the "

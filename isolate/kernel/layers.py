@@ -80,11 +80,39 @@ def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool) -> i
     return fd
 
 
-def copy_node(src_dir: int, name: str, info: os.stat_result, dst_dir: int, dst_name: str | None = None) -> None:
-    """Copy one non-directory node (file data, link text, whiteout, FIFO) to dst_dir; what is there goes."""
+class Links:
+    """The files a copy has written, by their source's inode: a file with several names (hard links) is
+    copied once and linked under its other names, so that a program's thousand names of one big file cost
+    the host one copy, as they cost the program."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.seen: dict[tuple[int, int], str] = {}
+
+    def link(self, info: os.stat_result, dst_dir: int, target: str) -> bool:
+        first = self.seen.get((info.st_dev, info.st_ino)) if info.st_nlink > 1 else None
+        if first is None:
+            return False
+        try:
+            os.link(first, target, src_dir_fd=self.root_fd, dst_dir_fd=dst_dir, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
+    def add(self, info: os.stat_result, rel: str) -> None:
+        if info.st_nlink > 1:
+            self.seen[(info.st_dev, info.st_ino)] = rel
+
+
+def copy_node(src_dir: int, name: str, info: os.stat_result, dst_dir: int, dst_name: str | None = None,
+              links: Links | None = None, rel: str = "") -> None:
+    """Copy one non-directory node (file data, link text, whiteout, FIFO) to dst_dir; what is there goes.
+    ``links``/``rel``: the copy's hard links so far, and this node's path in it."""
     target = dst_name or name
     _remove_tree(dst_dir, target)
     if stat.S_ISREG(info.st_mode):
+        if links is not None and links.link(info, dst_dir, target):
+            return
         src = os.open(name, _FILE_READ, dir_fd=src_dir)
         try:
             if not stat.S_ISREG(os.fstat(src).st_mode):
@@ -92,6 +120,8 @@ def copy_node(src_dir: int, name: str, info: os.stat_result, dst_dir: int, dst_n
             write_file(src, dst_dir, target, info)
         finally:
             os.close(src)
+        if links is not None:
+            links.add(info, rel)
     elif stat.S_ISLNK(info.st_mode):
         os.symlink(os.readlink(name, dir_fd=src_dir), target, dir_fd=dst_dir)
         _own(target, info, dst_dir)
@@ -118,8 +148,9 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
     """Fill the empty directory dst_fd with the layer src_fd: directories made, every other node a hard
     link of the layer's (``hard_links=False``, or across file systems: copied). How many nodes."""
     count = 0
+    links = Links(dst_fd)
 
-    def visit(src: int, dst: int, depth: int) -> None:
+    def visit(src: int, dst: int, depth: int, prefix: str) -> None:
         nonlocal count
         for name in os.listdir(src):
             info = os.stat(name, dir_fd=src, follow_symlinks=False)
@@ -131,7 +162,7 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
                 try:
                     out = _mkdir_like(dst, name, info, _opaque(child))
                     try:
-                        visit(child, out, depth + 1)
+                        visit(child, out, depth + 1, prefix + name + "/")
                     finally:
                         os.close(out)
                 finally:
@@ -144,9 +175,9 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
                 except OSError as exc:
                     if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                         raise
-            copy_node(src, name, info, dst)
+            copy_node(src, name, info, dst, links=links, rel=prefix + name)
 
-    visit(src_fd, dst_fd, 1)
+    visit(src_fd, dst_fd, 1, "")
     return count
 
 
@@ -154,8 +185,9 @@ def flatten(upper_fd: int, out_fd: int) -> int:
     """Lay the upper layer upper_fd over the layer in out_fd (a clone of the base layer), as overlayfs shows
     them together: out_fd becomes the one layer that means both. How many nodes were copied."""
     count = 0
+    links = Links(out_fd)
 
-    def visit(src: int, dst: int, depth: int) -> None:
+    def visit(src: int, dst: int, depth: int, prefix: str) -> None:
         nonlocal count
         for name in os.listdir(src):
             try:
@@ -164,7 +196,7 @@ def flatten(upper_fd: int, out_fd: int) -> int:
                 continue
             count += 1
             if not stat.S_ISDIR(info.st_mode):
-                copy_node(src, name, info, dst)
+                copy_node(src, name, info, dst, links=links, rel=prefix + name)
                 continue
             if depth >= MAX_DEPTH:
                 continue
@@ -183,13 +215,13 @@ def flatten(upper_fd: int, out_fd: int) -> int:
                     opaque = True
                 out = _mkdir_like(dst, name, info, opaque)
                 try:
-                    visit(child, out, depth + 1)
+                    visit(child, out, depth + 1, prefix + name + "/")
                 finally:
                     os.close(out)
             finally:
                 os.close(child)
 
-    visit(upper_fd, out_fd, 1)
+    visit(upper_fd, out_fd, 1, "")
     return count
 
 

@@ -201,3 +201,22 @@ def test_verification_branches_flow(source: str) -> None:
         target.mkdir()
         strategy.commit_to_host(merged, target)
         assert (target / "new.txt").read_text() == "n\n"
+
+
+def test_merge_of_deleted_directories_and_an_edit_kept_over_a_deletion(source: str) -> None:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        box.exec("mkdir -p lib/sub && echo 1 > lib/one && echo 2 > lib/sub/two && echo o > src/other.py")
+        a, b = box.fork(2)
+        try:
+            a.exec("rm -r lib src")                       # a deletes two directories
+            b.exec("echo edited > src/main.py")            # b edits inside one of them
+            result = isolate.merge([a, b])
+            assert [(c.path, c.kind) for c in result.conflicts] == [("src/main.py", "delete/modify")]
+            assert result.sandbox is not None
+            with result.sandbox as merged:
+                # lib is gone whole; src holds only the kept edit (nothing else of the source shows through).
+                assert merged.exec("ls; ls src; cat src/main.py").stdout == \
+                    "keep.txt\nnotes.txt\nsrc\nmain.py\nedited\n"
+        finally:
+            a.close()
+            b.close()

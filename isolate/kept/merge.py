@@ -368,11 +368,14 @@ def _write(out: int, base: View, base_data: int, views: list[View], decisions: l
         from ..kernel.tree import copy_tree
 
         copy_tree(base._fds[0], out, _plain())
+    deleted: list[str] = []
     for rel, index, entry, data in decisions:
         old = base.entries.get(rel)
         if entry is None:
-            if old is not None or not layered:
+            # Under a deleted directory, the directory's deletion says it all.
+            if (old is not None or not layered) and not any(rel.startswith(d + "/") for d in deleted):
                 layers.delete(out, rel, layered)
+                deleted.append(rel)
             continue
         src_fd = -1
         owner = None

@@ -304,14 +304,22 @@ class View:
 # -- writing a layer or a tree path by path ---------------------------------------------------------
 
 
-def _parent(root_fd: int, rel: str) -> int:
-    """The directory holding rel under root_fd, each missing directory on the way made (0755)."""
+def _parent(root_fd: int, rel: str, layered: bool) -> int:
+    """The directory holding rel under root_fd, each missing directory on the way made (0755).
+
+    A node of another kind on the way (a deleted directory's whiteout, when an edit inside it is kept over
+    the deletion) becomes a directory: in a layer an opaque one, so that what the deletion hid stays hidden.
+    """
     fd = root_fd
     for part in [p for p in os.path.dirname(rel).split("/") if p]:
         try:
             os.mkdir(part, 0o755, dir_fd=fd)
         except FileExistsError:
-            pass
+            if not stat.S_ISDIR(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                os.unlink(part, dir_fd=fd)
+                os.mkdir(part, 0o755, dir_fd=fd)
+                if layered:
+                    _set_opaque(fd, part)
         try:
             nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
         finally:
@@ -321,6 +329,14 @@ def _parent(root_fd: int, rel: str) -> int:
     return fd
 
 
+def _set_opaque(dir_fd: int, name: str) -> None:
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        os.setxattr(fd, OPAQUE_XATTR, b"y")
+    finally:
+        os.close(fd)
+
+
 def put(root_fd: int, rel: str, entry: Entry, layered: bool, data: bytes | None = None,
         src_fd: int = -1, owner: os.stat_result | None = None, replaced_kind: str | None = None) -> None:
     """Make rel under root_fd the node entry describes (file data from data or src_fd).
@@ -328,7 +344,7 @@ def put(root_fd: int, rel: str, entry: Entry, layered: bool, data: bytes | None 
     ``layered``: root_fd is a layer over a source; a directory replacing a node of another kind
     (``replaced_kind``) is made opaque there, so that nothing of the replaced node shows through.
     """
-    parent = _parent(root_fd, rel)
+    parent = _parent(root_fd, rel, layered)
     name = os.path.basename(rel)
     mode = stat.S_IFMT(stat.S_IFDIR if entry.kind == "dir" else stat.S_IFREG) | (entry.mode & 0o7777)
     info = os.stat_result((mode, 0, 0, 1, owner.st_uid if owner else os.geteuid(),
@@ -364,7 +380,7 @@ def put(root_fd: int, rel: str, entry: Entry, layered: bool, data: bytes | None 
 
 def delete(root_fd: int, rel: str, layered: bool) -> None:
     """rel is no more: removed from a tree; in a layer, a whiteout hides the source's node."""
-    parent = _parent(root_fd, rel)
+    parent = _parent(root_fd, rel, layered)
     try:
         name = os.path.basename(rel)
         _remove_tree(parent, name)

@@ -86,6 +86,7 @@ def test_snapshot_is_immune_to_later_changes_and_to_planted_links(box: Sandbox, 
 
 
 def test_fork_gives_independent_sandboxes(box: Sandbox) -> None:
+    before = isolate.Snapshot.list()
     box.exec("echo base > shared.txt && echo t > /tmp/base")
     box.exec("sleep 60 >/dev/null 2>&1 &")  # processes are not carried
     forks = box.fork(3)
@@ -105,6 +106,7 @@ def test_fork_gives_independent_sandboxes(box: Sandbox) -> None:
     finally:
         for fork in forks:
             fork.close()
+    assert isolate.Snapshot.list() == before  # the fork point goes with the last fork
     with pytest.raises(isolate.UnsupportedError, match="processes"):
         box.fork(processes=True)
 
@@ -134,6 +136,7 @@ def test_docker_and_bind_refuse(source: str) -> None:
 
 
 def test_merge_of_different_hunks_is_clean_same_hunk_conflicts(box: Sandbox) -> None:
+    box.exec("echo made before the fork > made.txt")
     a, b = box.fork(2)
     try:
         a.replace_text("notes.txt", "line 2\n", "line two\n")
@@ -141,6 +144,7 @@ def test_merge_of_different_hunks_is_clean_same_hunk_conflicts(box: Sandbox) -> 
         a.write_file("from_a.txt", "a\n")
         b.remove("keep.txt")
         result = isolate.merge([a, b])
+        # Against the fork point, not the source: made.txt is no change of theirs.
         assert result.clean and sorted(result.merged) == ["from_a.txt", "keep.txt", "notes.txt"]
         assert result.sandbox is not None
         with result.sandbox as merged:

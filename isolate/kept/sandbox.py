@@ -39,7 +39,7 @@ from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
 from .interpreter import Interpreter
 from .shell import Shell
-from .snapshots import HandedOver, Reused, Snapshot, check_start, restore_areas, take
+from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
            "Snapshot", "Stat", "Workspace"]
@@ -103,6 +103,8 @@ class Sandbox:
         self._shells: dict[str, Shell] = {}
         self._interpreters: dict[str, Interpreter] = {}
         self._started = False
+        #: A copy fork's start, kept (for merge) while forks of it are open.
+        self._fork_point: ForkPoint | None = None
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -163,6 +165,9 @@ class Sandbox:
         self._close_sessions()
         self._impl.close()
         self._started = False
+        point, self._fork_point = getattr(self, "_fork_point", None), None
+        if point is not None:
+            point.release()
 
     def pause(self) -> str:
         """Stop every process of the sandbox; returns the mechanism ("cgroup-freezer" or "sigstop")."""
@@ -482,13 +487,19 @@ class Sandbox:
             raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
         self._running("fork")
         snap = take(self, None, self.origin)
+        layered = self.workspace.mode == "overlay"
+        # The forks' common start, for merge: an overlay fork keeps it as its base layer, so the snapshot
+        # goes now (the last fork even takes its files); a copy keeps no trace of it, so it stays until the
+        # last fork is closed.
+        point = None if layered else ForkPoint(snap, n)
         boxes: list[Sandbox] = []
         try:
             for i in range(n):
                 box = Sandbox(self.policy, mounts=self.mounts, backend=self.backend, ttl=self._ttl,
                               idle_timeout=self._idle, snapshot=snap)
-                if i == n - 1 and isinstance(box._impl, NativeSandbox):
+                if layered and i == n - 1 and isinstance(box._impl, NativeSandbox):
                     box._impl.start_from = HandedOver(snap)  # the last fork takes the snapshot's files as they are
+                box._fork_point = point
                 box.start()
                 boxes.append(box)
         except BaseException:
@@ -496,9 +507,8 @@ class Sandbox:
                 box.close()
             snap.remove()
             raise
-        # Each fork holds its own clone of the layer (or copy of the tree): the snapshot is no longer needed,
-        # but merge() finds the forks' common start by its id.
-        snap.remove()
+        if point is None:
+            snap.remove()
         return boxes
 
 

@@ -179,6 +179,34 @@ def _workspace(ws: dict[str, Any]) -> Workspace:
         return workspace
 
 
+class ForkPoint:
+    """The snapshot the forks of a copy workspace started from, kept while one of them is open: merge finds
+    their common start by it. Removed when the last is closed, or when this process ends."""
+
+    def __init__(self, snapshot: Snapshot, forks: int) -> None:
+        import threading
+        import weakref
+
+        self.snapshot = snapshot
+        self.open = forks
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot)
+
+    def release(self) -> None:
+        with self._lock:
+            self.open -= 1
+            last = self.open == 0
+        if last:
+            self._finalizer()
+
+
+def _remove_quietly(snapshot: Snapshot) -> None:
+    try:
+        snapshot.remove()
+    except (OSError, IsolationError):
+        pass
+
+
 class HandedOver:
     """A snapshot handed over to the one sandbox about to start from it (fork's last): its files are moved
     into the sandbox's data directory (a rename: nothing copied or linked), the snapshot then removed."""

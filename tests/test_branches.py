@@ -212,15 +212,21 @@ def test_merge_of_deleted_directories_and_an_edit_kept_over_a_deletion(source: s
         box.exec("mkdir -p lib/sub && echo 1 > lib/one && echo 2 > lib/sub/two && echo o > src/other.py")
         a, b = box.fork(2)
         try:
-            a.exec("rm -r lib src")                       # a deletes two directories
-            b.exec("echo edited > src/main.py")            # b edits inside one of them
+            a.exec("rm -r lib src && printf 'a\\0' > bin.dat && ln -s notes.txt to && "
+                   "sed -i 's/^line 3$/three/' notes.txt")  # a deletes two directories
+            b.exec("echo edited > src/main.py && printf 'b\\0' > bin.dat && ln -s keep.txt to && "
+                   "chmod 755 notes.txt")                      # b edits inside one of them
             result = isolate.merge([a, b])
-            assert [(c.path, c.kind) for c in result.conflicts] == [("src/main.py", "delete/modify")]
+            assert [(c.path, c.kind) for c in result.conflicts] == [
+                ("bin.dat", "binary"), ("src/main.py", "delete/modify"), ("to", "link")]
             assert result.sandbox is not None
             with result.sandbox as merged:
                 # lib is gone whole; src holds only the kept edit (nothing else of the source shows through).
                 assert merged.exec("ls; ls src; cat src/main.py").stdout == \
-                    "keep.txt\nnotes.txt\nsrc\nmain.py\nedited\n"
+                    "bin.dat\nkeep.txt\nnotes.txt\nsrc\nto\nmain.py\nedited\n"
+                # One side's text change and the other's mode change, together.
+                assert merged.read_file("notes.txt") == LINES.replace("line 3\n", "three\n")
+                assert merged.stat("notes.txt").mode & 0o777 == 0o755
         finally:
             a.close()
             b.close()

@@ -27,6 +27,7 @@ changed); of a copy workspace, a copy.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Sequence
@@ -310,6 +311,11 @@ def _merge(made: list[_Branch], base: View, base_data: int, policy: Policy | Non
                 kind = "mode"
             else:
                 entry = views[distinct[0]].entries[rel]
+                # The one side's change of mode, if one changed it (the sides' modes do not clash).
+                changed_modes = {views[i].entries[rel].mode & 0o7777 for i in distinct} - {
+                    old.mode & 0o7777 if old is not None else None}
+                if changed_modes:
+                    entry = dataclasses.replace(entry, mode=changed_modes.pop())
                 decisions.append((rel, distinct[0], entry, merged))
                 if hunks:
                     result.conflicts.append(Conflict(rel, "text", tuple(distinct), tuple(hunks)))

@@ -404,8 +404,13 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
         if archive:
             making.write_areas(archive)
         return making.commit(sb.workspace, origin.id if origin is not None else None, captured)
-    except BaseException:
+    except BaseException as exc:
         making.abandon()
+        if isinstance(exc, OSError):
+            # A file the program made unreadable to its owner (chmod 000, as the caller who is not root), or
+            # one it swapped while it was copied: refused, in the error every caller expects.
+            raise IsolationError(f"snapshot: could not copy the sandbox's files: {exc.strerror or exc}"
+                                 + (f": {exc.filename}" if exc.filename else "")) from None
         raise
 
 

@@ -435,7 +435,6 @@ class Sandbox:
         finally:
             os.close(ws_fd)
 
-
     # -- snapshots and forks (isolate/kept/snapshots.py) -------------------------------------
 
     def snapshot(self, name: str | None = None) -> Snapshot:
@@ -452,9 +451,9 @@ class Sandbox:
         """
         self._running("restore")
         workspace = check_start(snapshot, self.workspace)
-        self._close_sessions()
         fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
-                             snapshot)
+                             snapshot)  # the Docker backend refuses here, before anything ends
+        self._close_sessions()
         old = self._impl
         if self.name is None and isinstance(old, NativeSandbox):
             if (workspace.mode == "overlay" and self.origin is not None and self.origin.id == snapshot.id

@@ -230,3 +230,20 @@ def test_merge_of_deleted_directories_and_an_edit_kept_over_a_deletion(source: s
         finally:
             a.close()
             b.close()
+
+
+def test_merge_of_snapshots_of_forks_gone_since(source: str) -> None:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        box.write_file("made.txt", "a\nb\nc\nd\ne\nf\n")
+        a, b = box.fork(2)
+        a.replace_text("made.txt", "b\n", "B\n")
+        b.replace_text("made.txt", "e\n", "E\n")
+        snaps = [a.snapshot(), b.snapshot()]
+        a.close()
+        b.close()
+        # Their common start is kept with each layer snapshot: the forks and the fork point are gone.
+        result = isolate.merge(snaps, start=False)
+        assert result.clean and result.merged == ["made.txt"] and result.sandbox is None
+        assert result.snapshot is not None
+        with Sandbox(box.policy, snapshot=result.snapshot) as merged:
+            assert merged.read_file("made.txt") == "a\nB\nc\nd\nE\nf\n"

@@ -213,12 +213,9 @@ def _base_view(base: Any, branches: list[_Branch]) -> tuple[View, int]:
             if snap.id == origin:
                 return _view(snap), snap.open_data()
         for branch in branches:
-            # A sandbox started from that snapshot keeps a clone of its layer as its base layer.
-            if branch.sandbox is not None and branch.sandbox.workspace.mode == "overlay":
-                from ..backends.native.kept import _open_base
-
-                impl: Any = branch.sandbox._impl
-                base_fd = _open_base(impl.paths.key)
+            # A layer snapshot of a sandbox started from that snapshot keeps a clone of its layer.
+            base_fd = branch.snapshot.open_base()
+            if base_fd is not None:
                 return View.of_layer(_source_fd(first), os.dup(base_fd)), base_fd
     # The workspace's source itself (a layer's files are its nodes where the layer has none).
     source = first.workspace.source

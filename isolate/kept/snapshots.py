@@ -153,6 +153,17 @@ class Snapshot:
         finally:
             os.close(fd)
 
+    def open_base(self) -> int | None:
+        """A descriptor of the layer the captured sandbox started from (its ``origin``), kept with a layer
+        snapshot for merge; None when there is none."""
+        fd = self._open()
+        try:
+            return os.open("base", _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
     def areas_archive(self) -> bytes:
         if not self.areas:
             return b""
@@ -389,6 +400,13 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
                     base = _open_base(impl.paths.key)
                     try:
                         layers.clone(base, making.data)
+                        # The start it shares with its sibling branches, for merge (hard links again).
+                        os.mkdir("base", 0o755, dir_fd=making.fd)
+                        kept = os.open("base", _DIR_FLAGS, dir_fd=making.fd)
+                        try:
+                            layers.clone(base, kept)
+                        finally:
+                            os.close(kept)
                     finally:
                         os.close(base)
                 os.fchmod(making.data, stat.S_IMODE(os.fstat(ws_fd).st_mode))

@@ -294,7 +294,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{mediator['throughput']['ratio']}; {cpu['user'] + cpu['system']:.0f} ms |",
             "",
         ]
-    for section in ("overhead", "throughput", "memory", "kept", "egress"):
+    lines += _branches_markdown(results.get("branches"))
+    for section in ("overhead", "throughput", "memory", "kept", "egress", "branches"):
         value = results.get(section)
         if isinstance(value, dict) and "error" in value:
             lines += [f"{section}: not measured: {value['error']}", ""]
@@ -310,6 +311,33 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _branches_markdown(figures: Any) -> list[str]:
+    """The branches section (benchmarks/branches.py): isolate's layers against a copy and Docker."""
+    if not isinstance(figures, dict) or "isolate" not in figures:
+        return []
+    mine, copy, docker = figures["isolate"], figures["copy"], figures["docker"]
+
+    def cell(entry: Any) -> str:
+        return _fmt(entry.get("median_ms")) if isinstance(entry, dict) and "median_ms" in entry else "n/a"
+
+    lines = [
+        f"## Branches: snapshot, fork, restore ({figures['files']} files, {figures['size_mb']} MB; "
+        f"episodes of {figures['episode_files']} files)", "",
+        f"Median ms over {figures['rounds']} rounds (copy and Docker: fewer). {figures['mechanism']}.", "",
+        "| | isolate (layers) | copy of the workspace | docker commit / docker run -d |", "|---|---:|---:|---:|",
+        f"| snapshot | {cell(mine['snapshot'])} | {cell(copy.get('snapshot'))} | {cell(docker.get('commit'))} |",
+        f"| fork | {cell(mine['fork'])} | {cell(copy.get('fork_or_restore'))} | {cell(docker.get('run'))} |",
+        f"| restore | {cell(mine['restore'])} | {cell(copy.get('fork_or_restore'))} | {cell(docker.get('run'))} |",
+        "",
+    ]
+    if "skipped" in docker:
+        lines += [f"Docker: skipped: {docker['skipped']}", ""]
+    lines += ["| goal | value | |", "|---|---:|---|"]
+    lines += [f"| {text} | {_fmt(goal['value'])} | {'met' if goal['met'] else 'NOT met'} |"
+              for text, goal in figures["goals"].items()]
+    return [*lines, ""]
 
 
 def chart(results: dict[str, Any], path: str) -> str | None:

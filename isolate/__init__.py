@@ -28,8 +28,10 @@ from .model.workspace import Workspace
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
     from .agents import wrap
     from .backends.native.popen import Popen
+    from .kept.merge import MergeConflictError, MergeResult, merge
     from .kept.pool import SandboxPool
     from .kept.sandbox import AsyncSandbox, Sandbox
+    from .kept.snapshots import Snapshot
     from .oneshot.runs import CompletedProcess, run
 
 
@@ -50,6 +52,8 @@ __all__ = [
     "Egress",
     "IsolationError",
     "Limits",
+    "MergeConflictError",
+    "MergeResult",
     "Mount",
     "Policy",
     "PolicyError",
@@ -59,9 +63,11 @@ __all__ = [
     "SandboxLostError",
     "SandboxPool",
     "SetupError",
+    "Snapshot",
     "UnsupportedError",
     "Workspace",
     "__version__",
+    "merge",
     "run",
     "wrap",
 ]
@@ -81,6 +87,14 @@ def __getattr__(name: str) -> object:
         from .kept.pool import SandboxPool
 
         return SandboxPool
+    if name == "Snapshot":
+        from .kept.snapshots import Snapshot
+
+        return Snapshot
+    if name in ("merge", "MergeResult", "MergeConflictError"):
+        from .kept import merge
+
+        return getattr(merge, name)
     if name == "wrap":
         from .agents import wrap
 

@@ -83,6 +83,11 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
     cli = results["cli"]["variants"]
     for key in ("binary warm", "binary cold", "python CLI"):
         assert cli[key]["n"] == 3 and cli[key]["median_ms"] > 0, (key, cli[key])
+    branches = results["branches"]
+    assert "error" not in branches, branches
+    assert branches["restore_checked"] and branches["docker"]["skipped"]
+    for what in ("snapshot", "fork", "restore"):
+        assert branches["isolate"][what]["n"] == 3 and branches["isolate"][what]["median_ms"] > 0, what
 
     with open(os.path.join(out, "quick.md"), encoding="utf-8") as f:
         text = f.read()

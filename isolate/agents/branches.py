@@ -6,9 +6,10 @@ import os
 import secrets
 import threading
 import warnings
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
+from ..kept.merge import MergeResult
 from ..kept.sandbox import ExecResult, Sandbox
 from ..kernel.tree import Changes
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
@@ -35,6 +36,9 @@ class BranchStrategy(Protocol):
     def execute_python(self, branch_id: str, code: str, *, timeout: float | None = None) -> ExecResult: ...
 
     def commit_to_host(self, branch_id: str, target_dir: str | os.PathLike[str]) -> Changes: ...
+
+    def setup_verification_branches(self, groups: Mapping[Any, Sequence[str]], *, on_conflict: str = "markers",
+                                    discard_unused: bool = True) -> dict[Any, str]: ...
 
     def clean_up(self, branch_id: str) -> None: ...
 
@@ -63,6 +67,8 @@ class _SandboxBranches:
         self.python = python
         self.reason = "first choice"
         self._branches: dict[str, Sandbox] = {}
+        #: What each merged verification branch's merge did (isolate.MergeResult: merged paths, conflicts).
+        self.merges: dict[str, MergeResult] = {}
         self._lock = threading.Lock()
         self._probe()
 
@@ -117,10 +123,55 @@ class _SandboxBranches:
         """Make target_dir equal to the branch's workspace (Sandbox.commit); what was written."""
         return self._box(branch_id).commit(target_dir)
 
+    def setup_verification_branches(self, groups: Mapping[Any, Sequence[str]], *, on_conflict: str = "markers",
+                                    discard_unused: bool = True) -> dict[Any, str]:
+        """Verification branches after aggregation, as GCRI's seed makes them: for each group (its key, the
+        branch ids it comes from), one source is reused as it is; several are merged (``isolate.merge``
+        against the source they were set up from) into a new branch, whose ``MergeResult`` is kept in
+        ``merges[id]``. With ``discard_unused``, the branches no group uses are cleaned up. Returns each
+        group's branch id. ``on_conflict="refuse"`` raises ``MergeConflictError`` for a group whose merge
+        conflicts (nothing is discarded then); with "markers" the conflicts stay marked in the files.
+        """
+        from ..kept.merge import merge
+
+        for key, sources in groups.items():
+            if isinstance(sources, str) or not sources:
+                raise PolicyError(f"groups[{key!r}]: a non-empty list of branch ids", "groups")
+            for branch_id in sources:
+                self._box(branch_id)  # every source must exist before anything is made or discarded
+        out: dict[Any, str] = {}
+        made: list[str] = []
+        try:
+            for key, sources in groups.items():
+                if len(sources) == 1:
+                    out[key] = sources[0]
+                    continue
+                result = merge([self._box(b) for b in sources], policy=self.policy, on_conflict=on_conflict)
+                assert result.sandbox is not None and result.snapshot is not None
+                result.snapshot.remove()  # the new sandbox holds its own copy of the merged files
+                branch_id = f"{self.name}-{secrets.token_hex(8)}"
+                with self._lock:
+                    self._branches[branch_id] = result.sandbox
+                    self.merges[branch_id] = result
+                made.append(branch_id)
+                out[key] = branch_id
+        except BaseException:
+            for branch_id in made:
+                self.clean_up(branch_id)
+            raise
+        if discard_unused:
+            used = {b for sources in groups.values() for b in sources} | set(out.values())
+            with self._lock:
+                unused = [b for b in self._branches if b not in used]
+            for branch_id in unused:
+                self.clean_up(branch_id)
+        return out
+
     def clean_up(self, branch_id: str) -> None:
         """End the branch's sandbox and remove its copy."""
         with self._lock:
             box = self._branches.pop(branch_id, None)
+            self.merges.pop(branch_id, None)
         if box is None:
             raise IsolationError(f"no branch {branch_id!r} here (cleaned up already?)")
         box.close()

@@ -110,15 +110,22 @@ class KeptBackend(Protocol):
 
 
 def make_backend(backend: str, policy: Policy, workspace: Workspace, mounts: tuple[Mount, ...], name: str | None,
-                 ttl: float | None, idle_timeout: float | None) -> KeptBackend:
-    """The kept sandbox of that backend ("native" or "docker"), not started."""
+                 ttl: float | None, idle_timeout: float | None, start_from: Any = None) -> KeptBackend:
+    """The kept sandbox of that backend ("native" or "docker"), not started; ``start_from``: a snapshot whose
+    files it starts with (native only)."""
     if backend == "docker":
+        if start_from is not None:
+            from ..model.errors import UnsupportedError
+
+            raise UnsupportedError("snapshot: the Docker backend keeps no snapshots (its workspace is a host "
+                                   "directory bound into a container, which docker commit does not capture); "
+                                   "use backend='native'")
         from .docker.served import DockerKept
 
         return DockerKept(policy, workspace, mounts, name, ttl, idle_timeout)
     from .native.kept import NativeSandbox
 
-    return NativeSandbox(policy, workspace, mounts, name, ttl, idle_timeout)
+    return NativeSandbox(policy, workspace, mounts, name, ttl, idle_timeout, start_from)
 
 
 def attach_backend(name: str, ping: bool = True) -> KeptBackend:

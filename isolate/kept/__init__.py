@@ -2,7 +2,9 @@
 
 ``sandbox`` (the sandbox: commands, files, diff and commit, pause, attach),
 ``shell`` (persistent shells, framed out of band), ``interpreter`` with its
-``_pydriver`` (a persistent Python, ``Sandbox.python()``).
+``_pydriver`` (a persistent Python, ``Sandbox.python()``), ``snapshots``
+(``isolate.Snapshot``: snapshot, restore, fork, on overlay layers) and
+``merge`` (``isolate.merge``: branches merged three-way into a new sandbox).
 
 May import: the model, the kernel mechanisms and the backends. The command
 line, the agent layer and the server import it.

@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import shlex
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -27,20 +28,21 @@ from ..backends.kept import KeptBackend, attach_backend, make_backend
 from ..backends.native import files as native_files
 from ..backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, SandboxProcess, run_collecting
 from ..backends.native.files import DirEntry, GrepMatch
-from ..backends.native.kept import environment_for
+from ..backends.native.kept import NativeSandbox, environment_for
 from ..backends.native.protocol import Stat
 from ..backends.registry import _check_name
 from ..kernel.overlay import overlay_commit, overlay_diff
 from ..kernel.tree import Changes, apply, check_target, diff, entries_of, walk
-from ..model.errors import IsolationError, PolicyError
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
 from .interpreter import Interpreter
 from .shell import Shell
+from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
-           "Stat", "Workspace"]
+           "Snapshot", "Stat", "Workspace"]
 
 #: A named native sandbox ends after this long without a connection or a running command, unless told.
 DEFAULT_NAMED_IDLE = 3600.0
@@ -73,12 +75,17 @@ class Sandbox:
 
     def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
                  mounts: Sequence[Mount] = (), name: str | None = None, backend: str | None = None,
-                 ttl: float | None = None, idle_timeout: float | None = None) -> None:
+                 ttl: float | None = None, idle_timeout: float | None = None,
+                 snapshot: Snapshot | None = None) -> None:
         policy = policy if policy is not None else Policy()
         if not isinstance(policy, Policy):
             raise TypeError("policy must be an isolate.Policy")
         if isinstance(workspace, (str, os.PathLike)):
             workspace = Workspace(os.fspath(workspace))
+        if snapshot is not None:
+            workspace = check_start(snapshot, workspace)
+        #: The snapshot this sandbox's files started from (None: its workspace's source).
+        self.origin = snapshot
         self.workspace = workspace if workspace is not None else Workspace()
         self.mounts = tuple(Mount.parse(m, "ro") if isinstance(m, str) else m for m in mounts)
         self.name = _check_name(name) if name is not None else None
@@ -90,13 +97,16 @@ class Sandbox:
         idle = _seconds(idle_timeout, "idle_timeout")
         if idle_timeout is None and name is not None:
             idle = DEFAULT_NAMED_IDLE
+        self._ttl, self._idle = ttl, idle
         self._impl: KeptBackend = make_backend(self.backend, policy, self.workspace, self.mounts, self.name, ttl,
-                                               idle)
+                                               idle, snapshot)
         self._shells: dict[str, Shell] = {}
         self._interpreters: dict[str, Interpreter] = {}
         self._started = False
         #: Called once the sandbox has ended (a pool's release; see ``isolate.kept.pool``).
         self._on_close: Callable[[Sandbox], None] | None = None
+        #: A copy fork's start, kept (for merge) while forks of it are open.
+        self._fork_point: ForkPoint | None = None
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -118,6 +128,12 @@ class Sandbox:
             return self
         self._impl.start()
         self._started = True
+        if self.origin is not None and self.origin.areas:
+            try:
+                restore_areas(self, self.origin)
+            except BaseException:
+                self.close()
+                raise
         return self
 
     @classmethod
@@ -130,7 +146,7 @@ class Sandbox:
         box = cls.__new__(cls)
         box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
-        box._interpreters, box._on_close = {}, None
+        box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
         return box
 
     def _close_sessions(self) -> None:
@@ -153,6 +169,9 @@ class Sandbox:
             self._impl.close()
         finally:
             self._started = False
+            point, self._fork_point = getattr(self, "_fork_point", None), None
+            if point is not None:
+                point.release()
             hook, self._on_close = self._on_close, None
             if hook is not None:
                 hook(self)
@@ -386,6 +405,81 @@ class Sandbox:
             return commit_tree(ws_fd, target, self.workspace, impl.workspace_host)
         finally:
             os.close(ws_fd)
+
+    # -- snapshots and forks (isolate/kept/snapshots.py) -------------------------------------
+
+    def snapshot(self, name: str | None = None) -> Snapshot:
+        """A frozen capture of the sandbox's files: the workspace and its private tmpfs mounts (/tmp, the
+        home). An overlay workspace's costs what changed since the source; a copy's, a copy."""
+        self._running("snapshot")
+        return take(self, name, self.origin)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Bring the sandbox's files back to snapshot (taken of this sandbox, or of one with its workspace).
+
+        Its processes end (commands, shells, interpreters): the sandbox starts again from the snapshot's
+        files, with the same policy, mounts and name.
+        """
+        self._running("restore")
+        workspace = check_start(snapshot, self.workspace)
+        fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
+                             snapshot)  # the Docker backend refuses here, before anything ends
+        self._close_sessions()
+        old = self._impl
+        if self.name is None and isinstance(old, NativeSandbox):
+            if (workspace.mode == "overlay" and self.origin is not None and self.origin.id == snapshot.id
+                    and isinstance(fresh, NativeSandbox)):
+                fresh.start_from = Reused(snapshot, old.paths.key)  # the old one's base layer is this one's
+            # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files
+            # removed beside the new one's start, not before it.
+            old.end("restored from a snapshot", wait=False)
+            threading.Thread(target=old.close, name="isolate-restore-cleanup", daemon=True).start()
+        else:
+            old.close()  # a named one's socket and description are the new one's too
+        self._started = False
+        self._impl, self.origin = fresh, snapshot
+        self.start()
+
+    def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
+        """n new sandboxes (started, unnamed) whose files are this one's as they are now, each on its own.
+
+        Files only: no process is carried (``processes=True`` is refused: isolate does not checkpoint
+        processes). Forks of an overlay workspace cost what changed since the source, not its size.
+        """
+        if processes:
+            import shutil
+
+            why = ("CRIU is not installed" if shutil.which("criu") is None else
+                   "isolate does not drive CRIU's checkpoint and restore")
+            raise UnsupportedError(f"fork(processes=True): carrying processes needs checkpoint/restore, and {why}; "
+                                   "fork() carries the files, and the forks start with no process")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
+        self._running("fork")
+        snap = take(self, None, self.origin)
+        layered = self.workspace.mode == "overlay"
+        # The forks' common start, for merge: an overlay fork keeps it as its base layer, so the snapshot
+        # goes now (the last fork even takes its files); a copy keeps no trace of it, so it stays until the
+        # last fork is closed.
+        point = None if layered else ForkPoint(snap, n)
+        boxes: list[Sandbox] = []
+        try:
+            for i in range(n):
+                box = Sandbox(self.policy, mounts=self.mounts, backend=self.backend, ttl=self._ttl,
+                              idle_timeout=self._idle, snapshot=snap)
+                if layered and i == n - 1 and isinstance(box._impl, NativeSandbox):
+                    box._impl.start_from = HandedOver(snap)  # the last fork takes the snapshot's files as they are
+                box._fork_point = point
+                box.start()
+                boxes.append(box)
+        except BaseException:
+            for box in boxes:
+                box.close()
+            snap.remove()
+            raise
+        if point is None:
+            snap.remove()
+        return boxes
 
 
 def commit_tree(ws_fd: int, target: str | os.PathLike[str], workspace: Workspace, workspace_host: str) -> Changes:

@@ -46,6 +46,7 @@ from .tree import _DIR_FLAGS, MAX_DEPTH, Changes, Entry, _kind, _open_dir, _open
 #: Where the child mounts the layers before it mounts the overlay (in its staging root, gone after pivot_root).
 STAGING_LOWER = "/.isolate-overlay-lower"
 STAGING_STATE = "/.isolate-overlay-state"
+STAGING_BASE = "/.isolate-overlay-base"
 OPAQUE_XATTR = "user.overlay.opaque"
 REDIRECT_XATTR = "user.overlay.redirect"
 WAY_OUT = "use Workspace(mode='copy') (isolate-run sandbox create --mode copy)"
@@ -57,7 +58,14 @@ class Layers:
 
     source: str
     target: str
-    state: str  # <data>/overlay, holding upper/ and work/
+    state: str  # <data>/overlay, holding upper/ and work/ (and base/)
+    #: A snapshot's layer (isolate/kernel/layers.py) between the source and the upper layer: a sandbox
+    #: started from a snapshot. Its descriptor, open on the clone in <data>/overlay/base (-1: none).
+    base_fd: int = -1
+
+    @property
+    def base(self) -> str:
+        return os.path.join(self.state, "base")
 
     @property
     def upper(self) -> str:
@@ -245,7 +253,19 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
         os.fchown(upper_fd, program_uid, program_gid)
     steps.append(Step(lib.ISO_MOUNT_BIND, STAGING_STATE, source=oldroot + os.path.realpath(layers.state),
                       fd=state_fd))
-    steps.append(Step(lib.ISO_MOUNT_OVERLAY, newroot + layers.target, source=STAGING_LOWER, fd=upper_fd,
+    lowerdir = STAGING_LOWER
+    if layers.base_fd >= 0:
+        # A snapshot's layer above the source: bound read-only from the very directory the host cloned.
+        base_fd = opened(layers.base, os.O_PATH)
+        if (os.fstat(base_fd).st_dev, os.fstat(base_fd).st_ino) != (os.fstat(layers.base_fd).st_dev,
+                                                                      os.fstat(layers.base_fd).st_ino):
+            raise IsolationError(f"workspace: {layers.base}: replaced while the sandbox was made")
+        steps.insert(0, Step(lib.ISO_MOUNT_DIR, STAGING_BASE))
+        steps.append(Step(lib.ISO_MOUNT_BIND, STAGING_BASE, source=oldroot + os.path.realpath(layers.base),
+                          flags=lib.ISO_MOUNT_F_READONLY, fd=base_fd))
+        lowerdir = f"{STAGING_BASE}:{STAGING_LOWER}"
+        enforced["base"] = f"{layers.base} (a snapshot's layer, read-only)"
+    steps.append(Step(lib.ISO_MOUNT_OVERLAY, newroot + layers.target, source=lowerdir, fd=upper_fd,
                       upper=STAGING_STATE + "/upper", work=STAGING_STATE + "/work"))
     return Planned(steps, fds, enforced)
 

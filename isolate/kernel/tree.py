@@ -476,10 +476,10 @@ def apply(workspace_fd: int, target_fd: int, changes: Changes, entries: dict[str
                 os.close(parent)
 
 
-def copy_tree(source: str, destination: str | int, workspace: Workspace) -> None:
+def copy_tree(source: str | int, destination: str | int, workspace: Workspace) -> None:
     """Fill the empty directory destination (a path, or a descriptor the caller keeps) with source's tree
-    (links as links, no special files)."""
-    src_fd = _open_dir(source)
+    (a path, or a descriptor the caller keeps; links as links, no special files)."""
+    src_fd = os.dup(source) if isinstance(source, int) else _open_dir(source)
     try:
         dst_fd = os.dup(destination) if isinstance(destination, int) else _open_dir(destination)
     except BaseException:

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..._core import ffi, init_fd, lib
 from ...kernel import grants
+from ...kernel.layers import clone
 from ...kernel.overlay import Layers, layers_for, make_layers
 from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
 from ...kernel.tree import copy_tree
@@ -103,8 +104,11 @@ class NativeSandbox:
     backend = "native"
 
     def __init__(self, policy: Policy, workspace: Workspace, mounts: Sequence[Mount], name: str | None,
-                 ttl: float | None, idle_timeout: float | None) -> None:
+                 ttl: float | None, idle_timeout: float | None, start_from: Any = None) -> None:
         self.policy = policy
+        #: A snapshot to start from (isolate.Snapshot: its open_data() is a descriptor of its layer or tree;
+        #: None: the workspace's source).
+        self.start_from = start_from
         self.workspace = workspace
         self.mounts = tuple(mounts)
         self.name = name
@@ -169,8 +173,10 @@ class NativeSandbox:
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
             if self.workspace.mode in ("copy", "overlay"):
                 self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
-                                                                            self.workspace, layers)
+                                                                            self.workspace, layers, self.start_from)
                 made_data = True
+                if layers is not None and self.start_from is not None:
+                    layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
             # this run binds the workspace in its place, so that every sandbox of one policy shares one
@@ -194,6 +200,9 @@ class NativeSandbox:
                                           overlay=layers, egress_detached=self.name is not None)
             listener.close()
             listener = None
+            if layers is not None and layers.base_fd >= 0:
+                os.close(layers.base_fd)
+                layers = dataclasses.replace(layers, base_fd=-1)
             if workspace_fd >= 0:
                 os.close(workspace_fd)
                 workspace_fd = -1
@@ -211,6 +220,8 @@ class NativeSandbox:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
                 self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity)
         except BaseException as exc:
+            if layers is not None and layers.base_fd >= 0:
+                os.close(layers.base_fd)
             if listener is not None:
                 listener.close()
             if workspace_fd >= 0:
@@ -347,9 +358,9 @@ class NativeSandbox:
         with self._query_lock:
             return ask_summary(prepared.mediator_query)
 
-    def end(self, reason: str) -> bool:
+    def end(self, reason: str, wait: bool = True) -> bool:
         """SIGKILL to the init, from the host (no process inside can stop that): the PID namespace and
-        everything in it end; the files stay until close()."""
+        everything in it end; the files stay until close(). ``wait=False``: not reaped here (close() does)."""
         if self.ended_because is None:
             self.ended_because = reason
         if self.process is not None:
@@ -357,8 +368,9 @@ class NativeSandbox:
                 return False
             with _suppress_missing():
                 self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=10)
+            if wait:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=10)
             return True
         init = self._init_pid()
         if init is None:
@@ -524,15 +536,16 @@ def _fd_identity(fd: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def make_data_dir(kind: str, key: str, workspace: Workspace,
-                  layers: Layers | None = None) -> tuple[tuple[int, int], tuple[int, int] | None]:
+def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | None = None,
+                  fill_from: Any = None) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """Make a kept sandbox's data directory ``state_dir()/kind/key`` and in it, for a copied workspace,
     ``workspace`` filled from the source, or an overlay's layers; the identities of the data directory
     and of the workspace as the host reads it (the copy, or the upper layer; None for a bound one).
 
     Made through descriptors that follow no link a program planted in the state directory (see
     places.open_state_dir): the workspace is copied where isolate means, nowhere else. On failure what
-    was made is removed, through the same descriptors.
+    was made is removed, through the same descriptors. ``fill_from``: a snapshot (isolate.Snapshot, or
+    what fork hands over) whose files are the copy, or the overlay's base layer, instead of the source's.
     """
     parent = open_state_dir(kind)
     try:
@@ -541,14 +554,24 @@ def make_data_dir(kind: str, key: str, workspace: Workspace,
         data = _fd_identity(data_fd)
         try:
             if layers is not None:
-                return data, make_layers(layers, data_fd)
+                upper = make_layers(layers, data_fd)
+                if fill_from is not None:
+                    state = os.open("overlay", _DIR_FLAGS, dir_fd=data_fd)
+                    try:
+                        _fill(fill_from, state, "base", hard_links=True)
+                    finally:
+                        os.close(state)
+                return data, upper
             if workspace.mode != "copy":
                 return data, None
-            os.mkdir("workspace", 0o755, dir_fd=data_fd)
+            if fill_from is not None:
+                _fill(fill_from, data_fd, "workspace", hard_links=False)  # a snapshot's tree, as it was
+            else:
+                os.mkdir("workspace", 0o755, dir_fd=data_fd)
             copy_fd = os.open("workspace", _DIR_FLAGS, dir_fd=data_fd)
             try:
                 copied = _fd_identity(copy_fd)
-                if workspace.source is not None:
+                if fill_from is None and workspace.source is not None:
                     copy_tree(workspace.source, copy_fd, workspace)
             finally:
                 os.close(copy_fd)
@@ -560,6 +583,47 @@ def make_data_dir(kind: str, key: str, workspace: Workspace,
             os.close(data_fd)
     finally:
         os.close(parent)
+
+
+def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool) -> None:
+    """name under dir_fd made of a snapshot's files: its directory moved there when the snapshot is handed
+    over for this sandbox alone (fork's last), else a clone (hard links for a layer, whose files are never
+    written; copies for a workspace, which the program writes)."""
+    if getattr(snapshot, "move_data", None) is not None and snapshot.move_data(dir_fd, name):
+        return
+    source = snapshot.open_data()
+    try:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        made = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            _copy_owner(source, made)
+            clone(source, made, hard_links=hard_links)
+        finally:
+            os.close(made)
+    finally:
+        os.close(source)
+
+
+def _copy_owner(src_fd: int, dst_fd: int) -> None:
+    info = os.fstat(src_fd)
+    os.fchmod(dst_fd, info.st_mode & 0o7777)
+    if os.geteuid() == 0:
+        os.fchown(dst_fd, info.st_uid, info.st_gid)
+
+
+def _open_base(key: str) -> int:
+    """A descriptor of the base layer make_data_dir cloned for sandbox key, reached without following a link
+    (the overlay's plan binds the directory its path names only if it is this one)."""
+    fd = open_state_dir("sandboxes")
+    try:
+        for part in (key, "overlay", "base"):
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _pair(value: Any) -> tuple[int, int] | None:

@@ -1,0 +1,399 @@
+"""``isolate.merge``: the changes of several branches against their common start, together in a new sandbox.
+
+    result = isolate.merge([a, b])            # sandboxes or snapshots of one workspace
+    result.merged, result.conflicts           # what merged cleanly; [Conflict(path, kind, hunks)]
+    result.sandbox.exec("pytest -q")          # a new, started sandbox with the merged files
+
+Each branch's files are compared with the common start, path by path. A
+path only one branch changed (or that all changed alike) takes that change.
+A text file several changed differently is merged hunk by hunk as ``git
+merge-file`` does (a diff3 over lines, ``difflib``; changes in the same or
+touching lines conflict, git's default "merge" marker style). Everything
+else that several changed differently is a conflict: a deletion against an
+edit, binary files, modes, links, a directory against a file.
+
+``on_conflict="markers"`` (the default) still makes the sandbox: a text
+conflict is left with ``<<<<<<<``/``=======``/``>>>>>>>`` markers, any other
+keeps the first branch's side (an edit over a deletion), and each is listed.
+``on_conflict="refuse"`` makes nothing and raises ``MergeConflictError``
+(its ``result`` lists the conflicts).
+
+The common start: ``base=`` (a snapshot, a sandbox, or a directory), else the
+snapshot every branch started from when they share one (forks of one
+sandbox), else the workspace's source (an empty tree for a workspace with
+none). Branches of an overlay workspace give a layered result (costs what
+changed); of a copy workspace, a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..kernel import layers
+from ..kernel.layers import View
+from ..kernel.tree import Entry, _open_dir
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
+from ..model.policy import Policy
+from .sandbox import Sandbox
+from .snapshots import Snapshot, _Making, take
+
+
+@dataclass(frozen=True)
+class Hunk:
+    """A conflicting region of a text file: lines of the base (1-based start, count) and each side's lines."""
+
+    base_start: int
+    base_lines: int
+    sides: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A path the branches changed in ways that do not go together.
+
+    kind: "text" (hunks), "delete/modify", "binary", "mode", "link", "type" (a directory against a file...).
+    """
+
+    path: str
+    kind: str
+    branches: tuple[int, ...]
+    hunks: tuple[Hunk, ...] = ()
+
+
+@dataclass
+class MergeResult:
+    """What ``merge`` did: ``merged`` paths changed cleanly (each from one branch or combined), ``conflicts``,
+    ``snapshot`` (the merged files) and ``sandbox`` (started from it; None with ``start=False``)."""
+
+    merged: list[str] = field(default_factory=list)
+    conflicts: list[Conflict] = field(default_factory=list)
+    snapshot: Snapshot | None = None
+    sandbox: Sandbox | None = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.conflicts
+
+
+class MergeConflictError(IsolationError):
+    """merge(on_conflict="refuse") met conflicts: ``result.conflicts`` lists them; nothing was made."""
+
+    def __init__(self, result: MergeResult) -> None:
+        paths = ", ".join(f"{c.path} ({c.kind})" for c in result.conflicts[:10])
+        more = f" and {len(result.conflicts) - 10} more" if len(result.conflicts) > 10 else ""
+        super().__init__(f"merge: {len(result.conflicts)} conflict(s): {paths}{more}; nothing merged "
+                         "(on_conflict='markers' leaves them marked in the merged sandbox)")
+        self.result = result
+
+
+# -- diff3 over lines ----------------------------------------------------------------------------------
+
+
+def _matches(base: list[bytes], other: list[bytes]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for i, j, n in difflib.SequenceMatcher(None, base, other, autojunk=False).get_matching_blocks():
+        for k in range(n):
+            out[i + k] = j + k
+    return out
+
+
+def merge3(base: list[bytes], a: list[bytes], b: list[bytes],
+           labels: tuple[str, str] = ("a", "b")) -> tuple[list[bytes], list[Hunk]]:
+    """Lines of a and b merged against base, as git merge-file: (lines with markers, conflicting hunks)."""
+    ma, mb = _matches(base, a), _matches(base, b)
+    out: list[bytes] = []
+    hunks: list[Hunk] = []
+    i = ja = jb = 0
+
+    def chunk(i_end: int, a_end: int, b_end: int) -> None:
+        bc, ac, cc = base[i:i_end], a[ja:a_end], b[jb:b_end]
+        if ac == bc:
+            out.extend(cc)
+        elif cc == bc or ac == cc:
+            out.extend(ac)
+        else:
+            hunks.append(Hunk(i + 1, len(bc), (tuple(x.decode(errors="replace") for x in ac),
+                                                tuple(x.decode(errors="replace") for x in cc))))
+            out.append(f"<<<<<<< {labels[0]}\n".encode())
+            out.extend(_ended(ac))
+            out.append(b"=======\n")
+            out.extend(_ended(cc))
+            out.append(f">>>>>>> {labels[1]}\n".encode())
+
+    while True:
+        # The next base line both sides keep, in order (a stable line).
+        k = next((k for k in range(i, len(base)) if k in ma and k in mb and ma[k] >= ja and mb[k] >= jb), None)
+        if k is None:
+            chunk(len(base), len(a), len(b))
+            return out, hunks
+        if k == i and ma[k] == ja and mb[k] == jb:
+            out.append(base[k])
+            i, ja, jb = i + 1, ja + 1, jb + 1
+            continue
+        chunk(k, ma[k], mb[k])
+        i, ja, jb = k, ma[k], mb[k]
+
+
+def _ended(lines: list[bytes]) -> list[bytes]:
+    """A side's lines with the last one ended, so that a marker after it starts a line of its own."""
+    if lines and not lines[-1].endswith(b"\n"):
+        return [*lines[:-1], lines[-1] + b"\n"]
+    return lines
+
+
+def _text(data: bytes) -> bool:
+    return b"\0" not in data[:8192]
+
+
+# -- branches as views ---------------------------------------------------------------------------------
+
+
+class _Branch:
+    """One branch's files, read from a snapshot (a sandbox is captured first: its files as they are now)."""
+
+    def __init__(self, item: Sandbox | Snapshot, label: str) -> None:
+        self.label = label
+        self.temporary: Snapshot | None = None
+        if isinstance(item, Sandbox):
+            self.temporary = take(item, None, item.origin, areas=False)
+            self.snapshot = self.temporary
+            self.sandbox: Sandbox | None = item
+        elif isinstance(item, Snapshot):
+            self.snapshot, self.sandbox = item, None
+        else:
+            raise TypeError(f"merge: a branch is an isolate.Sandbox or isolate.Snapshot, not {type(item).__name__}")
+        self.view = _view(self.snapshot)
+
+    def close(self) -> None:
+        self.view.close()
+        if self.temporary is not None:
+            self.temporary.remove()
+
+
+def _source_fd(snapshot: Snapshot) -> int | None:
+    source = snapshot.workspace.source
+    return _open_dir(source) if source is not None else None
+
+
+def _view(snapshot: Snapshot) -> View:
+    data = snapshot.open_data()
+    if snapshot.kind == "tree":
+        return View.of_tree(data)
+    try:
+        return View.of_layer(_source_fd(snapshot), data)
+    except BaseException:
+        os.close(data)
+        raise
+
+
+def _base_view(base: Any, branches: list[_Branch]) -> tuple[View, int]:
+    """The common start's view, and a descriptor of its layer or tree to begin the result with (-1: none)."""
+    first = branches[0].snapshot
+    if isinstance(base, (str, os.PathLike)):
+        return View.of_tree(_open_dir(os.fspath(base))), -1
+    if isinstance(base, Sandbox):
+        base = take(base, None, base.origin, areas=False)  # its files now; removed once read
+        try:
+            return _view(base), base.open_data()
+        finally:
+            base.remove()
+    if isinstance(base, Snapshot):
+        return _view(base), base.open_data()
+    if base is not None:
+        raise TypeError("merge: base is an isolate.Snapshot, an isolate.Sandbox or a directory")
+    origins = {b.snapshot.origin for b in branches}
+    if len(origins) == 1 and None not in origins:
+        origin = origins.pop()
+        for snap in Snapshot.list():
+            if snap.id == origin:
+                return _view(snap), snap.open_data()
+        for branch in branches:
+            # A layer snapshot of a sandbox started from that snapshot keeps a clone of its layer.
+            base_fd = branch.snapshot.open_base()
+            if base_fd is not None:
+                return View.of_layer(_source_fd(first), os.dup(base_fd)), base_fd
+    # The workspace's source itself (a layer's files are its nodes where the layer has none).
+    source = first.workspace.source
+    if source is None:
+        return View({}, _no_file, lambda rel: (-1, 0), []), -1
+    return View.of_tree(_open_dir(source)), -1
+
+
+def _no_file(rel: str) -> int:
+    raise FileNotFoundError(rel)
+
+
+# -- the merge -----------------------------------------------------------------------------------------
+
+
+def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str | os.PathLike[str] | None = None,
+          *, policy: Policy | None = None, on_conflict: str = "markers", name: str | None = None,
+          start: bool = True) -> MergeResult:
+    """Merge the branches' changes against their common start into a new sandbox (see the module's docstring).
+
+    ``policy``: the new sandbox's (default: the first sandbox branch's, else ``Policy()``); ``name``: its
+    snapshot's; ``start=False``: make the snapshot only.
+    """
+    if on_conflict not in ("markers", "refuse"):
+        raise PolicyError(f"on_conflict: {on_conflict!r} is not 'markers' or 'refuse'", "on_conflict")
+    items = list(branches)
+    if len(items) < 2:
+        raise PolicyError("merge: give at least two branches", "branches")
+    made: list[_Branch] = []
+    try:
+        for index, item in enumerate(items):
+            made.append(_Branch(item, f"branch {index}" if not isinstance(item, Sandbox) or item.name is None
+                                else item.name))
+        kinds = {(b.snapshot.kind, b.snapshot.workspace.source, b.snapshot.workspace.target) for b in made}
+        if len(kinds) != 1:
+            raise UnsupportedError("merge: the branches have different workspaces (source, target or mode): "
+                                   + "; ".join(str(b.snapshot.workspace) for b in made))
+        base_view, base_data = _base_view(base, made)
+        try:
+            return _merge(made, base_view, base_data, policy, on_conflict, name, start, items)
+        finally:
+            base_view.close()
+            if base_data >= 0:
+                os.close(base_data)
+    finally:
+        for branch in made:
+            branch.close()
+
+
+def _merge(made: list[_Branch], base: View, base_data: int, policy: Policy | None, on_conflict: str,
+           name: str | None, start: bool, items: list[Any]) -> MergeResult:
+    result = MergeResult()
+    layered = made[0].snapshot.kind == "layer"
+    views = [b.view for b in made]
+    paths = sorted(set(base.entries).union(*(v.entries for v in views)))
+    decisions: list[tuple[str, int, Entry | None, bytes | None]] = []  # path, branch, entry (None: gone), data
+    for rel in paths:
+        changed = [i for i, v in enumerate(views) if not v.same(rel, base)]
+        if not changed:
+            continue
+        distinct: list[int] = []
+        for i in changed:
+            if not any(views[i].same(rel, views[j]) for j in distinct):
+                distinct.append(i)
+        if len(distinct) == 1:
+            i = distinct[0]
+            decisions.append((rel, i, views[i].entries.get(rel), None))
+            result.merged.append(rel)
+            continue
+        entries = [views[i].entries.get(rel) for i in distinct]
+        old = base.entries.get(rel)
+        if any(e is None for e in entries):
+            kind = "delete/modify"
+        elif len({e.kind for e in entries if e is not None}) > 1:
+            kind = "type"
+        elif entries[0] is not None and entries[0].kind == "dir":
+            kind = "mode"
+        elif entries[0] is not None and entries[0].kind == "link":
+            kind = "link"
+        elif entries[0] is not None and entries[0].kind == "file":
+            kind = "text"
+        else:
+            kind = "type"
+        if kind == "text":
+            merged, hunks, mode_clash = _merge_text(rel, base if old is not None and old.kind == "file" else None,
+                                                    [views[i] for i in distinct], [made[i].label for i in distinct])
+            if merged is None:
+                kind = "binary"
+            elif mode_clash:
+                kind = "mode"
+            else:
+                entry = views[distinct[0]].entries[rel]
+                # The one side's change of mode, if one changed it (the sides' modes do not clash).
+                changed_modes = {views[i].entries[rel].mode & 0o7777 for i in distinct} - {
+                    old.mode & 0o7777 if old is not None else None}
+                if changed_modes:
+                    entry = dataclasses.replace(entry, mode=changed_modes.pop())
+                decisions.append((rel, distinct[0], entry, merged))
+                if hunks:
+                    result.conflicts.append(Conflict(rel, "text", tuple(distinct), tuple(hunks)))
+                else:
+                    result.merged.append(rel)
+                continue
+        result.conflicts.append(Conflict(rel, kind, tuple(distinct)))
+        # Marked: the first side that keeps something (an edit over a deletion), as git keeps the edit.
+        keep = next((i for i in distinct if views[i].entries.get(rel) is not None), distinct[0])
+        decisions.append((rel, keep, views[keep].entries.get(rel), None))
+    if result.conflicts and on_conflict == "refuse":
+        raise MergeConflictError(result)
+    making = _Making(name, "layer" if layered else "tree")
+    try:
+        _write(making.data, base, base_data, views, decisions, layered)
+        first = made[0].snapshot
+        origin = made[0].snapshot.origin if len({b.snapshot.origin for b in made}) == 1 else None
+        result.snapshot = making.commit(first.workspace, origin, ())
+    except BaseException:
+        making.abandon()
+        raise
+    if start:
+        sandbox_policy = policy or next((x.policy for x in items if isinstance(x, Sandbox)), None) or Policy()
+        mounts = next((x.mounts for x in items if isinstance(x, Sandbox)), ())
+        result.sandbox = Sandbox(sandbox_policy, mounts=mounts, snapshot=result.snapshot).start()
+    return result
+
+
+def _merge_text(rel: str, base: View | None, sides: list[View],
+                labels: list[str]) -> tuple[bytes | None, list[Hunk], bool]:
+    """Several sides' versions of a file merged in turn against the base's: (data or None when one is not
+    text, the conflicting hunks, whether the sides' modes clash)."""
+    old = base.read(rel) if base is not None else b""
+    datas = [side.read(rel) for side in sides]
+    if not all(_text(d) for d in [old, *datas]):
+        return None, [], False
+    modes = {side.entries[rel].mode & 0o7777 for side in sides}
+    base_mode = base.entries[rel].mode & 0o7777 if base is not None else None
+    if len(modes - {base_mode}) > 1:
+        return b"", [], True
+    base_lines = old.splitlines(keepends=True)
+    merged = datas[0].splitlines(keepends=True)
+    hunks: list[Hunk] = []
+    for side, label in zip(datas[1:], labels[1:], strict=True):
+        merged, found = merge3(base_lines, merged, side.splitlines(keepends=True), (labels[0], label))
+        hunks += found
+    return b"".join(merged), hunks, False
+
+
+def _write(out: int, base: View, base_data: int, views: list[View], decisions: list[tuple[str, int, Entry | None,
+           bytes | None]], layered: bool) -> None:
+    """The result: the base's layer or tree, and over it each decided path."""
+    if base_data >= 0:
+        layers.clone(base_data, out)
+    elif not layered and base.entries:
+        from ..kernel.tree import copy_tree
+
+        copy_tree(base._fds[0], out, _plain())
+    deleted: list[str] = []
+    for rel, index, entry, data in decisions:
+        old = base.entries.get(rel)
+        if entry is None:
+            # Under a deleted directory, the directory's deletion says it all.
+            if (old is not None or not layered) and not any(rel.startswith(d + "/") for d in deleted):
+                layers.delete(out, rel, layered)
+                deleted.append(rel)
+            continue
+        src_fd = -1
+        owner = None
+        if entry.kind == "file":
+            src_fd = views[index].open(rel)
+            owner = os.fstat(src_fd)
+        try:
+            layers.put(out, rel, entry, layered, data=data, src_fd=src_fd, owner=owner,
+                       replaced_kind=old.kind if old is not None else None)
+        finally:
+            if src_fd >= 0:
+                os.close(src_fd)
+
+
+def _plain() -> Any:
+    from ..model.workspace import Workspace
+
+    return Workspace()

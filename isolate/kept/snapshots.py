@@ -1,0 +1,443 @@
+"""``isolate.Snapshot``: a kept sandbox's files, frozen, to start sandboxes from or to restore one to.
+
+    snap = sb.snapshot()                      # the workspace, /tmp, /var/tmp and the home, as they are now
+    sb.restore(snap)                          # back to it (the sandbox's processes end)
+    a, b = sb.fork(2)                         # two new sandboxes from its files as they are now
+    isolate.Sandbox(policy, snapshot=snap)    # a new sandbox from it
+
+What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
+
+- ``overlay``: one overlay *layer* over the workspace's source: what the
+  sandbox changed since the source, its own files copied from its upper
+  layer and the rest hard links of the layer it started from. Taking one,
+  and starting or restoring a sandbox from one, costs what changed since
+  the source, not the source's size (the source stays the lower layer,
+  read live, as for any overlay workspace: it must not change meanwhile);
+- ``copy``: a whole copy of the workspace (a *tree*), as today's copy
+  workspaces cost;
+- ``bind``: refused (the workspace is the user's own directory).
+
+Beside the workspace, the contents of the sandbox's private tmpfs mounts
+(``/tmp``, ``/var/tmp``, the home and the policy's ``tmpfs``) are kept when
+they hold anything, as a tar archive made and unpacked *inside* the sandbox,
+by the program's own ``tar`` as the program: nothing on the host reads or
+writes them by path. Host directories granted writable (``write=``, ``mounts``)
+are the host's, not the sandbox's, and are not captured. Processes are not
+captured: a sandbox started or restored from a snapshot starts with none.
+
+Where it is kept: the files in ``<state dir>/snapshots/NAME`` (made and
+reached through descriptors that follow no link, as a sandbox's workspace
+copy: ``places.open_state_dir``), its description in the caller's private
+runtime directory, out of every sandbox's reach (as the registry of kept
+sandboxes): nothing planted in the state directory decides what a snapshot
+is, where its source lies or which directory is removed with it. Like that
+registry, the descriptions do not survive a reboot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends.native.kept import _remove_at
+from ..backends.registry import _check_name
+from ..kernel import layers
+from ..kernel.places import open_state_dir, runtime_dir, state_key
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
+from ..model.workspace import Workspace
+
+#: An isolate.Sandbox (not imported: the sandbox module imports this one).
+Sandbox = Any
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: The archive of the tmpfs mounts is read into memory: at most this much.
+AREAS_LIMIT = 1 << 30
+
+
+def _meta_dir() -> str:
+    path = os.path.join(runtime_dir(), f"snapshots-{state_key()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise IsolationError(f"{path}: not a directory of this user; remove it") from None
+    return path
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A frozen capture of a sandbox's files (see the module's docstring)."""
+
+    name: str
+    #: "layer" (an overlay workspace's changes over its source) or "tree" (a whole copy).
+    kind: str
+    workspace: Workspace
+    created: float
+    #: A token of this capture's files, and of the capture the sandbox it was taken from started from
+    #: (merge's common start).
+    id: str
+    origin: str | None
+    #: The tmpfs mounts it holds (an archive of them), e.g. ["/tmp", "/home/sandbox"].
+    areas: tuple[str, ...]
+    identity: tuple[int, int]
+
+    # -- the catalogue ------------------------------------------------------------------------------
+
+    @classmethod
+    def list(cls) -> list[Snapshot]:
+        """This user's snapshots (of this state directory), oldest first."""
+        out = []
+        directory = _meta_dir()
+        for entry in sorted(os.listdir(directory)):
+            if entry.endswith(".json"):
+                try:
+                    out.append(cls.get(entry[:-5]))
+                except IsolationError:
+                    continue
+        return sorted(out, key=lambda s: s.created)
+
+    @classmethod
+    def get(cls, name: str) -> Snapshot:
+        """The snapshot of that name."""
+        _check_name(name)
+        try:
+            fd = os.open(os.path.join(_meta_dir(), f"{name}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd) as handle:
+                meta = json.load(handle)
+            return cls(name, str(meta["kind"]), _workspace(meta["workspace"]),
+                       float(meta["created"]), str(meta["id"]), meta.get("origin"), tuple(meta["areas"]),
+                       (int(meta["identity"][0]), int(meta["identity"][1])))
+        except (OSError, ValueError, KeyError, TypeError):
+            raise IsolationError(f"no snapshot named {name!r} (isolate.Snapshot.list())") from None
+
+    def remove(self) -> None:
+        """Remove the snapshot's files and description (sandboxes started from it keep their own)."""
+        parent = open_state_dir("snapshots")
+        try:
+            _remove_at(parent, self.name, self.identity)
+        finally:
+            os.close(parent)
+        try:
+            os.unlink(os.path.join(_meta_dir(), f"{self.name}.json"))
+        except FileNotFoundError:
+            pass
+
+    # -- its files ----------------------------------------------------------------------------------
+
+    def _open(self) -> int:
+        parent = open_state_dir("snapshots")
+        try:
+            fd = os.open(self.name, _DIR_FLAGS, dir_fd=parent)
+        except OSError:
+            raise IsolationError(f"snapshot {self.name!r}: its files are gone (removed?)") from None
+        finally:
+            os.close(parent)
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != self.identity:
+            os.close(fd)
+            raise IsolationError(f"snapshot {self.name!r}: its directory is not the one isolate made (replaced); "
+                                 "not used")
+        return fd
+
+    def open_data(self) -> int:
+        """A descriptor of its layer or tree (the caller closes it)."""
+        fd = self._open()
+        try:
+            return os.open(self.kind, _DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def open_base(self) -> int | None:
+        """A descriptor of the layer the captured sandbox started from (its ``origin``), kept with a layer
+        snapshot for merge; None when there is none."""
+        fd = self._open()
+        try:
+            return os.open("base", _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+    def areas_archive(self) -> bytes:
+        if not self.areas:
+            return b""
+        fd = self._open()
+        try:
+            archive = os.open("areas.tar", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+        finally:
+            os.close(fd)
+        with os.fdopen(archive, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise IsolationError(f"snapshot {self.name!r}: its archive is not a regular file")
+            return handle.read(AREAS_LIMIT)
+
+
+def _workspace(ws: dict[str, Any]) -> Workspace:
+    """The workspace a description names, as it was checked when the snapshot was taken: its source may be
+    gone since (the snapshot is still listed, and can be removed; starting from it then fails)."""
+    try:
+        return Workspace(ws["source"], ws["target"], ws["mode"], tuple(ws["exclude"]))
+    except PolicyError:
+        workspace = Workspace(None, ws["target"], "copy", tuple(ws["exclude"]))
+        object.__setattr__(workspace, "source", str(ws["source"]))
+        object.__setattr__(workspace, "mode", str(ws["mode"]))
+        return workspace
+
+
+class ForkPoint:
+    """The snapshot the forks of a copy workspace started from, kept while one of them is open: merge finds
+    their common start by it. Removed when the last is closed, or when this process ends."""
+
+    def __init__(self, snapshot: Snapshot, forks: int) -> None:
+        import threading
+        import weakref
+
+        self.snapshot = snapshot
+        self.open = forks
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot)
+
+    def release(self) -> None:
+        with self._lock:
+            self.open -= 1
+            last = self.open == 0
+        if last:
+            self._finalizer()
+
+
+def _remove_quietly(snapshot: Snapshot) -> None:
+    try:
+        snapshot.remove()
+    except (OSError, IsolationError):
+        pass
+
+
+class HandedOver:
+    """A snapshot handed over to the one sandbox about to start from it (fork's last): its files are moved
+    into the sandbox's data directory (a rename: nothing copied or linked), the snapshot then removed."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def open_data(self) -> int:
+        return self.snapshot.open_data()
+
+    def move_data(self, dir_fd: int, name: str) -> bool:
+        fd = self.snapshot._open()
+        try:
+            os.rename(self.snapshot.kind, name, src_dir_fd=fd, dst_dir_fd=dir_fd)
+        except OSError:
+            return False  # another file system, say: cloned instead
+        finally:
+            os.close(fd)
+        return True
+
+
+class Reused:
+    """A snapshot a sandbox is restored to when it started from that very snapshot: the base layer the old
+    sandbox cloned from it (never written, as every lower layer) is moved to the new one (a rename) rather
+    than cloned again; the old sandbox, killed, no longer needs it."""
+
+    def __init__(self, snapshot: Snapshot, key: str) -> None:
+        self.snapshot, self.key = snapshot, key
+
+    def open_data(self) -> int:
+        return self.snapshot.open_data()
+
+    def move_data(self, dir_fd: int, name: str) -> bool:
+        fd = open_state_dir("sandboxes")
+        try:
+            for part in (self.key, "overlay"):
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            os.rename("base", name, src_dir_fd=fd, dst_dir_fd=dir_fd)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+
+class _Making:
+    """A snapshot being made: its directory, removed again unless commit() is reached."""
+
+    def __init__(self, name: str | None, kind: str) -> None:
+        self.name = _check_name(name) if name is not None else f"snap-{secrets.token_hex(6)}"
+        self.kind = kind
+        if os.path.lexists(os.path.join(_meta_dir(), f"{self.name}.json")):
+            raise IsolationError(f"snapshot {self.name!r} exists already; remove it or choose another name")
+        self.parent = open_state_dir("snapshots")
+        try:
+            os.mkdir(self.name, 0o700, dir_fd=self.parent)
+        except FileExistsError:
+            os.close(self.parent)
+            raise IsolationError(f"snapshot {self.name!r}: {self.name} exists in the state directory's "
+                                 "snapshots (left over?); remove it or choose another name") from None
+        self.fd = self.data = -1
+        try:
+            self.fd = os.open(self.name, _DIR_FLAGS, dir_fd=self.parent)
+            info = os.fstat(self.fd)
+            self.identity = (info.st_dev, info.st_ino)
+            os.mkdir(kind, 0o755, dir_fd=self.fd)
+            self.data = os.open(kind, _DIR_FLAGS, dir_fd=self.fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def write_areas(self, archive: bytes) -> None:
+        fd = os.open("areas.tar", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self.fd)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(archive)
+
+    def commit(self, workspace: Workspace, origin: str | None, areas: tuple[str, ...]) -> Snapshot:
+        snap = Snapshot(self.name, self.kind, workspace, time.time(), secrets.token_hex(8), origin, areas,
+                        self.identity)
+        meta = {"kind": snap.kind, "created": snap.created, "id": snap.id, "origin": origin, "areas": list(areas),
+                "identity": list(self.identity),
+                "workspace": {"source": workspace.source, "target": workspace.target, "mode": workspace.mode,
+                              "exclude": list(workspace.exclude)}}
+        directory = _meta_dir()
+        temp = os.path.join(directory, f".{self.name}.{secrets.token_hex(4)}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(meta))
+        os.rename(temp, os.path.join(directory, f"{self.name}.json"))
+        self.close()
+        return snap
+
+    def abandon(self) -> None:
+        self.close(keep_parent=True)
+        _remove_at(self.parent, self.name, self.identity)
+        self.close()
+
+    def close(self, keep_parent: bool = False) -> None:
+        for fd in (self.data, self.fd) if keep_parent else (self.data, self.fd, self.parent):
+            if fd >= 0:
+                os.close(fd)
+        self.data = self.fd = -1
+        if not keep_parent:
+            self.parent = -1
+
+
+def writable_areas(sb: Sandbox) -> list[str]:
+    """The sandbox's private tmpfs mounts (the policy's, and the home where it is one), workspace left out."""
+    impl = sb._impl
+    home = impl.report_enforced.get("home")
+    paths = list(sb.policy.tmpfs) + ([home["path"]] if isinstance(home, dict) and home.get("path") else [])
+    target = sb.workspace.target.rstrip("/")
+    out: list[str] = []
+    for path in paths:
+        path = os.path.normpath(str(path))
+        if path in out or path == target or path.startswith(target + "/") or path == "/":
+            continue
+        out.append(path)
+    return out
+
+
+def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
+    """The non-empty tmpfs mounts and an archive of them, made inside by the program's own tar."""
+    conn = sb._conn()
+    full, members = [], []
+    for path in writable_areas(sb):
+        try:
+            names = [name for name, _ in conn.readdir(path)]
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        if names:
+            full.append(path)
+            # The mounts' contents, not the mount points themselves (the program may not change those).
+            members += [os.path.join(path, name).lstrip("/") for name in sorted(names)]
+    if not full:
+        return (), b""
+    result = sb.exec(["tar", "-C", "/", "--sparse", "-cf", "-", "--", *members],
+                     text=False, output_limit=AREAS_LIMIT)
+    if result.returncode == 127:
+        raise UnsupportedError(f"snapshot: {', '.join(full)} hold files, which a snapshot keeps with the "
+                               "sandbox's own tar, and the sandbox has none on its PATH")
+    if result.returncode != 0 or result.truncated:
+        why = "larger than 1 GiB" if result.truncated else result.stderr.decode(errors="replace").strip()[-300:]
+        raise IsolationError(f"snapshot: could not archive {', '.join(full)}: {why}")
+    return tuple(full), bytes(result.stdout)
+
+
+def restore_areas(sb: Sandbox, snap: Snapshot) -> None:
+    """Unpack a snapshot's tmpfs mounts in a fresh sandbox (inside, as the program)."""
+    archive = snap.areas_archive()
+    if not archive:
+        return
+    result = sb.exec(["tar", "-C", "/", "--no-overwrite-dir", "-xpf", "-"], input=archive, text=True)
+    if result.returncode != 0:
+        raise IsolationError(f"snapshot {snap.name!r}: could not unpack {', '.join(snap.areas)}: "
+                             f"{result.stderr.strip()[-300:]}")
+
+
+def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True) -> Snapshot:
+    """Capture a running native sandbox's files (see the module's docstring)."""
+    from ..backends.native.kept import NativeSandbox, _open_base
+    impl = sb._impl
+    if not isinstance(impl, NativeSandbox):
+        raise UnsupportedError("snapshot: the Docker backend keeps no snapshots (docker commit captures a "
+                               "container's image layers, not its bound workspace); use backend='native'")
+    mode = sb.workspace.mode
+    if mode == "bind":
+        raise UnsupportedError("snapshot: a bind workspace is the user's own directory, which isolate does not "
+                               "freeze; use Workspace(mode='overlay') (layers: costs what changed) or 'copy'")
+    captured, archive = capture_areas(sb) if areas else ((), b"")
+    making = _Making(name, "layer" if mode == "overlay" else "tree")
+    try:
+        ws_fd = impl.open_workspace()
+        try:
+            if mode == "overlay":
+                if origin is not None:
+                    base = _open_base(impl.paths.key)
+                    try:
+                        layers.clone(base, making.data)
+                        # The start it shares with its sibling branches, for merge (hard links again).
+                        os.mkdir("base", 0o755, dir_fd=making.fd)
+                        kept = os.open("base", _DIR_FLAGS, dir_fd=making.fd)
+                        try:
+                            layers.clone(base, kept)
+                        finally:
+                            os.close(kept)
+                    finally:
+                        os.close(base)
+                os.fchmod(making.data, stat.S_IMODE(os.fstat(ws_fd).st_mode))
+                if os.geteuid() == 0:
+                    info = os.fstat(ws_fd)
+                    os.fchown(making.data, info.st_uid, info.st_gid)
+                layers.flatten(ws_fd, making.data)
+            else:
+                # Every node as it is (a link as a link, whatever it names: stored, never followed).
+                layers.clone(ws_fd, making.data, hard_links=False)
+        finally:
+            os.close(ws_fd)
+        if archive:
+            making.write_areas(archive)
+        return making.commit(sb.workspace, origin.id if origin is not None else None, captured)
+    except BaseException as exc:
+        making.abandon()
+        if isinstance(exc, OSError):
+            # A file the program made unreadable to its owner (chmod 000, as the caller who is not root), or
+            # one it swapped while it was copied: refused, in the error every caller expects.
+            raise IsolationError(f"snapshot: could not copy the sandbox's files: {exc.strerror or exc}"
+                                 + (f": {exc.filename}" if exc.filename else "")) from None
+        raise
+
+
+def check_start(snapshot: Any, workspace: Workspace | None) -> Workspace:
+    """The workspace a sandbox started from snapshot has (the snapshot's; one given must agree)."""
+    if not isinstance(snapshot, Snapshot):
+        raise TypeError("snapshot must be an isolate.Snapshot")
+    if workspace is not None and (workspace.source, workspace.mode, workspace.target) != (
+            snapshot.workspace.source, snapshot.workspace.mode, snapshot.workspace.target):
+        raise PolicyError(f"workspace: snapshot {snapshot.name!r} was taken of {snapshot.workspace}; a sandbox "
+                          "started from it has that workspace (leave workspace= out)", "workspace")
+    return snapshot.workspace

@@ -1,0 +1,249 @@
+"""Snapshots, forks, restore and merge of kept native sandboxes (isolate/kept/snapshots.py, merge.py).
+
+Real kernel, as root and as uid 65534: an overlay workspace's snapshot is a layer (what changed since
+the source), a copy workspace's a copy; restore and fork start sandboxes from one; merge applies the
+changes of several branches against their common start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import NAMESPACES_WHY, policy
+
+import isolate
+from isolate import Sandbox, Workspace
+from isolate.kernel.places import state_dir
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
+
+LINES = "".join(f"line {i}\n" for i in range(1, 21))
+
+
+@pytest.fixture
+def source(workdir: str) -> str:
+    root = Path(workdir) / "project"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "main.py").write_text("print('hello')\n")
+    (root / "notes.txt").write_text(LINES)
+    (root / "keep.txt").write_text("keep\n")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return str(root)
+
+
+@pytest.fixture(params=["overlay", "copy"])
+def box(request: pytest.FixtureRequest, source: str) -> Iterator[Sandbox]:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode=request.param)) as sandbox:
+        yield sandbox
+
+
+@pytest.fixture(autouse=True)
+def no_snapshots_left() -> Iterator[None]:
+    before = {s.name for s in isolate.Snapshot.list()}
+    yield
+    for snap in isolate.Snapshot.list():
+        if snap.name not in before:
+            snap.remove()
+
+
+def files(sb: Sandbox) -> str:
+    """Everything of the workspace, /tmp and the home: names, kinds and contents."""
+    return sb.exec("cd /workspace && find . /tmp ~ -mindepth 1 | sort | while read -r f; do "
+                   "if [ -L \"$f\" ]; then echo \"$f -> $(readlink \"$f\")\"; elif [ -f \"$f\" ]; then "
+                   "echo \"$f: $(cat \"$f\")\"; else echo \"$f/\"; fi; done").stdout
+
+
+def test_snapshot_is_immune_to_later_changes_and_to_planted_links(box: Sandbox, source: str,
+                                                                  workdir: str) -> None:
+    secret = Path(workdir, "secret")
+    secret.write_text("host secret\n")
+    box.exec(f"echo mine > src/new.py && ln -s {secret} escape && ln -s /etc escape_dir && "
+             "echo t > /tmp/t && mkdir ~/cfg && echo h > ~/cfg/h && "
+             "head -c 100000 /dev/zero > big && for i in 1 2 3; do ln big big$i; done")
+    snap = box.snapshot("branches-test-immune")
+    taken = files(box)
+    assert "./escape -> " in taken and "/tmp/t: t" in taken and "/cfg/h: h" in taken
+    # Later changes, and links planted where the snapshot's files were, change nothing of it.
+    box.exec("echo later > src/new.py && rm keep.txt && rm -r ~/cfg && ln -s /etc ~/cfg && "
+             f"rm escape && ln -s {secret} src/main.py.tmp && echo x > /tmp/t")
+    assert snap in isolate.Snapshot.list()
+    with Sandbox(box.policy, snapshot=snap) as other:
+        assert files(other) == taken
+    assert secret.read_text() == "host secret\n"  # written by nothing
+    kept = snap.kind
+    assert kept == ("layer" if box.workspace.mode == "overlay" else "tree")
+    # The snapshot's files hold a link as a link, never what it points to.
+    state = Path(state_dir(), "snapshots", snap.name, kept)
+    assert os.path.islink(state / "escape") and os.readlink(state / "escape") == str(secret)
+    # A file's several names are one copy (a program's thousand names of one file cost the host one).
+    assert len({os.stat(state / name).st_ino for name in ("big", "big1", "big2", "big3")}) == 1
+    snap.remove()
+    assert snap not in isolate.Snapshot.list() and not state.exists()
+
+
+def test_fork_gives_independent_sandboxes(box: Sandbox) -> None:
+    before = isolate.Snapshot.list()
+    box.exec("echo base > shared.txt && echo t > /tmp/base")
+    box.exec("sleep 60 >/dev/null 2>&1 &")  # processes are not carried
+    forks = box.fork(3)
+    try:
+        assert len(forks) == 3 and all(f.workspace == box.workspace for f in forks)
+        for i, fork in enumerate(forks):
+            fork.exec(f"echo {i} > shared.txt && echo {i} > only{i}.txt && rm keep.txt")
+        box.exec("echo source > shared.txt")
+        for i, fork in enumerate(forks):
+            listing = fork.exec("cat shared.txt /tmp/base; ls").stdout
+            assert listing.startswith(f"{i}\nt\n")
+            assert f"only{i}.txt" in listing and "keep.txt" not in listing
+            assert not any(f"only{j}.txt" in listing for j in range(3) if j != i)
+        assert box.read_file("shared.txt") == "source\n" and box.exists("keep.txt")
+        assert any("sleep" in " ".join(p.cmdline()) for p in box.processes())
+        assert not any("sleep" in " ".join(p.cmdline()) for f in forks for p in f.processes())
+    finally:
+        for fork in forks:
+            fork.close()
+    assert isolate.Snapshot.list() == before  # the fork point goes with the last fork
+    with pytest.raises(isolate.UnsupportedError, match="processes"):
+        box.fork(processes=True)
+
+
+def test_restore_undoes_an_episode(box: Sandbox) -> None:
+    box.exec("echo start > state.txt && echo t > /tmp/start")
+    start = box.snapshot()
+    before = files(box)
+    for _ in range(2):  # two episodes, each restored
+        box.exec("for i in $(seq 1 30); do echo $i > created$i; done; echo changed > notes.txt; "
+                 "echo c > src/main.py; rm keep.txt; rm -r src; mkdir src; echo e > /tmp/episode; "
+                 "echo x >> /tmp/start; mkdir -p deep/er && ln -s /etc deep/er/link; sleep 60 &")
+        assert files(box) != before
+        box.restore(start)
+        assert files(box) == before
+        assert box.read_file("notes.txt") == LINES and box.read_file("src/main.py") == "print('hello')\n"
+    assert box.origin == start
+
+
+def test_docker_and_bind_refuse(source: str) -> None:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="bind")) as sb, \
+            pytest.raises(isolate.UnsupportedError, match="bind workspace"):
+        sb.snapshot()
+    with pytest.raises(isolate.UnsupportedError, match="Docker backend keeps no snapshots"):
+        Sandbox(policy(write=()), backend="docker", snapshot=isolate.Snapshot(
+            "x", "tree", Workspace(), 0.0, "", None, (), (0, 0)))
+
+
+def test_merge_of_different_hunks_is_clean_same_hunk_conflicts(box: Sandbox) -> None:
+    box.exec("echo made before the fork > made.txt")
+    a, b = box.fork(2)
+    try:
+        a.replace_text("notes.txt", "line 2\n", "line two\n")
+        b.replace_text("notes.txt", "line 17\n", "line seventeen\n")
+        a.write_file("from_a.txt", "a\n")
+        b.remove("keep.txt")
+        result = isolate.merge([a, b])
+        # Against the fork point, not the source: made.txt is no change of theirs.
+        assert result.clean and sorted(result.merged) == ["from_a.txt", "keep.txt", "notes.txt"]
+        assert result.sandbox is not None
+        with result.sandbox as merged:
+            assert merged.read_file("notes.txt") == LINES.replace("line 2\n", "line two\n").replace(
+                "line 17\n", "line seventeen\n")
+            assert merged.exists("from_a.txt") and not merged.exists("keep.txt")
+        # The same hunk, and a deletion against an edit: conflicts, reported, marked or refused.
+        a.replace_text("notes.txt", "line 9\n", "nine from a\n")
+        b.replace_text("notes.txt", "line 9\n", "nine from b\n")
+        a.write_file("src/main.py", "edited\n")
+        b.remove("src/main.py")
+        with pytest.raises(isolate.MergeConflictError) as refused:
+            isolate.merge([a, b], on_conflict="refuse")
+        conflicts = {c.path: c for c in refused.value.result.conflicts}
+        assert set(conflicts) == {"notes.txt", "src/main.py"}
+        assert conflicts["src/main.py"].kind == "delete/modify"
+        hunk, = conflicts["notes.txt"].hunks
+        assert (hunk.base_start, hunk.base_lines, hunk.sides) == (9, 1, (("nine from a\n",), ("nine from b\n",)))
+        marked = isolate.merge([a, b])
+        assert not marked.clean and marked.sandbox is not None
+        with marked.sandbox as merged:
+            text = merged.read_file("notes.txt")
+            assert "<<<<<<< " in text and "nine from a\n=======\nnine from b\n>>>>>>> " in text
+            assert "line two\n" in text and merged.read_file("src/main.py") == "edited\n"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_merge3_as_git_merge_file() -> None:
+    from isolate.kept.merge import merge3
+
+    base = [b"a\n", b"b\n", b"c\n", b"d\n", b"e\n"]
+    assert merge3(base, [b"A\n", *base[1:]], [*base[:4], b"E\n"])[0] == [b"A\n", b"b\n", b"c\n", b"d\n", b"E\n"]
+    # Touching lines conflict, as in git; the same change on both sides does not.
+    assert merge3(base, [b"a\n", b"B\n", *base[2:]], [*base[:2], b"C\n", *base[3:]])[1]
+    assert not merge3(base, [b"a\n", b"B\n", *base[2:]], [b"a\n", b"B\n", *base[2:]])[1]
+    assert merge3(base, [*base, b"f\n"], base[:-1])[1]  # an append against the last line's deletion
+
+
+def test_verification_branches_flow(source: str) -> None:
+    from isolate.agents import NativeBranches
+
+    with NativeBranches(policy(write=())) as strategy:
+        ids = [strategy.setup_branch(source) for _ in range(3)]
+        strategy.execute_command(ids[0], "sed -i 's/^line 3$/three/' notes.txt")
+        strategy.execute_command(ids[1], "sed -i 's/^line 18$/eighteen/' notes.txt && echo n > new.txt")
+        strategy.execute_command(ids[2], "echo discarded > gone.txt")
+        verification = strategy.setup_verification_branches({"v0": [ids[0], ids[1]], "v1": [ids[1]]})
+        assert verification["v1"] == ids[1]  # one source: reused as it is
+        merged = verification["v0"]
+        assert merged not in ids and strategy.merges[merged].clean
+        out = strategy.execute_command(merged, "cat notes.txt new.txt; ls").stdout
+        assert "three\n" in out and "eighteen\n" in out and "n\n" in out and "gone.txt" not in out
+        with pytest.raises(isolate.IsolationError, match="no branch"):
+            strategy.execute_command(ids[2], "true")  # used by no group: discarded
+        target = Path(source).parent / "result"
+        target.mkdir()
+        strategy.commit_to_host(merged, target)
+        assert (target / "new.txt").read_text() == "n\n"
+
+
+def test_merge_of_deleted_directories_and_an_edit_kept_over_a_deletion(source: str) -> None:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        box.exec("mkdir -p lib/sub && echo 1 > lib/one && echo 2 > lib/sub/two && echo o > src/other.py")
+        a, b = box.fork(2)
+        try:
+            a.exec("rm -r lib src && printf 'a\\0' > bin.dat && ln -s notes.txt to && "
+                   "sed -i 's/^line 3$/three/' notes.txt")  # a deletes two directories
+            b.exec("echo edited > src/main.py && printf 'b\\0' > bin.dat && ln -s keep.txt to && "
+                   "chmod 755 notes.txt")                      # b edits inside one of them
+            result = isolate.merge([a, b])
+            assert [(c.path, c.kind) for c in result.conflicts] == [
+                ("bin.dat", "binary"), ("src/main.py", "delete/modify"), ("to", "link")]
+            assert result.sandbox is not None
+            with result.sandbox as merged:
+                # lib is gone whole; src holds only the kept edit (nothing else of the source shows through).
+                assert merged.exec("ls; ls src; cat src/main.py").stdout == \
+                    "bin.dat\nkeep.txt\nnotes.txt\nsrc\nto\nmain.py\nedited\n"
+                # One side's text change and the other's mode change, together.
+                assert merged.read_file("notes.txt") == LINES.replace("line 3\n", "three\n")
+                assert merged.stat("notes.txt").mode & 0o777 == 0o755
+        finally:
+            a.close()
+            b.close()
+
+
+def test_merge_of_snapshots_of_forks_gone_since(source: str) -> None:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        box.write_file("made.txt", "a\nb\nc\nd\ne\nf\n")
+        a, b = box.fork(2)
+        a.replace_text("made.txt", "b\n", "B\n")
+        b.replace_text("made.txt", "e\n", "E\n")
+        snaps = [a.snapshot(), b.snapshot()]
+        a.close()
+        b.close()
+        # Their common start is kept with each layer snapshot: the forks and the fork point are gone.
+        result = isolate.merge(snaps, start=False)
+        assert result.clean and result.merged == ["made.txt"] and result.sandbox is None
+        assert result.snapshot is not None
+        with Sandbox(box.policy, snapshot=result.snapshot) as merged:
+            assert merged.read_file("made.txt") == "a\nB\nc\nd\nE\nf\n"

@@ -303,3 +303,40 @@ def test_bad_input_is_refused_before_anything_starts(cluster: Any) -> None:
         iray.Sandbox(box_policy(), resources={"gpu-that-is-not-there": 1}).start()
     with pytest.raises(isolate.PolicyError, match="size"):
         iray.SandboxPool(box_policy(), size=-1)
+
+
+SPREAD_OVER_NODES = '''
+import os, re
+from opensandbox import SandboxSync
+from opensandbox.config import ConnectionConfigSync
+
+config = ConnectionConfigSync(domain=os.environ["OPEN_SANDBOX_DOMAIN"], api_key=os.environ["OPEN_SANDBOX_API_KEY"])
+boxes = [SandboxSync.create("ubuntu", connection_config=config) for _ in range(3)]
+try:
+    for box in boxes:
+        said = box.commands.run("echo hi from $(hostname)").logs.stdout[0].text
+        print(said.split()[0], re.search("on Ray node ([0-9a-f]+)", box.get_info().status.message)[1])
+finally:
+    for box in boxes:
+        box.destroy()
+'''
+
+
+def test_the_opensandbox_server_over_the_cluster(cluster: Any) -> None:
+    """`isolate-run serve --ray ADDRESS`: the SDK's hello world, unchanged, and sandboxes on several nodes."""
+    pytest.importorskip("starlette", reason="the server extra is not installed: pip install 'isolate[server]'")
+    pytest.importorskip("opensandbox", reason="the SDK is not installed: pip install 'isolate[server-test]'")
+    import test_server as base
+
+    extra = () if base.limits_enforceable() else ("--best-effort",)
+    server = base.Server("--ray", cluster.address, *extra)
+    try:
+        assert base.run_example(server, base.sdk_readme(base.HELLO_ASYNC, server)) == "Hello Sandbox!\n"
+        lines = base.run_example(server, SPREAD_OVER_NODES).split()
+        said, nodes = lines[0::2], set(lines[1::2])
+        assert said == ["hi"] * 3
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) >= 2 and nodes <= alive - {cluster.broken.node_id}
+        assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        server.stop()

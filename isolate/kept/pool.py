@@ -20,16 +20,14 @@ interpreter.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
-from .sandbox import Sandbox
+from .sandbox import Sandbox, create_many, whole_number
 
 __all__ = ["PoolClosedError", "PoolExhaustedError", "SandboxPool", "create_many"]
 
@@ -40,47 +38,6 @@ class PoolExhaustedError(IsolationError, TimeoutError):
 
 class PoolClosedError(IsolationError):
     """The pool was closed."""
-
-
-def _count(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PolicyError(f"{name}: expected an integer of at least {minimum}, got {value!r}", name)
-    return value
-
-
-def _starters(n: int) -> int:
-    """Threads that start n sandboxes: enough to keep every core busy while most of them wait."""
-    return max(1, min(n, 8 * (os.cpu_count() or 1), 64))
-
-
-def create_many(n: int, policy: Policy | None = None, **sandbox_kwargs: Any) -> list[Sandbox]:
-    """n started sandboxes of the same arguments, started side by side; all or none.
-
-    If one cannot start, those that did are ended and its error is raised.
-    """
-    n = _count(n, "n", 0)
-    if sandbox_kwargs.get("name") is not None and n > 1:
-        raise PolicyError("name: n sandboxes cannot share one name; create named sandboxes one by one", "name")
-    boxes = [Sandbox(policy, **sandbox_kwargs) for _ in range(n)]  # bad arguments fail here, before any start
-    if n == 0:
-        return []
-    with ThreadPoolExecutor(_starters(n), thread_name_prefix="isolate-start") as starter:
-        outcomes = list(starter.map(_start_quietly, boxes))
-    failures = [exc for exc in outcomes if exc is not None]
-    if failures:
-        for box, exc in zip(boxes, outcomes, strict=True):
-            if exc is None:
-                box.close()
-        raise failures[0]
-    return boxes
-
-
-def _start_quietly(box: Sandbox) -> BaseException | None:
-    try:
-        box.start()
-    except BaseException as exc:  # handed back to the caller's thread
-        return exc
-    return None
 
 
 class SandboxPool:
@@ -96,9 +53,9 @@ class SandboxPool:
 
     def __init__(self, policy: Policy | None = None, *, size: int, max_size: int | None = None,
                  **sandbox_kwargs: Any) -> None:
-        self.size = _count(size, "size", 0)
+        self.size = whole_number(size, "size", 0)
         if max_size is not None:
-            max_size = _count(max_size, "max_size", 1)
+            max_size = whole_number(max_size, "max_size", 1)
             if max_size < self.size:
                 raise PolicyError(f"max_size: {max_size} is below size {self.size}", "max_size")
         self.max_size = max_size
@@ -143,7 +100,7 @@ class SandboxPool:
 
     def acquire_many(self, n: int, timeout: float | None = None) -> list[Sandbox]:
         """n sandboxes at once: the warm ones, and the rest started side by side."""
-        n = _count(n, "n", 1)
+        n = whole_number(n, "n", 1)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or math.isnan(timeout) or timeout < 0):
             raise PolicyError(f"timeout: expected seconds (0 or more), got {timeout!r}", "timeout")
@@ -248,7 +205,7 @@ class SandboxPool:
 
     def resize(self, size: int) -> None:
         """Keep ``size`` warm from now on: more start in the background, the warm ones past it end."""
-        size = _count(size, "size", 0)
+        size = whole_number(size, "size", 0)
         if self.max_size is not None and size > self.max_size:
             raise PolicyError(f"size: {size} is above max_size {self.max_size}", "size")
         with self._lock:

@@ -22,6 +22,7 @@ import os
 import shlex
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..backends.kept import KeptBackend, attach_backend, make_backend
@@ -32,11 +33,12 @@ from ..backends.native.kept import NativeSandbox, environment_for
 from ..backends.native.protocol import Stat
 from ..backends.registry import _check_name
 from ..kernel.overlay import overlay_commit, overlay_diff
-from ..kernel.tree import Changes, apply, check_target, diff, entries_of, walk
+from ..kernel.tree import Changes, diff, entries_of
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
+from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
 from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
@@ -179,8 +181,6 @@ class Sandbox:
     @classmethod
     def create_many(cls, n: int, policy: Policy | None = None, **kwargs: Any) -> list[Sandbox]:
         """n started sandboxes of the same arguments, started side by side (all, or none and the error)."""
-        from .pool import create_many
-
         return create_many(n, policy, **kwargs)
 
     def pause(self) -> str:
@@ -482,62 +482,45 @@ class Sandbox:
         return boxes
 
 
-def commit_tree(ws_fd: int, target: str | os.PathLike[str], workspace: Workspace, workspace_host: str) -> Changes:
-    """Make ``target`` match the tree at ``ws_fd`` (a copied workspace, at ``workspace_host``); what was written."""
-    real = check_target(os.fspath(target), [workspace_host])
-    entries = walk(ws_fd, workspace)
-    tgt_fd, _ = entries_of(real, workspace)
+def whole_number(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PolicyError(f"{name}: expected an integer of at least {minimum}, got {value!r}", name)
+    return value
+
+
+def _starters(n: int) -> int:
+    """Threads that start n sandboxes: enough to keep every core busy while most of them wait."""
+    return max(1, min(n, 8 * (os.cpu_count() or 1), 64))
+
+
+def create_many(n: int, policy: Policy | None = None, **sandbox_kwargs: Any) -> list[Sandbox]:
+    """n started sandboxes of the same arguments, started side by side; all or none.
+
+    If one cannot start, those that did are ended and its error is raised.
+    """
+    n = whole_number(n, "n", 0)
+    if sandbox_kwargs.get("name") is not None and n > 1:
+        raise PolicyError("name: n sandboxes cannot share one name; create named sandboxes one by one", "name")
+    boxes = [Sandbox(policy, **sandbox_kwargs) for _ in range(n)]  # bad arguments fail here, before any start
+    if n == 0:
+        return []
+    with ThreadPoolExecutor(_starters(n), thread_name_prefix="isolate-start") as starter:
+        outcomes = list(starter.map(_start_quietly, boxes))
+    failures = [exc for exc in outcomes if exc is not None]
+    if failures:
+        for box, exc in zip(boxes, outcomes, strict=True):
+            if exc is None:
+                box.close()
+        raise failures[0]
+    return boxes
+
+
+def _start_quietly(box: Sandbox) -> BaseException | None:
     try:
-        changes = diff(ws_fd, tgt_fd, workspace)
-        apply(ws_fd, tgt_fd, changes, entries)
-        return changes
-    finally:
-        os.close(tgt_fd)
-
-
-def upload_tree(box: Any, host_src: str | os.PathLike[str], dst: str) -> None:
-    """``Sandbox.upload`` for any box with ``mkdir`` and ``write_file`` (a local or a remote sandbox)."""
-    src = os.fspath(host_src)
-    _upload(box, os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), src, dst)
-
-
-def _upload(box: Any, fd: int, label: str, dst: str) -> None:
-    import errno
-    import stat as stat_mod
-
-    try:
-        info = os.fstat(fd)
-        if stat_mod.S_ISDIR(info.st_mode):
-            box.mkdir(dst)
-            for name in sorted(os.listdir(fd)):
-                try:
-                    child = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        continue  # a link: not copied
-                    raise OSError(exc.errno, exc.strerror, os.path.join(label, name)) from None
-                _upload(box, child, os.path.join(label, name), os.path.join(dst, name))
-            return
-        if not stat_mod.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file or directory", label)
-        os.set_blocking(fd, True)
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        box.write_file(dst, b"".join(chunks), mode=stat_mod.S_IMODE(info.st_mode) & 0o777)
-    finally:
-        os.close(fd)
-
-
-def save_download(data: bytes, host_dst: str | os.PathLike[str]) -> None:
-    """Write a downloaded file at host_dst, never through a link or onto a FIFO there."""
-    from ..model.report import ReportTarget
-
-    target = ReportTarget(os.fspath(host_dst), label="download")
-    try:
-        target.write_bytes(data)
-    finally:
-        target.close()
+        box.start()
+    except BaseException as exc:  # handed back to the caller's thread
+        return exc
+    return None
 
 
 class AsyncSandbox:

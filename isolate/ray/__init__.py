@@ -22,7 +22,17 @@ from .placement import Hosts
 from .pool import SandboxPool
 from .sandbox import RemoteProcess, Sandbox
 
-__all__ = ["RemoteProcess", "Sandbox", "SandboxPool", "shutdown"]
+__all__ = ["RemoteProcess", "Sandbox", "SandboxPool", "connect", "shutdown"]
+
+
+def connect(address: str) -> int:
+    """Join the Ray cluster at ``address`` (its head's HOST:PORT, or "auto"); how many nodes are alive."""
+    import logging
+
+    import ray
+
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 def shutdown() -> None:

@@ -41,7 +41,7 @@ LARGE = 1 << 20
 #: The Sandbox methods a caller may run by name (anything else is refused).
 CALLS = frozenset({
     "exec", "read_file", "write_file", "replace_text", "list_dir", "stat", "exists", "mkdir", "remove", "move",
-    "glob", "grep", "diff", "commit", "pause", "resume", "processes_summary", "enforced_report", "state",
+    "glob", "grep", "diff", "commit", "pause", "resume", "processes_summary", "enforced_report", "state", "usage",
 })
 SESSION_CALLS = {"shell": frozenset({"run", "close", "alive"}),
                  "python": frozenset({"run", "close", "alive", "interrupt"})}
@@ -53,6 +53,19 @@ class Failure:
     """An exception raised on the node, returned as a value."""
 
     error: BaseException
+
+
+def _usage(box: Sandbox) -> tuple[float, int]:
+    """CPU seconds (its processes' and their reaped children's) and resident memory of a sandbox's processes."""
+    cpu, rss = 0.0, 0
+    for process in box.processes():
+        try:
+            times = process.cpu_times()
+            cpu += times.user + times.system + times.children_user + times.children_system
+            rss += process.memory_info().rss
+        except Exception:  # it ended meanwhile
+            continue
+    return cpu, rss
 
 
 def _attempt(call: Callable[[], Any]) -> Any:
@@ -141,6 +154,8 @@ class SandboxHost:
                 return box.enforced
             if method == "state":
                 return box._impl.state()
+            if method == "usage":
+                return _usage(box)
             result = getattr(box, method)(*resolved, **named)
             if method == "read_file" and isinstance(result, (bytes, str)) and len(result) > LARGE:
                 return ray.put(result)  # the caller fetches it from the object store

@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 
-from ..kept.sandbox import commit_tree, save_download, upload_tree
+from ..kept.hostfiles import commit_tree, save_download, upload_tree
 from ..kernel.tree import Changes
 from ..model.errors import IsolationError, PolicyError, SandboxLostError
 from ..model.policy import Mount, Policy
@@ -103,6 +103,8 @@ class Sandbox:
         self._lost: SandboxLostError | None = None
         self._on_close: Any = None
         self.enforced: dict[str, Any] = {}
+        #: Always native: a node runs isolate's own sandboxes (the same attribute as isolate.Sandbox's).
+        self.backend = "native"
 
     def __repr__(self) -> str:
         return f"isolate.ray.Sandbox(id={self.id!r}, node_id={self.node_id!r})"
@@ -311,6 +313,11 @@ class Sandbox:
     def state(self) -> str:
         return str(self._call("state"))
 
+    def usage(self) -> tuple[float, int]:
+        """(CPU seconds used so far, memory in use in bytes) of the sandbox's processes, read on its node."""
+        cpu, rss = self._call("usage")
+        return float(cpu), int(rss)
+
 
 class RemoteSession:
     """A persistent shell or Python interpreter of a remote sandbox (``run``, ``close``, ``alive``)."""
@@ -353,6 +360,13 @@ class _RemoteStream:
             self._buffer += chunk
             return True
         return False
+
+    def read1(self, size: int = 1 << 16) -> bytes:
+        """What is there now, or the next chunk to come (at most size bytes); b"" at the end."""
+        if not self._buffer:
+            self._fill(size)
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
 
     def read(self, size: int = -1) -> bytes:
         while (size < 0 or len(self._buffer) < size) and self._fill():

@@ -68,7 +68,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="create sandboxes whose resourceLimits this host cannot enforce (e.g. no cgroup for "
                              "this user) instead of refusing them; the sandbox's status message says what is not "
                              "enforced")
+    parser.add_argument("--ray", metavar="ADDRESS",
+                        help="place each sandbox on a node of this Ray cluster (its head's HOST:PORT, or 'auto'); "
+                             "needs the ray extra and isolate on every node")
     return parser
+
+
+def _join_cluster(address: str) -> bool:
+    """Connect to the Ray cluster sandboxes are placed on; False (and one line said) when it cannot."""
+    try:
+        from ..ray import connect
+    except ImportError as exc:
+        print(f"isolate-run serve: --ray: {exc.name} is missing; install the extra: pip install 'isolate[ray]'",
+              file=sys.stderr)
+        return False
+    try:
+        alive = connect(address)
+    except Exception as exc:  # Ray's own errors: no cluster there, a version mismatch
+        print(f"isolate-run serve: --ray {address}: cannot join the cluster: {str(exc).splitlines()[0]}",
+              file=sys.stderr)
+        return False
+    print(f"isolate-run serve: sandboxes go to the {alive} nodes of the Ray cluster at {address}", flush=True)
+    return True
 
 
 def serve_main(argv: Sequence[str]) -> int:
@@ -121,6 +142,10 @@ def serve_main(argv: Sequence[str]) -> int:
     if options.max_sandboxes < 1:
         print("isolate-run serve: --max-sandboxes: at least 1", file=sys.stderr)
         return 125
-    app = _create(ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes))
+    if options.ray is not None and not _join_cluster(options.ray):
+        return 125
+    state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes)
+    state.cluster = options.ray is not None
+    app = _create(state)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

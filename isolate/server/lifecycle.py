@@ -62,7 +62,11 @@ def _network_text(network: object) -> str:
 
 
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
-    box = Sandbox(req.policy, backend=state.backend)
+    box: Any = Sandbox(req.policy, backend=state.backend)
+    if state.cluster:
+        from ..ray import Sandbox as ClusterSandbox  # serve --ray: the box lives on a node of the cluster
+
+        box = ClusterSandbox(req.policy)
     if box.backend != "native":
         raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; this "
                        "server streams commands and serves files through the native backend only (the Docker "
@@ -72,6 +76,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    if state.cluster:
+        managed.message += f", on Ray node {box.node_id}"
     managed.event(f"created from image {req.image!r} (backend {box.backend}, network "
                   f"{_network_text(req.policy.network)})")
     asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]

@@ -114,9 +114,35 @@ class CommandRecord:
             return bytes(self.output[start:]), self.output_base + len(self.output)
 
 
+def _pump_remote(record: CommandRecord) -> None:
+    """``_pump`` for a command on a Ray node (isolate.ray.RemoteProcess): a reader per stream, then its end."""
+    proc = record.proc
+
+    def read(kind: str) -> None:
+        stream = getattr(proc, kind)
+        while chunk := stream.read1():
+            record.add_output(kind, chunk)
+
+    readers = [threading.Thread(target=read, args=(kind,), daemon=True) for kind in ("stdout", "stderr")]
+    for reader in readers:
+        reader.start()
+    try:
+        rc = proc.wait()
+        for reader in readers:
+            reader.join()
+        report = proc.report
+        record.report_status = report.status if report is not None else ""
+    except Exception as exc:  # the sandbox (or its node) ended under the command
+        record.error, rc = str(exc), -1
+    _finish(record, rc)
+
+
 def _pump(record: CommandRecord) -> None:
     """The command's thread: read stdout/stderr as they come, then its end (a background child may hold the pipes)."""
     proc = record.proc
+    if not hasattr(proc, "stdout_fd"):
+        _pump_remote(record)
+        return
     fds = {proc.stdout_fd: "stdout"}
     if proc.stderr_fd >= 0:
         fds[proc.stderr_fd] = "stderr"
@@ -126,6 +152,7 @@ def _pump(record: CommandRecord) -> None:
     for fd in fds:
         sel.register(fd, selectors.EVENT_READ)
     wait = 0.005
+    rc: int | None = None
     try:
         while True:
             if sel.get_map():
@@ -171,22 +198,28 @@ def _pump(record: CommandRecord) -> None:
                 record.add_output(kind, chunk)
         report = proc.report
         record.report_status = report.status if report is not None else ""
+    finally:
+        sel.close()
+        _finish(record, rc)
+
+
+def _finish(record: CommandRecord, rc: int | None) -> None:
+    """A command's end: its status and error, its slot given back, its listener told."""
+    if rc is not None:
         record.exit_code = rc
         if rc != 0 and not record.error:
             record.error = {"timeout": "timed out", "killed": "killed"}.get(record.report_status,
                                                                               f"exit status {rc}")
-    finally:
-        RUNNING.give()
-        sel.close()
-        record.finished_at = time.time()
-        try:
-            proc.close()
-        except OSError:
-            pass
-        listener = record.listener
-        record.done.set()
-        if listener is not None:
-            listener("exit", record)
+    RUNNING.give()
+    record.finished_at = time.time()
+    try:
+        record.proc.close()
+    except OSError:
+        pass
+    listener = record.listener
+    record.done.set()
+    if listener is not None:
+        listener("exit", record)
 
 
 @dataclass
@@ -309,6 +342,8 @@ class ServerState:
         self.profiles = dict(profiles)
         self.any_image = any_image
         self.backend = backend
+        #: Sandboxes go to the nodes of a Ray cluster (``serve --ray``): isolate.ray.Sandbox.
+        self.cluster = False
         self.sandboxes: dict[str, ManagedSandbox] = {}
         self.lock = threading.Lock()
 

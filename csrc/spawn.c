@@ -126,7 +126,7 @@ static int program_main(void *arg)
         goto fail;
     if ((step = iso_seccomp_apply(plan, &ctx->listener_fd)))
         goto fail;
-    step = iso_exec_program(plan);
+    step = iso_exec_program(plan, ISO_EXEC_MARK);
 fail:
     ctx->program_failed = 1;
     iso_report(ctx->err_fd, step, errno, index);
@@ -211,8 +211,9 @@ static int first_main(void *arg)
         char *supervise = plan->supervise ? (char *)plan->supervise : "";
         /* A kept sandbox's exec server (run through program_fd) must never stay stopped: see init.c. */
         char *keep_running = plan->program_fd >= 0 ? "1" : "0";
+        char *why = plan->why ? (char *)plan->why : "";
         char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg, errnos, supervise, parent_arg,
-                        keep_running, NULL};
+                        keep_running, why, NULL};
         char *envp[] = {NULL};
         syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
     }

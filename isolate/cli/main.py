@@ -190,8 +190,14 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
 
 
 def denial_hints(report: Report, policy: Policy) -> list[str]:
-    """One line for the first refused network destination and one for the first refused unix socket."""
+    """One line for the first refused network destination, the first refused unix socket and, when
+    denials are traced, the first refused file access."""
+    from .why import file_hint, first_file_denial
+
     lines: list[str] = []
+    entry = first_file_denial(report.denied)
+    if entry is not None:
+        lines.append(file_hint(entry, policy))
     network = policy.network if isinstance(policy.network, str) else "none"
     for entry in report.denied:
         mechanism = entry.get("mechanism")

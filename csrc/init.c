@@ -1,7 +1,7 @@
 /*
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
- *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID [KEEP_RUNNING [WHY]]]]]
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID [KEEP_RUNNING [WHY [WHY_FD]]]]]]
  *   isolate-exec-server ...   (a kept sandbox's program: see execserver.c)
  *
  * The first child of a sandbox execs this once the program is running.  It
@@ -196,14 +196,21 @@ static int watch_parent(pid_t parent, int *gone)
     return fd;
 }
 
-/* Close every descriptor but a and b (either may be -1), gap by gap.
+/* Close every descriptor but a, b and c (any may be -1), gap by gap.
  * (Before Linux 5.9 close_range fails and the leftovers merely stay open
  * in this process; the program never sees them.) */
-static void close_all_but(int a, int b)
+static void close_all_but(int a, int b, int c)
 {
-    int keep[2] = {a < b ? a : b, a < b ? b : a};
+    int keep[3] = {a, b, c};
+    for (int i = 0; i < 3; i++) /* sorted */
+        for (int j = i + 1; j < 3; j++)
+            if (keep[j] < keep[i]) {
+                int t = keep[i];
+                keep[i] = keep[j];
+                keep[j] = t;
+            }
     unsigned int lo = 0;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         if (keep[i] < 0)
             continue;
         if ((unsigned int)keep[i] > lo)
@@ -294,12 +301,15 @@ int main(int argc, char **argv)
     int why = argc > 9 && argv[9][0];
     if (why && iso_why_init(argv[9]) < 0)
         return 125;
+    int why_stream = why && argc > 10 ? atoi(argv[10]) : -1;
+    if (why_stream >= 0)
+        iso_why_stream(why_stream);
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
      * here, or a reader of its pipes would wait for this process too, and
      * nothing passed on to the program (pass_fds) belongs to the init. */
-    close_all_but(status_fd, listener);
+    close_all_but(status_fd, listener, why_stream);
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         return 125;
     if (!pid_namespace) {

@@ -206,6 +206,10 @@ struct iso_plan {
      * filter then sends the path system calls to the init, which looks
      * (never decides) and lets each continue. */
     const char *why;
+    /* With why: a pipe the init writes each refusal to as it happens
+     * (struct iso_why_event), for a kept sandbox's per-command reports;
+     * -1 for none. */
+    int32_t why_stream_fd;
 };
 
 /* What the init reports when the program ended: wait status, why, denials. */
@@ -288,6 +292,14 @@ struct iso_why_report {
 };
 
 #define ISO_WHY_MAGIC 0x150a7e02
+
+/* One refusal as it happens, on the plan's why_stream_fd: the session of
+ * the process that made the call (a kept sandbox's command leads its own). */
+struct iso_why_event {
+    int32_t session;
+    int32_t pad;
+    struct iso_file_denial denial;
+};
 
 /* The sixth argument of the execveat() that starts the program: the kernel
  * ignores it, the denial-tracing filter lets that one exec through without

@@ -116,8 +116,8 @@ static int program_main(void *arg)
     {
         /* The setup's descriptors are close-on-exec; they must survive
          * until exec (the error pipe reports exec itself). */
-        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd};
-        if ((step = iso_close_fds(plan, keep, 3)))
+        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd, plan->why ? plan->why_stream_fd : -1};
+        if ((step = iso_close_fds(plan, keep, 4)))
             goto fail;
     }
     if ((step = iso_rlimits_apply(plan, &index, 1)))
@@ -194,13 +194,15 @@ static int first_main(void *arg)
         goto fail_kill;
     if ((step = iso_no_new_privs()))
         goto fail_kill;
-    if (fcntl(plan->status_fd, F_SETFD, 0) < 0 ||
+    int why_stream = plan->why && plan->why_stream_fd >= 0 ? plan->why_stream_fd : -1;
+    if ((why_stream >= 0 && fcntl(why_stream, F_SETFD, 0) < 0) || fcntl(plan->status_fd, F_SETFD, 0) < 0 ||
         (ctx->listener_fd >= 0 && fcntl(ctx->listener_fd, F_SETFD, 0) < 0)) {
         step = ISO_STEP_INIT;
         goto fail_kill;
     }
     {
-        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32], parent_arg[16];
+        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32], parent_arg[16], stream_arg[16];
+        snprintf(stream_arg, sizeof stream_arg, "%d", why_stream);
         snprintf(pid_arg, sizeof pid_arg, "%d", program);
         snprintf(status_arg, sizeof status_arg, "%d", plan->status_fd);
         snprintf(listener_arg, sizeof listener_arg, "%d", ctx->listener_fd);
@@ -213,7 +215,7 @@ static int first_main(void *arg)
         char *keep_running = plan->program_fd >= 0 ? "1" : "0";
         char *why = plan->why ? (char *)plan->why : "";
         char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg, errnos, supervise, parent_arg,
-                        keep_running, why, NULL};
+                        keep_running, why, stream_arg, NULL};
         char *envp[] = {NULL};
         syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
     }

@@ -53,6 +53,7 @@ int iso_supervise_notification(int listener, const struct seccomp_notif *req);
 int iso_why_init(const char *spec);
 int iso_why_notification(int listener, const struct seccomp_notif *req);
 const struct iso_why_report *iso_why_report(void);
+void iso_why_stream(int fd);
 
 /* execserver.c (linked into the init): a kept sandbox's program. */
 int iso_exec_server_main(int argc, char **argv);

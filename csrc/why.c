@@ -40,6 +40,7 @@
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,6 +87,7 @@
 #define MAX_RULES 128
 
 static struct iso_why_report table;
+static int stream_fd = -1;
 static int active;
 static int root_built;
 static dev_t root_dev;
@@ -96,6 +98,15 @@ static struct {
     uint64_t access;
 } rules[MAX_RULES];
 static int n_rules;
+
+/* Each refusal is also written to fd as it happens, without blocking: a
+ * host that does not read loses events, never stops the init. */
+void iso_why_stream(int fd)
+{
+    int flags = fd >= 0 ? fcntl(fd, F_GETFL) : -1;
+    if (flags >= 0 && fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0)
+        stream_fd = fd;
+}
 
 const struct iso_why_report *iso_why_report(void)
 {
@@ -319,9 +330,34 @@ static uint64_t granted(const char *resolved)
  * lookups use it with /proc/self made the caller's). */
 static const char *named_path;
 
+static pid_t caller;
+
+static void send_event(const struct iso_file_denial *d)
+{
+    struct iso_why_event event;
+    memset(&event, 0, sizeof event);
+    event.session = (int32_t)getsid(caller);
+    event.denial = *d;
+    event.denial.count = 1;
+    /* One write of less than PIPE_BUF: whole or not at all. */
+    if (write(stream_fd, &event, sizeof event) < 0) {
+        /* Full (EAGAIN) or nobody reads: the event is lost, the run goes on. */
+    }
+}
+
 static void record(int nr, int access, int mechanism, const char *looked_up, const char *resolved)
 {
     const char *path = named_path ? named_path : looked_up;
+    if (stream_fd >= 0) {
+        struct iso_file_denial d;
+        memset(&d, 0, sizeof d);
+        d.nr = nr;
+        d.access = access;
+        d.mechanism = mechanism;
+        strncpy(d.path, path, sizeof d.path - 1);
+        strncpy(d.resolved, resolved, sizeof d.resolved - 1);
+        send_event(&d);
+    }
     for (uint32_t i = 0; i < table.n; i++) {
         struct iso_file_denial *d = &table.denied[i];
         if (d->nr == nr && d->access == access && d->mechanism == mechanism &&
@@ -571,6 +607,7 @@ static void examine(const struct seccomp_notif *req)
     pid_t tid = (pid_t)req->pid;
     int nr = req->data.nr;
     const __u64 *a = req->data.args;
+    caller = tid;
     int cwd = AT_FDCWD;
     table.seen++;
     switch (nr) {

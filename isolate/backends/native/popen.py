@@ -205,6 +205,8 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         prepared = self._prepared
         if prepared is None:
             return
+        if prepared.why_stream is not None:
+            prepared.why_stream.close()  # what it holds stays readable by the commands' reports
         report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings),
                         denials_observed={k: dict(v) for k, v in prepared.observed.items()})
         report.wall_seconds = round((self._ended or time.monotonic()) - self._started, 6)
@@ -252,6 +254,9 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                 )
             report.denied.extend(net_denials(status, prepared.mediator))
             if self._why:
+                for entry in report.denied:  # a refused connect() names a file access too
+                    if entry.get("mechanism") == "unix-socket" and entry.get("path"):
+                        entry["access"] = "connect"
                 report.denied.extend(why.file_denials(self._why))
                 seen = why.calls_seen(self._why)
                 if seen is not None and "landlock" in report.denials_observed:
@@ -332,7 +337,7 @@ def net_denials(status: Any, mediator: Any = None) -> list[dict[str, Any]]:
         kind, count = int(entry.kind), int(entry.count)
         if kind == lib.ISO_NET_DENIAL_UNIX:
             path = ffi.string(entry.path, len(entry.path)).decode(errors="replace")
-            out.append({"mechanism": "unix-socket", "access": "connect", "path": path, "count": count})
+            out.append({"mechanism": "unix-socket", "path": path, "count": count})
         elif kind == lib.ISO_NET_DENIAL_INET:
             raw = bytes(ffi.buffer(entry.address, 16))
             address = ipaddress.ip_address(raw[:4] if int(entry.family) == socket.AF_INET else raw)

@@ -202,6 +202,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     plan.idmap_userns_fd = -1
     plan.program_fd = -1
     plan.egress_fd = -1
+    plan.why_stream_fd = -1
     caller_uid, caller_gid = os.geteuid(), os.getegid()
     root_caller = caller_uid == 0
     program_uid = policy.uid if policy.uid is not None else (NOBODY if root_caller else caller_uid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from ..._core import ffi, lib
@@ -61,3 +62,74 @@ def file_denials(data: bytes) -> list[dict[str, Any]]:
     if int(table.dropped):
         out.append({"mechanism": "files", "more": int(table.dropped)})
     return out
+
+
+#: One refusal as the init streams it (a kept sandbox): its caller's session, then the entry.
+EVENT_SIZE = ffi.sizeof("struct iso_why_event")
+#: Distinct entries kept per session, and sessions kept, until a command's report takes them.
+_MAX_PER_SESSION = 256
+_MAX_SESSIONS = 1024
+
+
+class WhyStream:
+    """The host's end of a kept sandbox's refusal stream: each command's entries, by its session.
+
+    A command leads a session of its own (its monitor starts it with setsid), so the entries of the
+    processes of that session are the command's. The init never waits on this pipe: what overflows
+    it while nobody reads is lost (a command's report is read as it ends, which drains it).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._pending = b""
+        self._sessions: dict[int, dict[tuple[str, ...], dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, session: int) -> list[dict[str, Any]]:
+        """The entries of ``session`` so far (merged, counted), forgotten here once taken."""
+        with self._lock:
+            self._drain()
+            found = self._sessions.pop(session, {})
+        return [entry for entry in found.values()
+                if entry["mechanism"] != "absent" or os.path.lexists(str(entry["resolved"]))]
+
+    def _drain(self) -> None:
+        while self.fd >= 0:
+            try:
+                chunk = os.read(self.fd, EVENT_SIZE * 64)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._pending += chunk
+        while len(self._pending) >= EVENT_SIZE:
+            raw, self._pending = self._pending[:EVENT_SIZE], self._pending[EVENT_SIZE:]
+            self._add(raw)
+
+    def _add(self, raw: bytes) -> None:
+        from ...kernel import seccomp
+
+        event = ffi.new("struct iso_why_event *")
+        ffi.memmove(event, raw, EVENT_SIZE)
+        d = event.denial
+        entry = {"mechanism": MECHANISM.get(int(d.mechanism), "unknown"),
+                 "access": ACCESS.get(int(d.access), "unknown"), "path": _text(d.path),
+                 "resolved": _text(d.resolved), "syscall": seccomp.syscall_name(int(d.nr)), "count": 1}
+        key = (entry["mechanism"], entry["access"], entry["path"], entry["resolved"], entry["syscall"])
+        session = self._sessions.get(int(event.session))
+        if session is None:
+            if len(self._sessions) >= _MAX_SESSIONS:
+                del self._sessions[next(iter(self._sessions))]  # the oldest: a command no one asked about
+            session = self._sessions[int(event.session)] = {}
+        if key in session:
+            session[key]["count"] += 1
+        elif len(session) < _MAX_PER_SESSION:
+            session[key] = entry
+
+    def close(self) -> None:
+        with self._lock:
+            self._drain()
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1

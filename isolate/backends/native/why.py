@@ -113,10 +113,10 @@ class WhyStream:
         event = ffi.new("struct iso_why_event *")
         ffi.memmove(event, raw, EVENT_SIZE)
         d = event.denial
-        entry = {"mechanism": MECHANISM.get(int(d.mechanism), "unknown"),
+        entry: dict[str, Any] = {"mechanism": MECHANISM.get(int(d.mechanism), "unknown"),
                  "access": ACCESS.get(int(d.access), "unknown"), "path": _text(d.path),
                  "resolved": _text(d.resolved), "syscall": seccomp.syscall_name(int(d.nr)), "count": 1}
-        key = (entry["mechanism"], entry["access"], entry["path"], entry["resolved"], entry["syscall"])
+        key = tuple(str(entry[k]) for k in ("mechanism", "access", "path", "resolved", "syscall"))
         session = self._sessions.get(int(event.session))
         if session is None:
             if len(self._sessions) >= _MAX_SESSIONS:

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "why")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -43,16 +43,17 @@ class Settings:
     egress_rounds: int
     egress_downloads: int
     egress_size_mb: int
+    why_runs: int
 
 
 FULL = Settings(rounds=250, docker_runs=200, syscall_loops=200_000, syscall_runs=15, workload_runs=15,
                 throughput_seconds=4.0, memory_n=30, memory_reps=3, docker_memory_n=10,
                 kept_rounds=60, kept_idle_n=20, kept_many_n=50, egress_rounds=300, egress_downloads=7,
-                egress_size_mb=100)
+                egress_size_mb=100, why_runs=30)
 QUICK = Settings(rounds=20, docker_runs=4, syscall_loops=50_000, syscall_runs=3, workload_runs=3,
                  throughput_seconds=1.0, memory_n=5, memory_reps=1, docker_memory_n=0,
                  kept_rounds=5, kept_idle_n=3, kept_many_n=5, egress_rounds=20, egress_downloads=1,
-                 egress_size_mb=10)
+                 egress_size_mb=10, why_runs=3)
 
 
 def _log(message: str) -> None:
@@ -184,6 +185,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["cli"] = cli.measure(rounds=rounds, workdir=workdir, log=_log)
             except Exception as exc:
                 results["cli"] = {"error": _error(exc)}
+        if "why" in args.sections:
+            from . import why
+
+            try:
+                results["why"] = why.measure(settings.why_runs, workdir, log=_log)
+            except Exception as exc:
+                results["why"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()
@@ -234,6 +242,11 @@ def summary(results: dict[str, Any]) -> list[str]:
                      f"({'met' if sandboxed['goals']['added_under_1ms'] else 'NOT met'})")
         lines.append(f"goal: egress throughput >= 80% of the host network's: {sandboxed['throughput']['ratio']} "
                      f"({'met' if sandboxed['goals']['throughput_at_least_80pct'] else 'NOT met'})")
+    for label, figures in results.get("why", {}).get("workloads", {}).items():
+        if "goal_met" not in figures:
+            continue
+        lines.append(f"goal: denial tracing costs <= 1.3x ({label}): {figures['ratio']} "
+                     f"({'met' if figures['goal_met'] else 'NOT met'})")
     syscalls = results.get("overhead", {}).get("syscalls")
     if syscalls:
         for text, goal in syscalls["goals"].items():

@@ -263,7 +263,8 @@ enum iso_why_access {
     ISO_WHY_CREATE = 4,
     ISO_WHY_REMOVE = 5,
     ISO_WHY_RENAME = 6,
-    ISO_WHY_TRUNCATE = 7
+    ISO_WHY_TRUNCATE = 7,
+    ISO_WHY_LOOKUP = 8             /* stat, access, readlink, chdir: only a path's absence */
 };
 
 enum iso_why_mechanism {

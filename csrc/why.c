@@ -27,8 +27,9 @@
  *   - Landlock: the rights of the rules on the object and every directory
  *     above it (walked down from the root, through mounts, as Landlock
  *     walks up) lack a handled right the access needs: "landlock".
- * What it does not see: calls on descriptors (ioctl, ftruncate), lookups
- * without an access (stat, access, readlink), a second Landlock layer the
+ * Lookups without an access (stat, access, readlink, chdir) are looked at
+ * for the path's absence only.
+ * What it does not see: calls on descriptors (ioctl, ftruncate), a second Landlock layer the
  * program adds itself, and REFER across directories.  connect() to a
  * pathname socket is supervise.c's (it records its own refusals).
  *
@@ -562,6 +563,28 @@ static void check_entry(pid_t tid, int nr, int access, int dirfd, uint64_t addre
         close(base);
 }
 
+/* A lookup without an access (stat, access, readlink, chdir): only the
+ * built root's lack of the path is a refusal to name. */
+static void check_lookup(pid_t tid, int nr, int dirfd, uint64_t address, int follow)
+{
+    char named[4096], path[4096];
+    if (read_string(tid, address, named, sizeof named) < 0 || !named[0])
+        return;
+    copy(path, named, sizeof path);
+    own_proc(tid, path, sizeof path);
+    named_path = named;
+    int base = base_dir(tid, dirfd, path);
+    if (base < 0 && base != AT_FDCWD)
+        return;
+    int fd = lookup(base, path, follow);
+    if (fd >= 0)
+        close(fd);
+    else if (errno == ENOENT)
+        check_absent(nr, ISO_WHY_LOOKUP, base, path);
+    if (base >= 0)
+        close(base);
+}
+
 static uint64_t open_rights(int flags)
 {
     uint64_t rights = 0;
@@ -701,6 +724,42 @@ static void examine(const struct seccomp_notif *req)
         check_entry(tid, nr, ISO_WHY_RENAME, (int)a[0], a[1], LL_REMOVE_FILE);
         check_entry(tid, nr, ISO_WHY_RENAME, (int)a[2], a[3], LL_MAKE_REG);
         return;
+#ifdef SYS_stat
+    case SYS_stat:
+        check_lookup(tid, nr, cwd, a[0], 1);
+        return;
+#endif
+#ifdef SYS_lstat
+    case SYS_lstat:
+        check_lookup(tid, nr, cwd, a[0], 0);
+        return;
+#endif
+#ifdef SYS_access
+    case SYS_access:
+        check_lookup(tid, nr, cwd, a[0], 1);
+        return;
+#endif
+#ifdef SYS_readlink
+    case SYS_readlink:
+        check_lookup(tid, nr, cwd, a[0], 0);
+        return;
+#endif
+    case SYS_chdir:
+        check_lookup(tid, nr, cwd, a[0], 1);
+        return;
+    case SYS_newfstatat:
+        check_lookup(tid, nr, (int)a[0], a[1], !(a[3] & AT_SYMLINK_NOFOLLOW));
+        return;
+    case SYS_statx:
+        check_lookup(tid, nr, (int)a[0], a[1], !(a[2] & AT_SYMLINK_NOFOLLOW));
+        return;
+    case SYS_faccessat:
+    case SYS_faccessat2:
+        check_lookup(tid, nr, (int)a[0], a[1], 1);
+        return;
+    case SYS_readlinkat:
+        check_lookup(tid, nr, (int)a[0], a[1], 0);
+        return;
     default:
         table.seen--;
         return;
@@ -743,6 +802,24 @@ int iso_why_notification(int listener, const struct seccomp_notif *req)
 #ifdef SYS_renameat
     case SYS_renameat:
 #endif
+#ifdef SYS_stat
+    case SYS_stat:
+#endif
+#ifdef SYS_lstat
+    case SYS_lstat:
+#endif
+#ifdef SYS_access
+    case SYS_access:
+#endif
+#ifdef SYS_readlink
+    case SYS_readlink:
+#endif
+    case SYS_chdir:
+    case SYS_newfstatat:
+    case SYS_statx:
+    case SYS_faccessat:
+    case SYS_faccessat2:
+    case SYS_readlinkat:
     case SYS_openat:
     case SYS_openat2:
     case SYS_execve:

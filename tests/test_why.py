@@ -9,6 +9,7 @@ an unprivileged caller.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,7 +111,8 @@ def test_profile_field_round_trips() -> None:
     assert "trace_denials = true" in text
     assert isolate.Policy.from_toml(text).trace_denials is True
     assert "trace_denials" not in isolate.Policy().to_toml()
-    assert sys.executable  # the module runs under the test interpreter
+    with pytest.raises(isolate.PolicyError, match="trace_denials"):
+        isolate.Policy(trace_denials=1)  # type: ignore[arg-type]
 
 
 def test_a_kept_sandbox_reports_each_commands_own(workdir: str) -> None:
@@ -128,3 +130,51 @@ def test_a_kept_sandbox_reports_each_commands_own(workdir: str) -> None:
     assert [(e["access"], e["path"], e["mechanism"]) for e in second.report.denied] == [
         ("remove", f"{ro}/keep", "read-only")]
     assert second.stdout == "ok\n" and third.report.denied == []
+
+
+def _learn_then_run(workdir: str, options: list[str], command: list[str]) -> str:
+    """``isolate-run learn`` the command from an empty directory, then run it with the profile alone."""
+    cwd = os.path.join(workdir, "run")
+    os.mkdir(cwd)
+    os.chmod(cwd, 0o777)  # a root caller's program (uid 65534) writes here without an idmapped mount too
+    profile = os.path.join(cwd, "profile.toml")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--out", profile, *options, "--", *command], cwd=cwd,
+                             capture_output=True, text=True, timeout=300)
+    assert learned.returncode == 0, learned.stderr
+    assert "every run is confined" in learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", *command], cwd=cwd, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, (again.stderr, text)
+    return text
+
+
+def test_learn_a_gcc_build(workdir: str) -> None:
+    gcc = shutil.which("gcc")
+    if not gcc or not gcc.startswith("/usr/"):
+        pytest.skip("no gcc under /usr here")
+    src, inc = os.path.join(workdir, "src"), os.path.join(workdir, "include")
+    for directory in (src, inc):
+        os.mkdir(directory)
+    with open(os.path.join(src, "main.c"), "w") as handle:
+        handle.write('#include "twice.h"\n#include <stdio.h>\nint main(void) { printf("%d\\n", twice(21)); }\n')
+    with open(os.path.join(inc, "twice.h"), "w") as handle:
+        handle.write("static inline int twice(int x) { return 2 * x; }\n")
+    text = _learn_then_run(workdir, [], [gcc, "-I", inc, "-o", "prog", os.path.join(src, "main.c")])
+    assert f"# lookup {inc} was refused (absent)" in text or f"{inc} was refused" in text
+    assert f'"{inc}"' in text and f'"{src}"' in text
+    assert "[limits]" in text and "memory = " in text
+
+
+def test_learn_a_pytest_run(workdir: str) -> None:
+    pytest_dir = os.path.dirname(os.path.dirname(pytest.__file__))
+    pkg = os.path.join(workdir, "pkg")
+    os.mkdir(pkg)
+    with open(os.path.join(pkg, "calc.py"), "w") as handle:
+        handle.write("def add(a, b):\n    return a + b\n")
+    with open(os.path.join(pkg, "test_calc.py"), "w") as handle:
+        handle.write("from calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n")
+    options = [option for path in (*python_read(), pytest_dir) for option in ("--ro", path)]
+    text = _learn_then_run(workdir, options, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pkg])
+    assert f'"{pkg}"' in text

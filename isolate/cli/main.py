@@ -252,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sandbox import sandbox_main
 
             return sandbox_main(args[1:])
+        if args and args[0] == "learn":
+            return _learn(args[1:])
         if args and args[0] == "serve":
             from ..server import serve_main
 
@@ -260,6 +262,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except BrokenPipeError:
+        return EXIT_SETUP
+
+
+def _learn(args: list[str]) -> int:
+    from .learn import learn_main
+
+    try:
+        return learn_main(args)
+    except (CliError, PolicyError, IsolationError) as exc:
+        print(f"isolate-run: learn: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    except OSError as exc:
+        print(f"isolate-run: learn: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return EXIT_SETUP
 
 

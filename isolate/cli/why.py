@@ -21,13 +21,13 @@ def _printable(text: str) -> str:
 def grant_flag(entry: dict[str, Any]) -> str | None:
     """The isolate-run flag that would grant a refused access, or None (file modes: no flag grants it).
 
-    Reading or executing takes --ro of the path; writing or truncating a file --rw of it; creating,
+    Reading, executing or looking a path up takes --ro of the path; writing or truncating a file --rw of it; creating,
     removing or renaming an entry --rw of its directory.
     """
     mechanism, access, path = entry.get("mechanism"), entry.get("access"), entry.get("resolved") or ""
     if mechanism == "dac" or not path:
         return None
-    if access in ("read", "execute"):
+    if access in ("read", "execute", "lookup"):
         return f"--ro {shlex.quote(path)}"
     if access in ("write", "truncate"):
         return f"--rw {shlex.quote(path)}"

@@ -36,7 +36,7 @@ def _apply_seccomp(
         compiled: Any = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
                                                deny_setid=deny_setid, unix_sockets=unix_sockets,
                                                deny_host_reach=deny_host_reach,
-                                               trace_paths=policy.trace_denials and notify)
+                                               trace_paths=policy.trace_denials if notify else False)
     except UnsupportedError as exc:
         if deny_setid:
             raise UnsupportedError(

@@ -490,7 +490,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     observed = denials_observed(use_ns, bool(plan.seccomp_notify), abi)
     if policy.trace_denials:
         detail = ("traced: the init looks at each path system call (open, exec, create, remove, rename, "
-                  "truncate) and names the refused ones; calls on descriptors (ioctl, ftruncate) are not seen")
+                  "truncate; stat, access, readlink and chdir for a path's absence) and names the refused ones; "
+                  "calls on descriptors (ioctl, ftruncate) are not seen")
         observed["landlock"] = {"observed": True, "detail": detail}
         observed["mounts"] = {"observed": True, "detail": detail}
     if enforced.get("seccomp") is None:

@@ -14,7 +14,7 @@ REPORT_SIZE = ffi.sizeof("struct iso_why_report")
 ACCESS = {
     lib.ISO_WHY_READ: "read", lib.ISO_WHY_WRITE: "write", lib.ISO_WHY_EXECUTE: "execute",
     lib.ISO_WHY_CREATE: "create", lib.ISO_WHY_REMOVE: "remove", lib.ISO_WHY_RENAME: "rename",
-    lib.ISO_WHY_TRUNCATE: "truncate",
+    lib.ISO_WHY_TRUNCATE: "truncate", lib.ISO_WHY_LOOKUP: "lookup",
 }
 MECHANISM = {
     lib.ISO_WHY_LANDLOCK: "landlock", lib.ISO_WHY_ABSENT: "absent", lib.ISO_WHY_READONLY: "read-only",
@@ -24,6 +24,16 @@ MECHANISM = {
 
 def _text(raw: Any) -> str:
     return os.fsdecode(ffi.string(raw, len(raw)))
+
+
+def on_host(entry: dict[str, Any]) -> bool:
+    """Whether an "absent" entry names what the host has (for a new entry: its directory)."""
+    if entry["mechanism"] != "absent":
+        return True
+    resolved = str(entry["resolved"])
+    if entry["access"] in ("create", "rename"):
+        resolved = os.path.dirname(resolved.rstrip("/")) or "/"
+    return os.path.lexists(resolved)
 
 
 def calls_seen(data: bytes) -> int | None:
@@ -52,13 +62,12 @@ def file_denials(data: bytes) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i in range(min(int(table.n), len(table.denied))):
         entry = table.denied[i]
-        mechanism = MECHANISM.get(int(entry.mechanism), "unknown")
-        resolved = _text(entry.resolved)
-        if mechanism == "absent" and not os.path.lexists(resolved):
-            continue
-        out.append({"mechanism": mechanism, "access": ACCESS.get(int(entry.access), "unknown"),
-                    "path": _text(entry.path), "resolved": resolved,
-                    "syscall": seccomp.syscall_name(int(entry.nr)), "count": int(entry.count)})
+        found = {"mechanism": MECHANISM.get(int(entry.mechanism), "unknown"),
+                 "access": ACCESS.get(int(entry.access), "unknown"), "path": _text(entry.path),
+                 "resolved": _text(entry.resolved), "syscall": seccomp.syscall_name(int(entry.nr)),
+                 "count": int(entry.count)}
+        if on_host(found):
+            out.append(found)
     if int(table.dropped):
         out.append({"mechanism": "files", "more": int(table.dropped)})
     return out
@@ -91,8 +100,7 @@ class WhyStream:
         with self._lock:
             self._drain()
             found = self._sessions.pop(session, {})
-        return [entry for entry in found.values()
-                if entry["mechanism"] != "absent" or os.path.lexists(str(entry["resolved"]))]
+        return [entry for entry in found.values() if on_host(entry)]
 
     def _drain(self) -> None:
         while self.fd >= 0:

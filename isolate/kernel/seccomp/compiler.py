@@ -204,13 +204,18 @@ TRACED_SYSCALLS = (
     "renameat2",
 )
 
+#: Lookups without an access, looked at for a path's absence only (``trace_paths="lookups"``).
+TRACED_LOOKUPS = (
+    "stat", "lstat", "newfstatat", "statx", "access", "faccessat", "faccessat2", "readlink", "readlinkat", "chdir",
+)
+
 #: The sixth argument of the execveat() that starts the program (ISO_EXEC_MARK in csrc/isolate.h).
 EXEC_MARK = 0x15A7E0E5
 
 
-def _traced_numbers() -> list[int]:
+def _traced_numbers(lookups: bool) -> list[int]:
     numbers = []
-    for name in TRACED_SYSCALLS:
+    for name in TRACED_SYSCALLS + (TRACED_LOOKUPS if lookups else ()):
         try:
             numbers.append(_resolve(name))
         except Exception:  # a call this architecture does not have (open, rename... on arm64)
@@ -219,7 +224,7 @@ def _traced_numbers() -> list[int]:
 
 
 def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno: int | None,
-                   mode: str, trace_paths: bool = False) -> bytes:
+                   mode: str, trace_paths: bool | str = False) -> bytes:
     """Route the profile's allowed connect()/socket()/socketpair() through an epilogue (see the module doc).
 
     ``mode`` "" with ``trace_paths``: no connect() supervision, only the path calls to the init.
@@ -228,7 +233,7 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     (the init is not running yet to answer it).
     """
     connect_nr, socket_nr, socketpair_nr = _resolve("connect"), _resolve("socket"), _resolve("socketpair")
-    traced = _traced_numbers() if trace_paths else []
+    traced = _traced_numbers(trace_paths == "lookups") if trace_paths else []
     execveat_nr = _resolve("execveat") if trace_paths else -1
     # Egress by name: sendto() naming a destination goes to the init too, which records the refused ones.
     sendto_nr = _resolve("sendto") if mode == "supervise-sendto" else None
@@ -503,7 +508,7 @@ def _deny_host_reach_prologue(native: int) -> bytes:
 
 def _compile(
     label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False,
-    unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool = False,
+    unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool | str = False,
 ) -> CompiledFilter:
     parsed = _parse(data, source)
     bpf, table, default_errno = _build(parsed, notify, source)
@@ -536,7 +541,7 @@ def _compile(
     )
 
 
-_cache: dict[tuple[str, str, bool, bool, bool, str, bool, bool], CompiledFilter] = {}
+_cache: dict[tuple[str, str, bool, bool, bool, str, bool, bool | str], CompiledFilter] = {}
 
 
 _cache_lock = threading.Lock()
@@ -550,7 +555,7 @@ def cache_clear() -> None:
 
 def compile_filter(
     mode: str, *, notify: bool = False, deny_inet_sockets: bool = False, deny_setid: bool = False,
-    unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool = False,
+    unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool | str = False,
 ) -> CompiledFilter | None:
     """Compile the filter for ``mode`` (default, strict, none, or the path of a JSON profile).
 
@@ -565,8 +570,8 @@ def compile_filter(
     (socket(AF_UNIX) refused): see the module doc; ``deny_host_reach`` refuses
     SysV IPC, POSIX message queues, keyrings and changing other processes'
     limits and priorities (for a run without namespaces, see ``host_reach_denied``);
-    ``trace_paths`` sends the path calls (``TRACED_SYSCALLS``) to the init, which needs ``notify``
-    (denial tracing: the init looks and lets each continue).
+    ``trace_paths`` sends the path calls (``TRACED_SYSCALLS``, and with "lookups" ``TRACED_LOOKUPS``
+    too) to the init, which needs ``notify`` (denial tracing: the init looks and lets each continue).
     Returns None for ``none`` without ``deny_inet_sockets``. Results are cached
     per (mode, file content, flags). Raises ``PolicyError`` for a bad profile
     and ``UnsupportedError`` when libseccomp or the kernel cannot do it.
@@ -585,14 +590,14 @@ def compile_filter(
         source, content = _read_profile_file(mode)
         label, digest = f"file:{os.path.abspath(mode)}", hashlib.sha256(content).hexdigest()
     key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets,
-           bool(deny_host_reach), bool(trace_paths))
+           bool(deny_host_reach), trace_paths if trace_paths == "lookups" else bool(trace_paths))
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
     data = _load_json(content, source) if content is not None else oci_profile(mode)
     compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets,
-                        bool(deny_host_reach), bool(trace_paths))
+                        bool(deny_host_reach), trace_paths if trace_paths == "lookups" else bool(trace_paths))
     with _cache_lock:
         compiled = _cache.setdefault(key, compiled)
         while len(_cache) > _CACHE_SIZE:

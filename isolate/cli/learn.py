@@ -122,9 +122,10 @@ def _unfixable(entry: dict[str, Any]) -> str:
     return f"{entry}"
 
 
-def _limits(report: Any, base: Limits) -> tuple[dict[str, Any], list[str]]:
+def _limits(report: Any, policy: Policy) -> tuple[dict[str, Any], list[str]]:
     """Limits with headroom over what the last run used, and the comment of each."""
-    limits = {k: v for k, v in base.to_dict().items() if v is not None}
+    given = {k: v for k, v in policy.limits.to_dict().items() if v is not None}
+    limits = dict(given)
     notes = []
     peak = int(getattr(report, "max_rss_bytes", 0) or 0)
     if "memory" not in limits and peak:
@@ -139,6 +140,19 @@ def _limits(report: Any, base: Limits) -> tuple[dict[str, Any], list[str]]:
     if "wall_seconds" not in limits:
         limits["wall_seconds"] = max(10, math.ceil(3 * wall))
         notes.append(f"wall_seconds: three times the time the run took ({wall:.2f} s), at least 10")
+    # Only what this host enforces for this caller: a limit it cannot hold would refuse the run.
+    from ..backends import native
+
+    for name in ("memory", "cpu_seconds"):
+        if name in limits and name not in given:
+            try:
+                refused = native.unsupported_reasons(policy.replace(limits=Limits(**limits)))
+            except IsolationError:
+                refused = ["?"]
+            if refused:
+                del limits[name]
+                notes = [n for n in notes if not n.startswith(name)]
+                notes.append(f"{name}: not written, this host cannot hold it for this caller ({'; '.join(refused)})")
     return limits, notes
 
 
@@ -165,7 +179,7 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
                 lines.append(f"    # {_comment(why)}")
                 lines.append(f"    {_toml_string(path)},")
         lines.append("]")
-    limits, notes = _limits(report, base.limits)
+    limits, notes = _limits(report, base)
     skip = {"read", "write", "limits", "trace_denials"}
     import tomli_w
 

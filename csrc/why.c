@@ -346,6 +346,61 @@ static void send_event(const struct iso_file_denial *d)
     }
 }
 
+/* The rights granted under each directory, by its path: most calls name a
+ * few directories again and again (a library path, an include directory).
+ * A directory renamed during the run can leave a stale entry, which only
+ * misnames a refusal in the report; it never decides an access. */
+#define DIR_CACHE 256
+static struct {
+    char path[240];
+    uint64_t rights;
+    int valid;
+} dir_cache[DIR_CACHE];
+
+static unsigned int hash_path(const char *path)
+{
+    unsigned int h = 2166136261u;
+    for (; *path; path++)
+        h = (h ^ (unsigned char)*path) * 16777619u;
+    return h % DIR_CACHE;
+}
+
+/* The Landlock rights granted on the object at resolved whose stat is st:
+ * its directory's (cached), and the rules on the object itself. */
+static uint64_t granted_on(const char *resolved, const struct stat *st)
+{
+    char dir[4096];
+    copy(dir, resolved, sizeof dir);
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL)
+        return ~0ULL;
+    if (slash == dir)
+        dir[1] = 0;
+    else
+        *slash = 0;
+    uint64_t rights;
+    size_t len = strlen(dir);
+    unsigned int h = hash_path(dir);
+    if (len < sizeof dir_cache[0].path && dir_cache[h].valid && !strcmp(dir_cache[h].path, dir)) {
+        rights = dir_cache[h].rights;
+    } else {
+        rights = granted(dir);
+        if (len < sizeof dir_cache[0].path && rights != ~0ULL) {
+            memcpy(dir_cache[h].path, dir, len + 1);
+            dir_cache[h].rights = rights;
+            dir_cache[h].valid = 1;
+        }
+    }
+    if (rights == ~0ULL)
+        return rights;
+    if (!strcmp(resolved, "/"))
+        return rights;
+    for (int i = 0; i < n_rules; i++)
+        if (rules[i].dev == st->st_dev && rules[i].ino == st->st_ino)
+            rights |= rules[i].access;
+    return rights;
+}
+
 static void record(int nr, int access, int mechanism, const char *looked_up, const char *resolved)
 {
     const char *path = named_path ? named_path : looked_up;
@@ -468,7 +523,7 @@ static void check_object(int nr, int access, int fd, const char *path, const cha
         record(nr, access, ISO_WHY_READONLY, path, shown);
         return;
     }
-    if ((rights & handled) & ~granted(resolved))
+    if ((rights & handled) & ~granted_on(resolved, &st))
         record(nr, access, ISO_WHY_LANDLOCK, path, shown);
 }
 

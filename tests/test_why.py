@@ -178,3 +178,35 @@ def test_learn_a_pytest_run(workdir: str) -> None:
     options = [option for path in (*python_read(), pytest_dir) for option in ("--ro", path)]
     text = _learn_then_run(workdir, options, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pkg])
     assert f'"{pkg}"' in text
+
+
+def test_learn_a_git_clone_over_http(workdir: str) -> None:
+    import functools
+    import http.server
+    import threading
+
+    git = shutil.which("git")
+    if not git or not git.startswith("/usr/"):
+        pytest.skip("no git under /usr here")
+    work, served = os.path.join(workdir, "work"), os.path.join(workdir, "served")
+    os.mkdir(served)
+    quiet = {"capture_output": True, "check": True}
+    subprocess.run([git, "init", "-q", work], **quiet)  # type: ignore[call-overload]
+    subprocess.run([git, "-C", work, "-c", "user.email=a@b", "-c", "user.name=n", "commit", "-q", "--allow-empty",
+                    "-m", "first"], **quiet)  # type: ignore[call-overload]
+    subprocess.run([git, "clone", "-q", "--bare", work, os.path.join(served, "repo.git")], **quiet)  # type: ignore[call-overload]
+    subprocess.run([git, "-C", os.path.join(served, "repo.git"), "update-server-info"], **quiet)  # type: ignore[call-overload]
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=served))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://repo.test:{server.server_address[1]}/repo.git"
+        text = _learn_then_run(workdir, ["--add-host", "repo.test:127.0.0.1", "--allow-private"],
+                               ["sh", "-c", f"rm -rf out && {git} clone -q {url} out"])
+    finally:
+        server.shutdown()
+    assert f'"repo.test:{server.server_address[1]}",' in text and "[network]" in text

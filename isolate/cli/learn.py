@@ -16,6 +16,13 @@ dropped, and a read grant under a write grant too. Refusals that no grant
 fixes (file modes as the sandbox's uid, system calls the seccomp profile
 denies, network destinations) are written as comments with the way out.
 
+The network is learned unless chosen with --net: a default "none" runs as
+egress by name with nothing allowed (still no route out: the mediator refuses
+and names each destination), and each "HOST:PORT" the command reached for is
+allowed in the next run; the profile gets them as ``[network] egress``, or
+keeps "none" when nothing was reached for. Static names (--add-host,
+--allow-private, --dns) may be given to learn without --allow-host.
+
 The limits seen in the last run are written with headroom: memory twice the
 peak (at least 64 MiB), CPU and wall time three times what was used (at
 least 5 and 10 seconds).
@@ -35,7 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..model.errors import IsolationError
-from ..model.policy import Limits, Policy
+from ..model.policy import Egress, Limits, Policy
 from .flags import CliError, build_parser, policy_from_args
 
 DEFAULT_ROUNDS = 8
@@ -67,11 +74,22 @@ class Learned:
         self.read: dict[str, str] = {}
         self.write: dict[str, str] = {}
         self.unfixable: dict[str, str] = {}
+        #: Egress by name: "HOST:PORT" the command was refused, each with why.
+        self.hosts: dict[str, str] = {}
+        #: Names allowed only because --add-host names them (dropped once a port of theirs is learned).
+        self.auto_names: set[str] = set()
 
     def add(self, denied: list[dict[str, Any]]) -> int:
         """Take a run's refusals in; returns how many new grants they gave."""
         added = 0
         for entry in denied:
+            if entry.get("mechanism") == "egress" and entry.get("host") and entry.get("port") and \
+                    str(entry.get("reason", "")).startswith(("not allowed", "port not allowed")):
+                target = f"{entry['host']}:{entry['port']}"
+                if target not in self.hosts:
+                    self.hosts[target] = f"{target} was reached for ({entry.get('count', 1)} connection(s) refused)"
+                    added += 1
+                continue
             why = f"{entry.get('access')} {entry.get('path')} was refused ({entry.get('mechanism')})"
             grant = _grant_of(entry)
             if grant is None:
@@ -164,6 +182,20 @@ def _comment(text: str) -> str:
     return " ".join(text.split()).replace("\n", " ")
 
 
+def learned_network(base: Policy, learned: Learned) -> str | Egress:
+    """The network a run of this round gets: the base's, with the hosts learned so far.
+
+    A base of "none" given by default is learned as egress by name with nothing allowed (still no
+    route out: the mediator refuses and names each destination); it stays "none" if nothing was
+    reached for.
+    """
+    network = base.network
+    if isinstance(network, Egress):
+        return Egress(tuple(dict.fromkeys([*network.hosts, *learned.hosts])), add_hosts=network.add_hosts,
+                      resolver=network.resolver, allow_private=network.allow_private)
+    return Egress(tuple(learned.hosts)) if learned.hosts else network
+
+
 def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], rounds: int) -> str:
     """The profile: the base policy's fields, the learned grants and limits, each with a comment."""
     read, write = learned.collapsed()
@@ -180,12 +212,28 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
                 lines.append(f"    {_toml_string(path)},")
         lines.append("]")
     limits, notes = _limits(report, base)
-    skip = {"read", "write", "limits", "trace_denials"}
+    network = learned_network(base, learned)
+    skip = {"read", "write", "limits", "trace_denials"} | ({"network"} if isinstance(network, Egress) else set())
     import tomli_w
 
     rest = {k: v for k, v in data.items() if k not in skip}
     lines.append(tomli_w.dumps(rest).rstrip())
     lines.append("")
+    if isinstance(network, Egress):
+        lines.append("[network]")
+        lines.append("egress = [")
+        given = list(base.network.hosts) if isinstance(base.network, Egress) else []
+        for host in network.hosts:
+            if host in learned.auto_names and any(h.startswith(host + ":") for h in learned.hosts):
+                continue
+            why = "given (--allow-host, --add-host)" if host in given else learned.hosts.get(host, "")
+            lines.append(f"    # {_comment(why)}")
+            lines.append(f"    {_toml_string(host)},")
+        lines.append("]")
+        extra = {k: v for k, v in network.to_dict().items() if k != "egress"}
+        if extra:
+            lines.append(tomli_w.dumps(extra).rstrip())
+        lines.append("")
     lines.append("[limits]")
     for note in notes:
         lines.append(f"# {_comment(note)}")
@@ -217,8 +265,24 @@ def learn_main(argv: Sequence[str]) -> int:
         raise CliError("no command given: isolate-run learn [--out FILE] [OPTIONS] -- COMMAND [ARG...]")
     if own.rounds < 1:
         raise CliError("--rounds: at least 1")
-    base = policy_from_args(options)
+    # Egress by name with nothing allowed yet may still name static hosts (--add-host), a resolver
+    # (--dns) and private addresses (--allow-private): what is learned is the list of destinations.
+    static = (tuple(options.add_host), options.dns, options.allow_private)
+    if not options.allow_host and options.net is None and any(static):
+        options.add_host, options.dns, options.allow_private = [], None, False
+        base = policy_from_args(options)
+        # A static name must be allowed (Egress checks it): its default ports at first, the ports it
+        # is reached on once learned (the bare name is then left out of the profile).
+        names = tuple(dict.fromkeys(entry.partition(":")[0] for entry in static[0]))
+        learned_auto = set(names)
+        base = base.replace(network=Egress(names, add_hosts=static[0], resolver=static[1], allow_private=static[2]))
+    else:
+        learned_auto = set()
+        base = policy_from_args(options)
+    # The network is learned unless chosen (--net): destinations reached for become --allow-host.
+    learn_net = isinstance(base.network, Egress) or (base.network == "none" and options.net is None)
     learned = Learned()
+    learned.auto_names = learned_auto
     learned.command(command[0], base)
     print("isolate-run: learn: every run is confined; refused accesses are granted for the next run",
           file=sys.stderr)
@@ -226,8 +290,12 @@ def learn_main(argv: Sequence[str]) -> int:
     returncode = 0
     for round_number in range(1, own.rounds + 1):
         read, write = learned.collapsed()
+        network = learned_network(base, learned)
+        if learn_net and network == "none":
+            network = Egress(())  # nothing allowed, every destination named
         policy = base.replace(read=tuple(dict.fromkeys([*base.read, *read])),
-                              write=tuple(dict.fromkeys([*base.write, *write])), trace_denials="lookups")
+                              write=tuple(dict.fromkeys([*base.write, *write])), network=network,
+                              trace_denials="lookups")
         result = runs.run(command, policy=policy, capture_output=True)
         report, returncode = result.report, result.returncode
         added = learned.add(report.denied)

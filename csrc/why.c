@@ -485,6 +485,41 @@ static void check_absent(int nr, int access, int base, const char *path)
     }
 }
 
+/* path is missing; when it is a link (or a chain of them, as a venv's
+ * python) whose target is missing, the target's absence is what to name
+ * (an interpreter the policy left out). */
+static void check_missing(int nr, int access, int base, const char *path, int follow)
+{
+    char current[4096], target[4096], joined[4096];
+    copy(current, path, sizeof current);
+    for (int depth = 0; follow && depth < 8; depth++) {
+        int link = lookup(base, current, 0);
+        struct stat st;
+        if (link < 0)
+            break;
+        ssize_t n = -1;
+        if (fstat(link, &st) == 0 && S_ISLNK(st.st_mode))
+            n = readlinkat(link, "", target, sizeof target - 1);
+        close(link);
+        if (n <= 0)
+            break;
+        target[n] = 0;
+        if (target[0] != '/') { /* relative to the link's directory */
+            copy(joined, current, sizeof joined);
+            char *slash = strrchr(joined, '/');
+            if (slash)
+                slash[1] = 0;
+            else
+                joined[0] = 0;
+            size_t len = strlen(joined);
+            copy(joined + len, target, sizeof joined - len);
+            copy(target, joined, sizeof target);
+        }
+        copy(current, target, sizeof current);
+    }
+    check_absent(nr, access, base, current);
+}
+
 /* The object exists (fd): which mechanism, if any, refuses the access. */
 static void check_object(int nr, int access, int fd, const char *path, const char *leaf, uint64_t rights,
                          int mode)
@@ -565,7 +600,7 @@ static void check_file(pid_t tid, int nr, int access, int dirfd, uint64_t addres
             check_absent(nr, ISO_WHY_CREATE, base, path);
         }
     } else if (errno == ENOENT) {
-        check_absent(nr, access, base, path);
+        check_missing(nr, access, base, path, follow);
     }
     if (base >= 0)
         close(base);
@@ -635,7 +670,7 @@ static void check_lookup(pid_t tid, int nr, int dirfd, uint64_t address, int fol
     if (fd >= 0)
         close(fd);
     else if (errno == ENOENT)
-        check_absent(nr, ISO_WHY_LOOKUP, base, path);
+        check_missing(nr, ISO_WHY_LOOKUP, base, path, follow);
     if (base >= 0)
         close(base);
 }

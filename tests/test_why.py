@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ISOLATE_RUN, policy, py, python_read
+from conftest import ISOLATE_RUN, policy, py, python_read, write_tiny_wheel
 from test_unix_sockets import Server
 
 import isolate
@@ -210,3 +210,33 @@ def test_learn_a_git_clone_over_http(workdir: str) -> None:
     finally:
         server.shutdown()
     assert f'"repo.test:{server.server_address[1]}",' in text and "[network]" in text
+
+
+def test_learn_a_pip_install_from_a_local_index(workdir: str) -> None:
+    import functools
+    import http.server
+    import threading
+
+    index = os.path.join(workdir, "index")
+    os.makedirs(os.path.join(index, "simple", "tinypkg"))
+    write_tiny_wheel(os.path.join(index, "simple", "tinypkg", "tinypkg-1.0-py3-none-any.whl"))
+    with open(os.path.join(index, "simple", "tinypkg", "index.html"), "w") as handle:
+        handle.write('<a href="tinypkg-1.0-py3-none-any.whl">tinypkg-1.0-py3-none-any.whl</a>')
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=index))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://idx.test:{server.server_address[1]}/simple"
+    # Nothing of the interpreter is granted up front: learn finds it (through the venv's links) and pip's files.
+    pip = (f"rm -rf out && {sys.executable} -m pip install -q --no-cache-dir --disable-pip-version-check "
+           f"--trusted-host idx.test --index-url {url} --target out tinypkg")
+    try:
+        text = _learn_then_run(workdir, ["--rounds", "12", "--add-host", "idx.test:127.0.0.1", "--allow-private"],
+                               ["sh", "-c", pip])
+    finally:
+        server.shutdown()
+    assert f'"idx.test:{server.server_address[1]}",' in text
+    assert os.path.isfile(os.path.join(workdir, "run", "out", "tinypkg", "__init__.py"))

@@ -240,3 +240,14 @@ def test_learn_a_pip_install_from_a_local_index(workdir: str) -> None:
         server.shutdown()
     assert f'"idx.test:{server.server_address[1]}",' in text
     assert os.path.isfile(os.path.join(workdir, "run", "out", "tinypkg", "__init__.py"))
+
+
+def test_learn_a_system_call_outside_the_default_filter(workdir: str) -> None:
+    # ptrace(PTRACE_TRACEME): refused by the default profile (seccomp), let through by the learned copy of it.
+    code = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+            "sys.exit(libc.ptrace(0, 0, None, None) != 0)")
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    text = _learn_then_run(workdir, [], [python, "-I", "-S", "-c", code])
+    assert "with ptrace let through" in text
+    profile = os.path.join(workdir, "run", "profile.seccomp.json")
+    assert f'seccomp = "{profile}"' in text and os.path.isfile(profile)

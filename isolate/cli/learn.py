@@ -12,9 +12,11 @@ build, a test suite), as its effects happen each time.
 The grants, collapsed by one rule: a read or an execute grants the file's
 directory (read-only); a write, a truncate or a create, remove or rename of an
 entry grants that directory (writable); a grant already under another is
-dropped, and a read grant under a write grant too. Refusals that no grant
-fixes (file modes as the sandbox's uid, system calls the seccomp profile
-denies, network destinations) are written as comments with the way out.
+dropped, and a read grant under a write grant too. A system call the
+seccomp profile refused is let through in a copy of that profile written
+beside the TOML (``profile.seccomp.json``), unless --seccomp chose the
+profile. Refusals that no grant fixes (file modes as the sandbox's uid) are
+written as comments with the way out.
 
 The network is learned unless chosen with --net: a default "none" runs as
 egress by name with nothing allowed (still no route out: the mediator refuses
@@ -78,6 +80,10 @@ class Learned:
         self.hosts: dict[str, str] = {}
         #: Names allowed only because --add-host names them (dropped once a port of theirs is learned).
         self.auto_names: set[str] = set()
+        #: System calls the seccomp profile refused, each with why (learned when the profile is one
+        #: learn can widen: a built-in or an OCI file).
+        self.syscalls: dict[str, str] = {}
+        self.learn_syscalls = True
 
     def add(self, denied: list[dict[str, Any]]) -> int:
         """Take a run's refusals in; returns how many new grants they gave."""
@@ -88,6 +94,12 @@ class Learned:
                 target = f"{entry['host']}:{entry['port']}"
                 if target not in self.hosts:
                     self.hosts[target] = f"{target} was reached for ({entry.get('count', 1)} connection(s) refused)"
+                    added += 1
+                continue
+            if entry.get("mechanism") == "seccomp" and entry.get("syscall") and self.learn_syscalls:
+                name = str(entry["syscall"])
+                if name not in self.syscalls:
+                    self.syscalls[name] = f"{name} was refused by the filter ({entry.get('count', 1)} time(s))"
                     added += 1
                 continue
             why = f"{entry.get('access')} {entry.get('path')} was refused ({entry.get('mechanism')})"
@@ -182,6 +194,49 @@ def _comment(text: str) -> str:
     return " ".join(text.split()).replace("\n", " ")
 
 
+def seccomp_profile(mode: str, allowed: Sequence[str]) -> dict[str, Any]:
+    """The OCI profile of ``mode`` (built-in or a file) with the ``allowed`` calls let through.
+
+    A call refused by a rule without argument conditions leaves that rule; one refused by the
+    default action gets a rule of its own. A conditional rule is left as it is.
+    """
+    import json
+
+    from ..kernel.seccomp import oci_profile
+
+    if mode in ("default", "strict"):
+        data: dict[str, Any] = oci_profile(mode)
+    else:
+        with open(mode, encoding="utf-8") as handle:
+            data = json.load(handle)
+    wanted = set(allowed)
+    rules = []
+    for rule in data.get("syscalls", []):
+        if rule.get("action") != "SCMP_ACT_ALLOW" and not rule.get("args"):
+            rule = dict(rule, names=[n for n in rule.get("names", []) if n not in wanted])
+            if not rule["names"]:
+                continue
+        rules.append(rule)
+    if data.get("defaultAction") != "SCMP_ACT_ALLOW":
+        rules.append({"names": sorted(wanted), "action": "SCMP_ACT_ALLOW",
+                      "comment": "learned by isolate-run learn: the command was refused these"})
+    data["syscalls"] = rules
+    return data
+
+
+def _seccomp_file(base: Policy, learned: Learned, out: str) -> str | None:
+    """Write the widened profile beside the TOML; its path, or None when nothing was learned."""
+    import json
+
+    if not learned.syscalls:
+        return None
+    path = os.path.abspath(os.path.splitext(out)[0] + ".seccomp.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(seccomp_profile(base.seccomp, list(learned.syscalls)), handle, indent=1)
+        handle.write("\n")
+    return path
+
+
 def learned_network(base: Policy, learned: Learned) -> str | Egress:
     """The network a run of this round gets: the base's, with the hosts learned so far.
 
@@ -196,7 +251,8 @@ def learned_network(base: Policy, learned: Learned) -> str | Egress:
     return Egress(tuple(learned.hosts)) if learned.hosts else network
 
 
-def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], rounds: int) -> str:
+def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], rounds: int,
+           seccomp_file: str | None = None) -> str:
     """The profile: the base policy's fields, the learned grants and limits, each with a comment."""
     read, write = learned.collapsed()
     lines = [f"# Learned by isolate-run learn in {rounds} run(s) of: {_comment(' '.join(command))}",
@@ -217,6 +273,10 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
     import tomli_w
 
     rest = {k: v for k, v in data.items() if k not in skip}
+    if seccomp_file is not None:
+        lines.append(f"# seccomp: the {base.seccomp} profile with {', '.join(sorted(learned.syscalls))} let "
+                     f"through: {_comment('; '.join(learned.syscalls.values()))}")
+        rest["seccomp"] = seccomp_file
     lines.append(tomli_w.dumps(rest).rstrip())
     lines.append("")
     if isinstance(network, Egress):
@@ -283,6 +343,7 @@ def learn_main(argv: Sequence[str]) -> int:
     learn_net = isinstance(base.network, Egress) or (base.network == "none" and options.net is None)
     learned = Learned()
     learned.auto_names = learned_auto
+    learned.learn_syscalls = base.seccomp != "none" and options.seccomp is None
     learned.command(command[0], base)
     print("isolate-run: learn: every run is confined; refused accesses are granted for the next run",
           file=sys.stderr)
@@ -293,9 +354,10 @@ def learn_main(argv: Sequence[str]) -> int:
         network = learned_network(base, learned)
         if learn_net and network == "none":
             network = Egress(())  # nothing allowed, every destination named
+        seccomp_file = _seccomp_file(base, learned, own.out)
         policy = base.replace(read=tuple(dict.fromkeys([*base.read, *read])),
                               write=tuple(dict.fromkeys([*base.write, *write])), network=network,
-                              trace_denials="lookups")
+                              seccomp=seccomp_file or base.seccomp, trace_denials="lookups")
         result = runs.run(command, policy=policy, capture_output=True)
         report, returncode = result.report, result.returncode
         added = learned.add(report.denied)
@@ -303,7 +365,7 @@ def learn_main(argv: Sequence[str]) -> int:
               f"{added} new grant(s)", file=sys.stderr)
         if not added:
             break
-    text = render(base, learned, report, command, round_number)
+    text = render(base, learned, report, command, round_number, _seccomp_file(base, learned, own.out))
     try:
         Policy.from_toml(text, own.out)  # what is written reads back
     except IsolationError as exc:  # pragma: no cover - a bug here, never the user's input

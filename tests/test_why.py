@@ -251,3 +251,13 @@ def test_learn_a_system_call_outside_the_default_filter(workdir: str) -> None:
     assert "with ptrace let through" in text
     profile = os.path.join(workdir, "run", "profile.seccomp.json")
     assert f'seccomp = "{profile}"' in text and os.path.isfile(profile)
+
+
+def test_explain_after_a_run(workdir: str) -> None:
+    report = os.path.join(workdir, "r.json")
+    run = subprocess.run([ISOLATE_RUN, "--why", "--report", report, "--", "sh", "-c", "echo x > /etc/hosts"],
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    explained = subprocess.run([ISOLATE_RUN, "--explain", "--report", report], capture_output=True, text=True)
+    assert explained.returncode == 0, explained.stderr
+    assert explained.stdout.startswith("denied: write /etc/hosts ("), explained.stdout

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--best-effort", action="store_true",
                      help="warn instead of failing where a protection cannot be enforced")
     run.add_argument("--explain", action="store_true",
-                     help="print the resolved paths, the policy and its mechanisms; run nothing")
+                     help="print the resolved paths, the policy and its mechanisms; run nothing. With --report "
+                          "FILE and no command: each refusal of that finished run and the flag that grants it")
     run.add_argument("--report", metavar="FILE", help="write the JSON report of the run to FILE, e.g. --report r.json")
     run.add_argument("--why", action="store_true",
                      help="name every file access the policy refused (report.denied, and one line each on stderr); "

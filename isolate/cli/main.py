@@ -265,6 +265,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SETUP
 
 
+def _explain_report(path: str) -> int:
+    """``isolate-run --explain --report REPORT.json`` (no command): each refusal of a finished run, and the
+    flag that grants it."""
+    from .why import explain_report
+
+    try:
+        lines = explain_report(path)
+    except ValueError as exc:
+        print(f"isolate-run: explain: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    for line in lines or ["nothing was refused"]:
+        print(line)
+    return 0
+
+
 def _learn(args: list[str]) -> int:
     from .learn import learn_main
 
@@ -282,6 +297,8 @@ def _main(args: list[str]) -> int:
     report_target: ReportTarget | None = None
     try:
         options = build_parser().parse_args(args)
+        if options.explain and options.report and not options.command:
+            return _explain_report(options.report)  # after a run: its report explained
         if options.report and not options.explain:
             # Opened before anything runs: the program may replace the path's
             # directory by a link while it runs; the report goes where the

@@ -53,3 +53,45 @@ def first_file_denial(denied: list[dict[str, Any]]) -> dict[str, Any] | None:
         if grant_flag(entry) is not None:
             return entry
     return files[0] if files else None
+
+
+def explain_report(path: str) -> list[str]:
+    """``isolate-run --explain --report REPORT.json``: one line per refusal of a finished run, with its way out."""
+    import json
+
+    from ..model.files import read_input_file
+
+    try:
+        data = json.loads(read_input_file(path).decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a report of isolate-run ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("denied"), list):
+        raise ValueError(f"{path}: not a report of isolate-run (no denied list)")
+    policy = Policy()
+    lines = []
+    for entry in data["denied"]:
+        if not isinstance(entry, dict):
+            continue
+        mechanism = entry.get("mechanism")
+        count = f" ({entry['count']}x)" if isinstance(entry.get("count"), int) and entry["count"] > 1 else ""
+        if entry.get("access") and mechanism in _REASONS:
+            lines.append(file_hint(entry, policy) + count)
+        elif mechanism == "seccomp":
+            lines.append(f"denied: system call {_printable(str(entry.get('syscall')))} (seccomp){count}; allow it "
+                         "with --seccomp FILE (an OCI profile that permits it; isolate-run learn writes one)")
+        elif mechanism == "unix-socket" and entry.get("path"):
+            path = _printable(str(entry["path"]))
+            lines.append(f"denied: connect {path} (unix socket){count}; allow it with --unix-socket {path}")
+        elif mechanism == "egress":
+            where = _printable(str(entry.get("host") or entry.get("address")))
+            lines.append(f"denied: egress to {where}:{entry.get('port')}{count}: "
+                         f"{_printable(str(entry.get('reason')))}")
+        elif mechanism == "network":
+            lines.append(f"denied: connect {entry.get('address')}:{entry.get('port')} (network){count}; "
+                         "allow it with --net host or --allow-host NAME")
+        else:
+            lines.append(f"denied: {_printable(json.dumps(entry))}")
+    observed = data.get("denials_observed") or {}
+    if isinstance(observed, dict) and not (observed.get("landlock") or {}).get("observed"):
+        lines.append("note: file accesses were not traced in this run; run it again with --why to name them")
+    return lines

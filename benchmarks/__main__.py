@@ -22,7 +22,7 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "branches")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "branches", "why")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -47,17 +47,19 @@ class Settings:
     branches_mb: int
     branches_rounds: int
     branches_copy_rounds: int
+    why_runs: int
 
 
 FULL = Settings(rounds=250, docker_runs=200, syscall_loops=200_000, syscall_runs=15, workload_runs=15,
                 throughput_seconds=4.0, memory_n=30, memory_reps=3, docker_memory_n=10,
                 kept_rounds=60, kept_idle_n=20, kept_many_n=50, egress_rounds=300, egress_downloads=7,
                 egress_size_mb=100, branches_files=10_000, branches_mb=500, branches_rounds=20,
-                branches_copy_rounds=3)
+                branches_copy_rounds=3, why_runs=30)
 QUICK = Settings(rounds=20, docker_runs=4, syscall_loops=50_000, syscall_runs=3, workload_runs=3,
                  throughput_seconds=1.0, memory_n=5, memory_reps=1, docker_memory_n=0,
                  kept_rounds=5, kept_idle_n=3, kept_many_n=5, egress_rounds=20, egress_downloads=1,
-                 egress_size_mb=10, branches_files=500, branches_mb=5, branches_rounds=3, branches_copy_rounds=1)
+                 egress_size_mb=10, branches_files=500, branches_mb=5, branches_rounds=3, branches_copy_rounds=1,
+                 why_runs=3)
 
 
 def _log(message: str) -> None:
@@ -200,6 +202,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        None if args.no_docker else peers.docker_image(), _log)
             except Exception as exc:
                 results["branches"] = {"error": _error(exc)}
+        if "why" in args.sections:
+            from . import why
+
+            try:
+                results["why"] = why.measure(settings.why_runs, workdir, log=_log)
+            except Exception as exc:
+                results["why"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()
@@ -253,6 +262,11 @@ def summary(results: dict[str, Any]) -> list[str]:
     branch_figures = results.get("branches", {})
     for text, goal in branch_figures.get("goals", {}).items():
         lines.append(f"goal: {text}: {goal['value']:.2f} ms ({'met' if goal['met'] else 'NOT met'})")
+    for label, figures in results.get("why", {}).get("workloads", {}).items():
+        if "goal_met" not in figures:
+            continue
+        lines.append(f"goal: denial tracing costs <= 1.3x ({label}): {figures['ratio']} "
+                     f"({'met' if figures['goal_met'] else 'NOT met'})")
     syscalls = results.get("overhead", {}).get("syscalls")
     if syscalls:
         for text, goal in syscalls["goals"].items():

@@ -379,6 +379,7 @@ int main(int argc, char **argv)
     plan->idmap_userns_fd = -1;
     plan->program_fd = -1;
     plan->egress_fd = -1; /* egress by name is never replayed: its mediator is Python's */
+    plan->why_stream_fd = -1; /* nor denial tracing: why is never carried */
     plan->stdio[0] = plan->stdio[1] = plan->stdio[2] = -1;
     static const int32_t no_fds[1] = {-1};
     plan->keep_fds = no_fds;

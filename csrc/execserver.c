@@ -541,7 +541,7 @@ static void start_command(const struct request *req, char **argv, int err_fd)
     plan.search_path = search ? search : "/usr/local/bin:/usr/bin:/bin";
     plan.argv = argv;
     plan.envp = envp;
-    failure.step = iso_exec_program(&plan);
+    failure.step = iso_exec_program(&plan, 0);
 fail:
     failure.err = errno;
     if (write(err_fd, &failure, sizeof failure) < 0) {

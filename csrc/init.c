@@ -1,7 +1,7 @@
 /*
  * init.c - the sandbox's PID 1: a separate, statically linked executable.
  *
- *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID [KEEP_RUNNING]]]]
+ *   isolate-init PROGRAM_PID STATUS_FD LISTENER_FD WALL_MS [NR:ERRNO,... [SUPERVISE [PARENT_PID [KEEP_RUNNING [WHY [WHY_FD]]]]]]
  *   isolate-exec-server ...   (a kept sandbox's program: see execserver.c)
  *
  * The first child of a sandbox execs this once the program is running.  It
@@ -11,7 +11,10 @@
  *   - kills everything when the wall clock runs out;
  *   - answers seccomp notifications with the errno the filter stands for,
  *     counting each denied system call;
- *   - when the program ends, writes struct iso_status to STATUS_FD and exits
+ *   - with WHY (denial tracing, why.c), looks at each path system call,
+ *     records those the policy refuses and lets every one continue;
+ *   - when the program ends, writes struct iso_status (and, with WHY,
+ *     struct iso_why_report after it) to STATUS_FD and exits
  *     with the program's status (128+N for a signal).  Its exit ends the PID
  *     namespace: the kernel kills whatever is left, daemons included;
  *   - without a PID namespace (PARENT_PID > 0), watches the caller through a
@@ -109,6 +112,8 @@ static void answer_notification(int listener)
         return; /* ENOENT: the caller died meanwhile */
     if (iso_supervise_notification(listener, &req))
         return; /* a connect() the init performs itself (supervise.c) */
+    if (iso_why_notification(listener, &req))
+        return; /* a path system call, looked at and let continue (why.c) */
     count_denial(req.data.nr);
     memset(&resp, 0, sizeof resp);
     resp.id = req.id;
@@ -194,17 +199,17 @@ static int watch_parent(pid_t parent, int *gone)
 /* Close every descriptor but those in keep[] (-1 entries ignored), gap by
  * gap.  (Before Linux 5.9 close_range fails and the leftovers merely stay
  * open in this process; the program never sees them.) */
-static void close_all_but(int a, int b, int c)
+static void close_all_but(int a, int b, int c, int d)
 {
-    int keep[3] = {a, b, c};
-    for (int i = 1; i < 3; i++) /* sort the three */
+    int keep[4] = {a, b, c, d};
+    for (int i = 1; i < 4; i++) /* insertion sort: four entries */
         for (int j = i; j > 0 && keep[j] < keep[j - 1]; j--) {
             int t = keep[j];
             keep[j] = keep[j - 1];
             keep[j - 1] = t;
         }
     unsigned int lo = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (keep[i] < 0)
             continue;
         if ((unsigned int)keep[i] > lo)
@@ -252,6 +257,21 @@ static void kill_everything(pid_t program, int pid_namespace)
         kill_children(); /* and whatever left the group (setsid daemons) */
 }
 
+/* The report may exceed PIPE_BUF: every byte, or as many as the reader takes. */
+static void write_all(int fd, const void *data, size_t size)
+{
+    const char *p = data;
+    while (size > 0) {
+        ssize_t n = write(fd, p, size);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return;
+        p += n;
+        size -= (size_t)n;
+    }
+}
+
 int main(int argc, char **argv)
 {
     /* The same executable is a kept sandbox's program (execserver.c); a
@@ -284,12 +304,19 @@ int main(int argc, char **argv)
     else if (argc > 7)
         parent = (pid_t)atoi(argv[7]);
     keep_program_running = argc > 8 && !strcmp(argv[8], "1");
+    /* Denial tracing: a spec it cannot read fails the run, as asked for. */
+    int why = argc > 9 && argv[9][0];
+    if (why && iso_why_init(argv[9]) < 0)
+        return 125;
+    int why_stream = why && argc > 10 ? atoi(argv[10]) : -1;
+    if (why_stream >= 0)
+        iso_why_stream(why_stream);
     int pid_namespace = getpid() == 1;
 
     /* Only our own descriptors: the program's stdio must not stay open
      * here, or a reader of its pipes would wait for this process too, and
      * nothing passed on to the program (pass_fds) belongs to the init. */
-    close_all_but(status_fd, listener, inherited_parent_fd);
+    close_all_but(status_fd, listener, inherited_parent_fd, why_stream);
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         return 125;
     if (!pid_namespace) {
@@ -332,7 +359,7 @@ int main(int argc, char **argv)
      * program (pidfd_getfd, process_vm_readv, /proc/PID/cwd, the program's
      * paths): a Landlock domain made now would be a sibling of the
      * program's, and Landlock refuses ptrace-class access across domains. */
-    if (!supervising && iso_landlock_deny_all())
+    if (!supervising && !why && iso_landlock_deny_all())
         return 125;
 
     status.magic = ISO_STATUS_MAGIC;
@@ -411,10 +438,9 @@ int main(int argc, char **argv)
         status.maxrss_kib = usage.ru_maxrss;
     }
     if (status_fd >= 0) {
-        ssize_t n;
-        do {
-            n = write(status_fd, &status, sizeof status);
-        } while (n < 0 && errno == EINTR);
+        write_all(status_fd, &status, sizeof status);
+        if (why)
+            write_all(status_fd, iso_why_report(), sizeof(struct iso_why_report));
     }
     if (WIFEXITED(status.wait_status))
         return WEXITSTATUS(status.wait_status);

@@ -198,6 +198,18 @@ struct iso_plan {
     uint32_t egress_dns_address;   /* IPv4, host byte order */
     const uint16_t *egress_ports;
     int32_t n_egress_ports;
+
+    /* Denial tracing (why.c): NULL, or the init's spec
+     * "BUILT,HANDLED_FS[,MASK:DEV:INO...][,MASK/HEXPATH...]": whether the
+     * root is built, the Landlock rights handled, and each rule's rights on
+     * an inode the parent named or a path the init opens inside.  The
+     * filter then sends the path system calls to the init, which looks
+     * (never decides) and lets each continue. */
+    const char *why;
+    /* With why: a pipe the init writes each refusal to as it happens
+     * (struct iso_why_event), for a kept sandbox's per-command reports;
+     * -1 for none. */
+    int32_t why_stream_fd;
 };
 
 /* What the init reports when the program ended: wait status, why, denials. */
@@ -242,6 +254,58 @@ struct iso_status {
 };
 
 #define ISO_STATUS_MAGIC 0x150a7e01
+
+/* A file access the init predicts the kernel refused (why.c). */
+enum iso_why_access {
+    ISO_WHY_READ = 1,
+    ISO_WHY_WRITE = 2,
+    ISO_WHY_EXECUTE = 3,
+    ISO_WHY_CREATE = 4,
+    ISO_WHY_REMOVE = 5,
+    ISO_WHY_RENAME = 6,
+    ISO_WHY_TRUNCATE = 7,
+    ISO_WHY_LOOKUP = 8             /* stat, access, readlink, chdir: only a path's absence */
+};
+
+enum iso_why_mechanism {
+    ISO_WHY_LANDLOCK = 1,          /* no rule grants the right */
+    ISO_WHY_ABSENT = 2,            /* the built root has no such path */
+    ISO_WHY_READONLY = 3,          /* a read-only mount */
+    ISO_WHY_DAC = 4                /* file modes, as the sandbox's uid */
+};
+
+struct iso_file_denial {
+    int32_t nr;                    /* the system call */
+    int32_t access;                /* enum iso_why_access */
+    int32_t mechanism;             /* enum iso_why_mechanism */
+    uint32_t count;
+    char path[256];                /* as the program named it (truncated) */
+    char resolved[256];            /* in the sandbox's view */
+};
+
+/* Written after struct iso_status when the plan traces denials. */
+struct iso_why_report {
+    uint32_t magic;                /* ISO_WHY_MAGIC */
+    uint32_t n;
+    uint32_t dropped;              /* distinct denials beyond the table */
+    uint32_t seen;                 /* path calls looked at */
+    struct iso_file_denial denied[48];
+};
+
+#define ISO_WHY_MAGIC 0x150a7e02
+
+/* One refusal as it happens, on the plan's why_stream_fd: the session of
+ * the process that made the call (a kept sandbox's command leads its own). */
+struct iso_why_event {
+    int32_t session;
+    int32_t pad;
+    struct iso_file_denial denial;
+};
+
+/* The sixth argument of the execveat() that starts the program: the kernel
+ * ignores it, the denial-tracing filter lets that one exec through without
+ * asking the init (which is not running yet). */
+#define ISO_EXEC_MARK 0x15a7e0e5
 
 /* --- the exec server (execserver.c) --------------------------------------
  *

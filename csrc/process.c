@@ -147,18 +147,29 @@ int iso_die_with_parent(void)
     return 0;
 }
 
+/* execveat with the sixth argument set to mark: the kernel ignores it, a
+ * denial-tracing filter lets a marked exec through unasked (see
+ * ISO_EXEC_MARK).  A program that marks its own execs only hides them from
+ * the report: what it may execute is Landlock's to say either way. */
+static void exec_at(int dirfd, const char *path, char *const *argv, char *const *envp, int flags, long mark)
+{
+    syscall(SYS_execveat, dirfd, path, argv, envp, flags, mark);
+}
+
 /* execve, searching plan->search_path (the sandbox's PATH) for a bare name
  * the way execvp does, but without allocating.  Returns only on failure,
- * with errno: EACCES if some candidate was found but not executable. */
-int iso_exec_program(const struct iso_plan *plan)
+ * with errno: EACCES if some candidate was found but not executable.
+ * mark: ISO_EXEC_MARK for the sandbox's first program, 0 for a command
+ * (which denial tracing looks at). */
+int iso_exec_program(const struct iso_plan *plan, long mark)
 {
     if (plan->program_fd >= 0) {
-        syscall(SYS_execveat, plan->program_fd, "", plan->argv, plan->envp, AT_EMPTY_PATH);
+        exec_at(plan->program_fd, "", plan->argv, plan->envp, AT_EMPTY_PATH, mark);
         return ISO_STEP_EXEC;
     }
     const char *file = plan->file;
     if (strchr(file, '/') != NULL || plan->search_path == NULL) {
-        execve(file, plan->argv, plan->envp);
+        exec_at(AT_FDCWD, file, plan->argv, plan->envp, 0, mark);
         return ISO_STEP_EXEC;
     }
     char candidate[PATH_MAX];
@@ -177,7 +188,7 @@ int iso_exec_program(const struct iso_plan *plan)
         if (dir_len + 1 + file_len < sizeof candidate) {
             candidate[dir_len] = '/';
             memcpy(candidate + dir_len + 1, file, file_len + 1);
-            execve(candidate, plan->argv, plan->envp);
+            exec_at(AT_FDCWD, candidate, plan->argv, plan->envp, 0, mark);
             if (errno == EACCES)
                 saw_eacces = 1;
             else if (errno != ENOENT && errno != ENOTDIR && errno != ELOOP && errno != ENAMETOOLONG)

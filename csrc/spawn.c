@@ -123,8 +123,9 @@ static int program_main(void *arg)
          * until exec (the error pipe reports exec itself). */
         /* program_fd is a kept sandbox's program (the init binary again):
          * usually the very descriptor init_fd is, but nothing promises it. */
-        int keep[] = {ctx->err_fd, plan->status_fd, plan->init_fd, ctx->parent_pidfd, plan->program_fd};
-        if ((step = iso_close_fds(plan, keep, 5)))
+        int keep[] = {ctx->err_fd,        plan->status_fd,  plan->init_fd, plan->why ? plan->why_stream_fd : -1,
+                      ctx->parent_pidfd, plan->program_fd};
+        if ((step = iso_close_fds(plan, keep, 6)))
             goto fail;
     }
     if ((step = iso_rlimits_apply(plan, &index, 1)))
@@ -133,7 +134,7 @@ static int program_main(void *arg)
         goto fail;
     if ((step = iso_seccomp_apply(plan, &ctx->listener_fd)))
         goto fail;
-    step = iso_exec_program(plan);
+    step = iso_exec_program(plan, ISO_EXEC_MARK);
 fail:
     ctx->program_failed = 1;
     iso_report(ctx->err_fd, step, errno, index);
@@ -210,13 +211,15 @@ static int first_main(void *arg)
     }
     if ((step = iso_no_new_privs()))
         goto fail_kill;
-    if (fcntl(plan->status_fd, F_SETFD, 0) < 0 ||
+    int why_stream = plan->why && plan->why_stream_fd >= 0 ? plan->why_stream_fd : -1;
+    if ((why_stream >= 0 && fcntl(why_stream, F_SETFD, 0) < 0) || fcntl(plan->status_fd, F_SETFD, 0) < 0 ||
         (ctx->listener_fd >= 0 && fcntl(ctx->listener_fd, F_SETFD, 0) < 0)) {
         step = ISO_STEP_INIT;
         goto fail_kill;
     }
     {
-        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32];
+        char pid_arg[16], status_arg[16], listener_arg[16], wall_arg[32], stream_arg[16];
+        snprintf(stream_arg, sizeof stream_arg, "%d", why_stream);
         snprintf(pid_arg, sizeof pid_arg, "%d", program);
         snprintf(status_arg, sizeof status_arg, "%d", plan->status_fd);
         snprintf(listener_arg, sizeof listener_arg, "%d", ctx->listener_fd);
@@ -231,8 +234,9 @@ static int first_main(void *arg)
         char *supervise = plan->supervise ? (char *)plan->supervise : "";
         /* A kept sandbox's exec server (run through program_fd) must never stay stopped: see init.c. */
         char *keep_running = plan->program_fd >= 0 ? "1" : "0";
+        char *why = plan->why ? (char *)plan->why : "";
         char *argv[] = {"isolate-init", pid_arg, status_arg, listener_arg, wall_arg, errnos, supervise, parent_arg,
-                        keep_running, NULL};
+                        keep_running, why, stream_arg, NULL};
         char *envp[] = {NULL};
         syscall(SYS_execveat, plan->init_fd, "", argv, envp, AT_EMPTY_PATH);
     }

@@ -39,7 +39,7 @@ int iso_signals_unblock(void);
 int iso_stdio_apply(const struct iso_plan *plan);
 int iso_close_fds(const struct iso_plan *plan, const int *extra_keep, int n_extra);
 int iso_die_with_parent(void);
-int iso_exec_program(const struct iso_plan *plan);
+int iso_exec_program(const struct iso_plan *plan, long mark);
 
 /* userns.c (parent side): setgroups, uid_map and gid_map of a child. */
 int iso_write_id_maps(int pid, const struct iso_plan *plan);
@@ -48,6 +48,12 @@ int iso_write_id_maps(int pid, const struct iso_plan *plan);
 struct seccomp_notif;
 int iso_supervise_init(const char *spec, struct iso_status *status);
 int iso_supervise_notification(int listener, const struct seccomp_notif *req);
+
+/* why.c (linked into the init): file denials, looked at and let continue. */
+int iso_why_init(const char *spec);
+int iso_why_notification(int listener, const struct seccomp_notif *req);
+const struct iso_why_report *iso_why_report(void);
+void iso_why_stream(int fd);
 
 /* execserver.c (linked into the init): a kept sandbox's program. */
 int iso_exec_server_main(int argc, char **argv);

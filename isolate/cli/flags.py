@@ -126,8 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--best-effort", action="store_true",
                      help="warn instead of failing where a protection cannot be enforced")
     run.add_argument("--explain", action="store_true",
-                     help="print the resolved paths, the policy and its mechanisms; run nothing")
+                     help="print the resolved paths, the policy and its mechanisms; run nothing. With --report "
+                          "FILE and no command: each refusal of that finished run and the flag that grants it")
     run.add_argument("--report", metavar="FILE", help="write the JSON report of the run to FILE, e.g. --report r.json")
+    run.add_argument("--why", action="store_true",
+                     help="name every file access the policy refused (report.denied, and one line each on stderr); "
+                          "the init looks at each path system call, at a small cost per call")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments")
     return parser
 
@@ -225,6 +229,8 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
         changes["best_effort"] = True
     if options.no_namespaces:
         changes["namespaces"] = False
+    if getattr(options, "why", False):
+        changes["trace_denials"] = True
     uid = _int_option(options.uid, "--uid")
     gid = _int_option(options.gid, "--gid")
     if uid is not None:

@@ -190,8 +190,14 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
 
 
 def denial_hints(report: Report, policy: Policy) -> list[str]:
-    """One line for the first refused network destination and one for the first refused unix socket."""
+    """One line for the first refused network destination, the first refused unix socket and, when
+    denials are traced, the first refused file access."""
+    from .why import file_hint, first_file_denial
+
     lines: list[str] = []
+    entry = first_file_denial(report.denied)
+    if entry is not None:
+        lines.append(file_hint(entry, policy))
     network = policy.network if isinstance(policy.network, str) else "none"
     for entry in report.denied:
         mechanism = entry.get("mechanism")
@@ -246,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sandbox import sandbox_main
 
             return sandbox_main(args[1:])
+        if args and args[0] == "learn":
+            return _learn(args[1:])
         if args and args[0] == "serve":
             from ..server import serve_main
 
@@ -257,10 +265,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SETUP
 
 
+def _explain_report(path: str) -> int:
+    """``isolate-run --explain --report REPORT.json`` (no command): each refusal of a finished run, and the
+    flag that grants it."""
+    from .why import explain_report
+
+    try:
+        lines = explain_report(path)
+    except ValueError as exc:
+        print(f"isolate-run: explain: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    for line in lines or ["nothing was refused"]:
+        print(line)
+    return 0
+
+
+def _learn(args: list[str]) -> int:
+    from .learn import learn_main
+
+    try:
+        return learn_main(args)
+    except (CliError, PolicyError, IsolationError) as exc:
+        print(f"isolate-run: learn: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    except OSError as exc:
+        print(f"isolate-run: learn: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_SETUP
+
+
 def _main(args: list[str]) -> int:
     report_target: ReportTarget | None = None
     try:
         options = build_parser().parse_args(args)
+        if options.explain and options.report and not options.command:
+            return _explain_report(options.report)  # after a run: its report explained
         if options.report and not options.explain:
             # Opened before anything runs: the program may replace the path's
             # directory by a link while it runs; the report goes where the

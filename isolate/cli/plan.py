@@ -169,7 +169,7 @@ CARRIED = {
 
 
 #: Fields not carried whose "not used" value is not 0: the binary sets these itself (csrc/cli.c).
-UNSET = {"struct iso_plan": {"egress_fd": -1}}
+UNSET = {"struct iso_plan": {"egress_fd": -1, "why_stream_fd": -1}}
 
 
 def _uncarried(ffi: Any, ctype: str, value: Any) -> str | None:

@@ -313,6 +313,11 @@ class Policy:
     unix_sockets: tuple[str, ...] = ()
     #: Host paths shown at other paths inside (isolate.Mount): --bind SRC:DST.
     binds: tuple[Mount, ...] = ()
+    #: Name every file access the policy refused in ``report.denied`` (isolate-run --why): the init
+    #: looks at each path system call (and lets it continue), at a cost per call; off costs nothing.
+    #: ``"lookups"`` also names the absent paths of stat, access, readlink and chdir (more calls to
+    #: look at: what ``isolate-run learn`` uses).
+    trace_denials: bool | str = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -401,6 +406,8 @@ class Policy:
         for name in ("uid", "gid"):
             if getattr(self, name) == 0:
                 raise PolicyError(f"{name}: the sandboxed program never runs as root; choose another id", name)
+        if not (isinstance(self.trace_denials, bool) or self.trace_denials == "lookups"):
+            raise PolicyError("trace_denials: expected true, false or \"lookups\"", "trace_denials")
         for name in ("namespaces", "new_session", "die_with_parent", "best_effort"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"{name}: expected true or false", name)
@@ -455,6 +462,8 @@ class Policy:
                 value = list(value)
             elif f.name == "home" and value is None:
                 value = "none"
+            elif f.name == "trace_denials" and not value:
+                continue  # the default, left out so that existing profiles and hashes stay as they were
             if value is None:
                 continue
             out[f.name] = value

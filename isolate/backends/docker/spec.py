@@ -266,6 +266,11 @@ def unsupported_reasons(policy: Policy, engine: EngineInfo | None = None) -> dic
         reasons["unix_sockets"] = (
             "named unix sockets need the native backend (a container cannot supervise connect())"
         )
+    if policy.trace_denials:
+        reasons["trace_denials"] = (
+            "naming refused file accesses needs the native backend's init, which looks at each path system call; "
+            "use the native backend (--backend native)"
+        )
     if engine is not None:
         limits = policy.limits
         if (policy.seccomp != "none" or policy.network == "none") and not engine.seccomp:

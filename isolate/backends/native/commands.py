@@ -251,6 +251,11 @@ class Command:
                 now = self.sandbox.egress_summary()
                 if now is not None:
                     report.egress = summary_delta(self._egress_start, now)
+            if self.sandbox is not None:
+                # Denial tracing: the refusals of the command's session (the init streams them).
+                stream = getattr(self.sandbox, "why_stream", lambda: None)()
+                if stream is not None:
+                    report.denied.extend(stream.take(self.pid))
             self._report = report
         return self._report
 

@@ -22,7 +22,8 @@ def _apply_seccomp(
     unix_sockets: str = "",
     deny_host_reach: bool = False,
 ) -> None:
-    if policy.seccomp == "none" and not (deny_sockets or deny_setid or unix_sockets or deny_host_reach):
+    if policy.seccomp == "none" and not (deny_sockets or deny_setid or unix_sockets or deny_host_reach
+                                         or (policy.trace_denials and notify)):
         enforced["seccomp"] = None
         return
     # Compiled in this process (and kept in seccomp's in-memory cache), never
@@ -34,7 +35,8 @@ def _apply_seccomp(
 
         compiled: Any = seccomp.compile_filter(policy.seccomp, notify=notify, deny_inet_sockets=deny_sockets,
                                                deny_setid=deny_setid, unix_sockets=unix_sockets,
-                                               deny_host_reach=deny_host_reach)
+                                               deny_host_reach=deny_host_reach,
+                                               trace_paths=policy.trace_denials if notify else False)
     except UnsupportedError as exc:
         if deny_setid:
             raise UnsupportedError(
@@ -57,7 +59,8 @@ def _apply_seccomp(
     keep.extend([compiled, buffer])
     plan.seccomp_filter = buffer
     plan.seccomp_len = len(compiled.bpf) // 8
-    plan.seccomp_notify = 1 if notify and (compiled.notify or unix_sockets.startswith("supervise")) else 0
+    plan.seccomp_notify = 1 if notify and (compiled.notify or unix_sockets.startswith("supervise")
+                                          or policy.trace_denials) else 0
     if plan.seccomp_notify:
         # The init answers each notification with the errno the plain filter
         # would have returned; "-1" carries the profile's default errno.

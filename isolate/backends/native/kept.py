@@ -344,6 +344,11 @@ class NativeSandbox:
             raise IsolationError(f"the sandbox was ended by the host: {self.ended_because}")
         return Connection(self.paths.socket)
 
+    def why_stream(self) -> Any:
+        """Denial tracing: the init's stream of refusals (why.WhyStream), or None."""
+        prepared = self.process._prepared if self.process is not None else None
+        return prepared.why_stream if prepared is not None else None
+
     def egress_summary(self) -> dict[str, Any] | None:
         """The in-process mediator's summary, or the mediator process's (asked on its query socket,
         which only the process that started the sandbox holds)."""

@@ -34,6 +34,7 @@ from ...model.errors import (
 )
 from ...model.policy import Egress, Policy
 from . import egress as egress_plan
+from . import why
 from .common import _close_all, _Refusals, _Static
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
 from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
@@ -49,6 +50,8 @@ class Prepared:
     enforced: dict[str, Any]
     warnings: list[str]
     status_fd: int = -1  # read end of the init's status pipe
+    #: Denial tracing in a kept sandbox: the init's refusals as they happen (why.WhyStream).
+    why_stream: Any = None
     cgroup: Any = None
     limit_cpu_seconds: float | None = None
     observed: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -78,6 +81,8 @@ class Prepared:
         if self.egress_channel is not None:
             self.egress_channel.close()
             self.egress_channel = None
+        if self.why_stream is not None:
+            self.why_stream.close()
 
     def discard(self) -> None:
         """Release what a plan that never ran holds (``--explain``): descriptors and its cgroup."""
@@ -277,6 +282,13 @@ def prepare(
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         plan.status_fd = status_w
         close_after.append(status_w)
+    why_r = -1
+    if program_fd >= 0 and plan.why != ffi.NULL:
+        # A kept sandbox (its program is the exec server): the init writes each refusal as it happens,
+        # with the caller's session, so that each command's report names its own (why.WhyStream).
+        why_r, why_w = os.pipe2(os.O_CLOEXEC)
+        plan.why_stream_fd = why_w
+        close_after.append(why_w)
     enforced["fds"] = "closed above 2" + (f" except {fds}" if fds else "")
 
     prepared = Prepared(
@@ -284,6 +296,7 @@ def prepare(
         enforced=enforced,
         warnings=refusals.warnings,
         status_fd=status_r,
+        why_stream=why.WhyStream(why_r) if why_r >= 0 else None,
         cgroup=prepared_cgroup,
         limit_cpu_seconds=limit_cpu,
         observed=static.observed,

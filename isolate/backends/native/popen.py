@@ -23,6 +23,7 @@ from ...model.errors import UnsupportedError
 from ...model.policy import Policy
 from ...model.report import Report, status_for
 from .. import native
+from . import why
 
 _STATUS_SIZE = ffi.sizeof("struct iso_status")
 
@@ -55,6 +56,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         self.report: Report | None = None
         self._prepared: native.Prepared | None = None
         self._status: bytes = b""
+        self._why: bytes = b""
         self._rusage: Any = None
         self._status_rec: Any = None
         self._limit_hit: str | None = None
@@ -174,10 +176,13 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         if prepared is None or prepared.status_fd < 0:
             return None
         data = b""
+        # Denial tracing: the init's table follows the status, written at once; read to its end.
+        tracing = prepared.plan is not None and prepared.plan.why != ffi.NULL
+        size = _STATUS_SIZE + (why.REPORT_SIZE if tracing else 0)
         try:
-            os.set_blocking(prepared.status_fd, False)
-            while len(data) < _STATUS_SIZE:
-                chunk = os.read(prepared.status_fd, _STATUS_SIZE - len(data))
+            os.set_blocking(prepared.status_fd, tracing)
+            while len(data) < size:
+                chunk = os.read(prepared.status_fd, size - len(data))
                 if not chunk:
                     break
                 data += chunk
@@ -193,12 +198,15 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         if status.magic != 0x150A7E01:
             return None
         self._status = data
+        self._why = data[_STATUS_SIZE:] if tracing else b""
         return status
 
     def _finish(self, status: Any) -> None:
         prepared = self._prepared
         if prepared is None:
             return
+        if prepared.why_stream is not None:
+            prepared.why_stream.close()  # what it holds stays readable by the commands' reports
         report = Report(backend="native", enforced=dict(prepared.enforced), warnings=list(prepared.warnings),
                         denials_observed={k: dict(v) for k, v in prepared.observed.items()})
         report.wall_seconds = round((self._ended or time.monotonic()) - self._started, 6)
@@ -245,6 +253,14 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
                      "count": int(status.denied[i].count)}
                 )
             report.denied.extend(net_denials(status, prepared.mediator))
+            if self._why:
+                for entry in report.denied:  # a refused connect() names a file access too
+                    if entry.get("mechanism") == "unix-socket" and entry.get("path"):
+                        entry["access"] = "connect"
+                report.denied.extend(why.file_denials(self._why))
+                seen = why.calls_seen(self._why)
+                if seen is not None and "landlock" in report.denials_observed:
+                    report.denials_observed["landlock"]["calls_looked_at"] = seen
         if prepared.mediator is not None:
             from . import egress
 

@@ -16,7 +16,7 @@ from ..._core import INIT_PATH, ffi, init_fd, lib
 from ...kernel import grants, hostinfo, landlock, mounts
 from ...kernel.hostinfo import userns_error
 from ...kernel.places import runtime_dir
-from ...model.errors import PolicyError
+from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
 from ...model.units import milliseconds_up
 from . import egress as egress_plan
@@ -69,6 +69,26 @@ def _yama_ptrace_scope() -> int:
             return int(handle.read().strip() or 0)
     except (OSError, ValueError):
         return 0
+
+
+def _plan_why(plan: Any, cstr: Any, for_preexec: bool, use_ns: bool, rules: list[tuple[str, int]],
+              rule_fds: dict[int, int], enforced: dict[str, Any]) -> None:
+    """Denial tracing: the init's spec (csrc/why.c), each Landlock rule by inode or by path inside."""
+    if for_preexec or not use_ns:
+        raise UnsupportedError(
+            "trace_denials: naming refused file accesses needs the sandbox's init, which "
+            + ("preexec_fn does not have: use isolate.run or isolate.Popen" if for_preexec else
+               "a run without namespaces does not have: drop namespaces=False (--no-namespaces)"))
+    parts = ["1", str(int(plan.landlock_handled_fs) if plan.landlock_abi else 0)]
+    for i, (path, rights) in enumerate(rules):
+        fd = rule_fds.get(i, -1)
+        if fd >= 0:
+            info = os.fstat(fd)
+            parts.append(f"{rights}:{info.st_dev}:{info.st_ino}")
+        else:  # a path only the sandbox has (its tmpfs, /dev, /proc): the init finds its inode
+            parts.append(f"{rights}/{os.fsencode(path).hex()}")
+    plan.why = cstr(",".join(parts))
+    enforced["denial_tracing"] = "init (path system calls looked at and let continue)"
 
 
 def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: list[int]) -> _Static:
@@ -182,6 +202,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     plan.idmap_userns_fd = -1
     plan.program_fd = -1
     plan.egress_fd = -1
+    plan.why_stream_fd = -1
     caller_uid, caller_gid = os.geteuid(), os.getegid()
     root_caller = caller_uid == 0
     program_uid = policy.uid if policy.uid is not None else (NOBODY if root_caller else caller_uid)
@@ -365,9 +386,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             enforced["write_ownership"] = write_route
 
     # -- Landlock ----------------------------------------------------------
+    rules: list[tuple[str, int]] = []
+    rule_fds: dict[int, int] = {}
     if abi:
-        rules: list[tuple[str, int]] = []
-        rule_fds: dict[int, int] = {}
 
         def grant(path: str, rights: int) -> None:
             real = os.path.realpath(path)
@@ -437,6 +458,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             enforced["landlock_scope"] = ["signal", "abstract-unix-socket"]
     else:
         enforced["landlock"] = None
+    if policy.trace_denials:
+        _plan_why(plan, cstr, for_preexec, use_ns, rules, rule_fds, enforced)
     refusal = None if use_ns else landlock.without_namespaces_refusal(abi)
     if refusal:
         refusals.refuse(refusal)
@@ -465,6 +488,12 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     if not use_ns:
         _report_host_reach(plan, enforced, refusals, network)
     observed = denials_observed(use_ns, bool(plan.seccomp_notify), abi)
+    if policy.trace_denials:
+        detail = ("traced: the init looks at each path system call (open, exec, create, remove, rename, "
+                  "truncate; stat, access, readlink and chdir for a path's absence) and names the refused ones; "
+                  "calls on descriptors (ioctl, ftruncate) are not seen")
+        observed["landlock"] = {"observed": True, "detail": detail}
+        observed["mounts"] = {"observed": True, "detail": detail}
     if enforced.get("seccomp") is None:
         observed.pop("seccomp")
     if for_preexec and not use_ns and policy.limits.wall_seconds is not None:

@@ -197,10 +197,44 @@ _SOCK_STREAM, _SOCK_SEQPACKET = 1, 5
 _X32_SYSCALL_BIT = 0x40000000
 
 
+#: The path system calls denial tracing sends to the init (csrc/why.c looks at the same ones).
+TRACED_SYSCALLS = (
+    "open", "creat", "openat", "openat2", "execve", "execveat", "truncate", "mkdir", "mkdirat", "mknod",
+    "mknodat", "symlink", "symlinkat", "link", "linkat", "unlink", "rmdir", "unlinkat", "rename", "renameat",
+    "renameat2",
+)
+
+#: Lookups without an access, looked at for a path's absence only (``trace_paths="lookups"``).
+TRACED_LOOKUPS = (
+    "stat", "lstat", "newfstatat", "statx", "access", "faccessat", "faccessat2", "readlink", "readlinkat", "chdir",
+)
+
+#: The sixth argument of the execveat() that starts the program (ISO_EXEC_MARK in csrc/isolate.h).
+EXEC_MARK = 0x15A7E0E5
+
+
+def _traced_numbers(lookups: bool) -> list[int]:
+    numbers = []
+    for name in TRACED_SYSCALLS + (TRACED_LOOKUPS if lookups else ()):
+        try:
+            numbers.append(_resolve(name))
+        except Exception:  # a call this architecture does not have (open, rename... on arm64)
+            continue
+    return numbers
+
+
 def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno: int | None,
-                   mode: str) -> bytes:
-    """Route the profile's allowed connect()/socket()/socketpair() through an epilogue (see the module doc)."""
+                   mode: str, trace_paths: bool | str = False) -> bytes:
+    """Route the profile's allowed connect()/socket()/socketpair() through an epilogue (see the module doc).
+
+    ``mode`` "" with ``trace_paths``: no connect() supervision, only the path calls to the init.
+    With ``trace_paths``, every path call the profile allows goes to the init, which looks at it and
+    lets it continue (denial tracing, csrc/why.c), but the execveat() marked as the program's own start
+    (the init is not running yet to answer it).
+    """
     connect_nr, socket_nr, socketpair_nr = _resolve("connect"), _resolve("socket"), _resolve("socketpair")
+    traced = _traced_numbers(trace_paths == "lookups") if trace_paths else []
+    execveat_nr = _resolve("execveat") if trace_paths else -1
     # Egress by name: sendto() naming a destination goes to the init too, which records the refused ones.
     sendto_nr = _resolve("sendto") if mode == "supervise-sendto" else None
     # And so do sendmsg() and sendmmsg(), every call of them: their destination (msg_name) lies behind a
@@ -230,7 +264,8 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     # The profile's own USER_NOTIF (a denial to report): a call the init would take for one to perform
     # (connect) or to look at and let continue (the sends under egress) gets its errno plainly instead, or the
     # init would let the denied call through. Those denials are enforced but not reported.
-    plain = [connect_nr] + ([sendto_nr] if sendto_nr is not None else []) + sendmsg_nrs
+    # A path call the profile denies is answered plainly too: the init lets every traced call continue.
+    plain = ([connect_nr] + ([sendto_nr] if sendto_nr is not None else []) + sendmsg_nrs if mode else []) + traced
     label("notify")
     emit(ld, 0)
     for i, nr in enumerate(plain):
@@ -245,12 +280,16 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
     if native == _AUDIT_ARCH_X86_64:  # x32 numbers never reach the comparisons below
         emit(jge, _X32_SYSCALL_BIT, "kill", "native_nr")
         label("native_nr")
-    emit(jeq, connect_nr, "connect", "not_connect")
-    label("not_connect")
-    emit(jeq, socket_nr, "socket", "not_socket")
-    label("not_socket")
-    emit(jeq, socketpair_nr, "socketpair", "not_socketpair")
-    label("not_socketpair")
+    for nr in traced:
+        emit(jeq, nr, "execveat" if nr == execveat_nr else "trace_notify", f"not_traced_{nr}")
+        label(f"not_traced_{nr}")
+    if mode:
+        emit(jeq, connect_nr, "connect", "not_connect")
+        label("not_connect")
+        emit(jeq, socket_nr, "socket", "not_socket")
+        label("not_socket")
+        emit(jeq, socketpair_nr, "socketpair", "not_socketpair")
+        label("not_socketpair")
     if sendto_nr is not None:
         emit(jeq, sendto_nr, "sendto", "not_sendto")
         label("not_sendto")
@@ -283,6 +322,15 @@ def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno
         emit(ld, arg0_low + 36 if sys.byteorder == "little" else arg0_low + 28)
         emit(jeq, 0, "ret_allow2", "sendto_notify")
         label("sendto_notify")
+        emit(ret, RET_USER_NOTIF)
+    if trace_paths:
+        label("execveat")  # the program's own start, marked in its sixth argument: no one to ask yet
+        emit(ld, arg0_low + 40)
+        emit(jeq, EXEC_MARK, "mark_high", "trace_notify")
+        label("mark_high")
+        emit(ld, arg0_low + 44 if sys.byteorder == "little" else arg0_low + 36)
+        emit(jeq, 0, "ret_allow2", "trace_notify")
+        label("trace_notify")
         emit(ret, RET_USER_NOTIF)
     label("unix_refused")
     emit(ret, notify_ret)
@@ -460,13 +508,13 @@ def _deny_host_reach_prologue(native: int) -> bytes:
 
 def _compile(
     label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False,
-    unix_sockets: str = "", deny_host_reach: bool = False,
+    unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool | str = False,
 ) -> CompiledFilter:
     parsed = _parse(data, source)
     bpf, table, default_errno = _build(parsed, notify, source)
     native = _native_arch()
-    if unix_sockets:
-        bpf = _unix_epilogue(bpf, native, table, default_errno, unix_sockets)
+    if unix_sockets or trace_paths:
+        bpf = _unix_epilogue(bpf, native, table, default_errno, unix_sockets, trace_paths)
     if deny_inet_sockets:
         notify_for: dict[int, bool] = {}
         if notify:
@@ -493,7 +541,7 @@ def _compile(
     )
 
 
-_cache: dict[tuple[str, str, bool, bool, bool, str, bool], CompiledFilter] = {}
+_cache: dict[tuple[str, str, bool, bool, bool, str, bool, bool | str], CompiledFilter] = {}
 
 
 _cache_lock = threading.Lock()
@@ -507,7 +555,7 @@ def cache_clear() -> None:
 
 def compile_filter(
     mode: str, *, notify: bool = False, deny_inet_sockets: bool = False, deny_setid: bool = False,
-    unix_sockets: str = "", deny_host_reach: bool = False,
+    unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool | str = False,
 ) -> CompiledFilter | None:
     """Compile the filter for ``mode`` (default, strict, none, or the path of a JSON profile).
 
@@ -521,7 +569,9 @@ def compile_filter(
     name records refused UDP) or "deny"
     (socket(AF_UNIX) refused): see the module doc; ``deny_host_reach`` refuses
     SysV IPC, POSIX message queues, keyrings and changing other processes'
-    limits and priorities (for a run without namespaces, see ``host_reach_denied``).
+    limits and priorities (for a run without namespaces, see ``host_reach_denied``);
+    ``trace_paths`` sends the path calls (``TRACED_SYSCALLS``, and with "lookups" ``TRACED_LOOKUPS``
+    too) to the init, which needs ``notify`` (denial tracing: the init looks and lets each continue).
     Returns None for ``none`` without ``deny_inet_sockets``. Results are cached
     per (mode, file content, flags). Raises ``PolicyError`` for a bad profile
     and ``UnsupportedError`` when libseccomp or the kernel cannot do it.
@@ -529,9 +579,9 @@ def compile_filter(
     if not isinstance(mode, str) or not mode:
         raise PolicyError("seccomp: expected default, strict, none or the path of a JSON profile", "seccomp")
     if (unix_sockets not in ("", "supervise", "supervise-sendto", "deny")
-            or (unix_sockets.startswith("supervise") and not notify)):
+            or ((unix_sockets.startswith("supervise") or trace_paths) and not notify)):
         raise ValueError(f"unix_sockets: {unix_sockets!r}")
-    if mode == "none" and not (deny_inet_sockets or deny_setid or unix_sockets or deny_host_reach):
+    if mode == "none" and not (deny_inet_sockets or deny_setid or unix_sockets or deny_host_reach or trace_paths):
         return None
     content: bytes | None = None
     if mode in BUILTIN_PROFILES:
@@ -540,14 +590,14 @@ def compile_filter(
         source, content = _read_profile_file(mode)
         label, digest = f"file:{os.path.abspath(mode)}", hashlib.sha256(content).hexdigest()
     key = (label, digest, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets,
-           bool(deny_host_reach))
+           bool(deny_host_reach), trace_paths if trace_paths == "lookups" else bool(trace_paths))
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
     data = _load_json(content, source) if content is not None else oci_profile(mode)
     compiled = _compile(label, data, source, bool(notify), bool(deny_inet_sockets), bool(deny_setid), unix_sockets,
-                        bool(deny_host_reach))
+                        bool(deny_host_reach), trace_paths if trace_paths == "lookups" else bool(trace_paths))
     with _cache_lock:
         compiled = _cache.setdefault(key, compiled)
         while len(_cache) > _CACHE_SIZE:

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "branches", "why")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "branches", "why", "many")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -209,6 +209,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["why"] = why.measure(settings.why_runs, workdir, log=_log)
             except Exception as exc:
                 results["why"] = {"error": _error(exc)}
+        if "many" in args.sections:
+            from . import many
+
+            try:
+                results["many"] = many.measure(args.quick, None if args.no_docker else peers.docker_image(), _log)
+            except Exception as exc:
+                results["many"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()
@@ -259,6 +266,8 @@ def summary(results: dict[str, Any]) -> list[str]:
                      f"({'met' if sandboxed['goals']['added_under_1ms'] else 'NOT met'})")
         lines.append(f"goal: egress throughput >= 80% of the host network's: {sandboxed['throughput']['ratio']} "
                      f"({'met' if sandboxed['goals']['throughput_at_least_80pct'] else 'NOT met'})")
+    for text, goal in results.get("many", {}).get("goals", {}).items():
+        lines.append(f"goal: {text} <= {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})")
     branch_figures = results.get("branches", {})
     for text, goal in branch_figures.get("goals", {}).items():
         lines.append(f"goal: {text}: {goal['value']:.2f} ms ({'met' if goal['met'] else 'NOT met'})")

@@ -295,7 +295,12 @@ def markdown(results: dict[str, Any]) -> str:
             "",
         ]
     lines += _branches_markdown(results.get("branches"))
-    for section in ("overhead", "throughput", "memory", "kept", "egress", "branches"):
+    many_figures = results.get("many")
+    if isinstance(many_figures, dict) and "pool" in many_figures:
+        from .many import markdown as many_markdown
+
+        lines += many_markdown(many_figures)
+    for section in ("overhead", "throughput", "memory", "kept", "egress", "branches", "many"):
         value = results.get(section)
         if isinstance(value, dict) and "error" in value:
             lines += [f"{section}: not measured: {value['error']}", ""]

@@ -1,0 +1,250 @@
+"""Many sandboxes: a warm pool's acquire, n started at once, and the same over a local Ray cluster.
+
+Each figure comes with its baseline, measured in the same run:
+
+- ``pool``: ``SandboxPool.acquire()`` + release (the sandbox ended, a fresh one
+  started in the background), against starting a ``Sandbox`` when it is needed
+  (goal: acquire <= 1 ms median);
+- ``at_once``: ``Sandbox.create_many(n)`` against n sandboxes started one by
+  one, and against ``docker run -d`` of n containers where an engine answers
+  (n = 200 in the full run; goal: <= 2 s);
+- ``ray`` (full run only; a ``ray.cluster_utils.Cluster`` of 3 nodes on this
+  machine): an exec through Ray against the same exec on a local sandbox
+  (goal: <= 1.5 ms added), 500 sandboxes placed over the 3 nodes (goal:
+  <= 10 s), and 1,000 concurrent execs over them (their throughput).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ._stats import median, summary_ms
+
+GOALS = {"pool_acquire_ms": 1.0, "at_once_s": 2.0, "ray_exec_added_ms": 1.5, "ray_500_s": 10.0}
+
+
+def _policy() -> Any:
+    import isolate
+
+    return isolate.Policy(write=())
+
+
+def pool(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    log(f"many: pool acquire, {rounds} rounds")
+    acquire, fresh = [], []
+    with isolate.SandboxPool(_policy(), size=4) as warm:
+        for _ in range(rounds):
+            while warm.stats["warm"] < 4:  # the previous release's replacement has started
+                time.sleep(0.002)
+            t0 = time.perf_counter()
+            box = warm.acquire()
+            acquire.append(time.perf_counter() - t0)
+            box.close()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        box = isolate.Sandbox(_policy()).start()
+        fresh.append(time.perf_counter() - t0)
+        box.close()
+    return {"acquire": summary_ms(acquire), "start_when_needed": summary_ms(fresh),
+            "ratio": round(median(acquire) / median(fresh), 4)}
+
+
+def _docker_run_many(n: int, image: str) -> dict[str, Any]:
+    from .peers import docker_engine
+
+    why = docker_engine(image)
+    if why is not None:
+        return {"skipped": why}
+    docker = shutil.which("docker") or "docker"
+    label = f"isolate-bench-many-{os.getpid()}"
+
+    def run_one(_: int) -> None:
+        subprocess.run([docker, "run", "-d", "--label", label, "--network", "none", image, "sleep", "600"],
+                       check=True, capture_output=True, timeout=300)
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(16) as starter:
+            list(starter.map(run_one, range(n)))
+        seconds = time.perf_counter() - t0
+    finally:
+        ids = subprocess.run([docker, "ps", "-aq", "--filter", f"label={label}"], capture_output=True, text=True)
+        if ids.stdout.split():
+            subprocess.run([docker, "rm", "-f", *ids.stdout.split()], capture_output=True, timeout=600)
+    return {"seconds": round(seconds, 3), "how": "docker run -d from 16 threads"}
+
+
+def at_once(n: int, image: str | None, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    log(f"many: {n} sandboxes at once, one by one, and docker run -d")
+    t0 = time.perf_counter()
+    boxes = isolate.Sandbox.create_many(n, _policy())
+    together = time.perf_counter() - t0
+    for box in boxes:
+        box.close()
+    t0 = time.perf_counter()
+    boxes = [isolate.Sandbox(_policy()).start() for _ in range(n)]
+    one_by_one = time.perf_counter() - t0
+    for box in boxes:
+        box.close()
+    docker = _docker_run_many(n, image) if image else {"skipped": "--no-docker"}
+    out = {"n": n, "create_many_s": round(together, 3), "one_by_one_s": round(one_by_one, 3),
+           "ratio_to_one_by_one": round(together / one_by_one, 3), "docker_run": docker}
+    if "seconds" in docker:
+        out["ratio_to_docker"] = round(together / docker["seconds"], 4)
+    return out
+
+
+def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import isolate
+    import isolate.ray as iray
+
+    log("many: a 3-node Ray cluster on this machine")
+    temp = tempfile.mkdtemp(prefix="isolate-bench-ray-")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        local = isolate.Sandbox(_policy()).start()
+        remote = iray.Sandbox(_policy()).start()
+        local_times, remote_times = [], []
+        for _ in range(rounds):  # interleaved: the same load on both
+            t0 = time.perf_counter()
+            local.exec(["true"])
+            local_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            remote.exec(["true"])
+            remote_times.append(time.perf_counter() - t0)
+        local.close()
+        remote.close()
+        log(f"many: {n} sandboxes over the cluster")
+        t0 = time.perf_counter()
+        boxes = iray.Sandbox.create_many(n, _policy())
+        placed = time.perf_counter() - t0
+        per_node: dict[str, int] = {}
+        for box in boxes:
+            per_node[box.node_id or "?"] = per_node.get(box.node_id or "?", 0) + 1
+        log(f"many: {execs} concurrent execs over them")
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(64) as callers:
+            codes = list(callers.map(lambda i: boxes[i % len(boxes)].exec(["true"]).returncode, range(execs)))
+        burst = time.perf_counter() - t0
+        for box in boxes:
+            box.close()
+        return {
+            "exec_local": summary_ms(local_times), "exec_through_ray": summary_ms(remote_times),
+            "exec_added_ms": round((median(remote_times) - median(local_times)) * 1000, 3),
+            "sandboxes": n, "placed_s": round(placed, 3), "per_node": sorted(per_node.values()),
+            "execs": execs, "execs_s": round(burst, 3), "execs_per_s": round(execs / burst, 1),
+            "execs_failed": sum(1 for c in codes if c != 0),
+        }
+    finally:
+        iray.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def measure(quick: bool, image: str | None, log: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"pool": pool(20 if quick else 200, log), "at_once": at_once(20 if quick else 200,
+                                                                                       image, log)}
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        out["ray"] = {"skipped": "ray is not installed (pip install 'isolate[ray]')"}
+    else:
+        out["ray"] = {"skipped": "--quick"} if quick else on_ray(200, 500, 1000, log)
+    out["goals"] = goals(out)
+    return out
+
+
+def goals(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found = {"pool acquire (median, ms)": (figures["pool"]["acquire"].get("median_ms"), GOALS["pool_acquire_ms"])}
+    if figures["at_once"]["n"] >= 200:
+        found["200 sandboxes at once (s)"] = (figures["at_once"]["create_many_s"], GOALS["at_once_s"])
+    ray_figures = figures.get("ray", {})
+    if "exec_added_ms" in ray_figures:
+        found["an exec through Ray adds (ms)"] = (ray_figures["exec_added_ms"], GOALS["ray_exec_added_ms"])
+        found["500 sandboxes over 3 nodes (s)"] = (ray_figures["placed_s"], GOALS["ray_500_s"])
+    return {text: {"value": value, "goal": goal, "met": value is not None and value <= goal}
+            for text, (value, goal) in found.items()}
+
+
+def markdown(figures: dict[str, Any]) -> list[str]:
+    pool_f, once = figures["pool"], figures["at_once"]
+    lines = ["## Many sandboxes", "",
+             f"- pool acquire: {pool_f['acquire']['median_ms']} ms median (p99 {pool_f['acquire']['p99_ms']}), "
+             f"against a start when needed: {pool_f['start_when_needed']['median_ms']} ms "
+             f"(ratio {pool_f['ratio']})",
+             f"- {once['n']} at once: create_many {once['create_many_s']} s, one by one {once['one_by_one_s']} s, "
+             f"docker run -d: {once['docker_run'].get('seconds', once['docker_run'].get('skipped'))}"]
+    ray_f = figures.get("ray", {})
+    if "skipped" in ray_f:
+        lines.append(f"- Ray: skipped ({ray_f['skipped']})")
+    elif ray_f:
+        lines += [f"- exec through Ray: {ray_f['exec_through_ray']['median_ms']} ms median, locally "
+                  f"{ray_f['exec_local']['median_ms']} ms: {ray_f['exec_added_ms']} ms added",
+                  f"- {ray_f['sandboxes']} sandboxes over 3 nodes: {ray_f['placed_s']} s "
+                  f"(per node: {ray_f['per_node']})",
+                  f"- {ray_f['execs']} concurrent execs over them: {ray_f['execs_s']} s, "
+                  f"{ray_f['execs_per_s']} execs/s ({ray_f['execs_failed']} failed)"]
+    lines.append("")
+    for text, goal in figures.get("goals", {}).items():
+        lines.append(f"- goal: {text} <= {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.many [--quick] [--no-docker] [--out DIR]``: this section alone, written to
+    ``results/many.json`` and ``many.md``."""
+    import argparse
+    import json
+    import sys
+
+    from . import machine
+    from .peers import docker_image
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.many", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="20 rounds and 20 sandboxes, no Ray cluster")
+    parser.add_argument("--no-docker", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    load_start = machine.load_average()
+    figures = measure(args.quick, None if args.no_docker else docker_image(), log)
+    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine.describe(),
+               "load_average_start": load_start, "load_average_end": machine.load_average(), "many": figures}
+    os.makedirs(args.out, exist_ok=True)
+    stem = "many-quick" if args.quick else "many"
+    with open(os.path.join(args.out, f"{stem}.json"), "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2)
+        handle.write("\n")
+    text = "\n".join([f"# Many sandboxes ({results['date']}; load average {load_start} at the start, "
+                      f"{results['load_average_end']} at the end)", "", *markdown(figures)])
+    with open(os.path.join(args.out, f"{stem}.md"), "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

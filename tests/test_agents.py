@@ -376,6 +376,7 @@ def _samples(workdir: str) -> dict[str, Any]:
         "gid": 2345,
         "namespaces": False,
         "best_effort": True,
+        "trace_denials": True,
         "backend": "native",
         "image": "debian:stable-slim",
         "unix_sockets": (workdir,),

@@ -92,6 +92,11 @@ def _flags(policy: Policy) -> list[str]:
         flags.append("--no-namespaces")
     if policy.best_effort:
         flags.append("--best-effort")
+    if policy.trace_denials == "lookups":
+        raise PolicyError("trace_denials='lookups': isolate-run has no flag for it (isolate-run learn uses it); "
+                          "use trace_denials=True (--why)", "trace_denials")
+    if policy.trace_denials:
+        flags.append("--why")
     if policy.backend != "auto":
         flags.append(f"--backend={policy.backend}")
     if policy.image is not None:

@@ -129,6 +129,8 @@ def outcome(ref: Any, node_id: str, what: str) -> Any:
         raise SandboxLostError(f"{what}: node {node_id} is gone ({type(exc).__name__}); its sandboxes ended "
                                "with it", node_id) from None
     if isinstance(value, Failure):
+        if hasattr(value.error, "add_note"):  # Python 3.11+: say where it was raised
+            value.error.add_note(f"(raised on Ray node {node_id})")
         raise value.error
     if isinstance(value, ray.ObjectRef):
         return outcome(value, node_id, what)

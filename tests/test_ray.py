@@ -202,6 +202,24 @@ def test_every_sandbox_method_works_remotely(cluster: Any, tmp_path: Path) -> No
         python = sb.python()
         python.run("n = 20")
         assert python.run("n * 2").value == "40"
+        # A snapshot, a fork and a restore on the node.
+        sb.write_file("state.txt", "before")
+        snap = sb.snapshot()
+        (fork,) = sb.fork(1)
+        try:
+            assert fork.node_id == sb.node_id and fork.read_file("state.txt") == "before"
+            fork.write_file("state.txt", "fork's")
+        finally:
+            fork.close()
+        sb.write_file("state.txt", "after")
+        sb.restore(snap)
+        assert sb.read_file("state.txt") == "before"
+        snap.remove()
+        with pytest.raises(isolate.IsolationError):
+            snap.remove()  # gone from the node
+        sb.remove("state.txt")
+        with pytest.raises(isolate.UnsupportedError, match="processes"):
+            sb.fork(1, processes=True)
         # pause and resume, the processes on the node.
         assert sb.pause() in ("cgroup-freezer", "sigstop")
         sb.resume()

@@ -29,6 +29,7 @@ import ray
 from ..backends.native.named import sweep_unnamed
 from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
+from ..kept.snapshots import Snapshot
 from ..kernel.places import state_path
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
@@ -42,6 +43,7 @@ LARGE = 1 << 20
 CALLS = frozenset({
     "exec", "read_file", "write_file", "replace_text", "list_dir", "stat", "exists", "mkdir", "remove", "move",
     "glob", "grep", "diff", "commit", "pause", "resume", "processes_summary", "enforced_report", "state", "usage",
+    "snapshot", "restore",
 })
 SESSION_CALLS = {"shell": frozenset({"run", "close", "alive"}),
                  "python": frozenset({"run", "close", "alive", "interrupt"})}
@@ -161,6 +163,19 @@ class SandboxHost:
                 return ray.put(result)  # the caller fetches it from the object store
             return result
         return _attempt(run)
+
+    def fork(self, sid: str, sids: list[str]) -> Any:
+        """Fork the sandbox ``sid`` here into len(sids) new ones (its files as they are now)."""
+        def run() -> dict[str, Any]:
+            forks = self._box(sid).fork(len(sids))
+            with self._lock:
+                self._boxes.update(zip(sids, forks, strict=True))
+            return {"node_id": self.node_id}
+        return _attempt(run)
+
+    def remove_snapshot(self, snapshot: Any) -> Any:
+        """Remove a snapshot taken on this node (isolate.Snapshot.remove, here)."""
+        return _attempt(lambda: Snapshot.get(snapshot.name).remove())
 
     def commit_out(self, sid: str) -> Any:
         """The workspace as a tar, for a commit on the caller's machine: commit() into an empty directory

@@ -30,7 +30,7 @@ import ray
 
 from ..kept.hostfiles import commit_tree, save_download, upload_tree
 from ..kernel.tree import Changes
-from ..model.errors import IsolationError, PolicyError, SandboxLostError
+from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.workspace import Workspace
 from .host import LARGE
@@ -300,6 +300,30 @@ class Sandbox:
         changes.refused.update(packed["refused"])
         return changes
 
+    def snapshot(self, name: str | None = None) -> RemoteSnapshot:
+        """``isolate.Sandbox.snapshot``, on the node: its files stay there (``remove()`` removes them there)."""
+        return RemoteSnapshot(self, self._call("snapshot", name))
+
+    def restore(self, snapshot: RemoteSnapshot) -> None:
+        """``isolate.Sandbox.restore`` to a snapshot taken on this sandbox's node."""
+        if not isinstance(snapshot, RemoteSnapshot) or snapshot.node_id != self.node_id:
+            raise PolicyError("restore: give a snapshot taken on this sandbox's node (sb.snapshot())", "snapshot")
+        self._call("restore", snapshot.snapshot)
+
+    def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
+        """``isolate.Sandbox.fork``: n new sandboxes on the same node, from this one's files as they are now."""
+        if processes:
+            raise UnsupportedError("fork(processes=True): carrying processes needs checkpoint/restore, which isolate "
+                                   "does not drive; fork() carries the files, and the forks start with no process")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PolicyError(f"n: expected an integer of at least 1, got {n!r}", "n")
+        forks = [Sandbox(self.policy, node_id=self.node_id, **self._kwargs) for _ in range(n)]
+        info = self._host_call("fork", self.id, [f.id for f in forks])
+        assert self._hosts is not None and self.node_id is not None
+        for box in forks:
+            box._bind(self._hosts, self.node_id, info)
+        return forks
+
     def pause(self) -> str:
         return str(self._call("pause"))
 
@@ -317,6 +341,19 @@ class Sandbox:
         """(CPU seconds used so far, memory in use in bytes) of the sandbox's processes, read on its node."""
         cpu, rss = self._call("usage")
         return float(cpu), int(rss)
+
+
+class RemoteSnapshot:
+    """A snapshot kept on a node: ``name``, ``node_id``, ``remove()`` (on that node)."""
+
+    def __init__(self, box: Sandbox, snapshot: Any) -> None:
+        self.snapshot, self.name, self.node_id, self._box = snapshot, snapshot.name, box.node_id, box
+
+    def __repr__(self) -> str:
+        return f"isolate.ray.RemoteSnapshot(name={self.name!r}, node_id={self.node_id!r})"
+
+    def remove(self) -> None:
+        self._box._host_call("remove_snapshot", self.snapshot)
 
 
 class RemoteSession:

@@ -261,3 +261,30 @@ def test_explain_after_a_run(workdir: str) -> None:
     explained = subprocess.run([ISOLATE_RUN, "--explain", "--report", report], capture_output=True, text=True)
     assert explained.returncode == 0, explained.stderr
     assert explained.stdout.startswith("denied: write /etc/hosts ("), explained.stdout
+
+
+def test_learn_grants_a_file_of_the_home_not_the_home(workdir: str) -> None:
+    # One file read and one written in the caller's home must not learn all of the home (its keys, its
+    # shell's startup files), nor a file made at / the whole filesystem (refused by the profile, which
+    # failed the learning): the files alone are granted, an entry made there is left to the user.
+    home = os.path.join(workdir, "home")
+    os.mkdir(home)
+    os.chmod(home, 0o755)
+    secret, notes = os.path.join(home, "secret"), os.path.join(home, "notes")
+    for path, mode in ((secret, 0o644), (notes, 0o666)):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write("x\n")
+        os.chmod(path, mode)
+    cwd = os.path.join(workdir, "run")
+    os.mkdir(cwd)
+    profile = os.path.join(cwd, "profile.toml")
+    script = f"cat {secret}; echo y >> {notes}; echo z > {home}/new; echo w > /learn-probe; true"
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--out", profile, "--", "/bin/sh", "-c", script], cwd=cwd,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "HOME": home})
+    assert learned.returncode == 0, learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    granted = isolate.Policy.from_toml(text, profile)
+    assert home not in granted.read and home not in granted.write, text
+    assert secret in granted.read and notes in granted.write, text
+    assert f"create {home}/new: not learned" in text and "create /learn-probe: not learned" in text

@@ -210,11 +210,15 @@ def _limits(report: Any, policy: Policy) -> tuple[dict[str, Any], list[str]]:
 
 
 def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    """A TOML basic string: every control character escaped (a path may hold any but / and NUL)."""
+    return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+                         for c in text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
 def _comment(text: str) -> str:
-    return " ".join(text.split()).replace("\n", " ")
+    """One line of a comment: control characters (which TOML refuses there) and what is not text escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in " ".join(text.split()))
 
 
 def seccomp_profile(mode: str, allowed: Sequence[str]) -> dict[str, Any]:

@@ -197,6 +197,7 @@ HOST_INDEPENDENT = frozenset({
     "test_llm_sandbox.py",
     "test_mcp.py",
     "test_policy.py",
+    "test_ray_transfer.py",
     "test_sandbox_docker.py",
     "test_ray.py",
     "test_server.py",

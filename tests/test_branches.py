@@ -247,3 +247,27 @@ def test_merge_of_snapshots_of_forks_gone_since(source: str) -> None:
         assert result.snapshot is not None
         with Sandbox(box.policy, snapshot=result.snapshot) as merged:
             assert merged.read_file("made.txt") == "a\nB\nc\nd\nE\nf\n"
+
+
+def test_merge_of_huge_sparse_files_reads_none_whole(source: str) -> None:
+    # A sparse file costs the program's disk nothing: merge compared two by reading both whole into the
+    # caller's memory, and read a text candidate whole. Equal ones are compared by their data, holes
+    # skipped; different ones past the text merge's size are a binary conflict, unread.
+    import resource
+
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        a, b = box.fork(2)
+        try:
+            for side in (a, b):
+                side.exec("truncate -s 2G same && truncate -s 2G differs")
+            b.exec("printf x | dd of=differs bs=1 seek=1000000 conv=notrunc 2>/dev/null")
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            result = isolate.merge([a, b], start=False)
+            grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+        finally:
+            a.close()
+            b.close()
+    assert "same" in result.merged and [(c.path, c.kind) for c in result.conflicts] == [("differs", "binary")]
+    assert grown_mib < 512, f"merge grew the caller by {grown_mib} MiB"
+    assert result.snapshot is not None
+    result.snapshot.remove()

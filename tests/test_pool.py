@@ -191,3 +191,11 @@ def test_a_sandbox_starts_when_its_program_descriptor_is_not_the_cached_one(monk
             assert box.exec(["echo", "up"]).stdout == "up\n"
     finally:
         os.close(second)
+
+
+def test_a_warm_sandbox_its_ttl_ended_is_not_handed_out() -> None:
+    # ttl counts from a sandbox's start: one that waited warm past it had ended, and acquire handed it out.
+    with isolate.SandboxPool(box_policy(), size=1, ttl=1) as pool:
+        time.sleep(2)
+        with pool.acquire() as box:
+            assert box.exec(["/bin/true"]).returncode == 0

@@ -440,6 +440,22 @@ def test_prune_leaves_a_starting_sandbox_and_removes_one_never_described() -> No
     assert f"removed {name}" in pruned.stdout and not os.path.exists(path), pruned
 
 
+def test_prune_sweeps_only_names_an_unnamed_sandbox_has(workdir: str) -> None:
+    # The state directory may be writable by a sandbox granted the home: a planted anon- name whose pid
+    # is past a C long ended every prune (and every Ray host's start) with an OverflowError.
+    state = os.path.join(workdir, "state")
+    ended = subprocess.Popen(["/bin/true"])
+    ended.wait()  # its pid names no process now (reused only after the pids wrap)
+    orphan = f"anon-{ended.pid}-0123456789ab"
+    planted = ["anon-99999999999999999999-0123456789ab", "anon-4194305-0123456789ab", "anon-1-x"]
+    for name in [orphan, *planted]:
+        os.makedirs(os.path.join(state, "sandboxes", name))
+    pruned = subprocess.run([ISOLATE_RUN, "sandbox", "prune"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "ISOLATE_STATE_DIR": state})
+    assert pruned.returncode == 0, pruned.stderr
+    assert sorted(os.listdir(os.path.join(state, "sandboxes"))) == sorted(planted), pruned.stdout
+
+
 def test_unnamed_sandbox_dies_with_its_creator(source: str) -> None:
     script = (
         "import isolate, os, sys\n"

@@ -12,7 +12,10 @@ build, a test suite), as its effects happen each time.
 The grants, collapsed by one rule: a read or an execute grants the file's
 directory (read-only); a write, a truncate or a create, remove or rename of an
 entry grants that directory (writable); a grant already under another is
-dropped, and a read grant under a write grant too. A system call the
+dropped, and a read grant under a write grant too. Never / or the caller's
+home (nor a directory above it): there the file itself is granted when it
+exists, and anything else is written as a comment to grant by hand (one
+file read in the home is not all of its keys). A system call the
 seccomp profile refused is let through in a copy of that profile written
 beside the TOML (``profile.seccomp.json``), unless --seccomp chose the
 profile. Refusals that no grant fixes (file modes as the sandbox's uid) are
@@ -51,8 +54,16 @@ DEFAULT_ROUNDS = 8
 _WRITES = ("write", "truncate", "create", "remove", "rename")
 
 
+def _broad(directory: str) -> bool:
+    """Whether granting directory gives far more than any one access asks for: / and the caller's home
+    (and each directory above it). A program that reads ~/.x must not learn itself all of the home (its
+    keys), nor one that creates ~/.x the home writable (its shell's startup files)."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    return _under(home, directory)
+
+
 def _grant_of(entry: dict[str, Any]) -> tuple[str, str] | None:
-    """("read" | "write", directory) that would have allowed a refused access, or None."""
+    """("read" | "write", directory or file) that would have allowed a refused access, or None."""
     if entry.get("mechanism") not in ("absent", "landlock", "read-only"):
         return None
     resolved = str(entry.get("resolved") or "")
@@ -62,6 +73,13 @@ def _grant_of(entry: dict[str, Any]) -> tuple[str, str] | None:
     kind = "write" if entry.get("access") in _WRITES else "read"
     if kind == "read" and os.path.isdir(resolved):
         directory = resolved  # listing a directory: the directory itself
+    if _broad(directory):
+        # The file alone, when a rule can name it (one that exists: read, or written in place, also by an
+        # open that would have made it); an entry made anew, removed or renamed there, or the directory
+        # listed, needs the directory: not learned.
+        if entry.get("access") in ("read", "execute", "write", "truncate", "create") and os.path.isfile(resolved):
+            return kind, resolved
+        return None
     return kind, directory
 
 
@@ -125,6 +143,8 @@ class Learned:
         granted = [os.path.abspath(p) for p in (*base.read, *base.write)]
         for path in dict.fromkeys((os.path.abspath(found), os.path.realpath(found))):
             directory = os.path.dirname(path)
+            if _broad(directory):
+                directory = path  # a command in the home itself: that file, not all of the home
             if not any(_under(directory, g) for g in granted) and directory not in self.read:
                 self.read[directory] = f"the command itself ({path})"
 
@@ -138,6 +158,9 @@ class Learned:
 
 def _unfixable(entry: dict[str, Any]) -> str:
     mechanism = entry.get("mechanism")
+    if mechanism in ("absent", "landlock", "read-only") and str(entry.get("resolved") or "").startswith("/"):
+        return (f"{entry.get('access')} {entry.get('resolved')}: not learned, its grant would be all of / or the "
+                "home (or a directory above it); grant it with --ro/--rw if it is meant")
     if mechanism == "dac":
         return (f"{entry.get('access')} {entry.get('resolved')}: refused by its file modes for the sandbox's uid; "
                 "no grant changes that (--uid N, or change the file's owner)")
@@ -187,11 +210,15 @@ def _limits(report: Any, policy: Policy) -> tuple[dict[str, Any], list[str]]:
 
 
 def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    """A TOML basic string: every control character escaped (a path may hold any but / and NUL)."""
+    return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+                         for c in text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
 def _comment(text: str) -> str:
-    return " ".join(text.split()).replace("\n", " ")
+    """One line of a comment: control characters (which TOML refuses there) and what is not text escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in " ".join(text.split()))
 
 
 def seccomp_profile(mode: str, allowed: Sequence[str]) -> dict[str, Any]:

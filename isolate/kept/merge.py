@@ -139,6 +139,10 @@ def merge3(base: list[bytes], a: list[bytes], b: list[bytes],
         i, ja, jb = k, ma[k], mb[k]
 
 
+#: The largest file merged line by line; a larger one that both sides changed is a binary conflict.
+MAX_TEXT_MERGE = 64 << 20
+
+
 def _ended(lines: list[bytes]) -> list[bytes]:
     """A side's lines with the last one ended, so that a marker after it starts a line of its own."""
     if lines and not lines[-1].endswith(b"\n"):
@@ -345,6 +349,10 @@ def _merge_text(rel: str, base: View | None, sides: list[View],
                 labels: list[str]) -> tuple[bytes | None, list[Hunk], bool]:
     """Several sides' versions of a file merged in turn against the base's: (data or None when one is not
     text, the conflicting hunks, whether the sides' modes clash)."""
+    # Merged in memory, line by line: a file past MAX_TEXT_MERGE (a program's sparse file of a terabyte
+    # costs its disk nothing) is a binary conflict, never read whole.
+    if any(view.entries[rel].size > MAX_TEXT_MERGE for view in ([base] if base is not None else []) + sides):
+        return None, [], False
     old = base.read(rel) if base is not None else b""
     datas = [side.read(rel) for side in sides]
     if not all(_text(d) for d in [old, *datas]):

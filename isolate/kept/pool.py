@@ -71,7 +71,10 @@ class SandboxPool:
         self._closed = False
         self._error: BaseException | None = None
         self._filler: threading.Thread | None = None
-        self._warm.extend(create_many(self.size, self.policy, **sandbox_kwargs))
+        #: When each warm sandbox's ttl ends it (by id; none without a ttl): an ended one is never handed out.
+        self._ends: dict[int, float] = {}
+        self._ttl = sandbox_kwargs.get("ttl")
+        self._warm.extend(self._note(time.monotonic(), create_many(self.size, self.policy, **sandbox_kwargs)))
 
     def __repr__(self) -> str:
         return f"SandboxPool(size={self.size}, max_size={self.max_size}, warm={len(self._warm)})"
@@ -108,14 +111,18 @@ class SandboxPool:
             raise PolicyError(f"n: {n} is more than the pool's max_size {self.max_size}", "n")
         deadline = None if timeout is None or math.isinf(timeout) else time.monotonic() + timeout
         taken: list[Sandbox] = []
+        expired: list[Sandbox] = []
         to_start = 0
         with self._lock:
             while True:
                 self._check_open()
                 room = self._room()
                 if len(self._warm) + room >= n:
+                    now = time.monotonic()
                     while self._warm and len(taken) < n:
-                        taken.append(self._warm.popleft())
+                        box = self._warm.popleft()
+                        # A warm sandbox its ttl ended is gone: its place is started again below.
+                        (expired if self._ends.get(id(box), math.inf) <= now else taken).append(box)
                     to_start = n - len(taken)
                     self._starting += to_start
                     break
@@ -128,6 +135,9 @@ class SandboxPool:
                         f"acquire: no sandbox within {timeout:g} s ({len(self._in_use)} handed out, max_size "
                         f"{self.max_size}); release one, or raise max_size")
                 self._lock.wait(left)
+        for box in expired:
+            self._ends.pop(id(box), None)
+            box.close()
         if to_start:
             try:
                 started = create_many(to_start, self.policy, **self._kwargs)
@@ -142,10 +152,18 @@ class SandboxPool:
             taken.extend(started)
         with self._lock:
             for box in taken:
+                self._ends.pop(id(box), None)
                 self._in_use.add(id(box))
                 box._on_close = self._released
         self._refill()
         return taken
+
+    def _note(self, started: float, boxes: list[Sandbox]) -> list[Sandbox]:
+        """boxes, whose ttl began after started: when each ends."""
+        if self._ttl is not None:
+            for box in boxes:
+                self._ends[id(box)] = started + float(self._ttl)
+        return boxes
 
     def _room(self) -> int:
         """How many more sandboxes may start now without passing max_size."""
@@ -184,7 +202,7 @@ class SandboxPool:
                     return
                 self._starting += want
             try:
-                boxes = create_many(want, self.policy, **self._kwargs)
+                boxes = self._note(time.monotonic(), create_many(want, self.policy, **self._kwargs))
             except BaseException as exc:
                 with self._lock:
                     self._starting -= want

@@ -34,7 +34,7 @@ from ..kernel.places import state_path
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
-from .transfer import pack_tree, unpack_tree
+from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
 #: File contents past this size go through the object store as their own object.
 LARGE = 1 << 20
@@ -185,7 +185,7 @@ class SandboxHost:
             where = tempfile.mkdtemp(prefix=f"commit-{sid}-", dir=state_path("ray-sources"))
             try:
                 refused = box.commit(where).refused
-                data = pack_tree(where)
+                data = pack_tree(where, limit=MAX_PACKED)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
             return {"tar": ray.put(data) if len(data) > LARGE else data, "refused": refused}

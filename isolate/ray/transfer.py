@@ -7,6 +7,10 @@ parent's descriptor, never following a link on the way (a member named
 regular files, directories and links only, without set-id or sticky bits.
 What a link points at is not judged here: nothing that reads the unpacked
 tree follows links out of it (a workspace copy, commit and diff refuse them).
+
+A tar is made in memory and has no holes: a tree whose files' sizes pass
+``limit`` is refused before packing (a program's sparse file of a terabyte
+costs its disk nothing, and would have cost the node's memory all of it).
 """
 
 from __future__ import annotations
@@ -14,14 +18,24 @@ from __future__ import annotations
 import errno
 import io
 import os
+import stat
 import tarfile
 from collections.abc import Callable
+
+from ..model.errors import IsolationError
+
+#: The most a commit carries to the caller's machine: its files' sizes, holes counted (see above).
+MAX_PACKED = 1 << 30
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def pack_tree(path: str, skip: Callable[[str], bool] | None = None) -> bytes:
-    """A tar of the directory ``path``, without the entries whose name ``skip`` picks (at any depth)."""
+def pack_tree(path: str, skip: Callable[[str], bool] | None = None, limit: int | None = None) -> bytes:
+    """A tar of the directory ``path``, without the entries whose name ``skip`` picks (at any depth);
+    ``limit``: the most its files' sizes may add up to (IsolationError past it, naming the largest)."""
+    if limit is not None:
+        _check_size(path, limit)
+
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         if skip is not None and skip(os.path.basename(info.name)):
             return None
@@ -32,6 +46,20 @@ def pack_tree(path: str, skip: Callable[[str], bool] | None = None) -> bytes:
         for name in sorted(os.listdir(path)):
             archive.add(os.path.join(path, name), arcname=name, recursive=True, filter=keep)
     return buffer.getvalue()
+
+
+def _check_size(path: str, limit: int) -> None:
+    total, largest = 0, (0, "")
+    for top, _dirs, files in os.walk(path):  # links are neither walked nor sized (they travel as links)
+        for name in files:
+            info = os.lstat(os.path.join(top, name))
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+                largest = max(largest, (info.st_size, os.path.relpath(os.path.join(top, name), path)))
+    if total > limit:
+        raise IsolationError(f"the workspace's files come to {total} bytes ({largest[1]}: {largest[0]}), more than "
+                             f"the {limit} a commit carries to this machine; commit(on_node=True) writes on the "
+                             "node, or remove what is not wanted")
 
 
 def _parts(name: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 
@@ -96,12 +97,20 @@ def prune_native() -> list[tuple[str, str]]:
     return done
 
 
+#: An unnamed sandbox's name, as NativeSandbox makes it: its creator's pid, then 12 hex digits.
+_UNNAMED = re.compile(r"anon-([1-9][0-9]{0,9})-[0-9a-f]{12}")
+#: The kernel's largest pid (PID_MAX_LIMIT): a name past it names no process, and os.kill could not take it.
+_PID_LIMIT = 1 << 22
+
+
 def _creator_gone(name: str) -> bool:
-    """Whether the process that made the unnamed sandbox ``name`` (anon-PID-...) no longer runs."""
-    try:
-        pid = int(name.split("-")[1])
-    except (IndexError, ValueError):
+    """Whether the process that made the unnamed sandbox ``name`` (anon-PID-HEX) no longer runs; False for
+    a name not made so (the state directory may be writable by a sandbox granted the home: a name with a
+    pid past a C long ended every prune and every Ray host's start with an OverflowError)."""
+    match = _UNNAMED.fullmatch(name)
+    if match is None or int(match.group(1)) > _PID_LIMIT:
         return False
+    pid = int(match.group(1))
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import stat
 import tempfile
 import threading
 import uuid
@@ -30,7 +31,7 @@ from ..backends.native.named import sweep_unnamed
 from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
 from ..kept.snapshots import Snapshot
-from ..kernel.places import state_path
+from ..kernel.places import runtime_dir
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
@@ -77,6 +78,21 @@ def _attempt(call: Callable[[], Any]) -> Any:
         return Failure(exc)
 
 
+def _scratch() -> str:
+    """Where this host unpacks shipped sources and packs commits: under the caller's runtime directory (0700,
+    checked, hidden in every sandbox), not the state directory, which lies under the home a sandbox may be
+    granted: there a program could swap the directory for a link between the check and the use of its path."""
+    where = os.path.join(runtime_dir(), "ray")
+    try:
+        os.mkdir(where, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(where)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise IsolationError(f"{where}: not a directory of this user; remove it")
+    return where
+
+
 class SandboxHost:
     """The actor of one node (see the module's docstring)."""
 
@@ -104,7 +120,7 @@ class SandboxHost:
             return Workspace(workspace)  # a path on this node
         if source is None or workspace is None:
             return workspace
-        where = tempfile.mkdtemp(prefix=f"source-{sid}-", dir=state_path("ray-sources"))
+        where = tempfile.mkdtemp(prefix=f"source-{sid}-", dir=_scratch())
         os.chmod(where, 0o755)  # a root caller's program (another uid) reads a copied workspace's source
         self._sources[sid] = where
         unpack_tree(source, where)
@@ -182,7 +198,7 @@ class SandboxHost:
         here (links out of the tree, devices and set-id bits refused as always), then packed."""
         def run() -> Any:
             box = self._box(sid)
-            where = tempfile.mkdtemp(prefix=f"commit-{sid}-", dir=state_path("ray-sources"))
+            where = tempfile.mkdtemp(prefix=f"commit-{sid}-", dir=_scratch())
             try:
                 refused = box.commit(where).refused
                 data = pack_tree(where, limit=MAX_PACKED)

@@ -22,13 +22,14 @@ __all__ = ["create_app", "serve_main"]
 
 
 def create_app(api_key: str, profiles: dict[str, Policy] | None = None, any_image: Policy | None = None,
-               backend: str | None = None) -> object:
+               backend: str | None = None, volume_roots: Sequence[str] = ()) -> object:
     """The ASGI application (starlette), for embedding or tests."""
     from .app import create_app as _create
     from .state import ServerState
+    from .volumes import check_roots
 
     return _create(ServerState(api_key, profiles if profiles is not None else {"default": Policy()}, any_image,
-                               backend))
+                               backend, volume_roots=check_roots(volume_roots)))
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image", action="append", default=[], metavar="NAME=FILE",
                         help="the image NAME runs under the TOML policy FILE ('default' for isolate's defaults); "
                              "repeatable")
+    parser.add_argument("--volume-root", action="append", default=[], metavar="DIR",
+                        help="create requests may mount host paths below DIR as volumes (read-only or read-write, "
+                             "as asked); repeatable; without it, host volumes are refused")
     parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
                         help="sandboxes kept at once; more creates are refused with 429 (default 64)")
     parser.add_argument("--max-commands", type=int, default=1024, metavar="N",
@@ -90,6 +94,9 @@ def serve_main(argv: Sequence[str]) -> int:
                 raise PolicyError(f"--image {item!r}: expected NAME=FILE", "image")
             profiles[name] = _profile(path)
         any_image = _profile(options.profile) if options.profile else None
+        from .volumes import check_roots
+
+        volume_roots = check_roots(options.volume_root)
         if options.best_effort:
             profiles = {name: policy.replace(best_effort=True) for name, policy in profiles.items()}
             any_image = any_image.replace(best_effort=True) if any_image is not None else None
@@ -121,6 +128,7 @@ def serve_main(argv: Sequence[str]) -> int:
     if options.max_sandboxes < 1:
         print("isolate-run serve: --max-sandboxes: at least 1", file=sys.stderr)
         return 125
-    app = _create(ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes))
+    app = _create(ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes,
+                              volume_roots=volume_roots))
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -32,6 +32,8 @@ from .models import (
 )
 from .ports import PORT_TOKEN_HEADER, port_token
 from .state import ManagedSandbox, ServerState
+from .volumes import open_volumes
+from .volumes import verify as verify_volumes
 
 
 def check_key(request: Request) -> ServerState:
@@ -62,18 +64,27 @@ def _network_text(network: object) -> str:
 
 
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
-    box = Sandbox(req.policy, backend=state.backend)
+    opened = open_volumes(req.volumes, state.volume_roots) if req.volumes else []
+    snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
+    box = Sandbox(req.policy, backend=state.backend, mounts=[item.mount for item in opened], snapshot=snap)
     if box.backend != "native":
         raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; this "
                        "server streams commands and serves files through the native backend only (the Docker "
                        "backend of Sandbox has no spawn or file methods yet)")
     box.start()
+    try:
+        verify_volumes(box, opened)
+    except BaseException:
+        box.close()
+        raise
     now = time.time()
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
-    managed.event(f"created from image {req.image!r} (backend {box.backend}, network "
-                  f"{_network_text(req.policy.network)})")
+    source = f"snapshot {req.snapshot_id} (image {req.image!r})" if req.snapshot_id else f"image {req.image!r}"
+    managed.event(f"created from {source} (backend {box.backend}, network {_network_text(req.policy.network)})")
+    for item in opened:
+        managed.event(f"volume {item.spec.name}: {item.mount.source} at {item.mount.target} ({item.mount.mode})")
     asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]
     if asked and box.backend == "native":
         enforced = box.enforced
@@ -95,7 +106,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
 @api
 async def create_sandbox(request: Request) -> Response:
     state = check_key(request)
-    req = parse_create(await json_body(request), state.profiles, state.any_image)
+    req = parse_create(await json_body(request), state.profiles, state.any_image,
+                       lambda snapshot_id: str(state.snapshots.get(snapshot_id)["image"]))
     state.reserve()
     try:
         managed = await run_in_threadpool(_start, state, req)

@@ -302,8 +302,14 @@ class ServerState:
     """The sandboxes of one server (one API key)."""
 
     def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
-                 backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES) -> None:
+                 backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES,
+                 volume_roots: tuple[str, ...] = ()) -> None:
+        from .snapshots import SnapshotStore
+
         self.api_key = api_key
+        #: The host directories below which create requests may name volumes (--volume-root; real paths).
+        self.volume_roots = volume_roots
+        self.snapshots = SnapshotStore()
         self.max_sandboxes = max_sandboxes
         self.starting = 0
         self.profiles = dict(profiles)

@@ -8,6 +8,7 @@ pools: another process takes a sandbox this one warmed). The Redis test starts i
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import test_server as base
 
 pytest.importorskip("opensandbox.pool", reason="the SDK has no pool before 1.1.1: pip install 'isolate[server-test]'")
 
-from opensandbox import SandboxManagerSync
+from opensandbox import SandboxManagerSync, SandboxSync
 from opensandbox.config import ConnectionConfigSync
 from opensandbox.exceptions import PoolEmptyException
 from opensandbox.models.sandboxes import SandboxFilter
@@ -151,3 +152,25 @@ def test_sdk_pool_with_the_redis_store_across_two_pools(server: base.Server, red
         b.shutdown(graceful=False)
         client.close()
     eventually("no sandbox of the pool is left", lambda: tagged(server, name) == [])
+
+
+def test_server_warm_pool_serves_the_sdks_default_create() -> None:
+    """--warm 2: a create of the SDK's default shape takes a fresh warm sandbox; any other shape starts its own."""
+    srv = base.Server("--warm", "2", *(() if base.limits_enforceable() else ("--best-effort",)))
+    try:
+        boxes = [SandboxSync.create("ubuntu", connection_config=config(srv)) for _ in range(3)]
+        other = SandboxSync.create("ubuntu", connection_config=config(srv), env={"SHAPE": "other"})
+        try:
+            events = [json.dumps(srv.call("GET", f"/v1/sandboxes/{b.id}/diagnostics/events?scope=lifecycle")[1])
+                      for b in [*boxes, other]]
+            warm = ["warm pool" in text for text in events]
+            # Two were warm at start; the third is warm too if the refill was quicker than the SDK, else direct.
+            assert warm[:2] == [True, True] and warm[3] is False, events
+            boxes[0].files.write_file("/tmp/mine.txt", "first\n")
+            assert boxes[1].commands.run("cat /tmp/mine.txt").error is not None  # never the same sandbox
+            assert other.commands.run("echo $SHAPE").logs.stdout[0].text == "other"
+        finally:
+            for box in [*boxes, other]:
+                box.kill()
+    finally:
+        srv.stop()

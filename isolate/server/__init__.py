@@ -15,21 +15,23 @@ import secrets
 import sys
 from collections.abc import Sequence
 
-from ..model.errors import PolicyError
+from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 
 __all__ = ["create_app", "serve_main"]
 
 
 def create_app(api_key: str, profiles: dict[str, Policy] | None = None, any_image: Policy | None = None,
-               backend: str | None = None, volume_roots: Sequence[str] = ()) -> object:
+               backend: str | None = None, volume_roots: Sequence[str] = (), warm: int = 0) -> object:
     """The ASGI application (starlette), for embedding or tests."""
     from .app import create_app as _create
     from .state import ServerState
     from .volumes import check_roots
 
-    return _create(ServerState(api_key, profiles if profiles is not None else {"default": Policy()}, any_image,
-                               backend, volume_roots=check_roots(volume_roots)))
+    state = ServerState(api_key, profiles if profiles is not None else {"default": Policy()}, any_image,
+                        backend, volume_roots=check_roots(volume_roots), warm=warm)
+    state.start_pool()
+    return _create(state)
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--volume-root", action="append", default=[], metavar="DIR",
                         help="create requests may mount host paths below DIR as volumes (read-only or read-write, "
                              "as asked); repeatable; without it, host volumes are refused")
+    parser.add_argument("--warm", type=int, default=0, metavar="N",
+                        help="keep N sandboxes started in the shape of the SDK's default create (the default "
+                             "profile, 1 CPU, 2 GiB, no env, volumes or snapshot): such a create takes a fresh one "
+                             "(never reused) and another starts in the background (default 0)")
     parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
                         help="sandboxes kept at once; more creates are refused with 429 (default 64)")
     parser.add_argument("--max-commands", type=int, default=1024, metavar="N",
@@ -128,7 +134,16 @@ def serve_main(argv: Sequence[str]) -> int:
     if options.max_sandboxes < 1:
         print("isolate-run serve: --max-sandboxes: at least 1", file=sys.stderr)
         return 125
-    app = _create(ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes,
-                              volume_roots=volume_roots))
+    if options.warm < 0:
+        print("isolate-run serve: --warm: 0 or more", file=sys.stderr)
+        return 125
+    state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes, volume_roots=volume_roots,
+                        warm=options.warm)
+    try:
+        state.start_pool()
+    except IsolationError as exc:
+        print(f"isolate-run serve: --warm: {exc}", file=sys.stderr)
+        return 125
+    app = _create(state)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -66,12 +66,16 @@ def _network_text(network: object) -> str:
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     opened = open_volumes(req.volumes, state.volume_roots) if req.volumes else []
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
-    box = Sandbox(req.policy, backend=state.backend, mounts=[item.mount for item in opened], snapshot=snap)
-    if box.backend != "native":
-        raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; this "
-                       "server streams commands and serves files through the native backend only (the Docker "
-                       "backend of Sandbox has no spawn or file methods yet)")
-    box.start()
+    warm = state.take_warm(req.policy) if snap is None and not opened else None
+    if warm is not None:
+        box = warm
+    else:
+        box = Sandbox(req.policy, backend=state.backend, mounts=[item.mount for item in opened], snapshot=snap)
+        if box.backend != "native":
+            raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; "
+                           "this server streams commands and serves files through the native backend only (the "
+                           "Docker backend of Sandbox has no spawn or file methods yet)")
+        box.start()
     try:
         verify_volumes(box, opened)
     except BaseException:
@@ -82,7 +86,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
     source = f"snapshot {req.snapshot_id} (image {req.image!r})" if req.snapshot_id else f"image {req.image!r}"
-    managed.event(f"created from {source} (backend {box.backend}, network {_network_text(req.policy.network)})")
+    managed.event(f"created from {source} (backend {box.backend}, network {_network_text(req.policy.network)})"
+                  + (": a fresh sandbox of the server's warm pool" if warm is not None else ""))
     for item in opened:
         managed.event(f"volume {item.spec.name}: {item.mount.source} at {item.mount.target} ({item.mount.mode})")
     asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]

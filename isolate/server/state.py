@@ -303,13 +303,16 @@ class ServerState:
 
     def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
                  backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES,
-                 volume_roots: tuple[str, ...] = ()) -> None:
+                 volume_roots: tuple[str, ...] = (), warm: int = 0) -> None:
         from .snapshots import SnapshotStore
 
         self.api_key = api_key
         #: The host directories below which create requests may name volumes (--volume-root; real paths).
         self.volume_roots = volume_roots
         self.snapshots = SnapshotStore()
+        #: --warm: how many sandboxes of the SDK's default create to keep started (start_pool makes them).
+        self.warm = warm
+        self.pool: Any = None
         self.max_sandboxes = max_sandboxes
         self.starting = 0
         self.profiles = dict(profiles)
@@ -317,6 +320,26 @@ class ServerState:
         self.backend = backend
         self.sandboxes: dict[str, ManagedSandbox] = {}
         self.lock = threading.Lock()
+
+    def start_pool(self) -> None:
+        """Start the warm pool (--warm N): sandboxes in the shape of the SDK's default create (the default
+        profile, 1 CPU and 2 GiB, keep-alive entrypoint), each handed out once (isolate.SandboxPool)."""
+        if self.warm <= 0 or self.pool is not None:
+            return
+        from ..kept.pool import SandboxPool
+        from .models import KEEPALIVE_ENTRYPOINT, parse_create
+
+        shape = parse_create({"image": {"uri": "default"}, "resourceLimits": {"cpu": "1", "memory": "2Gi"},
+                              "entrypoint": KEEPALIVE_ENTRYPOINT}, self.profiles, self.any_image)
+        self.pool = SandboxPool(shape.policy, size=self.warm, backend=self.backend)
+
+    def take_warm(self, policy: Policy) -> Sandbox | None:
+        """A started sandbox of the warm pool when ``policy`` is its shape, else None."""
+        pool = self.pool
+        if pool is None or policy != pool.policy:
+            return None
+        box: Sandbox = pool.acquire()
+        return box
 
     def get(self, sandbox_id: str) -> ManagedSandbox:
         with self.lock:
@@ -361,6 +384,8 @@ class ServerState:
         with self.lock:
             boxes = list(self.sandboxes.values())
             self.sandboxes.clear()
+        if self.pool is not None:
+            self.pool.close()
         for managed in boxes:
             try:
                 managed.close()

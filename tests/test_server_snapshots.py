@@ -129,13 +129,23 @@ def test_host_volumes_below_the_root_only(places: dict[str, str]) -> None:
             assert not os.path.exists(os.path.join(shared, "new.txt"))
         finally:
             ro.kill()
-        rw = _volume_create(server, shared, read_only=False, mount="/mnt/rw")
+        rw = _volume_create(server, shared, read_only=False, mount="/tmp/rw")
         try:
-            rw.files.write_file("/mnt/rw/out.txt", "from the sandbox\n")
+            rw.files.write_file("/tmp/rw/out.txt", "from the sandbox\n")
+            rw.files.write_file("/tmp/own.txt", "its own\n")
             with open(os.path.join(shared, "out.txt")) as f:
                 assert f.read() == "from the sandbox\n"
+            # A snapshot keeps the sandbox's /tmp, not the host's volume shown in it.
+            snap = rw.create_snapshot()
         finally:
             rw.kill()
+        child = SandboxSync.create(snapshot_id=snap.id, connection_config=config(server))
+        try:
+            assert child.files.read_file("/tmp/own.txt") == "its own\n"
+            assert child.commands.run("test -e /tmp/rw").error is not None
+        finally:
+            child.kill()
+            server.call("DELETE", f"/v1/snapshots/{snap.id}")
         # Leaving the root: by '..', by a link in it (at the end or on the way), or not under it at all.
         for path in (f"{root}/../outside", f"{root}/escape", f"{root}/escape/secret.txt", f"{root}/dir/deeper",
                      outside, "/etc"):

@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,15 +45,20 @@ def _server(best_effort: bool, *extra: str) -> tuple[subprocess.Popen[bytes], st
         domain = f"127.0.0.1:{s.getsockname()[1]}"
     cmd = [sys.executable, "-m", "isolate.cli", "serve", "--listen", domain, "--api-key", KEY,
            "--image", "bench=default", *(["--best-effort"] if best_effort else []), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    errors = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors)
     deadline = time.monotonic() + 30
     while True:
         try:
             with socket.create_connection(tuple(domain.split(":")), timeout=1):  # type: ignore[arg-type]
+                errors.close()
                 return proc, domain
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("isolate-run serve did not start") from None
+                errors.seek(0)
+                said = errors.read().decode(errors="replace").strip()[-500:]
+                errors.close()
+                raise RuntimeError(f"isolate-run serve did not start: {said or 'no message'}") from None
             time.sleep(0.05)
 
 

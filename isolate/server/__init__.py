@@ -137,12 +137,12 @@ def serve_main(argv: Sequence[str]) -> int:
     if options.warm < 0:
         print("isolate-run serve: --warm: 0 or more", file=sys.stderr)
         return 125
-    state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes, volume_roots=volume_roots,
-                        warm=options.warm)
     try:
+        state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes,
+                            volume_roots=volume_roots, warm=options.warm)
         state.start_pool()
     except IsolationError as exc:
-        print(f"isolate-run serve: --warm: {exc}", file=sys.stderr)
+        print(f"isolate-run serve: {exc}", file=sys.stderr)
         return 125
     app = _create(state)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

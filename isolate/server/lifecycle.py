@@ -66,15 +66,19 @@ def _network_text(network: object) -> str:
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     opened = open_volumes(req.volumes, state.volume_roots) if req.volumes else []
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
+    backend = state.backend or (req.policy.backend if req.policy.backend != "auto" else "native")
+    if backend != "native":
+        raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {backend} backend; "
+                       "this server streams commands and serves files through the native backend only (the "
+                       "Docker backend of Sandbox has no spawn or file methods yet)")
     warm = state.take_warm(req.policy) if snap is None and not opened else None
     if warm is not None:
         box = warm
     else:
-        box = Sandbox(req.policy, backend=state.backend, mounts=[item.mount for item in opened], snapshot=snap)
-        if box.backend != "native":
-            raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; "
-                           "this server streams commands and serves files through the native backend only (the "
-                           "Docker backend of Sandbox has no spawn or file methods yet)")
+        # A new sandbox's /workspace is the server's overlay (its snapshots are layers: they cost what
+        # changed); one from a snapshot has the snapshot's.
+        box = Sandbox(req.policy, backend=backend, mounts=[item.mount for item in opened], snapshot=snap,
+                      workspace=None if snap is not None else state.workspace)
         box.start()
     try:
         verify_volumes(box, opened)

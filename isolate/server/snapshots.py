@@ -2,10 +2,12 @@
 
 Each is an ``isolate.Snapshot`` of the sandbox (isolate/kept/snapshots.py):
 its workspace and its private tmpfs mounts (``/tmp``, the home), copied
-through descriptors into the state directory. The server's sandboxes have a
-copy workspace with no source, so a first snapshot costs what the sandbox
-wrote; a sandbox created from one (``snapshotId``) starts from those files,
-under the policy profile of the image the snapshotted sandbox had.
+through descriptors into the state directory. The server's sandboxes have an
+overlay workspace over an empty directory (isolate.server.state), so a
+snapshot is a layer: what the sandbox changed, the rest hard links of the
+layer it started from. A sandbox created from one (``snapshotId``) starts
+on that layer, under the policy profile of the image the snapshotted
+sandbox had.
 
 What the API says about a snapshot (its source sandbox, name, image) is a
 small description beside isolate's own, in the caller's private runtime

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kept.sandbox import Sandbox, SandboxProcess
+from ..kernel.places import state_path
+from ..model.errors import IsolationError
 from ..model.policy import Policy
+from ..model.workspace import Workspace
 from .models import ApiError
 
 #: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.
@@ -298,6 +301,20 @@ class ManagedSandbox:
         self.box.close()
 
 
+#: The state directory's entry that every sandbox's /workspace is an overlay of (kept empty).
+WORKSPACE_BASE = "opensandbox-workspace"
+
+
+def server_workspace() -> Workspace:
+    """An overlay workspace over ``<state dir>/opensandbox-workspace``, which must be empty (IsolationError
+    otherwise: its files would be every sandbox's)."""
+    path = state_path(WORKSPACE_BASE)
+    if os.listdir(path):
+        raise IsolationError(f"{path} holds files; it is the empty lower layer of every sandbox's /workspace "
+                             "that isolate-run serve makes: empty it")
+    return Workspace(path, mode="overlay")
+
+
 class ServerState:
     """The sandboxes of one server (one API key)."""
 
@@ -310,6 +327,9 @@ class ServerState:
         #: The host directories below which create requests may name volumes (--volume-root; real paths).
         self.volume_roots = volume_roots
         self.snapshots = SnapshotStore()
+        #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
+        #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
+        self.workspace = server_workspace()
         #: --warm: how many sandboxes of the SDK's default create to keep started (start_pool makes them).
         self.warm = warm
         self.pool: Any = None
@@ -331,7 +351,7 @@ class ServerState:
 
         shape = parse_create({"image": {"uri": "default"}, "resourceLimits": {"cpu": "1", "memory": "2Gi"},
                               "entrypoint": KEEPALIVE_ENTRYPOINT}, self.profiles, self.any_image)
-        self.pool = SandboxPool(shape.policy, size=self.warm, backend=self.backend)
+        self.pool = SandboxPool(shape.policy, size=self.warm, backend=self.backend, workspace=self.workspace)
 
     def take_warm(self, policy: Policy) -> Sandbox | None:
         """A started sandbox of the warm pool when ``policy`` is its shape, else None."""

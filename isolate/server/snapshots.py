@@ -36,7 +36,7 @@ from starlette.routing import Route
 from ..kept.snapshots import Snapshot
 from ..kernel.places import runtime_dir, state_key
 from ..model.errors import IsolationError
-from .common import api, json_body, query_int
+from .common import API_KEY_HEADER, api, json_body, query_int, same
 from .models import ApiError, bad_request, iso
 
 #: The ids this server hands out; anything else is not one of its snapshots (and never a file name).
@@ -139,9 +139,10 @@ def snapshot_json(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _store(request: Request) -> tuple[Any, SnapshotStore]:
-    from .lifecycle import check_key
-
-    state = check_key(request)
+    """The server's state and its snapshots, for a caller with the API key (as lifecycle.check_key)."""
+    state = request.app.state.isolate
+    if not same(request.headers.get(API_KEY_HEADER), state.api_key):
+        raise ApiError(401, "UNAUTHORIZED", f"missing or wrong {API_KEY_HEADER} header")
     return state, state.snapshots
 
 

@@ -63,6 +63,11 @@ def test_snapshot_survives_its_sandbox_and_a_server_restart(places: dict[str, st
             assert info.id.startswith("osb-snap-") and info.sandbox_id == box.id and info.name == "before import"
             assert info.status.state == "Ready"
             box.files.write_file("/workspace/kept.txt", "changed after\n")
+            box.pause()
+            status, body = server.call("POST", f"/v1/sandboxes/{box.id}/snapshots", {})
+            assert status == 409 and body["code"] == "INVALID_STATE", body
+            assert server.call("GET", "/v1/snapshots", key=None)[0] == 401
+            assert server.call("DELETE", f"/v1/snapshots/{info.id}", key="wrong-key-0123456789")[0] == 401
         finally:
             box.kill()
         manager = SandboxManagerSync.create(config(server))

@@ -46,6 +46,21 @@ def places() -> Iterator[dict[str, str]]:
         for path in out.values():
             os.mkdir(path, 0o755)
         yield out
+        # The descriptions' directories of that state directory in the runtime directory (empty by now).
+        from isolate.kernel.places import runtime_dir, state_key
+
+        os.environ["ISOLATE_STATE_DIR"], before = out["state"], os.environ.get("ISOLATE_STATE_DIR")
+        try:
+            for name in (f"opensandbox-snapshots-{state_key()}", f"snapshots-{state_key()}"):
+                try:
+                    os.rmdir(os.path.join(runtime_dir(), name))
+                except FileNotFoundError:
+                    pass
+        finally:
+            if before is None:
+                del os.environ["ISOLATE_STATE_DIR"]
+            else:
+                os.environ["ISOLATE_STATE_DIR"] = before
 
 
 def config(server: base.Server) -> ConnectionConfigSync:

@@ -7,7 +7,11 @@ its output is in hand. Two variants, interleaved in the same rounds:
 
 - ``sdk-default-limits``: the SDK's default ``resource`` (1 CPU, 2 GiB), so a
   cgroup is made for each sandbox (where the caller may; else --best-effort);
-- ``sdk-no-limits``: ``resource={"gpu": "0"}`` (no CPU or memory limit, no cgroup).
+- ``sdk-no-limits``: ``resource={"gpu": "0"}`` (no CPU or memory limit, no cgroup);
+- ``sdk-pooled``: the SDK's default create against a second server started with
+  ``--warm 2``, whose creates of that shape take a fresh sandbox it started beforehand;
+- ``sdk-from-snapshot``: ``SandboxSync.create(snapshot_id=...)`` of a snapshot of a
+  sandbox that wrote a few small files (workspace and /tmp), default limits.
 
 For reference, the same two steps through isolate's Docker backend directly
 (``isolate.Sandbox(backend="docker")``, no HTTP: the server takes native
@@ -24,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,21 +39,26 @@ KEY = "bench-key-" + "0123456789abcdef"
 DOCKER_IMAGE = "isolate-test:busybox"
 
 
-def _server(best_effort: bool) -> tuple[subprocess.Popen[bytes], str]:
+def _server(best_effort: bool, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         domain = f"127.0.0.1:{s.getsockname()[1]}"
     cmd = [sys.executable, "-m", "isolate.cli", "serve", "--listen", domain, "--api-key", KEY,
-           "--image", "bench=default", *(["--best-effort"] if best_effort else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "--image", "bench=default", *(["--best-effort"] if best_effort else []), *extra]
+    errors = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors)
     deadline = time.monotonic() + 30
     while True:
         try:
             with socket.create_connection(tuple(domain.split(":")), timeout=1):  # type: ignore[arg-type]
+                errors.close()
                 return proc, domain
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("isolate-run serve did not start") from None
+                errors.seek(0)
+                said = errors.read().decode(errors="replace").strip()[-500:]
+                errors.close()
+                raise RuntimeError(f"isolate-run serve did not start: {said or 'no message'}") from None
             time.sleep(0.05)
 
 
@@ -62,11 +72,14 @@ def _limits_enforceable() -> bool:
         return False
 
 
-def _sdk_round(config: Any, resource: dict[str, str] | None) -> float:
+def _sdk_round(config: Any, resource: dict[str, str] | None, snapshot_id: str | None = None) -> float:
     from opensandbox import SandboxSync
 
     started = time.perf_counter()
-    box = SandboxSync.create("bench", connection_config=config, resource=resource)
+    if snapshot_id is not None:
+        box = SandboxSync.create(snapshot_id=snapshot_id, connection_config=config, resource=resource)
+    else:
+        box = SandboxSync.create("bench", connection_config=config, resource=resource)
     try:
         out = box.commands.run("echo hi")
         elapsed = time.perf_counter() - started
@@ -108,15 +121,24 @@ def run(rounds: int, docker: bool, log: Callable[[str], None]) -> dict[str, Any]
     os.environ["OPENSANDBOX_DISABLE_METRICS"] = "1"
     enforceable = _limits_enforceable()
     proc, domain = _server(best_effort=not enforceable)
+    pooled_proc, pooled_domain = _server(not enforceable, "--warm", "2")
     results: dict[str, Any] = {"rounds": rounds, "limits": "enforced (cgroup)" if enforceable
                                else "best effort (no cgroup for this user)"}
+    snapshot_id = None
     try:
-        config = ConnectionConfigSync(domain=domain, api_key=KEY,
-                                      transport=httpx.HTTPTransport(limits=httpx.Limits(max_connections=20)))
+        def connect(where: str) -> Any:
+            return ConnectionConfigSync(domain=where, api_key=KEY,
+                                        transport=httpx.HTTPTransport(limits=httpx.Limits(max_connections=20)))
+
+        config, pooled = connect(domain), connect(pooled_domain)
         _sdk_round(config, None)  # warm-up: imports, first connection
+        _sdk_round(pooled, None)
+        snapshot_id = _snapshot(config)
         variants: dict[str, Callable[[], float]] = {
             "sdk-default-limits": lambda: _sdk_round(config, None),
             "sdk-no-limits": lambda: _sdk_round(config, {"gpu": "0"}),
+            "sdk-pooled": lambda: _sdk_round(pooled, None),
+            "sdk-from-snapshot": lambda: _sdk_round(config, None, snapshot_id),
         }
         reason = _docker_reason() if docker else "left out (--no-docker)"
         if reason is None:
@@ -132,9 +154,32 @@ def run(rounds: int, docker: bool, log: Callable[[str], None]) -> dict[str, Any]
             results[name] = summary_ms(values)
             log(f"{name}: median {results[name]['median_ms']} ms")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if snapshot_id is not None:
+            _delete_snapshot(domain, snapshot_id)
+        for server in (proc, pooled_proc):
+            server.terminate()
+            server.wait(30)
     return results
+
+
+def _snapshot(config: Any) -> str:
+    """A snapshot of a sandbox that wrote a few small files (the sandbox is deleted, the snapshot kept)."""
+    from opensandbox import SandboxSync
+
+    box = SandboxSync.create("bench", connection_config=config)
+    try:
+        for i in range(5):
+            box.files.write_file(f"/workspace/file{i}.txt", f"file {i}\n" * 100)
+        box.files.write_file("/tmp/scratch.txt", "scratch\n")
+        return str(box.create_snapshot(name="bench").id)
+    finally:
+        box.kill()
+
+
+def _delete_snapshot(domain: str, snapshot_id: str) -> None:
+    import httpx
+
+    httpx.delete(f"http://{domain}/v1/snapshots/{snapshot_id}", headers={"OPEN-SANDBOX-API-KEY": KEY}, timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,6 +201,7 @@ HOST_INDEPENDENT = frozenset({
     "test_sandbox_docker.py",
     "test_ray.py",
     "test_server.py",
+    "test_server_pool.py",
     "test_server_spec.py",
     "test_smolagents.py",
 })

@@ -758,7 +758,8 @@ def test_benchmark_runs() -> None:
     finally:
         sys.path.pop(0)
     results = bench.run(1, False, lambda message: None)
-    assert results["sdk-default-limits"]["n"] == 1 and results["sdk-no-limits"]["n"] == 1
+    assert all(results[name]["n"] == 1 for name in ("sdk-default-limits", "sdk-no-limits", "sdk-pooled",
+                                                     "sdk-from-snapshot"))
     assert "skipped" in results["docker-backend-direct"]
 
 

@@ -357,7 +357,14 @@ def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
             members += [os.path.join(path, name).lstrip("/") for name in sorted(names)]
     if not full:
         return (), b""
-    result = sb.exec(["tar", "-C", "/", "--sparse", "-cf", "-", "--", *members],
+    # Host paths shown inside those mounts (mounts, binds, write grants at /tmp/x) are the host's: left out,
+    # by their literal paths.
+    hosts = [m.target for m in (*sb.mounts, *sb.policy.binds)] + [str(p) for p in sb.policy.write
+                                                                   if os.path.isabs(str(p))]
+    excluded = [os.path.normpath(h).lstrip("/") for h in hosts
+                if any(os.path.normpath(h).startswith(area.rstrip("/") + "/") for area in full)]
+    result = sb.exec(["tar", "-C", "/", "--sparse", "--no-wildcards", "--anchored",
+                      *(f"--exclude={path}" for path in excluded), "-cf", "-", "--", *members],
                      text=False, output_limit=AREAS_LIMIT)
     if result.returncode == 127:
         raise UnsupportedError(f"snapshot: {', '.join(full)} hold files, which a snapshot keeps with the "

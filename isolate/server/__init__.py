@@ -15,20 +15,23 @@ import secrets
 import sys
 from collections.abc import Sequence
 
-from ..model.errors import PolicyError
+from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 
 __all__ = ["create_app", "serve_main"]
 
 
 def create_app(api_key: str, profiles: dict[str, Policy] | None = None, any_image: Policy | None = None,
-               backend: str | None = None) -> object:
+               backend: str | None = None, volume_roots: Sequence[str] = (), warm: int = 0) -> object:
     """The ASGI application (starlette), for embedding or tests."""
     from .app import create_app as _create
     from .state import ServerState
+    from .volumes import check_roots
 
-    return _create(ServerState(api_key, profiles if profiles is not None else {"default": Policy()}, any_image,
-                               backend))
+    state = ServerState(api_key, profiles if profiles is not None else {"default": Policy()}, any_image,
+                        backend, volume_roots=check_roots(volume_roots), warm=warm)
+    state.start_pool()
+    return _create(state)
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -59,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image", action="append", default=[], metavar="NAME=FILE",
                         help="the image NAME runs under the TOML policy FILE ('default' for isolate's defaults); "
                              "repeatable")
+    parser.add_argument("--volume-root", action="append", default=[], metavar="DIR",
+                        help="create requests may mount host paths below DIR as volumes (read-only or read-write, "
+                             "as asked); repeatable; without it, host volumes are refused")
+    parser.add_argument("--warm", type=int, default=0, metavar="N",
+                        help="keep N sandboxes started in the shape of the SDK's default create (the default "
+                             "profile, 1 CPU, 2 GiB, no env, volumes or snapshot): such a create takes a fresh one "
+                             "(never reused) and another starts in the background (default 0)")
     parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
                         help="sandboxes kept at once; more creates are refused with 429 (default 64)")
     parser.add_argument("--max-commands", type=int, default=1024, metavar="N",
@@ -111,6 +121,9 @@ def serve_main(argv: Sequence[str]) -> int:
                 raise PolicyError(f"--image {item!r}: expected NAME=FILE", "image")
             profiles[name] = _profile(path)
         any_image = _profile(options.profile) if options.profile else None
+        from .volumes import check_roots
+
+        volume_roots = check_roots(options.volume_root)
         if options.best_effort:
             profiles = {name: policy.replace(best_effort=True) for name, policy in profiles.items()}
             any_image = any_image.replace(best_effort=True) if any_image is not None else None
@@ -142,10 +155,23 @@ def serve_main(argv: Sequence[str]) -> int:
     if options.max_sandboxes < 1:
         print("isolate-run serve: --max-sandboxes: at least 1", file=sys.stderr)
         return 125
+    if options.warm < 0:
+        print("isolate-run serve: --warm: 0 or more", file=sys.stderr)
+        return 125
+    if options.ray is not None and (options.warm or volume_roots):
+        print("isolate-run serve: --warm and --volume-root keep sandboxes and host paths of this machine; with "
+              "--ray the sandboxes are on the cluster's nodes: drop them, or serve without --ray", file=sys.stderr)
+        return 125
     if options.ray is not None and not _join_cluster(options.ray):
         return 125
-    state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes)
-    state.cluster = options.ray is not None
+    try:
+        state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes,
+                            volume_roots=volume_roots, warm=options.warm)
+        state.cluster = options.ray is not None
+        state.start_pool()
+    except IsolationError as exc:
+        print(f"isolate-run serve: {exc}", file=sys.stderr)
+        return 125
     app = _create(state)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import diagnostics, execd, lifecycle, ports
+from . import diagnostics, execd, lifecycle, ports, snapshots
 from .common import api, error_response, log
 from .execd.access import refusal_for
 from .lifecycle import check_key
@@ -101,8 +101,8 @@ def create_app(state: ServerState) -> Starlette:
 
     # Refusals first: the /v1 mount would otherwise take their paths (and answer 405).
     routes: list[BaseRoute] = [*(_refusal(r) for r in refused_routes()),
-                               Mount("/v1", routes=[*lifecycle.routes, *diagnostics.routes]), *execd.routes,
-                               *ports.routes]
+                               Mount("/v1", routes=[*lifecycle.routes, *snapshots.routes, *diagnostics.routes]),
+                               *execd.routes, *ports.routes]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error}, middleware=[Middleware(RequestId)])
     app.state.isolate = state

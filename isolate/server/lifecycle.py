@@ -32,6 +32,8 @@ from .models import (
 )
 from .ports import PORT_TOKEN_HEADER, port_token
 from .state import ManagedSandbox, ServerState
+from .volumes import open_volumes
+from .volumes import verify as verify_volumes
 
 
 def check_key(request: Request) -> ServerState:
@@ -62,24 +64,49 @@ def _network_text(network: object) -> str:
 
 
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
-    box: Any = Sandbox(req.policy, backend=state.backend)
+    opened = open_volumes(req.volumes, state.volume_roots) if req.volumes else []
+    snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
+    backend = state.backend or (req.policy.backend if req.policy.backend != "auto" else "native")
+    if backend != "native":
+        raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {backend} backend; "
+                       "this server streams commands and serves files through the native backend only (the "
+                       "Docker backend of Sandbox has no spawn or file methods yet)")
+    warm = None
+    box: Any
     if state.cluster:
+        if snap is not None:
+            raise ApiError(400, "UNSUPPORTED", "snapshotId: this server places sandboxes on the nodes of a Ray "
+                           "cluster (serve --ray), and a snapshot is kept on one machine; serve without --ray "
+                           "to create sandboxes from snapshots")
         from ..ray import Sandbox as ClusterSandbox  # serve --ray: the box lives on a node of the cluster
 
-        box = ClusterSandbox(req.policy)
-    if box.backend != "native":
-        raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: its profile selects the {box.backend} backend; this "
-                       "server streams commands and serves files through the native backend only (the Docker "
-                       "backend of Sandbox has no spawn or file methods yet)")
-    box.start()
+        box = ClusterSandbox(req.policy).start()
+    else:
+        warm = state.take_warm(req.policy) if snap is None and not opened else None
+        if warm is not None:
+            box = warm
+        else:
+            # A new sandbox's /workspace is the server's overlay (its snapshots are layers: they cost what
+            # changed); one from a snapshot has the snapshot's.
+            box = Sandbox(req.policy, backend=backend, mounts=[item.mount for item in opened], snapshot=snap,
+                          workspace=None if snap is not None else state.workspace)
+            box.start()
+    try:
+        verify_volumes(box, opened)
+    except BaseException:
+        box.close()
+        raise
     now = time.time()
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
     if state.cluster:
         managed.message += f", on Ray node {box.node_id}"
-    managed.event(f"created from image {req.image!r} (backend {box.backend}, network "
-                  f"{_network_text(req.policy.network)})")
+    source = f"snapshot {req.snapshot_id} (image {req.image!r})" if req.snapshot_id else f"image {req.image!r}"
+    managed.event(f"created from {source} (backend {box.backend}, network {_network_text(req.policy.network)})"
+                  + (": a fresh sandbox of the server's warm pool" if warm is not None else ""))
+    for item in opened:
+        managed.event(f"volume {item.spec.name}: {item.mount.source} at {item.mount.target} ({item.mount.mode})")
     asked = [name for name in ("memory", "cpus") if req.policy.limits.value(name) is not None]
     if asked and box.backend == "native":
         enforced = box.enforced
@@ -101,7 +128,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
 @api
 async def create_sandbox(request: Request) -> Response:
     state = check_key(request)
-    req = parse_create(await json_body(request), state.profiles, state.any_image)
+    req = parse_create(await json_body(request), state.profiles, state.any_image,
+                       lambda snapshot_id: str(state.snapshots.get(snapshot_id)["image"]))
     state.reserve()
     try:
         managed = await run_in_threadpool(_start, state, req)

@@ -14,7 +14,7 @@ import os
 import platform
 import re
 import stat as stat_mod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -168,6 +168,16 @@ def egress_with(hosts: list[str], profile: object) -> Any:
 
 
 @dataclass(frozen=True)
+class VolumeSpec:
+    """A host volume of a create request, its shape checked (isolate.server.volumes checks the host side)."""
+
+    name: str
+    host_path: str
+    mount_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
 class CreateRequest:
     """A create request, checked and mapped."""
 
@@ -177,6 +187,64 @@ class CreateRequest:
     metadata: dict[str, str]
     entrypoint: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    #: The snapshot (API id) the sandbox starts from, if any.
+    snapshot_id: str | None = None
+    volumes: tuple[VolumeSpec, ...] = ()
+
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_VOLUME_KINDS = {
+    "pvc": "platform volumes (PVC, Docker named volumes) are not made by this server: give a host directory "
+           "below one of its --volume-root directories as {\"host\": {\"path\": ...}}",
+    "ossfs": "OSS buckets are not mounted by this server (no ossfs): mount the bucket on the host below a "
+             "--volume-root directory and give that as a host volume",
+}
+
+
+def parse_volumes(value: object) -> tuple[VolumeSpec, ...]:
+    """The spec's volumes: host ones checked for shape; PVC, OSSFS and other kinds refused with the way out."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad_request("volumes: expected a list of {name, host: {path}, mountPath, readOnly, subPath}")
+    out: list[VolumeSpec] = []
+    for i, vol in enumerate(value):
+        where = f"volumes[{i}]"
+        if not isinstance(vol, Mapping):
+            raise bad_request(f"{where}: expected an object")
+        unknown = sorted(set(vol) - {"name", "host", "pvc", "ossfs", "mountPath", "readOnly", "subPath"})
+        if unknown:
+            raise bad_request(f"{where}.{unknown[0]}: unknown field of Volume")
+        name = vol.get("name")
+        if not isinstance(name, str) or len(name) > 63 or not _DNS_LABEL.match(name):
+            raise bad_request(f"{where}.name: expected a DNS label (a-z, 0-9, -; up to 63)")
+        if any(v.name == name for v in out):
+            raise bad_request(f"{where}.name: {name!r} names two volumes")
+        kinds = [k for k in ("host", "pvc", "ossfs") if vol.get(k) is not None]
+        if len(kinds) != 1:
+            raise bad_request(f"{where}: exactly one of host, pvc, ossfs is expected")
+        if kinds[0] != "host":
+            raise bad_request(f"{where}.{kinds[0]}: {_VOLUME_KINDS[kinds[0]]}", "VOLUME_NOT_SUPPORTED")
+        host = vol["host"]
+        if not isinstance(host, Mapping) or set(host) != {"path"} or not isinstance(host["path"], str) or \
+                not host["path"].startswith("/") or "\0" in host["path"]:
+            raise bad_request(f"{where}.host: expected {{\"path\": ABSOLUTE HOST PATH}}")
+        mount_path = vol.get("mountPath")
+        if not isinstance(mount_path, str) or not mount_path.startswith("/") or "\0" in mount_path:
+            raise bad_request(f"{where}.mountPath: expected an absolute path inside the sandbox")
+        read_only = vol.get("readOnly", False)
+        if not isinstance(read_only, bool):
+            raise bad_request(f"{where}.readOnly: expected true or false")
+        path = host["path"]
+        sub = vol.get("subPath")
+        if sub is not None:
+            if not isinstance(sub, str) or sub.startswith("/") or "\0" in sub or ".." in sub.split("/"):
+                raise bad_request(f"{where}.subPath: expected a relative path without '..'")
+            path = path.rstrip("/") + "/" + sub
+        if any(v.mount_path.rstrip("/") == mount_path.rstrip("/") for v in out):
+            raise bad_request(f"{where}.mountPath: {mount_path} is the mount path of two volumes")
+        out.append(VolumeSpec(name, path, mount_path, read_only))
+    return tuple(out)
 
 
 def _str_map(value: object, name: str) -> dict[str, str]:
@@ -215,8 +283,12 @@ def _empty(value: object) -> bool:
     return value is None or value == {} or value == [] or value is False
 
 
-def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy | None) -> CreateRequest:
-    """Map a CreateSandboxRequest onto a policy; refuse what cannot be honoured."""
+def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy | None,
+                 snapshot_image: Callable[[str], str] | None = None) -> CreateRequest:
+    """Map a CreateSandboxRequest onto a policy; refuse what cannot be honoured.
+
+    ``snapshot_image`` gives the image a snapshot's sandbox had (its profile is the new sandbox's), or
+    raises ApiError when there is no such snapshot; without it, snapshotId is refused."""
     if not isinstance(body, Mapping):
         raise bad_request("the body must be a JSON object (CreateSandboxRequest)")
     known = {"image", "snapshotId", "templateId", "platform", "timeout", "resourceLimits", "resourceRequests", "env",
@@ -225,10 +297,9 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
     unknown = sorted(set(body) - known)
     if unknown:
         raise bad_request(f"{unknown[0]}: unknown field of CreateSandboxRequest")
-    for name in ("snapshotId", "templateId"):
-        if body.get(name) is not None:
-            raise bad_request(f"{name}: snapshots and templates are not supported by this server; give image")
-    for name in ("volumes", "lifecycle", "resourceRequests", "extensions"):
+    if body.get("templateId") is not None:
+        raise bad_request("templateId: templates are not supported by this server; give image (or snapshotId)")
+    for name in ("lifecycle", "resourceRequests", "extensions"):
         if not _empty(body.get(name)):
             raise bad_request(f"{name}: not supported by this server")
     credential = body.get("credentialProxy")
@@ -240,11 +311,22 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         if not isinstance(plat, Mapping) or plat.get("os") != "linux" or plat.get("arch") != arch:
             raise bad_request(f"platform: this server runs linux/{arch} only")
     image = body.get("image")
-    if not isinstance(image, Mapping) or not isinstance(image.get("uri"), str) or not image["uri"]:
-        raise bad_request("image: expected {\"uri\": NAME}; the name selects a policy profile of this server")
-    if image.get("auth"):
-        raise bad_request("image.auth: registries are not used by this server (an image names a policy profile)")
-    uri = image["uri"]
+    snapshot_id = body.get("snapshotId")
+    if snapshot_id is not None:
+        if image is not None:
+            raise bad_request("image, snapshotId: give exactly one startup source")
+        if not isinstance(snapshot_id, str) or not snapshot_id:
+            raise bad_request("snapshotId: expected a snapshot's id (GET /v1/snapshots)")
+        if snapshot_image is None:
+            raise bad_request("snapshotId: snapshots are not served here")
+        uri = snapshot_image(snapshot_id)
+    else:
+        if not isinstance(image, Mapping) or not isinstance(image.get("uri"), str) or not image["uri"]:
+            raise bad_request("image: expected {\"uri\": NAME}; the name selects a policy profile of this server")
+        if image.get("auth"):
+            raise bad_request("image.auth: registries are not used by this server (an image names a policy "
+                              "profile)")
+        uri = image["uri"]
     base = profiles.get(uri, any_image)
     if base is None:
         names = ", ".join(sorted(profiles)) or "none"
@@ -271,7 +353,8 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
                               env={**base.env, **env})
     except PolicyError as exc:
         raise bad_request(str(exc)) from None
-    return CreateRequest(uri, policy, timeout, metadata, list(entrypoint), env)
+    return CreateRequest(uri, policy, timeout, metadata, list(entrypoint), env, snapshot_id,
+                         parse_volumes(body.get("volumes")))
 
 
 # -- files ------------------------------------------------------------------------------

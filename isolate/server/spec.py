@@ -55,8 +55,6 @@ class SpecRoute:
         return PREFIXES[self.api] + self.path
 
 
-_SNAPSHOTS = ("snapshots are not made by this server yet (a sandbox's files can be copied out with the "
-              "files API, or kept with isolate's named sandboxes)")
 _VAULT = ("the credential vault is not served by this server: give the sandbox's program its credentials "
           "through env at create, or keep them out of the sandbox altogether")
 
@@ -79,7 +77,8 @@ def _sdk_refused(api: str, method: str, path: str, reason: str) -> SpecRoute:
 ROUTES: tuple[SpecRoute, ...] = (
     # -- lifecycle ---------------------------------------------------------------------------
     SpecRoute("lifecycle", "GET", "/sandboxes", "state and metadata filters, pagination"),
-    SpecRoute("lifecycle", "POST", "/sandboxes", "image names a policy profile; snapshotId, volumes refused"),
+    SpecRoute("lifecycle", "POST", "/sandboxes", "image names a policy profile; snapshotId; host volumes below "
+              "--volume-root (pvc, ossfs refused)"),
     SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}"),
     SpecRoute("lifecycle", "DELETE", "/sandboxes/{sandboxId}"),
     SpecRoute("lifecycle", "PATCH", "/sandboxes/{sandboxId}/metadata", "JSON merge patch"),
@@ -88,10 +87,11 @@ ROUTES: tuple[SpecRoute, ...] = (
     SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/renew-expiration"),
     SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}/endpoints/{port}",
               "execution API, or any own port forwarded (HTTP, WebSocket) with a per-port token; not signed"),
-    _refused("lifecycle", "POST", "/sandboxes/{sandboxId}/snapshots", 400, "SNAPSHOTS_UNSUPPORTED", _SNAPSHOTS),
-    _refused("lifecycle", "GET", "/snapshots", 400, "SNAPSHOTS_UNSUPPORTED", _SNAPSHOTS),
-    _refused("lifecycle", "GET", "/snapshots/{snapshotId}", 404, "SNAPSHOT_NOT_FOUND", _SNAPSHOTS),
-    _refused("lifecycle", "DELETE", "/snapshots/{snapshotId}", 404, "SNAPSHOT_NOT_FOUND", _SNAPSHOTS),
+    SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/snapshots",
+              "the workspace and private tmpfs mounts (isolate.Snapshot), Ready when answered"),
+    SpecRoute("lifecycle", "GET", "/snapshots", "sandboxId and state filters, pagination"),
+    SpecRoute("lifecycle", "GET", "/snapshots/{snapshotId}"),
+    SpecRoute("lifecycle", "DELETE", "/snapshots/{snapshotId}"),
     # -- diagnostics -------------------------------------------------------------------------
     SpecRoute("diagnostic", "GET", "/sandboxes/{sandboxId}/diagnostics/logs",
               "scopes container (the entrypoint's output), lifecycle, all; inline"),

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kept.sandbox import Sandbox, SandboxProcess
+from ..kernel.places import state_path
+from ..model.errors import IsolationError
 from ..model.policy import Policy
+from ..model.workspace import Workspace
 from .models import ApiError
 
 #: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.
@@ -331,12 +334,38 @@ class ManagedSandbox:
         self.box.close()
 
 
+#: The state directory's entry that every sandbox's /workspace is an overlay of (kept empty).
+WORKSPACE_BASE = "opensandbox-workspace"
+
+
+def server_workspace() -> Workspace:
+    """An overlay workspace over ``<state dir>/opensandbox-workspace``, which must be empty (IsolationError
+    otherwise: its files would be every sandbox's)."""
+    path = state_path(WORKSPACE_BASE)
+    if os.listdir(path):
+        raise IsolationError(f"{path} holds files; it is the empty lower layer of every sandbox's /workspace "
+                             "that isolate-run serve makes: empty it")
+    return Workspace(path, mode="overlay")
+
+
 class ServerState:
     """The sandboxes of one server (one API key)."""
 
     def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
-                 backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES) -> None:
+                 backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES,
+                 volume_roots: tuple[str, ...] = (), warm: int = 0) -> None:
+        from .snapshots import SnapshotStore
+
         self.api_key = api_key
+        #: The host directories below which create requests may name volumes (--volume-root; real paths).
+        self.volume_roots = volume_roots
+        self.snapshots = SnapshotStore()
+        #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
+        #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
+        self.workspace = server_workspace()
+        #: --warm: how many sandboxes of the SDK's default create to keep started (start_pool makes them).
+        self.warm = warm
+        self.pool: Any = None
         self.max_sandboxes = max_sandboxes
         self.starting = 0
         self.profiles = dict(profiles)
@@ -346,6 +375,26 @@ class ServerState:
         self.cluster = False
         self.sandboxes: dict[str, ManagedSandbox] = {}
         self.lock = threading.Lock()
+
+    def start_pool(self) -> None:
+        """Start the warm pool (--warm N): sandboxes in the shape of the SDK's default create (the default
+        profile, 1 CPU and 2 GiB, keep-alive entrypoint), each handed out once (isolate.SandboxPool)."""
+        if self.warm <= 0 or self.pool is not None:
+            return
+        from ..kept.pool import SandboxPool
+        from .models import KEEPALIVE_ENTRYPOINT, parse_create
+
+        shape = parse_create({"image": {"uri": "default"}, "resourceLimits": {"cpu": "1", "memory": "2Gi"},
+                              "entrypoint": KEEPALIVE_ENTRYPOINT}, self.profiles, self.any_image)
+        self.pool = SandboxPool(shape.policy, size=self.warm, backend=self.backend, workspace=self.workspace)
+
+    def take_warm(self, policy: Policy) -> Sandbox | None:
+        """A started sandbox of the warm pool when ``policy`` is its shape, else None."""
+        pool = self.pool
+        if pool is None or policy != pool.policy:
+            return None
+        box: Sandbox = pool.acquire()
+        return box
 
     def get(self, sandbox_id: str) -> ManagedSandbox:
         with self.lock:
@@ -390,6 +439,8 @@ class ServerState:
         with self.lock:
             boxes = list(self.sandboxes.values())
             self.sandboxes.clear()
+        if self.pool is not None:
+            self.pool.close()
         for managed in boxes:
             try:
                 managed.close()

@@ -1,0 +1,209 @@
+"""Snapshots (``/v1/sandboxes/{id}/snapshots``, ``/v1/snapshots``): a sandbox's files, kept past it.
+
+Each is an ``isolate.Snapshot`` of the sandbox (isolate/kept/snapshots.py):
+its workspace and its private tmpfs mounts (``/tmp``, the home), copied
+through descriptors into the state directory. The server's sandboxes have an
+overlay workspace over an empty directory (isolate.server.state), so a
+snapshot is a layer: what the sandbox changed, the rest hard links of the
+layer it started from. A sandbox created from one (``snapshotId``) starts
+on that layer, under the policy profile of the image the snapshotted
+sandbox had.
+
+What the API says about a snapshot (its source sandbox, name, image) is a
+small description beside isolate's own, in the caller's private runtime
+directory, with the registry's guarantees: a server restart finds every
+snapshot again, a reboot forgets them (as it forgets isolate's snapshots).
+The capture happens before the create call answers: a snapshot is listed
+``Ready`` at once, or the call fails and nothing is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import stat
+import threading
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..kept.snapshots import Snapshot
+from ..kernel.places import runtime_dir, state_key
+from ..model.errors import IsolationError
+from .common import API_KEY_HEADER, api, json_body, query_int, same
+from .models import ApiError, bad_request, iso
+
+#: The ids this server hands out; anything else is not one of its snapshots (and never a file name).
+_ID = re.compile(r"^osb-snap-[0-9a-f]{16}$")
+#: The longest name a snapshot may be given.
+MAX_NAME = 256
+
+
+def _not_found(snapshot_id: str) -> ApiError:
+    return ApiError(404, "SNAPSHOT_NOT_FOUND", f"snapshot {snapshot_id[:80]!r} not found")
+
+
+class SnapshotStore:
+    """The server's snapshots: isolate snapshots named by their API id, and a description of each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _dir() -> str:
+        path = os.path.join(runtime_dir(), f"opensandbox-snapshots-{state_key()}")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                raise IsolationError(f"{path}: not a directory of this user; remove it") from None
+        return path
+
+    def get(self, snapshot_id: str) -> dict[str, Any]:
+        if not _ID.match(snapshot_id):
+            raise _not_found(snapshot_id)
+        try:
+            fd = os.open(os.path.join(self._dir(), f"{snapshot_id}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd) as handle:
+                record: dict[str, Any] = json.load(handle)
+        except (OSError, ValueError):
+            raise _not_found(snapshot_id) from None
+        return record
+
+    def all(self) -> list[dict[str, Any]]:
+        out = []
+        for entry in os.listdir(self._dir()):
+            if entry.endswith(".json") and _ID.match(entry[:-5]):
+                try:
+                    out.append(self.get(entry[:-5]))
+                except ApiError:
+                    continue
+        return sorted(out, key=lambda r: float(r["created"]))
+
+    def snapshot(self, snapshot_id: str) -> Snapshot:
+        """isolate's snapshot behind an API id (404 when either is gone)."""
+        self.get(snapshot_id)
+        try:
+            return Snapshot.get(snapshot_id)
+        except IsolationError:
+            raise _not_found(snapshot_id) from None
+
+    def take(self, box: Any, sandbox_id: str, image: str, name: str | None) -> dict[str, Any]:
+        """Capture ``box`` (an isolate.Sandbox) and describe it; the capture runs in the caller's thread."""
+        snapshot_id = f"osb-snap-{secrets.token_hex(8)}"
+        snap = box.snapshot(snapshot_id)
+        record = {"id": snapshot_id, "sandboxId": sandbox_id, "name": name, "image": image, "created": snap.created}
+        try:
+            directory = self._dir()
+            temp = os.path.join(directory, f".{snapshot_id}.{secrets.token_hex(4)}")
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(record, handle)
+            os.rename(temp, os.path.join(directory, f"{snapshot_id}.json"))
+        except BaseException:
+            snap.remove()
+            raise
+        return record
+
+    def remove(self, snapshot_id: str) -> None:
+        with self._lock:
+            self.get(snapshot_id)
+            try:
+                Snapshot.get(snapshot_id).remove()
+            except IsolationError:
+                pass  # its files went already: the description goes too
+            try:
+                os.unlink(os.path.join(self._dir(), f"{snapshot_id}.json"))
+            except FileNotFoundError:
+                raise _not_found(snapshot_id) from None
+
+
+def snapshot_json(record: dict[str, Any]) -> dict[str, Any]:
+    created = float(record["created"])
+    out: dict[str, Any] = {"id": record["id"], "sandboxId": record["sandboxId"],
+                           "status": {"state": "Ready", "reason": "snapshot_ready",
+                                      "message": f"the files of sandbox {record['sandboxId']} (image "
+                                                 f"{record['image']!r}): workspace and private tmpfs mounts",
+                                      "lastTransitionAt": iso(created)},
+                           "createdAt": iso(created)}
+    if record.get("name"):
+        out["name"] = record["name"]
+    return out
+
+
+def _store(request: Request) -> tuple[Any, SnapshotStore]:
+    """The server's state and its snapshots, for a caller with the API key (as lifecycle.check_key)."""
+    state = request.app.state.isolate
+    if not same(request.headers.get(API_KEY_HEADER), state.api_key):
+        raise ApiError(401, "UNAUTHORIZED", f"missing or wrong {API_KEY_HEADER} header")
+    return state, state.snapshots
+
+
+@api
+async def create_snapshot(request: Request) -> Response:
+    state, store = _store(request)
+    managed = state.get(request.path_params["sandbox_id"])
+    body = await json_body(request, required=False)
+    if body is None:
+        body = {}
+    if not isinstance(body, dict) or set(body) - {"name"}:
+        raise bad_request("the body must be {} or {\"name\": TEXT}", "INVALID_REQUEST_BODY")
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME):
+        raise bad_request(f"name: expected a text of 1 to {MAX_NAME} characters")
+    if state.cluster:
+        raise ApiError(400, "UNSUPPORTED", "this server places sandboxes on the nodes of a Ray cluster (serve --ray) "
+                       "and keeps snapshots on its own machine; serve without --ray to take snapshots")
+    if managed.state != "Running":
+        raise ApiError(409, "INVALID_STATE", f"sandbox {managed.id} is {managed.state}; a snapshot is taken of a "
+                       "Running sandbox (resume it first)")
+    record = await run_in_threadpool(store.take, managed.box, managed.id, managed.image, name)
+    managed.event(f"snapshot {record['id']} taken" + (f" ({name!r})" if name else ""))
+    return JSONResponse(snapshot_json(record), status_code=202,
+                        headers={"Location": f"/v1/snapshots/{record['id']}"})
+
+
+@api
+async def list_snapshots(request: Request) -> Response:
+    _, store = _store(request)
+    source = request.query_params.get("sandboxId")
+    states = {s.lower() for s in request.query_params.getlist("state") if s}
+    page = query_int(request, "page", 1, 1, 1 << 30)
+    size = query_int(request, "pageSize", 20, 1, 1000)
+    assert page is not None and size is not None
+    records = await run_in_threadpool(store.all)
+    items = [r for r in records if (source is None or r["sandboxId"] == source)
+             and (not states or "ready" in states)]
+    total = len(items)
+    pages = math.ceil(total / size) if total else 0
+    return JSONResponse({"items": [snapshot_json(r) for r in items[(page - 1) * size:page * size]],
+                         "pagination": {"page": page, "pageSize": size, "totalItems": total, "totalPages": pages,
+                                        "hasNextPage": page < pages}})
+
+
+@api
+async def get_snapshot(request: Request) -> Response:
+    _, store = _store(request)
+    return JSONResponse(snapshot_json(store.get(request.path_params["snapshot_id"])))
+
+
+@api
+async def delete_snapshot(request: Request) -> Response:
+    _, store = _store(request)
+    await run_in_threadpool(store.remove, request.path_params["snapshot_id"])
+    return Response(status_code=204)
+
+
+routes = [
+    Route("/sandboxes/{sandbox_id}/snapshots", create_snapshot, methods=["POST"]),
+    Route("/snapshots", list_snapshots, methods=["GET"]),
+    Route("/snapshots/{snapshot_id}", get_snapshot, methods=["GET"]),
+    Route("/snapshots/{snapshot_id}", delete_snapshot, methods=["DELETE"]),
+]

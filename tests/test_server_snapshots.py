@@ -1,0 +1,191 @@
+"""``isolate-run serve``: snapshots (kept past the sandbox and the server) and host volumes.
+
+Through the real SDK (``opensandbox``: ``create_snapshot``, ``SandboxManagerSync`` snapshot calls,
+``SandboxSync.create(snapshot_id=...)``, ``Volume``); the server runs as in tests/test_server.py, with its
+own state directory so that its snapshots are this test's.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import test_server as base
+from opensandbox import SandboxManagerSync, SandboxSync
+from opensandbox.config import ConnectionConfigSync
+from opensandbox.exceptions import SandboxException
+from opensandbox.models.sandboxes import Host, Volume
+
+KEY = base.KEY
+
+
+def start(state_dir: str, *extra: str) -> base.Server:
+    """A server whose isolate state directory (and so its snapshots) is state_dir."""
+    before = os.environ.get("ISOLATE_STATE_DIR")
+    os.environ["ISOLATE_STATE_DIR"] = state_dir
+    try:
+        return base.Server(*(() if base.limits_enforceable() else ("--best-effort",)), *extra)
+    finally:
+        if before is None:
+            del os.environ["ISOLATE_STATE_DIR"]
+        else:
+            os.environ["ISOLATE_STATE_DIR"] = before
+
+
+@pytest.fixture(scope="module")
+def places() -> Iterator[dict[str, str]]:
+    # Reachable by the sandbox's user (uid 65534 under a root server): a+rx on the way.
+    with tempfile.TemporaryDirectory(prefix="isolate-serve-snap-") as top:
+        os.chmod(top, 0o755)
+        out = {"state": os.path.join(top, "state"), "root": os.path.join(top, "volumes"),
+               "outside": os.path.join(top, "outside")}
+        for path in out.values():
+            os.mkdir(path, 0o755)
+        yield out
+        # The descriptions' directories of that state directory in the runtime directory (empty by now).
+        from isolate.kernel.places import runtime_dir, state_key
+
+        os.environ["ISOLATE_STATE_DIR"], before = out["state"], os.environ.get("ISOLATE_STATE_DIR")
+        try:
+            for name in (f"opensandbox-snapshots-{state_key()}", f"snapshots-{state_key()}"):
+                try:
+                    os.rmdir(os.path.join(runtime_dir(), name))
+                except FileNotFoundError:
+                    pass
+        finally:
+            if before is None:
+                del os.environ["ISOLATE_STATE_DIR"]
+            else:
+                os.environ["ISOLATE_STATE_DIR"] = before
+
+
+def config(server: base.Server) -> ConnectionConfigSync:
+    return ConnectionConfigSync(domain=server.domain, api_key=KEY, request_timeout=timedelta(seconds=60))
+
+
+def test_snapshot_survives_its_sandbox_and_a_server_restart(places: dict[str, str]) -> None:
+    server = start(places["state"])
+    try:
+        box = SandboxSync.create("ubuntu", connection_config=config(server))
+        try:
+            box.files.write_file("/workspace/kept.txt", "in the workspace\n")
+            box.files.write_file("/tmp/scratch.txt", "in /tmp\n")
+            info = box.create_snapshot(name="before import")
+            assert info.id.startswith("osb-snap-") and info.sandbox_id == box.id and info.name == "before import"
+            assert info.status.state == "Ready"
+            box.files.write_file("/workspace/kept.txt", "changed after\n")
+            box.pause()
+            status, body = server.call("POST", f"/v1/sandboxes/{box.id}/snapshots", {})
+            assert status == 409 and body["code"] == "INVALID_STATE", body
+            assert server.call("GET", "/v1/snapshots", key=None)[0] == 401
+            assert server.call("DELETE", f"/v1/snapshots/{info.id}", key="wrong-key-0123456789")[0] == 401
+        finally:
+            box.kill()
+        manager = SandboxManagerSync.create(config(server))
+        try:
+            assert manager.get_snapshot(info.id).id == info.id
+        finally:
+            manager.close()
+    finally:
+        server.stop()
+    # A new server process (same state directory) finds it, and starts sandboxes from it.
+    server = start(places["state"])
+    try:
+        status, listing = server.call("GET", f"/v1/snapshots?sandboxId={info.sandbox_id}")
+        assert status == 200 and [s["id"] for s in listing["items"]] == [info.id], listing
+        assert listing["pagination"]["totalItems"] == 1
+        child = SandboxSync.create(snapshot_id=info.id, connection_config=config(server))
+        try:
+            assert child.files.read_file("/workspace/kept.txt") == "in the workspace\n"
+            assert child.files.read_file("/tmp/scratch.txt") == "in /tmp\n"
+            run = child.commands.run("echo made >> /workspace/kept.txt && cat /workspace/kept.txt")
+            assert [m.text for m in run.logs.stdout] == ["in the workspace", "made"]
+        finally:
+            child.kill()
+        assert server.call("DELETE", f"/v1/snapshots/{info.id}")[0] == 204
+        status, body = server.call("GET", f"/v1/snapshots/{info.id}")
+        assert status == 404 and body["code"] == "SNAPSHOT_NOT_FOUND"
+        assert server.call("DELETE", f"/v1/snapshots/{info.id}")[0] == 404
+        status, body = server.call("POST", "/v1/sandboxes", {"snapshotId": info.id})
+        assert status == 400 or status == 404, body
+        # Not an id of this server's: never a path.
+        assert server.call("GET", "/v1/snapshots/..%2F..%2Fetc")[0] == 404
+        status, body = server.call("POST", "/v1/sandboxes", {"snapshotId": "x", "image": {"uri": "ubuntu"}})
+        assert status == 400 and "exactly one" in body["message"]
+    finally:
+        server.stop()
+    assert not os.listdir(os.path.join(places["state"], "snapshots"))
+
+
+def _volume_create(server: base.Server, host: str, read_only: bool, mount: str = "/data") -> Any:
+    return SandboxSync.create("ubuntu", connection_config=config(server),
+                              volumes=[Volume(name="data", host=Host(path=host), mount_path=mount,
+                                              read_only=read_only)])
+
+
+def test_host_volumes_below_the_root_only(places: dict[str, str]) -> None:
+    root, outside = places["root"], places["outside"]
+    shared = os.path.join(root, "shared")
+    os.mkdir(shared, 0o777)
+    os.chmod(shared, 0o777)
+    with open(os.path.join(shared, "in.txt"), "w") as f:
+        f.write("from the host\n")
+    with open(os.path.join(outside, "secret.txt"), "w") as f:
+        f.write("not for the sandbox\n")
+    os.symlink(outside, os.path.join(root, "escape"))
+    os.mkdir(os.path.join(root, "dir"), 0o755)
+    os.symlink(outside, os.path.join(root, "dir", "deeper"))
+    server = start(places["state"], "--volume-root", root)
+    try:
+        ro = _volume_create(server, shared, read_only=True)
+        try:
+            assert ro.files.read_file("/data/in.txt") == "from the host\n"
+            run = ro.commands.run("echo x > /data/new.txt")
+            assert run.error is not None
+            assert not os.path.exists(os.path.join(shared, "new.txt"))
+        finally:
+            ro.kill()
+        rw = _volume_create(server, shared, read_only=False, mount="/tmp/rw")
+        try:
+            rw.files.write_file("/tmp/rw/out.txt", "from the sandbox\n")
+            rw.files.write_file("/tmp/own.txt", "its own\n")
+            with open(os.path.join(shared, "out.txt")) as f:
+                assert f.read() == "from the sandbox\n"
+            # A snapshot keeps the sandbox's /tmp, not the host's volume shown in it.
+            snap = rw.create_snapshot()
+        finally:
+            rw.kill()
+        child = SandboxSync.create(snapshot_id=snap.id, connection_config=config(server))
+        try:
+            assert child.files.read_file("/tmp/own.txt") == "its own\n"
+            assert child.commands.run("test -e /tmp/rw").error is not None
+        finally:
+            child.kill()
+            server.call("DELETE", f"/v1/snapshots/{snap.id}")
+        # Leaving the root: by '..', by a link in it (at the end or on the way), or not under it at all.
+        for path in (f"{root}/../outside", f"{root}/escape", f"{root}/escape/secret.txt", f"{root}/dir/deeper",
+                     outside, "/etc"):
+            body = {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "host": {"path": path},
+                                                             "mountPath": "/data", "readOnly": True}]}
+            status, answer = server.call("POST", "/v1/sandboxes", body)
+            assert status == 400 and answer["code"] == "VOLUME_NOT_ALLOWED", (path, answer)
+        body = {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "host": {"path": root}, "subPath": "../outside",
+                                                         "mountPath": "/data"}]}
+        assert server.call("POST", "/v1/sandboxes", body)[0] == 400
+        body = {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "pvc": {"claimName": "c"}, "mountPath": "/d"}]}
+        status, answer = server.call("POST", "/v1/sandboxes", body)
+        assert status == 400 and answer["code"] == "VOLUME_NOT_SUPPORTED" and "--volume-root" in answer["message"]
+        assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        server.stop()
+    # Without --volume-root, no host path at all.
+    server = start(places["state"])
+    try:
+        with pytest.raises(SandboxException, match="--volume-root"):
+            _volume_create(server, shared, read_only=True)
+    finally:
+        server.stop()

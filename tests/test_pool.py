@@ -171,9 +171,16 @@ def test_a_sandbox_outlives_the_thread_that_started_it_not_its_process() -> None
     creator.kill()
     creator.wait()
     deadline = time.monotonic() + 5
-    while psutil.pid_exists(int(init)) and psutil.Process(int(init)).status() != psutil.STATUS_ZOMBIE:
+    while _running(int(init)):
         assert time.monotonic() < deadline, "the sandbox outlived its creator"
         time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_sandbox_starts_when_its_program_descriptor_is_not_the_cached_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -317,6 +317,8 @@ def test_bad_input_is_refused_before_anything_starts(cluster: Any) -> None:
                           ({"resources": {"worker": -1}}, "resources"), ({"workspace_on": "moon"}, "workspace_on")):
         with pytest.raises(isolate.PolicyError, match=match):
             iray.Sandbox(box_policy(), **kwargs)
+    with pytest.raises(isolate.PolicyError, match="empty workspaces"):
+        iray.Sandbox.create_many(2, box_policy(), workspace=isolate.Workspace())  # never dropped silently
     with pytest.raises(isolate.UnsupportedError, match="no alive node"):
         iray.Sandbox(box_policy(), resources={"gpu-that-is-not-there": 1}).start()
     with pytest.raises(isolate.PolicyError, match="size"):

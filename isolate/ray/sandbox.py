@@ -143,6 +143,13 @@ class Sandbox:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise PolicyError(f"n: expected an integer of at least 0, got {n!r}", "n")
+        if kwargs.get("workspace") is not None:
+            # Not dropped: each node would need the source shipped and kept for its share.
+            raise PolicyError("workspace: create_many on a cluster starts empty workspaces; use "
+                              "isolate.ray.SandboxPool(workspace=...) or isolate.ray.Sandbox for a workspace",
+                              "workspace")
+        kwargs.pop("workspace", None)
+        kwargs.pop("workspace_on", None)
         _check_kwargs(kwargs)
         boxes = [cls(policy, node_id=node_id, resources=resources, labels=labels, **kwargs) for _ in range(n)]
         if not boxes:

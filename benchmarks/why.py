@@ -41,8 +41,10 @@ _UTIL_H = "int twice(int x);\n"
 
 
 def _workloads(workdir: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {"python3 -c pass": [sys.executable if os.path.realpath(sys.executable).startswith(
-        "/usr/") else "/usr/bin/python3", "-c", "pass"]}
+    # The interpreter by its real path: a venv's bin/python is a link from a directory the sandbox does not show.
+    real = os.path.realpath(sys.executable)
+    out: dict[str, list[str]] = {"python3 -c pass": [real if real.startswith("/usr/") else "/usr/bin/python3", "-c",
+                                                     "pass"]}
     gcc = shutil.which("gcc")
     if gcc and gcc.startswith(("/usr/", "/bin/")):
         for name, text in (("main.c", _MAIN_C), ("util.c", _UTIL_C), ("util.h", _UTIL_H)):

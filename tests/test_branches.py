@@ -42,12 +42,28 @@ def box(request: pytest.FixtureRequest, source: str) -> Iterator[Sandbox]:
 
 
 @pytest.fixture(autouse=True)
-def no_snapshots_left() -> Iterator[None]:
+def no_snapshots_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test keeps its snapshots in a state directory of its own: another process of this user (another
+    run of the suite) lists and removes snapshots of the user's own state directory, and saw these."""
+    import shutil
+    import tempfile
+
+    from isolate.kernel.places import runtime_dir, state_key
+
+    private = tempfile.mkdtemp(prefix="isolate-branches-state-")
+    monkeypatch.setenv("ISOLATE_STATE_DIR", private)
     before = {s.name for s in isolate.Snapshot.list()}
-    yield
-    for snap in isolate.Snapshot.list():
-        if snap.name not in before:
-            snap.remove()
+    try:
+        yield
+    finally:
+        for snap in isolate.Snapshot.list():
+            if snap.name not in before:
+                snap.remove()
+        try:
+            os.rmdir(os.path.join(runtime_dir(), f"snapshots-{state_key()}"))
+        except OSError:
+            pass
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def files(sb: Sandbox) -> str:

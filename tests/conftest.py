@@ -181,7 +181,9 @@ def write_tiny_wheel(path: str | os.PathLike[str]) -> None:
 #: Test modules whose outcome does not depend on the kernel, its cgroup layout or its Landlock ABI:
 #: protocol and framework adapters (the integrations run the same native sandboxes the host-marked
 #: modules prove), the Docker backend (no engine in the VM), the policy grammar and the benchmark
-#: harness, and the Ray cluster layer (test_ray.py: placement, transport and failures around the
+#: harness, learn mode on real programs (test_learn.py: it reruns each program until nothing is refused;
+#: the denial tracer it stands on runs in the VM with test_why.py), and the Ray cluster layer
+#: (test_ray.py: placement, transport and failures around the
 #: same native sandboxes; a Ray cluster under the VM's emulation would take most of CI's budget).
 #: Every other module is marked ``host`` and runs again in the VM (Linux 6.1, cgroup v2,
 #: Landlock ABI 2) as root and as uid 65534: a new module is host-sensitive unless it is named here.
@@ -194,6 +196,7 @@ HOST_INDEPENDENT = frozenset({
     "test_inspect.py",
     "test_kubernetes.py",
     "test_layers.py",
+    "test_learn.py",
     "test_llm_sandbox.py",
     "test_mcp.py",
     "test_policy.py",

@@ -47,7 +47,7 @@ from typing import Any
 from ..backends.native.kept import _remove_at
 from ..backends.registry import _check_name
 from ..kernel import layers
-from ..kernel.places import open_state_dir, runtime_dir, state_key
+from ..kernel.places import open_state_dir, runtime_subdir, state_key
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.workspace import Workspace
 
@@ -60,14 +60,7 @@ AREAS_LIMIT = 1 << 30
 
 
 def _meta_dir() -> str:
-    path = os.path.join(runtime_dir(), f"snapshots-{state_key()}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-            raise IsolationError(f"{path}: not a directory of this user; remove it") from None
-    return path
+    return runtime_subdir(f"snapshots-{state_key()}")
 
 
 @dataclass(frozen=True)

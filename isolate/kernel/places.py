@@ -133,3 +133,15 @@ def _owned_private(path: str, uid: int) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077
+
+
+def runtime_subdir(name: str) -> str:
+    """``runtime_dir()/name``, made 0700 if missing; refused unless it is a directory of this user."""
+    path = os.path.join(runtime_dir(), name)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise IsolationError(f"{path}: not a directory of this user; remove it") from None
+    return path

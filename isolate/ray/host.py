@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import select
 import shutil
-import stat
 import tempfile
 import threading
 import uuid
@@ -31,7 +30,7 @@ from ..backends.native.named import sweep_unnamed
 from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
 from ..kept.snapshots import Snapshot
-from ..kernel.places import runtime_dir
+from ..kernel.places import runtime_subdir
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
@@ -82,15 +81,7 @@ def _scratch() -> str:
     """Where this host unpacks shipped sources and packs commits: under the caller's runtime directory (0700,
     checked, hidden in every sandbox), not the state directory, which lies under the home a sandbox may be
     granted: there a program could swap the directory for a link between the check and the use of its path."""
-    where = os.path.join(runtime_dir(), "ray")
-    try:
-        os.mkdir(where, 0o700)
-    except FileExistsError:
-        pass
-    info = os.lstat(where)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-        raise IsolationError(f"{where}: not a directory of this user; remove it")
-    return where
+    return runtime_subdir("ray")
 
 
 class SandboxHost:

@@ -24,7 +24,6 @@ import math
 import os
 import re
 import secrets
-import stat
 import threading
 from typing import Any
 
@@ -34,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..kept.snapshots import Snapshot
-from ..kernel.places import runtime_dir, state_key
+from ..kernel.places import runtime_subdir, state_key
 from ..model.errors import IsolationError
 from .common import API_KEY_HEADER, api, json_body, query_int, same
 from .models import ApiError, bad_request, iso
@@ -57,14 +56,7 @@ class SnapshotStore:
 
     @staticmethod
     def _dir() -> str:
-        path = os.path.join(runtime_dir(), f"opensandbox-snapshots-{state_key()}")
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            info = os.lstat(path)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-                raise IsolationError(f"{path}: not a directory of this user; remove it") from None
-        return path
+        return runtime_subdir(f"opensandbox-snapshots-{state_key()}")
 
     def get(self, snapshot_id: str) -> dict[str, Any]:
         if not _ID.match(snapshot_id):

@@ -408,23 +408,27 @@ def test_v1_cpus_quota_holds(runs: list[RunCgroup]) -> None:
     proc = spawn_attached(run, BUSY.format(n=2))
     try:
         _cpu_reaches(run, 0.3)
-        # Throttled once the tree wanted more than its quota in some period; on a host so loaded that two
-        # busy processes get less than half a CPU between them, that takes longer (never past 60 s).
+        # Throttled once the tree wanted more than its quota in some period, and run for ten periods so
+        # that the bound below is about the quota, not the edges; on a host so loaded that two busy
+        # processes get less than half a CPU between them, that takes longer (never past 60 s).
         until = time.monotonic() + 60
         while True:
-            stat = cg_mod._parse_keyed(open(os.path.join(cpu_dir, "cpu.stat")).read())
+            # Usage first, then the periods: the periods read cover at least the usage read.
             used_us = run.cpu_seconds() * 1e6  # type: ignore[operator]
-            if stat["nr_throttled"] > 0 or time.monotonic() > until:
+            stat = cg_mod._parse_keyed(open(os.path.join(cpu_dir, "cpu.stat")).read())
+            if (stat["nr_throttled"] > 0 and stat["nr_periods"] >= 10) or time.monotonic() > until:
                 break
             time.sleep(0.05)
     finally:
         run.kill()
         proc.wait(timeout=10)
-    # The kernel's own accounting, exact whatever the load: two busy processes would use two CPUs,
-    # the quota throttled them, and over the periods they ran they never had more than the quota
-    # (one period of slack: the two files are not read at the same instant).
+    # The kernel's own accounting: two busy processes would use two CPUs (four quotas a period); the
+    # quota throttled them and over the periods they ran they had about one quota each. The slack is
+    # the usage from before the first counted period (the tree ran 0.3 s before this loop, some of it
+    # before the quota's timer first armed) and the per-CPU runtime slices the scheduler hands out
+    # ahead of the accounting: CI measured 305 ms in 5 periods of a 50 ms quota.
     assert stat["nr_throttled"] > 0, stat
-    assert used_us <= (stat["nr_periods"] + 1) * quota_us, (used_us, stat)
+    assert used_us <= (stat["nr_periods"] + 2) * quota_us * 1.25, (used_us, stat)
 
 
 def _watchdog_case(run: RunCgroup, limit: float) -> None:

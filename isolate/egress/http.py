@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -150,6 +151,13 @@ def absolute_target(request: Request) -> tuple[str, int, str]:
     return host, port, path
 
 
+def origin_target(request: Request) -> str:
+    """The path of a request sent straight to a server (origin form: ``/path?query``)."""
+    if not request.target.startswith("/"):
+        raise HTTPError(400, "a request to a server needs an origin-form target (/path)")
+    return request.target
+
+
 def body_framing(request: Request) -> tuple[str, int]:
     """``("none", 0)``, ``("length", N)`` or ``("chunked", 0)``; HTTPError on ambiguous framing."""
     encodings = request.values("transfer-encoding")
@@ -169,15 +177,21 @@ def body_framing(request: Request) -> tuple[str, int]:
     return "none", 0
 
 
-def forward_head(request: Request, host_header: str, path: str) -> bytes:
-    """The request as the origin server gets it: origin form, our Host, one request per connection."""
+def forward_head(request: Request, host_header: str, path: str,
+                 inject: Sequence[tuple[str, str]] = ()) -> bytes:
+    """The request as the origin server gets it: origin form, our Host, one request per connection.
+
+    ``inject``: headers added (the credential vault's); the request's own headers of those names go.
+    """
     named = {token.strip().lower() for value in request.values("connection") for token in value.split(",")}
+    replaced = {name.lower() for name, _ in inject}
     lines = [f"{request.method} {path} {request.version}", f"Host: {host_header}"]
     for name, value in request.headers:
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named:
+        if lower in HOP_BY_HOP or lower in named or lower in replaced:
             continue
         lines.append(f"{name}: {value}")
+    lines.extend(f"{name}: {value}" for name, value in inject)
     lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 

@@ -45,6 +45,7 @@ from ..model.egress_rules import (
 from ..model.errors import PolicyError
 from . import dns, http
 from .relay import relay
+from .vault import Vault
 from .workers import Workers
 
 #: How long a proxy client has to send its request head, and a DNS-over-TCP client its query.
@@ -198,6 +199,8 @@ class Mediator:
         self._failed: dict[tuple[str, str, int | None, str], int] = {}
         self._dropped = 0
         self._errors = 0
+        #: The credential vault whose headers go into this sandbox's plain-HTTP requests (vault.py).
+        self.vault: Vault | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._accept_thread: threading.Thread | None = None
 
@@ -605,6 +608,9 @@ class Mediator:
             self._count_denied("host", name, port, NOT_ALLOWED if not self.rules.ports_of(name)
                                else "port not allowed")
             return True
+        vault = self.vault
+        if vault is not None and vault.binds(name, port):
+            return self._serve_bound(conn, name, port)
         try:
             upstream = self._connect(name, port)
         except _Denied:
@@ -620,6 +626,25 @@ class Mediator:
             self._forget(upstream)
             upstream.close()
         return False
+
+    def _serve_bound(self, conn: socket.socket, name: str, port: int) -> bool:
+        """A connection to a name:port that a vault binding covers: plain HTTP, one request, injected."""
+        try:
+            head, rest = http.read_head(conn, self.head_timeout)
+            request = http.parse_head(head)
+            path = http.origin_target(request)
+            framing = http.body_framing(request)
+            upstream = self._connect(name, port)
+        except (ConnectionError, OSError):
+            return True
+        except http.HTTPError as exc:
+            _send_quietly(conn, http.response(exc.status, f"isolate: {exc.reason}"))
+            return False
+        except _Denied as exc:
+            _send_quietly(conn, http.response(exc.status, exc.message))
+            return False
+        self._count_allowed(name, port)
+        return self._forward_request(conn, upstream, name, port, request, path, rest, framing)
 
     def _serve_proxy(self, conn: socket.socket) -> bool:
         """One proxied request (CONNECT, or plain HTTP); False when the connection may close normally."""
@@ -648,19 +673,37 @@ class Mediator:
             _send_quietly(conn, http.response(exc.status, exc.message))
             return False
         self._count_allowed(name, port)
+        if framing is not None:
+            return self._forward_request(conn, upstream, name, port, request, path, rest, framing)
         try:
             if not self._track(name, port, conn, upstream):
                 _send_quietly(conn, http.response(403, f"isolate: {name}:{port} is no longer on the allow-list"))
                 return False
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if framing is None:
-                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                if rest:
-                    upstream.sendall(rest)
-                relay(conn, upstream, self._workers.submit)
+            conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            if rest:
+                upstream.sendall(rest)
+            relay(conn, upstream, self._workers.submit)
+            return False
+        except OSError:
+            return True
+        finally:
+            self._untrack(upstream)
+            self._forget(upstream)
+            upstream.close()
+
+    def _forward_request(self, conn: socket.socket, upstream: socket.socket, name: str, port: int,
+                         request: http.Request, path: str, rest: bytes, framing: tuple[str, int]) -> bool:
+        """One plain-HTTP request to name:port, with the vault's headers where a binding matches it."""
+        try:
+            if not self._track(name, port, conn, upstream):
+                _send_quietly(conn, http.response(403, f"isolate: {name}:{port} is no longer on the allow-list"))
                 return False
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            vault = self.vault
+            inject = vault.headers_for("http", name, port, request.method, path) if vault is not None else []
             host_header = name if port == 80 else f"{name}:{port}"
-            upstream.sendall(http.forward_head(request, host_header, path))
+            upstream.sendall(http.forward_head(request, host_header, path, inject))
             return self._relay_one_request(conn, upstream, http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT), framing)
         except OSError:
             return True

@@ -74,6 +74,10 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     warm = None
     box: Any
     if state.cluster:
+        if req.credential_proxy:
+            raise ApiError(400, "UNSUPPORTED", "credentialProxy: this server places sandboxes on the nodes of a Ray "
+                           "cluster (serve --ray), whose egress mediators it cannot reach to add credentials; serve "
+                           "without --ray for a credential vault")
         if snap is not None:
             raise ApiError(400, "UNSUPPORTED", "snapshotId: this server places sandboxes on the nodes of a Ray "
                            "cluster (serve --ray), and a snapshot is kept on one machine; serve without --ray "
@@ -100,6 +104,7 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    managed.credential_proxy = req.credential_proxy
     if state.cluster:
         managed.message += f", on Ray node {box.node_id}"
     source = f"snapshot {req.snapshot_id} (image {req.image!r})" if req.snapshot_id else f"image {req.image!r}"

@@ -190,6 +190,8 @@ class CreateRequest:
     #: The snapshot (API id) the sandbox starts from, if any.
     snapshot_id: str | None = None
     volumes: tuple[VolumeSpec, ...] = ()
+    #: credentialProxy.enabled: the sandbox may be given a credential vault (isolate.egress.vault).
+    credential_proxy: bool = False
 
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -303,8 +305,10 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         if not _empty(body.get(name)):
             raise bad_request(f"{name}: not supported by this server")
     credential = body.get("credentialProxy")
-    if isinstance(credential, Mapping) and credential.get("enabled"):
-        raise bad_request("credentialProxy: the credential vault is not supported by this server")
+    if credential is not None and (not isinstance(credential, Mapping) or set(credential) - {"enabled"}
+                                   or not isinstance(credential.get("enabled", False), bool)):
+        raise bad_request("credentialProxy: expected {\"enabled\": true|false}")
+    credential_proxy = bool(credential and credential.get("enabled"))
     plat = body.get("platform")
     if plat is not None:
         arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
@@ -353,8 +357,13 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
                               env={**base.env, **env})
     except PolicyError as exc:
         raise bad_request(str(exc)) from None
+    if credential_proxy and not hasattr(policy.network, "hosts"):
+        raise bad_request("credentialProxy: the vault's credentials are added by isolate's egress mediator, which a "
+                          "sandbox goes through only with an allow-list: give networkPolicy {\"defaultAction\": "
+                          "\"deny\", \"egress\": [{\"action\": \"allow\", \"target\": HOST}]} for the hosts "
+                          "its bindings name")
     return CreateRequest(uri, policy, timeout, metadata, list(entrypoint), env, snapshot_id,
-                         parse_volumes(body.get("volumes")))
+                         parse_volumes(body.get("volumes")), credential_proxy)
 
 
 # -- files ------------------------------------------------------------------------------

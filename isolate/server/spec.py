@@ -55,9 +55,6 @@ class SpecRoute:
         return PREFIXES[self.api] + self.path
 
 
-_VAULT = ("the credential vault is not served by this server: give the sandbox's program its credentials "
-          "through env at create, or keep them out of the sandbox altogether")
-
 _TEMPLATES = ("templates (golden images) are not served by this server: an image name selects a policy "
               "profile (--image NAME=FILE)")
 _NETWORK_POLICY = ("the SDK uses this for template-backed sandboxes only; this server's sandboxes take their "
@@ -131,16 +128,16 @@ ROUTES: tuple[SpecRoute, ...] = (
     SpecRoute("egress", "PATCH", "/policy", "the running sandbox's allow-list, through its mediator (open "
               "connections to names no longer allowed are closed); ports of its start only"),
     SpecRoute("egress", "DELETE", "/policy", "likewise"),
-    _refused("egress", "POST", "/credential-vault", 400, "CREDENTIAL_VAULT_UNSUPPORTED", _VAULT),
-    _refused("egress", "GET", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
-    _refused("egress", "PATCH", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
-    _refused("egress", "DELETE", "/credential-vault", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
-    _refused("egress", "GET", "/credential-vault/credentials", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
-    _refused("egress", "GET", "/credential-vault/credentials/{credential_name}", 404, "CREDENTIAL_VAULT_NOT_FOUND",
-             _VAULT),
-    _refused("egress", "GET", "/credential-vault/bindings", 404, "CREDENTIAL_VAULT_NOT_FOUND", _VAULT),
-    _refused("egress", "GET", "/credential-vault/bindings/{binding_name}", 404, "CREDENTIAL_VAULT_NOT_FOUND",
-             _VAULT),
+    SpecRoute("egress", "POST", "/credential-vault", "with credentialProxy.enabled and an allow-list: the "
+              "mediator adds the credentials to matching plain-HTTP requests (https bindings refused: no TLS "
+              "interception)"),
+    SpecRoute("egress", "GET", "/credential-vault", "names and revisions, never a value"),
+    SpecRoute("egress", "PATCH", "/credential-vault", "add, replace, delete at once; expectedRevision"),
+    SpecRoute("egress", "DELETE", "/credential-vault"),
+    SpecRoute("egress", "GET", "/credential-vault/credentials"),
+    SpecRoute("egress", "GET", "/credential-vault/credentials/{credential_name}"),
+    SpecRoute("egress", "GET", "/credential-vault/bindings"),
+    SpecRoute("egress", "GET", "/credential-vault/bindings/{binding_name}"),
     # -- what the SDK (1.1.1) calls beyond the four specs -------------------------------------
     SpecRoute("lifecycle", "POST", "/metrics/events", "the SDK's create-latency report: accepted, not kept",
               source="sdk"),

@@ -257,6 +257,9 @@ class ManagedSandbox:
     egress: Any = None
     #: Its rules as (action, target) since then, deny rules included, as GET /policy lists them.
     egress_rules: list[tuple[str, str]] | None = None
+    #: Created with credentialProxy.enabled; its credential vault (isolate.egress.vault.Vault), once given.
+    credential_proxy: bool = False
+    vault: Any = None
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))

@@ -33,6 +33,16 @@ from .files import (
 )
 from .metrics import metrics, watch_metrics
 from .sessions import create_session, delete_session, run_in_session
+from .vault import (
+    create_vault,
+    delete_vault,
+    get_binding,
+    get_credential,
+    get_vault,
+    list_bindings,
+    list_credentials,
+    patch_vault,
+)
 
 # Literal ports: every other port of a sandbox is forwarded (isolate.server.ports).
 PREFIX = f"/sandboxes/{{sandbox_id}}/port/{EXECD_PORT}"
@@ -64,6 +74,14 @@ routes = [
     Route(EGRESS + "/policy", get_policy, methods=["GET"]),
     Route(EGRESS + "/policy", patch_policy, methods=["PATCH"]),
     Route(EGRESS + "/policy", delete_policy, methods=["DELETE"]),
+    Route(EGRESS + "/credential-vault", create_vault, methods=["POST"]),
+    Route(EGRESS + "/credential-vault", get_vault, methods=["GET"]),
+    Route(EGRESS + "/credential-vault", patch_vault, methods=["PATCH"]),
+    Route(EGRESS + "/credential-vault", delete_vault, methods=["DELETE"]),
+    Route(EGRESS + "/credential-vault/credentials", list_credentials, methods=["GET"]),
+    Route(EGRESS + "/credential-vault/credentials/{name}", get_credential, methods=["GET"]),
+    Route(EGRESS + "/credential-vault/bindings", list_bindings, methods=["GET"]),
+    Route(EGRESS + "/credential-vault/bindings/{name}", get_binding, methods=["GET"]),
     Route(PREFIX + "/code", run_code, methods=["POST"]),
     Route(PREFIX + "/code", interrupt_code, methods=["DELETE"]),
     Route(PREFIX + "/code/context", create_context, methods=["POST"]),

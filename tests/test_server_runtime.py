@@ -369,6 +369,33 @@ def test_egress_policy_changes_at_run_time(tmp_path: Any) -> None:
             conn.close()
 
 
+def test_renew_on_access_through_the_server_proxy(server: base.Server) -> None:
+    """extensions["access.renew.extend.seconds"] (OSEP-0009): a request through the server renews the expiry;
+    the endpoints' server-proxy form (use_server_proxy) serves the same routes."""
+    from datetime import timedelta
+
+    cfg = ConnectionConfigSync(domain=server.domain, api_key=KEY, use_server_proxy=True)
+    sandbox = SandboxSync.create("ubuntu", connection_config=cfg, timeout=timedelta(seconds=60),
+                                 extensions={"access.renew.extend.seconds": "300"})
+    try:
+        info = sandbox.get_info()
+        assert info.expires_at is not None
+        assert f"/sandboxes/{sandbox.id}/proxy/44772" in sandbox.get_endpoint(44772).endpoint
+        assert [m.text for m in sandbox.commands.run("echo via-proxy").logs.stdout] == ["via-proxy"]
+        renewed = sandbox.get_info().expires_at
+        assert renewed is not None and renewed > info.created_at + timedelta(seconds=250), (info, renewed)
+        events = sandbox.get_diagnostic_events("lifecycle").content or ""
+        assert "renewed on access" in events
+    finally:
+        sandbox.kill()
+    # Out of OSEP-0009's range, not a string, or another key: refused, nothing made.
+    for extensions in ({"access.renew.extend.seconds": "299"}, {"access.renew.extend.seconds": 600},
+                       {"other.key": "1"}):
+        status, body = server.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "entrypoint": ["true"],
+                                                              "resourceLimits": {}, "extensions": extensions})
+        assert status == 400 and "extensions" in body["message"], body
+
+
 def test_ports_benchmark_runs() -> None:
     """benchmarks/opensandbox_ports.py runs (two rounds); its figures are not asserted."""
     import os

@@ -72,6 +72,26 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
+_PROXY_PATH = re.compile(r"^(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?$")
+
+
+class ServerProxyPaths:
+    """``/sandboxes/{id}/proxy/{port}/...`` (the endpoints' server-proxy form) is ``.../port/{port}/...``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            found = _PROXY_PATH.match(scope["path"])
+            if found is not None:
+                scope = {**scope, "path": f"{found[1]}/port/{found[2]}{found[3] or ''}"}
+                raw = scope.get("raw_path")
+                if isinstance(raw, bytes):  # as sent (still percent-encoded), the same change
+                    scope["raw_path"] = raw.replace(b"/proxy/", b"/port/", 1)
+        await self.app(scope, receive, send)
+
+
 def _refusal(route: SpecRoute) -> Route:
     """A route of the specs this server does not do: the spec's error shape, with the reason."""
     assert route.refusal is not None
@@ -104,6 +124,7 @@ def create_app(state: ServerState) -> Starlette:
                                Mount("/v1", routes=[*lifecycle.routes, *snapshots.routes, *diagnostics.routes]),
                                *execd.routes, *ports.routes]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error}, middleware=[Middleware(RequestId)])
+                    exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(RequestId), Middleware(ServerProxyPaths)])
     app.state.isolate = state
     return app

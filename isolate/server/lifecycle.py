@@ -105,6 +105,7 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
     managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
     managed.credential_proxy = req.credential_proxy
+    managed.renew_on_access = req.renew_on_access
     if state.cluster:
         managed.message += f", on Ray node {box.node_id}"
     source = f"snapshot {req.snapshot_id} (image {req.image!r})" if req.snapshot_id else f"image {req.image!r}"
@@ -267,7 +268,9 @@ async def get_endpoint(request: Request) -> Response:
         raise bad_request("expires: signed endpoints are not supported by this server (the endpoint's token "
                           "header is the access control)")
     host = request.url.netloc
-    url = f"{host}/sandboxes/{managed.id}/port/{port}"
+    # The server-proxy form (use_server_proxy=true, OSEP-0009) names the same routes under /proxy/.
+    kind = "proxy" if request.query_params.get("use_server_proxy", "").lower() == "true" else "port"
+    url = f"{host}/sandboxes/{managed.id}/{kind}/{port}"
     if port in (EXECD_PORT, EGRESS_PORT):
         return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: managed.token}})
     if managed.box.policy.network == "none":

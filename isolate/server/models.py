@@ -192,6 +192,9 @@ class CreateRequest:
     volumes: tuple[VolumeSpec, ...] = ()
     #: credentialProxy.enabled: the sandbox may be given a credential vault (isolate.egress.vault).
     credential_proxy: bool = False
+    #: extensions["access.renew.extend.seconds"]: each access through this server renews the expiry to now
+    #: plus this many seconds (OSEP-0009).
+    renew_on_access: int | None = None
 
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -285,6 +288,30 @@ def _empty(value: object) -> bool:
     return value is None or value == {} or value == [] or value is False
 
 
+#: OSEP-0009's extension, and the bounds it gives it (5 minutes to a day).
+RENEW_ON_ACCESS = "access.renew.extend.seconds"
+RENEW_ON_ACCESS_RANGE = (300, 86400)
+
+
+def parse_extensions(value: object) -> int | None:
+    """The create request's extensions: renew-on-access (seconds) or None; any other key is refused."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+        raise bad_request("extensions: expected an object of string values")
+    unknown = sorted(set(value) - {RENEW_ON_ACCESS})
+    if unknown:
+        raise bad_request(f"extensions.{unknown[0][:80]}: not an extension this server knows (it knows "
+                          f"{RENEW_ON_ACCESS})")
+    text = value.get(RENEW_ON_ACCESS)
+    if text is None:
+        return None
+    low, high = RENEW_ON_ACCESS_RANGE
+    if not (text.isascii() and text.isdigit() and low <= int(text) <= high):
+        raise bad_request(f"extensions.{RENEW_ON_ACCESS}: expected whole seconds from {low} to {high}, as a string")
+    return int(text)
+
+
 def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy | None,
                  snapshot_image: Callable[[str], str] | None = None) -> CreateRequest:
     """Map a CreateSandboxRequest onto a policy; refuse what cannot be honoured.
@@ -301,9 +328,10 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         raise bad_request(f"{unknown[0]}: unknown field of CreateSandboxRequest")
     if body.get("templateId") is not None:
         raise bad_request("templateId: templates are not supported by this server; give image (or snapshotId)")
-    for name in ("lifecycle", "resourceRequests", "extensions"):
+    for name in ("lifecycle", "resourceRequests"):
         if not _empty(body.get(name)):
             raise bad_request(f"{name}: not supported by this server")
+    renew_on_access = parse_extensions(body.get("extensions"))
     credential = body.get("credentialProxy")
     if credential is not None and (not isinstance(credential, Mapping) or set(credential) - {"enabled"}
                                    or not isinstance(credential.get("enabled", False), bool)):
@@ -363,7 +391,7 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
                           "\"deny\", \"egress\": [{\"action\": \"allow\", \"target\": HOST}]} for the hosts "
                           "its bindings name")
     return CreateRequest(uri, policy, timeout, metadata, list(entrypoint), env, snapshot_id,
-                         parse_volumes(body.get("volumes")), credential_proxy)
+                         parse_volumes(body.get("volumes")), credential_proxy, renew_on_access)
 
 
 # -- files ------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def _authorized(request: HTTPConnection, state: ServerState) -> tuple[ManagedSan
     if port in (EXECD_PORT, EGRESS_PORT):
         raise ApiError(404, "NOT_FOUND", f"port {port} is this server's own API here; no such route")
     managed.usable()
+    managed.accessed()
     return managed, port
 
 

@@ -75,7 +75,7 @@ ROUTES: tuple[SpecRoute, ...] = (
     # -- lifecycle ---------------------------------------------------------------------------
     SpecRoute("lifecycle", "GET", "/sandboxes", "state and metadata filters, pagination"),
     SpecRoute("lifecycle", "POST", "/sandboxes", "image names a policy profile; snapshotId; host volumes below "
-              "--volume-root (pvc, ossfs refused)"),
+              "--volume-root (pvc, ossfs refused); credentialProxy; extensions: access.renew.extend.seconds"),
     SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}"),
     SpecRoute("lifecycle", "DELETE", "/sandboxes/{sandboxId}"),
     SpecRoute("lifecycle", "PATCH", "/sandboxes/{sandboxId}/metadata", "JSON merge patch"),
@@ -83,7 +83,8 @@ ROUTES: tuple[SpecRoute, ...] = (
     SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/resume"),
     SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/renew-expiration"),
     SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}/endpoints/{port}",
-              "execution API, or any own port forwarded (HTTP, WebSocket) with a per-port token; not signed"),
+              "execution API, or any own port forwarded (HTTP, WebSocket) with a per-port token; "
+              "use_server_proxy's /proxy/ form; not signed"),
     SpecRoute("lifecycle", "POST", "/sandboxes/{sandboxId}/snapshots",
               "the workspace and private tmpfs mounts (isolate.Snapshot), Ready when answered"),
     SpecRoute("lifecycle", "GET", "/snapshots", "sandboxId and state filters, pagination"),

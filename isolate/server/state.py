@@ -25,7 +25,7 @@ from ..kernel.places import state_path
 from ..model.errors import IsolationError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
-from .models import ApiError
+from .models import ApiError, iso
 
 #: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.
 OUTPUT_LIMIT = 16 << 20
@@ -71,6 +71,8 @@ def room_for_session(managed: ManagedSandbox) -> None:
                        "contexts together; delete one first")
 #: Lifecycle events kept per sandbox for diagnostics (the oldest are dropped).
 KEEP_EVENTS = 1000
+#: Renew-on-access renews a sandbox at most this often (seconds).
+RENEW_COOLDOWN = 5.0
 #: SIGTERM, then this long before SIGKILL, as upstream's interrupt does.
 INTERRUPT_GRACE = 3.0
 
@@ -260,9 +262,29 @@ class ManagedSandbox:
     #: Created with credentialProxy.enabled; its credential vault (isolate.egress.vault.Vault), once given.
     credential_proxy: bool = False
     vault: Any = None
+    #: Renew-on-access (extensions["access.renew.extend.seconds"]): seconds, and when it last renewed.
+    renew_on_access: int | None = None
+    renewed_at: float = 0.0
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
+
+    def accessed(self) -> None:
+        """A request reached the sandbox through this server: renew its expiry if it opted in (OSEP-0009).
+
+        To now plus its seconds, when that is later than the expiry it has; at most once every
+        RENEW_COOLDOWN seconds, so a busy sandbox does not renew (and record it) on every request."""
+        if self.renew_on_access is None or self.state != "Running":
+            return
+        now = time.time()
+        with self.lock:
+            if self.expires_at is None or now - self.renewed_at < RENEW_COOLDOWN:
+                return
+            when = now + self.renew_on_access
+            if when <= self.expires_at:
+                return
+            self.expires_at, self.renewed_at = when, now
+        self.event(f"expiration renewed on access to {iso(when)}")
 
     def set_state(self, state: str, reason: str, message: str = "") -> None:
         self.state, self.reason, self.message, self.transition_at = state, reason, message, time.time()

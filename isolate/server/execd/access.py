@@ -42,6 +42,7 @@ def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) 
         raise ApiError(404, "NOT_FOUND", "this port of the sandbox serves nothing here")
     if running:
         managed.usable()
+    managed.accessed()
     return managed
 
 

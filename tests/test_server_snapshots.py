@@ -18,7 +18,7 @@ import test_server as base
 from opensandbox import SandboxManagerSync, SandboxSync
 from opensandbox.config import ConnectionConfigSync
 from opensandbox.exceptions import SandboxException
-from opensandbox.models.sandboxes import Host, Volume
+from opensandbox.models.sandboxes import PVC, Host, Volume
 
 KEY = base.KEY
 
@@ -176,7 +176,7 @@ def test_host_volumes_below_the_root_only(places: dict[str, str]) -> None:
         body = {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "host": {"path": root}, "subPath": "../outside",
                                                          "mountPath": "/data"}]}
         assert server.call("POST", "/v1/sandboxes", body)[0] == 400
-        body = {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "pvc": {"claimName": "c"}, "mountPath": "/d"}]}
+        body = {"image": {"uri": "ubuntu"}, "volumes": [{"name": "v", "ossfs": {"bucket": "b"}, "mountPath": "/d"}]}
         status, answer = server.call("POST", "/v1/sandboxes", body)
         assert status == 400 and answer["code"] == "VOLUME_NOT_SUPPORTED" and "--volume-root" in answer["message"]
         assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
@@ -187,5 +187,62 @@ def test_host_volumes_below_the_root_only(places: dict[str, str]) -> None:
     try:
         with pytest.raises(SandboxException, match="--volume-root"):
             _volume_create(server, shared, read_only=True)
+    finally:
+        server.stop()
+
+
+def _named(server: base.Server, claim: str, mount: str = "/mnt/pvc", read_only: bool = False, sub: str | None = None,
+           **pvc: Any) -> SandboxSync:
+    return SandboxSync.create("ubuntu", connection_config=config(server), volumes=[Volume(
+        name="named", pvc=PVC(claimName=claim, **pvc), mount_path=mount, read_only=read_only, sub_path=sub)])
+
+
+def test_named_volumes_live_in_the_volume_store(places: dict[str, str]) -> None:
+    """pvc volumes (Docker named volumes, here a directory each in the server's store): made on first use,
+    kept across sandboxes, read-only when asked, a subPath alone, removed with their last sandbox when asked,
+    and walked like host volumes (a link planted inside is not followed)."""
+    state = tempfile.mkdtemp(prefix="state-", dir=os.path.dirname(places["state"]))
+    os.chmod(state, 0o755)
+    store = os.path.join(state, "opensandbox-volumes")
+    server = start(state)
+    try:
+        first = _named(server, "data")
+        try:
+            first.commands.run("mkdir -p /mnt/pvc/sub && echo kept > /mnt/pvc/kept.txt && echo sub > /mnt/pvc/sub/s"
+                               " && ln -s / /mnt/pvc/escape")
+        finally:
+            first.kill()
+        assert os.path.isfile(os.path.join(store, "data", "kept.txt"))
+        ro = _named(server, "data", read_only=True)
+        try:
+            assert ro.files.read_file("/mnt/pvc/kept.txt") == "kept\n"
+            assert ro.commands.run("echo x > /mnt/pvc/new.txt").error is not None
+        finally:
+            ro.kill()
+        sub = _named(server, "data", sub="sub", mount="/mnt/sub")
+        try:
+            assert sub.commands.run("ls /mnt/sub").logs.stdout[0].text == "s"
+        finally:
+            sub.kill()
+        for pvc, sub_path, code in (({"claimName": "data"}, "escape", "VOLUME_NOT_ALLOWED"),
+                                    ({"claimName": "data"}, "../..", "INVALID_REQUEST"),
+                                    ({"claimName": "../x"}, None, "INVALID_REQUEST"),
+                                    ({"claimName": "missing", "createIfNotExists": False}, None, "VOLUME_NOT_ALLOWED")):
+            volume: dict[str, Any] = {"name": "v", "pvc": pvc, "mountPath": "/d"}
+            if sub_path is not None:
+                volume["subPath"] = sub_path
+            status, answer = server.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "volumes": [volume]})
+            assert status == 400 and answer["code"] == code, (pvc, sub_path, answer)
+        assert not os.path.exists(os.path.join(store, "missing"))
+        # deleteOnSandboxTermination: a volume this create made goes with its last sandbox; one that was there
+        # stays.
+        temp = _named(server, "temp", delete_on_sandbox_termination=True)
+        again = _named(server, "temp")
+        temp.kill()
+        assert os.path.isdir(os.path.join(store, "temp"))  # still used
+        again.kill()
+        assert not os.path.exists(os.path.join(store, "temp"))
+        _named(server, "data", delete_on_sandbox_termination=True).kill()
+        assert os.path.isfile(os.path.join(store, "data", "kept.txt"))
     finally:
         server.stop()

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--volume-root", action="append", default=[], metavar="DIR",
                         help="create requests may mount host paths below DIR as volumes (read-only or read-write, "
                              "as asked); repeatable; without it, host volumes are refused")
+    parser.add_argument("--volume-store", metavar="DIR",
+                        help="where named (pvc) volumes are kept, a directory each (default: the state "
+                             "directory's opensandbox-volumes)")
     parser.add_argument("--warm", type=int, default=0, metavar="N",
                         help="keep N sandboxes started in the shape of the SDK's default create (the default "
                              "profile, 1 CPU, 2 GiB, no env, volumes or snapshot): such a create takes a fresh one "
@@ -124,6 +127,7 @@ def serve_main(argv: Sequence[str]) -> int:
         from .volumes import check_roots
 
         volume_roots = check_roots(options.volume_root)
+        volume_store = check_roots([options.volume_store], "--volume-store")[0] if options.volume_store else None
         if options.best_effort:
             profiles = {name: policy.replace(best_effort=True) for name, policy in profiles.items()}
             any_image = any_image.replace(best_effort=True) if any_image is not None else None
@@ -158,15 +162,16 @@ def serve_main(argv: Sequence[str]) -> int:
     if options.warm < 0:
         print("isolate-run serve: --warm: 0 or more", file=sys.stderr)
         return 125
-    if options.ray is not None and (options.warm or volume_roots):
-        print("isolate-run serve: --warm and --volume-root keep sandboxes and host paths of this machine; with "
+    if options.ray is not None and (options.warm or volume_roots or volume_store):
+        print("isolate-run serve: --warm, --volume-root and --volume-store keep sandboxes and host paths of this "
+              "machine; with "
               "--ray the sandboxes are on the cluster's nodes: drop them, or serve without --ray", file=sys.stderr)
         return 125
     if options.ray is not None and not _join_cluster(options.ray):
         return 125
     try:
         state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes,
-                            volume_roots=volume_roots, warm=options.warm)
+                            volume_roots=volume_roots, warm=options.warm, volume_store=volume_store)
         state.cluster = options.ray is not None
         state.start_pool()
     except IsolationError as exc:

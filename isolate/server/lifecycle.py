@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import shlex
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +34,7 @@ from .models import (
 )
 from .ports import PORT_TOKEN_HEADER, port_token
 from .state import ManagedSandbox, ServerState
-from .volumes import open_volumes
+from .volumes import Opened, open_volumes
 from .volumes import verify as verify_volumes
 
 
@@ -64,7 +66,27 @@ def _network_text(network: object) -> str:
 
 
 def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
-    opened = open_volumes(req.volumes, state.volume_roots) if req.volumes else []
+    named = [spec.claim for spec in req.volumes if spec.claim is not None]
+    if named and state.cluster:
+        raise ApiError(400, "UNSUPPORTED", "volumes: this server places sandboxes on the nodes of a Ray cluster "
+                       "(serve --ray), and a named volume is a directory of one machine; serve without --ray")
+    store = state.volume_store() if named else None
+    opened = open_volumes(req.volumes, state.volume_roots, store)
+    try:
+        managed = _start_box(state, req, opened)
+    except BaseException:
+        for item in opened:
+            if item.made is not None:
+                shutil.rmtree(item.made, ignore_errors=True)
+        raise
+    for item in opened:
+        if item.spec.claim is not None and store is not None:
+            state.hold_volume(os.path.join(store, item.spec.claim), managed,
+                              made=item.made is not None and item.spec.delete_on_end)
+    return managed
+
+
+def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> ManagedSandbox:
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
     backend = state.backend or (req.policy.backend if req.policy.backend != "auto" else "native")
     if backend != "native":

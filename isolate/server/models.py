@@ -169,12 +169,19 @@ def egress_with(hosts: list[str], profile: object) -> Any:
 
 @dataclass(frozen=True)
 class VolumeSpec:
-    """A host volume of a create request, its shape checked (isolate.server.volumes checks the host side)."""
+    """A volume of a create request, its shape checked (isolate.server.volumes checks the host side).
+
+    A host volume names ``host_path``; a named (``pvc``) one names ``claim``, a directory of the server's
+    volume store, and ``host_path`` is then its subPath ("" for the whole volume)."""
 
     name: str
     host_path: str
     mount_path: str
     read_only: bool
+    claim: str | None = None
+    #: pvc: createIfNotExists, and deleteOnSandboxTermination (of a volume this create made).
+    create: bool = True
+    delete_on_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,8 +206,6 @@ class CreateRequest:
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _VOLUME_KINDS = {
-    "pvc": "platform volumes (PVC, Docker named volumes) are not made by this server: give a host directory "
-           "below one of its --volume-root directories as {\"host\": {\"path\": ...}}",
     "ossfs": "OSS buckets are not mounted by this server (no ossfs): mount the bucket on the host below a "
              "--volume-root directory and give that as a host volume",
 }
@@ -228,9 +233,10 @@ def parse_volumes(value: object) -> tuple[VolumeSpec, ...]:
         kinds = [k for k in ("host", "pvc", "ossfs") if vol.get(k) is not None]
         if len(kinds) != 1:
             raise bad_request(f"{where}: exactly one of host, pvc, ossfs is expected")
-        if kinds[0] != "host":
+        if kinds[0] == "ossfs":
             raise bad_request(f"{where}.{kinds[0]}: {_VOLUME_KINDS[kinds[0]]}", "VOLUME_NOT_SUPPORTED")
-        host = vol["host"]
+        claim, create, delete_on_end = _claim(vol.get("pvc"), where) if kinds[0] == "pvc" else (None, True, False)
+        host = vol.get("host") if claim is None else {"path": "/"}
         if not isinstance(host, Mapping) or set(host) != {"path"} or not isinstance(host["path"], str) or \
                 not host["path"].startswith("/") or "\0" in host["path"]:
             raise bad_request(f"{where}.host: expected {{\"path\": ABSOLUTE HOST PATH}}")
@@ -248,8 +254,26 @@ def parse_volumes(value: object) -> tuple[VolumeSpec, ...]:
             path = path.rstrip("/") + "/" + sub
         if any(v.mount_path.rstrip("/") == mount_path.rstrip("/") for v in out):
             raise bad_request(f"{where}.mountPath: {mount_path} is the mount path of two volumes")
-        out.append(VolumeSpec(name, path, mount_path, read_only))
+        if claim is not None:
+            path = path.lstrip("/")  # the subPath within the named volume
+        out.append(VolumeSpec(name, path, mount_path, read_only, claim, create, delete_on_end))
     return tuple(out)
+
+
+def _claim(pvc: object, where: str) -> tuple[str, bool, bool]:
+    """A pvc volume: its claimName (a DNS label: one directory name of the volume store) and flags."""
+    known = {"claimName", "createIfNotExists", "deleteOnSandboxTermination", "storageClass", "storage", "accessModes"}
+    if not isinstance(pvc, Mapping) or set(pvc) - known:
+        raise bad_request(f"{where}.pvc: expected {{\"claimName\": NAME, ...}} ({', '.join(sorted(known))})")
+    claim = pvc.get("claimName")
+    if not isinstance(claim, str) or len(claim) > 253 or not _DNS_LABEL.match(claim):
+        raise bad_request(f"{where}.pvc.claimName: expected a DNS label (a-z, 0-9, -)")
+    flags = [pvc.get("createIfNotExists", True), pvc.get("deleteOnSandboxTermination", False)]
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise bad_request(f"{where}.pvc: createIfNotExists and deleteOnSandboxTermination are true or false")
+    # storageClass, storage and accessModes are Kubernetes' provisioning hints, ignored for a named volume
+    # that is a directory (as the spec has Docker ignore them).
+    return claim, bool(flags[0]), bool(flags[1])
 
 
 def _str_map(value: object, name: str) -> dict[str, str]:

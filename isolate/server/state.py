@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import threading
 import time
@@ -265,6 +266,8 @@ class ManagedSandbox:
     #: Renew-on-access (extensions["access.renew.extend.seconds"]): seconds, and when it last renewed.
     renew_on_access: int | None = None
     renewed_at: float = 0.0
+    #: Run once the sandbox is closed (the named volumes made for it, released).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -357,10 +360,14 @@ class ManagedSandbox:
             except Exception:
                 pass
         self.box.close()
+        while self.on_close:
+            self.on_close.pop()()
 
 
 #: The state directory's entry that every sandbox's /workspace is an overlay of (kept empty).
 WORKSPACE_BASE = "opensandbox-workspace"
+#: The state directory's entry where named (pvc) volumes are kept, unless serve --volume-store says.
+VOLUME_STORE = "opensandbox-volumes"
 
 
 def server_workspace() -> Workspace:
@@ -378,12 +385,16 @@ class ServerState:
 
     def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
                  backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES,
-                 volume_roots: tuple[str, ...] = (), warm: int = 0) -> None:
+                 volume_roots: tuple[str, ...] = (), warm: int = 0, volume_store: str | None = None) -> None:
         from .snapshots import SnapshotStore
 
         self.api_key = api_key
         #: The host directories below which create requests may name volumes (--volume-root; real paths).
         self.volume_roots = volume_roots
+        #: Where named (pvc) volumes are kept (--volume-store; else the state directory's, made when first used),
+        #: and how many sandboxes use each of those a create made (removed with the last when it asked).
+        self.given_volume_store = volume_store
+        self.made_volumes: dict[str, int] = {}
         self.snapshots = SnapshotStore()
         #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
         #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
@@ -412,6 +423,28 @@ class ServerState:
         shape = parse_create({"image": {"uri": "default"}, "resourceLimits": {"cpu": "1", "memory": "2Gi"},
                               "entrypoint": KEEPALIVE_ENTRYPOINT}, self.profiles, self.any_image)
         self.pool = SandboxPool(shape.policy, size=self.warm, backend=self.backend, workspace=self.workspace)
+
+    def volume_store(self) -> str:
+        return self.given_volume_store or state_path(VOLUME_STORE)
+
+    def hold_volume(self, path: str, managed: ManagedSandbox, made: bool) -> None:
+        """``managed`` uses the named volume at ``path``; ``made``: its create made it and it goes with the last
+        sandbox using it (deleteOnSandboxTermination). A volume not made so is never removed."""
+        with self.lock:
+            if not made and path not in self.made_volumes:
+                return
+            self.made_volumes[path] = self.made_volumes.get(path, 0) + 1
+
+        def release() -> None:
+            with self.lock:
+                left = self.made_volumes.get(path, 1) - 1
+                if left > 0:
+                    self.made_volumes[path] = left
+                    return
+                self.made_volumes.pop(path, None)
+            shutil.rmtree(path, ignore_errors=True)  # never follows a link planted inside
+
+        managed.on_close.append(release)
 
     def take_warm(self, policy: Policy) -> Sandbox | None:
         """A started sandbox of the warm pool when ``policy`` is its shape, else None."""

@@ -1,4 +1,5 @@
-"""Host volumes of a create request: host paths below an operator's ``--volume-root``, as isolate Mounts.
+"""Volumes of a create request, as isolate Mounts: host paths below an operator's ``--volume-root``, and
+named (``pvc``) volumes, directories of the server's volume store.
 
 A create request names a host path; whoever sends it is not the operator,
 and a sandbox given a read-write volume can plant links and rename
@@ -13,6 +14,12 @@ directories in it between two creates. So a path is taken only:
   walk opened (compared by device and inode from inside, after start): a
   directory swapped between the walk and isolate's own open of the bind
   source ends the sandbox, refused.
+
+A named volume is what a Docker named volume is to Docker: a directory the
+server keeps (``<volume store>/<claimName>``, made on first use unless
+``createIfNotExists`` is false), walked the same way from the store, its
+``subPath`` included; one the create made is removed with the last sandbox
+using it when ``deleteOnSandboxTermination`` asks.
 """
 
 from __future__ import annotations
@@ -36,16 +43,17 @@ def _refused(message: str) -> ApiError:
     return ApiError(400, "VOLUME_NOT_ALLOWED", message)
 
 
-def check_roots(paths: Sequence[str]) -> tuple[str, ...]:
-    """The operator's --volume-root directories as real paths (PolicyError for one that is not a directory)."""
+def check_roots(paths: Sequence[str], flag: str = "--volume-root") -> tuple[str, ...]:
+    """The operator's --volume-root (or --volume-store) directories as real paths (PolicyError for one that is
+    not a directory)."""
     out = []
     for path in paths:
         real = os.path.realpath(path)
         if not os.path.isdir(real):
-            raise PolicyError(f"--volume-root {path}: not a directory", "volume-root")
+            raise PolicyError(f"{flag} {path}: not a directory", flag.lstrip("-"))
         if real == "/":
-            raise PolicyError("--volume-root /: the whole filesystem cannot be a volume root; give the directory "
-                              "volumes may come from", "volume-root")
+            raise PolicyError(f"{flag} /: the whole filesystem cannot hold volumes; give the directory volumes "
+                              "may come from", flag.lstrip("-"))
         if real not in out:
             out.append(real)
     return tuple(out)
@@ -58,6 +66,8 @@ class Opened:
     spec: VolumeSpec
     mount: Mount
     identity: tuple[int, int]
+    #: A named volume this create made (its directory in the store), else None.
+    made: str | None = None
 
 
 def _walk(root: str, relative: list[str], shown: str) -> tuple[int, int]:
@@ -86,10 +96,46 @@ def _walk(root: str, relative: list[str], shown: str) -> tuple[int, int]:
         os.close(fd)
 
 
-def open_volumes(specs: Sequence[VolumeSpec], roots: Sequence[str]) -> list[Opened]:
-    """Check each host volume against the roots and open it (ApiError 400 for anything else)."""
+def _claim_directory(spec: VolumeSpec, store: str) -> str | None:
+    """Make the named volume's directory in the store when missing and asked to; its path if made here."""
+    assert spec.claim is not None
+    fd = open_directory(store)
+    try:
+        if not spec.create:
+            return None  # the walk refuses it when missing
+        try:
+            os.mkdir(spec.claim, 0o755, dir_fd=fd)
+        except FileExistsError:
+            return None
+        return os.path.join(store, spec.claim)
+    except OSError as exc:
+        raise ApiError(500, "VOLUME_STORE_ERROR", f"volumes[{spec.name}]: cannot make named volume {spec.claim} "
+                       f"in {store}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def open_volumes(specs: Sequence[VolumeSpec], roots: Sequence[str], store: str | None = None) -> list[Opened]:
+    """Check each volume (host paths against the roots, named ones in the store) and open it (ApiError 400)."""
     out = []
     for spec in specs:
+        if spec.claim is not None:
+            assert store is not None
+            made = _claim_directory(spec, store)
+            relative = [spec.claim, *(p for p in spec.host_path.split("/") if p not in ("", "."))]
+            shown = f"named volume {'/'.join(relative)}"
+            try:
+                identity = _walk(store, relative, shown)
+            except ApiError:
+                if made is not None:
+                    os.rmdir(made)
+                raise
+            try:
+                mount = Mount(os.path.join(store, *relative), spec.mount_path, "ro" if spec.read_only else "rw")
+            except PolicyError as exc:
+                raise _refused(f"volumes[{spec.name}]: {exc}") from None
+            out.append(Opened(spec, mount, identity, made))
+            continue
         path = spec.host_path
         if not roots:
             raise _refused(f"volumes[{spec.name}]: this server mounts no host paths (its operator gives the "

@@ -279,9 +279,14 @@ struct iso_file_denial {
     int32_t access;                /* enum iso_why_access */
     int32_t mechanism;             /* enum iso_why_mechanism */
     uint32_t count;
-    char path[256];                /* as the program named it (truncated) */
+    uint32_t flags;                /* ISO_WHY_CUT */
+    char path[256];                /* as the program named it (its start: see ISO_WHY_CUT) */
     char resolved[256];            /* in the sandbox's view */
 };
+
+/* path or resolved was longer than its field, which holds its start only:
+ * a different name, never to be granted or shown as the one refused. */
+#define ISO_WHY_CUT 1
 
 /* Written after struct iso_status when the plan traces denials. */
 struct iso_why_report {

@@ -404,19 +404,25 @@ static uint64_t granted_on(const char *resolved, const struct stat *st)
 static void record(int nr, int access, int mechanism, const char *looked_up, const char *resolved)
 {
     const char *path = named_path ? named_path : looked_up;
+    /* A path longer than the field keeps its start only, which names another file (or none): the entry
+     * says so, so that no one grants or reports the cut name as the one refused. */
+    uint32_t flags = 0;
+    if (strlen(path) >= sizeof table.denied[0].path || strlen(resolved) >= sizeof table.denied[0].resolved)
+        flags |= ISO_WHY_CUT;
     if (stream_fd >= 0) {
         struct iso_file_denial d;
         memset(&d, 0, sizeof d);
         d.nr = nr;
         d.access = access;
         d.mechanism = mechanism;
+        d.flags = flags;
         strncpy(d.path, path, sizeof d.path - 1);
         strncpy(d.resolved, resolved, sizeof d.resolved - 1);
         send_event(&d);
     }
     for (uint32_t i = 0; i < table.n; i++) {
         struct iso_file_denial *d = &table.denied[i];
-        if (d->nr == nr && d->access == access && d->mechanism == mechanism &&
+        if (d->nr == nr && d->access == access && d->mechanism == mechanism && d->flags == flags &&
             !strncmp(d->path, path, sizeof d->path - 1) && !strncmp(d->resolved, resolved, sizeof d->resolved - 1)) {
             d->count++;
             return;
@@ -432,6 +438,7 @@ static void record(int nr, int access, int mechanism, const char *looked_up, con
     d->access = access;
     d->mechanism = mechanism;
     d->count = 1;
+    d->flags = flags;
     strncpy(d->path, path, sizeof d->path - 1);
     strncpy(d->resolved, resolved, sizeof d->resolved - 1);
 }

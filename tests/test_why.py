@@ -138,3 +138,35 @@ def test_explain_after_a_run(workdir: str) -> None:
     explained = subprocess.run([ISOLATE_RUN, "--explain", "--report", report], capture_output=True, text=True)
     assert explained.returncode == 0, explained.stderr
     assert explained.stdout.startswith("denied: write /etc/hosts ("), explained.stdout
+
+
+def test_a_path_longer_than_the_tracer_keeps_is_named_cut(workdir: str) -> None:
+    # The report keeps a path's first 255 bytes: a longer one names another file (or none), so the entry
+    # says it is cut, and neither the hint nor learn offers to grant the cut name.
+    outside = os.path.join(workdir, "outside")  # not granted
+    deep = os.path.join(outside, *(["d" * 60] * 5))  # > 255 bytes
+    os.makedirs(deep)
+    target = os.path.join(deep, "secret.txt")
+    with open(target, "w") as handle:
+        handle.write("x")
+    code = f"""
+try:
+    open({target!r}).read()
+except OSError:
+    pass
+print("done")
+"""
+    result = isolate.run(py(code), policy=policy(read=python_read(), write=(), cwd="/tmp", trace_denials=True),
+                         capture_output=True)
+    assert result.stdout == b"done\n", result.stderr
+    cut = [e for e in result.report.denied if e.get("cut")]
+    assert len(cut) == 1 and cut[0]["access"] == "read", result.report.denied
+    assert target.startswith(str(cut[0]["path"])) and len(str(cut[0]["path"])) == 255
+    from isolate.cli.learn import Learned
+    from isolate.cli.why import file_hint, grant_flag
+
+    assert grant_flag(cut[0]) is None
+    assert "longer than the tracer keeps" in file_hint(cut[0], isolate.Policy())
+    learned = Learned()
+    assert learned.add(cut) == 0 and not learned.read and not learned.write
+    assert any("longer than the tracer keeps" in why for why in learned.unfixable.values())

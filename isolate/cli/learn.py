@@ -64,7 +64,7 @@ def _broad(directory: str) -> bool:
 
 def _grant_of(entry: dict[str, Any]) -> tuple[str, str] | None:
     """("read" | "write", directory or file) that would have allowed a refused access, or None."""
-    if entry.get("mechanism") not in ("absent", "landlock", "read-only"):
+    if entry.get("mechanism") not in ("absent", "landlock", "read-only") or entry.get("cut"):
         return None
     resolved = str(entry.get("resolved") or "")
     if not resolved.startswith("/"):
@@ -158,6 +158,9 @@ class Learned:
 
 def _unfixable(entry: dict[str, Any]) -> str:
     mechanism = entry.get("mechanism")
+    if entry.get("cut"):
+        return (f"{entry.get('access')} of a path longer than the tracer keeps (it begins "
+                f"{str(entry.get('resolved') or entry.get('path'))[:80]}...): not learned; grant it with --ro/--rw")
     if mechanism in ("absent", "landlock", "read-only") and str(entry.get("resolved") or "").startswith("/"):
         return (f"{entry.get('access')} {entry.get('resolved')}: not learned, its grant would be all of / or the "
                 "home (or a directory above it); grant it with --ro/--rw if it is meant")

@@ -25,8 +25,8 @@ def grant_flag(entry: dict[str, Any]) -> str | None:
     removing or renaming an entry --rw of its directory.
     """
     mechanism, access, path = entry.get("mechanism"), entry.get("access"), entry.get("resolved") or ""
-    if mechanism == "dac" or not path:
-        return None
+    if mechanism == "dac" or not path or entry.get("cut"):
+        return None  # (a cut path names another file: no flag for it)
     if access in ("read", "execute", "lookup"):
         return f"--ro {shlex.quote(path)}"
     if access in ("write", "truncate"):
@@ -38,6 +38,9 @@ def file_hint(entry: dict[str, Any], policy: Policy) -> str:
     """``denied: write /etc/hosts (read-only); grant it with --rw /etc/hosts``."""
     path = _printable(str(entry.get("resolved") or entry.get("path") or "?"))
     reason = _REASONS.get(str(entry.get("mechanism")), str(entry.get("mechanism")))
+    if entry.get("cut"):
+        return (f"denied: {entry.get('access')} of a path longer than the tracer keeps, beginning {path}... "
+                f"({reason}); grant it with --ro/--rw of its real path")
     line = f"denied: {entry.get('access')} {path} ({reason})"
     flag = grant_flag(entry)
     if flag is not None:

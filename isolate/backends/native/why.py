@@ -26,9 +26,23 @@ def _text(raw: Any) -> str:
     return os.fsdecode(ffi.string(raw, len(raw)))
 
 
+def _entry(d: Any, count: int) -> dict[str, Any]:
+    """A report entry for one struct iso_file_denial; "cut": its path is the start of a longer one."""
+    from ...kernel import seccomp
+
+    entry: dict[str, Any] = {"mechanism": MECHANISM.get(int(d.mechanism), "unknown"),
+                             "access": ACCESS.get(int(d.access), "unknown"), "path": _text(d.path),
+                             "resolved": _text(d.resolved), "syscall": seccomp.syscall_name(int(d.nr)),
+                             "count": count}
+    if int(d.flags) & lib.ISO_WHY_CUT:
+        entry["cut"] = True
+    return entry
+
+
 def on_host(entry: dict[str, Any]) -> bool:
-    """Whether an "absent" entry names what the host has (for a new entry: its directory)."""
-    if entry["mechanism"] != "absent":
+    """Whether an "absent" entry names what the host has (for a new entry: its directory); a cut one
+    cannot be looked up, and is kept."""
+    if entry["mechanism"] != "absent" or entry.get("cut"):
         return True
     resolved = str(entry["resolved"])
     if entry["access"] in ("create", "rename"):
@@ -57,15 +71,9 @@ def file_denials(data: bytes) -> list[dict[str, Any]]:
     ffi.memmove(table, data, REPORT_SIZE)
     if table.magic != lib.ISO_WHY_MAGIC:
         return []
-    from ...kernel import seccomp
-
     out: list[dict[str, Any]] = []
     for i in range(min(int(table.n), len(table.denied))):
-        entry = table.denied[i]
-        found = {"mechanism": MECHANISM.get(int(entry.mechanism), "unknown"),
-                 "access": ACCESS.get(int(entry.access), "unknown"), "path": _text(entry.path),
-                 "resolved": _text(entry.resolved), "syscall": seccomp.syscall_name(int(entry.nr)),
-                 "count": int(entry.count)}
+        found = _entry(table.denied[i], int(table.denied[i].count))
         if on_host(found):
             out.append(found)
     if int(table.dropped):
@@ -116,15 +124,10 @@ class WhyStream:
             self._add(raw)
 
     def _add(self, raw: bytes) -> None:
-        from ...kernel import seccomp
-
         event = ffi.new("struct iso_why_event *")
         ffi.memmove(event, raw, EVENT_SIZE)
-        d = event.denial
-        entry: dict[str, Any] = {"mechanism": MECHANISM.get(int(d.mechanism), "unknown"),
-                 "access": ACCESS.get(int(d.access), "unknown"), "path": _text(d.path),
-                 "resolved": _text(d.resolved), "syscall": seccomp.syscall_name(int(d.nr)), "count": 1}
-        key = tuple(str(entry[k]) for k in ("mechanism", "access", "path", "resolved", "syscall"))
+        entry = _entry(event.denial, 1)
+        key = tuple(str(entry.get(k)) for k in ("mechanism", "access", "path", "resolved", "syscall", "cut"))
         session = self._sessions.get(int(event.session))
         if session is None:
             if len(self._sessions) >= _MAX_SESSIONS:

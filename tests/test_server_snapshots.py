@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -244,5 +246,59 @@ def test_named_volumes_live_in_the_volume_store(places: dict[str, str]) -> None:
         assert not os.path.exists(os.path.join(store, "temp"))
         _named(server, "data", delete_on_sandbox_termination=True).kill()
         assert os.path.isfile(os.path.join(store, "data", "kept.txt"))
+    finally:
+        server.stop()
+
+
+def test_named_volume_goes_only_with_its_last_user(places: dict[str, str]) -> None:
+    """deleteOnSandboxTermination against a create of the same volume that runs at the same time: whichever start
+    ends first, the volume stays while a sandbox uses it; a failed create takes neither the volume it made nor
+    the one another create made."""
+    state = tempfile.mkdtemp(prefix="state-", dir=os.path.dirname(places["state"]))
+    os.chmod(state, 0o755)
+    store = os.path.join(state, "opensandbox-volumes")
+    server = start(state)
+
+    def create(volumes: list[dict[str, Any]]) -> tuple[int, Any]:
+        return server.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "entrypoint": ["sleep", "300"],
+                                                     "volumes": volumes})
+
+    try:
+        for i in range(8):
+            claim = f"race{i}"
+            # The first create makes the volume and asks it to go with it, then opens many more (its start ends
+            # later); the second takes the same volume meanwhile.
+            first_volumes = [{"name": "v", "pvc": {"claimName": claim, "deleteOnSandboxTermination": True},
+                              "mountPath": "/d"}]
+            first_volumes += [{"name": f"p{j}", "pvc": {"claimName": f"pad{i}-{j}"}, "mountPath": f"/p{j}"}
+                              for j in range(40)]
+            answers: dict[str, tuple[int, Any]] = {}
+            thread = threading.Thread(target=lambda volumes=first_volumes, out=answers:
+                                      out.update(first=create(volumes)))
+            thread.start()
+            time.sleep(0.002 * i)
+            answers["second"] = create([{"name": "v", "pvc": {"claimName": claim}, "mountPath": "/d"}])
+            thread.join()
+            assert answers["first"][0] == 202 and answers["second"][0] == 202, answers
+            server.call("DELETE", f"/v1/sandboxes/{answers['first'][1]['id']}")
+            assert os.path.isdir(os.path.join(store, claim)), i  # the second sandbox still uses it
+            server.call("DELETE", f"/v1/sandboxes/{answers['second'][1]['id']}")
+        # A create that fails after it took a volume another sandbox made and uses: the volume stays.
+        keeper = _named(server, "kept", delete_on_sandbox_termination=True)
+        try:
+            status, answer = create([{"name": "v", "pvc": {"claimName": "kept"}, "mountPath": "/d"},
+                                     {"name": "w", "pvc": {"claimName": "absent", "createIfNotExists": False},
+                                      "mountPath": "/e"}])
+            assert status == 400, answer
+            assert os.path.isdir(os.path.join(store, "kept"))
+            # One that made a volume and then failed on another leaves neither behind.
+            status, answer = create([{"name": "v", "pvc": {"claimName": "fresh"}, "mountPath": "/d"},
+                                     {"name": "w", "pvc": {"claimName": "absent", "createIfNotExists": False},
+                                      "mountPath": "/e"}])
+            assert status == 400, answer
+            assert not os.path.exists(os.path.join(store, "fresh"))
+        finally:
+            keeper.kill()
+        assert not os.path.exists(os.path.join(store, "kept"))
     finally:
         server.stop()

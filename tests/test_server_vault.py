@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -253,3 +254,134 @@ def test_vault_refuses_bindings_it_cannot_honour(binding: dict[str, Any], reason
 def test_vault_refuses_values_that_would_break_a_header(value: str) -> None:
     with pytest.raises(VaultError):
         Vault([{"name": "c", "source": {"value": value}}], [])
+
+
+# Inside: each case's request head (and what follows it) as bytes, straight to api.test or to the proxy of the
+# environment; the answers are not looked at (what counts is what the host's server got).
+RAW_PROBE = r'''
+import json, os, socket, sys
+from urllib.parse import urlsplit
+port = int(sys.argv[1])
+proxy = urlsplit(os.environ["http_proxy"])
+for case in json.load(open("/tmp/cases.json")):
+    address = (proxy.hostname, proxy.port) if case["mode"] == "proxy" else ("api.test", port)
+    s = socket.create_connection(address, 10)
+    s.sendall(case["data"].encode("latin-1"))
+    s.settimeout(10)
+    try:
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass
+    s.close()
+'''
+
+
+class RawRecorder(threading.Thread):
+    """A server that keeps every byte each connection brings (until it pauses), then answers 200."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.seen: list[bytes] = []
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
+        data = b""
+        conn.settimeout(0.3)
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+        self.seen.append(data)
+        try:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        except OSError:
+            pass
+        conn.close()
+
+
+@pytest.fixture
+def raw_served(tmp_path: Any) -> Iterator[tuple[base.Server, RawRecorder]]:
+    recorder = RawRecorder()
+    recorder.start()
+    path = tmp_path / "raw.toml"
+    path.write_text(f'[network]\negress = ["api.test:{recorder.port}"]\nadd_hosts = {{"api.test" = "127.0.0.1"}}\n')
+    path.chmod(0o644)
+    tmp_path.chmod(0o755)
+    srv = base.Server("--image", f"vault={path}", "--best-effort")
+    try:
+        yield srv, recorder
+    finally:
+        srv.stop()
+        recorder.listener.close()
+
+
+def test_vault_injects_no_request_a_server_may_read_as_another(raw_served: tuple[base.Server, RawRecorder]) -> None:
+    """Paths that servers normalise into another (Tomcat's ``..;``, merged ``//``, a ``;`` or ``#`` before the
+    suffix a glob wants, double or overlong encodings, a NUL, a tab), headers that frameworks read as another
+    method or path, and bodies whose chunks a server reads differently: none carries the credential, and the
+    server never gets bytes the mediator did not frame."""
+    srv, recorder = raw_served
+    port = recorder.port
+    sandbox = SandboxSync.create("vault", connection_config=ConnectionConfigSync(domain=srv.domain, api_key=base.KEY),
+                                 network_policy=NetworkPolicy(defaultAction="deny", egress=[
+                                     NetworkRule(action="allow", target=f"api.test:{port}")]),
+                                 credential_proxy=CredentialProxyConfig(enabled=True))
+    secret = SECRETS["bearer"]
+    try:
+        sandbox.credential_vault.create(
+            credentials=[Credential(name="bearer", source={"value": secret})],
+            bindings=[CredentialBinding(name="b", auth={"type": "bearer", "credential": "bearer"}, match={
+                "schemes": ["http"], "ports": [port], "hosts": ["api.test"], "methods": ["GET", "POST"],
+                "paths": ["/pub/*", "/v1/*/read", "/files/*.txt"]})])
+        bound = ["/pub/x", "/pub/", "/pub/caf%C3%A9", "/v1/a/read", "/files/a.txt"]
+        refused = ["/pub/..;/admin", "/v1//read", "/files/secret.key;.txt", "/files/a#.txt", "/pub/%252e%252e/admin",
+                   "/pub/%u002e%u002e/admin", "/pub/%c0%ae%c0%ae/admin", "/pub/x%00/admin", "/pub/x\t/admin",
+                   "/pub/x\\..\\admin"]
+        overrides = ["X-HTTP-Method-Override: DELETE", "X-Original-URL: /admin", "x-rewrite-url: /admin"]
+        cases: list[tuple[str, bool, str, str, str]] = []   # (mode, injected, method, path, rest of the head)
+        for mode in ("direct", "proxy"):
+            cases += [(mode, True, "GET", path, "") for path in bound]
+            cases += [(mode, False, "GET", path, "") for path in refused
+                      if mode == "direct" or ("\t" not in path and "#" not in path)]  # (a proxy URI drops them)
+            cases += [(mode, False, "GET", "/pub/x", header + "\r\n") for header in overrides]
+            # A second request after a bound one, and chunks a server reads otherwise: never passed on.
+            cases += [(mode, True, "GET", "/pub/x", "\r\nGET /admin HTTP/1.1\r\nHost: api.test"),
+                      (mode, True, "POST", "/pub/x", "Transfer-Encoding: chunked\r\n\r\n5\r\nhelloXXGET /admin "
+                                                     "HTTP/1.1\r\n\r\n0"),
+                      (mode, True, "POST", "/pub/x", "Transfer-Encoding: chunked\r\n\r\n1_0\r\n0123456789abcdef"
+                                                     "\r\n0\r\nGET /admin HTTP/1.1"),
+                      (mode, True, "POST", "/pub/x", "Transfer-Encoding: chunked\r\n\r\n5\nhello\r\n0\r\n\r\n"
+                                                     "GET /admin HTTP/1.1")]
+        data = []
+        for i, (mode, _, method, path, rest) in enumerate(cases):
+            target = f"http://api.test:{port}{path}" if mode == "proxy" else path
+            data.append({"mode": mode, "data": f"{method} {target} HTTP/1.1\r\nHost: api.test\r\nX-Case: {i}\r\n"
+                                               f"Authorization: Bearer forged\r\n{rest}\r\n\r\n"})
+        sandbox.files.write_files([WriteEntry(path="/tmp/raw.py", data=RAW_PROBE, mode=644),
+                                   WriteEntry(path="/tmp/cases.json", data=json.dumps(data), mode=644)])
+        result = sandbox.commands.run(f"python3 /tmp/raw.py {port}")
+        assert result.error is None, result.logs
+        got: dict[int, bytes] = {}
+        for raw in recorder.seen:
+            case = raw.split(b"X-Case: ", 1)[1].split(b"\r\n", 1)[0] if b"X-Case: " in raw else b"-1"
+            got[int(case)] = raw
+        for i, (mode, injected, _, path, rest) in enumerate(cases):
+            raw = got.get(i, b"")
+            if injected:
+                assert raw.count(secret.encode()) == 1, (mode, path, rest, raw)
+            else:
+                assert secret.encode() not in raw, (mode, path, rest, raw)
+            assert b"GET /admin" not in raw and b"1_0" not in raw, (mode, path, rest, raw)
+    finally:
+        sandbox.kill()

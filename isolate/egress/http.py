@@ -7,6 +7,7 @@ requests are smuggled past a proxy, so such a head is refused (400).
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from ..model.egress_rules import parse_port
 MAX_HEAD = 64 * 1024
 #: A chunk-size or trailer line larger than this ends the request.
 MAX_LINE = 8 * 1024
+#: A chunk-size line: hex digits (no sign, no 0x, no underscore), an optional extension, CRLF.
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(;[^\r\n]*)?\r\n")
 #: Headers a proxy never forwards (hop-by-hop, RFC 9110 7.6.1), plus those we set ourselves.
 HOP_BY_HOP = frozenset({"connection", "proxy-connection", "keep-alive", "proxy-authorization",
                         "proxy-authenticate", "te", "upgrade", "host"})
@@ -240,27 +243,34 @@ def copy_body(reader: BodyReader, framing: tuple[str, int], upstream: socket.soc
             upstream.sendall(data)
             length -= len(data)
     elif kind == "chunked":
+        # Each line is checked before it is forwarded, and the chunk's data must end with its CRLF: what the
+        # server reads as the end of the body is where this proxy stopped forwarding (nothing after it).
         while True:
             line = reader.line()
+            found = _CHUNK_SIZE.fullmatch(line)
+            if found is None:
+                raise HTTPError(400, "a bad chunk size line")
             upstream.sendall(line)
-            size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise HTTPError(400, "a bad chunk size") from None
-            if size_text.startswith((b"-", b"+", b"0x", b"0X")) or size < 0:
-                raise HTTPError(400, "a bad chunk size")
+            size = int(found[1], 16)
             if size == 0:
                 while True:  # trailers, up to the blank line
                     trailer = reader.line()
+                    if not trailer.endswith(b"\r\n") or b"\r" in trailer[:-2]:
+                        raise HTTPError(400, "a trailer line without its CRLF")
                     upstream.sendall(trailer)
-                    if trailer in (b"\r\n", b"\n"):
+                    if trailer == b"\r\n":
                         return
-            remaining = size + 2   # the data and its CRLF
+            remaining = size
             while remaining:
                 data = reader.take(min(remaining, 1 << 20))
                 upstream.sendall(data)
                 remaining -= len(data)
+            end = reader.take(2)
+            if len(end) < 2:
+                end += reader.take(1)
+            if end != b"\r\n":
+                raise HTTPError(400, "a chunk's data does not end with CRLF")
+            upstream.sendall(end)
 
 
 def close_response_head(upstream: socket.socket) -> bytes:

@@ -701,7 +701,8 @@ class Mediator:
                 return False
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             vault = self.vault
-            inject = vault.headers_for("http", name, port, request.method, path) if vault is not None else []
+            inject = vault.headers_for("http", name, port, request.method, path,
+                                       [header for header, _ in request.headers]) if vault is not None else []
             host_header = name if port == 80 else f"{name}:{port}"
             upstream.sendall(http.forward_head(request, host_header, path, inject))
             return self._relay_one_request(conn, upstream, http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT), framing)

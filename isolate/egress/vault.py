@@ -15,11 +15,17 @@ isolate does not do; a binding for ``https`` is refused, saying so.
 A request is injected when its scheme, port, host, method and path all match
 a binding. Its host is the name the mediator connects to (the allow-listed
 name, never the request's Host header, which is rewritten to it), so a
-credential goes only to the hosts its binding names. A path with dot
-segments or an encoded dot or slash (``/a/../b``, ``%2e``, ``%2f``) is not
-injected: origin servers normalise those differently from a glob, and the
-credential would reach a path its binding does not name. The sandbox's own
-headers of an injected name are removed, so it cannot add a second value.
+credential goes only to the hosts its binding names. A request an origin
+server may read as another is not injected: a path with dot segments, an
+empty segment (``//``, merged by many servers), a ``;`` (a path parameter:
+Tomcat reads ``/a/..;/b`` as ``/b``), a fragment, a backslash, a control,
+space or non-ASCII character, a malformed escape (``%u002e``) or an escape
+of a character that servers decode and then route on (``%2e``, ``%2f``,
+``%5c``, ``%3b``, ``%25`` (a double encoding), ``%00``, ``%c0``...); a
+method that is not an ASCII token; a request carrying a header that
+frameworks read as another method or path (``X-HTTP-Method-Override``,
+``X-Original-URL``...). The sandbox's own headers of an injected name are
+removed, so it cannot add a second value.
 
 The vault is changed as a whole (a revision at a time, under a lock) and read
 as an immutable table, so the mediator's threads never see half a change.
@@ -95,12 +101,30 @@ def _host_matches(pattern: str, host: str) -> bool:
     return host == pattern
 
 
+#: What a path may hold literally (RFC 3986 pchar and "/", without ";": a path parameter, which servers strip).
+_PATH_CHARS = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,=:@/%]*")
+#: Escapes a server may decode before it routes, reading another path: ".", "/", "\\", ";", "?", "#", "%" (a
+#: double encoding), a control, and the lead bytes of overlong UTF-8 forms of those ("%c0%ae" is "." to some).
+_UNSAFE_ESCAPES = frozenset({0x2E, 0x2F, 0x5C, 0x3B, 0x3F, 0x23, 0x25, 0x7F, 0xC0, 0xC1, *range(0x20)})
+_ESCAPE = re.compile(r"%(.{0,2})", re.S)
+#: Request headers frameworks read as the request's method or path (a binding's method or path would be moot).
+_OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override", "x-original-url",
+                        "x-rewrite-url", "x-original-uri", "x-override-url"})
+
+
 def _ambiguous(path: str) -> bool:
-    """A path an origin server may read as another: dot segments, encoded dots or slashes, backslashes."""
-    lowered = path.lower()
-    if "%2e" in lowered or "%2f" in lowered or "%5c" in lowered or "\\" in path:
+    """A path an origin server may read as another (see the module's text): never injected."""
+    if not _PATH_CHARS.fullmatch(path):
+        return True   # ";", "#", "\\", controls, spaces, non-ASCII...
+    for escape in _ESCAPE.finditer(path):
+        digits = escape[1]
+        if len(digits) != 2 or not all(c in "0123456789abcdefABCDEF" for c in digits) or \
+                int(digits, 16) in _UNSAFE_ESCAPES:
+            return True
+    segments = path.split("/")
+    if segments[0] != "" or any(segment in (".", "..") for segment in segments):
         return True
-    return any(segment in (".", "..") for segment in path.split("/"))
+    return any(segment == "" for segment in segments[1:-1])   # "//": many servers merge it
 
 
 def _text(value: object, what: str, *, most: int = MAX_NAME) -> str:
@@ -276,11 +300,16 @@ class Vault:
             _check_references(credentials, bindings)
             self._table = _Table(revision, credentials, bindings)
 
-    def headers_for(self, scheme: str, host: str, port: int, method: str, path: str) -> list[tuple[str, str]]:
-        """The headers to add to this request (name, value): those of every binding that matches it."""
+    def headers_for(self, scheme: str, host: str, port: int, method: str, path: str,
+                    request_headers: Sequence[str] = ()) -> list[tuple[str, str]]:
+        """The headers to add to this request (name, value): those of every binding that matches it.
+
+        ``request_headers``: the names of the request's own headers (one that overrides its method or path
+        means no injection)."""
         table = self._table
         target = path.partition("?")[0]
-        if not table.bindings or _ambiguous(target):
+        if not table.bindings or _ambiguous(target) or not _TOKEN.match(method) or not method.isascii() or \
+                any(name.lower() in _OVERRIDES for name in request_headers):
             return []
         out: list[tuple[str, str]] = []
         for binding in table.bindings.values():

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 import secrets
 import shlex
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from .models import (
 from .ports import PORT_TOKEN_HEADER, port_token
 from .state import ManagedSandbox, ServerState
 from .volumes import Opened, open_volumes
+from .volumes import release as release_volumes
 from .volumes import verify as verify_volumes
 
 
@@ -71,18 +71,14 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
         raise ApiError(400, "UNSUPPORTED", "volumes: this server places sandboxes on the nodes of a Ray cluster "
                        "(serve --ray), and a named volume is a directory of one machine; serve without --ray")
     store = state.volume_store() if named else None
-    opened = open_volumes(req.volumes, state.volume_roots, store)
+    # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
+    opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
     try:
         managed = _start_box(state, req, opened)
     except BaseException:
-        for item in opened:
-            if item.made is not None:
-                shutil.rmtree(item.made, ignore_errors=True)
+        release_volumes(opened, state.named_volumes, undo=True)
         raise
-    for item in opened:
-        if item.spec.claim is not None and store is not None:
-            state.hold_volume(os.path.join(store, item.spec.claim), managed,
-                              made=item.made is not None and item.spec.delete_on_end)
+    managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
     return managed
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
-import shutil
 import signal
 import threading
 import time
@@ -27,6 +26,7 @@ from ..model.errors import IsolationError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
 from .models import ApiError, iso
+from .volumes import NamedVolumes
 
 #: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.
 OUTPUT_LIMIT = 16 << 20
@@ -392,9 +392,9 @@ class ServerState:
         #: The host directories below which create requests may name volumes (--volume-root; real paths).
         self.volume_roots = volume_roots
         #: Where named (pvc) volumes are kept (--volume-store; else the state directory's, made when first used),
-        #: and how many sandboxes use each of those a create made (removed with the last when it asked).
+        #: and who holds each (a volume a create made is removed with the last when it asked).
         self.given_volume_store = volume_store
-        self.made_volumes: dict[str, int] = {}
+        self.named_volumes = NamedVolumes()
         self.snapshots = SnapshotStore()
         #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
         #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
@@ -426,25 +426,6 @@ class ServerState:
 
     def volume_store(self) -> str:
         return self.given_volume_store or state_path(VOLUME_STORE)
-
-    def hold_volume(self, path: str, managed: ManagedSandbox, made: bool) -> None:
-        """``managed`` uses the named volume at ``path``; ``made``: its create made it and it goes with the last
-        sandbox using it (deleteOnSandboxTermination). A volume not made so is never removed."""
-        with self.lock:
-            if not made and path not in self.made_volumes:
-                return
-            self.made_volumes[path] = self.made_volumes.get(path, 0) + 1
-
-        def release() -> None:
-            with self.lock:
-                left = self.made_volumes.get(path, 1) - 1
-                if left > 0:
-                    self.made_volumes[path] = left
-                    return
-                self.made_volumes.pop(path, None)
-            shutil.rmtree(path, ignore_errors=True)  # never follows a link planted inside
-
-        managed.on_close.append(release)
 
     def take_warm(self, policy: Policy) -> Sandbox | None:
         """A started sandbox of the warm pool when ``policy`` is its shape, else None."""

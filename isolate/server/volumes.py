@@ -19,14 +19,22 @@ A named volume is what a Docker named volume is to Docker: a directory the
 server keeps (``<volume store>/<claimName>``, made on first use unless
 ``createIfNotExists`` is false), walked the same way from the store, its
 ``subPath`` included; one the create made is removed with the last sandbox
-using it when ``deleteOnSandboxTermination`` asks.
+using it when ``deleteOnSandboxTermination`` asks. Who uses a named volume
+is counted from the moment a create claims it (NamedVolumes), under the lock
+that decides whether that create made it: a create still starting counts,
+whatever order the starts end in, and a volume about to be removed is first
+renamed out of the store under that lock, so no create can take it then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
+import shutil
 import stat
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +76,8 @@ class Opened:
     identity: tuple[int, int]
     #: A named volume this create made (its directory in the store), else None.
     made: str | None = None
+    #: A named volume's directory in the store, claimed (NamedVolumes.release it once).
+    held: str | None = None
 
 
 def _walk(root: str, relative: list[str], shown: str) -> tuple[int, int]:
@@ -96,6 +106,53 @@ def _walk(root: str, relative: list[str], shown: str) -> tuple[int, int]:
         os.close(fd)
 
 
+class NamedVolumes:
+    """The named volumes in use: how many creates and sandboxes hold each, and which go with their last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[str, int] = {}
+        self._doomed: set[str] = set()
+
+    def claim(self, spec: VolumeSpec, store: str) -> tuple[str, str | None]:
+        """Hold the named volume (made when missing and asked to): its path, and that path again if made here."""
+        assert spec.claim is not None
+        path = os.path.join(store, spec.claim)
+        with self._lock:
+            made = _claim_directory(spec, store)
+            self._users[path] = self._users.get(path, 0) + 1
+            if made is not None and spec.delete_on_end:
+                self._doomed.add(path)
+        return path, made
+
+    def users(self, path: str) -> int:
+        with self._lock:
+            return self._users.get(path, 0)
+
+    def release(self, path: str, undo: bool = False) -> None:
+        """One holder less. The last removes the volume when the create that made it asked; ``undo``: a create
+        that made it failed, and it goes if no one else holds it and it is still empty."""
+        with self._lock:
+            left = self._users.get(path, 1) - 1
+            if left > 0:
+                self._users[path] = left
+                return
+            self._users.pop(path, None)
+            if path not in self._doomed:
+                if undo:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)
+                return
+            self._doomed.discard(path)
+            # Out of the store before the lock goes: a create from now on makes a new volume of that name.
+            trash = os.path.join(os.path.dirname(path), f".removed-{secrets.token_hex(8)}")
+            try:
+                os.rename(path, trash)
+            except OSError:
+                return
+        shutil.rmtree(trash, ignore_errors=True)  # never follows a link planted inside
+
+
 def _claim_directory(spec: VolumeSpec, store: str) -> str | None:
     """Make the named volume's directory in the store when missing and asked to; its path if made here."""
     assert spec.claim is not None
@@ -115,47 +172,62 @@ def _claim_directory(spec: VolumeSpec, store: str) -> str | None:
         os.close(fd)
 
 
-def open_volumes(specs: Sequence[VolumeSpec], roots: Sequence[str], store: str | None = None) -> list[Opened]:
-    """Check each volume (host paths against the roots, named ones in the store) and open it (ApiError 400)."""
-    out = []
-    for spec in specs:
-        if spec.claim is not None:
-            assert store is not None
-            made = _claim_directory(spec, store)
+def release(opened: Sequence[Opened], named: NamedVolumes | None, undo: bool = False) -> None:
+    """Let go of the named volumes of ``opened`` (``undo``: their create failed)."""
+    for item in opened:
+        if item.held is not None and named is not None:
+            named.release(item.held, undo=undo and item.made is not None)
+
+
+def open_volumes(specs: Sequence[VolumeSpec], roots: Sequence[str], store: str | None = None,
+                 named: NamedVolumes | None = None) -> list[Opened]:
+    """Check each volume (host paths against the roots, named ones in the store) and open it (ApiError 400).
+
+    The named volumes are held in ``named`` (release them, see ``release``); on a refusal, none is."""
+    out: list[Opened] = []
+    try:
+        for spec in specs:
+            out.append(_open(spec, roots, store, named))
+    except BaseException:
+        release(out, named, undo=True)
+        raise
+    return out
+
+
+def _open(spec: VolumeSpec, roots: Sequence[str], store: str | None, named: NamedVolumes | None) -> Opened:
+    if spec.claim is not None:
+        assert store is not None and named is not None
+        held, made = named.claim(spec, store)
+        try:
             relative = [spec.claim, *(p for p in spec.host_path.split("/") if p not in ("", "."))]
-            shown = f"named volume {'/'.join(relative)}"
-            try:
-                identity = _walk(store, relative, shown)
-            except ApiError:
-                if made is not None:
-                    os.rmdir(made)
-                raise
+            identity = _walk(store, relative, f"named volume {'/'.join(relative)}")
             try:
                 mount = Mount(os.path.join(store, *relative), spec.mount_path, "ro" if spec.read_only else "rw")
             except PolicyError as exc:
                 raise _refused(f"volumes[{spec.name}]: {exc}") from None
-            out.append(Opened(spec, mount, identity, made))
-            continue
-        path = spec.host_path
-        if not roots:
-            raise _refused(f"volumes[{spec.name}]: this server mounts no host paths (its operator gives the "
-                           "directories volumes may come from with --volume-root DIR)")
-        parts = [p for p in path.split("/") if p not in ("", ".")]
-        if ".." in parts:
-            raise _refused(f"volumes[{spec.name}]: host path {path} goes through '..', which is not followed")
-        clean = "/" + "/".join(parts)
-        root = next((r for r in roots if clean == r or clean.startswith(r.rstrip("/") + "/")), None)
-        if root is None:
-            raise _refused(f"volumes[{spec.name}]: host path {clean} is not below a volume root of this server "
-                           f"({', '.join(roots)})")
-        relative = [p for p in clean[len(root):].split("/") if p]
-        identity = _walk(root, relative, clean)
-        try:
-            mount = Mount(clean, spec.mount_path, "ro" if spec.read_only else "rw")
-        except PolicyError as exc:
-            raise _refused(f"volumes[{spec.name}]: {exc}") from None
-        out.append(Opened(spec, mount, identity))
-    return out
+        except BaseException:
+            named.release(held, undo=made is not None)
+            raise
+        return Opened(spec, mount, identity, made, held)
+    path = spec.host_path
+    if not roots:
+        raise _refused(f"volumes[{spec.name}]: this server mounts no host paths (its operator gives the "
+                       "directories volumes may come from with --volume-root DIR)")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise _refused(f"volumes[{spec.name}]: host path {path} goes through '..', which is not followed")
+    clean = "/" + "/".join(parts)
+    root = next((r for r in roots if clean == r or clean.startswith(r.rstrip("/") + "/")), None)
+    if root is None:
+        raise _refused(f"volumes[{spec.name}]: host path {clean} is not below a volume root of this server "
+                       f"({', '.join(roots)})")
+    relative = [p for p in clean[len(root):].split("/") if p]
+    identity = _walk(root, relative, clean)
+    try:
+        mount = Mount(clean, spec.mount_path, "ro" if spec.read_only else "rw")
+    except PolicyError as exc:
+        raise _refused(f"volumes[{spec.name}]: {exc}") from None
+    return Opened(spec, mount, identity)
 
 
 def verify(box: Any, opened: Sequence[Opened]) -> None:

@@ -382,6 +382,10 @@ def test_renew_on_access_through_the_server_proxy(server: base.Server) -> None:
         assert info.expires_at is not None
         assert f"/sandboxes/{sandbox.id}/proxy/44772" in sandbox.get_endpoint(44772).endpoint
         assert [m.text for m in sandbox.commands.run("echo via-proxy").logs.stdout] == ["via-proxy"]
+        # An encoded "proxy" is not the alias: the path as sent and as decoded would name two routes.
+        odd = httpx.get(f"http://{server.domain}/sandboxes/{sandbox.id}/prox%79/44772/ping",
+                        headers={"OPEN-SANDBOX-API-KEY": KEY})
+        assert odd.status_code == 404, odd.text
         renewed = sandbox.get_info().expires_at
         assert renewed is not None and renewed > info.created_at + timedelta(seconds=250), (info, renewed)
         events = sandbox.get_diagnostic_events("lifecycle").content or ""

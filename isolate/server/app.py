@@ -73,6 +73,7 @@ class RequestId:
 
 
 _PROXY_PATH = re.compile(r"^(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?$")
+_RAW_PROXY_PATH = re.compile(rb"^(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?$")
 
 
 class ServerProxyPaths:
@@ -84,11 +85,14 @@ class ServerProxyPaths:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
             found = _PROXY_PATH.match(scope["path"])
-            if found is not None:
+            raw = scope.get("raw_path")
+            # The path as sent (still percent-encoded) must have the same form: an encoded "proxy" or slash
+            # would make the two disagree, and the routes and the forwarder read one each.
+            raw_found = _RAW_PROXY_PATH.match(raw) if isinstance(raw, bytes) else None
+            if found is not None and (raw is None or raw_found is not None):
                 scope = {**scope, "path": f"{found[1]}/port/{found[2]}{found[3] or ''}"}
-                raw = scope.get("raw_path")
-                if isinstance(raw, bytes):  # as sent (still percent-encoded), the same change
-                    scope["raw_path"] = raw.replace(b"/proxy/", b"/port/", 1)
+                if raw_found is not None:
+                    scope["raw_path"] = raw_found[1] + b"/port/" + raw_found[2] + (raw_found[3] or b"")
         await self.app(scope, receive, send)
 
 

@@ -38,7 +38,8 @@ SECRETS = {"bearer": "s3cret-bearer-7f1c", "basic": "dXNlcjpzM2NyZXQ=", "key": "
            "id": "s3cret-id-0d4e", "token": "s3cret-token-55aa", "rotated": "s3cret-rotated-c3c3"}
 
 # Inside: one request, straight to the name (the DNS answer is the mediator's address for it) with a
-# forged Authorization and a Host naming another site, or through the proxy its environment names.
+# forged Authorization (and X_Api_Key, which CGI servers read as X-Api-Key) and a Host naming another
+# site, or through the proxy its environment names.
 PROBE = r'''
 import socket, sys, urllib.request
 mode, host, port, method, path = sys.argv[1:]
@@ -49,7 +50,7 @@ if mode == "proxy":
 else:
     s = socket.create_connection((host, int(port)), 10)
     s.sendall(f"{method} {path} HTTP/1.1\r\nHost: elsewhere.test\r\nAuthorization: Bearer forged\r\n"
-              f"Content-Length: 0\r\n\r\n".encode())
+              f"X_Api_Key: forged\r\nContent-Length: 0\r\n\r\n".encode())
     data = b""
     while chunk := s.recv(65536):
         data += chunk
@@ -165,7 +166,8 @@ def test_vault_adds_credentials_to_bound_requests_only(served: tuple[base.Server
             assert seen["authorization"] == "Bearer " + SECRETS["bearer"]
             assert seen["host"] == f"api.test:{port}"  # the name connected to, not the Host the program sent
             assert request(mode, "/basic")["authorization"] == "Basic " + SECRETS["basic"]
-            assert request(mode, "/key")["x-api-key"] == SECRETS["key"]
+            seen = request(mode, "/key")
+            assert seen["x-api-key"] == SECRETS["key"] and "x_api_key" not in seen  # no competing spelling
             seen = request(mode, "/custom")
             assert (seen["x-client-id"], seen["x-client-token"]) == (SECRETS["id"], SECRETS["token"])
             # Not bound: another host, another path, another method, a path that a server may read as a bound

@@ -187,11 +187,13 @@ def forward_head(request: Request, host_header: str, path: str,
     ``inject``: headers added (the credential vault's); the request's own headers of those names go.
     """
     named = {token.strip().lower() for value in request.values("connection") for token in value.split(",")}
-    replaced = {name.lower() for name, _ in inject}
+    # An injected name also drops the request's headers spelled with "_" for "-": CGI and WSGI servers read
+    # both as one (HTTP_X_API_KEY), and the program's value would compete with the vault's.
+    replaced = {name.lower().replace("_", "-") for name, _ in inject}
     lines = [f"{request.method} {path} {request.version}", f"Host: {host_header}"]
     for name, value in request.headers:
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or lower in replaced:
+        if lower in HOP_BY_HOP or lower in named or lower.replace("_", "-") in replaced:
             continue
         lines.append(f"{name}: {value}")
     lines.extend(f"{name}: {value}" for name, value in inject)

@@ -346,11 +346,13 @@ def test_vault_injects_no_request_a_server_may_read_as_another(raw_served: tuple
             bindings=[CredentialBinding(name="b", auth={"type": "bearer", "credential": "bearer"}, match={
                 "schemes": ["http"], "ports": [port], "hosts": ["api.test"], "methods": ["GET", "POST"],
                 "paths": ["/pub/*", "/v1/*/read", "/files/*.txt"]})])
-        bound = ["/pub/x", "/pub/", "/pub/caf%C3%A9", "/v1/a/read", "/files/a.txt"]
+        bound = ["/pub/x", "/pub/", "/pub/caf%C3%A9", "/v1/a/read", "/files/a.txt", "/pub/x?q=1&method=a"]
         refused = ["/pub/..;/admin", "/v1//read", "/files/secret.key;.txt", "/files/a#.txt", "/pub/%252e%252e/admin",
                    "/pub/%u002e%u002e/admin", "/pub/%c0%ae%c0%ae/admin", "/pub/x%00/admin", "/pub/x\t/admin",
-                   "/pub/x\\..\\admin"]
-        overrides = ["X-HTTP-Method-Override: DELETE", "X-Original-URL: /admin", "x-rewrite-url: /admin"]
+                   "/pub/x\\..\\admin", "/pub/x?_method=DELETE", "/pub/x?a=1&%5Fmethod=PUT",
+                   "/pub/x?X-HTTP-Method-Override=DELETE"]
+        overrides = ["X-HTTP-Method-Override: DELETE", "X-Original-URL: /admin", "x-rewrite-url: /admin",
+                     "X_HTTP_Method_Override: DELETE"]
         cases: list[tuple[str, bool, str, str, str]] = []   # (mode, injected, method, path, rest of the head)
         for mode in ("direct", "proxy"):
             cases += [(mode, True, "GET", path, "") for path in bound]

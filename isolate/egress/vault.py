@@ -22,10 +22,12 @@ Tomcat reads ``/a/..;/b`` as ``/b``), a fragment, a backslash, a control,
 space or non-ASCII character, a malformed escape (``%u002e``) or an escape
 of a character that servers decode and then route on (``%2e``, ``%2f``,
 ``%5c``, ``%3b``, ``%25`` (a double encoding), ``%00``, ``%c0``...); a
-method that is not an ASCII token; a request carrying a header that
-frameworks read as another method or path (``X-HTTP-Method-Override``,
-``X-Original-URL``...). The sandbox's own headers of an injected name are
-removed, so it cannot add a second value.
+method that is not an ASCII token; a request carrying a header (or a query
+parameter, ``_method``) that frameworks read as another method or path
+(``X-HTTP-Method-Override``, ``X-Original-URL``..., any spelling with ``_``).
+A ``_method`` field in a form body is not looked at (the body is streamed).
+The sandbox's own headers of an injected name are removed, so it cannot add
+a second value.
 
 The vault is changed as a whole (a revision at a time, under a lock) and read
 as an immutable table, so the mediator's threads never see half a change.
@@ -39,6 +41,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from ..model.errors import IsolationError
 
@@ -110,6 +113,20 @@ _ESCAPE = re.compile(r"%(.{0,2})", re.S)
 #: Request headers frameworks read as the request's method or path (a binding's method or path would be moot).
 _OVERRIDES = frozenset({"x-http-method-override", "x-http-method", "x-method-override", "x-original-url",
                         "x-rewrite-url", "x-original-uri", "x-override-url"})
+
+
+def _spelled(name: str) -> str:
+    """A header or parameter name as servers compare it: lower case, "_" as "-" (CGI's HTTP_X_...)."""
+    return name.lower().replace("_", "-")
+
+
+def _overriding_query(query: str) -> bool:
+    """Whether the query names a method override (Rails', Laravel's ``_method``, or a header's name)."""
+    for item in query.split("&"):
+        name = _spelled(unquote(item.partition("=")[0]))
+        if name in _OVERRIDES or name == "-method":
+            return True
+    return False
 
 
 def _ambiguous(path: str) -> bool:
@@ -307,9 +324,9 @@ class Vault:
         ``request_headers``: the names of the request's own headers (one that overrides its method or path
         means no injection)."""
         table = self._table
-        target = path.partition("?")[0]
+        target, _, query = path.partition("?")
         if not table.bindings or _ambiguous(target) or not _TOKEN.match(method) or not method.isascii() or \
-                any(name.lower() in _OVERRIDES for name in request_headers):
+                any(_spelled(name) in _OVERRIDES for name in request_headers) or _overriding_query(query):
             return []
         out: list[tuple[str, str]] = []
         for binding in table.bindings.values():

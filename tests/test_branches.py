@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import NAMESPACES_WHY, policy
 
@@ -101,6 +102,15 @@ def test_snapshot_is_immune_to_later_changes_and_to_planted_links(box: Sandbox, 
     assert snap not in isolate.Snapshot.list() and not state.exists()
 
 
+def _cmdline(process: psutil.Process) -> str:
+    """A process's command line; "" for one that ended meanwhile (a command's exited shell, not yet reaped,
+    is a zombie whose command line psutil refuses to read)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_fork_gives_independent_sandboxes(box: Sandbox) -> None:
     before = isolate.Snapshot.list()
     box.exec("echo base > shared.txt && echo t > /tmp/base")
@@ -117,8 +127,8 @@ def test_fork_gives_independent_sandboxes(box: Sandbox) -> None:
             assert f"only{i}.txt" in listing and "keep.txt" not in listing
             assert not any(f"only{j}.txt" in listing for j in range(3) if j != i)
         assert box.read_file("shared.txt") == "source\n" and box.exists("keep.txt")
-        assert any("sleep" in " ".join(p.cmdline()) for p in box.processes())
-        assert not any("sleep" in " ".join(p.cmdline()) for f in forks for p in f.processes())
+        assert any("sleep" in _cmdline(p) for p in box.processes())
+        assert not any("sleep" in _cmdline(p) for f in forks for p in f.processes())
     finally:
         for fork in forks:
             fork.close()

@@ -36,9 +36,11 @@ def test_cpu_rlimit_stops_a_busy_loop(workdir: str) -> None:
     result = isolate.run(py("while True: pass"), policy=pol, cwd=workdir)
     assert result.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
     assert result.report.status == "cpu"
-    # The kernel's accounting, not the wall clock (a loaded machine stretches the latter): stopped at
-    # its one CPU second, not far past it.
-    assert result.report.cpu_seconds is not None and 0.9 <= result.report.cpu_seconds < 3, result.report
+    # The kernel's accounting, not the wall clock (a loaded machine stretches the latter): stopped near
+    # its one CPU second, not far past it. The report's figure is the program's rusage, which a loaded
+    # host's tick sampling puts below the limit's own count (CI measured 0.876 s): the lower bound only
+    # says the limit did not fire at start.
+    assert result.report.cpu_seconds is not None and 0.5 <= result.report.cpu_seconds < 3, result.report
 
 
 def test_file_size_limit(workdir: str) -> None:

@@ -446,8 +446,7 @@ class NativeSandbox:
         else:
             init = self._init_pid()
             if init is not None:
-                with _suppress_missing():
-                    os.kill(init, signal.SIGKILL)
+                _kill_and_wait(init)
         self.init_identity = None
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -635,6 +634,33 @@ def _pair(value: Any) -> tuple[int, int] | None:
     if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value):
         return int(value[0]), int(value[1])
     return None
+
+
+def _kill_and_wait(init: int, timeout: float = 10.0) -> None:
+    """SIGKILL another process's sandbox init and return once it has exited.
+
+    The kernel kills every process of the init's PID namespace as the init exits, before its pidfd turns
+    readable: after this, nothing of the sandbox answers (a close from attach() would otherwise return
+    while its exec server still did). Through a pidfd opened first, so a reused pid is never signalled.
+    """
+    import select
+
+    try:
+        pidfd = os.pidfd_open(init)
+    except ProcessLookupError:
+        return
+    except OSError:  # no pidfd (kernel < 5.3): signal by pid, without the wait
+        with _suppress_missing():
+            os.kill(init, signal.SIGKILL)
+        return
+    try:
+        with _suppress_missing():
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll(int(timeout * 1000))
+    finally:
+        os.close(pidfd)
 
 
 def _remove_files(paths: Paths, data: tuple[int, int] | None) -> None:

@@ -515,7 +515,7 @@ class Mediator:
                 self._serve_dns_tcp(conn)
                 reset = False
             elif address == PROXY_ADDRESS and port == self._proxy_port:
-                reset = self._serve_proxy(conn)
+                reset = self._serve_http(conn)
             else:
                 reset = self._serve_transparent(conn, address, port)
         finally:
@@ -610,7 +610,7 @@ class Mediator:
             return True
         vault = self.vault
         if vault is not None and vault.binds(name, port):
-            return self._serve_bound(conn, name, port)
+            return self._serve_http(conn, (name, port))
         try:
             upstream = self._connect(name, port)
         except _Denied:
@@ -627,44 +627,27 @@ class Mediator:
             upstream.close()
         return False
 
-    def _serve_bound(self, conn: socket.socket, name: str, port: int) -> bool:
-        """A connection to a name:port that a vault binding covers: plain HTTP, one request, injected."""
+    def _serve_http(self, conn: socket.socket, bound: tuple[str, int] | None = None) -> bool:
+        """One request; False when the connection may close normally. Proxied (CONNECT, or plain HTTP), or,
+        with ``bound``, plain HTTP sent straight to a name:port a vault binding covers (read, to inject)."""
         try:
             head, rest = http.read_head(conn, self.head_timeout)
             request = http.parse_head(head)
-            path = http.origin_target(request)
-            framing = http.body_framing(request)
-            upstream = self._connect(name, port)
-        except (ConnectionError, OSError):
-            return True
-        except http.HTTPError as exc:
-            _send_quietly(conn, http.response(exc.status, f"isolate: {exc.reason}"))
-            return False
-        except _Denied as exc:
-            _send_quietly(conn, http.response(exc.status, exc.message))
-            return False
-        self._count_allowed(name, port)
-        return self._forward_request(conn, upstream, name, port, request, path, rest, framing)
-
-    def _serve_proxy(self, conn: socket.socket) -> bool:
-        """One proxied request (CONNECT, or plain HTTP); False when the connection may close normally."""
-        try:
-            head, rest = http.read_head(conn, self.head_timeout)
-            request = http.parse_head(head)
-            if request.method == "CONNECT":
+            framing: tuple[str, int] | None = None
+            path = ""
+            if bound is not None:
+                name, port = bound
+                path = http.origin_target(request)
+                framing = http.body_framing(request)
+            elif request.method == "CONNECT":
                 host, port = http.split_authority(request.target, None)
                 name = self._check(host, port)
-                upstream = self._connect(name, port)
-                framing: tuple[str, int] | None = None
-                path = ""
             else:
                 host, port, path = http.absolute_target(request)
                 framing = http.body_framing(request)
                 name = self._check(host, port)
-                upstream = self._connect(name, port)
-        except ConnectionError:
-            return True
-        except OSError:
+            upstream = self._connect(name, port)
+        except OSError:  # the client left, or a socket failed
             return True
         except http.HTTPError as exc:
             _send_quietly(conn, http.response(exc.status, f"isolate: {exc.reason}"))

@@ -161,9 +161,9 @@ def _header_value(value: object, what: str) -> str:
     return text
 
 
-def _strings(value: object, what: str) -> list[Any]:
-    if not isinstance(value, list) or len(value) > 64:
-        raise VaultError("invalid", f"{what}: expected a list (at most 64 entries)")
+def _list(value: object, what: str, most: int = 64) -> list[Any]:
+    if not isinstance(value, list) or len(value) > most:
+        raise VaultError("invalid", f"{what}: expected a list (at most {most} entries)")
     return value
 
 
@@ -193,7 +193,7 @@ def parse_binding(obj: object, what: str, revision: int) -> Binding:
     name = _text(body["name"], f"{what}.name")
     where = f"{what} ({name})"
     match = _fields(body["match"], f"{where}.match", {"schemes", "ports", "hosts", "methods", "paths"}, {"hosts"})
-    schemes = tuple(_strings(match.get("schemes") or ["https"], f"{where}.match.schemes"))
+    schemes = tuple(_list(match.get("schemes") or ["https"], f"{where}.match.schemes"))
     for scheme in schemes:
         if scheme == "https":
             raise VaultError("invalid", f"{where}.match.schemes: https is not injected here: isolate does not "
@@ -202,12 +202,12 @@ def parse_binding(obj: object, what: str, revision: int) -> Binding:
         if scheme != "http":
             raise VaultError("invalid", f"{where}.match.schemes: expected http")
     ports: list[int] = []
-    for port in _strings(match.get("ports") or [_DEFAULT_PORTS[s] for s in schemes], f"{where}.match.ports"):
+    for port in _list(match.get("ports") or [_DEFAULT_PORTS[s] for s in schemes], f"{where}.match.ports"):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise VaultError("invalid", f"{where}.match.ports: {port!r} is not a port")
         ports.append(port)
     hosts: list[str] = []
-    for host in _strings(match["hosts"], f"{where}.match.hosts"):
+    for host in _list(match["hosts"], f"{where}.match.hosts"):
         text = _text(host, f"{where}.match.hosts").lower().rstrip(".")
         if not _HOST.match(text):
             raise VaultError("invalid", f"{where}.match.hosts: {host!r} is not a host name or *.name")
@@ -215,10 +215,10 @@ def parse_binding(obj: object, what: str, revision: int) -> Binding:
     if not hosts:
         raise VaultError("invalid", f"{where}.match.hosts: at least one host")
     methods = [_text(m, f"{where}.match.methods").upper()
-               for m in _strings(match.get("methods") or list(_DEFAULT_METHODS), f"{where}.match.methods")]
+               for m in _list(match.get("methods") or list(_DEFAULT_METHODS), f"{where}.match.methods")]
     if not all(_TOKEN.match(m) for m in methods):
         raise VaultError("invalid", f"{where}.match.methods: not an HTTP method")
-    paths = [_text(p, f"{where}.match.paths", most=2048) for p in _strings(match.get("paths") or ["/*"],
+    paths = [_text(p, f"{where}.match.paths", most=2048) for p in _list(match.get("paths") or ["/*"],
                                                                           f"{where}.match.paths")]
     if not all(p.startswith("/") for p in paths):
         raise VaultError("invalid", f"{where}.match.paths: a path starts with /")
@@ -238,7 +238,7 @@ def parse_binding(obj: object, what: str, revision: int) -> Binding:
         headers = [(api_key_name, _text(auth["credential"], f"{where}.auth.credential"))]
     else:
         auth = _fields(auth, f"{where}.auth", {"type", "headers"}, {"headers"})
-        entries = _strings(auth["headers"], f"{where}.auth.headers")
+        entries = _list(auth["headers"], f"{where}.auth.headers")
         if not entries:
             raise VaultError("invalid", f"{where}.auth.headers: at least one header")
         headers = []
@@ -287,9 +287,9 @@ class Vault:
     """A sandbox's credentials and bindings, a revision at a time; see the module's text."""
 
     def __init__(self, credentials: object, bindings: object) -> None:
-        creds = [parse_credential(c, f"credentials[{i}]", 1) for i, c in enumerate(_strings_any(credentials,
-                                                                                              "credentials"))]
-        binds = [parse_binding(b, f"bindings[{i}]", 1) for i, b in enumerate(_strings_any(bindings, "bindings"))]
+        creds = [parse_credential(c, f"credentials[{i}]", 1)
+                 for i, c in enumerate(_list(credentials, "credentials", MAX_CREDENTIALS))]
+        binds = [parse_binding(b, f"bindings[{i}]", 1) for i, b in enumerate(_list(bindings, "bindings", MAX_BINDINGS))]
         table = _Table(1, _named(creds, "credential"), _named(binds, "binding"))
         _check_references(table.credentials, table.bindings)
         self._lock = threading.Lock()
@@ -372,26 +372,20 @@ class Vault:
         return {"revision": table.revision, "credentials": self.credentials(), "bindings": self.bindings()}
 
 
-def _strings_any(value: object, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise VaultError("invalid", f"{what}: expected a list")
-    return value
-
-
 def _mutate(current: dict[str, Any], changes: object, what: str, parse: Any) -> dict[str, Any]:
     if changes is None:
         return current
     body = _fields(changes, what, {"add", "replace", "delete"}, set())
-    for i, name in enumerate(_strings_any(body.get("delete") or [], f"{what}.delete")):
+    for i, name in enumerate(_list(body.get("delete") or [], f"{what}.delete", MAX_BINDINGS)):
         if not isinstance(name, str) or name not in current:
             raise VaultError("missing", f"{what}.delete[{i}]: no such entry {name!r}")
         del current[name]
-    for i, obj in enumerate(_strings_any(body.get("replace") or [], f"{what}.replace")):
+    for i, obj in enumerate(_list(body.get("replace") or [], f"{what}.replace", MAX_BINDINGS)):
         item = parse(obj, f"{what}.replace[{i}]")
         if item.name not in current:
             raise VaultError("missing", f"{what}.replace[{i}]: no such entry {item.name!r}")
         current[item.name] = item
-    for i, obj in enumerate(_strings_any(body.get("add") or [], f"{what}.add")):
+    for i, obj in enumerate(_list(body.get("add") or [], f"{what}.add", MAX_BINDINGS)):
         item = parse(obj, f"{what}.add[{i}]")
         if item.name in current:
             raise VaultError("conflict", f"{what}.add[{i}]: {item.name!r} exists (replace it)")

@@ -359,9 +359,11 @@ class ManagedSandbox:
                 self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed
             except Exception:
                 pass
-        self.box.close()
-        while self.on_close:
-            self.on_close.pop()()
+        try:
+            self.box.close()
+        finally:
+            while self.on_close:
+                self.on_close.pop()()
 
 
 #: The state directory's entry that every sandbox's /workspace is an overlay of (kept empty).

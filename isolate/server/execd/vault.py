@@ -11,7 +11,6 @@ interception); see vault.py for what is matched and how.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -104,32 +103,23 @@ async def delete_vault(request: Request) -> Response:
     return Response(status_code=204)
 
 
-def _listed(request: Request, key: str) -> dict[str, Any]:
+def _listed(request: Request, key: str) -> Response:
+    """GET .../credentials or .../bindings (key), or one of them by name: names and revisions."""
     vault = _vault(request)
-    return {"revision": vault.revision, key: getattr(vault, key)()}
+    name = request.path_params.get("name")
+    if name is None:
+        return JSONResponse({"revision": vault.revision, key: getattr(vault, key)()})
+    try:
+        return JSONResponse(getattr(vault, key.removesuffix("s"))(name))
+    except VaultError as exc:
+        raise _error(exc) from None
 
 
 @api
 async def list_credentials(request: Request) -> Response:
-    return JSONResponse(_listed(request, "credentials"))
-
-
-@api
-async def get_credential(request: Request) -> Response:
-    try:
-        return JSONResponse(_vault(request).credential(request.path_params["name"]))
-    except VaultError as exc:
-        raise _error(exc) from None
+    return _listed(request, "credentials")
 
 
 @api
 async def list_bindings(request: Request) -> Response:
-    return JSONResponse(_listed(request, "bindings"))
-
-
-@api
-async def get_binding(request: Request) -> Response:
-    try:
-        return JSONResponse(_vault(request).binding(request.path_params["name"]))
-    except VaultError as exc:
-        raise _error(exc) from None
+    return _listed(request, "bindings")

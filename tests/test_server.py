@@ -1051,7 +1051,7 @@ def test_a_cells_forked_child_cannot_answer_the_next_cell() -> None:
 
     def run(context: Any, code: str) -> list[Any]:
         events: list[Any] = []
-        context.run(code, None, lambda kind, value: events.append((kind, value)))
+        context.run(code, lambda kind, value: events.append((kind, value)))
         return [value for kind, value in events if kind == "done"]
 
     with Sandbox() as box:

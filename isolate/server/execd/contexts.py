@@ -1,4 +1,4 @@
-"""Code contexts (``/code``): persistent Python and bash contexts, a cell at a time, streamed.
+"""Code contexts (``/code``): persistent interpreters (``server.code``), a cell at a time, streamed.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ async def run_code(request: Request) -> Response:
             managed.contexts[default.id] = default
         context = default
     bridge = Bridge(asyncio.get_running_loop())
-    threading.Thread(target=context.run, args=(body["code"], None, bridge.put), daemon=True,
+    threading.Thread(target=context.run, args=(body["code"], bridge.put), daemon=True,
                      name=f"isolate-serve-code-{context.id}").start()
     started = time.time()
 

@@ -1,0 +1,81 @@
+"""The Go context: each cell a program, built and run by the sandbox's own ``go``.
+
+Go has no interpreter to keep: a cell is a whole ``main`` package (``package
+main`` is added when the cell has no package clause), and nothing but the
+files it writes outlives it. The cell reaches ``go run`` on its standard input
+through a shell inside the sandbox, which writes it to a private temporary
+directory and removes it afterwards: the host touches no path of the
+sandbox's. A build error or a non-zero exit is the cell's error, with the
+compiler's or the program's words on stderr.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+
+from ...backends.native.commands import SandboxProcess
+from ...kept.sandbox import Sandbox
+from .driver import Emit, read_some, readable, unavailable
+
+# GOCACHE: go refuses to build without a cache; when the sandbox has no home to keep it in, one under /tmp.
+LAUNCH = r'''d=$(mktemp -d) || exit 125
+trap 'rm -rf "$d"' EXIT
+cat > "$d/main.go" || exit 125
+if [ -z "${GOCACHE:-}${XDG_CACHE_HOME:-}${HOME:-}" ]; then export GOCACHE=/tmp/.isolate-go-build; fi
+command -v go >/dev/null || { echo "isolate: go: not found" >&2; exit 127; }
+go run "$d/main.go"
+'''
+HINT = "it needs the Go toolchain inside the sandbox (Debian: apt-get install golang-go)"
+_PACKAGE = re.compile(r"^\s*package\s+\w+", re.M)
+
+
+class GoContext:
+    def __init__(self, box: Sandbox) -> None:
+        self.count = 0
+        self._box = box
+        self._proc: SandboxProcess | None = None
+        self._guard = threading.Lock()
+        probe = box.exec(["sh", "-c", "command -v go"])
+        if probe.returncode != 0:
+            raise unavailable("go", "go: not found", HINT)
+
+    def run(self, code: str, emit: Emit) -> None:
+        self.count += 1
+        source = code if _PACKAGE.search(code) else "package main\n" + code
+        proc = self._box.spawn(["sh", "-c", LAUNCH, "isolate-go"])
+        with self._guard:
+            self._proc = proc
+        try:
+            proc.write(source)
+            proc.close_stdin()
+            watched = {proc.stdout_fd: "stdout", proc.stderr_fd: "stderr"}
+            while watched:
+                ready = readable(list(watched), None)
+                for fd in ready:
+                    chunk = read_some(fd)
+                    if chunk is None:
+                        del watched[fd]
+                    elif chunk:
+                        emit(watched[fd], chunk)
+            status = proc.wait()
+        finally:
+            with self._guard:
+                self._proc = None
+            proc.close()
+        error = None if status == 0 else {"ename": "CommandExecError", "evalue": str(status),
+                                          "traceback": [f"exit status {status}"]}
+        emit("done", {"count": self.count, "result": None, "error": error})
+
+    def interrupt(self) -> None:
+        with self._guard:
+            proc = self._proc
+        if proc is not None:
+            proc.signal(signal.SIGINT, descendants=True)
+
+    def close(self) -> None:
+        with self._guard:
+            proc = self._proc
+        if proc is not None:
+            proc.kill()

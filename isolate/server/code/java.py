@@ -1,0 +1,40 @@
+"""The Java context: JShell inside the sandbox's JVM (``IsolateDriver.java``; ``driver.py``'s protocol).
+
+What the upstream image's Java kernel (IJava) gives: snippets keep their
+state from cell to cell, a cell's last expression is its result, and a
+snippet that throws is an ``EvalException`` (one that does not compile, a
+``CompilationException``). The driver is a single source file run by the
+``java`` launcher (JDK 11 or later); it is written to a private temporary
+directory of the sandbox's and removed by the driver before any cell runs.
+The JShell uses its "local" execution engine: no second JVM, no debugger port.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from ...kept.sandbox import Sandbox
+from .driver import Driver
+
+SOURCE = resources.files(__package__).joinpath("IsolateDriver.java").read_text(encoding="utf-8")
+# --add-opens: the driver takes descriptor 3 through java.io.FileDescriptor's field (Java has no fdopen).
+# The serial collector and C1 only: a context is small and should start fast. Under an address-space limit
+# (RLIMIT_AS: memory without a cgroup) the JVM's default reservations (half of it for the heap, 1 GiB of
+# class space, 240 MiB of code cache, a malloc arena per thread) do not fit: a quarter for the heap, and
+# small fixed ones.
+LAUNCH = r'''d=$(mktemp -d) && printf "%s" "$1" > "$d/IsolateDriver.java" || exit 125
+sized=
+v=$(ulimit -v)
+if [ "$v" != unlimited ]; then
+    sized="-Xmx$((v / 4))k -XX:CompressedClassSpaceSize=32m -XX:ReservedCodeCacheSize=32m"
+    export MALLOC_ARENA_MAX=2
+fi
+exec java -XX:+UseSerialGC -XX:TieredStopAtLevel=1 $sized --add-opens java.base/java.io=ALL-UNNAMED \
+    "$d/IsolateDriver.java" "$d/IsolateDriver.java"
+'''
+
+
+def start(box: Sandbox) -> Driver:
+    return Driver(box, ["sh", "-c", LAUNCH, "isolate-java", SOURCE], {}, "java",
+                  "it needs a JDK 11 or later inside the sandbox, with its jdk.jshell module "
+                  "(Debian: apt-get install default-jdk-headless)")

@@ -110,15 +110,18 @@ def test_typescript_and_javascript_contexts(interpreter: CodeInterpreterSync) ->
     assert (stdout(r), [x.text for x in r.result], r.error) == (["Person: John, Age: 30"], ["15"], None)
     r = interpreter.codes.run("person.age + numbers.length", context=ts)  # declarations stay
     assert [x.text for x in r.result] == ["35"]
+    # A cell run again declares its names again (top-level const and let become var).
+    r = interpreter.codes.run("const person: Person = { name: 'Ann', age: 40 };\nperson.age", context=ts)
+    assert ([x.text for x in r.result], r.error) == (["40"], None)
     r = interpreter.codes.run("Promise.resolve(person.name.toUpperCase())", context=ts)
-    assert [x.text for x in r.result] == ["'JOHN'"]
+    assert [x.text for x in r.result] == ["'ANN'"]
     r = interpreter.codes.run("throw new Error('ts-runtime-error');", context=ts)
     assert (r.error.name, r.error.value) == ("Error", "ts-runtime-error")
     r = interpreter.codes.run("let broken: number = ;", context=ts)
     assert r.error.name == "TSError"
     r, took = interrupted_after(interpreter, ts, "while (true) {}")
     assert r.error is not None and took < 20
-    assert [x.text for x in interpreter.codes.run("person.age", context=ts).result] == ["30"]
+    assert [x.text for x in interpreter.codes.run("person.age", context=ts).result] == ["40"]
 
     js = interpreter.codes.create_context(SupportedLanguage.JAVASCRIPT)
     r = interpreter.codes.run("const os = require('os');\nlet n = 6;\nconsole.log(os.platform());\nn * 7",

@@ -45,6 +45,16 @@ let pending = Buffer.alloc(0);
 let count = 0;
 let running = false;
 
+// A cell's top-level const and let become var: a cell run again (a notebook's way), or one that failed
+// after its declaration, may declare the same name again; a realm's lexical names could never be.
+function redeclarable() {
+  return (file) => ts.factory.updateSourceFile(file, file.statements.map((statement) => (
+    ts.isVariableStatement(statement) && (statement.declarationList.flags & ts.NodeFlags.BlockScoped)
+      ? ts.factory.updateVariableStatement(statement, statement.modifiers,
+        ts.factory.createVariableDeclarationList(statement.declarationList.declarations, ts.NodeFlags.None))
+      : statement)));
+}
+
 function transpile(code) {
   if (ts === null) {
     return code;
@@ -52,6 +62,7 @@ function transpile(code) {
   const output = ts.transpileModule(code, {
     reportDiagnostics: true,
     compilerOptions: { target: ts.ScriptTarget.ES2022, module: ts.ModuleKind.CommonJS, esModuleInterop: true },
+    transformers: { before: [redeclarable] },
   });
   const errors = (output.diagnostics || []).filter((d) => d.category === ts.DiagnosticCategory.Error);
   if (errors.length) {

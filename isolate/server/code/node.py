@@ -4,7 +4,10 @@ Top-level declarations stay from cell to cell, as in Node's REPL; a cell's
 last expression is its result (a promise's, once it settles). TypeScript is
 transpiled by the sandbox's own ``typescript`` module: types are removed, not
 checked (as ``ts-node --transpile-only`` does), so only a syntax error stops a
-cell before it runs. The driver runs from ``node -e``: no file is written.
+cell before it runs; its top-level ``const`` and ``let`` become ``var``, so
+that a cell run again may declare its names again (JavaScript keeps Node's
+REPL rule: a name declared with them cannot be). The driver runs from ``node
+-e``: no file is written.
 """
 
 from __future__ import annotations

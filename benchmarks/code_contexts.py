@@ -112,14 +112,15 @@ def _answer(context: Any, code: str) -> None:
         raise RuntimeError(f"{context.language}: {code!r} gave {done}")
 
 
-def run(rounds: int, cells: int, log: Callable[[str], None]) -> dict[str, Any]:
+def run(rounds: int, cells: int, log: Callable[[str], None], languages: Sequence[str] = tuple(CELLS)) -> dict[str, Any]:
     import isolate
     from isolate.server.code import CodeContext
 
     results: dict[str, Any] = {"rounds": rounds, "cells": cells}
     with isolate.Sandbox() as box:
         places: dict[str, Any] = {"sandboxed": box, "host": _Host()}
-        for language, (tool, code) in CELLS.items():
+        for language in languages:
+            tool, code = CELLS[language]
             if shutil.which(tool) is None:
                 log(f"{language}: no {tool} on this host, skipped")
                 continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -174,3 +175,16 @@ def test_a_language_whose_toolchain_the_sandbox_lacks_is_refused_with_the_way_ou
     with pytest.raises(SandboxException) as refused_by_api:
         interpreter.codes.create_context("cobol")
     assert "is not served here" in str(refused_by_api.value)
+
+
+def test_code_contexts_benchmark_runs() -> None:
+    """benchmarks/code_contexts.py runs (one round, a Python and a Go context); its figures are not asserted."""
+    needs("go")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        from benchmarks import code_contexts as bench
+    finally:
+        sys.path.pop(0)
+    results = bench.run(1, 2, lambda message: None, ("python", "go"))
+    assert results["python"]["start-host"]["n"] == 1 and results["python"]["cell-sandboxed"]["n"] == 2
+    assert results["go"]["start-sandboxed"]["n"] == 1

@@ -236,8 +236,14 @@ class BodyReader:
             self._fill()
 
 
-def copy_body(reader: BodyReader, framing: tuple[str, int], upstream: socket.socket) -> None:
-    """Forward exactly the request's body to ``upstream``; nothing after it."""
+def copy_body(reader: BodyReader, framing: tuple[str, int], upstream: socket.socket, trailers: bool = True) -> None:
+    """Forward exactly the request's body to ``upstream``; nothing after it.
+
+    ``trailers=False``: a chunked body's trailer fields are read and dropped (RFC 9110 lets an intermediary
+    discard them). A request the vault put a credential into takes no header fields from the program after
+    its head: a server that merges trailers into the headers would otherwise read the program's
+    ``Authorization`` beside, or instead of, the vault's.
+    """
     kind, length = framing
     if kind == "length":
         while length:
@@ -259,7 +265,8 @@ def copy_body(reader: BodyReader, framing: tuple[str, int], upstream: socket.soc
                     trailer = reader.line()
                     if not trailer.endswith(b"\r\n") or b"\r" in trailer[:-2]:
                         raise HTTPError(400, "a trailer line without its CRLF")
-                    upstream.sendall(trailer)
+                    if trailers or trailer == b"\r\n":
+                        upstream.sendall(trailer)
                     if trailer == b"\r\n":
                         return
             remaining = size

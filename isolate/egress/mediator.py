@@ -688,7 +688,8 @@ class Mediator:
                                        [header for header, _ in request.headers]) if vault is not None else []
             host_header = name if port == 80 else f"{name}:{port}"
             upstream.sendall(http.forward_head(request, host_header, path, inject))
-            return self._relay_one_request(conn, upstream, http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT), framing)
+            return self._relay_one_request(conn, upstream, http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT), framing,
+                                           trailers=not inject)
         except OSError:
             return True
         finally:
@@ -697,7 +698,7 @@ class Mediator:
             upstream.close()
 
     def _relay_one_request(self, conn: socket.socket, upstream: socket.socket, body: http.BodyReader,
-                           framing: tuple[str, int]) -> bool:
+                           framing: tuple[str, int], trailers: bool = True) -> bool:
         """The request's body up, the whole response down; nothing the client sends after is forwarded."""
         down_done = threading.Event()
 
@@ -723,7 +724,7 @@ class Mediator:
         thread = threading.Thread(target=down, daemon=True, name="isolate-egress-http")
         thread.start()
         try:
-            http.copy_body(body, framing, upstream)
+            http.copy_body(body, framing, upstream, trailers)
         except (OSError, http.HTTPError):
             try:
                 upstream.shutdown(socket.SHUT_RDWR)

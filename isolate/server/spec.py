@@ -98,7 +98,8 @@ ROUTES: tuple[SpecRoute, ...] = (
               "scopes lifecycle (state changes, metadata, renewals), all; inline"),
     # -- execution (execd) -------------------------------------------------------------------
     SpecRoute("execd", "GET", "/ping"),
-    SpecRoute("execd", "GET", "/code/contexts", "python, java, typescript, javascript, go and bash contexts (no Jupyter)"),
+    SpecRoute("execd", "GET", "/code/contexts",
+              "python, java, typescript, javascript, go and bash contexts (no Jupyter)"),
     SpecRoute("execd", "DELETE", "/code/contexts"),
     SpecRoute("execd", "GET", "/code/contexts/{context_id}"),
     SpecRoute("execd", "DELETE", "/code/contexts/{context_id}"),

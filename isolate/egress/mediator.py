@@ -45,7 +45,7 @@ from ..model.egress_rules import (
 from ..model.errors import PolicyError
 from . import dns, http
 from .relay import relay
-from .vault import Vault
+from .vault import MAX_FORM_BODY, Vault, form_may_override, form_overrides
 from .workers import Workers
 
 #: How long a proxy client has to send its request head, and a DNS-over-TCP client its query.
@@ -686,10 +686,22 @@ class Mediator:
             vault = self.vault
             inject = vault.headers_for("http", name, port, request.method, path,
                                        [header for header, _ in request.headers]) if vault is not None else []
+            body = http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT)
+            form = b""
+            if inject and form_may_override(request.method, request.headers):
+                # A form a framework may take another method from (``_method``): read whole before injecting.
+                kind, length = framing
+                if kind == "chunked" or length > MAX_FORM_BODY:
+                    inject = []
+                else:
+                    while len(form) < length:
+                        form += body.take(length - len(form))
+                    framing = ("length", 0)  # the body is read: forwarded below, after the head
+                    if form_overrides(form):
+                        inject = []
             host_header = name if port == 80 else f"{name}:{port}"
-            upstream.sendall(http.forward_head(request, host_header, path, inject))
-            return self._relay_one_request(conn, upstream, http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT), framing,
-                                           trailers=not inject)
+            upstream.sendall(http.forward_head(request, host_header, path, inject) + form)
+            return self._relay_one_request(conn, upstream, body, framing, trailers=not inject)
         except OSError:
             return True
         finally:

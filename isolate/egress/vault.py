@@ -25,7 +25,10 @@ of a character that servers decode and then route on (``%2e``, ``%2f``,
 method that is not an ASCII token; a request carrying a header (or a query
 parameter, ``_method``) that frameworks read as another method or path
 (``X-HTTP-Method-Override``, ``X-Original-URL``..., any spelling with ``_``).
-A ``_method`` field in a form body is not looked at (the body is streamed).
+A POST whose body frameworks read as a form (url-encoded, multipart, or no
+type, as Rack reads one) is read whole first, up to ``MAX_FORM_BODY``: one
+that names ``_method`` or such a header anywhere, a larger one and a chunked
+one are not injected (``form_overrides``).
 The sandbox's own headers of an injected name are removed, so it cannot add
 a second value.
 
@@ -127,6 +130,32 @@ def _overriding_query(query: str) -> bool:
         if name in _OVERRIDES or name == "-method":
             return True
     return False
+
+
+#: Bodies whose fields frameworks read as the method (Rack's MethodOverride and Symfony take ``_method`` from a
+#: POST's form, url-encoded or multipart): the mediator reads such a body before it injects.
+FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
+#: The largest form body read before injecting; a larger or chunked one is not injected.
+MAX_FORM_BODY = 1 << 20
+
+
+def form_may_override(method: str, headers: Sequence[tuple[str, str]]) -> bool:
+    """Whether the request's body is a form a framework may take another method from (a POST's form)."""
+    if method != "POST":
+        return False
+    types = [value.split(";", 1)[0].strip().lower() for name, value in headers if name.lower() == "content-type"]
+    return len(types) != 1 or types[0] in FORM_TYPES  # none, or two (servers take either): as a form
+
+
+def form_overrides(body: bytes) -> bool:
+    """Whether a form body may name a method override: ``_method`` or an override header's name anywhere in it,
+    in any case, "_" or "-", once or twice percent-encoded (not only as a field's name: a multipart part's
+    name, a nested key ``a[_method]``, all count)."""
+    text = body.decode("latin-1")
+    for _ in range(3):
+        text = unquote(text.replace("+", " "), encoding="latin-1")
+    spelled = _spelled(text)
+    return "-method" in spelled or any(name in spelled for name in _OVERRIDES)
 
 
 def _ambiguous(path: str) -> bool:

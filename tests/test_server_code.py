@@ -188,3 +188,154 @@ def test_code_contexts_benchmark_runs() -> None:
     results = bench.run(1, 2, lambda message: None, ("python", "go"))
     assert results["python"]["start-host"]["n"] == 1 and results["python"]["cell-sandboxed"]["n"] == 2
     assert results["go"]["start-sandboxed"]["n"] == 1
+
+
+# -- what a hostile cell, or another process of the sandbox, does to the host's side of a context ------
+
+@pytest.fixture(scope="module")
+def box() -> Iterator[isolate.Sandbox]:
+    with isolate.Sandbox(isolate.Policy(network="loopback")) as sandbox:
+        yield sandbox
+
+
+def run_cell(context: CodeContext, code: str, emit_delay: float = 0.0,
+             interrupt_after: float | None = None) -> tuple[dict[str, object] | None, bytes, float]:
+    """Run a cell in a thread; its answer (None when the run did not end within 15 s), its output, the time."""
+    answer: list[dict[str, object]] = []
+    output = bytearray()
+
+    def emit(kind: str, payload: object) -> None:
+        if kind == "done":
+            answer.append(payload)  # type: ignore[arg-type]
+        else:
+            output.extend(payload)  # type: ignore[arg-type]
+            time.sleep(emit_delay)  # a client that reads at its own pace
+
+    started = time.monotonic()
+    runner = threading.Thread(target=context.run, args=(code, emit), daemon=True)
+    runner.start()
+    if interrupt_after is not None:
+        time.sleep(interrupt_after)
+        context.interrupt()
+    runner.join(15)
+    return (answer[0] if answer else None), bytes(output), time.monotonic() - started
+
+
+def test_a_process_a_cell_leaves_writing_does_not_hold_the_cells_end(box: isolate.Sandbox) -> None:
+    # Before: after the answer the host read the output until the pipe was empty, which writers the cell
+    # left behind (and a client slower than them) never let happen: the run streamed on, for ever.
+    context = CodeContext(box, "python")
+    try:
+        answer, _, took = run_cell(context, "import subprocess, time\n"
+                                        "writers = [subprocess.Popen(['yes']) for _ in range(4)]\n"
+                                        "time.sleep(0.5)\n1", emit_delay=0.005)
+        assert answer is not None and answer["result"] == "1" and took < 5
+    finally:
+        context.close()
+
+
+def test_a_driver_that_ends_leaving_its_channel_held_ends_the_cell(box: isolate.Sandbox) -> None:
+    # Before: the channel never came to its end (a child held it), and the run waited until close().
+    context = CodeContext(box, "python")
+    try:
+        answer, _, _ = run_cell(context, "import os, sys, subprocess\n"
+                                   "channel = sys._getframe(1).f_globals['channel']\n"
+                                   "os.set_inheritable(channel, True)\n"
+                                   "subprocess.Popen(['sleep', '1000'], pass_fds=(channel,))\nos._exit(0)")
+        assert answer is not None and answer["error"]["ename"] == "ContextDied"  # type: ignore[index]
+    finally:
+        context.close()
+
+
+def test_a_context_closed_during_a_run_leaves_its_descriptors_to_the_run(box: isolate.Sandbox) -> None:
+    # Before: close() closed the descriptors a run still polled; the server's next pipes took their numbers,
+    # and the run read another stream's data as the cell's output.
+    context = CodeContext(box, "python")
+    first = threading.Event()
+    release = threading.Event()
+    got: list[tuple[str, object]] = []
+
+    def emit(kind: str, payload: object) -> None:
+        got.append((kind, payload))
+        if kind == "stdout" and not first.is_set():
+            first.set()
+            release.wait(10)  # a slow client: the run is held here while the context is closed
+
+    runner = threading.Thread(target=context.run, args=("print('first', flush=True)\nimport time\n"
+                                                        "while True: time.sleep(1)", emit), daemon=True)
+    runner.start()
+    assert first.wait(10)
+    context.close()
+    pipes = [os.pipe() for _ in range(8)]
+    try:
+        for _, w in pipes:
+            os.write(w, b"another stream\n")
+        release.set()
+        runner.join(10)
+        assert not runner.is_alive()
+        assert b"another stream" not in b"".join(p for k, p in got if k != "done")  # type: ignore[misc]
+        assert got[-1][0] == "done"
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+
+
+def test_a_go_cell_ends_with_its_program_whatever_it_leaves_running(box: isolate.Sandbox) -> None:
+    # Before: the run waited for the end of the pipes, which a child the program left (deaf to SIGINT)
+    # held for ever, past interrupt() and close().
+    needs("go")
+    context = CodeContext(box, "go")
+    try:
+        answer, output, _ = run_cell(context, 'import ("fmt"; "os"; "os/exec")\nfunc main() {\n'
+                                     '    c := exec.Command("sh", "-c", "trap \\"\\" INT; exec sleep 1000")\n'
+                                     '    c.Stdout = os.Stdout\n    c.Start()\n    fmt.Println("started")\n}')
+        assert answer is not None and answer["error"] is None and output == b"started\n"
+    finally:
+        context.close()
+    with pytest.raises(RuntimeError):  # a run that waited for the lock starts nothing after close()
+        context._engine.run("func main() {}", lambda kind, payload: None)
+
+
+def test_javascript_interrupt_stops_an_awaited_promise(box: isolate.Sandbox) -> None:
+    needs("node")
+    context = CodeContext(box, "javascript")
+    try:
+        answer, _, _ = run_cell(context, "new Promise(() => {})", interrupt_after=0.5)
+        assert answer is not None and "interrupted" in answer["error"]["evalue"]  # type: ignore[index]
+        answer, _, _ = run_cell(context, "6 * 7")
+        assert answer is not None and answer["result"] == "42"
+    finally:
+        context.close()
+
+
+FIND_DRIVER = ("for p in /proc/[0-9]*; do case \"$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)\" in {}) "
+               "echo ${{p#/proc/}};; esac; done")
+
+
+def test_no_other_process_opens_the_node_inspector_of_a_context(box: isolate.Sandbox) -> None:
+    # Before: SIGUSR1 from any process of the sandbox opened the inspector on loopback, from where it ran
+    # code in the driver's realm (and answered for it).
+    needs("node")
+    context = CodeContext(box, "javascript")
+    try:
+        pid = box.exec(["sh", "-c", FIND_DRIVER.format("node\\ -e*")]).stdout.split()
+        assert len(pid) == 1 and box.exec(["kill", "-USR1", pid[0]]).returncode == 0
+        time.sleep(0.5)
+        answer, _, _ = run_cell(context, "String(require('inspector').url())")
+        assert answer is not None and answer["result"] == "'undefined'"
+    finally:
+        context.close()
+
+
+def test_no_other_process_attaches_to_the_jvm_of_a_context(box: isolate.Sandbox) -> None:
+    # Before: jcmd (and an agent it loads) from any process of the sandbox reached the driver's JVM.
+    needs("java", "jcmd")
+    context = CodeContext(box, "java")
+    try:
+        pid = box.exec(["sh", "-c", FIND_DRIVER.format("java\\ *IsolateDriver*")]).stdout.split()
+        assert len(pid) == 1
+        attach = box.exec(["jcmd", pid[0], "VM.version"], timeout=30)
+        assert attach.returncode != 0 and "OpenJDK" not in attach.stdout
+    finally:
+        context.close()

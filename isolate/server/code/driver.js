@@ -10,6 +10,9 @@
 // sandbox's own `typescript` module (types are removed, not checked: a type
 // error does not stop a cell, as with ts-node --transpile-only).
 'use strict';
+// SIGUSR1 would open Node's inspector on 127.0.0.1:9229, where any process of the sandbox that reaches
+// loopback could run code in this realm and answer for the driver: a listener of ours keeps it shut.
+process.on('SIGUSR1', () => {});
 const net = require('net');
 const path = require('path');
 const util = require('util');
@@ -38,7 +41,14 @@ if (language === 'typescript') {
 globalThis.require = require;
 globalThis.module = module;
 globalThis.exports = module.exports;
-process.on('SIGINT', () => {});  // between cells SIGINT does nothing; during one it stops the cell
+// Between cells SIGINT does nothing; during one it stops the cell: a running script through vm's
+// breakOnSigint, a promise the cell's value awaits through interruptCell (no script runs then).
+let interruptCell = null;
+process.on('SIGINT', () => {
+  if (interruptCell !== null) {
+    interruptCell();
+  }
+});
 
 const channel = new net.Socket({ fd: 3, readable: true, writable: true });
 let pending = Buffer.alloc(0);
@@ -86,7 +96,13 @@ async function run(code) {
   try {
     let value = vm.runInThisContext(transpile(code), { filename: '<cell>', breakOnSigint: true });
     if (value !== null && typeof value === 'object' && typeof value.then === 'function') {
-      value = await value;  // a cell whose value is a promise answers with what it settles to
+      const settling = value;  // a cell whose value is a promise answers with what it settles to
+      value = await new Promise((resolve, reject) => {
+        interruptCell = () => reject(new Error('Script execution was interrupted by `SIGINT`'));
+        settling.then(resolve, reject);
+      }).finally(() => {
+        interruptCell = null;
+      });
     }
     if (value !== undefined) {
       result = util.inspect(value);
@@ -140,4 +156,7 @@ channel.on('data', (chunk) => {
 });
 channel.on('end', () => process.exit(0));
 channel.on('error', () => process.exit(0));
+if (require('inspector').url() !== undefined) {
+  process.exit(2);  // opened before our SIGUSR1 listener was: this realm may not be the driver's alone
+}
 channel.write('hello\n');

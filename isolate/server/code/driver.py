@@ -14,10 +14,15 @@ writes before its hello (a JVM's notices) is not any cell's output.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
 import signal
+import socket
+import sys
+import termios
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +36,8 @@ from ..models import ApiError
 HELLO_TIMEOUT = 60.0
 #: The largest answer (count, result, error) a cell may give.
 MAX_ANSWER = 16 << 20
+#: How often a run waiting for its answer asks whether the driver is still there.
+POLL = 1.0
 Emit = Callable[[str, Any], None]
 
 
@@ -65,6 +72,8 @@ class Driver:
         for fd in (self._out, self._err, ours.fileno()):
             os.set_blocking(fd, False)
         self._closed = False
+        self._running = False  # a run polls the descriptors: close() leaves them to it (see close)
+        self._guard = threading.Lock()
         try:
             self._hello()
         except _NoHello as exc:
@@ -112,13 +121,39 @@ class Driver:
 
     def run(self, code: str, emit: Emit) -> None:
         """Run one cell: emit ("stdout"|"stderr", bytes) as it comes, then ("done", {count, result, error})."""
+        with self._guard:
+            if self._closed:
+                raise RuntimeError("the context is closed")
+            self._running = True
+        try:
+            self._run(code, emit)
+        finally:
+            with self._guard:
+                self._running = False
+                release = self._closed
+            if release:  # closed during the run: its descriptors were left to it
+                self._release()
+
+    def _run(self, code: str, emit: Emit) -> None:
         data = code.encode()
         self._send(f"{len(data)}\n".encode() + data)
         channel = self._channel.fileno()
         answer = b""
         watched = [self._out, self._err, channel]
+        next_poll = time.monotonic() + POLL
         while b"\n" not in answer:
-            ready = readable(watched, 1.0)
+            ready = readable(watched, POLL)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + POLL
+                # The channel's end is not the driver's: a process it left behind may hold the socket.
+                if self._proc.poll() is not None:
+                    for fd, kind in ((self._out, "stdout"), (self._err, "stderr")):
+                        if fd in watched and (left := read_pending(fd)):
+                            emit(kind, left)
+                    emit("done", {"count": self.count, "result": None,
+                                  "error": {"ename": "ContextDied", "evalue": "the interpreter ended",
+                                            "traceback": []}})
+                    return
             for fd, kind in ((self._out, "stdout"), (self._err, "stderr")):
                 if fd in ready:
                     chunk = read_some(fd)
@@ -138,9 +173,11 @@ class Driver:
                 answer += chunk
                 if len(answer) > MAX_ANSWER:
                     raise ValueError(f"the interpreter's answer passed {MAX_ANSWER} bytes")
-        for fd, kind in ((self._out, "stdout"), (self._err, "stderr")):  # what the cell wrote before its answer
-            while fd in watched and (chunk := read_some(fd)):
-                emit(kind, chunk)
+        # What the cell wrote before its answer is in the pipes now (the driver flushed first): that much,
+        # no more. A process the cell left writing would otherwise keep this run from ever ending.
+        for fd, kind in ((self._out, "stdout"), (self._err, "stderr")):
+            if fd in watched and (left := read_pending(fd)):
+                emit(kind, left)
         emit("done", self._answer(answer.split(b"\n", 1)[0]))
 
     def _answer(self, line: bytes) -> dict[str, Any]:
@@ -166,13 +203,29 @@ class Driver:
         self._proc.signal(signal.SIGINT)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._guard:
+            if self._closed:
+                return
+            self._closed = True
+            busy = self._running
         try:
             self._proc.kill()
         finally:
+            if busy:
+                # A run still polls and reads these descriptors: closed here, their numbers could go to the
+                # server's next pipe or socket (another sandbox's) and the run would read that as the cell's
+                # output. The channel's shutdown ends the run's wait; the run closes them on its way out.
+                try:
+                    self._channel.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            else:
+                self._release()
+
+    def _release(self) -> None:
+        try:
             self._proc.close()
+        finally:
             self._channel.close()
 
 
@@ -194,3 +247,12 @@ def read_some(fd: int) -> bytes | None:
     except OSError:
         return None
     return chunk or None
+
+
+def read_pending(fd: int) -> bytes:
+    """What the pipe holds now, and no more (a writer that goes on writing is not waited for)."""
+    try:
+        size = int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+        return os.read(fd, size) if size > 0 else b""
+    except OSError:
+        return b""

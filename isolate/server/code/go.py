@@ -17,7 +17,7 @@ import threading
 
 from ...backends.native.commands import SandboxProcess
 from ...kept.sandbox import Sandbox
-from .driver import Emit, read_some, readable, unavailable
+from .driver import POLL, Emit, read_pending, read_some, readable, unavailable
 
 # GOCACHE: go refuses to build without a cache; when the sandbox has no home to keep it in, one under /tmp.
 LAUNCH = r'''d=$(mktemp -d) || exit 125
@@ -37,6 +37,7 @@ class GoContext:
         self._box = box
         self._proc: SandboxProcess | None = None
         self._guard = threading.Lock()
+        self._closed = False
         probe = box.exec(["sh", "-c", "command -v go"])
         if probe.returncode != 0:
             raise unavailable("go", "go: not found", HINT)
@@ -44,21 +45,27 @@ class GoContext:
     def run(self, code: str, emit: Emit) -> None:
         self.count += 1
         source = code if _PACKAGE.search(code) else "package main\n" + code
-        proc = self._box.spawn(["sh", "-c", LAUNCH, "isolate-go"])
-        with self._guard:
-            self._proc = proc
+        with self._guard:  # a run that waited for the context's lock does not start a program after close()
+            if self._closed:
+                raise RuntimeError("the context is closed")
+            proc = self._proc = self._box.spawn(["sh", "-c", LAUNCH, "isolate-go"])
         try:
             proc.write(source)
             proc.close_stdin()
             watched = {proc.stdout_fd: "stdout", proc.stderr_fd: "stderr"}
-            while watched:
-                ready = readable(list(watched), None)
-                for fd in ready:
+            # The cell ends when its command does, not when its pipes do: what the program leaves in the
+            # background (a server it started) keeps them open, and goes on running once the command has
+            # exited, out of reach of interrupt() and close(). What it wrote before is in the pipes then.
+            while watched and proc.poll() is None:
+                for fd in readable(list(watched), POLL):
                     chunk = read_some(fd)
                     if chunk is None:
                         del watched[fd]
                     elif chunk:
                         emit(watched[fd], chunk)
+            for fd, kind in watched.items():
+                if chunk := read_pending(fd):
+                    emit(kind, chunk)
             status = proc.wait()
         finally:
             with self._guard:
@@ -76,6 +83,7 @@ class GoContext:
 
     def close(self) -> None:
         with self._guard:
+            self._closed = True
             proc = self._proc
         if proc is not None:
             proc.kill()

@@ -21,7 +21,9 @@ SOURCE = resources.files(__package__).joinpath("IsolateDriver.java").read_text(e
 # The serial collector and C1 only: a context is small and should start fast. Under an address-space limit
 # (RLIMIT_AS: memory without a cgroup) the JVM's default reservations (half of it for the heap, 1 GiB of
 # class space, 240 MiB of code cache, a malloc arena per thread) do not fit: a quarter for the heap, and
-# small fixed ones.
+# small fixed ones. -XX:+DisableAttachMechanism: the HotSpot attach listener (jcmd, agents; opened for any
+# process of the same uid that drops /tmp/.attach_pidN and sends SIGQUIT) would let another process of the
+# sandbox load code into the driver and answer for it.
 LAUNCH = r'''d=$(mktemp -d) && printf "%s" "$1" > "$d/IsolateDriver.java" || exit 125
 sized=
 v=$(ulimit -v)
@@ -29,8 +31,8 @@ if [ "$v" != unlimited ]; then
     sized="-Xmx$((v / 4))k -XX:CompressedClassSpaceSize=32m -XX:ReservedCodeCacheSize=32m"
     export MALLOC_ARENA_MAX=2
 fi
-exec java -XX:+UseSerialGC -XX:TieredStopAtLevel=1 $sized --add-opens java.base/java.io=ALL-UNNAMED \
-    "$d/IsolateDriver.java" "$d/IsolateDriver.java"
+exec java -XX:+DisableAttachMechanism -XX:+UseSerialGC -XX:TieredStopAtLevel=1 $sized \
+    --add-opens java.base/java.io=ALL-UNNAMED "$d/IsolateDriver.java" "$d/IsolateDriver.java"
 '''
 
 

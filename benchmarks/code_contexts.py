@@ -74,6 +74,9 @@ class _HostProcess:
     def wait(self, timeout: float | None = None) -> int:
         return self._popen.wait(timeout)
 
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
     def signal(self, sig: int, descendants: bool = False) -> None:
         os.killpg(self._popen.pid, sig) if descendants else self._popen.send_signal(sig)
 

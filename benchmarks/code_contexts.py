@@ -49,17 +49,18 @@ HOST_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 class _HostProcess:
     """What a code context uses of a sandbox's process, for a process started on the host."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], fd3: int | None) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], fd3: int | None, stdin: int | None) -> None:
         keep = (fd3, 3) if fd3 is not None else ()
 
         def descriptor_3() -> None:
             if fd3 is not None:
                 os.dup2(fd3, 3)
 
-        self._popen = subprocess.Popen(list(argv), env={**HOST_ENV, **env}, stdin=subprocess.PIPE,
+        self._popen = subprocess.Popen(list(argv), env={**HOST_ENV, **env},
+                                       stdin=subprocess.PIPE if stdin is None else stdin,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=keep,
                                        preexec_fn=descriptor_3, start_new_session=True)
-        assert self._popen.stdin and self._popen.stdout and self._popen.stderr
+        assert self._popen.stdout and self._popen.stderr
         self.stdout_fd, self.stderr_fd = self._popen.stdout.fileno(), self._popen.stderr.fileno()
 
     def write(self, data: str | bytes) -> None:
@@ -98,8 +99,8 @@ class _Host:
     """What a code context uses of a sandbox (spawn, exec), on the host."""
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              fd3: int | None = None) -> _HostProcess:
-        return _HostProcess(argv, env or {}, fd3)
+              fd3: int | None = None, stdin: int | None = None) -> _HostProcess:
+        return _HostProcess(argv, env or {}, fd3, stdin)
 
     def exec(self, argv: Sequence[str]) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(list(argv), capture_output=True, env=HOST_ENV)

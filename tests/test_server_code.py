@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import test_server as base
@@ -333,9 +334,31 @@ def test_no_other_process_attaches_to_the_jvm_of_a_context(box: isolate.Sandbox)
     needs("java", "jcmd")
     context = CodeContext(box, "java")
     try:
-        pid = box.exec(["sh", "-c", FIND_DRIVER.format("java\\ *IsolateDriver*")]).stdout.split()
+        pid = box.exec(["sh", "-c", FIND_DRIVER.format("java\\ *DisableAttachMechanism*")]).stdout.split()
         assert len(pid) == 1
         attach = box.exec(["jcmd", pid[0], "VM.version"], timeout=30)
         assert attach.returncode != 0 and "OpenJDK" not in attach.stdout
+    finally:
+        context.close()
+
+
+def test_no_other_process_replaces_the_source_of_a_java_driver(box: isolate.Sandbox) -> None:
+    # Before: the launcher wrote the driver's source to a temporary directory of the sandbox's, and another
+    # process of the same uid renamed its own source over it before the JVM read it: its code was the
+    # driver, and answered for every cell. Now the JVM reads a sealed memfd of the host's as its stdin.
+    needs("java")
+    context = CodeContext(box, "java")
+    try:
+        pid = box.exec(["sh", "-c", FIND_DRIVER.format("java\\ *DisableAttachMechanism*")]).stdout.split()
+        assert len(pid) == 1
+        source = f"/proc/{pid[0]}/fd/0"
+        assert box.exec(["readlink", source]).stdout.startswith("/memfd:isolate-java-driver")
+        assert "public final class IsolateDriver" in box.exec(["cat", source]).stdout  # read, from its start
+        # Neither written nor truncated, through the driver's own descriptor or a new open of it.
+        for attempt in (f"echo forged >> {source}", f"echo forged > {source}", f"truncate -s 0 {source}"):
+            assert box.exec(["sh", "-c", attempt]).returncode != 0, attempt
+        done: list[Any] = []
+        context.run("6 * 7", lambda kind, value: done.append(value) if kind == "done" else None)
+        assert done[0]["result"] == "42"
     finally:
         context.close()

@@ -252,17 +252,23 @@ class Sandbox:
 
     def spawn(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
               timeout: float | None = None, shell: bool = False, pty: bool = False,
-              fd3: int | None = None) -> SandboxProcess:
+              fd3: int | None = None, stdin: int | None = None) -> SandboxProcess:
         """Start a command and return at once: stream its output, write to it, kill it, wait for it.
 
         ``fd3``: a descriptor of the caller's (a socket, a pipe) that the command gets as its descriptor 3:
-        a channel beside its output that no other process of the sandbox holds.
+        a channel beside its output that no other process of the sandbox holds. ``stdin``: a descriptor of
+        the caller's (a file, a sealed memfd) that the command reads as its standard input, instead of a
+        pipe that ``write`` feeds (not with ``pty``).
         """
         impl = self._running("spawn")
-        if fd3 is not None and (isinstance(fd3, bool) or not isinstance(fd3, int) or fd3 < 0):
-            raise PolicyError(f"fd3: expected an open descriptor, got {fd3!r}", "fd3")
+        for name, fd in (("fd3", fd3), ("stdin", stdin)):
+            if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
+                raise PolicyError(f"{name}: expected an open descriptor, got {fd!r}", name)
+        if stdin is not None and pty:
+            raise PolicyError("stdin: a command with a terminal reads the terminal", "stdin")
         return SandboxProcess(impl, self._argv(cmd, shell), cwd or "", environment_for(impl.environment, env),
-                              _seconds(timeout, "timeout"), pty, -1 if fd3 is None else fd3)
+                              _seconds(timeout, "timeout"), pty, -1 if fd3 is None else fd3,
+                              -1 if stdin is None else stdin)
 
     def shell(self, name: str = "default", pty: bool = True) -> Shell:
         """A persistent shell (``cd``, variables and functions persist between ``run`` calls)."""

@@ -368,9 +368,10 @@ class SandboxProcess:
     """A command started by ``Sandbox.spawn``: stream ``stdout``/``stderr``, ``write()``, ``kill()``, ``wait()``."""
 
     def __init__(self, impl: Any, argv: list[str], cwd: str, environment: list[str],
-                 timeout: float | None, pty: bool, fd3: int = -1) -> None:
+                 timeout: float | None, pty: bool, fd3: int = -1, stdin: int = -1) -> None:
         """``fd3``: a descriptor of the caller's that the command gets as its descriptor 3 (the caller
-        keeps its own; a persistent shell's out-of-band status channel)."""
+        keeps its own; a persistent shell's out-of-band status channel). ``stdin``: one the command gets as
+        its standard input instead of a pipe (a file, a sealed memfd; the caller keeps its own)."""
         self.args = argv
         self.master_fd = -1
         stdio: tuple[int, ...] = ()
@@ -379,7 +380,7 @@ class SandboxProcess:
             # The monitor makes the terminal in the sandbox's devpts and sends its master with STARTED.
             self.stdin_fd = self.stdout_fd = self.stderr_fd = -1
         else:
-            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin < 0 else (os.dup(stdin), -1)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             stdio = (in_r, out_w, err_w)
@@ -424,6 +425,8 @@ class SandboxProcess:
                 yield line + b"\n"
 
     def write(self, data: str | bytes) -> None:
+        if self.stdin_fd < 0:
+            raise ValueError("the command's standard input is closed, or is not a pipe of this process")
         view = memoryview(data.encode() if isinstance(data, str) else data)
         while view:
             view = view[os.write(self.stdin_fd, view):]

@@ -23,8 +23,6 @@ import java.io.PrintWriter;
 import java.io.StringWriter;
 import java.lang.reflect.Field;
 import java.nio.charset.StandardCharsets;
-import java.nio.file.Files;
-import java.nio.file.Path;
 import java.util.ArrayList;
 import java.util.List;
 import jdk.jshell.Diag;
@@ -44,12 +42,6 @@ public final class IsolateDriver {
     private IsolateDriver() {}
 
     public static void main(String[] args) throws Exception {
-        // The source file was written for this start only: gone before any cell runs.
-        if (args.length == 1) {
-            Path source = Path.of(args[0]);
-            Files.deleteIfExists(source);
-            Files.deleteIfExists(source.getParent());
-        }
         FileDescriptor descriptor = new FileDescriptor();
         Field number = FileDescriptor.class.getDeclaredField("fd");  // needs --add-opens java.base/java.io
         number.setAccessible(true);

@@ -54,11 +54,12 @@ class Driver:
     """A started driver: send a cell, stream its output, take its answer."""
 
     def __init__(self, box: Sandbox, argv: Sequence[str], env: Mapping[str, str], language: str,
-                 hint: str) -> None:
+                 hint: str, stdin: int | None = None) -> None:
+        """``stdin``: a descriptor the driver reads as its standard input (the Java driver's sealed source)."""
         self.count = 0
         ours, theirs = PeerChannel.pair()
         try:
-            self._proc = box.spawn(list(argv), env=dict(env), fd3=theirs.fileno())
+            self._proc = box.spawn(list(argv), env=dict(env), fd3=theirs.fileno(), stdin=stdin)
         except CommandNotFoundError as exc:
             ours.close()
             raise unavailable(language, str(exc), hint) from None

@@ -4,13 +4,20 @@ What the upstream image's Java kernel (IJava) gives: snippets keep their
 state from cell to cell, a cell's last expression is its result, and a
 snippet that throws is an ``EvalException`` (one that does not compile, a
 ``CompilationException``). The driver is a single source file run by the
-``java`` launcher (JDK 11 or later); it is written to a private temporary
-directory of the sandbox's and removed by the driver before any cell runs.
+``java`` launcher (JDK 11 or later), which reads it from its standard input:
+a sealed memfd of the host's. No file of the sandbox's holds it: one there
+(the first version wrote it to a private temporary directory) could be
+replaced by another process of the sandbox, same uid, between its writing
+and the launcher's read, and that process's code would then be the driver
+and answer for every cell. A sealed memfd cannot be written, by anyone, and
+each open of it reads from its start (a pipe could be drained and refilled).
 The JShell uses its "local" execution engine: no second JVM, no debugger port.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 from importlib import resources
 
 from ...kept.sandbox import Sandbox
@@ -24,19 +31,38 @@ SOURCE = resources.files(__package__).joinpath("IsolateDriver.java").read_text(e
 # small fixed ones. -XX:+DisableAttachMechanism: the HotSpot attach listener (jcmd, agents; opened for any
 # process of the same uid that drops /tmp/.attach_pidN and sends SIGQUIT) would let another process of the
 # sandbox load code into the driver and answer for it.
-LAUNCH = r'''d=$(mktemp -d) && printf "%s" "$1" > "$d/IsolateDriver.java" || exit 125
-sized=
+LAUNCH = r'''sized=
 v=$(ulimit -v)
 if [ "$v" != unlimited ]; then
     sized="-Xmx$((v / 4))k -XX:CompressedClassSpaceSize=32m -XX:ReservedCodeCacheSize=32m"
     export MALLOC_ARENA_MAX=2
 fi
 exec java -XX:+DisableAttachMechanism -XX:+UseSerialGC -XX:TieredStopAtLevel=1 $sized \
-    --add-opens java.base/java.io=ALL-UNNAMED "$d/IsolateDriver.java" "$d/IsolateDriver.java"
+    --add-opens java.base/java.io=ALL-UNNAMED --source 11 /proc/self/fd/0
 '''
 
 
+def _sealed_source() -> int:
+    """A memfd holding the driver's source, sealed: no write, no resize, no new seal."""
+    fd = os.memfd_create("isolate-java-driver", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        data = memoryview(SOURCE.encode())
+        while data:
+            data = data[os.write(fd, data):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def start(box: Sandbox) -> Driver:
-    return Driver(box, ["sh", "-c", LAUNCH, "isolate-java", SOURCE], {}, "java",
-                  "it needs a JDK 11 or later inside the sandbox, with its jdk.jshell module "
-                  "(Debian: apt-get install default-jdk-headless)")
+    source = _sealed_source()
+    try:
+        return Driver(box, ["sh", "-c", LAUNCH, "isolate-java"], {}, "java",
+                      "it needs a JDK 11 or later inside the sandbox, with its jdk.jshell module "
+                      "(Debian: apt-get install default-jdk-headless)", stdin=source)
+    finally:
+        os.close(source)  # the command has its own

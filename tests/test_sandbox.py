@@ -154,6 +154,23 @@ def test_spawn_streams_and_kill_ends_the_tree(box: Sandbox) -> None:
     assert "sleep 304" not in box.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
 
 
+def test_spawn_reads_a_descriptor_of_the_callers_as_its_stdin(box: Sandbox) -> None:
+    fd = os.memfd_create("input", os.MFD_CLOEXEC)  # as a code context hands the JVM its driver's source
+    try:
+        os.write(fd, b"line one\nline two\n")
+        os.lseek(fd, 0, os.SEEK_SET)
+        proc = box.spawn(["sh", "-c", "wc -l; head -1 /proc/self/fd/0"], stdin=fd)
+    finally:
+        os.close(fd)  # the command has its own
+    assert list(proc) == [b"2\n", b"line one\n"]  # a new open of a memfd reads from its start
+    with pytest.raises(ValueError, match="not a pipe"):
+        proc.write("more")
+    assert proc.wait(10) == 0
+    proc.close()
+    with pytest.raises(isolate.PolicyError, match="terminal"):
+        box.spawn("cat", stdin=0, pty=True)
+
+
 def test_dropping_a_command_ends_it(box: Sandbox) -> None:
     proc = box.spawn("sleep 305")
     proc.close()  # the conversation ends: so does the command

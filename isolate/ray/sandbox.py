@@ -229,8 +229,10 @@ class Sandbox:
 
     def spawn(self, cmd: str | Sequence[str], **kwargs: Any) -> RemoteProcess:
         """``isolate.Sandbox.spawn``: stream its output (``for line in proc``, ``proc.stdout.read()``)."""
-        if kwargs.get("fd3") is not None:
-            raise PolicyError("fd3: a descriptor of this machine cannot reach a sandbox on another node", "fd3")
+        for name in ("fd3", "stdin"):
+            if kwargs.get(name) is not None:
+                raise PolicyError(f"{name}: a descriptor of this machine cannot reach a sandbox on another node",
+                                  name)
         info = self._host_call("spawn", self.id, (cmd if isinstance(cmd, str) else list(cmd),), kwargs)
         return RemoteProcess(self, info["key"], info["pid"], info["args"])
 

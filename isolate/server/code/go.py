@@ -3,10 +3,12 @@
 Go has no interpreter to keep: a cell is a whole ``main`` package (``package
 main`` is added when the cell has no package clause), and nothing but the
 files it writes outlives it. The cell reaches ``go run`` on its standard input
-through a shell inside the sandbox, which writes it to a private temporary
-directory and removes it afterwards: the host touches no path of the
-sandbox's. A build error or a non-zero exit is the cell's error, with the
-compiler's or the program's words on stderr.
+through a shell inside the sandbox, which writes it to a temporary directory
+and removes it afterwards: the host touches no path of the sandbox's. A build
+error or a non-zero exit is the cell's error, with the compiler's or the
+program's words on stderr. A Go cell is a command, with a command's
+guarantees: no driver answers for it, and as a command's, its file and its
+output are within reach of the sandbox's other processes (same uid).
 """
 
 from __future__ import annotations

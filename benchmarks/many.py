@@ -10,7 +10,8 @@ Each figure comes with its baseline, measured in the same run:
   (n = 200 in the full run; goal: <= 2 s);
 - ``ray`` (full run only; a ``ray.cluster_utils.Cluster`` of 3 nodes on this
   machine): an exec through Ray against the same exec on a local sandbox
-  (goal: <= 1.5 ms added), 500 sandboxes placed over the 3 nodes (goal:
+  (goal: <= 1.5 ms added), and Ray's own round trip to the node's actor (a
+  call that does nothing) beside it, 500 sandboxes placed over the 3 nodes (goal:
   <= 10 s), and 1,000 concurrent execs over them (their throughput).
 """
 
@@ -123,14 +124,18 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
     try:
         local = isolate.Sandbox(_policy()).start()
         remote = iray.Sandbox(_policy()).start()
-        local_times, remote_times = [], []
-        for _ in range(rounds):  # interleaved: the same load on both
+        local_times, remote_times, ray_times = [], [], []
+        host = remote._actor  # the node's SandboxHost: a call that does nothing is Ray's own round trip
+        for _ in range(rounds):  # interleaved: the same load on each
             t0 = time.perf_counter()
             local.exec(["true"])
             local_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             remote.exec(["true"])
             remote_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ray.get(host.node.remote())
+            ray_times.append(time.perf_counter() - t0)
         local.close()
         remote.close()
         log(f"many: {n} sandboxes over the cluster")
@@ -150,6 +155,9 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
         return {
             "exec_local": summary_ms(local_times), "exec_through_ray": summary_ms(remote_times),
             "exec_added_ms": round((median(remote_times) - median(local_times)) * 1000, 3),
+            "ray_call": summary_ms(ray_times),
+            "exec_added_beyond_ray_ms": round((median(remote_times) - median(local_times) - median(ray_times))
+                                              * 1000, 3),
             "sandboxes": n, "placed_s": round(placed, 3), "per_node": sorted(per_node.values()),
             "execs": execs, "execs_s": round(burst, 3), "execs_per_s": round(execs / burst, 1),
             "execs_failed": sum(1 for c in codes if c != 0),
@@ -200,6 +208,9 @@ def markdown(figures: dict[str, Any]) -> list[str]:
     elif ray_f:
         lines += [f"- exec through Ray: {ray_f['exec_through_ray']['median_ms']} ms median, locally "
                   f"{ray_f['exec_local']['median_ms']} ms: {ray_f['exec_added_ms']} ms added",
+                  f"- Ray's own round trip (a call to the node's host actor that does nothing): "
+                  f"{ray_f['ray_call']['median_ms']} ms median; what isolate adds beyond it: "
+                  f"{ray_f['exec_added_beyond_ray_ms']} ms",
                   f"- {ray_f['sandboxes']} sandboxes over 3 nodes: {ray_f['placed_s']} s "
                   f"(per node: {ray_f['per_node']})",
                   f"- {ray_f['execs']} concurrent execs over them: {ray_f['execs_s']} s, "

@@ -354,7 +354,10 @@ def test_vault_injects_no_request_a_server_may_read_as_another(raw_served: tuple
             credentials=[Credential(name="bearer", source={"value": secret})],
             bindings=[CredentialBinding(name="b", auth={"type": "bearer", "credential": "bearer"}, match={
                 "schemes": ["http"], "ports": [port], "hosts": ["api.test"], "methods": ["GET", "POST"],
-                "paths": ["/pub/*", "/v1/*/read", "/files/*.txt"]})])
+                "paths": ["/pub/*", "/v1/*/read", "/files/*.txt"]}),
+                      # Every method an override can name, on its paths: a form there is not read.
+                      CredentialBinding(name="all", auth={"type": "bearer", "credential": "bearer"}, match={
+                          "schemes": ["http"], "ports": [port], "hosts": ["api.test"], "paths": ["/all/*"]})])
         bound = ["/pub/x", "/pub/", "/pub/caf%C3%A9", "/v1/a/read", "/files/a.txt", "/pub/x?q=1&method=a"]
         refused = ["/pub/..;/admin", "/v1//read", "/files/secret.key;.txt", "/files/a#.txt", "/pub/%252e%252e/admin",
                    "/pub/%u002e%u002e/admin", "/pub/%c0%ae%c0%ae/admin", "/pub/x%00/admin", "/pub/x\t/admin",
@@ -386,6 +389,9 @@ def test_vault_injects_no_request_a_server_may_read_as_another(raw_served: tuple
                                                       "Transfer-Encoding: chunked\r\n\r\n4\r\nname\r\n0"),
                       (mode, True, "POST", "/pub/x", form("name=ann&method=x")),
                       (mode, True, "POST", "/pub/x", form('{"_method": "DELETE"}', "application/json")),
+                      (mode, True, "POST", "/all/x", form("_method=DELETE")),
+                      (mode, True, "POST", "/all/x", "Content-Type: multipart/form-data; boundary=b\r\n"
+                                                     "Transfer-Encoding: chunked\r\n\r\n4\r\nname\r\n0"),
                       # Trailer fields after a credential's request: dropped (a server may merge them as headers).
                       (mode, True, "POST", "/pub/x", JSON + "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
                                                      "X-Trailer: t\r\nAuthorization: Bearer trailer")]

@@ -684,12 +684,14 @@ class Mediator:
                 return False
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             vault = self.vault
-            inject = vault.headers_for("http", name, port, request.method, path,
-                                       [header for header, _ in request.headers]) if vault is not None else []
+            names = [header for header, _ in request.headers]
+            inject = vault.headers_for("http", name, port, request.method, path, names) if vault is not None else []
             body = http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT)
             form = b""
-            if inject and form_may_override(request.method, request.headers):
-                # A form a framework may take another method from (``_method``): read whole before injecting.
+            if inject and form_may_override(request.method, request.headers) and \
+                    vault is not None and vault.override_widens("http", name, port, path, names, inject):
+                # A form a framework may take another method from (``_method``), to a request the bindings
+                # do not allow: read whole before injecting.
                 kind, length = framing
                 if kind == "chunked" or length > MAX_FORM_BODY:
                     inject = []

@@ -26,9 +26,10 @@ method that is not an ASCII token; a request carrying a header (or a query
 parameter, ``_method``) that frameworks read as another method or path
 (``X-HTTP-Method-Override``, ``X-Original-URL``..., any spelling with ``_``).
 A POST whose body frameworks read as a form (url-encoded, multipart, or no
-type, as Rack reads one) is read whole first, up to ``MAX_FORM_BODY``: one
-that names ``_method`` or such a header anywhere, a larger one and a chunked
-one are not injected (``form_overrides``).
+type, as Rack reads one), where an override to another method would reach a
+request the bindings do not allow, is read whole first, up to
+``MAX_FORM_BODY``: one that names ``_method`` or such a header anywhere, a
+larger one and a chunked one are not injected (``form_overrides``).
 The sandbox's own headers of an injected name are removed, so it cannot add
 a second value.
 
@@ -135,6 +136,8 @@ def _overriding_query(query: str) -> bool:
 #: Bodies whose fields frameworks read as the method (Rack's MethodOverride and Symfony take ``_method`` from a
 #: POST's form, url-encoded or multipart): the mediator reads such a body before it injects.
 FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
+#: The methods an override can name that do more than the POST it rides on may (read, replace, delete).
+OVERRIDE_METHODS = ("GET", "PUT", "PATCH", "DELETE")
 #: The largest form body read before injecting; a larger or chunked one is not injected.
 MAX_FORM_BODY = 1 << 20
 
@@ -369,6 +372,14 @@ class Vault:
                     if header.lower() not in {h.lower() for h, _ in out}:
                         out.append((header, value))
         return out
+
+    def override_widens(self, scheme: str, host: str, port: int, path: str, request_headers: Sequence[str],
+                        injected: Sequence[tuple[str, str]]) -> bool:
+        """Whether a method override (a form's ``_method``) could take this request's credentials where the
+        vault would not: some method it can name (``OVERRIDE_METHODS``) would be injected otherwise. When
+        the bindings allow them all the same, the form need not be read."""
+        return any(self.headers_for(scheme, host, port, method, path, request_headers) != list(injected)
+                   for method in OVERRIDE_METHODS)
 
     def binds(self, host: str, port: int) -> bool:
         """Whether some binding may inject into plain HTTP to host:port (so its requests must be read)."""

@@ -362,3 +362,23 @@ def test_no_other_process_replaces_the_source_of_a_java_driver(box: isolate.Sand
         assert done[0]["result"] == "42"
     finally:
         context.close()
+
+
+def test_a_java_cell_past_the_memory_limit_gets_an_outofmemoryerror_not_a_killed_driver() -> None:
+    # Before: the JVM saw no cgroup inside the sandbox and sized its heap to the host's memory (5.8 GB here
+    # under a 512 MB limit); a cell allocating past the limit had the whole driver killed.
+    needs("java")
+    policy = isolate.Policy(limits=isolate.Limits(memory="512M"), best_effort=True)
+    with isolate.Sandbox(policy) as sandbox:
+        context = CodeContext(sandbox, "java")
+        try:
+            done: list[Any] = []
+            context.run("var kept = new java.util.ArrayList<int[]>();\n"
+                        "for (int i = 0; i < 600; i++) kept.add(new int[1 << 18]);",  # 600 MiB
+                        lambda kind, value: done.append(value) if kind == "done" else None)
+            assert "OutOfMemoryError" in done[0]["error"]["evalue"], done
+            context.run("kept = null; Runtime.getRuntime().maxMemory() <= 512L << 20",
+                        lambda kind, value: done.append(value) if kind == "done" else None)
+            assert done[1]["result"] == "true", done
+        finally:
+            context.close()

@@ -25,13 +25,20 @@ from .driver import Driver
 
 SOURCE = resources.files(__package__).joinpath("IsolateDriver.java").read_text(encoding="utf-8")
 # --add-opens: the driver takes descriptor 3 through java.io.FileDescriptor's field (Java has no fdopen).
-# The serial collector and C1 only: a context is small and should start fast. Under an address-space limit
-# (RLIMIT_AS: memory without a cgroup) the JVM's default reservations (half of it for the heap, 1 GiB of
-# class space, 240 MiB of code cache, a malloc arena per thread) do not fit: a quarter for the heap, and
-# small fixed ones. -XX:+DisableAttachMechanism: the HotSpot attach listener (jcmd, agents; opened for any
-# process of the same uid that drops /tmp/.attach_pidN and sends SIGQUIT) would let another process of the
-# sandbox load code into the driver and answer for it.
+# The serial collector and C1 only: a context is small and should start fast.
+# The sandbox's memory limit ($1, bytes) is the JVM's RAM, half of it the heap: inside the sandbox the JVM
+# sees no cgroup and would size its heap to the host's memory, and a cell allocating past the limit would
+# have the whole driver killed instead of getting an OutOfMemoryError.
+# Under an address-space limit (RLIMIT_AS: memory without a cgroup) the JVM's default reservations (half of
+# it for the heap, 1 GiB of class space, 240 MiB of code cache, a malloc arena per thread) do not fit: a
+# quarter for the heap, and small fixed ones.
+# -XX:+DisableAttachMechanism: the HotSpot attach listener (jcmd, agents; opened for any process of the
+# same uid that drops /tmp/.attach_pidN and sends SIGQUIT) would let another process of the sandbox load
+# code into the driver and answer for it.
 LAUNCH = r'''sized=
+if [ -n "$1" ]; then
+    sized="-XX:MaxRAM=$1 -XX:MaxRAMPercentage=50"
+fi
 v=$(ulimit -v)
 if [ "$v" != unlimited ]; then
     sized="-Xmx$((v / 4))k -XX:CompressedClassSpaceSize=32m -XX:ReservedCodeCacheSize=32m"
@@ -61,7 +68,9 @@ def _sealed_source() -> int:
 def start(box: Sandbox) -> Driver:
     source = _sealed_source()
     try:
-        return Driver(box, ["sh", "-c", LAUNCH, "isolate-java"], {}, "java",
+        memory = box.policy.limits.value("memory")
+        argv = ["sh", "-c", LAUNCH, "isolate-java", "" if memory is None else str(int(memory))]
+        return Driver(box, argv, {}, "java",
                       "it needs a JDK 11 or later inside the sandbox, with its jdk.jshell module "
                       "(Debian: apt-get install default-jdk-headless)", stdin=source)
     finally:

@@ -382,3 +382,22 @@ def test_a_java_cell_past_the_memory_limit_gets_an_outofmemoryerror_not_a_killed
             assert done[1]["result"] == "true", done
         finally:
             context.close()
+
+
+def test_a_node_cell_past_the_memory_limit_ends_the_driver_with_its_cause() -> None:
+    # Before: V8 sized its heap to the host's memory, and the kernel's OOM killer ended the driver (or
+    # another process of the sandbox) without a word. Now V8's heap is half the limit: its own error says why.
+    needs("node")
+    # 1 GiB: under an address-space limit (no cgroup) V8 needs that much reserved to start at all.
+    policy = isolate.Policy(limits=isolate.Limits(memory="1G"), best_effort=True)
+    with isolate.Sandbox(policy) as sandbox:
+        context = CodeContext(sandbox, "javascript")
+        try:
+            events: list[tuple[str, Any]] = []
+            context.run("var keep = []; for (let i = 0; i < 1200; i++) keep.push(new Array(1 << 17).fill(i));",
+                        lambda kind, value: events.append((kind, value)))
+            said = b"".join(v for k, v in events if k == "stderr").lower()
+            assert b"out of memory" in said or b"oom" in said, events[-1]
+            assert events[-1][1]["error"]["ename"] == "ContextDied"
+        finally:
+            context.close()

@@ -101,7 +101,9 @@ class Driver:
             if self._channel.fileno() in ready:
                 chunk = self._channel.read(16)
                 if chunk == b"":
-                    lines = noise.decode(errors="replace").strip().splitlines()
+                    # Its last words that say something (V8 and the JVM end with lines of "#" alone).
+                    lines = [line.strip(" #") for line in noise.decode(errors="replace").splitlines()
+                             if any(c.isalnum() for c in line)]
                     raise _NoHello(lines[-1] if lines else "it ended without a word")
                 said += chunk or b""
         if said != b"hello\n":

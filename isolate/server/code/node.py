@@ -26,4 +26,9 @@ HINTS = {
 
 
 def start(box: Sandbox, language: str) -> Driver:
-    return Driver(box, ["node", "-e", SOURCE, "--", language], {}, language, HINTS[language])
+    # V8 sizes its heap to the host's memory, not the sandbox's (it sees no cgroup inside): under a memory
+    # limit, half of it. A cell past it still ends the driver (V8's heap exhaustion is fatal), but with its
+    # cause on stderr, and before the kernel's OOM killer picks a victim among the sandbox's processes.
+    memory = box.policy.limits.value("memory")
+    heap = [] if memory is None else [f"--max-old-space-size={max(16, int(memory) // 2 >> 20)}"]
+    return Driver(box, ["node", *heap, "-e", SOURCE, "--", language], {}, language, HINTS[language])

@@ -96,7 +96,8 @@ class _HostProcess:
 
 
 class _Host:
-    """What a code context uses of a sandbox (spawn, exec), on the host."""
+    """What a code context uses of a sandbox (spawn, exec), on the host (the benchmark has no bash context,
+    the one that would want a shell)."""
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
               fd3: int | None = None, stdin: int | None = None) -> _HostProcess:
@@ -104,9 +105,6 @@ class _Host:
 
     def exec(self, argv: Sequence[str]) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(list(argv), capture_output=True, env=HOST_ENV)
-
-    def shell(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("no bash context in this benchmark")
 
 
 def _answer(context: Any, code: str) -> None:

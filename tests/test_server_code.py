@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import test_server as base
@@ -38,13 +37,7 @@ def needs(*tools: str) -> None:
                     "apt-get install default-jdk-headless nodejs node-typescript golang-go)")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[base.Server]:
-    srv = base.Server(*(() if base.limits_enforceable() else ("--best-effort",)))
-    try:
-        yield srv
-    finally:
-        srv.stop()
+server = base.server  # the suite's server, started once for this module
 
 
 @pytest.fixture(scope="module")
@@ -314,14 +307,24 @@ FIND_DRIVER = ("for p in /proc/[0-9]*; do case \"$(tr '\\0' ' ' < $p/cmdline 2>/
                "echo ${{p#/proc/}};; esac; done")
 
 
+#: The Java driver's command line (a shell pattern).
+JAVA_DRIVER = "java\\ *DisableAttachMechanism*"
+
+
+def driver_pid(box: isolate.Sandbox, command_line: str) -> str:
+    """The pid, inside the sandbox, of the one process whose command line matches (a shell pattern)."""
+    pids = box.exec(["sh", "-c", FIND_DRIVER.format(command_line)]).stdout.split()
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
 def test_no_other_process_opens_the_node_inspector_of_a_context(box: isolate.Sandbox) -> None:
     # Before: SIGUSR1 from any process of the sandbox opened the inspector on loopback, from where it ran
     # code in the driver's realm (and answered for it).
     needs("node")
     context = CodeContext(box, "javascript")
     try:
-        pid = box.exec(["sh", "-c", FIND_DRIVER.format("node\\ -e*")]).stdout.split()
-        assert len(pid) == 1 and box.exec(["kill", "-USR1", pid[0]]).returncode == 0
+        assert box.exec(["kill", "-USR1", driver_pid(box, "node\\ *-e*")]).returncode == 0
         time.sleep(0.5)
         answer, _, _ = run_cell(context, "String(require('inspector').url())")
         assert answer is not None and answer["result"] == "'undefined'"
@@ -334,9 +337,7 @@ def test_no_other_process_attaches_to_the_jvm_of_a_context(box: isolate.Sandbox)
     needs("java", "jcmd")
     context = CodeContext(box, "java")
     try:
-        pid = box.exec(["sh", "-c", FIND_DRIVER.format("java\\ *DisableAttachMechanism*")]).stdout.split()
-        assert len(pid) == 1
-        attach = box.exec(["jcmd", pid[0], "VM.version"], timeout=30)
+        attach = box.exec(["jcmd", driver_pid(box, JAVA_DRIVER), "VM.version"], timeout=30)
         assert attach.returncode != 0 and "OpenJDK" not in attach.stdout
     finally:
         context.close()
@@ -349,17 +350,14 @@ def test_no_other_process_replaces_the_source_of_a_java_driver(box: isolate.Sand
     needs("java")
     context = CodeContext(box, "java")
     try:
-        pid = box.exec(["sh", "-c", FIND_DRIVER.format("java\\ *DisableAttachMechanism*")]).stdout.split()
-        assert len(pid) == 1
-        source = f"/proc/{pid[0]}/fd/0"
+        source = f"/proc/{driver_pid(box, JAVA_DRIVER)}/fd/0"
         assert box.exec(["readlink", source]).stdout.startswith("/memfd:isolate-java-driver")
         assert "public final class IsolateDriver" in box.exec(["cat", source]).stdout  # read, from its start
         # Neither written nor truncated, through the driver's own descriptor or a new open of it.
         for attempt in (f"echo forged >> {source}", f"echo forged > {source}", f"truncate -s 0 {source}"):
             assert box.exec(["sh", "-c", attempt]).returncode != 0, attempt
-        done: list[Any] = []
-        context.run("6 * 7", lambda kind, value: done.append(value) if kind == "done" else None)
-        assert done[0]["result"] == "42"
+        answer, _, _ = run_cell(context, "6 * 7")
+        assert answer is not None and answer["result"] == "42"
     finally:
         context.close()
 
@@ -372,14 +370,11 @@ def test_a_java_cell_past_the_memory_limit_gets_an_outofmemoryerror_not_a_killed
     with isolate.Sandbox(policy) as sandbox:
         context = CodeContext(sandbox, "java")
         try:
-            done: list[Any] = []
-            context.run("var kept = new java.util.ArrayList<int[]>();\n"
-                        "for (int i = 0; i < 600; i++) kept.add(new int[1 << 18]);",  # 600 MiB
-                        lambda kind, value: done.append(value) if kind == "done" else None)
-            assert "OutOfMemoryError" in done[0]["error"]["evalue"], done
-            context.run("kept = null; Runtime.getRuntime().maxMemory() <= 512L << 20",
-                        lambda kind, value: done.append(value) if kind == "done" else None)
-            assert done[1]["result"] == "true", done
+            answer, _, _ = run_cell(context, "var kept = new java.util.ArrayList<int[]>();\n"
+                                             "for (int i = 0; i < 600; i++) kept.add(new int[1 << 18]);")  # 600 MiB
+            assert answer is not None and "OutOfMemoryError" in answer["error"]["evalue"], answer  # type: ignore[index]
+            answer, _, _ = run_cell(context, "kept = null; Runtime.getRuntime().maxMemory() <= 512L << 20")
+            assert answer is not None and answer["result"] == "true", answer
         finally:
             context.close()
 
@@ -393,11 +388,9 @@ def test_a_node_cell_past_the_memory_limit_ends_the_driver_with_its_cause() -> N
     with isolate.Sandbox(policy) as sandbox:
         context = CodeContext(sandbox, "javascript")
         try:
-            events: list[tuple[str, Any]] = []
-            context.run("var keep = []; for (let i = 0; i < 1200; i++) keep.push(new Array(1 << 17).fill(i));",
-                        lambda kind, value: events.append((kind, value)))
-            said = b"".join(v for k, v in events if k == "stderr").lower()
-            assert b"out of memory" in said or b"oom" in said, events[-1]
-            assert events[-1][1]["error"]["ename"] == "ContextDied"
+            answer, said, _ = run_cell(context, "var keep = [];\n"
+                                          "for (let i = 0; i < 1200; i++) keep.push(new Array(1 << 17).fill(i));")
+            assert b"out of memory" in said.lower() or b"oom" in said.lower(), said[-300:]
+            assert answer is not None and answer["error"]["ename"] == "ContextDied"  # type: ignore[index]
         finally:
             context.close()

@@ -32,13 +32,7 @@ from opensandbox.pool import AcquirePolicy, InMemoryPoolStateStore, PoolCreation
 KEY = base.KEY
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[base.Server]:
-    srv = base.Server(*(() if base.limits_enforceable() else ("--best-effort",)))
-    try:
-        yield srv
-    finally:
-        srv.stop()
+server = base.server  # the suite's server, started once for this module
 
 
 def config(server: base.Server) -> ConnectionConfigSync:

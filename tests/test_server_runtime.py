@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -45,13 +44,7 @@ http.server.HTTPServer(("127.0.0.1", 8000), Echo).serve_forever()
 '''
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[base.Server]:
-    srv = base.Server(*(() if base.limits_enforceable() else ("--best-effort",)))
-    try:
-        yield srv
-    finally:
-        srv.stop()
+server = base.server  # the suite's server, started once for this module
 
 
 def config(server: base.Server) -> ConnectionConfigSync:

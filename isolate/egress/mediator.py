@@ -687,7 +687,7 @@ class Mediator:
             names = [header for header, _ in request.headers]
             inject = vault.headers_for("http", name, port, request.method, path, names) if vault is not None else []
             body = http.BodyReader(conn, rest, BODY_IDLE_TIMEOUT)
-            form = b""
+            form = bytearray()
             if inject and form_may_override(request.method, request.headers) and \
                     vault is not None and vault.override_widens("http", name, port, path, names, inject):
                 # A form a framework may take another method from (``_method``), to a request the bindings
@@ -702,7 +702,7 @@ class Mediator:
                     if form_overrides(form):
                         inject = []
             host_header = name if port == 80 else f"{name}:{port}"
-            upstream.sendall(http.forward_head(request, host_header, path, inject) + form)
+            upstream.sendall(http.forward_head(request, host_header, path, inject) + bytes(form))
             return self._relay_one_request(conn, upstream, body, framing, trailers=not inject)
         except OSError:
             return True

@@ -150,7 +150,7 @@ def form_may_override(method: str, headers: Sequence[tuple[str, str]]) -> bool:
     return len(types) != 1 or types[0] in FORM_TYPES  # none, or two (servers take either): as a form
 
 
-def form_overrides(body: bytes) -> bool:
+def form_overrides(body: bytes | bytearray) -> bool:
     """Whether a form body may name a method override: ``_method`` or an override header's name anywhere in it,
     in any case, "_" or "-", once or twice percent-encoded (not only as a field's name: a multipart part's
     name, a nested key ``a[_method]``, all count)."""

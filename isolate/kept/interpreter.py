@@ -40,13 +40,10 @@ running code gets KeyboardInterrupt and the interpreter keeps its state.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
 import signal
-import sys
-import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -54,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.native.commands import GRACE, wait_seconds
+from ..kernel.fdwait import pending_bytes
 from ..kernel.fdwait import ready as wait_ready
 from ..kernel.peerchannel import PeerChannel
 from ..model.errors import CommandNotFoundError, IsolationError
@@ -172,11 +170,6 @@ class _Results:
         data = bytes(self.buffer[end + 1:end + 1 + size])
         del self.buffer[:end + 1 + size]
         return int(parts[1]) if parts[0] == boundary else -1, parts[2] == b"end", data
-
-
-def _pending(fd: int) -> int:
-    """How many bytes the pipe holds now."""
-    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
 
 
 def _text(value: Any, what: str) -> str:
@@ -375,7 +368,7 @@ class Interpreter:
                     # What the run wrote before its result is in the pipes now; what a background
                     # process keeps writing is left for the next run.
                     for fd in list(open_fds):
-                        read_into(fd, max(1, _pending(fd)))
+                        read_into(fd, max(1, pending_bytes(fd)))
                     number, value, error = _parse_result(bytes(answer))
                     if number != self._seq:
                         raise ChannelError("the interpreter answered for another run")
@@ -443,7 +436,7 @@ class Interpreter:
         for fd, tail in ((process.stdout_fd, out), (process.stderr_fd, err)):
             for _ in range(64):
                 try:
-                    size = _pending(fd)
+                    size = pending_bytes(fd)
                     if not size:
                         break
                     tail.add(os.read(fd, size))

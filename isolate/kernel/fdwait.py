@@ -7,7 +7,10 @@ server) gets past that, and every select() then fails with ValueError.
 
 from __future__ import annotations
 
+import fcntl
 import select
+import sys
+import termios
 from collections.abc import Iterable
 
 
@@ -23,3 +26,8 @@ def ready(readers: Iterable[int] = (), writers: Iterable[int] = (), timeout: flo
         poller.register(fd, select.POLLOUT)
     millis = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
     return {fd for fd, _ in poller.poll(millis)}
+
+
+def pending_bytes(fd: int) -> int:
+    """How many bytes a pipe (or socket) holds now: what can be read without waiting for a writer."""
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)

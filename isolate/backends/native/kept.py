@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._core import ffi, init_fd, lib
-from ...kernel import grants
+from ...kernel import fdwait, grants
 from ...kernel.layers import clone
 from ...kernel.overlay import Layers, layers_for, make_layers
 from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
@@ -643,8 +643,6 @@ def _kill_and_wait(init: int, timeout: float = 10.0) -> None:
     readable: after this, nothing of the sandbox answers (a close from attach() would otherwise return
     while its exec server still did). Through a pidfd opened first, so a reused pid is never signalled.
     """
-    import select
-
     try:
         pidfd = os.pidfd_open(init)
     except ProcessLookupError:
@@ -656,9 +654,7 @@ def _kill_and_wait(init: int, timeout: float = 10.0) -> None:
     try:
         with _suppress_missing():
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        poller.poll(int(timeout * 1000))
+        fdwait.ready([pidfd], timeout=timeout)
     finally:
         os.close(pidfd)
 

@@ -14,20 +14,17 @@ writes before its hello (a JVM's notices) is not any cell's output.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import select
 import signal
 import socket
-import sys
-import termios
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ...kept.sandbox import Sandbox
+from ...kernel.fdwait import pending_bytes, ready
 from ...kernel.peerchannel import PeerChannel
 from ...model.errors import CommandNotFoundError
 from ..models import ApiError
@@ -88,17 +85,17 @@ class Driver:
         watched = [self._out, self._err, self._channel.fileno()]
         while b"\n" not in said:
             left = deadline - time.monotonic()
-            ready = readable(watched, left) if left > 0 else []
-            if not ready:
+            found = ready(watched, timeout=left) if left > 0 else set()
+            if not found:
                 raise _NoHello(f"no answer in {HELLO_TIMEOUT:.0f} s")
             for fd in (self._out, self._err):
-                if fd in ready:
+                if fd in found:
                     chunk = read_some(fd)
                     if chunk is None:
                         watched.remove(fd)
                     else:
                         noise = (noise + chunk)[-4096:]
-            if self._channel.fileno() in ready:
+            if self._channel.fileno() in found:
                 chunk = self._channel.read(16)
                 if chunk == b"":
                     # Its last words that say something (V8 and the JVM end with lines of "#" alone).
@@ -113,9 +110,7 @@ class Driver:
         view = memoryview(data)
         sock = self._channel.sock
         while view:
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            if not poller.poll(30_000):
+            if not ready(writers=[sock.fileno()], timeout=30.0):
                 raise TimeoutError("the interpreter takes no more input")
             try:
                 view = view[sock.send(view):]
@@ -145,7 +140,7 @@ class Driver:
         watched = [self._out, self._err, channel]
         next_poll = time.monotonic() + POLL
         while b"\n" not in answer:
-            ready = readable(watched, POLL)
+            found = ready(watched, timeout=POLL)
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + POLL
                 # The channel's end is not the driver's: a process it left behind may hold the socket.
@@ -158,13 +153,13 @@ class Driver:
                                             "traceback": []}})
                     return
             for fd, kind in ((self._out, "stdout"), (self._err, "stderr")):
-                if fd in ready:
+                if fd in found:
                     chunk = read_some(fd)
                     if chunk is None:
                         watched.remove(fd)
                     elif chunk:
                         emit(kind, chunk)
-            if channel in ready:
+            if channel in found:
                 chunk = self._channel.read()  # only the driver's: what a process it forked writes is dropped
                 if chunk is None:
                     continue
@@ -232,15 +227,6 @@ class Driver:
             self._channel.close()
 
 
-def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
-    """Those of ``fds`` that can be read (or are at their end) within ``timeout`` seconds: a poll, as the
-    server's descriptors may pass FD_SETSIZE, where select() fails."""
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    return [fd for fd, _ in poller.poll(None if timeout is None else max(timeout, 0) * 1000)]
-
-
 def read_some(fd: int) -> bytes | None:
     """What is there to read: b"" when nothing now, None at the end."""
     try:
@@ -255,7 +241,7 @@ def read_some(fd: int) -> bytes | None:
 def read_pending(fd: int) -> bytes:
     """What the pipe holds now, and no more (a writer that goes on writing is not waited for)."""
     try:
-        size = int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+        size = pending_bytes(fd)
         return os.read(fd, size) if size > 0 else b""
     except OSError:
         return b""

@@ -19,7 +19,8 @@ import threading
 
 from ...backends.native.commands import SandboxProcess
 from ...kept.sandbox import Sandbox
-from .driver import POLL, Emit, read_pending, read_some, readable, unavailable
+from ...kernel.fdwait import ready
+from .driver import POLL, Emit, read_pending, read_some, unavailable
 
 # GOCACHE: go refuses to build without a cache; when the sandbox has no home to keep it in, one under /tmp.
 LAUNCH = r'''d=$(mktemp -d) || exit 125
@@ -59,7 +60,7 @@ class GoContext:
             # background (a server it started) keeps them open, and goes on running once the command has
             # exited, out of reach of interrupt() and close(). What it wrote before is in the pipes then.
             while watched and proc.poll() is None:
-                for fd in readable(list(watched), POLL):
+                for fd in ready(watched, timeout=POLL):
                     chunk = read_some(fd)
                     if chunk is None:
                         del watched[fd]

@@ -9,24 +9,43 @@ something no grant gives, and learn says which). The command thus runs up to
 ``--rounds`` times: learn it on something whose repetition is harmless (a
 build, a test suite), as its effects happen each time.
 
+The command is untrusted: what it is refused must not become, by itself, a
+way out (isolate/cli/learnsafe.py). While learning, nothing it writes reaches
+the host outside the grants it was given: a learned write grant is tried on a
+copy-on-write view of its directory (an overlay whose upper layer is thrown
+away after the run), never on the directory; reads learned stay read-only.
+Only the profile, once a person has read it, grants the real directory.
+
 The grants, collapsed by one rule: a read or an execute grants the file's
 directory (read-only); a write, a truncate or a create, remove or rename of an
 entry grants that directory (writable); a grant already under another is
 dropped, and a read grant under a write grant too. Never / or the caller's
-home (nor a directory above it): there the file itself is granted when it
-exists, and anything else is written as a comment to grant by hand (one
-file read in the home is not all of its keys). A system call the
-seccomp profile refused is let through in a copy of that profile written
-beside the TOML (``profile.seccomp.json``), unless --seccomp chose the
-profile. Refusals that no grant fixes (file modes as the sandbox's uid) are
-written as comments with the way out.
+home (nor a directory above it), nor a directory that holds a credential or
+a shell start-up path: there the file itself is granted when it exists, and
+anything else is written as a comment to grant by hand. A credential or
+start-up path itself (``~/.ssh``, ``~/.config``, ``~/.local/bin``, rc files,
+``/etc``, ``/root``, ``/var/spool/cron`` ...: learnsafe's lists) is never
+granted: a comment names the one file. A system call the seccomp profile
+refused is let through in a copy of that profile written beside the TOML
+(``profile.seccomp.json``), unless --seccomp chose the profile, or it is one
+the default filter refuses for the sandbox's safety (modules, kexec, bpf,
+perf, keyrings, mounts, ptrace, userfaultfd, io_uring ...): those stay
+refused, each named in a comment with why. Refusals that no grant fixes
+(file modes as the sandbox's uid) are written as comments with the way out.
+
+A setup failure a grant fixes is learned like a refusal: a working directory
+nothing granted holds (the next runs start there in an empty directory of the
+built root), an executable whose program loader is not in the sandbox (its
+PT_INTERP or #! line, each link on the way). So ``learn --no-defaults``
+learns from nothing.
 
 The network is learned unless chosen with --net: a default "none" runs as
 egress by name with nothing allowed (still no route out: the mediator refuses
-and names each destination), and each "HOST:PORT" the command reached for is
-allowed in the next run; the profile gets them as ``[network] egress``, or
-keeps "none" when nothing was reached for. Static names (--add-host,
---allow-private, --dns) may be given to learn without --allow-host.
+and names each destination). Each "HOST:PORT" the command reached for is a
+comment in the profile; with --learn-net it is allowed in the next run, and
+the profile gets them as ``[network] egress`` (or keeps "none" when nothing
+was reached for). Static names (--add-host, --allow-private, --dns) may be
+given to learn without --allow-host.
 
 The limits seen in the last run are written with headroom: memory twice the
 peak (at least 64 MiB), CPU and wall time three times what was used (at
@@ -54,8 +73,6 @@ from . import learnsafe
 from .flags import CliError, build_parser, policy_from_args
 
 DEFAULT_ROUNDS = 8
-#: While nothing granted holds the working directory, an empty directory of this name is shown in it.
-STAND_IN = ".isolate-learn-stand-in"
 _WRITES = ("write", "truncate", "create", "remove", "rename")
 
 
@@ -118,7 +135,7 @@ class Learned:
         added = 0
         for entry in denied:
             if entry.get("mechanism") == "egress" and entry.get("host") and entry.get("port") and \
-                    str(entry.get("reason", "")).startswith(("not allowed", "port not allowed")):
+                    "not allowed" in str(entry.get("reason", "")):
                 target = f"{entry['host']}:{entry['port']}"
                 if not self.learn_net:
                     self.unfixable.setdefault(f"egress:{target}", (
@@ -370,8 +387,17 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
            seccomp_file: str | None = None) -> str:
     """The profile: the base policy's fields, the learned grants and limits, each with a comment."""
     read, write = learned.collapsed()
+    if learned.cwd is not None and not any(_under(g, learned.cwd) or _under(learned.cwd, g) for g in (
+            *(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write)):
+        read[learned.cwd] = "the working directory: the command starts in it, and nothing granted holds it"
     lines = [f"# Learned by isolate-run learn in {rounds} run(s) of: {_comment(' '.join(command))}",
-             "# Every run was confined: these grants are what the command needed under enforcement.", ""]
+             "# Every run was confined: these grants are what the command needed under enforcement.",
+             "# While learning, nothing the command wrote reached the host: a learned write grant was tried on a",
+             "# copy-on-write view of its directory (an overlay whose upper layer was thrown away), never on the",
+             "# directory itself. This profile grants the real directories: read it before you use it.",
+             "# Never learned (see docs/cli.md): the system calls the default filter refuses for the sandbox's",
+             "# safety, credentials and shell start-up paths, and destinations without --learn-net: each one",
+             "# the command was refused is a comment at the end.", ""]
     data = base.to_dict()
     for name in ("read", "write"):
         lines.append(f"{name} = [")
@@ -422,7 +448,7 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
 
 
 def round_policy(base: Policy, learned: Learned, network: str | Egress, seccomp_file: str | None,
-                 stand_in: str) -> tuple[Policy, list[str]]:
+                 views: learnsafe.Views) -> tuple[Policy, list[str]]:
     """The policy of the next run, and the learned write grants' directories it shows on copy-on-write views.
 
     A learned directory to write is a tmpfs in the policy, which the run replaces by an overlay of the
@@ -434,11 +460,12 @@ def round_policy(base: Policy, learned: Learned, network: str | Egress, seccomp_
     directories = [p for p in write if os.path.isdir(p)]
     files = [p for p in write if p not in directories]
     binds = base.binds
-    if learned.cwd is not None and not any(_under(g, learned.cwd) or _under(learned.cwd, g) for g in (
-            *(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write)):
-        # An empty directory shown read-only below it makes the working directory a directory of the
-        # built root (where the denial tracer names what is absent, and a write is refused).
-        binds = (*binds, Mount(stand_in, os.path.join(learned.cwd, STAND_IN), "ro"))
+    granted = [*(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write]
+    if learned.cwd is not None and not any(_under(learned.cwd, g) for g in granted):
+        # The working directory, which nothing granted holds: an empty directory shown read-only there
+        # (what the command reads or writes in it is refused, and learned), the grants below mounted in it.
+        below = [os.path.relpath(g, learned.cwd) for g in granted if _under(g, learned.cwd)]
+        binds = (*binds, Mount(views.stand_in(below), learned.cwd, "ro"))
     policy = base.replace(read=tuple(p for p in dict.fromkeys([*base.read, *read, *files]) if p not in directories),
                           write=base.write, tmpfs=tuple(dict.fromkeys([*base.tmpfs, *directories])), binds=binds,
                           network=network, seccomp=seccomp_file or base.seccomp, trace_denials="lookups")
@@ -519,7 +546,7 @@ def learn_main(argv: Sequence[str]) -> int:
             if learn_net and network == "none":
                 network = Egress(())  # nothing allowed, every destination named
             policy, directories = round_policy(base, learned, network, _seccomp_file(base, learned, own.out),
-                                               views.stand_in())
+                                               views)
             try:
                 with views.for_run(directories) as overlays:
                     result = _run(command, policy, overlays)
@@ -534,8 +561,8 @@ def learn_main(argv: Sequence[str]) -> int:
                 if exc.step != "chdir" or learned.cwd is not None:
                     raise
                 # A setup failure a grant fixes, learned like a refusal: the working directory is not in
-                # the sandbox. The next run starts there in an empty directory of the built root (what the
-                # command reads or writes in it is refused, and learned), until a grant lies in it.
+                # the sandbox. The next runs start there in an empty directory shown read-only (what the
+                # command reads or writes in it is refused, and learned), until a grant holds it.
                 learned.cwd = os.path.realpath(base.cwd or os.getcwd())
                 print(f"isolate-run: learn: run {round_number}: cannot start in {learned.cwd} (nothing granted "
                       "holds it): the next run starts there, in an empty directory", file=sys.stderr)

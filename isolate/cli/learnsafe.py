@@ -34,9 +34,9 @@ from ..model.errors import UnsupportedError
 NEVER_LEARNED_HOME: tuple[str, ...] = (
     ".ssh", ".gnupg", ".aws", ".azure", ".config", ".kube", ".docker", ".netrc", ".pgpass", ".git-credentials",
     ".npmrc", ".pypirc", ".password-store", ".cargo/credentials", ".cargo/credentials.toml", ".local/bin",
-    ".local/share/keyrings", ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc",
+    ".local/share/keyrings", ".bashrc", ".bash_aliases", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc",
     ".zshenv", ".zprofile", ".zlogin", ".zlogout", ".cshrc", ".tcshrc", ".login", ".xprofile", ".xinitrc",
-    ".xsession", ".pam_environment", ".inputrc", ".vimrc", ".emacs", ".gitconfig",
+    ".xsession", ".xsessionrc", ".pam_environment", ".inputrc", ".vimrc", ".emacs", ".gitconfig",
 )
 #: Anywhere: the system's configuration, root's home, scheduled jobs, what boots and what loads in the kernel.
 NEVER_LEARNED_PATHS: tuple[str, ...] = (
@@ -57,8 +57,11 @@ def homes() -> tuple[str, ...]:
 
 def sensitive_paths() -> tuple[str, ...]:
     """Every path learning never grants (nor a directory that holds one), as real absolute paths."""
-    paths = [os.path.join(home, name) for home in homes() for name in NEVER_LEARNED_HOME]
-    return tuple(dict.fromkeys([*NEVER_LEARNED_PATHS, *paths]))
+    own = homes()
+    paths = [os.path.join(home, name) for home in own for name in NEVER_LEARNED_HOME]
+    # /root is the caller's own home when root calls: then its credentials and start-up files are the
+    # ones above, and the rest is the home's (a file, never the directory: learn.py's _broad).
+    return tuple(dict.fromkeys([*(p for p in NEVER_LEARNED_PATHS if p not in own), *paths]))
 
 
 def _under(path: str, parent: str) -> bool:
@@ -95,13 +98,33 @@ class Views:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self.stand_in_root: str | None = None
 
-    def stand_in(self) -> str:
-        """An empty directory, shown read-only where the command starts while nothing granted holds it."""
-        path = os.path.join(self.root, "working-directory")
-        if not os.path.isdir(path):
-            os.mkdir(path, 0o755)
+    def stand_in(self, below: list[str]) -> str:
+        """An empty directory, shown read-only where the command starts while nothing granted holds it,
+        with a directory at each of ``below`` (relative paths: the grants the run mounts in it).
+
+        On a tmpfs where the host has one: the denial tracer names what is absent in a directory of the
+        sandbox's own root or tmpfs mounts only (csrc/why.c), so a read or a write the command makes in
+        its working directory is named, and learned, as anywhere else.
+        """
+        if self.stand_in_root is None:
+            from ..kernel.hostinfo import filesystem_type
+
+            base = next((d for d in ("/dev/shm", self.root) if os.path.isdir(d) and os.access(d, os.W_OK)
+                         and (filesystem_type(d) == "tmpfs" or d == self.root)), self.root)
+            self.stand_in_root = tempfile.mkdtemp(prefix="isolate-learn-", dir=base)
+        path = os.path.join(self.stand_in_root, "cwd")
+        if os.path.isdir(path):
+            remove(path)
+        os.mkdir(path, 0o755)
+        for rel in below:
+            os.makedirs(os.path.join(path, rel), 0o755, exist_ok=True)
         return path
+
+    def close(self) -> None:
+        if self.stand_in_root is not None:
+            remove(self.stand_in_root)
 
     @contextmanager
     def for_run(self, directories: list[str]) -> Iterator[list[Layers]]:
@@ -144,7 +167,9 @@ def views() -> Iterator[Views]:
     from ..kernel.places import state_path
 
     root = tempfile.mkdtemp(prefix="learn-", dir=state_path())
+    made = Views(root)
     try:
-        yield Views(root)
+        yield made
     finally:
+        made.close()
         remove(root)

@@ -66,8 +66,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..model.errors import IsolationError
-from ..model.errors import CommandNotFoundError, SetupError
+from ..model.errors import CommandNotFoundError, IsolationError, SetupError
 from ..model.policy import Egress, Limits, Mount, Policy
 from . import learnsafe
 from .flags import CliError, build_parser, policy_from_args

@@ -34,8 +34,8 @@ from ..model.errors import UnsupportedError
 NEVER_LEARNED_HOME: tuple[str, ...] = (
     ".ssh", ".gnupg", ".aws", ".azure", ".config", ".kube", ".docker", ".netrc", ".pgpass", ".git-credentials",
     ".npmrc", ".pypirc", ".password-store", ".cargo/credentials", ".cargo/credentials.toml", ".local/bin",
-    ".local/share/keyrings", ".bashrc", ".bash_aliases", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc",
-    ".zshenv", ".zprofile", ".zlogin", ".zlogout", ".cshrc", ".tcshrc", ".login", ".xprofile", ".xinitrc",
+    ".local/share/keyrings", ".bashrc", ".bash_aliases", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
+    ".zshrc", ".zshenv", ".zprofile", ".zlogin", ".zlogout", ".cshrc", ".tcshrc", ".login", ".xprofile", ".xinitrc",
     ".xsession", ".xsessionrc", ".pam_environment", ".inputrc", ".vimrc", ".emacs", ".gitconfig",
 )
 #: Anywhere: the system's configuration, root's home, scheduled jobs, what boots and what loads in the kernel.
@@ -80,13 +80,14 @@ def holds_sensitive(directory: str) -> bool:
 
 @lru_cache(maxsize=1)
 def never_learned_syscalls() -> dict[str, str]:
-    """{system call: why} for each call a rule of the default seccomp profile refuses (with or without
-    conditions): learning never lets one through, whatever the program does."""
+    """{system call: why} for each call a rule of the default seccomp profile refuses whatever its
+    arguments: learning never lets one through, whatever the program does. (A rule with conditions,
+    ``unshare`` of a namespace, ``ioctl(TIOCSTI)``, is kept in every learned profile as it is.)"""
     from ..kernel.seccomp import oci_profile
 
     refused: dict[str, str] = {}
     for rule in oci_profile("default").get("syscalls", []):
-        if rule.get("action") != "SCMP_ACT_ALLOW":
+        if rule.get("action") != "SCMP_ACT_ALLOW" and not rule.get("args"):
             for name in rule.get("names", []):
                 refused.setdefault(name, str(rule.get("comment") or "refused by the default profile"))
     return refused

@@ -203,6 +203,21 @@ def test_learn_writes_nothing_on_the_host_and_grants_no_credential(workdir: str)
     assert f"read {key}: never learned" in text and "copy-on-write view" in text
 
 
+def test_learn_refuses_when_a_write_grant_has_no_copy_on_write_view(workdir: str) -> None:
+    # Enforce or refuse: a learned write grant whose overlay cannot be made (here the state directory,
+    # where its upper layer goes, lies inside the directory) stops learning; never the host directory.
+    victim, cwd = os.path.join(workdir, "victim"), os.path.join(workdir, "run")
+    for directory in (victim, cwd):
+        os.mkdir(directory)
+        os.chmod(directory, 0o777)
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--out", os.path.join(workdir, "p.toml"), "--", "/bin/sh", "-c",
+                              f"echo w > {victim}/pwned"], cwd=cwd, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "ISOLATE_STATE_DIR": os.path.join(victim, "state")})
+    assert learned.returncode == 125, learned.stderr
+    assert "copy-on-write views" in learned.stderr and "Traceback" not in learned.stderr
+    assert not os.path.lexists(os.path.join(victim, "pwned"))
+
+
 def test_learn_egress_is_a_comment_without_learn_net(workdir: str) -> None:
     # Each destination the command reached for became an allowed one of the next run and of the profile.
     code = ("import socket\ntry:\n    socket.create_connection(('learn.test', 8443), timeout=5)\n"

@@ -66,7 +66,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..model.errors import CommandNotFoundError, IsolationError, SetupError
+from ..model.errors import CommandNotFoundError, IsolationError, SetupError, UnsupportedError
 from ..model.policy import Egress, Limits, Mount, Policy
 from . import learnsafe
 from .flags import CliError, build_parser, policy_from_args
@@ -549,6 +549,12 @@ def learn_main(argv: Sequence[str]) -> int:
             try:
                 with views.for_run(directories) as overlays:
                     result = _run(command, policy, overlays)
+            except UnsupportedError as exc:
+                if not directories:
+                    raise
+                # Never the host directory instead: learning stops here, and says why.
+                raise UnsupportedError(f"the learned write grants ({', '.join(directories)}) are tried on "
+                                       f"copy-on-write views, and one cannot be made here: {exc}") from None
             except CommandNotFoundError:
                 # The executable is there (granted above) but its loader is not: learned like a refusal.
                 if not learned.interpreter(command[0], base):

@@ -138,8 +138,7 @@ class Views:
                 view = Layers(directory, directory, os.path.join(data, "overlay"))
                 refusal = host_refusal(view)
                 if refusal:
-                    raise UnsupportedError(f"learn: a learned write grant of {directory} is tried on a "
-                                           f"copy-on-write view (an overlay), and this host has none: {refusal}")
+                    raise UnsupportedError(f"{directory}: {refusal}")
                 fd = os.open(data, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
                     make_layers(view, fd)

@@ -34,8 +34,8 @@ refused, each named in a comment with why. Refusals that no grant fixes
 (file modes as the sandbox's uid) are written as comments with the way out.
 
 A setup failure a grant fixes is learned like a refusal: a working directory
-nothing granted holds (the next runs start there in an empty directory of the
-built root), an executable whose program loader is not in the sandbox (its
+nothing granted holds (the next runs start there in an empty directory shown
+read-only, what is read or written in it refused and learned), an executable whose program loader is not in the sandbox (its
 PT_INTERP or #! line, each link on the way). So ``learn --no-defaults``
 learns from nothing.
 

@@ -35,9 +35,9 @@ refused, each named in a comment with why. Refusals that no grant fixes
 
 A setup failure a grant fixes is learned like a refusal: a working directory
 nothing granted holds (the next runs start there in an empty directory shown
-read-only, what is read or written in it refused and learned), an executable whose program loader is not in the sandbox (its
-PT_INTERP or #! line, each link on the way). So ``learn --no-defaults``
-learns from nothing.
+read-only, what is read or written in it refused and learned), an executable
+whose program loader is not in the sandbox (its PT_INTERP or #! line, each
+link on the way). So ``learn --no-defaults`` learns from nothing.
 
 The network is learned unless chosen with --net: a default "none" runs as
 egress by name with nothing allowed (still no route out: the mediator refuses

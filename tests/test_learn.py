@@ -20,21 +20,30 @@ from conftest import ISOLATE_RUN, python_read, write_tiny_wheel
 import isolate
 
 
-def _learn_then_run(workdir: str, options: list[str], command: list[str]) -> str:
-    """``isolate-run learn`` the command from an empty directory, then run it with the profile alone."""
-    cwd = os.path.join(workdir, "run")
-    os.mkdir(cwd)
+def _learn_then_run(workdir: str, options: list[str], command: list[str], cwd: str | None = None,
+                    product: str | None = None) -> str:
+    """``isolate-run learn`` the command from an empty directory, then run it with the profile alone.
+
+    ``product``: a path (relative to the run's directory) the command makes: learning must not have
+    made it on the host (its writes land on throw-away views), the profile's run must.
+    """
+    cwd = cwd or os.path.join(workdir, "run")
+    os.makedirs(cwd, exist_ok=True)
     os.chmod(cwd, 0o777)  # a root caller's program (uid 65534) writes here without an idmapped mount too
-    profile = os.path.join(cwd, "profile.toml")
-    learned = subprocess.run([ISOLATE_RUN, "learn", "--out", profile, *options, "--", *command], cwd=cwd,
-                             capture_output=True, text=True, timeout=300)
+    profile = os.path.join(workdir, "profile.toml")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--out", profile, "--rounds", "12", *options, "--", *command],
+                             cwd=cwd, capture_output=True, text=True, timeout=300)
     assert learned.returncode == 0, learned.stderr
     assert "every run is confined" in learned.stderr
     with open(profile, encoding="utf-8") as handle:
         text = handle.read()
+    if product is not None:
+        assert not os.path.lexists(os.path.join(cwd, product)), "learning wrote on the host"
     again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", *command], cwd=cwd, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, (again.stderr, text)
+    if product is not None:
+        assert os.path.lexists(os.path.join(cwd, product)), (again.stderr, text)
     return text
 
 
@@ -93,7 +102,7 @@ def test_learn_a_git_clone_over_http(workdir: str) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://repo.test:{server.server_address[1]}/repo.git"
-        text = _learn_then_run(workdir, ["--add-host", "repo.test:127.0.0.1", "--allow-private"],
+        text = _learn_then_run(workdir, ["--learn-net", "--add-host", "repo.test:127.0.0.1", "--allow-private"],
                                ["sh", "-c", f"rm -rf out && {git} clone -q {url} out"])
     finally:
         server.shutdown()
@@ -122,7 +131,7 @@ def test_learn_a_pip_install_from_a_local_index(workdir: str) -> None:
     pip = (f"rm -rf out && {sys.executable} -m pip install -q --no-cache-dir --disable-pip-version-check "
            f"--trusted-host idx.test --index-url {url} --target out tinypkg")
     try:
-        text = _learn_then_run(workdir, ["--rounds", "12", "--add-host", "idx.test:127.0.0.1", "--allow-private"],
+        text = _learn_then_run(workdir, ["--learn-net", "--add-host", "idx.test:127.0.0.1", "--allow-private"],
                                ["sh", "-c", pip])
     finally:
         server.shutdown()
@@ -130,15 +139,146 @@ def test_learn_a_pip_install_from_a_local_index(workdir: str) -> None:
     assert os.path.isfile(os.path.join(workdir, "run", "out", "tinypkg", "__init__.py"))
 
 
-def test_learn_a_system_call_outside_the_default_filter(workdir: str) -> None:
-    # ptrace(PTRACE_TRACEME): refused by the default profile (seccomp), let through by the learned copy of it.
-    code = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
-            "sys.exit(libc.ptrace(0, 0, None, None) != 0)")
+#: The system calls a hostile program under learn asks for: each stays refused, whatever it does.
+DANGEROUS = ("bpf", "kexec_load", "init_module", "ptrace", "mount", "io_uring_setup", "userfaultfd",
+             "perf_event_open", "keyctl", "add_key")
+
+
+def test_learn_never_lets_a_dangerous_system_call_through(workdir: str) -> None:
+    # Each refused call became a grant of the next run and of the profile (ptrace, bpf, kexec_load ...):
+    # they are the kernel-attack surface the default filter refuses for the sandbox's safety.
+    from isolate.kernel.seccomp import syscall_number
+
+    numbers = {name: syscall_number(name) for name in DANGEROUS}
+    calls = "; ".join(f"libc.syscall({n}, 0, 0, 0, 0, 0)" for n in numbers.values() if n is not None)
+    code = f"import ctypes; libc = ctypes.CDLL(None, use_errno=True); {calls}"
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
     text = _learn_then_run(workdir, [], [python, "-I", "-S", "-c", code])
-    assert "with ptrace let through" in text
-    profile = os.path.join(workdir, "run", "profile.seccomp.json")
-    assert f'seccomp = "{profile}"' in text and os.path.isfile(profile)
+    assert "seccomp = \"default\"" in text and not os.path.exists(os.path.join(workdir, "profile.seccomp.json"))
+    for name, number in numbers.items():
+        if number is not None:
+            assert f"system call {name} stays refused" in text, (name, text)
+
+
+def test_learn_writes_nothing_on_the_host_and_grants_no_credential(workdir: str) -> None:
+    # A hostile command under learn: each write it was refused was granted for real in the next run
+    # (a file in /etc/profile.d as root, ~/.ssh/authorized_keys), a key read granted all of ~/.ssh,
+    # a file made in ~/.local/bin all of ~/.local writable. Now: nothing lands on the host outside the
+    # given grants, whatever the rounds; credentials and start-up paths are comments, never grants.
+    home, victim = os.path.join(workdir, "home"), os.path.join(workdir, "victim")
+    for directory in (home, os.path.join(home, ".ssh"), os.path.join(home, ".local", "bin"), victim):
+        os.makedirs(directory, exist_ok=True)
+    os.chmod(victim, 0o777)
+    key = os.path.join(home, ".ssh", "id_ed25519")
+    with open(key, "w", encoding="utf-8") as handle:
+        handle.write("secret\n")
+    os.chmod(key, 0o644)
+    probe = f"/etc/profile.d/isolate-learn-probe-{os.getpid()}.sh"
+    script = (f"cat {key}; echo k >> {home}/.ssh/authorized_keys; echo x > {home}/.local/bin/ls; "
+              f"echo y > {home}/.local/new; echo z > {probe}; mkdir {victim}/d; echo w > {victim}/pwned; "
+              f"echo v > {home}/.bashrc; true")
+    before = {os.path.join(d, n) for d, dirs, names in os.walk(workdir) for n in (*names, *dirs)}
+    try:
+        cwd = os.path.join(workdir, "run")
+        os.mkdir(cwd)
+        profile = os.path.join(cwd, "profile.toml")
+        learned = subprocess.run([ISOLATE_RUN, "learn", "--out", profile, "--", "/bin/sh", "-c", script], cwd=cwd,
+                                 capture_output=True, text=True, timeout=300,
+                                 env={**os.environ, "HOME": home, "ISOLATE_STATE_DIR": os.path.join(cwd, "state")})
+        assert learned.returncode == 0, learned.stderr
+        assert not os.path.exists(probe)
+    finally:
+        if os.path.lexists(probe):
+            os.unlink(probe)
+    after = {os.path.join(d, n) for d, dirs, names in os.walk(workdir) for n in (*names, *dirs)}
+    made = {p for p in after - before if not p.startswith(cwd + "/")} - {cwd}
+    assert not made, made
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    granted = isolate.Policy.from_toml(text, profile)
+    assert victim in granted.write, text  # learned: the profile, read by a person, grants it
+    for path in (*granted.read, *granted.write):
+        assert not path.startswith((os.path.join(home, ".ssh"), os.path.join(home, ".local"), "/etc/profile.d")), text
+        assert path not in (home, os.path.join(home, ".bashrc")), text
+    assert f"read {key}: never learned" in text and "copy-on-write view" in text
+
+
+def test_learn_refuses_when_a_write_grant_has_no_copy_on_write_view(workdir: str) -> None:
+    # Enforce or refuse: a learned write grant whose overlay cannot be made (here the state directory,
+    # where its upper layer goes, lies inside the directory) stops learning; never the host directory.
+    victim, cwd = os.path.join(workdir, "victim"), os.path.join(workdir, "run")
+    for directory in (victim, cwd):
+        os.mkdir(directory)
+        os.chmod(directory, 0o777)
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--out", os.path.join(workdir, "p.toml"), "--", "/bin/sh", "-c",
+                              f"echo w > {victim}/pwned"], cwd=cwd, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "ISOLATE_STATE_DIR": os.path.join(victim, "state")})
+    assert learned.returncode == 125, learned.stderr
+    assert "copy-on-write views" in learned.stderr and "Traceback" not in learned.stderr
+    assert not os.path.lexists(os.path.join(victim, "pwned"))
+
+
+def test_learn_egress_is_a_comment_without_learn_net(workdir: str) -> None:
+    # Each destination the command reached for became an allowed one of the next run and of the profile.
+    code = ("import socket\ntry:\n    socket.create_connection(('learn.test', 8443), timeout=5)\n"
+            "except OSError:\n    pass\n")
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    text = _learn_then_run(workdir, ["--add-host", "learn.test:127.0.0.1", "--allow-private"],
+                           [python, "-I", "-S", "-c", code])
+    assert "learn.test:8443 was reached for" in text and "--learn-net" in text
+    assert not any(line.strip().startswith('"learn.test:8443"') for line in text.splitlines()), text
+
+
+def test_learn_from_nothing_a_copy(workdir: str) -> None:
+    # --no-defaults stopped at run 1 ("sandbox setup failed at chdir"): nothing granted held the
+    # working directory, and the executable's loader was not there either.
+    cwd = os.path.join(workdir, "run")
+    data, out = os.path.join(cwd, "DATA"), os.path.join(cwd, "OUT")
+    for directory in (data, out):
+        os.makedirs(directory)
+        os.chmod(directory, 0o777)
+    with open(os.path.join(data, "in.txt"), "w", encoding="utf-8") as handle:
+        handle.write("hello\n")
+    os.chmod(os.path.join(data, "in.txt"), 0o644)
+    text = _learn_then_run(workdir, ["--no-defaults"], ["sh", "-c", "cat DATA/in.txt > OUT/copy.txt"], cwd,
+                           product="OUT/copy.txt")
+    granted = isolate.Policy.from_toml(text, "profile.toml")
+    assert data in granted.read and out in granted.write and data not in granted.write, text
+    assert cwd not in (*granted.read, *granted.write), text
+
+
+def test_learn_from_nothing_a_gcc_build(workdir: str) -> None:
+    gcc = shutil.which("gcc")
+    if not gcc or not gcc.startswith("/usr/"):
+        pytest.skip("no gcc under /usr here")
+    src = os.path.join(workdir, "src")
+    os.mkdir(src)
+    with open(os.path.join(src, "main.c"), "w") as handle:
+        handle.write('#include <stdio.h>\nint main(void) { puts("hi"); return 0; }\n')
+    text = _learn_then_run(workdir, ["--no-defaults"], [gcc, "-o", "prog", os.path.join(src, "main.c")],
+                           product="prog")
+    granted = isolate.Policy.from_toml(text, "profile.toml")
+    assert src in granted.read and os.path.join(workdir, "run") in granted.write, text
+    assert "/etc" not in granted.read and "/usr" not in granted.read, text
+
+
+def test_learn_from_nothing_a_git_clone(workdir: str) -> None:
+    git = shutil.which("git")
+    if not git or not git.startswith("/usr/"):
+        pytest.skip("no git under /usr here")
+    repo = os.path.join(workdir, "repo")
+    quiet = {"capture_output": True, "check": True}
+    subprocess.run([git, "init", "-q", repo], **quiet)  # type: ignore[call-overload]
+    subprocess.run([git, "-C", repo, "-c", "user.email=a@b", "-c", "user.name=n", "commit", "-q", "--allow-empty",
+                    "-m", "first"], **quiet)  # type: ignore[call-overload]
+    if os.geteuid() == 0:
+        # The program runs as 65534: git refuses a repository another user owns ("dubious ownership").
+        for directory, dirs, names in os.walk(repo):
+            for name in (directory, *(os.path.join(directory, n) for n in (*dirs, *names))):
+                os.lchown(name, 65534, 65534)
+    text = _learn_then_run(workdir, ["--no-defaults"], [git, "clone", "-q", repo, "out"], product="out/.git")
+    granted = isolate.Policy.from_toml(text, "profile.toml")
+    assert repo in granted.read and os.path.join(workdir, "run") in granted.write, text
 
 
 def test_learn_grants_a_file_of_the_home_not_the_home_and_writes_any_name(workdir: str) -> None:

@@ -9,24 +9,43 @@ something no grant gives, and learn says which). The command thus runs up to
 ``--rounds`` times: learn it on something whose repetition is harmless (a
 build, a test suite), as its effects happen each time.
 
+The command is untrusted: what it is refused must not become, by itself, a
+way out (isolate/cli/learnsafe.py). While learning, nothing it writes reaches
+the host outside the grants it was given: a learned write grant is tried on a
+copy-on-write view of its directory (an overlay whose upper layer is thrown
+away after the run), never on the directory; reads learned stay read-only.
+Only the profile, once a person has read it, grants the real directory.
+
 The grants, collapsed by one rule: a read or an execute grants the file's
 directory (read-only); a write, a truncate or a create, remove or rename of an
 entry grants that directory (writable); a grant already under another is
 dropped, and a read grant under a write grant too. Never / or the caller's
-home (nor a directory above it): there the file itself is granted when it
-exists, and anything else is written as a comment to grant by hand (one
-file read in the home is not all of its keys). A system call the
-seccomp profile refused is let through in a copy of that profile written
-beside the TOML (``profile.seccomp.json``), unless --seccomp chose the
-profile. Refusals that no grant fixes (file modes as the sandbox's uid) are
-written as comments with the way out.
+home (nor a directory above it), nor a directory that holds a credential or
+a shell start-up path: there the file itself is granted when it exists, and
+anything else is written as a comment to grant by hand. A credential or
+start-up path itself (``~/.ssh``, ``~/.config``, ``~/.local/bin``, rc files,
+``/etc``, ``/root``, ``/var/spool/cron`` ...: learnsafe's lists) is never
+granted: a comment names the one file. A system call the seccomp profile
+refused is let through in a copy of that profile written beside the TOML
+(``profile.seccomp.json``), unless --seccomp chose the profile, or it is one
+the default filter refuses for the sandbox's safety (modules, kexec, bpf,
+perf, keyrings, mounts, ptrace, userfaultfd, io_uring ...): those stay
+refused, each named in a comment with why. Refusals that no grant fixes
+(file modes as the sandbox's uid) are written as comments with the way out.
+
+A setup failure a grant fixes is learned like a refusal: a working directory
+nothing granted holds (the next runs start there in an empty directory shown
+read-only, what is read or written in it refused and learned), an executable
+whose program loader is not in the sandbox (its PT_INTERP or #! line, each
+link on the way). So ``learn --no-defaults`` learns from nothing.
 
 The network is learned unless chosen with --net: a default "none" runs as
 egress by name with nothing allowed (still no route out: the mediator refuses
-and names each destination), and each "HOST:PORT" the command reached for is
-allowed in the next run; the profile gets them as ``[network] egress``, or
-keeps "none" when nothing was reached for. Static names (--add-host,
---allow-private, --dns) may be given to learn without --allow-host.
+and names each destination). Each "HOST:PORT" the command reached for is a
+comment in the profile; with --learn-net it is allowed in the next run, and
+the profile gets them as ``[network] egress`` (or keeps "none" when nothing
+was reached for). Static names (--add-host, --allow-private, --dns) may be
+given to learn without --allow-host.
 
 The limits seen in the last run are written with headroom: memory twice the
 peak (at least 64 MiB), CPU and wall time three times what was used (at
@@ -42,12 +61,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..model.errors import IsolationError
-from ..model.policy import Egress, Limits, Policy
+from ..model.errors import CommandNotFoundError, IsolationError, SetupError, UnsupportedError
+from ..model.policy import Egress, Limits, Mount, Policy
+from . import learnsafe
 from .flags import CliError, build_parser, policy_from_args
 
 DEFAULT_ROUNDS = 8
@@ -67,13 +88,13 @@ def _grant_of(entry: dict[str, Any]) -> tuple[str, str] | None:
     if entry.get("mechanism") not in ("absent", "landlock", "read-only") or entry.get("cut"):
         return None
     resolved = str(entry.get("resolved") or "")
-    if not resolved.startswith("/"):
-        return None
+    if not resolved.startswith("/") or learnsafe.sensitive(resolved):
+        return None  # a credential or start-up path: never learned (a comment names it)
     directory = os.path.dirname(resolved.rstrip("/")) or "/"
     kind = "write" if entry.get("access") in _WRITES else "read"
     if kind == "read" and os.path.isdir(resolved):
         directory = resolved  # listing a directory: the directory itself
-    if _broad(directory):
+    if _broad(directory) or learnsafe.holds_sensitive(directory):
         # The file alone, when a rule can name it (one that exists: read, or written in place, also by an
         # open that would have made it); an entry made anew, removed or renamed there, or the directory
         # listed, needs the directory: not learned.
@@ -102,20 +123,36 @@ class Learned:
         #: learn can widen: a built-in or an OCI file).
         self.syscalls: dict[str, str] = {}
         self.learn_syscalls = True
+        #: Destinations are allowed in the next run only with --learn-net; else each is a comment.
+        self.learn_net = True
+        #: The run could not start in its working directory (nothing granted holds it): the next runs start
+        #: in an empty, read-only stand-in there, until a grant lies in it.
+        self.cwd: str | None = None
 
     def add(self, denied: list[dict[str, Any]]) -> int:
         """Take a run's refusals in; returns how many new grants they gave."""
         added = 0
         for entry in denied:
             if entry.get("mechanism") == "egress" and entry.get("host") and entry.get("port") and \
-                    str(entry.get("reason", "")).startswith(("not allowed", "port not allowed")):
+                    "not allowed" in str(entry.get("reason", "")):
                 target = f"{entry['host']}:{entry['port']}"
+                if not self.learn_net:
+                    self.unfixable.setdefault(f"egress:{target}", (
+                        f"network: {target} was reached for ({entry.get('count', 1)} connection(s) refused): not "
+                        f"learned without --learn-net; allow it with --allow-host {target} if it is meant"))
+                    continue
                 if target not in self.hosts:
                     self.hosts[target] = f"{target} was reached for ({entry.get('count', 1)} connection(s) refused)"
                     added += 1
                 continue
             if entry.get("mechanism") == "seccomp" and entry.get("syscall") and self.learn_syscalls:
                 name = str(entry["syscall"])
+                why_refused = learnsafe.never_learned_syscalls().get(name)
+                if why_refused is not None:
+                    self.unfixable.setdefault(f"syscall:{name}", (
+                        f"system call {name} stays refused, whatever the program does: learning never lets it "
+                        f"through ({why_refused}, refused by the default filter for the sandbox's safety)"))
+                    continue
                 if name not in self.syscalls:
                     self.syscalls[name] = f"{name} was refused by the filter ({entry.get('count', 1)} time(s))"
                     added += 1
@@ -133,7 +170,7 @@ class Learned:
                 added += 1
         return added
 
-    def command(self, name: str, base: Policy) -> None:
+    def command(self, name: str, base: Policy, why: str = "the command itself") -> None:
         """The command's own directory (and its link's target's), when no grant holds it."""
         import shutil
 
@@ -141,12 +178,29 @@ class Learned:
         if not found:
             return
         granted = [os.path.abspath(p) for p in (*base.read, *base.write)]
-        for path in dict.fromkeys((os.path.abspath(found), os.path.realpath(found))):
+        for path in _link_chain(os.path.abspath(found)):
             directory = os.path.dirname(path)
             if _broad(directory):
                 directory = path  # a command in the home itself: that file, not all of the home
             if not any(_under(directory, g) for g in granted) and directory not in self.read:
-                self.read[directory] = f"the command itself ({path})"
+                self.read[directory] = f"{why} ({path})"
+
+    def interpreter(self, name: str, base: Policy) -> bool:
+        """The program loader the command's executable names (ELF PT_INTERP, or a script's #! line), when
+        the exec failed for want of it; whether a grant was added."""
+        import shutil
+
+        found = shutil.which(name) if "/" not in name else name
+        added = False
+        for _ in range(4):  # a script's interpreter may be a script (bounded)
+            loader = _loader_of(found) if found else None
+            if loader is None:
+                break
+            before = len(self.read)
+            self.command(loader, base, why="the program loader of")
+            added = added or len(self.read) > before
+            found = loader
+        return added
 
     def collapsed(self) -> tuple[dict[str, str], dict[str, str]]:
         """The grants, with every one under another of the same kind (or under a write grant) dropped."""
@@ -156,14 +210,61 @@ class Learned:
         return read, write
 
 
+def _link_chain(path: str) -> list[str]:
+    """path, and each path its links lead to in turn, as written (the sandbox must show every hop: the
+    directory holding each link, and the links under / a path goes through)."""
+    chain = [path]
+    while len(chain) < 40:
+        parent = os.path.realpath(os.path.dirname(chain[-1]))
+        here = os.path.join(parent, os.path.basename(chain[-1]))
+        if not os.path.islink(here):
+            break
+        text = os.readlink(here)
+        chain.append(os.path.normpath(text if text.startswith("/") else os.path.join(parent, text)))
+    return chain
+
+
+def _loader_of(path: str) -> str | None:
+    """The interpreter an executable names: a script's #! line, or an ELF file's PT_INTERP; None if none."""
+    import struct
+
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096)
+            if head.startswith(b"#!"):
+                words = head[2:].split(b"\n", 1)[0].split()
+                return os.fsdecode(words[0]) if words and words[0].startswith(b"/") else None
+            if head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit ELF only
+                return None
+            order = "<" if head[5] == 1 else ">"
+            phoff, = struct.unpack_from(order + "Q", head, 32)
+            phentsize, phnum = struct.unpack_from(order + "HH", head, 54)
+            for i in range(min(phnum, 64)):
+                handle.seek(phoff + i * phentsize)
+                ptype, _, offset, _, _, size = struct.unpack(order + "IIQQQQ", handle.read(40))
+                if ptype == 3 and 0 < size < 4096:  # PT_INTERP
+                    handle.seek(offset)
+                    return os.fsdecode(handle.read(size).rstrip(b"\0")) or None
+    except (OSError, struct.error, IndexError):
+        return None
+    return None
+
+
 def _unfixable(entry: dict[str, Any]) -> str:
     mechanism = entry.get("mechanism")
     if entry.get("cut"):
         return (f"{entry.get('access')} of a path longer than the tracer keeps (it begins "
                 f"{str(entry.get('resolved') or entry.get('path'))[:80]}...): not learned; grant it with --ro/--rw")
-    if mechanism in ("absent", "landlock", "read-only") and str(entry.get("resolved") or "").startswith("/"):
-        return (f"{entry.get('access')} {entry.get('resolved')}: not learned, its grant would be all of / or the "
-                "home (or a directory above it); grant it with --ro/--rw if it is meant")
+    resolved = str(entry.get("resolved") or "")
+    if mechanism in ("absent", "landlock", "read-only") and resolved.startswith("/"):
+        held = learnsafe.sensitive(resolved)
+        if held is not None:
+            flag = "--ro" if entry.get("access") not in _WRITES else "--rw"
+            return (f"{entry.get('access')} {resolved}: never learned, {held} is a credential or start-up path; "
+                    f"grant it by hand with {flag} {resolved} if it is meant")
+        return (f"{entry.get('access')} {resolved}: not learned, its grant would be all of / or the home (or a "
+                "directory above it, or one holding a credential or start-up path); grant it with --ro/--rw if "
+                "it is meant")
     if mechanism == "dac":
         return (f"{entry.get('access')} {entry.get('resolved')}: refused by its file modes for the sandbox's uid; "
                 "no grant changes that (--uid N, or change the file's owner)")
@@ -285,8 +386,17 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
            seccomp_file: str | None = None) -> str:
     """The profile: the base policy's fields, the learned grants and limits, each with a comment."""
     read, write = learned.collapsed()
+    if learned.cwd is not None and not any(_under(g, learned.cwd) or _under(learned.cwd, g) for g in (
+            *(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write)):
+        read[learned.cwd] = "the working directory: the command starts in it, and nothing granted holds it"
     lines = [f"# Learned by isolate-run learn in {rounds} run(s) of: {_comment(' '.join(command))}",
-             "# Every run was confined: these grants are what the command needed under enforcement.", ""]
+             "# Every run was confined: these grants are what the command needed under enforcement.",
+             "# While learning, nothing the command wrote reached the host: a learned write grant was tried on a",
+             "# copy-on-write view of its directory (an overlay whose upper layer was thrown away), never on the",
+             "# directory itself. This profile grants the real directories: read it before you use it.",
+             "# Never learned (see docs/cli.md): the system calls the default filter refuses for the sandbox's",
+             "# safety, credentials and shell start-up paths, and destinations without --learn-net: each one",
+             "# the command was refused is a comment at the end.", ""]
     data = base.to_dict()
     for name in ("read", "write"):
         lines.append(f"{name} = [")
@@ -336,14 +446,62 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
     return "\n".join(lines) + "\n"
 
 
-def learn_main(argv: Sequence[str]) -> int:
+def round_policy(base: Policy, learned: Learned, network: str | Egress, seccomp_file: str | None,
+                 views: learnsafe.Views) -> tuple[Policy, list[str]]:
+    """The policy of the next run, and the learned write grants' directories it shows on copy-on-write views.
+
+    A learned directory to write is a tmpfs in the policy, which the run replaces by an overlay of the
+    directory (its Landlock rule is the tmpfs's: by path, on what is mounted there); a learned file to
+    write is shown read-only (a file takes no overlay): its write is refused again, and granted in the
+    profile only. Reads learned stay read-only.
+    """
+    read, write = learned.collapsed()
+    directories = [p for p in write if os.path.isdir(p)]
+    files = [p for p in write if p not in directories]
+    binds = base.binds
+    granted = [*(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write]
+    if learned.cwd is not None and not any(_under(learned.cwd, g) for g in granted):
+        # The working directory, which nothing granted holds: an empty directory shown read-only there
+        # (what the command reads or writes in it is refused, and learned), the grants below mounted in it.
+        below = [os.path.relpath(g, learned.cwd) for g in granted if _under(g, learned.cwd)]
+        binds = (*binds, Mount(views.stand_in(below), learned.cwd, "ro"))
+    policy = base.replace(read=tuple(p for p in dict.fromkeys([*base.read, *read, *files]) if p not in directories),
+                          write=base.write, tmpfs=tuple(dict.fromkeys([*base.tmpfs, *directories])), binds=binds,
+                          network=network, seccomp=seccomp_file or base.seccomp, trace_denials="lookups")
+    return policy, directories
+
+
+def _run(command: Sequence[str], policy: Policy, overlays: list[Any]) -> Any:
+    """One confined run, its output captured; learned write grants on their overlays (native backend)."""
     from ..oneshot import runs
 
+    if not overlays:
+        return runs.run(command, policy=policy, capture_output=True)
+    from ..backends.native.popen import Popen
+    from ..oneshot.runs import CompletedProcess
+
+    class _Viewed(Popen):
+        _overlay = overlays
+
+    with _Viewed(list(command), policy=policy.replace(backend="native"), stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE) as process:
+        try:
+            stdout, stderr = process.communicate()
+        except BaseException:
+            process.kill()
+            raise
+    return CompletedProcess(process.args, process.returncode, stdout, stderr, process.report)
+
+
+def learn_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="isolate-run learn", add_help=True, allow_abbrev=False,
                                      description="Run COMMAND confined, again and again, granting what it was "
                                                  "refused, then write the profile it needs.")
     parser.add_argument("--out", default="profile.toml", metavar="FILE",
                         help="where the profile goes (default profile.toml)")
+    parser.add_argument("--learn-net", action="store_true",
+                        help="allow each destination the command reached for in the next run, and grant it in the "
+                             "profile (without it they are named in comments only)")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="N",
                         help=f"runs at most (default {DEFAULT_ROUNDS})")
     own, rest = parser.parse_known_args(list(argv))
@@ -369,32 +527,57 @@ def learn_main(argv: Sequence[str]) -> int:
     else:
         learned_auto = set()
         base = policy_from_args(options)
-    # The network is learned unless chosen (--net): destinations reached for become --allow-host.
+    # The network is learned unless chosen (--net): destinations reached for are named, and become
+    # --allow-host with --learn-net only.
     learn_net = isinstance(base.network, Egress) or (base.network == "none" and options.net is None)
     learned = Learned()
     learned.auto_names = learned_auto
+    learned.learn_net = own.learn_net
     learned.learn_syscalls = base.seccomp != "none" and options.seccomp is None
     learned.command(command[0], base)
-    print("isolate-run: learn: every run is confined; refused accesses are granted for the next run",
-          file=sys.stderr)
+    print("isolate-run: learn: every run is confined; refused accesses are granted for the next run (writes "
+          "on a throw-away copy-on-write view: nothing reaches the host)", file=sys.stderr)
     report: Any = None
     returncode = 0
-    for round_number in range(1, own.rounds + 1):
-        read, write = learned.collapsed()
-        network = learned_network(base, learned)
-        if learn_net and network == "none":
-            network = Egress(())  # nothing allowed, every destination named
-        seccomp_file = _seccomp_file(base, learned, own.out)
-        policy = base.replace(read=tuple(dict.fromkeys([*base.read, *read])),
-                              write=tuple(dict.fromkeys([*base.write, *write])), network=network,
-                              seccomp=seccomp_file or base.seccomp, trace_denials="lookups")
-        result = runs.run(command, policy=policy, capture_output=True)
-        report, returncode = result.report, result.returncode
-        added = learned.add(report.denied)
-        print(f"isolate-run: learn: run {round_number}: exit {returncode}, {len(report.denied)} refusal(s), "
-              f"{added} new grant(s)", file=sys.stderr)
-        if not added:
-            break
+    with learnsafe.views() as views:
+        for round_number in range(1, own.rounds + 1):
+            network = learned_network(base, learned)
+            if learn_net and network == "none":
+                network = Egress(())  # nothing allowed, every destination named
+            policy, directories = round_policy(base, learned, network, _seccomp_file(base, learned, own.out),
+                                               views)
+            try:
+                with views.for_run(directories) as overlays:
+                    result = _run(command, policy, overlays)
+            except UnsupportedError as exc:
+                if not directories:
+                    raise
+                # Never the host directory instead: learning stops here, and says why.
+                raise UnsupportedError(f"the learned write grants ({', '.join(directories)}) are tried on "
+                                       f"copy-on-write views, and one cannot be made here: {exc}") from None
+            except CommandNotFoundError:
+                # The executable is there (granted above) but its loader is not: learned like a refusal.
+                if not learned.interpreter(command[0], base):
+                    raise
+                print(f"isolate-run: learn: run {round_number}: the command's program loader is not in the "
+                      "sandbox: granted for the next run", file=sys.stderr)
+                continue
+            except SetupError as exc:
+                if exc.step != "chdir" or learned.cwd is not None:
+                    raise
+                # A setup failure a grant fixes, learned like a refusal: the working directory is not in
+                # the sandbox. The next runs start there in an empty directory shown read-only (what the
+                # command reads or writes in it is refused, and learned), until a grant holds it.
+                learned.cwd = os.path.realpath(base.cwd or os.getcwd())
+                print(f"isolate-run: learn: run {round_number}: cannot start in {learned.cwd} (nothing granted "
+                      "holds it): the next run starts there, in an empty directory", file=sys.stderr)
+                continue
+            report, returncode = result.report, result.returncode
+            added = learned.add(report.denied)
+            print(f"isolate-run: learn: run {round_number}: exit {returncode}, {len(report.denied)} refusal(s), "
+                  f"{added} new grant(s)", file=sys.stderr)
+            if not added:
+                break
     text = render(base, learned, report, command, round_number, _seccomp_file(base, learned, own.out))
     try:
         Policy.from_toml(text, own.out)  # what is written reads back

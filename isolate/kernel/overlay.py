@@ -197,13 +197,16 @@ def _lower_userns(owner_uid: int, owner_gid: int, uid: int, gid: int) -> int:
     return fd
 
 
-def plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_gid: int) -> Planned:
-    """The mount steps of the overlay, its descriptors opened and checked here (the caller closes them)."""
+def plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_gid: int, index: int = 0) -> Planned:
+    """The mount steps of the overlay, its descriptors opened and checked here (the caller closes them).
+
+    ``index``: which of the run's overlays this is (each has staging points of its own: learn mode
+    mounts one per learned write grant)."""
     from .._core import ffi, lib
 
     fds: list[int] = []
     try:
-        return _plan(layers, newroot, oldroot, program_uid, program_gid, fds, ffi, lib)
+        return _plan(layers, newroot, oldroot, program_uid, program_gid, fds, ffi, lib, f"-{index}" if index else "")
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -211,7 +214,10 @@ def plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_g
 
 
 def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_gid: int, fds: list[int],
-          ffi: Any, lib: Any) -> Planned:
+          ffi: Any, lib: Any, suffix: str) -> Planned:
+    staging_lower, staging_state, staging_base = (STAGING_LOWER + suffix, STAGING_STATE + suffix,
+                                                   STAGING_BASE + suffix)
+
     def opened(path: str, flags: int) -> int:
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY)
@@ -226,7 +232,7 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
     root_caller = os.geteuid() == 0
     enforced: dict[str, Any] = {"mode": "overlay", "mechanism": "overlayfs (userxattr) in the sandbox's user "
                                 "namespace", "lower": f"{layers.source} (read-only)", "upper": layers.upper}
-    steps = [Step(lib.ISO_MOUNT_DIR, STAGING_LOWER), Step(lib.ISO_MOUNT_DIR, STAGING_STATE)]
+    steps = [Step(lib.ISO_MOUNT_DIR, staging_lower), Step(lib.ISO_MOUNT_DIR, staging_state)]
     owner = os.fstat(source_fd)
     if root_caller and (owner.st_uid, owner.st_gid) != (program_uid, program_gid):
         # The program (uid program_uid) must own what the source's owner owns, or it could change nothing:
@@ -244,29 +250,29 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
                 f"takes none ({os.strerror(err)}); {WAY_OUT}"
                 + (f", or pass uid={owner.st_uid} (the source's owner)" if owner.st_uid else ""))
         fds.append(tree)
-        steps.append(Step(lib.ISO_MOUNT_MOVE, STAGING_LOWER, flags=lib.ISO_MOUNT_F_READONLY, fd=tree))
+        steps.append(Step(lib.ISO_MOUNT_MOVE, staging_lower, flags=lib.ISO_MOUNT_F_READONLY, fd=tree))
         enforced["lower"] += f", idmapped: uid {owner.st_uid} shown as {program_uid}"
     else:
-        steps.append(Step(lib.ISO_MOUNT_BIND, STAGING_LOWER, source=oldroot + layers.source,
+        steps.append(Step(lib.ISO_MOUNT_BIND, staging_lower, source=oldroot + layers.source,
                           flags=lib.ISO_MOUNT_F_READONLY, fd=source_fd))
     if root_caller:
         os.fchown(upper_fd, program_uid, program_gid)
-    steps.append(Step(lib.ISO_MOUNT_BIND, STAGING_STATE, source=oldroot + os.path.realpath(layers.state),
+    steps.append(Step(lib.ISO_MOUNT_BIND, staging_state, source=oldroot + os.path.realpath(layers.state),
                       fd=state_fd))
-    lowerdir = STAGING_LOWER
+    lowerdir = staging_lower
     if layers.base_fd >= 0:
         # A snapshot's layer above the source: bound read-only from the very directory the host cloned.
         base_fd = opened(layers.base, os.O_PATH)
         if (os.fstat(base_fd).st_dev, os.fstat(base_fd).st_ino) != (os.fstat(layers.base_fd).st_dev,
                                                                       os.fstat(layers.base_fd).st_ino):
             raise IsolationError(f"workspace: {layers.base}: replaced while the sandbox was made")
-        steps.insert(0, Step(lib.ISO_MOUNT_DIR, STAGING_BASE))
-        steps.append(Step(lib.ISO_MOUNT_BIND, STAGING_BASE, source=oldroot + os.path.realpath(layers.base),
+        steps.insert(0, Step(lib.ISO_MOUNT_DIR, staging_base))
+        steps.append(Step(lib.ISO_MOUNT_BIND, staging_base, source=oldroot + os.path.realpath(layers.base),
                           flags=lib.ISO_MOUNT_F_READONLY, fd=base_fd))
-        lowerdir = f"{STAGING_BASE}:{STAGING_LOWER}"
+        lowerdir = f"{staging_base}:{staging_lower}"
         enforced["base"] = f"{layers.base} (a snapshot's layer, read-only)"
     steps.append(Step(lib.ISO_MOUNT_OVERLAY, newroot + layers.target, source=lowerdir, fd=upper_fd,
-                      upper=STAGING_STATE + "/upper", work=STAGING_STATE + "/work"))
+                      upper=staging_state + "/upper", work=staging_state + "/work"))
     return Planned(steps, fds, enforced)
 
 

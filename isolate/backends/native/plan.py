@@ -57,9 +57,9 @@ class Prepared:
     observed: dict[str, dict[str, Any]] = field(default_factory=dict)
     _keep: list[Any] = field(default_factory=list)
     _close_after_spawn: list[int] = field(default_factory=list)
-    #: An overlay workspace's layers, and the indices of its mount steps (their failures are its refusals).
-    overlay: Any = None
-    overlay_steps: range = range(0)
+    #: The overlays' layers (a workspace's, or learn mode's), each with the indices of its mount steps
+    #: (their failures are its refusals).
+    overlays: tuple[tuple[Any, range], ...] = ()
     #: Egress by name: the allow-list, the host's end of the listeners' channel, then the run's mediator.
     egress: Egress | None = None
     egress_channel: Any = None
@@ -153,8 +153,9 @@ def prepare(
     directory open at the descriptor (O_PATH, the caller's) in its place. A
     kept sandbox's workspace is a new directory each time, and this keeps its
     policy's plan cached.
-    ``overlay``: an overlay workspace (``isolate.kernel.overlay.Layers``), mounted in
-    place of the tmpfs the policy has at its target (a kept sandbox's).
+    ``overlay``: an overlay (``isolate.kernel.overlay.Layers``), or a sequence of them, each
+    mounted in place of the tmpfs the policy has at its target (a kept sandbox's workspace; the
+    copy-on-write views of ``isolate-run learn``'s write grants).
     """
     run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
     static = _static_for(policy, run_cwd, for_preexec)
@@ -204,10 +205,15 @@ def prepare(
             cmounts[index].fd = fd
 
     # -- an overlay workspace takes the place of the tmpfs at its target --------
-    overlay_steps = range(0)
-    if overlay is not None:
+    overlays: list[tuple[Any, range]] = []
+    many = isinstance(overlay, Sequence)
+    for index, layers in enumerate(() if overlay is None else overlay if many else (overlay,)):
         try:
-            overlay_steps = _plan_overlay(overlay, plan, static, keep, close_after, enforced, cstr)
+            steps = _plan_overlay(layers, plan, static, keep, close_after, enforced, cstr, index, many)
+            # Its steps took the place of one: those of an overlay planned before, further on, moved.
+            overlays = [(o, r if r.start < steps.start else range(r.start + len(steps) - 1, r.stop + len(steps) - 1))
+                        for o, r in overlays]
+            overlays.append((layers, steps))
         except BaseException:
             _close_all(close_after)
             raise
@@ -302,8 +308,7 @@ def prepare(
         observed=static.observed,
         _keep=keep,
         _close_after_spawn=close_after,
-        overlay=overlay,
-        overlay_steps=overlay_steps,
+        overlays=tuple(overlays),
         egress=policy.network if isinstance(policy.network, Egress) and egress_channel is not None else None,
         egress_channel=egress_channel,
         egress_detached=egress_detached,
@@ -358,7 +363,7 @@ def _substitute_binds(plan: Any, cmounts: Any, static: _Static, bind_sources: Ma
             enforced["binds"] = [b.replace(stand_in + ":", directory + ":", 1) if b.startswith(stand_in + ":")
                                  else b for b in enforced["binds"]]
 def _plan_overlay(layers: Any, plan: Any, static: _Static, keep: list[Any], close_after: list[int],
-                  enforced: dict[str, Any], cstr: Any) -> range:
+                  enforced: dict[str, Any], cstr: Any, index: int = 0, many: bool = False) -> range:
     """Put the overlay's steps (isolate/kernel/overlay.py) where the plan mounts a tmpfs at its target."""
     from ...kernel import overlay as overlay_mod
 
@@ -368,7 +373,7 @@ def _plan_overlay(layers: Any, plan: Any, static: _Static, keep: list[Any], clos
     if at < 0 or not plan.clone_flags:
         raise UnsupportedError(f"workspace mode overlay: {layers.target} is mounted inside the sandbox's own "
                                "mount namespace, and this plan has none; " + overlay_mod.WAY_OUT)
-    planned = overlay_mod.plan(layers, mounts.NEWROOT, mounts.OLDROOT, static.program_uid, static.program_gid)
+    planned = overlay_mod.plan(layers, mounts.NEWROOT, mounts.OLDROOT, static.program_uid, static.program_gid, index)
     close_after.extend(planned.fds)
     n = plan.n_mounts - 1 + len(planned.steps)
     cmounts = ffi.new("struct iso_mount[]", n)
@@ -386,7 +391,10 @@ def _plan_overlay(layers: Any, plan: Any, static: _Static, keep: list[Any], clos
                     ffi.sizeof("struct iso_mount") * rest)
     plan.mounts = cmounts
     plan.n_mounts = n
-    enforced["workspace"] = planned.enforced
+    if many:
+        enforced.setdefault("overlays", []).append(dict(planned.enforced, target=layers.target))
+    else:
+        enforced["workspace"] = planned.enforced
     return range(at, at + len(planned.steps))
 
 
@@ -421,10 +429,11 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     step, err, index = int(failure.step), int(failure.err), int(failure.index)
     plan = prepared.plan
     name = step_name(step)
-    if prepared.overlay is not None and index in prepared.overlay_steps:
-        from ...kernel import overlay as overlay_mod
+    for layers, steps in prepared.overlays:
+        if index in steps:
+            from ...kernel import overlay as overlay_mod
 
-        return overlay_mod.failure(err, prepared.overlay, name)
+            return overlay_mod.failure(err, layers, name)
     if step == lib.ISO_STEP_EXEC:
         program = ffi.string(plan.file).decode(errors="replace")
         if err == errno_mod.ENOENT and "/" in program and os.path.exists(program):

@@ -21,7 +21,7 @@ from ...kernel.hostinfo import userns_error
 from .common import NOBODY
 from .environment import DEFAULT_PATH, reduced_path, which
 from .observe import audit_state
-from .plan import _STATIC_CACHE, Prepared, prepare, spawn, unsupported_reasons
+from .plan import _STATIC_CACHE, Prepared, image_refusal, prepare, spawn, unsupported_reasons
 from .writes import _idmap_problem, _idmap_userns
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "_idmap_userns",
     "audit_state",
     "ffi",
+    "image_refusal",
     "prepare",
     "reduced_path",
     "spawn",

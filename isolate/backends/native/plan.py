@@ -470,9 +470,26 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     )
 
 
+def image_refusal(policy: Policy) -> str | None:
+    """Why the native backend cannot run ``policy.image`` (None: no image, or it can).
+
+    Never dropped for best effort: an image is not a protection to weaken but
+    the file system the program runs on, and the host's root in its place
+    would be another program's world.
+    """
+    if policy.image is None:
+        return None
+    return (f"image: the native backend does not run images yet ({policy.image!r} would be ignored and the "
+            "host's root used); use --backend docker (backend='docker') or --backend auto, which runs an image "
+            "with Docker")
+
+
 def unsupported_reasons(policy: Policy) -> list[str]:
     """What the native backend cannot enforce for ``policy`` on this host (empty: all of it)."""
     reasons = []
+    refusal = image_refusal(policy)
+    if refusal:
+        reasons.append(refusal)
     if isinstance(policy.network, Egress) and not policy.namespaces:
         reasons.append("network: egress by name needs a network namespace of its own (namespaces=true)")
     limits = policy.limits

@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import subprocess
+import tarfile
+import threading
+from pathlib import Path
+from typing import Any
 
+import imagekit as kit
 import pytest
 from conftest import ISOLATE_RUN, skip_unless_runnable
 
 import isolate
+from isolate.image import BadImageError, Image, Reference, Store
 from isolate.oneshot import runs
 
 
-def test_native_with_an_image_is_refused_not_run_on_the_hosts_root() -> None:
+def test_an_image_not_in_the_store_is_refused_never_run_on_the_hosts_root(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLATE_IMAGE_STORE", str(tmp_path / "empty"))
     policy = isolate.Policy(image="debian:12", backend="native")
-    with pytest.raises(isolate.UnsupportedError, match=r"image: .*--backend docker"):
+    with pytest.raises(isolate.IsolationError, match="not in the image store"):
         isolate.run(["cat", "/etc/os-release"], policy=policy, capture_output=True)
 
 
 def test_best_effort_does_not_drop_the_image() -> None:
-    policy = isolate.Policy(image="debian:12", backend="native", best_effort=True)
-    with pytest.raises(isolate.UnsupportedError, match="image: "):
+    policy = isolate.Policy(image="debian:12", backend="native", best_effort=True, namespaces=False)
+    with pytest.raises(isolate.UnsupportedError, match="image: an image's root needs namespaces"):
         isolate.run(["true"], policy=policy)
 
 
-def test_auto_with_an_image_never_chooses_native() -> None:
-    policy = isolate.Policy(image="debian:12", best_effort=True)
+def test_auto_without_namespaces_never_runs_an_image_on_the_hosts_root() -> None:
+    policy = isolate.Policy(image="debian:12", best_effort=True, namespaces=False)
     try:
         backend = runs.choose_backend(policy)
     except isolate.UnsupportedError as exc:
@@ -34,10 +44,10 @@ def test_auto_with_an_image_never_chooses_native() -> None:
         assert backend == "docker"
 
 
-def test_the_cli_refuses_a_native_image_with_one_line() -> None:
-    args = ["--backend", "native", "--image", "debian:12", "--", "cat", "/etc/os-release"]
+def test_the_cli_refuses_an_image_it_cannot_run_with_one_line(tmp_path: Path) -> None:
+    args = ["--backend", "native", "--no-namespaces", "--image", "debian:12", "--", "cat", "/etc/os-release"]
     skip_unless_runnable(args)
-    env = dict(os.environ, ISOLATE_RUN_TRACE="1")
+    env = dict(os.environ, ISOLATE_RUN_TRACE="1", ISOLATE_IMAGE_STORE=str(tmp_path / "s"))
     for _ in range(2):  # the second run must not replay a plan the first one cached
         result = subprocess.run([ISOLATE_RUN, *args], capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 125, result.stderr
@@ -48,17 +58,6 @@ def test_the_cli_refuses_a_native_image_with_one_line() -> None:
 
 
 # -- the store: references, loading, sharing, refusing ------------------------------------------------
-
-import json  # noqa: E402
-import stat  # noqa: E402
-import tarfile  # noqa: E402
-import threading  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import imagekit as kit  # noqa: E402
-
-from isolate.image import BadImageError, Image, Reference, Store  # noqa: E402
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -232,3 +231,26 @@ def test_a_decompression_bomb_is_refused_while_it_expands(tmp_path: Path) -> Non
     with pytest.raises(BadImageError, match="max_image_size"):
         Image.load(tmp_path / "oci", store=store)
     assert layer_dirs(store) == []
+
+
+def test_zstd_and_uncompressed_layers_load(tmp_path: Path, store: Store) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    plain = kit.layer([{"name": "plain", "data": b"p"}])
+    packed = kit.layer([{"name": "packed", "data": b"z"}])
+    layout = tmp_path / "oci"
+    kit.oci_layout(str(layout), [plain, packed], compress=False)
+    # Re-write the second layer zstd-compressed, the manifest pointing at it (the config's diff id stays).
+    index = json.loads((layout / "index.json").read_text())
+    manifest_path = layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]
+    manifest = json.loads(manifest_path.read_bytes())
+    blob = zstandard.ZstdCompressor().compress(packed)
+    (layout / "blobs/sha256" / kit.digest(blob)[7:]).write_bytes(blob)
+    manifest["layers"][1] = {"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd", "digest": kit.digest(blob),
+                             "size": len(blob)}
+    data = json.dumps(manifest).encode()
+    (layout / "blobs/sha256" / kit.digest(data)[7:]).write_bytes(data)
+    index["manifests"][0].update(digest=kit.digest(data), size=len(data))
+    (layout / "index.json").write_text(json.dumps(index))
+    image = Image.load(layout, store=store)
+    top, bottom = image.lower_dirs()
+    assert os.listdir(top) == ["packed"] and os.listdir(bottom) == ["plain"]

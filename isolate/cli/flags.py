@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("backend and policy")
     run.add_argument("--backend", choices=("auto", "native", "docker"), default=None,
                      help="auto (default: native, Docker where native cannot enforce) | native | docker")
-    run.add_argument("--image", metavar="IMAGE", help="image of the Docker backend, e.g. --image debian:stable-slim")
+    run.add_argument("--image", metavar="IMAGE",
+                     help="the image the sandbox's root is made of (see isolate-run image; Docker: its engine's)")
     run.add_argument("--profile", metavar="FILE", help="a TOML policy file; flags apply on top, e.g. --profile ci.toml")
     run.add_argument("--uid", metavar="N", help="the program's uid when the caller is root (default 65534)")
     run.add_argument("--gid", metavar="N", help="the program's gid when the caller is root (default 65534)")

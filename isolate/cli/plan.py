@@ -248,6 +248,8 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         if prepared.cgroup is not None:
             raise NotCovered("a cgroup per run")
         static = plan_mod._static_for(policy, cwd, False)
+        if static.image_command is not None and static.image_command.entrypoint:
+            raise NotCovered("an image's Entrypoint (the binary replays the command as given)")
         plan = prepared.plan
         if plan.n_keep_fds or plan.program_fd >= 0 or plan.idmap_userns_fd >= 0:
             raise NotCovered("descriptors passed on")
@@ -335,7 +337,8 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
             w.u32(stat.S_IFMT(finfo.st_mode))
             w.u64(finfo.st_dev)
             w.u64(finfo.st_ino)
-        w.strings(list(static.granted))
+        # An image's command is found in the image, by the init: no host path to check it against ("/").
+        w.strings(["/"] if static.image_env is not None else list(static.granted))
         # -- the plan ------------------------------------------------------------
         w.i32(plan.clone_flags)
         w.data(_cstring(ffi, plan.uid_map))

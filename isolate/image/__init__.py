@@ -9,6 +9,8 @@ upper layer): see docs/images.md.
 
 from __future__ import annotations
 
+import builtins
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -78,13 +80,14 @@ class Image:
 
     @classmethod
     def _from_record(cls, record: dict[str, Any], store: Store) -> Image:
+        config = record["config"]
         return cls(record["reference"], record["digest"], record["config_digest"], tuple(record["layers"]),
-                   ImageConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                  for k, v in record["config"].items()}),
+                   ImageConfig(tuple(config["env"]), str(config["working_dir"]), str(config["user"]),
+                               tuple(config["entrypoint"]), tuple(config["cmd"])),
                    int(record["size"]), float(record["created"]), store)
 
     @classmethod
-    def list(cls, store: Store | None = None) -> list[Image]:
+    def list(cls, store: Store | None = None) -> builtins.list[Image]:
         store = store or Store()
         return [cls._from_record(r, store) for r in store.records()]
 
@@ -160,7 +163,7 @@ class Image:
             indexes = []
             for number, ((digest, inside), diff_id) in enumerate(zip(found.layers, diff_ids, strict=True), 1):
                 indexes.append(store.ensure_layer(
-                    digest, lambda inside=inside: source.open(inside), diff_id=diff_id if isinstance(diff_id, str)
+                    digest, functools.partial(source.open, inside), diff_id=diff_id if isinstance(diff_id, str)
                     else None, what=f"{what}: layer {number} ({digest[:19]})"))
             check_stack(indexes, what)
             size = sum(index.size for index in indexes)
@@ -187,11 +190,11 @@ class Image:
             raise IsolationError(f"image {self.reference}: not in the image store {self.store.path}")
 
     @classmethod
-    def prune(cls, store: Store | None = None) -> list[str]:
+    def prune(cls, store: Store | None = None) -> builtins.list[str]:
         """Remove the layers no image names; their digests."""
         return (store or Store()).prune()
 
-    def lower_dirs(self) -> list[str]:
+    def lower_dirs(self) -> builtins.list[str]:
         """The layers' directories, topmost first (overlayfs's lowerdir order)."""
         return [self.store.layer_root(digest) for digest in reversed(self.layers)]
 

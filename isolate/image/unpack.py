@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import gzip
 import hashlib
+import importlib
 import io
 import os
 import stat
@@ -100,15 +101,15 @@ class _Counting(io.RawIOBase):
             pass
 
 
-def _decompressed(raw: IO[bytes], what: str) -> IO[bytes]:
+def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
     """The layer's tar stream, whatever its compression (told by its first bytes)."""
-    buffered = io.BufferedReader(raw, _CHUNK)  # type: ignore[arg-type]
+    buffered = io.BufferedReader(raw, _CHUNK)
     magic = buffered.peek(4)[:4]
     if magic[:2] == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
     if magic == b"\x28\xb5\x2f\xfd":
         try:
-            import zstandard
+            zstandard = importlib.import_module("zstandard")
         except ImportError:
             raise BadImageError(f"{what}: a zstd layer, and the Python module zstandard is not installed "
                                 "(pip install 'isolate[images]')") from None
@@ -122,7 +123,7 @@ class Unpacked:
     diff_id: str  # sha256 of the uncompressed tar stream
 
 
-def unpack(blob: IO[bytes], root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
+def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
     """Unpack the layer read from ``blob`` into the empty directory ``root_fd``."""
     tar_stream = _Counting(_decompressed(blob, what), max_size, what)
     unpacker = _Unpacker(root_fd, what, max_size)

@@ -100,7 +100,8 @@ _STATIC_LOCK = threading.Lock()
 def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     if for_preexec:
         return _prepare_static(policy, run_cwd, for_preexec)
-    key = (policy, run_cwd, os.geteuid(), os.getegid())
+    # An image's name means the store's image: another store (ISOLATE_IMAGE_STORE) is another plan.
+    key = (policy, run_cwd, os.geteuid(), os.getegid(), os.environ.get("ISOLATE_IMAGE_STORE") if policy.image else None)
     with _STATIC_LOCK:
         static = _STATIC_CACHE.get(key)
         if static is not None and static.fresh():
@@ -229,13 +230,16 @@ def prepare(
     limit_cpu = static.limit_cpu_seconds
 
     # -- the program ---------------------------------------------------------
-    program_env = program_environment(policy, env, static.home)
+    program_env = program_environment(policy, env, static.home, static.image_env)
     if static.tmpdir and "TMPDIR" not in program_env:
         program_env["TMPDIR"] = static.tmpdir
-    if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
+    if static.image_env is None and "PATH" not in policy.env and not (
+            env and any(os.fsdecode(k) == "PATH" for k in env)):
         # The caller's PATH, reduced to the directories that exist inside.
         program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)
-    if not for_preexec and args and program_fd < 0:
+    if static.image_command is not None and program_fd < 0 and not for_preexec and executable is None:
+        args = static.image_command.command([os.fsdecode(a) for a in args])  # Entrypoint, then args or Cmd
+    if not for_preexec and args and program_fd < 0 and static.image_env is None:
         check_command(os.fsdecode(executable) if executable else os.fsdecode(args[0]), program_env["PATH"],
                       static.granted, run_cwd)
     egress_channel = None
@@ -479,9 +483,20 @@ def image_refusal(policy: Policy) -> str | None:
     """
     if policy.image is None:
         return None
-    return (f"image: the native backend does not run images yet ({policy.image!r} would be ignored and the "
-            "host's root used); use --backend docker (backend='docker') or --backend auto, which runs an image "
-            "with Docker")
+    import platform
+
+    from ...kernel import overlay
+
+    way_out = "; use --backend docker (backend='docker')"
+    if not policy.namespaces:
+        return f"image: an image's root needs namespaces (a mount namespace of its own){way_out}"
+    if overlay._kernel() < (5, 11):
+        return (f"image: this kernel ({platform.release()}) mounts no overlayfs in a user namespace "
+                f"(Linux 5.11 does){way_out}")
+    if userns_error():
+        return (f"image: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
+                + hostinfo.userns_advice(userns_error()) + way_out)
+    return None
 
 
 def unsupported_reasons(policy: Policy) -> list[str]:

@@ -252,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sandbox import sandbox_main
 
             return sandbox_main(args[1:])
+        if args and args[0] == "image":
+            from .image import image_main
+
+            return image_main(args[1:])
         if args and args[0] == "learn":
             return _learn(args[1:])
         if args and args[0] == "serve":

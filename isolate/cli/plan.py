@@ -224,7 +224,7 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
     from ..oneshot import runs as popen
     from . import flags
 
-    if args and args[0] in ("doctor", "sandbox", "serve"):
+    if args and args[0] in ("doctor", "sandbox", "serve", "learn", "image"):
         raise NotCovered("subcommand")
     options = flags.build_parser().parse_args(list(args))
     command = list(options.command)

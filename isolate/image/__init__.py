@@ -10,6 +10,7 @@ upper layer): see docs/images.md.
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
 import functools
 import os
 import time
@@ -21,9 +22,17 @@ from ..model.errors import IsolationError
 from .archive import Found, parse_json, read_archive
 from .reference import Reference
 from .store import DEFAULT_MAX_IMAGE_SIZE, Store, check_stack
-from .unpack import BadImageError
+from .unpack import BadImageError, LayerIndex
 
 __all__ = ["BadImageError", "Image", "ImageConfig", "Reference", "Store"]
+
+
+def _pull(reference: str, store: Store | None, insecure: bool) -> Image:
+    from .registry import pull
+
+    image = pull(reference, store=store, insecure=insecure)
+    assert isinstance(image, Image)
+    return image
 
 
 @dataclass(frozen=True)
@@ -160,11 +169,20 @@ class Image:
         if not isinstance(diff_ids, list) or len(diff_ids) != len(found.layers):
             raise BadImageError(f"{what}: the config's rootfs.diff_ids do not match its {len(found.layers)} layers")
         with store.adding():
-            indexes = []
-            for number, ((digest, inside), diff_id) in enumerate(zip(found.layers, diff_ids, strict=True), 1):
-                indexes.append(store.ensure_layer(
-                    digest, functools.partial(source.open, inside), diff_id=diff_id if isinstance(diff_id, str)
-                    else None, what=f"{what}: layer {number} ({digest[:19]})"))
+            def one(number: int, digest: str, inside: str, diff_id: object) -> LayerIndex:
+                return store.ensure_layer(digest, functools.partial(source.open, inside),
+                                          diff_id=diff_id if isinstance(diff_id, str) else None,
+                                          what=f"{what}: layer {number} ({digest[:19]})")
+
+            jobs = [(number, digest, inside, diff_id) for number, ((digest, inside), diff_id)
+                    in enumerate(zip(found.layers, diff_ids, strict=True), 1)]
+            workers = min(getattr(source, "parallel", 1), len(jobs))
+            if workers > 1:
+                # A registry's layers download side by side, each streamed into its unpacking.
+                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                    indexes = list(pool.map(lambda job: one(*job), jobs))
+            else:
+                indexes = [one(*job) for job in jobs]
             check_stack(indexes, what)
             size = sum(index.size for index in indexes)
             if size > store.max_image_size:
@@ -181,6 +199,11 @@ class Image:
                       "size": size, "created": time.time()}
             store.write_record(record)
         return cls._from_record(record, store)
+
+    @classmethod
+    def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False) -> Image:
+        """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py)."""
+        return _pull(reference, store, insecure)
 
     # -- keeping ----------------------------------------------------------------
 

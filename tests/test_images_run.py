@@ -46,6 +46,10 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _load(tmp, "user:1", [{"name": "etc/passwd", "data": b"root:x:0:0::/:/bin/sh\napp:x:1234:4321::/:/bin/sh\n"}],
               User="app")
         _load(tmp, "linked:1", [{"name": "home", "type": "link", "target": "/oldroot/etc"}])
+        _load(tmp, "layered:1", [{"name": "etc", "type": "dir"}, {"name": "etc/.wh..wh..opq"},
+                                 {"name": "etc/only", "data": b"top\n"}, {"name": "bin/.wh.ls"},
+                                 {"name": "bin/cat3", "data": b"x"},
+                                 {"name": "bin/cat2", "type": "hard", "target": "bin/cat3"}])
         yield path
     finally:
         if saved is None:
@@ -126,3 +130,9 @@ def test_isolate_run_takes_an_image_and_replays_its_plan(store: str, workdir: st
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 125 and "not in the image store" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_whiteouts_and_opaque_directories_hide_what_lower_layers_hold(store: str) -> None:
+    result = run(store, ["sh", "-c", "ls /etc; test -e /bin/ls || echo no-ls; stat -c %h /bin/cat2"],
+                 image="layered:1")
+    assert result.stdout.split() == ["only", "no-ls", "2"], result.stderr

@@ -254,3 +254,16 @@ def test_zstd_and_uncompressed_layers_load(tmp_path: Path, store: Store) -> None
     image = Image.load(layout, store=store)
     top, bottom = image.lower_dirs()
     assert os.listdir(top) == ["packed"] and os.listdir(bottom) == ["plain"]
+
+
+def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path: Path, store: Store) -> None:
+    import io
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("f")
+        info.pax_headers = {"comment": "x" * (2 << 20)}
+        tar.addfile(info, io.BytesIO(b""))
+    kit.oci_layout(str(tmp_path / "oci"), [out.getvalue()])
+    with pytest.raises(BadImageError, match="extended tar header"):
+        Image.load(tmp_path / "oci", store=store)

@@ -171,6 +171,7 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
     blob_host: str  # where blobs redirect to ("" : served here)
     seen: list[tuple[str, str, str | None]]  # (host header, path, Authorization)
     lie: bool = False
+    basic: bool = False  # Basic auth on every request, instead of tokens
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -184,7 +185,9 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
             return self._send(200, json.dumps({"token": "T0KEN"}).encode())
         if self.path.startswith("/storage/"):
             return self._send(200, self._blob(self.path.rsplit("/", 1)[1]))
-        if auth != "Bearer T0KEN":
+        if self.basic and auth != self.token_auth:
+            return self._send(401, b"{}", {"WWW-Authenticate": 'Basic realm="standin"'})
+        if not self.basic and auth != "Bearer T0KEN":
             port = self.server.server_address[1]
             return self._send(401, b"{}", {"WWW-Authenticate": f'Bearer realm="http://127.0.0.1:{port}/token",'
                                                                  'service="standin"'})
@@ -246,6 +249,13 @@ def test_bearer_tokens_are_asked_with_the_docker_config_credentials(standin: Any
     assert open(os.path.join(image.lower_dirs()[0], "hello")).read() == "hi\n"
     token_requests = [s for s in standin.seen if s[1].startswith("/token")]
     assert token_requests and "scope=repository%3Ateam%2Fapp%3Apull" in token_requests[-1][1]
+
+
+def test_basic_auth_sends_the_docker_config_credentials(standin: Any, tmp_path: Path) -> None:
+    standin.basic = True
+    image = Image.pull(f"127.0.0.1:{standin.port}/team/app:1", store=Store(tmp_path / "store"))
+    assert open(os.path.join(image.lower_dirs()[0], "hello")).read() == "hi\n"
+    assert not any(path.startswith("/token") for _, path, _ in standin.seen)
 
 
 def test_a_redirect_to_another_host_never_carries_the_credentials(standin: Any, tmp_path: Path) -> None:

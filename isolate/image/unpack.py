@@ -117,6 +117,23 @@ def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
     return buffered
 
 
+#: A pax or GNU long-name header past this is refused before tarfile reads it (it reads them whole).
+MAX_HEADER = 1 << 20
+#: Entries of one layer (each costs an inode, and a line of the layer's index).
+MAX_ENTRIES = 2_000_000
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile reads an extended header into memory whole: one past MAX_HEADER is refused first."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                    tarfile.SOLARIS_XHDTYPE)
+        if self.type in extended and self.size > MAX_HEADER:
+            raise BadImageError(f"an extended tar header of {self.size} bytes (past {MAX_HEADER}): refused")
+        return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
+
+
 @dataclass
 class Unpacked:
     index: LayerIndex
@@ -128,10 +145,17 @@ def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None)
     tar_stream = _Counting(_decompressed(blob, what), max_size, what)
     unpacker = _Unpacker(root_fd, what, max_size)
     try:
-        with tarfile.open(fileobj=io.BufferedReader(tar_stream, _CHUNK), mode="r|") as archive:
-            for member in archive:
+        with tarfile.open(fileobj=io.BufferedReader(tar_stream, _CHUNK), mode="r|",
+                          tarinfo=_BoundedTarInfo) as archive:
+            for count, member in enumerate(archive, 1):
+                if count > MAX_ENTRIES:
+                    raise BadImageError(f"{what}: more than {MAX_ENTRIES} entries: refused")
                 unpacker.entry(archive, member)
         tar_stream.drain()  # the diff id covers the whole stream, its trailing blocks too
+    except BadImageError as exc:
+        if not str(exc).startswith(what):
+            raise BadImageError(f"{what}: {exc}") from None
+        raise
     except tarfile.TarError as exc:
         raise BadImageError(f"{what}: not a valid layer archive ({exc})") from None
     except (EOFError, gzip.BadGzipFile, OSError) as exc:

@@ -117,15 +117,13 @@ def test_an_index_gives_the_hosts_platform(registry: str, tmp_path: Path) -> Non
 
 
 def test_concurrent_pulls_of_one_image_fetch_each_layer_once(registry: str, tmp_path: Path) -> None:
-    from isolate.image.registry import pull
-
     lines: list[str] = []
     errors: list[BaseException] = []
 
     def worker() -> None:
         out = io.StringIO()
         try:
-            pull(f"{registry}/tests/busybox:1", store=Store(tmp_path / "store"), progress=out)
+            Image.pull(f"{registry}/tests/busybox:1", store=Store(tmp_path / "store"), progress=out)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
         lines.append(out.getvalue())

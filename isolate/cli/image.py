@@ -80,9 +80,7 @@ def image_main(argv: Sequence[str]) -> int:
             print(f"loaded {image.reference} ({image.short_id}, {len(image.layers)} layers, "
                   f"{_megabytes(image.size)}) in {time.monotonic() - started:.2f} s")
         elif options.action == "pull":
-            from ..image.registry import pull
-
-            image = pull(options.ref, store=store, insecure=options.insecure, progress=sys.stderr)
+            image = Image.pull(options.ref, store=store, insecure=options.insecure, progress=sys.stderr)
             print(f"pulled {image.reference} ({image.short_id}, {len(image.layers)} layers, "
                   f"{_megabytes(image.size)})")
         elif options.action == "ls":

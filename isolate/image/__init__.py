@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from ..model.errors import IsolationError
 from .archive import Found, parse_json, read_archive
@@ -26,13 +26,6 @@ from .unpack import BadImageError, LayerIndex
 
 __all__ = ["BadImageError", "Image", "ImageConfig", "Reference", "Store"]
 
-
-def _pull(reference: str, store: Store | None, insecure: bool) -> Image:
-    from .registry import pull
-
-    image = pull(reference, store=store, insecure=insecure)
-    assert isinstance(image, Image)
-    return image
 
 
 @dataclass(frozen=True)
@@ -201,9 +194,21 @@ class Image:
         return cls._from_record(record, store)
 
     @classmethod
-    def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False) -> Image:
-        """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py)."""
-        return _pull(reference, store, insecure)
+    def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False,
+             progress: TextIO | None = None) -> Image:
+        """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py);
+        ``progress``: where a line of figures goes at the end."""
+        from .registry import resolve
+
+        store = store or Store()
+        started = time.monotonic()
+        found, source = resolve(reference, insecure=insecure)
+        image = cls._add(store, found, source, found.reference, f"image {found.reference}")
+        if progress is not None:
+            seconds = time.monotonic() - started
+            print(f"pull {image.reference}: {len(image.layers)} layers, {source.fetched / 1e6:.1f} MB fetched in "
+                  f"{seconds:.2f} s ({source.fetched / 1e6 / max(seconds, 1e-6):.1f} MB/s)", file=progress)
+        return image
 
     # -- keeping ----------------------------------------------------------------
 

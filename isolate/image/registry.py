@@ -39,17 +39,16 @@ import shutil
 import ssl
 import subprocess
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import IO, Any, TextIO
+from typing import IO, Any
 
 from ..model.errors import IsolationError
 from .archive import INDEX_TYPES, Found, choose_manifest, parse_json
 from .reference import DEFAULT_REGISTRY, Reference
-from .store import MAX_METADATA_SIZE, Store, verify
+from .store import MAX_METADATA_SIZE, verify
 from .unpack import BadImageError
 
 INSECURE_ENV = "ISOLATE_INSECURE_REGISTRIES"
@@ -397,15 +396,11 @@ def _manifest(client: Client, ref: Reference, reference: str) -> tuple[bytes, st
     return data, digest, parse_json(data, f"image {ref}: manifest")
 
 
-def pull(reference: str, *, store: Store | None = None, insecure: bool = False,
-         progress: TextIO | None = None) -> Any:
-    """Pull ``reference`` into the store; the Image. ``progress``: where the line of figures goes."""
-    from . import Image
-
-    store = store or Store()
+def resolve(reference: str, *, insecure: bool = False) -> tuple[Found, _RegistrySource]:
+    """The image ``reference`` names, as a loader takes it: its manifest and config (verified), and the
+    source its layers stream from (Image.pull unpacks them into a store)."""
     ref = Reference.parse(reference)
     client = Client(ref.registry, insecure=insecure)
-    started = time.monotonic()
     data, digest, manifest = _manifest(client, ref, ref.reference)
     if manifest.get("mediaType") in INDEX_TYPES or ("manifests" in manifest and "layers" not in manifest):
         entry = choose_manifest(manifest, f"image {ref}")
@@ -425,13 +420,7 @@ def pull(reference: str, *, store: Store | None = None, insecure: bool = False,
         if not isinstance(layer, dict) or not isinstance(layer.get("digest"), str):
             raise BadImageError(f"image {ref}: a layer with no digest")
         found_layers.append((layer["digest"], layer["digest"]))
-    found = Found(str(ref), data, digest, config_data, config["digest"], found_layers)
-    image = Image._add(store, found, source, str(ref), f"image {ref}")
-    if progress is not None:
-        seconds = time.monotonic() - started
-        print(f"pull {ref}: {len(found_layers)} layers, {source.fetched / 1e6:.1f} MB fetched in {seconds:.2f} s"
-              f" ({source.fetched / 1e6 / max(seconds, 1e-6):.1f} MB/s)", file=progress)
-    return image
+    return Found(str(ref), data, digest, config_data, config["digest"], found_layers), source
 
 
-__all__ = ["Client", "RegistryError", "credentials", "is_loopback", "pull"]
+__all__ = ["Client", "RegistryError", "credentials", "is_loopback", "resolve"]

@@ -22,7 +22,8 @@ from typing import Any
 
 from ..._core import lib
 from ...image import Image, view
-from ...kernel import mounts
+from ...kernel import hostinfo, mounts
+from ...kernel.hostinfo import userns_error
 from ...kernel.overlay import Step
 from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import Policy
@@ -131,3 +132,28 @@ def landlock_rules(root: ImageRoot, read_rights: int, write_rights: int) -> list
         if found == "dir" and name not in _NOT_WRITABLE:
             rules.append(("/" + name, write_rights))
     return rules
+
+
+def image_refusal(policy: Policy) -> str | None:
+    """Why the native backend cannot run ``policy.image`` (None: no image, or it can).
+
+    Never dropped for best effort: an image is not a protection to weaken but
+    the file system the program runs on, and the host's root in its place
+    would be another program's world.
+    """
+    if policy.image is None:
+        return None
+    import platform
+
+    from ...kernel import overlay
+
+    way_out = "; use --backend docker (backend='docker')"
+    if not policy.namespaces:
+        return f"image: an image's root needs namespaces (a mount namespace of its own){way_out}"
+    if overlay._kernel() < (5, 11):
+        return (f"image: this kernel ({platform.release()}) mounts no overlayfs in a user namespace "
+                f"(Linux 5.11 does){way_out}")
+    if userns_error():
+        return (f"image: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
+                + hostinfo.userns_advice(userns_error()) + way_out)
+    return None

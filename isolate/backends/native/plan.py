@@ -37,6 +37,7 @@ from . import egress as egress_plan
 from . import why
 from .common import _close_all, _Refusals, _Static
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
+from .imageroot import image_refusal
 from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
 from .static import _build_static
 from .writes import _idmap_userns
@@ -472,31 +473,6 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
         "host can enforce",
         name, err, detail,
     )
-
-
-def image_refusal(policy: Policy) -> str | None:
-    """Why the native backend cannot run ``policy.image`` (None: no image, or it can).
-
-    Never dropped for best effort: an image is not a protection to weaken but
-    the file system the program runs on, and the host's root in its place
-    would be another program's world.
-    """
-    if policy.image is None:
-        return None
-    import platform
-
-    from ...kernel import overlay
-
-    way_out = "; use --backend docker (backend='docker')"
-    if not policy.namespaces:
-        return f"image: an image's root needs namespaces (a mount namespace of its own){way_out}"
-    if overlay._kernel() < (5, 11):
-        return (f"image: this kernel ({platform.release()}) mounts no overlayfs in a user namespace "
-                f"(Linux 5.11 does){way_out}")
-    if userns_error():
-        return (f"image: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
-                + hostinfo.userns_advice(userns_error()) + way_out)
-    return None
 
 
 def unsupported_reasons(policy: Policy) -> list[str]:

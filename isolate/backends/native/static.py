@@ -93,9 +93,7 @@ def _plan_why(plan: Any, cstr: Any, for_preexec: bool, use_ns: bool, rules: list
 
 
 def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: list[int]) -> _Static:
-    from .plan import image_refusal
-
-    refused_image = image_refusal(policy)
+    refused_image = imageroot.image_refusal(policy)
     if refused_image:
         raise UnsupportedError(refused_image)  # even for best effort: see image_refusal
     image_root = imageroot.load(policy) if policy.image is not None else None

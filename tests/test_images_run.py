@@ -136,3 +136,11 @@ def test_whiteouts_and_opaque_directories_hide_what_lower_layers_hold(store: str
     result = run(store, ["sh", "-c", "ls /etc; test -e /bin/ls || echo no-ls; stat -c %h /bin/cat2"],
                  image="layered:1")
     assert result.stdout.split() == ["only", "no-ls", "2"], result.stderr
+
+
+def test_explain_names_the_image_not_the_hosts_system(store: str, workdir: str) -> None:
+    result = subprocess.run([ISOLATE_RUN, "--explain", "--image", "scratchbox:1", "--", "sh"], cwd=workdir,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"-> {REF}" in result.stdout and "command sh -> /bin/sh (in the image)" in result.stdout
+    assert "read  /usr" not in result.stdout

@@ -144,3 +144,16 @@ def test_explain_names_the_image_not_the_hosts_system(store: str, workdir: str) 
     assert result.returncode == 0, result.stderr
     assert f"-> {REF}" in result.stdout and "command sh -> /bin/sh (in the image)" in result.stdout
     assert "read  /usr" not in result.stdout
+
+
+def test_a_grant_holding_the_image_store_shows_it_empty(store: str, tmp_path: Path) -> None:
+    assert os.listdir(store)
+    parent = os.path.dirname(store)
+    for image in (REF, None):
+        fields: dict[str, Any] = {"read": ["/usr", "/bin", "/lib", "/lib64"]} if image is None else {}
+        result = isolate.run(["ls", "-A", store], policy=isolate.Policy(image=image, backend="native",
+                                                                          write=[parent], **fields),
+                             capture_output=True, text=True, cwd=parent)
+        assert result.returncode == 0 and result.stdout == "", (result.stdout, result.stderr)
+    with pytest.raises(isolate.PolicyError, match="lies in isolate's image store"):
+        run(store, ["true"], write=[os.path.join(store, "layers")])

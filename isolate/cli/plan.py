@@ -317,7 +317,10 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
                  for p in (*policy.read, *policy.write, *policy.unix_sockets)]
         named += [os.path.join(cwd, m.source) for m in policy.binds]
         named += [os.path.join(os.path.expanduser("~"), n) for n in policy.home_files]
-        named += [cwd, *(path for path, _ in static.stamps)]
+        from ..backends.native.imageroot import store_path
+
+        # The image store: made since, a grant holding it would have to hide it (a plan made before did not).
+        named += [cwd, store_path(), *(path for path, _ in static.stamps)]
         named = list(dict.fromkeys(named))
         w.u32(len(named))
         for path in named:

@@ -43,6 +43,15 @@ class ImageRoot:
     stamps: list[str] = field(default_factory=list)
 
 
+def store_path() -> str:
+    """The real path of the caller's image store (made or not): what no sandbox may reach."""
+    from ...image.store import STORE_ENV
+    from ...kernel.places import state_dir
+
+    explicit = os.environ.get(STORE_ENV)
+    return os.path.realpath(os.path.abspath(explicit) if explicit else os.path.join(state_dir(), "images"))
+
+
 def load(policy: Policy) -> ImageRoot:
     assert policy.image is not None
     image = Image.get(policy.image)

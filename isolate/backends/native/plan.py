@@ -34,7 +34,7 @@ from ...model.errors import (
 )
 from ...model.policy import Egress, Policy
 from . import egress as egress_plan
-from . import why
+from . import imageroot, why
 from .common import _close_all, _Refusals, _Static
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
 from .imageroot import image_refusal
@@ -101,8 +101,10 @@ _STATIC_LOCK = threading.Lock()
 def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     if for_preexec:
         return _prepare_static(policy, run_cwd, for_preexec)
-    # An image's name means the store's image: another store (ISOLATE_IMAGE_STORE) is another plan.
-    key = (policy, run_cwd, os.geteuid(), os.getegid(), os.environ.get("ISOLATE_IMAGE_STORE") if policy.image else None)
+    # An image's name means the store's image, and a grant holding the store hides it (static.py): another
+    # store (ISOLATE_IMAGE_STORE), or one made since, is another plan.
+    store = imageroot.store_path()
+    key = (policy, run_cwd, os.geteuid(), os.getegid(), store, os.path.isdir(store))
     with _STATIC_LOCK:
         static = _STATIC_CACHE.get(key)
         if static is not None and static.fresh():

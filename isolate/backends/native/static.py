@@ -171,7 +171,18 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     # write access to the mount. (A root caller's program is another uid: the directory's mode keeps it out.)
     hidden: list[str] = []
 
+    store = imageroot.store_path()
+    store_exists = os.path.isdir(store)
+
     def hide_runtime_dir(real: str, target: str, path: str, field_name: str, readonly: bool = False) -> None:
+        if store_exists and use_ns:
+            # The image store: its layers become other sandboxes' roots. A grant holding it shows an empty
+            # tmpfs in its place; a grant inside it is refused.
+            if real == store or real.startswith(store + "/"):
+                raise PolicyError(f"{field_name}: {path} lies in isolate's image store {store}; grant only the "
+                                  "directories the program needs", field_name)
+            if store.startswith(real.rstrip("/") + "/"):
+                hidden.append(os.path.normpath(os.path.join(target, os.path.relpath(store, real))))
         below = grants.runtime_dir_below(real, path, field_name)
         if below is None:
             return

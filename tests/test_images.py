@@ -267,3 +267,16 @@ def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path: Path, sto
     kit.oci_layout(str(tmp_path / "oci"), [out.getvalue()])
     with pytest.raises(BadImageError, match="extended tar header"):
         Image.load(tmp_path / "oci", store=store)
+
+
+def test_work_left_by_a_dead_process_is_cleared_and_a_running_ones_kept(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    Image.list(store)  # made
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tmp = os.path.join(store.path, "tmp")
+    os.makedirs(os.path.join(tmp, f"layer-{'a' * 64}-{dead.pid}-1", "root"))
+    os.makedirs(os.path.join(tmp, f"layer-{'b' * 64}-{os.getpid()}-1", "root"))
+    os.utime(os.path.join(tmp, f"layer-{'b' * 64}-{os.getpid()}-1"), (0, 0))  # old, and still in use
+    Image.list(Store(store.path))
+    assert os.listdir(tmp) == [f"layer-{'b' * 64}-{os.getpid()}-1"]

@@ -32,7 +32,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
@@ -132,14 +131,25 @@ class Store:
         self._clear_tmp()
 
     def _clear_tmp(self) -> None:
-        """Work an interrupted pull or load left behind, older than a minute (younger may still be in use)."""
+        """Work an interrupted pull or load left behind: that of a process no longer running (each work
+        directory's name ends with its process's pid and thread's id; a long unpack is never cut short)."""
         tmp = os.path.join(self.path, "tmp")
-        now = time.time()
         for name in os.listdir(tmp):
-            path = os.path.join(tmp, name)
+            parts = name.split("-")
             try:
-                if now - os.lstat(path).st_mtime > 60:
-                    remove_tree(path)
+                pid = int(parts[-2])
+            except (IndexError, ValueError):
+                pid = -1
+            if pid > 0:
+                try:
+                    os.kill(pid, 0)
+                    continue  # its process still runs
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            try:
+                remove_tree(os.path.join(tmp, name))
             except OSError:
                 pass
 

@@ -157,3 +157,12 @@ def test_a_grant_holding_the_image_store_shows_it_empty(store: str, tmp_path: Pa
         assert result.returncode == 0 and result.stdout == "", (result.stdout, result.stderr)
     with pytest.raises(isolate.PolicyError, match="lies in isolate's image store"):
         run(store, ["true"], write=[os.path.join(store, "layers")])
+
+
+def test_snapshots_and_forks_of_an_image_sandbox_are_refused_not_partial(store: str) -> None:
+    with isolate.Sandbox(policy=isolate.Policy(image=REF, backend="native")) as box:
+        box.exec(["sh", "-c", "echo kept > /data/f"])
+        with pytest.raises(isolate.UnsupportedError, match="do not capture yet"):
+            box.snapshot()
+        with pytest.raises(isolate.UnsupportedError, match="do not capture yet"):
+            box.fork()

@@ -280,3 +280,7 @@ def test_work_left_by_a_dead_process_is_cleared_and_a_running_ones_kept(tmp_path
     os.utime(os.path.join(tmp, f"layer-{'b' * 64}-{os.getpid()}-1"), (0, 0))  # old, and still in use
     Image.list(Store(store.path))
     assert os.listdir(tmp) == [f"layer-{'b' * 64}-{os.getpid()}-1"]
+
+
+def test_the_image_class_is_isolates() -> None:
+    assert isolate.Image is Image and "Image" in isolate.__all__

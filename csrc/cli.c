@@ -92,7 +92,7 @@ static void __attribute__((noreturn)) handover(int no_cache, const char *why)
 static const char *const VALUE_OPTIONS[] = {
     "--ro", "--rw", "--bind", "--ro-bind", "--tmpfs", "--chdir", "--home", "--home-file", "--net", "--unix-socket",
     "--memory", "--cpu", "--cpus", "--wall", "--pids", "--nofile", "--fsize", "--tmpfs-size", "--seccomp", "--env",
-    "--keep-env", "--backend", "--image", "--profile", "--uid", "--gid", "--report", NULL};
+    "--keep-env", "--backend", "--image", "--image-store", "--profile", "--uid", "--gid", "--report", NULL};
 static const char *const FLAG_OPTIONS[] = {"--no-defaults", "--no-namespaces", "--best-effort", NULL};
 
 static int in_table(const char *const *table, const char *name, size_t len)

@@ -88,7 +88,9 @@ enum iso_mount_kind {
 enum iso_mount_flag {
     ISO_MOUNT_F_READONLY = 1,    /* read-only, nosuid, nodev, recursively */
     ISO_MOUNT_F_NOEXEC = 2,
-    ISO_MOUNT_F_KEEP_DEV = 4     /* do not add nodev (device node binds) */
+    ISO_MOUNT_F_KEEP_DEV = 4,    /* do not add nodev (device node binds) */
+    ISO_MOUNT_F_IMAGE_ROOT = 8   /* an overlay that is the sandbox's root: an image's (writable: its upper
+                                  * layer is a private tmpfs) */
 };
 
 /* One mount step, every path prepared by the parent:

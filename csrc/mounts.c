@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <fcntl.h>
 #include <linux/mount.h>
 #include <sys/mount.h>
@@ -78,13 +79,31 @@ static int fs_set(int fs, unsigned int cmd, const char *key, const char *value)
 static int mount_overlay(const struct iso_mount *m)
 {
     /* The upper directory must be the one the parent made and opened, not
-     * something planted in the state directory since. */
-    struct stat opened, found;
-    if (fstat(m->fd, &opened) < 0 || fstatat(AT_FDCWD, m->upper, &found, AT_SYMLINK_NOFOLLOW) < 0)
-        return ISO_STEP_MOUNT_OVERLAY;
-    if (opened.st_dev != found.st_dev || opened.st_ino != found.st_ino) {
-        errno = ESTALE;
-        return ISO_STEP_MOUNT_OVERLAY;
+     * something planted in the state directory since (an image's upper layer
+     * is a tmpfs this child mounted itself: no descriptor). */
+    if (m->fd >= 0) {
+        struct stat opened, found;
+        if (fstat(m->fd, &opened) < 0 || fstatat(AT_FDCWD, m->upper, &found, AT_SYMLINK_NOFOLLOW) < 0)
+            return ISO_STEP_MOUNT_OVERLAY;
+        if (opened.st_dev != found.st_dev || opened.st_ino != found.st_ino) {
+            errno = ESTALE;
+            return ISO_STEP_MOUNT_OVERLAY;
+        }
+    }
+    if (m->flags & ISO_MOUNT_F_IMAGE_ROOT) {
+        /* An image has many layers: fsconfig takes 256 bytes per value (one
+         * lowerdir+ per layer is Linux 6.8), mount(2) a page of options. */
+        char options[4096];
+        int n = snprintf(options, sizeof options,
+                         "lowerdir=%s,upperdir=%s,workdir=%s,userxattr,index=off,metacopy=off", m->source,
+                         m->upper, m->work);
+        if (n < 0 || (size_t)n >= sizeof options) {
+            errno = E2BIG;
+            return ISO_STEP_MOUNT_OVERLAY;
+        }
+        if (mount("overlay", m->target, "overlay", MS_NOSUID | MS_NODEV, options) < 0)
+            return ISO_STEP_MOUNT_OVERLAY;
+        return 0;
     }
     int fs = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC);
     if (fs < 0)
@@ -243,7 +262,13 @@ static int build_root(const struct iso_plan *plan, int *index)
         return ISO_STEP_PIVOT_ROOT;
     if (umount2(".", MNT_DETACH) < 0 || chdir("/") < 0)
         return ISO_STEP_PIVOT_ROOT;
-    if (set_attr("/", 0, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) < 0)
+    /* The root is read-only, unless it is an image's: its writes land in
+     * the upper layer, a tmpfs of this namespace, gone with it. */
+    uint64_t root_attr = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+    for (int i = 0; i < plan->n_mounts; i++)
+        if (plan->mounts[i].kind == ISO_MOUNT_OVERLAY && (plan->mounts[i].flags & ISO_MOUNT_F_IMAGE_ROOT))
+            root_attr &= ~(uint64_t)MOUNT_ATTR_RDONLY;
+    if (set_attr("/", 0, root_attr) < 0)
         return ISO_STEP_MOUNT_READONLY;
     return 0;
 }

@@ -28,6 +28,7 @@ from .model.workspace import Workspace
 if TYPE_CHECKING:  # loaded lazily at run time: the policy model does not need the C core
     from .agents import wrap
     from .backends.native.popen import Popen
+    from .image import Image
     from .kept.merge import MergeConflictError, MergeResult, merge
     from .kept.pool import SandboxPool
     from .kept.sandbox import AsyncSandbox, Sandbox
@@ -50,6 +51,7 @@ __all__ = [
     "CommandNotFoundError",
     "CompletedProcess",
     "Egress",
+    "Image",
     "IsolationError",
     "Limits",
     "MergeConflictError",
@@ -99,4 +101,8 @@ def __getattr__(name: str) -> object:
         from .agents import wrap
 
         return wrap
+    if name == "Image":
+        from .image import Image
+
+        return Image
     raise AttributeError(f"module 'isolate' has no attribute {name!r}")

@@ -19,7 +19,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: (module prefix, layer): the longest matching prefix places a module.
 LAYERS = (
     ("isolate._version", 0), ("isolate._build", 0), ("isolate.model", 0),  # _build: the cffi build script
-    ("isolate._native", 1), ("isolate._core", 1), ("isolate.kernel", 1), ("isolate.egress", 1),
+    ("isolate._native", 1), ("isolate._core", 1), ("isolate.kernel", 1), ("isolate.egress", 1), ("isolate.image", 1),
     ("isolate.backends", 2),
     ("isolate.oneshot", 3), ("isolate.kept", 3),
     ("isolate.cli.flags", 4),

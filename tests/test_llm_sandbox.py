@@ -92,8 +92,9 @@ def test_attach_to_a_named_sandbox_and_refuse_container_options() -> None:
             assert box.exec("cat /tmp/hello").stdout == "named\n"  # detached, not closed
         finally:
             box.close()
-    with pytest.raises(ValueError, match="image"):
-        SandboxSession(backend="isolate", image="python:3.12")
+    with pytest.raises(ValueError, match="dockerfile"):
+        SandboxSession(backend="isolate", dockerfile="Dockerfile")
+    assert SandboxSession(backend="isolate", image="python:3.12").policy.image == "python:3.12"
 
 
 def test_environment_setup_makes_a_virtualenv_and_a_library_that_cannot_install_raises() -> None:

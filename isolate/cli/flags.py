@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("backend and policy")
     run.add_argument("--backend", choices=("auto", "native", "docker"), default=None,
                      help="auto (default: native, Docker where native cannot enforce) | native | docker")
-    run.add_argument("--image", metavar="IMAGE", help="image of the Docker backend, e.g. --image debian:stable-slim")
+    run.add_argument("--image", metavar="IMAGE",
+                     help="the image the sandbox's root is made of (see isolate-run image; Docker: its engine's)")
+    run.add_argument("--image-store", metavar="DIR", help="the image store --image comes from (default: "
+                     "$ISOLATE_IMAGE_STORE, else <state dir>/images)")
     run.add_argument("--profile", metavar="FILE", help="a TOML policy file; flags apply on top, e.g. --profile ci.toml")
     run.add_argument("--uid", metavar="N", help="the program's uid when the caller is root (default 65534)")
     run.add_argument("--gid", metavar="N", help="the program's gid when the caller is root (default 65534)")
@@ -225,6 +228,9 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
         changes["backend"] = options.backend
     if options.image:
         changes["image"] = options.image
+    if getattr(options, "image_store", None):
+        # The store is the process's (isolate.image.store.STORE_ENV): the plan's cache key holds it.
+        os.environ["ISOLATE_IMAGE_STORE"] = os.path.abspath(options.image_store)
     if options.best_effort:
         changes["best_effort"] = True
     if options.no_namespaces:

@@ -64,11 +64,23 @@ def explain_paths(policy: Policy, command: Sequence[str]) -> list[str]:
     """Each granted path as given and as resolved on the host, the home, the working directory,
     the PATH the program gets and where the command resolves."""
     from ..backends import native
+    from ..model.policy import DEFAULT_READ
 
     cwd = os.getcwd()
     lines = ["paths (as given -> on the host):"]
     granted: list[str] = []
+    image = None
+    if policy.image is not None:
+        from ..image import Image
+
+        image = Image.find(policy.image)
+        lines.append(f"  image {policy.image} -> " + (f"{image.reference} ({image.short_id}, {len(image.layers)} "
+                                                      "layers): the root, read-only under a private upper layer"
+                                                      if image else "not in the image store"))
     for kind, paths in (("read", policy.read), ("write", policy.write)):
+        if image is not None and kind == "read" and policy.read == DEFAULT_READ:
+            lines.append("  read  (the host's system directories: not shown, the image is the system)")
+            continue
         for path in paths:
             absolute = os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
             if not os.path.exists(absolute):
@@ -87,6 +99,18 @@ def explain_paths(policy: Policy, command: Sequence[str]) -> list[str]:
             source = os.path.join(os.path.expanduser("~"), name)
             lines.append(f"  home-file {source} -> {os.path.join(policy.home, os.path.basename(name))} (read-only)")
     lines.append(f"  cwd   {policy.cwd or cwd}")
+    if image is not None:
+        from ..image import view
+
+        search = policy.env.get("PATH") or image.config.environment().get("PATH") or native.DEFAULT_PATH
+        lines.append(f"  PATH  {search}")
+        if command:
+            program = command[0]
+            places = [program] if "/" in program else [f"{d}/{program}" for d in search.split(":") if d]
+            found = next((p for p in places if view.kind(image.lower_dirs(), p)), None)
+            lines.append(f"  command {program} -> "
+                         + (f"{found} (in the image)" if found else "not found in the image"))
+        return lines
     search = policy.env.get("PATH") or native.reduced_path(os.environ.get("PATH", native.DEFAULT_PATH), granted)
     lines.append(f"  PATH  {search}")
     if command:
@@ -252,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sandbox import sandbox_main
 
             return sandbox_main(args[1:])
+        if args and args[0] == "image":
+            from .image import image_main
+
+            return image_main(args[1:])
         if args and args[0] == "learn":
             return _learn(args[1:])
         if args and args[0] == "serve":

@@ -224,7 +224,7 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
     from ..oneshot import runs as popen
     from . import flags
 
-    if args and args[0] in ("doctor", "sandbox", "serve"):
+    if args and args[0] in ("doctor", "sandbox", "serve", "learn", "image"):
         raise NotCovered("subcommand")
     options = flags.build_parser().parse_args(list(args))
     command = list(options.command)
@@ -248,6 +248,8 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         if prepared.cgroup is not None:
             raise NotCovered("a cgroup per run")
         static = plan_mod._static_for(policy, cwd, False)
+        if static.image_command is not None and static.image_command.entrypoint:
+            raise NotCovered("an image's Entrypoint (the binary replays the command as given)")
         plan = prepared.plan
         if plan.n_keep_fds or plan.program_fd >= 0 or plan.idmap_userns_fd >= 0:
             raise NotCovered("descriptors passed on")
@@ -315,7 +317,10 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
                  for p in (*policy.read, *policy.write, *policy.unix_sockets)]
         named += [os.path.join(cwd, m.source) for m in policy.binds]
         named += [os.path.join(os.path.expanduser("~"), n) for n in policy.home_files]
-        named += [cwd, *(path for path, _ in static.stamps)]
+        from ..backends.native.imageroot import store_path
+
+        # The image store: made since, a grant holding it would have to hide it (a plan made before did not).
+        named += [cwd, store_path(), *(path for path, _ in static.stamps)]
         named = list(dict.fromkeys(named))
         w.u32(len(named))
         for path in named:
@@ -335,7 +340,8 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
             w.u32(stat.S_IFMT(finfo.st_mode))
             w.u64(finfo.st_dev)
             w.u64(finfo.st_ino)
-        w.strings(list(static.granted))
+        # An image's command is found in the image, by the init: no host path to check it against ("/").
+        w.strings(["/"] if static.image_env is not None else list(static.granted))
         # -- the plan ------------------------------------------------------------
         w.i32(plan.clone_flags)
         w.data(_cstring(ffi, plan.uid_map))

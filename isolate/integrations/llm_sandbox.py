@@ -47,7 +47,7 @@ from ..model.workspace import Workspace
 
 __all__ = ["CAPABILITIES", "IsolateSession"]
 
-#: What the backend offers, in llm-sandbox's terms (Linux; no images, no daemon).
+#: What the backend offers, in llm-sandbox's terms (Linux; images from isolate's store, no daemon).
 CAPABILITIES = BackendCapabilities(platforms=("linux",), filesystem_isolation=True, network_isolation=True,
                                    seccomp=True)
 
@@ -66,12 +66,12 @@ class IsolateSession(BaseSession):
                  security_policy: Any = None, python: str = "python3", image: str | None = None,
                  dockerfile: str | None = None, keep_template: bool = False, commit_container: bool = False,
                  runtime_configs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        container_only = {"image": image, "dockerfile": dockerfile, "keep_template": keep_template,
+        container_only = {"dockerfile": dockerfile, "keep_template": keep_template,
                           "commit_container": commit_container, "runtime_configs": runtime_configs}
         given = [name for name, value in container_only.items() if value]
         if given:
-            raise ValueError(f"the isolate backend has no container images: {', '.join(given)} cannot be "
-                             "used; give policy= (an isolate.Policy) instead")
+            raise ValueError(f"the isolate backend builds and commits no container images: {', '.join(given)} "
+                             "cannot be used; give image= (an image in isolate's store) or policy= instead")
         if kwargs:
             raise TypeError(f"the isolate backend does not know {', '.join(sorted(kwargs))}")
         if policy is not None and not isinstance(policy, Policy):
@@ -91,6 +91,9 @@ class IsolateSession(BaseSession):
                                security_policy=security_policy)
         super().__init__(config, libraries=libraries)
         self.policy = policy if policy is not None else Policy()
+        if image is not None:
+            # The sandbox's root is the image (isolate-run image load/pull it first); the policy's the rest.
+            self.policy = self.policy.replace(image=image)
         self.stream = stream
         self.python = python
         self.env_vars = dict(env_vars or {})

@@ -386,6 +386,12 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
     if not isinstance(impl, NativeSandbox):
         raise UnsupportedError("snapshot: the Docker backend keeps no snapshots (docker commit captures a "
                                "container's image layers, not its bound workspace); use backend='native'")
+    if sb.policy.image is not None:
+        # Its root takes writes (the image's private upper layer), which no snapshot captures yet: a snapshot,
+        # or a fork, would silently lose them.
+        raise UnsupportedError("snapshot: a sandbox from an image keeps its writes to the image's root in a "
+                               "private layer that snapshots and forks do not capture yet; snapshot a sandbox "
+                               "from the host's root, or keep the files in the workspace")
     mode = sb.workspace.mode
     if mode == "bind":
         raise UnsupportedError("snapshot: a bind workspace is the user's own directory, which isolate does not "

@@ -53,6 +53,8 @@ def run(
                             check=False, **kwargs)
         completed = CompletedProcess(result.args, result.returncode, result.stdout, result.stderr,
                                      getattr(result, "report", None))
+        if policy.backend == "auto":
+            completed.report.warnings.append(auto_docker_note(policy))
     else:
         if input is not None:
             if kwargs.get("stdin") is not None:
@@ -82,6 +84,11 @@ def run(
     return completed
 
 
+def auto_docker_note(policy: Policy) -> str:
+    """What a run of backend "auto" says when Docker ran it: which backend, and why."""
+    return "backend auto chose Docker: " + "; ".join(native.unsupported_reasons(policy))
+
+
 def choose_backend(policy: Policy) -> str:
     """'native' or 'docker' for this policy on this host; raises UnsupportedError when neither will do."""
     if policy.backend == "native":
@@ -89,7 +96,7 @@ def choose_backend(policy: Policy) -> str:
     if policy.backend == "docker":
         return "docker"
     reasons = native.unsupported_reasons(policy)
-    if not reasons or policy.best_effort:
+    if not reasons or (policy.best_effort and not native.image_refusal(policy)):
         return "native"
     try:
         from ..backends import docker

@@ -20,6 +20,7 @@ from ..._core import ffi  # (tests read plans with it)
 from ...kernel.hostinfo import userns_error
 from .common import NOBODY
 from .environment import DEFAULT_PATH, reduced_path, which
+from .imageroot import image_refusal
 from .observe import audit_state
 from .plan import _STATIC_CACHE, Prepared, prepare, spawn, unsupported_reasons
 from .writes import _idmap_problem, _idmap_userns
@@ -33,6 +34,7 @@ __all__ = [
     "_idmap_userns",
     "audit_state",
     "ffi",
+    "image_refusal",
     "prepare",
     "reduced_path",
     "spawn",

@@ -61,6 +61,9 @@ class _Static:
     fds: list[int]
     #: The O_PATH descriptor of each granted or bound host path (real path), which mounts and rules use.
     source_fds: dict[str, int] = field(default_factory=dict)
+    #: An image's root: its Env (under the policy's own), and its config (Entrypoint and Cmd).
+    image_env: dict[str, str] | None = None
+    image_command: Any = None
 
     def fresh(self) -> bool:
         """Whether every granted path is still the inode it was when the plan was made."""

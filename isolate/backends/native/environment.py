@@ -15,11 +15,14 @@ from .common import _Refusals
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
-def program_environment(policy: Policy, extra: Mapping[str, str] | None, home: str | None = None
-                        ) -> dict[str, str]:
-    """The minimal environment: keep_env names from the caller, HOME the program's own home, then
-    policy.env, then ``extra``."""
-    env = {name: os.environ[name] for name in policy.keep_env if name in os.environ}
+def program_environment(policy: Policy, extra: Mapping[str, str] | None, home: str | None = None,
+                        base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The minimal environment: ``base`` (an image's Env), keep_env names from the caller, HOME the
+    program's own home, then policy.env, then ``extra``."""
+    env = dict(base or {})
+    # The caller's PATH names the host's directories: an image's own (or the default) stands instead.
+    env.update({name: os.environ[name] for name in policy.keep_env
+                if name in os.environ and not (base is not None and name == "PATH")})
     if home is not None:
         env["HOME"] = home
     env.update(policy.env)

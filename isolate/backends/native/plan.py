@@ -34,9 +34,10 @@ from ...model.errors import (
 )
 from ...model.policy import Egress, Policy
 from . import egress as egress_plan
-from . import why
+from . import imageroot, why
 from .common import _close_all, _Refusals, _Static
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
+from .imageroot import image_refusal
 from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
 from .static import _build_static
 from .writes import _idmap_userns
@@ -100,7 +101,10 @@ _STATIC_LOCK = threading.Lock()
 def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:
     if for_preexec:
         return _prepare_static(policy, run_cwd, for_preexec)
-    key = (policy, run_cwd, os.geteuid(), os.getegid())
+    # An image's name means the store's image, and a grant holding the store hides it (static.py): another
+    # store (ISOLATE_IMAGE_STORE), or one made since, is another plan.
+    store = imageroot.store_path()
+    key = (policy, run_cwd, os.geteuid(), os.getegid(), store, os.path.isdir(store))
     with _STATIC_LOCK:
         static = _STATIC_CACHE.get(key)
         if static is not None and static.fresh():
@@ -235,13 +239,16 @@ def prepare(
     limit_cpu = static.limit_cpu_seconds
 
     # -- the program ---------------------------------------------------------
-    program_env = program_environment(policy, env, static.home)
+    program_env = program_environment(policy, env, static.home, static.image_env)
     if static.tmpdir and "TMPDIR" not in program_env:
         program_env["TMPDIR"] = static.tmpdir
-    if "PATH" not in policy.env and not (env and any(os.fsdecode(k) == "PATH" for k in env)):
+    if static.image_env is None and "PATH" not in policy.env and not (
+            env and any(os.fsdecode(k) == "PATH" for k in env)):
         # The caller's PATH, reduced to the directories that exist inside.
         program_env["PATH"] = reduced_path(program_env["PATH"], static.granted)
-    if not for_preexec and args and program_fd < 0:
+    if static.image_command is not None and program_fd < 0 and not for_preexec and executable is None:
+        args = static.image_command.command([os.fsdecode(a) for a in args])  # Entrypoint, then args or Cmd
+    if not for_preexec and args and program_fd < 0 and static.image_env is None:
         check_command(os.fsdecode(executable) if executable else os.fsdecode(args[0]), program_env["PATH"],
                       static.granted, run_cwd)
     egress_channel = None
@@ -482,6 +489,9 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
 def unsupported_reasons(policy: Policy) -> list[str]:
     """What the native backend cannot enforce for ``policy`` on this host (empty: all of it)."""
     reasons = []
+    refusal = image_refusal(policy)
+    if refusal:
+        reasons.append(refusal)
     if isinstance(policy.network, Egress) and not policy.namespaces:
         reasons.append("network: egress by name needs a network namespace of its own (namespaces=true)")
     limits = policy.limits

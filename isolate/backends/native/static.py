@@ -20,6 +20,7 @@ from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
 from ...model.units import milliseconds_up
 from . import egress as egress_plan
+from . import imageroot
 from .common import NOBODY, _Refusals, _Static
 from .environment import _no_ns_tmpdir, _plan_home
 from .filters import _apply_seccomp, _report_host_reach
@@ -92,6 +93,10 @@ def _plan_why(plan: Any, cstr: Any, for_preexec: bool, use_ns: bool, rules: list
 
 
 def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: list[int]) -> _Static:
+    refused_image = imageroot.image_refusal(policy)
+    if refused_image:
+        raise UnsupportedError(refused_image)  # even for best effort: see image_refusal
+    image_root = imageroot.load(policy) if policy.image is not None else None
     refusals = _Refusals(policy.best_effort)
     enforced: dict[str, Any] = {}
     keep: list[Any] = []
@@ -102,7 +107,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         return data
 
     defaults_read = policy.read == DEFAULT_READ
-    read = _resolve(policy.read, run_cwd, "read", skip_missing=defaults_read)
+    # An image is the system: the host's system directories (the default read grants) are not shown.
+    read = [] if image_root is not None and defaults_read else _resolve(policy.read, run_cwd, "read",
+                                                                         skip_missing=defaults_read)
     write = _resolve(policy.write, run_cwd, "write", skip_missing=False)
     # Named unix sockets: each must be a socket now; its inode is what the
     # supervisor allows (whatever path reaches it), and it is bound into the
@@ -164,7 +171,18 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     # write access to the mount. (A root caller's program is another uid: the directory's mode keeps it out.)
     hidden: list[str] = []
 
+    store = imageroot.store_path()
+    store_exists = os.path.isdir(store)
+
     def hide_runtime_dir(real: str, target: str, path: str, field_name: str, readonly: bool = False) -> None:
+        if store_exists and use_ns:
+            # The image store: its layers become other sandboxes' roots. A grant holding it shows an empty
+            # tmpfs in its place; a grant inside it is refused.
+            if real == store or real.startswith(store + "/"):
+                raise PolicyError(f"{field_name}: {path} lies in isolate's image store {store}; grant only the "
+                                  "directories the program needs", field_name)
+            if store.startswith(real.rstrip("/") + "/"):
+                hidden.append(os.path.normpath(os.path.join(target, os.path.relpath(store, real))))
         below = grants.runtime_dir_below(real, path, field_name)
         if below is None:
             return
@@ -209,6 +227,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     program_gid = policy.gid if policy.gid is not None else (NOBODY if root_caller else caller_gid)
     if not root_caller and (policy.uid not in (None, caller_uid) or policy.gid not in (None, caller_gid)):
         raise PolicyError("uid/gid: only a root caller can run the program as another user", "uid")
+    if image_root is not None:
+        program_uid, program_gid = imageroot.program_ids(image_root, policy, program_uid, program_gid, root_caller,
+                                                         enforced)
 
     # -- namespaces and ids ------------------------------------------------
     # Egress by name is the namespace's own loopback, plus the mediator's listeners on it.
@@ -359,20 +380,36 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
                                       shm_options="mode=1777," + mounts.tmpfs_bounds(shm_size),
                                       binds=bind_trees)
         steps = mount_plan.steps
-        cmounts = ffi.new("struct iso_mount[]", max(len(steps), 1))
+        first: list[Any] = []
+        if image_root is not None:
+            imageroot.check_targets(image_root, steps)
+            layers_dir = os.path.dirname(os.path.dirname(image_root.lowers[0]))
+            store_fd = os.open(layers_dir, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY)
+            static_fds.append(store_fd)
+            first = imageroot.steps(image_root, store_fd, "mode=0755," + mounts.tmpfs_bounds(tmpfs_size))
+            enforced["image"] = {"reference": image_root.image.reference, "id": image_root.image.id,
+                                 "layers": len(image_root.lowers),
+                                 "root": "overlayfs: the image's layers read-only, a private tmpfs as upper layer"}
+        cmounts = ffi.new("struct iso_mount[]", max(len(first) + len(steps), 1))
         keep.append(cmounts)
-        for i, step in enumerate(steps):
+        for i, istep in enumerate(first):
+            c = cmounts[i]
+            c.kind, c.flags, c.fd, c.mode, c.target = istep.kind, istep.flags, istep.fd, istep.mode, cstr(istep.target)
+            c.source = cstr(istep.source) if istep.source else ffi.NULL
+            c.upper = cstr(istep.upper) if istep.upper else ffi.NULL
+            c.work = cstr(istep.work) if istep.work else ffi.NULL
+        for i, step in enumerate(steps, len(first)):
             cmounts[i].kind = step.kind
             cmounts[i].flags = step.flags
             cmounts[i].fd = step.fd
             cmounts[i].mode = step.mode
             cmounts[i].source = cstr(step.source) if step.source else ffi.NULL
             cmounts[i].target = cstr(mounts.NEWROOT + step.target)
-        idmap_steps = [(i, step.source) for i, step in enumerate(steps)
+        idmap_steps = [(i, step.source) for i, step in enumerate(steps, len(first))
                        if step.kind == lib.ISO_MOUNT_MOVE and root_caller and not for_preexec]
         plan.staging = cstr(mounts.STAGING)
         plan.mounts = cmounts
-        plan.n_mounts = len(steps)
+        plan.n_mounts = len(first) + len(steps)
         enforced["filesystem"] = ["mount-namespace"] + (["landlock"] if abi else [])
         enforced["root"] = "built (pivot_root)"
         if root_caller and (write or rw_sources):
@@ -422,9 +459,13 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             rules.append(("/dev", landlock.device_rights(abi)))
             rules.append(("/dev/shm", landlock.write_rights(abi) | resolve_unix))
             rules.append(("/proc", landlock.proc_rights(abi)))
-            # The root is the sandbox's own read-only tmpfs: listing it shows
-            # only what was granted.
-            rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
+            if image_root is not None:
+                rules.extend(imageroot.landlock_rules(image_root, landlock.read_rights(abi),
+                                                      landlock.write_rights(abi) | resolve_unix))
+            else:
+                # The root is the sandbox's own read-only tmpfs: listing it shows
+                # only what was granted.
+                rules.append(("/", landlock.LANDLOCK_ACCESS_FS_READ_DIR))
             # A kept sandbox's program is the init executable (execserver.c),
             # exec'd through the parent's descriptor. No path inside leads to
             # it and the descriptor is closed at exec: only that exec uses this.
@@ -522,12 +563,19 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     enforced["session"] = "new" if policy.new_session else "inherited"
     plan.init_fd = init_fd()
     enforced["init"] = "isolate-init"
-    plan.cwd = cstr(os.path.abspath(policy.cwd) if policy.cwd else run_cwd)
+    cwd = os.path.abspath(policy.cwd) if policy.cwd else run_cwd
+    if image_root is not None and not policy.cwd and not any(
+            run_cwd == g or run_cwd.startswith(g.rstrip("/") + "/") for g in read + write):
+        cwd = image_root.image.config.working_dir or "/"  # the caller's directory is not in the sandbox
+    plan.cwd = cstr(cwd)
     if for_preexec and not policy.cwd:
         plan.cwd = ffi.NULL  # the hook keeps the directory subprocess chose
 
     stamps = []
     for path in read + write + [source for source, _, _ in binds]:
+        info = os.stat(path)
+        stamps.append((path, (info.st_dev, info.st_ino)))
+    for path in image_root.stamps if image_root is not None else ():
         info = os.stat(path)
         stamps.append((path, (info.st_dev, info.st_ino)))
     return _Static(
@@ -538,4 +586,6 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         granted=tuple(dict.fromkeys(read + write + [os.path.realpath(p) for p in read + write]
                                     + [target for _, target, _ in binds])), stamps=stamps,
         fds=static_fds, source_fds=dict(source_fds),
+        image_env=image_root.env if image_root is not None else None,
+        image_command=image_root.image.config if image_root is not None else None,
     )

@@ -1,0 +1,168 @@
+"""An image as the sandbox's root: its layers the read-only lower layers of an overlayfs at the new root.
+
+The child (csrc/mounts.c) binds the store's ``layers`` directory read-only
+at a staging point (checking it bound the inode the parent opened), mounts
+a tmpfs of its own at another (the upper and work directories: private to
+the sandbox, gone with its mount namespace), and mounts the overlay at the
+new root before any other step: ``/proc``, ``/dev``, ``/tmp``, the home and
+every grant then land on it as they land on the empty root of a host run.
+Nothing of the image is exec'd or read by the init (it is the parent's
+descriptor): an image of one static binary runs.
+
+Every mount target of the plan is checked against the image: a link, or a
+file, on the way to one is refused (the child would follow it, while its
+host's root is still at /oldroot).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..._core import lib
+from ...image import Image, view
+from ...kernel import hostinfo, mounts
+from ...kernel.hostinfo import userns_error
+from ...kernel.overlay import Step
+from ...model.errors import PolicyError, UnsupportedError
+from ...model.policy import Policy
+
+STAGING_LAYERS = "/.isolate-image"
+STAGING_UPPER = "/.isolate-image-upper"
+#: What no image's directory gets write rights through (kernel file systems the plan mounts itself).
+_NOT_WRITABLE = ("proc", "dev", "sys")
+
+
+@dataclass
+class ImageRoot:
+    image: Image
+    lowers: list[str]
+    top: dict[str, str]
+    env: dict[str, str]
+    stamps: list[str] = field(default_factory=list)
+
+
+def store_path() -> str:
+    """The real path of the caller's image store (made or not): what no sandbox may reach."""
+    from ...image.store import STORE_ENV
+    from ...kernel.places import state_dir
+
+    explicit = os.environ.get(STORE_ENV)
+    return os.path.realpath(os.path.abspath(explicit) if explicit else os.path.join(state_dir(), "images"))
+
+
+def load(policy: Policy) -> ImageRoot:
+    assert policy.image is not None
+    image = Image.get(policy.image)
+    lowers = image.lower_dirs()
+    if not lowers:
+        raise UnsupportedError(f"image {image.reference}: it has no layers")
+    record = image.store._record_path(image.reference)
+    return ImageRoot(image, lowers, view.top_level(lowers), image.config.environment(),
+                     stamps=[record, *(os.path.dirname(d) for d in lowers)])
+
+
+def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller: bool,
+                enforced: dict[str, Any]) -> tuple[int, int]:
+    """The image's User, where the caller can run the program as another uid (a root caller); else the ids
+    given, the image's User noted as not applied."""
+    user = root.image.config.user
+    if not user or policy.uid is not None:
+        return uid, gid
+    name, _, group = user.partition(":")
+    found_uid, found_gid = _lookup(root, name, "etc/passwd"), _lookup(root, group, "etc/group") if group else None
+    if found_uid is None:
+        raise PolicyError(f"image {root.image.reference}: its User {user!r} is not in its /etc/passwd", "image")
+    if found_uid[0] == 0 or not root_caller:
+        if found_uid[0] != uid:
+            enforced["image_user"] = (f"{user} not applied: the program runs as uid {uid}"
+                                      + ("" if root_caller else " (the caller's own: a user namespace of one uid)"))
+        return uid, gid
+    new_gid = found_gid[0] if found_gid else (found_uid[1] if found_uid[1] >= 0 else found_uid[0])
+    enforced["image_user"] = user
+    return found_uid[0], new_gid
+
+
+def _lookup(root: ImageRoot, name: str, table: str) -> tuple[int, int] | None:
+    """(id, primary gid or -1) of a name or number in the image's passwd or group file."""
+    if name.isdigit():
+        return int(name), -1
+    data = view.read_file(root.lowers, table) or b""
+    for line in data.decode(errors="replace").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 3 and fields[0] == name and fields[2].isdigit():
+            primary = int(fields[3]) if table == "etc/passwd" and len(fields) > 3 and fields[3].isdigit() else -1
+            return int(fields[2]), primary
+    return None
+
+
+def steps(root: ImageRoot, store_fd: int, upper_options: str) -> list[Step]:
+    """The mount steps that make the image the new root (they come before all others)."""
+    layers_dir = os.path.dirname(os.path.dirname(root.lowers[0]))
+    lowerdir = ":".join(f"{STAGING_LAYERS}/{os.path.basename(os.path.dirname(d))}/root" for d in root.lowers)
+    if len(lowerdir) > 3800:
+        raise UnsupportedError(f"image {root.image.reference}: {len(root.lowers)} layers, more than an overlay's "
+                               "options can name (about 45)")
+    return [
+        Step(lib.ISO_MOUNT_DIR, STAGING_LAYERS),
+        Step(lib.ISO_MOUNT_BIND, STAGING_LAYERS, source=mounts.OLDROOT + layers_dir,
+             flags=lib.ISO_MOUNT_F_READONLY, fd=store_fd),
+        Step(lib.ISO_MOUNT_DIR, STAGING_UPPER),
+        Step(lib.ISO_MOUNT_TMPFS, STAGING_UPPER, source=upper_options),
+        Step(lib.ISO_MOUNT_DIR, STAGING_UPPER + "/upper", mode=0o755),
+        Step(lib.ISO_MOUNT_DIR, STAGING_UPPER + "/work", mode=0o700),
+        Step(lib.ISO_MOUNT_OVERLAY, mounts.NEWROOT, source=lowerdir, flags=lib.ISO_MOUNT_F_IMAGE_ROOT,
+             upper=STAGING_UPPER + "/upper", work=STAGING_UPPER + "/work"),
+    ]
+
+
+def check_targets(root: ImageRoot, plan_steps: list[mounts.MountStep]) -> None:
+    """Refuse a plan whose mount or directory would go through a link (or a file) of the image."""
+    for step in plan_steps:
+        parts = [p for p in step.target.split("/") if p]
+        last = len(parts) if step.kind != lib.ISO_MOUNT_SYMLINK else len(parts) - 1
+        for i in range(1, last + 1):
+            rel = "/".join(parts[:i])
+            found = view.kind(root.lowers, rel)
+            if found is None or found == "dir" or (i == len(parts) and step.kind == lib.ISO_MOUNT_FILE
+                                                   and found == "file"):
+                continue
+            raise UnsupportedError(f"image {root.image.reference}: /{rel} is a {'link' if found == 'link' else found}"
+                                   f" in the image, where the sandbox mounts /{'/'.join(parts)}: refused (a mount "
+                                   "is never made through an image's link)")
+
+
+def landlock_rules(root: ImageRoot, read_rights: int, write_rights: int) -> list[tuple[str, int]]:
+    """Read and execute everywhere in the image; write in its top-level directories (their writes land in the
+    private upper layer), never through /proc, /dev or /sys."""
+    rules = [("/", read_rights)]
+    for name, found in root.top.items():
+        if found == "dir" and name not in _NOT_WRITABLE:
+            rules.append(("/" + name, write_rights))
+    return rules
+
+
+def image_refusal(policy: Policy) -> str | None:
+    """Why the native backend cannot run ``policy.image`` (None: no image, or it can).
+
+    Never dropped for best effort: an image is not a protection to weaken but
+    the file system the program runs on, and the host's root in its place
+    would be another program's world.
+    """
+    if policy.image is None:
+        return None
+    import platform
+
+    from ...kernel import overlay
+
+    way_out = "; use --backend docker (backend='docker')"
+    if not policy.namespaces:
+        return f"image: an image's root needs namespaces (a mount namespace of its own){way_out}"
+    if overlay._kernel() < (5, 11):
+        return (f"image: this kernel ({platform.release()}) mounts no overlayfs in a user namespace "
+                f"(Linux 5.11 does){way_out}")
+    if userns_error():
+        return (f"image: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
+                + hostinfo.userns_advice(userns_error()) + way_out)
+    return None

@@ -1,0 +1,127 @@
+"""``isolate-run image ...``: the caller's image store from the shell.
+
+    isolate-run image load PATH [--ref REF]     a docker save archive, an OCI layout (directory or tar)
+    isolate-run image pull REF                  from a registry (OCI distribution API)
+    isolate-run image ls [--json]
+    isolate-run image inspect REF
+    isolate-run image rm REF...
+    isolate-run image prune                     the layers no image names
+
+``--image-store DIR`` (before or after the action) names another store than
+``$ISOLATE_IMAGE_STORE`` or ``<state dir>/images``. Errors are one line and
+status 125.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import NoReturn
+
+from ..model.errors import IsolationError
+from ..model.units import parse_size
+
+EXIT_SETUP = 125
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="isolate-run image", description="The caller's image store: load, pull, list, inspect, "
+                     "remove images; prune unused layers.")
+    parser.add_argument("--image-store", metavar="DIR", help="the store (default: $ISOLATE_IMAGE_STORE, else "
+                        "<state dir>/images)")
+    commands = parser.add_subparsers(dest="action", parser_class=_Parser, required=True)
+    load = commands.add_parser("load", help="load a docker save archive or an OCI image layout")
+    load.add_argument("path")
+    load.add_argument("--ref", help="the name to keep it under (default: the name the file gives)")
+    load.add_argument("--max-size", help="refuse an image larger than this unpacked (default 16g)")
+    pull = commands.add_parser("pull", help="pull an image from a registry")
+    pull.add_argument("ref")
+    pull.add_argument("--max-size", help="refuse an image larger than this unpacked (default 16g)")
+    pull.add_argument("--insecure", action="store_true", help="plain HTTP to this registry (never needed for "
+                      "loopback)")
+    ls = commands.add_parser("ls", help="list the images")
+    ls.add_argument("--json", action="store_true")
+    inspect = commands.add_parser("inspect", help="an image's record as JSON")
+    inspect.add_argument("ref")
+    rm = commands.add_parser("rm", help="remove images (their layers stay until prune)")
+    rm.add_argument("refs", nargs="+")
+    commands.add_parser("prune", help="remove the layers no image names")
+    for sub in (load, pull, ls, inspect, rm):
+        sub.add_argument("--image-store", metavar="DIR", default=argparse.SUPPRESS)
+    return parser
+
+
+def image_main(argv: Sequence[str]) -> int:
+    from ..image import Image, Store
+
+    try:
+        options = _parser().parse_args(list(argv))
+        max_size = parse_size(options.max_size, "max-size") if getattr(options, "max_size", None) else None
+        store = Store(options.image_store) if options.image_store else Store()
+        if max_size is not None:
+            store.max_image_size = max_size
+        if options.action == "load":
+            started = time.monotonic()
+            image = Image.load(options.path, reference=options.ref, store=store)
+            print(f"loaded {image.reference} ({image.short_id}, {len(image.layers)} layers, "
+                  f"{_megabytes(image.size)}) in {time.monotonic() - started:.2f} s")
+        elif options.action == "pull":
+            image = Image.pull(options.ref, store=store, insecure=options.insecure, progress=sys.stderr)
+            print(f"pulled {image.reference} ({image.short_id}, {len(image.layers)} layers, "
+                  f"{_megabytes(image.size)})")
+        elif options.action == "ls":
+            images = Image.list(store)
+            if options.json:
+                print(json.dumps([_record(i) for i in images], indent=2))
+            else:
+                print(f"{'REFERENCE':50} {'ID':12} {'LAYERS':>6} {'SIZE':>9}")
+                for image in images:
+                    print(f"{image.reference:50} {image.short_id:12} {len(image.layers):>6} "
+                          f"{_megabytes(image.size):>9}")
+        elif options.action == "inspect":
+            print(json.dumps(_record(Image.get(options.ref, store)), indent=2))
+        elif options.action == "rm":
+            for ref in options.refs:
+                image = Image.get(ref, store)
+                image.remove()
+                print(f"removed {image.reference}")
+        elif options.action == "prune":
+            removed = Image.prune(store)
+            print(f"removed {len(removed)} unused layer{'s' if len(removed) != 1 else ''}")
+        return 0
+    except _UsageError as exc:
+        print(f"isolate-run image: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    except IsolationError as exc:
+        print(f"isolate-run image: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    except OSError as exc:
+        print(f"isolate-run image: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_SETUP
+
+
+def _record(image: object) -> dict[str, object]:
+    from ..image import Image
+
+    assert isinstance(image, Image)
+    return {"reference": image.reference, "id": image.id, "digest": image.digest, "layers": list(image.layers),
+            "size": image.size, "created": image.created, "config": dataclasses.asdict(image.config),
+            "store": os.path.abspath(image.store.path)}
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"

@@ -1,0 +1,231 @@
+"""Images, natively: kept by layer in a store of the caller's own, loaded from files (and registries).
+
+``Image.load(path)`` takes a ``docker save`` archive or an OCI image layout;
+``Image.get(ref)`` an image the store holds; ``Image.list()``,
+``image.remove()``, ``Image.prune()`` keep the store. ``Policy(image=REF)``
+runs a sandbox whose root is the image's layers (read-only, under a private
+upper layer): see docs/images.md.
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures
+import functools
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ..model.errors import IsolationError
+from .archive import Found, parse_json, read_archive
+from .reference import Reference
+from .store import DEFAULT_MAX_IMAGE_SIZE, Store, check_stack
+from .unpack import BadImageError, LayerIndex
+
+__all__ = ["BadImageError", "Image", "ImageConfig", "Reference", "Store"]
+
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """What a sandbox takes from the image's config."""
+
+    env: tuple[str, ...] = ()
+    working_dir: str = ""
+    user: str = ""
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ImageConfig:
+        config = data.get("config") if isinstance(data.get("config"), dict) else {}
+        assert isinstance(config, dict)
+
+        def strings(value: Any) -> tuple[str, ...]:
+            return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
+
+        def text(value: Any) -> str:
+            return value if isinstance(value, str) else ""
+
+        return cls(strings(config.get("Env")), text(config.get("WorkingDir")), text(config.get("User")),
+                   strings(config.get("Entrypoint")), strings(config.get("Cmd")))
+
+    def environment(self) -> dict[str, str]:
+        out = {}
+        for item in self.env:
+            name, sep, value = item.partition("=")
+            if sep and name:
+                out[name] = value
+        return out
+
+    def command(self, args: Sequence[str] = ()) -> list[str]:
+        """The command a sandbox runs: Entrypoint, then the arguments given (or the image's Cmd)."""
+        return [*self.entrypoint, *(args if args else self.cmd)]
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image in a store: its name, manifest digest, config digest (its id), layers and config."""
+
+    reference: str
+    digest: str
+    id: str
+    layers: tuple[str, ...]
+    config: ImageConfig
+    size: int
+    created: float
+    store: Store = field(compare=False, repr=False)
+
+    # -- finding ----------------------------------------------------------------
+
+    @classmethod
+    def _from_record(cls, record: dict[str, Any], store: Store) -> Image:
+        config = record["config"]
+        return cls(record["reference"], record["digest"], record["config_digest"], tuple(record["layers"]),
+                   ImageConfig(tuple(config["env"]), str(config["working_dir"]), str(config["user"]),
+                               tuple(config["entrypoint"]), tuple(config["cmd"])),
+                   int(record["size"]), float(record["created"]), store)
+
+    @classmethod
+    def list(cls, store: Store | None = None) -> builtins.list[Image]:
+        store = store or Store()
+        return [cls._from_record(r, store) for r in store.records()]
+
+    @classmethod
+    def get(cls, ref: str, store: Store | None = None) -> Image:
+        """The image the store holds under ``ref`` (a reference, or an id or digest, or its first 12 digits)."""
+        store = store or Store()
+        image = cls.find(ref, store)
+        if image is None:
+            raise IsolationError(f"image {ref!r} is not in the image store {store.path}: "
+                                 f"`isolate-run image load FILE` (or pull) it first")
+        return image
+
+    @classmethod
+    def find(cls, ref: str, store: Store | None = None) -> Image | None:
+        store = store or Store()
+        try:
+            normalized = str(Reference.parse(ref))
+        except IsolationError:
+            normalized = ref
+        record = store.record(normalized) or store.record(ref)
+        if record is not None:
+            return cls._from_record(record, store)
+        wanted = ref.removeprefix("sha256:")
+        if len(wanted) >= 12:
+            for rec in store.records():
+                if any(str(rec.get(k, "")).removeprefix("sha256:").startswith(wanted)
+                       for k in ("digest", "config_digest")):
+                    return cls._from_record(rec, store)
+        return None
+
+    # -- adding -----------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, reference: str | None = None, store: Store | None = None,
+             max_image_size: int | None = None) -> Image:
+        """Load a ``docker save`` archive or an OCI image layout (directory or tar); the image named
+        ``reference`` in it, else its only (or first) one. Every image in the file is kept."""
+        store = store or Store(max_image_size=max_image_size or DEFAULT_MAX_IMAGE_SIZE)
+        if max_image_size is not None:
+            store.max_image_size = max_image_size
+        path = os.fspath(path)
+        source, found = read_archive(path)
+        try:
+            if not found:
+                raise BadImageError(f"{path}: holds no image for this host's platform")
+            images = [cls._add(store, item, source, reference if len(found) == 1 else None, path)
+                      for item in found]
+        finally:
+            source.close()
+        if reference is not None and len(images) > 1:
+            wanted = str(Reference.parse(reference))
+            for image in images:
+                if image.reference == wanted:
+                    return image
+        return images[0]
+
+    @classmethod
+    def _add(cls, store: Store, found: Found, source: Any, reference: str | None, what: str) -> Image:
+        name = reference or found.reference
+        if name is not None:
+            try:
+                name = str(Reference.parse(name))
+            except IsolationError:
+                name = None
+        config_json = parse_json(found.config, f"{what}: config")
+        rootfs = config_json.get("rootfs") if isinstance(config_json.get("rootfs"), dict) else {}
+        assert isinstance(rootfs, dict)
+        diff_ids = rootfs.get("diff_ids")
+        if not isinstance(diff_ids, list) or len(diff_ids) != len(found.layers):
+            raise BadImageError(f"{what}: the config's rootfs.diff_ids do not match its {len(found.layers)} layers")
+        with store.adding():
+            def one(number: int, digest: str, inside: str, diff_id: object) -> LayerIndex:
+                return store.ensure_layer(digest, functools.partial(source.open, inside),
+                                          diff_id=diff_id if isinstance(diff_id, str) else None,
+                                          what=f"{what}: layer {number} ({digest[:19]})")
+
+            jobs = [(number, digest, inside, diff_id) for number, ((digest, inside), diff_id)
+                    in enumerate(zip(found.layers, diff_ids, strict=True), 1)]
+            workers = min(getattr(source, "parallel", 1), len(jobs))
+            if workers > 1:
+                # A registry's layers download side by side, each streamed into its unpacking.
+                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                    indexes = list(pool.map(lambda job: one(*job), jobs))
+            else:
+                indexes = [one(*job) for job in jobs]
+            check_stack(indexes, what)
+            size = sum(index.size for index in indexes)
+            if size > store.max_image_size:
+                raise BadImageError(f"{what}: {size} bytes unpacked, past max_image_size ({store.max_image_size} "
+                                    "bytes): refused")
+            store.put_blob(found.config, found.config_digest, f"{what}: config")
+            digest = found.manifest_digest or found.config_digest
+            if found.manifest is not None and found.manifest_digest is not None:
+                store.put_blob(found.manifest, found.manifest_digest, f"{what}: manifest")
+            config = ImageConfig.from_json(config_json)
+            record = {"reference": name or found.config_digest, "digest": digest,
+                      "config_digest": found.config_digest, "layers": [d for d, _ in found.layers],
+                      "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.__dict__.items()},
+                      "size": size, "created": time.time()}
+            store.write_record(record)
+        return cls._from_record(record, store)
+
+    @classmethod
+    def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False,
+             progress: TextIO | None = None) -> Image:
+        """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py);
+        ``progress``: where a line of figures goes at the end."""
+        from .registry import resolve
+
+        store = store or Store()
+        started = time.monotonic()
+        found, source = resolve(reference, insecure=insecure)
+        image = cls._add(store, found, source, found.reference, f"image {found.reference}")
+        if progress is not None:
+            seconds = time.monotonic() - started
+            print(f"pull {image.reference}: {len(image.layers)} layers, {source.fetched / 1e6:.1f} MB fetched in "
+                  f"{seconds:.2f} s ({source.fetched / 1e6 / max(seconds, 1e-6):.1f} MB/s)", file=progress)
+        return image
+
+    # -- keeping ----------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Forget this image (its layers stay until ``Image.prune()``, as other images may share them)."""
+        if not self.store.forget(self.reference):
+            raise IsolationError(f"image {self.reference}: not in the image store {self.store.path}")
+
+    @classmethod
+    def prune(cls, store: Store | None = None) -> builtins.list[str]:
+        """Remove the layers no image names; their digests."""
+        return (store or Store()).prune()
+
+    def lower_dirs(self) -> builtins.list[str]:
+        """The layers' directories, topmost first (overlayfs's lowerdir order)."""
+        return [self.store.layer_root(digest) for digest in reversed(self.layers)]
+
+    @property
+    def short_id(self) -> str:
+        return self.id.removeprefix("sha256:")[:12]

@@ -1,0 +1,245 @@
+"""Images from files: a ``docker save`` archive, an OCI image layout (a directory, or a tar of one).
+
+Every blob is read through its digest: a manifest or config is verified
+before it is parsed (and is refused past a few MiB), a layer while it is
+unpacked (and thrown away on a mismatch, see store.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ..model.errors import IsolationError
+from .store import MAX_METADATA_SIZE, verify
+from .unpack import BadImageError, entry_name
+
+MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+MEDIA_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+INDEX_TYPES = (MEDIA_OCI_INDEX, MEDIA_DOCKER_LIST)
+REF_ANNOTATION = "org.opencontainers.image.ref.name"
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386", "ppc64le": "ppc64le",
+         "s390x": "s390x", "riscv64": "riscv64"}
+
+
+def host_platform() -> tuple[str, str]:
+    machine = platform.machine()
+    return "linux", _ARCH.get(machine, machine)
+
+
+def platform_matches(entry: dict[str, Any]) -> bool:
+    """Whether an index's entry is for this host (an entry that names no platform is)."""
+    wanted = host_platform()
+    found = entry.get("platform")
+    if not isinstance(found, dict):
+        return True
+    return (found.get("os"), found.get("architecture")) == wanted
+
+
+def choose_manifest(index: dict[str, Any], what: str) -> dict[str, Any]:
+    """The entry of an image index or manifest list for this host's platform."""
+    entries = index.get("manifests")
+    if not isinstance(entries, list) or not entries:
+        raise BadImageError(f"{what}: an image index with no manifests")
+    for entry in entries:
+        if isinstance(entry, dict) and platform_matches(entry) and entry.get("platform") is not None:
+            return entry
+    for entry in entries:
+        if isinstance(entry, dict) and platform_matches(entry):
+            return entry
+    found = sorted({f"{e['platform'].get('os')}/{e['platform'].get('architecture')}" for e in entries
+                    if isinstance(e, dict) and isinstance(e.get("platform"), dict)})
+    raise BadImageError(f"{what}: no manifest for this host's platform {'/'.join(host_platform())} "
+                        f"(the image has {', '.join(found) or 'none named'})")
+
+
+def parse_json(data: bytes, what: str) -> dict[str, Any]:
+    if len(data) > MAX_METADATA_SIZE:
+        raise BadImageError(f"{what}: past {MAX_METADATA_SIZE} bytes: refused")
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadImageError(f"{what}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise BadImageError(f"{what}: not a JSON object")
+    return value
+
+
+@dataclass
+class Found:
+    """One image in a file: its name (if the file gives one), manifest, config and layers."""
+
+    reference: str | None
+    manifest: bytes | None  # None: a docker save archive has none
+    manifest_digest: str | None
+    config: bytes
+    config_digest: str
+    layers: list[tuple[str, str]]  # (digest, path inside the archive)
+
+
+class _Source:
+    """Files of a directory or a tar archive, by their name inside it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tar: tarfile.TarFile | None = None
+        self.members: dict[str, tarfile.TarInfo] = {}
+        if os.path.isdir(path):
+            return
+        try:
+            self.tar = tarfile.open(path, "r:*")
+        except (OSError, tarfile.TarError) as exc:
+            raise IsolationError(f"{path}: not an image archive nor an OCI layout directory ({exc})") from None
+        for member in self.tar:
+            name = entry_name(member.name, path)
+            if member.isreg():
+                self.members[name] = member
+
+    def exists(self, name: str) -> bool:
+        if self.tar is not None:
+            return name in self.members
+        return os.path.isfile(os.path.join(self.path, name))
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        name = entry_name(name, self.path)
+        if self.tar is not None:
+            member = self.members.get(name)
+            if member is None:
+                raise BadImageError(f"{self.path}: {name} is missing from the archive")
+            handle = self.tar.extractfile(member)
+            assert handle is not None
+            with handle:
+                yield handle
+            return
+        try:
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BadImageError(f"{self.path}: {name}: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as handle:
+            yield handle
+
+    def read(self, name: str) -> bytes:
+        with self.open(name) as handle:
+            data = handle.read(MAX_METADATA_SIZE + 1)
+        if len(data) > MAX_METADATA_SIZE:
+            raise BadImageError(f"{self.path}: {name}: past {MAX_METADATA_SIZE} bytes: refused")
+        return data
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+
+
+def blob_name(digest: str) -> str:
+    from .store import digest_hex
+
+    return f"blobs/sha256/{digest_hex(digest, 'blob')}"
+
+
+def read_oci(source: _Source) -> list[Found]:
+    index = parse_json(source.read("index.json"), f"{source.path}: index.json")
+    found: list[Found] = []
+
+    def visit(entry: dict[str, Any], name: str | None, depth: int) -> None:
+        digest = entry.get("digest")
+        media = entry.get("mediaType")
+        if not isinstance(digest, str):
+            raise BadImageError(f"{source.path}: an index entry with no digest")
+        data = verify(source.read(blob_name(digest)), digest, f"{source.path}: {digest}")
+        if media in INDEX_TYPES:
+            if depth > 4:
+                raise BadImageError(f"{source.path}: indexes nested too deep")
+            nested = parse_json(data, f"{source.path}: {digest}")
+            visit(choose_manifest(nested, f"{source.path}: {digest}"), name, depth + 1)
+            return
+        manifest = parse_json(data, f"{source.path}: manifest {digest}")
+        found.append(found_from_manifest(source, manifest, data, digest, name))
+
+    entries = index.get("manifests")
+    if not isinstance(entries, list) or not entries:
+        raise BadImageError(f"{source.path}: index.json lists no image")
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        annotations = entry.get("annotations") if isinstance(entry.get("annotations"), dict) else {}
+        name = annotations.get(REF_ANNOTATION) if annotations else None
+        if entry.get("mediaType") not in INDEX_TYPES and not platform_matches(entry):
+            continue
+        visit(entry, name if isinstance(name, str) else None, 0)
+    return found
+
+
+def found_from_manifest(source: _Source, manifest: dict[str, Any], data: bytes, digest: str,
+                        name: str | None) -> Found:
+    config = manifest.get("config")
+    layers = manifest.get("layers")
+    if not isinstance(config, dict) or not isinstance(layers, list):
+        raise BadImageError(f"{source.path}: manifest {digest} has no config or no layers")
+    config_digest = config.get("digest")
+    if not isinstance(config_digest, str):
+        raise BadImageError(f"{source.path}: manifest {digest}: a config with no digest")
+    config_data = verify(source.read(blob_name(config_digest)), config_digest, f"{source.path}: config")
+    out = []
+    for layer in layers:
+        layer_digest = layer.get("digest") if isinstance(layer, dict) else None
+        if not isinstance(layer_digest, str):
+            raise BadImageError(f"{source.path}: manifest {digest}: a layer with no digest")
+        out.append((layer_digest, blob_name(layer_digest)))
+    return Found(name, data, digest, config_data, config_digest, out)
+
+
+def read_docker(source: _Source) -> list[Found]:
+    """A ``docker save`` archive: manifest.json names each image's config and layer files (their digests
+    are computed as they are read, and the config's diff ids checked)."""
+    import hashlib
+
+    try:
+        entries = json.loads(source.read("manifest.json"))
+    except ValueError as exc:
+        raise BadImageError(f"{source.path}: manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(entries, list) or not entries:
+        raise BadImageError(f"{source.path}: manifest.json lists no image")
+    found = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("Config"), str) or \
+                not isinstance(entry.get("Layers"), list):
+            raise BadImageError(f"{source.path}: manifest.json: an entry with no Config or Layers")
+        config = source.read(entry["Config"])
+        config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+        layers = []
+        for name in entry["Layers"]:
+            if not isinstance(name, str):
+                raise BadImageError(f"{source.path}: manifest.json: a layer that is not a file name")
+            sha = hashlib.sha256()
+            with source.open(name) as handle:
+                while chunk := handle.read(1 << 20):
+                    sha.update(chunk)
+            layers.append(("sha256:" + sha.hexdigest(), name))
+        tags = entry.get("RepoTags") if isinstance(entry.get("RepoTags"), list) else []
+        found.append(Found(tags[0] if tags and isinstance(tags[0], str) else None, None, None, config,
+                           config_digest, layers))
+    return found
+
+
+def read_archive(path: str) -> tuple[_Source, list[Found]]:
+    source = _Source(path)
+    try:
+        if source.exists("index.json") and source.exists("oci-layout") and not source.exists("manifest.json"):
+            return source, read_oci(source)
+        if source.exists("manifest.json"):
+            return source, read_docker(source)
+        if source.exists("index.json"):
+            return source, read_oci(source)
+    except BaseException:
+        source.close()
+        raise
+    source.close()
+    raise IsolationError(f"{path}: neither a docker save archive (manifest.json) nor an OCI image layout "
+                         "(index.json)")

@@ -1,0 +1,426 @@
+"""Pulling from a registry that speaks the OCI distribution API: isolate's own small client.
+
+Why its own, over the standard library's ``http.client``: the whole protocol
+isolate needs is four requests (a manifest, a token, a blob, a redirect), and
+what matters is control of each: a redirect to another host must never carry
+the credentials (``urllib`` keeps the Authorization header across hosts), a
+manifest past a few MiB is refused before it is read, a blob streams straight
+into the layer's unpacking with its digest checked at the end (store.py). No
+dependency is added to isolate for it; ``skopeo`` or ``oras`` would be a
+process and a binary more on every host, for less control.
+
+- References normalized as Docker does (reference.py); ``docker.io`` is
+  served by ``registry-1.docker.io``.
+- HTTPS, verified with the system's CAs (``SSL_CERT_FILE`` names others);
+  plain HTTP only to a loopback registry or one named insecure
+  (``insecure=True``, ``$ISOLATE_INSECURE_REGISTRIES``, comma-separated).
+- Auth: anonymous first; on 401 the challenge decides: ``Basic`` with the
+  credentials found, or ``Bearer`` (a token from the realm, asked with them).
+  Credentials come from ``$REGISTRY_AUTH_FILE``, the containers auth files
+  (``$XDG_RUNTIME_DIR/containers/auth.json``,
+  ``~/.config/containers/auth.json``) and ``$DOCKER_CONFIG/config.json``
+  (``~/.docker/config.json``): ``auths``, then ``credHelpers`` /
+  ``credsStore`` (``docker-credential-NAME get``), as docker and podman read
+  them.
+- Indexes and manifest lists: the host's platform is chosen.
+- Layers download in parallel (four at a time), each streamed into its
+  unpacking; one a store already holds is not fetched.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import ipaddress
+import json
+import os
+import re
+import shutil
+import ssl
+import subprocess
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ..model.errors import IsolationError
+from .archive import INDEX_TYPES, Found, choose_manifest, parse_json
+from .reference import DEFAULT_REGISTRY, Reference
+from .store import MAX_METADATA_SIZE, verify
+from .unpack import BadImageError
+
+INSECURE_ENV = "ISOLATE_INSECURE_REGISTRIES"
+MANIFEST_TYPES = ", ".join((
+    "application/vnd.oci.image.index.v1+json", "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.docker.distribution.manifest.v2+json"))
+TIMEOUT = 60.0
+MAX_REDIRECTS = 5
+PARALLEL = 4
+_CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+
+
+class RegistryError(IsolationError):
+    """A registry refused, or could not be reached: the message says which and why."""
+
+
+def _host_only(netloc: str) -> str:
+    host = netloc.rsplit("@", 1)[-1]
+    if host.startswith("["):
+        return host[1:host.index("]")]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback(host: str) -> bool:
+    name = _host_only(host)
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+# -- credentials -----------------------------------------------------------------------------------
+
+
+def _auth_files() -> list[str]:
+    files = []
+    if os.environ.get("REGISTRY_AUTH_FILE"):
+        files.append(os.environ["REGISTRY_AUTH_FILE"])
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        files.append(os.path.join(runtime, "containers", "auth.json"))
+    files.append(os.path.expanduser("~/.config/containers/auth.json"))
+    files.append(os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json"))
+    return files
+
+
+def _keys(registry: str) -> list[str]:
+    keys = [registry, f"https://{registry}", f"http://{registry}"]
+    if registry == DEFAULT_REGISTRY:
+        keys += ["https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io"]
+    return keys
+
+
+def credentials(registry: str) -> tuple[str, str] | None:
+    """(user, secret) for registry, as docker and podman find them; None: anonymous."""
+    for path in _auth_files():
+        try:
+            with open(path, encoding="utf-8") as handle:
+                config = json.load(handle)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(config, dict):
+            continue
+        auths = config.get("auths") if isinstance(config.get("auths"), dict) else {}
+        for key in _keys(registry):
+            entry = auths.get(key) if auths else None
+            if isinstance(entry, dict) and isinstance(entry.get("auth"), str) and entry["auth"]:
+                try:
+                    user, _, secret = base64.b64decode(entry["auth"]).decode().partition(":")
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                return user, secret
+        helpers = config.get("credHelpers") if isinstance(config.get("credHelpers"), dict) else {}
+        helper = (helpers or {}).get(registry) or config.get("credsStore")
+        if isinstance(helper, str) and helper:
+            found = _helper(helper, registry)
+            if found:
+                return found
+    return None
+
+
+def _helper(name: str, registry: str) -> tuple[str, str] | None:
+    program = shutil.which(f"docker-credential-{name}")
+    if program is None or not re.match(r"^[A-Za-z0-9_.-]+$", name):
+        return None
+    for server in _keys(registry):
+        try:
+            result = subprocess.run([program, "get"], input=server, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if result.returncode == 0:
+            try:
+                data = json.loads(result.stdout)
+                return str(data["Username"]), str(data["Secret"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+# -- HTTP --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Response:
+    status: int
+    headers: http.client.HTTPMessage
+    body: IO[bytes]
+    connection: http.client.HTTPConnection
+
+    def read_all(self, limit: int, what: str) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length and length.isdigit() and int(length) > limit:
+            raise BadImageError(f"{what}: {length} bytes, past {limit}: refused")
+        data = self.body.read(limit + 1)
+        if len(data) > limit:
+            raise BadImageError(f"{what}: past {limit} bytes: refused")
+        return data
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+@dataclass
+class Client:
+    """One registry: its address, scheme, and the authorization it earned."""
+
+    registry: str
+    insecure: bool = False
+    host: str = ""
+    scheme: str = "https"
+    auth: str | None = None  # the Authorization header for this registry's own host
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _scheme_known: bool = False
+
+    def __post_init__(self) -> None:
+        self.host = "registry-1.docker.io" if self.registry == DEFAULT_REGISTRY else self.registry
+        named = {h.strip() for h in os.environ.get(INSECURE_ENV, "").split(",") if h.strip()}
+        self.plain_allowed = self.insecure or is_loopback(self.host) or self.host in named
+
+    def _connect(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        if scheme == "https":
+            return http.client.HTTPSConnection(netloc, timeout=TIMEOUT, context=ssl.create_default_context())
+        return http.client.HTTPConnection(netloc, timeout=TIMEOUT)
+
+    def _send(self, url: str, headers: dict[str, str]) -> _Response:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise RegistryError(f"registry {self.registry}: a redirect to {parts.scheme}: refused")
+        if parts.scheme == "http" and not (self.plain_allowed and parts.netloc == self.host) \
+                and not is_loopback(parts.netloc):
+            raise RegistryError(f"registry {self.registry}: plain HTTP to {parts.netloc} refused (only loopback or "
+                                f"a registry named insecure: --insecure, {INSECURE_ENV})")
+        connection = self._connect(parts.scheme, parts.netloc)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        try:
+            connection.request("GET", path or "/", headers={"User-Agent": "isolate", **headers})
+            response = connection.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            connection.close()
+            raise ConnectionError(f"{parts.scheme}://{parts.netloc}: {exc}") from exc
+        return _Response(response.status, response.headers, response, connection)
+
+    def get(self, path: str, headers: dict[str, str] | None = None, scope: str = "") -> _Response:
+        """GET path of the registry, with its authorization; redirects followed, the credentials only ever
+        sent to the registry's own host."""
+        headers = dict(headers or {})
+        url = self._base() + path
+        for attempt in range(2):
+            response = self._follow(url, headers)
+            if response.status != 401 or attempt:
+                break
+            challenge = response.headers.get("WWW-Authenticate", "")
+            response.close()
+            self._authenticate(challenge, scope)
+        if response.status == 401:
+            response.close()
+            raise RegistryError(f"registry {self.registry}: unauthorized for {path} (credentials from "
+                                "docker/podman login, e.g. ~/.docker/config.json)")
+        return response
+
+    def _follow(self, url: str, headers: dict[str, str]) -> _Response:
+        own = urllib.parse.urlsplit(url).netloc
+        for _ in range(MAX_REDIRECTS + 1):
+            sent = dict(headers)
+            if self.auth and urllib.parse.urlsplit(url).netloc == own:
+                sent["Authorization"] = self.auth
+            response = self._send(url, sent)
+            if response.status not in (301, 302, 303, 307, 308):
+                return response
+            location = response.headers.get("Location", "")
+            response.close()
+            if not location:
+                raise RegistryError(f"registry {self.registry}: a redirect with no Location")
+            url = urllib.parse.urljoin(url, location)
+        raise RegistryError(f"registry {self.registry}: more than {MAX_REDIRECTS} redirects")
+
+    def _base(self) -> str:
+        with self._lock:
+            if not self._scheme_known:
+                self.scheme = self._probe()
+                self._scheme_known = True
+        return f"{self.scheme}://{self.host}"
+
+    def _probe(self) -> str:
+        """https, or http where allowed and the registry does not speak TLS."""
+        try:
+            self._send(f"https://{self.host}/v2/", {}).close()
+            return "https"
+        except ConnectionError as exc:
+            if not self.plain_allowed:
+                raise RegistryError(f"registry {self.registry}: {exc.args[0]}") from None
+        try:
+            self._send(f"http://{self.host}/v2/", {}).close()
+        except ConnectionError as exc:
+            raise RegistryError(f"registry {self.registry}: {exc.args[0]}") from None
+        return "http"
+
+    def _authenticate(self, challenge: str, scope: str) -> None:
+        scheme, _, rest = challenge.partition(" ")
+        params = dict(_CHALLENGE.findall(rest))
+        found = credentials(self.registry)
+        if scheme.lower() == "basic":
+            if found is None:
+                raise RegistryError(f"registry {self.registry}: asks for a user and password, and none is "
+                                    "known (docker login / podman login)")
+            self.auth = "Basic " + base64.b64encode(f"{found[0]}:{found[1]}".encode()).decode()
+            return
+        if scheme.lower() != "bearer" or "realm" not in params:
+            raise RegistryError(f"registry {self.registry}: an authentication this client does not speak "
+                                f"({challenge[:80]!r})")
+        query = {"service": params.get("service", "")}
+        if scope or params.get("scope"):
+            query["scope"] = scope or params["scope"]
+        realm = params["realm"] + ("&" if "?" in params["realm"] else "?") + urllib.parse.urlencode(query)
+        parts = urllib.parse.urlsplit(realm)
+        if parts.scheme == "http" and not (is_loopback(parts.netloc) or self.plain_allowed):
+            raise RegistryError(f"registry {self.registry}: its token service {parts.netloc} is plain HTTP: "
+                                "refused")
+        headers = {}
+        if found is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{found[0]}:{found[1]}".encode()).decode()
+        try:
+            response = self._send(realm, headers)
+        except ConnectionError as exc:
+            raise RegistryError(f"registry {self.registry}: token service: {exc.args[0]}") from None
+        try:
+            if response.status != 200:
+                raise RegistryError(f"registry {self.registry}: token service answered {response.status}")
+            data = parse_json(response.read_all(1 << 20, "token"), "token")
+        finally:
+            response.close()
+        token = data.get("token") or data.get("access_token")
+        if not isinstance(token, str) or not token:
+            raise RegistryError(f"registry {self.registry}: the token service gave no token")
+        self.auth = f"Bearer {token}"
+
+
+# -- pulling -------------------------------------------------------------------------------------------
+
+
+class _RegistrySource:
+    """Blobs of one repository, as a loader's source (store.ensure_layer streams each)."""
+
+    parallel = PARALLEL
+
+    def __init__(self, client: Client, repository: str) -> None:
+        self.client, self.repository = client, repository
+        self.fetched = 0
+        self._count = threading.Lock()
+
+    @contextmanager
+    def open(self, digest: str) -> Iterator[Any]:
+        response = self.blob(digest)
+        try:
+            yield _Counted(response.body, self)
+        finally:
+            response.close()
+
+    def blob(self, digest: str) -> _Response:
+        try:
+            response = self.client.get(f"/v2/{self.repository}/blobs/{digest}",
+                                       scope=f"repository:{self.repository}:pull")
+        except ConnectionError as exc:
+            raise RegistryError(f"registry {self.client.registry}: {exc.args[0]}") from None
+        if response.status != 200:
+            response.close()
+            raise RegistryError(f"registry {self.client.registry}: blob {digest[:19]} of {self.repository}: "
+                                f"HTTP {response.status}")
+        return response
+
+    def read(self, digest: str, what: str) -> bytes:
+        response = self.blob(digest)
+        try:
+            return verify(response.read_all(MAX_METADATA_SIZE, what), digest, what)
+        finally:
+            response.close()
+
+    def close(self) -> None:
+        pass
+
+
+class _Counted:
+    def __init__(self, body: IO[bytes], source: _RegistrySource) -> None:
+        self.body, self.source = body, source
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.body.read(n)
+        with self.source._count:
+            self.source.fetched += len(data)
+        return data
+
+    def __enter__(self) -> _Counted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _manifest(client: Client, ref: Reference, reference: str) -> tuple[bytes, str, dict[str, Any]]:
+    """(bytes, digest, parsed) of the manifest ``reference`` (a tag or digest) names."""
+    scope = f"repository:{ref.repository}:pull"
+    try:
+        response = client.get(f"/v2/{ref.repository}/manifests/{reference}", {"Accept": MANIFEST_TYPES}, scope)
+    except ConnectionError as exc:
+        raise RegistryError(f"registry {ref.registry}: {exc.args[0]}") from None
+    try:
+        if response.status == 404:
+            raise RegistryError(f"image {ref}: the registry has no {reference} of {ref.repository}")
+        if response.status != 200:
+            raise RegistryError(f"image {ref}: the registry answered HTTP {response.status} for its manifest")
+        data = response.read_all(MAX_METADATA_SIZE, f"image {ref}: manifest")
+        header_digest = response.headers.get("Docker-Content-Digest")
+    finally:
+        response.close()
+    import hashlib
+
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    if reference.startswith("sha256:"):
+        verify(data, reference, f"image {ref}: manifest")
+    elif header_digest and header_digest.startswith("sha256:") and header_digest != digest:
+        raise BadImageError(f"image {ref}: the manifest does not match the digest the registry gives: refused")
+    return data, digest, parse_json(data, f"image {ref}: manifest")
+
+
+def resolve(reference: str, *, insecure: bool = False) -> tuple[Found, _RegistrySource]:
+    """The image ``reference`` names, as a loader takes it: its manifest and config (verified), and the
+    source its layers stream from (Image.pull unpacks them into a store)."""
+    ref = Reference.parse(reference)
+    client = Client(ref.registry, insecure=insecure)
+    data, digest, manifest = _manifest(client, ref, ref.reference)
+    if manifest.get("mediaType") in INDEX_TYPES or ("manifests" in manifest and "layers" not in manifest):
+        entry = choose_manifest(manifest, f"image {ref}")
+        chosen = entry.get("digest")
+        if not isinstance(chosen, str):
+            raise BadImageError(f"image {ref}: an index entry with no digest")
+        data, digest, manifest = _manifest(client, ref, chosen)
+        verify(data, chosen, f"image {ref}: manifest")
+    source = _RegistrySource(client, ref.repository)
+    config = manifest.get("config")
+    layers = manifest.get("layers")
+    if not isinstance(config, dict) or not isinstance(config.get("digest"), str) or not isinstance(layers, list):
+        raise BadImageError(f"image {ref}: its manifest has no config or no layers")
+    config_data = source.read(config["digest"], f"image {ref}: config")
+    found_layers = []
+    for layer in layers:
+        if not isinstance(layer, dict) or not isinstance(layer.get("digest"), str):
+            raise BadImageError(f"image {ref}: a layer with no digest")
+        found_layers.append((layer["digest"], layer["digest"]))
+    return Found(str(ref), data, digest, config_data, config["digest"], found_layers), source
+
+
+__all__ = ["Client", "RegistryError", "credentials", "is_loopback", "resolve"]

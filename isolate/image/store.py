@@ -1,0 +1,344 @@
+"""The content-addressed store of images: blobs, unpacked layers and the images that name them.
+
+Layout (``Store.path``: ``--image-store DIR``, ``$ISOLATE_IMAGE_STORE``, else
+``<state dir>/images``; mode 0700, owned by the caller, checked on each use):
+
+- ``blobs/sha256/HEX``: manifests and configs, each verified against its
+  digest before it is written, and again when read;
+- ``layers/HEX/root``: a layer unpacked (isolate/image/unpack.py), HEX its
+  blob's digest; ``layers/HEX/index.json`` what it holds. A layer two images
+  share is unpacked once;
+- ``images/KEY.json``: an image: its reference, manifest digest, config and
+  layers (KEY: the hash of the reference);
+- ``locks/``: a lock file per digest (concurrent pulls of one layer, from
+  threads or processes, unpack it once) and ``store`` (prune takes it
+  exclusively, whoever adds an image shares it);
+- ``tmp/``: work in progress. A layer is unpacked there and renamed into
+  ``layers/`` only once its digests are verified: an interrupted or refused
+  layer leaves nothing in use, and the next use of the store clears it.
+
+A regular user's store is that user's own (as rootless podman keeps one per
+user): owned by them, 0700, never shared with another uid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from ..model.errors import IsolationError
+from .unpack import BadImageError, LayerIndex, remove_tree, unpack
+
+STORE_ENV = "ISOLATE_IMAGE_STORE"
+#: The default bound on an image's unpacked bytes (and on each layer's decompressed stream).
+DEFAULT_MAX_IMAGE_SIZE = 16 << 30
+#: A manifest, an index or a config past this is refused, never parsed.
+MAX_METADATA_SIZE = 4 << 20
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_thread_locks: dict[str, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+
+
+def digest_hex(digest: str, what: str) -> str:
+    if not isinstance(digest, str) or not digest.startswith("sha256:") or not _HEX.match(digest[7:]):
+        raise BadImageError(f"{what}: digest {digest!r} is not sha256: and 64 lowercase hex digits")
+    return digest[7:]
+
+
+def verify(data: bytes, digest: str, what: str) -> bytes:
+    if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+        raise BadImageError(f"{what}: its content does not match its digest {digest}: refused, nothing kept")
+    return data
+
+
+def default_path() -> str:
+    explicit = os.environ.get(STORE_ENV)
+    if explicit:
+        return os.path.abspath(explicit)
+    from ..kernel.places import state_path
+
+    return state_path("images")
+
+
+class _HashingReader(io.RawIOBase):
+    """A blob read through, hashed and counted, to be checked against its digest at the end."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__()
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.count = 0
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.raw.read(len(buffer))
+        self.sha.update(data)
+        self.count += len(data)
+        buffer[:len(data)] = data
+        return len(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def drain(self) -> None:
+        buffer = bytearray(1 << 20)
+        while self.readinto(buffer):
+            pass
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self.sha.hexdigest()
+
+
+class Store:
+    """One user's image store (see the module's docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 max_image_size: int = DEFAULT_MAX_IMAGE_SIZE) -> None:
+        self.path = os.path.abspath(os.fspath(path)) if path is not None else default_path()
+        self.max_image_size = max_image_size
+        self._made = False
+
+    # -- places ---------------------------------------------------------------
+
+    def _ensure(self) -> None:
+        if self._made:
+            return
+        uid = os.geteuid()
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            info = os.lstat(self.path)
+        except OSError as exc:
+            raise IsolationError(f"image store {self.path}: {exc.strerror}; choose another with --image-store "
+                                 f"or {STORE_ENV}") from None
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+            raise IsolationError(f"image store {self.path}: not a private directory of uid {uid} (mode 0700, "
+                                 "owned by the caller); a store is never shared between users")
+        for part in ("blobs", "blobs/sha256", "layers", "images", "locks", "tmp"):
+            try:
+                os.mkdir(os.path.join(self.path, part), 0o700)
+            except FileExistsError:
+                pass
+        self._made = True
+        self._clear_tmp()
+
+    def _clear_tmp(self) -> None:
+        """Work an interrupted pull or load left behind: that of a process no longer running (each work
+        directory's name ends with its process's pid and thread's id; a long unpack is never cut short)."""
+        tmp = os.path.join(self.path, "tmp")
+        for name in os.listdir(tmp):
+            parts = name.split("-")
+            try:
+                pid = int(parts[-2])
+            except (IndexError, ValueError):
+                pid = -1
+            if pid > 0:
+                try:
+                    os.kill(pid, 0)
+                    continue  # its process still runs
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            try:
+                remove_tree(os.path.join(tmp, name))
+            except OSError:
+                pass
+
+    def layer_dir(self, digest: str) -> str:
+        return os.path.join(self.path, "layers", digest_hex(digest, "layer"))
+
+    def layer_root(self, digest: str) -> str:
+        return os.path.join(self.layer_dir(digest), "root")
+
+    def has_layer(self, digest: str) -> bool:
+        return os.path.isfile(os.path.join(self.layer_dir(digest), "index.json"))
+
+    # -- locks ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _lock(self, name: str, exclusive: bool = True) -> Iterator[None]:
+        self._ensure()
+        with _thread_locks_guard:
+            thread_lock = _thread_locks.setdefault(f"{self.path}\0{name}", threading.Lock())
+        # Threads of this process: a lock of their own (flock is per open file, so two threads would both
+        # get it on two descriptors anyway, but a shared store lock must not be taken by two threads at
+        # once as exclusive). Shared locks need no thread lock.
+        with thread_lock if exclusive else contextlib.nullcontext():
+            fd = os.open(os.path.join(self.path, "locks", name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                yield
+            finally:
+                os.close(fd)
+
+    # -- blobs ----------------------------------------------------------------
+
+    def put_blob(self, data: bytes, digest: str, what: str) -> None:
+        hex_ = digest_hex(digest, what)
+        verify(data, digest, what)
+        self._ensure()
+        path = os.path.join(self.path, "blobs", "sha256", hex_)
+        if os.path.isfile(path):
+            return
+        tmp = os.path.join(self.path, "tmp", f"blob-{hex_}-{os.getpid()}-{threading.get_ident()}")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+
+    def get_blob(self, digest: str, what: str) -> bytes:
+        path = os.path.join(self.path, "blobs", "sha256", digest_hex(digest, what))
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_METADATA_SIZE + 1)
+        except FileNotFoundError:
+            raise IsolationError(f"{what}: {digest} is not in the image store {self.path}") from None
+        return verify(data, digest, what)
+
+    # -- layers ---------------------------------------------------------------
+
+    def ensure_layer(self, digest: str, opener: Callable[[], IO[bytes]], *, diff_id: str | None,
+                     what: str) -> LayerIndex:
+        """The layer ``digest``, unpacked once: from ``opener()`` unless the store holds it already."""
+        hex_ = digest_hex(digest, what)
+        with self._lock(hex_):
+            if self.has_layer(digest):
+                return self.layer_index(digest)
+            work = os.path.join(self.path, "tmp", f"layer-{hex_}-{os.getpid()}-{threading.get_ident()}")
+            remove_tree(work)
+            os.mkdir(work, 0o700)
+            try:
+                os.mkdir(os.path.join(work, "root"), 0o755)
+                root_fd = os.open(os.path.join(work, "root"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    with opener() as raw:
+                        reader = _HashingReader(raw)
+                        unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size)
+                        reader.drain()
+                finally:
+                    os.close(root_fd)
+                if reader.digest != digest:
+                    raise BadImageError(f"{what}: its content does not match its digest {digest} (read "
+                                        f"{reader.digest}): refused, nothing kept")
+                if diff_id is not None and unpacked.diff_id != diff_id:
+                    raise BadImageError(f"{what}: its uncompressed content does not match the config's diff id "
+                                        f"{diff_id}: refused, nothing kept")
+                with open(os.path.join(work, "index.json"), "w", encoding="utf-8") as handle:
+                    json.dump(unpacked.index.to_json(), handle)
+                os.chmod(work, 0o755)
+                os.rename(work, self.layer_dir(digest))
+            except BaseException:
+                remove_tree(work)
+                raise
+            return unpacked.index
+
+    def layer_index(self, digest: str) -> LayerIndex:
+        with open(os.path.join(self.layer_dir(digest), "index.json"), encoding="utf-8") as handle:
+            return LayerIndex.from_json(json.load(handle))
+
+    # -- images ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def adding(self) -> Iterator[None]:
+        """Held while an image's layers are unpacked and its record written: prune waits for it."""
+        with self._lock("store", exclusive=False):
+            yield
+
+    def _record_path(self, reference: str) -> str:
+        return os.path.join(self.path, "images", hashlib.sha256(reference.encode()).hexdigest()[:32] + ".json")
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        self._ensure()
+        path = self._record_path(record["reference"])
+        tmp = path + f".{os.getpid()}-{threading.get_ident()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(record, handle, indent=1)
+        os.replace(tmp, path)
+
+    def records(self) -> list[dict[str, Any]]:
+        self._ensure()
+        out = []
+        directory = os.path.join(self.path, "images")
+        for name in sorted(os.listdir(directory)):
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(directory, name), encoding="utf-8") as handle:
+                    record = json.load(handle)
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("reference"), str):
+                out.append(record)
+        return out
+
+    def record(self, reference: str) -> dict[str, Any] | None:
+        self._ensure()
+        try:
+            with open(self._record_path(reference), encoding="utf-8") as handle:
+                record = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and record.get("reference") == reference else None
+
+    def forget(self, reference: str) -> bool:
+        try:
+            os.unlink(self._record_path(reference))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def prune(self) -> list[str]:
+        """Remove the layers and blobs no image names; the digests of the layers removed."""
+        with self._lock("store"):
+            used_layers: set[str] = set()
+            used_blobs: set[str] = set()
+            for record in self.records():
+                used_layers.update(digest_hex(d, "layer") for d in record.get("layers", []))
+                used_blobs.update(digest_hex(d, "blob") for d in (record.get("digest"), record.get("config_digest"))
+                                  if isinstance(d, str))
+            removed = []
+            for name in os.listdir(os.path.join(self.path, "layers")):
+                if _HEX.match(name) and name not in used_layers:
+                    remove_tree(os.path.join(self.path, "layers", name))
+                    removed.append("sha256:" + name)
+            blobs = os.path.join(self.path, "blobs", "sha256")
+            for name in os.listdir(blobs):
+                if name not in used_blobs:
+                    os.unlink(os.path.join(blobs, name))
+            return removed
+
+
+def check_stack(indexes: list[LayerIndex], what: str) -> None:
+    """Refuse a layer whose entry would be written through a link an earlier layer planted.
+
+    Overlayfs itself would never follow it (a directory of an upper layer hides a lower link), but the
+    image means what ``docker`` makes of it, which follows the link: the two differ, and the image is
+    refused rather than run as something else than it says.
+    """
+    links: set[str] = set()
+    for number, index in enumerate(indexes, 1):
+        own = set(index.dirs) | set(index.others) | set(index.links) | set(index.whiteouts)
+        if links:
+            for path in (*index.dirs, *index.others, *index.links):
+                parts = path.split("/")
+                for i in range(1, len(parts)):
+                    ancestor = "/".join(parts[:i])
+                    if ancestor in links and ancestor not in own:
+                        raise BadImageError(f"{what}: layer {number}: entry {path!r} is written through "
+                                            f"{ancestor!r}, a link an earlier layer planted: refused")
+        for gone in index.whiteouts:
+            links = {link for link in links if link != gone and not link.startswith(gone + "/")}
+        for directory in index.opaque:
+            links = {link for link in links if directory and not link.startswith(directory + "/")}
+        replaced = set(index.dirs) | set(index.others)
+        links = {link for link in links if link not in replaced}
+        links.update(index.links)

@@ -1,0 +1,391 @@
+"""Unpacking one layer into a directory of its own, the way overlayfs takes it as a lower layer.
+
+Every entry is written relative to descriptors, never through a path the
+archive could redirect: each parent directory is opened component by
+component with ``O_NOFOLLOW``, so an entry that would be written through a
+link (planted by an earlier entry of the layer) is refused. What is refused,
+each with one line naming the entry (``BadImageError``):
+
+- names that are absolute or hold ``..``;
+- hard links to anything but a regular file this very layer already holds;
+- device nodes (whiteouts aside), and ``security.capability``, ``trusted.*``
+  and ``user.overlay.*`` extended attributes (a file's capabilities, and
+  overlayfs's own metadata forged);
+- a layer whose unpacked bytes pass ``max_size``: a decompression bomb ends
+  there, with what was read so far thrown away.
+
+Whiteouts become what overlayfs reads in a lower layer: ``.wh.NAME`` a 0/0
+character device ``NAME`` (unprivileged since Linux 5.8), ``.wh..wh..opq``
+the xattr ``user.overlay.opaque`` on its directory (the sandbox's overlay is
+mounted with ``userxattr``). Set-id bits are dropped: no copy of a set-id
+file lies on the host (and the sandbox's root is mounted nosuid, where they
+would do nothing anyway). Other extended attributes are not applied.
+Owners are kept for a root caller (the sandbox maps root, and the program's
+own uid); a regular user's store holds that user's files only.
+
+The caller gives a fresh, empty directory; on any error it throws it away.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import importlib
+import io
+import os
+import stat
+import tarfile
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ..model.errors import IsolationError
+
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_MARKER = ".wh..wh..opq"
+OPAQUE_XATTR = "user.overlay.opaque"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_REFUSED_XATTRS = ("security.capability", "trusted.", "user.overlay.")
+_CHUNK = 1 << 20
+
+
+class BadImageError(IsolationError):
+    """An image, or one of its layers, refused: the message names the entry and the reason."""
+
+
+@dataclass
+class LayerIndex:
+    """What a layer holds, for the checks across layers (links planted by an earlier layer)."""
+
+    links: list[str] = field(default_factory=list)  # symbolic links
+    others: list[str] = field(default_factory=list)  # every other non-directory
+    dirs: list[str] = field(default_factory=list)
+    whiteouts: list[str] = field(default_factory=list)
+    opaque: list[str] = field(default_factory=list)
+    size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"links": self.links, "others": self.others, "dirs": self.dirs, "whiteouts": self.whiteouts,
+                "opaque": self.opaque, "size": self.size}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LayerIndex:
+        return cls(list(data["links"]), list(data["others"]), list(data["dirs"]), list(data["whiteouts"]),
+                   list(data["opaque"]), int(data["size"]))
+
+
+class _Counting(io.RawIOBase):
+    """A stream read through: its bytes counted and hashed, and a bound on how many may come."""
+
+    def __init__(self, raw: IO[bytes], limit: int | None, what: str) -> None:
+        self.raw, self.limit, self.what = raw, limit, what
+        self.count = 0
+        self.sha = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.raw.read(len(buffer))
+        n = len(data)
+        self.count += n
+        if self.limit is not None and self.count > self.limit:
+            raise BadImageError(f"{self.what}: past max_image_size ({self.limit} bytes) once decompressed "
+                                "(a decompression bomb, or an image too large): refused")
+        self.sha.update(data)
+        buffer[:n] = data
+        return n
+
+    def drain(self) -> None:
+        while self.readinto(bytearray(_CHUNK)):
+            pass
+
+
+def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
+    """The layer's tar stream, whatever its compression (told by its first bytes)."""
+    buffered = io.BufferedReader(raw, _CHUNK)
+    magic = buffered.peek(4)[:4]
+    if magic[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
+    if magic == b"\x28\xb5\x2f\xfd":
+        try:
+            zstandard = importlib.import_module("zstandard")
+        except ImportError:
+            raise BadImageError(f"{what}: a zstd layer, and the Python module zstandard is not installed "
+                                "(pip install 'isolate[images]')") from None
+        return zstandard.ZstdDecompressor().stream_reader(buffered)  # type: ignore[no-any-return]
+    return buffered
+
+
+#: A pax or GNU long-name header past this is refused before tarfile reads it (it reads them whole).
+MAX_HEADER = 1 << 20
+#: Entries of one layer (each costs an inode, and a line of the layer's index).
+MAX_ENTRIES = 2_000_000
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile reads an extended header into memory whole: one past MAX_HEADER is refused first."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                    tarfile.SOLARIS_XHDTYPE)
+        if self.type in extended and self.size > MAX_HEADER:
+            raise BadImageError(f"an extended tar header of {self.size} bytes (past {MAX_HEADER}): refused")
+        return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
+
+
+@dataclass
+class Unpacked:
+    index: LayerIndex
+    diff_id: str  # sha256 of the uncompressed tar stream
+
+
+def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
+    """Unpack the layer read from ``blob`` into the empty directory ``root_fd``."""
+    tar_stream = _Counting(_decompressed(blob, what), max_size, what)
+    unpacker = _Unpacker(root_fd, what, max_size)
+    try:
+        with tarfile.open(fileobj=io.BufferedReader(tar_stream, _CHUNK), mode="r|",
+                          tarinfo=_BoundedTarInfo) as archive:
+            for count, member in enumerate(archive, 1):
+                if count > MAX_ENTRIES:
+                    raise BadImageError(f"{what}: more than {MAX_ENTRIES} entries: refused")
+                unpacker.entry(archive, member)
+        tar_stream.drain()  # the diff id covers the whole stream, its trailing blocks too
+    except BadImageError as exc:
+        if not str(exc).startswith(what):
+            raise BadImageError(f"{what}: {exc}") from None
+        raise
+    except tarfile.TarError as exc:
+        raise BadImageError(f"{what}: not a valid layer archive ({exc})") from None
+    except (EOFError, gzip.BadGzipFile, OSError) as exc:
+        if isinstance(exc, BadImageError):
+            raise
+        if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, gzip.BadGzipFile):
+            raise IsolationError(f"{what}: cannot unpack: {exc.strerror or exc}") from None
+        raise BadImageError(f"{what}: its compressed stream is damaged ({exc})") from None
+    unpacker.finish()
+    return Unpacked(unpacker.index, "sha256:" + tar_stream.sha.hexdigest())
+
+
+def entry_name(name: str, what: str) -> str:
+    """The entry's path inside the layer, or a refusal (absolute names, ``..``)."""
+    if name.startswith("/"):
+        raise BadImageError(f"{what}: entry {name!r} has an absolute name: refused")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        raise BadImageError(f"{what}: entry {name!r} climbs out with '..': refused")
+    if "\0" in name:
+        raise BadImageError(f"{what}: entry {name!r} has a NUL byte in its name: refused")
+    return "/".join(parts)
+
+
+class _Unpacker:
+    def __init__(self, root_fd: int, what: str, max_size: int | None) -> None:
+        self.root_fd, self.what, self.max_size = root_fd, what, max_size
+        self.index = LayerIndex()
+        self.files: set[str] = set()  # regular files written, the only targets a hard link may have
+        self.dir_modes: list[tuple[str, int, float]] = []
+        self.root = os.geteuid() == 0
+
+    def refuse(self, name: str, why: str) -> BadImageError:
+        return BadImageError(f"{self.what}: entry {name!r} {why}: refused")
+
+    def parent(self, rel: str) -> tuple[int, str]:
+        """A descriptor of rel's parent (made as needed, no link followed) and rel's last name."""
+        parts = rel.split("/")
+        fd = os.dup(self.root_fd)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        where = "/".join(parts[:i + 1])
+                        raise self.refuse(rel, f"is written through {where!r}, which is not a directory "
+                                          "(a link planted by an earlier entry)") from None
+                    raise
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, parts[-1]
+
+    def clear(self, dir_fd: int, name: str, keep_dir: bool) -> None:
+        """Remove what an earlier entry of this layer left at name (a later entry replaces it)."""
+        try:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(info.st_mode):
+            if keep_dir:
+                return
+            _remove_tree_at(dir_fd, name)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+
+    def entry(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        rel = entry_name(member.name, self.what)
+        if not rel:
+            return  # the layer's root itself
+        for key in member.pax_headers:
+            if key.startswith("SCHILY.xattr."):
+                attr = key[len("SCHILY.xattr."):]
+                if attr.startswith(_REFUSED_XATTRS):
+                    raise self.refuse(member.name, f"carries the extended attribute {attr}")
+        base = rel.rsplit("/", 1)[-1]
+        if member.ischr() or member.isblk():
+            raise self.refuse(member.name, "is a device node")
+        if base.startswith(WHITEOUT_PREFIX):
+            self.whiteout(rel, base, member)
+            return
+        if member.issym():
+            if "\0" in member.linkname:
+                raise self.refuse(member.name, "is a link with a NUL byte")
+        dir_fd, name = self.parent(rel)
+        try:
+            self.clear(dir_fd, name, keep_dir=member.isdir())
+            mode = member.mode & 0o1777  # set-id bits dropped (see the module's docstring)
+            if member.isdir():
+                try:
+                    os.mkdir(name, 0o700, dir_fd=dir_fd)
+                except FileExistsError:
+                    pass
+                self.dir_modes.append((rel, mode, float(member.mtime)))
+                self.index.dirs.append(rel)
+                self.own(dir_fd, name, member)
+            elif member.isreg():
+                self.grow(member.size, member.name)
+                source = archive.extractfile(member)
+                assert source is not None
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=dir_fd)
+                try:
+                    while chunk := source.read(_CHUNK):
+                        os.write(fd, chunk)
+                    self.own_fd(fd, member)
+                    os.fchmod(fd, mode)
+                    os.utime(fd, (member.mtime, member.mtime))
+                finally:
+                    os.close(fd)
+                self.files.add(rel)
+                self.index.others.append(rel)
+            elif member.issym():
+                os.symlink(member.linkname, name, dir_fd=dir_fd)
+                self.own(dir_fd, name, member)
+                self.index.links.append(rel)
+            elif member.islnk():
+                target = entry_name(member.linkname, self.what)
+                if target not in self.files:
+                    raise self.refuse(member.name, f"is a hard link to {member.linkname!r}, which is no file "
+                                      "of this layer")
+                target_fd, target_name = self.parent(target)
+                try:
+                    os.link(target_name, name, src_dir_fd=target_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                finally:
+                    os.close(target_fd)
+                self.index.others.append(rel)
+            elif member.isfifo():
+                os.mkfifo(name, mode, dir_fd=dir_fd)
+                self.index.others.append(rel)
+            else:
+                raise self.refuse(member.name, f"is of a kind no layer holds (tar type {member.type!r})")
+        finally:
+            os.close(dir_fd)
+
+    def whiteout(self, rel: str, base: str, member: tarfile.TarInfo) -> None:
+        directory = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        if base == OPAQUE_MARKER:
+            fd = self.open_dir(directory, member.name)
+            try:
+                os.setxattr(fd, OPAQUE_XATTR, b"y")
+            finally:
+                os.close(fd)
+            self.index.opaque.append(directory)
+            return
+        hidden = base[len(WHITEOUT_PREFIX):]
+        if not hidden or hidden in (".", "..") or hidden.startswith(WHITEOUT_PREFIX):
+            raise self.refuse(member.name, "is a whiteout of no valid name")
+        target = f"{directory}/{hidden}" if directory else hidden
+        dir_fd, name = self.parent(target)
+        try:
+            self.clear(dir_fd, name, keep_dir=False)
+            os.mknod(name, stat.S_IFCHR | 0o600, os.makedev(0, 0), dir_fd=dir_fd)
+        except PermissionError:
+            raise IsolationError(f"{self.what}: cannot make the whiteout {target!r}: this kernel lets no regular "
+                                 "user make one (Linux 5.8 does)") from None
+        finally:
+            os.close(dir_fd)
+        self.index.whiteouts.append(target)
+
+    def open_dir(self, rel: str, name: str) -> int:
+        if not rel:
+            return os.dup(self.root_fd)
+        dir_fd, last = self.parent(rel + "/x")
+        if last != "x":
+            os.close(dir_fd)
+        return dir_fd
+
+    def grow(self, size: int, name: str) -> None:
+        self.index.size += size
+        if self.max_size is not None and self.index.size > self.max_size:
+            raise self.refuse(name, f"takes the layer past max_image_size ({self.max_size} bytes)")
+
+    def own(self, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
+        if self.root:
+            os.chown(name, member.uid, member.gid, dir_fd=dir_fd, follow_symlinks=False)
+
+    def own_fd(self, fd: int, member: tarfile.TarInfo) -> None:
+        if self.root:
+            os.fchown(fd, member.uid, member.gid)
+
+    def finish(self) -> None:
+        """Directories get their modes last (one made read-only early would refuse what goes in it)."""
+        for rel, mode, mtime in reversed(self.dir_modes):
+            fd = self.open_dir(rel, rel)
+            try:
+                os.fchmod(fd, mode | (0 if self.root else 0o700))
+                os.utime(fd, (mtime, mtime))
+            finally:
+                os.close(fd)
+
+
+def _remove_tree_at(dir_fd: int, name: str) -> None:
+    """rm -r of dir_fd/name, no link followed (a directory of the store's owner, made writable first)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        if exc.errno == errno.ENOENT:
+            return
+        raise
+    try:
+        os.fchmod(fd, 0o700)
+        for child in os.listdir(fd):
+            info = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                _remove_tree_at(fd, child)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def remove_tree(path: str) -> None:
+    """rm -r path (no link followed); nothing there is fine."""
+    parent, name = os.path.split(path.rstrip("/"))
+    try:
+        fd = os.open(parent or "/", _DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    try:
+        _remove_tree_at(fd, name)
+    finally:
+        os.close(fd)

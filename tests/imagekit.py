@@ -1,0 +1,134 @@
+"""Test images built here, with Python's tarfile: layers, OCI layouts and docker save archives."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+from typing import Any
+
+from isolate.image.archive import host_platform
+
+
+def digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def layer(entries: list[dict[str, Any]]) -> bytes:
+    """A layer's tar: each entry {name, type ('file'|'dir'|'link'|'hard'|'chr'|'fifo'), data, mode, target,
+    xattrs, size}."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in entries:
+            info = tarfile.TarInfo(entry["name"])
+            kind = entry.get("type", "file")
+            info.mode = entry.get("mode", 0o755 if kind == "dir" else 0o644)
+            info.mtime = 1700000000
+            if entry.get("xattrs"):
+                info.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in entry["xattrs"].items()}
+            data = entry.get("data", b"")
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+            elif kind == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, entry["target"]
+            elif kind == "hard":
+                info.type, info.linkname = tarfile.LNKTYPE, entry["target"]
+            elif kind == "chr":
+                info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, entry.get("major", 1), entry.get("minor", 3)
+            elif kind == "fifo":
+                info.type = tarfile.FIFOTYPE
+            if kind == "file" and "size" in entry:
+                info.size = entry["size"]
+                tar.addfile(info, _Zeros(entry["size"]))  # type: ignore[arg-type]
+            elif kind == "file":
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return out.getvalue()
+
+
+class _Zeros:
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        self.left -= n
+        return bytes(n)
+
+
+def gz(data: bytes) -> bytes:
+    return gzip.compress(data, compresslevel=1, mtime=0)
+
+
+def config_for(layers: list[bytes], **config: Any) -> bytes:
+    """An image config: diff ids of the layers given uncompressed."""
+    os_, arch = host_platform()
+    return json.dumps({"architecture": arch, "os": os_, "config": config,
+                       "rootfs": {"type": "layers", "diff_ids": [digest(raw) for raw in layers]}}).encode()
+
+
+def oci_layout(path: str, layers: list[bytes], *, compress: bool = True, ref: str | None = "test:1",
+               config: bytes | None = None, **image_config: Any) -> str:
+    """Write an OCI image layout of the layers (uncompressed tars given) at path; its manifest digest."""
+    os.makedirs(os.path.join(path, "blobs", "sha256"), exist_ok=True)
+
+    def blob(data: bytes) -> str:
+        d = digest(data)
+        with open(os.path.join(path, "blobs", "sha256", d[7:]), "wb") as handle:
+            handle.write(data)
+        return d
+
+    config = config if config is not None else config_for(layers, **image_config)
+    blobs = [gz(raw) if compress else raw for raw in layers]
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": blob(config),
+                   "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if compress else ""),
+                    "digest": blob(b), "size": len(b)} for b in blobs],
+    }).encode()
+    manifest_digest = blob(manifest)
+    entry: dict[str, Any] = {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                             "digest": manifest_digest, "size": len(manifest)}
+    if ref:
+        entry["annotations"] = {"org.opencontainers.image.ref.name": ref}
+    with open(os.path.join(path, "index.json"), "w") as handle:
+        json.dump({"schemaVersion": 2, "manifests": [entry]}, handle)
+    with open(os.path.join(path, "oci-layout"), "w") as handle:
+        json.dump({"imageLayoutVersion": "1.0.0"}, handle)
+    return manifest_digest
+
+
+def docker_archive(path: str, layers: list[bytes], tag: str = "saved:1", **image_config: Any) -> None:
+    """Write a docker save archive (uncompressed layers, as docker writes them)."""
+    config = config_for(layers, **image_config)
+    with tarfile.open(path, "w") as tar:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+        names = []
+        for i, raw in enumerate(layers):
+            names.append(f"l{i}/layer.tar")
+            add(names[-1], raw)
+        add("config.json", config)
+        add("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": [tag], "Layers": names}]).encode())
+
+
+def busybox_layer() -> bytes:
+    """A scratch image's one layer: busybox-static as /bin/busybox, with links for a few applets."""
+    with open("/bin/busybox", "rb") as handle:
+        data = handle.read()
+    entries: list[dict[str, Any]] = [{"name": "bin", "type": "dir"},
+                                     {"name": "bin/busybox", "data": data, "mode": 0o755}]
+    for applet in ("sh", "cat", "ls", "echo", "id", "true", "env", "pwd", "touch", "rm", "mkdir", "stat", "test"):
+        entries.append({"name": f"bin/{applet}", "type": "link", "target": "busybox"})
+    entries += [{"name": "etc", "type": "dir"}, {"name": "etc/os-release", "data": b"NAME=busybox-scratch\n"},
+                {"name": "tmp", "type": "dir", "mode": 0o1777}]
+    return layer(entries)

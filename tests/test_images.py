@@ -1,0 +1,286 @@
+"""Images: a policy naming an image is run from that image, or refused; never run on the host's root."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import tarfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import imagekit as kit
+import pytest
+from conftest import ISOLATE_RUN, skip_unless_runnable
+
+import isolate
+from isolate.image import BadImageError, Image, Reference, Store
+from isolate.oneshot import runs
+
+
+def test_an_image_not_in_the_store_is_refused_never_run_on_the_hosts_root(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLATE_IMAGE_STORE", str(tmp_path / "empty"))
+    policy = isolate.Policy(image="debian:12", backend="native")
+    with pytest.raises(isolate.IsolationError, match="not in the image store"):
+        isolate.run(["cat", "/etc/os-release"], policy=policy, capture_output=True)
+
+
+def test_best_effort_does_not_drop_the_image() -> None:
+    policy = isolate.Policy(image="debian:12", backend="native", best_effort=True, namespaces=False)
+    with pytest.raises(isolate.UnsupportedError, match="image: an image's root needs namespaces"):
+        isolate.run(["true"], policy=policy)
+
+
+def test_auto_without_namespaces_never_runs_an_image_on_the_hosts_root() -> None:
+    policy = isolate.Policy(image="debian:12", best_effort=True, namespaces=False)
+    try:
+        backend = runs.choose_backend(policy)
+    except isolate.UnsupportedError as exc:
+        assert "image: " in str(exc)  # no Docker here: refused, naming the image as the cause
+    else:
+        assert backend == "docker"
+
+
+def test_the_cli_refuses_an_image_it_cannot_run_with_one_line(tmp_path: Path) -> None:
+    args = ["--backend", "native", "--no-namespaces", "--image", "debian:12", "--", "cat", "/etc/os-release"]
+    skip_unless_runnable(args)
+    env = dict(os.environ, ISOLATE_RUN_TRACE="1", ISOLATE_IMAGE_STORE=str(tmp_path / "s"))
+    for _ in range(2):  # the second run must not replay a plan the first one cached
+        result = subprocess.run([ISOLATE_RUN, *args], capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 125, result.stderr
+        assert "PRETTY_NAME" not in result.stdout
+        errors = [line for line in result.stderr.splitlines() if "trace:" not in line]
+        assert len(errors) == 1 and "--backend docker" in errors[0], result.stderr
+        assert "replaying the cached plan" not in result.stderr
+
+
+# -- the store: references, loading, sharing, refusing ------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("python:3.12", "docker.io/library/python:3.12"),
+    ("debian", "docker.io/library/debian:latest"),
+    ("user/app", "docker.io/user/app:latest"),
+    ("index.docker.io/library/busybox:1", "docker.io/library/busybox:1"),
+    ("localhost:5000/a/b:c", "localhost:5000/a/b:c"),
+    ("127.0.0.1:5000/x", "127.0.0.1:5000/x:latest"),
+    ("ghcr.io/o/r@sha256:" + "a" * 64, "ghcr.io/o/r@sha256:" + "a" * 64),
+    ("r:t@sha256:" + "b" * 64, "docker.io/library/r:t@sha256:" + "b" * 64),
+])
+def test_references_are_normalized_as_docker_does(text: str, expected: str) -> None:
+    assert str(Reference.parse(text)) == expected
+
+
+@pytest.mark.parametrize("text", ["", "UPPER/case", "a@sha256:short", "a:b:c", "a//b", " a"])
+def test_bad_references_are_refused(text: str) -> None:
+    with pytest.raises(isolate.PolicyError):
+        Reference.parse(text)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "store")
+
+
+def layer_dirs(store: Store) -> list[str]:
+    return sorted(os.listdir(os.path.join(store.path, "layers")))
+
+
+def test_an_oci_layout_loads_with_whiteouts_opaque_dirs_hard_links_and_no_set_id(tmp_path: Path,
+                                                                              store: Store) -> None:
+    base = kit.layer([{"name": "etc", "type": "dir"}, {"name": "etc/gone", "data": b"x"},
+                      {"name": "opt", "type": "dir"}, {"name": "opt/old", "data": b"o"},
+                      {"name": "bin", "type": "dir"}, {"name": "bin/su", "data": b"#!", "mode": 0o4755},
+                      {"name": "bin/two", "type": "hard", "target": "bin/su"}])
+    top = kit.layer([{"name": "etc/.wh.gone"}, {"name": "opt", "type": "dir"}, {"name": "opt/.wh..wh..opq"},
+                     {"name": "opt/new", "data": b"n"}])
+    kit.oci_layout(str(tmp_path / "oci"), [base, top], ref="demo:2", Env=["A=1"], Cmd=["sh"])
+    image = Image.load(tmp_path / "oci", store=store)
+    assert image.reference == "docker.io/library/demo:2"
+    assert image.config.environment() == {"A": "1"} and image.config.command() == ["sh"]
+    top_dir, base_dir = image.lower_dirs()
+    whiteout = os.lstat(os.path.join(top_dir, "etc/gone"))
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert os.getxattr(os.path.join(top_dir, "opt"), "user.overlay.opaque") == b"y"
+    su = os.lstat(os.path.join(base_dir, "bin/su"))
+    assert not su.st_mode & (stat.S_ISUID | stat.S_ISGID) and su.st_mode & 0o777 == 0o755
+    assert os.lstat(os.path.join(base_dir, "bin/two")).st_ino == su.st_ino
+    info = os.stat(store.path)
+    assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700
+    assert [i.reference for i in Image.list(store)] == ["docker.io/library/demo:2"]
+
+
+def test_a_layer_two_images_share_is_kept_and_unpacked_once(tmp_path: Path, store: Store) -> None:
+    shared = kit.layer([{"name": "shared", "data": b"s" * 1000}])
+    kit.oci_layout(str(tmp_path / "a"), [shared, kit.layer([{"name": "a", "data": b"a"}])], ref="a:1")
+    kit.oci_layout(str(tmp_path / "b"), [shared, kit.layer([{"name": "b", "data": b"b"}])], ref="b:1")
+    a = Image.load(tmp_path / "a", store=store)
+    inode = os.stat(a.lower_dirs()[-1]).st_ino
+    b = Image.load(tmp_path / "b", store=store)
+    assert a.layers[0] == b.layers[0] and os.stat(b.lower_dirs()[-1]).st_ino == inode
+    assert len(layer_dirs(store)) == 3
+    a.remove()
+    assert Image.prune(store) == [a.layers[1]]
+    assert len(layer_dirs(store)) == 2 and [i.reference for i in Image.list(store)] == ["docker.io/library/b:1"]
+    b.remove()
+    Image.prune(store)
+    assert layer_dirs(store) == []
+
+
+def test_concurrent_loads_of_one_layer_unpack_it_once(tmp_path: Path, store: Store) -> None:
+    raw = kit.gz(kit.layer([{"name": "f", "data": b"x" * 100000}]))
+    opened = []
+
+    def opener() -> Any:
+        import io
+
+        opened.append(1)
+        return io.BytesIO(raw)
+
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            Store(store.path).ensure_layer(kit.digest(raw), opener, diff_id=None, what="layer")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(opened) == 1 and len(layer_dirs(store)) == 1
+
+
+def test_a_blob_that_does_not_match_its_digest_keeps_nothing(tmp_path: Path, store: Store) -> None:
+    layout = tmp_path / "oci"
+    kit.oci_layout(str(layout), [kit.layer([{"name": "f", "data": b"good"}])])
+    manifest = json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]
+    layer_digest = json.loads((layout / "blobs/sha256" / manifest[7:]).read_bytes())["layers"][0]["digest"]
+    (layout / "blobs/sha256" / layer_digest[7:]).write_bytes(kit.gz(kit.layer([{"name": "f", "data": b"evil"}])))
+    with pytest.raises(BadImageError, match="does not match its digest"):
+        Image.load(layout, store=store)
+    assert layer_dirs(store) == [] and os.listdir(os.path.join(store.path, "tmp")) == []
+    assert Image.list(store) == []
+
+
+def test_a_docker_save_archive_loads(tmp_path: Path, store: Store) -> None:
+    kit.docker_archive(str(tmp_path / "saved.tar"), [kit.layer([{"name": "hello", "data": b"hi"}])],
+                       WorkingDir="/w", User="1000", Entrypoint=["/bin/sh", "-c"])
+    image = Image.load(tmp_path / "saved.tar", store=store)
+    assert image.reference == "docker.io/library/saved:1"
+    assert (image.config.working_dir, image.config.user) == ("/w", "1000")
+    assert open(os.path.join(image.lower_dirs()[0], "hello"), "rb").read() == b"hi"
+    assert Image.get("saved:1", store) == image and Image.get(image.short_id, store) == image
+
+
+def test_an_oci_layout_in_a_tar_loads(tmp_path: Path, store: Store) -> None:
+    kit.oci_layout(str(tmp_path / "oci"), [kit.layer([{"name": "x", "data": b"1"}])], compress=False)
+    with tarfile.open(tmp_path / "oci.tar", "w") as tar:
+        tar.add(tmp_path / "oci", arcname=".")
+    assert Image.load(tmp_path / "oci.tar", store=store).reference == "docker.io/library/test:1"
+
+
+def test_a_store_another_user_could_write_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "open"
+    path.mkdir(mode=0o777)
+    os.chmod(path, 0o777)
+    with pytest.raises(isolate.IsolationError, match="never shared"):
+        Image.list(Store(path))
+
+
+BAD_LAYERS: dict[str, tuple[list[list[dict[str, Any]]], str]] = {
+    "absolute": ([[{"name": "/etc/passwd", "data": b"x"}]], "absolute name"),
+    "dotdot": ([[{"name": "a/../../x", "data": b"x"}]], "climbs out"),
+    "through-link": ([[{"name": "l", "type": "link", "target": "/etc"}, {"name": "l/x", "data": b"x"}]],
+                     "written through 'l'"),
+    "earlier-layer-link": ([[{"name": "l", "type": "link", "target": "/etc"}], [{"name": "l/x", "data": b"x"}]],
+                           "a link an earlier layer planted"),
+    "hard-link-out": ([[{"name": "h", "type": "hard", "target": "etc/shadow"}]], "no file of this layer"),
+    "device": ([[{"name": "null", "type": "chr"}]], "device node"),
+    "capability": ([[{"name": "ping", "data": b"x", "xattrs": {"security.capability": "\x01"}}]],
+                   "security.capability"),
+    "trusted": ([[{"name": "d", "type": "dir", "xattrs": {"trusted.overlay.opaque": "y"}}]], "trusted."),
+    "too-large": ([[{"name": "big", "size": 3 << 20}]], "max_image_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LAYERS))
+def test_each_bad_layer_is_refused_with_its_reason_and_nothing_kept(case: str, tmp_path: Path) -> None:
+    layers, reason = BAD_LAYERS[case]
+    store = Store(tmp_path / "store", max_image_size=2 << 20)
+    kit.oci_layout(str(tmp_path / "oci"), [kit.layer(entries) for entries in layers])
+    with pytest.raises(BadImageError) as caught:
+        Image.load(tmp_path / "oci", store=store)
+    message = str(caught.value)
+    assert reason in message and "\n" not in message, message
+    assert Image.list(store) == [] and os.listdir(os.path.join(store.path, "tmp")) == []
+    assert not os.path.exists("/etc/x") and not os.path.exists(str(tmp_path / "x"))
+
+
+def test_a_decompression_bomb_is_refused_while_it_expands(tmp_path: Path) -> None:
+    bomb = kit.layer([{"name": "zeros", "size": 64 << 20}])
+    compressed = kit.gz(bomb)
+    assert len(compressed) < (1 << 20)
+    store = Store(tmp_path / "store", max_image_size=8 << 20)
+    kit.oci_layout(str(tmp_path / "oci"), [bomb])
+    with pytest.raises(BadImageError, match="max_image_size"):
+        Image.load(tmp_path / "oci", store=store)
+    assert layer_dirs(store) == []
+
+
+def test_zstd_and_uncompressed_layers_load(tmp_path: Path, store: Store) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    plain = kit.layer([{"name": "plain", "data": b"p"}])
+    packed = kit.layer([{"name": "packed", "data": b"z"}])
+    layout = tmp_path / "oci"
+    kit.oci_layout(str(layout), [plain, packed], compress=False)
+    # Re-write the second layer zstd-compressed, the manifest pointing at it (the config's diff id stays).
+    index = json.loads((layout / "index.json").read_text())
+    manifest_path = layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]
+    manifest = json.loads(manifest_path.read_bytes())
+    blob = zstandard.ZstdCompressor().compress(packed)
+    (layout / "blobs/sha256" / kit.digest(blob)[7:]).write_bytes(blob)
+    manifest["layers"][1] = {"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd", "digest": kit.digest(blob),
+                             "size": len(blob)}
+    data = json.dumps(manifest).encode()
+    (layout / "blobs/sha256" / kit.digest(data)[7:]).write_bytes(data)
+    index["manifests"][0].update(digest=kit.digest(data), size=len(data))
+    (layout / "index.json").write_text(json.dumps(index))
+    image = Image.load(layout, store=store)
+    top, bottom = image.lower_dirs()
+    assert os.listdir(top) == ["packed"] and os.listdir(bottom) == ["plain"]
+
+
+def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path: Path, store: Store) -> None:
+    import io
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("f")
+        info.pax_headers = {"comment": "x" * (2 << 20)}
+        tar.addfile(info, io.BytesIO(b""))
+    kit.oci_layout(str(tmp_path / "oci"), [out.getvalue()])
+    with pytest.raises(BadImageError, match="extended tar header"):
+        Image.load(tmp_path / "oci", store=store)
+
+
+def test_work_left_by_a_dead_process_is_cleared_and_a_running_ones_kept(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    Image.list(store)  # made
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tmp = os.path.join(store.path, "tmp")
+    os.makedirs(os.path.join(tmp, f"layer-{'a' * 64}-{dead.pid}-1", "root"))
+    os.makedirs(os.path.join(tmp, f"layer-{'b' * 64}-{os.getpid()}-1", "root"))
+    os.utime(os.path.join(tmp, f"layer-{'b' * 64}-{os.getpid()}-1"), (0, 0))  # old, and still in use
+    Image.list(Store(store.path))
+    assert os.listdir(tmp) == [f"layer-{'b' * 64}-{os.getpid()}-1"]
+
+
+def test_the_image_class_is_isolates() -> None:
+    assert isolate.Image is Image and "Image" in isolate.__all__

@@ -1,0 +1,168 @@
+"""Sandboxes whose root is an image (the native backend): a busybox-static scratch image built here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import imagekit as kit
+import pytest
+from conftest import ISOLATE_RUN, NAMESPACES_WHY, ROOT
+
+import isolate
+from isolate.image import Image, Store
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+REF = "docker.io/library/scratchbox:1"
+
+
+def _load(tmp: Path, name: str, extra: list[dict[str, Any]] | None = None, **config: Any) -> Image:
+    layers = [kit.busybox_layer()]
+    if extra:
+        layers.append(kit.layer(extra))
+    kit.oci_layout(str(tmp / name), layers, ref=name, **config)
+    return Image.load(tmp / name, store=Store(os.environ["ISOLATE_IMAGE_STORE"]))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("images")
+    path = str(tmp / "store")
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = path
+    try:
+        _load(tmp, "scratchbox:1", [{"name": "data", "type": "dir", "mode": 0o777},
+                                    {"name": "usr", "type": "dir", "mode": 0o755},
+                                    {"name": "usr/share", "type": "dir", "mode": 0o755},
+                                    {"name": "usr/share/marker", "data": b"image's own\n"}],
+              Env=["PATH=/bin", "FROM_IMAGE=yes", "OVERRIDDEN=image"], Cmd=["sh", "-c", "echo from-cmd"],
+              WorkingDir="/data")
+        _load(tmp, "entry:1", Entrypoint=["/bin/echo", "entry"], Cmd=["default"])
+        _load(tmp, "user:1", [{"name": "etc/passwd", "data": b"root:x:0:0::/:/bin/sh\napp:x:1234:4321::/:/bin/sh\n"}],
+              User="app")
+        _load(tmp, "linked:1", [{"name": "home", "type": "link", "target": "/oldroot/etc"}])
+        _load(tmp, "layered:1", [{"name": "etc", "type": "dir"}, {"name": "etc/.wh..wh..opq"},
+                                 {"name": "etc/only", "data": b"top\n"}, {"name": "bin/.wh.ls"},
+                                 {"name": "bin/cat3", "data": b"x"},
+                                 {"name": "bin/cat2", "type": "hard", "target": "bin/cat3"}])
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def run(store: str, command: list[str], image: str = REF, **policy: Any) -> subprocess.CompletedProcess[str]:
+    fields: dict[str, Any] = {"image": image, "backend": "native"}
+    fields.update(policy)
+    return isolate.run(command, policy=isolate.Policy(**fields), capture_output=True, text=True, timeout=60)
+
+
+def test_the_root_is_the_images_and_the_hosts_usr_is_absent(store: str, workdir: str) -> None:
+    result = run(store, ["sh", "-c", "cat /etc/os-release /usr/share/marker; ls /usr; test -e /usr/bin/python3 "
+                         "|| echo no-host-python"], cwd=workdir, write=[workdir])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["NAME=busybox-scratch", "image's own"]
+    assert "no-host-python" in result.stdout and "bin" not in result.stdout.split()
+
+
+def test_the_images_env_applies_under_the_policys(store: str) -> None:
+    result = run(store, ["env"], env={"OVERRIDDEN": "policy"})
+    env = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    assert (env["FROM_IMAGE"], env["OVERRIDDEN"], env["PATH"]) == ("yes", "policy", "/bin")
+
+
+def test_writes_to_the_root_land_in_a_private_upper_layer_gone_at_the_end(store: str) -> None:
+    first = run(store, ["sh", "-c", "echo mine > /data/file && cat /data/file && mkdir /data/d"])
+    assert first.returncode == 0 and first.stdout == "mine\n", first.stderr
+    again = run(store, ["ls", "-a", "/data"])
+    assert again.stdout.split() == [".", ".."]
+    image = Image.get(REF)
+    assert not any(os.listdir(os.path.join(d, "data")) for d in image.lower_dirs()
+                   if os.path.isdir(os.path.join(d, "data")))
+
+
+def test_two_sandboxes_of_one_image_do_not_see_each_others_writes(store: str) -> None:
+    policy = isolate.Policy(image=REF, backend="native")
+    with isolate.Sandbox(policy=policy) as a, isolate.Sandbox(policy=policy) as b:
+        assert a.exec(["sh", "-c", "echo a > /data/a"]).returncode == 0
+        assert b.exec(["sh", "-c", "echo b > /data/b"]).returncode == 0
+        assert a.exec(["ls", "/data"]).stdout.split() == ["a"]
+        assert b.exec(["ls", "/data"]).stdout.split() == ["b"]
+
+
+def test_cmd_runs_when_no_command_is_given_and_the_working_dir_applies(store: str) -> None:
+    assert run(store, []).stdout == "from-cmd\n"
+    assert run(store, ["pwd"], write=[]).stdout == "/data\n"
+    assert run(store, [], image="entry:1").stdout == "entry default\n"
+    assert run(store, ["given"], image="entry:1").stdout == "entry given\n"
+
+
+def test_the_images_user_applies_for_a_root_caller(store: str) -> None:
+    result = run(store, ["id"], image="user:1")
+    assert result.returncode == 0, result.stderr
+    if ROOT:
+        assert "uid=1234" in result.stdout and "gid=4321" in result.stdout
+    else:
+        assert f"uid={os.getuid()}" in result.stdout  # one uid: the caller's own
+
+
+def test_a_mount_through_a_link_of_the_image_is_refused(store: str) -> None:
+    with pytest.raises(isolate.UnsupportedError, match="/home is a link in the image"):
+        run(store, ["true"], image="linked:1")
+    assert not os.path.exists("/etc/isolate-test-never")
+
+
+def test_isolate_run_takes_an_image_and_replays_its_plan(store: str, workdir: str) -> None:
+    env = dict(os.environ, ISOLATE_RUN_TRACE="1")
+    for _ in range(2):
+        result = subprocess.run([ISOLATE_RUN, "--image", "scratchbox:1", "--", "cat", "/etc/os-release"],
+                                cwd=workdir, capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 0 and result.stdout == "NAME=busybox-scratch\n", result.stderr
+    assert "replaying the cached plan" in result.stderr
+    missing = subprocess.run([ISOLATE_RUN, "--image", "nothere:1", "--", "true"], cwd=workdir,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 125 and "not in the image store" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_whiteouts_and_opaque_directories_hide_what_lower_layers_hold(store: str) -> None:
+    result = run(store, ["sh", "-c", "ls /etc; test -e /bin/ls || echo no-ls; stat -c %h /bin/cat2"],
+                 image="layered:1")
+    assert result.stdout.split() == ["only", "no-ls", "2"], result.stderr
+
+
+def test_explain_names_the_image_not_the_hosts_system(store: str, workdir: str) -> None:
+    result = subprocess.run([ISOLATE_RUN, "--explain", "--image", "scratchbox:1", "--", "sh"], cwd=workdir,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"-> {REF}" in result.stdout and "command sh -> /bin/sh (in the image)" in result.stdout
+    assert "read  /usr" not in result.stdout
+
+
+def test_a_grant_holding_the_image_store_shows_it_empty(store: str, tmp_path: Path) -> None:
+    assert os.listdir(store)
+    parent = os.path.dirname(store)
+    for image in (REF, None):
+        fields: dict[str, Any] = {"read": ["/usr", "/bin", "/lib", "/lib64"]} if image is None else {}
+        result = isolate.run(["ls", "-A", store], policy=isolate.Policy(image=image, backend="native",
+                                                                          write=[parent], **fields),
+                             capture_output=True, text=True, cwd=parent)
+        assert result.returncode == 0 and result.stdout == "", (result.stdout, result.stderr)
+    with pytest.raises(isolate.PolicyError, match="lies in isolate's image store"):
+        run(store, ["true"], write=[os.path.join(store, "layers")])
+
+
+def test_snapshots_and_forks_of_an_image_sandbox_are_refused_not_partial(store: str) -> None:
+    with isolate.Sandbox(policy=isolate.Policy(image=REF, backend="native")) as box:
+        box.exec(["sh", "-c", "echo kept > /data/f"])
+        with pytest.raises(isolate.UnsupportedError, match="do not capture yet"):
+            box.snapshot()
+        with pytest.raises(isolate.UnsupportedError, match="do not capture yet"):
+            box.fork()

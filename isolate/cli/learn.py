@@ -39,7 +39,6 @@ COMMAND`` and no other flag.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -48,7 +47,8 @@ from typing import Any
 
 from ..model.errors import IsolationError
 from ..model.policy import Egress, Limits, Policy
-from .flags import CliError, build_parser, policy_from_args
+from ..model.units import whole_number
+from .flags import CliError, _Parser, build_parser, policy_from_args
 
 DEFAULT_ROUNDS = 8
 _WRITES = ("write", "truncate", "create", "remove", "rename")
@@ -339,12 +339,12 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
 def learn_main(argv: Sequence[str]) -> int:
     from ..oneshot import runs
 
-    parser = argparse.ArgumentParser(prog="isolate-run learn", add_help=True, allow_abbrev=False,
-                                     description="Run COMMAND confined, again and again, granting what it was "
-                                                 "refused, then write the profile it needs.")
+    parser = _Parser(prog="isolate-run learn", add_help=True, allow_abbrev=False,
+                     description="Run COMMAND confined, again and again, granting what it was refused, then write "
+                                 "the profile it needs.")
     parser.add_argument("--out", default="profile.toml", metavar="FILE",
                         help="where the profile goes (default profile.toml)")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="N",
+    parser.add_argument("--rounds", type=whole_number, default=DEFAULT_ROUNDS, metavar="N",
                         help=f"runs at most (default {DEFAULT_ROUNDS})")
     own, rest = parser.parse_known_args(list(argv))
     options = build_parser().parse_args(rest)

@@ -116,6 +116,10 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
 
     log("many: a 3-node Ray cluster on this machine")
     temp = tempfile.mkdtemp(prefix="isolate-bench-ray-")
+    # Ray's address file and sessions in this run's own directory, not the machine's shared /tmp/ray (another
+    # user's, or another run's): the nodes inherit RAY_TMPDIR, and the driver reads it where it writes the file.
+    outer_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
     for _ in range(2):
         cluster.add_node(num_cpus=1)
@@ -166,6 +170,10 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
         iray.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        if outer_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = outer_tmpdir
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -13,6 +13,16 @@ import pytest
 import isolate
 
 ROOT = os.geteuid() == 0
+
+#: Ray keeps its address file (ray_current_cluster) and sessions under $RAY_TMPDIR/ray, else /tmp/ray: one
+#: directory for every user of the machine, and for every run. After a root run of Ray, the uid 65534 half of
+#: tests/run-all.sh failed on it (PermissionError), and a plain ray.init() may find another run's cluster there.
+#: Each run of the tests (and so each of the two callers run-all.sh starts side by side) has its own, private
+#: and removed at the end: the Ray processes the tests start inherit it.
+RAY_TMPDIR = tempfile.mkdtemp(prefix="isolate-tests-ray-")
+os.mkdir(os.path.join(RAY_TMPDIR, "ray"), 0o700)  # where Ray writes the address file, without making it
+os.environ["RAY_TMPDIR"] = RAY_TMPDIR
+
 #: The interpreter probes run with: the system's (under /usr, granted by default and
 #: reachable by the unprivileged uid a root caller's program gets), else the tests' own.
 PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.path.realpath(sys.executable)
@@ -212,6 +222,12 @@ HOST_INDEPENDENT = frozenset({
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "host: depends on the kernel, cgroups or Landlock; also run in the VM")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

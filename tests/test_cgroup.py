@@ -783,3 +783,18 @@ def test_root_hands_its_cgroups_over_inside_another_users_cgroup() -> None:
             if os.path.isdir(path):
                 os.rmdir(path)
 
+
+
+@needs_v1
+def test_v1_a_value_the_kernel_refuses_is_named_not_blamed_on_the_cgroups() -> None:
+    # Limits refuses both values itself now (PID_MAX_LIMIT, 8192 CPUs): set past its check, the kernel's
+    # EINVAL must still name the field and the value, and leave no cgroup behind (the module checks).
+    for field, value, need, needle in (("pids", 2**31 - 1, "pids", "pids.max"),
+                                       ("cpus", 1e9, "cpu", "cpu.cfs_quota_us")):
+        limits = Limits()
+        object.__setattr__(limits, field, value)
+        with pytest.raises(UnsupportedError) as info:
+            RunCgroup.create(limits, need={need}, version="cgroup-v1")
+        message = str(info.value)
+        assert not isinstance(info.value, CgroupUnavailableError), message
+        assert f"limits.{field}: the kernel refused {value}" in message and needle in message, message

@@ -60,6 +60,27 @@ def one_line(stderr: str) -> str:
         (["--wall", "nan"], "wall"),
         (["--cpu", "inf"], "cpu"),
         (["--memory", "1e400"], "limits.memory"),
+        # Every inside path in its canonical form before the checks ("//" passed them, then crashed the mount
+        # planner with a RecursionError; "/proc/" and "/dev/." were taken and mounted under the sandbox's own).
+        (["--tmpfs", "//"], "tmpfs: '//' (that is /) cannot be a tmpfs"),
+        (["--tmpfs", "/proc/"], "(that is /proc) cannot be a tmpfs"),
+        (["--tmpfs", "/dev/."], "(that is /dev) cannot be a tmpfs"),
+        (["--tmpfs", "//proc/sys"], "(that is /proc/sys) cannot be a tmpfs"),
+        (["--bind", "/tmp://proc"], "binds: '//proc' (that is /proc) cannot be a mount point"),
+        (["--ro-bind", "/tmp:/dev/../proc"], "(that is /proc) cannot be a mount point"),
+        (["--home", "//dev"], "home: '//dev' (that is /dev) cannot be the home"),
+        # Numbers in ASCII digits only, each within what the kernel takes.
+        (["--nofile", "\u00b2\u00b2\u00b2"], "limits.open_files"),          # a ValueError traceback
+        (["--nofile", "\u0661\u0662\u0668"], "limits.open_files"),          # was taken as 128
+        (["--wall", "\u0661\u0662"], "limits.wall_seconds"),
+        (["--memory", "\u0661\u0662M"], "limits.memory"),
+        (["--cpu", "1_0"], "limits.cpu_seconds"),
+        (["--uid", "\u0661\u0662\u0668"], "--uid"),
+        (["--uid", "+5"], "--uid"),
+        (["--pids", "9" * 5000], "limits.pids"),                       # past int()'s own 4,300 digits
+        (["--pids", "2147483647"], "at most 4194304"),                   # blamed the cgroups
+        (["--cpus", "1e9"], "at most 8192"),                             # blamed the cgroups
+        (["--allow-host", "\u212aelvin.example"], "not an ASCII name"),   # KELVIN SIGN: taken as "kelvin"
     ],
 )
 def test_bad_input_exits_125_with_one_line_and_runs_nothing(workdir: str, flags: list[str], needle: str) -> None:
@@ -70,7 +91,9 @@ def test_bad_input_exits_125_with_one_line_and_runs_nothing(workdir: str, flags:
 
 
 def test_bad_profile_file(workdir: str) -> None:
-    for text in ('read = [\n', 'reed = ["/usr"]\n', '[limits]\nmemory = "-1M"\n'):
+    for text in ('read = [\n', 'reed = ["/usr"]\n', '[limits]\nmemory = "-1M"\n', 'tmpfs = ["//"]\n',
+                 'tmpfs = ["/proc/"]\n', '[limits]\nopen_files = "\u0661\u0662\u0668"\n',
+                 'read = ' + '[' * 5000 + ']' * 5000 + '\n'):                # a RecursionError traceback
         path = os.path.join(workdir, "p.toml")
         with open(path, "w") as handle:
             handle.write(text)
@@ -271,4 +294,19 @@ def test_a_fifo_planted_as_a_profile_does_not_hang(workdir: str, flag: str) -> N
     result = cli(flag, fifo, "--", "true", cwd=workdir)
     assert result.returncode == 125
     assert "regular file" in one_line(result.stderr) or "profile file" in result.stderr
+
+
+def test_an_rlimit_above_the_callers_hard_limit_is_named(workdir: str) -> None:
+    # The sandbox can only lower a hard limit: the kernel's EPERM blamed "sandbox setup failed at rlimit".
+    import resource
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    result = cli("--nofile", "2048", "--", "touch", "marker", cwd=workdir, preexec_fn=lower)
+    assert result.returncode == 125
+    assert "limits.open_files: 2048 is above this process's own hard limit, 1024" in one_line(result.stderr)
+    assert not os.path.exists(os.path.join(workdir, "marker"))
+    result = cli("--nofile", "1024", "--", "sh", "-c", "ulimit -n", cwd=workdir, preexec_fn=lower)
+    assert (result.returncode, result.stdout.strip()) == (0, "1024"), result.stderr
 

@@ -867,3 +867,16 @@ def test_pip_downloads_from_an_index_through_the_proxy(tmp_path: Any) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_name_that_is_none_is_refused_and_reported(echo: EchoServer) -> None:
+    # Refused before as now (400, NXDOMAIN), but missing from report.egress.denied, which lists every refusal.
+    rules = _rules(("one.test", (echo.port,)), static=(("one.test", "127.0.0.1"),))
+    with plan(rules) as p:
+        s, head = _connect_request(p, f"bad!name.test:{echo.port}")
+        with s:
+            assert head.startswith(b"HTTP/1.1 400"), head
+        assert p.query("no_t-even~a.name").rcode == dns.NXDOMAIN
+        denied = {(entry["host"], entry["port"], entry["reason"]) for entry in p.mediator.summary()["denied"]}
+        assert ("bad!name.test", echo.port, "not a host name") in denied, denied
+        assert ("no_t-even~a.name", None, "not a host name") in denied, denied

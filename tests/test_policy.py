@@ -189,3 +189,75 @@ def test_egress_grammar() -> None:
     ):
         with pytest.raises(PolicyError, match=needle):
             Egress(hosts, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"tmpfs": ["//"]}, "tmpfs"),
+        ({"tmpfs": ["/proc/"]}, "tmpfs"),
+        ({"tmpfs": ["/dev/."]}, "tmpfs"),
+        ({"tmpfs": ["//dev/shm"]}, "tmpfs"),
+        ({"binds": ["/tmp://proc"]}, "binds"),
+        ({"binds": ["/tmp:/tmp/../dev"]}, "binds"),
+        ({"home": "//dev"}, "home"),
+        ({"home": "///"}, "home"),
+    ],
+)
+def test_inside_paths_are_checked_in_their_canonical_form(changes: dict[str, object], field: str) -> None:
+    # os.path.normpath keeps a leading "//": "//proc" passed the checks against /proc, and "//" made
+    # the mount planner recurse for ever.
+    with pytest.raises(PolicyError) as info:
+        Policy(**changes)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_inside_paths_are_kept_canonical() -> None:
+    from isolate.model.workspace import Workspace
+
+    policy = Policy(tmpfs=["/tmp/", "//var//tmp", "/tmp"], home="//home/./me/", cwd="//work/../work",
+                    binds=["/tmp://mnt/x/"])
+    assert policy.tmpfs == ("/tmp", "/var/tmp")
+    assert (policy.home, policy.cwd, policy.binds[0].target) == ("/home/me", "/work", "/mnt/x")
+    assert Workspace(target="//ws/").target == "/ws"
+    with pytest.raises(PolicyError):
+        Workspace(target="//proc")
+
+
+def test_a_deep_inside_path_is_planned_without_recursion() -> None:
+    from isolate.kernel.mounts import plan_root
+
+    deep = "/d" * 1500   # within PATH_MAX; ensure_dir recursed once per component
+    steps = plan_root([], [], [deep], "mode=1777").steps
+    assert steps[-1 - next(i for i, s in enumerate(reversed(steps)) if s.target == deep)].target == deep
+
+
+@pytest.mark.parametrize("text", ["\u00b2\u00b2\u00b2", "\u0661\u0662\u0668", "1_000", "+5", "\uff15", "9" * 5000,
+                                  "12\u3000"])
+def test_numbers_are_ascii_digits_only(text: str) -> None:
+    # str.isdigit took superscripts (then int() raised ValueError) and other scripts' digits (taken as numbers).
+    for field, value in (("pids", text), ("open_files", text), ("wall_seconds", text), ("cpus", text),
+                         ("memory", text + "M")):
+        with pytest.raises(PolicyError) as info:
+            Limits(**{field: value})
+        assert info.value.field == f"limits.{field}"
+
+
+def test_limits_within_what_the_kernel_takes() -> None:
+    assert Limits(pids=" 64 ", cpus="2e0", wall_seconds="5s").pids == 64
+    assert Limits(pids=4 * 1024 * 1024).pids == 4 * 1024 * 1024
+    for field, value in (("pids", 4 * 1024 * 1024 + 1), ("pids", 2**31 - 1), ("cpus", 1e9), ("cpus", "8193")):
+        with pytest.raises(PolicyError, match="too large"):
+            Limits(**{field: value})
+
+
+def test_a_profile_nested_past_the_recursion_limit_is_a_policy_error() -> None:
+    with pytest.raises(PolicyError, match="nested deeper"):
+        Policy.from_toml("read = " + "[" * 5000 + "]" * 5000 + "\n")
+
+
+def test_a_name_is_ascii_before_it_is_lowered() -> None:
+    # "\u212a" (KELVIN SIGN) lowers to ASCII "k": the name given is not the name allowed.
+    for name in ("\u212aelvin.example", "\u3000pypi.org", "pypi.org:\u0664\u0664\u0663"):
+        with pytest.raises(PolicyError):
+            Egress([name])

@@ -103,6 +103,19 @@ def cluster() -> Iterator[Any]:
         assert not _data_dirs(), "sandbox data directories were left behind"
 
 
+def test_rays_address_file_is_this_runs_own(cluster: Any) -> None:
+    # Not the machine's /tmp/ray: after Ray ran there as root, the uid 65534 half of run-all.sh ended in
+    # PermissionError on /tmp/ray/ray_current_cluster (and a plain ray.init() may find another run's cluster).
+    from ray._common.utils import get_ray_address_file
+
+    assert os.environ.get("RAY_TMPDIR"), "Ray's files would go to the machine's shared /tmp/ray"
+    address_file = get_ray_address_file(None)
+    own = os.path.realpath(os.environ["RAY_TMPDIR"])
+    assert os.path.realpath(address_file).startswith(own + "/") and os.path.exists(address_file), address_file
+    info = os.stat(own)
+    assert (info.st_uid, info.st_mode & 0o077) == (os.geteuid(), 0), own   # private to this run's caller
+
+
 def test_sandboxes_spread_over_the_nodes_and_a_refusing_node_is_skipped(cluster: Any) -> None:
     boxes = iray.Sandbox.create_many(2, box_policy(), resources={"worker": 1})
     spread = iray.Sandbox.create_many(8, box_policy())  # the broken node refuses its share: the others take it

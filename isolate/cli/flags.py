@@ -140,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _int_option(value: str | None, name: str) -> int | None:
+    """An id: ASCII digits only (int() takes other scripts' digits, signs, spaces and underscores)."""
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise CliError(f"{name}: {value!r} is not a whole number") from None
+    if not (value.isascii() and value.isdigit()) or len(value) > 10:
+        raise CliError(f"{name}: {value!r} is not a whole number (ASCII digits)")
+    number = int(value)
     if number <= 0:
         raise CliError(f"{name}: must be a positive number, got {value}")
     return number

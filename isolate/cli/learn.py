@@ -58,7 +58,6 @@ COMMAND`` and no other flag.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import subprocess
@@ -68,8 +67,9 @@ from typing import Any
 
 from ..model.errors import CommandNotFoundError, IsolationError, SetupError, UnsupportedError
 from ..model.policy import Egress, Limits, Mount, Policy
+from ..model.units import whole_number
 from . import learnsafe
-from .flags import CliError, build_parser, policy_from_args
+from .flags import CliError, _Parser, build_parser, policy_from_args
 
 DEFAULT_ROUNDS = 8
 _WRITES = ("write", "truncate", "create", "remove", "rename")
@@ -494,15 +494,15 @@ def _run(command: Sequence[str], policy: Policy, overlays: list[Any]) -> Any:
 
 
 def learn_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="isolate-run learn", add_help=True, allow_abbrev=False,
-                                     description="Run COMMAND confined, again and again, granting what it was "
-                                                 "refused, then write the profile it needs.")
+    parser = _Parser(prog="isolate-run learn", add_help=True, allow_abbrev=False,
+                     description="Run COMMAND confined, again and again, granting what it was refused, then write "
+                                 "the profile it needs.")
     parser.add_argument("--out", default="profile.toml", metavar="FILE",
                         help="where the profile goes (default profile.toml)")
     parser.add_argument("--learn-net", action="store_true",
                         help="allow each destination the command reached for in the next run, and grant it in the "
                              "profile (without it they are named in comments only)")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="N",
+    parser.add_argument("--rounds", type=whole_number, default=DEFAULT_ROUNDS, metavar="N",
                         help=f"runs at most (default {DEFAULT_ROUNDS})")
     own, rest = parser.parse_known_args(list(argv))
     options = build_parser().parse_args(rest)

@@ -291,6 +291,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except BrokenPipeError:
         return EXIT_SETUP
+    except Exception as exc:  # never a traceback for a CLI user (unless ISOLATE_DEBUG asks for one)
+        # What the parsers and checks missed (a RecursionError of deep input, a ValueError of a value no
+        # check saw) is still one line naming its kind, and isolate-run's own exit status.
+        if os.environ.get("ISOLATE_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"isolate-run: unexpected {type(exc).__name__}: {_printable(str(exc))[:500]} (ISOLATE_DEBUG=1 shows "
+              "where; please report it)", file=sys.stderr)
+        return EXIT_SETUP
 
 
 def _explain_report(path: str) -> int:

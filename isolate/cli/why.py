@@ -68,6 +68,8 @@ def explain_report(path: str) -> list[str]:
         data = json.loads(read_input_file(path).decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a report of isolate-run ({exc})") from None
+    except RecursionError:  # json descends once per nested array or object
+        raise ValueError(f"{path}: not a report of isolate-run (nested too deep)") from None
     if not isinstance(data, dict) or not isinstance(data.get("denied"), list):
         raise ValueError(f"{path}: not a report of isolate-run (no denied list)")
     policy = Policy()

@@ -76,6 +76,10 @@ MAX_SUMMARY_ENTRIES = 512
 _LAST_NAME_ADDRESS = int(BLOCK.broadcast_address)
 
 NOT_ALLOWED = "not allowed"
+#: The reason of a refused name that is none (not ASCII, a bad label, an address in a DNS question).
+NOT_A_NAME = "not a host name"
+#: Of a name that is none, the report keeps this many characters (the program chose them, and their length).
+MAX_SHOWN_NAME = 255
 
 
 class _DescriptorBudget:
@@ -388,6 +392,7 @@ class Mediator:
         try:
             name = normalize_name(query.name, "dns")
         except PolicyError:
+            self._count_denied("host", query.name[:MAX_SHOWN_NAME], None, NOT_A_NAME)
             return dns.build_response(query, dns.NXDOMAIN)
         if not self.rules.ports_of(name):
             self._count_denied("host", name, None, NOT_ALLOWED)
@@ -556,7 +561,8 @@ class Mediator:
         try:
             name = normalize_name(host, "proxy")
         except PolicyError as exc:
-            raise _Denied("not a host name", 400, f"isolate: {exc}") from None
+            self._count_denied("host", host[:MAX_SHOWN_NAME], port, NOT_A_NAME)
+            raise _Denied(NOT_A_NAME, 400, f"isolate: {exc}") from None
         ports = self.rules.ports_of(name)
         if port not in ports:
             reason = NOT_ALLOWED if not ports else "port not allowed"

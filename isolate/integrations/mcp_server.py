@@ -38,6 +38,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Policy
+from ..model.units import whole_number
 from .mcp_state import (
     DEFAULT_MAX_SANDBOXES,
     MAX_COMMANDS,
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="FILE",
                         help="a policy profile (TOML, as isolate.Policy.load reads) every created sandbox gets; "
                              "default: isolate.Policy() (no network, writes only in the sandbox's own places)")
-    parser.add_argument("--max-sandboxes", type=int, default=DEFAULT_MAX_SANDBOXES, metavar="N",
+    parser.add_argument("--max-sandboxes", type=whole_number, default=DEFAULT_MAX_SANDBOXES, metavar="N",
                         help=f"the most sandboxes it holds at once (default {DEFAULT_MAX_SANDBOXES})")
     args = parser.parse_args(argv)
     if args.max_sandboxes < 1:

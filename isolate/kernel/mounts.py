@@ -45,12 +45,18 @@ class MountPlan:
         return any(path == b or path.startswith(b.rstrip("/") + "/") for b in self._bound)
 
     def ensure_dir(self, path: str, mode: int = 0o755) -> None:
-        """mkdir -p inside the new root, skipping what a bind already provides."""
-        if path == "/" or path in self._dirs or self._covered(path):
-            return
-        self.ensure_dir(os.path.dirname(path))
-        self._dirs.add(path)
-        self.steps.append(MountStep(lib.ISO_MOUNT_DIR, path, mode=mode))
+        """mkdir -p inside the new root, skipping what a bind already provides.
+
+        A loop, not a recursion: a path of 2,000 components is a valid one (PATH_MAX is 4096), and
+        ``dirname`` of a path the policy did not reduce (``//``) is the path itself.
+        """
+        missing: list[str] = []
+        while path != "/" and path not in self._dirs and not self._covered(path) and path not in missing:
+            missing.append(path)
+            path = os.path.dirname(path)
+        for index, where in enumerate(reversed(missing)):
+            self._dirs.add(where)
+            self.steps.append(MountStep(lib.ISO_MOUNT_DIR, where, mode=mode if index == len(missing) - 1 else 0o755))
 
     def symlink(self, path: str, text: str) -> None:
         if path in self._dirs or self._covered(path):

@@ -73,9 +73,11 @@ def _numeric_host(name: str) -> bool:
 
 def normalize_name(text: str, what: str) -> str:
     """A DNS name in lower case without the final dot; PolicyError if it is none."""
-    name = text.strip().lower().rstrip(".")
-    if not name.isascii():
+    # ASCII before anything else: str.lower() makes "k" of the KELVIN SIGN (U+212A) and str.strip() drops
+    # other scripts' spaces, so a name checked after them is not the name that was given.
+    if not text.isascii():
         raise PolicyError(f"{what}: {text!r} is not an ASCII name; give its IDNA form (xn--...)", "network")
+    name = text.strip().lower().rstrip(".")
     if not name or len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
         raise PolicyError(f"{what}: {text!r} is not a host name", "network")
     try:
@@ -111,6 +113,8 @@ def parse_host_rule(text: str) -> HostRule:
     """``NAME[:PORT]`` or ``*.DOMAIN[:PORT]``; PolicyError naming the entry otherwise."""
     if not isinstance(text, str):
         raise PolicyError(f"network: expected HOST[:PORT] strings, got {type(text).__name__}", "network")
+    if not text.isascii():  # before strip(), which drops other scripts' spaces
+        raise PolicyError(f"network: {text!r} is not an ASCII name; give its IDNA form (xn--...)", "network")
     host, sep, port_text = text.strip().rpartition(":")
     if not sep:
         host, port_text = text.strip(), ""

@@ -19,6 +19,7 @@ from typing import Any
 from . import egress_rules
 from .errors import PolicyError
 from .files import read_input_file
+from .paths import inside_path, mount_point
 from .units import format_size, parse_count, parse_seconds, parse_size
 
 #: Read-only system paths granted unless ``--no-defaults`` (missing ones are skipped).
@@ -114,6 +115,11 @@ MIN_MEMORY = 1024 * 1024
 MIN_TMPFS_SIZE = 4096
 MIN_LIMIT_SECONDS = 0.01
 MIN_OPEN_FILES = 16
+#: The ceilings the kernel itself has, so that a value past them is refused here, naming it, rather
+#: than by a cgroup file as an error of the cgroups: pids.max takes at most PID_MAX_LIMIT (4M on
+#: 64-bit); Linux is built for at most 8192 CPUs (NR_CPUS), and more bandwidth than CPUs is no limit.
+MAX_PIDS = 4 * 1024 * 1024
+MAX_CPUS = 8192
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,9 @@ class Limits:
             "cpu_seconds": lambda v, f: parse_seconds(v, f, MIN_LIMIT_SECONDS, ": the watchdog's poll"),
             "wall_seconds": lambda v, f: parse_seconds(v, f, MIN_LIMIT_SECONDS, ": less is gone before the "
                                                        "program has started"),
-            "cpus": parse_seconds,
-            "pids": parse_count,
+            "cpus": lambda v, f: parse_seconds(v, f, maximum=MAX_CPUS, why_max=" CPUs, the most a Linux kernel "
+                                               "is built for"),
+            "pids": lambda v, f: parse_count(v, f, maximum=MAX_PIDS, why_max=", the kernel's PID_MAX_LIMIT"),
             "open_files": lambda v, f: parse_count(v, f, MIN_OPEN_FILES, ": the standard streams and the "
                                                    "sandbox's own descriptors while it starts"),
         }
@@ -234,12 +241,7 @@ class Mount:
         source = os.fsdecode(os.fspath(self.source)) if isinstance(self.source, (bytes, os.PathLike)) else self.source
         if not isinstance(source, str) or not source or "\0" in source:
             raise PolicyError(f"binds: {self.source!r} is not a usable host path", "binds")
-        target = self.target
-        if not isinstance(target, str) or not os.path.isabs(target) or "\0" in target:
-            raise PolicyError(f"binds: {target!r} must be an absolute path inside the sandbox", "binds")
-        target = os.path.normpath(target)
-        if target == "/" or any(target == p or target.startswith(p + "/") for p in ("/proc", "/dev")):
-            raise PolicyError(f"binds: {target} cannot be a mount point (the sandbox builds it itself)", "binds")
+        target = mount_point(self.target, "binds", "a mount point")
         if self.mode not in ("ro", "rw"):
             raise PolicyError(f"binds: mode {self.mode!r} is not ro or rw", "binds")
         object.__setattr__(self, "source", source)
@@ -330,10 +332,8 @@ class Policy:
                               "binds")
         for name in ("read", "write", "tmpfs", "keep_env", "unix_sockets", "home_files"):
             set_(self, name, _str_tuple(getattr(self, name), name))
-        for name in ("tmpfs",):
-            for path in getattr(self, name):
-                if not os.path.isabs(path):
-                    raise PolicyError(f"{name}: {path!r} must be an absolute path inside the sandbox", name)
+        # One canonical form each ("/tmp/" and "/tmp" are one mount), in the order given.
+        set_(self, "tmpfs", tuple(dict.fromkeys(mount_point(p, "tmpfs", "a tmpfs") for p in self.tmpfs)))
         self._check_paths_exist()
         for name in self.keep_env:
             if "=" in name:
@@ -383,20 +383,17 @@ class Policy:
         if self.home in ("none", ""):
             set_(self, "home", None)  # the TOML spelling of "no home"
         if self.home is not None:
-            if not isinstance(self.home, str) or not os.path.isabs(self.home) or "\0" in self.home:
+            if not isinstance(self.home, str) or not self.home.startswith("/"):
                 raise PolicyError(f"home: {self.home!r} must be an absolute path inside the sandbox (or none)", "home")
-            home = os.path.normpath(self.home)
-            if home == "/" or any(home == p or home.startswith(p + "/") for p in ("/proc", "/dev")):
-                raise PolicyError(f"home: {self.home} cannot be the home (the sandbox builds it itself)", "home")
-            set_(self, "home", home)
+            set_(self, "home", mount_point(self.home, "home", "the home"))
         elif self.home_files:
             raise PolicyError("home_files: there is no home to put them in (home is none)", "home_files")
         for name in self.home_files:
             base = os.path.basename(os.path.normpath(name))
             if base in ("", ".", "..", "/"):
                 raise PolicyError(f"home_files: {name!r} names no file", "home_files")
-        if self.cwd is not None and (not isinstance(self.cwd, str) or not os.path.isabs(self.cwd)):
-            raise PolicyError(f"cwd: {self.cwd!r} must be an absolute path inside the sandbox", "cwd")
+        if self.cwd is not None:
+            set_(self, "cwd", inside_path(self.cwd, "cwd"))
         for name in ("uid", "gid"):
             value = getattr(self, name)
             if value is not None and (
@@ -426,9 +423,6 @@ class Policy:
                     raise PolicyError(f"{name}: {path!r} does not exist; create it or drop it from the policy", name)
 
     def _check_contradictions(self) -> None:
-        for path in self.tmpfs:
-            if path in ("/", "/proc", "/dev"):
-                raise PolicyError(f"tmpfs: {path} cannot be a tmpfs (the sandbox builds it itself)", "tmpfs")
         # A default read-only path that is also asked for writable gives way to
         # the explicit grant (isolate-run --rw /etc); two explicit lists that
         # disagree are a contradiction.
@@ -502,6 +496,8 @@ class Policy:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise PolicyError(f"{source}: not valid TOML: {exc}") from None
+        except RecursionError:  # tomllib descends once per nested array or inline table
+            raise PolicyError(f"{source}: nested deeper than a policy is; not a profile") from None
         return cls.from_dict(data)
 
     @classmethod

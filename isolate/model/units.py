@@ -7,7 +7,13 @@ import re
 
 from .errors import PolicyError
 
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+# Numbers are ASCII digits only: str.isdigit, int() and float() take other scripts' digits ("\u0661\u0662\u0668"
+# is 128 to int()), superscripts ("\u00b2" passes isdigit, then int() raises) and underscores ("1_000").
+_SIZE = re.compile(r"[ \t]*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)[ \t]*([kmgt]?)(i?b)?[ \t]*", re.IGNORECASE | re.ASCII)
+_WHOLE = re.compile(r"[ \t]*([0-9]+)[ \t]*", re.ASCII)
+_DECIMAL = re.compile(r"[ \t]*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[+-]?[0-9]+)?)s?[ \t]*", re.IGNORECASE | re.ASCII)
+#: More digits than any bound here has: refused before int() (which refuses past 4,300 digits itself).
+_MAX_DIGITS = 40
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 # Upper bounds, so that no value wraps or overflows on its way to the kernel
@@ -36,7 +42,7 @@ def parse_size(value: object, field: str, minimum: int = 1, why: str = "") -> in
     elif isinstance(value, float):
         number, power = value, 0
     elif isinstance(value, str):
-        match = _SIZE.match(value)
+        match = _SIZE.fullmatch(value) if len(value) <= _MAX_DIGITS else None
         if not match or (match.group(3) and match.group(3).lower() == "ib" and not match.group(2)):
             raise PolicyError(
                 f"{field}: {value!r} is not a size; write bytes or a number with K, M, G or T (e.g. 64M, 1.5G)",
@@ -46,7 +52,9 @@ def parse_size(value: object, field: str, minimum: int = 1, why: str = "") -> in
         power = _POWERS[match.group(2).lower()]
     else:
         raise PolicyError(f"{field}: expected a size such as 64M, got {type(value).__name__}", field)
-    if not math.isfinite(number) or number < 0:
+    if not math.isfinite(number):
+        raise PolicyError(f"{field}: {value!r} is not a size", field)
+    if number < 0:
         raise PolicyError(f"{field}: a size cannot be negative ({value!r})", field)
     exact = number * (1024**power)
     size = math.ceil(exact) if math.isfinite(exact) else MAX_SIZE + 1
@@ -59,23 +67,25 @@ def parse_size(value: object, field: str, minimum: int = 1, why: str = "") -> in
     return size
 
 
-def parse_seconds(value: object, field: str, minimum: float = MIN_SECONDS, why: str = "") -> float:
-    """Seconds from an int, a float or a numeric string; finite, at least ``minimum`` (``why`` says why)."""
+def parse_seconds(value: object, field: str, minimum: float = MIN_SECONDS, why: str = "",
+                  maximum: float = MAX_SECONDS, why_max: str = " seconds, 100 years") -> float:
+    """Seconds from an int, a float or a string of ASCII digits (``1.5``, ``2e3``, ``5s``); finite, from
+    ``minimum`` to ``maximum`` (``why``, ``why_max`` say why)."""
     if isinstance(value, bool):
         raise PolicyError(f"{field}: expected seconds, got {value!r}", field)
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str):
-        try:
-            seconds = float(value.strip().removesuffix("s"))
-        except ValueError:
-            raise PolicyError(f"{field}: {value!r} is not a number of seconds (e.g. 5 or 0.5)", field) from None
+        match = _DECIMAL.fullmatch(value) if len(value) <= _MAX_DIGITS else None
+        if match is None:
+            raise PolicyError(f"{field}: {value!r} is not a number of seconds (e.g. 5 or 0.5)", field)
+        seconds = float(match.group(1))
     else:
         raise PolicyError(f"{field}: expected seconds, got {type(value).__name__}", field)
     if not math.isfinite(seconds) or seconds <= 0:
         raise PolicyError(f"{field}: seconds must be a positive number, got {value!r}", field)
-    if seconds > MAX_SECONDS:
-        raise PolicyError(f"{field}: {value!r} is too long (at most {MAX_SECONDS:.0f} seconds, 100 years)", field)
+    if seconds > maximum:
+        raise PolicyError(f"{field}: {value!r} is too large (at most {maximum:.0f}{why_max})", field)
     if seconds < minimum:
         why = why or ", the millisecond the clocks count in"
         raise PolicyError(f"{field}: {value!r} is too short (at least {minimum:g} seconds{why})", field)
@@ -87,23 +97,34 @@ def milliseconds_up(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000)) if seconds > 0 else 0
 
 
-def parse_count(value: object, field: str, minimum: int = 1, why: str = "") -> int:
-    """A whole number from an int or a numeric string, at least ``minimum`` (``why`` says why)."""
+def parse_count(value: object, field: str, minimum: int = 1, why: str = "", maximum: int = MAX_COUNT,
+                why_max: str = "") -> int:
+    """A whole number from an int or a string of ASCII digits, from ``minimum`` to ``maximum`` (``why``,
+    ``why_max`` say why)."""
     if isinstance(value, bool):
         raise PolicyError(f"{field}: expected a whole number, got {value!r}", field)
     if isinstance(value, int):
         count = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        count = int(value.strip())
+    elif isinstance(value, str) and len(value) <= _MAX_DIGITS and (match := _WHOLE.fullmatch(value)):
+        count = int(match.group(1))
     else:
         raise PolicyError(f"{field}: expected a positive whole number, got {value!r}", field)
     if count <= 0:
         raise PolicyError(f"{field}: must be a positive whole number, got {value!r}", field)
-    if count > MAX_COUNT:
-        raise PolicyError(f"{field}: {value!r} is too large (at most {MAX_COUNT})", field)
+    if count > maximum:
+        raise PolicyError(f"{field}: {value!r} is too large (at most {maximum}{why_max})", field)
     if count < minimum:
         raise PolicyError(f"{field}: {value!r} is too small (at least {minimum}{why})", field)
     return count
+
+
+def whole_number(text: str) -> int:
+    """A whole number written in ASCII digits, for argparse's ``type=`` (its message names the function):
+    ``int()`` takes other scripts' digits, signs, spaces and underscores."""
+    match = _WHOLE.fullmatch(text) if len(text) <= _MAX_DIGITS else None
+    if match is None:
+        raise ValueError(text)
+    return int(match.group(1))
 
 
 def format_size(size: int) -> str:

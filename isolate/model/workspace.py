@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import PolicyError
+from .paths import mount_point
 
 WORKSPACE_MODES = ("copy", "overlay", "bind")
 DEFAULT_TARGET = "/workspace"
@@ -41,11 +42,7 @@ class Workspace:
         if self.mode not in WORKSPACE_MODES:
             raise PolicyError(f"workspace: mode {self.mode!r} is not one of {', '.join(WORKSPACE_MODES)}",
                               "workspace")
-        if not isinstance(self.target, str) or not os.path.isabs(self.target) or "\0" in self.target:
-            raise PolicyError(f"workspace: target {self.target!r} must be an absolute path inside", "workspace")
-        target = os.path.normpath(self.target)
-        if target == "/" or any(target == p or target.startswith(p + "/") for p in ("/proc", "/dev")):
-            raise PolicyError(f"workspace: {target} cannot be the workspace", "workspace")
+        target = mount_point(self.target, "workspace", "the workspace")
         object.__setattr__(self, "target", target)
         if self.source is not None:
             source = os.path.abspath(os.fsdecode(os.fspath(self.source)))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
+from ..model.units import whole_number
 
 __all__ = ["create_app", "serve_main"]
 
@@ -68,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--volume-store", metavar="DIR",
                         help="where named (pvc) volumes are kept, a directory each (default: the state "
                              "directory's opensandbox-volumes)")
-    parser.add_argument("--warm", type=int, default=0, metavar="N",
+    parser.add_argument("--warm", type=whole_number, default=0, metavar="N",
                         help="keep N sandboxes started in the shape of the SDK's default create (the default "
                              "profile, 1 CPU, 2 GiB, no env, volumes or snapshot): such a create takes a fresh one "
                              "(never reused) and another starts in the background (default 0)")
-    parser.add_argument("--max-sandboxes", type=int, default=64, metavar="N",
+    parser.add_argument("--max-sandboxes", type=whole_number, default=64, metavar="N",
                         help="sandboxes kept at once; more creates are refused with 429 (default 64)")
-    parser.add_argument("--max-commands", type=int, default=1024, metavar="N",
+    parser.add_argument("--max-commands", type=whole_number, default=1024, metavar="N",
                         help="commands running at once over all sandboxes; one sandbox runs at most a quarter "
                              "of them (and 256); more are refused with 429 (default 1024)")
     parser.add_argument("--best-effort", action="store_true",

@@ -557,6 +557,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         rlimits.append((resource.RLIMIT_CPU, seconds, seconds + 1))
         enforced["cpu_seconds"] = "rlimit (per process)"
         limit_cpu = cpu_seconds
+    rlimits = _within_hard_limits(rlimits, refusals)
     if limits.wall_seconds is not None:
         plan.wall_ms = milliseconds_up(limits.value("wall_seconds") or 0.0)
         enforced["wall_seconds"] = "init"
@@ -589,3 +590,28 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         image_env=image_root.env if image_root is not None else None,
         image_command=image_root.image.config if image_root is not None else None,
     )
+
+
+#: The policy's name of each rlimit it sets, the unit it is shown in, and how ``ulimit`` shows the hard limit.
+_RLIMIT_FIELDS = {resource.RLIMIT_NOFILE: ("limits.open_files", "", "ulimit -Hn"),
+                  resource.RLIMIT_FSIZE: ("limits.file_size", " bytes", "ulimit -Hf"),
+                  resource.RLIMIT_CPU: ("limits.cpu_seconds", " s", "ulimit -Ht")}
+
+
+def _within_hard_limits(rlimits: list[tuple[int, int, int]], refusals: _Refusals) -> list[tuple[int, int, int]]:
+    """The rlimits, each refused (the value and the ceiling named) where it is above this process's own hard
+    limit: the sandbox's setup can only lower a hard limit (it holds no CAP_SYS_RESOURCE over the host's
+    limits), and the kernel's EPERM would blame the setup, not the value. A hard limit above a soft one that
+    fits (RLIMIT_CPU's second of grace) is lowered to the ceiling; under best effort the ceiling stays."""
+    out = []
+    for which, soft, hard in rlimits:
+        ceiling = resource.getrlimit(which)[1]
+        if ceiling != resource.RLIM_INFINITY and hard > ceiling:
+            if soft > ceiling:
+                field, unit, spelling = _RLIMIT_FIELDS.get(which, (f"rlimit {which}", "", "ulimit -H"))
+                refusals.refuse(f"{field}: {soft}{unit} is above this process's own hard limit, {ceiling}{unit} "
+                                f"({spelling}), which a sandbox cannot raise; ask for at most that, or raise the "
+                                "hard limit before isolate runs")
+            soft, hard = min(soft, ceiling), ceiling
+        out.append((which, soft, hard))
+    return out

@@ -4,6 +4,7 @@ its tree frozen and killed, removed at the end; and sweeping what killed owners 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import signal
@@ -54,6 +55,19 @@ _counter_lock = threading.Lock()
 
 
 _swept = False
+
+
+def _write_limit(path: str, value: object, field: str, asked: object = None) -> None:
+    """Write a limit; a value the kernel refuses (EINVAL, ERANGE) is named, with the policy's field,
+    instead of being told as a cgroup this process cannot use (which it can: the value is at fault)."""
+    try:
+        _write(path, str(value))
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ERANGE, errno.EOVERFLOW):
+            raise
+        shown = asked if asked is not None else value
+        raise UnsupportedError(f"limits.{field}: the kernel refused {shown} ({os.path.basename(path)} = {value}: "
+                               f"{exc.strerror})") from None
 
 
 # -- the run cgroup --------------------------------------------------------------
@@ -248,7 +262,7 @@ class RunCgroup:
                 if plan.version == 2:
                     run._v2_check_core(required or set())
                 run._apply_limits()
-            except _NotHere:
+            except (_NotHere, UnsupportedError):
                 run.remove()
                 raise
             except OSError as exc:
@@ -272,10 +286,10 @@ class RunCgroup:
             assert isinstance(memory, int)
             directory = self._by_feature["memory"]
             if self._version == 1:
-                _write(os.path.join(directory, "memory.limit_in_bytes"), str(memory))
+                _write_limit(os.path.join(directory, "memory.limit_in_bytes"), memory, "memory")
                 memsw = os.path.join(directory, "memory.memsw.limit_in_bytes")
                 if os.path.exists(memsw):
-                    _write(memsw, str(memory))
+                    _write_limit(memsw, memory, "memory")
                 elif _swap_total() > 0:
                     _write(os.path.join(directory, "memory.swappiness"), "0")
                     self.warnings.append(
@@ -283,7 +297,7 @@ class RunCgroup:
                         "boot with swapaccount=1 to make the memory limit cover swap"
                     )
             else:
-                _write(os.path.join(directory, "memory.max"), str(memory))
+                _write_limit(os.path.join(directory, "memory.max"), memory, "memory")
                 swap = os.path.join(directory, "memory.swap.max")
                 if os.path.exists(swap):
                     _write(swap, "0")
@@ -291,7 +305,7 @@ class RunCgroup:
                     self.warnings.append("memory.swap.max is missing: the tree may use swap beyond the memory limit")
         pids = limits.pids
         if pids is not None:
-            _write(os.path.join(self._by_feature["pids"], "pids.max"), str(pids))
+            _write_limit(os.path.join(self._by_feature["pids"], "pids.max"), pids, "pids")
         cpus = limits.cpus
         if cpus is not None:
             assert isinstance(cpus, float)
@@ -299,9 +313,9 @@ class RunCgroup:
             directory = self._by_feature["cpu"]
             if self._version == 1:
                 _write(os.path.join(directory, "cpu.cfs_period_us"), str(_CFS_PERIOD_US))
-                _write(os.path.join(directory, "cpu.cfs_quota_us"), str(quota))
+                _write_limit(os.path.join(directory, "cpu.cfs_quota_us"), quota, "cpus", cpus)
             else:
-                _write(os.path.join(directory, "cpu.max"), f"{quota} {_CFS_PERIOD_US}")
+                _write_limit(os.path.join(directory, "cpu.max"), f"{quota} {_CFS_PERIOD_US}", "cpus", cpus)
 
     # -- facts --
 

@@ -307,3 +307,5 @@ def _load_json(content: bytes, source: str) -> object:
         raise PolicyError(
             f"{source}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}", "seccomp"
         ) from None
+    except RecursionError:  # json descends once per nested array or object
+        raise PolicyError(f"{source}: nested deeper than a seccomp profile is", "seccomp") from None

@@ -387,3 +387,14 @@ def test_a_snapshots_archive_is_the_programs_word_and_its_tar_is_not_run(source:
     assert any(issubclass(w.category, isolate.kept.snapshots.SnapshotSkipWarning) for w in caught)
     for name in ("through-link", "direct", "existing", "dotdot", "absolute", "etc/outside", "/tmp/hard"):
         assert name in skipped, skipped
+
+
+def test_a_sparse_file_of_tmp_is_restored_sparse(source: str) -> None:
+    """4 GiB apparent in a 1 GiB /tmp: its holes stay holes through the snapshot's archive and back."""
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="copy")) as a:
+        a.exec("truncate -s 4G /tmp/sparse && printf abc | dd of=/tmp/sparse bs=1 seek=3000000000 conv=notrunc")
+        snap = a.snapshot()
+    with Sandbox(policy(write=()), snapshot=snap) as b:
+        out = b.exec("stat -c '%s %b' /tmp/sparse && dd if=/tmp/sparse bs=1 skip=3000000000 count=3 2>/dev/null")
+    size, blocks = out.stdout.splitlines()[0].split()
+    assert int(size) == 4 << 30 and int(blocks) < 1024 and out.stdout.endswith("abc"), out

@@ -123,12 +123,7 @@ def _member(tar: tarfile.TarFile, member: tarfile.TarInfo, area: Area, parts: li
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=parent)
             try:
-                source = tar.extractfile(member)
-                assert source is not None
-                while chunk := source.read(_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view):]
+                _write(tar, member, fd)
                 if owner:
                     os.fchown(fd, *owner)
                 os.fchmod(fd, mode)
@@ -158,6 +153,21 @@ def _member(tar: tarfile.TarFile, member: tarfile.TarInfo, area: Area, parts: li
             raise _Skip("a device is not restored")
     finally:
         os.close(parent)
+
+
+def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, fd: int) -> None:
+    """The member's data into fd; a sparse one's holes stay holes (as tar --sparse made them)."""
+    source = tar.extractfile(member)
+    assert source is not None
+    regions = member.sparse if member.sparse is not None else [(0, member.size)]
+    for offset, length in regions:
+        source.seek(offset)
+        while length > 0 and (chunk := source.read(min(length, _CHUNK))):
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset, length = view[written:], offset + written, length - written
+    os.ftruncate(fd, member.size)
 
 
 def _inside(name: str, area: Area) -> list[str] | None:

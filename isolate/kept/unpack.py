@@ -159,7 +159,8 @@ def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, fd: int) -> None:
     """The member's data into fd; a sparse one's holes stay holes (as tar --sparse made them)."""
     source = tar.extractfile(member)
     assert source is not None
-    regions = member.sparse if member.sparse is not None else [(0, member.size)]
+    sparse: list[tuple[int, int]] | None = getattr(member, "sparse", None)  # typeshed says int: it is not
+    regions = sparse if sparse is not None else [(0, member.size)]
     for offset, length in regions:
         source.seek(offset)
         while length > 0 and (chunk := source.read(min(length, _CHUNK))):

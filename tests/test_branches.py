@@ -297,3 +297,104 @@ def test_merge_of_huge_sparse_files_reads_none_whole(source: str) -> None:
     assert grown_mib < 512, f"merge grew the caller by {grown_mib} MiB"
     assert result.snapshot is not None
     result.snapshot.remove()
+
+
+@pytest.fixture
+def host_dir(workdir: str) -> str:
+    """A host directory the program may write (a root caller's program is nobody)."""
+    path = os.path.join(workdir, "host")
+    os.mkdir(path)
+    os.chmod(path, 0o777)
+    return path
+
+
+@pytest.mark.parametrize("way", ["snapshot=", "restore", "write grant"])
+def test_a_snapshot_restores_nothing_into_the_host_directories_of_the_next_sandbox(source: str, host_dir: str,
+                                                                                   way: str) -> None:
+    import tempfile
+    import warnings
+
+    grant = tempfile.mkdtemp(dir="/var/tmp", prefix="isolate-test-grant-") if way == "write grant" else ""
+    try:
+        if grant:
+            os.chmod(grant, 0o777)
+        shared = {"snapshot=": "/tmp/shared", "restore": "/home/sandbox/shared", "write grant": grant}[way]
+        ws = Workspace(source, mode="copy")
+        with Sandbox(policy(write=()), workspace=ws) as a:
+            a.exec(f"mkdir -p {shared} && echo planted > {shared}/planted && echo mine > /tmp/mine")
+            snap = a.snapshot()
+        mounts = [] if grant else [isolate.Mount(host_dir, shared, "rw")]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if way == "restore":
+                with Sandbox(policy(write=()), workspace=ws, mounts=mounts) as b:
+                    assert b.exec("echo fresh > /tmp/fresh").returncode == 0
+                    b.restore(snap)
+                    mine, skipped = b.read_file("/tmp/mine"), getattr(b, "restore_skipped", ())
+            else:
+                with Sandbox(policy(write=(grant,) if grant else ()), mounts=mounts, snapshot=snap) as b:
+                    mine, skipped = b.read_file("/tmp/mine"), getattr(b, "restore_skipped", ())
+        assert os.listdir(grant or host_dir) == []
+        assert mine == "mine\n"  # the sandbox's own areas are restored
+        assert any(f"{shared}/planted" in s for s in skipped), skipped
+        assert any(issubclass(w.category, isolate.kept.snapshots.SnapshotSkipWarning) for w in caught)
+    finally:
+        if grant:
+            import shutil
+
+            shutil.rmtree(grant, ignore_errors=True)
+
+
+def test_a_snapshots_archive_is_the_programs_word_and_its_tar_is_not_run(source: str, host_dir: str) -> None:
+    """The archive a planted tar hands over, with links, .. and absolute names into a host mount, lands only
+    in the sandbox's own tmpfs mounts; no tar of the sandbox's runs to unpack it."""
+    import io
+    import tarfile
+    import warnings
+
+    Path(host_dir, "existing").write_text("host\n")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        def add(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"x\n") -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mode = kind, link, 0o644
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+        add("tmp/lnk", tarfile.SYMTYPE, "/tmp/shared")
+        add("tmp/lnk/through-link")
+        add("tmp/shared/direct")
+        add("tmp/shared/existing", data=b"overwritten\n")
+        add("tmp/../tmp/shared/dotdot")
+        add("/tmp/shared/absolute")
+        add("etc/outside")
+        add("tmp/hard", tarfile.LNKTYPE, "tmp/shared/existing")
+        add("tmp/kept", data=b"kept\n")
+    env = {"PATH": "/tmp/bin:/usr/bin:/bin"}
+    with Sandbox(policy(write=(), env=env), workspace=Workspace(source, mode="copy")) as a:
+        a.write_file("/tmp/bin/payload.tar", buffer.getvalue())
+        a.write_file("/tmp/bin/tar", "#!/bin/sh\ncat /tmp/bin/payload.tar\n", mode=0o755)
+        snap = a.snapshot()
+    with warnings.catch_warnings(record=True) as caught, \
+            Sandbox(policy(write=(), env=env), mounts=[isolate.Mount(host_dir, "/tmp/shared", "rw")],
+                    snapshot=snap) as b:
+        warnings.simplefilter("always")
+        assert b.read_file("/tmp/kept") == "kept\n"
+        assert b.exec("readlink /tmp/lnk").stdout == "/tmp/shared\n"  # stored as a link, never followed
+        skipped = "\n".join(getattr(b, "restore_skipped", ()))
+    assert sorted(os.listdir(host_dir)) == ["existing"]
+    assert Path(host_dir, "existing").read_text() == "host\n"
+    assert any(issubclass(w.category, isolate.kept.snapshots.SnapshotSkipWarning) for w in caught)
+    for name in ("through-link", "direct", "existing", "dotdot", "absolute", "etc/outside", "/tmp/hard"):
+        assert name in skipped, skipped
+
+
+def test_a_sparse_file_of_tmp_is_restored_sparse(source: str) -> None:
+    """4 GiB apparent in a 1 GiB /tmp: its holes stay holes through the snapshot's archive and back."""
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="copy")) as a:
+        a.exec("truncate -s 4G /tmp/sparse && printf abc | dd of=/tmp/sparse bs=1 seek=3000000000 conv=notrunc")
+        snap = a.snapshot()
+    with Sandbox(policy(write=()), snapshot=snap) as b:
+        out = b.exec("stat -c '%s %b' /tmp/sparse && dd if=/tmp/sparse bs=1 skip=3000000000 count=3 2>/dev/null")
+    size, blocks = out.stdout.splitlines()[0].split()
+    assert int(size) == 4 << 30 and int(blocks) < 1024 and out.stdout.endswith("abc"), out

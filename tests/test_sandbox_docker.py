@@ -345,3 +345,43 @@ def test_prune_uses_no_name_that_isolate_did_not_give(tmp_path: Path, monkeypatc
     prune(idle=0.0, age=0.0)
     assert victim.read_text() == "{}\n"
     assert all(rec.name != name for rec in Registry().all())
+
+
+def test_tmp_var_tmp_and_home_are_the_programs_whatever_the_images_modes(project: str) -> None:
+    """An image whose /tmp is 0755, /var/tmp 0700 and home 0750 (root's): the engine's runc gives each tmpfs
+    mounted there that mode; the program still writes them, by a command and by write_file, as natively."""
+    import io
+    import shutil
+    import tarfile
+
+    from isolate.backends import docker as backend
+
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("no busybox binary on the host to build the image from")
+    blob = io.BytesIO()
+    with tarfile.open(fileobj=blob, mode="w") as tar:
+        for name, mode in [("bin", 0o755), ("tmp", 0o755), ("var", 0o755), ("var/tmp", 0o700), ("home", 0o755),
+                           ("home/sandbox", 0o750), ("workspace", 0o755)]:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, mode
+            tar.addfile(info)
+        tar.add(busybox, arcname="bin/busybox")
+        for applet in subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split():
+            if applet != "busybox":
+                link = tarfile.TarInfo(f"bin/{applet}")
+                link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+                tar.addfile(link)
+    repository, tag = "isolate-test", f"modes-{os.getpid()}"
+    api = backend.client().api
+    api.import_image_from_data(blob.getvalue(), repository=repository, tag=tag)
+    try:
+        policy = isolate.Policy(backend="docker", image=f"{repository}:{tag}", write=())
+        with Sandbox(policy, workspace=Workspace(project), backend="docker") as box:
+            done = box.exec("echo x > /tmp/y && echo x > /var/tmp/y && echo x > ~/y && echo written")
+            assert done.stdout == "written\n", (done.stdout, done.stderr)
+            box.write_file("/tmp/t.txt", "t")
+            box.write_file("/var/tmp/t.txt", "t")
+            assert box.read_file("/tmp/t.txt") == "t"
+    finally:
+        api.remove_image(f"{repository}:{tag}", force=True)

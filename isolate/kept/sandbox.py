@@ -109,6 +109,9 @@ class Sandbox:
         self._on_close: Callable[[Sandbox], None] | None = None
         #: A copy fork's start, kept (for merge) while forks of it are open.
         self._fork_point: ForkPoint | None = None
+        #: Files of the snapshot it started from (or was last restored to) that were not restored, each with
+        #: why: they would have landed in a host directory it shows, or beneath a link (SnapshotSkipWarning).
+        self.restore_skipped: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -132,7 +135,7 @@ class Sandbox:
         self._started = True
         if self.origin is not None and self.origin.areas:
             try:
-                restore_areas(self, self.origin)
+                self.restore_skipped = tuple(restore_areas(self, self.origin))
             except BaseException:
                 self.close()
                 raise
@@ -149,6 +152,7 @@ class Sandbox:
         box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
         box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
+        box._fork_point, box.restore_skipped = None, ()
         return box
 
     def _close_sessions(self) -> None:

@@ -19,11 +19,16 @@ What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
 
 Beside the workspace, the contents of the sandbox's private tmpfs mounts
 (``/tmp``, ``/var/tmp``, the home and the policy's ``tmpfs``) are kept when
-they hold anything, as a tar archive made and unpacked *inside* the sandbox,
-by the program's own ``tar`` as the program: nothing on the host reads or
-writes them by path. Host directories granted writable (``write=``, ``mounts``)
-are the host's, not the sandbox's, and are not captured. Processes are not
-captured: a sandbox started or restored from a snapshot starts with none.
+they hold anything, as a tar archive made *inside* the sandbox, by the
+program's own ``tar`` as the program: nothing on the host reads them by path.
+The archive is the program's word: it is unpacked only into the private
+tmpfs mounts of the sandbox it is restored into, by descriptors the host
+walks from their roots, never into a host directory that sandbox shows there
+(``isolate/kept/unpack.py``): what would land elsewhere is skipped and
+reported (``SnapshotSkipWarning``, ``Sandbox.restore_skipped``). Host
+directories granted writable (``write=``, ``mounts``) are the host's, not
+the sandbox's, and are not captured. Processes are not captured: a sandbox
+started or restored from a snapshot starts with none.
 
 Where it is kept: the files in ``<state dir>/snapshots/NAME`` (made and
 reached through descriptors that follow no link, as a sandbox's workspace
@@ -40,7 +45,9 @@ import json
 import os
 import secrets
 import stat
+import tarfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +64,11 @@ Sandbox = Any
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: The archive of the tmpfs mounts is read into memory: at most this much.
 AREAS_LIMIT = 1 << 30
+
+
+class SnapshotSkipWarning(RuntimeWarning):
+    """Files of a snapshot that were not restored: they would have landed outside the sandbox's own tmpfs
+    mounts (in a host directory it shows there, or beneath a link); ``Sandbox.restore_skipped`` lists them."""
 
 
 def _meta_dir() -> str:
@@ -352,8 +364,7 @@ def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
         return (), b""
     # Host paths shown inside those mounts (mounts, binds, write grants at /tmp/x) are the host's: left out,
     # by their literal paths.
-    hosts = [m.target for m in (*sb.mounts, *sb.policy.binds)] + [str(p) for p in sb.policy.write
-                                                                   if os.path.isabs(str(p))]
+    hosts, _ = host_paths(sb)
     excluded = [os.path.normpath(h).lstrip("/") for h in hosts
                 if any(os.path.normpath(h).startswith(area.rstrip("/") + "/") for area in full)]
     result = sb.exec(["tar", "-C", "/", "--sparse", "--no-wildcards", "--anchored",
@@ -368,15 +379,37 @@ def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
     return tuple(full), bytes(result.stdout)
 
 
-def restore_areas(sb: Sandbox, snap: Snapshot) -> None:
-    """Unpack a snapshot's tmpfs mounts in a fresh sandbox (inside, as the program)."""
+def host_paths(sb: Sandbox) -> tuple[list[str], list[str]]:
+    """The host directories and files the sandbox shows: (where it shows them, what they are on the host)."""
+    shown = [*sb.mounts, *sb.policy.binds]
+    grants = [str(p) for p in sb.policy.write if os.path.isabs(str(p))]
+    return [m.target for m in shown] + grants, [m.source for m in shown] + grants
+
+
+def restore_areas(sb: Sandbox, snap: Snapshot) -> list[str]:
+    """Unpack a snapshot's tmpfs mounts in a fresh sandbox, only into its own private tmpfs mounts (by
+    descriptors from inside, no program run: see isolate/kept/unpack.py); the members skipped, each with why."""
+    from .unpack import unpack
+
     archive = snap.areas_archive()
     if not archive:
-        return
-    result = sb.exec(["tar", "-C", "/", "--no-overwrite-dir", "-xpf", "-"], input=archive, text=True)
-    if result.returncode != 0:
-        raise IsolationError(f"snapshot {snap.name!r}: could not unpack {', '.join(snap.areas)}: "
-                             f"{result.stderr.strip()[-300:]}")
+        return []
+    targets, sources = host_paths(sb)
+    targets = [os.path.normpath(t) for t in targets]
+    # An area that is itself a host directory (or lies in one) is not the sandbox's own.
+    areas = [a for a in writable_areas(sb)
+             if not any(a == t or a.startswith(t.rstrip("/") + "/") for t in targets)]
+    user = sb._impl.report_enforced.get("user")
+    owner = (int(user["uid"]), int(user["gid"])) if os.geteuid() == 0 and isinstance(user, dict) else None
+    try:
+        skipped = unpack(sb._conn(), archive, areas, sources, owner)
+    except (OSError, tarfile.TarError) as exc:
+        raise IsolationError(f"snapshot {snap.name!r}: could not unpack {', '.join(snap.areas)}: {exc}") from None
+    if skipped:
+        shown = "; ".join(skipped[:5]) + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        warnings.warn(f"snapshot {snap.name!r}: {len(skipped)} of its files were not restored, as they would not "
+                      f"land in this sandbox's own tmpfs mounts: {shown}", SnapshotSkipWarning, stacklevel=4)
+    return skipped
 
 
 def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True) -> Snapshot:

@@ -25,8 +25,16 @@ LABEL_NAME = "isolate.name"
 LABEL_KIND = "isolate.kind"
 #: The unprivileged uid/gid a root caller's program runs as (SPEC "Who the program is").
 NOBODY = 65534
-#: Options of every tmpfs: writable, executable, private, world-writable with the sticky bit.
+#: Options of every tmpfs: writable, executable, private, world-writable with the sticky bit. Each is also
+#: owned by the program's user (``tmpfs_options``): the engine's runc (1.1) gives a tmpfs mounted on a
+#: directory of the image that directory's mode, whatever ``mode=`` says (an image's ``/tmp`` of mode 0755
+#: made it root's alone), and the owner's bits of the modes images give such directories let it write.
 TMPFS_OPTIONS = "rw,exec,nosuid,nodev,mode=1777"
+
+
+def tmpfs_options(uid: int, gid: int, size: int) -> str:
+    """A tmpfs's mount options for a container whose program runs as uid:gid."""
+    return f"{TMPFS_OPTIONS},size={size},uid={uid},gid={gid}"
 
 
 # --------------------------------------------------------------------------
@@ -107,7 +115,7 @@ class ContainerSpec:
             "ipc_mode": "private",
             "init": self.init,
             "log_config": {"Type": "none", "Config": {}},
-            "tmpfs": {path: f"{TMPFS_OPTIONS},size={self.tmpfs_size}" for path in self.tmpfs},
+            "tmpfs": {path: tmpfs_options(self.uid, self.gid, self.tmpfs_size) for path in self.tmpfs},
             "shm_size": self.shm_size,
             "mounts": [Mount(m.target, m.source, type="bind", read_only=m.read_only) for m in self.mounts],
             "ulimits": [Ulimit(name=name, soft=soft, hard=hard) for name, soft, hard in self.ulimits],

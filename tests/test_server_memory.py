@@ -1,0 +1,164 @@
+"""``isolate-run serve`` moves files with bounded memory: a download or upload of 1 GiB raises the server's
+resident memory by a chunk or two, not by the file (before: a 700 MiB file took it from 39 MB to 2.18 GB),
+and the files moving at once over the whole server are bounded (503 past that). The server runs as in
+tests/test_server.py; its memory is measured on its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import test_server as base
+
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+
+server = base.server  # the suite's server, started once for this module
+
+GIB = 1 << 30
+#: What moving a file may add to the server's resident memory, over its idle.
+HEADROOM = 64 << 20
+
+
+class PeakRss:
+    """The peak resident memory of a process, sampled in a thread while the block runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _run(srv: base.Server, prefix: str, headers: dict[str, str], command: str) -> None:
+    r = httpx.post(f"http://{srv.domain}{prefix}/command", json={"command": command}, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _upload_body(path: str, size: int, boundary: str = "isolate-test-boundary") -> tuple[Iterator[bytes], str]:
+    """A multipart upload of size zero bytes at path, made a chunk at a time (never whole in this process)."""
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"metadata\"\r\n"
+            f"Content-Type: application/json\r\n\r\n{json.dumps({'path': path, 'mode': 644})}\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+
+    def chunks() -> Iterator[bytes]:
+        yield head
+        zeros = bytes(1 << 20)
+        left = size
+        while left:
+            yield zeros[:min(left, len(zeros))]
+            left -= min(left, len(zeros))
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    return chunks(), f"multipart/form-data; boundary={boundary}"
+
+
+def test_moving_a_gib_keeps_the_server_small(server: base.Server) -> None:
+    box = base._create(server)
+    try:
+        prefix, headers = base._endpoint(server, box["id"])
+        url = f"http://{server.domain}{prefix}"
+        _run(server, prefix, headers, f"truncate -s {GIB} /tmp/big && printf small > /tmp/small")
+        # Warm the routes' code paths, then the idle figure.
+        assert httpx.get(f"{url}/files/download", params={"path": "/tmp/small"}, headers=headers).content == b"small"
+        time.sleep(0.2)
+        idle = psutil.Process(server.proc.pid).memory_info().rss
+        with PeakRss(server.proc.pid) as down:
+            got = 0
+            with httpx.stream("GET", f"{url}/files/download", params={"path": "/tmp/big"}, headers=headers,
+                              timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                assert int(r.headers["content-length"]) == GIB
+                for chunk in r.iter_raw(1 << 20):
+                    got += len(chunk)
+        assert got == GIB
+        assert down.peak - idle < HEADROOM, f"a 1 GiB download raised the server by {(down.peak - idle) >> 20} MiB"
+
+        body, kind = _upload_body("/workspace/big", GIB)
+        with PeakRss(server.proc.pid) as up:
+            r = httpx.post(f"{url}/files/upload", content=body, headers={**headers, "Content-Type": kind},
+                           timeout=120)
+        assert r.status_code == 200, r.text
+        info = httpx.get(f"{url}/files/info", params={"path": "/workspace/big"}, headers=headers).json()
+        assert info["/workspace/big"]["size"] == GIB
+        assert up.peak - idle < HEADROOM, f"a 1 GiB upload raised the server by {(up.peak - idle) >> 20} MiB"
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_download_lines_and_ranges(server: base.Server) -> None:
+    """offset/limit select lines (1-based) and a Range applies to what they select; read a chunk at a time."""
+    box = base._create(server)
+    try:
+        prefix, headers = base._endpoint(server, box["id"])
+        url = f"http://{server.domain}{prefix}/files/download"
+        _run(server, prefix, headers, "printf 'a\\nbb\\nccc\\ndddd' > /tmp/lines")
+
+        def get(extra: dict[str, str] | None = None, **params: Any) -> Any:
+            return httpx.get(url, params={"path": "/tmp/lines", **params}, headers={**headers, **(extra or {})})
+
+        assert get().content == b"a\nbb\nccc\ndddd"
+        assert get(offset=2).content == b"bb\nccc\ndddd"
+        assert get(offset=2, limit=2).content == b"bb\nccc\n"
+        assert get(limit=1).content == b"a\n"
+        assert get(offset=4, limit=5).content == b"dddd"
+        assert get(offset=9).content == b""
+        assert get(offset=2, limit=0).content == b""
+        r = get({"Range": "bytes=1-3"}, offset=2)
+        assert r.status_code == 206 and r.content == b"b\nc" and r.headers["content-range"] == "bytes 1-3/11"
+        r = get({"Range": "bytes=-4"})
+        assert r.status_code == 206 and r.content == b"dddd"
+        assert get({"Range": "bytes=20-"}).status_code == 416
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_files_moving_at_once_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the server's transfers at once, a download, an upload or a replace is answered 503 at once."""
+    from starlette.testclient import TestClient
+
+    import isolate
+    from isolate.server import create_app
+    from isolate.server.execd import access
+    from isolate.server.state import _Slots
+
+    key = base.KEY
+    with TestClient(create_app(key, {"ubuntu": isolate.Policy()})) as client:  # type: ignore[arg-type]
+        created = client.post("/v1/sandboxes", json={"image": {"uri": "ubuntu"}}, headers={"OPEN-SANDBOX-API-KEY": key})
+        assert created.status_code == 202, created.text
+        sid = created.json()["id"]
+        endpoint = client.get(f"/v1/sandboxes/{sid}/endpoints/44772", headers={"OPEN-SANDBOX-API-KEY": key}).json()
+        prefix, headers = "/" + endpoint["endpoint"].split("/", 1)[1], endpoint["headers"]
+        files = [("metadata", ("metadata", json.dumps({"path": "/tmp/f", "mode": 644}), "application/json")),
+                 ("file", ("f", b"x", "application/octet-stream"))]
+        assert client.post(prefix + "/files/upload", files=files, headers=headers).status_code == 200
+        monkeypatch.setattr(access, "TRANSFERS", _Slots(0))
+        answers = [client.get(prefix + "/files/download", params={"path": "/tmp/f"}, headers=headers),
+                   client.post(prefix + "/files/upload", files=files, headers=headers),
+                   client.post(prefix + "/files/replace", json={"/tmp/f": {"old": "x", "new": "y"}}, headers=headers)]
+        for r in answers:
+            assert r.status_code == 503 and r.json()["code"] == "SERVER_BUSY", r.text
+        monkeypatch.setattr(access, "TRANSFERS", _Slots(1))
+        r = client.get(prefix + "/files/download", params={"path": "/tmp/f"}, headers=headers)
+        assert r.status_code == 200 and r.content == b"x"
+        assert access.TRANSFERS.take()  # the download gave its slot back
+        assert client.delete(f"/v1/sandboxes/{sid}", headers={"OPEN-SANDBOX-API-KEY": key}).status_code == 204

@@ -468,13 +468,17 @@ async def upload_files(request: Request) -> Response:
     upload = _Upload(managed)
     try:
         parser = MultipartParser(boundary, upload.callbacks())
-        total = 0
+        total, pending = 0, bytearray()  # the body's small pieces gathered up to CHUNK: one worker hop each
         async for chunk in request.stream():
             total += len(chunk)
             if total > MAX_UPLOAD:
                 raise ApiError(413, "REQUEST_TOO_LARGE", f"an upload carries at most {MAX_UPLOAD} bytes")
-            if chunk:
-                await run_in_threadpool(_feed, parser, chunk)
+            pending += chunk
+            if len(pending) >= CHUNK:
+                await run_in_threadpool(_feed, parser, bytes(pending))
+                pending.clear()
+        if pending:
+            await run_in_threadpool(_feed, parser, bytes(pending))
         await run_in_threadpool(parser.finalize)
         upload.finish()
     finally:

@@ -162,3 +162,25 @@ def test_files_moving_at_once_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
         assert r.status_code == 200 and r.content == b"x"
         assert access.TRANSFERS.take()  # the download gave its slot back
         assert client.delete(f"/v1/sandboxes/{sid}", headers={"OPEN-SANDBOX-API-KEY": key}).status_code == 204
+
+
+def test_kept_command_output_is_bounded_over_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command kept its last 16 MiB and a sandbox its last 256 finished commands: 4 GiB a sandbox. The
+    output kept over all commands is bounded; the oldest bytes go, finished commands' first."""
+    from isolate.server import state
+
+    monkeypatch.setattr(state, "OUTPUT_TOTAL", 4 << 20)
+    monkeypatch.setattr(state, "OUTPUT_BUDGET", state._OutputBudget())
+    records = [state.CommandRecord(f"c{i}", "true", False, None, started_at=float(i))  # type: ignore[arg-type]
+               for i in range(4)]
+    for record in records[:3]:
+        record.finished_at = 1.0
+    chunk = bytes(512 << 10)
+    for record in records:
+        for _ in range(4):
+            record.add_output("stdout", chunk)
+    assert sum(len(r.output) for r in records) <= 4 << 20
+    assert len(records[3].output) == 2 << 20  # the running command kept all it wrote
+    assert records[0].output == b"" and records[0].output_base == 2 << 20  # the oldest finished one went first
+    data, end = records[2].read_from(0)  # a cursor behind what is kept gets what is left
+    assert end == 2 << 20 and len(data) == len(records[2].output)

@@ -184,3 +184,36 @@ def test_kept_command_output_is_bounded_over_the_server(monkeypatch: pytest.Monk
     assert records[0].output == b"" and records[0].output_base == 2 << 20  # the oldest finished one went first
     data, end = records[2].read_from(0)  # a cursor behind what is kept gets what is left
     assert end == 2 << 20 and len(data) == len(records[2].output)
+
+
+def test_snapshot_archive_moves_in_chunks(server: base.Server) -> None:
+    """A snapshot's archive of /tmp went through the server's memory whole, twice (up to 1 GiB): now it goes
+    from the sandbox's tar to its file, and back into a new sandbox's tar, a chunk at a time."""
+    size = 200 << 20
+    box = base._create(server)
+    snapshot, child = None, None
+    try:
+        prefix, headers = base._endpoint(server, box["id"])
+        # Data tar keeps as it is (not zeros, which --sparse would leave out).
+        _run(server, prefix, headers, f"yes 0123456789abcdef | head -c {size} > /tmp/big")
+        idle = psutil.Process(server.proc.pid).memory_info().rss
+        with PeakRss(server.proc.pid) as taking:
+            status, body = server.call("POST", f"/v1/sandboxes/{box['id']}/snapshots", {})
+        assert status == 202, body
+        snapshot = body["id"]
+        with PeakRss(server.proc.pid) as starting:
+            status, body = server.call("POST", "/v1/sandboxes", {"snapshotId": snapshot})
+        assert status == 202, body
+        child = body["id"]
+        prefix, headers = base._endpoint(server, child)
+        info = httpx.get(f"http://{server.domain}{prefix}/files/info", params={"path": "/tmp/big"},
+                         headers=headers).json()
+        assert info["/tmp/big"]["size"] == size
+        for what, peak in (("taking", taking.peak), ("starting from", starting.peak)):
+            assert peak - idle < HEADROOM, f"{what} a snapshot raised the server by {(peak - idle) >> 20} MiB"
+    finally:
+        for sid in (box["id"], child):
+            if sid is not None:
+                server.call("DELETE", f"/v1/sandboxes/{sid}")
+        if snapshot is not None:
+            server.call("DELETE", f"/v1/snapshots/{snapshot}")

@@ -37,7 +37,7 @@ class PeakRss:
     def _sample(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
+            time.sleep(0.02)
 
     def __enter__(self) -> PeakRss:
         self._thread.start()
@@ -217,3 +217,33 @@ def test_snapshot_archive_moves_in_chunks(server: base.Server) -> None:
                 server.call("DELETE", f"/v1/sandboxes/{sid}")
         if snapshot is not None:
             server.call("DELETE", f"/v1/snapshots/{snapshot}")
+
+
+def test_output_waiting_for_slow_clients_is_bounded_over_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each streamed command's output waiting for its client was bounded (8 MiB), not their sum (1024 commands:
+    8 GiB). Past the server's total, a bridge with bytes of its own waiting holds its command back."""
+    import asyncio
+
+    from isolate.server.execd import commands
+
+    monkeypatch.setattr(commands, "BRIDGE_LIMIT", 1 << 20)
+    monkeypatch.setattr(commands, "BRIDGES_TOTAL", 2 << 20, raising=False)
+    loop = asyncio.new_event_loop()
+    try:
+        a, b, c = (commands.Bridge(loop) for _ in range(3))
+        big = bytes(3 << 19)
+        a.put("stdout", big)
+        b.put("stdout", bytes(1 << 20))
+        c.put("stdout", bytes(1 << 20))  # one with nothing waiting always passes
+        second = threading.Thread(target=c.put, args=("stdout", b"more"))
+        second.start()
+        second.join(0.3)
+        assert second.is_alive(), "a bridge passed the server's total with bytes of its own waiting"
+        a.taken(big)  # a client read: room again
+        second.join(5)
+        assert not second.is_alive()
+        for bridge in (a, b, c):
+            bridge.close()
+        assert commands._waiting == 0
+    finally:
+        loop.close()

@@ -93,6 +93,20 @@ def test_moving_a_gib_keeps_the_server_small(server: base.Server) -> None:
         assert got == GIB
         assert down.peak - idle < HEADROOM, f"a 1 GiB download raised the server by {(down.peak - idle) >> 20} MiB"
 
+        # A client that goes away mid-download gives its slot back (a sandbox holds 4 at most: a leak shows).
+        for _ in range(6):
+            with httpx.stream("GET", f"{url}/files/download", params={"path": "/tmp/big"}, headers=headers,
+                              timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                next(r.iter_raw(1 << 20))
+        deadline = time.monotonic() + 10
+        while True:
+            r = httpx.get(f"{url}/files/download", params={"path": "/tmp/small"}, headers=headers)
+            if r.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+
         body, kind = _upload_body("/workspace/big", GIB)
         with PeakRss(server.proc.pid) as up:
             r = httpx.post(f"{url}/files/upload", content=body, headers={**headers, "Content-Type": kind},
@@ -157,10 +171,17 @@ def test_files_moving_at_once_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
                    client.post(prefix + "/files/replace", json={"/tmp/f": {"old": "x", "new": "y"}}, headers=headers)]
         for r in answers:
             assert r.status_code == 503 and r.json()["code"] == "SERVER_BUSY", r.text
-        monkeypatch.setattr(access, "TRANSFERS", _Slots(1))
+        monkeypatch.setattr(access, "TRANSFERS", _Slots(8))
         r = client.get(prefix + "/files/download", params={"path": "/tmp/f"}, headers=headers)
         assert r.status_code == 200 and r.content == b"x"
-        assert access.TRANSFERS.take()  # the download gave its slot back
+        # One sandbox holds at most a quarter of the slots: its clients cannot take them all.
+        managed = client.app.state.isolate.get(sid)  # type: ignore[attr-defined]
+        held = [access.transfer_slot(managed) for _ in range(2)]
+        r = client.get(prefix + "/files/download", params={"path": "/tmp/f"}, headers=headers)
+        assert r.status_code == 429 and r.json()["code"] == "TOO_MANY_TRANSFERS", r.text
+        for release in held:
+            release()
+        assert access.TRANSFERS._used == 0 and managed.transfers == 0  # every download gave its slot back
         assert client.delete(f"/v1/sandboxes/{sid}", headers={"OPEN-SANDBOX-API-KEY": key}).status_code == 204
 
 

@@ -309,6 +309,8 @@ class ManagedSandbox:
     #: Renew-on-access (extensions["access.renew.extend.seconds"]): seconds, and when it last renewed.
     renew_on_access: int | None = None
     renewed_at: float = 0.0
+    #: Files moving to or from it now (downloads, uploads, replaces; isolate.server.execd.access.transfer_slot).
+    transfers: int = 0
     #: Run once the sandbox is closed (the named volumes made for it, released).
     on_close: list[Callable[[], None]] = field(default_factory=list)
 

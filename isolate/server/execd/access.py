@@ -43,16 +43,26 @@ MAX_TRANSFERS = 16
 TRANSFERS = _Slots(MAX_TRANSFERS)
 
 
-def transfer_slot() -> Callable[[], None]:
-    """Take one of the server's MAX_TRANSFERS slots (503 SERVER_BUSY when none is free); returns its release."""
-    if not TRANSFERS.take():
-        raise ApiError(503, "SERVER_BUSY", f"this server moves at most {TRANSFERS.limit} files at once over all its "
-                       "sandboxes; try again shortly")
+def transfer_slot(managed: ManagedSandbox) -> Callable[[], None]:
+    """Take one of the server's MAX_TRANSFERS slots for managed (503 SERVER_BUSY when none is free; 429 when the
+    sandbox holds a quarter of them already, so that one sandbox's clients cannot take them all); returns its
+    release."""
+    most = max(1, TRANSFERS.limit // 4)
+    with managed.lock:
+        if managed.transfers >= most:
+            raise ApiError(429, "TOO_MANY_TRANSFERS", f"a sandbox moves at most {most} files at once; wait for one "
+                           "to end")
+        if not TRANSFERS.take():
+            raise ApiError(503, "SERVER_BUSY", f"this server moves at most {TRANSFERS.limit} files at once over all "
+                           "its sandboxes; try again shortly")
+        managed.transfers += 1
     given = threading.Event()
 
     def release() -> None:
         if not given.is_set():
             given.set()
+            with managed.lock:
+                managed.transfers -= 1
             TRANSFERS.give()
 
     return release

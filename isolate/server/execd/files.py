@@ -160,7 +160,7 @@ async def replace_content(request: Request) -> Response:
             counts[path] = {"replacedCount": found}
         return counts
 
-    slot = transfer_slot()
+    slot = transfer_slot(managed)
     try:
         counts = await run_in_threadpool(work)
     finally:
@@ -284,7 +284,7 @@ async def download_file(request: Request) -> Response:
         raise bad_request("path: the file to download is required", "MISSING_QUERY")
     offset = query_int(request, "offset", None, 1, 1 << 40)
     limit = query_int(request, "limit", None, 0, 1 << 40)
-    slot = transfer_slot()
+    slot = transfer_slot(managed)
     reader: Any = None
     try:
         if hasattr(managed.box, "open_file"):
@@ -464,7 +464,7 @@ async def upload_files(request: Request) -> Response:
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
         raise bad_request("the body must be multipart/form-data (metadata, file) pairs", "INVALID_REQUEST_BODY")
-    slot = transfer_slot()
+    slot = transfer_slot(managed)
     upload = _Upload(managed)
     try:
         parser = MultipartParser(boundary, upload.callbacks())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import math
 import os
 import shlex
@@ -305,6 +306,18 @@ class Sandbox:
                    mode: int = 0o644) -> None:
         native_files.write_bytes(self._conn(), path, data.encode() if isinstance(data, str) else data, append,
                                  make_parents, mode)
+
+    def open_file(self, path: str, mode: str = "rb", *, make_parents: bool = True, perms: int = 0o644) -> io.FileIO:
+        """The file at path as an unbuffered binary file object, opened inside as the program (as read_file and
+        write_file: its uid, its view, a regular file only): ``"rb"``, ``"wb"`` (made, emptied) or ``"ab"``.
+        For files too large to hold in memory: read or write it a chunk at a time, then close it."""
+        if mode == "rb":
+            fd = native_files.open_reader(self._conn(), path)
+        elif mode in ("wb", "ab"):
+            fd = native_files.open_writer(self._conn(), path, mode == "ab", make_parents, perms)
+        else:
+            raise ValueError(f"open_file: mode {mode!r} is not 'rb', 'wb' or 'ab'")
+        return io.FileIO(fd, mode, closefd=True)
 
     def replace_text(self, path: str, old: str, new: str, count: int | None = None) -> int:
         """Replace old by new; with count, exactly that many occurrences must exist. Returns how many."""

@@ -62,8 +62,9 @@ from ..model.workspace import Workspace
 Sandbox = Any
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: The archive of the tmpfs mounts is read into memory: at most this much.
+#: The archive of the tmpfs mounts, at most (it moves between the sandbox and its file CHUNK at a time).
 AREAS_LIMIT = 1 << 30
+CHUNK = 1 << 20
 
 
 class SnapshotSkipWarning(RuntimeWarning):
@@ -169,18 +170,20 @@ class Snapshot:
         finally:
             os.close(fd)
 
-    def areas_archive(self) -> bytes:
+    def open_areas(self) -> int | None:
+        """A descriptor of its archive of the tmpfs mounts (a regular file; the caller closes it), or None."""
         if not self.areas:
-            return b""
+            return None
         fd = self._open()
         try:
             archive = os.open("areas.tar", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
         finally:
             os.close(fd)
-        with os.fdopen(archive, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise IsolationError(f"snapshot {self.name!r}: its archive is not a regular file")
-            return handle.read(AREAS_LIMIT)
+        if not stat.S_ISREG(os.fstat(archive).st_mode):
+            os.close(archive)
+            raise IsolationError(f"snapshot {self.name!r}: its archive is not a regular file")
+        os.set_blocking(archive, True)
+        return archive
 
 
 def _workspace(ws: dict[str, Any]) -> Workspace:
@@ -296,11 +299,10 @@ class _Making:
             self.close()
             raise
 
-    def write_areas(self, archive: bytes) -> None:
-        fd = os.open("areas.tar", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self.fd)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(archive)
+    def open_areas(self) -> int:
+        """A new areas.tar of the snapshot, for writing (the caller closes it)."""
+        return os.open("areas.tar", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                       dir_fd=self.fd)
 
     def commit(self, workspace: Workspace, origin: str | None, areas: tuple[str, ...]) -> Snapshot:
         snap = Snapshot(self.name, self.kind, workspace, time.time(), secrets.token_hex(8), origin, areas,
@@ -347,8 +349,70 @@ def writable_areas(sb: Sandbox) -> list[str]:
     return out
 
 
-def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
-    """The non-empty tmpfs mounts and an archive of them, made inside by the program's own tar."""
+def _piped(sb: Sandbox, argv: list[str], source: int | None, sink: int | None, limit: int) -> tuple[int, bytes, bool]:
+    """Run argv in sb, its stdin fed from source and its stdout written to sink a chunk at a time (never whole in
+    memory): (exit status, the tail of its stderr, whether its stdout passed limit bytes and it was killed)."""
+    import selectors
+
+    from ..model.files import write_all
+
+    proc = sb.spawn(argv)
+    sel = selectors.DefaultSelector()
+    err, total, over = bytearray(), 0, False
+    pending = memoryview(b"")
+    try:
+        for fd in (proc.stdout_fd, proc.stderr_fd):
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        if source is None:
+            proc.close_stdin()
+        else:
+            os.set_blocking(proc.stdin_fd, False)
+            sel.register(proc.stdin_fd, selectors.EVENT_WRITE)
+        while any(key.events & selectors.EVENT_READ for key in sel.get_map().values()):
+            for key, _ in sel.select():
+                fd = int(key.fd)
+                if fd == proc.stdin_fd and source is not None:
+                    if not pending:
+                        pending = memoryview(os.read(source, CHUNK))
+                    try:
+                        pending = pending[os.write(fd, pending):] if pending else pending
+                    except BrokenPipeError:  # it stopped reading: its status says why
+                        pending = memoryview(b"")
+                        source = None
+                    if not pending and (source is None or not _more(source)):
+                        sel.unregister(fd)
+                        proc.close_stdin()
+                    continue
+                try:
+                    chunk = os.read(fd, CHUNK)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(fd)
+                elif fd == proc.stderr_fd:
+                    err += chunk
+                    del err[:max(0, len(err) - 4096)]
+                elif not over:
+                    total += len(chunk)
+                    if total > limit:
+                        over = True
+                        proc.kill()
+                    elif sink is not None:
+                        write_all(sink, chunk)
+        return proc.wait(), bytes(err), over
+    finally:
+        sel.close()
+        proc.close()
+
+
+def _more(fd: int) -> bool:
+    """Whether a regular file's descriptor is short of its end."""
+    return os.lseek(fd, 0, os.SEEK_CUR) < os.fstat(fd).st_size
+
+
+def capture_areas(sb: Sandbox, making: _Making) -> tuple[str, ...]:
+    """The non-empty tmpfs mounts, archived into the snapshot being made by the program's own tar, inside."""
     conn = sb._conn()
     full, members = [], []
     for path in writable_areas(sb):
@@ -361,22 +425,26 @@ def capture_areas(sb: Sandbox) -> tuple[tuple[str, ...], bytes]:
             # The mounts' contents, not the mount points themselves (the program may not change those).
             members += [os.path.join(path, name).lstrip("/") for name in sorted(names)]
     if not full:
-        return (), b""
+        return ()
     # Host paths shown inside those mounts (mounts, binds, write grants at /tmp/x) are the host's: left out,
     # by their literal paths.
     hosts, _ = host_paths(sb)
     excluded = [os.path.normpath(h).lstrip("/") for h in hosts
                 if any(os.path.normpath(h).startswith(area.rstrip("/") + "/") for area in full)]
-    result = sb.exec(["tar", "-C", "/", "--sparse", "--no-wildcards", "--anchored",
-                      *(f"--exclude={path}" for path in excluded), "-cf", "-", "--", *members],
-                     text=False, output_limit=AREAS_LIMIT)
-    if result.returncode == 127:
+    sink = making.open_areas()
+    try:
+        rc, err, over = _piped(sb, ["tar", "-C", "/", "--sparse", "--no-wildcards", "--anchored",
+                                    *(f"--exclude={path}" for path in excluded), "-cf", "-", "--", *members],
+                               None, sink, AREAS_LIMIT)
+    finally:
+        os.close(sink)
+    if rc == 127:
         raise UnsupportedError(f"snapshot: {', '.join(full)} hold files, which a snapshot keeps with the "
                                "sandbox's own tar, and the sandbox has none on its PATH")
-    if result.returncode != 0 or result.truncated:
-        why = "larger than 1 GiB" if result.truncated else result.stderr.decode(errors="replace").strip()[-300:]
+    if rc != 0 or over:
+        why = "larger than 1 GiB" if over else err.decode(errors="replace").strip()[-300:]
         raise IsolationError(f"snapshot: could not archive {', '.join(full)}: {why}")
-    return tuple(full), bytes(result.stdout)
+    return tuple(full)
 
 
 def host_paths(sb: Sandbox) -> tuple[list[str], list[str]]:
@@ -388,11 +456,12 @@ def host_paths(sb: Sandbox) -> tuple[list[str], list[str]]:
 
 def restore_areas(sb: Sandbox, snap: Snapshot) -> list[str]:
     """Unpack a snapshot's tmpfs mounts in a fresh sandbox, only into its own private tmpfs mounts (by
-    descriptors from inside, no program run: see isolate/kept/unpack.py); the members skipped, each with why."""
+    descriptors from inside, no program run: see isolate/kept/unpack.py), read from its file a member at a
+    time; the members skipped, each with why."""
     from .unpack import unpack
 
-    archive = snap.areas_archive()
-    if not archive:
+    source = snap.open_areas()
+    if source is None:
         return []
     targets, sources = host_paths(sb)
     targets = [os.path.normpath(t) for t in targets]
@@ -402,7 +471,8 @@ def restore_areas(sb: Sandbox, snap: Snapshot) -> list[str]:
     user = sb._impl.report_enforced.get("user")
     owner = (int(user["uid"]), int(user["gid"])) if os.geteuid() == 0 and isinstance(user, dict) else None
     try:
-        skipped = unpack(sb._conn(), archive, areas, sources, owner)
+        with os.fdopen(source, "rb") as archive:  # read a member at a time: memory stays bounded
+            skipped = unpack(sb._conn(), archive, areas, sources, owner)
     except (OSError, tarfile.TarError) as exc:
         raise IsolationError(f"snapshot {snap.name!r}: could not unpack {', '.join(snap.areas)}: {exc}") from None
     if skipped:
@@ -429,9 +499,9 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
     if mode == "bind":
         raise UnsupportedError("snapshot: a bind workspace is the user's own directory, which isolate does not "
                                "freeze; use Workspace(mode='overlay') (layers: costs what changed) or 'copy'")
-    captured, archive = capture_areas(sb) if areas else ((), b"")
     making = _Making(name, "layer" if mode == "overlay" else "tree")
     try:
+        captured = capture_areas(sb, making) if areas else ()
         ws_fd = impl.open_workspace()
         try:
             if mode == "overlay":
@@ -458,8 +528,6 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
                 layers.clone(ws_fd, making.data, hard_links=False)
         finally:
             os.close(ws_fd)
-        if archive:
-            making.write_areas(archive)
         return making.commit(sb.workspace, origin.id if origin is not None else None, captured)
     except BaseException as exc:
         making.abandon()

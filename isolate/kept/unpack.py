@@ -20,13 +20,12 @@ created ``O_EXCL`` and owned by the program's uid.
 from __future__ import annotations
 
 import errno
-import io
 import os
 import stat
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from .._core import lib
 
@@ -194,9 +193,10 @@ def _finish_dirs(area: Area) -> None:
             os.close(fd)
 
 
-def unpack(conn: Any, archive: bytes, areas: Sequence[str], host_paths: Sequence[str],
+def unpack(conn: Any, archive: IO[bytes], areas: Sequence[str], host_paths: Sequence[str],
            owner: tuple[int, int] | None) -> list[str]:
-    """Unpack archive into the sandbox behind conn, only into areas; the members skipped, each with why.
+    """Unpack archive (a seekable file) into the sandbox behind conn, only into areas; the members skipped,
+    each with why.
 
     host_paths: the host directories and files the sandbox shows (its mounts' and grants' sources), whose
     file systems an area's root must not be on. owner: the program's uid and gid, given to what is made
@@ -211,7 +211,7 @@ def unpack(conn: Any, archive: bytes, areas: Sequence[str], host_paths: Sequence
     opened: dict[str, Area | None] = {}
     skipped: list[str] = []
     try:
-        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:") as tar:
+        with tarfile.open(fileobj=archive, mode="r:") as tar:
             for member in tar:
                 found = None
                 for path in areas:

@@ -15,6 +15,7 @@ import selectors
 import signal
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from .volumes import NamedVolumes
 OUTPUT_LIMIT = 16 << 20
 #: Finished commands remembered per sandbox for status and logs.
 KEEP_FINISHED = 256
+#: Output kept over all the server's commands together: past it, the oldest bytes go (finished commands'
+#: first, oldest command first), as a poller that falls behind loses them.
+OUTPUT_TOTAL = 256 << 20
 #: Sandboxes one server keeps at once (--max-sandboxes), and commands running at once in one sandbox.
 MAX_SANDBOXES = 64
 MAX_RUNNING = 256
@@ -80,7 +84,42 @@ INTERRUPT_GRACE = 3.0
 Listener = Callable[[str, Any], None]
 
 
-@dataclass
+class _OutputBudget:
+    """OUTPUT_TOTAL over every CommandRecord alive: the bytes added since the last count, and the records."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: weakref.WeakSet[CommandRecord] = weakref.WeakSet()
+        self._total = 0
+
+    def add(self, record: CommandRecord) -> None:
+        with self._lock:
+            self._records.add(record)
+
+    def charge(self, size: int) -> None:
+        """Count size more bytes kept; over OUTPUT_TOTAL, count them all again and drop the oldest down to
+        three quarters of it (so that a count happens once every quarter of the budget at most)."""
+        with self._lock:
+            self._total += size
+            if self._total <= OUTPUT_TOTAL:
+                return
+            records = sorted(self._records, key=lambda r: (r.running, r.started_at))
+            total = sum(len(r.output) for r in records)
+            for record in records:
+                if total <= OUTPUT_TOTAL * 3 // 4:
+                    break
+                with record.lock:
+                    drop = min(len(record.output), total - OUTPUT_TOTAL * 3 // 4)
+                    del record.output[:drop]
+                    record.output_base += drop
+                total -= drop
+            self._total = total
+
+
+OUTPUT_BUDGET = _OutputBudget()
+
+
+@dataclass(eq=False)
 class CommandRecord:
     """One command: its process, its combined output, its end."""
 
@@ -103,6 +142,9 @@ class CommandRecord:
     def running(self) -> bool:
         return self.finished_at is None
 
+    def __post_init__(self) -> None:
+        OUTPUT_BUDGET.add(self)
+
     def add_output(self, kind: str, chunk: bytes) -> None:
         with self.lock:
             self.output += chunk
@@ -111,6 +153,7 @@ class CommandRecord:
                 del self.output[:excess]
                 self.output_base += excess
             listener = self.listener
+        OUTPUT_BUDGET.charge(len(chunk))  # not under self.lock: the budget takes records' locks
         if listener is not None:
             listener(kind, chunk)
 
@@ -266,6 +309,8 @@ class ManagedSandbox:
     #: Renew-on-access (extensions["access.renew.extend.seconds"]): seconds, and when it last renewed.
     renew_on_access: int | None = None
     renewed_at: float = 0.0
+    #: Files moving to or from it now (downloads, uploads, replaces; isolate.server.execd.access.transfer_slot).
+    transfers: int = 0
     #: Run once the sandbox is closed (the named volumes made for it, released).
     on_close: list[Callable[[], None]] = field(default_factory=list)
 

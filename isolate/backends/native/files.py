@@ -72,11 +72,17 @@ def _regular(fd: int, info: Stat, path: str) -> None:
         raise OSError(errno.EINVAL, "not a regular file", path)
 
 
-def read_bytes(conn: Connection, path: str, limit: int = DEFAULT_READ_LIMIT) -> bytes:
+def open_reader(conn: Connection, path: str) -> int:
+    """A blocking descriptor of the regular file at path, opened inside as the program (the caller closes it)."""
     fd, info = open_fd(conn, path, os.O_RDONLY)
     _regular(fd, info, path)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_bytes(conn: Connection, path: str, limit: int = DEFAULT_READ_LIMIT) -> bytes:
+    fd = open_reader(conn, path)
     try:
-        os.set_blocking(fd, True)
         chunks, total = [], 0
         while True:
             chunk = os.read(fd, min(1 << 20, limit + 1 - total))
@@ -105,16 +111,24 @@ def makedirs(conn: Connection, path: str, mode: int = 0o755, exist_ok: bool = Tr
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), current) from None
 
 
-def write_bytes(conn: Connection, path: str, data: bytes, append: bool = False, make_parents: bool = True,
-                mode: int = 0o644) -> None:
+def open_writer(conn: Connection, path: str, append: bool = False, make_parents: bool = True,
+                mode: int = 0o644) -> int:
+    """A blocking descriptor of the regular file at path, opened (made, emptied unless append) inside as the
+    program (the caller closes it)."""
     parent = os.path.dirname(path.rstrip("/"))
     if make_parents and parent and parent != "/":
         makedirs(conn, parent)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
     fd, info = open_fd(conn, path, flags, mode)
     _regular(fd, info, path)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def write_bytes(conn: Connection, path: str, data: bytes, append: bool = False, make_parents: bool = True,
+                mode: int = 0o644) -> None:
+    fd = open_writer(conn, path, append, make_parents, mode)
     try:
-        os.set_blocking(fd, True)
         write_all(fd, data)
     finally:
         os.close(fd)

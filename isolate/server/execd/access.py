@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, same
 from ..models import EXECD_PORT, ApiError
-from ..state import ManagedSandbox, ServerState
+from ..state import ManagedSandbox, ServerState, _Slots
 
 #: Where relative paths start: the sandbox's workspace (its commands' default cwd).
 WORKDIR = "/workspace"
@@ -21,6 +24,48 @@ MAX_FILE = 1 << 30
 
 #: Largest upload request (all its files).
 MAX_UPLOAD = 2 << 30
+
+
+#: A file's bytes move between the sandbox and the client this many at a time (one chunk in memory).
+CHUNK = 1 << 20
+
+
+#: An upload's metadata part, and the headers of all its parts, at most.
+MAX_METADATA = 64 << 10
+MAX_PART_HEADERS = 1 << 20
+
+
+#: Files moving at once over the whole server (downloads, uploads, replaces): each holds a chunk or two in
+#: memory and a worker thread; past this, a request is answered 503 at once rather than the server growing.
+MAX_TRANSFERS = 16
+
+
+TRANSFERS = _Slots(MAX_TRANSFERS)
+
+
+def transfer_slot(managed: ManagedSandbox) -> Callable[[], None]:
+    """Take one of the server's MAX_TRANSFERS slots for managed (503 SERVER_BUSY when none is free; 429 when the
+    sandbox holds a quarter of them already, so that one sandbox's clients cannot take them all); returns its
+    release."""
+    most = max(1, TRANSFERS.limit // 4)
+    with managed.lock:
+        if managed.transfers >= most:
+            raise ApiError(429, "TOO_MANY_TRANSFERS", f"a sandbox moves at most {most} files at once; wait for one "
+                           "to end")
+        if not TRANSFERS.take():
+            raise ApiError(503, "SERVER_BUSY", f"this server moves at most {TRANSFERS.limit} files at once over all "
+                           "its sandboxes; try again shortly")
+        managed.transfers += 1
+    given = threading.Event()
+
+    def release() -> None:
+        if not given.is_set():
+            given.set()
+            with managed.lock:
+                managed.transfers -= 1
+            TRANSFERS.give()
+
+    return release
 
 
 #: Output of a streamed command waiting for a slow client before the command is held up.

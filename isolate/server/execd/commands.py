@@ -46,12 +46,21 @@ def _exit_events(record: CommandRecord) -> list[bytes]:
                                              "traceback": [record.error or f"exit status {record.exit_code}"]}})]
 
 
+#: Output waiting for slow clients over all the server's bridges: past it, a bridge with bytes of its own
+#: waiting stops its command's thread too (one with none may always pass one chunk: none waits for ever).
+BRIDGES_TOTAL = 64 << 20
+#: Every bridge's waits and wake-ups, and the bytes waiting over all of them.
+_ALL = threading.Condition()
+_waiting = 0
+
+
 class Bridge:
     """A command's output, from its thread to the response, with back-pressure.
 
     When the client reads slower than the command writes, more than
-    BRIDGE_LIMIT bytes waiting stops the command's thread, so the command
-    blocks on its full pipe instead of the server's memory growing.
+    BRIDGE_LIMIT bytes waiting (or more than BRIDGES_TOTAL over all the
+    server's bridges) stops the command's thread, so the command blocks on
+    its full pipe instead of the server's memory growing.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -59,30 +68,41 @@ class Bridge:
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.pending = 0
         self.closed = False
-        self.cond = threading.Condition()
 
     def put(self, kind: str, payload: Any) -> None:  # the command's thread
+        global _waiting
         size = len(payload) if isinstance(payload, bytes) else 0
-        with self.cond:
-            while self.pending > BRIDGE_LIMIT and not self.closed:
-                self.cond.wait(1.0)
+        with _ALL:
+            while (self.pending > BRIDGE_LIMIT or (self.pending and _waiting > BRIDGES_TOTAL)) and not self.closed:
+                _ALL.wait(1.0)
             if self.closed:
                 return
             self.pending += size
+            _waiting += size
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop is gone (server shutting down)
             self.close()
 
     def taken(self, payload: Any) -> None:
-        with self.cond:
-            self.pending -= len(payload) if isinstance(payload, bytes) else 0
-            self.cond.notify_all()
+        self._give(len(payload) if isinstance(payload, bytes) else 0)
+
+    def _give(self, size: int) -> None:
+        global _waiting
+        with _ALL:
+            size = min(size, self.pending)
+            self.pending -= size
+            _waiting -= size
+            _ALL.notify_all()
 
     def close(self) -> None:
-        with self.cond:
+        """No more output: what is still queued no longer counts (the response is over)."""
+        with _ALL:
             self.closed = True
-            self.cond.notify_all()
+        self._give(self.pending)
+
+    def __del__(self) -> None:
+        self.close()  # a response never started: its bytes no longer count
 
 
 async def _stream(record: CommandRecord, bridge: Bridge) -> AsyncIterator[bytes]:

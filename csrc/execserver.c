@@ -98,6 +98,8 @@ struct request {
 static char message[ISO_XS_MAX_MESSAGE + 8];
 static char *inline_strings[MAX_STRINGS + 1];
 static struct request current = {.strings = inline_strings};
+/* The bytes of the packet in `message` (a spare monitor is handed them as they came). */
+static size_t current_len;
 
 static void close_fds(struct request *req)
 {
@@ -108,7 +110,16 @@ static void close_fds(struct request *req)
 
 /* Receive one packet into `current`.  Returns 1 on a request, 0 when the
  * peer hung up, -1 on a malformed packet (its descriptors are closed). */
+static int receive_flags(int conn, int flags);
+
 static int receive(int conn)
+{
+    return receive_flags(conn, 0);
+}
+
+/* receive() with recvmsg flags; with MSG_DONTWAIT, -2 when no packet is
+ * there yet. */
+static int receive_flags(int conn, int flags)
 {
     union {
         char buf[CMSG_SPACE(sizeof(int) * 5)];
@@ -119,9 +130,12 @@ static int receive(int conn)
                          .msg_controllen = sizeof control.buf};
     ssize_t n;
     do {
-        n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+        n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC | flags);
     } while (n < 0 && errno == EINTR);
     current.n_fds = 0;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && (flags & MSG_DONTWAIT))
+        return -2;
+    current_len = n > 0 ? (size_t)n : 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
             continue;
@@ -563,6 +577,32 @@ static void send_exited(int conn, int reason)
     send_reply(conn, &reply, NULL, 0, -1);
 }
 
+/* What a monitor sets up before it starts its command: it becomes a
+ * subreaper, opens its list of children, its SIGCHLD signalfd and the
+ * command's error pipe.  A spare monitor does this while it waits, off the
+ * path of the command it will start.  An error is kept in monitor_err and
+ * answered to the command's request. */
+static int monitor_sigfd = -1;
+static int monitor_err_pipe[2] = {-1, -1};
+static int monitor_err;
+
+static void monitor_prepare(void)
+{
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+        monitor_err = errno;
+        return;
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
+    children_fd = open(path, O_RDONLY | O_CLOEXEC); /* optional: without it kill_tree names fewer */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    monitor_sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (monitor_sigfd < 0 || pipe2(monitor_err_pipe, O_CLOEXEC) < 0)
+        monitor_err = errno;
+}
+
 /* A monitor: owns conn and one command, until the command has ended. */
 static void monitor(int conn, struct request *req)
 {
@@ -610,22 +650,14 @@ static void monitor(int conn, struct request *req)
             _exit(0);
         }
     }
-    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
-        reply_kind(conn, ISO_XS_ERROR, errno);
+    if (monitor_sigfd < 0 && !monitor_err)
+        monitor_prepare();
+    if (monitor_err) {
+        reply_kind(conn, ISO_XS_ERROR, monitor_err);
         _exit(0);
     }
-    char path[64];
-    snprintf(path, sizeof path, "/proc/self/task/%d/children", (int)getpid());
-    children_fd = open(path, O_RDONLY | O_CLOEXEC);
-    sigset_t mask;
-    sigemptyset(&mask);
-    sigaddset(&mask, SIGCHLD);
-    int sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-    int err_pipe[2];
-    if (sigfd < 0 || pipe2(err_pipe, O_CLOEXEC) < 0) {
-        reply_kind(conn, ISO_XS_ERROR, errno);
-        _exit(0);
-    }
+    int sigfd = monitor_sigfd;
+    int err_pipe[2] = {monitor_err_pipe[0], monitor_err_pipe[1]};
     /* argv ends where the environment begins: copied out, NULL-terminated,
      * here (the vfork child allocates nothing). */
     static char *inline_argv[MAX_STRINGS + 1];
@@ -798,11 +830,193 @@ static int forget_monitor(pid_t pid)
     return 0;
 }
 
+/* --- the spare monitor ------------------------------------------------------
+ *
+ * fork() of the server and the monitor's own set-up cost a command's start
+ * about as much as its exec.  With SPARE set, the server keeps one monitor
+ * forked and prepared ahead, waiting on a socketpair: an EXEC request is
+ * handed to it as it came (the connection, then the packet with its
+ * descriptors), and the next spare is forked after, while the command runs.
+ * The spare is a process of the sandbox like any monitor (it counts towards
+ * a process limit: the host asks for no spare when the policy has one).  A
+ * spare that is gone (a process of the sandbox, same uid, can kill it) is
+ * seen when the hand-over fails: the server then forks the monitor itself. */
+static pid_t spare_pid = -1;
+static int spare_fd = -1; /* the server's end of the spare's socketpair */
+
+static void spare_main(int chan)
+{
+    monitor_prepare();
+    char byte;
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    ssize_t n;
+    do {
+        n = recvmsg(chan, &msg, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    struct cmsghdr *c = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL;
+    if (!c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(sizeof(int)))
+        _exit(0); /* the server is gone (or did not hand a connection): nothing to monitor */
+    int conn;
+    memcpy(&conn, CMSG_DATA(c), sizeof conn);
+    int r = receive(chan);
+    /* Taken: from here on this process answers conn.  Until the server
+     * reads this byte it keeps the request, and starts the command itself
+     * if this process ends first (it was killed). */
+    if (write(chan, "", 1) != 1)
+        _exit(0);
+    close(chan);
+    if (r <= 0 || current.head.op != ISO_XS_EXEC) {
+        close_fds(&current);
+        reply_kind(conn, ISO_XS_ERROR, EPROTO);
+        _exit(0);
+    }
+    monitor(conn, &current);
+}
+
+/* Fork a spare; without one (fork failed), monitors are forked per command. */
+static void make_spare(const int *keep_out, int n_keep_out)
+{
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0)
+        return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(pair[0]);
+        for (int i = 0; i < n_keep_out; i++)
+            close(keep_out[i]);
+        spare_main(pair[1]);
+    }
+    close(pair[1]);
+    if (pid < 0) {
+        close(pair[0]);
+        return;
+    }
+    spare_pid = pid;
+    spare_fd = pair[0];
+}
+
+static int send_fds(int fd, const void *data, size_t len, const int *fds, int n_fds)
+{
+    struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 5)];
+        struct cmsghdr align;
+    } control;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (n_fds > 0) {
+        memset(&control, 0, sizeof control);
+        msg.msg_control = control.buf;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)n_fds);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)n_fds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)n_fds);
+    }
+    ssize_t n;
+    do {
+        n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    return n == (ssize_t)len ? 0 : -1;
+}
+
+/* Wait for the spare's word that it took the request: 1, or 0 when it
+ * ended first (or did not answer in 10 s: it is then killed).  A spare
+ * stopped meanwhile is continued, as the main loop continues monitors. */
+static int spare_took_it(pid_t pid)
+{
+    for (int round = 0; round < 1000; round++) {
+        struct pollfd p = {.fd = spare_fd, .events = POLLIN};
+        int n = poll(&p, 1, 10);
+        if (n < 0 && errno != EINTR)
+            break;
+        if (n > 0) {
+            char byte;
+            ssize_t got;
+            do {
+                got = read(spare_fd, &byte, 1);
+            } while (got < 0 && errno == EINTR);
+            return got == 1;
+        }
+        int wstatus;
+        if (waitpid(pid, &wstatus, WNOHANG | WUNTRACED) == pid && WIFSTOPPED(wstatus))
+            kill(pid, SIGCONT);
+    }
+    kill(pid, SIGKILL);
+    return 0;
+}
+
+/* Hand conn and `current` to the spare: its pid, or -1 (no spare, or it
+ * ended before it took the request, which is then still the server's). */
+static pid_t hand_to_spare(int conn)
+{
+    if (spare_pid < 0)
+        return -1;
+    pid_t pid = spare_pid;
+    char byte = 0;
+    int ok = send_fds(spare_fd, &byte, 1, &conn, 1) == 0 &&
+             send_fds(spare_fd, message, current_len, current.fds, current.n_fds) == 0 && spare_took_it(pid);
+    if (!ok)
+        kill(pid, SIGKILL); /* it must not answer conn: the caller forks a monitor for it */
+    close(spare_fd);
+    spare_fd = -1;
+    spare_pid = -1;
+    return ok ? pid : -1;
+}
+
 static long long now_ms(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* The server's state: its listener, SIGCHLD signalfd and connections. */
+static int listener = -1, server_sigfd = -1;
+static int clients[MAX_CLIENTS];
+static int n_clients, running;
+
+/* Answer the request just received on conn (r: what receive() returned).
+ * 1 when conn is done with here (an EXEC handed it to a monitor, or the
+ * peer hung up): the caller drops it from the clients. */
+static int serve(int conn, int r)
+{
+    if (r == 0)
+        return 1;
+    if (r < 0) {
+        reply_kind(conn, ISO_XS_ERROR, EPROTO);
+        return 0;
+    }
+    if (current.head.op != ISO_XS_EXEC) {
+        do_file_op(conn, &current);
+        close_fds(&current);
+        return 0;
+    }
+    pid_t pid = n_monitors < MAX_MONITORS ? hand_to_spare(conn) : -1;
+    if (pid < 0)
+        pid = n_monitors < MAX_MONITORS ? fork() : (errno = EAGAIN, -1);
+    if (pid == 0) {
+        close(listener);
+        close(server_sigfd);
+        for (int j = 0; j < n_clients; j++)
+            if (clients[j] != conn)
+                close(clients[j]);
+        monitor(conn, &current);
+    }
+    if (pid < 0) {
+        reply_kind(conn, ISO_XS_ERROR, errno);
+    } else {
+        monitors[n_monitors++] = pid;
+        running++;
+    }
+    close_fds(&current);
+    return 1;
 }
 
 int iso_exec_server_main(int argc, char **argv)
@@ -812,8 +1026,9 @@ int iso_exec_server_main(int argc, char **argv)
     uid_t peer_uid = (uid_t)strtoul(argv[2], NULL, 10);
     long long idle_ms = atoll(argv[3]);
     long long ttl_ms = argc > 4 ? atoll(argv[4]) : 0;
+    int spare = argc > 5 && atoi(argv[5]) == 1;
     long long started = now_ms();
-    int listener = argv[1][0] == '/' ? listen_at(argv[1]) : atoi(argv[1]);
+    listener = argv[1][0] == '/' ? listen_at(argv[1]) : atoi(argv[1]);
     if (listener < 0)
         return 125;
     /* Not dumpable: a process of the sandbox, same uid, cannot ptrace this
@@ -826,14 +1041,17 @@ int iso_exec_server_main(int argc, char **argv)
     sigaddset(&mask, SIGCHLD);
     if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
         return 125;
-    int sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    int sigfd = server_sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd < 0 || fcntl(listener, F_SETFD, FD_CLOEXEC) < 0)
         return 125;
 
-    int clients[MAX_CLIENTS];
-    int n_clients = 0, running = 0;
     long long idle_since = now_ms();
     for (;;) {
+        if (spare && spare_pid < 0 && n_monitors < MAX_MONITORS - 1) {
+            int keep_out[2 + MAX_CLIENTS] = {listener, sigfd};
+            memcpy(keep_out + 2, clients, sizeof(int) * (size_t)n_clients);
+            make_spare(keep_out, 2 + n_clients);
+        }
         struct pollfd fds[2 + MAX_CLIENTS];
         fds[0] = (struct pollfd){.fd = n_clients < MAX_CLIENTS ? listener : -1, .events = POLLIN};
         fds[1] = (struct pollfd){.fd = sigfd, .events = POLLIN};
@@ -875,8 +1093,12 @@ int iso_exec_server_main(int argc, char **argv)
             pid_t child;
             while ((child = waitpid(-1, &wstatus, WNOHANG | WUNTRACED)) > 0) {
                 if (WIFSTOPPED(wstatus)) {
-                    if (is_monitor(child)) /* an orphan of the program may stay stopped */
+                    if (is_monitor(child) || child == spare_pid) /* an orphan of the program may stay stopped */
                         kill(child, SIGCONT);
+                } else if (child == spare_pid) {
+                    close(spare_fd); /* killed: the next one is forked before the next poll */
+                    spare_fd = -1;
+                    spare_pid = -1;
                 } else if (forget_monitor(child)) {
                     running--;
                 }
@@ -893,8 +1115,16 @@ int iso_exec_server_main(int argc, char **argv)
                 close(conn);
                 conn = -1;
             }
-            if (conn >= 0)
-                clients[n_clients++] = conn;
+            if (conn >= 0) {
+                /* The host sends its request right after it connects: it
+                 * is usually there already, and is answered without
+                 * another round of poll. */
+                int r = receive_flags(conn, MSG_DONTWAIT);
+                if (r == -2 || !serve(conn, r))
+                    clients[n_clients++] = conn;
+                else
+                    close(conn);
+            }
         }
         /* The clients polled this round, last first: a dropped one is
          * replaced by the last, which was either seen already or is the
@@ -903,32 +1133,7 @@ int iso_exec_server_main(int argc, char **argv)
             if (fds[2 + i].fd != clients[i] || !fds[2 + i].revents)
                 continue;
             int conn = clients[i];
-            int r = receive(conn);
-            int drop = r == 0;
-            if (r < 0)
-                reply_kind(conn, ISO_XS_ERROR, EPROTO);
-            if (r > 0 && current.head.op == ISO_XS_EXEC) {
-                pid_t pid = n_monitors < MAX_MONITORS ? fork() : (errno = EAGAIN, -1);
-                if (pid == 0) {
-                    close(listener);
-                    close(sigfd);
-                    for (int j = 0; j < n_clients; j++)
-                        if (clients[j] != conn)
-                            close(clients[j]);
-                    monitor(conn, &current);
-                }
-                if (pid < 0) {
-                    reply_kind(conn, ISO_XS_ERROR, errno);
-                } else {
-                    monitors[n_monitors++] = pid;
-                    running++;
-                }
-                close_fds(&current);
-                drop = 1;
-            } else if (r > 0) {
-                do_file_op(conn, &current);
-                close_fds(&current);
-            }
+            int drop = serve(conn, receive(conn));
             if (drop) {
                 close(conn);
                 clients[i] = clients[--n_clients];

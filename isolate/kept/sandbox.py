@@ -234,7 +234,8 @@ class Sandbox:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             command = Command(impl.connect(), argv, cwd or "", environment_for(impl.environment, env), timeout,
-                              (in_r, out_w, err_w), False, impl.report_enforced, impl.backend, impl)
+                              (in_r, out_w, err_w), False, impl.report_enforced, impl.backend, impl,
+                              wait_started=False)
         except BaseException:
             for fd in (in_w, out_r, err_r):
                 if fd >= 0:

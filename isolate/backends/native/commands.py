@@ -20,7 +20,7 @@ from __future__ import annotations
 import errno
 import math
 import os
-import selectors
+import select
 import signal
 import subprocess
 import time
@@ -32,7 +32,7 @@ from ..._core import lib, step_name
 from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
 from ...model.report import Report, status_for
 from .egress import summary_delta
-from .protocol import Connection, Reply, ServerGone, encode, encode_exec
+from .protocol import REPLY_TIMEOUT, Connection, Reply, ServerGone, encode, encode_exec
 
 if TYPE_CHECKING:
     from ..kept import KeptBackend
@@ -50,6 +50,9 @@ def wait_seconds(value: float | None, name: str) -> float | None:
         raise ValueError(f"{name}: expected a number of seconds, got {value!r}")
     return None if value >= MAX_TIMEOUT else float(value)
 
+
+#: poll()'s longest wait (its int milliseconds); a longer one is waited for in rounds.
+MAX_POLL_MS = 2**31 - 1
 
 #: How long the host waits past a command's own timeout for the monitor's word, and for the monitor
 #: to confirm that a dropped command has ended, before it ends the sandbox itself. Generous: a monitor
@@ -116,9 +119,11 @@ class Command:
 
     def __init__(self, conn: Connection, argv: Sequence[str], cwd: str, environment: Sequence[str],
                  timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any],
-                 backend: str = "native", sandbox: KeptBackend | None = None) -> None:
+                 backend: str = "native", sandbox: KeptBackend | None = None, wait_started: bool = True) -> None:
         """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side.
-        ``sandbox``: what the host ends when the command's monitor no longer answers for it."""
+        ``sandbox``: what the host ends when the command's monitor no longer answers for it.
+        ``wait_started=False`` (not with pty): return once the request is sent; the monitor's STARTED (or its
+        refusal, raised then) is read with its EXITED by poll_exit, which saves the host a wake-up per command."""
         self.conn = conn
         self.sandbox = sandbox
         self.backend = backend
@@ -130,6 +135,12 @@ class Command:
         self.timeout = timeout
         self.exit: Reply | None = None
         self._report: Report | None = None
+        self._cwd = cwd
+        #: Until STARTED has come (wait_started=False): when the host stops waiting for it (see Connection.answer).
+        self._start_deadline: float | None = None
+        self.pid = 0  # inside the sandbox's PID namespace, from STARTED
+        #: With pty: the master side of the terminal the monitor made (the caller owns it).
+        self.terminal: int | None = None
         #: What the sandbox's egress mediator had seen when the command started (None: no egress by name).
         self._egress_start = sandbox.egress_summary() if sandbox is not None else None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
@@ -140,20 +151,29 @@ class Command:
         finally:
             if strings_fd is not None:
                 os.close(strings_fd)
+        if not wait_started and not pty:
+            self._start_deadline = self.started + REPLY_TIMEOUT
+            return
         try:
             reply = conn.answer()
         except ServerGone:
             # The command may have started (and killed its monitor before it said so).
             raise self.lost("its monitor went away before it said whether the command started") from None
+        self._started_reply(reply, pty)
+
+    def _started_reply(self, reply: Reply, pty: bool) -> None:
+        """The monitor's first reply: STARTED, or why the command did not start (raised)."""
         if reply.kind == lib.ISO_XS_ERROR:
-            conn.close()
-            raise _start_error(reply, self.args, cwd)
+            self.conn.close()
+            if reply.fd is not None:
+                os.close(reply.fd)
+            raise _start_error(reply, self.args, self._cwd)
         if reply.kind != lib.ISO_XS_STARTED:
-            conn.close()
+            self.conn.close()
+            if reply.fd is not None:
+                os.close(reply.fd)
             raise ServerGone("the sandbox's exec server sent an unexpected reply")
-        self.pid = reply.pid  # inside the sandbox's PID namespace
-        #: With pty: the master side of the terminal the monitor made (the caller owns it).
-        self.terminal: int | None = None
+        self.pid = reply.pid
         if reply.fd is not None:
             if pty and os.isatty(reply.fd):
                 self.terminal = reply.fd
@@ -183,6 +203,8 @@ class Command:
         the stop rounds missed could undo it and run on, so the timeout counts through it. A pause made
         elsewhere is not known here: it ends the sandbox.
         """
+        if self._start_deadline is not None and (self.timeout is None or self.timeout + GRACE > REPLY_TIMEOUT):
+            return self._start_deadline
         if self.timeout is None:
             return None
         end = self.started + self.timeout + GRACE
@@ -210,12 +232,23 @@ class Command:
             except TimeoutError:
                 if not hard or self.deadline is None:
                     return None
+                if self._start_deadline is not None and time.monotonic() >= self._start_deadline:
+                    # As Connection.answer: a late answer would be taken for another's; it is over.
+                    self.conn.close()
+                    raise ServerGone(f"the sandbox's exec server did not answer within {REPLY_TIMEOUT:g} s (a "
+                                     "process of the sandbox stopped it, or the sandbox is paused)") from None
                 if time.monotonic() < self.deadline:
                     continue  # paused or resumed meanwhile: the deadline moved
                 raise self.lost(f"its timeout ({self.timeout:g} s) passed by {GRACE:g} s and its monitor did "
                                 "not end it") from None
             except ServerGone:
+                if self._start_deadline is not None:
+                    raise self.lost("its monitor went away before it said whether the command started") from None
                 raise self.lost("its monitor inside the sandbox went away before it") from None
+            if self._start_deadline is not None:
+                self._start_deadline = None
+                self._started_reply(reply, False)
+                continue
             if reply.fd is not None:
                 os.close(reply.fd)
             if reply.kind != lib.ISO_XS_EXITED:
@@ -301,30 +334,32 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
                    output_limit: int) -> tuple[bytes, bytes, bool]:
     """Feed stdin, collect stdout/stderr (keeping each one's tail), until the command's EXITED."""
     out, err = _Tail(output_limit), _Tail(output_limit)
-    sel = selectors.DefaultSelector()
+    # poll(), not a selector: no epoll descriptor made and closed per command.
+    sel = select.poll()
     for fd in (out_r, err_r):
         if fd is not None:
             os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
-    sel.register(command.conn.fileno(), selectors.EVENT_READ)
+            sel.register(fd, select.POLLIN)
+    conn_fd = command.conn.fileno()
+    sel.register(conn_fd, select.POLLIN)
     view = memoryview(data)
     if stdin_w is not None:
         os.set_blocking(stdin_w, False)
         if view:
-            sel.register(stdin_w, selectors.EVENT_WRITE)
+            sel.register(stdin_w, select.POLLOUT)
         else:
             os.close(stdin_w)
             stdin_w = None
     try:
         while command.exit is None:
             deadline = command.deadline  # it moves while the sandbox is paused (see Command.deadline)
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            events = sel.select(wait)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = None if left is None else min(MAX_POLL_MS, math.ceil(left * 1000))
+            events = sel.poll(wait)
             if not events and deadline is not None and time.monotonic() >= deadline:
                 command.poll_exit(0)  # the monitor's word, or the end of the sandbox (it raises)
                 continue
-            for key, _ in events:
-                fd = int(key.fd)
+            for fd, _ in events:
                 if fd == stdin_w:
                     try:
                         view = view[os.write(fd, view[:65536]):]
@@ -334,10 +369,9 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
                         sel.unregister(fd)
                         os.close(fd)
                         stdin_w = None
-                elif fd == command.conn.fileno():
-                    sel.unregister(fd)
-                    command.poll_exit(None)
-                    break
+                elif fd == conn_fd:
+                    if command.poll_exit(0) is not None:  # STARTED (or a refusal, raised), then EXITED
+                        break
                 else:
                     chunk = os.read(fd, 65536)
                     if chunk:
@@ -358,7 +392,6 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
                     break
                 tail.add(chunk)
     finally:
-        sel.close()
         if stdin_w is not None:
             os.close(stdin_w)
     return bytes(out.data), bytes(err.data), out.truncated or err.truncated

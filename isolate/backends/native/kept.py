@@ -192,7 +192,10 @@ class NativeSandbox:
             policy = _server_policy(self.policy, self.workspace, shown, self.mounts,
                                     self.name is not None, self.ttl)
             idle_ms = 0 if self.idle_timeout is None else max(1, int(self.idle_timeout * 1000))
-            args = [SERVER_NAME, str(listener.fileno()), str(os.geteuid()), str(idle_ms)]
+            # A spare monitor, forked ahead, takes the fork off each command's start; it is one more
+            # process of the sandbox, so none where the policy counts them.
+            spare = "0" if self.policy.limits.pids is not None else "1"
+            args = [SERVER_NAME, str(listener.fileno()), str(os.geteuid()), str(idle_ms), "0", spare]
             self.process = _ServerProcess(args, policy=policy, bind_sources=bind_sources,
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -93,7 +93,7 @@ def parse_count(value: object, field: str, minimum: int = 1, why: str = "") -> i
         raise PolicyError(f"{field}: expected a whole number, got {value!r}", field)
     if isinstance(value, int):
         count = value
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         count = int(value.strip())
     else:
         raise PolicyError(f"{field}: expected a positive whole number, got {value!r}", field)

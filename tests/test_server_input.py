@@ -40,6 +40,7 @@ def test_numbers_names_and_paths_of_a_request_are_checked(server: base.Server) -
                                                                            "pvc": {"claimName": "abc"}}]}), "name")
     _refused(server.call("POST", "/v1/sandboxes", {**create, "metadata": {"team\n": "a"}}), "metadata")
     _refused(server.call("POST", "/v1/sandboxes", {**create, "metadata": {"team": "a\n"}}), "metadata")
+    _refused(server.call("POST", "/v1/sandboxes", {**create, "entrypoint": ["", "x"]}), "entrypoint")
     # Query integers are ASCII digits (int() would take "٣" as 3).
     status, body = server.call("GET", "/v1/sandboxes?page=%D9%A3")
     assert (status, body["code"]) == (400, "INVALID_QUERY"), body
@@ -114,3 +115,15 @@ def test_what_a_port_answers_cannot_act_on_the_apis_origin(server: base.Server) 
         assert status == 401
     finally:
         server.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_names_and_counts_elsewhere_are_matched_whole() -> None:
+    from isolate.backends.registry import _check_name
+    from isolate.model.errors import PolicyError
+    from isolate.model.units import parse_count
+
+    for bad in ("abc\n", "abc\n\n"):
+        with pytest.raises(PolicyError):
+            _check_name(bad)  # a kept sandbox's name becomes paths of the state directory
+    with pytest.raises(PolicyError):
+        parse_count("\u00b2", "pids")  # isdigit() says yes to a superscript two; int() does not

@@ -411,8 +411,9 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
     entrypoint = body.get("entrypoint", KEEPALIVE_ENTRYPOINT)
     if entrypoint is None:
         entrypoint = KEEPALIVE_ENTRYPOINT
-    if not isinstance(entrypoint, list) or not entrypoint or not all(isinstance(a, str) for a in entrypoint):
-        raise bad_request("entrypoint: expected a non-empty list of strings")
+    if not isinstance(entrypoint, list) or not entrypoint or not all(isinstance(a, str) for a in entrypoint) \
+            or not entrypoint[0]:
+        raise bad_request("entrypoint: expected a non-empty list of strings, the first a program (not empty)")
     try:
         policy = base.replace(limits=limits_from(body.get("resourceLimits"), base.limits),
                               network=network_from(body.get("networkPolicy"), base),

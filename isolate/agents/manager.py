@@ -103,7 +103,7 @@ class AgentSandboxes:
 
     def __init__(self, prefix: str = "agent", *, idle: float | None = 3600.0, max_age: float | None = 24 * 3600.0,
                  db_path: str | None = None) -> None:
-        if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
             raise PolicyError(f"prefix {prefix!r}: use 1 to 24 letters, digits, '_' or '-', starting with a letter "
                               "or digit", "prefix")
         self.prefix = prefix

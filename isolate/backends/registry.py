@@ -114,11 +114,11 @@ def _valid_row(row: tuple[object, ...]) -> bool:
     """A record's name becomes paths (sockets, descriptions, data to remove): one that is not a valid
     name was not written by isolate (the file lies in the state directory, which a sandbox granted it
     can write) and is skipped, never used."""
-    return len(row) == 8 and isinstance(row[1], str) and bool(_NAME.match(row[1]))
+    return len(row) == 8 and isinstance(row[1], str) and bool(_NAME.fullmatch(row[1]))
 
 
 def _check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise PolicyError(
             f"sandbox name {name!r}: use 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit",
             "name",

@@ -241,14 +241,14 @@ def parse_binding(obj: object, what: str, revision: int) -> Binding:
     hosts: list[str] = []
     for host in _list(match["hosts"], f"{where}.match.hosts"):
         text = _text(host, f"{where}.match.hosts").lower().rstrip(".")
-        if not _HOST.match(text):
+        if not _HOST.fullmatch(text):
             raise VaultError("invalid", f"{where}.match.hosts: {host!r} is not a host name or *.name")
         hosts.append(text)
     if not hosts:
         raise VaultError("invalid", f"{where}.match.hosts: at least one host")
     methods = [_text(m, f"{where}.match.methods").upper()
                for m in _list(match.get("methods") or list(_DEFAULT_METHODS), f"{where}.match.methods")]
-    if not all(_TOKEN.match(m) for m in methods):
+    if not all(_TOKEN.fullmatch(m) for m in methods):
         raise VaultError("invalid", f"{where}.match.methods: not an HTTP method")
     paths = [_text(p, f"{where}.match.paths", most=2048) for p in _list(match.get("paths") or ["/*"],
                                                                           f"{where}.match.paths")]
@@ -279,7 +279,7 @@ def parse_binding(obj: object, what: str, revision: int) -> Binding:
             headers.append((_text(item["name"], f"{where}.auth.headers[{i}].name"),
                             _text(item["credential"], f"{where}.auth.headers[{i}].credential")))
     for header, _ in headers:
-        if not _TOKEN.match(header):
+        if not _TOKEN.fullmatch(header):
             raise VaultError("invalid", f"{where}: {header!r} is not a header name")
         if header.lower() in _RESERVED:
             raise VaultError("invalid", f"{where}: the vault does not set {header} (it frames or routes the "
@@ -357,7 +357,7 @@ class Vault:
         means no injection)."""
         table = self._table
         target, _, query = path.partition("?")
-        if not table.bindings or _ambiguous(target) or not _TOKEN.match(method) or not method.isascii() or \
+        if not table.bindings or _ambiguous(target) or not _TOKEN.fullmatch(method) or not method.isascii() or \
                 any(_spelled(name) in _OVERRIDES for name in request_headers) or _overriding_query(query):
             return []
         out: list[tuple[str, str]] = []

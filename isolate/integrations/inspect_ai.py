@@ -192,7 +192,7 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
         if user is None:
             return
         try:
-            uid: int | None = int(user) if user.isdecimal() else None
+            uid: int | None = int(user) if user.isascii() and user.isdecimal() else None
         except ValueError:
             uid = None
         if user != "root" and uid != 0 and (uid == self.uid or (uid is None and user in self.user_names)):

@@ -78,7 +78,7 @@ def normalize_name(text: str, what: str) -> str:
     if not text.isascii():
         raise PolicyError(f"{what}: {text!r} is not an ASCII name; give its IDNA form (xn--...)", "network")
     name = text.strip().lower().rstrip(".")
-    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
         raise PolicyError(f"{what}: {text!r} is not a host name", "network")
     try:
         ipaddress.ip_address(name)
@@ -147,7 +147,7 @@ def parse_address(text: str, what: str) -> str:
         raise PolicyError(f"{what}: {text!r} is not an IP address", "network") from None
     # ipaddress takes any text after "%" as the scope (control characters included): only an interface name.
     scope = getattr(address, "scope_id", None)
-    if scope is not None and not _SCOPE.match(scope):
+    if scope is not None and not _SCOPE.fullmatch(scope):
         raise PolicyError(f"{what}: {text!r}: the part after % must be an interface name", "network")
     return str(address)
 

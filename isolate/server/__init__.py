@@ -37,7 +37,7 @@ def create_app(api_key: str, profiles: dict[str, Policy] | None = None, any_imag
 
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)

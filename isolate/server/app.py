@@ -24,6 +24,7 @@ from .common import api, error_response, log
 from .execd.access import refusal_for
 from .lifecycle import check_key
 from .models import ApiError
+from .ports import PROXY_FORM
 from .spec import SpecRoute, refused_routes
 from .state import ServerState
 
@@ -48,7 +49,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, code, str(exc.detail))
 
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class RequestId:
@@ -62,7 +63,7 @@ class RequestId:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("x-request-id", "")
-        request_id = given if _REQUEST_ID.match(given) else str(uuid.uuid4())
+        request_id = given if _REQUEST_ID.fullmatch(given) else str(uuid.uuid4())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -72,8 +73,8 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
-_PROXY_PATH = re.compile(r"^(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?$")
-_RAW_PROXY_PATH = re.compile(rb"^(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?$")
+_PROXY_PATH = re.compile(r"(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?", re.DOTALL)
+_RAW_PROXY_PATH = re.compile(rb"(/sandboxes/[^/]+)/proxy/([0-9]+)(/.*)?", re.DOTALL)
 
 
 class ServerProxyPaths:
@@ -84,13 +85,14 @@ class ServerProxyPaths:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
-            found = _PROXY_PATH.match(scope["path"])
+            found = _PROXY_PATH.fullmatch(scope["path"])
             raw = scope.get("raw_path")
             # The path as sent (still percent-encoded) must have the same form: an encoded "proxy" or slash
             # would make the two disagree, and the routes and the forwarder read one each.
-            raw_found = _RAW_PROXY_PATH.match(raw) if isinstance(raw, bytes) else None
+            raw_found = _RAW_PROXY_PATH.fullmatch(raw) if isinstance(raw, bytes) else None
             if found is not None and (raw is None or raw_found is not None):
-                scope = {**scope, "path": f"{found[1]}/port/{found[2]}{found[3] or ''}"}
+                # The form the client used stays known: the app's cookies are scoped to the path it sees.
+                scope = {**scope, "path": f"{found[1]}/port/{found[2]}{found[3] or ''}", PROXY_FORM: True}
                 if raw_found is not None:
                     scope["raw_path"] = raw_found[1] + b"/port/" + raw_found[2] + (raw_found[3] or b"")
         await self.app(scope, receive, send)

@@ -153,7 +153,8 @@ class Forwarder:
             else:
                 raise ApiError(502, "FORWARD_FAILED", "the sandbox's connector keeps ending")
         if message.startswith(b"E") and not fds:
-            code = int(message[1:]) if message[1:].isdigit() else 0
+            # An errno: a few digits, never a number large enough to overflow os.strerror.
+            code = int(message[1:]) if message[1:].isdigit() and len(message) <= 5 else 0
             raise ApiError(502, "PORT_NOT_LISTENING", f"port {port}: nothing accepts connections on the sandbox's "
                            f"loopback ({os.strerror(code) if code else 'refused'})")
         return _checked(fds, message, port)

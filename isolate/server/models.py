@@ -52,6 +52,15 @@ def iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def bounded(value: object, name: str, low: float, high: float, unit: str) -> float:
+    """A JSON number of the request within [low, high], compared before any arithmetic: a bool, NaN, an
+    infinity or an integer too large for a float is refused (400) with the same message as one out of range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
+        raise bad_request(f"{name}: expected {unit} from {low:g} to {high:g}")
+    return float(value)
+
+
 def parse_time(value: object, name: str) -> float:
     if not isinstance(value, str) or not value:
         raise bad_request(f"{name}: expected an RFC 3339 time such as 2030-01-01T00:00:00Z")
@@ -76,7 +85,7 @@ def quantity(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise bad_request(f"{name}: expected a quantity such as \"512Mi\" or \"500m\"")
     text = str(value).strip()
-    match = _QUANTITY.match(text)
+    match = _QUANTITY.fullmatch(text)
     if not match:
         raise bad_request(f"{name}: {text[:32]!r} is not a quantity (e.g. 512Mi, 2Gi, 500m, 1)")
     number, suffix = float(match.group(1)), match.group(2) or ""
@@ -226,7 +235,7 @@ def parse_volumes(value: object) -> tuple[VolumeSpec, ...]:
         if unknown:
             raise bad_request(f"{where}.{unknown[0]}: unknown field of Volume")
         name = vol.get("name")
-        if not isinstance(name, str) or len(name) > 63 or not _DNS_LABEL.match(name):
+        if not isinstance(name, str) or len(name) > 63 or not _DNS_LABEL.fullmatch(name):
             raise bad_request(f"{where}.name: expected a DNS label (a-z, 0-9, -; up to 63)")
         if any(v.name == name for v in out):
             raise bad_request(f"{where}.name: {name!r} names two volumes")
@@ -266,7 +275,7 @@ def _claim(pvc: object, where: str) -> tuple[str, bool, bool]:
     if not isinstance(pvc, Mapping) or set(pvc) - known:
         raise bad_request(f"{where}.pvc: expected {{\"claimName\": NAME, ...}} ({', '.join(sorted(known))})")
     claim = pvc.get("claimName")
-    if not isinstance(claim, str) or len(claim) > 253 or not _DNS_LABEL.match(claim):
+    if not isinstance(claim, str) or len(claim) > 253 or not _DNS_LABEL.fullmatch(claim):
         raise bad_request(f"{where}.pvc.claimName: expected a DNS label (a-z, 0-9, -)")
     flags = [pvc.get("createIfNotExists", True), pvc.get("deleteOnSandboxTermination", False)]
     if not all(isinstance(flag, bool) for flag in flags):
@@ -297,13 +306,13 @@ def check_metadata(metadata: Mapping[str, object]) -> None:
         if key.startswith("opensandbox.io/"):
             raise bad_request(f"metadata.{key}: keys under opensandbox.io/ are reserved", "INVALID_METADATA_LABEL")
         prefix, slash, name = key.rpartition("/")
-        if not (len(name) <= 63 and _LABEL_NAME.match(name)
-                and (not slash or (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)))):
+        if not (len(name) <= 63 and _LABEL_NAME.fullmatch(name)
+                and (not slash or (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix)))):
             raise bad_request(f"metadata: key {key[:80]!r} is not a label name (up to 63 of A-Z a-z 0-9 - _ ., "
                               "alphanumeric at both ends, optionally after a DNS subdomain and /)",
                               "INVALID_METADATA_LABEL")
         if value is not None and not (isinstance(value, str) and len(value) <= 63
-                                      and (value == "" or _LABEL_NAME.match(value))):
+                                      and (value == "" or _LABEL_NAME.fullmatch(value))):
             raise bad_request(f"metadata.{key}: value {str(value)[:80]!r} is not a label value (up to 63 of "
                               "A-Z a-z 0-9 - _ ., alphanumeric at both ends)", "INVALID_METADATA_LABEL")
 
@@ -391,18 +400,20 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
                           "--profile FILE for any image", "IMAGE_NOT_SUPPORTED")
     timeout = body.get("timeout")
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or \
-                timeout <= 0 or timeout > MAX_TIMEOUT:
-            raise bad_request(f"timeout: expected seconds between 1 and {MAX_TIMEOUT} (or null for no expiry)")
-        timeout = float(timeout)
+        # An integer is compared as one: a 400-digit timeout must not reach float() (OverflowError).
+        timeout = bounded(timeout, "timeout", 0, MAX_TIMEOUT, "seconds (or null for no expiry)")
+        if timeout == 0:
+            raise bad_request(f"timeout: expected seconds more than 0 and at most {MAX_TIMEOUT} (or null for no "
+                              "expiry)")
     env = _str_map(body.get("env"), "env")
     metadata = _str_map(body.get("metadata"), "metadata")
     check_metadata(metadata)
     entrypoint = body.get("entrypoint", KEEPALIVE_ENTRYPOINT)
     if entrypoint is None:
         entrypoint = KEEPALIVE_ENTRYPOINT
-    if not isinstance(entrypoint, list) or not entrypoint or not all(isinstance(a, str) for a in entrypoint):
-        raise bad_request("entrypoint: expected a non-empty list of strings")
+    if not isinstance(entrypoint, list) or not entrypoint or not all(isinstance(a, str) for a in entrypoint) \
+            or not entrypoint[0]:
+        raise bad_request("entrypoint: expected a non-empty list of strings, the first a program (not empty)")
     try:
         policy = base.replace(limits=limits_from(body.get("resourceLimits"), base.limits),
                               network=network_from(body.get("networkPolicy"), base),

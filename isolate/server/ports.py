@@ -4,10 +4,20 @@ The endpoints call hands out this URL and a token for one port of one sandbox
 (``OpenSandbox-Secure-Access``: an HMAC of the sandbox's execution token and
 the port, so that whoever is given a web app's endpoint cannot run commands
 with it); the server's API key works too (the SDK's server-proxy mode).
-Neither is passed on to the sandbox. The connection to the app comes from
+Neither is passed on to the sandbox, and neither is ever a cookie. The connection to the app comes from
 the sandbox's connector (isolate.server.connector), not from the network;
 the server speaks HTTP on it itself (h11), or makes the WebSocket handshake
 with the app and relays messages (wsproto).
+
+What the app answers reaches the browser on the API's own origin, so it is
+served as a page that cannot act there (docs/threat-model.md, "A sandbox's
+ports and the API's origin"): every answer carries ``Content-Security-Policy:
+sandbox`` without ``allow-same-origin`` (its documents get an opaque origin:
+no same-origin requests, storage or service workers of the API's origin),
+its ``Set-Cookie`` is scoped to the port's own path (``Path`` forced to
+``/sandboxes/{id}/port/{port}``, ``Domain`` dropped), and the headers that
+act on the whole origin (``Service-Worker-Allowed``, ``Clear-Site-Data``)
+are dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +48,42 @@ RESPONSE_TIMEOUT = 300.0
 _DROP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
          "transfer-encoding", "upgrade", "host", "content-length",
          API_KEY_HEADER.lower(), ACCESS_TOKEN_HEADER.lower(), PORT_TOKEN_HEADER.lower()}
+
+
+#: What every answer of a sandbox's port is sandboxed with: scripts, forms, popups and downloads work; the
+#: page's origin is opaque (no allow-same-origin) and it cannot navigate the top window away.
+PORT_CSP = b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
+#: Headers of the app that act on the whole origin: never passed on.
+_ORIGIN_WIDE = {"service-worker-allowed", "clear-site-data", "set-cookie2"}
+#: The ASGI scope's mark of a request that came by the server-proxy form (/sandboxes/{id}/proxy/{port}).
+PROXY_FORM = "isolate.proxy_form"
+
+
+def public_prefix(request: HTTPConnection, port: int) -> str:
+    """The path of the port as the client named it (the port form or the server-proxy form)."""
+    kind = "proxy" if request.scope.get(PROXY_FORM) else "port"
+    return f"/sandboxes/{request.path_params['sandbox_id']}/{kind}/{port}"
+
+
+def scoped_cookie(value: bytes, prefix: str) -> bytes:
+    """A Set-Cookie of the app, made to reach only the app's own path: its Path is the port's prefix
+    (whatever the app said: a cookie for / would reach the API and every other sandbox's ports), its Domain
+    goes (host-only), its other attributes stay."""
+    name_value, *attributes = value.split(b";")
+    kept = [a for a in attributes if a.strip().partition(b"=")[0].strip().lower() not in (b"path", b"domain")]
+    return b";".join([name_value, *kept, b" Path=" + prefix.encode()])
+
+
+def _response_headers(headers: list[tuple[bytes, bytes]], prefix: str) -> list[tuple[bytes, bytes]]:
+    out: list[tuple[bytes, bytes]] = []
+    for key, value in headers:
+        name = key.decode("latin-1").lower()
+        if name in (_DROP - {"content-length"}) | _ORIGIN_WIDE:
+            continue
+        out.append((name.encode(), scoped_cookie(value, prefix) if name == "set-cookie" else value))
+    # Added to the app's own policy, never replacing it: a browser enforces every policy it is given.
+    out.append((b"content-security-policy", PORT_CSP))
+    return out
 
 
 def port_token(managed: ManagedSandbox, port: int) -> str:
@@ -82,7 +128,7 @@ def _request_headers(request: HTTPConnection, port: int) -> list[tuple[bytes, by
     out.append((b"connection", b"close"))
     out.append((b"x-forwarded-host", request.headers.get("host", "").encode("latin-1")))
     out.append((b"x-forwarded-proto", request.url.scheme.encode()))
-    out.append((b"x-forwarded-prefix", f"/sandboxes/{request.path_params['sandbox_id']}/port/{port}".encode()))
+    out.append((b"x-forwarded-prefix", public_prefix(request, port).encode()))
     if request.headers.get("content-length") is not None:
         out.append((b"content-length", request.headers["content-length"].encode("latin-1")))
     elif "transfer-encoding" in request.headers:
@@ -131,7 +177,7 @@ async def forward(request: Request) -> Response:
     except BaseException:
         writer.close()
         raise
-    raw_headers = [(k, v) for k, v in event.headers if k.decode("latin-1").lower() not in _DROP - {"content-length"}]
+    raw_headers = _response_headers(list(event.headers), public_prefix(request, port))
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -146,8 +192,8 @@ async def forward(request: Request) -> Response:
         finally:
             writer.close()
 
-    response = StreamingResponse(body(), status_code=event.status_code, )
-    response.raw_headers = [(k.lower(), v) for k, v in raw_headers]
+    response = StreamingResponse(body(), status_code=event.status_code)
+    response.raw_headers = raw_headers
     return response
 
 

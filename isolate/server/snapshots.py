@@ -59,7 +59,7 @@ class SnapshotStore:
         return runtime_subdir(f"opensandbox-snapshots-{state_key()}")
 
     def get(self, snapshot_id: str) -> dict[str, Any]:
-        if not _ID.match(snapshot_id):
+        if not _ID.fullmatch(snapshot_id):
             raise _not_found(snapshot_id)
         try:
             fd = os.open(os.path.join(self._dir(), f"{snapshot_id}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -72,7 +72,7 @@ class SnapshotStore:
     def all(self) -> list[dict[str, Any]]:
         out = []
         for entry in os.listdir(self._dir()):
-            if entry.endswith(".json") and _ID.match(entry[:-5]):
+            if entry.endswith(".json") and _ID.fullmatch(entry[:-5]):
                 try:
                     out.append(self.get(entry[:-5]))
                 except ApiError:

@@ -299,7 +299,7 @@ def _epoch(stamp: str) -> float | None:
     """Seconds since the epoch from the engine's RFC 3339 time (nanoseconds allowed)."""
     import datetime
 
-    match = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$", stamp)
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", stamp, re.ASCII)
     if not match or stamp.startswith("0001-"):
         return None
     base = datetime.datetime.fromisoformat(match.group(1) + (match.group(3).replace("Z", "+00:00")))

@@ -222,7 +222,7 @@ def list_sandboxes(registry: Registry | None = None) -> list[SandboxStatus]:
     for container in backend.list_containers("kept"):
         labels = container.get("Labels") or {}
         name = labels.get(backend.LABEL_NAME)
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             continue  # not a name isolate gave (it would become paths)
         states[name] = str(container.get("State") or "unknown")
         if name not in records:

@@ -699,7 +699,7 @@ def sweep_stale(hierarchies: Iterable[Hierarchy] | None = None) -> int:
         except OSError:
             continue
         for name in names:
-            match = RUN_NAME.match(name)
+            match = RUN_NAME.fullmatch(name)
             if match is None or _pid_alive(int(match.group(1))):
                 continue
             path = os.path.join(parent, name)

@@ -15,18 +15,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..common import SSE_HEADERS, LineSplitter, api, json_body, query_int, sse
-from ..models import ApiError, bad_request
+from ..models import MAX_TIMEOUT, ApiError, bad_request, bounded
 from ..state import CommandRecord, ManagedSandbox
 from .access import BRIDGE_LIMIT, sandbox_for
 
 # -- commands -----------------------------------------------------------------------------
 
 def _timeout_ms(value: object, name: str = "timeout") -> float | None:
+    """Milliseconds (0: none), at most the longest a sandbox may live; checked before the division."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise bad_request(f"{name}: expected milliseconds (a non-negative integer)")
-    return None if value == 0 else value / 1000
+    if not isinstance(value, int):
+        raise bad_request(f"{name}: expected milliseconds from 0 to {MAX_TIMEOUT * 1000}, a whole number")
+    ms = bounded(value, name, 0, MAX_TIMEOUT * 1000, "milliseconds (0: none)")
+    return None if ms == 0 else ms / 1000
 
 
 def _envs(value: object) -> dict[str, str] | None:
@@ -138,8 +140,8 @@ async def run_command(request: Request) -> Response:
         if body.get(name) is not None:
             raise bad_request(f"{name}: commands run as the sandbox's own user; another id cannot be chosen")
     cwd = body.get("cwd")
-    if cwd is not None and (not isinstance(cwd, str) or "\0" in cwd):
-        raise bad_request("cwd: expected a path")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd or "\0" in cwd):
+        raise bad_request("cwd: expected a path (not empty, no NUL)")
     background = body.get("background", False)
     if not isinstance(background, bool):
         raise bad_request("background: expected true or false")

@@ -32,6 +32,13 @@ def _paths(request: Request) -> list[str]:
     return paths
 
 
+def _body_paths(paths: Any, what: str) -> None:
+    """Paths a JSON body names: each a non-empty string without NUL (an empty one would be the workspace)."""
+    for path in paths:
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise bad_request(f"{what}: {str(path)[:40]!r} is not a path (empty, or has NUL)", "INVALID_PATH")
+
+
 def _info(managed: ManagedSandbox, path: str) -> dict[str, Any]:
     st = managed.box.stat(path, follow_symlinks=False)
     return file_info(absolute(path, WORKDIR), st.mode, st.size, st.mtime_ns, st.uid, st.gid)
@@ -82,6 +89,7 @@ async def make_dirs(request: Request) -> Response:
     body = await json_body(request)
     if not isinstance(body, dict) or not all(isinstance(v, dict) for v in body.values()):
         raise bad_request("the body must be {PATH: {\"mode\": 755}}", "INVALID_REQUEST_BODY")
+    _body_paths(body, "path")
     plan = [(path, _permission(perm, path, 0o755, managed)) for path, perm in body.items()]
 
     def work() -> None:
@@ -97,8 +105,10 @@ def _permission(perm: dict[str, Any], where: str, default: int, managed: Managed
     user = managed.box.enforced.get("user", {}) if managed is not None and managed.box.backend == "native" else {}
     for name, key, kind in (("owner", "uid", "user"), ("group", "gid", "group")):
         value = perm.get(name)
-        if not value:
+        if value is None or value == "":
             continue
+        if not isinstance(value, str):
+            raise bad_request(f"{where}.{name}: expected a user or group name (or its id) as a string")
         own = user.get(key)
         if own is None or value not in (str(own), name_of(int(own), kind)):
             raise bad_request(f"{where}.{name}: {str(value)[:40]!r}: files belong to the sandbox's own user "
@@ -112,6 +122,7 @@ async def chmod_files(request: Request) -> Response:
     body = await json_body(request)
     if not isinstance(body, dict) or not all(isinstance(v, dict) for v in body.values()):
         raise bad_request("the body must be {PATH: {\"mode\": 644}}", "INVALID_REQUEST_BODY")
+    _body_paths(body, "path")
     plan = [(path, _permission(perm, path, 0o755, managed)) for path, perm in body.items()]
 
     def work() -> None:
@@ -131,6 +142,7 @@ async def move_files(request: Request) -> Response:
     if not isinstance(body, list) or not all(isinstance(i, dict) and isinstance(i.get("src"), str)
                                              and isinstance(i.get("dest"), str) for i in body):
         raise bad_request("the body must be [{\"src\": PATH, \"dest\": PATH}, ...]", "INVALID_REQUEST_BODY")
+    _body_paths([p for item in body for p in (item["src"], item["dest"])], "src, dest")
 
     def work() -> None:
         for item in body:
@@ -148,6 +160,7 @@ async def replace_content(request: Request) -> Response:
                                              and isinstance(v.get("new"), str) for v in body.values()):
         raise bad_request("the body must be {PATH: {\"old\": TEXT, \"new\": TEXT}} with old not empty",
                           "INVALID_REQUEST_BODY")
+    _body_paths(body, "path")
     verbose = request.query_params.get("verbose", "").lower() in ("1", "true")
 
     def work() -> dict[str, Any]:
@@ -211,7 +224,7 @@ async def list_directory(request: Request) -> Response:
     return JSONResponse(await run_in_threadpool(work))
 
 
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})")
 
 
 def _line_span(fd: int, size: int, offset: int | None, limit: int | None) -> tuple[int, int]:
@@ -263,7 +276,7 @@ async def _chunks(reader: Any, start: int, end: int, done: Any) -> AsyncIterator
 
 def _range(spec: str, size: int) -> tuple[int, int]:
     """The bytes [start, end] a Range header asks of size bytes (416 when it cannot be served)."""
-    match = _RANGE.match(spec.strip())
+    match = _RANGE.fullmatch(spec.strip())
     if not match or (not match.group(1) and not match.group(2)):
         raise ApiError(416, "INVALID_RANGE", f"Range: {spec[:40]!r} is not bytes=START-END")
     if match.group(1):

@@ -24,7 +24,8 @@ async def create_session(request: Request) -> Response:
     body = await json_body(request, required=False)
     cwd = None
     if body is not None:
-        if not isinstance(body, dict) or not (body.get("cwd") is None or isinstance(body["cwd"], str)):
+        if not isinstance(body, dict) or not (body.get("cwd") is None or (isinstance(body["cwd"], str)
+                                                                          and body["cwd"] and "\0" not in body["cwd"])):
             raise bad_request("the body must be {\"cwd\": PATH} or empty", "INVALID_REQUEST_BODY")
         cwd = body.get("cwd")
     import secrets
@@ -57,8 +58,8 @@ async def run_in_session(request: Request) -> Response:
     command = body["command"]
     cwd = body.get("cwd")
     if cwd is not None:
-        if not isinstance(cwd, str):
-            raise bad_request("cwd: expected a path")
+        if not isinstance(cwd, str) or not cwd or "\0" in cwd:
+            raise bad_request("cwd: expected a path (not empty, no NUL)")
         import shlex
 
         command = f"cd -- {shlex.quote(cwd)} && {{ {command}\n}}"

@@ -173,10 +173,12 @@ def body_framing(request: Request) -> tuple[str, int]:
             raise HTTPError(501, f"Transfer-Encoding {', '.join(codings)!r} is not supported")
         return "chunked", 0
     if lengths:
-        values = {value.strip() for value in lengths}
-        if len(values) != 1 or not next(iter(values)).isascii() or not next(iter(values)).isdigit():
+        # One field, digits only. Not even a repeat of the same value passes: it would be forwarded twice,
+        # and a server that reads the fields as a list ("3, 3") takes it for no length at all.
+        value = lengths[0].strip()
+        if len(lengths) != 1 or not value.isascii() or not value.isdigit():
             raise HTTPError(400, "a bad or repeated Content-Length")
-        return "length", int(next(iter(values)))
+        return "length", int(value)
     return "none", 0
 
 

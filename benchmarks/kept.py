@@ -7,6 +7,7 @@
   drop of MemAvailable, which also counts kernel memory (namespaces, page
   tables, the tmpfs roots), each per sandbox;
 - many: 50 sandboxes open at once, one command and one file in each;
+- shell: ``Sandbox.shell().run("true")`` (the persistent shell's framing), with and without a terminal;
 - docker: ``Sandbox(backend="docker")`` (a container whose main process is
   the exec server): its creation, ``exec(["/bin/true"])`` and a 4 KiB
   ``write_file`` + ``read_file`` round trip, against ``docker exec`` through
@@ -104,6 +105,26 @@ def many(n: int, log: Callable[[str], None]) -> dict[str, Any]:
     return {"n": n, "ok": ok, "open_seconds": round(opened, 2), "total_seconds": round(total, 2)}
 
 
+def shell(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    out: dict[str, Any] = {"rounds": rounds}
+    with isolate.Sandbox(_policy()) as box:
+        for pty in (False, True):
+            sh = box.shell(f"bench-{pty}", pty=pty)
+            for _ in range(min(rounds, 50)):  # warm
+                sh.run("true")
+            runs: list[float] = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                if sh.run("true")[1] != 0:
+                    raise RuntimeError("shell.run('true') did not report 0")
+                runs.append(time.perf_counter() - started)
+            out["pty" if pty else "pipe"] = summary_ms(runs)
+    log(f"kept: shell.run('true') {out['pipe']['median_ms']} ms (pipes), {out['pty']['median_ms']} ms (terminal)")
+    return out
+
+
 def docker(rounds: int, image: str, log: Callable[[str], None]) -> dict[str, Any]:
     import isolate
     from isolate.backends import docker as backend
@@ -159,6 +180,7 @@ def measure(rounds: int, idle_n: int, many_n: int, log: Callable[[str], None],
     out["create"] = create(rounds, log)
     out["idle_memory"] = idle_memory(idle_n, log)
     out["many"] = many(many_n, log)
+    out["shell"] = shell(rounds, log)
     if docker_image is None:
         out["docker"] = {"skipped": "Docker left out"}
     else:

@@ -641,6 +641,42 @@ def test_no_process_can_end_or_fake_a_shell_run(box: Sandbox, pty: bool) -> None
     assert sh.run("echo next; (exit 5)", timeout=30) == ("next\n", 5)
 
 
+# What an earlier command defines in its shell, one attack a line: each would have forged every later
+# run's status, output or channel through the names the framing calls.
+SHELL_ATTACKS = (
+    "echo() { :; }",  # every later run reported status 0 (the status line never reached the channel)
+    "printf() { command printf 'FORGED'; command printf \"$@\"; }",  # text in every later run's output
+    "read() { exec 7<&3; command read \"$@\"; }",  # the channel copied to fd 7, held by every later command
+    "alias echo=: printf=: read=: unset=: 2>/dev/null; [ -z \"$BASH_VERSION\" ] || set +o posix; true",
+    "set -u; IFS=0123456789abcdef; PATH=/nowhere",
+)
+
+
+@pytest.mark.parametrize("pty", [False, True])
+@pytest.mark.parametrize("argv", [("/bin/sh",), ("/bin/bash",), ("/bin/busybox", "ash")], ids=["dash", "bash", "ash"])
+def test_no_earlier_command_forges_a_later_runs_status_output_or_channel(source: str, pty: bool,
+                                                                          argv: tuple[str, ...]) -> None:
+    from isolate.kept.shell import Shell
+
+    if not os.path.exists(argv[0]):
+        pytest.skip(f"no {argv[0]} on this host")
+    if pty and argv[0] == "/bin/busybox":
+        pytest.skip("busybox ash echoes what a terminal types (see tests/test_sandbox.py)")
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        sh = Shell(box, "attacked", pty, argv)
+        try:
+            assert sh.run("f() { \\echo \"fn$1\"; }; cd /tmp; export KEPT=1", timeout=30) == ("", 0)
+            for attack in SHELL_ATTACKS:
+                sh.run(attack, timeout=30)
+            assert sh.run("(exit 3)", timeout=30) == ("", 3)
+            assert sh.run("f 1; pwd; \\echo \"$KEPT\"", timeout=30) == ("fn1\n/tmp\n1\n", 0)
+            output, status = sh.run("{ command echo 'status x 0' >&7; } 2>/dev/null || command echo no-fd7; false",
+                                    timeout=30)
+            assert (output, status) == ("no-fd7\n", 1)
+        finally:
+            sh.close()
+
+
 FORGER = r"""
 import os, re, sys, time
 # Started by the interpreter's code, it holds the interpreter's stdout and reads its parent's memory.

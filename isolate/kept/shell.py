@@ -28,6 +28,17 @@ from ..backends.native.commands import wait_seconds
 from ..kernel.fdwait import ready
 from ..model.errors import IsolationError
 
+#: What follows each command (the line after it: a command with a syntax error still gets its status). It
+#: calls only what an earlier command cannot redefine: ``unset`` is a POSIX special builtin, which no
+#: function can shadow in dash, busybox ash or bash in POSIX mode (``POSIXLY_CORRECT`` set, an assignment,
+#: turns bash's on whatever ``set +o posix`` did), and it removes functions named ``echo``, ``printf`` or
+#: ``read`` before they are called; every name is quoted (a backslash), which no alias matches. The status
+#: is taken first, by an assignment, before anything else runs.
+_TRAILER = ("__isolate_s=$?; POSIXLY_CORRECT=y; \\unset -f echo printf read; "
+            "\\echo 'marker {seq}' >&3; IFS= \\read -r __isolate_m <&3; "
+            "\\printf '\\n%s\\n' \"$__isolate_m\"; \\echo \"status $__isolate_m $__isolate_s\" >&3; "
+            "\\unset __isolate_m __isolate_s")
+
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
 OUTPUT_LIMIT = 16 << 20
 
@@ -35,13 +46,13 @@ OUTPUT_LIMIT = 16 << 20
 class Shell:
     """A persistent shell in a sandbox: ``run(command)`` returns (output, exit status); state persists."""
 
-    def __init__(self, box: Any, name: str, pty: bool) -> None:
+    def __init__(self, box: Any, name: str, pty: bool, argv: tuple[str, ...] = ("/bin/sh",)) -> None:
         self.name = name
         self.pty = pty
         env = {"PS1": "", "PS2": "", "TERM": "dumb"}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._process = box.spawn(["/bin/sh"], env=env, pty=pty, fd3=theirs.fileno())
+            self._process = box.spawn(list(argv), env=env, pty=pty, fd3=theirs.fileno())
         except BaseException:
             ours.close()
             raise
@@ -83,10 +94,7 @@ class Shell:
         # The status is read before anything else runs, the marker asked for by number, printed after a
         # line break (the command's output need not end with one), and unset at once.
         self._process.write(
-            f"{{ {command}\n}} 3>&-{redirect}\n"
-            f"__isolate_s=$?; echo 'marker {seq}' >&3; read -r __isolate_m <&3; "
-            f"printf '\\n%s\\n' \"$__isolate_m\"; echo \"status $__isolate_m $__isolate_s\" >&3; "
-            "unset __isolate_m __isolate_s\n")
+            f"{{ {command}\n}} 3>&-{redirect}\n{_TRAILER.format(seq=seq)}\n")
         deadline = None if timeout is None else time.monotonic() + timeout
         # The command's output may be a flood: it is kept in a bytearray (appending is not a copy),
         # only its tail is kept, and only what is new is searched for the marker (a search from

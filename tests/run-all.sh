@@ -53,7 +53,7 @@ prepare_unprivileged() {
     mkdir "$work/src"
     git ls-files -z | xargs -0 -I{} cp --parents {} "$work/src/" 2>/dev/null || cp -r . "$work/src"
     /usr/bin/python3 -m venv "$work/venv" &&
-        "$work/venv/bin/pip" install -q "$work/src[test,inspect,mcp,smolagents,llm-sandbox,server,server-test,deploy-test,ray]" &&
+        "$work/venv/bin/pip" install -q "$work/src[test,inspect,mcp,smolagents,llm-sandbox,server,server-test,deploy-test,ray,images]" &&
         chmod -R a+rX "$work"
 }
 

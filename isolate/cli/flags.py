@@ -24,6 +24,21 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see isolate-run --help)")
 
 
+#: isolate-run's own failure (bad option, setup error): the exit status of every subcommand too.
+EXIT_SETUP = 125
+
+
+class UsageError(Exception):
+    """A subcommand's bad argument (``isolate-run sandbox``, ``image``): one line on stderr, exit 125."""
+
+
+class UsageParser(argparse.ArgumentParser):
+    """A subcommand's parser: a bad argument raises UsageError instead of printing usage and exiting 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
 EPILOG = """\
 defaults (no options): /usr /bin /sbin /lib /lib64 /etc read-only; the current
 directory writable; a private /tmp; a private, empty, writable home

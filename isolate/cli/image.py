@@ -21,29 +21,18 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
 
 from ..model.errors import IsolationError
 from ..model.units import parse_size
-
-EXIT_SETUP = 125
-
-
-class _UsageError(Exception):
-    pass
+from .flags import EXIT_SETUP, UsageError, UsageParser
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="isolate-run image", description="The caller's image store: load, pull, list, inspect, "
-                     "remove images; prune unused layers.")
+def _parser() -> UsageParser:
+    parser = UsageParser(prog="isolate-run image", description="The caller's image store: load, pull, list, "
+                         "inspect, remove images; prune unused layers.")
     parser.add_argument("--image-store", metavar="DIR", help="the store (default: $ISOLATE_IMAGE_STORE, else "
                         "<state dir>/images)")
-    commands = parser.add_subparsers(dest="action", parser_class=_Parser, required=True)
+    commands = parser.add_subparsers(dest="action", parser_class=UsageParser, required=True)
     load = commands.add_parser("load", help="load a docker save archive or an OCI image layout")
     load.add_argument("path")
     load.add_argument("--ref", help="the name to keep it under (default: the name the file gives)")
@@ -103,7 +92,7 @@ def image_main(argv: Sequence[str]) -> int:
             removed = Image.prune(store)
             print(f"removed {len(removed)} unused layer{'s' if len(removed) != 1 else ''}")
         return 0
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"isolate-run image: {exc}", file=sys.stderr)
         return EXIT_SETUP
     except IsolationError as exc:

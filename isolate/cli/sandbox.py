@@ -23,23 +23,13 @@ import termios
 import time
 import tty
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from ..backends.native.named import _native_state, native_names, prune_native, remove_native
 from ..backends.registry import Registry
 from ..kernel import fdwait
 from ..model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, PolicyError
-
-EXIT_SETUP = 125
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
+from .flags import EXIT_SETUP, UsageError, UsageParser
 
 
 def _seconds(text: str) -> float:
@@ -52,12 +42,12 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _parser() -> _Parser:
+def _parser() -> UsageParser:
     from ..backends.docker.sandbox import DEFAULT_AGE_SECONDS, DEFAULT_IDLE_SECONDS
 
-    parser = _Parser(prog="isolate-run sandbox", description="Kept sandboxes: create one, run commands in it, "
-                     "copy files, diff and commit its workspace, remove it.")
-    commands = parser.add_subparsers(dest="action", parser_class=_Parser,
+    parser = UsageParser(prog="isolate-run sandbox", description="Kept sandboxes: create one, run commands in "
+                         "it, copy files, diff and commit its workspace, remove it.")
+    commands = parser.add_subparsers(dest="action", parser_class=UsageParser,
                                      metavar="create|exec|shell|cp|diff|commit|pause|resume|list|rm|prune")
     commands.required = True
     create = commands.add_parser("create", help="make a named native sandbox (policy options as isolate-run's)")
@@ -116,7 +106,7 @@ def sandbox_main(argv: Sequence[str]) -> int:
         except SystemExit as stop:  # --help
             return int(stop.code or 0)
         return int(_COMMANDS[options.action](options))
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"isolate-run sandbox: {exc} (see isolate-run sandbox --help)", file=sys.stderr)
     except (CommandNotFoundError, CommandNotExecutableError) as exc:
         print(f"isolate-run sandbox: {exc}", file=sys.stderr)
@@ -146,11 +136,11 @@ def _create(words: list[str]) -> int:
         return int(stop.code or 0)
     policy_options = build_parser().parse_args(rest)
     if policy_options.command:
-        raise _UsageError(f"create takes no command ({' '.join(policy_options.command)}); use sandbox exec")
+        raise UsageError(f"create takes no command ({' '.join(policy_options.command)}); use sandbox exec")
     try:
         policy = policy_from_args(policy_options)
     except CliError as exc:
-        raise _UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     workspace = Workspace(options.workspace, options.target, options.mode, tuple(options.exclude))
     idle = None if options.idle is None else (float("inf") if options.idle == 0 else options.idle)
     box = Sandbox(policy, workspace=workspace, name=options.name, backend="native", ttl=options.ttl or None,
@@ -175,12 +165,12 @@ def _exec(options: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        raise _UsageError("exec: no command given: isolate-run sandbox exec NAME -- CMD [ARG...]")
+        raise UsageError("exec: no command given: isolate-run sandbox exec NAME -- CMD [ARG...]")
     env = {}
     for item in options.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise _UsageError(f"--env: {item!r} is not NAME=VALUE")
+            raise UsageError(f"--env: {item!r} is not NAME=VALUE")
         env[key] = value
     box = _attach(options.name)
     impl = box._impl
@@ -262,7 +252,7 @@ def _split_remote(text: str) -> tuple[str, str] | None:
 def _cp(options: argparse.Namespace) -> int:
     source, destination = _split_remote(options.source), _split_remote(options.destination)
     if (source is None) == (destination is None):
-        raise _UsageError("cp: exactly one side must be NAME:PATH")
+        raise UsageError("cp: exactly one side must be NAME:PATH")
     if source is not None:
         box = _attach(source[0])
         try:

@@ -588,4 +588,6 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         fds=static_fds, source_fds=dict(source_fds),
         image_env=image_root.env if image_root is not None else None,
         image_command=image_root.image.config if image_root is not None else None,
+        image_store=image_root.image.store if image_root is not None else None,
+        image_layers=tuple(os.path.dirname(d) for d in image_root.lowers) if image_root is not None else (),
     )

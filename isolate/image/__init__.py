@@ -244,14 +244,15 @@ class Image:
 
     @classmethod
     def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False,
-             progress: TextIO | None = None) -> Image:
+             progress: TextIO | None = None, login: tuple[str, str] | None = None) -> Image:
         """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py);
-        ``progress``: where a line of figures goes at the end."""
+        ``progress``: where a line of figures goes at the end; ``login``: (user, secret) for the registry
+        instead of those of the Docker/containers auth files."""
         from .registry import resolve
 
         store = store or Store()
         started = time.monotonic()
-        found, source = resolve(reference, insecure=insecure)
+        found, source = resolve(reference, insecure=insecure, login=login)
         image = cls._add(store, found, source, found.reference, f"image {found.reference}")
         if progress is not None:
             seconds = time.monotonic() - started

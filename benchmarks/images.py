@@ -272,7 +272,8 @@ def _pull(tmp: str, tools: list[str], log: Callable[[str], None]) -> dict[str, A
                            {"name": "pull-marker", "data": os.urandom(16).hex().encode()}])
         kit.oci_layout(os.path.join(tmp, "oci-pull"), [layer], ref="pull:1", Env=["PATH=/bin"])
         subprocess.run([skopeo, "copy", "--quiet", "--dest-tls-verify=false", f"oci:{tmp}/oci-pull:pull:1",
-                        f"docker://{remote}"], check=True, capture_output=True, env=dict(os.environ, HOME=tmp))
+                        f"docker://{remote}"], check=True, capture_output=True,
+                       env=dict(os.environ, HOME=tmp, REGISTRY_AUTH_FILE=os.path.join(tmp, "auth.json")))
         log("images: pulls from the loopback registry")
         code = ("import resource, sys, time; from isolate.image import Image, Store; t = time.perf_counter(); "
                 f"Image.pull({remote!r}, store=Store(sys.argv[1])); "

@@ -64,7 +64,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1", Env=["PATH=/bin"])
         subprocess.run([SKOPEO, "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"{USER}:{PASSWORD}",
                         f"oci:{tmp / 'busybox'}:1", f"docker://{address}/tests/busybox:1"], check=True,
-                       env=dict(os.environ, HOME=str(tmp)), capture_output=True, timeout=60)
+                       env=dict(os.environ, HOME=str(tmp), REGISTRY_AUTH_FILE=str(tmp / "auth.json")),
+                       capture_output=True, timeout=60)
         yield address
     finally:
         server.kill()

@@ -14,6 +14,7 @@ from conftest import NAMESPACES_WHY
 
 import isolate
 from isolate.image import Image, Store
+from isolate.kernel import overlay
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
@@ -54,8 +55,15 @@ def image(tmp_path: Path) -> Iterator[Image]:
 
 
 def test_a_directory_of_the_image_removed_and_made_again_is_empty(image: Image) -> None:
-    result = isolate.run(["sh", "-c", SCRIPT], policy=isolate.Policy(image=image.reference, backend="native"),
-                         capture_output=True, text=True, timeout=60)
+    policy = isolate.Policy(image=image.reference, backend="native")
+    result = isolate.run(["sh", "-c", SCRIPT], policy=policy, capture_output=True, text=True, timeout=60)
+    if overlay._kernel() < (6, 6):
+        # No user.* attributes on the tmpfs upper layer: overlayfs refuses (EIO) rather than show a wrong tree,
+        # and the report says so.
+        assert result.returncode != 0 and "Input/output error" in result.stderr, result.stdout + result.stderr
+        with isolate.Sandbox(policy) as box:
+            assert "removing or renaming a non-empty directory" in box.enforced["image"]["root"]
+        return
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines() == ["after mkdir: ", "tree: new", "moved: inside", "kept gone"], (
         result.stdout + result.stderr)

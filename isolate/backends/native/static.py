@@ -389,7 +389,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             first = imageroot.steps(image_root, store_fd, "mode=0755," + mounts.tmpfs_bounds(tmpfs_size))
             enforced["image"] = {"reference": image_root.image.reference, "id": image_root.image.id,
                                  "layers": len(image_root.lowers),
-                                 "root": "overlayfs: the image's layers read-only, a private tmpfs as upper layer"}
+                                 "root": "overlayfs: the image's layers read-only, a private tmpfs as upper layer"
+                                         + imageroot.upper_limits()}
         cmounts = ffi.new("struct iso_mount[]", max(len(first) + len(steps), 1))
         keep.append(cmounts)
         for i, istep in enumerate(first):

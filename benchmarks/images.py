@@ -1,19 +1,26 @@
-"""Images, natively: ``python -m benchmarks.images [--rounds N]`` (not yet a section of ``python -m benchmarks``).
+"""Images, natively: the ``images`` section of ``python -m benchmarks`` (alone: ``python -m benchmarks.images``).
 
-With a busybox-static ``scratch`` image built here (tests/imagekit.py's) in a
-store of its own:
+With busybox-static ``scratch`` images built here (tests/imagekit.py's), in a
+store of their own, and loaded into Docker and Podman where they answer (the
+same images: ``docker load`` / ``podman load`` of the same archives):
 
 - ``isolate-run --image IMG -- /bin/true`` against ``isolate-run -- /bin/true``
-  (whole processes, interleaved, the binary's plans warm), and ``docker run
-  --rm`` / ``podman run --rm`` of the same image where they are installed;
-- a kept sandbox from the image, create + first exec + close, against one
-  from the host's root;
-- a pull from Debian's docker-registry on loopback (pushed with skopeo), its
-  wall time and the pulling process's peak RSS, where both are installed;
+  (whole processes, interleaved, the binary's plans warm), ``docker run --rm``
+  and ``podman run --rm`` of the same image;
+- a kept sandbox from the image: create + first exec (the goal: at most
+  15 ms), then its close, against one from the host's root;
+- a pull from Debian's docker-registry on loopback (pushed with skopeo): its
+  wall time and the pulling process's peak RSS, against ``podman pull`` and
+  ``docker pull`` of the same image, where they answer;
 - disk added by N kept sandboxes of the image (their writes aside): the store
-  and the state directory before and after.
+  and the state directory before and after;
+- an eval-shaped run: 50 tasks over 10 images (each task starts a sandbox
+  from its image, writes a file, runs a short test of it, closes), isolate
+  natively against isolate's Docker backend: whole wall time and per task.
+  (The images are busybox ones, so the test is a shell's, not Python's: the
+  Debian + python image is not built here.)
 
-Writes ``results/images.json``.
+Writes ``results/images.json`` when run alone.
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ._stats import summary_ms
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EVAL_IMAGES, EVAL_TASKS = 10, 50
+#: A task of the eval-shaped run: write a file, then test what it holds.
+TASK = ["sh", "-c", "echo 42 > /tmp/answer && test \"$(cat /tmp/answer)\" = 42"]
 
 
 def _kit() -> Any:
@@ -60,24 +71,100 @@ def _du(path: str) -> int:
     return total
 
 
-def measure(rounds: int, tmp: str) -> dict[str, Any]:
-    import isolate
+def engines(with_docker: bool) -> tuple[list[str], dict[str, str]]:
+    """The container engines that answer (docker, podman), and why each other one is left out."""
+    found, skipped = [], {}
+    for tool in ("docker", "podman"):
+        if tool == "docker" and not with_docker:
+            skipped[tool] = "Docker left out (--no-docker)"
+        elif not shutil.which(tool):
+            skipped[tool] = f"no {tool} command (bash benchmarks/setup-peers.sh)"
+        elif subprocess.run([tool, "info"], capture_output=True, timeout=60).returncode != 0:
+            skipped[tool] = f"{tool} does not answer (tests/docker_env.sh starts dockerd)"
+        else:
+            found.append(tool)
+    return found, skipped
+
+
+def run_argv(tool: str, cwd: str) -> list[str] | None:
+    """``TOOL run --rm`` as it works on this host (podman: its default runtime, else runc with explicit limits),
+    up to the image; None when no way works."""
+    base = ["run", "--rm", "--pull=never", "--network=none"]
+    tries = [[tool, *base]]
+    if tool == "podman" and shutil.which("runc"):
+        tries.append([tool, "--runtime", str(shutil.which("runc")), *base, "--ulimit", "nofile=1024:1024",
+                      "--ulimit", "nproc=4096:4096"])
+    for argv in tries:
+        if subprocess.run([*argv, engine_name(tool, "bench:1"), "/bin/true"], cwd=cwd, capture_output=True,
+                          timeout=120).returncode == 0:
+            return argv
+    return None
+
+
+def engine_name(tool: str, name: str) -> str:
+    """The name an engine gave an image ``docker load`` / ``podman load`` loaded as ``name``."""
+    return f"localhost/{name}" if tool == "podman" else name
+
+
+def _make_images(tmp: str, tools: list[str]) -> list[str]:
+    """bench:1 and the eval images, in isolate's store and in each engine; their references."""
     from isolate.image import Image, Store
 
     kit = _kit()
+    store = Store(os.environ["ISOLATE_IMAGE_STORE"])
+    base = kit.busybox_layer()
+    refs = []
+    for i, name in enumerate(["bench:1", *(f"bench-eval-{n}:1" for n in range(EVAL_IMAGES))]):
+        layers = [base] if i == 0 else [base, kit.layer([{"name": f"task-{i}", "data": f"{i}\n".encode()}])]
+        kit.oci_layout(os.path.join(tmp, f"oci-{i}"), layers, ref=name, Env=["PATH=/bin"])
+        refs.append(Image.load(os.path.join(tmp, f"oci-{i}"), store=store).reference)
+        archive = os.path.join(tmp, f"saved-{i}.tar")
+        kit.docker_archive(archive, layers, tag=name, Env=["PATH=/bin"])
+        for tool in tools:
+            subprocess.run([tool, "load", "-q", "-i", archive], check=True, capture_output=True, timeout=300)
+    return refs
+
+
+def measure(rounds: int, tmp: str, with_docker: bool = True,
+            log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     store = os.path.join(tmp, "store")
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
     os.environ["ISOLATE_IMAGE_STORE"] = store
-    kit.oci_layout(os.path.join(tmp, "oci"), [kit.busybox_layer()], ref="bench:1", Env=["PATH=/bin"])
-    image = Image.load(os.path.join(tmp, "oci"), store=Store(store))
+    try:
+        return _measure(rounds, tmp, store, with_docker, log)
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def _measure(rounds: int, tmp: str, store: str, with_docker: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    import isolate
+
+    tools, skipped = engines(with_docker)
+    log(f"images: engines {', '.join(tools) or 'none'}" + "".join(f"; {k}: {v}" for k, v in skipped.items()))
+    refs = _make_images(tmp, tools)
+    image = refs[0]
     binary = os.path.join(os.path.dirname(sys.executable), "isolate-run")
     work = os.path.join(tmp, "work")
     os.mkdir(work, 0o755)
     os.chmod(tmp, 0o755)
-    variants = {"host root": [binary, "--", "/bin/true"], "image": [binary, "--image", image.reference, "--",
-                                                                    "/bin/true"]}
-    for tool in ("docker", "podman"):
-        if shutil.which(tool) and subprocess.run([tool, "info"], capture_output=True).returncode == 0:
-            variants[f"{tool} run --rm"] = [tool, "run", "--rm", "busybox", "/bin/true"]
+    results: dict[str, Any] = {"image": image, "engines": tools, "skipped": skipped, "rounds": rounds}
+
+    log(f"images: isolate-run, {rounds} interleaved rounds")
+    variants = {"host root": [binary, "--", "/bin/true"], "image": [binary, "--image", image, "--", "/bin/true"]}
+    for tool in list(tools):
+        # Never a pull: the image is the one loaded here (podman names a loaded image localhost/NAME).
+        argv = run_argv(tool, work)
+        if argv is None:
+            tools.remove(tool)
+            skipped[tool] = f"`{tool} run` fails on this host with every runtime tried"
+            continue
+        if tool == "podman" and "--runtime" in argv:
+            results["podman_runtime"] = ("runc, with explicit nofile/nproc limits: crun refuses this host's hybrid "
+                                         "cgroups, and both runtimes fail raising the limits podman asks by default")
+        variants[f"{tool} run --rm"] = [*argv, engine_name(tool, "bench:1"), "/bin/true"]
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for argv in variants.values():
         _timed(argv, work)  # warm: plans cached, images present
@@ -86,25 +173,34 @@ def measure(rounds: int, tmp: str) -> dict[str, Any]:
         random.shuffle(order)
         for key, argv in order:
             samples[key].append(_timed(argv, work))
-    results: dict[str, Any] = {"image": image.reference, "cli": {k: summary_ms(v) for k, v in samples.items()}}
-    cli = results["cli"]
-    results["cli"]["image_over_host"] = round(cli["image"]["median_ms"] / cli["host root"]["median_ms"], 3)
+    cli: dict[str, Any] = {k: summary_ms(v) for k, v in samples.items()}
+    cli["image_over_host"] = round(cli["image"]["median_ms"] / cli["host root"]["median_ms"], 3)
+    for tool in tools:
+        cli[f"image_over_{tool}"] = round(cli["image"]["median_ms"] / cli[f"{tool} run --rm"]["median_ms"], 4)
+    results["cli"] = cli
 
-    kept: dict[str, list[float]] = {"host root": [], "image": []}
-    policies = {"host root": isolate.Policy(backend="native"),
-                "image": isolate.Policy(image=image.reference, backend="native")}
+    log(f"images: kept sandboxes, {rounds} rounds")
+    policies = {"host root": isolate.Policy(backend="native"), "image": isolate.Policy(image=image, backend="native")}
+    first: dict[str, list[float]] = {"host root": [], "image": []}
+    close: dict[str, list[float]] = {"host root": [], "image": []}
     for i in range(rounds + 2):
         for key, policy in policies.items():
             started = time.perf_counter()
-            with isolate.Sandbox(policy=policy) as box:
-                box.exec(["true"])
+            box = isolate.Sandbox(policy=policy).start()
+            box.exec(["true"])
+            ready = time.perf_counter()
+            box.close()
             if i >= 2:
-                kept[key].append(time.perf_counter() - started)
-    results["kept_create_exec_close"] = {k: summary_ms(v) for k, v in kept.items()}
+                first[key].append(ready - started)
+                close[key].append(time.perf_counter() - ready)
+    results["kept"] = {"create_first_exec": {k: summary_ms(v) for k, v in first.items()},
+                       "close": {k: summary_ms(v) for k, v in close.items()}}
+    results["kept"]["goal_15ms_met"] = results["kept"]["create_first_exec"]["image"]["median_ms"] <= 15.0
 
     from isolate.kernel.places import state_dir
 
     n = 100 if rounds >= 20 else 10
+    log(f"images: disk of {n} kept sandboxes")
     before = _du(store) + _du(state_dir())
     boxes = [isolate.Sandbox(policy=policies["image"]) for _ in range(n)]
     try:
@@ -116,11 +212,39 @@ def measure(rounds: int, tmp: str) -> dict[str, Any]:
         for box in boxes:
             box.close()
     results["disk_per_sandbox_bytes"] = {"n": n, "added_each": (during - before) // n}
-    results["pull"] = _pull(tmp)
+
+    results["pull"] = _pull(tmp, tools, log)
+    results["eval"] = _eval(refs[1:], tools, log)
     return results
 
 
-def _pull(tmp: str) -> dict[str, Any]:
+def _eval(refs: list[str], tools: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+    """EVAL_TASKS tasks over the images, one after another: natively, then with isolate's Docker backend."""
+    import isolate
+
+    out: dict[str, Any] = {"tasks": EVAL_TASKS, "images": len(refs), "task": " ".join(TASK)}
+    backends = ["native"] + (["docker"] if "docker" in tools else [])
+    if "docker" not in tools:
+        out["docker"] = {"skipped": "Docker does not answer, or was left out"}
+    for backend in backends:
+        log(f"images: eval-shaped run, {EVAL_TASKS} tasks over {len(refs)} images, backend {backend}")
+        times = []
+        started = time.perf_counter()
+        for task in range(EVAL_TASKS):
+            ref = refs[task % len(refs)]
+            began = time.perf_counter()
+            with isolate.Sandbox(policy=isolate.Policy(image=ref, backend=backend)) as box:
+                result = box.exec(TASK)
+                if result.returncode != 0:
+                    raise RuntimeError(f"eval task {task} on {ref} ({backend}): exit {result.returncode}")
+            times.append(time.perf_counter() - began)
+        out[backend] = {"wall_s": round(time.perf_counter() - started, 3), "per_task": summary_ms(times)}
+    if "docker" in backends:
+        out["native_over_docker"] = round(out["native"]["wall_s"] / out["docker"]["wall_s"], 4)
+    return out
+
+
+def _pull(tmp: str, tools: list[str], log: Callable[[str], None]) -> dict[str, Any]:
     registry, skopeo = shutil.which("docker-registry"), shutil.which("skopeo")
     if not registry or not skopeo:
         return {"skipped": "docker-registry and skopeo are not installed"}
@@ -132,6 +256,7 @@ def _pull(tmp: str) -> dict[str, Any]:
         handle.write(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: "
                      f"{tmp}/registry\nhttp:\n  addr: 127.0.0.1:{port}\n")
     server = subprocess.Popen([registry, "serve", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    remote = f"127.0.0.1:{port}/bench/busybox:1"
     try:
         for _ in range(100):
             try:
@@ -139,17 +264,37 @@ def _pull(tmp: str) -> dict[str, Any]:
                 break
             except OSError:
                 time.sleep(0.05)
-        subprocess.run([skopeo, "copy", "--quiet", "--dest-tls-verify=false", f"oci:{tmp}/oci:bench:1",
-                        f"docker://127.0.0.1:{port}/bench/busybox:1"], check=True, capture_output=True,
-                       env=dict(os.environ, HOME=tmp))
+        # An image of its own (a layer no store or engine holds yet): every pull fetches all of it.
+        kit = _kit()
+        with open("/bin/busybox", "rb") as handle:
+            busybox = handle.read()
+        layer = kit.layer([{"name": "bin", "type": "dir"}, {"name": "bin/busybox", "data": busybox, "mode": 0o755},
+                           {"name": "pull-marker", "data": os.urandom(16).hex().encode()}])
+        kit.oci_layout(os.path.join(tmp, "oci-pull"), [layer], ref="pull:1", Env=["PATH=/bin"])
+        subprocess.run([skopeo, "copy", "--quiet", "--dest-tls-verify=false", f"oci:{tmp}/oci-pull:pull:1",
+                        f"docker://{remote}"], check=True, capture_output=True,
+                       env=dict(os.environ, HOME=tmp, REGISTRY_AUTH_FILE=os.path.join(tmp, "auth.json")))
+        log("images: pulls from the loopback registry")
         code = ("import resource, sys, time; from isolate.image import Image, Store; t = time.perf_counter(); "
-                f"Image.pull('127.0.0.1:{port}/bench/busybox:1', store=Store(sys.argv[1])); "
+                f"Image.pull({remote!r}, store=Store(sys.argv[1])); "
                 "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
         done = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "pulled")], check=True,
                               capture_output=True, text=True)
         seconds, peak = done.stdout.split()
-        return {"image_mb": round(_du(os.path.join(tmp, "oci")) / 1e6, 2), "seconds": round(float(seconds), 3),
-                "peak_rss_mib": round(int(peak) / 1024, 1)}
+        out: dict[str, Any] = {"image_mb": round(_du(os.path.join(tmp, "oci-pull")) / 1e6, 2),
+                               "isolate_s": round(float(seconds), 3),
+                               "isolate_peak_rss_mib": round(int(peak) / 1024, 1)}
+        for tool in tools:
+            pull = [tool, "pull", "-q", remote] if tool == "docker" else [tool, "pull", "-q", "--tls-verify=false",
+                                                                         remote]
+            started = time.perf_counter()
+            ran = subprocess.run(pull, capture_output=True, text=True, timeout=300)
+            if ran.returncode != 0:
+                out[f"{tool}_s"] = f"failed: {(ran.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+            else:
+                out[f"{tool}_s"] = round(time.perf_counter() - started, 3)
+                subprocess.run([tool, "rmi", remote], capture_output=True, timeout=60)
+        return out
     finally:
         server.kill()
         server.wait()
@@ -158,9 +303,10 @@ def _pull(tmp: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.images")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--no-docker", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="isolate-bench-images-", dir="/var/tmp") as tmp:
-        results = measure(args.rounds, tmp)
+        results = measure(args.rounds, tmp, not args.no_docker, log=lambda m: print(m, file=sys.stderr))
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "images.json"), "w") as handle:
         json.dump(results, handle, indent=2)

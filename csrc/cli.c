@@ -278,6 +278,92 @@ static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUS
 
 /* ------------------------------------------------------------- main */
 
+/* The store's lock (locks/store) held shared, once every layer directory the lease names (one a line)
+ * still holds its index.json; -1 otherwise. */
+static int lease_begin(const char *store, const char *body)
+{
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/locks/store", store) >= (int)sizeof path)
+        return -1;
+    int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -1;
+    int rc;
+    while ((rc = flock(fd, LOCK_SH)) < 0 && errno == EINTR)
+        ;
+    if (rc < 0) {
+        close(fd);
+        return -1;
+    }
+    for (const char *line = body; *line;) {
+        const char *end = strchr(line, '\n');
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        struct stat st;
+        if (len + sizeof "/index.json" > sizeof path ||
+            snprintf(path, sizeof path, "%.*s/index.json", (int)len, line) < 0 || lstat(path, &st) < 0 ||
+            !S_ISREG(st.st_mode)) {
+            close(fd);
+            return -1;
+        }
+        line += len + (end ? 1 : 0);
+    }
+    return fd;
+}
+
+/* The lease of sandbox `pid` (leases/PID-START, START its start time in /proc/PID/stat), its path in
+ * out; 0 with errno set when it cannot be written.  A process already gone needs none (out stays ""). */
+static int lease_write(const char *store, const char *body, int pid, char *out, size_t size)
+{
+    char path[64], data[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 1;
+    ssize_t n = read(fd, data, sizeof data - 1);
+    close(fd);
+    if (n <= 0)
+        return 1;
+    data[n] = '\0';
+    /* Field 22; the name (field 2, in parentheses) may hold anything: count from the last ')'. */
+    char *p = strrchr(data, ')');
+    for (int field = 2; p && field < 22; field++)
+        p = strchr(p + 1, ' ');
+    if (!p) {
+        errno = EINVAL;
+        return 0;
+    }
+    unsigned long long start = strtoull(p + 1, NULL, 10);
+    if (snprintf(out, size, "%s/leases", store) >= (int)size) {
+        errno = ENAMETOOLONG;
+        return 0;
+    }
+    if (mkdir(out, 0700) < 0 && errno != EEXIST)
+        return 0;
+    if (snprintf(out, size, "%s/leases/%d-%llu", store, pid, start) >= (int)size) {
+        errno = ENAMETOOLONG;
+        return 0;
+    }
+    fd = open(out, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return 0;
+    size_t len = strlen(body), done = 0;
+    while (done < len) {
+        ssize_t w = write(fd, body + done, len - done);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            int saved = errno;
+            close(fd);
+            unlink(out);
+            errno = w < 0 ? saved : EIO;
+            return 0;
+        }
+        done += (size_t)w;
+    }
+    close(fd);
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     g_argv = argv;
@@ -399,11 +485,34 @@ int main(int argc, char **argv)
         if (sigaction(FORWARDED[i], &action, NULL) < 0)
             handover(1, "signal handlers");
 
+    /* An image's sandbox: the store's lock held shared from the check that its layers are there to its
+     * lease written, as isolate/image/leases.py does (prune holds it exclusively). */
+    int store_lock = -1;
+    if (rp.lease_store) {
+        store_lock = lease_begin(rp.lease_store, rp.lease_body);
+        if (store_lock < 0)
+            handover(1, "a layer of the image is gone, or the store's lock cannot be had (isolate.cli says)");
+    }
+
     struct iso_failure failure;
     int64_t started = now_ns();
     if (g_trace)
         fprintf(stderr, "isolate-run: trace: replaying the cached plan\n");
     int pid = iso_spawn(plan, &failure);
+    char lease[PATH_MAX];
+    lease[0] = '\0';
+    if (store_lock >= 0) {
+        if (pid >= 0 && !lease_write(rp.lease_store, rp.lease_body, pid, lease, sizeof lease)) {
+            /* No lease, no run: prune could take the layers from under it. */
+            fprintf(stderr, "isolate-run: image: cannot write the sandbox's lease in the image store %s: %s\n",
+                    rp.lease_store, strerror(errno));
+            kill(pid, SIGKILL);
+            while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+                ;
+            _exit(125);
+        }
+        close(store_lock);
+    }
     close(status_pipe[1]);
     for (uint32_t i = 0; i < rp.n_idmap; i++)
         close(tree_fds[i]);
@@ -597,6 +706,8 @@ int main(int argc, char **argv)
     if (returncode != 0 && hints.len)
         fputs(hints.data, stderr);
 
+    if (lease[0])
+        unlink(lease); /* the sandbox has ended: its layers are free to prune */
     int exit_status = returncode < 0 ? 128 - returncode : returncode;
     if (target.dir_fd >= 0) {
         struct buf out = {0};

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -96,6 +97,9 @@ struct replay {
     int32_t *name_nrs;
     const char **names;
     uint32_t n_names;
+    /* An image's sandbox: the store holding its layers and the lease's lines, the layer directories
+     * (isolate/image/leases.py); NULL for a sandbox of the host's root. */
+    const char *lease_store, *lease_body;
 };
 
 /* The report target: the directory opened before the run, the file written beside it and renamed

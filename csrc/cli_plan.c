@@ -301,6 +301,10 @@ int parse_plan(struct reader *r, const unsigned char digest[32], struct replay *
         if (!(rp->names[i] = r_data(r, NULL)))
             return miss("stale or malformed plan", "check at cli.c:795");
     }
+    rp->lease_store = r_data(r, NULL);
+    rp->lease_body = r_data(r, NULL);
+    if (!rp->lease_store != !rp->lease_body)
+        return miss("stale or malformed plan", "check at cli.c:797");
     if (r->bad || r->p != r->end || !rp->report_mid || !rp->report_tail || !p->search_path)
         return miss("stale or malformed plan", "check at cli.c:798");
 

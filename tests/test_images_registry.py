@@ -56,7 +56,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         address = f"127.0.0.1:{port}"
         kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1", Env=["PATH=/bin"])
         _multi_platform(tmp / "multi")
-        env = dict(os.environ, HOME=str(tmp))  # skopeo keeps nothing of the caller's
+        # skopeo keeps nothing of the caller's, and reads no auth file of the host's (a root podman's
+        # /run/containers is 0700: uid 65534's default there is unreadable).
+        env = dict(os.environ, HOME=str(tmp), REGISTRY_AUTH_FILE=str(tmp / "auth.json"))
         for layout, name, extra in (("busybox", "tests/busybox:1", []), ("multi", "tests/multi:1", ["--all"])):
             subprocess.run([SKOPEO, "copy", "--quiet", *extra, "--dest-tls-verify=false",
                             f"oci:{tmp / layout}:1", f"docker://{address}/{name}"], check=True, env=env,

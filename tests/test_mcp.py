@@ -264,7 +264,7 @@ def test_the_profile_decides_and_what_cannot_be_honoured_is_refused(tmp_path: Pa
             for arguments, says in (
                 ({"resource": {"cpu": "1"}}, "resource:"),
                 ({"network_policy": {"default_action": "allow"}}, "network_policy:"),
-                ({"image": "python:3.11"}, "image:"),
+                ({"image": "127.0.0.1:9/absent/image:1"}, "image 127.0.0.1:9/absent"),  # pull fails: none listens
             ):
                 assert says in await c.error("sandbox_create", **arguments)
             assert "owner/group" in await c.error("file_write", sandbox_id=sid, path="f", content="", owner="root")

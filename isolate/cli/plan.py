@@ -403,6 +403,11 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
             w.u32(index)
         # -- the report and the messages ------------------------------------------
         _write_report_parts(w, policy, prepared)
+        # -- an image's sandbox: its lease (isolate/image/leases.py), written by the binary ---------------
+        from ..image import leases
+
+        w.data(static.image_store.path if static.image_store is not None else None)
+        w.data(leases.body(static.image_layers) if static.image_store is not None else None)
         return key, w.getvalue()
     finally:
         prepared.discard()

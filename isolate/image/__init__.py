@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures
+import contextlib
 import functools
 import os
 import time
@@ -148,6 +149,54 @@ class Image:
         return images[0]
 
     @classmethod
+    def from_docker(cls, reference: str, *, engine: str | None = None, store: Store | None = None) -> Image:
+        """The image ``reference`` of a running local Docker or Podman (``engine``: "docker" or "podman";
+        by default the first of them that answers), by its ``save`` stream, kept as ``Image.load`` keeps it.
+        The stream is spooled into the store's ``tmp/`` (bounded by ``max_image_size``) and loaded from there."""
+        import shutil
+        import subprocess
+        import threading
+
+        store = store or Store()
+        engines = [engine] if engine else ["docker", "podman"]
+        found = [name for name in engines if shutil.which(name)]
+        if not found:
+            raise IsolationError(f"image {reference}: no {' or '.join(engines)} command on this host: "
+                                 "load a `docker save` archive with Image.load instead")
+        errors = []
+        for name in found:
+            probe = subprocess.run([name, "image", "inspect", "--format", "{{.Id}}", reference],
+                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+            if probe.returncode != 0:
+                errors.append(f"{name}: {(probe.stderr.strip().splitlines() or ['no answer'])[-1][:200]}")
+                continue
+            store._ensure()
+            spool = os.path.join(store.path, "tmp", f"save-{os.getpid()}-{threading.get_ident()}")
+            try:
+                fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as out, subprocess.Popen(
+                        [name, "save", reference], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE) as saving:
+                    assert saving.stdout is not None and saving.stderr is not None
+                    written = 0
+                    while chunk := saving.stdout.read(1 << 20):
+                        written += len(chunk)
+                        if written > store.max_image_size:
+                            saving.kill()
+                            raise BadImageError(f"image {reference}: `{name} save` gives more than max_image_size "
+                                                f"({store.max_image_size} bytes): refused")
+                        out.write(chunk)
+                    message = saving.stderr.read().decode(errors="replace").strip()
+                if saving.returncode != 0:
+                    raise IsolationError(f"image {reference}: `{name} save` failed: "
+                                         f"{(message.splitlines() or ['exit ' + str(saving.returncode)])[-1][:200]}")
+                return cls.load(spool, reference=reference, store=store)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(spool)
+        raise IsolationError(f"image {reference}: not found in a running local engine ({'; '.join(errors)})")
+
+    @classmethod
     def _add(cls, store: Store, found: Found, source: Any, reference: str | None, what: str) -> Image:
         name = reference or found.reference
         if name is not None:
@@ -195,14 +244,15 @@ class Image:
 
     @classmethod
     def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False,
-             progress: TextIO | None = None) -> Image:
+             progress: TextIO | None = None, login: tuple[str, str] | None = None) -> Image:
         """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py);
-        ``progress``: where a line of figures goes at the end."""
+        ``progress``: where a line of figures goes at the end; ``login``: (user, secret) for the registry
+        instead of those of the Docker/containers auth files."""
         from .registry import resolve
 
         store = store or Store()
         started = time.monotonic()
-        found, source = resolve(reference, insecure=insecure)
+        found, source = resolve(reference, insecure=insecure, login=login)
         image = cls._add(store, found, source, found.reference, f"image {found.reference}")
         if progress is not None:
             seconds = time.monotonic() - started

@@ -183,6 +183,8 @@ class Client:
     host: str = ""
     scheme: str = "https"
     auth: str | None = None  # the Authorization header for this registry's own host
+    #: (user, secret) given by the caller (a create request's image.auth): used instead of the auth files.
+    login: tuple[str, str] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _scheme_known: bool = False
 
@@ -272,7 +274,7 @@ class Client:
     def _authenticate(self, challenge: str, scope: str) -> None:
         scheme, _, rest = challenge.partition(" ")
         params = dict(_CHALLENGE.findall(rest))
-        found = credentials(self.registry)
+        found = self.login or credentials(self.registry)
         if scheme.lower() == "basic":
             if found is None:
                 raise RegistryError(f"registry {self.registry}: asks for a user and password, and none is "
@@ -396,11 +398,13 @@ def _manifest(client: Client, ref: Reference, reference: str) -> tuple[bytes, st
     return data, digest, parse_json(data, f"image {ref}: manifest")
 
 
-def resolve(reference: str, *, insecure: bool = False) -> tuple[Found, _RegistrySource]:
+def resolve(reference: str, *, insecure: bool = False,
+            login: tuple[str, str] | None = None) -> tuple[Found, _RegistrySource]:
     """The image ``reference`` names, as a loader takes it: its manifest and config (verified), and the
-    source its layers stream from (Image.pull unpacks them into a store)."""
+    source its layers stream from (Image.pull unpacks them into a store). ``login``: (user, secret) for its
+    registry, instead of those the auth files give."""
     ref = Reference.parse(reference)
-    client = Client(ref.registry, insecure=insecure)
+    client = Client(ref.registry, insecure=insecure, login=login)
     data, digest, manifest = _manifest(client, ref, ref.reference)
     if manifest.get("mediaType") in INDEX_TYPES or ("manifests" in manifest and "layers" not in manifest):
         entry = choose_manifest(manifest, f"image {ref}")

@@ -13,6 +13,8 @@ Layout (``Store.path``: ``--image-store DIR``, ``$ISOLATE_IMAGE_STORE``, else
 - ``locks/``: a lock file per digest (concurrent pulls of one layer, from
   threads or processes, unpack it once) and ``store`` (prune takes it
   exclusively, whoever adds an image shares it);
+- ``leases/``: a file per running sandbox of an image, naming the layers it
+  stands on (isolate/image/leases.py): prune keeps them;
 - ``tmp/``: work in progress. A layer is unpacked there and renamed into
   ``layers/`` only once its digests are verified: an interrupted or refused
   layer leaves nothing in use, and the next use of the store clears it.
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from ..model.errors import IsolationError
+from . import leases
 from .unpack import BadImageError, LayerIndex, remove_tree, unpack
 
 STORE_ENV = "ISOLATE_IMAGE_STORE"
@@ -296,10 +299,22 @@ class Store:
             return False
         return True
 
+    @contextlib.contextmanager
+    def starting(self, layer_dirs: list[str], what: str) -> Iterator[None]:
+        """Held while a sandbox of an image starts and writes its lease: prune waits for it (and a layer it
+        removed before is refused here, not mounted half gone)."""
+        with self._lock("store", exclusive=False):
+            for path in layer_dirs:
+                if not os.path.isfile(os.path.join(path, "index.json")):
+                    raise IsolationError(f"{what}: its layer {os.path.basename(path)[:12]} is no longer in the "
+                                         f"image store {self.path} (pruned): load or pull the image again")
+            yield
+
     def prune(self) -> list[str]:
-        """Remove the layers and blobs no image names; the digests of the layers removed."""
+        """Remove the layers and blobs neither an image names nor a running sandbox stands on; the digests of
+        the layers removed."""
         with self._lock("store"):
-            used_layers: set[str] = set()
+            used_layers: set[str] = set(leases.live(self.path))  # a running sandbox's layers stay
             used_blobs: set[str] = set()
             for record in self.records():
                 used_layers.update(digest_hex(d, "layer") for d in record.get("layers", []))

@@ -6,8 +6,15 @@ Installed with ``pip install 'isolate[inspect]'``; inspect finds it through the
     Task(dataset=..., solver=..., sandbox="isolate")                  # isolate.Policy() defaults
     Task(dataset=..., solver=..., sandbox=("isolate", "profile.toml"))  # an isolate policy profile
 
+    Task(dataset=..., solver=..., sandbox=("isolate", "compose.yaml"))  # a compose service's image:
+
 The profile is the TOML that ``isolate.Policy.load`` reads (``isolate-run
---profile``). To it the provider adds one thing: a private tmpfs at
+--profile``). A compose file (or inspect's ``ComposeConfig``) of one service
+runs that service's ``image:`` natively (isolate's default policy, the
+service's ``environment:``), pulled into the caller's image store when it is
+not there yet (once, at the task's start); ``build:`` and the fields that
+would change what the sandbox may do (volumes, ports, users, capabilities,
+limits, ...) are refused, named, rather than left aside. To it the provider adds one thing: a private tmpfs at
 ``/var/tmp``, where inspect installs the helper its ``bash_session`` and
 ``text_editor`` tools run (a directory tree with an executable in it). Every
 command runs as the one uid the policy gives the program (65534 when the
@@ -71,9 +78,68 @@ def inspect_policy(policy: Policy) -> Policy:
     return policy.replace(tmpfs=(*policy.tmpfs, TOOLS_PARENT))
 
 
+#: Compose service fields a kept sandbox has no use for: its program is isolate's exec server (command,
+#: entrypoint), its init isolate's (init), it is ready when made (healthcheck), it never restarts.
+_COMPOSE_LEFT_ASIDE = frozenset({"command", "entrypoint", "init", "healthcheck", "stop_grace_period", "restart",
+                                 "tty", "stdin_open", "x_default", "pull_policy"})
+
+
+def compose_policy(compose: Any, what: str) -> Policy:
+    """The policy of a compose file's one service (an inspect ``ComposeConfig``): its image, natively."""
+    services = dict(compose.services)
+    if len(services) != 1:
+        raise UnsupportedError(f"{what}: {len(services)} services; the isolate provider runs one sandbox per "
+                               "sample (one service)")
+    name, service = next(iter(services.items()))
+    given = set(service.model_dump(exclude_none=True))
+    if service.build is not None:
+        raise UnsupportedError(f"{what}: service {name}: build: isolate runs images and does not build them; build "
+                               "it with docker or podman and give its name as image: (isolate.Image.from_docker "
+                               "takes it from the engine)")
+    if not service.image:
+        raise UnsupportedError(f"{what}: service {name}: no image:")
+    if service.network_mode not in (None, "none"):
+        raise UnsupportedError(f"{what}: service {name}: network_mode {service.network_mode!r}: the sandbox has "
+                               "no network (isolate's default); give an isolate profile for egress by name")
+    refused = sorted(given - _COMPOSE_LEFT_ASIDE - {"image", "environment", "network_mode"})
+    if refused:
+        raise UnsupportedError(f"{what}: service {name}: {', '.join(refused)}: not taken by the isolate provider "
+                               "(it would change what the sandbox may do); leave it out, or use an isolate "
+                               "profile")
+    env: dict[str, str] = {}
+    items = service.environment or {}
+    pairs = [item.partition("=")[::2] for item in items] if isinstance(items, list) else list(items.items())
+    for key, value in pairs:
+        if value is None:
+            value = os.environ.get(key)  # compose's "NAME" alone: the caller's value, if any
+        if value is not None:
+            env[key] = str(value)
+    return Policy(image=service.image, env=env)
+
+
+def _ensure_image(policy: Policy) -> None:
+    """The policy's image in the caller's image store: pulled from its registry when it is not there."""
+    if policy.image is None:
+        return
+    from ..image import Image
+
+    if Image.find(policy.image) is None:
+        Image.pull(policy.image)
+
+
 def _load_policy(config: SandboxEnvironmentConfigType | None) -> Policy:
+    from inspect_ai.util import ComposeConfig, is_compose_yaml, parse_compose_yaml
+
     if config is None:
         return inspect_policy(Policy())
+    if isinstance(config, ComposeConfig):
+        return inspect_policy(compose_policy(config, "sandbox config"))
+    if is_compose_yaml(config):
+        try:
+            compose = parse_compose_yaml(config, multiple_services=False)
+        except ValueError as exc:
+            raise PolicyError(f"{config}: {exc}", "config") from None
+        return inspect_policy(compose_policy(compose, config))
     if isinstance(config, str):
         policy = Policy.load(config)
         if policy.backend == "docker":
@@ -128,7 +194,8 @@ class IsolateSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
-        _load_policy(config)  # a bad profile fails the task before its first sample
+        policy = _load_policy(config)  # a bad profile fails the task before its first sample
+        await _in_thread(_ensure_image, policy)  # a compose service's image, pulled once for every sample
 
     @classmethod
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,

@@ -6,8 +6,10 @@ The tools take the names and parameters of OpenSandbox's MCP server where the
 two overlap (``sandbox_create``, ``command_run``, ``file_read``, ...), so that
 prompts written for one work with the other; what OpenSandbox has no tool for
 is named in its style (``sandbox_pause``, ``file_grep``, ...). A parameter this
-server cannot honour (an image, resource limits, a network policy: the profile
-fixes those) is refused, never dropped.
+server cannot honour (resource limits, a network policy: the profile fixes
+those) is refused, never dropped. ``image`` is the sandbox's root file system
+under the profile's policy: an image of the caller's store, pulled from its
+registry when the store lacks it (docs/images.md).
 
 The server itself runs nothing: every command and every file operation goes
 through a sandbox, as the program inside. Sandboxes it created end when it
@@ -104,11 +106,15 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         this server exits (needs a name; sandbox_connect reaches it again). timeout_seconds: end it after that
         long whatever happens; idle_timeout_seconds: after that long with nothing running (a named sandbox
         defaults to an hour). env: variables every command gets. metadata: strings kept with it.
-        image, resource, network_policy: refused (the profile fixes them).
+        image: an OCI image (e.g. registry.example/team/app:1) as its root file system, under the profile's
+        policy; pulled when this machine does not have it. resource, network_policy: refused (the profile fixes
+        them).
         """
+        policy = state.policy
         if image is not None and image != state.policy.image:
-            raise UnsupportedError("image: this server's profile fixes what a sandbox runs (the host's file system, "
-                                   "read-only, unless the profile names an image); leave image out")
+            if ctx is not None:
+                await ctx.report_progress(0.05, 1.0, f"image {image}")
+            policy = await _thread(_with_image, policy, image)
         if resource:
             raise UnsupportedError("resource: limits come from the server's profile (--profile); leave resource out")
         if network_policy:
@@ -125,7 +131,6 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         if len(state.entries) >= state.max_sandboxes:
             raise IsolationError(f"this server holds {len(state.entries)} sandboxes, its most (--max-sandboxes); "
                                  "sandbox_kill one first")
-        policy = state.policy
         if env:
             policy = dataclasses.replace(policy, env={**policy.env, **env})
         if ctx is not None:
@@ -511,6 +516,22 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         return {"status": "deleted"}
 
     return server, state
+
+
+def _with_image(policy: Policy, image: str) -> Policy:
+    """The profile's policy on an image's root: natively, the image of the caller's store (pulled when it lacks
+    it); with the Docker backend, Docker's image."""
+    if policy.backend == "docker":
+        return policy.replace(image=image)
+    from ..image import Image, Reference
+
+    try:
+        Reference.parse(image)
+        if Image.find(image) is None:
+            Image.pull(image)
+    except IsolationError as exc:
+        raise IsolationError(str(exc) if str(exc).startswith("image ") else f"image {image}: {exc}") from None
+    return policy.replace(image=image)
 
 
 def _terminate(signum: int, _frame: Any) -> None:

@@ -7,6 +7,9 @@ their creator: each sandbox's init watches the actor's process, so when the
 actor dies (its node removed, the client gone and Ray ending the actors it
 owned) every sandbox of the node ends with it.
 
+A policy's image travels as its reference: each node pulls it into its own
+image store the first time one of its sandboxes needs it (``_image_here``).
+
 The methods take and return plain data; an exception is returned as a value
 (``Failure``) and raised again on the caller's side as itself, not wrapped in
 Ray's task error. Large file contents travel through Ray's object store.
@@ -77,6 +80,17 @@ def _attempt(call: Callable[[], Any]) -> Any:
         return Failure(exc)
 
 
+def _image_here(policy: Policy) -> None:
+    """The policy's image in this node's image store (its caller's own): pulled from its registry when this node
+    does not have it yet (concurrent pulls of one layer on a node fetch it once: the store's locks)."""
+    if policy.image is None or policy.backend == "docker":
+        return
+    from ..image import Image
+
+    if Image.find(policy.image) is None:
+        Image.pull(policy.image)
+
+
 def _scratch() -> str:
     """Where this host unpacks shipped sources and packs commits: under the caller's runtime directory (0700,
     checked, hidden in every sandbox), not the state directory, which lies under the home a sandbox may be
@@ -121,6 +135,7 @@ class SandboxHost:
                source: bytes | None) -> Any:
         """Start a sandbox here: its id, or the node's reason it cannot (as a Failure)."""
         def start() -> dict[str, Any]:
+            _image_here(policy)
             try:
                 box = Sandbox(policy, workspace=self._workspace(sid, workspace, source), **kwargs).start()
             except BaseException:
@@ -135,6 +150,7 @@ class SandboxHost:
         """Start len(sids) sandboxes here side by side (no workspace source: each starts empty or from a node
         path)."""
         def start() -> dict[str, Any]:
+            _image_here(policy)
             boxes = Sandbox.create_many(len(sids), policy, **kwargs)
             with self._lock:
                 self._boxes.update(zip(sids, boxes, strict=True))
@@ -284,6 +300,7 @@ class SandboxHost:
     def pool_open(self, pool_id: str, policy: Policy, size: int, kwargs: dict[str, Any],
                   workspace: Workspace | str | None, source: bytes | None) -> Any:
         def run() -> dict[str, Any]:
+            _image_here(policy)
             try:
                 pool = SandboxPool(policy, size=size, workspace=self._workspace(pool_id, workspace, source),
                                    **kwargs)

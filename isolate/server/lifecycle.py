@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..kept.sandbox import Sandbox
+from ..model.errors import IsolationError
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
 from .models import (
     EGRESS_PORT,
@@ -91,6 +92,12 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
                        "Docker backend of Sandbox has no spawn or file methods yet)")
     warm = None
     box: Any
+    if req.policy.image is not None and snap is None:
+        if state.cluster:
+            raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: this server places sandboxes on the nodes of "
+                           "a Ray cluster (serve --ray), whose image stores it does not fill; serve without --ray "
+                           "to create sandboxes from image references")
+        _ensure_image(req)
     if state.cluster:
         if req.credential_proxy:
             raise ApiError(400, "UNSUPPORTED", "credentialProxy: this server places sandboxes on the nodes of a Ray "
@@ -121,7 +128,9 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
     now = time.time()
     managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout)
-    managed.message = f"image {req.image!r}: the host's system under the policy profile of that name"
+    managed.message = (f"image {req.image!r}: its root file system, natively, under the server's --profile policy"
+                       if req.policy.image is not None else
+                       f"image {req.image!r}: the host's system under the policy profile of that name")
     managed.credential_proxy = req.credential_proxy
     managed.renew_on_access = req.renew_on_access
     if state.cluster:
@@ -147,6 +156,19 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
         box.close()
         raise
     return managed
+
+
+def _ensure_image(req: CreateRequest) -> None:
+    """The request's image in this server's image store: pulled from its registry (with image.auth, else the
+    server user's Docker/containers credentials) when the store does not hold it yet."""
+    from ..image import Image
+
+    assert req.policy.image is not None
+    try:
+        if Image.find(req.policy.image) is None:
+            Image.pull(req.policy.image, login=req.image_auth)
+    except IsolationError as exc:
+        raise ApiError(400, "IMAGE_PULL_FAILED", f"image {req.image[:200]!r}: {exc}") from None
 
 
 @api

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..model.errors import PolicyError
+from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Limits, Policy
 
 #: The port the SDK asks for to reach a sandbox's execution API, and the egress sidecar's.
@@ -211,6 +211,8 @@ class CreateRequest:
     #: extensions["access.renew.extend.seconds"]: each access through this server renews the expiry to now
     #: plus this many seconds (OSEP-0009).
     renew_on_access: int | None = None
+    #: image.auth: the (username, password) the registry of an image reference is pulled with (never kept).
+    image_auth: tuple[str, str] | None = field(default=None, repr=False)
 
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -385,19 +387,32 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         if snapshot_image is None:
             raise bad_request("snapshotId: snapshots are not served here")
         uri = snapshot_image(snapshot_id)
-    else:
+    image_auth = None
+    if snapshot_id is None:
         if not isinstance(image, Mapping) or not isinstance(image.get("uri"), str) or not image["uri"]:
-            raise bad_request("image: expected {\"uri\": NAME}; the name selects a policy profile of this server")
-        if image.get("auth"):
-            raise bad_request("image.auth: registries are not used by this server (an image names a policy "
-                              "profile)")
+            raise bad_request("image: expected {\"uri\": NAME}; a policy profile's name, or an image reference "
+                              "(with --profile)")
         uri = image["uri"]
+        image_auth = _image_auth(image.get("auth"))
+        if image_auth is not None and uri in profiles:
+            raise bad_request(f"image.auth: {uri[:80]!r} names a policy profile of this server, not an image of a "
+                              "registry")
     base = profiles.get(uri, any_image)
     if base is None:
         names = ", ".join(sorted(profiles)) or "none"
         raise bad_request(f"image {uri[:80]!r}: this server maps image names to isolate policy profiles and has "
-                          f"none by that name (it has: {names}); start it with --image {uri[:40]}=PROFILE.toml or "
-                          "--profile FILE for any image", "IMAGE_NOT_SUPPORTED")
+                          f"none by that name (it has: {names}); start it with --image {uri[:40]}=PROFILE.toml, or "
+                          "--profile FILE to run any image reference under that policy", "IMAGE_NOT_SUPPORTED")
+    if snapshot_id is None and uri not in profiles:
+        # Any other name is an image reference: the sandbox's root is that image (pulled into this server's
+        # image store when it is not there), natively, under the --profile policy.
+        from ..image import Reference
+
+        try:
+            uri = str(Reference.parse(uri))
+        except IsolationError as exc:
+            raise bad_request(f"image {uri[:80]!r}: {exc}", "IMAGE_NOT_SUPPORTED") from None
+        base = base.replace(image=uri)
     timeout = body.get("timeout")
     if timeout is not None:
         # An integer is compared as one: a 400-digit timeout must not reach float() (OverflowError).
@@ -426,7 +441,21 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
                           "\"deny\", \"egress\": [{\"action\": \"allow\", \"target\": HOST}]} for the hosts "
                           "its bindings name")
     return CreateRequest(uri, policy, timeout, metadata, list(entrypoint), env, snapshot_id,
-                         parse_volumes(body.get("volumes")), credential_proxy, renew_on_access)
+                         parse_volumes(body.get("volumes")), credential_proxy, renew_on_access, image_auth)
+
+
+def _image_auth(value: object) -> tuple[str, str] | None:
+    """image.auth: {"username", "password"} for the image's registry (ImageSpec's auth), or None."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, Mapping) or set(value) - {"username", "password"} or not all(
+            isinstance(value.get(k), str) and value.get(k) for k in ("username", "password")):
+        raise bad_request("image.auth: expected {\"username\": USER, \"password\": SECRET}")
+    username, password = str(value["username"]), str(value["password"])
+    if len(username) > 1024 or len(password) > 16384 or ":" in username:
+        raise bad_request("image.auth: a username of at most 1024 characters without ':', a password of at most "
+                          "16384")
+    return username, password
 
 
 # -- files ------------------------------------------------------------------------------

@@ -74,9 +74,10 @@ def _sdk_refused(api: str, method: str, path: str, reason: str) -> SpecRoute:
 ROUTES: tuple[SpecRoute, ...] = (
     # -- lifecycle ---------------------------------------------------------------------------
     SpecRoute("lifecycle", "GET", "/sandboxes", "state and metadata filters, pagination"),
-    SpecRoute("lifecycle", "POST", "/sandboxes", "image names a policy profile; snapshotId; host volumes below "
-              "--volume-root, pvc volumes as directories of the volume store (ossfs refused); credentialProxy; "
-              "extensions: access.renew.extend.seconds"),
+    SpecRoute("lifecycle", "POST", "/sandboxes", "image names a policy profile, or with --profile an OCI image "
+              "(pulled, image.auth, run natively); snapshotId; host volumes below --volume-root, pvc volumes as "
+              "directories of the volume store (ossfs refused); credentialProxy; extensions: "
+              "access.renew.extend.seconds"),
     SpecRoute("lifecycle", "GET", "/sandboxes/{sandboxId}"),
     SpecRoute("lifecycle", "DELETE", "/sandboxes/{sandboxId}"),
     SpecRoute("lifecycle", "PATCH", "/sandboxes/{sandboxId}/metadata", "JSON merge patch"),

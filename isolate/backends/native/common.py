@@ -64,6 +64,9 @@ class _Static:
     #: An image's root: its Env (under the policy's own), and its config (Entrypoint and Cmd).
     image_env: dict[str, str] | None = None
     image_command: Any = None
+    #: An image's store (image.Store) and the layer directories its sandboxes stand on (their leases).
+    image_store: Any = None
+    image_layers: tuple[str, ...] = ()
 
     def fresh(self) -> bool:
         """Whether every granted path is still the inode it was when the plan was made."""

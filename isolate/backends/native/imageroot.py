@@ -117,6 +117,18 @@ def steps(root: ImageRoot, store_fd: int, upper_options: str) -> list[Step]:
     ]
 
 
+def upper_limits() -> str:
+    """What the private tmpfs upper layer cannot do on this kernel ("" where nothing)."""
+    from ...kernel import overlay
+
+    if overlay._kernel() >= (6, 6):
+        return ""
+    # A tmpfs keeps user.* extended attributes from Linux 6.6 on; before, overlayfs has no opaque directory
+    # and no redirect in the upper layer, and fails (EIO, EXDEV then EIO for a rename) rather than show wrong.
+    return ("; before Linux 6.6 a tmpfs keeps no user.* attributes: removing or renaming a non-empty directory "
+            "of the image fails (EIO)")
+
+
 def check_targets(root: ImageRoot, plan_steps: list[mounts.MountStep]) -> None:
     """Refuse a plan whose mount or directory would go through a link (or a file) of the image."""
     for step in plan_steps:

@@ -12,6 +12,7 @@ This module caches the static part of each plan (``static``), adds what is each 
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import os
 import signal
@@ -70,6 +71,10 @@ class Prepared:
     mediator_process: Any = None  # held so that the Popen of a named sandbox's mediator is reaped, not leaked
     #: This process's socket to ask that mediator process for its summary (egress per command).
     mediator_query: Any = None
+    #: A sandbox of an image: its store, the layer directories it stands on, and its lease (image/leases.py).
+    image_store: Any = None
+    image_layers: tuple[str, ...] = ()
+    lease: str | None = None
 
     def close_child_side(self) -> None:
         _close_all(self._close_after_spawn)
@@ -316,6 +321,8 @@ def prepare(
         _keep=keep,
         _close_after_spawn=close_after,
         overlays=tuple(overlays),
+        image_store=static.image_store,
+        image_layers=static.image_layers,
         egress=policy.network if isinstance(policy.network, Egress) and egress_channel is not None else None,
         egress_channel=egress_channel,
         egress_detached=egress_detached,
@@ -408,10 +415,33 @@ def _plan_overlay(layers: Any, plan: Any, static: _Static, keep: list[Any], clos
 def spawn(prepared: Prepared, args: Sequence[str]) -> int:
     """Start the sandbox; returns the pid of its init. Raises SetupError and friends."""
     failure = ffi.new("struct iso_failure *")
-    try:
-        pid = lib.iso_spawn(prepared.plan, failure)
-    finally:
-        prepared.close_child_side()
+    starting = contextlib.ExitStack()
+    if prepared.image_store is not None:
+        # Under the store's lock (shared): the layers are there, and the lease is written before prune can
+        # look (image/leases.py).
+        try:
+            starting.enter_context(prepared.image_store.starting(list(prepared.image_layers), "image"))
+        except BaseException:
+            prepared.close_child_side()
+            prepared.close_host_side()
+            raise
+    with starting:
+        try:
+            pid = lib.iso_spawn(prepared.plan, failure)
+        finally:
+            prepared.close_child_side()
+        if pid >= 0 and prepared.image_store is not None:
+            from ...image import leases
+
+            try:
+                prepared.lease = leases.write(prepared.image_store.path, int(pid), prepared.image_layers)
+            except OSError as exc:
+                # No lease, no run: prune could take the layers from under it.
+                os.kill(int(pid), signal.SIGKILL)
+                os.waitpid(int(pid), 0)
+                prepared.close_host_side()
+                raise IsolationError(f"image: cannot write the sandbox's lease in the image store "
+                                     f"{prepared.image_store.path}: {exc.strerror}") from None
     if pid < 0:
         prepared.close_host_side()
         raise failure_to_error(prepared, failure, args)

@@ -167,6 +167,11 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             sts = int(status.wait_status)
             reason = int(status.reason)
         super()._handle_exitstatus(sts, *args, **kwargs)  # type: ignore[misc]
+        if self._prepared is not None and self._prepared.lease is not None:
+            from ...image import leases
+
+            leases.release(self._prepared.lease)  # the sandbox has ended: its layers are free to prune
+            self._prepared.lease = None
         if reason == 1:
             self._limit_hit = "timeout"
         self._finish(status)

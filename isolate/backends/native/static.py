@@ -389,7 +389,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             first = imageroot.steps(image_root, store_fd, "mode=0755," + mounts.tmpfs_bounds(tmpfs_size))
             enforced["image"] = {"reference": image_root.image.reference, "id": image_root.image.id,
                                  "layers": len(image_root.lowers),
-                                 "root": "overlayfs: the image's layers read-only, a private tmpfs as upper layer"}
+                                 "root": "overlayfs: the image's layers read-only, a private tmpfs as upper layer"
+                                         + imageroot.upper_limits()}
         cmounts = ffi.new("struct iso_mount[]", max(len(first) + len(steps), 1))
         keep.append(cmounts)
         for i, istep in enumerate(first):
@@ -589,6 +590,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         fds=static_fds, source_fds=dict(source_fds),
         image_env=image_root.env if image_root is not None else None,
         image_command=image_root.image.config if image_root is not None else None,
+        image_store=image_root.image.store if image_root is not None else None,
+        image_layers=tuple(os.path.dirname(d) for d in image_root.lowers) if image_root is not None else (),
     )
 
 

@@ -1,0 +1,91 @@
+"""Leases: which layers of the store a running sandbox stands on, so that prune never removes them.
+
+A sandbox from an image holds a lease while it runs: ``leases/PID-START``
+in the store, PID the host pid of its init (or of the one-shot's first
+process) and START that process's start time (``/proc/PID/stat``, clock
+ticks since boot: a pid used again is another process, whose start time
+differs), one line per layer directory the overlay is made of. The lease is
+written under the store's lock held shared, between the check that the
+layers are still there and the spawn's end; prune takes that lock
+exclusively and keeps every layer a live lease names. A lease whose process
+has ended is no lease: prune removes it, as its sandbox's end does.
+
+The native ``isolate-run`` binary writes the same file when it replays a
+cached plan (csrc/cli.c: the plan carries the directory and the lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+
+LEASES = "leases"
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()  # the name, in parentheses, may hold anything
+    try:
+        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+    except (IndexError, ValueError):
+        return None
+
+
+def body(layer_dirs: Sequence[str]) -> bytes:
+    return "".join(f"{path}\n" for path in layer_dirs).encode()
+
+
+def write(store_path: str, pid: int, layer_dirs: Sequence[str]) -> str | None:
+    """Record that ``pid``'s sandbox stands on ``layer_dirs``; the lease's path (None: the process has
+    already ended, it needs none)."""
+    started = start_time(pid)
+    if started is None:
+        return None
+    directory = os.path.join(store_path, LEASES)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    path = os.path.join(directory, f"{pid}-{started}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, body(layer_dirs))
+    finally:
+        os.close(fd)
+    return path
+
+
+def release(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def live(store_path: str) -> Iterator[str]:
+    """The layer names (hex digests) that live leases hold; the leases of ended processes are removed."""
+    directory = os.path.join(store_path, LEASES)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        pid_text, _, start_text = name.partition("-")
+        path = os.path.join(directory, name)
+        if not (pid_text.isdigit() and start_text.isdigit()):
+            release(path)  # not a lease (a writer's leftover)
+            continue
+        if start_time(int(pid_text)) != int(start_text):
+            release(path)
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as handle:
+                lines = handle.read(1 << 20).decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            yield os.path.basename(line.rstrip("/"))

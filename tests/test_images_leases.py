@@ -1,0 +1,91 @@
+"""Prune never takes the layers a running sandbox stands on (isolate/image/leases.py), whoever started it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import ISOLATE_RUN, NAMESPACES_WHY
+
+import isolate
+from isolate.image import Image, Store, leases
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> Iterator[Store]:
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
+    try:
+        yield Store(tmp_path / "store")
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def _load(store: Store, tmp: Path) -> Image:
+    kit.oci_layout(str(tmp / "leased"), [kit.busybox_layer(), kit.layer([{"name": "marker", "data": b"here\n"}])],
+                   ref="leased:1", Env=["PATH=/bin"])
+    return Image.load(tmp / "leased", store=store)
+
+
+def _present(image: Image) -> bool:
+    return all(os.path.isdir(d) for d in image.lower_dirs())
+
+
+def test_prune_keeps_a_kept_sandboxs_layers_until_it_ends(store: Store, tmp_path: Path) -> None:
+    image = _load(store, tmp_path)
+    with isolate.Sandbox(isolate.Policy(image=image.reference, backend="native")) as box:
+        image.remove()
+        assert Image.prune(store) == []
+        assert _present(image)
+        assert box.exec(["cat", "/marker"]).stdout == "here\n"
+    assert sorted(Image.prune(store)) == sorted(image.layers)
+    assert not os.listdir(os.path.join(store.path, "leases"))
+
+
+def test_prune_keeps_the_layers_of_a_replayed_isolate_run(store: Store, tmp_path: Path, workdir: str) -> None:
+    image = _load(store, tmp_path)
+    command = [ISOLATE_RUN, "--image", "leased:1", "--", "sh", "-c", "echo ready; read line; cat /marker"]
+    assert subprocess.run(command, input="\n", capture_output=True, text=True, cwd=workdir,
+                          timeout=60).returncode == 0  # the plan is written: the next run is the binary's
+    env = dict(os.environ, ISOLATE_RUN_TRACE="1")
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=workdir, env=env) as run:
+        assert run.stdout is not None and run.stdout.readline() == "ready\n"
+        image.remove()
+        assert Image.prune(store) == []
+        out, err = run.communicate("go\n", timeout=60)
+    assert "replaying the cached plan" in err
+    assert run.returncode == 0 and out == "here\n", err
+    assert not os.listdir(os.path.join(store.path, "leases"))  # the binary removed its lease at the end
+    assert sorted(Image.prune(store)) == sorted(image.layers)
+
+
+def test_a_lease_of_an_ended_process_is_no_lease(store: Store, tmp_path: Path) -> None:
+    image = _load(store, tmp_path)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    stale = leases.write(store.path, os.getpid(), [os.path.dirname(d) for d in image.lower_dirs()])
+    assert stale is not None
+    os.rename(stale, os.path.join(store.path, "leases", f"{ended.pid}-1"))  # its pid, not its start time
+    image.remove()
+    assert sorted(Image.prune(store)) == sorted(image.layers)
+    assert not os.listdir(os.path.join(store.path, "leases"))
+
+
+def test_a_sandbox_of_a_pruned_layer_is_refused_not_mounted_half_gone(store: Store, tmp_path: Path) -> None:
+    image = _load(store, tmp_path)
+    assert isolate.run(["true"], policy=isolate.Policy(image=image.reference, backend="native")).returncode == 0
+    image.remove()
+    Image.prune(store)
+    with pytest.raises(isolate.IsolationError, match="not in the image store"):
+        isolate.run(["true"], policy=isolate.Policy(image=image.reference, backend="native"))

@@ -1,0 +1,69 @@
+"""The private upper layer of an image's root: what a program does to the image's directories holds, on every
+kernel isolate runs on (before Linux 6.6 a tmpfs keeps no user.* attributes, which overlayfs needs for an
+opaque directory and a directory renamed)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import NAMESPACES_WHY
+
+import isolate
+from isolate.image import Image, Store
+from isolate.kernel import overlay
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+SCRIPT = """
+set -e
+rm -r /data/tree
+mkdir /data/tree
+echo "after mkdir: $(ls -A /data/tree)"
+echo new > /data/tree/new
+echo "tree: $(ls -A /data/tree)"
+mv /data/kept /data/moved
+echo "moved: $(ls -A /data/moved)"
+test ! -e /data/kept && echo "kept gone"
+"""
+
+
+@pytest.fixture()
+def image(tmp_path: Path) -> Iterator[Image]:
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
+    entries = [{"name": "data", "type": "dir", "mode": 0o777},
+               {"name": "data/tree", "type": "dir", "mode": 0o777},
+               {"name": "data/tree/old", "data": b"old\n", "mode": 0o666},
+               {"name": "data/tree/sub", "type": "dir", "mode": 0o777},
+               {"name": "data/tree/sub/deep", "data": b"deep\n", "mode": 0o666},
+               {"name": "data/kept", "type": "dir", "mode": 0o777},
+               {"name": "data/kept/inside", "data": b"in\n", "mode": 0o666}]
+    kit.oci_layout(str(tmp_path / "upper"), [kit.busybox_layer(), kit.layer(entries)], ref="upper:1",
+                   Env=["PATH=/bin"])
+    try:
+        yield Image.load(tmp_path / "upper", store=Store(tmp_path / "store"))
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def test_a_directory_of_the_image_removed_and_made_again_is_empty(image: Image) -> None:
+    policy = isolate.Policy(image=image.reference, backend="native")
+    result = isolate.run(["sh", "-c", SCRIPT], policy=policy, capture_output=True, text=True, timeout=60)
+    if overlay._kernel() < (6, 6):
+        # No user.* attributes on the tmpfs upper layer: overlayfs refuses (EIO) rather than show a wrong tree,
+        # and the report says so.
+        assert result.returncode != 0 and "Input/output error" in result.stderr, result.stdout + result.stderr
+        with isolate.Sandbox(policy) as box:
+            assert "removing or renaming a non-empty directory" in box.enforced["image"]["root"]
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["after mkdir: ", "tree: new", "moved: inside", "kept gone"], (
+        result.stdout + result.stderr)

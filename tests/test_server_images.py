@@ -1,0 +1,151 @@
+"""``isolate-run serve``: a create request's image.uri is an image of a registry, run natively.
+
+The registry is Debian's docker-registry on loopback with basic auth (an
+htpasswd file made here), a busybox scratch image pushed to it with skopeo;
+the client is the OpenSandbox SDK, as in tests/test_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import NAMESPACES_WHY
+from test_server import KEY, Server, run_example
+
+REGISTRY = shutil.which("docker-registry")
+SKOPEO = shutil.which("skopeo")
+USER, PASSWORD = "tester", "s3cret-pass"
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+
+def _bcrypt(password: str) -> str:
+    """An htpasswd line's hash (docker-registry takes bcrypt only), by the C library's crypt."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt  # the standard library's, up to Python 3.12
+
+        return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """docker-registry on 127.0.0.1 with basic auth, holding tests/busybox:1."""
+    if REGISTRY is None or SKOPEO is None:
+        pytest.skip("docker-registry and skopeo are not installed (apt-get install docker-registry skopeo)")
+    tmp = tmp_path_factory.mktemp("registry")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp / "htpasswd").write_text(f"{USER}:{_bcrypt(PASSWORD)}\n")
+    (tmp / "config.yml").write_text(
+        f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {tmp / 'data'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\nauth:\n  htpasswd:\n    realm: tests\n    path: {tmp / 'htpasswd'}\n")
+    server = subprocess.Popen([REGISTRY, "serve", str(tmp / "config.yml")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        address = f"127.0.0.1:{port}"
+        kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1", Env=["PATH=/bin"])
+        subprocess.run([SKOPEO, "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"{USER}:{PASSWORD}",
+                        f"oci:{tmp / 'busybox'}:1", f"docker://{address}/tests/busybox:1"], check=True,
+                       env=dict(os.environ, HOME=str(tmp), REGISTRY_AUTH_FILE=str(tmp / "auth.json")),
+                       capture_output=True, timeout=60)
+        yield address
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server whose --profile runs any image reference (isolate's default policy), with a store of its own."""
+    store = tmp_path_factory.mktemp("server-images") / "store"
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(store)
+    try:
+        srv = Server("--profile", "default", "--best-effort")
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+SDK_IMAGE = '''
+import asyncio
+from opensandbox.sandbox import Sandbox
+from opensandbox.config import ConnectionConfig
+from opensandbox.models.sandboxes import SandboxImageAuth, SandboxImageSpec
+
+async def main():
+    config = ConnectionConfig(domain=DOMAIN, api_key=KEY)
+    image = SandboxImageSpec(IMAGE, auth=SandboxImageAuth(username=USER, password=PASSWORD))
+    sandbox = await Sandbox.create(image, connection_config=config)
+    try:
+        execution = await sandbox.commands.run(
+            "cat /etc/os-release; ls /usr 2>/dev/null || echo no-host-usr; test -e /bin/busybox && echo busybox")
+        print("".join(line.text + "\\n" for line in execution.logs.stdout), end="")
+    finally:
+        await sandbox.destroy()
+
+asyncio.run(main())
+'''
+
+
+def _sdk(server: Server, image: str, user: str = USER, password: str = PASSWORD) -> str:
+    code = (f"DOMAIN, KEY, IMAGE, USER, PASSWORD = {server.domain!r}, {KEY!r}, {image!r}, {user!r}, {password!r}\n"
+            + SDK_IMAGE)
+    return run_example(server, code)
+
+
+def test_the_sdk_creates_a_sandbox_from_an_image_of_the_registry(registry: str, server: Server) -> None:
+    out = _sdk(server, f"{registry}/tests/busybox:1")
+    assert out.splitlines() == ["NAME=busybox-scratch", "no-host-usr", "busybox"]
+    # Again: the image is in the server's store now, no pull (a wrong password does not matter then).
+    assert _sdk(server, f"{registry}/tests/busybox:1", password="wrong").splitlines()[0] == "NAME=busybox-scratch"
+
+
+def test_a_pull_that_fails_is_refused_in_one_clear_error(registry: str, server: Server) -> None:
+    status, body = server.call("POST", "/v1/sandboxes", {
+        "image": {"uri": f"{registry}/tests/absent:1", "auth": {"username": USER, "password": PASSWORD}},
+        "entrypoint": ["tail", "-f", "/dev/null"], "resourceLimits": {}})
+    assert status == 400 and body["code"] == "IMAGE_PULL_FAILED", body
+    assert "absent" in body["message"] and PASSWORD not in body["message"]
+    status, body = server.call("POST", "/v1/sandboxes", {
+        "image": {"uri": f"{registry}/tests/other:1", "auth": {"username": USER, "password": "wrong"}},
+        "entrypoint": ["tail", "-f", "/dev/null"], "resourceLimits": {}})
+    assert status == 400 and body["code"] == "IMAGE_PULL_FAILED" and "wrong" not in body["message"], body
+    status, body = server.call("POST", "/v1/sandboxes", {
+        "image": {"uri": f"{registry}/tests/busybox:1", "auth": {"username": USER}},
+        "entrypoint": ["tail", "-f", "/dev/null"], "resourceLimits": {}})
+    assert status == 400 and "image.auth" in body["message"], body
+
+
+def test_without_profile_an_image_reference_is_still_refused(registry: str, tmp_path: Path) -> None:
+    srv = Server()
+    try:
+        status, body = srv.call("POST", "/v1/sandboxes", {"image": {"uri": f"{registry}/tests/busybox:1"},
+                                                          "entrypoint": ["tail", "-f", "/dev/null"]})
+        assert status == 400 and body["code"] == "IMAGE_NOT_SUPPORTED" and "--profile" in body["message"], body
+    finally:
+        srv.stop()

@@ -315,3 +315,30 @@ def test_learn_grants_a_file_of_the_home_not_the_home_and_writes_any_name(workdi
     assert home not in granted.read and home not in granted.write, text
     assert secret in granted.read and notes in granted.write and data in granted.read, text
     assert f"create {home}/new: not learned" in text and "create /learn-probe: not learned" in text
+
+
+def test_learn_never_grants_the_home_as_the_working_directory(workdir: str) -> None:
+    # Started from the home with nothing granted there (--no-defaults), learn granted the working
+    # directory itself, the home and its ~/.ssh with it, read by the profile's run.
+    home = os.path.join(workdir, "home")
+    os.makedirs(os.path.join(home, ".ssh"))
+    key = os.path.join(home, ".ssh", "id_ed25519")
+    with open(key, "w", encoding="utf-8") as handle:
+        handle.write("secret\n")
+    for path, mode in ((home, 0o755), (os.path.join(home, ".ssh"), 0o755), (key, 0o644)):
+        os.chmod(path, mode)
+    profile = os.path.join(workdir, "profile.toml")
+    env = {**os.environ, "HOME": home}
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--no-defaults", "--rounds", "4", "--out", profile, "--",
+                              "/bin/cat", ".ssh/id_ed25519"], cwd=home, capture_output=True, text=True, timeout=120,
+                             env=env)
+    assert learned.returncode in (0, 1), learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    granted = isolate.Policy.from_toml(text, profile)
+    assert not any(p == home or home.startswith(p.rstrip("/") + "/") or p.startswith(home + "/")
+                   for p in (*granted.read, *granted.write)), text
+    assert f"the working directory {home}: not learned" in text
+    again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", "/bin/cat", ".ssh/id_ed25519"], cwd=home,
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert "secret" not in again.stdout

@@ -79,8 +79,7 @@ def _broad(directory: str) -> bool:
     """Whether granting directory gives far more than any one access asks for: / and the caller's home
     (and each directory above it). A program that reads ~/.x must not learn itself all of the home (its
     keys), nor one that creates ~/.x the home writable (its shell's startup files)."""
-    home = os.path.realpath(os.path.expanduser("~"))
-    return _under(home, directory)
+    return any(_under(home, directory) for home in learnsafe.homes())  # $HOME's, and the password database's
 
 
 def _grant_of(entry: dict[str, Any]) -> tuple[str, str] | None:
@@ -388,7 +387,15 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
     read, write = learned.collapsed()
     if learned.cwd is not None and not any(_under(g, learned.cwd) or _under(learned.cwd, g) for g in (
             *(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write)):
-        read[learned.cwd] = "the working directory: the command starts in it, and nothing granted holds it"
+        if _broad(learned.cwd) or learnsafe.holds_sensitive(learned.cwd):
+            # The same rule as every learned grant: the working directory is where the command was started,
+            # not what it needs; the home, / or a directory holding a credential is never granted by it.
+            learned.unfixable.setdefault(f"cwd:{learned.cwd}", (
+                f"the working directory {learned.cwd}: not learned, it is / or the home (or a directory above "
+                "it, or one holding a credential or start-up path); grant it with --ro/--rw if it is meant, "
+                "or start the command from a directory of its own"))
+        else:
+            read[learned.cwd] = "the working directory: the command starts in it, and nothing granted holds it"
     lines = [f"# Learned by isolate-run learn in {rounds} run(s) of: {_comment(' '.join(command))}",
              "# Every run was confined: these grants are what the command needed under enforcement.",
              "# While learning, nothing the command wrote reached the host: a learned write grant was tried on a",

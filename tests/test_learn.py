@@ -342,3 +342,25 @@ def test_learn_never_grants_the_home_as_the_working_directory(workdir: str) -> N
     again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", "/bin/cat", ".ssh/id_ed25519"], cwd=home,
                            capture_output=True, text=True, timeout=60, env=env)
     assert "secret" not in again.stdout
+
+
+def test_learn_grants_a_command_among_start_up_paths_alone(workdir: str) -> None:
+    # A command in ~/.local/bin (a start-up path) learned all of ~/.local/bin: the file alone now.
+    home = os.path.join(workdir, "home")
+    tool = os.path.join(home, ".local", "bin", "tool")
+    os.makedirs(os.path.dirname(tool))
+    with open(tool, "w", encoding="utf-8") as handle:
+        handle.write("#!/bin/sh\necho hi\n")
+    for path in (home, os.path.join(home, ".local"), os.path.dirname(tool), tool):
+        os.chmod(path, 0o755)
+    cwd = os.path.join(workdir, "run")
+    os.mkdir(cwd)
+    os.chmod(cwd, 0o777)
+    profile = os.path.join(workdir, "profile.toml")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--rounds", "3", "--out", profile, "--", tool], cwd=cwd,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": home})
+    assert learned.returncode == 0, learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    granted = isolate.Policy.from_toml(text, profile)
+    assert tool in granted.read and os.path.dirname(tool) not in granted.read, text

@@ -179,8 +179,15 @@ class Learned:
         granted = [os.path.abspath(p) for p in (*base.read, *base.write)]
         for path in _link_chain(os.path.abspath(found)):
             directory = os.path.dirname(path)
-            if _broad(directory):
-                directory = path  # a command in the home itself: that file, not all of the home
+            if _broad(directory) or learnsafe.holds_sensitive(directory):
+                # A command in the home itself, or among credentials and start-up paths (~/.local/bin): that
+                # file, not all of its directory; and never a credential a link or a #! line names (no key
+                # is an executable).
+                if learnsafe.sensitive(path) and not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                    self.unfixable.setdefault(path, f"{why} {path}: never learned, it lies in "
+                                              f"{learnsafe.sensitive(path)}, a credential or start-up path")
+                    continue
+                directory = path
             if not any(_under(directory, g) for g in granted) and directory not in self.read:
                 self.read[directory] = f"{why} ({path})"
 

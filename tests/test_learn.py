@@ -364,3 +364,29 @@ def test_learn_grants_a_command_among_start_up_paths_alone(workdir: str) -> None
         text = handle.read()
     granted = isolate.Policy.from_toml(text, profile)
     assert tool in granted.read and os.path.dirname(tool) not in granted.read, text
+
+
+def test_learn_never_lets_a_call_the_default_refuses_with_some_arguments_through(workdir: str) -> None:
+    # Under a profile whose default action refuses (strict, given by a profile file), unshare of a user
+    # namespace was learned as an unconditional allow of unshare: every namespace, which the default filter
+    # refuses with these arguments. It stays refused, named in a comment.
+    given = os.path.join(workdir, "strict.toml")
+    with open(given, "w", encoding="utf-8") as handle:
+        handle.write('seccomp = "strict"\n')
+    code = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+            "print('unshared' if libc.unshare(0x10000000) == 0 else 'refused')")
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    cwd = os.path.join(workdir, "run")
+    os.mkdir(cwd)
+    os.chmod(cwd, 0o777)
+    profile = os.path.join(workdir, "profile.toml")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--profile", given, "--rounds", "3", "--out", profile, "--",
+                              python, "-I", "-S", "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert learned.returncode == 0, learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    assert "system call unshare stays refused" in text, text
+    assert not os.path.exists(os.path.join(workdir, "profile.seccomp.json")), text
+    again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", python, "-I", "-S", "-c", code], cwd=cwd,
+                           capture_output=True, text=True, timeout=60)
+    assert again.stdout == "refused\n", (again.stdout, again.stderr)

@@ -206,6 +206,17 @@ BAD_LAYERS: dict[str, tuple[list[list[dict[str, Any]]], str]] = {
                    "security.capability"),
     "trusted": ([[{"name": "d", "type": "dir", "xattrs": {"trusted.overlay.opaque": "y"}}]], "trusted."),
     "too-large": ([[{"name": "big", "size": 3 << 20}]], "max_image_size"),
+    # A file replaced by a link later in its layer: a hard link to its name was a second link, unseen by the
+    # check of links across layers.
+    "hard-link-to-a-replaced-file": ([[{"name": "a", "data": b"x"}, {"name": "a", "type": "link", "target": "/etc"},
+                                       {"name": "d", "type": "hard", "target": "a"}], [{"name": "d/x", "data": b"x"}]],
+                                     "is a hard link to 'a'"),
+    # Header numbers nothing takes: ValueError and OverflowError escaped the loader.
+    "mtime-nan": ([[{"name": "f", "data": b"x", "pax": {"mtime": "nan"}}]], "a header's value"),
+    "mtime-past-time_t": ([[{"name": "f", "data": b"x", "pax": {"mtime": "1e400"}}]], "a header's value"),
+    "sparse-map-cut": ([[{"name": "f", "data": b"x", "pax": {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                                                             "GNU.sparse.name": "f", "GNU.sparse.realsize": "9"}}]],
+                       "a header's value"),
 }
 
 

@@ -244,6 +244,34 @@ def test_a_decompression_bomb_is_refused_while_it_expands(tmp_path: Path) -> Non
     assert layer_dirs(store) == []
 
 
+def test_an_endless_blob_after_a_small_layer_is_refused_at_max_image_size(tmp_path: Path) -> None:
+    # gzip takes zero bytes after its stream as padding: the blob was read for ever (a registry's endless
+    # answer), the bound on the decompressed stream never reached.
+    import io
+
+    raw = kit.gz(kit.layer([{"name": "f", "data": b"x"}]))
+
+    class Endless(io.RawIOBase):
+        def __init__(self) -> None:
+            self.head, self.sent = raw, 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            data, self.head = (self.head[:len(buffer)], self.head[len(buffer):]) if self.head else (
+                bytes(len(buffer)), b"")
+            self.sent += len(data)
+            assert self.sent < 64 << 20, "read on past any bound"
+            buffer[:len(data)] = data
+            return len(data)
+
+    store = Store(tmp_path / "store", max_image_size=1 << 20)
+    with pytest.raises(BadImageError, match="past max_image_size"):
+        store.ensure_layer(kit.digest(raw), Endless, diff_id=None, what="layer")
+    assert layer_dirs(store) == []
+
+
 def test_zstd_and_uncompressed_layers_load(tmp_path: Path, store: Store) -> None:
     zstandard = pytest.importorskip("zstandard")
     plain = kit.layer([{"name": "plain", "data": b"p"}])

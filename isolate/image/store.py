@@ -70,11 +70,13 @@ def default_path() -> str:
 
 
 class _HashingReader(io.RawIOBase):
-    """A blob read through, hashed and counted, to be checked against its digest at the end."""
+    """A blob read through, hashed and counted, to be checked against its digest at the end; past ``limit``
+    bytes refused (the bound on the decompressed stream does not bound the blob: gzip reads any number of
+    zero bytes after its stream as padding, so an endless blob after a small layer was read for ever)."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], limit: int, what: str) -> None:
         super().__init__()
-        self.raw = raw
+        self.raw, self.limit, self.what = raw, limit, what
         self.sha = hashlib.sha256()
         self.count = 0
 
@@ -82,6 +84,8 @@ class _HashingReader(io.RawIOBase):
         data = self.raw.read(len(buffer))
         self.sha.update(data)
         self.count += len(data)
+        if self.count > self.limit:
+            raise BadImageError(f"{self.what}: its blob is past max_image_size ({self.limit} bytes): refused")
         buffer[:len(data)] = data
         return len(data)
 
@@ -221,7 +225,7 @@ class Store:
                 root_fd = os.open(os.path.join(work, "root"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
                 try:
                     with opener() as raw:
-                        reader = _HashingReader(raw)
+                        reader = _HashingReader(raw, self.max_image_size, what)
                         unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size)
                         reader.drain()
                 finally:

@@ -390,3 +390,24 @@ def test_learn_never_lets_a_call_the_default_refuses_with_some_arguments_through
     again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", python, "-I", "-S", "-c", code], cwd=cwd,
                            capture_output=True, text=True, timeout=60)
     assert again.stdout == "refused\n", (again.stdout, again.stderr)
+
+
+def test_learn_keeps_its_own_directories_out_of_the_programs_reach(workdir: str) -> None:
+    # Learn's state directory under a given write grant: a run swapped learn's directory for a link, and
+    # the next run's copy-on-write upper layer (where its writes to a learned directory land) was made in
+    # a host directory of the program's choosing. Now it is hidden under an empty tmpfs.
+    granted, target, victim = (os.path.join(workdir, name) for name in ("granted", "target", "victim"))
+    for directory, mode in ((granted, 0o777), (target, 0o755), (victim, 0o777)):
+        os.mkdir(directory)
+        os.chmod(directory, mode)
+    state, seen = os.path.join(granted, "state"), os.path.join(granted, "seen")
+    script = (f"for d in {state}/learn-*; do [ -d \"$d\" ] && [ ! -L \"$d\" ] && mv \"$d\" \"$d.x\" && "
+              f"ln -s {target} \"$d\"; done; echo w > {victim}/x; ls -a {target} >> {seen}; true")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--rounds", "3", "--out", os.path.join(workdir, "p.toml"),
+                              "--rw", granted, "--", "/bin/sh", "-c", script], cwd=granted, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "ISOLATE_STATE_DIR": state})
+    assert learned.returncode == 0, learned.stderr
+    with open(seen, encoding="utf-8") as handle:
+        listed = handle.read()
+    assert "run-" not in listed, listed
+    assert os.listdir(target) == [] and not os.path.exists(os.path.join(victim, "x"))

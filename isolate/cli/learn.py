@@ -479,8 +479,15 @@ def round_policy(base: Policy, learned: Learned, network: str | Egress, seccomp_
         # (what the command reads or writes in it is refused, and learned), the grants below mounted in it.
         below = [os.path.relpath(g, learned.cwd) for g in granted if _under(g, learned.cwd)]
         binds = (*binds, Mount(views.stand_in(below), learned.cwd, "ro"))
+    # Learn's own directories (the views' upper layers, the stand-in) under a grant: hidden under an empty
+    # tmpfs, as the runtime directory is. Seen, a run could swap one for a link, and learn made the next
+    # run's upper layer (where its writes land) in a host directory of the program's choosing.
+    real_granted = [os.path.realpath(g) for g in granted]
+    hidden = [own for own in (views.root, views.stand_in_root) if own is not None
+              and any(_under(os.path.realpath(own), g) for g in real_granted)]
     policy = base.replace(read=tuple(p for p in dict.fromkeys([*base.read, *read, *files]) if p not in directories),
-                          write=base.write, tmpfs=tuple(dict.fromkeys([*base.tmpfs, *directories])), binds=binds,
+                          write=base.write, tmpfs=tuple(dict.fromkeys([*base.tmpfs, *directories, *hidden])),
+                          binds=binds,
                           network=network, seccomp=seccomp_file or base.seccomp, trace_denials="lookups")
     return policy, directories
 

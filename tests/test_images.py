@@ -168,6 +168,26 @@ def test_a_blob_that_does_not_match_its_digest_keeps_nothing(tmp_path: Path, sto
     assert Image.list(store) == []
 
 
+def test_a_layout_whose_files_are_a_fifo_or_a_device_is_refused_not_read_for_ever(tmp_path: Path,
+                                                                                  store: Store) -> None:
+    # A blob that is a FIFO hung the load; a docker-save directory's layer /dev/zero (through a linked
+    # directory) was hashed for ever.
+    manifest = kit.oci_layout(str(tmp_path / "oci"), [kit.layer([{"name": "f", "data": b"x"}])])
+    blob = tmp_path / "oci" / "blobs" / "sha256" / manifest[7:]
+    os.unlink(blob)
+    os.mkfifo(blob)
+    with pytest.raises(BadImageError, match="not a regular file"):
+        Image.load(tmp_path / "oci", store=store)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    config = kit.config_for([])
+    (saved / "config.json").write_bytes(config)
+    (saved / "manifest.json").write_text(json.dumps([{"Config": "config.json", "Layers": ["dev/zero"]}]))
+    os.symlink("/dev", saved / "dev")
+    with pytest.raises(BadImageError, match="not a regular file"):
+        Image.load(saved, store=store)
+
+
 def test_a_docker_save_archive_loads(tmp_path: Path, store: Store) -> None:
     kit.docker_archive(str(tmp_path / "saved.tar"), [kit.layer([{"name": "hello", "data": b"hi"}])],
                        WorkingDir="/w", User="1000", Entrypoint=["/bin/sh", "-c"])

@@ -121,6 +121,19 @@ def test_an_images_user_id_past_the_kernels_range_is_refused_not_an_overflow(sto
             run(store, ["true"], image=image)
 
 
+def test_prune_keeps_the_layers_a_running_sandbox_stands_on(store: str, tmp_path: Path) -> None:
+    # image rm, then prune, removed the layers under a running sandbox: its root emptied.
+    _load(tmp_path, "inuse:1", [{"name": "marker", "data": b"still here\n"}])
+    policy = isolate.Policy(image="inuse:1", backend="native")
+    with isolate.Sandbox(policy=policy) as box:
+        image = Image.get("inuse:1")
+        image.remove()
+        removed = Image.prune(image.store)
+        assert image.layers[-1] not in removed, removed
+        assert box.exec(["cat", "/marker"]).stdout == "still here\n"
+    assert image.layers[-1] in Image.prune(image.store)
+
+
 def test_a_mount_through_a_link_of_the_image_is_refused(store: str) -> None:
     with pytest.raises(isolate.UnsupportedError, match="/home is a link in the image"):
         run(store, ["true"], image="linked:1")

@@ -309,6 +309,7 @@ class Store:
                 used_layers.update(digest_hex(d, "layer") for d in record.get("layers", []))
                 used_blobs.update(digest_hex(d, "blob") for d in (record.get("digest"), record.get("config_digest"))
                                   if isinstance(d, str))
+            used_layers |= layers_in_use()
             removed = []
             for name in os.listdir(os.path.join(self.path, "layers")):
                 if _HEX.match(name) and name not in used_layers:
@@ -319,6 +320,35 @@ class Store:
                 if name not in used_blobs:
                     os.unlink(os.path.join(blobs, name))
             return removed
+
+
+#: How a running sandbox's root names a layer in its mount table (backends/native/imageroot.py's staging).
+_MOUNTED_LAYER = re.compile(r"/\.isolate-image/([0-9a-f]{64})/root")
+
+
+def layers_in_use() -> set[str]:
+    """The layers (hex digests) a running sandbox's root stands on, read from the mount table of each mount
+    namespace this caller can see: prune keeps them even once no image names them (``image rm`` then
+    ``prune`` emptied a running sandbox's root under it)."""
+    used: set[str] = set()
+    namespaces: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+        except OSError:
+            namespace = ""  # not ours to name: its mount table may still be readable
+        if namespace in namespaces:
+            continue
+        if namespace:
+            namespaces.add(namespace)
+        try:
+            with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as handle:
+                used.update(_MOUNTED_LAYER.findall(handle.read()))
+        except OSError:
+            continue  # gone, or another user's: not a sandbox of this store
+    return used
 
 
 def check_stack(indexes: list[LayerIndex], what: str) -> None:

@@ -19,7 +19,7 @@ def digest(data: bytes) -> str:
 
 def layer(entries: list[dict[str, Any]]) -> bytes:
     """A layer's tar: each entry {name, type ('file'|'dir'|'link'|'hard'|'chr'|'fifo'), data, mode, target,
-    xattrs, size}."""
+    xattrs, pax, size}."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for entry in entries:
@@ -29,6 +29,8 @@ def layer(entries: list[dict[str, Any]]) -> bytes:
             info.mtime = 1700000000
             if entry.get("xattrs"):
                 info.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in entry["xattrs"].items()}
+            if entry.get("pax"):
+                info.pax_headers = {**info.pax_headers, **entry["pax"]}  # raw pax records (mtime, uid ...)
             data = entry.get("data", b"")
             if kind == "dir":
                 info.type = tarfile.DIRTYPE

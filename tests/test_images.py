@@ -168,6 +168,26 @@ def test_a_blob_that_does_not_match_its_digest_keeps_nothing(tmp_path: Path, sto
     assert Image.list(store) == []
 
 
+def test_a_layout_whose_files_are_a_fifo_or_a_device_is_refused_not_read_for_ever(tmp_path: Path,
+                                                                                  store: Store) -> None:
+    # A blob that is a FIFO hung the load; a docker-save directory's layer /dev/zero (through a linked
+    # directory) was hashed for ever.
+    manifest = kit.oci_layout(str(tmp_path / "oci"), [kit.layer([{"name": "f", "data": b"x"}])])
+    blob = tmp_path / "oci" / "blobs" / "sha256" / manifest[7:]
+    os.unlink(blob)
+    os.mkfifo(blob)
+    with pytest.raises(BadImageError, match="not a regular file"):
+        Image.load(tmp_path / "oci", store=store)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    config = kit.config_for([])
+    (saved / "config.json").write_bytes(config)
+    (saved / "manifest.json").write_text(json.dumps([{"Config": "config.json", "Layers": ["dev/zero"]}]))
+    os.symlink("/dev", saved / "dev")
+    with pytest.raises(BadImageError, match="not a regular file"):
+        Image.load(saved, store=store)
+
+
 def test_a_docker_save_archive_loads(tmp_path: Path, store: Store) -> None:
     kit.docker_archive(str(tmp_path / "saved.tar"), [kit.layer([{"name": "hello", "data": b"hi"}])],
                        WorkingDir="/w", User="1000", Entrypoint=["/bin/sh", "-c"])
@@ -206,6 +226,17 @@ BAD_LAYERS: dict[str, tuple[list[list[dict[str, Any]]], str]] = {
                    "security.capability"),
     "trusted": ([[{"name": "d", "type": "dir", "xattrs": {"trusted.overlay.opaque": "y"}}]], "trusted."),
     "too-large": ([[{"name": "big", "size": 3 << 20}]], "max_image_size"),
+    # A file replaced by a link later in its layer: a hard link to its name was a second link, unseen by the
+    # check of links across layers.
+    "hard-link-to-a-replaced-file": ([[{"name": "a", "data": b"x"}, {"name": "a", "type": "link", "target": "/etc"},
+                                       {"name": "d", "type": "hard", "target": "a"}], [{"name": "d/x", "data": b"x"}]],
+                                     "is a hard link to 'a'"),
+    # Header numbers nothing takes: ValueError and OverflowError escaped the loader.
+    "mtime-nan": ([[{"name": "f", "data": b"x", "pax": {"mtime": "nan"}}]], "a header's value"),
+    "mtime-past-time_t": ([[{"name": "f", "data": b"x", "pax": {"mtime": "1e400"}}]], "a header's value"),
+    "sparse-map-cut": ([[{"name": "f", "data": b"x", "pax": {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                                                             "GNU.sparse.name": "f", "GNU.sparse.realsize": "9"}}]],
+                       "a header's value"),
 }
 
 
@@ -230,6 +261,34 @@ def test_a_decompression_bomb_is_refused_while_it_expands(tmp_path: Path) -> Non
     kit.oci_layout(str(tmp_path / "oci"), [bomb])
     with pytest.raises(BadImageError, match="max_image_size"):
         Image.load(tmp_path / "oci", store=store)
+    assert layer_dirs(store) == []
+
+
+def test_an_endless_blob_after_a_small_layer_is_refused_at_max_image_size(tmp_path: Path) -> None:
+    # gzip takes zero bytes after its stream as padding: the blob was read for ever (a registry's endless
+    # answer), the bound on the decompressed stream never reached.
+    import io
+
+    raw = kit.gz(kit.layer([{"name": "f", "data": b"x"}]))
+
+    class Endless(io.RawIOBase):
+        def __init__(self) -> None:
+            self.head, self.sent = raw, 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            data, self.head = (self.head[:len(buffer)], self.head[len(buffer):]) if self.head else (
+                bytes(len(buffer)), b"")
+            self.sent += len(data)
+            assert self.sent < 64 << 20, "read on past any bound"
+            buffer[:len(data)] = data
+            return len(data)
+
+    store = Store(tmp_path / "store", max_image_size=1 << 20)
+    with pytest.raises(BadImageError, match="past max_image_size"):
+        store.ensure_layer(kit.digest(raw), Endless, diff_id=None, what="layer")
     assert layer_dirs(store) == []
 
 

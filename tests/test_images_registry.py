@@ -172,6 +172,7 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
     seen: list[tuple[str, str, str | None]]  # (host header, path, Authorization)
     lie: bool = False
     basic: bool = False  # Basic auth on every request, instead of tokens
+    storage_challenge: bool = False  # the redirected-to storage asks for a token, at a realm of its own
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -184,7 +185,11 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
                 return self._send(401, b"{}")
             return self._send(200, json.dumps({"token": "T0KEN"}).encode())
         if self.path.startswith("/storage/"):
+            if self.storage_challenge and auth is None:
+                return self._send(401, b"{}", {"WWW-Authenticate": f'Bearer realm="http://{self.blob_host}/grab"'})
             return self._send(200, self._blob(self.path.rsplit("/", 1)[1]))
+        if self.path.startswith("/grab"):
+            return self._send(200, json.dumps({"token": "T0KEN"}).encode())
         if self.basic and auth != self.token_auth:
             return self._send(401, b"{}", {"WWW-Authenticate": 'Basic realm="standin"'})
         if not self.basic and auth != "Bearer T0KEN":
@@ -265,6 +270,17 @@ def test_a_redirect_to_another_host_never_carries_the_credentials(standin: Any, 
     storage = [s for s in standin.seen if s[1].startswith("/storage/")]
     assert storage and all(auth is None for _, _, auth in storage)
     assert any(auth == "Bearer T0KEN" for _, path, auth in standin.seen if path.startswith("/v2/team"))
+
+
+def test_a_host_the_registry_redirects_to_never_gets_the_credentials_by_a_challenge(standin: Any,
+                                                                                     tmp_path: Path) -> None:
+    # The host a blob redirects to answered 401 with a Bearer realm of its own: the registry's user and
+    # password were sent there (Basic), to ask it for a token.
+    standin.blob_host = f"localhost:{standin.port}"
+    standin.storage_challenge = True
+    with pytest.raises(RegistryError, match="never sent to another host"):
+        Image.pull(f"127.0.0.1:{standin.port}/team/app:1", store=Store(tmp_path / "store"))
+    assert not [s for s in standin.seen if s[1].startswith("/grab")], standin.seen
 
 
 def test_a_blob_that_lies_about_its_digest_keeps_nothing(standin: Any, tmp_path: Path) -> None:

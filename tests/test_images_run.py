@@ -45,6 +45,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _load(tmp, "entry:1", Entrypoint=["/bin/echo", "entry"], Cmd=["default"])
         _load(tmp, "user:1", [{"name": "etc/passwd", "data": b"root:x:0:0::/:/bin/sh\napp:x:1234:4321::/:/bin/sh\n"}],
               User="app")
+        _load(tmp, "bigid:1", User="99999999999999999999999")
+        _load(tmp, "biggid:1", User="0:4294967295")
         _load(tmp, "linked:1", [{"name": "home", "type": "link", "target": "/oldroot/etc"}])
         _load(tmp, "layered:1", [{"name": "etc", "type": "dir"}, {"name": "etc/.wh..wh..opq"},
                                  {"name": "etc/only", "data": b"top\n"}, {"name": "bin/.wh.ls"},
@@ -111,6 +113,25 @@ def test_the_images_user_applies_for_a_root_caller(store: str) -> None:
         assert "uid=1234" in result.stdout and "gid=4321" in result.stdout
     else:
         assert f"uid={os.getuid()}" in result.stdout  # one uid: the caller's own
+
+
+def test_an_images_user_id_past_the_kernels_range_is_refused_not_an_overflow(store: str) -> None:
+    for image in ("bigid:1", "biggid:1"):
+        with pytest.raises(isolate.PolicyError, match="not a number from 0 to 4294967294"):
+            run(store, ["true"], image=image)
+
+
+def test_prune_keeps_the_layers_a_running_sandbox_stands_on(store: str, tmp_path: Path) -> None:
+    # image rm, then prune, removed the layers under a running sandbox: its root emptied.
+    _load(tmp_path, "inuse:1", [{"name": "marker", "data": b"still here\n"}])
+    policy = isolate.Policy(image="inuse:1", backend="native")
+    with isolate.Sandbox(policy=policy) as box:
+        image = Image.get("inuse:1")
+        image.remove()
+        removed = Image.prune(image.store)
+        assert image.layers[-1] not in removed, removed
+        assert box.exec(["cat", "/marker"]).stdout == "still here\n"
+    assert image.layers[-1] in Image.prune(image.store)
 
 
 def test_a_mount_through_a_link_of_the_image_is_refused(store: str) -> None:

@@ -315,3 +315,99 @@ def test_learn_grants_a_file_of_the_home_not_the_home_and_writes_any_name(workdi
     assert home not in granted.read and home not in granted.write, text
     assert secret in granted.read and notes in granted.write and data in granted.read, text
     assert f"create {home}/new: not learned" in text and "create /learn-probe: not learned" in text
+
+
+def test_learn_never_grants_the_home_as_the_working_directory(workdir: str) -> None:
+    # Started from the home with nothing granted there (--no-defaults), learn granted the working
+    # directory itself, the home and its ~/.ssh with it, read by the profile's run.
+    home = os.path.join(workdir, "home")
+    os.makedirs(os.path.join(home, ".ssh"))
+    key = os.path.join(home, ".ssh", "id_ed25519")
+    with open(key, "w", encoding="utf-8") as handle:
+        handle.write("secret\n")
+    for path, mode in ((home, 0o755), (os.path.join(home, ".ssh"), 0o755), (key, 0o644)):
+        os.chmod(path, mode)
+    profile = os.path.join(workdir, "profile.toml")
+    env = {**os.environ, "HOME": home}
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--no-defaults", "--rounds", "4", "--out", profile, "--",
+                              "/bin/cat", ".ssh/id_ed25519"], cwd=home, capture_output=True, text=True, timeout=120,
+                             env=env)
+    assert learned.returncode in (0, 1), learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    granted = isolate.Policy.from_toml(text, profile)
+    assert not any(p == home or home.startswith(p.rstrip("/") + "/") or p.startswith(home + "/")
+                   for p in (*granted.read, *granted.write)), text
+    assert f"the working directory {home}: not learned" in text
+    again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", "/bin/cat", ".ssh/id_ed25519"], cwd=home,
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert "secret" not in again.stdout
+
+
+def test_learn_grants_a_command_among_start_up_paths_alone(workdir: str) -> None:
+    # A command in ~/.local/bin (a start-up path) learned all of ~/.local/bin: the file alone now.
+    home = os.path.join(workdir, "home")
+    tool = os.path.join(home, ".local", "bin", "tool")
+    os.makedirs(os.path.dirname(tool))
+    with open(tool, "w", encoding="utf-8") as handle:
+        handle.write("#!/bin/sh\necho hi\n")
+    for path in (home, os.path.join(home, ".local"), os.path.dirname(tool), tool):
+        os.chmod(path, 0o755)
+    cwd = os.path.join(workdir, "run")
+    os.mkdir(cwd)
+    os.chmod(cwd, 0o777)
+    profile = os.path.join(workdir, "profile.toml")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--rounds", "3", "--out", profile, "--", tool], cwd=cwd,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": home})
+    assert learned.returncode == 0, learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    granted = isolate.Policy.from_toml(text, profile)
+    assert tool in granted.read and os.path.dirname(tool) not in granted.read, text
+
+
+def test_learn_never_lets_a_call_the_default_refuses_with_some_arguments_through(workdir: str) -> None:
+    # Under a profile whose default action refuses (strict, given by a profile file), unshare of a user
+    # namespace was learned as an unconditional allow of unshare: every namespace, which the default filter
+    # refuses with these arguments. It stays refused, named in a comment.
+    given = os.path.join(workdir, "strict.toml")
+    with open(given, "w", encoding="utf-8") as handle:
+        handle.write('seccomp = "strict"\n')
+    code = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+            "print('unshared' if libc.unshare(0x10000000) == 0 else 'refused')")
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    cwd = os.path.join(workdir, "run")
+    os.mkdir(cwd)
+    os.chmod(cwd, 0o777)
+    profile = os.path.join(workdir, "profile.toml")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--profile", given, "--rounds", "3", "--out", profile, "--",
+                              python, "-I", "-S", "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert learned.returncode == 0, learned.stderr
+    with open(profile, encoding="utf-8") as handle:
+        text = handle.read()
+    assert "system call unshare stays refused" in text, text
+    assert not os.path.exists(os.path.join(workdir, "profile.seccomp.json")), text
+    again = subprocess.run([ISOLATE_RUN, "--profile", profile, "--", python, "-I", "-S", "-c", code], cwd=cwd,
+                           capture_output=True, text=True, timeout=60)
+    assert again.stdout == "refused\n", (again.stdout, again.stderr)
+
+
+def test_learn_keeps_its_own_directories_out_of_the_programs_reach(workdir: str) -> None:
+    # Learn's state directory under a given write grant: a run swapped learn's directory for a link, and
+    # the next run's copy-on-write upper layer (where its writes to a learned directory land) was made in
+    # a host directory of the program's choosing. Now it is hidden under an empty tmpfs.
+    granted, target, victim = (os.path.join(workdir, name) for name in ("granted", "target", "victim"))
+    for directory, mode in ((granted, 0o777), (target, 0o755), (victim, 0o777)):
+        os.mkdir(directory)
+        os.chmod(directory, mode)
+    state, seen = os.path.join(granted, "state"), os.path.join(granted, "seen")
+    script = (f"for d in {state}/learn-*; do [ -d \"$d\" ] && [ ! -L \"$d\" ] && mv \"$d\" \"$d.x\" && "
+              f"ln -s {target} \"$d\"; done; echo w > {victim}/x; ls -a {target} >> {seen}; true")
+    learned = subprocess.run([ISOLATE_RUN, "learn", "--rounds", "3", "--out", os.path.join(workdir, "p.toml"),
+                              "--rw", granted, "--", "/bin/sh", "-c", script], cwd=granted, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "ISOLATE_STATE_DIR": state})
+    assert learned.returncode == 0, learned.stderr
+    with open(seen, encoding="utf-8") as handle:
+        listed = handle.read()
+    assert "run-" not in listed, listed
+    assert os.listdir(target) == [] and not os.path.exists(os.path.join(victim, "x"))

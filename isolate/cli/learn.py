@@ -79,8 +79,7 @@ def _broad(directory: str) -> bool:
     """Whether granting directory gives far more than any one access asks for: / and the caller's home
     (and each directory above it). A program that reads ~/.x must not learn itself all of the home (its
     keys), nor one that creates ~/.x the home writable (its shell's startup files)."""
-    home = os.path.realpath(os.path.expanduser("~"))
-    return _under(home, directory)
+    return any(_under(home, directory) for home in learnsafe.homes())  # $HOME's, and the password database's
 
 
 def _grant_of(entry: dict[str, Any]) -> tuple[str, str] | None:
@@ -180,8 +179,15 @@ class Learned:
         granted = [os.path.abspath(p) for p in (*base.read, *base.write)]
         for path in _link_chain(os.path.abspath(found)):
             directory = os.path.dirname(path)
-            if _broad(directory):
-                directory = path  # a command in the home itself: that file, not all of the home
+            if _broad(directory) or learnsafe.holds_sensitive(directory):
+                # A command in the home itself, or among credentials and start-up paths (~/.local/bin): that
+                # file, not all of its directory; and never a credential a link or a #! line names (no key
+                # is an executable).
+                if learnsafe.sensitive(path) and not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                    self.unfixable.setdefault(path, f"{why} {path}: never learned, it lies in "
+                                              f"{learnsafe.sensitive(path)}, a credential or start-up path")
+                    continue
+                directory = path
             if not any(_under(directory, g) for g in granted) and directory not in self.read:
                 self.read[directory] = f"{why} ({path})"
 
@@ -388,7 +394,15 @@ def render(base: Policy, learned: Learned, report: Any, command: Sequence[str], 
     read, write = learned.collapsed()
     if learned.cwd is not None and not any(_under(g, learned.cwd) or _under(learned.cwd, g) for g in (
             *(os.path.abspath(p) for p in (*base.read, *base.write)), *read, *write)):
-        read[learned.cwd] = "the working directory: the command starts in it, and nothing granted holds it"
+        if _broad(learned.cwd) or learnsafe.holds_sensitive(learned.cwd):
+            # The same rule as every learned grant: the working directory is where the command was started,
+            # not what it needs; the home, / or a directory holding a credential is never granted by it.
+            learned.unfixable.setdefault(f"cwd:{learned.cwd}", (
+                f"the working directory {learned.cwd}: not learned, it is / or the home (or a directory above "
+                "it, or one holding a credential or start-up path); grant it with --ro/--rw if it is meant, "
+                "or start the command from a directory of its own"))
+        else:
+            read[learned.cwd] = "the working directory: the command starts in it, and nothing granted holds it"
     lines = [f"# Learned by isolate-run learn in {rounds} run(s) of: {_comment(' '.join(command))}",
              "# Every run was confined: these grants are what the command needed under enforcement.",
              "# While learning, nothing the command wrote reached the host: a learned write grant was tried on a",
@@ -465,8 +479,15 @@ def round_policy(base: Policy, learned: Learned, network: str | Egress, seccomp_
         # (what the command reads or writes in it is refused, and learned), the grants below mounted in it.
         below = [os.path.relpath(g, learned.cwd) for g in granted if _under(g, learned.cwd)]
         binds = (*binds, Mount(views.stand_in(below), learned.cwd, "ro"))
+    # Learn's own directories (the views' upper layers, the stand-in) under a grant: hidden under an empty
+    # tmpfs, as the runtime directory is. Seen, a run could swap one for a link, and learn made the next
+    # run's upper layer (where its writes land) in a host directory of the program's choosing.
+    real_granted = [os.path.realpath(g) for g in granted]
+    hidden = [own for own in (views.root, views.stand_in_root) if own is not None
+              and any(_under(os.path.realpath(own), g) for g in real_granted)]
     policy = base.replace(read=tuple(p for p in dict.fromkeys([*base.read, *read, *files]) if p not in directories),
-                          write=base.write, tmpfs=tuple(dict.fromkeys([*base.tmpfs, *directories])), binds=binds,
+                          write=base.write, tmpfs=tuple(dict.fromkeys([*base.tmpfs, *directories, *hidden])),
+                          binds=binds,
                           network=network, seccomp=seccomp_file or base.seccomp, trace_denials="lookups")
     return policy, directories
 

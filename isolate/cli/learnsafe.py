@@ -5,7 +5,8 @@ rule, a grant of the next run. Three things bound that:
 
 - the system calls the default seccomp filter refuses for the sandbox's safety
   (kernel modules, kexec, bpf, perf, keyrings, mounts, ptrace, userfaultfd,
-  io_uring ...: every name of its refusal rules) are never learned: the
+  io_uring ...: every name of its refusal rules, those refused with some
+  arguments only, unshare, clone, socket, ioctl, personality, too) are never learned: the
   profile names each in a comment with why it stays refused;
 - credentials and shell start-up paths (``NEVER_LEARNED_HOME``,
   ``NEVER_LEARNED_PATHS``) are never granted by learning, nor any directory
@@ -80,16 +81,24 @@ def holds_sensitive(directory: str) -> bool:
 
 @lru_cache(maxsize=1)
 def never_learned_syscalls() -> dict[str, str]:
-    """{system call: why} for each call a rule of the default seccomp profile refuses whatever its
-    arguments: learning never lets one through, whatever the program does. (A rule with conditions,
-    ``unshare`` of a namespace, ``ioctl(TIOCSTI)``, is kept in every learned profile as it is.)"""
+    """{system call: why} for each call a rule of the default seccomp profile refuses: learning never lets
+    one through, whatever the program does.
+
+    A call the default refuses only with some arguments (``unshare`` or ``clone`` of a namespace,
+    ``ioctl(TIOCSTI)``, ``socket`` of some families) is in it too: learned, it became an unconditional
+    allow in a profile whose default action refuses (``strict``), every namespace and family with it.
+    Under the default profile its refusal is the conditional rule, which every learned profile keeps."""
     from ..kernel.seccomp import oci_profile
 
     refused: dict[str, str] = {}
     for rule in oci_profile("default").get("syscalls", []):
-        if rule.get("action") != "SCMP_ACT_ALLOW" and not rule.get("args"):
+        if rule.get("action") != "SCMP_ACT_ALLOW":
+            why = str(rule.get("comment") or "refused by the default profile")
+            if rule.get("args"):
+                why = (f"{why}; the default filter refuses it with some arguments only, and a learned rule "
+                       "would let every call through")
             for name in rule.get("names", []):
-                refused.setdefault(name, str(rule.get("comment") or "refused by the default profile"))
+                refused.setdefault(name, why)
     return refused
 
 

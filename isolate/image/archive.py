@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import platform
+import stat
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,9 +120,15 @@ class _Source:
                 yield handle
             return
         try:
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # Non-blocking, then checked: a FIFO would hang the load, a device (/dev/zero through a linked
+            # directory) would be read for ever.
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise BadImageError(f"{self.path}: {name}: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadImageError(f"{self.path}: {name} is not a regular file: refused")
+        os.set_blocking(fd, True)
         with os.fdopen(fd, "rb") as handle:
             yield handle
 

@@ -160,6 +160,7 @@ class _Response:
     headers: http.client.HTTPMessage
     body: IO[bytes]
     connection: http.client.HTTPConnection
+    netloc: str = ""  # who answered (after redirects): a challenge counts only from the registry's own host
 
     def read_all(self, limit: int, what: str) -> bytes:
         length = self.headers.get("Content-Length")
@@ -214,7 +215,7 @@ class Client:
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
             raise ConnectionError(f"{parts.scheme}://{parts.netloc}: {exc}") from exc
-        return _Response(response.status, response.headers, response, connection)
+        return _Response(response.status, response.headers, response, connection, parts.netloc)
 
     def get(self, path: str, headers: dict[str, str] | None = None, scope: str = "") -> _Response:
         """GET path of the registry, with its authorization; redirects followed, the credentials only ever
@@ -225,6 +226,13 @@ class Client:
             response = self._follow(url, headers)
             if response.status != 401 or attempt:
                 break
+            own = urllib.parse.urlsplit(url).netloc
+            if response.netloc != own:
+                # A host the registry redirected to asks for credentials: its challenge would name the realm
+                # the registry's credentials go to. Never answered.
+                response.close()
+                raise RegistryError(f"registry {self.registry}: {response.netloc}, where it redirected {path}, "
+                                    "asks for credentials: never sent to another host")
             challenge = response.headers.get("WWW-Authenticate", "")
             response.close()
             self._authenticate(challenge, scope)

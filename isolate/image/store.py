@@ -73,11 +73,13 @@ def default_path() -> str:
 
 
 class _HashingReader(io.RawIOBase):
-    """A blob read through, hashed and counted, to be checked against its digest at the end."""
+    """A blob read through, hashed and counted, to be checked against its digest at the end; past ``limit``
+    bytes refused (the bound on the decompressed stream does not bound the blob: gzip reads any number of
+    zero bytes after its stream as padding, so an endless blob after a small layer was read for ever)."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], limit: int, what: str) -> None:
         super().__init__()
-        self.raw = raw
+        self.raw, self.limit, self.what = raw, limit, what
         self.sha = hashlib.sha256()
         self.count = 0
 
@@ -85,6 +87,8 @@ class _HashingReader(io.RawIOBase):
         data = self.raw.read(len(buffer))
         self.sha.update(data)
         self.count += len(data)
+        if self.count > self.limit:
+            raise BadImageError(f"{self.what}: its blob is past max_image_size ({self.limit} bytes): refused")
         buffer[:len(data)] = data
         return len(data)
 
@@ -224,7 +228,7 @@ class Store:
                 root_fd = os.open(os.path.join(work, "root"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
                 try:
                     with opener() as raw:
-                        reader = _HashingReader(raw)
+                        reader = _HashingReader(raw, self.max_image_size, what)
                         unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size)
                         reader.drain()
                 finally:
@@ -320,6 +324,7 @@ class Store:
                 used_layers.update(digest_hex(d, "layer") for d in record.get("layers", []))
                 used_blobs.update(digest_hex(d, "blob") for d in (record.get("digest"), record.get("config_digest"))
                                   if isinstance(d, str))
+            used_layers |= layers_in_use()
             removed = []
             for name in os.listdir(os.path.join(self.path, "layers")):
                 if _HEX.match(name) and name not in used_layers:
@@ -330,6 +335,35 @@ class Store:
                 if name not in used_blobs:
                     os.unlink(os.path.join(blobs, name))
             return removed
+
+
+#: How a running sandbox's root names a layer in its mount table (backends/native/imageroot.py's staging).
+_MOUNTED_LAYER = re.compile(r"/\.isolate-image/([0-9a-f]{64})/root")
+
+
+def layers_in_use() -> set[str]:
+    """The layers (hex digests) a running sandbox's root stands on, read from the mount table of each mount
+    namespace this caller can see: prune keeps them even once no image names them (``image rm`` then
+    ``prune`` emptied a running sandbox's root under it)."""
+    used: set[str] = set()
+    namespaces: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+        except OSError:
+            namespace = ""  # not ours to name: its mount table may still be readable
+        if namespace in namespaces:
+            continue
+        if namespace:
+            namespaces.add(namespace)
+        try:
+            with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as handle:
+                used.update(_MOUNTED_LAYER.findall(handle.read()))
+        except OSError:
+            continue  # gone, or another user's: not a sandbox of this store
+    return used
 
 
 def check_stack(indexes: list[LayerIndex], what: str) -> None:

@@ -158,6 +158,10 @@ def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None)
         raise
     except tarfile.TarError as exc:
         raise BadImageError(f"{what}: not a valid layer archive ({exc})") from None
+    except (ValueError, OverflowError) as exc:
+        # A number of a header the kernel or tarfile cannot take (an mtime NaN or past time_t, an owner past
+        # 32 bits or negative, a pax sparse map cut short): the archive's, never a traceback.
+        raise BadImageError(f"{what}: not a valid layer archive (a header's value: {exc})") from None
     except (EOFError, gzip.BadGzipFile, OSError) as exc:
         if isinstance(exc, BadImageError):
             raise
@@ -247,6 +251,7 @@ class _Unpacker:
             if "\0" in member.linkname:
                 raise self.refuse(member.name, "is a link with a NUL byte")
         dir_fd, name = self.parent(rel)
+        self.files.discard(rel)
         try:
             self.clear(dir_fd, name, keep_dir=member.isdir())
             mode = member.mode & 0o1777  # set-id bits dropped (see the module's docstring)
@@ -285,6 +290,11 @@ class _Unpacker:
                                       "of this layer")
                 target_fd, target_name = self.parent(target)
                 try:
+                    # The kind of what lies there now, not of what was written there first: a file replaced by
+                    # a link later in the layer made a hard link that is a symbolic link, unseen by the index.
+                    if not stat.S_ISREG(os.stat(target_name, dir_fd=target_fd, follow_symlinks=False).st_mode):
+                        raise self.refuse(member.name, f"is a hard link to {member.linkname!r}, which is no longer "
+                                          "a regular file")
                     os.link(target_name, name, src_dir_fd=target_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
                 finally:
                     os.close(target_fd)

@@ -84,16 +84,34 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
     return found_uid[0], new_gid
 
 
+#: The largest uid or gid a user namespace maps ((uid_t)-1 means "no change" to the kernel).
+_MAX_ID = 2**32 - 2
+
+
+def _id(text: str) -> int | None:
+    """A uid or gid written in ASCII digits within the kernel's range; None otherwise (``str.isdigit`` and
+    ``int`` take other scripts' digits, and a number past 32 bits ends in OverflowError, not a refusal)."""
+    if not text or len(text) > 10 or not text.isascii() or not text.isdigit():
+        return None
+    value = int(text)
+    return value if value <= _MAX_ID else None
+
+
 def _lookup(root: ImageRoot, name: str, table: str) -> tuple[int, int] | None:
-    """(id, primary gid or -1) of a name or number in the image's passwd or group file."""
-    if name.isdigit():
-        return int(name), -1
+    """(id, primary gid or -1) of a name or number in the image's passwd or group file; a number out of
+    the kernel's range is refused (the image's config is the image author's, never trusted)."""
+    if name.isdigit() or (name.isascii() and name[:1].isdigit()):
+        number = _id(name)
+        if number is None:
+            raise PolicyError(f"image {root.image.reference}: its User {root.image.config.user!r} names the id "
+                              f"{name[:40]!r}, not a number from 0 to {_MAX_ID}: refused", "image")
+        return number, -1
     data = view.read_file(root.lowers, table) or b""
     for line in data.decode(errors="replace").splitlines():
         fields = line.split(":")
-        if len(fields) >= 3 and fields[0] == name and fields[2].isdigit():
-            primary = int(fields[3]) if table == "etc/passwd" and len(fields) > 3 and fields[3].isdigit() else -1
-            return int(fields[2]), primary
+        if len(fields) >= 3 and fields[0] == name and (found := _id(fields[2])) is not None:
+            primary = _id(fields[3]) if table == "etc/passwd" and len(fields) > 3 else None
+            return found, -1 if primary is None else primary
     return None
 
 

@@ -164,7 +164,7 @@ def test_a_daemon_made_at_once_is_ended_under_load(route: str) -> None:
     still on its way to the init's exec went to the host's init and outlived the run.  The window is small;
     busy loops made here widen it (it was hit in about one run in ten before the fix, issue 34 item 7)."""
     skip_unless_runnable(["--no-namespaces", "--"])
-    pol = isolate.Policy(namespaces=False, tmpfs=())
+    pol = policy(write=(), namespaces=False, tmpfs=())
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     escaped: list[int] = []
     try:

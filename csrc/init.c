@@ -144,6 +144,11 @@ static void kill_children(void)
         ssize_t n = pread(children_fd, buf, sizeof buf - 1, 0);
         if (n <= 0)
             return;
+        /* A full buffer may end inside a pid: "12345" cut to "12" would
+         * kill some other process.  The rest comes in a later round. */
+        if (n == (ssize_t)sizeof buf - 1)
+            while (n > 0 && buf[n - 1] != ' ' && buf[n - 1] != '\n')
+                n--;
         buf[n] = 0;
         for (char *p = buf; *p;) {
             char *end;

@@ -180,6 +180,10 @@ static int program_steps(const struct iso_plan *plan, struct iso_failure *failur
 static int watched_program(const struct iso_plan *plan, int parent_pid, struct iso_failure *failure)
 {
     int step;
+    /* A subreaper before the program exists: the program's orphans must
+     * come to the init even before it has exec'd (see spawn.c). */
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+        return fail(failure, ISO_STEP_INIT, -1);
     pid_t program = fork();
     if (program < 0)
         return fail(failure, ISO_STEP_FORK, -1);

@@ -182,6 +182,15 @@ static int first_main(void *arg)
     if (plan->egress_fd >= 0 && plan->n_egress_ports > 0 && (step = iso_egress_listen(plan)))
         goto fail;
 
+    /* Without a PID namespace the init sweeps the tree as a subreaper; it
+     * must be one before the program runs.  Set later (by the init itself),
+     * a daemon the program double-forked while this process was still on
+     * its way to the init's exec went to the host's init and outlived the
+     * run (seen under load).  The attribute survives exec. */
+    if (!(plan->clone_flags & CLONE_NEWPID) && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+        step = ISO_STEP_INIT;
+        goto fail;
+    }
     int program = clone(program_main, ctx->program_stack_top, CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD, ctx);
     if (program < 0) {
         step = ISO_STEP_FORK;

@@ -152,3 +152,35 @@ def test_without_namespaces_the_wall_clock_ends_the_tree_and_is_reported(workdir
         "print(r.report.status)\n")], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "timeout", result.stderr
     assert gone_within(marker) == []
+
+
+#: Daemons as early as a program can make them: each double-forked into a session of its own.
+EARLY_DAEMONS = "for i in 1 2 3 4 5; do (setsid /bin/sh -c 'sleep 30; :' \"$0\" &); done"
+
+
+@pytest.mark.parametrize("route", ["spawn", "preexec_fn"])
+def test_a_daemon_made_at_once_is_ended_under_load(route: str) -> None:
+    """The init must be a subreaper before the program runs: a daemon orphaned while the first child was
+    still on its way to the init's exec went to the host's init and outlived the run.  The window is small;
+    busy loops made here widen it (it was hit in about one run in ten before the fix, issue 34 item 7)."""
+    skip_unless_runnable(["--no-namespaces", "--"])
+    pol = policy(write=(), namespaces=False, tmpfs=())
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    escaped: list[int] = []
+    try:
+        deadline = time.monotonic() + 4
+        runs = 0
+        while runs < 40 and time.monotonic() < deadline and not escaped:
+            marker = f"early-daemon-{route}-{time.monotonic_ns()}"
+            argv = ["/bin/sh", "-c", EARLY_DAEMONS, marker]
+            if route == "spawn":
+                isolate.run(argv, policy=pol)
+            else:
+                subprocess.Popen(argv, preexec_fn=pol.preexec_fn).wait()
+            escaped = gone_within(marker, 0)
+            runs += 1
+    finally:
+        for busy in load:
+            busy.kill()
+            busy.wait()
+    assert escaped == [], f"a daemon outlived run {runs}"

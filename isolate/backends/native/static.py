@@ -170,6 +170,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     # program could read the cached CLI plans there, and connect() to a kept sandbox's socket needs no
     # write access to the mount. (A root caller's program is another uid: the directory's mode keeps it out.)
     hidden: list[str] = []
+    store_hidden: list[str] = []  # the image store, reported apart: it is no runtime directory
 
     store = imageroot.store_path()
     store_exists = os.path.isdir(store)
@@ -182,7 +183,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
                 raise PolicyError(f"{field_name}: {path} lies in isolate's image store {store}; grant only the "
                                   "directories the program needs", field_name)
             if store.startswith(real.rstrip("/") + "/"):
-                hidden.append(os.path.normpath(os.path.join(target, os.path.relpath(store, real))))
+                store_hidden.append(os.path.normpath(os.path.join(target, os.path.relpath(store, real))))
         below = grants.runtime_dir_below(real, path, field_name)
         if below is None:
             return
@@ -209,9 +210,11 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     if tmpfs and not use_ns:
         refusals.refuse("tmpfs: a private tmpfs needs namespaces (namespaces=true)")
         tmpfs = []
-    tmpfs += [path for path in hidden if path not in tmpfs]
+    tmpfs += [path for path in (*hidden, *store_hidden) if path not in tmpfs]
     if hidden:
         enforced["runtime_dir_hidden"] = hidden
+    if store_hidden:
+        enforced["image_store_hidden"] = store_hidden
 
     plan = ffi.new("struct iso_plan *")
     keep.append(plan)

@@ -11,11 +11,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import imagekit as kit
 import pytest
 from conftest import ISOLATE_RUN, skip_unless_runnable
 
 import isolate
-from benchmarks import imagekit as kit
 from isolate.image import BadImageError, Image, Reference, Store
 from isolate.oneshot import runs
 

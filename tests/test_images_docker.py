@@ -52,7 +52,7 @@ def test_the_save_stream_is_spooled_loaded_and_removed(tmp_path: Path) -> None:
     """The path from an engine's save stream to the store, with a stand-in engine command (a script that
     answers `image inspect` and writes a docker save archive made here): where no engine runs, this part
     is still checked."""
-    from benchmarks import imagekit as kit
+    import imagekit as kit
 
     archive = tmp_path / "saved.tar"
     kit.docker_archive(str(archive), [kit.layer([{"name": "hello", "data": b"hi\n"}])], tag="standin:1")

@@ -7,11 +7,11 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import imagekit as kit
 import pytest
 from conftest import ISOLATE_RUN, NAMESPACES_WHY
 
 import isolate
-from benchmarks import imagekit as kit
 from isolate.image import Image, Store, leases
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),

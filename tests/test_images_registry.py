@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import imagekit as kit
 import pytest
 
-from benchmarks import imagekit as kit
 from isolate.image import BadImageError, Image, Store
 from isolate.image.archive import host_platform
 from isolate.image.registry import Client, RegistryError, credentials

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import imagekit as kit
 import pytest
 from conftest import ISOLATE_RUN, NAMESPACES_WHY, ROOT
 
 import isolate
-from benchmarks import imagekit as kit
 from isolate.image import Image, Store
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),

@@ -8,11 +8,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import imagekit as kit
 import pytest
 from conftest import NAMESPACES_WHY
 
 import isolate
-from benchmarks import imagekit as kit
 from isolate.image import Image, Store
 from isolate.kernel import overlay
 

@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import imagekit as kit
 import pytest
 from conftest import NAMESPACES_WHY
-
-from benchmarks import imagekit as kit
 
 pytest.importorskip("inspect_ai", reason="inspect_ai is not installed: pip install '.[inspect]'")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import imagekit as kit
 import pytest
 from conftest import NAMESPACES_WHY
-
-from benchmarks import imagekit as kit
 
 pytest.importorskip("mcp", reason="the mcp package is not installed (pip install 'isolate[mcp]')")
 

@@ -16,11 +16,10 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import imagekit as kit
 import pytest
 from conftest import NAMESPACES_WHY
 from test_server import KEY, Server, run_example
-
-from benchmarks import imagekit as kit
 
 REGISTRY = shutil.which("docker-registry")
 SKOPEO = shutil.which("skopeo")

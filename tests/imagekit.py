@@ -1,4 +1,4 @@
-"""Images built with tarfile (layers, OCI layouts, docker save archives), for the images benchmark and the tests."""
+"""Test images built here, with Python's tarfile: layers, OCI layouts and docker save archives."""
 
 from __future__ import annotations
 

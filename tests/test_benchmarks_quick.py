@@ -42,6 +42,9 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
     base = os.fspath(tmp_path)
     shutil.copytree(os.path.join(REPO, "benchmarks"), os.path.join(base, "pkg", "benchmarks"),
                     ignore=shutil.ignore_patterns("results", "__pycache__"))
+    # The images section builds its images with the tests' kit, as it finds it in a checkout.
+    os.mkdir(os.path.join(base, "pkg", "tests"))
+    shutil.copy(os.path.join(REPO, "tests", "imagekit.py"), os.path.join(base, "pkg", "tests"))
     out = os.path.join(base, "out")
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--no-docker", "--rounds", "3", "--out", out],

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -248,32 +247,16 @@ def _pull(tmp: str, tools: list[str], log: Callable[[str], None]) -> dict[str, A
     registry, skopeo = shutil.which("docker-registry"), shutil.which("skopeo")
     if not registry or not skopeo:
         return {"skipped": "docker-registry and skopeo are not installed"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = os.path.join(tmp, "registry.yml")
-    with open(config, "w") as handle:
-        handle.write(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: "
-                     f"{tmp}/registry\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    server = subprocess.Popen([registry, "serve", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    remote = f"127.0.0.1:{port}/bench/busybox:1"
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+    kit = _kit()
+    with kit.loopback_registry(tmp, registry) as address:
+        remote = f"{address}/bench/busybox:1"
         # An image of its own (a layer no store or engine holds yet): every pull fetches all of it.
-        kit = _kit()
         with open("/bin/busybox", "rb") as handle:
             busybox = handle.read()
         layer = kit.layer([{"name": "bin", "type": "dir"}, {"name": "bin/busybox", "data": busybox, "mode": 0o755},
                            {"name": "pull-marker", "data": os.urandom(16).hex().encode()}])
         kit.oci_layout(os.path.join(tmp, "oci-pull"), [layer], ref="pull:1", Env=["PATH=/bin"])
-        subprocess.run([skopeo, "copy", "--quiet", "--dest-tls-verify=false", f"oci:{tmp}/oci-pull:pull:1",
-                        f"docker://{remote}"], check=True, capture_output=True,
-                       env=dict(os.environ, HOME=tmp, REGISTRY_AUTH_FILE=os.path.join(tmp, "auth.json")))
+        kit.push(skopeo, f"{tmp}/oci-pull:pull:1", remote, tmp)
         log("images: pulls from the loopback registry")
         code = ("import resource, sys, time; from isolate.image import Image, Store; t = time.perf_counter(); "
                 f"Image.pull({remote!r}, store=Store(sys.argv[1])); "
@@ -295,9 +278,6 @@ def _pull(tmp: str, tools: list[str], log: Callable[[str], None]) -> dict[str, A
                 out[f"{tool}_s"] = round(time.perf_counter() - started, 3)
                 subprocess.run([tool, "rmi", remote], capture_output=True, timeout=60)
         return out
-    finally:
-        server.kill()
-        server.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
+import socket
+import subprocess
 import tarfile
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from isolate.image.archive import host_platform
@@ -134,3 +139,38 @@ def busybox_layer() -> bytes:
     entries += [{"name": "etc", "type": "dir"}, {"name": "etc/os-release", "data": b"NAME=busybox-scratch\n"},
                 {"name": "tmp", "type": "dir", "mode": 0o1777}]
     return layer(entries)
+
+
+@contextlib.contextmanager
+def loopback_registry(directory: str, registry: str, htpasswd: str | None = None) -> Iterator[str]:
+    """Debian's docker-registry (registry: its path) keeping its data in directory and serving on a free port
+    of 127.0.0.1, with basic auth when htpasswd (a file) is given; its address while it runs."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    auth = f"auth:\n  htpasswd:\n    realm: tests\n    path: {htpasswd}\n" if htpasswd else ""
+    config = os.path.join(directory, "registry.yml")
+    with open(config, "w") as handle:
+        handle.write(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: "
+                     f"{os.path.join(directory, 'data')}\nhttp:\n  addr: 127.0.0.1:{port}\n{auth}")
+    server = subprocess.Popen([registry, "serve", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def push(skopeo: str, layout: str, destination: str, work: str, extra: Sequence[str] = ()) -> None:
+    """skopeo copy of an OCI layout's image (``path:ref``) to ``docker://destination`` over plain HTTP. skopeo
+    keeps nothing of the caller's and reads no auth file of the host's (a root podman's /run/containers is
+    0700: uid 65534's default there is unreadable)."""
+    subprocess.run([skopeo, "copy", "--quiet", *extra, "--dest-tls-verify=false", f"oci:{layout}",
+                    f"docker://{destination}"], check=True, capture_output=True, timeout=60,
+                   env=dict(os.environ, HOME=work, REGISTRY_AUTH_FILE=os.path.join(work, "auth.json")))

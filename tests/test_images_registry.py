@@ -10,10 +10,8 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,44 +27,18 @@ REGISTRY = shutil.which("docker-registry")
 SKOPEO = shutil.which("skopeo")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """docker-registry on 127.0.0.1, with a busybox scratch image and a two-platform index pushed to it."""
     if REGISTRY is None or SKOPEO is None:
         pytest.skip("docker-registry and skopeo are not installed (apt-get install docker-registry skopeo)")
     tmp = tmp_path_factory.mktemp("registry")
-    port = free_port()
-    (tmp / "config.yml").write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
-                                    f"    rootdirectory: {tmp / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    server = subprocess.Popen([REGISTRY, "serve", str(tmp / "config.yml")], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        address = f"127.0.0.1:{port}"
+    with kit.loopback_registry(str(tmp), REGISTRY) as address:
         kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1", Env=["PATH=/bin"])
         _multi_platform(tmp / "multi")
-        # skopeo keeps nothing of the caller's, and reads no auth file of the host's (a root podman's
-        # /run/containers is 0700: uid 65534's default there is unreadable).
-        env = dict(os.environ, HOME=str(tmp), REGISTRY_AUTH_FILE=str(tmp / "auth.json"))
-        for layout, name, extra in (("busybox", "tests/busybox:1", []), ("multi", "tests/multi:1", ["--all"])):
-            subprocess.run([SKOPEO, "copy", "--quiet", *extra, "--dest-tls-verify=false",
-                            f"oci:{tmp / layout}:1", f"docker://{address}/{name}"], check=True, env=env,
-                           capture_output=True, timeout=60)
+        kit.push(SKOPEO, f"{tmp / 'busybox'}:1", f"{address}/tests/busybox:1", str(tmp))
+        kit.push(SKOPEO, f"{tmp / 'multi'}:1", f"{address}/tests/multi:1", str(tmp), ["--all"])
         yield address
-    finally:
-        server.kill()
-        server.wait()
 
 
 def _multi_platform(path: Path) -> None:

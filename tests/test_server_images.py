@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,32 +41,12 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if REGISTRY is None or SKOPEO is None:
         pytest.skip("docker-registry and skopeo are not installed (apt-get install docker-registry skopeo)")
     tmp = tmp_path_factory.mktemp("registry")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     (tmp / "htpasswd").write_text(f"{USER}:{_bcrypt(PASSWORD)}\n")
-    (tmp / "config.yml").write_text(
-        f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {tmp / 'data'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\nauth:\n  htpasswd:\n    realm: tests\n    path: {tmp / 'htpasswd'}\n")
-    server = subprocess.Popen([REGISTRY, "serve", str(tmp / "config.yml")], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        address = f"127.0.0.1:{port}"
+    with kit.loopback_registry(str(tmp), REGISTRY, htpasswd=str(tmp / "htpasswd")) as address:
         kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1", Env=["PATH=/bin"])
-        subprocess.run([SKOPEO, "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"{USER}:{PASSWORD}",
-                        f"oci:{tmp / 'busybox'}:1", f"docker://{address}/tests/busybox:1"], check=True,
-                       env=dict(os.environ, HOME=str(tmp), REGISTRY_AUTH_FILE=str(tmp / "auth.json")),
-                       capture_output=True, timeout=60)
+        kit.push(SKOPEO, f"{tmp / 'busybox'}:1", f"{address}/tests/busybox:1", str(tmp),
+                 ["--dest-creds", f"{USER}:{PASSWORD}"])
         yield address
-    finally:
-        server.kill()
-        server.wait()
 
 
 @pytest.fixture(scope="module")

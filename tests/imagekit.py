@@ -128,8 +128,9 @@ def docker_archive(path: str, layers: list[bytes], tag: str = "saved:1", **image
         add("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": [tag], "Layers": names}]).encode())
 
 
-def busybox_layer() -> bytes:
-    """A scratch image's one layer: busybox-static as /bin/busybox, with links for a few applets."""
+def busybox_layer(extra: Sequence[dict[str, Any]] = ()) -> bytes:
+    """A scratch image's one layer: busybox-static as /bin/busybox, with links for a few applets (and the
+    entries of extra)."""
     with open("/bin/busybox", "rb") as handle:
         data = handle.read()
     entries: list[dict[str, Any]] = [{"name": "bin", "type": "dir"},
@@ -137,7 +138,7 @@ def busybox_layer() -> bytes:
     for applet in ("sh", "cat", "ls", "echo", "id", "true", "env", "pwd", "touch", "rm", "mkdir", "stat", "test"):
         entries.append({"name": f"bin/{applet}", "type": "link", "target": "busybox"})
     entries += [{"name": "etc", "type": "dir"}, {"name": "etc/os-release", "data": b"NAME=busybox-scratch\n"},
-                {"name": "tmp", "type": "dir", "mode": 0o1777}]
+                {"name": "tmp", "type": "dir", "mode": 0o1777}, *extra]
     return layer(entries)
 
 

@@ -32,7 +32,12 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 def _load(store: Store, tmp: Path) -> Image:
-    kit.oci_layout(str(tmp / "leased"), [kit.busybox_layer(), kit.layer([{"name": "marker", "data": b"here\n"}])],
+    # Layers of this test's own (a random entry): prune also keeps a layer any sandbox the caller can see
+    # mounts, and the suite's other sandboxes (the other caller's run beside this one) mount the plain
+    # busybox layer, and the other caller runs this very test beside this one.
+    own = {"name": "etc/leases-test", "data": os.urandom(16).hex().encode()}
+    kit.oci_layout(str(tmp / "leased"), [kit.busybox_layer([own]), kit.layer([{"name": "marker", "data": b"here\n"},
+                                                                               own])],
                    ref="leased:1", Env=["PATH=/bin"])
     return Image.load(tmp / "leased", store=store)
 

@@ -299,7 +299,9 @@ def build_server(policy: Policy | None = None, *, profile: str | None = None,
         if execution is None:
             raise IsolationError(f"no command {execution_id!r} in sandbox {sandbox_id!r}")
         result = await _thread(execution.result)
-        if not execution.running:
+        # Forgotten only once a result said it ended: the command may end between result() and here, and
+        # a "running" answer must leave it there for the next call.
+        if result["status"] != "running":
             entry.executions.pop(execution_id, None)
             await _thread(execution.close)
         return dict(result)

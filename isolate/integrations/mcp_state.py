@@ -235,9 +235,10 @@ class _Execution:
         return not self.done.is_set()
 
     def result(self) -> dict[str, Any]:
+        running = self.running  # read once: the result and the caller's decision to forget it must agree
         if self.error is not None:
             raise self.error
-        if self.running:
+        if running:
             return {"id": self.id, "status": "running", "exit_code": None, "stdout": self.stdout.text(),
                     "stderr": self.stderr.text(), "truncated": self.stdout.truncated or self.stderr.truncated,
                     "duration_seconds": round(time.monotonic() - self.started, 3)}

@@ -649,6 +649,15 @@ SHELL_ATTACKS = (
     "read() { exec 7<&3; command read \"$@\"; }",  # the channel copied to fd 7, held by every later command
     "alias echo=: printf=: read=: unset=: 2>/dev/null; [ -z \"$BASH_VERSION\" ] || set +o posix; true",
     "set -u; IFS=0123456789abcdef; PATH=/nowhere",
+    # Traps: code the shell runs itself, at a moment it does not choose; each copied the channel when it
+    # ran while the shell held it (bash's DEBUG trap before each word of the framing; a signal's trap
+    # whenever a signal came; both shells' ERR trap). The background sender is no job of the shell's: a
+    # terminal's shell would announce its end in a later run's output.
+    "t='if [ -e /proc/$$/fd/3 ]; then exec 7<&3; fi'; trap \"$t\" DEBUG 2>/dev/null; trap \"$t\" ERR 2>/dev/null; true",
+    "trap 'if [ -e /proc/$$/fd/3 ]; then exec 7<&3; fi' WINCH; "
+    "( (i=0; while [ $i -lt 2000 ]; do kill -WINCH $$ || break; i=$((i+1)); done) >/dev/null 2>&1 & )",
+    "set -xv",  # the shell's own tracing printed the marker
+    "command() { return 0; }",  # what runs the command (eval is a special builtin, as unset)
 )
 
 
@@ -673,6 +682,8 @@ def test_no_earlier_command_forges_a_later_runs_status_output_or_channel(source:
                 sh.run(attack, timeout=30)
             assert sh.run("(exit 3)", timeout=30) == ("", 3)
             assert sh.run("f 1; pwd; \\echo \"$KEPT\"", timeout=30) == ("fn1\n/tmp\n1\n", 0)
+            output, status = sh.run("fi", timeout=30)  # a syntax error is the run's status, not the shell's end
+            assert status == 2 and "fi" in output, (output, status)
             output, status = sh.run("{ command echo 'status x 0' >&7; } 2>/dev/null || command echo no-fd7; false",
                                     timeout=30)
             assert (output, status) == ("no-fd7\n", 1)

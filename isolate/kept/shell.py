@@ -28,16 +28,32 @@ from ..backends.native.commands import wait_seconds
 from ..kernel.fdwait import ready
 from ..model.errors import IsolationError
 
-#: What follows each command (the line after it: a command with a syntax error still gets its status). It
-#: calls only what an earlier command cannot redefine: ``unset`` is a POSIX special builtin, which no
-#: function can shadow in dash, busybox ash or bash in POSIX mode (``POSIXLY_CORRECT`` set, an assignment,
-#: turns bash's on whatever ``set +o posix`` did), and it removes functions named ``echo``, ``printf`` or
-#: ``read`` before they are called; every name is quoted (a backslash), which no alias matches. The status
-#: is taken first, by an assignment, before anything else runs.
-_TRAILER = ("__isolate_s=$?; POSIXLY_CORRECT=y; \\unset -f echo printf read; "
+#: Every signal a trap can be set on (KILL and STOP take none): a trap a command set is reset after its run.
+_SIGNALS = " ".join(str(n) for n in range(1, 65) if n not in (9, 19))
+
+#: What runs the command, on one line with it. Before the command, ``command`` loses any function of that
+#: name (``unset`` is a POSIX special builtin, which no function can shadow in dash, busybox ash or bash in
+#: POSIX mode: ``POSIXLY_CORRECT`` set, an assignment, turns bash's on whatever ``set +o posix`` did). The
+#: command is a quoted string for ``command eval``: a syntax error is its status (2), not the end of the
+#: shell, and no text of it can close the framing. After it, still with the channel (descriptor 3) closed,
+#: the status is taken by an assignment and every trap the command set is reset, so no trap (a signal's, or
+#: bash's ``DEBUG``/``RETURN``/``ERR``) runs while the shell holds the channel; printing options (``-x``,
+#: ``-v``) end too, as they would print the marker.
+_PREFIX = "{{ POSIXLY_CORRECT=y; \\unset -f command; {{ \\command eval {command}; }}{redirect}; __isolate_s=$?; " \
+          "\\set +vx; \\trap - {traps}; }} 3>&-"
+
+#: What follows, on its own line: it calls only what no earlier command can redefine (``echo``, ``printf``
+#: and ``read`` lose their functions first; every name is quoted with a backslash, which no alias matches).
+_TRAILER = ("\\unset -f echo printf read; "
             "\\echo 'marker {seq}' >&3; IFS= \\read -r __isolate_m <&3; "
             "\\printf '\\n%s\\n' \"$__isolate_m\"; \\echo \"status $__isolate_m $__isolate_s\" >&3; "
             "\\unset __isolate_m __isolate_s")
+
+
+def _quoted(text: str) -> str:
+    """``text`` as one single-quoted shell word (the same in every POSIX shell)."""
+    return "'" + text.replace("'", "'\\''") + "'"
+
 
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
 OUTPUT_LIMIT = 16 << 20
@@ -68,6 +84,11 @@ class Shell:
         self._requests = bytearray()
         self._seq = 0
         self._unsynced = False
+        self._traps = _SIGNALS
+        # The trap names besides signals that this shell has (asked before any command of the caller ran).
+        probe, _ = self.run("\\trap - ERR 2>/dev/null && \\echo ERR; \\echo \"${BASH_VERSION:+DEBUG RETURN}\"",
+                            timeout=30)
+        self._traps = " ".join([_SIGNALS, *probe.split()])
 
     @property
     def alive(self) -> bool:
@@ -93,8 +114,8 @@ class Shell:
         redirect = "" if self.pty else " 2>&1"
         # The status is read before anything else runs, the marker asked for by number, printed after a
         # line break (the command's output need not end with one), and unset at once.
-        self._process.write(
-            f"{{ {command}\n}} 3>&-{redirect}\n{_TRAILER.format(seq=seq)}\n")
+        self._process.write(_PREFIX.format(command=_quoted(command), redirect=redirect, traps=self._traps) + "\n"
+                            + _TRAILER.format(seq=seq) + "\n")
         deadline = None if timeout is None else time.monotonic() + timeout
         # The command's output may be a flood: it is kept in a bytearray (appending is not a copy),
         # only its tail is kept, and only what is new is searched for the marker (a search from

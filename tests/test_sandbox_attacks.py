@@ -703,6 +703,7 @@ while time.monotonic() < end:
         maps, mem = open(f"/proc/{driver}/maps"), open(f"/proc/{driver}/mem", "rb", buffering=0)
     except PermissionError:
         print("denied", file=sys.stderr, flush=True)  # the driver is non-dumpable: nothing of it to read
+        open("/tmp/forger-tried", "w").close()
         break
     with maps, mem:
         for line in maps.read().splitlines():
@@ -722,6 +723,7 @@ while time.monotonic() < end:
                 body = fake % number
                 os.write(1, b"%s %d end %d\n%s" % (boundary, number, len(body), body))
         print("forged", len(found), file=sys.stderr, flush=True)
+        open("/tmp/forger-tried", "w").close()
         time.sleep(0.5)
     time.sleep(0.05)
 """
@@ -735,7 +737,10 @@ def test_no_process_can_fake_an_interpreters_result(source: str) -> None:
     with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
         py = box.python()
         assert py.run(f"import subprocess, sys\nforger = subprocess.Popen([sys.executable, '-c', {FORGER!r}])").ok
-        result = py.run("import time\ntime.sleep(3)\n'real'", timeout=60)
+        # The run lasts until the forger has tried (a Python that starts late on a loaded machine did not
+        # within a fixed 3 s), and a moment more.
+        result = py.run("import os, time\nwhile not os.path.exists('/tmp/forger-tried'):\n    time.sleep(0.05)\n"
+                        "time.sleep(1)\n'real'", timeout=60)
         assert result.value == "'real'" and result.error is None, result
         # The driver is non-dumpable now, so its memory is out of reach; where it was read (a Python whose
         # prctl did not hold), the forged chunks came as output, nothing more.
@@ -780,7 +785,10 @@ def test_a_forked_child_of_the_code_cannot_answer_for_a_later_run(source: str) -
     with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
         py = box.python()
         assert py.run(FORK_FORGER).error is None
-        result = py.run("import time\ntime.sleep(3)\n'real'", timeout=60)
+        # The run lasts until the forger has tried (a Python that starts late on a loaded machine did not
+        # within a fixed 3 s), and a moment more.
+        result = py.run("import os, time\nwhile not os.path.exists('/tmp/forger-tried'):\n    time.sleep(0.05)\n"
+                        "time.sleep(1)\n'real'", timeout=60)
         assert result.value == "'real'" and result.error is None, result
         assert py.run("1 + 1").value == "2"
 

@@ -269,6 +269,11 @@ def summary(results: dict[str, Any]) -> list[str]:
                      "MemAvailable")
         lines.append(f"kept: {kept_figures['many']['n']} sandboxes at once: "
                      f"{'ok' if kept_figures['many']['ok'] else 'FAILED'}")
+    shell_figures = kept_figures.get("shell", {})
+    if "goal" in shell_figures:
+        met = "met" if shell_figures["goal"]["met"] else "NOT met"
+        lines.append(f"goal: shell.run('true') <= {shell_figures['goal']['limit_ms']} ms (pipes, median): "
+                     f"{shell_figures['pipe']['median_ms']} ms ({met})")
     sandboxed = results.get("egress", {}).get("sandboxed")
     if sandboxed:
         lines.append(f"goal: egress adds < 1 ms per connection: {sandboxed['added_ms']:.3f} ms "

@@ -105,6 +105,10 @@ def many(n: int, log: Callable[[str], None]) -> dict[str, Any]:
     return {"n": n, "ok": ok, "open_seconds": round(opened, 2), "total_seconds": round(total, 2)}
 
 
+#: Issue 34: a kept shell's run of ``true`` (pipes) as cheap as before its framing was out of band (57 µs).
+SHELL_GOAL_MS = 0.06
+
+
 def shell(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     import isolate
 
@@ -121,6 +125,7 @@ def shell(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
                     raise RuntimeError("shell.run('true') did not report 0")
                 runs.append(time.perf_counter() - started)
             out["pty" if pty else "pipe"] = summary_ms(runs)
+    out["goal"] = {"limit_ms": SHELL_GOAL_MS, "met": out["pipe"]["median_ms"] <= SHELL_GOAL_MS}
     log(f"kept: shell.run('true') {out['pipe']['median_ms']} ms (pipes), {out['pty']['median_ms']} ms (terminal)")
     return out
 

@@ -3,21 +3,24 @@
 The framing is out of band. The shell gets, as its descriptor 3, one end of a socket pair that only it
 and this driver hold: each command line runs with descriptor 3 closed (``3>&-``), so neither the
 command nor anything it leaves in the background has it, a socket cannot be reopened through
-``/proc/PID/fd``, and the default seccomp filter refuses ``pidfd_getfd``. After the command the shell
-asks on that socket for the run's marker, a random value the driver sends there and nowhere else,
-prints it on the output (where the command's output ends) and reports the exit status on the socket
-with it. No output of any process can end, truncate or fake a run: it would need the marker, which
-exists only in the socket, the driver and, for the instant between reading and printing it, the
-shell's memory. A run that times out is interrupted (SIGINT to what the shell runs, not the shell);
-an interactive shell then drops the rest of its input, so the next run first synchronises on a run
-of its own; the requests carry the run's number, and one of an earlier run gets a value that ends
-nothing.
+``/proc/PID/fd``, and the default seccomp filter refuses ``pidfd_getfd``. Before the command, the driver
+puts the run's marker (a random value, sent there and nowhere else) on that socket, where it waits
+unread; after the command the shell reads it, prints it on the output (where the command's output
+ends) and reports the exit status on the socket with it and the run's number. No output of any process
+can end, truncate or fake a run: it would need the marker, which exists only in the socket, the driver
+and, from the moment the command has ended, the shell's memory. A run that times out is interrupted
+(SIGINT to what the shell runs, not the shell); an interactive shell then drops the rest of its input,
+maybe after its framing read the marker, maybe before: the driver keeps the markers that may still wait
+unread, in order, and the next run first synchronises on a run of its own with a fresh marker behind
+them. The socket keeps the order, so a framing always reads the oldest marker left: the report names
+it, and the ones before it are gone.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import select
 import signal
 import socket
 import termios
@@ -25,7 +28,6 @@ import time
 from typing import Any
 
 from ..backends.native.commands import wait_seconds
-from ..kernel.fdwait import ready
 from ..model.errors import IsolationError
 
 #: Every signal a trap can be set on (KILL and STOP take none): a trap a command set is reset after its run.
@@ -44,9 +46,8 @@ _PREFIX = "{{ POSIXLY_CORRECT=y; \\unset -f command; {{ \\command eval {command}
 
 #: What follows, on its own line: it calls only what no earlier command can redefine (``echo``, ``printf``
 #: and ``read`` lose their functions first; every name is quoted with a backslash, which no alias matches).
-_TRAILER = ("\\unset -f echo printf read; "
-            "\\echo 'marker {seq}' >&3; IFS= \\read -r __isolate_m <&3; "
-            "\\printf '\\n%s\\n' \"$__isolate_m\"; \\echo \"status $__isolate_m $__isolate_s\" >&3; "
+_TRAILER = ("\\unset -f echo printf read; IFS= \\read -r __isolate_m <&3; "
+            "\\echo \"$__isolate_m {seq} $__isolate_s\" >&3; \\printf '\\n%s\\n' \"$__isolate_m\"; "
             "\\unset __isolate_m __isolate_s")
 
 
@@ -80,8 +81,16 @@ class Shell:
             attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
             attrs[1] &= ~termios.ONLCR
             termios.tcsetattr(self._process.master_fd, termios.TCSANOW, attrs)
+        os.set_blocking(self._process.stdout_fd, False)  # the host's end: read what is there, or wait
+        # poll, not select: a host with many shells holds descriptors past FD_SETSIZE.
+        self._poll_output = select.poll()
+        self._poll_output.register(self._process.stdout_fd, select.POLLIN)
+        self._poll_both = select.poll()
+        self._poll_both.register(self._process.stdout_fd, select.POLLIN)
+        self._poll_both.register(ours.fileno(), select.POLLIN)
         self._buffer = bytearray()
-        self._requests = bytearray()
+        self._reports = bytearray()
+        self._waiting: list[bytes] = []  # markers sent that no report has named yet, oldest first
         self._seq = 0
         self._unsynced = False
         self._traps = _SIGNALS
@@ -100,95 +109,109 @@ class Shell:
     def run(self, command: str, timeout: float | None = 60.0) -> tuple[str, int]:
         """Run one command line; returns its output (stdout and stderr, as printed) and exit status."""
         timeout = wait_seconds(timeout, "timeout")
-        if not self.alive:
-            raise IsolationError(f"shell {self.name!r} has ended")
         if self._unsynced:
-            self._exchange(":", 10.0)  # what an interrupted run left goes with it
+            self._exchange(":", 10.0, fresh=True)  # what an interrupted run left goes with it
             self._unsynced = False
         return self._exchange(command, timeout)
 
-    def _exchange(self, command: str, timeout: float | None) -> tuple[str, int]:
+    def _exchange(self, command: str, timeout: float | None, fresh: bool = False) -> tuple[str, int]:
         self._seq += 1
         seq = self._seq
-        marker = secrets.token_hex(16).encode()
         redirect = "" if self.pty else " 2>&1"
-        # The status is read before anything else runs, the marker asked for by number, printed after a
-        # line break (the command's output need not end with one), and unset at once.
-        self._process.write(_PREFIX.format(command=_quoted(command), redirect=redirect, traps=self._traps) + "\n"
-                            + _TRAILER.format(seq=seq) + "\n")
+        try:
+            if fresh or not self._waiting:
+                # The run's marker waits on the socket before the command is sent: the framing reads it
+                # without a round trip. After an interrupted run, a fresh one goes behind what may be left.
+                # 96 bits in 16 characters (the shell's read takes it a byte at a time): no run lasts long enough to
+                # guess them, and one guess is all a run gets.
+                marker = secrets.token_urlsafe(12).encode()
+                self._channel.sendall(marker + b"\n")
+                self._waiting.append(marker)
+            self._process.write(_PREFIX.format(command=_quoted(command), redirect=redirect, traps=self._traps)
+                                + "\n" + _TRAILER.format(seq=seq) + "\n")
+        except OSError:
+            raise IsolationError(f"shell {self.name!r} has ended") from None
         deadline = None if timeout is None else time.monotonic() + timeout
         # The command's output may be a flood: it is kept in a bytearray (appending is not a copy),
         # only its tail is kept, and only what is new is searched for the marker (a search from
         # the start each time would make a flood cost the host quadratic time).
         start = 0
         at = -1
-        status: int | None = None
+        reported: tuple[bytes, int] | None = None
+        stdout = self._process.stdout_fd
         while True:
-            if at < 0:
-                at = self._buffer.find(marker, start)
-                start = at if at >= 0 else max(0, len(self._buffer) - len(marker))
-            if at >= 0:
-                if status is None:
-                    status = self._answer(seq, marker)  # the shell reports right after printing the marker
-                if status is not None:
-                    break
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                self.interrupt()
-                self._unsynced = True
-                self._buffer = bytearray()
-                raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s "
-                                   "(it was interrupted)")
-            # Past the marker only the channel matters: what comes on the output after it is the next run's.
-            watched = [self._channel.fileno()] + ([self._process.stdout_fd] if at < 0 else [])
-            readable = ready(watched, timeout=wait)
-            if self._channel.fileno() in readable and at < 0 and status is None:
-                status = self._answer(seq, marker)  # a request for the marker, or already the status
-            if self._process.stdout_fd in readable:
+            # Until the report, the channel and the output; after it, the output alone, where the marker
+            # is printed right after the report (usually there already: read without a wait).
+            if reported is None or at < 0:
                 try:
-                    chunk = os.read(self._process.stdout_fd, 65536)
+                    chunk = os.read(stdout, 65536)
+                except BlockingIOError:
+                    chunk = None
                 except OSError:
                     chunk = b""
-                if not chunk:
-                    raise IsolationError(f"shell {self.name!r} ended")
-                self._buffer += chunk
-                excess = len(self._buffer) - OUTPUT_LIMIT
-                if excess > 0:
-                    del self._buffer[:excess]
-                    start = max(0, start - excess)
+                if chunk is not None:
+                    if not chunk:
+                        raise IsolationError(f"shell {self.name!r} ended")
+                    self._buffer += chunk
+                    excess = len(self._buffer) - OUTPUT_LIMIT
+                    if excess > 0:
+                        del self._buffer[:excess]
+                        start = max(0, start - excess)
+            if reported is None:
+                reported = self._report(seq)
+            if reported is not None:
+                marker = reported[0]
+                at = self._buffer.find(marker, start)
+                if at >= 0:
+                    break
+                start = max(0, len(self._buffer) - len(marker))
+            millis = -1
+            if deadline is not None:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    self.interrupt()
+                    self._unsynced = True
+                    self._buffer = bytearray()
+                    raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} "
+                                       "s (it was interrupted)")
+                millis = int(wait * 1000 + 0.999)
+            (self._poll_output if reported is not None else self._poll_both).poll(millis)
+        assert reported is not None
         output = bytes(self._buffer[:at]).removesuffix(b"\n")  # the marker's own line break
-        del self._buffer[:at + len(marker) + 1]
-        return output.decode(errors="replace"), status
+        del self._buffer[:at + len(reported[0]) + 1]
+        return output.decode(errors="replace"), reported[1]
 
-    def _answer(self, seq: int, marker: bytes) -> int | None:
-        """Serve the shell's requests on the channel: a marker for this run's number (a value that ends
-        nothing for an earlier, interrupted one); this run's status once it has come, else None."""
+    def _report(self, seq: int) -> tuple[bytes, int] | None:
+        """Read the shell's reports on the channel: (marker, status) once this run's has come, else None.
+
+        A report names the marker its framing read and the run it belongs to; the markers sent before
+        that one were read by earlier framings (the socket keeps the order), so they are forgotten. A
+        report of an earlier, interrupted run forgets its marker and ends nothing."""
         try:
             data = self._channel.recv(4096, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            data = b"-"
+            return None
         except OSError:
             data = b""
         if not data:
             raise IsolationError(f"shell {self.name!r} ended")
-        if data != b"-":
-            self._requests += data
-        status = None
-        while b"\n" in self._requests:
-            line, _, rest = bytes(self._requests).partition(b"\n")
-            self._requests = bytearray(rest)
+        self._reports += data
+        found = None
+        while b"\n" in self._reports:
+            line, _, rest = bytes(self._reports).partition(b"\n")
+            self._reports = bytearray(rest)
             words = line.split()
-            if len(words) == 2 and words[0] == b"marker":
-                answer = marker if words[1] == str(seq).encode() else secrets.token_hex(16).encode()
-                self._channel.sendall(answer + b"\n")
-            elif len(words) == 3 and words[0] == b"status" and words[1] == marker:
+            if len(words) != 3 or words[0] not in self._waiting:
+                continue  # only the shell writes here: nothing else can name a marker
+            del self._waiting[:self._waiting.index(words[0]) + 1]
+            if words[1] == str(seq).encode() and found is None:
                 try:
-                    status = int(words[2])
+                    found = (words[0], int(words[2]))
                 except ValueError:
-                    status = -1
-        if len(self._requests) > 4096:  # only the shell writes here; a line this long is not one of its
+                    found = (words[0], -1)
+        if len(self._reports) > 4096:  # only the shell writes here; a line this long is not one of its
             raise IsolationError(f"shell {self.name!r}: its status channel carried garbage")
-        return status
+        return found
 
     def interrupt(self) -> None:
         """SIGINT to what the shell is running (not the shell itself)."""

@@ -244,15 +244,17 @@ class Image:
 
     @classmethod
     def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False,
-             progress: TextIO | None = None, login: tuple[str, str] | None = None) -> Image:
+             progress: TextIO | None = None, login: tuple[str, str] | None = None,
+             cert_dir: str | None = None) -> Image:
         """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py);
         ``progress``: where a line of figures goes at the end; ``login``: (user, secret) for the registry
-        instead of those of the Docker/containers auth files."""
+        instead of those of the Docker/containers auth files; ``cert_dir``: a directory of the registry's CAs
+        (``*.crt``) and client certificate, instead of its certs.d directory's."""
         from .registry import resolve
 
         store = store or Store()
         started = time.monotonic()
-        found, source = resolve(reference, insecure=insecure, login=login)
+        found, source = resolve(reference, insecure=insecure, login=login, cert_dir=cert_dir)
         image = cls._add(store, found, source, found.reference, f"image {found.reference}")
         if progress is not None:
             seconds = time.monotonic() - started

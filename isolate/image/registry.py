@@ -426,7 +426,9 @@ class _RegistrySource:
 
     def __init__(self, client: Client, repository: str) -> None:
         self.client, self.repository = client, repository
-        self.fetched = 0
+        self.fetched = 0  # bytes of layers read so far
+        self.done = 0  # layers read to their end
+        self.sizes: dict[str, int] = {}  # each layer's size, as its manifest gives it (for a progress bar)
         self._count = threading.Lock()
 
     @contextmanager
@@ -436,6 +438,8 @@ class _RegistrySource:
             yield _Counted(response.body, self)
         finally:
             response.close()
+        with self._count:
+            self.done += 1
 
     def blob(self, digest: str) -> _Response:
         try:
@@ -530,6 +534,9 @@ def resolve(reference: str, *, insecure: bool = False, login: tuple[str, str] | 
         if not isinstance(layer, dict) or not isinstance(layer.get("digest"), str):
             raise BadImageError(f"image {ref}: a layer with no digest")
         found_layers.append((layer["digest"], layer["digest"]))
+        size = layer.get("size")
+        if isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 1 << 50:
+            source.sizes[layer["digest"]] = size
     return Found(str(ref), data, digest, config_data, config["digest"], found_layers), source
 
 

@@ -159,7 +159,20 @@ def tls_files(directory: str) -> dict[str, str]:
              "-CA", files["ca.crt"], "-CAkey", files["ca.key"], "-addext", "subjectAltName=IP:127.0.0.1",
              "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
              "-addext", "extendedKeyUsage=serverAuth")
-    return {"ca": files["ca.crt"], "cert": files["server.crt"], "key": files["server.key"]}
+    return {"ca": files["ca.crt"], "cert": files["server.crt"], "key": files["server.key"], "ca_key": files["ca.key"]}
+
+
+def client_certificate(files: dict[str, str], directory: str) -> None:
+    """A client certificate the CA of files (tls_files) signed, as NAME.cert and NAME.key in directory (the
+    certs.d layout docker and podman read), with the CA beside it as ca.crt."""
+    os.makedirs(directory, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", os.path.join(directory, "client.key"), "-out", os.path.join(directory, "client.cert"),
+             "-subj", "/CN=isolate test client", "-CA", files["ca"], "-CAkey", files["ca_key"],
+             "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
+             "-addext", "extendedKeyUsage=clientAuth")
+    with open(files["ca"], "rb") as source, open(os.path.join(directory, "ca.crt"), "wb") as target:
+        target.write(source.read())
 
 
 class TokenSigner:
@@ -192,7 +205,8 @@ class TokenSigner:
 def loopback_registry(directory: str, registry: str, htpasswd: str | None = None,
                       tls: dict[str, str] | None = None, token: dict[str, str] | None = None) -> Iterator[str]:
     """Debian's docker-registry (registry: its path) keeping its data in directory and serving on a free port
-    of 127.0.0.1, with basic auth when htpasswd (a file) is given, HTTPS when tls ({"cert", "key"}: files), and
+    of 127.0.0.1, with basic auth when htpasswd (a file) is given, HTTPS when tls ({"cert", "key"}: files; a
+    client certificate its "ca" signed asked for when tls["clients"] is set), and
     bearer tokens when token ({"realm", "service", "issuer", "rootcertbundle"}); its address while it runs."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -201,6 +215,8 @@ def loopback_registry(directory: str, registry: str, htpasswd: str | None = None
     if token:
         auth = "auth:\n  token:\n" + "".join(f"    {key}: {value}\n" for key, value in token.items())
     https = f"  tls:\n    certificate: {tls['cert']}\n    key: {tls['key']}\n" if tls else ""
+    if tls and tls.get("clients"):
+        https += f"    clientcas:\n      - {tls['ca']}\n"
     config = os.path.join(directory, "registry.yml")
     with open(config, "w") as handle:
         handle.write(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: "

@@ -126,6 +126,37 @@ def test_a_certificate_for_another_name_is_refused_even_with_its_ca(tls_registry
         Image.pull(f"{other}/tests/busybox:1", store=Store(tmp_path / "store"), cert_dir=str(certs))
 
 
+@pytest.fixture(scope="module")
+def mtls_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """docker-registry over HTTPS that asks for a client certificate of its CA; and a certs.d directory with
+    one (and the CA)."""
+    _tools()
+    assert REGISTRY is not None and SKOPEO is not None
+    tmp = tmp_path_factory.mktemp("mtls")
+    files = kit.tls_files(str(tmp))
+    kit.client_certificate(files, str(tmp / "certs"))
+    with kit.loopback_registry(str(tmp), REGISTRY, tls={**files, "clients": "yes"}) as address:
+        kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1")
+        kit.push(SKOPEO, f"{tmp / 'busybox'}:1", f"{address}/tests/busybox:1", str(tmp),
+                 ["--dest-cert-dir", str(tmp / "certs")])
+        yield address, files, tmp / "certs"
+
+
+def test_a_client_certificate_of_the_certs_d_directory_is_presented(
+        mtls_registry: tuple[str, dict[str, str], Path], tmp_path: Path) -> None:
+    address, files, certs = mtls_registry
+    only_ca = _ca_in(tmp_path / "home/.config/containers/certs.d" / address, files["ca"])
+    with pytest.raises(RegistryError, match=f"registry {re.escape(address)}: https://{re.escape(address)}: TLS: "
+                                            ".*CERTIFICATE.*: it refused this client's certificate, or wants one"):
+        Image.pull(f"{address}/tests/busybox:1", store=Store(tmp_path / "store"))
+    shutil.copy(certs / "client.cert", only_ca / "client.cert")
+    with pytest.raises(RegistryError, match=f"the client certificate {re.escape(str(only_ca))}/client.cert has no "
+                                            "key"):
+        Image.pull(f"{address}/tests/busybox:1", store=Store(tmp_path / "store"))
+    shutil.copy(certs / "client.key", only_ca / "client.key")
+    Image.pull(f"{address}/tests/busybox:1", store=Store(tmp_path / "store"))
+
+
 # -- bearer tokens -------------------------------------------------------------------------------------------------
 
 

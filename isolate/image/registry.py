@@ -304,7 +304,12 @@ class Client:
         except ssl.SSLError as exc:
             connection.close()
             kind = ConnectionError if exc.reason in _NOT_TLS or isinstance(exc, ssl.SSLEOFError) else _TLSFailed
-            raise kind(f"{parts.scheme}://{parts.netloc}: TLS: {exc.reason or exc}") from exc
+            problem = str(exc.reason or exc)
+            if "ALERT" in problem and "CERTIFICATE" in problem:
+                # The server's alert: it wants a client certificate, or refused the one it was given.
+                problem = (f"{problem}: it refused this client's certificate, or wants one (NAME.cert and NAME.key "
+                           f"beside the CA: --cert-dir, or the registry's certs.d directory)")
+            raise kind(f"{parts.scheme}://{parts.netloc}: TLS: {problem}") from exc
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
             raise ConnectionError(f"{parts.scheme}://{parts.netloc}: {exc}") from exc

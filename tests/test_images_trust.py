@@ -261,6 +261,21 @@ def test_without_credentials_the_pull_is_refused_clearly(token_registry: tuple[s
     assert Image.list(store) == []
 
 
+def test_the_cli_pulls_with_a_docker_login_and_says_why_not_without(token_registry: tuple[str, Any],
+                                                                     tmp_path: Path) -> None:
+    from conftest import ISOLATE_RUN
+
+    address, _ = token_registry
+    command = [ISOLATE_RUN, "image", "--image-store", str(tmp_path / "store"), "pull", f"{address}/tests/busybox:1"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 125 and refused.stderr.splitlines() == [
+        f"isolate-run image: registry {address}: unauthorized for /v2/tests/busybox/manifests/1 (credentials from "
+        "docker/podman login, e.g. ~/.docker/config.json)"], refused.stderr
+    _docker_login(tmp_path / "home", address, "alice", "s3cret")
+    pulled = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert pulled.returncode == 0 and pulled.stdout.startswith(f"pulled {address}/tests/busybox:1"), pulled.stderr
+
+
 def test_wrong_credentials_are_refused_by_the_token_service(token_registry: tuple[str, Any], tmp_path: Path) -> None:
     address, _ = token_registry
     _docker_login(tmp_path / "home", address, "alice", "wrong")

@@ -291,3 +291,26 @@ def test_a_token_gives_only_its_scope(token_registry: tuple[str, Any], tmp_path:
         Image.pull(f"{address}/tests/secret:1", store=Store(tmp_path / "store"))
     _docker_login(tmp_path / "home", address, "admin", "adm1n")
     Image.pull(f"{address}/tests/secret:1", store=Store(tmp_path / "store"))
+
+
+def test_a_fifo_in_a_certs_d_directory_or_for_an_auth_file_never_hangs_a_pull(
+        tls_registry: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    # The home may be one a sandbox could write: a FIFO planted there is refused by name (a CA), or not read
+    # (an auth file), where opening it would have waited for a writer for ever.
+    address, files = tls_registry
+    certs = _ca_in(tmp_path / "home/.config/containers/certs.d" / address, files["ca"])
+    (tmp_path / "home/.docker").mkdir()
+    os.mkfifo(tmp_path / "home/.docker/config.json")
+    assert registry_mod.credentials(address) is None
+    os.mkfifo(certs / "planted.crt")
+    with pytest.raises(RegistryError, match=f"{re.escape(str(certs))}/planted.crt: not a certificate or key it can "
+                                            r"use \(not a regular file\)"):
+        Image.pull(f"{address}/tests/busybox:1", store=Store(tmp_path / "store"))
+    os.unlink(certs / "planted.crt")
+    shutil.copy(files["cert"], certs / "client.cert")
+    os.mkfifo(certs / "client.key")
+    with pytest.raises(RegistryError, match=r"client\.key: not a certificate or key it can use \(not a regular file\)"):
+        Image.pull(f"{address}/tests/busybox:1", store=Store(tmp_path / "store"))
+    for name in ("client.cert", "client.key"):
+        os.unlink(certs / name)
+    Image.pull(f"{address}/tests/busybox:1", store=Store(tmp_path / "store"))

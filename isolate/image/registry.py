@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import ssl
+import stat
 import subprocess
 import threading
 import urllib.parse
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..model.errors import IsolationError
+from ..model.files import read_input_file
 from .archive import INDEX_TYPES, Found, choose_manifest, parse_json
 from .reference import DEFAULT_REGISTRY, Reference
 from .store import MAX_METADATA_SIZE, verify
@@ -125,8 +127,9 @@ def credentials(registry: str) -> tuple[str, str] | None:
     """(user, secret) for registry, as docker and podman find them; None: anonymous."""
     for path in _auth_files():
         try:
-            with open(path, encoding="utf-8") as handle:
-                config = json.load(handle)
+            # Non-blocking, a regular file only, bounded: a FIFO planted in a home a sandbox could write never
+            # hangs a pull.
+            config = json.loads(read_input_file(path))
         except (OSError, ValueError):
             continue
         if not isinstance(config, dict):
@@ -197,16 +200,32 @@ def tls_context(host: str, cert_dir: str | None = None) -> tuple[ssl.SSLContext,
         path = os.path.join(directory, name)
         try:
             if name.endswith(".crt"):
-                context.load_verify_locations(cafile=path)
+                data = read_input_file(path)
+                context.load_verify_locations(cadata=data.decode("ascii") if data.lstrip().startswith(b"-----")
+                                              else data)
             elif name.endswith(".cert"):
                 key = path[:-len(".cert")] + ".key"
-                if not os.path.exists(key):
+                if not os.path.lexists(key):
                     raise RegistryError(f"registry {host}: the client certificate {path} has no key {key}")
-                context.load_cert_chain(path, key)
-        except (ssl.SSLError, OSError) as exc:
-            raise RegistryError(f"registry {host}: {path}: not a certificate it can use "
-                                f"({getattr(exc, 'reason', None) or exc.strerror or exc})") from None
+                with _regular(path) as cert_fd, _regular(key) as key_fd:
+                    context.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            problem = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+            named = getattr(exc, "filename", None) or path
+            raise RegistryError(f"registry {host}: {named}: not a certificate or key it can use ({problem})") from None
     return context, directory
+
+
+@contextmanager
+def _regular(path: str) -> Iterator[int]:
+    """A descriptor of the regular file at path, opened without blocking (a FIFO never hangs the pull)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file", path)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 class _TLSFailed(ConnectionError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import hashlib
@@ -142,18 +143,84 @@ def busybox_layer(extra: Sequence[dict[str, Any]] = ()) -> bytes:
     return layer(entries)
 
 
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+def tls_files(directory: str) -> dict[str, str]:
+    """A throwaway CA and a server certificate of 127.0.0.1 it signed (EC P-256, two days), made with openssl
+    in directory: their paths ({"ca", "cert", "key"})."""
+    files = {name: os.path.join(directory, name) for name in ("ca.crt", "ca.key", "server.crt", "server.key")}
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", files["ca.key"], "-out", files["ca.crt"], "-subj", "/CN=isolate test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", files["server.key"], "-out", files["server.crt"], "-subj", "/CN=127.0.0.1",
+             "-CA", files["ca.crt"], "-CAkey", files["ca.key"], "-addext", "subjectAltName=IP:127.0.0.1",
+             "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
+             "-addext", "extendedKeyUsage=serverAuth")
+    return {"ca": files["ca.crt"], "cert": files["server.crt"], "key": files["server.key"], "ca_key": files["ca.key"]}
+
+
+def client_certificate(files: dict[str, str], directory: str) -> None:
+    """A client certificate the CA of files (tls_files) signed, as NAME.cert and NAME.key in directory (the
+    certs.d layout docker and podman read), with the CA beside it as ca.crt."""
+    os.makedirs(directory, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", os.path.join(directory, "client.key"), "-out", os.path.join(directory, "client.cert"),
+             "-subj", "/CN=isolate test client", "-CA", files["ca"], "-CAkey", files["ca_key"],
+             "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
+             "-addext", "extendedKeyUsage=clientAuth")
+    with open(files["ca"], "rb") as source, open(os.path.join(directory, "ca.crt"), "wb") as target:
+        target.write(source.read())
+
+
+class TokenSigner:
+    """A token service's key (RSA, self-signed certificate: the bundle a registry's ``auth: token:`` trusts),
+    and JWTs (RS256) signed with it, as the distribution registry verifies them: the key named by its libtrust
+    key id in the header's ``kid``."""
+
+    def __init__(self, directory: str) -> None:
+        self.key, self.cert = os.path.join(directory, "token.key"), os.path.join(directory, "token.crt")
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-keyout", self.key,
+                 "-out", self.cert, "-subj", "/CN=isolate test token issuer")
+        der = subprocess.run(["openssl", "pkey", "-in", self.key, "-pubout", "-outform", "DER"], check=True,
+                             capture_output=True, timeout=30).stdout
+        # libtrust's key id: the SHA-256 of the public key's DER (PKIX), its first 240 bits in base32, by 4s.
+        encoded = base64.b32encode(hashlib.sha256(der).digest()[:30]).decode().rstrip("=")
+        self.kid = ":".join(encoded[i:i + 4] for i in range(0, len(encoded), 4))
+
+    def token(self, claims: dict[str, Any]) -> str:
+        def b64(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+        header = {"typ": "JWT", "alg": "RS256", "kid": self.kid}
+        signing_input = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+        signature = subprocess.run(["openssl", "dgst", "-sha256", "-sign", self.key], input=signing_input.encode(),
+                                   check=True, capture_output=True, timeout=30).stdout
+        return f"{signing_input}.{b64(signature)}"
+
+
 @contextlib.contextmanager
-def loopback_registry(directory: str, registry: str, htpasswd: str | None = None) -> Iterator[str]:
+def loopback_registry(directory: str, registry: str, htpasswd: str | None = None,
+                      tls: dict[str, str] | None = None, token: dict[str, str] | None = None) -> Iterator[str]:
     """Debian's docker-registry (registry: its path) keeping its data in directory and serving on a free port
-    of 127.0.0.1, with basic auth when htpasswd (a file) is given; its address while it runs."""
+    of 127.0.0.1, with basic auth when htpasswd (a file) is given, HTTPS when tls ({"cert", "key"}: files; a
+    client certificate its "ca" signed asked for when tls["clients"] is set), and
+    bearer tokens when token ({"realm", "service", "issuer", "rootcertbundle"}); its address while it runs."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     auth = f"auth:\n  htpasswd:\n    realm: tests\n    path: {htpasswd}\n" if htpasswd else ""
+    if token:
+        auth = "auth:\n  token:\n" + "".join(f"    {key}: {value}\n" for key, value in token.items())
+    https = f"  tls:\n    certificate: {tls['cert']}\n    key: {tls['key']}\n" if tls else ""
+    if tls and tls.get("clients"):
+        https += f"    clientcas:\n      - {tls['ca']}\n"
     config = os.path.join(directory, "registry.yml")
     with open(config, "w") as handle:
         handle.write(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: "
-                     f"{os.path.join(directory, 'data')}\nhttp:\n  addr: 127.0.0.1:{port}\n{auth}")
+                     f"{os.path.join(directory, 'data')}\nhttp:\n  addr: 127.0.0.1:{port}\n{https}{auth}")
     server = subprocess.Popen([registry, "serve", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(100):

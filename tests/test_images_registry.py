@@ -5,12 +5,17 @@ blob that lies about its digest)."""
 from __future__ import annotations
 
 import base64
+import fcntl
 import http.server
 import io
 import json
 import os
+import pty
+import re
 import shutil
+import struct
 import subprocess
+import termios
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -280,3 +285,58 @@ def test_a_manifest_past_the_bound_is_refused(standin: Any, tmp_path: Path, monk
     monkeypatch.setattr(registry_mod, "MAX_METADATA_SIZE", 64)
     with pytest.raises(BadImageError, match="past 64"):
         Image.pull(f"127.0.0.1:{standin.port}/team/app:1", store=Store(tmp_path / "store"))
+
+
+# -- progress ----------------------------------------------------------------------------------------------------
+
+
+def test_off_a_terminal_a_pull_writes_one_line_of_figures(registry: str, tmp_path: Path) -> None:
+    from conftest import ISOLATE_RUN
+
+    ref = f"{registry}/tests/busybox:1"
+    pulled = subprocess.run([ISOLATE_RUN, "image", "--image-store", str(tmp_path / "store"), "pull", ref],
+                            capture_output=True, text=True, timeout=60, env=dict(os.environ, TERM="xterm"))
+    assert pulled.returncode == 0, pulled.stderr
+    assert re.fullmatch(rf"pull {re.escape(ref)}: 1 layer, (\d+\.\d) MB fetched in \d+\.\d\d s \(\d+\.\d MB/s\)\n",
+                        pulled.stderr), pulled.stderr
+
+
+def test_on_a_terminal_a_pull_draws_a_bar_in_place(registry: str, tmp_path: Path) -> None:
+    from conftest import ISOLATE_RUN
+
+    ref = f"{registry}/tests/busybox:1"
+    main, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with os.fdopen(main, "rb", buffering=0) as terminal:
+        with subprocess.Popen([ISOLATE_RUN, "image", "--image-store", str(tmp_path / "store"), "pull", ref],
+                              stdout=subprocess.PIPE, stderr=secondary, env=dict(os.environ, TERM="xterm")) as child:
+            os.close(secondary)
+            shown = b""
+            while True:
+                try:
+                    chunk = terminal.read(65536)
+                except OSError:  # EIO: the child's end of the terminal is closed
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            assert child.wait(60) == 0, shown
+    frames = shown.decode().split("\r\x1b[K")
+    assert frames[0] == "" and len(frames) >= 4, frames  # the first bar, the last, the figures in its place
+    bars, figures = frames[1:-1], frames[-1]
+    assert bars[0].startswith(f"{ref} [") and "  0%" in bars[0] and "0/1 layers" in bars[0], bars
+    assert "100%" in bars[-1] and "1/1 layers" in bars[-1] and "[" + "#" * 10 in bars[-1], bars
+    assert all(len(bar) <= 99 and "\n" not in bar and "\r" not in bar for bar in bars), bars
+    assert re.fullmatch(rf"pull {re.escape(ref)}: 1 layer, \d+\.\d MB fetched in .* MB/s\)\r\n", figures), figures
+
+
+def test_the_bar_fits_any_terminal_width() -> None:
+    from isolate.image.progress import PullProgress
+
+    shown = PullProgress(io.StringIO(), "127.0.0.1:5000/a/long/name/of/an/image:1", total=3_000_000, layers=3,
+                         fetched=lambda: 1_000_000, done=lambda: 1)
+    for width in (1, 20, 50, 79, 200):
+        assert len(shown.bar(width)) <= width
+    assert " 33%  1.0/3.0 MB  1/3 layers" in shown.bar(200) and shown.bar(200).startswith("127.0.0.1:5000/a/long")
+    assert "[" + "#" * 13 + "." * 27 + "]" in shown.bar(200)
+    assert not shown.terminal  # a StringIO: the figures line only

@@ -1,7 +1,7 @@
 """``isolate-run image ...``: the caller's image store from the shell.
 
     isolate-run image load PATH [--ref REF]     a docker save archive, an OCI layout (directory or tar)
-    isolate-run image pull REF                  from a registry (OCI distribution API)
+    isolate-run image pull REF [--cert-dir DIR] from a registry (OCI distribution API)
     isolate-run image ls [--json]
     isolate-run image inspect REF
     isolate-run image rm REF...
@@ -42,6 +42,9 @@ def _parser() -> UsageParser:
     pull.add_argument("--max-size", help="refuse an image larger than this unpacked (default 16g)")
     pull.add_argument("--insecure", action="store_true", help="plain HTTP to this registry (never needed for "
                       "loopback)")
+    pull.add_argument("--cert-dir", metavar="DIR", help="the registry's CAs (*.crt) and client certificate "
+                      "(NAME.cert, NAME.key), instead of ~/.config/containers/certs.d/HOST:PORT, "
+                      "/etc/containers/certs.d/HOST:PORT, /etc/docker/certs.d/HOST:PORT")
     ls = commands.add_parser("ls", help="list the images")
     ls.add_argument("--json", action="store_true")
     inspect = commands.add_parser("inspect", help="an image's record as JSON")
@@ -69,7 +72,8 @@ def image_main(argv: Sequence[str]) -> int:
             print(f"loaded {image.reference} ({image.short_id}, {len(image.layers)} layers, "
                   f"{_megabytes(image.size)}) in {time.monotonic() - started:.2f} s")
         elif options.action == "pull":
-            image = Image.pull(options.ref, store=store, insecure=options.insecure, progress=sys.stderr)
+            image = Image.pull(options.ref, store=store, insecure=options.insecure, progress=sys.stderr,
+                               cert_dir=options.cert_dir)
             print(f"pulled {image.reference} ({image.short_id}, {len(image.layers)} layers, "
                   f"{_megabytes(image.size)})")
         elif options.action == "ls":

@@ -244,20 +244,29 @@ class Image:
 
     @classmethod
     def pull(cls, reference: str, *, store: Store | None = None, insecure: bool = False,
-             progress: TextIO | None = None, login: tuple[str, str] | None = None) -> Image:
+             progress: TextIO | None = None, login: tuple[str, str] | None = None,
+             cert_dir: str | None = None) -> Image:
         """Pull ``reference`` from its registry (OCI distribution API) into the store (see registry.py);
-        ``progress``: where a line of figures goes at the end; ``login``: (user, secret) for the registry
-        instead of those of the Docker/containers auth files."""
+        ``progress``: where a line of figures goes at the end (on a terminal, a bar shows the pull
+        until then); ``login``: (user, secret) for the registry
+        instead of those of the Docker/containers auth files; ``cert_dir``: a directory of the registry's CAs
+        (``*.crt``) and client certificate, instead of its certs.d directory's."""
+        from .progress import PullProgress
         from .registry import resolve
 
         store = store or Store()
         started = time.monotonic()
-        found, source = resolve(reference, insecure=insecure, login=login)
-        image = cls._add(store, found, source, found.reference, f"image {found.reference}")
-        if progress is not None:
-            seconds = time.monotonic() - started
-            print(f"pull {image.reference}: {len(image.layers)} layers, {source.fetched / 1e6:.1f} MB fetched in "
-                  f"{seconds:.2f} s ({source.fetched / 1e6 / max(seconds, 1e-6):.1f} MB/s)", file=progress)
+        found, source = resolve(reference, insecure=insecure, login=login, cert_dir=cert_dir)
+        if progress is None:
+            return cls._add(store, found, source, found.reference, f"image {found.reference}")
+        missing = {digest for digest, _ in found.layers if not _held(store, digest)}
+        shown = PullProgress(progress, found.reference or reference, layers=len(missing),
+                             total=sum(source.sizes.get(d, 0) for d in missing), fetched=lambda: source.fetched,
+                             done=lambda: source.done)
+        shown.started = started
+        with shown:
+            image = cls._add(store, found, source, found.reference, f"image {found.reference}")
+        print(shown.figures(len(image.layers)), file=progress)
         return image
 
     # -- keeping ----------------------------------------------------------------
@@ -279,3 +288,11 @@ class Image:
     @property
     def short_id(self) -> str:
         return self.id.removeprefix("sha256:")[:12]
+
+
+def _held(store: Store, digest: str) -> bool:
+    """Whether the store holds the layer (a digest it cannot name is refused later, by the unpacking)."""
+    try:
+        return store.has_layer(digest)
+    except BadImageError:
+        return False

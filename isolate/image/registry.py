@@ -11,9 +11,17 @@ process and a binary more on every host, for less control.
 
 - References normalized as Docker does (reference.py); ``docker.io`` is
   served by ``registry-1.docker.io``.
-- HTTPS, verified with the system's CAs (``SSL_CERT_FILE`` names others);
-  plain HTTP only to a loopback registry or one named insecure
-  (``insecure=True``, ``$ISOLATE_INSECURE_REGISTRIES``, comma-separated).
+- HTTPS, verified with the system's CAs (``SSL_CERT_FILE`` names others) and
+  the registry's own, found as docker and podman find them: ``cert_dir=``
+  (``--cert-dir``: its ``*.crt``), else the first of
+  ``~/.config/containers/certs.d/HOST:PORT``, ``/etc/containers/certs.d/HOST:PORT``
+  and ``/etc/docker/certs.d/HOST:PORT`` that exists (``*.crt``: CAs; a
+  ``NAME.cert`` with its ``NAME.key``: a client certificate). A certificate
+  not trusted is refused with one line naming the problem and where a CA
+  goes; verification is never turned off, and a registry that speaks TLS is
+  never tried again over plain HTTP. Plain HTTP only to a loopback registry
+  or one named insecure (``insecure=True``, ``$ISOLATE_INSECURE_REGISTRIES``,
+  comma-separated) that does not speak TLS.
 - Auth: anonymous first; on 401 the challenge decides: ``Basic`` with the
   credentials found, or ``Bearer`` (a token from the realm, asked with them).
   Credentials come from ``$REGISTRY_AUTH_FILE``, the containers auth files
@@ -37,6 +45,7 @@ import os
 import re
 import shutil
 import ssl
+import stat
 import subprocess
 import threading
 import urllib.parse
@@ -46,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..model.errors import IsolationError
+from ..model.files import read_input_file
 from .archive import INDEX_TYPES, Found, choose_manifest, parse_json
 from .reference import DEFAULT_REGISTRY, Reference
 from .store import MAX_METADATA_SIZE, verify
@@ -60,6 +70,14 @@ TIMEOUT = 60.0
 MAX_REDIRECTS = 5
 PARALLEL = 4
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+#: Where docker and podman look for a registry's CAs and client certificates (HOST:PORT under each), after
+#: the user's own ~/.config/containers/certs.d (containers-certs.d(5), docker's "Verify repository client
+#: certificates").
+SYSTEM_CERT_DIRS = ("/etc/containers/certs.d", "/etc/docker/certs.d")
+#: What OpenSSL says when the peer of a TLS handshake does not speak TLS (a plain HTTP server): only then may a
+#: registry allowed plain HTTP be tried over it.
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG",
+                      "UNEXPECTED_EOF_WHILE_READING", "RECORD_LAYER_FAILURE"})
 
 
 class RegistryError(IsolationError):
@@ -109,8 +127,9 @@ def credentials(registry: str) -> tuple[str, str] | None:
     """(user, secret) for registry, as docker and podman find them; None: anonymous."""
     for path in _auth_files():
         try:
-            with open(path, encoding="utf-8") as handle:
-                config = json.load(handle)
+            # Non-blocking, a regular file only, bounded: a FIFO planted in a home a sandbox could write never
+            # hangs a pull.
+            config = json.loads(read_input_file(path))
         except (OSError, ValueError):
             continue
         if not isinstance(config, dict):
@@ -151,6 +170,68 @@ def _helper(name: str, registry: str) -> tuple[str, str] | None:
     return None
 
 
+# -- TLS ---------------------------------------------------------------------------------------------------
+
+
+_SAFE_HOST = re.compile(r"^[A-Za-z0-9\[][A-Za-z0-9.:\[\]-]*$")
+
+
+def cert_dirs(host: str) -> list[str]:
+    """The per-host directories docker and podman read for ``host`` (HOST[:PORT]), in their order."""
+    if not _SAFE_HOST.match(host):
+        return []
+    homes = [os.path.join(os.path.expanduser("~"), ".config", "containers", "certs.d")]
+    return [os.path.join(base, host) for base in (*homes, *SYSTEM_CERT_DIRS)]
+
+
+def tls_context(host: str, cert_dir: str | None = None) -> tuple[ssl.SSLContext, str | None]:
+    """A verifying TLS context for ``host``: the system's CAs, and those of ``cert_dir`` or of the first of
+    ``cert_dirs(host)`` that exists (that directory, or None)."""
+    context = ssl.create_default_context()
+    directory = cert_dir or next((d for d in cert_dirs(host) if os.path.isdir(d)), None)
+    if directory is None:
+        return context, None
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        raise RegistryError(f"registry {host}: its certificates directory {directory}: "
+                            f"{exc.strerror or exc}") from None
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if name.endswith(".crt"):
+                data = read_input_file(path)
+                context.load_verify_locations(cadata=data.decode("ascii") if data.lstrip().startswith(b"-----")
+                                              else data)
+            elif name.endswith(".cert"):
+                key = path[:-len(".cert")] + ".key"
+                if not os.path.lexists(key):
+                    raise RegistryError(f"registry {host}: the client certificate {path} has no key {key}")
+                with _regular(path) as cert_fd, _regular(key) as key_fd:
+                    context.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            problem = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+            named = getattr(exc, "filename", None) or path
+            raise RegistryError(f"registry {host}: {named}: not a certificate or key it can use ({problem})") from None
+    return context, directory
+
+
+@contextmanager
+def _regular(path: str) -> Iterator[int]:
+    """A descriptor of the regular file at path, opened without blocking (a FIFO never hangs the pull)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file", path)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+class _TLSFailed(ConnectionError):
+    """A TLS handshake failed with a peer that speaks TLS: never a reason to try plain HTTP."""
+
+
 # -- HTTP --------------------------------------------------------------------------------------------
 
 
@@ -186,18 +267,42 @@ class Client:
     auth: str | None = None  # the Authorization header for this registry's own host
     #: (user, secret) given by the caller (a create request's image.auth): used instead of the auth files.
     login: tuple[str, str] | None = field(default=None, repr=False)
+    #: A directory of CAs (``*.crt``) and client certificates for this registry, instead of the certs.d ones.
+    cert_dir: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _scheme_known: bool = False
+    _tls: tuple[ssl.SSLContext, str | None] | None = None
+    _tls_lock: threading.Lock = field(default_factory=threading.Lock)  # _lock is held while the scheme is probed
 
     def __post_init__(self) -> None:
         self.host = "registry-1.docker.io" if self.registry == DEFAULT_REGISTRY else self.registry
         named = {h.strip() for h in os.environ.get(INSECURE_ENV, "").split(",") if h.strip()}
         self.plain_allowed = self.insecure or is_loopback(self.host) or self.host in named
 
+    def _context(self) -> ssl.SSLContext:
+        """The registry's TLS context (its certs.d, as docker and podman take it), for every host of the pull."""
+        with self._tls_lock:
+            if self._tls is None:
+                self._tls = tls_context(self.host, self.cert_dir)
+            return self._tls[0]
+
     def _connect(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
         if scheme == "https":
-            return http.client.HTTPSConnection(netloc, timeout=TIMEOUT, context=ssl.create_default_context())
+            return http.client.HTTPSConnection(netloc, timeout=TIMEOUT, context=self._context())
         return http.client.HTTPConnection(netloc, timeout=TIMEOUT)
+
+    def _untrusted(self, netloc: str, exc: ssl.SSLCertVerificationError) -> RegistryError:
+        assert self._tls is not None
+        read = self._tls[1]
+        if read is not None:
+            where = f"neither the CAs of {read} nor the system's verify it"
+        else:
+            places = cert_dirs(self.host)
+            where = (f"its CA goes in {places[0]}/ca.crt, {places[1]}/ or {places[2]}/ (as for podman and docker), "
+                     "or give it with --cert-dir DIR" if places else "give its CA with --cert-dir DIR")
+        problem = (exc.verify_message or exc.reason or "certificate verify failed").strip()
+        return RegistryError(f"registry {self.registry}: the TLS certificate of {netloc} is not trusted "
+                             f"({problem}): {where}")
 
     def _send(self, url: str, headers: dict[str, str]) -> _Response:
         parts = urllib.parse.urlsplit(url)
@@ -212,6 +317,18 @@ class Client:
         try:
             connection.request("GET", path or "/", headers={"User-Agent": "isolate", **headers})
             response = connection.getresponse()
+        except ssl.SSLCertVerificationError as exc:
+            connection.close()
+            raise self._untrusted(parts.netloc, exc) from None
+        except ssl.SSLError as exc:
+            connection.close()
+            kind = ConnectionError if exc.reason in _NOT_TLS or isinstance(exc, ssl.SSLEOFError) else _TLSFailed
+            problem = str(exc.reason or exc)
+            if "ALERT" in problem and "CERTIFICATE" in problem:
+                # The server's alert: it wants a client certificate, or refused the one it was given.
+                problem = (f"{problem}: it refused this client's certificate, or wants one (NAME.cert and NAME.key "
+                           f"beside the CA: --cert-dir, or the registry's certs.d directory)")
+            raise kind(f"{parts.scheme}://{parts.netloc}: TLS: {problem}") from exc
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
             raise ConnectionError(f"{parts.scheme}://{parts.netloc}: {exc}") from exc
@@ -266,12 +383,13 @@ class Client:
         return f"{self.scheme}://{self.host}"
 
     def _probe(self) -> str:
-        """https, or http where allowed and the registry does not speak TLS."""
+        """https, or http where allowed and the registry does not speak TLS (a certificate not trusted, or a
+        handshake that failed otherwise, is never a reason to try plain HTTP)."""
         try:
             self._send(f"https://{self.host}/v2/", {}).close()
             return "https"
         except ConnectionError as exc:
-            if not self.plain_allowed:
+            if not self.plain_allowed or isinstance(exc, _TLSFailed):
                 raise RegistryError(f"registry {self.registry}: {exc.args[0]}") from None
         try:
             self._send(f"http://{self.host}/v2/", {}).close()
@@ -308,6 +426,9 @@ class Client:
         except ConnectionError as exc:
             raise RegistryError(f"registry {self.registry}: token service: {exc.args[0]}") from None
         try:
+            if response.status in (401, 403) and found is not None:
+                raise RegistryError(f"registry {self.registry}: the token service refused the credentials for "
+                                    f"{self.registry} (HTTP {response.status}; docker/podman login again)")
             if response.status != 200:
                 raise RegistryError(f"registry {self.registry}: token service answered {response.status}")
             data = parse_json(response.read_all(1 << 20, "token"), "token")
@@ -329,7 +450,9 @@ class _RegistrySource:
 
     def __init__(self, client: Client, repository: str) -> None:
         self.client, self.repository = client, repository
-        self.fetched = 0
+        self.fetched = 0  # bytes of layers read so far
+        self.done = 0  # layers read to their end
+        self.sizes: dict[str, int] = {}  # each layer's size, as its manifest gives it (for a progress bar)
         self._count = threading.Lock()
 
     @contextmanager
@@ -339,6 +462,8 @@ class _RegistrySource:
             yield _Counted(response.body, self)
         finally:
             response.close()
+        with self._count:
+            self.done += 1
 
     def blob(self, digest: str) -> _Response:
         try:
@@ -406,13 +531,14 @@ def _manifest(client: Client, ref: Reference, reference: str) -> tuple[bytes, st
     return data, digest, parse_json(data, f"image {ref}: manifest")
 
 
-def resolve(reference: str, *, insecure: bool = False,
-            login: tuple[str, str] | None = None) -> tuple[Found, _RegistrySource]:
+def resolve(reference: str, *, insecure: bool = False, login: tuple[str, str] | None = None,
+            cert_dir: str | None = None) -> tuple[Found, _RegistrySource]:
     """The image ``reference`` names, as a loader takes it: its manifest and config (verified), and the
     source its layers stream from (Image.pull unpacks them into a store). ``login``: (user, secret) for its
-    registry, instead of those the auth files give."""
+    registry, instead of those the auth files give; ``cert_dir``: its CAs (``*.crt``) and client
+    certificate, instead of those of the certs.d directories."""
     ref = Reference.parse(reference)
-    client = Client(ref.registry, insecure=insecure, login=login)
+    client = Client(ref.registry, insecure=insecure, login=login, cert_dir=cert_dir)
     data, digest, manifest = _manifest(client, ref, ref.reference)
     if manifest.get("mediaType") in INDEX_TYPES or ("manifests" in manifest and "layers" not in manifest):
         entry = choose_manifest(manifest, f"image {ref}")
@@ -432,7 +558,10 @@ def resolve(reference: str, *, insecure: bool = False,
         if not isinstance(layer, dict) or not isinstance(layer.get("digest"), str):
             raise BadImageError(f"image {ref}: a layer with no digest")
         found_layers.append((layer["digest"], layer["digest"]))
+        size = layer.get("size")
+        if isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 1 << 50:
+            source.sizes[layer["digest"]] = size
     return Found(str(ref), data, digest, config_data, config["digest"], found_layers), source
 
 
-__all__ = ["Client", "RegistryError", "credentials", "is_loopback", "resolve"]
+__all__ = ["Client", "RegistryError", "cert_dirs", "credentials", "is_loopback", "resolve", "tls_context"]

@@ -2,6 +2,7 @@
 
     isolate-run image load PATH [--ref REF]     a docker save archive, an OCI layout (directory or tar)
     isolate-run image pull REF                  from a registry (OCI distribution API)
+    isolate-run image push REF [--to DEST]      to a registry (its own name, or DEST)
     isolate-run image ls [--json]
     isolate-run image inspect REF
     isolate-run image rm REF...
@@ -42,6 +43,11 @@ def _parser() -> UsageParser:
     pull.add_argument("--max-size", help="refuse an image larger than this unpacked (default 16g)")
     pull.add_argument("--insecure", action="store_true", help="plain HTTP to this registry (never needed for "
                       "loopback)")
+    push = commands.add_parser("push", help="push an image to a registry")
+    push.add_argument("ref")
+    push.add_argument("--to", metavar="DEST", help="the reference to push to (default: the image's own)")
+    push.add_argument("--insecure", action="store_true", help="plain HTTP to this registry (never needed for "
+                      "loopback)")
     ls = commands.add_parser("ls", help="list the images")
     ls.add_argument("--json", action="store_true")
     inspect = commands.add_parser("inspect", help="an image's record as JSON")
@@ -49,7 +55,7 @@ def _parser() -> UsageParser:
     rm = commands.add_parser("rm", help="remove images (their layers stay until prune)")
     rm.add_argument("refs", nargs="+")
     commands.add_parser("prune", help="remove the layers no image names")
-    for sub in (load, pull, ls, inspect, rm):
+    for sub in (load, pull, push, ls, inspect, rm):
         sub.add_argument("--image-store", metavar="DIR", default=argparse.SUPPRESS)
     return parser
 
@@ -72,6 +78,10 @@ def image_main(argv: Sequence[str]) -> int:
             image = Image.pull(options.ref, store=store, insecure=options.insecure, progress=sys.stderr)
             print(f"pulled {image.reference} ({image.short_id}, {len(image.layers)} layers, "
                   f"{_megabytes(image.size)})")
+        elif options.action == "push":
+            image = Image.get(options.ref, store)
+            digest = image.push(options.to, insecure=options.insecure, progress=sys.stderr)
+            print(f"pushed {options.to or image.reference}@{digest}")
         elif options.action == "ls":
             images = Image.list(store)
             if options.json:

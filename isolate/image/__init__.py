@@ -260,6 +260,19 @@ class Image:
                   f"{seconds:.2f} s ({source.fetched / 1e6 / max(seconds, 1e-6):.1f} MB/s)", file=progress)
         return image
 
+    def push(self, reference: str | None = None, *, insecure: bool = False, login: tuple[str, str] | None = None,
+             progress: TextIO | None = None) -> str:
+        """Push this image to ``reference`` (default: its own name) over the OCI distribution API, with the rules
+        and credentials of ``pull``; the manifest's digest there. Blobs the registry holds are not sent."""
+        from .push import push
+
+        started = time.monotonic()
+        pushed = push(self, reference, insecure=insecure, login=login)
+        if progress is not None:
+            print(f"push {pushed.reference}: {pushed.uploaded} blobs sent, {pushed.present} already there, "
+                  f"{pushed.bytes_sent / 1e6:.1f} MB in {time.monotonic() - started:.2f} s", file=progress)
+        return pushed.digest
+
     # -- keeping ----------------------------------------------------------------
 
     def remove(self) -> None:

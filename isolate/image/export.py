@@ -1,0 +1,203 @@
+"""A directory tree written as an OCI layer: a store's unpacked layer (to push it), or a sandbox's upper layer
+(to commit it).
+
+The tar is canonical, so that the same tree gives the same blob (a push of an
+image the registry holds already uploads nothing, and a layer committed,
+unpacked and exported again keeps its digest): entries in sorted order, PAX
+headers, no user or group names, integer modification times (0 for links,
+FIFOs and whiteouts, whose times the store does not keep), no set-id bits (the
+store holds none), gzip with no name and no time.
+
+What overlayfs keeps becomes what OCI says: a 0/0 character device is the
+whiteout ``.wh.NAME``, a directory whose ``user.overlay.opaque`` is ``y`` is
+followed by ``.wh..wh..opq``. Another device node is refused (never opened),
+a FIFO is an entry (never opened), a socket is left out (it is no content:
+whoever made it is gone). Every node is reached from the descriptor of its
+directory with ``O_NOFOLLOW``, a file is opened ``O_NONBLOCK`` and checked to
+be the regular file just listed, and a link is read, never followed: a tree a
+sandbox wrote (its upper layer) is read safely from the host.
+
+Owners: a root caller's tree keeps its owners, ``owners`` mapping host ids to
+the image's (a sandbox's program ran as another uid); a regular user's files
+are all that user's on disk, and are written as root's (0:0), which is what
+they were in the image.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import stat
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ..model.errors import IsolationError
+from .unpack import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
+
+GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_MAX_DEPTH = 512
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class LayerBlob:
+    """A layer written: its file (gzip), its digest, the digest of its tar (the config's diff id), its size."""
+
+    path: str
+    digest: str
+    diff_id: str
+    size: int
+    media_type: str = GZIP_LAYER
+
+
+class _Hashing(io.RawIOBase):
+    """A writer that hashes and counts what goes through it."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        super().__init__()
+        self.out = out
+        self.sha = hashlib.sha256()
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.out.write(view)
+        self.count += len(view)
+        return len(view)
+
+
+class _File(io.RawIOBase):
+    """A regular file's descriptor read by tarfile, exactly ``size`` bytes (it may not grow or shrink)."""
+
+    def __init__(self, fd: int, size: int, name: str) -> None:
+        super().__init__()
+        self.fd, self.left, self.name = fd, size, name
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self.left)
+        if want == 0:
+            return 0
+        data = os.read(self.fd, want)
+        if not data:
+            raise IsolationError(f"layer: {self.name} shrank while it was read: refused (pause the sandbox)")
+        buffer[:len(data)] = data
+        self.left -= len(data)
+        return len(data)
+
+
+def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[int, int]] | None = None,
+                what: str = "layer") -> LayerBlob:
+    """Write the tree under ``root_fd`` as a gzip layer at ``path`` (created, never followed)."""
+    root = os.geteuid() == 0
+    map_ids = owners or (lambda uid, gid: (uid, gid))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        compressed = _Hashing(handle)
+        with gzip.GzipFile(filename="", mode="wb", fileobj=compressed, mtime=0, compresslevel=6) as zipped:
+            plain = _Hashing(zipped)  # type: ignore[arg-type]
+            with tarfile.open(fileobj=plain, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                _Writer(tar, root, map_ids, what).tree(root_fd, "", 0)
+    return LayerBlob(path, "sha256:" + compressed.sha.hexdigest(), "sha256:" + plain.sha.hexdigest(),
+                     compressed.count)
+
+
+class _Writer:
+    def __init__(self, tar: tarfile.TarFile, root: bool, owners: Callable[[int, int], tuple[int, int]],
+                 what: str) -> None:
+        self.tar, self.root, self.owners, self.what = tar, root, owners, what
+        self.first_name: dict[tuple[int, int], str] = {}  # (dev, ino) of a file with several names: its first
+
+    def info(self, name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.mode = stat.S_IMODE(st.st_mode) & 0o1777
+        info.uid, info.gid = self.owners(st.st_uid, st.st_gid) if self.root else (0, 0)
+        info.uname = info.gname = ""
+        info.mtime = int(st.st_mtime) if kind in (tarfile.REGTYPE, tarfile.DIRTYPE) else 0
+        return info
+
+    def marker(self, name: str) -> None:
+        info = tarfile.TarInfo(name)
+        info.mode, info.mtime = 0o600, 0
+        self.tar.addfile(info)
+
+    def tree(self, dir_fd: int, prefix: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise IsolationError(f"{self.what}: {prefix} is more than {_MAX_DEPTH} directories deep: refused")
+        if not prefix and _opaque(dir_fd):
+            self.marker(OPAQUE_MARKER)
+        for name in sorted(os.listdir(dir_fd)):
+            rel = prefix + name
+            if name.startswith(WHITEOUT_PREFIX):
+                # A file named like a whiteout would be read back as one: not what the tree holds.
+                raise IsolationError(f"{self.what}: /{rel}: a name starting with {WHITEOUT_PREFIX} is an OCI "
+                                     "whiteout in a layer: refused")
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            mode = st.st_mode
+            if stat.S_ISCHR(mode) and st.st_rdev == 0:
+                self.marker(prefix + WHITEOUT_PREFIX + name)
+            elif stat.S_ISDIR(mode):
+                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                try:
+                    if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
+                        raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
+                    self.tar.addfile(self.info(rel, st, tarfile.DIRTYPE))
+                    if _opaque(child):
+                        self.marker(f"{rel}/{OPAQUE_MARKER}")
+                    self.tree(child, rel + "/", depth + 1)
+                finally:
+                    os.close(child)
+            elif stat.S_ISLNK(mode):
+                info = self.info(rel, st, tarfile.SYMTYPE)
+                info.linkname = os.readlink(name, dir_fd=dir_fd)
+                self.tar.addfile(info)
+            elif stat.S_ISREG(mode):
+                self.file(dir_fd, name, rel, st)
+            elif stat.S_ISFIFO(mode):
+                self.tar.addfile(self.info(rel, st, tarfile.FIFOTYPE))
+            elif stat.S_ISSOCK(mode):
+                continue
+            else:
+                raise IsolationError(f"{self.what}: /{rel} is a device node: refused (an image carries none)")
+
+    def file(self, dir_fd: int, name: str, rel: str, st: os.stat_result) -> None:
+        if st.st_nlink > 1:
+            first = self.first_name.setdefault((st.st_dev, st.st_ino), rel)
+            if first != rel:
+                info = self.info(rel, st, tarfile.LNKTYPE)
+                info.linkname = first
+                self.tar.addfile(info)
+                return
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        try:
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
+            info = self.info(rel, opened, tarfile.REGTYPE)
+            info.size = opened.st_size
+            self.tar.addfile(info, _File(fd, opened.st_size, rel))
+        finally:
+            os.close(fd)
+
+
+def _opaque(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, OPAQUE_XATTR) == b"y"
+    except OSError:
+        return False

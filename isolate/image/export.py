@@ -99,8 +99,11 @@ class _File(io.RawIOBase):
 
 
 def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[int, int]] | None = None,
-                what: str = "layer") -> LayerBlob:
-    """Write the tree under ``root_fd`` as a gzip layer at ``path`` (created, never followed)."""
+                what: str = "layer", leave_out: frozenset[str] = frozenset()) -> LayerBlob:
+    """Write the tree under ``root_fd`` as a gzip layer at ``path`` (created, never followed).
+
+    ``leave_out``: paths (relative, no leading slash) not written, nor the directories on their way unless
+    something else in them is (a sandbox's mount points, which the plan made in its upper layer)."""
     root = os.geteuid() == 0
     map_ids = owners or (lambda uid, gid: (uid, gid))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -109,16 +112,25 @@ def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[i
         with gzip.GzipFile(filename="", mode="wb", fileobj=compressed, mtime=0, compresslevel=6) as zipped:
             plain = _Hashing(zipped)  # type: ignore[arg-type]
             with tarfile.open(fileobj=plain, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                _Writer(tar, root, map_ids, what).tree(root_fd, "", 0)
+                _Writer(tar, root, map_ids, what, leave_out).tree(root_fd, "", 0)
     return LayerBlob(path, "sha256:" + compressed.sha.hexdigest(), "sha256:" + plain.sha.hexdigest(),
                      compressed.count)
 
 
 class _Writer:
     def __init__(self, tar: tarfile.TarFile, root: bool, owners: Callable[[int, int], tuple[int, int]],
-                 what: str) -> None:
+                 what: str, leave_out: frozenset[str] = frozenset()) -> None:
         self.tar, self.root, self.owners, self.what = tar, root, owners, what
         self.first_name: dict[tuple[int, int], str] = {}  # (dev, ino) of a file with several names: its first
+        self.leave_out = leave_out
+        self.on_the_way = {"/".join(p.split("/")[:i]) for p in leave_out for i in range(1, p.count("/") + 1)}
+        self.pending: list[tarfile.TarInfo] = []  # directories on the way to a path left out, not written yet
+
+    def add(self, info: tarfile.TarInfo, data: Any = None) -> None:
+        for directory in self.pending:
+            self.tar.addfile(directory)
+        self.pending.clear()
+        self.tar.addfile(info, data)
 
     def info(self, name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
         info = tarfile.TarInfo(name)
@@ -132,7 +144,7 @@ class _Writer:
     def marker(self, name: str) -> None:
         info = tarfile.TarInfo(name)
         info.mode, info.mtime = 0o600, 0
-        self.tar.addfile(info)
+        self.add(info)
 
     def tree(self, dir_fd: int, prefix: str, depth: int) -> None:
         if depth > _MAX_DEPTH:
@@ -141,6 +153,8 @@ class _Writer:
             self.marker(OPAQUE_MARKER)
         for name in sorted(os.listdir(dir_fd)):
             rel = prefix + name
+            if rel in self.leave_out:
+                continue
             if name.startswith(WHITEOUT_PREFIX):
                 # A file named like a whiteout would be read back as one: not what the tree holds.
                 raise IsolationError(f"{self.what}: /{rel}: a name starting with {WHITEOUT_PREFIX} is an OCI "
@@ -157,20 +171,26 @@ class _Writer:
                 try:
                     if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
                         raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
-                    self.tar.addfile(self.info(rel, st, tarfile.DIRTYPE))
+                    info = self.info(rel, st, tarfile.DIRTYPE)
+                    if rel in self.on_the_way:
+                        self.pending.append(info)
+                    else:
+                        self.add(info)
                     if _opaque(child):
                         self.marker(f"{rel}/{OPAQUE_MARKER}")
                     self.tree(child, rel + "/", depth + 1)
+                    if self.pending and self.pending[-1] is info:
+                        self.pending.pop()  # nothing in it was written
                 finally:
                     os.close(child)
             elif stat.S_ISLNK(mode):
                 info = self.info(rel, st, tarfile.SYMTYPE)
                 info.linkname = os.readlink(name, dir_fd=dir_fd)
-                self.tar.addfile(info)
+                self.add(info)
             elif stat.S_ISREG(mode):
                 self.file(dir_fd, name, rel, st)
             elif stat.S_ISFIFO(mode):
-                self.tar.addfile(self.info(rel, st, tarfile.FIFOTYPE))
+                self.add(self.info(rel, st, tarfile.FIFOTYPE))
             elif stat.S_ISSOCK(mode):
                 continue
             else:
@@ -182,7 +202,7 @@ class _Writer:
             if first != rel:
                 info = self.info(rel, st, tarfile.LNKTYPE)
                 info.linkname = first
-                self.tar.addfile(info)
+                self.add(info)
                 return
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         try:
@@ -191,7 +211,7 @@ class _Writer:
                 raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
             info = self.info(rel, opened, tarfile.REGTYPE)
             info.size = opened.st_size
-            self.tar.addfile(info, _File(fd, opened.st_size, rel))
+            self.add(info, _File(fd, opened.st_size, rel))
         finally:
             os.close(fd)
 

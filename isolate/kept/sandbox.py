@@ -24,7 +24,7 @@ import shlex
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends.kept import KeptBackend, attach_backend, make_backend
 from ..backends.native import files as native_files
@@ -43,6 +43,9 @@ from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
 from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
+
+if TYPE_CHECKING:
+    from ..image import Image
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
            "Snapshot", "Stat", "Workspace"]
@@ -429,6 +432,16 @@ class Sandbox:
             return commit_tree(ws_fd, target, self.workspace, impl.workspace_host)
         finally:
             os.close(ws_fd)
+
+    def commit_image(self, reference: str) -> Image:
+        """An image of this sandbox's root: its image's layers, and one more holding what the program wrote,
+        deleted or replaced there (whiteouts for what it deleted), kept as ``reference`` in the image store.
+        Its config is the image's, with this policy's ``env``, ``cwd`` and ``uid`` over it. A native sandbox
+        started from an image (``Policy(image=...)``); it is paused while its layer is read. The workspace, the
+        home and ``/tmp`` are the sandbox's own mounts, not its image's: they are not in the layer."""
+        from ..image.commit import commit_image
+
+        return commit_image(self, reference)
 
     # -- snapshots and forks (isolate/kept/snapshots.py) -------------------------------------
 

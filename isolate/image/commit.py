@@ -14,6 +14,7 @@ one is, and the image's config is the sandbox's image's, with the policy's
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -49,23 +50,28 @@ def mount_points(pid: int) -> frozenset[str]:
     return frozenset(points)
 
 
-def add_layer(base: Image, blob: LayerBlob, reference: str, config: Mapping[str, Any],
+def add_layer(base: Image, blob: LayerBlob, reference: str | None, config: Mapping[str, Any],
               history: str) -> Image:
-    """``base`` with the layer ``blob`` (a gzip tar in the store's ``tmp/``) on top, kept as ``reference``;
-    ``config``: what to set in the image config's ``config`` (Env, WorkingDir, User, Cmd, ...)."""
+    """``base`` with the layer ``blob`` (a gzip tar in the store's ``tmp/``) on top, kept as ``reference``
+    (None: ``localhost/isolate-build:ID``); ``config``: what to set in the image config's ``config`` (Env,
+    WorkingDir, User, Cmd, ...)."""
     store = base.store
-    name = str(Reference.parse(reference))
     with store.adding():
         index = store.ensure_layer(blob.digest, lambda: open(blob.path, "rb"), diff_id=blob.diff_id,
-                                   what=f"image {name}: its new layer")
+                                   what=f"image {reference or 'built'}: its new layer")
         remember(store, blob.digest, blob)
-        return with_config(base, name, config, history, layers=[blob.digest], diff_ids=[blob.diff_id],
+        return with_config(base, reference, config, history, layers=[blob.digest], diff_ids=[blob.diff_id],
                            added_size=index.size)
 
 
-def with_config(base: Image, name: str, config: Mapping[str, Any], history: str, *, layers: list[str] | None = None,
-                diff_ids: list[str] | None = None, added_size: int = 0) -> Image:
-    """A record of ``base`` (plus ``layers``) with its config changed: the config blob written, the image kept."""
+#: Where an image between two build steps (or committed with no name) is kept: its tag is its config digest.
+INTERMEDIATE = "localhost/isolate-build"
+
+
+def with_config(base: Image, reference: str | None, config: Mapping[str, Any], history: str, *,
+                layers: list[str] | None = None, diff_ids: list[str] | None = None, added_size: int = 0) -> Image:
+    """A record of ``base`` (plus ``layers``) with its config changed: the config blob written, the image kept
+    as ``reference`` (None: ``localhost/isolate-build:ID``)."""
     store = base.store
     parsed = json.loads(store.get_blob(base.id, f"image {base.reference}: config"))
     inner = dict(parsed.get("config") or {})
@@ -78,9 +84,9 @@ def with_config(base: Image, name: str, config: Mapping[str, Any], history: str,
         entry["empty_layer"] = True
     parsed["history"] = [*(parsed.get("history") or []), entry]
     data = json.dumps(parsed, separators=(",", ":"), sort_keys=True).encode()
-    import hashlib
 
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    name = str(Reference.parse(reference or f"{INTERMEDIATE}:{digest[7:]}"))
     store.put_blob(data, digest, f"image {name}: config")
     image_config = ImageConfig.from_json(parsed)
     record = {"reference": name, "digest": digest, "config_digest": digest,
@@ -103,8 +109,9 @@ def policy_config(base: Image, policy: Any) -> dict[str, Any]:
     return out
 
 
-def commit_image(sandbox: Any, reference: str) -> Image:
-    """See ``Sandbox.commit_image``."""
+def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate commit_image",
+                 config: Mapping[str, Any] | None = None) -> Image:
+    """See ``Sandbox.commit_image``; ``config``: the config to set (default: the policy's, policy_config)."""
     from ..backends.native.kept import NativeSandbox, _fd_identity
 
     impl = sandbox._running("commit_image")
@@ -149,7 +156,7 @@ def commit_image(sandbox: Any, reference: str) -> Image:
             with contextlib.suppress(IsolationError, OSError):
                 sandbox.resume()
     try:
-        return add_layer(base, blob, reference, policy_config(base, policy), "isolate commit_image")
+        return add_layer(base, blob, reference, policy_config(base, policy) if config is None else config, history)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

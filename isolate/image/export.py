@@ -104,23 +104,71 @@ def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[i
 
     ``leave_out``: paths (relative, no leading slash) not written, nor the directories on their way unless
     something else in them is (a sandbox's mount points, which the plan made in its upper layer)."""
-    root = os.geteuid() == 0
     map_ids = owners or (lambda uid, gid: (uid, gid))
+    return _write(path, lambda tar: _Writer(tar, os.geteuid() == 0, map_ids, what, leave_out).tree(root_fd, "", 0))
+
+
+def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, into: bool,
+               exclude: Callable[[str], bool] | None = None, what: str = "copy",
+               existing: Callable[[str], os.stat_result | None] | None = None) -> LayerBlob:
+    """A layer of host files (``sources``: (directory descriptor, name) pairs) put at ``destination`` (absolute)
+    as COPY puts them: a directory's contents into it, a file (or link, never followed) at it, or into it when
+    ``into``. Owned by root, modification times 0 (the layer depends on names, contents and modes only), the
+    directories on the way as the image has them (``existing(rel)``: its node there, or None), else made 0755
+    root's. ``exclude``: names (relative to a source directory) left out."""
+    target = destination.strip("/")
+
+    def fill(tar: tarfile.TarFile) -> None:
+        writer = _Writer(tar, True, lambda uid, gid: (0, 0), what, fixed_time=True, exclude=exclude)
+        parts = [p for p in target.split("/") if p]
+        for i in range(1, len(parts) + (0 if not into and sources and not _is_dir(*sources[0]) else 1)):
+            rel = "/".join(parts[:i])
+            found = existing(rel) if existing is not None else None
+            if found is not None and stat.S_ISDIR(found.st_mode):
+                info = _Writer(tar, os.geteuid() == 0, lambda uid, gid: (uid, gid), what).info(rel, found,
+                                                                                             tarfile.DIRTYPE)
+            else:
+                info = tarfile.TarInfo(rel)
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
+            writer.add(info)
+        for dir_fd, name in sources:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                try:
+                    writer.tree(child, target + "/" if target else "", 1)
+                finally:
+                    os.close(child)
+            else:
+                rel = f"{target}/{name}" if into else target
+                writer.one(dir_fd, name, rel.strip("/"), st)
+
+    return _write(path, fill)
+
+
+def _is_dir(dir_fd: int, name: str) -> bool:
+    return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+
+
+def _write(path: str, fill: Callable[[tarfile.TarFile], None]) -> LayerBlob:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as handle:
         compressed = _Hashing(handle)
         with gzip.GzipFile(filename="", mode="wb", fileobj=compressed, mtime=0, compresslevel=6) as zipped:
             plain = _Hashing(zipped)  # type: ignore[arg-type]
             with tarfile.open(fileobj=plain, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                _Writer(tar, root, map_ids, what, leave_out).tree(root_fd, "", 0)
+                fill(tar)
     return LayerBlob(path, "sha256:" + compressed.sha.hexdigest(), "sha256:" + plain.sha.hexdigest(),
                      compressed.count)
 
 
 class _Writer:
     def __init__(self, tar: tarfile.TarFile, root: bool, owners: Callable[[int, int], tuple[int, int]],
-                 what: str, leave_out: frozenset[str] = frozenset()) -> None:
+                 what: str, leave_out: frozenset[str] = frozenset(), *, fixed_time: bool = False,
+                 exclude: Callable[[str], bool] | None = None) -> None:
         self.tar, self.root, self.owners, self.what = tar, root, owners, what
+        self.fixed_time, self.exclude = fixed_time, exclude
+        self.source_prefix = ""  # a copy's source-relative path of the directory walked (for exclude)
         self.first_name: dict[tuple[int, int], str] = {}  # (dev, ino) of a file with several names: its first
         self.leave_out = leave_out
         self.on_the_way = {"/".join(p.split("/")[:i]) for p in leave_out for i in range(1, p.count("/") + 1)}
@@ -138,7 +186,7 @@ class _Writer:
         info.mode = stat.S_IMODE(st.st_mode) & 0o1777
         info.uid, info.gid = self.owners(st.st_uid, st.st_gid) if self.root else (0, 0)
         info.uname = info.gname = ""
-        info.mtime = int(st.st_mtime) if kind in (tarfile.REGTYPE, tarfile.DIRTYPE) else 0
+        info.mtime = int(st.st_mtime) if kind in (tarfile.REGTYPE, tarfile.DIRTYPE) and not self.fixed_time else 0
         return info
 
     def marker(self, name: str) -> None:
@@ -149,11 +197,14 @@ class _Writer:
     def tree(self, dir_fd: int, prefix: str, depth: int) -> None:
         if depth > _MAX_DEPTH:
             raise IsolationError(f"{self.what}: {prefix} is more than {_MAX_DEPTH} directories deep: refused")
-        if not prefix and _opaque(dir_fd):
+        if not prefix and not self.fixed_time and _opaque(dir_fd):
             self.marker(OPAQUE_MARKER)
         for name in sorted(os.listdir(dir_fd)):
             rel = prefix + name
             if rel in self.leave_out:
+                continue
+            source_rel = self.source_prefix + name
+            if self.exclude is not None and self.exclude(source_rel):
                 continue
             if name.startswith(WHITEOUT_PREFIX):
                 # A file named like a whiteout would be read back as one: not what the tree holds.
@@ -164,7 +215,7 @@ class _Writer:
             except FileNotFoundError:
                 continue
             mode = st.st_mode
-            if stat.S_ISCHR(mode) and st.st_rdev == 0:
+            if stat.S_ISCHR(mode) and st.st_rdev == 0 and not self.fixed_time:  # a copy's host files: a device
                 self.marker(prefix + WHITEOUT_PREFIX + name)
             elif stat.S_ISDIR(mode):
                 child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -176,9 +227,13 @@ class _Writer:
                         self.pending.append(info)
                     else:
                         self.add(info)
-                    if _opaque(child):
+                    if not self.fixed_time and _opaque(child):
                         self.marker(f"{rel}/{OPAQUE_MARKER}")
-                    self.tree(child, rel + "/", depth + 1)
+                    saved, self.source_prefix = self.source_prefix, source_rel + "/"
+                    try:
+                        self.tree(child, rel + "/", depth + 1)
+                    finally:
+                        self.source_prefix = saved
                     if self.pending and self.pending[-1] is info:
                         self.pending.pop()  # nothing in it was written
                 finally:
@@ -195,6 +250,19 @@ class _Writer:
                 continue
             else:
                 raise IsolationError(f"{self.what}: /{rel} is a device node: refused (an image carries none)")
+
+    def one(self, dir_fd: int, name: str, rel: str, st: os.stat_result) -> None:
+        """A single non-directory (a copy's file, link or FIFO source) written as ``rel``."""
+        if stat.S_ISLNK(st.st_mode):
+            info = self.info(rel, st, tarfile.SYMTYPE)
+            info.linkname = os.readlink(name, dir_fd=dir_fd)
+            self.add(info)
+        elif stat.S_ISREG(st.st_mode):
+            self.file(dir_fd, name, rel, st)
+        elif stat.S_ISFIFO(st.st_mode):
+            self.add(self.info(rel, st, tarfile.FIFOTYPE))
+        else:
+            raise IsolationError(f"{self.what}: {name} is a device node or a socket: refused")
 
     def file(self, dir_fd: int, name: str, rel: str, st: os.stat_result) -> None:
         if st.st_nlink > 1:

@@ -286,13 +286,16 @@ class Image:
         return Build(reference, store=store, insecure=insecure)
 
     @classmethod
-    def from_dockerfile(cls, path: str | os.PathLike[str], context: str | os.PathLike[str], *,
-                        build_args: dict[str, str] | None = None, target: str | None = None,
-                        store: Store | None = None) -> Build:
-        """A build of the Dockerfile at ``path`` over the directory ``context`` (dockerfile.py)."""
+    def from_dockerfile(cls, path: str | os.PathLike[str], context: str | os.PathLike[str] = ".", *,
+                        reference: str | None = None, build_args: dict[str, str] | None = None,
+                        target: str | None = None, store: Store | None = None, progress: TextIO | None = None,
+                        stats: Any = None) -> Image:
+        """Build the Dockerfile at ``path`` over the directory ``context`` (dockerfile.py); kept as
+        ``reference`` (default: ``localhost/isolate-build:ID``). ``stats``: a ``build.Stats`` to fill."""
         from .dockerfile import from_dockerfile
 
-        return from_dockerfile(path, context, build_args=build_args or {}, target=target, store=store)
+        return from_dockerfile(path, context, build_args=build_args, target=target, reference=reference,
+                               store=store, progress=progress, stats=stats)
 
     def _build(self) -> Build:
         from .build import Build

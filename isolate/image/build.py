@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
@@ -50,6 +50,7 @@ class Step:
     args: Any
     network: Any = None
     what: str = ""
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,17 +64,36 @@ class Build:
 
     # -- steps -------------------------------------------------------------------------
 
-    def run(self, command: str | Sequence[str], *, network: Any = None) -> Build:
-        """Run ``command`` (a string: ``/bin/sh -c``) in a sandbox of the image so far; its writes are a layer."""
-        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else [str(a) for a in command]
+    def run(self, command: str | Sequence[str], *, network: Any = None, env: Mapping[str, str] | None = None,
+            shell: Sequence[str] = ("/bin/sh", "-c")) -> Build:
+        """Run ``command`` (a string: ``/bin/sh -c``, or ``shell``) in a sandbox of the image so far; its writes
+        are a layer. ``env``: variables of this step only (a Dockerfile's ARG), not kept in the image."""
+        argv = [*shell, command] if isinstance(command, str) else [str(a) for a in command]
         if not argv:
             raise BuildError("run: an empty command")
-        return self._then(Step("run", tuple(argv), network, f"RUN {command if isinstance(command, str) else argv}"))
+        return self._then(Step("run", tuple(argv), network, f"RUN {command if isinstance(command, str) else argv}",
+                               tuple(sorted((env or {}).items()))))
 
     def copy(self, source: str | os.PathLike[str], destination: str) -> Build:
-        """Host files (a file, or a directory's contents) at ``destination`` in the image."""
-        return self._then(Step("copy", (os.path.abspath(os.fspath(source)), destination, None, None),
-                               what=f"COPY {source} {destination}"))
+        """Host files (a file, or a directory's contents) at ``destination`` in the image (relative: to its
+        working directory; ending in ``/``: a file goes into it)."""
+        path = os.path.abspath(os.fspath(source))
+
+        def make(image: Image, out: str) -> LayerBlob:
+            opened = _open_host(path)
+            try:
+                return write_copy(opened, _target(image, destination), out, into=destination.endswith("/"),
+                                  what=f"copy {source}", existing=functools.partial(_existing, image.lower_dirs()))
+            finally:
+                for fd, _ in opened:
+                    os.close(fd)
+
+        return self.layer(make, f"COPY {source} {destination}")
+
+    def layer(self, make: Callable[[Image, str], LayerBlob], what: str) -> Build:
+        """A layer written by ``make(image so far, path)`` (a gzip tar at path: export.py's writers); cached by
+        the parent image and the layer's diff id."""
+        return self._then(Step("layer", make, what=what))
 
     def env(self, **values: str) -> Build:
         return self._then(Step("config", (("Env", tuple(f"{k}={v}" for k, v in values.items())),),
@@ -156,11 +176,11 @@ class Builder:
     def layer_step(self, image: Image, step: Step, number: int) -> Image:
         store = image.store
         blob = None
-        if step.kind == "copy":
-            blob = self.copy_blob(image, step)
-            key_parts: list[Any] = [image.id, "copy", blob.diff_id]
+        if step.kind == "layer":
+            blob = self.layer_blob(image, step)
+            key_parts: list[Any] = [image.id, "layer", blob.diff_id]
         else:
-            key_parts = [image.id, "run", list(step.args), repr(step.network)]
+            key_parts = [image.id, "run", list(step.args), repr(step.network), list(step.env)]
         key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()
         cached = _cache_get(store, key)
         if cached is not None:
@@ -190,10 +210,14 @@ class Builder:
 
         from .commit import commit_image
 
-        fields: dict[str, Any] = {"image": image.reference, "backend": "native", "write": ()}
+        fields: dict[str, Any] = {"image": image.reference, "backend": "native", "write": (), "env": dict(step.env)}
         if step.network is not None:
             fields["network"] = step.network
-        with isolate.Sandbox(isolate.Policy(**fields)) as box:
+        box = isolate.Sandbox(isolate.Policy(**fields))
+        # The step owns the image's files, as Docker's RUN is the image's root: a regular caller's store holds
+        # their files anyway; a root caller's are shown as the program's through an idmapped mount.
+        box._impl.image_as_owner = True  # type: ignore[attr-defined]
+        with box:
             result = box.exec(list(step.args), cwd=image.config.working_dir or "/")
             if self.progress is not None:
                 self.progress.write(result.stdout)
@@ -204,23 +228,25 @@ class Builder:
                                  + (f": {' | '.join(tail)[:400]}" if tail else ""))
             return commit_image(box, None, history=step.what, config={})
 
-    def copy_blob(self, image: Image, step: Step) -> LayerBlob:
-        source, destination, exclude, resolved = step.args
-        workdir = image.config.working_dir or "/"
-        target = destination if destination.startswith("/") else os.path.join(workdir, destination)
+    def layer_blob(self, image: Image, step: Step) -> LayerBlob:
         store = image.store
         store._ensure()
         path = os.path.join(store.path, "tmp", f"copy-{os.getpid()}-{threading.get_ident()}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        opened = resolved(source) if resolved is not None else _open_host(source)
         try:
-            into = destination.endswith("/") or len(opened) > 1
-            return write_copy(opened, target, path, into=into, exclude=exclude, what=step.what,
-                              existing=functools.partial(_existing, image.lower_dirs()))
-        finally:
-            for fd, _ in opened:
-                os.close(fd)
+            blob: LayerBlob = step.args(image, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return blob
+
+
+def _target(image: Image, destination: str) -> str:
+    """A destination in the image: relative ones from its working directory."""
+    workdir = image.config.working_dir or "/"
+    return os.path.normpath(destination if destination.startswith("/") else os.path.join(workdir, destination))
 
 
 def _existing(lowers: list[str], rel: str) -> os.stat_result | None:

@@ -109,6 +109,17 @@ def policy_config(base: Image, policy: Any) -> dict[str, Any]:
     return out
 
 
+def _owners(impl: Any) -> Any:
+    """A build step's files are the program's on the host: root's in the image (as they were shown to it)."""
+    user = impl.report_enforced.get("user") or {}
+    uid, gid = user.get("uid"), user.get("gid")
+
+    def owners(file_uid: int, file_gid: int) -> tuple[int, int]:
+        return 0 if file_uid == uid else file_uid, 0 if file_gid == gid else file_gid
+
+    return owners
+
+
 def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate commit_image",
                  config: Mapping[str, Any] | None = None) -> Image:
     """See ``Sandbox.commit_image``; ``config``: the config to set (default: the policy's, policy_config)."""
@@ -144,7 +155,8 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
         try:
             if _fd_identity(upper_fd) != host.identity:
                 raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")
-            blob = write_layer(upper_fd, path, what=f"commit_image {reference}", leave_out=leave_out)
+            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'}", leave_out=leave_out,
+                               owners=_owners(impl) if host.as_owner else None)
         finally:
             os.close(upper_fd)
     except BaseException:

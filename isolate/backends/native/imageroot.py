@@ -209,13 +209,16 @@ class HostUpper:
 
     state: str
     identity: tuple[int, int]  # the upper directory's (st_dev, st_ino) when it was made
+    #: A root caller's build step: the image's root-owned files are shown as the program's own (an idmapped
+    #: mount of the layers, 0 shown as the program's uid), as they are a regular caller's; commit maps back.
+    as_owner: bool = False
 
     @property
     def upper(self) -> str:
         return os.path.join(self.state, "upper")
 
 
-def make_host_upper(data_fd: int, data: str) -> HostUpper | None:
+def make_host_upper(data_fd: int, data: str, as_owner: bool = False) -> HostUpper | None:
     """Make ``image/upper`` and ``image/work`` in a kept sandbox's fresh data directory (its descriptor); None
     where its file system keeps no user.* extended attributes (the upper layer stays a tmpfs)."""
     from ...kernel.overlay import xattr_problem
@@ -231,7 +234,7 @@ def make_host_upper(data_fd: int, data: str) -> HostUpper | None:
         upper = os.stat("upper", dir_fd=state, follow_symlinks=False)
     finally:
         os.close(state)
-    return HostUpper(os.path.join(data, "image"), (upper.st_dev, upper.st_ino))
+    return HostUpper(os.path.join(data, "image"), (upper.st_dev, upper.st_ino), as_owner)
 
 
 def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: int, program_gid: int,
@@ -263,6 +266,11 @@ def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: i
             elif step.kind == lib.ISO_MOUNT_OVERLAY and step.flags & lib.ISO_MOUNT_F_IMAGE_ROOT:
                 step.fd = upper_fd
                 found += 1
+            elif (host.as_owner and os.geteuid() == 0 and step.kind == lib.ISO_MOUNT_BIND
+                  and ffi.string(step.target) == STAGING_LAYERS.encode()):
+                fds.append(_owned_layers(os.fsdecode(ffi.string(step.source))[len(mounts_mod.OLDROOT):],
+                                         program_uid, program_gid))
+                step.kind, step.fd = lib.ISO_MOUNT_MOVE, fds[-1]
         if found != 2:
             raise PolicyError("image: the plan has no image root to put the sandbox's upper layer under", "image")
     except BaseException:
@@ -270,3 +278,17 @@ def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: i
             os.close(fd)
         raise
     return fds
+
+
+def _owned_layers(layers_dir: str, program_uid: int, program_gid: int) -> int:
+    """An idmapped clone of the store's layers directory where root's files are the program's (consumed by the
+    child's move)."""
+    from ..._core import ffi
+    from ...kernel.overlay import _lower_userns
+
+    userns = _lower_userns(0, 0, program_uid, program_gid)
+    tree = int(lib.iso_open_idmapped_tree(os.fsencode(layers_dir), userns))
+    if tree < 0:
+        raise UnsupportedError(f"image: a build step owns the image's files through an idmapped mount of the store "
+                               f"({layers_dir}), and its file system takes none ({os.strerror(ffi.errno)})")
+    return tree

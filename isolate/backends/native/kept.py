@@ -129,6 +129,8 @@ class NativeSandbox:
         self.report_enforced: dict[str, Any] = {}
         #: A sandbox of an image: its upper layer on the host (imageroot.HostUpper; None: a private tmpfs).
         self.image_upper: Any = None
+        #: Set before start() by the image builder: the program owns the image's files (imageroot.HostUpper).
+        self.image_as_owner = False
         self.paused = False
         self.frozen = False
         self.resumed_at: float | None = None
@@ -180,7 +182,7 @@ class NativeSandbox:
                                                                             self.workspace, layers, self.start_from)
                 made_data = True
             if self.policy.image is not None:
-                self.image_upper = _make_image_upper(self.paths.data, self.data_identity)
+                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner)
                 if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
             listener = self._listen()
@@ -599,7 +601,7 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
         os.close(parent)
 
 
-def _make_image_upper(data: str, identity: tuple[int, int] | None) -> Any:
+def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: bool) -> Any:
     """A kept image sandbox's upper layer in its data directory (imageroot.make_host_upper), the directory
     opened without following a link and checked to be the one start() made."""
     from .imageroot import make_host_upper
@@ -608,7 +610,7 @@ def _make_image_upper(data: str, identity: tuple[int, int] | None) -> Any:
     try:
         if _fd_identity(data_fd) != identity:
             raise IsolationError(f"{data}: replaced while the sandbox was made")
-        return make_host_upper(data_fd, data)
+        return make_host_upper(data_fd, data, as_owner)
     finally:
         os.close(data_fd)
 

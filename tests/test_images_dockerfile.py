@@ -43,9 +43,10 @@ COPY --from=builder /work/out/result ${APP_HOME}/result
 ADD bundle.tar.gz /app/bundle/
 ADD notes.txt /app/
 COPY . /app/ctx/
+COPY src/*.txt notes.txt /app/txt/
 WORKDIR ${APP_HOME}
 ENTRYPOINT ["sh", "-c"]
-CMD ["cat result bundle/inside.txt notes.txt; ls ctx; echo $MODE"]
+CMD ["test ! -e ctx/src/secret.txt && cat result bundle/inside.txt notes.txt && ls ctx txt && echo $MODE"]
 """
 
 
@@ -92,7 +93,8 @@ def test_a_multi_stage_dockerfile_builds_an_image_whose_sandbox_runs_its_cmd(con
     assert "MODE=test" in image.config.env and image.config.user == "0"
     result = isolate.run([], policy=isolate.Policy(image="app:1", backend="native", write=()),
                          capture_output=True, text=True, timeout=60)
-    assert result.stdout == "from-builder\nhey\ninside\nnotes\nbundle.tar.gz\nkeep.log\nnotes.txt\nsrc\ntest\n", (
+    assert result.stdout == ("from-builder\nhey\ninside\nnotes\nctx:\nbundle.tar.gz\nkeep.log\nnotes.txt\nsrc\n\n"
+                             "txt:\na.txt\nnotes.txt\ntest\n"), (
         result.stdout + result.stderr)
     # Unchanged, built again: nothing runs, the same image.
     again = Stats()

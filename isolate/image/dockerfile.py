@@ -245,9 +245,17 @@ def _matches(root_fd: int, pattern: str, what: str) -> list[str]:
     head, tail = os.path.split(clean)
     if not any(c in tail for c in "*?["):
         return [clean]
-    parent, name = open_beneath(root_fd, os.path.join(head, "x"), what) if head else (os.dup(root_fd), "x")
+    if head:
+        above, name = open_beneath(root_fd, head, what)
+        try:
+            parent = os.open(name, _DIR_FLAGS, dir_fd=above)
+        except OSError as exc:
+            raise DockerfileError(f"{what}: {head!r} is a link or no directory: refused ({exc.strerror})") from None
+        finally:
+            os.close(above)
+    else:
+        parent = os.dup(root_fd)
     try:
-        del name
         found = sorted(n for n in os.listdir(parent) if fnmatch.fnmatchcase(n, tail))
     finally:
         os.close(parent)
@@ -272,16 +280,16 @@ def _copy_layer(root: str, patterns: list[str], destination: str, what: str,
             if not opened:
                 raise DockerfileError(f"{what}: no source left (.dockerignore leaves them all out)")
 
-            def exclude_under(prefix: str, rel: str) -> bool:
-                return ignored(rules, os.path.normpath(os.path.join(prefix, rel)))
+            kept = [rel for rel in names if not (rules and ignored(rules, rel))]
 
-            exclude = None
-            if rules and len(names) == 1:
-                exclude = functools.partial(exclude_under, names[0])
+            def exclude(rel: str) -> bool:  # rel: context-relative (write_copy's prefixes)
+                return ignored(rules, os.path.normpath(rel))
+
             into = destination.endswith("/") or len(opened) > 1
             if len(opened) > 1 and not destination.endswith("/"):
                 raise DockerfileError(f"{what}: several sources need a destination ending in /")
-            return write_copy(opened, _target(image, destination), out, into=into, exclude=exclude, what=what,
+            return write_copy(opened, _target(image, destination), out, into=into,
+                              exclude=exclude if rules else None, what=what, prefixes=kept,
                               existing=functools.partial(_existing, image.lower_dirs()))
         finally:
             for fd, _ in opened:
@@ -318,8 +326,13 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
                     info = tarfile.TarInfo("/".join(parts[:i]))
                     info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
                     tar.addfile(info)
+                total = 0
                 with tarfile.open(fileobj=handle, mode="r|*") as archive:
                     for member in archive:
+                        total += max(member.size, 0)
+                        if total > image.store.max_image_size:
+                            raise DockerfileError(f"{what}: {source} unpacks past max_image_size "
+                                                  f"({image.store.max_image_size} bytes): refused")
                         rel = entry_name(member.name, what)
                         if not rel:
                             continue

@@ -110,12 +110,14 @@ def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[i
 
 def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, into: bool,
                exclude: Callable[[str], bool] | None = None, what: str = "copy",
-               existing: Callable[[str], os.stat_result | None] | None = None) -> LayerBlob:
+               existing: Callable[[str], os.stat_result | None] | None = None,
+               prefixes: list[str] | None = None) -> LayerBlob:
     """A layer of host files (``sources``: (directory descriptor, name) pairs) put at ``destination`` (absolute)
     as COPY puts them: a directory's contents into it, a file (or link, never followed) at it, or into it when
     ``into``. Owned by root, modification times 0 (the layer depends on names, contents and modes only), the
     directories on the way as the image has them (``existing(rel)``: its node there, or None), else made 0755
-    root's. ``exclude``: names (relative to a source directory) left out."""
+    root's. ``exclude``: paths left out, relative to a source directory, or prefixed with that source's entry of
+    ``prefixes`` when given (a build context's paths)."""
     target = destination.strip("/")
 
     def fill(tar: tarfile.TarFile) -> None:
@@ -131,10 +133,12 @@ def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, i
                 info = tarfile.TarInfo(rel)
                 info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
             writer.add(info)
-        for dir_fd, name in sources:
+        for number, (dir_fd, name) in enumerate(sources):
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                prefix = prefixes[number].strip("/") if prefixes else ""
+                writer.source_prefix = f"{prefix}/" if prefix and prefix != "." else ""
                 try:
                     writer.tree(child, target + "/" if target else "", 1)
                 finally:

@@ -14,6 +14,7 @@ from conftest import NAMESPACES_WHY
 import isolate
 from isolate.image import Image, Store
 from isolate.image.build import BuildError, Stats
+from isolate.image.push import export_layer
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
@@ -64,6 +65,11 @@ def test_a_three_step_build_runs_each_step_and_a_second_build_reuses_them(base: 
     # A step's files are the image's root's, as the files it was shown (a regular caller's store: theirs).
     combined = os.lstat(os.path.join(image.lower_dirs()[0], "app", "combined"))
     assert combined.st_uid == os.geteuid()
+    # Each layer built here, written again for a push, is the very blob built: the image keeps its digests.
+    for layer in image.layers[1:]:
+        blob = export_layer(image, layer)
+        os.unlink(blob.path)
+        assert blob.digest == layer
     # Unchanged: every step's layer comes from the cache, nothing runs, the same image.
     second = Stats()
     again = _steps(base, source).build("built:2", stats=second)

@@ -213,7 +213,7 @@ class Builder:
         fields: dict[str, Any] = {"image": image.reference, "backend": "native", "write": (), "env": dict(step.env)}
         if step.network is not None:
             fields["network"] = step.network
-        box = isolate.Sandbox(isolate.Policy(**fields))
+        box = isolate.Sandbox(isolate.Policy(**fields), image_upper="disk")
         # The step owns the image's files, as Docker's RUN is the image's root: a regular caller's store holds
         # their files anyway; a root caller's are shown as the program's through an idmapped mount.
         box._impl.image_as_owner = True  # type: ignore[attr-defined]

@@ -133,8 +133,8 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
         raise UnsupportedError("commit_image: only a native sandbox's upper layer is read back; use backend='native'")
     host = impl.image_upper
     if host is None:
-        raise UnsupportedError("commit_image: this sandbox's upper layer is a private tmpfs: its state directory's "
-                               "file system keeps no user.* extended attributes (XDG_STATE_HOME can move it)")
+        raise UnsupportedError("commit_image: this sandbox's writes to its image live in a private tmpfs, which "
+                               "the host cannot read; start it with isolate.Sandbox(..., image_upper='disk')")
     pid = impl._init_pid()
     if pid is None:
         raise IsolationError("commit_image: the sandbox is no longer running")

@@ -218,17 +218,18 @@ class HostUpper:
         return os.path.join(self.state, "upper")
 
 
-def make_host_upper(data_fd: int, data: str, as_owner: bool = False) -> HostUpper | None:
-    """Make ``image/upper`` and ``image/work`` in a kept sandbox's fresh data directory (its descriptor); None
-    where its file system keeps no user.* extended attributes (the upper layer stays a tmpfs)."""
+def make_host_upper(data_fd: int, data: str, as_owner: bool = False) -> HostUpper:
+    """Make ``image/upper`` and ``image/work`` in a kept sandbox's fresh data directory (its descriptor); refused
+    where its file system keeps no user.* extended attributes (overlayfs's metadata in the upper layer)."""
     from ...kernel.overlay import xattr_problem
 
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     os.mkdir("image", 0o700, dir_fd=data_fd)
     state = os.open("image", flags, dir_fd=data_fd)
     try:
-        if xattr_problem(state, os.path.join(data, "image")):
-            return None
+        problem = xattr_problem(state, os.path.join(data, "image"))
+        if problem:
+            raise UnsupportedError(f"image_upper='disk': {problem}")
         os.mkdir("upper", 0o755, dir_fd=state)
         os.mkdir("work", 0o700, dir_fd=state)
         upper = os.stat("upper", dir_fd=state, follow_symlinks=False)

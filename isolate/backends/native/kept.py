@@ -129,6 +129,8 @@ class NativeSandbox:
         self.report_enforced: dict[str, Any] = {}
         #: A sandbox of an image: its upper layer on the host (imageroot.HostUpper; None: a private tmpfs).
         self.image_upper: Any = None
+        #: Sandbox(image_upper="disk"): the upper layer in the state directory (commit_image reads it there).
+        self.image_upper_wanted = False
         #: Set before start() by the image builder: the program owns the image's files (imageroot.HostUpper).
         self.image_as_owner = False
         self.paused = False
@@ -177,11 +179,12 @@ class NativeSandbox:
         try:
             if self.workspace.mode == "overlay":
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
-            if self.workspace.mode in ("copy", "overlay") or self.policy.image is not None:
+            on_disk = self.policy.image is not None and self.image_upper_wanted
+            if self.workspace.mode in ("copy", "overlay") or on_disk:
                 self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
                                                                             self.workspace, layers, self.start_from)
                 made_data = True
-            if self.policy.image is not None:
+            if on_disk:
                 self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner)
                 if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))

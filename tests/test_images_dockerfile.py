@@ -101,6 +101,11 @@ def test_a_multi_stage_dockerfile_builds_an_image_whose_sandbox_runs_its_cmd(con
     assert Image.from_dockerfile(context / "Dockerfile", context, build_args={"GREETING": "hey"}, stats=again).id \
         == image.id
     assert again.ran == 0 and again.cached > 0
+    # Another network for the RUN steps is another step: they run again, with it.
+    other = Stats()
+    Image.from_dockerfile(context / "Dockerfile", context, build_args={"GREETING": "hey"}, stats=other,
+                          network="loopback")
+    assert other.ran == 2
     # The CLI builds it too (cached), and names its image.
     built = subprocess.run([ISOLATE_RUN, "image", "build", "-q", "-t", "app:2", "--build-arg", "GREETING=hey",
                             str(context)], capture_output=True, text=True, timeout=120)

@@ -56,6 +56,9 @@ def _parser() -> UsageParser:
     build.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE")
     build.add_argument("--target", help="the stage to build (default: the last)")
     build.add_argument("-q", "--quiet", action="store_true", help="no step lines and no output of RUN steps")
+    build.add_argument("--net", choices=("none", "loopback", "host"), help="every RUN step's network (default: none)")
+    build.add_argument("--allow-host", action="append", default=[], metavar="NAME[:PORT]",
+                       help="let RUN steps reach this name (repeatable): a filtered network, as isolate-run's")
     ls = commands.add_parser("ls", help="list the images")
     ls.add_argument("--json", action="store_true")
     inspect = commands.add_parser("inspect", help="an image's record as JSON")
@@ -98,8 +101,15 @@ def image_main(argv: Sequence[str]) -> int:
                     value = os.environ.get(key, "")
                 build_args[key] = value
             path = options.file or os.path.join(options.context, "Dockerfile")
+            network: object = options.net
+            if options.allow_host:
+                from ..model.policy import Egress
+
+                if options.net:
+                    raise UsageError(f"--allow-host filters the network; it cannot go with --net {options.net}")
+                network = Egress(tuple(options.allow_host))
             image = Image.from_dockerfile(path, options.context, reference=options.tag, build_args=build_args,
-                                          target=options.target, store=store,
+                                          target=options.target, store=store, network=network,
                                           progress=None if options.quiet else sys.stderr)
             print(f"built {image.reference} ({image.short_id})")
         elif options.action == "ls":

@@ -289,13 +289,14 @@ class Image:
     def from_dockerfile(cls, path: str | os.PathLike[str], context: str | os.PathLike[str] = ".", *,
                         reference: str | None = None, build_args: dict[str, str] | None = None,
                         target: str | None = None, store: Store | None = None, progress: TextIO | None = None,
-                        stats: Any = None) -> Image:
+                        stats: Any = None, network: Any = None) -> Image:
         """Build the Dockerfile at ``path`` over the directory ``context`` (dockerfile.py); kept as
-        ``reference`` (default: ``localhost/isolate-build:ID``). ``stats``: a ``build.Stats`` to fill."""
+        ``reference`` (default: ``localhost/isolate-build:ID``). ``stats``: a ``build.Stats`` to fill;
+        ``network``: every RUN's (none by default, "host", or an ``isolate.Egress``)."""
         from .dockerfile import from_dockerfile
 
         return from_dockerfile(path, context, build_args=build_args, target=target, reference=reference,
-                               store=store, progress=progress, stats=stats)
+                               store=store, progress=progress, stats=stats, network=network)
 
     def _build(self) -> Build:
         from .build import Build

@@ -379,8 +379,9 @@ def _is_archive(context: str, source: str, what: str) -> bool:
 def from_dockerfile(path: str | os.PathLike[str], context: str | os.PathLike[str], *,
                     build_args: Mapping[str, str] | None = None, target: str | None = None,
                     reference: str | None = None, store: Store | None = None, progress: IO[str] | None = None,
-                    stats: Stats | None = None) -> Image:
-    """Build the Dockerfile at ``path`` over ``context`` (its last stage, or ``target``); kept as ``reference``."""
+                    stats: Stats | None = None, network: Any = None) -> Image:
+    """Build the Dockerfile at ``path`` over ``context`` (its last stage, or ``target``); kept as ``reference``.
+    ``network``: the network of every RUN (a Policy's: "none" by default, "host", or an ``isolate.Egress``)."""
     path, context = os.fspath(path), os.path.realpath(os.fspath(context))
     if not os.path.isdir(context):
         raise DockerfileError(f"{context}: the build context must be a directory")
@@ -415,7 +416,7 @@ def from_dockerfile(path: str | os.PathLike[str], context: str | os.PathLike[str
     for number, stage in enumerate(stages):
         last = number == len(stages) - 1
         image = _build_stage(stage, built, store, context, rules, given, global_args,
-                             reference if last else None, progress, stats)
+                             reference if last else None, progress, stats, network)
         built[str(number)] = image
         if stage.name:
             built[stage.name] = image
@@ -454,7 +455,7 @@ def scratch(store: Store) -> Image:
 
 def _build_stage(stage: Stage, built: Mapping[str, Image], store: Store, context: str,
                  rules: list[tuple[bool, re.Pattern[str]]], given: Mapping[str, str], global_args: Mapping[str, str],
-                 reference: str | None, progress: IO[str] | None, stats: Stats | None) -> Image:
+                 reference: str | None, progress: IO[str] | None, stats: Stats | None, network: Any) -> Image:
     base = _base(stage, built, store)
     build = Build(base, store=store)
     env = base.config.environment()
@@ -469,7 +470,7 @@ def _build_stage(stage: Stage, built: Mapping[str, Image], store: Store, context
         what = f"{ins.where}:{ins.line}: {ins.name}"
         if ins.name == "RUN":
             argv = ins.json_form()
-            build = build.run(argv if argv is not None else ins.value, env=args, shell=shell)
+            build = build.run(argv if argv is not None else ins.value, env=args, shell=shell, network=network)
         elif ins.name in ("CMD", "ENTRYPOINT"):
             argv = ins.json_form()
             build = build.config(**{"Cmd" if ins.name == "CMD" else "Entrypoint":

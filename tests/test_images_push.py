@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import base64
+import http.server
 import io
+import json
 import os
 import shutil
 import stat
 import subprocess
+import threading
+import urllib.parse
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import imagekit as kit
 import pytest
@@ -97,3 +104,80 @@ def test_the_cli_pushes(registry: str, tmp_path: Path) -> None:
     back = Image.pull(ref, store=Store(tmp_path / "two"))
     assert tree(back.lower_dirs()[1]) == tree(image.lower_dirs()[1])
 
+
+
+class _PushStandIn(http.server.BaseHTTPRequestHandler):
+    """A registry that takes pushes with Basic auth, and sends uploads to another host (its storage)."""
+
+    blobs: dict[str, bytes]
+    manifests: dict[str, bytes]
+    seen: list[tuple[str, str, str, str | None]]  # (method, host header, path, Authorization)
+    port: int
+    want = "Basic " + base64.b64encode(b"alice:s3cret").decode()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _allowed(self, method: str) -> bool:
+        auth = self.headers.get("Authorization")
+        self.seen.append((method, self.headers.get("Host", ""), self.path, auth))
+        if self.path.startswith("/storage/"):
+            return True  # the storage host takes what the registry sent there, with no credentials
+        if auth != self.want:
+            self._send(401, {"WWW-Authenticate": 'Basic realm="standin"'})
+            return False
+        return True
+
+    def do_HEAD(self) -> None:
+        if self._allowed("HEAD"):
+            self._send(200 if self.path.rsplit("/", 1)[1] in self.blobs else 404)
+
+    def do_POST(self) -> None:
+        if self._allowed("POST"):
+            self._send(202, {"Location": f"http://localhost:{self.port}/storage/{uuid.uuid4().hex}"})
+
+    def do_PUT(self) -> None:
+        if not self._allowed("PUT"):
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        url = urllib.parse.urlsplit(self.path)
+        if url.path.startswith("/storage/"):
+            digest = urllib.parse.parse_qs(url.query)["digest"][0]
+            assert kit.digest(body) == digest
+            self.blobs[digest] = body
+        else:
+            self.manifests[url.path.rsplit("/", 1)[1]] = body
+        self._send(201)
+
+
+def test_a_push_authenticates_and_never_sends_credentials_to_another_host(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    handler = type("Handler", (_PushStandIn,), {"blobs": {}, "manifests": {}, "seen": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler.port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        docker_config = tmp_path / "docker"
+        docker_config.mkdir()
+        (docker_config / "config.json").write_text(json.dumps(
+            {"auths": {f"127.0.0.1:{handler.port}": {"auth": base64.b64encode(b"alice:s3cret").decode()}}}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
+        monkeypatch.setenv("HOME", str(tmp_path))
+        monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        image = _image(tmp_path)
+        digest = image.push(f"127.0.0.1:{handler.port}/team/app:1")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert kit.digest(handler.manifests["1"]) == digest and len(handler.blobs) == 3
+    storage = [s for s in handler.seen if s[2].startswith("/storage/")]
+    assert storage and all(auth is None and host.startswith("localhost:") for _, host, _, auth in storage)
+    assert any(auth == handler.want for method, _, _, auth in handler.seen if method == "PUT")

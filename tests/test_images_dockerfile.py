@@ -133,6 +133,12 @@ def test_sources_never_leave_the_context(context: Path, tmp_path: Path) -> None:
         (context / "Dockerfile").write_text(f"FROM base:1\n{line}\n")
         with pytest.raises(DockerfileError, match=why):
             Image.from_dockerfile(context / "Dockerfile", context)
+    # An archive's entry named as a whiteout would delete a file of the image: refused.
+    with tarfile.open(context / "evil.tar", "w") as tar:
+        tar.addfile(tarfile.TarInfo("bin/.wh.sh"))
+    (context / "Dockerfile").write_text("FROM base:1\nADD evil.tar /\n")
+    with pytest.raises(DockerfileError, match="whiteout"):
+        Image.from_dockerfile(context / "Dockerfile", context)
     # A link that is itself a source is copied as the link, never followed.
     (context / "Dockerfile").write_text("FROM base:1\nCOPY host-file /app/host-file\n")
     image = Image.from_dockerfile(context / "Dockerfile", context)

@@ -336,6 +336,9 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
                         rel = entry_name(member.name, what)
                         if not rel:
                             continue
+                        if rel.rsplit("/", 1)[-1].startswith(".wh."):
+                            raise DockerfileError(f"{what}: {member.name!r} in {source}: a name an OCI layer reads as "
+                                                  "a whiteout: refused")
                         if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
                             raise DockerfileError(f"{what}: {member.name!r} in {source} is a device or FIFO: "
                                                   "refused")

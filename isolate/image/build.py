@@ -46,7 +46,7 @@ class BuildError(IsolationError):
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # run, copy, config
+    kind: str  # run, layer (its args: what writes it), config
     args: Any
     network: Any = None
     what: str = ""

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
 
 
+_PROBED: dict[str, str] = {}
+
+
 @pytest.fixture()
 def base(tmp_path: Path) -> Iterator[Image]:
     saved = os.environ.get("ISOLATE_IMAGE_STORE")
@@ -30,10 +33,14 @@ def base(tmp_path: Path) -> Iterator[Image]:
                    Env=["PATH=/usr/local/bin:/bin"])
     try:
         image = Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
-        try:
-            image.run("true").build()
-        except isolate.UnsupportedError as exc:  # an upper layer the host cannot read back, or no idmapped mount
-            pytest.skip(f"this host builds no image: {exc}")
+        if _PROBED.get("why") is None:
+            try:
+                image.run("true").build()
+                _PROBED["why"] = ""
+            except isolate.UnsupportedError as exc:  # an upper layer the host cannot read back, no idmapped mount
+                _PROBED["why"] = str(exc)
+        if _PROBED["why"]:
+            pytest.skip(f"this host builds no image: {_PROBED['why']}")
         yield image
     finally:
         if saved is None:

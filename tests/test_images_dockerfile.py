@@ -56,11 +56,7 @@ def context(tmp_path: Path) -> Iterator[Path]:
     os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
     extra = [{"name": "app", "type": "dir", "mode": 0o777}]
     kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1", Env=["PATH=/bin"])
-    base = Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
-    try:
-        base.run("true").build()
-    except isolate.UnsupportedError as exc:  # an upper layer the host cannot read back, or no idmapped mount
-        pytest.skip(f"this host builds no image: {exc}")
+    Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
     ctx = tmp_path / "ctx"
     (ctx / "src").mkdir(parents=True)
     (ctx / "src" / "a.txt").write_text("from-builder\n")
@@ -86,8 +82,11 @@ def context(tmp_path: Path) -> Iterator[Path]:
 
 def test_a_multi_stage_dockerfile_builds_an_image_whose_sandbox_runs_its_cmd(context: Path, tmp_path: Path) -> None:
     stats = Stats()
-    image = Image.from_dockerfile(context / "Dockerfile", context, reference="app:1", build_args={"GREETING": "hey"},
-                                  stats=stats)
+    try:
+        image = Image.from_dockerfile(context / "Dockerfile", context, reference="app:1",
+                                      build_args={"GREETING": "hey"}, stats=stats)
+    except isolate.UnsupportedError as exc:  # an upper layer the host cannot read back, or no idmapped mount
+        pytest.skip(f"this host builds no image: {exc}")
     assert stats.ran == 2
     assert image.config.entrypoint == ("sh", "-c") and image.config.working_dir == "/app"
     assert "MODE=test" in image.config.env and image.config.user == "0"
@@ -113,14 +112,16 @@ def test_a_multi_stage_dockerfile_builds_an_image_whose_sandbox_runs_its_cmd(con
     assert Image.get("app:2").id == image.id
 
 
-@pytest.mark.parametrize("instruction", ["HEALTHCHECK NONE", "ONBUILD RUN true", "STOPSIGNAL 9", "VOLUME /data"])
-def test_an_unsupported_instruction_names_itself_and_its_line(context: Path, instruction: str) -> None:
-    (context / "Dockerfile").write_text(f"FROM base:1\nRUN true\n{instruction}\n")
-    with pytest.raises(DockerfileError, match=rf"^Dockerfile:3: {instruction.split()[0]}: not supported"):
-        Image.from_dockerfile(context / "Dockerfile", context)
-    cli = subprocess.run([ISOLATE_RUN, "image", "build", str(context)], capture_output=True, text=True, timeout=60)
+def test_an_unsupported_instruction_names_itself_and_its_line(tmp_path: Path) -> None:
+    # Refused while the file is read: nothing is pulled, built or run.
+    for instruction in ["HEALTHCHECK NONE", "ONBUILD RUN true", "STOPSIGNAL 9", "VOLUME /data", "MAINTAINER x"]:
+        (tmp_path / "Dockerfile").write_text(f"FROM base:1\nRUN true \\\n  && true\n{instruction}\n")
+        with pytest.raises(DockerfileError, match=rf"^Dockerfile:4: {instruction.split()[0]}: not supported"):
+            Image.from_dockerfile(tmp_path / "Dockerfile", tmp_path, store=Store(tmp_path / "store"))
+    cli = subprocess.run([ISOLATE_RUN, "image", "build", "--image-store", str(tmp_path / "store"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
     assert cli.returncode == 125 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
-    assert f"Dockerfile:3: {instruction.split()[0]}" in cli.stderr
+    assert "Dockerfile:4: MAINTAINER: not supported" in cli.stderr
 
 
 def test_sources_never_leave_the_context(context: Path, tmp_path: Path) -> None:

@@ -203,6 +203,7 @@ HOST_INDEPENDENT = frozenset({
     "test_csrc_layers.py",
     "test_docker.py",
     "test_examples.py",
+    "test_images_push.py",
     "test_images_trust.py",
     "test_inspect.py",
     "test_kubernetes.py",

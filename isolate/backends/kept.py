@@ -110,9 +110,16 @@ class KeptBackend(Protocol):
 
 
 def make_backend(backend: str, policy: Policy, workspace: Workspace, mounts: tuple[Mount, ...], name: str | None,
-                 ttl: float | None, idle_timeout: float | None, start_from: Any = None) -> KeptBackend:
+                 ttl: float | None, idle_timeout: float | None, start_from: Any = None,
+                 image_upper: str = "tmpfs") -> KeptBackend:
     """The kept sandbox of that backend ("native" or "docker"), not started; ``start_from``: a snapshot whose
-    files it starts with (native only)."""
+    files it starts with (native only); ``image_upper``: "disk" keeps an image's upper layer in the state
+    directory, where commit_image reads it (native only)."""
+    if backend == "docker" and image_upper != "tmpfs" and policy.image is not None:
+        from ..model.errors import UnsupportedError
+
+        raise UnsupportedError("image_upper='disk': the Docker backend's container keeps its own layers; use "
+                               "backend='native'")
     if backend == "docker":
         if start_from is not None:
             from ..model.errors import UnsupportedError
@@ -125,7 +132,9 @@ def make_backend(backend: str, policy: Policy, workspace: Workspace, mounts: tup
         return DockerKept(policy, workspace, mounts, name, ttl, idle_timeout)
     from .native.kept import NativeSandbox
 
-    return NativeSandbox(policy, workspace, mounts, name, ttl, idle_timeout, start_from)
+    sandbox = NativeSandbox(policy, workspace, mounts, name, ttl, idle_timeout, start_from)
+    sandbox.image_upper_wanted = image_upper == "disk"
+    return sandbox
 
 
 def attach_backend(name: str, ping: bool = True) -> KeptBackend:

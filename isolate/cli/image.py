@@ -2,6 +2,8 @@
 
     isolate-run image load PATH [--ref REF]     a docker save archive, an OCI layout (directory or tar)
     isolate-run image pull REF [--cert-dir DIR] from a registry (OCI distribution API)
+    isolate-run image push REF [--to DEST] [--cert-dir DIR]  to a registry (its own name, or DEST)
+    isolate-run image build [-f FILE] [-t REF] [--build-arg K=V] [--target STAGE] CONTEXT
     isolate-run image ls [--json]
     isolate-run image inspect REF
     isolate-run image rm REF...
@@ -45,6 +47,22 @@ def _parser() -> UsageParser:
     pull.add_argument("--cert-dir", metavar="DIR", help="the registry's CAs (*.crt) and client certificate "
                       "(NAME.cert, NAME.key), instead of ~/.config/containers/certs.d/HOST:PORT, "
                       "/etc/containers/certs.d/HOST:PORT, /etc/docker/certs.d/HOST:PORT")
+    push = commands.add_parser("push", help="push an image to a registry")
+    push.add_argument("ref")
+    push.add_argument("--to", metavar="DEST", help="the reference to push to (default: the image's own)")
+    push.add_argument("--insecure", action="store_true", help="plain HTTP to this registry (never needed for "
+                      "loopback)")
+    push.add_argument("--cert-dir", metavar="DIR", help="the registry's CAs and client certificate (as for pull)")
+    build = commands.add_parser("build", help="build a Dockerfile (each RUN in a sandbox, each step cached)")
+    build.add_argument("context")
+    build.add_argument("-f", "--file", help="the Dockerfile (default: CONTEXT/Dockerfile)")
+    build.add_argument("-t", "--tag", help="the reference to keep the image as")
+    build.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE")
+    build.add_argument("--target", help="the stage to build (default: the last)")
+    build.add_argument("-q", "--quiet", action="store_true", help="no step lines and no output of RUN steps")
+    build.add_argument("--net", choices=("none", "loopback", "host"), help="every RUN step's network (default: none)")
+    build.add_argument("--allow-host", action="append", default=[], metavar="NAME[:PORT]",
+                       help="let RUN steps reach this name (repeatable): a filtered network, as isolate-run's")
     ls = commands.add_parser("ls", help="list the images")
     ls.add_argument("--json", action="store_true")
     inspect = commands.add_parser("inspect", help="an image's record as JSON")
@@ -52,7 +70,7 @@ def _parser() -> UsageParser:
     rm = commands.add_parser("rm", help="remove images (their layers stay until prune)")
     rm.add_argument("refs", nargs="+")
     commands.add_parser("prune", help="remove the layers no image names")
-    for sub in (load, pull, ls, inspect, rm):
+    for sub in (load, pull, push, build, ls, inspect, rm):
         sub.add_argument("--image-store", metavar="DIR", default=argparse.SUPPRESS)
     return parser
 
@@ -76,6 +94,29 @@ def image_main(argv: Sequence[str]) -> int:
                                cert_dir=options.cert_dir)
             print(f"pulled {image.reference} ({image.short_id}, {len(image.layers)} layers, "
                   f"{_megabytes(image.size)})")
+        elif options.action == "push":
+            image = Image.get(options.ref, store)
+            digest = image.push(options.to, insecure=options.insecure, cert_dir=options.cert_dir, progress=sys.stderr)
+            print(f"pushed {options.to or image.reference}@{digest}")
+        elif options.action == "build":
+            build_args = {}
+            for item in options.build_arg:
+                key, sep, value = item.partition("=")
+                if not sep:
+                    value = os.environ.get(key, "")
+                build_args[key] = value
+            path = options.file or os.path.join(options.context, "Dockerfile")
+            network: object = options.net
+            if options.allow_host:
+                from ..model.policy import Egress
+
+                if options.net:
+                    raise UsageError(f"--allow-host filters the network; it cannot go with --net {options.net}")
+                network = Egress(tuple(options.allow_host))
+            image = Image.from_dockerfile(path, options.context, reference=options.tag, build_args=build_args,
+                                          target=options.target, store=store, network=network,
+                                          progress=None if options.quiet else sys.stderr)
+            print(f"built {image.reference} ({image.short_id})")
         elif options.action == "ls":
             images = Image.list(store)
             if options.json:

@@ -17,13 +17,16 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..model.errors import IsolationError
 from .archive import Found, parse_json, read_archive
 from .reference import Reference
 from .store import DEFAULT_MAX_IMAGE_SIZE, Store, check_stack
 from .unpack import BadImageError, LayerIndex
+
+if TYPE_CHECKING:
+    from .build import Build
 
 __all__ = ["BadImageError", "Image", "ImageConfig", "Reference", "Store"]
 
@@ -268,6 +271,62 @@ class Image:
             image = cls._add(store, found, source, found.reference, f"image {found.reference}")
         print(shown.figures(len(image.layers)), file=progress)
         return image
+
+    def push(self, reference: str | None = None, *, insecure: bool = False, login: tuple[str, str] | None = None,
+             cert_dir: str | None = None, progress: TextIO | None = None) -> str:
+        """Push this image to ``reference`` (default: its own name) over the OCI distribution API, with the rules
+        and credentials of ``pull``; the manifest's digest there. Blobs the registry holds are not sent."""
+        from .push import push
+
+        started = time.monotonic()
+        pushed = push(self, reference, insecure=insecure, login=login, cert_dir=cert_dir)
+        if progress is not None:
+            print(f"push {pushed.reference}: {pushed.uploaded} blobs sent, {pushed.present} already there, "
+                  f"{pushed.bytes_sent / 1e6:.1f} MB in {time.monotonic() - started:.2f} s", file=progress)
+        return pushed.digest
+
+    # -- building (build.py) -----------------------------------------------------
+
+    @classmethod
+    def from_registry(cls, reference: str, *, store: Store | None = None, insecure: bool = False) -> Build:
+        """A build starting from ``reference`` (pulled when the store lacks it): add steps, then ``.build()``."""
+        from .build import Build
+
+        return Build(reference, store=store, insecure=insecure)
+
+    @classmethod
+    def from_dockerfile(cls, path: str | os.PathLike[str], context: str | os.PathLike[str] = ".", *,
+                        reference: str | None = None, build_args: dict[str, str] | None = None,
+                        target: str | None = None, store: Store | None = None, progress: TextIO | None = None,
+                        stats: Any = None, network: Any = None) -> Image:
+        """Build the Dockerfile at ``path`` over the directory ``context`` (dockerfile.py); kept as
+        ``reference`` (default: ``localhost/isolate-build:ID``). ``stats``: a ``build.Stats`` to fill;
+        ``network``: every RUN's (none by default, "host", or an ``isolate.Egress``)."""
+        from .dockerfile import from_dockerfile
+
+        return from_dockerfile(path, context, build_args=build_args, target=target, reference=reference,
+                               store=store, progress=progress, stats=stats, network=network)
+
+    def _build(self) -> Build:
+        from .build import Build
+
+        return Build(self, store=self.store)
+
+    def run(self, command: str | Sequence[str], *, network: Any = None) -> Build:
+        """A build step: ``command`` run in a sandbox of this image (see build.py)."""
+        return self._build().run(command, network=network)
+
+    def copy(self, source: str | os.PathLike[str], destination: str) -> Build:
+        return self._build().copy(source, destination)
+
+    def env(self, **values: str) -> Build:
+        return self._build().env(**values)
+
+    def workdir(self, path: str) -> Build:
+        return self._build().workdir(path)
+
+    def user(self, user: str) -> Build:
+        return self._build().user(user)
 
     # -- keeping ----------------------------------------------------------------
 

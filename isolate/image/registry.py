@@ -304,7 +304,7 @@ class Client:
         return RegistryError(f"registry {self.registry}: the TLS certificate of {netloc} is not trusted "
                              f"({problem}): {where}")
 
-    def _send(self, url: str, headers: dict[str, str]) -> _Response:
+    def _send(self, url: str, headers: dict[str, str], method: str = "GET", body: Any = None) -> _Response:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https"):
             raise RegistryError(f"registry {self.registry}: a redirect to {parts.scheme}: refused")
@@ -315,7 +315,7 @@ class Client:
         connection = self._connect(parts.scheme, parts.netloc)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         try:
-            connection.request("GET", path or "/", headers={"User-Agent": "isolate", **headers})
+            connection.request(method, path or "/", body=body, headers={"User-Agent": "isolate", **headers})
             response = connection.getresponse()
         except ssl.SSLCertVerificationError as exc:
             connection.close()
@@ -357,6 +357,39 @@ class Client:
             response.close()
             raise RegistryError(f"registry {self.registry}: unauthorized for {path} (credentials from "
                                 "docker/podman login, e.g. ~/.docker/config.json)")
+        return response
+
+    def send(self, method: str, url: str, headers: dict[str, str] | None = None, body: Any = None,
+             scope: str = "") -> _Response:
+        """One request that is not a GET (a push's HEAD, POST, PUT, PATCH) to ``url`` (a path of the registry, or
+        an upload's location): no redirect followed, the authorization sent only to the registry's own host, a
+        401 answered once (``body``: bytes, or a file the retry reads again from where it was)."""
+        url = urllib.parse.urljoin(self._base() + "/", url)
+        own = urllib.parse.urlsplit(self._base()).netloc
+        start = body.tell() if hasattr(body, "tell") else None
+        for attempt in range(2):
+            sent = dict(headers or {})
+            if self.auth and urllib.parse.urlsplit(url).netloc == own:
+                sent["Authorization"] = self.auth
+            try:
+                response = self._send(url, sent, method, body)
+            except ConnectionError as exc:
+                raise RegistryError(f"registry {self.registry}: {exc.args[0]}") from None
+            if response.status != 401 or attempt:
+                break
+            if response.netloc != own:
+                response.close()
+                raise RegistryError(f"registry {self.registry}: {response.netloc} asks for credentials: never sent "
+                                    "to another host")
+            challenge = response.headers.get("WWW-Authenticate", "")
+            response.close()
+            self._authenticate(challenge, scope)
+            if start is not None:
+                body.seek(start)
+        if response.status == 401:
+            response.close()
+            raise RegistryError(f"registry {self.registry}: unauthorized to {method} {urllib.parse.urlsplit(url).path}"
+                                " (credentials from docker/podman login, e.g. ~/.docker/config.json)")
         return response
 
     def _follow(self, url: str, headers: dict[str, str]) -> _Response:

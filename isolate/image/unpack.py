@@ -301,6 +301,8 @@ class _Unpacker:
                 self.index.others.append(rel)
             elif member.isfifo():
                 os.mkfifo(name, mode, dir_fd=dir_fd)
+                os.chmod(name, mode, dir_fd=dir_fd)  # not the umask's: a layer exported again is the same
+                self.own(dir_fd, name, member)
                 self.index.others.append(rel)
             else:
                 raise self.refuse(member.name, f"is of a kind no layer holds (tar type {member.type!r})")

@@ -24,7 +24,7 @@ import shlex
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends.kept import KeptBackend, attach_backend, make_backend
 from ..backends.native import files as native_files
@@ -43,6 +43,9 @@ from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
 from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
+
+if TYPE_CHECKING:
+    from ..image import Image
 
 __all__ = ["AsyncSandbox", "Changes", "DirEntry", "ExecResult", "GrepMatch", "Sandbox", "SandboxProcess", "Shell",
            "Snapshot", "Stat", "Workspace"]
@@ -79,8 +82,13 @@ class Sandbox:
     def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
                  mounts: Sequence[Mount] = (), name: str | None = None, backend: str | None = None,
                  ttl: float | None = None, idle_timeout: float | None = None,
-                 snapshot: Snapshot | None = None) -> None:
+                 snapshot: Snapshot | None = None, image_upper: str = "tmpfs") -> None:
         policy = policy if policy is not None else Policy()
+        if image_upper not in ("tmpfs", "disk"):
+            raise PolicyError(f"image_upper: {image_upper!r} is not tmpfs or disk", "image_upper")
+        #: Where a sandbox of an image keeps its writes to the image's root: "tmpfs" (private, bounded by the
+        #: tmpfs size), or "disk" (its state directory, where commit_image reads them).
+        self.image_upper = image_upper
         if not isinstance(policy, Policy):
             raise TypeError("policy must be an isolate.Policy")
         if isinstance(workspace, (str, os.PathLike)):
@@ -102,7 +110,7 @@ class Sandbox:
             idle = DEFAULT_NAMED_IDLE
         self._ttl, self._idle = ttl, idle
         self._impl: KeptBackend = make_backend(self.backend, policy, self.workspace, self.mounts, self.name, ttl,
-                                               idle, snapshot)
+                                               idle, snapshot, image_upper=image_upper)
         self._shells: dict[str, Shell] = {}
         self._interpreters: dict[str, Interpreter] = {}
         self._started = False
@@ -430,6 +438,17 @@ class Sandbox:
         finally:
             os.close(ws_fd)
 
+    def commit_image(self, reference: str) -> Image:
+        """An image of this sandbox's root: its image's layers, and one more holding what the program wrote,
+        deleted or replaced there (whiteouts for what it deleted), kept as ``reference`` in the image store.
+        Its config is the image's, with this policy's ``env``, ``cwd`` and ``uid`` over it. A native sandbox
+        started from an image (``Policy(image=...)``) with ``image_upper="disk"``; it is paused while its layer
+        is read. The workspace, the
+        home and ``/tmp`` are the sandbox's own mounts, not its image's: they are not in the layer."""
+        from ..image.commit import commit_image
+
+        return commit_image(self, reference)
+
     # -- snapshots and forks (isolate/kept/snapshots.py) -------------------------------------
 
     def snapshot(self, name: str | None = None) -> Snapshot:
@@ -446,8 +465,9 @@ class Sandbox:
         """
         self._running("restore")
         workspace = check_start(snapshot, self.workspace)
+        # The Docker backend refuses here, before anything ends.
         fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
-                             snapshot)  # the Docker backend refuses here, before anything ends
+                             snapshot, image_upper=self.image_upper)
         self._close_sessions()
         old = self._impl
         if self.name is None and isinstance(old, NativeSandbox):

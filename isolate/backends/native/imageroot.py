@@ -196,3 +196,100 @@ def image_refusal(policy: Policy) -> str | None:
         return (f"image: this caller cannot create a user namespace ({os.strerror(userns_error())}): "
                 + hostinfo.userns_advice(userns_error()) + way_out)
     return None
+
+
+# -- a kept sandbox's upper layer on the host (what commit_image reads) ------------------------------
+
+
+@dataclass(frozen=True)
+class HostUpper:
+    """A kept sandbox's upper layer in its data directory: ``<data>/image/upper`` and ``work``, made by the
+    host (0700 above them), bound at the staging point in place of the private tmpfs, so that the host can
+    read the program's writes to the image's root (``Sandbox.commit_image``)."""
+
+    state: str
+    identity: tuple[int, int]  # the upper directory's (st_dev, st_ino) when it was made
+    #: A root caller's build step: the image's root-owned files are shown as the program's own (an idmapped
+    #: mount of the layers, 0 shown as the program's uid), as they are a regular caller's; commit maps back.
+    as_owner: bool = False
+
+    @property
+    def upper(self) -> str:
+        return os.path.join(self.state, "upper")
+
+
+def make_host_upper(data_fd: int, data: str, as_owner: bool = False) -> HostUpper:
+    """Make ``image/upper`` and ``image/work`` in a kept sandbox's fresh data directory (its descriptor); refused
+    where its file system keeps no user.* extended attributes (overlayfs's metadata in the upper layer)."""
+    from ...kernel.overlay import xattr_problem
+
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    os.mkdir("image", 0o700, dir_fd=data_fd)
+    state = os.open("image", flags, dir_fd=data_fd)
+    try:
+        problem = xattr_problem(state, os.path.join(data, "image"))
+        if problem:
+            raise UnsupportedError(f"image_upper='disk': {problem}")
+        os.mkdir("upper", 0o755, dir_fd=state)
+        os.mkdir("work", 0o700, dir_fd=state)
+        upper = os.stat("upper", dir_fd=state, follow_symlinks=False)
+    finally:
+        os.close(state)
+    return HostUpper(os.path.join(data, "image"), (upper.st_dev, upper.st_ino), as_owner)
+
+
+def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: int, program_gid: int,
+                    cstr: Any) -> list[int]:
+    """Bind ``host.state`` where the plan mounts the image's private tmpfs, and have the child check the
+    overlay's upper directory is the one made; the descriptors the steps use (closed once the child has them)."""
+    from ...kernel import mounts as mounts_mod
+
+    fds: list[int] = []
+    try:
+        state_fd = os.open(host.state, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fds.append(state_fd)
+        upper_fd = os.open("upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=state_fd)
+        fds.append(upper_fd)
+        info = os.fstat(upper_fd)
+        if (info.st_dev, info.st_ino) != host.identity:
+            raise PolicyError(f"image: {host.upper}: replaced since the sandbox was made: refused", "image")
+        if os.geteuid() == 0:
+            os.fchown(upper_fd, program_uid, program_gid)  # overlayfs copies up as the program
+        from ..._core import ffi
+
+        found = 0
+        for i in range(n_mounts):
+            step = cmounts[i]
+            if step.kind == lib.ISO_MOUNT_TMPFS and ffi.string(step.target) == STAGING_UPPER.encode():
+                step.kind, step.flags, step.fd = lib.ISO_MOUNT_BIND, 0, state_fd
+                step.source = cstr(mounts_mod.OLDROOT + os.path.realpath(host.state))
+                found += 1
+            elif step.kind == lib.ISO_MOUNT_OVERLAY and step.flags & lib.ISO_MOUNT_F_IMAGE_ROOT:
+                step.fd = upper_fd
+                found += 1
+            elif (host.as_owner and os.geteuid() == 0 and step.kind == lib.ISO_MOUNT_BIND
+                  and ffi.string(step.target) == STAGING_LAYERS.encode()):
+                fds.append(_owned_layers(os.fsdecode(ffi.string(step.source))[len(mounts_mod.OLDROOT):],
+                                         program_uid, program_gid))
+                step.kind, step.fd = lib.ISO_MOUNT_MOVE, fds[-1]
+        if found != 2:
+            raise PolicyError("image: the plan has no image root to put the sandbox's upper layer under", "image")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _owned_layers(layers_dir: str, program_uid: int, program_gid: int) -> int:
+    """An idmapped clone of the store's layers directory where root's files are the program's (consumed by the
+    child's move)."""
+    from ..._core import ffi
+    from ...kernel.overlay import _lower_userns
+
+    userns = _lower_userns(0, 0, program_uid, program_gid)
+    tree = int(lib.iso_open_idmapped_tree(os.fsencode(layers_dir), userns))
+    if tree < 0:
+        raise UnsupportedError(f"image: a build step owns the image's files through an idmapped mount of the store "
+                               f"({layers_dir}), and its file system takes none ({os.strerror(ffi.errno)})")
+    return tree

@@ -55,10 +55,12 @@ class _ServerProcess(Popen):
     _program_fd = -1
 
     def __init__(self, args: Any, *, policy: Policy, bind_sources: dict[str, int] | None = None,
-                 overlay: Any = None, egress_detached: bool = False, **kwargs: Any) -> None:
+                 overlay: Any = None, egress_detached: bool = False, image_upper: Any = None,
+                 **kwargs: Any) -> None:
         self._program_fd = init_fd()
         self._bind_sources = bind_sources
         self._overlay = overlay
+        self._image_upper = image_upper
         self._egress_detached = egress_detached
         super().__init__(args, policy=policy, **kwargs)
 
@@ -125,6 +127,12 @@ class NativeSandbox:
         self.data_identity: tuple[int, int] | None = None
         self.workspace_identity: tuple[int, int] | None = None
         self.report_enforced: dict[str, Any] = {}
+        #: A sandbox of an image: its upper layer on the host (imageroot.HostUpper; None: a private tmpfs).
+        self.image_upper: Any = None
+        #: Sandbox(image_upper="disk"): the upper layer in the state directory (commit_image reads it there).
+        self.image_upper_wanted = False
+        #: Set before start() by the image builder: the program owns the image's files (imageroot.HostUpper).
+        self.image_as_owner = False
         self.paused = False
         self.frozen = False
         self.resumed_at: float | None = None
@@ -171,10 +179,13 @@ class NativeSandbox:
         try:
             if self.workspace.mode == "overlay":
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
-            if self.workspace.mode in ("copy", "overlay"):
+            on_disk = self.policy.image is not None and self.image_upper_wanted
+            if self.workspace.mode in ("copy", "overlay") or on_disk:
                 self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
                                                                             self.workspace, layers, self.start_from)
                 made_data = True
+            if on_disk:
+                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner)
                 if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
             listener = self._listen()
@@ -200,7 +211,8 @@ class NativeSandbox:
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=self.name is not None,
-                                          overlay=layers, egress_detached=self.name is not None)
+                                          overlay=layers, egress_detached=self.name is not None,
+                                          image_upper=self.image_upper)
             listener.close()
             listener = None
             if layers is not None and layers.base_fd >= 0:
@@ -590,6 +602,20 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
             os.close(data_fd)
     finally:
         os.close(parent)
+
+
+def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: bool) -> Any:
+    """A kept image sandbox's upper layer in its data directory (imageroot.make_host_upper), the directory
+    opened without following a link and checked to be the one start() made."""
+    from .imageroot import make_host_upper
+
+    data_fd = os.open(data, _DIR_FLAGS)
+    try:
+        if _fd_identity(data_fd) != identity:
+            raise IsolationError(f"{data}: replaced while the sandbox was made")
+        return make_host_upper(data_fd, data, as_owner)
+    finally:
+        os.close(data_fd)
 
 
 def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool) -> None:

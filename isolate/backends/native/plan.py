@@ -152,6 +152,7 @@ def prepare(
     bind_sources: Mapping[str, int] | None = None,
     overlay: Any = None,
     egress_detached: bool = False,
+    image_upper: Any = None,
 ) -> Prepared:
     """The plan for one run of ``args``: the cached static part plus what is this run's own.
 
@@ -165,6 +166,8 @@ def prepare(
     ``overlay``: an overlay (``isolate.kernel.overlay.Layers``), or a sequence of them, each
     mounted in place of the tmpfs the policy has at its target (a kept sandbox's workspace; the
     copy-on-write views of ``isolate-run learn``'s write grants).
+    ``image_upper``: a kept sandbox's upper layer on the host (``imageroot.HostUpper``), in place of the
+    private tmpfs of an image's root.
     """
     run_cwd = os.path.abspath(cwd) if cwd is not None else os.getcwd()
     static = _static_for(policy, run_cwd, for_preexec)
@@ -183,7 +186,7 @@ def prepare(
     keep.append(plan)
     ffi.memmove(plan, static.plan, ffi.sizeof("struct iso_plan"))
     cmounts = None
-    if static.idmap_steps or bind_sources:
+    if static.idmap_steps or bind_sources or image_upper is not None:
         cmounts = ffi.new("struct iso_mount[]", max(plan.n_mounts, 1))
         keep.append(cmounts)
         ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
@@ -191,6 +194,14 @@ def prepare(
     if bind_sources:
         assert cmounts is not None
         _substitute_binds(plan, cmounts, static, bind_sources, enforced, keep)
+
+    if image_upper is not None:
+        assert cmounts is not None
+        close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
+                                                     static.program_gid, cstr))
+        enforced["image"] = dict(enforced.get("image") or {}, root="overlayfs: the image's layers read-only, "
+                                 f"the sandbox's own upper layer in {image_upper.upper} (on disk: the host reads it "
+                                 "back for commit_image)")
 
     # -- idmapped trees are consumed by each sandbox ---------------------------
     if static.idmap_steps:

@@ -43,6 +43,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     _bind_sources: dict[str, int] | None = None
     #: An overlay workspace (isolate.kernel.overlay.Layers) mounted at its target instead of the tmpfs there.
     _overlay: Any = None
+    _image_upper: Any = None
     #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox).
     _egress_detached = False
 
@@ -91,6 +92,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             program_fd=self._program_fd,
             bind_sources=self._bind_sources,
             overlay=self._overlay,
+            image_upper=self._image_upper,
             egress_detached=self._egress_detached,
         )
         self._prepared = prepared

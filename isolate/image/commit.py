@@ -1,0 +1,174 @@
+"""An image made of a kept sandbox of an image: the image's layers and one more, what the program changed.
+
+``Sandbox.commit_image(ref)``: the sandbox's upper layer (on the host, in its
+data directory: backends/native/imageroot.py) is written as one layer
+(export.py: whiteouts and opaque directories as OCI says them, read with
+``O_NOFOLLOW`` from the host, a device node refused, a FIFO an entry), less
+the mount points the sandbox's plan made (read from its init's mount table),
+while the sandbox is paused. The layer is unpacked into the store as a pulled
+one is, and the image's config is the sandbox's image's, with the policy's
+``env``, ``cwd`` and ``uid``/``gid`` over it. The workspace, the home and
+``/tmp`` are the sandbox's own mounts, not the image's: not in the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..model.errors import IsolationError, UnsupportedError
+from . import Image, ImageConfig
+from .export import LayerBlob, write_layer
+from .push import remember
+from .reference import Reference
+from .store import Store
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def mount_points(pid: int) -> frozenset[str]:
+    """The mount points of the process's mount namespace, relative to its root (no leading slash)."""
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise IsolationError(f"commit_image: the sandbox's mount table cannot be read ({exc.strerror})") from None
+    points = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]).strip("/")
+            if point:
+                points.add(point)
+    return frozenset(points)
+
+
+def add_layer(base: Image, blob: LayerBlob, reference: str | None, config: Mapping[str, Any],
+              history: str) -> Image:
+    """``base`` with the layer ``blob`` (a gzip tar in the store's ``tmp/``) on top, kept as ``reference``
+    (None: ``localhost/isolate-build:ID``); ``config``: what to set in the image config's ``config`` (Env,
+    WorkingDir, User, Cmd, ...)."""
+    store = base.store
+    with store.adding():
+        index = store.ensure_layer(blob.digest, lambda: open(blob.path, "rb"), diff_id=blob.diff_id,
+                                   what=f"image {reference or 'built'}: its new layer")
+        remember(store, blob.digest, blob)
+        return with_config(base, reference, config, history, layers=[blob.digest], diff_ids=[blob.diff_id],
+                           added_size=index.size)
+
+
+#: Where an image between two build steps (or committed with no name) is kept: its tag is its config digest.
+INTERMEDIATE = "localhost/isolate-build"
+
+
+def with_config(base: Image, reference: str | None, config: Mapping[str, Any], history: str, *,
+                layers: list[str] | None = None, diff_ids: list[str] | None = None, added_size: int = 0) -> Image:
+    """A record of ``base`` (plus ``layers``) with its config changed: the config blob written, the image kept
+    as ``reference`` (None: ``localhost/isolate-build:ID``)."""
+    store = base.store
+    parsed = json.loads(store.get_blob(base.id, f"image {base.reference}: config"))
+    inner = dict(parsed.get("config") or {})
+    inner.update({k: v for k, v in config.items() if v is not None})
+    parsed["config"] = inner
+    rootfs = parsed.get("rootfs") if isinstance(parsed.get("rootfs"), dict) else {"type": "layers", "diff_ids": []}
+    parsed["rootfs"] = {"type": "layers", "diff_ids": [*rootfs.get("diff_ids", []), *(diff_ids or [])]}
+    entry: dict[str, Any] = {"created_by": history}
+    if not layers:
+        entry["empty_layer"] = True
+    parsed["history"] = [*(parsed.get("history") or []), entry]
+    data = json.dumps(parsed, separators=(",", ":"), sort_keys=True).encode()
+
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    name = str(Reference.parse(reference or f"{INTERMEDIATE}:{digest[7:]}"))
+    store.put_blob(data, digest, f"image {name}: config")
+    image_config = ImageConfig.from_json(parsed)
+    record = {"reference": name, "digest": digest, "config_digest": digest,
+              "layers": [*base.layers, *(layers or [])],
+              "config": {k: list(v) if isinstance(v, tuple) else v for k, v in image_config.__dict__.items()},
+              "size": base.size + added_size, "created": time.time()}
+    store.write_record(record)
+    return Image._from_record(record, store)
+
+
+def policy_config(base: Image, policy: Any) -> dict[str, Any]:
+    """The config a sandbox's policy gives its image: env over the image's, working directory, user."""
+    env = base.config.environment()
+    env.update(dict(policy.env))
+    out: dict[str, Any] = {"Env": [f"{k}={v}" for k, v in env.items()]}
+    if policy.cwd is not None:
+        out["WorkingDir"] = policy.cwd
+    if policy.uid is not None:
+        out["User"] = str(policy.uid) + (f":{policy.gid}" if policy.gid is not None else "")
+    return out
+
+
+def _owners(impl: Any) -> Any:
+    """A build step's files are the program's on the host: root's in the image (as they were shown to it)."""
+    user = impl.report_enforced.get("user") or {}
+    uid, gid = user.get("uid"), user.get("gid")
+
+    def owners(file_uid: int, file_gid: int) -> tuple[int, int]:
+        return 0 if file_uid == uid else file_uid, 0 if file_gid == gid else file_gid
+
+    return owners
+
+
+def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate commit_image",
+                 config: Mapping[str, Any] | None = None) -> Image:
+    """See ``Sandbox.commit_image``; ``config``: the config to set (default: the policy's, policy_config)."""
+    from ..backends.native.kept import NativeSandbox, _fd_identity
+
+    impl = sandbox._running("commit_image")
+    policy = sandbox.policy
+    if policy.image is None:
+        raise UnsupportedError("commit_image: this sandbox was not started from an image (Policy(image=...))")
+    if not isinstance(impl, NativeSandbox):
+        raise UnsupportedError("commit_image: only a native sandbox's upper layer is read back; use backend='native'")
+    host = impl.image_upper
+    if host is None:
+        raise UnsupportedError("commit_image: this sandbox's writes to its image live in a private tmpfs, which "
+                               "the host cannot read; start it with isolate.Sandbox(..., image_upper='disk')")
+    pid = impl._init_pid()
+    if pid is None:
+        raise IsolationError("commit_image: the sandbox is no longer running")
+    base = Image.get(policy.image)
+    store: Store = base.store
+    store._ensure()
+    leave_out = mount_points(pid)
+    path = os.path.join(store.path, "tmp", f"commit-{os.getpid()}-{threading.get_ident()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    paused = False
+    if not impl.paused:
+        with contextlib.suppress(IsolationError, OSError):
+            sandbox.pause()
+            paused = True
+    try:
+        upper_fd = os.open(host.upper, _DIR_FLAGS)
+        try:
+            if _fd_identity(upper_fd) != host.identity:
+                raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")
+            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'}", leave_out=leave_out,
+                               owners=_owners(impl) if host.as_owner else None)
+        finally:
+            os.close(upper_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    finally:
+        if paused:
+            with contextlib.suppress(IsolationError, OSError):
+                sandbox.resume()
+    try:
+        return add_layer(base, blob, reference, policy_config(base, policy) if config is None else config, history)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -1,0 +1,100 @@
+"""Building images without a daemon: steps over an image, each run confined in a sandbox, each cached."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import NAMESPACES_WHY
+
+import isolate
+from isolate.image import Image, Store
+from isolate.image.build import BuildError, Stats
+from isolate.image.push import export_layer
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+
+_PROBED: dict[str, str] = {}
+
+
+@pytest.fixture()
+def base(tmp_path: Path) -> Iterator[Image]:
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
+    extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
+             {"name": "usr/local/bin", "type": "dir", "mode": 0o777}, {"name": "app", "type": "dir", "mode": 0o777}]
+    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1",
+                   Env=["PATH=/usr/local/bin:/bin"])
+    try:
+        image = Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
+        if _PROBED.get("why") is None:
+            try:
+                image.run("true").build()
+                _PROBED["why"] = ""
+            except isolate.UnsupportedError as exc:  # an upper layer the host cannot read back, no idmapped mount
+                _PROBED["why"] = str(exc)
+        if _PROBED["why"]:
+            pytest.skip(f"this host builds no image: {_PROBED['why']}")
+        yield image
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def _steps(base: Image, source: Path) -> isolate.image.build.Build:
+    return (base.run("printf '#!/bin/sh\\necho tool:$GREETING\\n' > /usr/local/bin/tool && chmod 755 "
+                     "/usr/local/bin/tool")
+            .copy(source, "/app/src")
+            .env(GREETING="hello").workdir("/app")
+            .run(["sh", "-c", "cat src/data.txt > combined && tool >> combined"]))
+
+
+def test_a_three_step_build_runs_each_step_and_a_second_build_reuses_them(base: Image, tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "data.txt").write_text("data\n")
+    (source / "link").symlink_to("/etc/shadow")
+    first, out = Stats(), io.StringIO()
+    image = _steps(base, source).build("built:1", progress=out, stats=first)
+    assert (first.steps, first.cached, first.ran) == (5, 0, 2), out.getvalue()
+    assert image.config.working_dir == "/app" and "GREETING=hello" in image.config.env
+    with isolate.Sandbox(isolate.Policy(image="built:1")) as box:
+        ran = box.exec(["sh", "-c", "cat /app/combined; tool; readlink /app/src/link; stat -c %a /app"])
+    assert ran.stdout == "data\ntool:hello\ntool:hello\n/etc/shadow\n777\n", ran.stderr
+    # A step's files are the image's root's, as the files it was shown (a regular caller's store: theirs).
+    combined = os.lstat(os.path.join(image.lower_dirs()[0], "app", "combined"))
+    assert combined.st_uid == os.geteuid()
+    # Each layer built here, written again for a push, is the very blob built: the image keeps its digests.
+    for layer in image.layers[1:]:
+        blob = export_layer(image, layer)
+        os.unlink(blob.path)
+        assert blob.digest == layer
+    # Unchanged: every step's layer comes from the cache, nothing runs, the same image.
+    second = Stats()
+    again = _steps(base, source).build("built:2", stats=second)
+    assert (second.cached, second.ran) == (3, 0) and again.id == image.id
+    # A copied file changed: its step and those after it are built again, not the one before.
+    (source / "data.txt").write_text("changed\n")
+    third = Stats()
+    changed = _steps(base, source).build("built:3", stats=third)
+    assert (third.cached, third.ran) == (1, 1) and changed.id != image.id
+
+
+def test_a_build_step_is_confined(base: Image, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o777)
+    with pytest.raises(BuildError, match=r"step 1 .*exit status"):
+        base.run(f"echo escaped > {outside}/file").build()
+    assert not (outside / "file").exists()
+    # What a step sees is the image, never the host's files.
+    probe = base.run(f"test ! -e {tmp_path} && test ! -e /usr/bin/python3 && echo confined > /app/probe").build()
+    with isolate.Sandbox(isolate.Policy(image=probe.reference)) as box:
+        assert box.exec(["cat", "/app/probe"]).stdout == "confined\n"

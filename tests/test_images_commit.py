@@ -1,0 +1,85 @@
+"""commit_image: a kept sandbox of an image becomes an image (its writes one more layer)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import NAMESPACES_WHY
+
+import isolate
+from isolate.image import Image, Store
+from isolate.image.push import export_layer
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+
+def _disk_upper_why() -> str | None:
+    from isolate.kernel.overlay import xattr_problem
+    from isolate.kernel.places import state_dir
+
+    os.makedirs(state_dir(), exist_ok=True)
+    return xattr_problem(state_dir(), state_dir())
+
+
+@pytest.fixture()
+def image(tmp_path: Path) -> Iterator[Image]:
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
+    extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
+             {"name": "usr/local/bin", "type": "dir", "mode": 0o777},
+             {"name": "data", "type": "dir", "mode": 0o777},
+             {"name": "data/gone", "data": b"base's\n", "mode": 0o666},
+             {"name": "data/kept", "data": b"kept\n", "mode": 0o666}]
+    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1",
+                   Env=["PATH=/usr/local/bin:/bin"], Cmd=["sh"])
+    try:
+        yield Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def test_a_committed_sandbox_is_an_image_with_its_writes_and_deletions(image: Image) -> None:
+    if _disk_upper_why():
+        pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
+    with isolate.Sandbox(isolate.Policy(image=image.reference, env={"ADDED": "yes"}), image_upper="disk") as box:
+        made = box.exec(["sh", "-c", "printf '#!/bin/sh\\necho installed\\n' > /usr/local/bin/tool && "
+                         "chmod 755 /usr/local/bin/tool && rm /data/gone && mkfifo /data/pipe && "
+                         "ln -s /etc/shadow /data/shadow && echo scratch > /tmp/scratch"])
+        assert made.returncode == 0, made.stderr
+        committed = box.commit_image("committed:1")
+        assert box.exec(["tool"]).stdout == "installed\n"  # the sandbox runs on after its commit
+    assert committed.reference == "docker.io/library/committed:1"
+    assert committed.layers[:-1] == image.layers and len(committed.layers) == 2
+    assert "ADDED=yes" in committed.config.env and committed.config.cmd == ("sh",)
+    top = committed.lower_dirs()[0]
+    # Only the program's writes: no mount point of the sandbox (/proc, /dev, /workspace, /home ...), no /tmp.
+    assert sorted(os.listdir(top)) == ["data", "usr"]
+    assert os.readlink(os.path.join(top, "data", "shadow")) == "/etc/shadow"  # a link, never followed
+    assert stat.S_ISFIFO(os.lstat(os.path.join(top, "data", "pipe")).st_mode)
+    gone = os.lstat(os.path.join(top, "data", "gone"))
+    assert stat.S_ISCHR(gone.st_mode) and gone.st_rdev == 0  # the whiteout of the base's file
+    with isolate.Sandbox(isolate.Policy(image=committed.reference)) as box:
+        ran = box.exec(["sh", "-c", "tool; ls /data; echo $ADDED"])
+    assert ran.stdout == "installed\nkept\npipe\nshadow\nyes\n", ran.stderr
+    # The layer written again for a push is the very blob committed: the image keeps its digests there.
+    blob = export_layer(committed, committed.layers[-1])
+    os.unlink(blob.path)
+    assert blob.digest == committed.layers[-1]
+
+
+def test_commit_image_needs_a_sandbox_of_an_image_whose_upper_layer_is_on_disk(image: Image) -> None:
+    with isolate.Sandbox(isolate.Policy()) as box, pytest.raises(isolate.UnsupportedError, match="not started from"):
+        box.commit_image("nothing:1")
+    with isolate.Sandbox(isolate.Policy(image=image.reference)) as box:
+        assert "a private tmpfs" in box.enforced["image"]["root"]
+        with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
+            box.commit_image("nothing:1")

@@ -1,0 +1,147 @@
+"""Dockerfiles built by isolate's builder: multi-stage, the instructions agents' environments use, refusals."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import ISOLATE_RUN, NAMESPACES_WHY
+
+import isolate
+from isolate.image import Image, Store
+from isolate.image.build import Stats
+from isolate.image.dockerfile import DockerfileError
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+pytest.importorskip("dockerfile_parse")
+
+DOCKERFILE = """\
+# a comment
+ARG BASE=base:1
+FROM ${BASE} AS builder
+ARG GREETING=hi
+WORKDIR /work
+COPY src/ ./src/
+RUN ["sh", "-c", "test ! -e src/secret.txt && cat src/a.txt > out.txt && echo $GREETING >> out.txt"]
+RUN mkdir -p /work/out \\
+ && cp out.txt /work/out/result
+
+FROM base:1
+SHELL ["/bin/sh", "-c"]
+ENV APP_HOME=/app MODE=test
+LABEL org.example.name="demo app" version=1
+EXPOSE 8080/tcp 53/udp
+USER 0
+COPY --from=builder /work/out/result ${APP_HOME}/result
+ADD bundle.tar.gz /app/bundle/
+ADD notes.txt /app/
+COPY . /app/ctx/
+COPY src/*.txt notes.txt /app/txt/
+WORKDIR ${APP_HOME}
+ENTRYPOINT ["sh", "-c"]
+CMD ["test ! -e ctx/src/secret.txt && cat result bundle/inside.txt notes.txt && ls ctx txt && echo $MODE"]
+"""
+
+
+@pytest.fixture()
+def context(tmp_path: Path) -> Iterator[Path]:
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
+    extra = [{"name": "app", "type": "dir", "mode": 0o777}]
+    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1", Env=["PATH=/bin"])
+    Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
+    ctx = tmp_path / "ctx"
+    (ctx / "src").mkdir(parents=True)
+    (ctx / "src" / "a.txt").write_text("from-builder\n")
+    (ctx / "src" / "secret.txt").write_text("never copied\n")
+    (ctx / "notes.txt").write_text("notes\n")
+    (ctx / "debug.log").write_text("ignored\n")
+    (ctx / "keep.log").write_text("kept\n")
+    (ctx / ".dockerignore").write_text("# ignored files\nsrc/secret.txt\n*.log\n!keep.log\nDockerfile\n")
+    with tarfile.open(ctx / "bundle.tar.gz", "w:gz") as tar:
+        data = b"inside\n"
+        info = tarfile.TarInfo("./inside.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    (ctx / "Dockerfile").write_text(DOCKERFILE)
+    try:
+        yield ctx
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def test_a_multi_stage_dockerfile_builds_an_image_whose_sandbox_runs_its_cmd(context: Path, tmp_path: Path) -> None:
+    stats = Stats()
+    try:
+        image = Image.from_dockerfile(context / "Dockerfile", context, reference="app:1",
+                                      build_args={"GREETING": "hey"}, stats=stats)
+    except isolate.UnsupportedError as exc:  # an upper layer the host cannot read back, or no idmapped mount
+        pytest.skip(f"this host builds no image: {exc}")
+    assert stats.ran == 2
+    assert image.config.entrypoint == ("sh", "-c") and image.config.working_dir == "/app"
+    assert "MODE=test" in image.config.env and image.config.user == "0"
+    result = isolate.run([], policy=isolate.Policy(image="app:1", backend="native", write=()),
+                         capture_output=True, text=True, timeout=60)
+    assert result.stdout == ("from-builder\nhey\ninside\nnotes\nctx:\nbundle.tar.gz\nkeep.log\nnotes.txt\nsrc\n\n"
+                             "txt:\na.txt\nnotes.txt\ntest\n"), (
+        result.stdout + result.stderr)
+    # Unchanged, built again: nothing runs, the same image.
+    again = Stats()
+    assert Image.from_dockerfile(context / "Dockerfile", context, build_args={"GREETING": "hey"}, stats=again).id \
+        == image.id
+    assert again.ran == 0 and again.cached > 0
+    # Another network for the RUN steps is another step: they run again, with it.
+    other = Stats()
+    Image.from_dockerfile(context / "Dockerfile", context, build_args={"GREETING": "hey"}, stats=other,
+                          network="loopback")
+    assert other.ran == 2
+    # The CLI builds it too (cached), and names its image.
+    built = subprocess.run([ISOLATE_RUN, "image", "build", "-q", "-t", "app:2", "--build-arg", "GREETING=hey",
+                            str(context)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0 and built.stdout.startswith("built docker.io/library/app:2"), built.stderr
+    assert Image.get("app:2").id == image.id
+
+
+def test_an_unsupported_instruction_names_itself_and_its_line(tmp_path: Path) -> None:
+    # Refused while the file is read: nothing is pulled, built or run.
+    for instruction in ["HEALTHCHECK NONE", "ONBUILD RUN true", "STOPSIGNAL 9", "VOLUME /data", "MAINTAINER x"]:
+        (tmp_path / "Dockerfile").write_text(f"FROM base:1\nRUN true \\\n  && true\n{instruction}\n")
+        with pytest.raises(DockerfileError, match=rf"^Dockerfile:4: {instruction.split()[0]}: not supported"):
+            Image.from_dockerfile(tmp_path / "Dockerfile", tmp_path, store=Store(tmp_path / "store"))
+    cli = subprocess.run([ISOLATE_RUN, "image", "build", "--image-store", str(tmp_path / "store"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 125 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert "Dockerfile:4: MAINTAINER: not supported" in cli.stderr
+
+
+def test_sources_never_leave_the_context(context: Path, tmp_path: Path) -> None:
+    (tmp_path / "outside").write_text("host secret\n")
+    (context / "to-host").symlink_to("/etc")
+    (context / "host-file").symlink_to(tmp_path / "outside")
+    for line, why in [("COPY ../outside /app/", "leads out of the context"),
+                      ("COPY to-host/passwd /app/", "goes through 'to-host'"),
+                      ("ADD https://example.com/x /app/", "a URL")]:
+        (context / "Dockerfile").write_text(f"FROM base:1\n{line}\n")
+        with pytest.raises(DockerfileError, match=why):
+            Image.from_dockerfile(context / "Dockerfile", context)
+    # An archive's entry named as a whiteout would delete a file of the image: refused.
+    with tarfile.open(context / "evil.tar", "w") as tar:
+        tar.addfile(tarfile.TarInfo("bin/.wh.sh"))
+    (context / "Dockerfile").write_text("FROM base:1\nADD evil.tar /\n")
+    with pytest.raises(DockerfileError, match="whiteout"):
+        Image.from_dockerfile(context / "Dockerfile", context)
+    # A link that is itself a source is copied as the link, never followed.
+    (context / "Dockerfile").write_text("FROM base:1\nCOPY host-file /app/host-file\n")
+    image = Image.from_dockerfile(context / "Dockerfile", context)
+    top = image.lower_dirs()[0]
+    assert os.readlink(os.path.join(top, "app", "host-file")) == str(tmp_path / "outside")

@@ -22,7 +22,9 @@ The common start: ``base=`` (a snapshot, a sandbox, or a directory), else the
 snapshot every branch started from when they share one (forks of one
 sandbox), else the workspace's source (an empty tree for a workspace with
 none). Branches of an overlay workspace give a layered result (costs what
-changed); of a copy workspace, a copy.
+changed); of a copy workspace, a copy. Sandboxes and snapshots of
+``isolate.ray``, on any nodes of a cluster, merge on the first branch's node
+(``isolate/ray/merging.py``).
 """
 
 from __future__ import annotations
@@ -243,6 +245,12 @@ def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str
     ``policy``: the new sandbox's (default: the first sandbox branch's, else ``Policy()``); ``name``: its
     snapshot's; ``start=False``: make the snapshot only.
     """
+    if any(getattr(item, "_on_cluster", False) for item in [*branches, base]):
+        # Sandboxes or snapshots on the nodes of a Ray cluster: merged on one of them (isolate/ray/merging.py).
+        from ..ray.merging import merge as on_cluster
+
+        return on_cluster(branches, base, policy=policy, on_conflict=on_conflict,  # type: ignore[arg-type]
+                          name=name, start=start)
     if on_conflict not in ("markers", "refuse"):
         raise PolicyError(f"on_conflict: {on_conflict!r} is not 'markers' or 'refuse'", "on_conflict")
     items = list(branches)

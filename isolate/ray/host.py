@@ -17,6 +17,7 @@ Ray's task error. Large file contents travel through Ray's object store.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import shutil
@@ -37,6 +38,7 @@ from ..kernel.places import runtime_subdir
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
+from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
 #: File contents past this size go through the object store as their own object.
@@ -108,6 +110,8 @@ class SandboxHost:
         self._sources: dict[str, str] = {}
         self._processes: dict[str, SandboxProcess] = {}
         self._pools: dict[str, SandboxPool] = {}
+        #: The snapshots this node holds by digest, shipped here or sent from here (isolate/ray/layers.py).
+        self.layers = Layers(self.node_id)
         # What an earlier host on this machine left when it was killed with its node (no close() ran).
         sweep_unnamed()
 
@@ -132,19 +136,107 @@ class SandboxHost:
         return Workspace(where, target=workspace.target, mode=workspace.mode, exclude=workspace.exclude)
 
     def create(self, sid: str, policy: Policy, kwargs: dict[str, Any], workspace: Workspace | str | None,
-               source: bytes | None) -> Any:
-        """Start a sandbox here: its id, or the node's reason it cannot (as a Failure)."""
+               source: bytes | None, layer: dict[str, Any] | None = None) -> Any:
+        """Start a sandbox here: its id, or the node's reason it cannot (as a Failure). ``layer``: start from
+        that snapshot (taken here, or shipped from another node: see isolate/ray/layers.py)."""
         def start() -> dict[str, Any]:
             _image_here(policy)
             try:
-                box = Sandbox(policy, workspace=self._workspace(sid, workspace, source), **kwargs).start()
+                shown = self._workspace(sid, workspace, source)
+                if layer is None:
+                    box = Sandbox(policy, workspace=shown, **kwargs)
+                else:
+                    snap = self.layers.here(layer, hold=sid if layer.get("hold") else None)
+                    box = Sandbox(policy, snapshot=self._shown(snap, sid), **kwargs)
+                box.start()
             except BaseException:
                 self._drop_source(sid)
+                self.layers.release(sid)
                 raise
             with self._lock:
                 self._boxes[sid] = box
             return {"node_id": self.node_id, "enforced": box.enforced}
         return _attempt(start)
+
+    def _shown(self, snap: Snapshot, sid: str) -> Snapshot:
+        """The snapshot as sandbox ``sid`` sees it: over its own copy of a shipped source (a snapshot shipped from
+        another node names that node's copy of the source, and a sandbox here has its own)."""
+        where = self._sources.get(sid)
+        if where is None or snap.workspace.source == where:
+            return snap
+        return dataclasses.replace(snap, workspace=dataclasses.replace(snap.workspace, source=where))
+
+    # -- snapshots between nodes (isolate/ray/layers.py) -------------------------------------
+
+    def fork_point(self, sid: str) -> Any:
+        """A snapshot of sandbox ``sid`` for its forks to start from, here and on other nodes: removed once the
+        last fork started from it here is closed (``settle``)."""
+        def run() -> Snapshot:
+            box = self._box(sid)
+            return self.layers.point(box.snapshot())
+        return _attempt(run)
+
+    def settle(self, name: str) -> None:
+        """A fork point no fork here holds is removed (its forks on other nodes hold their own copies)."""
+        self.layers.settle(name)
+
+    def export_snapshot(self, snapshot: Any) -> Any:
+        """A snapshot of this node into the object store, once: its digest and [its ref]."""
+        return _attempt(lambda: self.layers.export(snapshot))
+
+    def layers_received(self) -> int:
+        """How many snapshot bundles this node fetched and unpacked (each digest once)."""
+        return self.layers.received
+
+    def restore_from(self, sid: str, layer: dict[str, Any]) -> Any:
+        """Restore sandbox ``sid`` to a snapshot taken here or shipped from another node."""
+        def run() -> None:
+            box = self._box(sid)
+            box.restore(self._shown(self.layers.here(layer, hold=None), sid))
+        return _attempt(run)
+
+    def merge(self, sid: str, branches: list[tuple[str, Any]], base: dict[str, Any] | None, policy: Policy | None,
+              kwargs: dict[str, Any], workspace: Workspace | str | None, source: bytes | None,
+              options: dict[str, Any]) -> Any:
+        """``isolate.merge`` here of branches of this node (("sandbox", sid)) and snapshots taken here or shipped
+        here (("layer", layer)); the merged sandbox is ``sid`` (with ``options["start"]``)."""
+        def run() -> dict[str, Any]:
+            from ..kept.merge import merge
+            from ..kept.snapshots import take
+
+            temporary: list[Snapshot] = []
+            try:
+                shown = self._workspace(sid, workspace, source)
+                items: list[Any] = []
+                for kind, value in branches:
+                    if kind == "sandbox":
+                        box = self._box(value)
+                        snap = take(box, None, box.origin, areas=False)
+                        temporary.append(snap)
+                    else:
+                        snap = self.layers.here(value, hold=None)
+                    items.append(self._shown(snap, sid) if shown is not None else snap)
+                start_base = None if base is None else self._shown(self.layers.here(base, hold=None), sid)
+                result = merge(items, start_base, policy=policy, on_conflict=options["on_conflict"],
+                               name=options["name"], start=False)
+                assert result.snapshot is not None
+                out: dict[str, Any] = {"node_id": self.node_id, "merged": result.merged,
+                                       "conflicts": result.conflicts, "snapshot": result.snapshot}
+                if options["start"]:
+                    box = Sandbox(policy or Policy(), snapshot=result.snapshot, **kwargs).start()
+                    with self._lock:
+                        self._boxes[sid] = box
+                    out["enforced"] = box.enforced
+                else:
+                    self._drop_source(sid)
+                return out
+            except BaseException:
+                self._drop_source(sid)
+                raise
+            finally:
+                for snap in temporary:
+                    snap.remove()
+        return _attempt(run)
 
     def create_many(self, sids: list[str], policy: Policy, kwargs: dict[str, Any]) -> Any:
         """Start len(sids) sandboxes here side by side (no workspace source: each starts empty or from a node
@@ -197,8 +289,8 @@ class SandboxHost:
         return _attempt(run)
 
     def remove_snapshot(self, snapshot: Any) -> Any:
-        """Remove a snapshot taken on this node (isolate.Snapshot.remove, here)."""
-        return _attempt(lambda: Snapshot.get(snapshot.name).remove())
+        """Remove a snapshot taken on this node, or its copy shipped here (isolate.Snapshot.remove, here)."""
+        return _attempt(lambda: self.layers.remove(snapshot))
 
     def commit_out(self, sid: str) -> Any:
         """The workspace as a tar, for a commit on the caller's machine: commit() into an empty directory
@@ -224,6 +316,7 @@ class SandboxHost:
         if box is not None:
             box.close()
         self._drop_source(sid)
+        self.layers.release(sid)
 
     def _drop_source(self, sid: str) -> None:
         where = self._sources.pop(sid, None)
@@ -349,3 +442,4 @@ class SandboxHost:
             self.close(sid)
         for pool_id in pools:
             self.pool_close(pool_id)
+        self.layers.close()

@@ -110,6 +110,19 @@ def test_forks_spread_over_the_nodes_and_a_snapshot_moves_once_per_node(cluster:
         finally:
             for fork in forks:
                 fork.close()
+    # A pool's sandbox forks the same way: its workspace's source goes with its forks to their nodes (a fork
+    # over the pool's own copy of the source would lose its files when the pool is closed).
+    pool = iray.SandboxPool(box_policy(), size=1, workspace=workspace, node_id=home)
+    try:
+        with pool.acquire(timeout=30) as pooled:
+            pooled.exec("rm gone.txt")
+            (away,) = pooled.fork(1)
+    finally:
+        pool.close()
+    try:
+        assert away.node_id != home and away.exec("ls; cat pkg/a.py").stdout == "pkg\na = 1\n"
+    finally:
+        away.close()
 
 
 def test_merge_of_forks_on_two_nodes(cluster: Any) -> None:

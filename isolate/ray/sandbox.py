@@ -364,7 +364,8 @@ class Sandbox:
         forks: list[Sandbox] = []
         try:
             nodes = self._spread(hosts, n)
-            source = ray.put(self._source) if self._source is not None else None
+            source = self._source if self._source is None or isinstance(self._source, ray.ObjectRef) \
+                else ray.put(self._source)
             calls = []
             for node in nodes:
                 fork = Sandbox(self.policy, snapshot=point, **self._kwargs)

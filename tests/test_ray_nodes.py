@@ -81,6 +81,9 @@ def test_forks_spread_over_the_nodes_and_a_snapshot_moves_once_per_node(cluster:
     home = cluster.head_node.node_id
     with iray.Sandbox(box_policy(), workspace=workspace, node_id=home) as parent:
         parent.exec("echo 2 > pkg/b.py; rm gone.txt; echo kept > /tmp/t")
+        # The node's copy of a shipped source is shared by the sandboxes given that source: never written.
+        with pytest.raises(isolate.PolicyError, match="shipped from the caller"):
+            parent.commit(on_node=True)
         before = {node: _received(node) for node in cluster.states}
         t0 = time.monotonic()
         forks = parent.fork(4)

@@ -18,11 +18,13 @@ Ray's task error. Large file contents travel through Ray's object store.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import select
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +45,9 @@ from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
 #: File contents past this size go through the object store as their own object.
 LARGE = 1 << 20
+
+#: Shipped sources no sandbox uses any longer that a node keeps unpacked (the least recently used beyond go).
+KEEP_IDLE = 4
 
 #: The Sandbox methods a caller may run by name (anything else is refused).
 CALLS = frozenset({
@@ -107,7 +112,11 @@ class SandboxHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._lock = threading.Lock()
         self._boxes: dict[str, Sandbox] = {}
-        self._sources: dict[str, str] = {}
+        self._sources: dict[str, str] = {}  # sandbox or pool id: its shipped source here
+        # sha256 of a shipped source: [where it is unpacked, its users, when its last user left]
+        self._trees: dict[str, list[Any]] = {}
+        self._tree_of: dict[str, str] = {}
+        self._unpacking: dict[str, threading.Lock] = {}
         self._processes: dict[str, SandboxProcess] = {}
         self._pools: dict[str, SandboxPool] = {}
         #: The snapshots this node holds by digest, shipped here or sent from here (isolate/ray/layers.py).
@@ -129,11 +138,34 @@ class SandboxHost:
             return Workspace(workspace)  # a path on this node
         if source is None or workspace is None:
             return workspace
-        where = tempfile.mkdtemp(prefix=f"source-{sid}-", dir=_scratch())
-        os.chmod(where, 0o755)  # a root caller's program (another uid) reads a copied workspace's source
+        where = self._tree(source)
         self._sources[sid] = where
-        unpack_tree(source, where)
         return Workspace(where, target=workspace.target, mode=workspace.mode, exclude=workspace.exclude)
+
+    def _tree(self, source: bytes) -> str:
+        """The shipped source unpacked on this node, once per content: the sandboxes (and forks) given the same
+        source share it, read-only (an overlay's lower layer; a copy workspace's start and what diff compares
+        with; commit on the node is refused without a directory of its own). Removed with its last user."""
+        digest = hashlib.sha256(source).hexdigest()
+        with self._lock:
+            guard = self._unpacking.setdefault(digest, threading.Lock())
+        with guard:
+            with self._lock:
+                tree = self._trees.get(digest)
+                if tree is not None:
+                    tree[1] += 1
+                    return str(tree[0])
+            where = tempfile.mkdtemp(prefix=f"source-{digest[:16]}-", dir=_scratch())
+            os.chmod(where, 0o755)  # a root caller's program (another uid) reads a copied workspace's source
+            try:
+                unpack_tree(source, where)
+            except BaseException:
+                shutil.rmtree(where, ignore_errors=True)
+                raise
+            with self._lock:
+                self._trees[digest] = [where, 1, 0.0]
+                self._tree_of[where] = digest
+            return where
 
     def create(self, sid: str, policy: Policy, kwargs: dict[str, Any], workspace: Workspace | str | None,
                source: bytes | None, layer: dict[str, Any] | None = None) -> Any:
@@ -273,6 +305,9 @@ class SandboxHost:
                 return box._impl.state()
             if method == "usage":
                 return _usage(box)
+            if method == "commit" and (not resolved or resolved[0] is None) and box.workspace.source in self._tree_of:
+                raise PolicyError("commit(on_node=True): the workspace's source was shipped from the caller's "
+                                  "machine (commit() writes there); give a directory of the node", "target_dir")
             result = getattr(box, method)(*resolved, **named)
             if method == "read_file" and isinstance(result, (bytes, str)) and len(result) > LARGE:
                 return ray.put(result)  # the caller fetches it from the object store
@@ -319,9 +354,31 @@ class SandboxHost:
         self.layers.release(sid)
 
     def _drop_source(self, sid: str) -> None:
-        where = self._sources.pop(sid, None)
-        if where is not None:
-            shutil.rmtree(where, ignore_errors=True)
+        """Sandbox or pool ``sid`` no longer uses its shipped source: a source no one uses is kept a while (the
+        next sandbox or fork given it starts without unpacking it), the least recently used past KEEP_IDLE go."""
+        doomed: list[str] = []
+        with self._lock:
+            where = self._sources.pop(sid, None)
+            digest = self._tree_of.get(where) if where is not None else None
+            tree = self._trees.get(digest) if digest is not None else None
+            if tree is not None:
+                tree[1] -= 1
+                if tree[1] <= 0:
+                    tree[2] = time.monotonic()
+                    idle = sorted((t[2], d) for d, t in self._trees.items() if t[1] <= 0)
+                    for _, old in idle[:max(0, len(idle) - KEEP_IDLE)]:
+                        doomed.append(self._trees.pop(old)[0])
+                        del self._tree_of[doomed[-1]]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _drop_trees(self) -> None:
+        with self._lock:
+            doomed = [t[0] for t in self._trees.values()]
+            self._trees.clear()
+            self._tree_of.clear()
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
 
     # -- shells and interpreters ----------------------------------------------------------
 
@@ -443,3 +500,4 @@ class SandboxHost:
         for pool_id in pools:
             self.pool_close(pool_id)
         self.layers.close()
+        self._drop_trees()

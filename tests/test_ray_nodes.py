@@ -105,6 +105,8 @@ def test_forks_spread_over_the_nodes_and_a_snapshot_moves_once_per_node(cluster:
             assert other.read_file("pkg/b.py") == "2\n" and other.read_file("/tmp/t") == "kept\n"
             with iray.Sandbox(box_policy(), snapshot=snap, node_id=other.node_id) as started:
                 assert started.read_file("pkg/b.py") == "2\n" and not started.exists("gone.txt")
+            with pytest.raises(isolate.PolicyError, match="snapshot"):
+                iray.Sandbox.create_many(2, box_policy(), snapshot=snap)  # never dropped silently
             assert _received(other.node_id) - before[other.node_id] == 2  # the fork point, then this snapshot
             assert snap.digest is not None and snap.digest.startswith("sha256:")
             copies = len(_snapshot_dirs(cluster.states[other.node_id]))

@@ -52,7 +52,7 @@ def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
     if kwargs.get("name") is not None:
         raise PolicyError("name: a sandbox on a Ray cluster is unnamed (it belongs to its client and ends with it)",
                           "name")
-    unknown = set(kwargs) - {"mounts", "backend", "ttl", "idle_timeout", "name", "snapshot"}
+    unknown = set(kwargs) - {"mounts", "backend", "ttl", "idle_timeout", "name"}
     if unknown:
         raise TypeError(f"Sandbox() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
 
@@ -173,8 +173,12 @@ class Sandbox:
             raise PolicyError("workspace: create_many on a cluster starts empty workspaces; use "
                               "isolate.ray.SandboxPool(workspace=...) or isolate.ray.Sandbox for a workspace",
                               "workspace")
+        if kwargs.get("snapshot") is not None:
+            raise PolicyError("snapshot: create_many on a cluster starts empty workspaces; use "
+                              "isolate.ray.Sandbox(snapshot=...) or fork(n)", "snapshot")
         kwargs.pop("workspace", None)
         kwargs.pop("workspace_on", None)
+        kwargs.pop("snapshot", None)
         _check_kwargs(kwargs)
         boxes = [cls(policy, node_id=node_id, resources=resources, labels=labels, **kwargs) for _ in range(n)]
         if not boxes:

@@ -151,6 +151,11 @@ def test_merge_of_forks_on_two_nodes(cluster: Any) -> None:
                 merged.close()
                 assert result.snapshot is not None
                 result.snapshot.remove()
+            # A conflict refused on the merging node comes back as itself, its conflicts listed.
+            b.replace_text("notes.txt", "one", "uno")  # a made it ONE
+            with pytest.raises(isolate.MergeConflictError) as refused:
+                isolate.merge([a, b], on_conflict="refuse")
+            assert [(c.path, c.kind) for c in refused.value.result.conflicts] == [("notes.txt", "text")]
         finally:
             a.close()
             b.close()

@@ -92,6 +92,11 @@ class MergeConflictError(IsolationError):
                          "(on_conflict='markers' leaves them marked in the merged sandbox)")
         self.result = result
 
+    def __reduce__(self) -> tuple[type[MergeConflictError], tuple[MergeResult]]:
+        # Pickled with its result (a merge on a Ray node raises it on the caller's side): the default gives
+        # __init__ the message.
+        return (type(self), (self.result,))
+
 
 # -- diff3 over lines ----------------------------------------------------------------------------------
 

@@ -12,7 +12,10 @@ Each figure comes with its baseline, measured in the same run:
   machine): an exec through Ray against the same exec on a local sandbox
   (goal: <= 1.5 ms added), and Ray's own round trip to the node's actor (a
   call that does nothing) beside it, 500 sandboxes placed over the 3 nodes (goal:
-  <= 10 s), and 1,000 concurrent execs over them (their throughput).
+  <= 10 s), and 1,000 concurrent execs over them (their throughput); a fork to
+  another node of a sandbox whose overlay workspace (2,000 files) has a
+  100-file episode diff (goal: <= 100 ms median), and a restore of a sandbox
+  of another node to a snapshot.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 
 from ._stats import median, summary_ms
 
-GOALS = {"pool_acquire_ms": 1.0, "at_once_s": 2.0, "ray_exec_added_ms": 1.5, "ray_500_s": 10.0}
+GOALS = {"pool_acquire_ms": 1.0, "at_once_s": 2.0, "ray_exec_added_ms": 1.5, "ray_500_s": 10.0,
+         "ray_cross_node_fork_ms": 100.0}
 
 
 def _policy() -> Any:
@@ -105,6 +109,49 @@ def at_once(n: int, image: str | None, log: Callable[[str], None]) -> dict[str, 
     return out
 
 
+def cross_node_fork(rounds: int, files: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """On the cluster ray.init joined (two nodes at least): a fork to another node each round after a 100-file
+    episode, and a restore of that fork (on its node) to a snapshot of the parent's."""
+    import tempfile
+
+    import ray
+
+    import isolate
+    import isolate.ray as iray
+
+    log(f"many: cross-node forks ({files}-file overlay source, 100-file episodes)")
+    source = tempfile.mkdtemp(prefix="isolate-bench-source-")
+    try:
+        for i in range(files):
+            with open(os.path.join(source, f"f{i}.txt"), "w") as handle:
+                handle.write("x" * 100)
+        os.chmod(source, 0o755)
+        nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+        workspace = isolate.Workspace(source, mode="overlay")
+        away_times, restores = [], []
+        with iray.Sandbox(_policy(), workspace=workspace, node_id=nodes[0]) as parent:
+            for r in range(rounds):
+                parent.exec(f"mkdir -p ep; for i in $(seq 100); do echo {r}-$i > ep/$i; done")
+                t0 = time.perf_counter()
+                (away,) = parent.fork(1)  # the parent's node holds one more: the fork goes to another
+                away_times.append(time.perf_counter() - t0)
+                if away.node_id == parent.node_id:
+                    raise AssertionError("the fork stayed on its parent's node")
+                snap = parent.snapshot()
+                away.exec("rm -r ep")
+                t0 = time.perf_counter()
+                away.restore(snap)
+                restores.append(time.perf_counter() - t0)
+                if away.read_file(f"ep/{r % 100 + 1}") != f"{r}-{r % 100 + 1}\n":
+                    raise AssertionError("the fork's restore lost the episode")
+                away.close()
+                snap.remove()
+        return {"files": files, "fork_to_another_node": summary_ms(away_times),
+                "restore_from_another_node": summary_ms(restores)}
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+
+
 def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[str, Any]:
     import tempfile
 
@@ -156,7 +203,9 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
         burst = time.perf_counter() - t0
         for box in boxes:
             box.close()
+        forks = cross_node_fork(20, 2000, log)
         return {
+            "forks": forks,
             "exec_local": summary_ms(local_times), "exec_through_ray": summary_ms(remote_times),
             "exec_added_ms": round((median(remote_times) - median(local_times)) * 1000, 3),
             "ray_call": summary_ms(ray_times),
@@ -198,6 +247,9 @@ def goals(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if "exec_added_ms" in ray_figures:
         found["an exec through Ray adds (ms)"] = (ray_figures["exec_added_ms"], GOALS["ray_exec_added_ms"])
         found["500 sandboxes over 3 nodes (s)"] = (ray_figures["placed_s"], GOALS["ray_500_s"])
+    if "forks" in ray_figures:
+        found["a fork to another node, 100-file diff (median, ms)"] = (
+            ray_figures["forks"]["fork_to_another_node"]["median_ms"], GOALS["ray_cross_node_fork_ms"])
     return {text: {"value": value, "goal": goal, "met": value is not None and value <= goal}
             for text, (value, goal) in found.items()}
 
@@ -223,6 +275,12 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                   f"(per node: {ray_f['per_node']})",
                   f"- {ray_f['execs']} concurrent execs over them: {ray_f['execs_s']} s, "
                   f"{ray_f['execs_per_s']} execs/s ({ray_f['execs_failed']} failed)"]
+        if "forks" in ray_f:
+            forks = ray_f["forks"]
+            lines.append(f"- a fork with a 100-file diff ({forks['files']}-file overlay source): to another node "
+                         f"{forks['fork_to_another_node']['median_ms']} ms median; a restore of a sandbox on "
+                         "another node "
+                         f"{forks['restore_from_another_node']['median_ms']} ms")
     lines.append("")
     for text, goal in figures.get("goals", {}).items():
         lines.append(f"- goal: {text} <= {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})")

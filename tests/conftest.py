@@ -194,7 +194,8 @@ def write_tiny_wheel(path: str | os.PathLike[str]) -> None:
 #: harness, learn mode on real programs (test_learn.py: it reruns each program until nothing is refused;
 #: the denial tracer it stands on runs in the VM with test_why.py), and the Ray cluster layer
 #: (test_ray.py: placement, transport and failures around the
-#: same native sandboxes; a Ray cluster under the VM's emulation would take most of CI's budget).
+#: same native sandboxes, test_ray_nodes.py: snapshots between nodes; a Ray cluster under the VM's emulation
+#: would take most of CI's budget).
 #: Every other module is marked ``host`` and runs again in the VM (Linux 6.1, cgroup v2,
 #: Landlock ABI 2) as root and as uid 65534: a new module is host-sensitive unless it is named here.
 HOST_INDEPENDENT = frozenset({
@@ -215,6 +216,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_transfer.py",
     "test_sandbox_docker.py",
     "test_ray.py",
+    "test_ray_nodes.py",
     "test_server.py",
     "test_server_pool.py",
     "test_server_spec.py",

@@ -22,7 +22,9 @@ The common start: ``base=`` (a snapshot, a sandbox, or a directory), else the
 snapshot every branch started from when they share one (forks of one
 sandbox), else the workspace's source (an empty tree for a workspace with
 none). Branches of an overlay workspace give a layered result (costs what
-changed); of a copy workspace, a copy.
+changed); of a copy workspace, a copy. Sandboxes and snapshots of
+``isolate.ray``, on any nodes of a cluster, merge on the first branch's node
+(``isolate/ray/merging.py``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class MergeConflictError(IsolationError):
         super().__init__(f"merge: {len(result.conflicts)} conflict(s): {paths}{more}; nothing merged "
                          "(on_conflict='markers' leaves them marked in the merged sandbox)")
         self.result = result
+
+    def __reduce__(self) -> tuple[type[MergeConflictError], tuple[MergeResult]]:
+        # Pickled with its result (a merge on a Ray node raises it on the caller's side): the default gives
+        # __init__ the message.
+        return (type(self), (self.result,))
 
 
 # -- diff3 over lines ----------------------------------------------------------------------------------
@@ -243,6 +250,12 @@ def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str
     ``policy``: the new sandbox's (default: the first sandbox branch's, else ``Policy()``); ``name``: its
     snapshot's; ``start=False``: make the snapshot only.
     """
+    if any(getattr(item, "_on_cluster", False) for item in [*branches, base]):
+        # Sandboxes or snapshots on the nodes of a Ray cluster: merged on one of them (isolate/ray/merging.py).
+        from ..ray.merging import merge as on_cluster
+
+        return on_cluster(branches, base, policy=policy, on_conflict=on_conflict,  # type: ignore[arg-type]
+                          name=name, start=start)
     if on_conflict not in ("markers", "refuse"):
         raise PolicyError(f"on_conflict: {on_conflict!r} is not 'markers' or 'refuse'", "on_conflict")
     items = list(branches)

@@ -304,8 +304,10 @@ class _Making:
         return os.open("areas.tar", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                        dir_fd=self.fd)
 
-    def commit(self, workspace: Workspace, origin: str | None, areas: tuple[str, ...]) -> Snapshot:
-        snap = Snapshot(self.name, self.kind, workspace, time.time(), secrets.token_hex(8), origin, areas,
+    def commit(self, workspace: Workspace, origin: str | None, areas: tuple[str, ...],
+               id: str | None = None) -> Snapshot:
+        """Describe the snapshot made (``id``: a capture's token kept from another machine, see bundles.py)."""
+        snap = Snapshot(self.name, self.kind, workspace, time.time(), id or secrets.token_hex(8), origin, areas,
                         self.identity)
         meta = {"kind": snap.kind, "created": snap.created, "id": snap.id, "origin": origin, "areas": list(areas),
                 "identity": list(self.identity),

@@ -10,7 +10,9 @@
 pools, native isolate sandboxes confined exactly as locally), ``placement``
 (which node: eligibility, spread, refusals with every node's reason, a lost
 node as ``isolate.SandboxLostError``), ``sandbox`` (the caller's side of one
-sandbox) and ``pool`` (warm pools spread over the nodes).
+sandbox), ``pool`` (warm pools spread over the nodes), ``layers`` (snapshots
+moving between nodes by digest) and ``merging`` (``isolate.merge`` across
+nodes).
 
 Connects to the cluster Ray is told of (``ray.init`` before, or
 ``RAY_ADDRESS``). May import: the kept sandbox and everything it does.
@@ -20,9 +22,9 @@ from __future__ import annotations
 
 from .placement import Hosts
 from .pool import SandboxPool
-from .sandbox import RemoteProcess, Sandbox
+from .sandbox import RemoteProcess, RemoteSnapshot, Sandbox
 
-__all__ = ["RemoteProcess", "Sandbox", "SandboxPool", "connect", "shutdown"]
+__all__ = ["RemoteProcess", "RemoteSnapshot", "Sandbox", "SandboxPool", "connect", "shutdown"]
 
 
 def connect(address: str) -> int:

@@ -17,11 +17,14 @@ Ray's task error. Large file contents travel through Ray's object store.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import select
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +40,14 @@ from ..kernel.places import runtime_subdir
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
+from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
 #: File contents past this size go through the object store as their own object.
 LARGE = 1 << 20
+
+#: Shipped sources no sandbox uses any longer that a node keeps unpacked (the least recently used beyond go).
+KEEP_IDLE = 4
 
 #: The Sandbox methods a caller may run by name (anything else is refused).
 CALLS = frozenset({
@@ -105,9 +112,15 @@ class SandboxHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._lock = threading.Lock()
         self._boxes: dict[str, Sandbox] = {}
-        self._sources: dict[str, str] = {}
+        self._sources: dict[str, str] = {}  # sandbox or pool id: its shipped source here
+        # sha256 of a shipped source: [where it is unpacked, its users, when its last user left]
+        self._trees: dict[str, list[Any]] = {}
+        self._tree_of: dict[str, str] = {}
+        self._unpacking: dict[str, threading.Lock] = {}
         self._processes: dict[str, SandboxProcess] = {}
         self._pools: dict[str, SandboxPool] = {}
+        #: The snapshots this node holds by digest, shipped here or sent from here (isolate/ray/layers.py).
+        self.layers = Layers(self.node_id)
         # What an earlier host on this machine left when it was killed with its node (no close() ran).
         sweep_unnamed()
 
@@ -125,26 +138,137 @@ class SandboxHost:
             return Workspace(workspace)  # a path on this node
         if source is None or workspace is None:
             return workspace
-        where = tempfile.mkdtemp(prefix=f"source-{sid}-", dir=_scratch())
-        os.chmod(where, 0o755)  # a root caller's program (another uid) reads a copied workspace's source
+        where = self._tree(source)
         self._sources[sid] = where
-        unpack_tree(source, where)
         return Workspace(where, target=workspace.target, mode=workspace.mode, exclude=workspace.exclude)
 
+    def _tree(self, source: bytes) -> str:
+        """The shipped source unpacked on this node, once per content: the sandboxes (and forks) given the same
+        source share it, read-only (an overlay's lower layer; a copy workspace's start and what diff compares
+        with; commit on the node is refused without a directory of its own). Removed with its last user."""
+        digest = hashlib.sha256(source).hexdigest()
+        with self._lock:
+            guard = self._unpacking.setdefault(digest, threading.Lock())
+        with guard:
+            with self._lock:
+                tree = self._trees.get(digest)
+                if tree is not None:
+                    tree[1] += 1
+                    return str(tree[0])
+            where = tempfile.mkdtemp(prefix=f"source-{digest[:16]}-", dir=_scratch())
+            os.chmod(where, 0o755)  # a root caller's program (another uid) reads a copied workspace's source
+            try:
+                unpack_tree(source, where)
+            except BaseException:
+                shutil.rmtree(where, ignore_errors=True)
+                raise
+            with self._lock:
+                self._trees[digest] = [where, 1, 0.0]
+                self._tree_of[where] = digest
+            return where
+
     def create(self, sid: str, policy: Policy, kwargs: dict[str, Any], workspace: Workspace | str | None,
-               source: bytes | None) -> Any:
-        """Start a sandbox here: its id, or the node's reason it cannot (as a Failure)."""
+               source: bytes | None, layer: dict[str, Any] | None = None) -> Any:
+        """Start a sandbox here: its id, or the node's reason it cannot (as a Failure). ``layer``: start from
+        that snapshot (taken here, or shipped from another node: see isolate/ray/layers.py)."""
         def start() -> dict[str, Any]:
             _image_here(policy)
             try:
-                box = Sandbox(policy, workspace=self._workspace(sid, workspace, source), **kwargs).start()
+                shown = self._workspace(sid, workspace, source)
+                if layer is None:
+                    box = Sandbox(policy, workspace=shown, **kwargs)
+                else:
+                    snap = self.layers.here(layer, hold=sid if layer.get("hold") else None)
+                    box = Sandbox(policy, snapshot=self._shown(snap, sid), **kwargs)
+                box.start()
             except BaseException:
                 self._drop_source(sid)
+                self.layers.release(sid)
                 raise
             with self._lock:
                 self._boxes[sid] = box
             return {"node_id": self.node_id, "enforced": box.enforced}
         return _attempt(start)
+
+    def _shown(self, snap: Snapshot, sid: str) -> Snapshot:
+        """The snapshot as sandbox ``sid`` sees it: over its own copy of a shipped source (a snapshot shipped from
+        another node names that node's copy of the source, and a sandbox here has its own)."""
+        where = self._sources.get(sid)
+        if where is None or snap.workspace.source == where:
+            return snap
+        return dataclasses.replace(snap, workspace=dataclasses.replace(snap.workspace, source=where))
+
+    # -- snapshots between nodes (isolate/ray/layers.py) -------------------------------------
+
+    def fork_point(self, sid: str) -> Any:
+        """A snapshot of sandbox ``sid`` for its forks to start from, here and on other nodes: removed once the
+        last fork started from it here is closed (``settle``)."""
+        def run() -> Snapshot:
+            box = self._box(sid)
+            return self.layers.point(box.snapshot())
+        return _attempt(run)
+
+    def settle(self, name: str) -> None:
+        """A fork point no fork here holds is removed (its forks on other nodes hold their own copies)."""
+        self.layers.settle(name)
+
+    def export_snapshot(self, snapshot: Any) -> Any:
+        """A snapshot of this node into the object store, once: its digest and [its ref]."""
+        return _attempt(lambda: self.layers.export(snapshot))
+
+    def layers_received(self) -> int:
+        """How many snapshot bundles this node fetched and unpacked (each digest once)."""
+        return self.layers.received
+
+    def restore_from(self, sid: str, layer: dict[str, Any]) -> Any:
+        """Restore sandbox ``sid`` to a snapshot taken here or shipped from another node."""
+        def run() -> None:
+            box = self._box(sid)
+            box.restore(self._shown(self.layers.here(layer, hold=None), sid))
+        return _attempt(run)
+
+    def merge(self, sid: str, branches: list[tuple[str, Any]], base: dict[str, Any] | None, policy: Policy | None,
+              kwargs: dict[str, Any], workspace: Workspace | str | None, source: bytes | None,
+              options: dict[str, Any]) -> Any:
+        """``isolate.merge`` here of branches of this node (("sandbox", sid)) and snapshots taken here or shipped
+        here (("layer", layer)); the merged sandbox is ``sid`` (with ``options["start"]``)."""
+        def run() -> dict[str, Any]:
+            from ..kept.merge import merge
+            from ..kept.snapshots import take
+
+            temporary: list[Snapshot] = []
+            try:
+                shown = self._workspace(sid, workspace, source)
+                items: list[Any] = []
+                for kind, value in branches:
+                    if kind == "sandbox":
+                        box = self._box(value)
+                        snap = take(box, None, box.origin, areas=False)
+                        temporary.append(snap)
+                    else:
+                        snap = self.layers.here(value, hold=None)
+                    items.append(self._shown(snap, sid) if shown is not None else snap)
+                start_base = None if base is None else self._shown(self.layers.here(base, hold=None), sid)
+                result = merge(items, start_base, policy=policy, on_conflict=options["on_conflict"],
+                               name=options["name"], start=False)
+                assert result.snapshot is not None
+                out: dict[str, Any] = {"node_id": self.node_id, "merged": result.merged,
+                                       "conflicts": result.conflicts, "snapshot": result.snapshot}
+                if options["start"]:
+                    box = Sandbox(policy or Policy(), snapshot=result.snapshot, **kwargs).start()
+                    with self._lock:
+                        self._boxes[sid] = box
+                    out["enforced"] = box.enforced
+                else:
+                    self._drop_source(sid)
+                return out
+            except BaseException:
+                self._drop_source(sid)
+                raise
+            finally:
+                for snap in temporary:
+                    snap.remove()
+        return _attempt(run)
 
     def create_many(self, sids: list[str], policy: Policy, kwargs: dict[str, Any]) -> Any:
         """Start len(sids) sandboxes here side by side (no workspace source: each starts empty or from a node
@@ -181,6 +305,9 @@ class SandboxHost:
                 return box._impl.state()
             if method == "usage":
                 return _usage(box)
+            if method == "commit" and (not resolved or resolved[0] is None) and box.workspace.source in self._tree_of:
+                raise PolicyError("commit(on_node=True): the workspace's source was shipped from the caller's "
+                                  "machine (commit() writes there); give a directory of the node", "target_dir")
             result = getattr(box, method)(*resolved, **named)
             if method == "read_file" and isinstance(result, (bytes, str)) and len(result) > LARGE:
                 return ray.put(result)  # the caller fetches it from the object store
@@ -197,8 +324,8 @@ class SandboxHost:
         return _attempt(run)
 
     def remove_snapshot(self, snapshot: Any) -> Any:
-        """Remove a snapshot taken on this node (isolate.Snapshot.remove, here)."""
-        return _attempt(lambda: Snapshot.get(snapshot.name).remove())
+        """Remove a snapshot taken on this node, or its copy shipped here (isolate.Snapshot.remove, here)."""
+        return _attempt(lambda: self.layers.remove(snapshot))
 
     def commit_out(self, sid: str) -> Any:
         """The workspace as a tar, for a commit on the caller's machine: commit() into an empty directory
@@ -224,11 +351,34 @@ class SandboxHost:
         if box is not None:
             box.close()
         self._drop_source(sid)
+        self.layers.release(sid)
 
     def _drop_source(self, sid: str) -> None:
-        where = self._sources.pop(sid, None)
-        if where is not None:
-            shutil.rmtree(where, ignore_errors=True)
+        """Sandbox or pool ``sid`` no longer uses its shipped source: a source no one uses is kept a while (the
+        next sandbox or fork given it starts without unpacking it), the least recently used past KEEP_IDLE go."""
+        doomed: list[str] = []
+        with self._lock:
+            where = self._sources.pop(sid, None)
+            digest = self._tree_of.get(where) if where is not None else None
+            tree = self._trees.get(digest) if digest is not None else None
+            if tree is not None:
+                tree[1] -= 1
+                if tree[1] <= 0:
+                    tree[2] = time.monotonic()
+                    idle = sorted((t[2], d) for d, t in self._trees.items() if t[1] <= 0)
+                    for _, old in idle[:max(0, len(idle) - KEEP_IDLE)]:
+                        doomed.append(self._trees.pop(old)[0])
+                        del self._tree_of[doomed[-1]]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _drop_trees(self) -> None:
+        with self._lock:
+            doomed = [t[0] for t in self._trees.values()]
+            self._trees.clear()
+            self._tree_of.clear()
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
 
     # -- shells and interpreters ----------------------------------------------------------
 
@@ -349,3 +499,5 @@ class SandboxHost:
             self.close(sid)
         for pool_id in pools:
             self.pool_close(pool_id)
+        self.layers.close()
+        self._drop_trees()

@@ -15,7 +15,7 @@ with its reason; when every node refused, the error names each.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -89,6 +89,11 @@ class Hosts:
                 self._actors[node_id] = actor
             return actor
 
+    def existing(self, node_id: str) -> Any:
+        """The host actor of that node, if this client has one (None: never placed there, or the node is lost)."""
+        with self._lock:
+            return self._actors.get(node_id)
+
     def forget(self, node_id: str) -> None:
         with self._lock:
             self._actors.pop(node_id, None)
@@ -98,15 +103,17 @@ class Hosts:
         with self._lock:
             self.placed[node_id] = max(0, self.placed.get(node_id, 0) + delta)
 
-    def candidates(self, placement: Placement) -> list[str]:
-        """The eligible alive nodes, the least used by this client first."""
+    def candidates(self, placement: Placement, prefer: Sequence[str] = ()) -> list[str]:
+        """The eligible alive nodes: those in ``prefer`` first (they hold what the sandbox starts from), then
+        the least used by this client."""
         nodes = [node for node in ray.nodes() if placement.admits(node)]
         if not nodes:
             wanted = placement.node_id or ", ".join(f"{k}={v}" for k, v in
                                                     {**placement.resources, **placement.labels}.items())
             raise UnsupportedError(f"no alive node of the Ray cluster matches the placement ({wanted or 'any'})")
         with self._lock:
-            return [node["NodeID"] for node in sorted(nodes, key=lambda n: self.placed.get(n["NodeID"], 0))]
+            return [node["NodeID"] for node in sorted(nodes, key=lambda n: (n["NodeID"] not in prefer,
+                                                                            self.placed.get(n["NodeID"], 0)))]
 
     def shutdown(self) -> None:
         with self._lock:
@@ -137,17 +144,18 @@ def outcome(ref: Any, node_id: str, what: str) -> Any:
     return value
 
 
-def place(placement: Placement, attempt: Callable[[Any], Any], what: str, hosts: Hosts | None = None) -> Any:
-    """Run ``attempt(actor)`` (a host call's ref) on the eligible nodes in turn until one accepts.
+def place(placement: Placement, attempt: Callable[[Any, str], Any], what: str, hosts: Hosts | None = None,
+          prefer: Sequence[str] = ()) -> Any:
+    """Run ``attempt(actor, node_id)`` (a host call's ref) on the eligible nodes in turn until one accepts.
 
     Returns (node_id, result). Bad input (PolicyError) fails at once; a refusal or a lost node moves on;
     when every node refused, the error names each node's reason.
     """
     hosts = hosts or Hosts.get()
     reasons: list[tuple[str, BaseException]] = []
-    for node_id in hosts.candidates(placement):
+    for node_id in hosts.candidates(placement, prefer):
         try:
-            return node_id, outcome(attempt(hosts.actor(node_id)), node_id, what)
+            return node_id, outcome(attempt(hosts.actor(node_id), node_id), node_id, what)
         except PolicyError:
             raise
         except SandboxLostError as exc:

@@ -156,6 +156,8 @@ class SandboxPool:
                 node = self._nodes[self._next % len(self._nodes)]
                 self._next += 1
             box = Sandbox(self.policy, **self._kwargs)
+            # Its workspace as the node has it: a fork of it on another node is given the same source.
+            box.workspace, box._source = self._workspace, self._source
             try:
                 info = outcome(self._hosts.actor(node).pool_acquire.remote(self.id, box.id, timeout), node,
                                f"pool {self.id}")

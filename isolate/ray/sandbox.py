@@ -13,7 +13,12 @@ What differs from a local sandbox, and why:
 - ``processes()`` returns dicts (pid, name, cmdline) of the node's processes,
   not psutil objects of this machine's;
 - a sandbox is never named: it belongs to this client, and ends with it;
-- a call on a sandbox whose node died raises ``isolate.SandboxLostError``.
+- a call on a sandbox whose node died raises ``isolate.SandboxLostError``;
+- snapshots stay on their node until another node needs one: ``fork(n)``
+  places its forks as new sandboxes are placed, ``restore`` and
+  ``Sandbox(snapshot=...)`` take a snapshot of any node, and ``isolate.merge``
+  takes sandboxes and snapshots of several nodes: the snapshot moves once per
+  node, by digest, through Ray's object store (``isolate/ray/layers.py``).
 """
 
 from __future__ import annotations
@@ -86,14 +91,25 @@ class Sandbox:
     def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
                  mounts: Sequence[Mount] = (), node_id: str | None = None,
                  resources: Mapping[str, float] | None = None, labels: Mapping[str, str] | None = None,
-                 workspace_on: str = "caller", **kwargs: Any) -> None:
+                 workspace_on: str = "caller", snapshot: RemoteSnapshot | None = None, **kwargs: Any) -> None:
         _check_kwargs(kwargs)
         self.policy = policy if policy is not None else Policy()
         if not isinstance(self.policy, Policy):
             raise TypeError("policy must be an isolate.Policy")
-        self.workspace, self._source = _workspace(workspace, workspace_on)
-        self._caller_source = self.workspace.source if isinstance(self.workspace, Workspace) and self._source \
-            else None
+        if snapshot is not None and not isinstance(snapshot, RemoteSnapshot):
+            raise TypeError("snapshot must be a snapshot of an isolate.ray.Sandbox (sb.snapshot())")
+        #: The snapshot it starts from (taken on any node), else None.
+        self.origin = snapshot
+        if snapshot is not None:
+            if workspace is not None:
+                raise PolicyError("workspace: a sandbox started from a snapshot has the snapshot's workspace (leave "
+                                  "workspace= out)", "workspace")
+            shipped: tuple[Workspace | str | None, bytes | None, str | None] = snapshot._workspace
+            self.workspace, self._source, self._caller_source = shipped
+        else:
+            self.workspace, self._source = _workspace(workspace, workspace_on)
+            self._caller_source = self.workspace.source if isinstance(self.workspace, Workspace) and self._source \
+                else None
         self.placement = Placement(node_id, resources, labels)
         self._kwargs = {"mounts": tuple(mounts), **kwargs}
         self.id = uuid.uuid4().hex[:16]
@@ -105,6 +121,8 @@ class Sandbox:
         self.enforced: dict[str, Any] = {}
         #: Always native: a node runs isolate's own sandboxes (the same attribute as isolate.Sandbox's).
         self.backend = "native"
+
+    _on_cluster = True
 
     def __repr__(self) -> str:
         return f"isolate.ray.Sandbox(id={self.id!r}, node_id={self.node_id!r})"
@@ -122,8 +140,15 @@ class Sandbox:
             return self
         hosts = Hosts.get()
         source = ray.put(self._source) if self._source is not None and len(self._source) > LARGE else self._source
-        node_id, info = place(self.placement, lambda actor: actor.create.remote(
-            self.id, self.policy, dict(self._kwargs), self.workspace, source), f"sandbox {self.id}", hosts)
+        origin = self.origin
+
+        def attempt(actor: Any, node: str) -> Any:
+            layer = origin.layer_for(node) if origin is not None else None
+            return actor.create.remote(self.id, self.policy, dict(self._kwargs), self.workspace, source, layer)
+
+        # Among the eligible nodes, the one that holds the snapshot first (nothing to ship).
+        node_id, info = place(self.placement, attempt, f"sandbox {self.id}", hosts,
+                              prefer=origin.holders() if origin is not None else ())
         self._bind(hosts, node_id, info)
         return self
 
@@ -148,8 +173,12 @@ class Sandbox:
             raise PolicyError("workspace: create_many on a cluster starts empty workspaces; use "
                               "isolate.ray.SandboxPool(workspace=...) or isolate.ray.Sandbox for a workspace",
                               "workspace")
+        if kwargs.get("snapshot") is not None:
+            raise PolicyError("snapshot: create_many on a cluster starts empty workspaces; use "
+                              "isolate.ray.Sandbox(snapshot=...) or fork(n)", "snapshot")
         kwargs.pop("workspace", None)
         kwargs.pop("workspace_on", None)
+        kwargs.pop("snapshot", None)
         _check_kwargs(kwargs)
         boxes = [cls(policy, node_id=node_id, resources=resources, labels=labels, **kwargs) for _ in range(n)]
         if not boxes:
@@ -214,9 +243,10 @@ class Sandbox:
         try:
             return outcome(getattr(self._actor, name).remote(*args), self.node_id, f"sandbox {self.id}")
         except SandboxLostError as exc:
-            self._lost = exc
-            if self._hosts is not None:
-                self._hosts.forget(self.node_id)
+            if exc.node_id == self.node_id:  # not another node, whose snapshot this call was fetching
+                self._lost = exc
+                if self._hosts is not None:
+                    self._hosts.forget(self.node_id)
             raise
 
     # -- what isolate.Sandbox does ------------------------------------------------------------
@@ -314,24 +344,80 @@ class Sandbox:
         return RemoteSnapshot(self, self._call("snapshot", name))
 
     def restore(self, snapshot: RemoteSnapshot) -> None:
-        """``isolate.Sandbox.restore`` to a snapshot taken on this sandbox's node."""
-        if not isinstance(snapshot, RemoteSnapshot) or snapshot.node_id != self.node_id:
-            raise PolicyError("restore: give a snapshot taken on this sandbox's node (sb.snapshot())", "snapshot")
-        self._call("restore", snapshot.snapshot)
+        """``isolate.Sandbox.restore`` to a snapshot taken on any node (shipped to this one the first time)."""
+        if not isinstance(snapshot, RemoteSnapshot):
+            raise PolicyError("restore: give a snapshot of an isolate.ray.Sandbox (sb.snapshot())", "snapshot")
+        if snapshot.node_id == self.node_id:
+            self._call("restore", snapshot.snapshot)
+            return
+        assert self.node_id is not None
+        self._host_call("restore_from", self.id, snapshot.layer_for(self.node_id))
 
     def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
-        """``isolate.Sandbox.fork``: n new sandboxes on the same node, from this one's files as they are now."""
+        """``isolate.Sandbox.fork``: n new sandboxes from this one's files as they are now, placed as new
+        sandboxes are (spread over the nodes with the resources and labels this one asked for, this one's node
+        first on a tie): a fork on another node starts from this one's snapshot, shipped there once."""
         if processes:
             raise UnsupportedError("fork(processes=True): carrying processes needs checkpoint/restore, which isolate "
                                    "does not drive; fork() carries the files, and the forks start with no process")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PolicyError(f"n: expected an integer of at least 1, got {n!r}", "n")
-        forks = [Sandbox(self.policy, node_id=self.node_id, **self._kwargs) for _ in range(n)]
-        info = self._host_call("fork", self.id, [f.id for f in forks])
+        point = RemoteSnapshot(self, self._host_call("fork_point", self.id))
         assert self._hosts is not None and self.node_id is not None
-        for box in forks:
-            box._bind(self._hosts, self.node_id, info)
+        hosts, home = self._hosts, self.node_id
+        forks: list[Sandbox] = []
+        try:
+            nodes = self._spread(hosts, n)
+            source = self._source if self._source is None or isinstance(self._source, ray.ObjectRef) \
+                else ray.put(self._source)
+            calls = []
+            for node in nodes:
+                fork = Sandbox(self.policy, snapshot=point, **self._kwargs)
+                fork.placement = self._fork_placement()
+                forks.append(fork)
+                calls.append((fork, node, hosts.actor(node).create.remote(
+                    fork.id, self.policy, dict(self._kwargs), fork.workspace, source,
+                    point.layer_for(node, hold=True))))
+            for fork, node, ref in calls:
+                try:
+                    info = outcome(ref, node, f"fork {fork.id}")
+                except PolicyError:
+                    raise
+                except IsolationError:
+                    if node == home:
+                        raise
+                    # That node refused (or is gone): the fork goes where its parent is.
+                    info = outcome(hosts.actor(home).create.remote(
+                        fork.id, self.policy, dict(self._kwargs), fork.workspace, source,
+                        point.layer_for(home, hold=True)), home, f"fork {fork.id}")
+                    node = home
+                fork.origin = None  # started: what it holds is its own (the point goes with its last fork)
+                fork._bind(hosts, node, info)
+        except BaseException:
+            for fork in forks:
+                fork.close()
+            raise
+        finally:
+            try:
+                outcome(hosts.actor(home).settle.remote(point.name), home, f"sandbox {self.id}")
+            except SandboxLostError:
+                pass
         return forks
+
+    def _fork_placement(self) -> Placement:
+        """Where its forks may go: nodes with what it asked of its node (resources, labels), not only its node."""
+        return Placement(None, self.placement.resources, self.placement.labels)
+
+    def _spread(self, hosts: Hosts, n: int) -> list[str]:
+        """The nodes of n new sandboxes: each the eligible node holding the fewest (this one's first on a tie)."""
+        nodes = hosts.candidates(self._fork_placement(), prefer=[self.node_id] if self.node_id else [])
+        held = {node: hosts.placed.get(node, 0) for node in nodes}
+        out = []
+        for _ in range(n):
+            node = min(nodes, key=lambda x: held[x])  # the first of the least held: this node on a tie
+            held[node] += 1
+            out.append(node)
+        return out
 
     def pause(self) -> str:
         return str(self._call("pause"))
@@ -353,16 +439,67 @@ class Sandbox:
 
 
 class RemoteSnapshot:
-    """A snapshot kept on a node: ``name``, ``node_id``, ``remove()`` (on that node)."""
+    """A snapshot kept on a node: ``name``, ``node_id``, ``remove()`` (there, and its copies on other nodes).
+
+    It starts, restores and merges sandboxes on any node: the first time another node needs it, its node puts
+    it in Ray's object store once (``digest``) and that node fetches it (isolate/ray/layers.py).
+    """
+
+    _on_cluster = True
 
     def __init__(self, box: Sandbox, snapshot: Any) -> None:
         self.snapshot, self.name, self.node_id, self._box = snapshot, snapshot.name, box.node_id, box
+        self._hosts = box._hosts
+        #: What a sandbox started from it has: the workspace, and its source as shipped from this machine.
+        self._workspace: tuple[Workspace | str | None, bytes | None, str | None] = (
+            box.workspace, box._source, box._caller_source)
+        self.policy, self._kwargs = box.policy, dict(box._kwargs)
+        self._shipped: dict[str, Any] | None = None
+        self._copies: set[str] = set()
 
     def __repr__(self) -> str:
         return f"isolate.ray.RemoteSnapshot(name={self.name!r}, node_id={self.node_id!r})"
 
+    @property
+    def digest(self) -> str | None:
+        """The sha256 of its bundle, once it was shipped (None before)."""
+        return None if self._shipped is None else str(self._shipped["digest"])
+
+    def holders(self) -> list[str]:
+        """The nodes that hold it (its own, and those it was shipped to)."""
+        return [str(self.node_id), *sorted(self._copies)]
+
+    def _actor(self, node_id: str) -> Any:
+        actor = self._hosts.existing(node_id) if self._hosts is not None else None
+        if actor is None:
+            raise SandboxLostError(f"snapshot {self.name}: node {node_id} is gone (or this client left it)", node_id)
+        return actor
+
+    def layer_for(self, node_id: str, hold: bool = False) -> dict[str, Any]:
+        """What node ``node_id`` is handed to find it: on its own node the name; elsewhere the digest and the
+        object store's reference of its bundle (put there by its node, once)."""
+        assert self.node_id is not None
+        layer: dict[str, Any] = {"snapshot": self.snapshot, "node": self.node_id, "hold": hold}
+        if node_id == self.node_id:
+            return layer
+        if self._shipped is None:
+            self._shipped = outcome(self._actor(self.node_id).export_snapshot.remote(self.snapshot), self.node_id,
+                                    f"snapshot {self.name}")
+        self._copies.add(node_id)
+        return {**layer, "digest": self._shipped["digest"], "ref": self._shipped["ref"]}
+
     def remove(self) -> None:
-        self._box._host_call("remove_snapshot", self.snapshot)
+        """Remove it from its node (``IsolationError`` if it is gone there) and its copies from the others."""
+        for node in sorted(self._copies):
+            try:
+                outcome(self._actor(node).remove_snapshot.remote(self.snapshot), node, f"snapshot {self.name}")
+            except IsolationError:
+                pass  # that node lost it, or is gone
+        self._copies.clear()
+        assert self.node_id is not None
+        outcome(self._actor(self.node_id).remove_snapshot.remote(self.snapshot), self.node_id,
+                f"snapshot {self.name}")
+        self._shipped = None
 
 
 class RemoteSession:

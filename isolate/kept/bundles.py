@@ -1,0 +1,273 @@
+"""A snapshot as one content-addressed archive (a *bundle*), to move it to another machine and keep it there.
+
+    data, digest = bundles.export(snap)       # bytes, and "sha256:<hex of the bytes>"
+    snap = bundles.load(data, digest)         # on the other machine: verified, then kept as a local snapshot
+
+A bundle is an uncompressed tar of at most four members, each a regular file:
+``snapshot.json`` (its kind, workspace, id, origin and tmpfs mounts),
+``data.tar`` (the layer or tree), ``base.tar`` (a layer snapshot's start, for
+merge) and ``areas.tar`` (the tmpfs mounts' archive, as the snapshot keeps it).
+A layer or tree travels as an image layer does: whiteouts as ``.wh.NAME``,
+opaque directories as ``.wh..wh..opq``, links as links, no hard link, no
+device; packed through descriptors that follow no link and never open a FIFO.
+A name the program chose that starts with ``.wh.`` would read as a whiteout
+on arrival: such a snapshot is refused, naming the path, not altered.
+
+Loading treats the bundle as hostile: its digest is checked before anything
+is read; the layers are unpacked by the image store's unpacker
+(``isolate/image/unpack.py``: descriptor by descriptor, no device but a
+whiteout, no set-id bit, no link followed, no overlayfs attribute forged); a
+tree carrying whiteouts is refused; the tmpfs archive is kept as it came and
+unpacked, as any snapshot's, only into a sandbox's own tmpfs mounts when one
+starts from it (``isolate/kept/unpack.py``). On any failure the half-made
+snapshot is removed: a bundle is kept whole or not at all.
+
+The loaded snapshot keeps the snapshot's ``id`` and ``origin``: forks on two
+machines of one snapshot still share their start for ``isolate.merge``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import tarfile
+from typing import Any
+
+from ..image.unpack import OPAQUE_MARKER, WHITEOUT_PREFIX, unpack
+from ..kernel.layers import _opaque, is_whiteout
+from ..kernel.tree import _DIR_FLAGS, MAX_DEPTH
+from ..model.errors import IsolationError, UnsupportedError
+from ..model.workspace import Workspace
+from .snapshots import Snapshot, _Making
+
+#: The most a bundle carries (its files' sizes, holes counted: a bundle is made in memory).
+MAX_BUNDLE = 1 << 30
+#: The members a bundle may hold; anything else in one is refused.
+MEMBERS = ("snapshot.json", "data.tar", "base.tar", "areas.tar")
+_MAX_META = 1 << 20
+_FILE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# -- out ---------------------------------------------------------------------------------------------
+
+
+class _Packer:
+    """A layer or tree, from its directory's descriptor, into a tar (see the module's docstring)."""
+
+    def __init__(self, budget: list[int]) -> None:
+        self.buffer = io.BytesIO()
+        self.tar = tarfile.open(fileobj=self.buffer, mode="w", format=tarfile.PAX_FORMAT)
+        self.budget = budget
+
+    def info(self, rel: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(rel)
+        info.type, info.mode, info.mtime = kind, stat.S_IMODE(st.st_mode) & 0o1777, int(st.st_mtime)
+        info.uid, info.gid, info.uname, info.gname = st.st_uid, st.st_gid, "", ""
+        return info
+
+    def empty(self, rel: str, st: os.stat_result) -> None:
+        info = self.info(rel, st, tarfile.REGTYPE)
+        info.mode = 0o600
+        self.tar.addfile(info, io.BytesIO(b""))
+
+    def walk(self, fd: int, prefix: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise IsolationError(f"snapshot: {prefix} is nested more than {MAX_DEPTH} directories deep")
+        for name in sorted(os.listdir(fd)):
+            rel = f"{prefix}{name}"
+            if name.startswith(WHITEOUT_PREFIX):
+                raise UnsupportedError(f"snapshot: {rel!r} is named as an image layer's whiteout (.wh.), which "
+                                       "another node would read as a deletion; rename it to move the snapshot")
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    self.tar.addfile(self.info(rel, st, tarfile.DIRTYPE))
+                    if _opaque(child):
+                        self.empty(f"{rel}/{OPAQUE_MARKER}", st)
+                    self.walk(child, rel + "/", depth + 1)
+                finally:
+                    os.close(child)
+            elif is_whiteout(st):
+                parent, _, last = rel.rpartition("/")
+                self.empty(f"{parent}/{WHITEOUT_PREFIX}{last}" if parent else f"{WHITEOUT_PREFIX}{last}", st)
+            elif stat.S_ISLNK(st.st_mode):
+                info = self.info(rel, st, tarfile.SYMTYPE)
+                info.linkname = os.readlink(name, dir_fd=fd)
+                self.tar.addfile(info)
+            elif stat.S_ISREG(st.st_mode):
+                self.budget[0] -= st.st_size
+                if self.budget[0] < 0:
+                    raise IsolationError(f"snapshot: its files come to more than the {MAX_BUNDLE} bytes a "
+                                         f"snapshot carries to another node ({rel}: {st.st_size})")
+                src = os.open(name, _FILE_READ, dir_fd=fd)
+                try:
+                    if (os.fstat(src).st_ino, os.fstat(src).st_dev) != (st.st_ino, st.st_dev):
+                        raise IsolationError(f"snapshot: {rel} changed while it was packed")
+                    os.set_blocking(src, True)
+                    info = self.info(rel, st, tarfile.REGTYPE)
+                    info.size = st.st_size
+                    with os.fdopen(os.dup(src), "rb") as handle:
+                        self.tar.addfile(info, handle)
+                finally:
+                    os.close(src)
+            elif stat.S_ISFIFO(st.st_mode):
+                self.tar.addfile(self.info(rel, st, tarfile.FIFOTYPE))
+            # sockets and devices: nothing a layer keeps (a snapshot's copy never makes them)
+
+    def close(self) -> bytes:
+        self.tar.close()
+        return self.buffer.getvalue()
+
+
+def _pack(fd: int, budget: list[int]) -> bytes:
+    packer = _Packer(budget)
+    packer.walk(fd, "", 0)
+    return packer.close()
+
+
+def export(snap: Snapshot) -> tuple[bytes, str]:
+    """The snapshot as a bundle, and its digest (see the module's docstring)."""
+    budget = [MAX_BUNDLE]
+    members: dict[str, bytes] = {}
+    data = snap.open_data()
+    try:
+        members["data.tar"] = _pack(data, budget)
+    finally:
+        os.close(data)
+    base = snap.open_base()
+    if base is not None:
+        try:
+            members["base.tar"] = _pack(base, budget)
+        finally:
+            os.close(base)
+    areas = snap.open_areas()
+    if areas is not None:
+        with os.fdopen(areas, "rb") as handle:
+            members["areas.tar"] = handle.read(MAX_BUNDLE + 1)
+        if len(members["areas.tar"]) > MAX_BUNDLE:
+            raise IsolationError(f"snapshot {snap.name!r}: its tmpfs archive is larger than {MAX_BUNDLE} bytes")
+    ws = snap.workspace
+    data = snap.open_data()
+    try:
+        top = os.fstat(data)
+    finally:
+        os.close(data)
+    meta = {"kind": snap.kind, "root": [stat.S_IMODE(top.st_mode) & 0o1777, top.st_uid, top.st_gid],
+            "id": snap.id, "origin": snap.origin, "areas": list(snap.areas),
+            "workspace": {"source": ws.source, "target": ws.target, "mode": ws.mode, "exclude": list(ws.exclude)}}
+    members["snapshot.json"] = json.dumps(meta, sort_keys=True).encode()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name in MEMBERS:
+            if name in members:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(members[name]), 0o600
+                archive.addfile(info, io.BytesIO(members[name]))
+    out = buffer.getvalue()
+    return out, digest_of(out)
+
+
+# -- in ----------------------------------------------------------------------------------------------
+
+
+def _members(data: bytes, what: str) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+            for member in archive:
+                if member.name not in MEMBERS or not member.isreg() or member.name in out:
+                    raise IsolationError(f"{what}: not a snapshot bundle (member {member.name!r})")
+                source = archive.extractfile(member)
+                assert source is not None
+                out[member.name] = source.read()
+    except (tarfile.TarError, ValueError, EOFError) as exc:
+        raise IsolationError(f"{what}: not a snapshot bundle ({exc})") from None
+    if "snapshot.json" not in out or "data.tar" not in out:
+        raise IsolationError(f"{what}: not a snapshot bundle (no snapshot.json or data.tar)")
+    return out
+
+
+def _meta(raw: bytes, what: str) -> dict[str, Any]:
+    if len(raw) > _MAX_META:
+        raise IsolationError(f"{what}: its description is larger than {_MAX_META} bytes")
+    try:
+        meta = json.loads(raw)
+        ws = meta["workspace"]
+        root = [int(x) for x in meta["root"]]
+        checked = {"kind": meta["kind"], "root": (root[0] & 0o1777, root[1], root[2]), "id": str(meta["id"]),
+                   "origin": meta["origin"],
+                   "areas": tuple(str(a) for a in meta["areas"]),
+                   "workspace": {"source": ws["source"], "target": str(ws["target"]), "mode": str(ws["mode"]),
+                                 "exclude": [str(x) for x in ws["exclude"]]}}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IsolationError(f"{what}: its description is not one isolate writes ({exc})") from None
+    origin, source = checked["origin"], ws["source"]
+    if checked["kind"] not in ("layer", "tree") or not (origin is None or isinstance(origin, str)) \
+            or not (source is None or isinstance(source, str)):
+        raise IsolationError(f"{what}: its description is not one isolate writes")
+    if not all(os.path.isabs(a) and ".." not in a.split("/") for a in checked["areas"]):
+        raise IsolationError(f"{what}: its tmpfs mounts are not absolute paths")
+    return checked
+
+
+def load(data: bytes, digest: str, name: str | None = None) -> Snapshot:
+    """Keep a bundle as a local snapshot: verified against digest first, whole or not at all (see the module's
+    docstring). ``name``: the local snapshot's (default: a new one)."""
+    what = f"snapshot bundle {digest[:19]}"
+    if digest_of(data) != digest:
+        raise IsolationError(f"{what}: its bytes do not match their digest (damaged on the way?): not kept")
+    members = _members(data, what)
+    meta = _meta(members["snapshot.json"], what)
+    ws = meta["workspace"]
+    workspace = _shown(ws)
+    making = _Making(name, meta["kind"])
+    try:
+        layer = unpack(_raw(members["data.tar"]), making.data, what=what, max_size=MAX_BUNDLE)
+        mode, uid, gid = meta["root"]
+        if os.geteuid() == 0:
+            os.fchown(making.data, uid, gid)
+        os.fchmod(making.data, mode)
+        if meta["kind"] == "tree" and (layer.index.whiteouts or layer.index.opaque):
+            raise IsolationError(f"{what}: a tree snapshot that carries whiteouts: refused")
+        if "base.tar" in members:
+            if meta["kind"] != "layer":
+                raise IsolationError(f"{what}: a tree snapshot with a base layer: refused")
+            os.mkdir("base", 0o755, dir_fd=making.fd)
+            base = os.open("base", _DIR_FLAGS, dir_fd=making.fd)
+            try:
+                unpack(_raw(members["base.tar"]), base, what=what, max_size=MAX_BUNDLE)
+            finally:
+                os.close(base)
+        if "areas.tar" in members:
+            if not meta["areas"]:
+                raise IsolationError(f"{what}: a tmpfs archive and no tmpfs mount it is for: refused")
+            fd = making.open_areas()
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(members["areas.tar"])
+        elif meta["areas"]:
+            raise IsolationError(f"{what}: names tmpfs mounts and carries no archive of them: refused")
+        return making.commit(workspace, meta["origin"], meta["areas"], id=meta["id"])
+    except BaseException:
+        making.abandon()
+        raise
+
+
+def _raw(data: bytes) -> io.RawIOBase:
+    # Read as a raw stream: readinto is all the unpacker needs of it.
+    return io.BytesIO(data)  # type: ignore[return-value]
+
+
+def _shown(ws: dict[str, Any]) -> Workspace:
+    """The workspace the bundle names; its source is a path on the machine it came from, which may not be here
+    (the caller of ``load`` gives a sandbox's own source instead, see isolate/ray/host.py)."""
+    from .snapshots import _workspace
+
+    return _workspace(ws)

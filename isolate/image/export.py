@@ -108,6 +108,14 @@ def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[i
     return _write(path, lambda tar: _Writer(tar, os.geteuid() == 0, map_ids, what, leave_out).tree(root_fd, "", 0))
 
 
+def layer_into(tar: tarfile.TarFile, root_fd: int, *, what: str, budget: list[int] | None = None) -> None:
+    """Add the tree under ``root_fd`` to ``tar`` as ``write_layer`` writes it (whiteouts, opaque directories,
+    links never followed). ``budget``: ``[bytes]`` its files may come to (shared by the calls given it)."""
+    writer = _Writer(tar, os.geteuid() == 0, lambda uid, gid: (uid, gid), what)
+    writer.budget = budget
+    writer.tree(root_fd, "", 0)
+
+
 def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, into: bool,
                exclude: Callable[[str], bool] | None = None, what: str = "copy",
                existing: Callable[[str], os.stat_result | None] | None = None,
@@ -177,6 +185,7 @@ class _Writer:
         self.leave_out = leave_out
         self.on_the_way = {"/".join(p.split("/")[:i]) for p in leave_out for i in range(1, p.count("/") + 1)}
         self.pending: list[tarfile.TarInfo] = []  # directories on the way to a path left out, not written yet
+        self.budget: list[int] | None = None  # [bytes the files may still come to], when bounded
 
     def add(self, info: tarfile.TarInfo, data: Any = None) -> None:
         for directory in self.pending:
@@ -276,6 +285,11 @@ class _Writer:
                 info.linkname = first
                 self.add(info)
                 return
+        if self.budget is not None:
+            self.budget[0] -= st.st_size
+            if self.budget[0] < 0:
+                raise IsolationError(f"{self.what}: its files come to more than it may carry (at /{rel}, "
+                                     f"{st.st_size} bytes)")
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         try:
             opened = os.fstat(fd)

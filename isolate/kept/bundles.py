@@ -8,8 +8,9 @@ A bundle is an uncompressed tar of at most four members, each a regular file:
 ``data.tar`` (the layer or tree), ``base.tar`` (a layer snapshot's start, for
 merge) and ``areas.tar`` (the tmpfs mounts' archive, as the snapshot keeps it).
 A layer or tree travels as an image layer does: whiteouts as ``.wh.NAME``,
-opaque directories as ``.wh..wh..opq``, links as links, no hard link, no
-device; packed through descriptors that follow no link and never open a FIFO.
+opaque directories as ``.wh..wh..opq``, links as links, no
+device: packed by the image layer writer (``isolate/image/export.py``), through descriptors that follow no
+link and never open a FIFO.
 A name the program chose that starts with ``.wh.`` would read as a whiteout
 on arrival: such a snapshot is refused, naming the path, not altered.
 
@@ -36,10 +37,10 @@ import stat
 import tarfile
 from typing import Any
 
-from ..image.unpack import OPAQUE_MARKER, WHITEOUT_PREFIX, unpack
-from ..kernel.layers import _opaque, is_whiteout
-from ..kernel.tree import _DIR_FLAGS, MAX_DEPTH
-from ..model.errors import IsolationError, UnsupportedError
+from ..image.export import layer_into
+from ..image.unpack import unpack
+from ..kernel.tree import _DIR_FLAGS
+from ..model.errors import IsolationError
 from ..model.workspace import Workspace
 from .snapshots import Snapshot, _Making
 
@@ -48,7 +49,6 @@ MAX_BUNDLE = 1 << 30
 #: The members a bundle may hold; anything else in one is refused.
 MEMBERS = ("snapshot.json", "data.tar", "base.tar", "areas.tar")
 _MAX_META = 1 << 20
-_FILE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def digest_of(data: bytes) -> str:
@@ -58,94 +58,27 @@ def digest_of(data: bytes) -> str:
 # -- out ---------------------------------------------------------------------------------------------
 
 
-class _Packer:
-    """A layer or tree, from its directory's descriptor, into a tar (see the module's docstring)."""
-
-    def __init__(self, budget: list[int]) -> None:
-        self.buffer = io.BytesIO()
-        self.tar = tarfile.open(fileobj=self.buffer, mode="w", format=tarfile.PAX_FORMAT)
-        self.budget = budget
-
-    def info(self, rel: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
-        info = tarfile.TarInfo(rel)
-        info.type, info.mode, info.mtime = kind, stat.S_IMODE(st.st_mode) & 0o1777, int(st.st_mtime)
-        info.uid, info.gid, info.uname, info.gname = st.st_uid, st.st_gid, "", ""
-        return info
-
-    def empty(self, rel: str, st: os.stat_result) -> None:
-        info = self.info(rel, st, tarfile.REGTYPE)
-        info.mode = 0o600
-        self.tar.addfile(info, io.BytesIO(b""))
-
-    def walk(self, fd: int, prefix: str, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise IsolationError(f"snapshot: {prefix} is nested more than {MAX_DEPTH} directories deep")
-        for name in sorted(os.listdir(fd)):
-            rel = f"{prefix}{name}"
-            if name.startswith(WHITEOUT_PREFIX):
-                raise UnsupportedError(f"snapshot: {rel!r} is named as an image layer's whiteout (.wh.), which "
-                                       "another node would read as a deletion; rename it to move the snapshot")
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                try:
-                    self.tar.addfile(self.info(rel, st, tarfile.DIRTYPE))
-                    if _opaque(child):
-                        self.empty(f"{rel}/{OPAQUE_MARKER}", st)
-                    self.walk(child, rel + "/", depth + 1)
-                finally:
-                    os.close(child)
-            elif is_whiteout(st):
-                parent, _, last = rel.rpartition("/")
-                self.empty(f"{parent}/{WHITEOUT_PREFIX}{last}" if parent else f"{WHITEOUT_PREFIX}{last}", st)
-            elif stat.S_ISLNK(st.st_mode):
-                info = self.info(rel, st, tarfile.SYMTYPE)
-                info.linkname = os.readlink(name, dir_fd=fd)
-                self.tar.addfile(info)
-            elif stat.S_ISREG(st.st_mode):
-                self.budget[0] -= st.st_size
-                if self.budget[0] < 0:
-                    raise IsolationError(f"snapshot: its files come to more than the {MAX_BUNDLE} bytes a "
-                                         f"snapshot carries to another node ({rel}: {st.st_size})")
-                src = os.open(name, _FILE_READ, dir_fd=fd)
-                try:
-                    if (os.fstat(src).st_ino, os.fstat(src).st_dev) != (st.st_ino, st.st_dev):
-                        raise IsolationError(f"snapshot: {rel} changed while it was packed")
-                    os.set_blocking(src, True)
-                    info = self.info(rel, st, tarfile.REGTYPE)
-                    info.size = st.st_size
-                    with os.fdopen(os.dup(src), "rb") as handle:
-                        self.tar.addfile(info, handle)
-                finally:
-                    os.close(src)
-            elif stat.S_ISFIFO(st.st_mode):
-                self.tar.addfile(self.info(rel, st, tarfile.FIFOTYPE))
-            # sockets and devices: nothing a layer keeps (a snapshot's copy never makes them)
-
-    def close(self) -> bytes:
-        self.tar.close()
-        return self.buffer.getvalue()
-
-
-def _pack(fd: int, budget: list[int]) -> bytes:
-    packer = _Packer(budget)
-    packer.walk(fd, "", 0)
-    return packer.close()
+def _pack(fd: int, budget: list[int], what: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        layer_into(tar, fd, what=what, budget=budget)
+    return buffer.getvalue()
 
 
 def export(snap: Snapshot) -> tuple[bytes, str]:
     """The snapshot as a bundle, and its digest (see the module's docstring)."""
     budget = [MAX_BUNDLE]
+    what = f"snapshot {snap.name!r} (to another node: at most {MAX_BUNDLE} bytes)"
     members: dict[str, bytes] = {}
     data = snap.open_data()
     try:
-        members["data.tar"] = _pack(data, budget)
+        members["data.tar"] = _pack(data, budget, what)
     finally:
         os.close(data)
     base = snap.open_base()
     if base is not None:
         try:
-            members["base.tar"] = _pack(base, budget)
+            members["base.tar"] = _pack(base, budget, what)
         finally:
             os.close(base)
     areas = snap.open_areas()

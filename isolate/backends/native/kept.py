@@ -184,10 +184,10 @@ class NativeSandbox:
                 self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
                                                                             self.workspace, layers, self.start_from)
                 made_data = True
-            if on_disk:
-                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner)
                 if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
+            if on_disk:
+                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner)
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
             # this run binds the workspace in its place, so that every sandbox of one policy shares one

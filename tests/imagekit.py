@@ -202,6 +202,20 @@ class TokenSigner:
 
 
 @contextlib.contextmanager
+def store_env(path: Any) -> Iterator[str]:
+    """ISOLATE_IMAGE_STORE set to ``path`` (the test's own store) while the block runs, as it was after."""
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(path)
+    try:
+        yield str(path)
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+@contextlib.contextmanager
 def loopback_registry(directory: str, registry: str, htpasswd: str | None = None,
                       tls: dict[str, str] | None = None, token: dict[str, str] | None = None) -> Iterator[str]:
     """Debian's docker-registry (registry: its path) keeping its data in directory and serving on a free port

@@ -25,13 +25,11 @@ _PROBED: dict[str, str] = {}
 
 @pytest.fixture()
 def base(tmp_path: Path) -> Iterator[Image]:
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
-    extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
-             {"name": "usr/local/bin", "type": "dir", "mode": 0o777}, {"name": "app", "type": "dir", "mode": 0o777}]
-    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1",
-                   Env=["PATH=/usr/local/bin:/bin"])
-    try:
+    with kit.store_env(str(tmp_path / "store")):
+        extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
+                 {"name": "usr/local/bin", "type": "dir", "mode": 0o777}, {"name": "app", "type": "dir", "mode": 0o777}]
+        kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1",
+                       Env=["PATH=/usr/local/bin:/bin"])
         image = Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
         if _PROBED.get("why") is None:
             try:
@@ -42,11 +40,6 @@ def base(tmp_path: Path) -> Iterator[Image]:
         if _PROBED["why"]:
             pytest.skip(f"this host builds no image: {_PROBED['why']}")
         yield image
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def _steps(base: Image, source: Path) -> isolate.image.build.Build:

@@ -29,22 +29,15 @@ def _disk_upper_why() -> str | None:
 
 @pytest.fixture()
 def image(tmp_path: Path) -> Iterator[Image]:
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
-    extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
-             {"name": "usr/local/bin", "type": "dir", "mode": 0o777},
-             {"name": "data", "type": "dir", "mode": 0o777},
-             {"name": "data/gone", "data": b"base's\n", "mode": 0o666},
-             {"name": "data/kept", "data": b"kept\n", "mode": 0o666}]
-    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1",
-                   Env=["PATH=/usr/local/bin:/bin"], Cmd=["sh"])
-    try:
+    with kit.store_env(str(tmp_path / "store")):
+        extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
+                 {"name": "usr/local/bin", "type": "dir", "mode": 0o777},
+                 {"name": "data", "type": "dir", "mode": 0o777},
+                 {"name": "data/gone", "data": b"base's\n", "mode": 0o666},
+                 {"name": "data/kept", "data": b"kept\n", "mode": 0o666}]
+        kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1",
+                       Env=["PATH=/usr/local/bin:/bin"], Cmd=["sh"])
         yield Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def test_a_committed_sandbox_is_an_image_with_its_writes_and_deletions(image: Image) -> None:

@@ -52,32 +52,25 @@ CMD ["test ! -e ctx/src/secret.txt && cat result bundle/inside.txt notes.txt && 
 
 @pytest.fixture()
 def context(tmp_path: Path) -> Iterator[Path]:
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
-    extra = [{"name": "app", "type": "dir", "mode": 0o777}]
-    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1", Env=["PATH=/bin"])
-    Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
-    ctx = tmp_path / "ctx"
-    (ctx / "src").mkdir(parents=True)
-    (ctx / "src" / "a.txt").write_text("from-builder\n")
-    (ctx / "src" / "secret.txt").write_text("never copied\n")
-    (ctx / "notes.txt").write_text("notes\n")
-    (ctx / "debug.log").write_text("ignored\n")
-    (ctx / "keep.log").write_text("kept\n")
-    (ctx / ".dockerignore").write_text("# ignored files\nsrc/secret.txt\n*.log\n!keep.log\nDockerfile\n")
-    with tarfile.open(ctx / "bundle.tar.gz", "w:gz") as tar:
-        data = b"inside\n"
-        info = tarfile.TarInfo("./inside.txt")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    (ctx / "Dockerfile").write_text(DOCKERFILE)
-    try:
+    with kit.store_env(str(tmp_path / "store")):
+        extra = [{"name": "app", "type": "dir", "mode": 0o777}]
+        kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="base:1", Env=["PATH=/bin"])
+        Image.load(tmp_path / "base", store=Store(tmp_path / "store"))
+        ctx = tmp_path / "ctx"
+        (ctx / "src").mkdir(parents=True)
+        (ctx / "src" / "a.txt").write_text("from-builder\n")
+        (ctx / "src" / "secret.txt").write_text("never copied\n")
+        (ctx / "notes.txt").write_text("notes\n")
+        (ctx / "debug.log").write_text("ignored\n")
+        (ctx / "keep.log").write_text("kept\n")
+        (ctx / ".dockerignore").write_text("# ignored files\nsrc/secret.txt\n*.log\n!keep.log\nDockerfile\n")
+        with tarfile.open(ctx / "bundle.tar.gz", "w:gz") as tar:
+            data = b"inside\n"
+            info = tarfile.TarInfo("./inside.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        (ctx / "Dockerfile").write_text(DOCKERFILE)
         yield ctx
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def test_a_multi_stage_dockerfile_builds_an_image_whose_sandbox_runs_its_cmd(context: Path, tmp_path: Path) -> None:

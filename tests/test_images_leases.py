@@ -20,15 +20,8 @@ pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin
 
 @pytest.fixture()
 def store(tmp_path: Path) -> Iterator[Store]:
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
-    try:
+    with kit.store_env(str(tmp_path / "store")):
         yield Store(tmp_path / "store")
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def _load(store: Store, tmp: Path) -> Image:

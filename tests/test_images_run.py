@@ -33,9 +33,7 @@ def _load(tmp: Path, name: str, extra: list[dict[str, Any]] | None = None, **con
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("images")
     path = str(tmp / "store")
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = path
-    try:
+    with kit.store_env(path):
         _load(tmp, "scratchbox:1", [{"name": "data", "type": "dir", "mode": 0o777},
                                     {"name": "usr", "type": "dir", "mode": 0o755},
                                     {"name": "usr/share", "type": "dir", "mode": 0o755},
@@ -53,11 +51,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                  {"name": "bin/cat3", "data": b"x"},
                                  {"name": "bin/cat2", "type": "hard", "target": "bin/cat3"}])
         yield path
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def run(store: str, command: list[str], image: str = REF, **policy: Any) -> subprocess.CompletedProcess[str]:

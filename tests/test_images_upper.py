@@ -34,24 +34,17 @@ test ! -e /data/kept && echo "kept gone"
 
 @pytest.fixture()
 def image(tmp_path: Path) -> Iterator[Image]:
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
-    entries = [{"name": "data", "type": "dir", "mode": 0o777},
-               {"name": "data/tree", "type": "dir", "mode": 0o777},
-               {"name": "data/tree/old", "data": b"old\n", "mode": 0o666},
-               {"name": "data/tree/sub", "type": "dir", "mode": 0o777},
-               {"name": "data/tree/sub/deep", "data": b"deep\n", "mode": 0o666},
-               {"name": "data/kept", "type": "dir", "mode": 0o777},
-               {"name": "data/kept/inside", "data": b"in\n", "mode": 0o666}]
-    kit.oci_layout(str(tmp_path / "upper"), [kit.busybox_layer(), kit.layer(entries)], ref="upper:1",
-                   Env=["PATH=/bin"])
-    try:
+    with kit.store_env(str(tmp_path / "store")):
+        entries = [{"name": "data", "type": "dir", "mode": 0o777},
+                   {"name": "data/tree", "type": "dir", "mode": 0o777},
+                   {"name": "data/tree/old", "data": b"old\n", "mode": 0o666},
+                   {"name": "data/tree/sub", "type": "dir", "mode": 0o777},
+                   {"name": "data/tree/sub/deep", "data": b"deep\n", "mode": 0o666},
+                   {"name": "data/kept", "type": "dir", "mode": 0o777},
+                   {"name": "data/kept/inside", "data": b"in\n", "mode": 0o666}]
+        kit.oci_layout(str(tmp_path / "upper"), [kit.busybox_layer(), kit.layer(entries)], ref="upper:1",
+                       Env=["PATH=/bin"])
         yield Image.load(tmp_path / "upper", store=Store(tmp_path / "store"))
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def test_a_directory_of_the_image_removed_and_made_again_is_empty(image: Image) -> None:

@@ -28,18 +28,11 @@ pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin
 
 @pytest.fixture()
 def store(tmp_path: Path) -> Iterator[Store]:
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
-    try:
+    with kit.store_env(str(tmp_path / "store")):
         store = Store(tmp_path / "store")
         kit.oci_layout(str(tmp_path / "box"), [kit.busybox_layer()], ref="inspect-box:1", Env=["PATH=/bin"])
         Image.load(tmp_path / "box", store=store)
         yield store
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 @solver

@@ -201,6 +201,18 @@ class TokenSigner:
         return f"{signing_input}.{b64(signature)}"
 
 
+def docker_login(home: Any, registry: str, user: str, secret: str, monkeypatch: Any) -> None:
+    """A docker login of ``user`` at ``registry`` in a config.json under ``home``, the only auth file read."""
+    config = os.path.join(str(home), "docker")
+    os.makedirs(config, exist_ok=True)
+    with open(os.path.join(config, "config.json"), "w") as handle:
+        json.dump({"auths": {registry: {"auth": base64.b64encode(f"{user}:{secret}".encode()).decode()}}}, handle)
+    monkeypatch.setenv("DOCKER_CONFIG", config)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+
+
 @contextlib.contextmanager
 def store_env(path: Any) -> Iterator[str]:
     """ISOLATE_IMAGE_STORE set to ``path`` (the test's own store) while the block runs, as it was after."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import json
 import os
 import shutil
 import stat
@@ -164,14 +163,7 @@ def test_a_push_authenticates_and_never_sends_credentials_to_another_host(tmp_pa
     handler.port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        docker_config = tmp_path / "docker"
-        docker_config.mkdir()
-        (docker_config / "config.json").write_text(json.dumps(
-            {"auths": {f"127.0.0.1:{handler.port}": {"auth": base64.b64encode(b"alice:s3cret").decode()}}}))
-        monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
-        monkeypatch.setenv("HOME", str(tmp_path))
-        monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
-        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        kit.docker_login(tmp_path, f"127.0.0.1:{handler.port}", "alice", "s3cret", monkeypatch)
         image = _image(tmp_path)
         digest = image.push(f"127.0.0.1:{handler.port}/team/app:1")
     finally:

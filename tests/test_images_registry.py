@@ -210,14 +210,7 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_S
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     handler.port = server.server_address[1]  # type: ignore[attr-defined]
-    docker_config = tmp_path / "docker"
-    docker_config.mkdir()
-    (docker_config / "config.json").write_text(json.dumps(
-        {"auths": {f"127.0.0.1:{handler.port}": {"auth": base64.b64encode(b"alice:s3cret").decode()}}}))
-    monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    kit.docker_login(tmp_path, f"127.0.0.1:{handler.port}", "alice", "s3cret", monkeypatch)
     try:
         yield handler
     finally:

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
+from ..model.policy import Egress
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
 from .models import (
     EGRESS_PORT,
@@ -33,6 +34,7 @@ from .models import (
     parse_time,
 )
 from .ports import PORT_TOKEN_HEADER, port_token
+from .restore import resume_restored
 from .state import ManagedSandbox, ServerState
 from .volumes import Opened, open_volumes
 from .volumes import release as release_volumes
@@ -80,6 +82,17 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
         release_volumes(opened, state.named_volumes, undo=True)
         raise
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
+    managed.volume_claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
+                             for item in opened if item.spec.claim is not None and item.held is not None]
+    try:
+        # Recorded before the create answers: from here a server started after this one's end finds it.
+        state.save(managed)
+    except BaseException as exc:
+        managed.close()
+        if isinstance(exc, OSError):
+            raise ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's "
+                           f"state directory ({exc.strerror}); not created") from None
+        raise
     return managed
 
 
@@ -92,6 +105,10 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
                        "Docker backend of Sandbox has no spawn or file methods yet)")
     warm = None
     box: Any
+    sandbox_id = secrets.token_hex(12)
+    # Kept past the server (a named sandbox) unless a part of it lives in the server process: an egress
+    # allow-list's mediator (its runtime changes and credential vault are the server's), a Ray node's.
+    kept = (state.keeper is not None and not state.cluster and not isinstance(req.policy.network, Egress))
     if req.policy.image is not None and snap is None:
         if state.cluster:
             raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: this server places sandboxes on the nodes of "
@@ -114,11 +131,16 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
         warm = state.take_warm(req.policy) if snap is None and not opened else None
         if warm is not None:
             box = warm
+            kept = False  # the pool's, unnamed: it ends with the server
         else:
             # A new sandbox's /workspace is the server's overlay (its snapshots are layers: they cost what
-            # changed); one from a snapshot has the snapshot's.
+            # changed); one from a snapshot has the snapshot's. A kept one has no idle end: the server's
+            # expiry is its end.
+            assert state.keeper is not None or not kept
             box = Sandbox(req.policy, backend=backend, mounts=[item.mount for item in opened], snapshot=snap,
-                          workspace=None if snap is not None else state.workspace)
+                          workspace=None if snap is not None else state.workspace,
+                          name=state.keeper.name_for(sandbox_id) if kept and state.keeper else None,
+                          idle_timeout=math.inf if kept else None)
             box.start()
     try:
         verify_volumes(box, opened)
@@ -126,8 +148,8 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
         box.close()
         raise
     now = time.time()
-    managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
-                             req.metadata, now, None if req.timeout is None else now + req.timeout)
+    managed = ManagedSandbox(sandbox_id, secrets.token_urlsafe(24), box, req.image, req.entrypoint,
+                             req.metadata, now, None if req.timeout is None else now + req.timeout, kept=kept)
     managed.message = (f"image {req.image!r}: its root file system, natively, under the server's --profile policy"
                        if req.policy.image is not None else
                        f"image {req.image!r}: the host's system under the policy profile of that name")
@@ -225,6 +247,7 @@ async def delete_sandbox(request: Request) -> Response:
     managed = state.get(request.path_params["sandbox_id"])
     if state.remove(managed.id) is not None:
         await run_in_threadpool(managed.close)
+        state.forget(managed)
     return Response(status_code=204)
 
 
@@ -241,6 +264,7 @@ async def _transition(managed: ManagedSandbox, source: str, passing: str, target
         managed.set_state(source, reason, f"{passing.lower()} failed")
         raise
     managed.set_state(target, reason, f"{target.lower()} ({mechanism})")
+    managed.changed()
 
 
 @api
@@ -255,7 +279,8 @@ async def pause_sandbox(request: Request) -> Response:
 async def resume_sandbox(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
-    await _transition(managed, "Paused", "Resuming", "Running", "user_resume", managed.box.resume)
+    work = functools.partial(resume_restored, managed) if managed.restored else managed.box.resume
+    await _transition(managed, "Paused", "Resuming", "Running", "user_resume", work)
     return Response(status_code=202)
 
 
@@ -272,6 +297,7 @@ async def renew_expiration(request: Request) -> Response:
         raise bad_request(f"expiresAt: must be in the future and at most {MAX_TIMEOUT} s away")
     managed.expires_at = when
     managed.event(f"expiration renewed to {iso(when)}")
+    managed.changed()
     return JSONResponse({"expiresAt": iso(when)})
 
 
@@ -291,6 +317,7 @@ async def patch_metadata(request: Request) -> Response:
         else:
             merged[key] = value
     managed.metadata = merged
+    managed.changed()
     managed.event("metadata patched: " + ", ".join(f"{k}={'(deleted)' if v is None else repr(v)}"
                                                     for k, v in sorted(body.items()))[:500])
     return JSONResponse(sandbox_json(managed))
@@ -311,13 +338,19 @@ async def get_endpoint(request: Request) -> Response:
     # The server-proxy form (use_server_proxy=true, OSEP-0009) names the same routes under /proxy/.
     kind = "proxy" if request.query_params.get("use_server_proxy", "").lower() == "true" else "port"
     url = f"{host}/sandboxes/{managed.id}/{kind}/{port}"
+    token, new = managed.current_token()
     if port in (EXECD_PORT, EGRESS_PORT):
-        return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+        if new:
+            managed.changed()
+        return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: token}})
     if managed.box.policy.network == "none":
         raise bad_request(f"port {port}: sandbox {managed.id} has network none, where nothing can listen (not even "
                           "on loopback); create it with networkPolicy {\"defaultAction\": \"deny\"} (a loopback of "
                           "its own, no way out) or under a profile whose network is loopback", "ENDPOINT_NOT_AVAILABLE")
-    return JSONResponse({"endpoint": url, "headers": {PORT_TOKEN_HEADER: port_token(managed, port)}})
+    given = port_token(managed, port)
+    if managed.port_token_given(port, given) or new:
+        managed.changed()  # its hash is recorded: the token stays good past a restart
+    return JSONResponse({"endpoint": url, "headers": {PORT_TOKEN_HEADER: given}})
 
 
 @api

@@ -1,0 +1,202 @@
+"""A server's start on a state directory an earlier server used: its kept sandboxes served again.
+
+For each record (isolate.server.keep), in the server's own words at start:
+
+- a sandbox past its expiry (it passed while no server ran) is ended now,
+  with its files, and the named volumes it held are let go (removed when the
+  create that made them asked: ``deleteOnSandboxTermination``);
+- a sandbox that ended meanwhile (killed, a reboot) is let go the same way;
+- a sandbox that ended with the last server (one whose parts lived in it:
+  an egress allow-list's mediator, the warm pool's, a Ray node's) likewise,
+  and the credentials of its vault are counted as lost (their values were
+  never written anywhere);
+- any other is attached by its name and served under its id, with its
+  metadata, expiry, tokens (as hashes) and named volumes; the commands,
+  bash sessions and code contexts the last server ran in it ended with it
+  (the exec server ends a command whose host hung up), what they left
+  running in the background runs on. One paused when the server ended stays
+  paused.
+
+A kept sandbox of this state directory's name without a record (the last
+server was killed between its start and its record) is ended and removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..kept.sandbox import Sandbox
+from ..model.errors import IsolationError
+from .keep import Record
+
+if TYPE_CHECKING:
+    from .state import ManagedSandbox, ServerState
+
+
+def _thaw(box: Sandbox) -> None:
+    """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it):
+    found from its init's /proc/PID/cgroup, and only in isolate's own run cgroups (isolate-PID-N)."""
+    from ..kernel.cgroup.hierarchy import RUN_NAME, find_hierarchies
+
+    init = getattr(box._impl, "_init_pid", lambda: None)()
+    if init is None:
+        return
+    try:
+        with open(f"/proc/{init}/cgroup") as own, open("/proc/self/mountinfo") as mounts:
+            hierarchies = find_hierarchies(own.read(), mounts.read())
+    except OSError:
+        return
+    for found in hierarchies:
+        if found.directory is None or not RUN_NAME.fullmatch(os.path.basename(found.directory)):
+            continue
+        if found.version == 1 and "freezer" in found.controllers:
+            target, value = os.path.join(found.directory, "freezer.state"), "THAWED"
+        elif found.version == 2:
+            target, value = os.path.join(found.directory, "cgroup.freeze"), "0"
+        else:
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+
+
+def resume_restored(managed: ManagedSandbox) -> str:
+    """Resume a sandbox a restarted server found paused: thawed, continued, attached again."""
+    _thaw(managed.box)
+    for proc in managed.box.processes():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, signal.SIGCONT)
+    name = managed.box.name
+    assert name is not None
+    managed.box = Sandbox.attach(name)
+    return "thawed"
+
+
+def _state_of(box: Sandbox) -> str:
+    state: Any = getattr(box._impl, "state", None)
+    return str(state()) if callable(state) else "ended"
+
+
+def _release_claims(state: ServerState, record: Record) -> None:
+    store = state.volume_store() if record.volumes else ""
+    for claim, doomed in record.volumes:
+        path = os.path.join(store, claim)
+        state.named_volumes.adopt(path, doomed)
+        state.named_volumes.release(path)
+
+
+def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
+    if box is not None:
+        with contextlib.suppress(Exception):
+            box.close()
+    _release_claims(state, record)
+    assert state.keeper is not None
+    state.keeper.remove(record.id)
+
+
+def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> ManagedSandbox:
+    import functools
+
+    from .state import ManagedSandbox
+
+    managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
+                             record.created_at, record.expires_at, kept=True,
+                             token_hashes=list(record.token_hashes),
+                             port_hashes={port: list(h) for port, h in record.port_hashes.items()},
+                             volume_claims=list(record.volumes))
+    managed.renew_on_access = record.renew_on_access
+    managed.restored = True
+    store = state.volume_store() if record.volumes else ""
+    for claim, doomed in record.volumes:
+        path = os.path.join(store, claim)
+        state.named_volumes.adopt(path, doomed)
+        managed.on_close.append(functools.partial(state.named_volumes.release, path))
+    # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
+    managed.on_close.append(_sweep_cgroups)
+    managed.message = "served again by a restarted server"
+    managed.event("served again by a restarted server of its state directory (the commands, bash sessions and "
+                  "code contexts the last one ran in it ended with it)")
+    if paused:
+        managed.set_state("Paused", "server_restart", "paused when the last server ended")
+    return managed
+
+
+def _sweep_cgroups() -> None:
+    from ..kernel.cgroup import sweep_stale
+
+    with contextlib.suppress(OSError):
+        sweep_stale()
+
+
+def restore(state: ServerState) -> list[str]:
+    from ..backends.native.named import native_names, remove_native
+
+    keeper = state.keeper
+    if keeper is None:
+        return []
+    records, lines = keeper.load()
+    now = time.time()
+    lost_credentials = lost_with_them = 0
+    served = expired = gone = 0
+    for record in records:
+        name = keeper.name_for(record.id)
+        if not record.kept:
+            _end(state, record, None)
+            gone += 1
+            if record.credentials:
+                lost_credentials += record.credentials
+                lost_with_them += 1
+            lines.append(f"sandbox {record.id}: ended with the last server (its egress mediator, warm pool or "
+                         "cluster node was the server's)")
+            continue
+        box: Sandbox | None
+        try:
+            box = Sandbox.attach(name, ping=False)
+        except IsolationError:
+            box = None
+        alive = _state_of(box) if box is not None else "ended"
+        if record.expires_at is not None and record.expires_at <= now:
+            _end(state, record, box)
+            expired += 1
+            lines.append(f"sandbox {record.id}: its timeout passed while no server ran; ended")
+            continue
+        paused = record.state == "Paused" and alive == "not answering"
+        if alive != "running" and not paused:
+            _end(state, record, box)
+            gone += 1
+            lines.append(f"sandbox {record.id}: ended while no server ran ({alive}); its record and volumes let go")
+            continue
+        assert box is not None
+        try:
+            if not paused:
+                box = Sandbox.attach(name)  # with its file conversation
+        except IsolationError as exc:
+            _end(state, record, box)
+            gone += 1
+            lines.append(f"sandbox {record.id}: could not be attached again ({exc}); ended")
+            continue
+        managed = _served(state, record, box, paused)
+        with state.lock:
+            state.sandboxes[managed.id] = managed
+        managed.persist = state.saved
+        served += 1
+    known = {keeper.name_for(record.id) for record in records}
+    for name in native_names():
+        if name.startswith(keeper.prefix()) and name not in known:
+            with contextlib.suppress(IsolationError, OSError):
+                remove_native(name)
+            lines.append(f"kept sandbox {name}: the last server was making it (no record); removed")
+    if served or expired or gone:
+        lines.append(f"{served} sandbox(es) of the last server served again, {expired} expired, {gone} ended")
+    if lost_credentials:
+        lines.append(f"{lost_credentials} credentials were lost with the last server (a credential vault's values "
+                     f"are never written to disk), with the {lost_with_them} sandbox(es) whose vaults held them: "
+                     "create them again and re-add them")
+    return lines

@@ -1,0 +1,179 @@
+"""``isolate-run serve`` outlives itself: a server killed with SIGKILL and started again with the same
+``--state-dir`` serves the sandboxes it made, under the same ids, with their files, background processes,
+tokens (kept as hashes) and endpoints; one whose timeout passed meanwhile is gone; a hostile record is
+skipped. The server runs as in tests/test_server.py (a subprocess on a loopback port, plain HTTP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import test_server as base
+
+psutil = pytest.importorskip("psutil")
+
+FLAGS = () if base.limits_enforceable() else ("--best-effort",)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="isolate-serve-restart-")
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run(server: base.Server, prefix: str, headers: dict[str, str], command: str) -> str:
+    """A command's stdout, through the execution API (server-sent events)."""
+    status, body = server.call("POST", prefix + "/command", {"command": command}, key=None, headers=headers)
+    assert status == 200, body
+    text = body.decode() if isinstance(body, bytes) else json.dumps(body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")] or \
+        [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert not [e for e in events if e.get("type") == "error"], events
+    return "".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+
+
+def _kill(server: base.Server) -> None:
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    server.stop()
+
+
+def _port_get(server: base.Server, sandbox_id: str, port: int, token: str, path: str) -> tuple[int, Any]:
+    return server.call("GET", f"/sandboxes/{sandbox_id}/port/{port}/{path}", key=None,
+                       headers={"OpenSandbox-Secure-Access": token})
+
+
+def test_sigkill_and_restart_keep_the_sandbox(state_dir: str) -> None:
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    box_id = ""
+    try:
+        box = base._create(first, timeout=900, metadata={"team": "blue"},
+                           networkPolicy={"defaultAction": "deny"})  # a loopback of its own: its port is served
+        box_id = box["id"]
+        short = base._create(first, timeout=3)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        # A file, and a process left running in the background (a web server on the sandbox's loopback).
+        _run(first, prefix, headers, "echo kept > /workspace/f.txt; "
+             "(setsid python3 -m http.server 8000 --bind 127.0.0.1 -d /workspace </dev/null >/dev/null 2>&1 &)")
+        status, port_endpoint = first.call("GET", f"/v1/sandboxes/{box_id}/endpoints/8000")
+        assert status == 200, port_endpoint
+        port_token = port_endpoint["headers"]["OpenSandbox-Secure-Access"]
+        deadline = time.monotonic() + 20
+        while (answer := _port_get(first, box_id, 8000, port_token, "f.txt"))[0] != 200:
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.2)
+        pid_text = _run(first, prefix, headers, "pgrep -f 'http.server 8000' | head -1").strip()
+        assert pid_text
+        # The record holds no token: only hashes.
+        records = [os.path.join(state_dir, e) for e in os.listdir(state_dir) if e.endswith(".json")]
+        assert len(records) == 2
+        for path in records:
+            info = os.stat(path)
+            assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+            with open(path) as handle:
+                text = handle.read()
+            assert headers["X-EXECD-ACCESS-TOKEN"] not in text and port_token not in text
+        _kill(first)
+        time.sleep(3.5)  # the short one's timeout passes while no server runs
+
+        second = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+        try:
+            status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
+            assert status == 200, got
+            assert got["metadata"] == {"team": "blue"} and got["expiresAt"] == box["expiresAt"]
+            assert got["status"]["state"] == "Running"
+            assert second.call("GET", f"/v1/sandboxes/{short}")[0] == 404  # expired while down: ended
+            assert not os.path.exists(os.path.join(state_dir, f"{short}.json"))
+            # The old token works; the endpoint call gives a working one again.
+            assert second.call("GET", prefix + "/ping", key=None, headers=headers)[0] == 200
+            assert second.call("GET", prefix + "/ping", key=None, headers={"X-EXECD-ACCESS-TOKEN": "x" * 32})[0] \
+                == 401
+            new_prefix, new_headers = base._endpoint(second, box_id)
+            assert new_prefix == prefix
+            assert _run(second, prefix, new_headers, "cat /workspace/f.txt") == "kept"
+            assert _run(second, prefix, headers, "pgrep -f 'http.server 8000' | head -1").strip() == pid_text
+            # The web app's endpoint, with the token given before the restart.
+            status, text = _port_get(second, box_id, 8000, port_token, "f.txt")
+            assert status == 200 and "kept" in str(text), (status, text)
+            assert _port_get(second, box_id, 8000, "0" * 64, "f.txt")[0] == 401
+            listed = second.call("GET", "/v1/sandboxes")[1]["items"]
+            assert [item["id"] for item in listed] == [box_id]
+            # A new sandbox beside it, and a delete that ends the kept one and its record.
+            other = base._create(second)["id"]
+            assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
+            assert not os.path.exists(os.path.join(state_dir, f"{box_id}.json"))
+            second.call("DELETE", f"/v1/sandboxes/{other}")
+            box_id = ""
+        finally:
+            second.stop()
+    finally:
+        if first.proc.poll() is None:
+            first.stop()
+        if box_id:
+            from isolate.backends.native.named import native_names, remove_native
+
+            for name in native_names():
+                if name.endswith(box_id):
+                    remove_native(name)
+
+
+def test_hostile_records_are_skipped(state_dir: str) -> None:
+    """What the state directory holds is checked: a malformed record, a link and a foreign entry are skipped
+    and said, never followed or trusted; a record whose sandbox is gone is let go."""
+    with open(os.path.join(state_dir, "0123456789abcdef01234567.json"), "w") as handle:
+        json.dump({"version": 1, "id": "../../etc"}, handle)
+    os.symlink("/etc/passwd", os.path.join(state_dir, "aaaaaaaaaaaaaaaaaaaaaaaa.json"))
+    gone = {"version": 1, "id": "bbbbbbbbbbbbbbbbbbbbbbbb", "image": "ubuntu", "entrypoint": [], "metadata": {},
+            "createdAt": 1.0, "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
+            "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0}
+    with open(os.path.join(state_dir, "bbbbbbbbbbbbbbbbbbbbbbbb.json"), "w") as handle:
+        json.dump(gone, handle)
+    lost = dict(gone, id="cccccccccccccccccccccccc", kept=False, credentials=3)
+    with open(os.path.join(state_dir, "cccccccccccccccccccccccc.json"), "w") as handle:
+        json.dump(lost, handle)
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        out = server.proc.stdout.read().decode() if server.proc.stdout else ""
+        server.stop()
+    assert "0123456789abcdef01234567.json: skipped" in out, out
+    assert "aaaaaaaaaaaaaaaaaaaaaaaa.json: skipped" in out, out
+    assert "3 credentials were lost with the last server" in out, out
+    assert os.path.islink(os.path.join(state_dir, "aaaaaaaaaaaaaaaaaaaaaaaa.json"))  # left, not followed
+    assert not os.path.exists(os.path.join(state_dir, "bbbbbbbbbbbbbbbbbbbbbbbb.json"))
+
+
+def test_state_dir_others_may_write_is_refused(state_dir: str) -> None:
+    os.chmod(state_dir, 0o777)
+    server = None
+    try:
+        with pytest.raises(RuntimeError, match="others may write it"):
+            server = base.Server(*FLAGS, state_dir=state_dir)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_one_server_per_state_dir(state_dir: str) -> None:
+    first = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        with pytest.raises(RuntimeError, match="another isolate-run serve uses it"):
+            base.Server(*FLAGS, state_dir=state_dir)
+    finally:
+        first.stop()

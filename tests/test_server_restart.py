@@ -56,14 +56,32 @@ def _port_get(server: base.Server, sandbox_id: str, port: int, token: str, path:
                        headers={"OpenSandbox-Secure-Access": token})
 
 
-def test_sigkill_and_restart_keep_the_sandbox(state_dir: str) -> None:
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+def _pvc(claim: str) -> list[dict[str, Any]]:
+    return [{"name": "v", "mountPath": "/mnt/v", "pvc": {"claimName": claim, "deleteOnSandboxTermination": True}}]
+
+
+@pytest.fixture
+def volume_store() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="isolate-serve-restart-volumes-")
+    os.chmod(path, 0o755)  # the sandbox's user (65534 under a root server) reaches its volumes
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_sigkill_and_restart_keep_the_sandbox(state_dir: str, volume_store: str) -> None:
+    flags = (*FLAGS, "--volume-store", volume_store)
+    first = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
     box_id = ""
     try:
-        box = base._create(first, timeout=900, metadata={"team": "blue"},
+        box = base._create(first, timeout=900, metadata={"team": "blue"}, volumes=_pvc("kept-vol"),
                            networkPolicy={"defaultAction": "deny"})  # a loopback of its own: its port is served
         box_id = box["id"]
-        short = base._create(first, timeout=3)["id"]
+        short = base._create(first, timeout=3, volumes=_pvc("short-vol"))["id"]
+        assert sorted(os.listdir(volume_store)) == ["kept-vol", "short-vol"]
         prefix, headers = base._endpoint(first, box_id)
         # A file, and a process left running in the background (a web server on the sandbox's loopback).
         _run(first, prefix, headers, "echo kept > /workspace/f.txt; "
@@ -89,7 +107,7 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str) -> None:
         _kill(first)
         time.sleep(3.5)  # the short one's timeout passes while no server runs
 
-        second = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+        second = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
         try:
             status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
             assert status == 200, got
@@ -97,6 +115,7 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str) -> None:
             assert got["status"]["state"] == "Running"
             assert second.call("GET", f"/v1/sandboxes/{short}")[0] == 404  # expired while down: ended
             assert not os.path.exists(os.path.join(state_dir, f"{short}.json"))
+            assert os.listdir(volume_store) == ["kept-vol"]  # the expired one's volume went with it
             # The old token works; the endpoint call gives a working one again.
             assert second.call("GET", prefix + "/ping", key=None, headers=headers)[0] == 200
             assert second.call("GET", prefix + "/ping", key=None, headers={"X-EXECD-ACCESS-TOKEN": "x" * 32})[0] \
@@ -115,6 +134,7 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str) -> None:
             other = base._create(second)["id"]
             assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
             assert not os.path.exists(os.path.join(state_dir, f"{box_id}.json"))
+            assert os.listdir(volume_store) == []  # its last holder ended: the volume it made goes
             second.call("DELETE", f"/v1/sandboxes/{other}")
             box_id = ""
         finally:
@@ -128,6 +148,37 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str) -> None:
             for name in native_names():
                 if name.endswith(box_id):
                     remove_native(name)
+
+
+def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
+    """As after a reboot: the sandbox's processes and its runtime files are gone; the next server lets its
+    record go and removes its workspace's files."""
+    from isolate.kernel.places import runtime_dir, state_dir as isolate_state
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        pids = first.sandbox_pids()
+        _kill(first)
+    finally:
+        first.stop()
+    name = next(n[:-5] for n in os.listdir(runtime_dir()) if n.endswith(f"{box_id}.json"))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    base._wait_gone(list(pids))
+    for suffix in (".json", ".sock"):
+        os.unlink(os.path.join(runtime_dir(), name + suffix))
+    assert os.path.isdir(os.path.join(isolate_state(), "sandboxes", name))
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert second.call("GET", f"/v1/sandboxes/{box_id}")[0] == 404
+        assert not os.path.exists(os.path.join(state_dir, f"{box_id}.json"))
+        assert not os.path.exists(os.path.join(isolate_state(), "sandboxes", name))
+    finally:
+        second.stop()
 
 
 def test_hostile_records_are_skipped(state_dir: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -92,12 +93,35 @@ def _release_claims(state: ServerState, record: Record) -> None:
         state.named_volumes.release(path)
 
 
+def _remove_data(name: str) -> None:
+    """The data directory (workspace layers) of a kept sandbox whose description is gone (a reboot emptied the
+    runtime directory): found through the state directory's descriptor, removed as the directory found there,
+    never through a link."""
+    from ..backends.native.kept import _remove_at
+    from ..kernel.places import open_state_dir
+
+    try:
+        data_fd = open_state_dir("sandboxes")
+    except (OSError, IsolationError):
+        return
+    try:
+        info = os.stat(name, dir_fd=data_fd, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            _remove_at(data_fd, name, (info.st_dev, info.st_ino))
+    except OSError:
+        pass
+    finally:
+        os.close(data_fd)
+
+
 def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
+    assert state.keeper is not None
     if box is not None:
         with contextlib.suppress(Exception):
             box.close()
+    elif record.kept:
+        _remove_data(state.keeper.name_for(record.id))
     _release_claims(state, record)
-    assert state.keeper is not None
     state.keeper.remove(record.id)
 
 

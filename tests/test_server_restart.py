@@ -42,7 +42,7 @@ def _run(server: base.Server, prefix: str, headers: dict[str, str], command: str
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")] or \
         [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert not [e for e in events if e.get("type") == "error"], events
-    return "".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+    return "\n".join(e.get("text", "") for e in events if e.get("type") == "stdout")
 
 
 def _kill(server: base.Server) -> None:
@@ -150,10 +150,49 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str, volume_store: str)
                     remove_native(name)
 
 
+def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: str) -> None:
+    """A sandbox started from a snapshot stands on the snapshot's layer; served again after a restart (attached
+    by its name, its origin unknown to the new server), its snapshot still holds that layer's files."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    made: list[str] = []
+    snaps: list[str] = []
+    try:
+        source = base._create(first)["id"]
+        made.append(source)
+        prefix, headers = base._endpoint(first, source)
+        _run(first, prefix, headers, "echo from-base > /workspace/base.txt")
+        status, snap = first.call("POST", f"/v1/sandboxes/{source}/snapshots", {})
+        assert status in (200, 201, 202), snap
+        snaps.append(snap["id"])
+        branch = base._create(first, image=None, snapshotId=snap["id"])["id"]
+        made.append(branch)
+        _kill(first)
+        second = base.Server(*FLAGS, state_dir=state_dir)
+        try:
+            prefix, headers = base._endpoint(second, branch)
+            _run(second, prefix, headers, "echo from-branch > /workspace/new.txt")
+            status, again = second.call("POST", f"/v1/sandboxes/{branch}/snapshots", {})
+            assert status in (200, 201, 202), again
+            snaps.append(again["id"])
+            leaf = base._create(second, image=None, snapshotId=again["id"])["id"]
+            made.append(leaf)
+            prefix, headers = base._endpoint(second, leaf)
+            assert _run(second, prefix, headers, "cat /workspace/base.txt /workspace/new.txt").split() == \
+                ["from-base", "from-branch"]
+        finally:
+            for snapshot_id in snaps:
+                second.call("DELETE", f"/v1/snapshots/{snapshot_id}")
+            second.stop()  # --end-on-exit: every sandbox ends
+    finally:
+        if first.proc.poll() is None:
+            first.stop()
+
+
 def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
     """As after a reboot: the sandbox's processes and its runtime files are gone; the next server lets its
     record go and removes its workspace's files."""
-    from isolate.kernel.places import runtime_dir, state_dir as isolate_state
+    from isolate.kernel.places import runtime_dir
+    from isolate.kernel.places import state_dir as isolate_state
 
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:

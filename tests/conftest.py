@@ -215,6 +215,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray.py",
     "test_server.py",
     "test_server_pool.py",
+    "test_server_restart.py",
     "test_server_spec.py",
     "test_smolagents.py",
 })

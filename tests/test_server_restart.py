@@ -188,6 +188,31 @@ def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: st
             first.stop()
 
 
+def test_a_paused_sandbox_stays_paused_and_resumes(state_dir: str) -> None:
+    """Paused when the server was killed (the cgroup freezer where it has a cgroup, else SIGSTOP): served again
+    as Paused, refusing commands, and resumed by the new server, which holds no handle on its cgroup."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first, resourceLimits={"cpu": "1", "memory": "512Mi"})["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        assert first.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
+        assert status == 200 and got["status"]["state"] == "Paused", got
+        assert second.call("POST", prefix + "/command", {"command": "true"}, key=None, headers=headers)[0] == 409
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert _run(second, prefix, headers, "echo awake") == "awake"
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert _run(second, prefix, headers, "echo again") == "again"
+    finally:
+        second.stop()
+
+
 def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
     """As after a reboot: the sandbox's processes and its runtime files are gone; the next server lets its
     record go and removes its workspace's files."""

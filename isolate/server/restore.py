@@ -39,27 +39,31 @@ if TYPE_CHECKING:
 
 
 def _thaw(box: Sandbox) -> None:
-    """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it):
-    found from its init's /proc/PID/cgroup, and only in isolate's own run cgroups (isolate-PID-N)."""
+    """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it): its
+    run cgroups are found from its processes' /proc/PID/cgroup (the init on the host's side stays outside
+    them), and only isolate's own (isolate-PID-N) are written."""
     from ..kernel.cgroup.hierarchy import RUN_NAME, find_hierarchies
 
-    init = getattr(box._impl, "_init_pid", lambda: None)()
-    if init is None:
-        return
     try:
-        with open(f"/proc/{init}/cgroup") as own, open("/proc/self/mountinfo") as mounts:
-            hierarchies = find_hierarchies(own.read(), mounts.read())
+        with open("/proc/self/mountinfo") as mounts:
+            mountinfo = mounts.read()
     except OSError:
         return
-    for found in hierarchies:
-        if found.directory is None or not RUN_NAME.fullmatch(os.path.basename(found.directory)):
+    targets: set[tuple[str, str]] = set()
+    for proc in box.processes():
+        try:
+            with open(f"/proc/{proc.pid}/cgroup") as own:
+                hierarchies = find_hierarchies(own.read(), mountinfo)
+        except OSError:
             continue
-        if found.version == 1 and "freezer" in found.controllers:
-            target, value = os.path.join(found.directory, "freezer.state"), "THAWED"
-        elif found.version == 2:
-            target, value = os.path.join(found.directory, "cgroup.freeze"), "0"
-        else:
-            continue
+        for found in hierarchies:
+            if found.directory is None or not RUN_NAME.fullmatch(os.path.basename(found.directory)):
+                continue
+            if found.version == 1 and "freezer" in found.controllers:
+                targets.add((os.path.join(found.directory, "freezer.state"), "THAWED"))
+            elif found.version == 2:
+                targets.add((os.path.join(found.directory, "cgroup.freeze"), "0"))
+    for target, value in sorted(targets):
         with contextlib.suppress(OSError):
             fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -169,10 +173,13 @@ def restore(state: ServerState) -> list[str]:
     now = time.time()
     lost_credentials = lost_with_them = 0
     served = expired = gone = 0
+    # Those served again hold their named volumes before any other lets go of one: a volume shared with
+    # one that ended is then not removed under the one that lives on.
+    ending: list[tuple[Record, Sandbox | None]] = []
     for record in records:
         name = keeper.name_for(record.id)
         if not record.kept:
-            _end(state, record, None)
+            ending.append((record, None))
             gone += 1
             if record.credentials:
                 lost_credentials += record.credentials
@@ -187,13 +194,13 @@ def restore(state: ServerState) -> list[str]:
             box = None
         alive = _state_of(box) if box is not None else "ended"
         if record.expires_at is not None and record.expires_at <= now:
-            _end(state, record, box)
+            ending.append((record, box))
             expired += 1
             lines.append(f"sandbox {record.id}: its timeout passed while no server ran; ended")
             continue
         paused = record.state == "Paused" and alive == "not answering"
         if alive != "running" and not paused:
-            _end(state, record, box)
+            ending.append((record, box))
             gone += 1
             lines.append(f"sandbox {record.id}: ended while no server ran ({alive}); its record and volumes let go")
             continue
@@ -202,7 +209,7 @@ def restore(state: ServerState) -> list[str]:
             if not paused:
                 box = Sandbox.attach(name)  # with its file conversation
         except IsolationError as exc:
-            _end(state, record, box)
+            ending.append((record, box))
             gone += 1
             lines.append(f"sandbox {record.id}: could not be attached again ({exc}); ended")
             continue
@@ -211,6 +218,8 @@ def restore(state: ServerState) -> list[str]:
             state.sandboxes[managed.id] = managed
         managed.persist = state.saved
         served += 1
+    for record, maybe_box in ending:
+        _end(state, record, maybe_box)
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:

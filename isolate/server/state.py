@@ -537,6 +537,7 @@ class ServerState:
         self.cluster = False
         self.sandboxes: dict[str, ManagedSandbox] = {}
         self.lock = threading.Lock()
+        self._save_lock = threading.Lock()
 
     def start_pool(self) -> None:
         """Start the warm pool (--warm N): sandboxes in the shape of the SDK's default create (the default
@@ -604,7 +605,8 @@ class ServerState:
     def save(self, managed: ManagedSandbox) -> None:
         """Write the sandbox's record (when the server keeps records); OSError when it cannot."""
         if self.keeper is not None:
-            self.keeper.write(managed.record())
+            with self._save_lock:  # the record made and written in one go: two changes write in their order
+                self.keeper.write(managed.record())
 
     def saved(self, managed: ManagedSandbox) -> None:
         """``save`` after a change the sandbox lives on without (metadata, expiry, a token): a failure is
@@ -632,7 +634,10 @@ class ServerState:
                     managed.detach()  # the next server of this state directory serves it again
                     continue
                 managed.close()
-                self.forget(managed)
+                if self.end_on_exit:
+                    self.forget(managed)
+                # else its record stays: the next start says it ended with this server (and the credentials
+                # its vault lost)
             except Exception:
                 pass
         if self.keeper is not None:

@@ -81,8 +81,9 @@ class Record:
     metadata: dict[str, str]
     created_at: float
     expires_at: float | None
-    #: Kept past the server (a named sandbox); False: it ends with the server (see ServerState.keeps).
+    #: Kept past the server (a named sandbox); False: it ends with the server (isolate.server.lifecycle).
     kept: bool
+    #: Running or Paused; Starting: written before the start, a server that finds it ends what was made.
     state: str = "Running"
     renew_on_access: int | None = None
     token_hashes: list[str] = field(default_factory=list)
@@ -135,7 +136,7 @@ def parse_record(data: object, expected_id: str) -> Record:
           and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()), "metadata")
     expires = None if data["expiresAt"] is None else _time(data["expiresAt"], "expiresAt")
     _need(isinstance(data["kept"], bool), "kept")
-    _need(data["state"] in ("Running", "Paused"), "state")
+    _need(data["state"] in ("Starting", "Running", "Paused"), "state")
     renew = data["renewOnAccess"]
     _need(renew is None or (isinstance(renew, int) and not isinstance(renew, bool) and 0 < renew <= 86400),
           "renewOnAccess")

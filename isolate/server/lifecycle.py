@@ -20,6 +20,7 @@ from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
 from ..model.policy import Egress
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
+from .keep import Record, token_hash
 from .models import (
     EGRESS_PORT,
     EXECD_PORT,
@@ -76,19 +77,35 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     store = state.volume_store() if named else None
     # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
     opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
+    sandbox_id, token = secrets.token_hex(12), secrets.token_urlsafe(24)
+    # Kept past the server (a named sandbox) unless a part of it lives in the server process: an egress
+    # allow-list's mediator (its runtime changes and credential vault are the server's), a Ray node's.
+    kept = state.keeper is not None and not state.cluster and not isinstance(req.policy.network, Egress)
+    claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
+              for item in opened if item.spec.claim is not None and item.held is not None]
     try:
-        managed = _start_box(state, req, opened)
-    except BaseException:
+        if state.keeper is not None:
+            # A record of the start before anything is made: a server killed from here on leaves the next
+            # one what to end (the sandbox, half made or whole) and which volumes to let go.
+            state.keeper.write(Record(sandbox_id, req.image, list(req.entrypoint), dict(req.metadata), time.time(),
+                                      None, kept, "Starting", token_hashes=[token_hash(token)], volumes=claims))
+        managed = _start_box(state, req, opened, sandbox_id, token, kept)
+    except BaseException as exc:
         release_volumes(opened, state.named_volumes, undo=True)
+        if state.keeper is not None:
+            state.keeper.remove(sandbox_id)
+        if isinstance(exc, OSError):
+            raise ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's "
+                           f"state directory ({exc.strerror}); not created") from None
         raise
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
-    managed.volume_claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
-                             for item in opened if item.spec.claim is not None and item.held is not None]
+    managed.volume_claims = claims
     try:
-        # Recorded before the create answers: from here a server started after this one's end finds it.
+        # Recorded whole before the create answers: from here a server started after this one's end serves it.
         state.save(managed)
     except BaseException as exc:
         managed.close()
+        state.forget(managed)
         if isinstance(exc, OSError):
             raise ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's "
                            f"state directory ({exc.strerror}); not created") from None
@@ -96,7 +113,8 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     return managed
 
 
-def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> ManagedSandbox:
+def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], sandbox_id: str, token: str,
+               kept: bool) -> ManagedSandbox:
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
     backend = state.backend or (req.policy.backend if req.policy.backend != "auto" else "native")
     if backend != "native":
@@ -105,10 +123,6 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
                        "Docker backend of Sandbox has no spawn or file methods yet)")
     warm = None
     box: Any
-    sandbox_id = secrets.token_hex(12)
-    # Kept past the server (a named sandbox) unless a part of it lives in the server process: an egress
-    # allow-list's mediator (its runtime changes and credential vault are the server's), a Ray node's.
-    kept = (state.keeper is not None and not state.cluster and not isinstance(req.policy.network, Egress))
     if req.policy.image is not None and snap is None:
         if state.cluster:
             raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: this server places sandboxes on the nodes of "
@@ -148,7 +162,7 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
         box.close()
         raise
     now = time.time()
-    managed = ManagedSandbox(sandbox_id, secrets.token_urlsafe(24), box, req.image, req.entrypoint,
+    managed = ManagedSandbox(sandbox_id, token, box, req.image, req.entrypoint,
                              req.metadata, now, None if req.timeout is None else now + req.timeout, kept=kept)
     managed.message = (f"image {req.image!r}: its root file system, natively, under the server's --profile policy"
                        if req.policy.image is not None else

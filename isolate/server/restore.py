@@ -97,10 +97,70 @@ def _release_claims(state: ServerState, record: Record) -> None:
         state.named_volumes.release(path)
 
 
+def _listeners(path: str) -> list[int]:
+    """The processes holding the unix socket bound at path (listening): from /proc/net/unix, its inode, then
+    the descriptors of /proc/*/fd that are that socket."""
+    inode = None
+    try:
+        with open("/proc/net/unix") as table:
+            for line in table.read().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7] == path:
+                    inode = fields[6]
+                    break
+    except OSError:
+        return []
+    if inode is None:
+        return []
+    wanted, pids = f"socket:[{inode}]", []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") == wanted:
+                    pids.append(int(entry))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def _clear_half_made(name: str) -> None:
+    """What a kept sandbox's start left when its maker was killed before it described it (no description to
+    attach by): its exec server (the holder of its socket, whose end ends the sandbox's init and PID
+    namespace) killed, its socket and data directory removed."""
+    from ..backends.native.kept import Paths
+    from ..backends.registry import Registry
+
+    paths = Paths.of(name)
+    for pid in _listeners(paths.socket):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    for path in (paths.socket, paths.meta):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    _remove_data(name)
+    with contextlib.suppress(IsolationError):
+        Registry().forget("native", name)
+
+
 def _remove_data(name: str) -> None:
     """The data directory (workspace layers) of a kept sandbox whose description is gone (a reboot emptied the
-    runtime directory): found through the state directory's descriptor, removed as the directory found there,
-    never through a link."""
+    runtime directory, or its maker was killed before it wrote it): found through the state directory's
+    descriptor, removed as the directory found there, never through a link."""
     from ..backends.native.kept import _remove_at
     from ..kernel.places import open_state_dir
 
@@ -124,7 +184,7 @@ def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
         with contextlib.suppress(Exception):
             box.close()
     elif record.kept:
-        _remove_data(state.keeper.name_for(record.id))
+        _clear_half_made(state.keeper.name_for(record.id))
     _release_claims(state, record)
     state.keeper.remove(record.id)
 
@@ -164,7 +224,7 @@ def _sweep_cgroups() -> None:
 
 
 def restore(state: ServerState) -> list[str]:
-    from ..backends.native.named import native_names, remove_native
+    from ..backends.native.named import native_names
 
     keeper = state.keeper
     if keeper is None:
@@ -193,6 +253,12 @@ def restore(state: ServerState) -> list[str]:
         except IsolationError:
             box = None
         alive = _state_of(box) if box is not None else "ended"
+        if record.state == "Starting":
+            ending.append((record, box))
+            gone += 1
+            lines.append(f"sandbox {record.id}: the last server ended while it started it (its create was not "
+                         "answered); ended")
+            continue
         if record.expires_at is not None and record.expires_at <= now:
             ending.append((record, box))
             expired += 1
@@ -223,8 +289,12 @@ def restore(state: ServerState) -> list[str]:
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:
-            with contextlib.suppress(IsolationError, OSError):
-                remove_native(name)
+            try:
+                Sandbox.attach(name, ping=False).close()
+            except IsolationError:
+                _clear_half_made(name)
+            except OSError:
+                pass
             lines.append(f"kept sandbox {name}: the last server was making it (no record); removed")
     if served or expired or gone:
         lines.append(f"{served} sandbox(es) of the last server served again, {expired} expired, {gone} ended")

@@ -93,6 +93,9 @@ class Record:
     volumes: list[tuple[str, bool]] = field(default_factory=list)
     #: Credentials of its vault (their number only: the values never leave the server's memory).
     credentials: int = 0
+    #: Written before its named volumes were claimed: ``volumes`` are those asked for, with whether the
+    #: create asked to remove them (it may have made them when its server was killed).
+    pending: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -100,7 +103,8 @@ class Record:
                 "kept": self.kept, "state": self.state, "renewOnAccess": self.renew_on_access,
                 "tokenHashes": self.token_hashes,
                 "portHashes": {str(port): hashes for port, hashes in self.port_hashes.items()},
-                "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials}
+                "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials,
+                "pending": self.pending}
 
 
 class BadRecord(ValueError):
@@ -124,7 +128,7 @@ def parse_record(data: object, expected_id: str) -> Record:
     _need(isinstance(data, dict), "not an object")
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
-             "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials"}
+             "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
     _need(set(data) == known, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -162,8 +166,10 @@ def parse_record(data: object, expected_id: str) -> Record:
     credentials = data["credentials"]
     _need(isinstance(credentials, int) and not isinstance(credentials, bool) and 0 <= credentials < 1 << 20,
           "credentials")
+    _need(isinstance(data["pending"], bool) and (not data["pending"] or data["state"] == "Starting"), "pending")
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
-                  expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials)
+                  expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
+                  data["pending"])
 
 
 def _check_private(path: str, fd: int) -> None:

@@ -75,25 +75,33 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
         raise ApiError(400, "UNSUPPORTED", "volumes: this server places sandboxes on the nodes of a Ray cluster "
                        "(serve --ray), and a named volume is a directory of one machine; serve without --ray")
     store = state.volume_store() if named else None
-    # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
-    opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
     sandbox_id, token = secrets.token_hex(12), secrets.token_urlsafe(24)
     # Kept past the server (a named sandbox) unless a part of it lives in the server process: an egress
     # allow-list's mediator (its runtime changes and credential vault are the server's), a Ray node's.
     kept = state.keeper is not None and not state.cluster and not isinstance(req.policy.network, Egress)
-    claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
-              for item in opened if item.spec.claim is not None and item.held is not None]
+    keeper = state.keeper
+
+    def starting(volumes: list[tuple[str, bool]], pending: bool) -> None:
+        # A record of the start before anything is made: a server killed from here on leaves the next one
+        # what to end (the sandbox, half made or whole) and which named volumes to let go.
+        if keeper is not None:
+            keeper.write(Record(sandbox_id, req.image, list(req.entrypoint), dict(req.metadata), time.time(), None,
+                                kept, "Starting", token_hashes=[token_hash(token)], volumes=volumes,
+                                pending=pending))
+
+    opened: list[Opened] = []
     try:
-        if state.keeper is not None:
-            # A record of the start before anything is made: a server killed from here on leaves the next
-            # one what to end (the sandbox, half made or whole) and which volumes to let go.
-            state.keeper.write(Record(sandbox_id, req.image, list(req.entrypoint), dict(req.metadata), time.time(),
-                                      None, kept, "Starting", token_hashes=[token_hash(token)], volumes=claims))
+        starting([(spec.claim, spec.delete_on_end) for spec in req.volumes if spec.claim is not None], True)
+        # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
+        opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
+        claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
+                  for item in opened if item.spec.claim is not None and item.held is not None]
+        starting(claims, False)
         managed = _start_box(state, req, opened, sandbox_id, token, kept)
     except BaseException as exc:
         release_volumes(opened, state.named_volumes, undo=True)
-        if state.keeper is not None:
-            state.keeper.remove(sandbox_id)
+        if keeper is not None:
+            keeper.remove(sandbox_id)
         if isinstance(exc, OSError):
             raise ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's "
                            f"state directory ({exc.strerror}); not created") from None

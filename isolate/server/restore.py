@@ -93,6 +93,13 @@ def _release_claims(state: ServerState, record: Record) -> None:
     store = state.volume_store() if record.volumes else ""
     for claim, doomed in record.volumes:
         path = os.path.join(store, claim)
+        if record.pending:
+            # Killed while it claimed them: one it asked to remove with it may have been made by it; it is
+            # empty then (no sandbox ran on it yet), and goes when no sandbox served again holds it.
+            if doomed and state.named_volumes.users(path) == 0:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            continue
         state.named_volumes.adopt(path, doomed)
         state.named_volumes.release(path)
 
@@ -223,6 +230,27 @@ def _sweep_cgroups() -> None:
         sweep_stale()
 
 
+def _sweep_trash(state: ServerState) -> None:
+    """Named volumes a killed server had renamed out of the store to remove (``.removed-*``: never a claim
+    name, which is a DNS label) go now."""
+    from ..kernel.links import open_directory
+    from ..kernel.places import state_dir
+    from ..kernel.tree import _remove_tree
+    from .state import VOLUME_STORE
+
+    try:
+        fd = open_directory(state.given_volume_store or os.path.join(state_dir(), VOLUME_STORE))
+    except (OSError, IsolationError, ValueError):
+        return  # none yet
+    try:
+        for entry in os.listdir(fd):
+            if entry.startswith(".removed-"):
+                with contextlib.suppress(OSError):
+                    _remove_tree(fd, entry)
+    finally:
+        os.close(fd)
+
+
 def restore(state: ServerState) -> list[str]:
     from ..backends.native.named import native_names
 
@@ -286,6 +314,7 @@ def restore(state: ServerState) -> list[str]:
         served += 1
     for record, maybe_box in ending:
         _end(state, record, maybe_box)
+    _sweep_trash(state)
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:

@@ -218,6 +218,7 @@ HOST_INDEPENDENT = frozenset({
     "test_server_restart.py",
     "test_server_spec.py",
     "test_smolagents.py",
+    "test_soak.py",
 })
 
 

@@ -84,10 +84,14 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     def starting(volumes: list[tuple[str, bool]], pending: bool) -> None:
         # A record of the start before anything is made: a server killed from here on leaves the next one
         # what to end (the sandbox, half made or whole) and which named volumes to let go.
-        if keeper is not None:
+        if keeper is None:
+            return
+        try:
             keeper.write(Record(sandbox_id, req.image, list(req.entrypoint), dict(req.metadata), time.time(), None,
                                 kept, "Starting", token_hashes=[token_hash(token)], volumes=volumes,
                                 pending=pending))
+        except OSError as exc:
+            raise _not_written(exc) from None
 
     opened: list[Opened] = []
     try:
@@ -98,13 +102,10 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
                   for item in opened if item.spec.claim is not None and item.held is not None]
         starting(claims, False)
         managed = _start_box(state, req, opened, sandbox_id, token, kept)
-    except BaseException as exc:
+    except BaseException:
         release_volumes(opened, state.named_volumes, undo=True)
         if keeper is not None:
             keeper.remove(sandbox_id)
-        if isinstance(exc, OSError):
-            raise ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's "
-                           f"state directory ({exc.strerror}); not created") from None
         raise
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
     managed.volume_claims = claims
@@ -115,10 +116,14 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
         managed.close()
         state.forget(managed)
         if isinstance(exc, OSError):
-            raise ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's "
-                           f"state directory ({exc.strerror}); not created") from None
+            raise _not_written(exc) from None
         raise
     return managed
+
+
+def _not_written(exc: OSError) -> ApiError:
+    return ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's state "
+                    f"directory ({exc.strerror or exc}); not created")
 
 
 def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], sandbox_id: str, token: str,

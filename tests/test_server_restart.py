@@ -267,6 +267,55 @@ def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
         second.stop()
 
 
+MAKE_KEPT = """
+import math, os, sys
+import isolate
+box = isolate.Sandbox(name=sys.argv[1], idle_timeout=math.inf)
+box.start()
+print(box.processes()[0].pid, flush=True)
+os._exit(0)  # as a server killed once its sandbox started
+"""
+
+
+def test_what_a_killed_create_left_is_ended(state_dir: str) -> None:
+    """A kept sandbox whose server was killed before it described it (its socket, no description) under a
+    record of its start, and one described but with no record: the next start ends both, with their files."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from isolate.kernel.places import runtime_dir
+    from isolate.kernel.places import state_dir as isolate_state
+
+    key = hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
+    half, orphan = "d" * 24, "e" * 24
+    inits = {}
+    for sandbox_id in (half, orphan):
+        done = subprocess.run([sys.executable, "-c", MAKE_KEPT, f"osb-{key}-{sandbox_id}"], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        inits[sandbox_id] = int(done.stdout.split()[0])
+    # Not described yet: the description was being written (a temporary file beside it).
+    os.rename(os.path.join(runtime_dir(), f"osb-{key}-{half}.json"),
+              os.path.join(runtime_dir(), f"osb-{key}-{half}.json.0badc0de"))
+    record = {"version": 1, "id": half, "image": "ubuntu", "entrypoint": [], "metadata": {}, "createdAt": 1.0,
+              "expiresAt": None, "kept": True, "state": "Starting", "renewOnAccess": None,
+              "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
+    with open(os.path.join(state_dir, f"{half}.json"), "w") as handle:
+        json.dump(record, handle)
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        server.stop()
+    base._wait_gone(list(inits.values()))
+    for sandbox_id in (half, orphan):
+        name = f"osb-{key}-{sandbox_id}"
+        assert not [e for e in os.listdir(runtime_dir()) if e.startswith(name)]
+        assert not os.path.exists(os.path.join(isolate_state(), "sandboxes", name))
+    assert os.listdir(state_dir) == [".lock"]
+
+
 def test_hostile_records_are_skipped(state_dir: str) -> None:
     """What the state directory holds is checked: a malformed record, a link and a foreign entry are skipped
     and said, never followed or trusted; a record whose sandbox is gone is let go."""
@@ -342,7 +391,13 @@ def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
                       if e.startswith(prefix))
     except FileNotFoundError:
         data = []
+    from isolate.kernel.places import runtime_dir
+
+    # The runtime directory holds a socket and a description per kept sandbox, nothing else of theirs.
+    runtime = sorted(e for e in os.listdir(runtime_dir()) if e.startswith(prefix)
+                     and not (e.endswith((".sock", ".json")) and e[len(prefix):-5].strip(".") in records))
     return {"records": records, "named": sorted(n[len(prefix):] for n in native_names() if n.startswith(prefix)),
+            "runtime": runtime,
             "data": data, "volumes": sorted(os.listdir(volume_store)),
             "stray": [e for e in os.listdir(state_dir) if e not in (".lock",) and not e.endswith(".json")]}
 
@@ -354,7 +409,7 @@ def _check_whole(server: base.Server, state_dir: str, volume_store: str) -> list
     left = _leftovers(state_dir, volume_store)
     assert sorted(left["records"]) == ids, left
     assert all(r["state"] in ("Running", "Paused") for r in left["records"].values()), left
-    assert left["named"] == ids and left["data"] == ids and left["stray"] == [], left
+    assert left["named"] == ids and left["data"] == ids and left["stray"] == [] and left["runtime"] == [], left
     claims = sorted(claim for r in left["records"].values() for claim, _ in r["volumes"])
     assert left["volumes"] == claims, left
     for sandbox_id in ids:
@@ -405,7 +460,7 @@ def test_kills_at_random_steps_leave_nothing_half_made(state_dir: str, volume_st
             server.call("DELETE", f"/v1/sandboxes/{item['id']}")
         server.stop()
         left = _leftovers(state_dir, volume_store)
-        assert left == {"records": {}, "named": [], "data": [], "volumes": [], "stray": []}, left
+        assert left == {"records": {}, "named": [], "runtime": [], "data": [], "volumes": [], "stray": []}, left
     finally:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGKILL)

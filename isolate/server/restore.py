@@ -107,19 +107,17 @@ def _release_claims(state: ServerState, record: Record) -> None:
 def _listeners(path: str) -> list[int]:
     """The processes holding the unix socket bound at path (listening): from /proc/net/unix, its inode, then
     the descriptors of /proc/*/fd that are that socket."""
-    inode = None
     try:
         with open("/proc/net/unix") as table:
-            for line in table.read().splitlines()[1:]:
-                fields = line.split()
-                if len(fields) >= 8 and fields[7] == path:
-                    inode = fields[6]
-                    break
+            # Every socket bound at that path (a sandbox on the host's network could bind one of its own at the
+            # same path in its mount namespace: killing its holders ends only that sandbox's own processes).
+            wanted = {f"socket:[{fields[6]}]" for fields in (line.split() for line in table.read().splitlines()[1:])
+                      if len(fields) >= 8 and fields[7] == path}
     except OSError:
         return []
-    if inode is None:
+    if not wanted:
         return []
-    wanted, pids = f"socket:[{inode}]", []
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -129,7 +127,7 @@ def _listeners(path: str) -> list[int]:
             continue
         for fd in fds:
             try:
-                if os.readlink(f"/proc/{entry}/fd/{fd}") == wanted:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") in wanted:
                     pids.append(int(entry))
                     break
             except OSError:
@@ -159,6 +157,13 @@ def _clear_half_made(name: str) -> None:
     for path in (paths.socket, paths.meta):
         with contextlib.suppress(OSError):
             os.unlink(path)
+    # A description its maker was writing (NAME.json.HEX, renamed over NAME.json once whole).
+    directory = os.path.dirname(paths.meta)
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if entry.startswith(f"{name}.json."):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, entry))
     _remove_data(name)
     with contextlib.suppress(IsolationError):
         Registry().forget("native", name)

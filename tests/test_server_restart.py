@@ -216,13 +216,18 @@ def test_a_paused_sandbox_stays_paused_and_resumes(state_dir: str) -> None:
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:
         box_id = base._create(first, resourceLimits={"cpu": "1", "memory": "512Mi"})["id"]
+        short = base._create(first, timeout=2, resourceLimits={"cpu": "1", "memory": "512Mi"})["id"]
         prefix, headers = base._endpoint(first, box_id)
-        assert first.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        for sandbox_id in (box_id, short):
+            assert first.call("POST", f"/v1/sandboxes/{sandbox_id}/pause")[0] == 202
         _kill(first)
+        time.sleep(2.5)  # the short one expires, paused, while no server runs
     finally:
         first.stop()
     second = base.Server(*FLAGS, state_dir=state_dir)
     try:
+        assert second.call("GET", f"/v1/sandboxes/{short}")[0] == 404
+        assert _leftovers(state_dir, state_dir)["bound"] == [box_id]  # the frozen one ended all the same
         status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
         assert status == 200 and got["status"]["state"] == "Paused", got
         assert second.call("POST", prefix + "/command", {"command": "true"}, key=None, headers=headers)[0] == 409
@@ -231,6 +236,9 @@ def test_a_paused_sandbox_stays_paused_and_resumes(state_dir: str) -> None:
         assert second.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
         assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
         assert _run(second, prefix, headers, "echo again") == "again"
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204  # paused, it ends all the same
+        assert _leftovers(state_dir, state_dir)["bound"] == []
     finally:
         second.stop()
 
@@ -309,6 +317,7 @@ def test_what_a_killed_create_left_is_ended(state_dir: str) -> None:
     finally:
         server.stop()
     base._wait_gone(list(inits.values()))
+    assert _leftovers(state_dir, state_dir)["bound"] == []  # nothing of theirs listens any more
     for sandbox_id in (half, orphan):
         name = f"osb-{key}-{sandbox_id}"
         assert not [e for e in os.listdir(runtime_dir()) if e.startswith(name)]
@@ -396,8 +405,12 @@ def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
     # The runtime directory holds a socket and a description per kept sandbox, nothing else of theirs.
     runtime = sorted(e for e in os.listdir(runtime_dir()) if e.startswith(prefix)
                      and not (e.endswith((".sock", ".json")) and e[len(prefix):-5].strip(".") in records))
+    # A socket bound at a kept sandbox's path, its file removed or not, is a sandbox still listening.
+    with open("/proc/net/unix") as table:
+        bound = sorted({os.path.basename(f[7])[len(prefix):-5] for f in (line.split() for line in table)
+                        if len(f) >= 8 and os.path.basename(f[7]).startswith(prefix)})
     return {"records": records, "named": sorted(n[len(prefix):] for n in native_names() if n.startswith(prefix)),
-            "runtime": runtime,
+            "runtime": runtime, "bound": bound,
             "data": data, "volumes": sorted(os.listdir(volume_store)),
             "stray": [e for e in os.listdir(state_dir) if e not in (".lock",) and not e.endswith(".json")]}
 
@@ -410,6 +423,7 @@ def _check_whole(server: base.Server, state_dir: str, volume_store: str) -> list
     assert sorted(left["records"]) == ids, left
     assert all(r["state"] in ("Running", "Paused") for r in left["records"].values()), left
     assert left["named"] == ids and left["data"] == ids and left["stray"] == [] and left["runtime"] == [], left
+    assert left["bound"] == ids, left
     claims = sorted(claim for r in left["records"].values() for claim, _ in r["volumes"])
     assert left["volumes"] == claims, left
     for sandbox_id in ids:
@@ -460,7 +474,8 @@ def test_kills_at_random_steps_leave_nothing_half_made(state_dir: str, volume_st
             server.call("DELETE", f"/v1/sandboxes/{item['id']}")
         server.stop()
         left = _leftovers(state_dir, volume_store)
-        assert left == {"records": {}, "named": [], "runtime": [], "data": [], "volumes": [], "stray": []}, left
+        assert left == {"records": {}, "named": [], "runtime": [], "bound": [], "data": [], "volumes": [],
+                        "stray": []}, left
     finally:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGKILL)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .state import ManagedSandbox, ServerState
 
 
-def _thaw(box: Sandbox) -> None:
+def thaw(box: Sandbox) -> None:
     """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it): its
     run cgroups are found from its processes' /proc/PID/cgroup (the init on the host's side stays outside
     them), and only isolate's own (isolate-PID-N) are written."""
@@ -74,7 +74,7 @@ def _thaw(box: Sandbox) -> None:
 
 def resume_restored(managed: ManagedSandbox) -> str:
     """Resume a sandbox a restarted server found paused: thawed, continued, attached again."""
-    _thaw(managed.box)
+    thaw(managed.box)
     for proc in managed.box.processes():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(proc.pid, signal.SIGCONT)
@@ -135,6 +135,29 @@ def _listeners(path: str) -> list[int]:
     return pids
 
 
+def _end_from_inside(name: str) -> None:
+    """Ask the exec server listening at the sandbox's socket (in the server user's private runtime directory:
+    only a sandbox of its own listens there) to run ``kill -KILL -1``: every process of the sandbox that may
+    be signalled ends, the exec server among them, and its init then ends the PID namespace."""
+    from ..backends.native.kept import NativeSandbox, Paths
+    from ..backends.native.named import _listening
+    from ..model.policy import Policy
+    from ..model.workspace import Workspace
+
+    if not _listening(Paths.of(name).socket):
+        return
+    impl = NativeSandbox(Policy(), Workspace(), (), name, None, None)
+    box = Sandbox.__new__(Sandbox)
+    box.workspace, box.mounts, box.name, box.backend, box.policy = impl.workspace, (), name, "native", impl.policy
+    box._impl, box._shells, box._interpreters, box._started = impl, {}, {}, True
+    box._on_close, box._fork_point, box.origin, box.restore_skipped = None, None, None, ()
+    with contextlib.suppress(Exception):  # the conversation ends with the server it asked
+        box.exec(["/bin/sh", "-c", "kill -KILL -1"], timeout=10)
+    deadline = time.monotonic() + 10
+    while _listening(Paths.of(name).socket) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _clear_half_made(name: str) -> None:
     """What a kept sandbox's start left when its maker was killed before it described it (no description to
     attach by): its exec server (the holder of its socket, whose end ends the sandbox's init and PID
@@ -143,7 +166,8 @@ def _clear_half_made(name: str) -> None:
     from ..backends.registry import Registry
 
     paths = Paths.of(name)
-    for pid in _listeners(paths.socket):
+    _end_from_inside(name)
+    for pid in _listeners(paths.socket):  # root reads every process's descriptors; another user, not these
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
@@ -194,6 +218,7 @@ def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
     assert state.keeper is not None
     if box is not None:
         with contextlib.suppress(Exception):
+            thaw(box)  # one paused when the last server ended: a frozen tree cannot take its SIGKILL
             box.close()
     elif record.kept:
         _clear_half_made(state.keeper.name_for(record.id))

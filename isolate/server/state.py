@@ -476,6 +476,10 @@ class ManagedSandbox:
         if self.state in ("Paused", "Pausing", "Resuming"):
             try:
                 self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed
+                if self.restored:
+                    from .restore import thaw
+
+                    thaw(self.box)  # its cgroup's freezer (this server holds no handle on it)
             except Exception:
                 pass
         try:

@@ -23,8 +23,10 @@ as JSON (median, p99, mean, min, max in milliseconds); nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -43,8 +45,12 @@ def _server(best_effort: bool, *extra: str) -> tuple[subprocess.Popen[bytes], st
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         domain = f"127.0.0.1:{s.getsockname()[1]}"
+    # A state directory of its own (a server holds one at a time), and its sandboxes end with it.
+    state = tempfile.mkdtemp(prefix="isolate-bench-serve-")
+    atexit.register(shutil.rmtree, state, True)
     cmd = [sys.executable, "-m", "isolate.cli", "serve", "--listen", domain, "--api-key", KEY,
-           "--image", "bench=default", *(["--best-effort"] if best_effort else []), *extra]
+           "--image", "bench=default", "--state-dir", state, "--end-on-exit",
+           *(["--best-effort"] if best_effort else []), *extra]
     errors = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors)
     deadline = time.monotonic() + 30

@@ -23,6 +23,7 @@ It ends with "killed: the server holds no sandbox".
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -30,6 +31,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -72,7 +74,10 @@ def list_sandboxes(domain: str, key: str) -> list[dict[str, object]]:
 
 
 def start_server(domain: str, key: str) -> subprocess.Popen[str]:
-    args = [isolate_run(), "serve", "--listen", domain, "--api-key", key]
+    # A throw-away server: a state directory of its own, and its sandboxes end with it.
+    state = tempfile.mkdtemp(prefix="opensandbox-example-")
+    atexit.register(shutil.rmtree, state, True)
+    args = [isolate_run(), "serve", "--listen", domain, "--api-key", key, "--state-dir", state, "--end-on-exit"]
     if not limits_enforceable():
         print("no cgroup this user may write: serving with --best-effort (the SDK's 1 CPU / 2 GiB not enforced)")
         args.append("--best-effort")

@@ -219,8 +219,10 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_nodes.py",
     "test_server.py",
     "test_server_pool.py",
+    "test_server_restart.py",
     "test_server_spec.py",
     "test_smolagents.py",
+    "test_soak.py",
 })
 
 

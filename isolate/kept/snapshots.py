@@ -484,6 +484,18 @@ def restore_areas(sb: Sandbox, snap: Snapshot) -> list[str]:
     return skipped
 
 
+def _has_base(key: str) -> bool:
+    """Whether sandbox key's overlay has a base layer (it started from a snapshot), looked up without
+    following a link (the state directory may be a sandbox's to write)."""
+    from ..backends.native.kept import _open_base
+
+    try:
+        os.close(_open_base(key))
+    except (OSError, IsolationError):
+        return False
+    return True
+
+
 def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True) -> Snapshot:
     """Capture a running native sandbox's files (see the module's docstring)."""
     from ..backends.native.kept import NativeSandbox, _open_base
@@ -507,7 +519,9 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
         ws_fd = impl.open_workspace()
         try:
             if mode == "overlay":
-                if origin is not None:
+                # A sandbox started from a snapshot stands on its base layer, whether or not this object
+                # knows that snapshot (one attached by its name does not, and the snapshot may be gone).
+                if origin is not None or _has_base(impl.paths.key):
                     base = _open_base(impl.paths.key)
                     try:
                         layers.clone(base, making.data)

@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="create sandboxes whose resourceLimits this host cannot enforce (e.g. no cgroup for "
                              "this user) instead of refusing them; the sandbox's status message says what is not "
                              "enforced")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="where the server records its sandboxes, which outlive it (a restart, a crash): a server "
+                             "started again with the same DIR serves them again; a directory of the server's user "
+                             "that no one else may write (made 0700 if missing; default: one in the server user's "
+                             "runtime directory, which a reboot empties)")
+    parser.add_argument("--end-on-exit", action="store_true",
+                        help="a stop of the server (SIGTERM, Ctrl-C) ends every sandbox instead of leaving them to the "
+                             "next server of its state directory (a crash still leaves them)")
     parser.add_argument("--ray", metavar="ADDRESS",
                         help="place each sandbox on a node of this Ray cluster (its head's HOST:PORT, or 'auto'); "
                              "needs the ray extra and isolate on every node")
@@ -170,12 +178,23 @@ def serve_main(argv: Sequence[str]) -> int:
         return 125
     if options.ray is not None and not _join_cluster(options.ray):
         return 125
+    keeper = None
     try:
+        from .keep import Keeper, check_out_of_reach
+
+        keeper = Keeper(options.state_dir)
+        check_out_of_reach(keeper.path, [*profiles.values(), *([any_image] if any_image else [])],
+                           [*volume_roots, *([volume_store] if volume_store else [])])
         state = ServerState(key, profiles, any_image, max_sandboxes=options.max_sandboxes,
-                            volume_roots=volume_roots, warm=options.warm, volume_store=volume_store)
+                            volume_roots=volume_roots, warm=options.warm, volume_store=volume_store,
+                            keeper=keeper, end_on_exit=options.end_on_exit)
         state.cluster = options.ray is not None
+        for line in state.restore():
+            print(f"isolate-run serve: {line}", flush=True)
         state.start_pool()
-    except IsolationError as exc:
+    except (IsolationError, OSError) as exc:
+        if keeper is not None:
+            keeper.close()
         print(f"isolate-run serve: {exc}", file=sys.stderr)
         return 125
     app = _create(state)

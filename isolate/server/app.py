@@ -41,6 +41,7 @@ async def _reaper(state: ServerState) -> None:
                 await run_in_threadpool(managed.close)
             except Exception as exc:
                 log.warning("closing expired sandbox %s: %s", managed.id, exc)
+            state.forget(managed)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

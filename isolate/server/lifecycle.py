@@ -18,7 +18,9 @@ from starlette.routing import Route
 
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
+from ..model.policy import Egress
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
+from .keep import Record, token_hash
 from .models import (
     EGRESS_PORT,
     EXECD_PORT,
@@ -33,6 +35,7 @@ from .models import (
     parse_time,
 )
 from .ports import PORT_TOKEN_HEADER, port_token
+from .restore import resume_restored
 from .state import ManagedSandbox, ServerState
 from .volumes import Opened, open_volumes
 from .volumes import release as release_volumes
@@ -72,18 +75,59 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
         raise ApiError(400, "UNSUPPORTED", "volumes: this server places sandboxes on the nodes of a Ray cluster "
                        "(serve --ray), and a named volume is a directory of one machine; serve without --ray")
     store = state.volume_store() if named else None
-    # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
-    opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
+    sandbox_id, token = secrets.token_hex(12), secrets.token_urlsafe(24)
+    # Kept past the server (a named sandbox) unless a part of it lives in the server process: an egress
+    # allow-list's mediator (its runtime changes and credential vault are the server's), a Ray node's.
+    kept = state.keeper is not None and not state.cluster and not isinstance(req.policy.network, Egress)
+    keeper = state.keeper
+
+    def starting(volumes: list[tuple[str, bool]], pending: bool) -> None:
+        # A record of the start before anything is made: a server killed from here on leaves the next one
+        # what to end (the sandbox, half made or whole) and which named volumes to let go.
+        if keeper is None:
+            return
+        try:
+            keeper.write(Record(sandbox_id, req.image, list(req.entrypoint), dict(req.metadata), time.time(), None,
+                                kept, "Starting", token_hashes=[token_hash(token)], volumes=volumes,
+                                pending=pending))
+        except OSError as exc:
+            raise _not_written(exc) from None
+
+    opened: list[Opened] = []
     try:
-        managed = _start_box(state, req, opened)
+        starting([(spec.claim, spec.delete_on_end) for spec in req.volumes if spec.claim is not None], True)
+        # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
+        opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
+        claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
+                  for item in opened if item.spec.claim is not None and item.held is not None]
+        starting(claims, False)
+        managed = _start_box(state, req, opened, sandbox_id, token, kept)
     except BaseException:
         release_volumes(opened, state.named_volumes, undo=True)
+        if keeper is not None:
+            keeper.remove(sandbox_id)
         raise
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
+    managed.volume_claims = claims
+    try:
+        # Recorded whole before the create answers: from here a server started after this one's end serves it.
+        state.save(managed)
+    except BaseException as exc:
+        managed.close()
+        state.forget(managed)
+        if isinstance(exc, OSError):
+            raise _not_written(exc) from None
+        raise
     return managed
 
 
-def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> ManagedSandbox:
+def _not_written(exc: OSError) -> ApiError:
+    return ApiError(500, "STATE_NOT_WRITTEN", f"the sandbox's record could not be written in the server's state "
+                    f"directory ({exc.strerror or exc}); not created")
+
+
+def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], sandbox_id: str, token: str,
+               kept: bool) -> ManagedSandbox:
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
     backend = state.backend or (req.policy.backend if req.policy.backend != "auto" else "native")
     if backend != "native":
@@ -114,11 +158,16 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
         warm = state.take_warm(req.policy) if snap is None and not opened else None
         if warm is not None:
             box = warm
+            kept = False  # the pool's, unnamed: it ends with the server
         else:
             # A new sandbox's /workspace is the server's overlay (its snapshots are layers: they cost what
-            # changed); one from a snapshot has the snapshot's.
+            # changed); one from a snapshot has the snapshot's. A kept one has no idle end: the server's
+            # expiry is its end.
+            assert state.keeper is not None or not kept
             box = Sandbox(req.policy, backend=backend, mounts=[item.mount for item in opened], snapshot=snap,
-                          workspace=None if snap is not None else state.workspace)
+                          workspace=None if snap is not None else state.workspace,
+                          name=state.keeper.name_for(sandbox_id) if kept and state.keeper else None,
+                          idle_timeout=math.inf if kept else None)
             box.start()
     try:
         verify_volumes(box, opened)
@@ -126,8 +175,8 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened]) -> 
         box.close()
         raise
     now = time.time()
-    managed = ManagedSandbox(secrets.token_hex(12), secrets.token_urlsafe(24), box, req.image, req.entrypoint,
-                             req.metadata, now, None if req.timeout is None else now + req.timeout)
+    managed = ManagedSandbox(sandbox_id, token, box, req.image, req.entrypoint,
+                             req.metadata, now, None if req.timeout is None else now + req.timeout, kept=kept)
     managed.message = (f"image {req.image!r}: its root file system, natively, under the server's --profile policy"
                        if req.policy.image is not None else
                        f"image {req.image!r}: the host's system under the policy profile of that name")
@@ -225,6 +274,7 @@ async def delete_sandbox(request: Request) -> Response:
     managed = state.get(request.path_params["sandbox_id"])
     if state.remove(managed.id) is not None:
         await run_in_threadpool(managed.close)
+        state.forget(managed)
     return Response(status_code=204)
 
 
@@ -241,6 +291,7 @@ async def _transition(managed: ManagedSandbox, source: str, passing: str, target
         managed.set_state(source, reason, f"{passing.lower()} failed")
         raise
     managed.set_state(target, reason, f"{target.lower()} ({mechanism})")
+    managed.changed()
 
 
 @api
@@ -255,7 +306,8 @@ async def pause_sandbox(request: Request) -> Response:
 async def resume_sandbox(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
-    await _transition(managed, "Paused", "Resuming", "Running", "user_resume", managed.box.resume)
+    work = functools.partial(resume_restored, managed) if managed.restored else managed.box.resume
+    await _transition(managed, "Paused", "Resuming", "Running", "user_resume", work)
     return Response(status_code=202)
 
 
@@ -272,6 +324,7 @@ async def renew_expiration(request: Request) -> Response:
         raise bad_request(f"expiresAt: must be in the future and at most {MAX_TIMEOUT} s away")
     managed.expires_at = when
     managed.event(f"expiration renewed to {iso(when)}")
+    managed.changed()
     return JSONResponse({"expiresAt": iso(when)})
 
 
@@ -291,6 +344,7 @@ async def patch_metadata(request: Request) -> Response:
         else:
             merged[key] = value
     managed.metadata = merged
+    managed.changed()
     managed.event("metadata patched: " + ", ".join(f"{k}={'(deleted)' if v is None else repr(v)}"
                                                     for k, v in sorted(body.items()))[:500])
     return JSONResponse(sandbox_json(managed))
@@ -311,13 +365,19 @@ async def get_endpoint(request: Request) -> Response:
     # The server-proxy form (use_server_proxy=true, OSEP-0009) names the same routes under /proxy/.
     kind = "proxy" if request.query_params.get("use_server_proxy", "").lower() == "true" else "port"
     url = f"{host}/sandboxes/{managed.id}/{kind}/{port}"
+    token, new = managed.current_token()
     if port in (EXECD_PORT, EGRESS_PORT):
-        return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: managed.token}})
+        if new:
+            managed.changed()
+        return JSONResponse({"endpoint": url, "headers": {ACCESS_TOKEN_HEADER: token}})
     if managed.box.policy.network == "none":
         raise bad_request(f"port {port}: sandbox {managed.id} has network none, where nothing can listen (not even "
                           "on loopback); create it with networkPolicy {\"defaultAction\": \"deny\"} (a loopback of "
                           "its own, no way out) or under a profile whose network is loopback", "ENDPOINT_NOT_AVAILABLE")
-    return JSONResponse({"endpoint": url, "headers": {PORT_TOKEN_HEADER: port_token(managed, port)}})
+    given = port_token(managed, port)
+    if managed.port_token_given(port, given) or new:
+        managed.changed()  # its hash is recorded: the token stays good past a restart
+    return JSONResponse({"endpoint": url, "headers": {PORT_TOKEN_HEADER: given}})
 
 
 @api

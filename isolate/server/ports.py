@@ -98,8 +98,7 @@ def _authorized(request: HTTPConnection, state: ServerState) -> tuple[ManagedSan
         managed = None  # same answer for an unknown sandbox and a wrong token: no probing of ids
     port = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 5 else 0
     ok = managed is not None and (same(request.headers.get(API_KEY_HEADER), state.api_key)
-                                  or (port > 0 and same(request.headers.get(PORT_TOKEN_HEADER),
-                                                        port_token(managed, port))))
+                                  or (port > 0 and managed.port_token_ok(port, request.headers.get(PORT_TOKEN_HEADER))))
     if managed is None or not ok:
         raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {PORT_TOKEN_HEADER} header")
     if not 1 <= port <= 65535:

@@ -1,10 +1,13 @@
 """What the server keeps: its sandboxes, each with a token, its commands and their output.
 
-Every sandbox is an unnamed ``isolate.Sandbox`` owned by the server
-process: it ends with ``DELETE``, at its expiry (the server's reaper), at
-server shutdown, or with the server process itself if that is killed (an
-unnamed sandbox ends with its creator). A restarted server therefore starts
-empty: nothing it made before survives it.
+A sandbox of ``isolate-run serve`` is a named kept ``isolate.Sandbox``
+(isolate.server.keep): it ends with ``DELETE`` or at its expiry (the
+server's reaper), and outlives the server process, killed or stopped: the
+next server of the same state directory serves it again (``restore``).
+Sandboxes whose parts live in the server process end with it: those with
+an egress allow-list (their mediator), those of the warm pool (the pool's,
+unnamed) and those on a Ray cluster. ``create_app`` (embedding, tests)
+keeps nothing: its sandboxes are unnamed and end with the process.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from ..kernel.places import state_path
 from ..model.errors import IsolationError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
+from .common import log
+from .keep import MAX_TOKENS, Keeper, Record, hash_matches, token_hash
 from .models import ApiError, iso
 from .volumes import NamedVolumes
 
@@ -313,6 +318,64 @@ class ManagedSandbox:
     transfers: int = 0
     #: Run once the sandbox is closed (the named volumes made for it, released).
     on_close: list[Callable[[], None]] = field(default_factory=list)
+    #: A named sandbox that outlives the server (isolate.server.keep); False: it ends with the server.
+    kept: bool = False
+    #: SHA-256 of every access token given out for it (the record keeps these, never a token): a restarted
+    #: server has no token until it gives out a new one (``token`` is "" until then) and accepts the old.
+    token_hashes: list[str] = field(default_factory=list)
+    #: Port -> hashes of the own-port tokens given out for it (accepted after a restart too).
+    port_hashes: dict[int, list[str]] = field(default_factory=dict)
+    #: The named volumes it holds: (claim name, whether the last holder removes it).
+    volume_claims: list[tuple[str, bool]] = field(default_factory=list)
+    #: Served again by a restarted server (attached by its name: no cgroup or process handle of this one's).
+    restored: bool = False
+    #: Writes its record again after a change (ServerState.saved; None: nothing is recorded).
+    persist: Callable[[ManagedSandbox], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.token and token_hash(self.token) not in self.token_hashes:
+            self.token_hashes.append(token_hash(self.token))
+
+    def token_ok(self, given: str | None) -> bool:
+        """Whether ``given`` is one of the access tokens given out for this sandbox (by this server or an
+        earlier one of its state directory)."""
+        return hash_matches(given, self.token_hashes)
+
+    def current_token(self) -> tuple[str, bool]:
+        """The access token to give out, and whether it is new (a restarted server makes one: it has only
+        the hashes of the earlier ones, which stay valid)."""
+        with self.lock:
+            if self.token:
+                return self.token, False
+            self.token = secrets.token_urlsafe(24)
+            self.token_hashes = [*self.token_hashes, token_hash(self.token)][-MAX_TOKENS:]
+            return self.token, True
+
+    def port_token_given(self, port: int, token: str) -> bool:
+        """Remember an own-port token given out (its hash); whether that is new."""
+        digest = token_hash(token)
+        with self.lock:
+            known = self.port_hashes.get(port, [])
+            if digest in known:
+                return False
+            self.port_hashes = {**self.port_hashes, port: [*known, digest][-MAX_TOKENS:]}
+            return True
+
+    def port_token_ok(self, port: int, given: str | None) -> bool:
+        return hash_matches(given, self.port_hashes.get(port, []))
+
+    def changed(self) -> None:
+        """What its record holds changed (metadata, expiry, state, a token, its vault): write it again."""
+        if self.persist is not None:
+            self.persist(self)
+
+    def record(self) -> Record:
+        vault = self.vault
+        return Record(self.id, self.image, list(self.entrypoint), dict(self.metadata), self.created_at,
+                      self.expires_at, self.kept, "Paused" if self.state in ("Paused", "Pausing") else "Running",
+                      self.renew_on_access, list(self.token_hashes),
+                      {port: list(h) for port, h in self.port_hashes.items()}, list(self.volume_claims),
+                      len(vault.credentials()) if vault is not None else 0)
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -333,6 +396,7 @@ class ManagedSandbox:
                 return
             self.expires_at, self.renewed_at = when, now
         self.event(f"expiration renewed on access to {iso(when)}")
+        self.changed()
 
     def set_state(self, state: str, reason: str, message: str = "") -> None:
         self.state, self.reason, self.message, self.transition_at = state, reason, message, time.time()
@@ -387,7 +451,8 @@ class ManagedSandbox:
         except OSError:
             pass  # it ended meanwhile and its conversation is closed
 
-    def close(self) -> None:
+    def _let_go(self) -> None:
+        """End the server's side of it: its forwarder, bash sessions and code contexts."""
         forwarder = self.forwarder
         if forwarder is not None:
             forwarder.close()
@@ -399,9 +464,22 @@ class ManagedSandbox:
                     pass
             self.sessions.clear()
             self.contexts.clear()
+
+    def detach(self) -> None:
+        """Leave a kept sandbox running for the next server (its sessions, contexts and the commands this
+        server runs in it end: the exec server ends a command whose host hung up)."""
+        self._let_go()
+        self.box.detach()
+
+    def close(self) -> None:
+        self._let_go()
         if self.state in ("Paused", "Pausing", "Resuming"):
             try:
                 self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed
+                if self.restored:
+                    from .restore import thaw
+
+                    thaw(self.box)  # its cgroup's freezer (this server holds no handle on it)
             except Exception:
                 pass
         try:
@@ -432,10 +510,15 @@ class ServerState:
 
     def __init__(self, api_key: str, profiles: Mapping[str, Policy], any_image: Policy | None,
                  backend: str | None = None, max_sandboxes: int = MAX_SANDBOXES,
-                 volume_roots: tuple[str, ...] = (), warm: int = 0, volume_store: str | None = None) -> None:
+                 volume_roots: tuple[str, ...] = (), warm: int = 0, volume_store: str | None = None,
+                 keeper: Keeper | None = None, end_on_exit: bool = True) -> None:
         from .snapshots import SnapshotStore
 
         self.api_key = api_key
+        #: The state directory sandboxes are recorded in, to outlive the server (None: they end with it).
+        self.keeper = keeper
+        #: A stop of the server ends its sandboxes (else the kept ones stay for the next server).
+        self.end_on_exit = end_on_exit
         #: The host directories below which create requests may name volumes (--volume-root; real paths).
         self.volume_roots = volume_roots
         #: Where named (pvc) volumes are kept (--volume-store; else the state directory's, made when first used),
@@ -458,6 +541,7 @@ class ServerState:
         self.cluster = False
         self.sandboxes: dict[str, ManagedSandbox] = {}
         self.lock = threading.Lock()
+        self._save_lock = threading.Lock()
 
     def start_pool(self) -> None:
         """Start the warm pool (--warm N): sandboxes in the shape of the SDK's default create (the default
@@ -505,6 +589,7 @@ class ServerState:
         with self.lock:
             self.starting -= 1
             self.sandboxes[managed.id] = managed
+        managed.persist = self.saved
 
     def remove(self, sandbox_id: str) -> ManagedSandbox | None:
         with self.lock:
@@ -521,6 +606,26 @@ class ServerState:
                 del self.sandboxes[managed.id]
             return gone
 
+    def save(self, managed: ManagedSandbox) -> None:
+        """Write the sandbox's record (when the server keeps records); OSError when it cannot."""
+        if self.keeper is not None:
+            with self._save_lock:  # the record made and written in one go: two changes write in their order
+                self.keeper.write(managed.record())
+
+    def saved(self, managed: ManagedSandbox) -> None:
+        """``save`` after a change the sandbox lives on without (metadata, expiry, a token): a failure is
+        logged (the record keeps what it said before)."""
+        try:
+            self.save(managed)
+        except OSError as exc:
+            log.warning("sandbox %s: its record in %s could not be written: %s", managed.id,
+                        self.keeper.path if self.keeper else "", exc)
+
+    def forget(self, managed: ManagedSandbox) -> None:
+        """The sandbox ended: its record goes."""
+        if self.keeper is not None:
+            self.keeper.remove(managed.id)
+
     def close_all(self) -> None:
         with self.lock:
             boxes = list(self.sandboxes.values())
@@ -529,6 +634,22 @@ class ServerState:
             self.pool.close()
         for managed in boxes:
             try:
+                if managed.kept and not self.end_on_exit:
+                    managed.detach()  # the next server of this state directory serves it again
+                    continue
                 managed.close()
+                if self.end_on_exit:
+                    self.forget(managed)
+                # else its record stays: the next start says it ended with this server (and the credentials
+                # its vault lost)
             except Exception:
                 pass
+        if self.keeper is not None:
+            self.keeper.close()
+
+    def restore(self) -> list[str]:
+        """Serve again the kept sandboxes an earlier server of this state directory left (see
+        isolate.server.keep); end those past their expiry; the lines to say at start."""
+        from .restore import restore
+
+        return restore(self)

@@ -125,6 +125,13 @@ class NamedVolumes:
                 self._doomed.add(path)
         return path, made
 
+    def adopt(self, path: str, doomed: bool) -> None:
+        """Hold a named volume again for a sandbox a restarted server serves (as its record says)."""
+        with self._lock:
+            self._users[path] = self._users.get(path, 0) + 1
+            if doomed:
+                self._doomed.add(path)
+
     def users(self, path: str) -> int:
         with self._lock:
             return self._users.get(path, 0)

@@ -79,7 +79,7 @@ def sandbox_for(request: Request, running: bool = True, port: int = EXECD_PORT) 
     except ApiError:
         # Same answer for an unknown sandbox and a wrong token: no probing of ids.
         managed = None
-    ok = managed is not None and (same(request.headers.get(ACCESS_TOKEN_HEADER), managed.token)
+    ok = managed is not None and (managed.token_ok(request.headers.get(ACCESS_TOKEN_HEADER))
                                   or same(request.headers.get(API_KEY_HEADER), state.api_key))
     if managed is None or not ok:
         raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
@@ -101,7 +101,7 @@ def refusal_for(request: Request, status: int, code: str, reason: str) -> ApiErr
             managed: ManagedSandbox | None = state.get(request.path_params["sandbox_id"])
         except ApiError:
             managed = None
-        if managed is None or not same(request.headers.get(ACCESS_TOKEN_HEADER), managed.token):
+        if managed is None or not managed.token_ok(request.headers.get(ACCESS_TOKEN_HEADER)):
             raise ApiError(401, "UNAUTHORIZED", f"unknown sandbox, or missing or wrong {ACCESS_TOKEN_HEADER} header")
     return ApiError(status, code, reason)
 

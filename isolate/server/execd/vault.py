@@ -69,6 +69,7 @@ async def create_vault(request: Request) -> Response:
         managed.vault = found.vault = vault
     managed.event(f"credential vault created (revision 1: {len(vault.credentials())} credential(s), "
                   f"{len(vault.bindings())} binding(s))")
+    managed.changed()  # the record counts its credentials (never their values)
     return JSONResponse(vault.state(), status_code=201)
 
 
@@ -87,6 +88,7 @@ async def patch_vault(request: Request) -> Response:
     except VaultError as exc:
         raise _error(exc) from None
     managed.event(f"credential vault now at revision {vault.revision}")
+    managed.changed()
     return JSONResponse(vault.state())
 
 
@@ -100,6 +102,7 @@ async def delete_vault(request: Request) -> Response:
             found.vault = None
         managed.vault = None
     managed.event("credential vault deleted")
+    managed.changed()
     return Response(status_code=204)
 
 

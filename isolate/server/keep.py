@@ -1,0 +1,298 @@
+"""What a server keeps of its sandboxes past its own end: a record per sandbox in its state directory.
+
+A sandbox the server starts is a named kept sandbox (``osb-KEY-ID``, KEY
+naming the state directory, ID the API's id): it does not die with the
+server process, and a server started again with the same state directory
+(``serve --state-dir``, else a directory of the server user's private
+runtime directory) finds it by that name and serves it under the same id.
+What the API knows about it and the sandbox does not (metadata, expiry, its
+access tokens, the named volumes it holds) is this record:
+
+- written whole or not at all (a temporary file, then a rename), through a
+  descriptor of the state directory, never through a link;
+- in a directory of the server's user that no one else may write and that
+  no sandbox is granted (checked at start against the profiles' write
+  grants and the volume roots);
+- holding no secret: the access tokens and the own-port tokens are kept as
+  SHA-256 hashes (a 24-byte random token cannot be guessed from one), so a
+  reader of the directory cannot reach a sandbox with what it reads;
+- read back as data, each field checked: a record that is not one of the
+  server's (an unknown or malformed field, an id that is not a file name it
+  makes) is skipped and reported, and nothing in it ever becomes a path:
+  the sandbox's own files are found by the name derived from the id, the
+  named volumes under the server's own volume store by their claim names.
+
+One server uses one state directory at a time (a lock held while it runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..kernel.places import runtime_subdir, state_key
+from ..model.errors import IsolationError
+from ..model.policy import DEFAULT_WRITE
+
+#: The API's sandbox ids (secrets.token_hex(12)); a record's file is named after one.
+SANDBOX_ID = re.compile(r"[0-9a-f]{24}")
+_HASH = re.compile(r"[0-9a-f]{64}")
+_CLAIM = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+#: The largest record read back (a sandbox's metadata is small; a huge file is not one of ours).
+MAX_RECORD = 1 << 20
+#: Token hashes kept per sandbox: a restarted server gives out a new token (it has only the hashes) and
+#: keeps accepting the older ones; each port likewise.
+MAX_TOKENS = 16
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def hash_matches(given: str | None, hashes: list[str]) -> bool:
+    """Whether ``given`` is a token one of ``hashes`` was made of (each compared in constant time)."""
+    if not given or not hashes:
+        return False
+    digest = token_hash(given)
+    found = False
+    for known in hashes:
+        found |= hmac.compare_digest(digest, known)
+    return found
+
+
+@dataclass
+class Record:
+    """One sandbox as its record says (see the module's docstring)."""
+
+    id: str
+    image: str
+    entrypoint: list[str]
+    metadata: dict[str, str]
+    created_at: float
+    expires_at: float | None
+    #: Kept past the server (a named sandbox); False: it ends with the server (isolate.server.lifecycle).
+    kept: bool
+    #: Running or Paused; Starting: written before the start, a server that finds it ends what was made.
+    state: str = "Running"
+    renew_on_access: int | None = None
+    token_hashes: list[str] = field(default_factory=list)
+    #: Port -> hashes of the own-port tokens given out for it.
+    port_hashes: dict[int, list[str]] = field(default_factory=dict)
+    #: Named volumes it holds: (claim name, whether its last holder removes it).
+    volumes: list[tuple[str, bool]] = field(default_factory=list)
+    #: Credentials of its vault (their number only: the values never leave the server's memory).
+    credentials: int = 0
+    #: Written before its named volumes were claimed: ``volumes`` are those asked for, with whether the
+    #: create asked to remove them (it may have made them when its server was killed).
+    pending: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
+                "metadata": self.metadata, "createdAt": self.created_at, "expiresAt": self.expires_at,
+                "kept": self.kept, "state": self.state, "renewOnAccess": self.renew_on_access,
+                "tokenHashes": self.token_hashes,
+                "portHashes": {str(port): hashes for port, hashes in self.port_hashes.items()},
+                "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials,
+                "pending": self.pending}
+
+
+class BadRecord(ValueError):
+    pass
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise BadRecord(what)
+
+
+def _time(value: object, what: str) -> float:
+    _need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and 0 <= value < 1e11, f"{what}: not a time")
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+def parse_record(data: object, expected_id: str) -> Record:
+    """A record read back, each field checked (BadRecord: not one this server wrote)."""
+    _need(isinstance(data, dict), "not an object")
+    assert isinstance(data, dict)
+    known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
+             "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
+    _need(set(data) == known, "unknown or missing fields")
+    _need(data["version"] == 1, "unknown version")
+    _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
+    image, entrypoint, metadata = data["image"], data["entrypoint"], data["metadata"]
+    _need(isinstance(image, str) and len(image) <= 4096, "image")
+    _need(isinstance(entrypoint, list) and len(entrypoint) <= 4096
+          and all(isinstance(a, str) for a in entrypoint), "entrypoint")
+    _need(isinstance(metadata, dict) and len(metadata) <= 4096
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()), "metadata")
+    expires = None if data["expiresAt"] is None else _time(data["expiresAt"], "expiresAt")
+    _need(isinstance(data["kept"], bool), "kept")
+    _need(data["state"] in ("Starting", "Running", "Paused"), "state")
+    renew = data["renewOnAccess"]
+    _need(renew is None or (isinstance(renew, int) and not isinstance(renew, bool) and 0 < renew <= 86400),
+          "renewOnAccess")
+    hashes = data["tokenHashes"]
+    _need(isinstance(hashes, list) and 0 < len(hashes) <= MAX_TOKENS
+          and all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes), "tokenHashes")
+    ports: dict[int, list[str]] = {}
+    raw_ports = data["portHashes"]
+    _need(isinstance(raw_ports, dict) and len(raw_ports) <= 65535, "portHashes")
+    for key, value in raw_ports.items():
+        _need(isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 5
+              and 1 <= int(key) <= 65535, "portHashes: a port")
+        _need(isinstance(value, list) and 0 < len(value) <= MAX_TOKENS
+              and all(isinstance(h, str) and _HASH.fullmatch(h) for h in value), "portHashes: hashes")
+        ports[int(key)] = list(value)
+    volumes = data["volumes"]
+    _need(isinstance(volumes, list) and len(volumes) <= 256, "volumes")
+    claims: list[tuple[str, bool]] = []
+    for item in volumes:
+        _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 253
+              and bool(_CLAIM.fullmatch(item[0])) and isinstance(item[1], bool), "volumes: a claim")
+        claims.append((item[0], item[1]))
+    credentials = data["credentials"]
+    _need(isinstance(credentials, int) and not isinstance(credentials, bool) and 0 <= credentials < 1 << 20,
+          "credentials")
+    _need(isinstance(data["pending"], bool) and (not data["pending"] or data["state"] == "Starting"), "pending")
+    return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
+                  expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
+                  data["pending"])
+
+
+def _check_private(path: str, fd: int) -> None:
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        raise IsolationError(f"--state-dir {path}: belongs to uid {info.st_uid}, not to this server's user "
+                             f"({os.geteuid()}); give a directory of the server's user")
+    if info.st_mode & 0o022:
+        raise IsolationError(f"--state-dir {path}: others may write it (mode {stat.S_IMODE(info.st_mode):o}); "
+                             f"the server's records must be its user's alone: chmod go-w {path}")
+
+
+class Keeper:
+    """The server's state directory: its lock, and the record of each sandbox."""
+
+    def __init__(self, path: str | None = None) -> None:
+        if path is None:
+            self.path = runtime_subdir(f"opensandbox-server-{state_key()}")
+        else:
+            self.path = os.path.abspath(path)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.path, 0o700)
+        try:
+            self.fd = os.open(self.path, _DIR_FLAGS)
+        except OSError as exc:
+            raise IsolationError(f"--state-dir {self.path}: {exc.strerror} (a link is not followed there: give "
+                                 "the real path of a directory)") from None
+        try:
+            _check_private(self.path, self.fd)
+            #: Names this server's sandboxes: another state directory's server (same user) has others.
+            self.key = hashlib.sha256(os.fsencode(os.path.realpath(self.path))).hexdigest()[:8]
+            self._lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                    dir_fd=self.fd)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._lock_fd)
+                raise IsolationError(f"state directory {self.path}: another isolate-run serve uses it; give each "
+                                     "server its own --state-dir") from None
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        for fd in (self._lock_fd, self.fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def name_for(self, sandbox_id: str) -> str:
+        """The kept sandbox's name of an API id (isolate-run sandbox list shows it)."""
+        return f"osb-{self.key}-{sandbox_id}"
+
+    def prefix(self) -> str:
+        return f"osb-{self.key}-"
+
+    def write(self, record: Record) -> None:
+        """The record, whole: a temporary file of its own, renamed over the old one. Not fsync'd: what it
+        guards against is the server's end, after which the kernel still holds what was written; a host
+        crash ends the sandbox too (the next start then lets a record go whatever it says)."""
+        temp = f".{record.id}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self.fd)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(record.to_json()))  # one write
+            os.rename(temp, f"{record.id}.json", src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=self.fd)
+            raise
+
+    def remove(self, sandbox_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{sandbox_id}.json", dir_fd=self.fd)
+
+    def load(self) -> tuple[list[Record], list[str]]:
+        """Every record (checked), and a line for each entry skipped; temporary files a crash left go."""
+        records, skipped = [], []
+        for entry in sorted(os.listdir(self.fd)):
+            if entry == ".lock":
+                continue
+            if entry.startswith(".") and entry.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry, dir_fd=self.fd)  # a write the last server did not finish
+                continue
+            sandbox_id = entry[:-5] if entry.endswith(".json") else ""
+            if not SANDBOX_ID.fullmatch(sandbox_id):
+                skipped.append(f"{entry[:80]!r}: not a record of this server's; left alone")
+                continue
+            try:
+                records.append(self._read(entry, sandbox_id))
+            except (OSError, ValueError, RecursionError) as exc:
+                skipped.append(f"record {entry}: skipped, not trusted ({exc})")
+        return records, skipped
+
+    def _read(self, entry: str, sandbox_id: str) -> Record:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            _need(stat.S_ISREG(info.st_mode), "not a regular file")
+            _need(info.st_uid == os.geteuid(), "not the server user's")
+            _need(info.st_size <= MAX_RECORD, "too large")
+            data = json.loads(handle.read(MAX_RECORD + 1))
+        return parse_record(data, sandbox_id)
+
+
+def _overlaps(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/") or "/" in (a, b)
+
+
+def check_out_of_reach(path: str, policies: list[Any], host_dirs: list[str]) -> None:
+    """Refuse a state directory a sandbox could write: under (or above) a profile's write grant or
+    read-write bind, a volume root or the volume store (IsolationError). The runtime directory, the
+    default, is refused as a grant by every native run already."""
+    real = os.path.realpath(path)
+    reachable: list[tuple[str, str]] = [(os.path.realpath(d), "a volume root or the volume store") for d in host_dirs]
+    for policy in policies:
+        if policy.write != DEFAULT_WRITE:  # a kept sandbox drops the default (the caller's cwd)
+            reachable += [(os.path.realpath(os.path.expanduser(w)), "a profile's write grant") for w in policy.write]
+        reachable += [(os.path.realpath(m.source), "a profile's read-write bind") for m in policy.binds
+                      if m.mode == "rw"]
+    for where, what in reachable:
+        if _overlaps(real, where):
+            raise IsolationError(f"--state-dir {path}: {what} ({where}) reaches it, and a sandbox could then "
+                                 "rewrite the server's records; give a directory no sandbox is granted")

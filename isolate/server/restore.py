@@ -1,0 +1,364 @@
+"""A server's start on a state directory an earlier server used: its kept sandboxes served again.
+
+For each record (isolate.server.keep), in the server's own words at start:
+
+- a sandbox past its expiry (it passed while no server ran) is ended now,
+  with its files, and the named volumes it held are let go (removed when the
+  create that made them asked: ``deleteOnSandboxTermination``);
+- a sandbox that ended meanwhile (killed, a reboot) is let go the same way;
+- a sandbox that ended with the last server (one whose parts lived in it:
+  an egress allow-list's mediator, the warm pool's, a Ray node's) likewise,
+  and the credentials of its vault are counted as lost (their values were
+  never written anywhere);
+- any other is attached by its name and served under its id, with its
+  metadata, expiry, tokens (as hashes) and named volumes; the commands,
+  bash sessions and code contexts the last server ran in it ended with it
+  (the exec server ends a command whose host hung up), what they left
+  running in the background runs on. One paused when the server ended stays
+  paused.
+
+A kept sandbox of this state directory's name without a record (the last
+server was killed between its start and its record) is ended and removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..kept.sandbox import Sandbox
+from ..model.errors import IsolationError
+from .keep import Record
+
+if TYPE_CHECKING:
+    from .state import ManagedSandbox, ServerState
+
+
+def thaw(box: Sandbox) -> None:
+    """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it): its
+    run cgroups are found from its processes' /proc/PID/cgroup (the init on the host's side stays outside
+    them), and only isolate's own (isolate-PID-N) are written."""
+    from ..kernel.cgroup.hierarchy import RUN_NAME, find_hierarchies
+
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            mountinfo = mounts.read()
+    except OSError:
+        return
+    targets: set[tuple[str, str]] = set()
+    for proc in box.processes():
+        try:
+            with open(f"/proc/{proc.pid}/cgroup") as own:
+                hierarchies = find_hierarchies(own.read(), mountinfo)
+        except OSError:
+            continue
+        for found in hierarchies:
+            if found.directory is None or not RUN_NAME.fullmatch(os.path.basename(found.directory)):
+                continue
+            if found.version == 1 and "freezer" in found.controllers:
+                targets.add((os.path.join(found.directory, "freezer.state"), "THAWED"))
+            elif found.version == 2:
+                targets.add((os.path.join(found.directory, "cgroup.freeze"), "0"))
+    for target, value in sorted(targets):
+        with contextlib.suppress(OSError):
+            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+
+
+def resume_restored(managed: ManagedSandbox) -> str:
+    """Resume a sandbox a restarted server found paused: thawed, continued, attached again."""
+    thaw(managed.box)
+    for proc in managed.box.processes():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, signal.SIGCONT)
+    name = managed.box.name
+    assert name is not None
+    managed.box = Sandbox.attach(name)
+    return "thawed"
+
+
+def _state_of(box: Sandbox) -> str:
+    state: Any = getattr(box._impl, "state", None)
+    return str(state()) if callable(state) else "ended"
+
+
+def _release_claims(state: ServerState, record: Record) -> None:
+    store = state.volume_store() if record.volumes else ""
+    for claim, doomed in record.volumes:
+        path = os.path.join(store, claim)
+        if record.pending:
+            # Killed while it claimed them: one it asked to remove with it may have been made by it; it is
+            # empty then (no sandbox ran on it yet), and goes when no sandbox served again holds it.
+            if doomed and state.named_volumes.users(path) == 0:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            continue
+        state.named_volumes.adopt(path, doomed)
+        state.named_volumes.release(path)
+
+
+def _listeners(path: str) -> list[int]:
+    """The processes holding the unix socket bound at path (listening): from /proc/net/unix, its inode, then
+    the descriptors of /proc/*/fd that are that socket."""
+    try:
+        with open("/proc/net/unix") as table:
+            # Every socket bound at that path (a sandbox on the host's network could bind one of its own at the
+            # same path in its mount namespace: killing its holders ends only that sandbox's own processes).
+            wanted = {f"socket:[{fields[6]}]" for fields in (line.split() for line in table.read().splitlines()[1:])
+                      if len(fields) >= 8 and fields[7] == path}
+    except OSError:
+        return []
+    if not wanted:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") in wanted:
+                    pids.append(int(entry))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def _end_from_inside(name: str) -> None:
+    """Ask the exec server listening at the sandbox's socket (in the server user's private runtime directory:
+    only a sandbox of its own listens there) to run ``kill -KILL -1``: every process of the sandbox that may
+    be signalled ends, the exec server among them, and its init then ends the PID namespace."""
+    from ..backends.native.kept import NativeSandbox, Paths
+    from ..backends.native.named import _listening
+    from ..model.policy import Policy
+    from ..model.workspace import Workspace
+
+    if not _listening(Paths.of(name).socket):
+        return
+    impl = NativeSandbox(Policy(), Workspace(), (), name, None, None)
+    box = Sandbox.__new__(Sandbox)
+    box.workspace, box.mounts, box.name, box.backend, box.policy = impl.workspace, (), name, "native", impl.policy
+    box._impl, box._shells, box._interpreters, box._started = impl, {}, {}, True
+    box._on_close, box._fork_point, box.origin, box.restore_skipped = None, None, None, ()
+    with contextlib.suppress(Exception):  # the conversation ends with the server it asked
+        box.exec(["/bin/sh", "-c", "kill -KILL -1"], timeout=10)
+    deadline = time.monotonic() + 10
+    while _listening(Paths.of(name).socket) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _clear_half_made(name: str) -> None:
+    """What a kept sandbox's start left when its maker was killed before it described it (no description to
+    attach by): its exec server (the holder of its socket, whose end ends the sandbox's init and PID
+    namespace) killed, its socket and data directory removed."""
+    from ..backends.native.kept import Paths
+    from ..backends.registry import Registry
+
+    paths = Paths.of(name)
+    _end_from_inside(name)
+    for pid in _listeners(paths.socket):  # root reads every process's descriptors; another user, not these
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    for path in (paths.socket, paths.meta):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    # A description its maker was writing (NAME.json.HEX, renamed over NAME.json once whole).
+    directory = os.path.dirname(paths.meta)
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if entry.startswith(f"{name}.json."):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, entry))
+    _remove_data(name)
+    with contextlib.suppress(IsolationError):
+        Registry().forget("native", name)
+
+
+def _remove_data(name: str) -> None:
+    """The data directory (workspace layers) of a kept sandbox whose description is gone (a reboot emptied the
+    runtime directory, or its maker was killed before it wrote it): found through the state directory's
+    descriptor, removed as the directory found there, never through a link."""
+    from ..backends.native.kept import _remove_at
+    from ..kernel.places import open_state_dir
+
+    try:
+        data_fd = open_state_dir("sandboxes")
+    except (OSError, IsolationError):
+        return
+    try:
+        info = os.stat(name, dir_fd=data_fd, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            _remove_at(data_fd, name, (info.st_dev, info.st_ino))
+    except OSError:
+        pass
+    finally:
+        os.close(data_fd)
+
+
+def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
+    assert state.keeper is not None
+    if box is not None:
+        with contextlib.suppress(Exception):
+            thaw(box)  # one paused when the last server ended: a frozen tree cannot take its SIGKILL
+            box.close()
+    elif record.kept:
+        _clear_half_made(state.keeper.name_for(record.id))
+    _release_claims(state, record)
+    state.keeper.remove(record.id)
+
+
+def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> ManagedSandbox:
+    import functools
+
+    from .state import ManagedSandbox
+
+    managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
+                             record.created_at, record.expires_at, kept=True,
+                             token_hashes=list(record.token_hashes),
+                             port_hashes={port: list(h) for port, h in record.port_hashes.items()},
+                             volume_claims=list(record.volumes))
+    managed.renew_on_access = record.renew_on_access
+    managed.restored = True
+    store = state.volume_store() if record.volumes else ""
+    for claim, doomed in record.volumes:
+        path = os.path.join(store, claim)
+        state.named_volumes.adopt(path, doomed)
+        managed.on_close.append(functools.partial(state.named_volumes.release, path))
+    # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
+    managed.on_close.append(_sweep_cgroups)
+    managed.message = "served again by a restarted server"
+    managed.event("served again by a restarted server of its state directory (the commands, bash sessions and "
+                  "code contexts the last one ran in it ended with it)")
+    if paused:
+        managed.set_state("Paused", "server_restart", "paused when the last server ended")
+    return managed
+
+
+def _sweep_cgroups() -> None:
+    from ..kernel.cgroup import sweep_stale
+
+    with contextlib.suppress(OSError):
+        sweep_stale()
+
+
+def _sweep_trash(state: ServerState) -> None:
+    """Named volumes a killed server had renamed out of the store to remove (``.removed-*``: never a claim
+    name, which is a DNS label) go now."""
+    from ..kernel.links import open_directory
+    from ..kernel.places import state_dir
+    from ..kernel.tree import _remove_tree
+    from .state import VOLUME_STORE
+
+    try:
+        fd = open_directory(state.given_volume_store or os.path.join(state_dir(), VOLUME_STORE))
+    except (OSError, IsolationError, ValueError):
+        return  # none yet
+    try:
+        for entry in os.listdir(fd):
+            if entry.startswith(".removed-"):
+                with contextlib.suppress(OSError):
+                    _remove_tree(fd, entry)
+    finally:
+        os.close(fd)
+
+
+def restore(state: ServerState) -> list[str]:
+    from ..backends.native.named import native_names
+
+    keeper = state.keeper
+    if keeper is None:
+        return []
+    records, lines = keeper.load()
+    now = time.time()
+    lost_credentials = lost_with_them = 0
+    served = expired = gone = 0
+    # Those served again hold their named volumes before any other lets go of one: a volume shared with
+    # one that ended is then not removed under the one that lives on.
+    ending: list[tuple[Record, Sandbox | None]] = []
+    for record in records:
+        name = keeper.name_for(record.id)
+        if not record.kept:
+            ending.append((record, None))
+            gone += 1
+            if record.credentials:
+                lost_credentials += record.credentials
+                lost_with_them += 1
+            lines.append(f"sandbox {record.id}: ended with the last server (its egress mediator, warm pool or "
+                         "cluster node was the server's)")
+            continue
+        box: Sandbox | None
+        try:
+            box = Sandbox.attach(name, ping=False)
+        except IsolationError:
+            box = None
+        alive = _state_of(box) if box is not None else "ended"
+        if record.state == "Starting":
+            ending.append((record, box))
+            gone += 1
+            lines.append(f"sandbox {record.id}: the last server ended while it started it (its create was not "
+                         "answered); ended")
+            continue
+        if record.expires_at is not None and record.expires_at <= now:
+            ending.append((record, box))
+            expired += 1
+            lines.append(f"sandbox {record.id}: its timeout passed while no server ran; ended")
+            continue
+        paused = record.state == "Paused" and alive == "not answering"
+        if alive != "running" and not paused:
+            ending.append((record, box))
+            gone += 1
+            lines.append(f"sandbox {record.id}: ended while no server ran ({alive}); its record and volumes let go")
+            continue
+        assert box is not None
+        try:
+            if not paused:
+                box = Sandbox.attach(name)  # with its file conversation
+        except IsolationError as exc:
+            ending.append((record, box))
+            gone += 1
+            lines.append(f"sandbox {record.id}: could not be attached again ({exc}); ended")
+            continue
+        managed = _served(state, record, box, paused)
+        with state.lock:
+            state.sandboxes[managed.id] = managed
+        managed.persist = state.saved
+        served += 1
+    for record, maybe_box in ending:
+        _end(state, record, maybe_box)
+    _sweep_trash(state)
+    known = {keeper.name_for(record.id) for record in records}
+    for name in native_names():
+        if name.startswith(keeper.prefix()) and name not in known:
+            try:
+                Sandbox.attach(name, ping=False).close()
+            except IsolationError:
+                _clear_half_made(name)
+            except OSError:
+                pass
+            lines.append(f"kept sandbox {name}: the last server was making it (no record); removed")
+    if served or expired or gone:
+        lines.append(f"{served} sandbox(es) of the last server served again, {expired} expired, {gone} ended")
+    if lost_credentials:
+        lines.append(f"{lost_credentials} credentials were lost with the last server (a credential vault's values "
+                     f"are never written to disk), with the {lost_with_them} sandbox(es) whose vaults held them: "
+                     "create them again and re-add them")
+    return lines

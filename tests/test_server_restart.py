@@ -1,0 +1,484 @@
+"""``isolate-run serve`` outlives itself: a server killed with SIGKILL and started again with the same
+``--state-dir`` serves the sandboxes it made, under the same ids, with their files, background processes,
+tokens (kept as hashes) and endpoints; one whose timeout passed meanwhile is gone; a hostile record is
+skipped. The server runs as in tests/test_server.py (a subprocess on a loopback port, plain HTTP).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import test_server as base
+
+psutil = pytest.importorskip("psutil")
+
+FLAGS = () if base.limits_enforceable() else ("--best-effort",)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="isolate-serve-restart-")
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run(server: base.Server, prefix: str, headers: dict[str, str], command: str) -> str:
+    """A command's stdout, through the execution API (server-sent events)."""
+    status, body = server.call("POST", prefix + "/command", {"command": command}, key=None, headers=headers)
+    assert status == 200, body
+    text = body.decode() if isinstance(body, bytes) else json.dumps(body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")] or \
+        [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert not [e for e in events if e.get("type") == "error"], events
+    return "\n".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+
+
+def _kill(server: base.Server) -> None:
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    server.stop()
+
+
+def _port_get(server: base.Server, sandbox_id: str, port: int, token: str, path: str) -> tuple[int, Any]:
+    return server.call("GET", f"/sandboxes/{sandbox_id}/port/{port}/{path}", key=None,
+                       headers={"OpenSandbox-Secure-Access": token})
+
+
+def _pvc(claim: str) -> list[dict[str, Any]]:
+    return [{"name": "v", "mountPath": "/mnt/v", "pvc": {"claimName": claim, "deleteOnSandboxTermination": True}}]
+
+
+@pytest.fixture
+def volume_store() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="isolate-serve-restart-volumes-")
+    os.chmod(path, 0o755)  # the sandbox's user (65534 under a root server) reaches its volumes
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_sigkill_and_restart_keep_the_sandbox(state_dir: str, volume_store: str) -> None:
+    flags = (*FLAGS, "--volume-store", volume_store)
+    first = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+    box_id = ""
+    try:
+        box = base._create(first, timeout=900, metadata={"team": "blue"}, volumes=_pvc("kept-vol"),
+                           networkPolicy={"defaultAction": "deny"})  # a loopback of its own: its port is served
+        box_id = box["id"]
+        short = base._create(first, timeout=3, volumes=_pvc("short-vol"))["id"]
+        assert sorted(os.listdir(volume_store)) == ["kept-vol", "short-vol"]
+        prefix, headers = base._endpoint(first, box_id)
+        # A file, and a process left running in the background (a web server on the sandbox's loopback).
+        _run(first, prefix, headers, "echo kept > /workspace/f.txt; "
+             "(setsid python3 -m http.server 8000 --bind 127.0.0.1 -d /workspace </dev/null >/dev/null 2>&1 &)")
+        status, port_endpoint = first.call("GET", f"/v1/sandboxes/{box_id}/endpoints/8000")
+        assert status == 200, port_endpoint
+        port_token = port_endpoint["headers"]["OpenSandbox-Secure-Access"]
+        deadline = time.monotonic() + 20
+        while (answer := _port_get(first, box_id, 8000, port_token, "f.txt"))[0] != 200:
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.2)
+        pid_text = _run(first, prefix, headers, "pgrep -f 'http.server 8000' | head -1").strip()
+        assert pid_text
+        # The record holds no token: only hashes.
+        records = [os.path.join(state_dir, e) for e in os.listdir(state_dir) if e.endswith(".json")]
+        assert len(records) == 2
+        for path in records:
+            info = os.stat(path)
+            assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+            with open(path) as handle:
+                text = handle.read()
+            assert headers["X-EXECD-ACCESS-TOKEN"] not in text and port_token not in text
+        _kill(first)
+        time.sleep(3.5)  # the short one's timeout passes while no server runs
+
+        second = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+        try:
+            status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
+            assert status == 200, got
+            assert got["metadata"] == {"team": "blue"} and got["expiresAt"] == box["expiresAt"]
+            assert got["status"]["state"] == "Running"
+            assert second.call("GET", f"/v1/sandboxes/{short}")[0] == 404  # expired while down: ended
+            assert not os.path.exists(os.path.join(state_dir, f"{short}.json"))
+            assert os.listdir(volume_store) == ["kept-vol"]  # the expired one's volume went with it
+            # The old token works; the endpoint call gives a working one again.
+            assert second.call("GET", prefix + "/ping", key=None, headers=headers)[0] == 200
+            assert second.call("GET", prefix + "/ping", key=None, headers={"X-EXECD-ACCESS-TOKEN": "x" * 32})[0] \
+                == 401
+            new_prefix, new_headers = base._endpoint(second, box_id)
+            assert new_prefix == prefix
+            assert _run(second, prefix, new_headers, "cat /workspace/f.txt") == "kept"
+            assert _run(second, prefix, headers, "pgrep -f 'http.server 8000' | head -1").strip() == pid_text
+            # The web app's endpoint, with the token given before the restart.
+            status, text = _port_get(second, box_id, 8000, port_token, "f.txt")
+            assert status == 200 and "kept" in str(text), (status, text)
+            assert _port_get(second, box_id, 8000, "0" * 64, "f.txt")[0] == 401
+            listed = second.call("GET", "/v1/sandboxes")[1]["items"]
+            assert [item["id"] for item in listed] == [box_id]
+            # A new sandbox beside it, and a delete that ends the kept one and its record.
+            other = base._create(second)["id"]
+            assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
+            assert not os.path.exists(os.path.join(state_dir, f"{box_id}.json"))
+            assert os.listdir(volume_store) == []  # its last holder ended: the volume it made goes
+            second.call("DELETE", f"/v1/sandboxes/{other}")
+            box_id = ""
+        finally:
+            second.stop()
+    finally:
+        if first.proc.poll() is None:
+            first.stop()
+        if box_id:
+            from isolate.backends.native.named import native_names, remove_native
+
+            for name in native_names():
+                if name.endswith(box_id):
+                    remove_native(name)
+
+
+def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: str) -> None:
+    """A sandbox started from a snapshot stands on the snapshot's layer; served again after a restart (attached
+    by its name, its origin unknown to the new server), its snapshot still holds that layer's files."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    made: list[str] = []
+    snaps: list[str] = []
+    try:
+        source = base._create(first)["id"]
+        made.append(source)
+        prefix, headers = base._endpoint(first, source)
+        _run(first, prefix, headers, "echo from-base > /workspace/base.txt")
+        status, snap = first.call("POST", f"/v1/sandboxes/{source}/snapshots", {})
+        assert status in (200, 201, 202), snap
+        snaps.append(snap["id"])
+        branch = base._create(first, image=None, snapshotId=snap["id"])["id"]
+        made.append(branch)
+        _kill(first)
+        second = base.Server(*FLAGS, state_dir=state_dir)
+        try:
+            prefix, headers = base._endpoint(second, branch)
+            _run(second, prefix, headers, "echo from-branch > /workspace/new.txt")
+            status, again = second.call("POST", f"/v1/sandboxes/{branch}/snapshots", {})
+            assert status in (200, 201, 202), again
+            snaps.append(again["id"])
+            leaf = base._create(second, image=None, snapshotId=again["id"])["id"]
+            made.append(leaf)
+            prefix, headers = base._endpoint(second, leaf)
+            assert _run(second, prefix, headers, "cat /workspace/base.txt /workspace/new.txt").split() == \
+                ["from-base", "from-branch"]
+        finally:
+            for snapshot_id in snaps:
+                second.call("DELETE", f"/v1/snapshots/{snapshot_id}")
+            second.stop()  # --end-on-exit: every sandbox ends
+    finally:
+        if first.proc.poll() is None:
+            first.stop()
+
+
+def test_a_stop_leaves_the_sandboxes_to_the_next_server(state_dir: str) -> None:
+    """SIGTERM (an upgrade's stop) without --end-on-exit: the sandbox and a process it left running stay, and the
+    next server serves them; with --end-on-exit the stop ends them."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        _run(first, prefix, headers, "(setsid sleep 600 </dev/null >/dev/null 2>&1 &)")
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=True)
+    try:
+        assert _run(second, prefix, headers, "pgrep -x sleep >/dev/null && echo running") == "running"
+    finally:
+        second.stop()
+    left = _leftovers(state_dir, state_dir)
+    assert left["records"] == {} and left["named"] == [] and left["data"] == [], left
+
+
+def test_a_paused_sandbox_stays_paused_and_resumes(state_dir: str) -> None:
+    """Paused when the server was killed (the cgroup freezer where it has a cgroup, else SIGSTOP): served again
+    as Paused, refusing commands, and resumed by the new server, which holds no handle on its cgroup."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first, resourceLimits={"cpu": "1", "memory": "512Mi"})["id"]
+        short = base._create(first, timeout=2, resourceLimits={"cpu": "1", "memory": "512Mi"})["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        for sandbox_id in (box_id, short):
+            assert first.call("POST", f"/v1/sandboxes/{sandbox_id}/pause")[0] == 202
+        _kill(first)
+        time.sleep(2.5)  # the short one expires, paused, while no server runs
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert second.call("GET", f"/v1/sandboxes/{short}")[0] == 404
+        assert _leftovers(state_dir, state_dir)["bound"] == [box_id]  # the frozen one ended all the same
+        status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
+        assert status == 200 and got["status"]["state"] == "Paused", got
+        assert second.call("POST", prefix + "/command", {"command": "true"}, key=None, headers=headers)[0] == 409
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert _run(second, prefix, headers, "echo awake") == "awake"
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert _run(second, prefix, headers, "echo again") == "again"
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204  # paused, it ends all the same
+        assert _leftovers(state_dir, state_dir)["bound"] == []
+    finally:
+        second.stop()
+
+
+def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
+    """As after a reboot: the sandbox's processes and its runtime files are gone; the next server lets its
+    record go and removes its workspace's files."""
+    from isolate.kernel.places import runtime_dir
+    from isolate.kernel.places import state_dir as isolate_state
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        pids = first.sandbox_pids()
+        _kill(first)
+    finally:
+        first.stop()
+    name = next(n[:-5] for n in os.listdir(runtime_dir()) if n.endswith(f"{box_id}.json"))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    base._wait_gone(list(pids))
+    for suffix in (".json", ".sock"):
+        os.unlink(os.path.join(runtime_dir(), name + suffix))
+    assert os.path.isdir(os.path.join(isolate_state(), "sandboxes", name))
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert second.call("GET", f"/v1/sandboxes/{box_id}")[0] == 404
+        assert not os.path.exists(os.path.join(state_dir, f"{box_id}.json"))
+        assert not os.path.exists(os.path.join(isolate_state(), "sandboxes", name))
+    finally:
+        second.stop()
+
+
+MAKE_KEPT = """
+import math, os, sys
+import isolate
+box = isolate.Sandbox(name=sys.argv[1], idle_timeout=math.inf)
+box.start()
+print(box.processes()[0].pid, flush=True)
+os._exit(0)  # as a server killed once its sandbox started
+"""
+
+
+def test_what_a_killed_create_left_is_ended(state_dir: str) -> None:
+    """A kept sandbox whose server was killed before it described it (its socket, no description) under a
+    record of its start, and one described but with no record: the next start ends both, with their files."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from isolate.kernel.places import runtime_dir
+    from isolate.kernel.places import state_dir as isolate_state
+
+    key = hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
+    half, orphan = "d" * 24, "e" * 24
+    inits = {}
+    for sandbox_id in (half, orphan):
+        done = subprocess.run([sys.executable, "-c", MAKE_KEPT, f"osb-{key}-{sandbox_id}"], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        inits[sandbox_id] = int(done.stdout.split()[0])
+    # Not described yet: the description was being written (a temporary file beside it).
+    os.rename(os.path.join(runtime_dir(), f"osb-{key}-{half}.json"),
+              os.path.join(runtime_dir(), f"osb-{key}-{half}.json.0badc0de"))
+    record = {"version": 1, "id": half, "image": "ubuntu", "entrypoint": [], "metadata": {}, "createdAt": 1.0,
+              "expiresAt": None, "kept": True, "state": "Starting", "renewOnAccess": None,
+              "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
+    with open(os.path.join(state_dir, f"{half}.json"), "w") as handle:
+        json.dump(record, handle)
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        server.stop()
+    base._wait_gone(list(inits.values()))
+    assert _leftovers(state_dir, state_dir)["bound"] == []  # nothing of theirs listens any more
+    for sandbox_id in (half, orphan):
+        name = f"osb-{key}-{sandbox_id}"
+        assert not [e for e in os.listdir(runtime_dir()) if e.startswith(name)]
+        assert not os.path.exists(os.path.join(isolate_state(), "sandboxes", name))
+    assert os.listdir(state_dir) == [".lock"]
+
+
+def test_hostile_records_are_skipped(state_dir: str) -> None:
+    """What the state directory holds is checked: a malformed record, a link and a foreign entry are skipped
+    and said, never followed or trusted; a record whose sandbox is gone is let go."""
+    with open(os.path.join(state_dir, "0123456789abcdef01234567.json"), "w") as handle:
+        json.dump({"version": 1, "id": "../../etc"}, handle)
+    os.symlink("/etc/passwd", os.path.join(state_dir, "aaaaaaaaaaaaaaaaaaaaaaaa.json"))
+    gone = {"version": 1, "id": "bbbbbbbbbbbbbbbbbbbbbbbb", "image": "ubuntu", "entrypoint": [], "metadata": {},
+            "createdAt": 1.0, "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
+            "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0,
+            "pending": False}
+    with open(os.path.join(state_dir, "bbbbbbbbbbbbbbbbbbbbbbbb.json"), "w") as handle:
+        json.dump(gone, handle)
+    lost = dict(gone, id="cccccccccccccccccccccccc", kept=False, credentials=3)
+    with open(os.path.join(state_dir, "cccccccccccccccccccccccc.json"), "w") as handle:
+        json.dump(lost, handle)
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        out = server.proc.stdout.read().decode() if server.proc.stdout else ""
+        server.stop()
+    assert "0123456789abcdef01234567.json: skipped" in out, out
+    assert "aaaaaaaaaaaaaaaaaaaaaaaa.json: skipped" in out, out
+    assert "3 credentials were lost with the last server" in out, out
+    assert os.path.islink(os.path.join(state_dir, "aaaaaaaaaaaaaaaaaaaaaaaa.json"))  # left, not followed
+    assert not os.path.exists(os.path.join(state_dir, "bbbbbbbbbbbbbbbbbbbbbbbb.json"))
+
+
+def test_state_dir_others_may_write_is_refused(state_dir: str) -> None:
+    os.chmod(state_dir, 0o777)
+    server = None
+    try:
+        with pytest.raises(RuntimeError, match="others may write it"):
+            server = base.Server(*FLAGS, state_dir=state_dir)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_one_server_per_state_dir(state_dir: str) -> None:
+    first = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        with pytest.raises(RuntimeError, match="another isolate-run serve uses it"):
+            base.Server(*FLAGS, state_dir=state_dir)
+    finally:
+        first.stop()
+
+
+#: Kills of the server at random points of creates and deletes (a fixed seed); each costs a start (~2 s).
+#: ISOLATE_TEST_KILLS=N runs more (and ISOLATE_TEST_KILL_SEED another seed), outside CI.
+KILLS = int(os.environ.get("ISOLATE_TEST_KILLS", "8"))
+SEED = int(os.environ.get("ISOLATE_TEST_KILL_SEED", "38"))
+
+
+def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
+    """What the state directory, the runtime directory, isolate's state directory and the volume store hold
+    for this server's sandboxes."""
+    import hashlib
+
+    from isolate.backends.native.named import native_names
+    from isolate.kernel.places import state_dir as isolate_state
+
+    prefix = f"osb-{hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]}-"
+    records: dict[str, Any] = {}
+    for entry in os.listdir(state_dir):
+        if entry.endswith(".json"):
+            with open(os.path.join(state_dir, entry)) as handle:
+                records[entry[:-5]] = json.load(handle)
+    try:
+        data = sorted(e[len(prefix):] for e in os.listdir(os.path.join(isolate_state(), "sandboxes"))
+                      if e.startswith(prefix))
+    except FileNotFoundError:
+        data = []
+    from isolate.kernel.places import runtime_dir
+
+    # The runtime directory holds a socket and a description per kept sandbox, nothing else of theirs.
+    runtime = sorted(e for e in os.listdir(runtime_dir()) if e.startswith(prefix)
+                     and not (e.endswith((".sock", ".json")) and e[len(prefix):-5].strip(".") in records))
+    # A socket bound at a kept sandbox's path, its file removed or not, is a sandbox still listening.
+    with open("/proc/net/unix") as table:
+        bound = sorted({os.path.basename(f[7])[len(prefix):-5] for f in (line.split() for line in table)
+                        if len(f) >= 8 and os.path.basename(f[7]).startswith(prefix)})
+    return {"records": records, "named": sorted(n[len(prefix):] for n in native_names() if n.startswith(prefix)),
+            "runtime": runtime, "bound": bound,
+            "data": data, "volumes": sorted(os.listdir(volume_store)),
+            "stray": [e for e in os.listdir(state_dir) if e not in (".lock",) and not e.endswith(".json")]}
+
+
+def _check_whole(server: base.Server, state_dir: str, volume_store: str) -> list[str]:
+    """Every sandbox the server lists is whole (it answers, its files and volumes are there); nothing is left
+    of any other."""
+    ids = sorted(item["id"] for item in server.call("GET", "/v1/sandboxes?pageSize=1000")[1]["items"])
+    left = _leftovers(state_dir, volume_store)
+    assert sorted(left["records"]) == ids, left
+    assert all(r["state"] in ("Running", "Paused") for r in left["records"].values()), left
+    assert left["named"] == ids and left["data"] == ids and left["stray"] == [] and left["runtime"] == [], left
+    assert left["bound"] == ids, left
+    claims = sorted(claim for r in left["records"].values() for claim, _ in r["volumes"])
+    assert left["volumes"] == claims, left
+    for sandbox_id in ids:
+        prefix, headers = base._endpoint(server, sandbox_id)
+        assert _run(server, prefix, headers, "ls /mnt/v >/dev/null && echo whole") == "whole"
+    return ids
+
+
+def test_kills_at_random_steps_leave_nothing_half_made(state_dir: str, volume_store: str) -> None:
+    """SIGKILL the server at random points while clients create (each sandbox with a named volume it makes and
+    that goes with it) and delete sandboxes; after each start every sandbox is whole and served, or gone with
+    everything it held: record, kept sandbox, files, volume."""
+    import random
+    import threading
+
+    flags = (*FLAGS, "--volume-store", volume_store)
+    seed = random.Random(SEED)
+    server = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+    try:
+        for round_no in range(KILLS):
+            stop = threading.Event()
+
+            def work(rng: random.Random, server: base.Server = server, stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    try:
+                        status, body = server.call("POST", "/v1/sandboxes", {
+                            "image": {"uri": "ubuntu"}, "timeout": 600,
+                            "volumes": _pvc(f"v{rng.getrandbits(40):010x}")})
+                        if status == 202 and rng.random() < 0.5:
+                            server.call("DELETE", f"/v1/sandboxes/{body['id']}")
+                    except (OSError, http.client.HTTPException):
+                        return  # the server is gone
+
+            workers = [threading.Thread(target=work, args=(random.Random(seed.random()),)) for _ in range(2)]
+            for worker in workers:
+                worker.start()
+            time.sleep(seed.uniform(0.05, 1.2))
+            _kill(server)
+            stop.set()
+            for worker in workers:
+                worker.join(60)
+            server = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+            ids = _check_whole(server, state_dir, volume_store)
+            # Keep the live ones few: delete all but two.
+            for sandbox_id in ids[2:]:
+                assert server.call("DELETE", f"/v1/sandboxes/{sandbox_id}")[0] == 204, round_no
+        for item in server.call("GET", "/v1/sandboxes?pageSize=1000")[1]["items"]:
+            server.call("DELETE", f"/v1/sandboxes/{item['id']}")
+        server.stop()
+        left = _leftovers(state_dir, volume_store)
+        assert left == {"records": {}, "named": [], "runtime": [], "bound": [], "data": [], "volumes": [],
+                        "stray": []}, left
+    finally:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait()
+        # Whatever a failure left: a server that ends everything at its stop.
+        base.Server(*flags, state_dir=state_dir, end_on_exit=True).stop()

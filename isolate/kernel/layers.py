@@ -431,3 +431,38 @@ def delete(root_fd: int, rel: str, layered: bool) -> None:
             os.close(parent)
 
 
+
+
+def materialize(view: View, out_fd: int) -> int:
+    """Fill the empty directory out_fd with the files view means, as a plain tree (whole files, no whiteout,
+    no opaque directory): a layer over its lower tree made one tree. How many nodes were written."""
+    import dataclasses
+
+    from .tree import _descend
+
+    count = 0
+    dirs: list[tuple[str, int]] = []
+    for rel, entry in view.entries.items():  # a directory before what it holds
+        if entry.kind not in ("dir", "file", "link"):
+            continue  # a FIFO, socket or device, or a directory too deep: not kept (as copy_tree)
+        count += 1
+        if entry.kind == "dir":
+            # Writable to its maker while it is filled; its own mode last, deepest first (a read-only one).
+            put(out_fd, rel, dataclasses.replace(entry, mode=entry.mode | 0o700), False)
+            dirs.append((rel, entry.mode & 0o7777))
+            continue
+        if entry.kind == "link":
+            put(out_fd, rel, entry, False)
+            continue
+        src = view.open(rel)
+        try:
+            put(out_fd, rel, entry, False, src_fd=src, owner=os.fstat(src))
+        finally:
+            os.close(src)
+    for rel, mode in sorted(dirs, key=lambda d: -d[0].count("/")):
+        fd = _descend(out_fd, rel)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    return count

@@ -148,4 +148,8 @@ def sweep_unnamed() -> list[str]:
             swept.append(name)
     finally:
         os.close(data_fd)
+    if swept:
+        from .copies import sweep
+
+        sweep()  # the private copies only those sandboxes used
     return swept

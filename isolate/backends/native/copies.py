@@ -113,8 +113,11 @@ def release(token: str | None) -> None:
     """Remove the copy if nothing links it any more (a user's directory was removed)."""
     if token is None or not valid(token):
         return
-    with _locked() as parent:
-        _remove_unused(parent, token)
+    try:
+        with _locked() as parent:
+            _remove_unused(parent, token)
+    except (OSError, IsolationError):
+        pass  # the state directory cannot be reached now (swapped?): a later sweep removes the copy
 
 
 def sweep() -> list[str]:

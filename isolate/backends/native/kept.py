@@ -555,8 +555,11 @@ def _copy_layers_refused() -> str | None:
     if known is not None:
         return known
     # The layers' places as they will be: the copy under copies/, the upper layer under sandboxes/.
-    probe = Layers(state_path(copies.KIND), "/", state_path("sandboxes", "probe", "overlay"))
-    return host_refusal(probe)
+    try:
+        probe = Layers(state_path(copies.KIND), "/", state_path("sandboxes", "probe", "overlay"))
+        return host_refusal(probe)
+    except OSError as exc:  # a directory on the way swapped meanwhile (a program that can write there)
+        raise IsolationError(f"state directory {state_dir()}: {exc.strerror}") from None
 
 
 def make_copy_layers(key: str, workspace: Workspace, layers: Layers,

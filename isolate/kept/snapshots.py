@@ -13,8 +13,11 @@ What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
   and starting or restoring a sandbox from one, costs what changed since
   the source, not the source's size (the source stays the lower layer,
   read live, as for any overlay workspace: it must not change meanwhile);
-- ``copy``: a whole copy of the workspace (a *tree*), as today's copy
-  workspaces cost;
+- ``copy``: on the native backend, one layer over the sandbox's private
+  copy of the source, made once (isolate/backends/native/copies.py), as for
+  an overlay workspace; it keeps that copy while it exists. Where the copy
+  is the workspace itself (no source; the overlay refused here) a whole
+  copy of the workspace (a *tree*);
 - ``bind``: refused (the workspace is the user's own directory).
 
 Beside the workspace, the contents of the sandbox's private tmpfs mounts
@@ -82,7 +85,7 @@ class Snapshot:
     """A frozen capture of a sandbox's files (see the module's docstring)."""
 
     name: str
-    #: "layer" (an overlay workspace's changes over its source) or "tree" (a whole copy).
+    #: "layer" (changes over the source, or over a copy workspace's private copy) or "tree" (a whole copy).
     kind: str
     workspace: Workspace
     created: float

@@ -556,7 +556,8 @@ def _copy_layers_refused() -> str | None:
         return known
     # The layers' places as they will be: the copy under copies/, the upper layer under sandboxes/.
     try:
-        probe = Layers(state_path(copies.KIND), "/", state_path("sandboxes", "probe", "overlay"))
+        base = state_dir()
+        probe = Layers(os.path.join(base, copies.KIND), "/", os.path.join(base, "sandboxes", "probe", "overlay"))
         return host_refusal(probe)
     except OSError as exc:  # a directory on the way swapped meanwhile (a program that can write there)
         raise IsolationError(f"state directory {state_dir()}: {exc.strerror}") from None

@@ -156,3 +156,25 @@ def test_diff_and_commit_after_a_restore_see_the_snapshots_files(source: str, st
         assert (target / "d2" / "added").read_text() == "new\n"
         assert (target / "d1" / "f001").read_text() == "changed\n"
         snap.remove()
+
+
+def test_a_layer_snapshot_started_where_the_overlay_is_refused_is_one_whole_copy(
+        source: str, state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.backends.native import kept
+    from isolate.kernel.places import state_dir
+
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as sb:
+        layered(sb)
+        sb.exec("echo changed > d1/f001 && rm -r d2 && mkdir d3/new && echo n > d3/new/n && chmod 555 d3")
+        snap = sb.snapshot()
+    # As if the kernel had refused the overlay in this process (a refusal is remembered per state directory).
+    monkeypatch.setitem(kept._COPY_LAYERS_REFUSED, state_dir(), "refused (test)")
+    with Sandbox(policy(write=()), snapshot=snap) as other:
+        assert other.enforced["workspace"]["snapshots"] == "whole copies: the copy cannot be an overlay's lower " \
+                                                          "layer here (refused (test))"
+        assert other._impl.copy is None
+        assert other.read_file("d1/f001") == "changed\n" and not other.exists("d2")
+        assert other.read_file("d3/new/n") == "n\n" and other.read_file("d0/f000") == "file 0\n"
+        assert other.stat("d3").mode & 0o777 == 0o555
+        assert other.diff().deleted[:1] == ["d2"]
+    snap.remove()

@@ -11,7 +11,13 @@ episode; then timed, one of:
 - ``restore``: ``sb.restore(start)`` of a sandbox started from the snapshot
   ``start``, after the episode (the RL reset): its files back, a fresh sandbox;
 
-against today's way, a copy of the workspace (``Workspace(mode="copy")``: what
+The same rounds then run on a copy workspace (``Workspace(mode="copy")``: the
+source copied once, at the sandbox's start, then kept as the lower layer of an
+overlay: its snapshots, forks and restores cost what changed since the copy);
+``copy_workspace`` holds its figures and what its report says its snapshots are
+(``whole copies: ...`` where the overlay is refused, or before issue 37).
+
+All against a whole copy of the workspace (a new copy sandbox's start: what
 a fork or a restore costs when the workspace is copied, until the sandbox
 answers; a snapshot by copy: the workspace's tree copied), and against Docker
 in the same run where an engine answers: ``docker commit`` of a container

@@ -290,7 +290,7 @@ def _identity(fd: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def failure(err: int, layers: Layers, step: str = "mount-overlay") -> OverlayRefused:
+def failure(err: int, layers: Layers, step: str = "mount-overlay") -> UnsupportedError:
     """The kernel refused the overlay in the child: why, as far as can be told, and the way out."""
     from .hostinfo import filesystem_type as _filesystem_type
 
@@ -314,7 +314,9 @@ def failure(err: int, layers: Layers, step: str = "mount-overlay") -> OverlayRef
     else:
         cause = (f"the kernel refused it ({os.strerror(err)}): its layers' file systems (source on {lower_fs}, "
                  f"upper layer on {upper_fs}) may not serve as lower and upper layers (the kernel log says which)")
-    return OverlayRefused(f"workspace mode overlay: cannot mount the overlay (at {step}): {cause}; {WAY_OUT}")
+    # A layer swapped meanwhile is a race (or an attack), not this host refusing overlays.
+    kind = UnsupportedError if err == errno.ESTALE else OverlayRefused
+    return kind(f"workspace mode overlay: cannot mount the overlay (at {step}): {cause}; {WAY_OUT}")
 
 
 def _mounts_below(path: str) -> list[str]:

@@ -171,12 +171,10 @@ def _copy(source: str, policy: Any, files: int, rounds: int, log: Callable[[str]
             starts.append(time.perf_counter() - t)
             box.close()
             target = tempfile.mkdtemp(prefix="copy-", dir=os.path.dirname(source))
+            # The workspace's whole tree, copied: the source's (the same files but the episode's 100; the
+            # sandbox's own directory is now an overlay's upper layer, which holds only what changed).
             t = time.perf_counter()
-            ws = sb._impl.open_workspace()
-            try:
-                copy_tree(ws, target, isolate.Workspace())
-            finally:
-                os.close(ws)
+            copy_tree(source, target, isolate.Workspace())
             copies.append(time.perf_counter() - t)
             shutil.rmtree(target, ignore_errors=True)
     log(f"branches: copy: fork/restore {median(starts) * 1e3:.0f} ms, snapshot {median(copies) * 1e3:.0f} ms")

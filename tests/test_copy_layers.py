@@ -178,3 +178,19 @@ def test_a_layer_snapshot_started_where_the_overlay_is_refused_is_one_whole_copy
         assert other.stat("d3").mode & 0o777 == 0o555
         assert other.diff().deleted[:1] == ["d2"]
     snap.remove()
+
+
+@pytest.mark.parametrize("mode", ["overlay", "copy"])
+def test_a_read_only_directory_with_new_files_is_snapshotted_and_forked(source: str, state: Path, mode: str) -> None:
+    # The snapshot's copy of a directory got its mode (0555) before its files: a caller who is not root could
+    # not write them into it, and the snapshot failed with EACCES.
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode=mode)) as sb:
+        sb.exec("mkdir -p d3/new && echo n > d3/new/n && chmod 555 d3/new d3")
+        snap = sb.snapshot()
+        fork, = sb.fork(1)
+        try:
+            assert fork.read_file("d3/new/n") == "n\n" and fork.stat("d3").mode & 0o777 == 0o555
+        finally:
+            fork.close()
+        assert (state / "snapshots" / snap.name / snap.kind / "d3").stat().st_mode & 0o777 == 0o555
+        snap.remove()

@@ -59,8 +59,9 @@ def _own(fd_or_name: int | str, info: os.stat_result, dir_fd: int | None = None)
         os.chown(fd_or_name, info.st_uid, info.st_gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
-def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool) -> int:
-    """A directory name under dir_fd with info's mode and owner (made if missing); its descriptor."""
+def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool, filling: bool = False) -> int:
+    """A directory name under dir_fd with info's mode and owner (made if missing); its descriptor.
+    ``filling``: writable to its owner until the caller sets its mode, once it is filled (a read-only one)."""
     try:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
     except FileExistsError:
@@ -71,7 +72,7 @@ def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool) -> i
     fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     try:
         _own(fd, info)
-        os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o7777)
+        os.fchmod(fd, (stat.S_IMODE(info.st_mode) & 0o7777) | (0o700 if filling else 0))
         if opaque:
             os.setxattr(fd, OPAQUE_XATTR, b"y")
     except BaseException:
@@ -160,9 +161,10 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
                     continue
                 child = os.open(name, _DIR_FLAGS, dir_fd=src)
                 try:
-                    out = _mkdir_like(dst, name, info, _opaque(child))
+                    out = _mkdir_like(dst, name, info, _opaque(child), filling=True)
                     try:
                         visit(child, out, depth + 1, prefix + name + "/")
+                        os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o7777)  # filled: its own mode
                     finally:
                         os.close(out)
                 finally:
@@ -213,9 +215,10 @@ def flatten(upper_fd: int, out_fd: int) -> int:
                     # A directory where the base layer deleted or replaced the source's node: the source's
                     # node stays hidden only if the directory is opaque.
                     opaque = True
-                out = _mkdir_like(dst, name, info, opaque)
+                out = _mkdir_like(dst, name, info, opaque, filling=True)
                 try:
                     visit(child, out, depth + 1, prefix + name + "/")
+                    os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o7777)  # filled: its own mode
                 finally:
                     os.close(out)
             finally:

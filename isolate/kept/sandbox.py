@@ -400,11 +400,13 @@ class Sandbox:
                 # ws_fd: the upper layer, over the snapshot's layer it started from, over the source (overlay) or
                 # the private copy (copy), compared with the source.
                 base_fd = _open_base_of(impl)
+                copy_fd = copies.open_tree(copy) if copy is not None else -1
                 try:
-                    return overlay_diff(self.workspace, ws_fd, lower=copy, base_fd=base_fd)
+                    return overlay_diff(self.workspace, ws_fd, copy_fd=copy_fd, base_fd=base_fd)
                 finally:
-                    if base_fd >= 0:
-                        os.close(base_fd)
+                    for fd in (base_fd, copy_fd):
+                        if fd >= 0:
+                            os.close(fd)
             if self.workspace.source is None:
                 return diff(ws_fd, None, self.workspace)
             src_fd, _ = entries_of(self.workspace.source, self.workspace)
@@ -427,16 +429,17 @@ class Sandbox:
         copy = getattr(impl, "copy", None)
         if self.workspace.mode == "overlay" or copy is not None:
             ws_fd = impl.open_workspace()
-            base_fd = -1
+            base_fd = copy_fd = -1
             try:
                 base_fd = _open_base_of(impl)
+                copy_fd = copies.open_tree(copy) if copy is not None else -1
                 # Never into the sandbox's own files, nor into its private copy (the lower layer of others).
                 forbidden = [impl.data_dir] + ([copies.tree_path(copy)] if copy is not None else [])
-                return overlay_commit(self.workspace, ws_fd, target_dir, forbidden, lower=copy, base_fd=base_fd)
+                return overlay_commit(self.workspace, ws_fd, target_dir, forbidden, copy_fd=copy_fd, base_fd=base_fd)
             finally:
-                os.close(ws_fd)
-                if base_fd >= 0:
-                    os.close(base_fd)
+                for fd in (ws_fd, base_fd, copy_fd):
+                    if fd >= 0:
+                        os.close(fd)
         target = target_dir if target_dir is not None else self.workspace.source
         if target is None:
             raise IsolationError("commit: this workspace has no source; give a target directory")

@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends.native import copies
-from ..backends.native.kept import _remove_at
 from ..backends.registry import _check_name
 from ..kernel import layers
 from ..kernel.places import open_state_dir, runtime_subdir, state_key
+from ..kernel.tree import remove_dir_at as _remove_at
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.workspace import Workspace
 

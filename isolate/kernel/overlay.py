@@ -423,24 +423,20 @@ def merged_view(source_fd: int, upper_fd: int, workspace: Workspace,
 class _View:
     """An overlay workspace's layers opened on the host for one diff or commit.
 
-    ``copy``: the lower layer is that private copy of the source (a copy workspace kept as layers,
-    isolate/backends/native/copies.py), not the source: its nodes are not the source's."""
+    ``copy_fd``: the lower layer is that private copy of the source (a copy workspace kept as layers,
+    isolate/backends/native/copies.py; the caller keeps the descriptor), not the source: its nodes are not
+    the source's."""
 
-    def __init__(self, workspace: Workspace, upper_fd: int, copy: str | None = None, base_fd: int = -1) -> None:
+    def __init__(self, workspace: Workspace, upper_fd: int, copy_fd: int = -1, base_fd: int = -1) -> None:
         assert workspace.source is not None
         self.workspace = workspace
         self.upper_fd = upper_fd
         self.base_fd = base_fd
         self.below: set[str] = set()  # paths whose node is the base layer's
-        self.copied = copy is not None
-        if copy is not None:
-            from ..backends.native.copies import open_tree
-
-            self.lower_fd = open_tree(copy)
-        else:
-            self.lower_fd = _open_dir(workspace.source)
+        self.copied = copy_fd >= 0
+        self.lower_fd = os.dup(copy_fd) if copy_fd >= 0 else _open_dir(workspace.source)
         try:
-            self.source_fd = os.dup(self.lower_fd) if copy is None else _open_dir(workspace.source)
+            self.source_fd = _open_dir(workspace.source) if self.copied else os.dup(self.lower_fd)
         except BaseException:
             os.close(self.lower_fd)
             raise
@@ -477,11 +473,11 @@ class _View:
         os.close(self.source_fd)
 
 
-def overlay_diff(workspace: Workspace, upper_fd: int, lower: str | None = None, base_fd: int = -1) -> Changes:
+def overlay_diff(workspace: Workspace, upper_fd: int, copy_fd: int = -1, base_fd: int = -1) -> Changes:
     """What the program changed against the source (added, modified, deleted, and what commit refuses).
-    ``lower``: the private copy the upper layer lies over (a copy workspace), else the source; ``base_fd``:
+    ``copy_fd``: the private copy the upper layer lies over (a copy workspace; -1: the source); ``base_fd``:
     the snapshot's layer between them (a sandbox started from a snapshot), or -1."""
-    view = _View(workspace, upper_fd, lower, base_fd)
+    view = _View(workspace, upper_fd, copy_fd, base_fd)
     try:
         return diff(-1, view.source_fd, workspace, mine=view.merged.entries, open_mine=view.open,
                     theirs=None if view.copied else view.lower, same=view.same_as_source())
@@ -490,11 +486,11 @@ def overlay_diff(workspace: Workspace, upper_fd: int, lower: str | None = None, 
 
 
 def overlay_commit(workspace: Workspace, upper_fd: int, target: str | os.PathLike[str] | None,
-                   forbidden: list[str], lower: str | None = None, base_fd: int = -1) -> Changes:
+                   forbidden: list[str], copy_fd: int = -1, base_fd: int = -1) -> Changes:
     """Make target (default: the source) equal to the program's view, as a copy workspace's commit does."""
     assert workspace.source is not None
     real = check_target(os.fspath(target if target is not None else workspace.source), forbidden)
-    view = _View(workspace, upper_fd, lower, base_fd)
+    view = _View(workspace, upper_fd, copy_fd, base_fd)
     try:
         target_fd = _open_dir(real)
         try:

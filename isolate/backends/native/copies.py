@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ...kernel.places import open_state_dir
+from ...kernel.tree import remove_dir_at
 from ...model.errors import IsolationError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -130,8 +131,6 @@ def sweep() -> list[str]:
 
 
 def _remove_unused(parent: int, token: str) -> bool:
-    from .kept import _fd_identity, _remove_at
-
     try:
         fd = os.open(token, _DIR_FLAGS, dir_fd=parent)
     except OSError:
@@ -143,10 +142,10 @@ def _remove_unused(parent: int, token: str) -> bool:
             users = None
         if users is not None and (not stat.S_ISREG(users.st_mode) or users.st_nlink > 1):
             return False
-        identity = _fd_identity(fd)
+        info = os.fstat(fd)
     finally:
         os.close(fd)
-    _remove_at(parent, token, identity)
+    remove_dir_at(parent, token, (info.st_dev, info.st_ino))
     return True
 
 

@@ -34,6 +34,7 @@ from ...kernel.layers import clone
 from ...kernel.overlay import WAY_OUT, Layers, OverlayRefused, host_refusal, layers_for, make_layers
 from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
 from ...kernel.tree import copy_tree
+from ...kernel.tree import remove_dir_at as _remove_at
 from ...model.errors import IsolationError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
@@ -851,24 +852,6 @@ def _remove_dir(path: str, identity: tuple[int, int]) -> None:
         _remove_at(parent, os.path.basename(path), identity)
     finally:
         os.close(parent)
-
-
-def _remove_at(parent: int, name: str, identity: tuple[int, int]) -> None:
-    """Remove the directory ``name`` of the directory ``parent`` and its tree, if it still is ``identity``."""
-    from ...kernel.tree import _remove_tree
-
-    try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=parent)
-        try:
-            if _fd_identity(child) != identity:
-                return
-            for entry in os.listdir(child):
-                _remove_tree(child, entry)
-        finally:
-            os.close(child)
-        os.rmdir(name, dir_fd=parent)
-    except OSError:
-        pass
 
 
 def environment_for(base: Mapping[str, str], env: Mapping[str, str] | None) -> list[str]:

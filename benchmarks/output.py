@@ -323,6 +323,7 @@ def _branches_markdown(figures: Any) -> list[str]:
     if not isinstance(figures, dict) or "isolate" not in figures:
         return []
     mine, copy, docker = figures["isolate"], figures["copy"], figures["docker"]
+    kept = figures.get("copy_workspace") or {}
 
     def cell(entry: Any) -> str:
         return _fmt(entry.get("median_ms")) if isinstance(entry, dict) and "median_ms" in entry else "n/a"
@@ -331,12 +332,19 @@ def _branches_markdown(figures: Any) -> list[str]:
         f"## Branches: snapshot, fork, restore ({figures['files']} files, {figures['size_mb']} MB; "
         f"episodes of {figures['episode_files']} files)", "",
         f"Median ms over {figures['rounds']} rounds (copy and Docker: fewer). {figures['mechanism']}.", "",
-        "| | isolate (layers) | copy of the workspace | docker commit / docker run -d |", "|---|---:|---:|---:|",
-        f"| snapshot | {cell(mine['snapshot'])} | {cell(copy.get('snapshot'))} | {cell(docker.get('commit'))} |",
-        f"| fork | {cell(mine['fork'])} | {cell(copy.get('fork_or_restore'))} | {cell(docker.get('run'))} |",
-        f"| restore | {cell(mine['restore'])} | {cell(copy.get('fork_or_restore'))} | {cell(docker.get('run'))} |",
+        "| | isolate, overlay workspace | isolate, copy workspace | a whole copy of the workspace | "
+        "docker commit / docker run -d |", "|---|---:|---:|---:|---:|",
+        f"| snapshot | {cell(mine['snapshot'])} | {cell(kept.get('snapshot'))} | {cell(copy.get('snapshot'))} | "
+        f"{cell(docker.get('commit'))} |",
+        f"| fork | {cell(mine['fork'])} | {cell(kept.get('fork'))} | {cell(copy.get('fork_or_restore'))} | "
+        f"{cell(docker.get('run'))} |",
+        f"| restore | {cell(mine['restore'])} | {cell(kept.get('restore'))} | {cell(copy.get('fork_or_restore'))} | "
+        f"{cell(docker.get('run'))} |",
         "",
     ]
+    if kept:
+        lines += [f"Copy workspace: its snapshots are {kept.get('snapshots')}; its first copy is a sandbox's start "
+                  "(the whole copy's fork column).", ""]
     if "skipped" in docker:
         lines += [f"Docker: skipped: {docker['skipped']}", ""]
     lines += ["| goal | value | |", "|---|---:|---|"]

@@ -91,6 +91,8 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
     assert branches["restore_checked"] and branches["docker"]["skipped"]
     for what in ("snapshot", "fork", "restore"):
         assert branches["isolate"][what]["n"] == 3 and branches["isolate"][what]["median_ms"] > 0, what
+        assert branches["copy_workspace"][what]["n"] == 3 and branches["copy_workspace"][what]["median_ms"] > 0
+    assert branches["copy_workspace_restore_checked"]
 
     with open(os.path.join(out, "quick.md"), encoding="utf-8") as f:
         text = f.read()

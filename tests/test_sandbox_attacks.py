@@ -308,11 +308,14 @@ def test_rm_removes_the_data_it_made(source: str, workdir: str, monkeypatch: pyt
     box = Sandbox(policy(write=()), workspace=Workspace(source), name=name).start()
     box.exec("echo x > made")
     box.detach()
-    assert (state / "sandboxes" / name / "workspace" / "made").exists()
+    # The program's files: the copied workspace, or the upper layer over the private copy.
+    assert Path(box._impl.workspace_host, "made").exists()
+    assert str(state / "sandboxes" / name) in box._impl.workspace_host
     from isolate.backends.native.named import remove_native
 
     assert remove_native(name)
     assert not (state / "sandboxes" / name).exists()
+    assert not (state / "copies").exists() or os.listdir(state / "copies") == []  # its private copy too
 
 
 def test_a_shell_output_flood_costs_the_host_neither_memory_nor_quadratic_time(box: Sandbox) -> None:

@@ -187,6 +187,11 @@ class _Branch:
 
 
 def _source_fd(snapshot: Snapshot) -> int | None:
+    """The tree a layer snapshot lies over: its private copy (a copy workspace), else the source."""
+    if snapshot.lower is not None:
+        from ..backends.native.copies import open_tree
+
+        return open_tree(snapshot.lower)
     source = snapshot.workspace.source
     return _open_dir(source) if source is not None else None
 
@@ -202,19 +207,28 @@ def _view(snapshot: Snapshot) -> View:
         raise
 
 
-def _base_view(base: Any, branches: list[_Branch]) -> tuple[View, int]:
-    """The common start's view, and a descriptor of its layer or tree to begin the result with (-1: none)."""
+#: What a layer lies over: ("layer", its private copy or None for the source); a tree: ("tree", None).
+Ground = tuple[str, str | None]
+
+
+def _ground(snapshot: Snapshot) -> Ground:
+    return (snapshot.kind, snapshot.lower if snapshot.kind == "layer" else None)
+
+
+def _base_view(base: Any, branches: list[_Branch]) -> tuple[View, int, Ground]:
+    """The common start's view, a descriptor of its layer or tree to begin the result with (-1: none), and
+    what that layer lies over."""
     first = branches[0].snapshot
     if isinstance(base, (str, os.PathLike)):
-        return View.of_tree(_open_dir(os.fspath(base))), -1
+        return View.of_tree(_open_dir(os.fspath(base))), -1, ("tree", None)
     if isinstance(base, Sandbox):
         base = take(base, None, base.origin, areas=False)  # its files now; removed once read
         try:
-            return _view(base), base.open_data()
+            return _view(base), base.open_data(), _ground(base)
         finally:
             base.remove()
     if isinstance(base, Snapshot):
-        return _view(base), base.open_data()
+        return _view(base), base.open_data(), _ground(base)
     if base is not None:
         raise TypeError("merge: base is an isolate.Snapshot, an isolate.Sandbox or a directory")
     origins = {b.snapshot.origin for b in branches}
@@ -222,17 +236,23 @@ def _base_view(base: Any, branches: list[_Branch]) -> tuple[View, int]:
         origin = origins.pop()
         for snap in Snapshot.list():
             if snap.id == origin:
-                return _view(snap), snap.open_data()
+                return _view(snap), snap.open_data(), _ground(snap)
         for branch in branches:
             # A layer snapshot of a sandbox started from that snapshot keeps a clone of its layer.
             base_fd = branch.snapshot.open_base()
             if base_fd is not None:
-                return View.of_layer(_source_fd(first), os.dup(base_fd)), base_fd
+                return View.of_layer(_source_fd(first), os.dup(base_fd)), base_fd, _ground(first)
+    lowers = {b.snapshot.lower for b in branches}
+    if len(lowers) == 1 and first.lower is not None:
+        # Copies kept as layers over one private copy: the copy is where they all started.
+        from ..backends.native.copies import open_tree
+
+        return View.of_tree(open_tree(first.lower)), -1, ("tree", None)
     # The workspace's source itself (a layer's files are its nodes where the layer has none).
     source = first.workspace.source
     if source is None:
-        return View({}, _no_file, lambda rel: (-1, 0), []), -1
-    return View.of_tree(_open_dir(source)), -1
+        return View({}, _no_file, lambda rel: (-1, 0), []), -1, ("tree", None)
+    return View.of_tree(_open_dir(source)), -1, ("tree", None)
 
 
 def _no_file(rel: str) -> int:
@@ -266,13 +286,21 @@ def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str
         for index, item in enumerate(items):
             made.append(_Branch(item, f"branch {index}" if not isinstance(item, Sandbox) or item.name is None
                                 else item.name))
-        kinds = {(b.snapshot.kind, b.snapshot.workspace.source, b.snapshot.workspace.target) for b in made}
-        if len(kinds) != 1:
+        kinds = {(b.snapshot.workspace.mode, b.snapshot.workspace.source, b.snapshot.workspace.target)
+                 for b in made}
+        if len(kinds) != 1 or len({b.snapshot.kind for b in made if b.snapshot.lower is None}) > 1:
             raise UnsupportedError("merge: the branches have different workspaces (source, target or mode): "
                                    + "; ".join(str(b.snapshot.workspace) for b in made))
-        base_view, base_data = _base_view(base, made)
+        base_view, base_data, base_ground = _base_view(base, made)
         try:
-            return _merge(made, base_view, base_data, policy, on_conflict, name, start, items)
+            # A layer over the branches' common ground when they and the base share one; else (copies made
+            # apart, or some kept whole) a whole tree, as copy workspaces' merges were.
+            grounds = {_ground(b.snapshot) for b in made}
+            ground = grounds.pop() if len(grounds) == 1 else ("tree", None)
+            if base_data >= 0 and base_ground != ground:
+                ground = ("tree", None)
+            return _merge(made, base_view, base_data, base_ground[0] == "layer", ground, policy, on_conflict,
+                          name, start, items)
         finally:
             base_view.close()
             if base_data >= 0:
@@ -282,10 +310,10 @@ def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str
             branch.close()
 
 
-def _merge(made: list[_Branch], base: View, base_data: int, policy: Policy | None, on_conflict: str,
-           name: str | None, start: bool, items: list[Any]) -> MergeResult:
+def _merge(made: list[_Branch], base: View, base_data: int, base_layered: bool, ground: Ground,
+           policy: Policy | None, on_conflict: str, name: str | None, start: bool, items: list[Any]) -> MergeResult:
     result = MergeResult()
-    layered = made[0].snapshot.kind == "layer"
+    layered = ground[0] == "layer"
     views = [b.view for b in made]
     paths = sorted(set(base.entries).union(*(v.entries for v in views)))
     decisions: list[tuple[str, int, Entry | None, bytes | None]] = []  # path, branch, entry (None: gone), data
@@ -344,7 +372,10 @@ def _merge(made: list[_Branch], base: View, base_data: int, policy: Policy | Non
         raise MergeConflictError(result)
     making = _Making(name, "layer" if layered else "tree")
     try:
-        _write(making.data, base, base_data, views, decisions, layered)
+        if ground[1] is not None:
+            making.use_copy(ground[1])  # the result's layer lies over the branches' private copy
+        _write(making.data, base, -1 if base_layered and not layered else base_data, views, decisions, layered,
+               base_layered)
         first = made[0].snapshot
         origin = made[0].snapshot.origin if len({b.snapshot.origin for b in made}) == 1 else None
         result.snapshot = making.commit(first.workspace, origin, ())
@@ -384,10 +415,12 @@ def _merge_text(rel: str, base: View | None, sides: list[View],
 
 
 def _write(out: int, base: View, base_data: int, views: list[View], decisions: list[tuple[str, int, Entry | None,
-           bytes | None]], layered: bool) -> None:
+           bytes | None]], layered: bool, base_layered: bool = False) -> None:
     """The result: the base's layer or tree, and over it each decided path."""
     if base_data >= 0:
         layers.clone(base_data, out)
+    elif not layered and base.entries and base_layered:
+        layers.materialize(base, out)  # a layer base's files, as one tree
     elif not layered and base.entries:
         from ..kernel.tree import copy_tree
 

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends.kept import KeptBackend, attach_backend, make_backend
+from ..backends.native import copies
 from ..backends.native import files as native_files
 from ..backends.native.commands import DEFAULT_OUTPUT_LIMIT, Command, ExecResult, SandboxProcess, run_collecting
 from ..backends.native.files import DirEntry, GrepMatch
@@ -402,8 +403,18 @@ class Sandbox:
             return Changes()
         ws_fd = impl.open_workspace()
         try:
-            if self.workspace.mode == "overlay":
-                return overlay_diff(self.workspace, ws_fd)  # ws_fd: the upper layer
+            copy = getattr(impl, "copy", None)
+            if self.workspace.mode == "overlay" or copy is not None:
+                # ws_fd: the upper layer, over the snapshot's layer it started from, over the source (overlay) or
+                # the private copy (copy), compared with the source.
+                base_fd = _open_base_of(impl)
+                copy_fd = copies.open_tree(copy) if copy is not None else -1
+                try:
+                    return overlay_diff(self.workspace, ws_fd, copy_fd=copy_fd, base_fd=base_fd)
+                finally:
+                    for fd in (base_fd, copy_fd):
+                        if fd >= 0:
+                            os.close(fd)
             if self.workspace.source is None:
                 return diff(ws_fd, None, self.workspace)
             src_fd, _ = entries_of(self.workspace.source, self.workspace)
@@ -423,12 +434,20 @@ class Sandbox:
         impl = self._running("commit")
         if self.workspace.mode == "bind" and target_dir is None:
             return Changes()  # the source is the workspace
-        if self.workspace.mode == "overlay":
+        copy = getattr(impl, "copy", None)
+        if self.workspace.mode == "overlay" or copy is not None:
             ws_fd = impl.open_workspace()
+            base_fd = copy_fd = -1
             try:
-                return overlay_commit(self.workspace, ws_fd, target_dir, [impl.data_dir])
+                base_fd = _open_base_of(impl)
+                copy_fd = copies.open_tree(copy) if copy is not None else -1
+                # Never into the sandbox's own files, nor into its private copy (the lower layer of others).
+                forbidden = [impl.data_dir] + ([copies.tree_path(copy)] if copy is not None else [])
+                return overlay_commit(self.workspace, ws_fd, target_dir, forbidden, copy_fd=copy_fd, base_fd=base_fd)
             finally:
-                os.close(ws_fd)
+                for fd in (ws_fd, base_fd, copy_fd):
+                    if fd >= 0:
+                        os.close(fd)
         target = target_dir if target_dir is not None else self.workspace.source
         if target is None:
             raise IsolationError("commit: this workspace has no source; give a target directory")
@@ -453,7 +472,8 @@ class Sandbox:
 
     def snapshot(self, name: str | None = None) -> Snapshot:
         """A frozen capture of the sandbox's files: the workspace and its private tmpfs mounts (/tmp, the
-        home). An overlay workspace's costs what changed since the source; a copy's, a copy."""
+        home). It costs what changed since the source (overlay) or since the copy (copy); a copy workspace's
+        is a whole copy only where the copy cannot be an overlay's lower layer (``enforced["workspace"]``)."""
         self._running("snapshot")
         return take(self, name, self.origin)
 
@@ -471,8 +491,8 @@ class Sandbox:
         self._close_sessions()
         old = self._impl
         if self.name is None and isinstance(old, NativeSandbox):
-            if (workspace.mode == "overlay" and self.origin is not None and self.origin.id == snapshot.id
-                    and isinstance(fresh, NativeSandbox)):
+            if (snapshot.kind == "layer" and self.origin is not None and self.origin.id == snapshot.id
+                    and isinstance(fresh, NativeSandbox) and (old.copy_base or workspace.mode == "overlay")):
                 fresh.start_from = Reused(snapshot, old.paths.key)  # the old one's base layer is this one's
             # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files
             # removed beside the new one's start, not before it.
@@ -488,7 +508,7 @@ class Sandbox:
         """n new sandboxes (started, unnamed) whose files are this one's as they are now, each on its own.
 
         Files only: no process is carried (``processes=True`` is refused: isolate does not checkpoint
-        processes). Forks of an overlay workspace cost what changed since the source, not its size.
+        processes). Forks cost what changed since the source (overlay) or the copy (copy), not its size.
         """
         if processes:
             import shutil
@@ -501,7 +521,7 @@ class Sandbox:
             raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
         self._running("fork")
         snap = take(self, None, self.origin)
-        layered = self.workspace.mode == "overlay"
+        layered = snap.kind == "layer"
         # The forks' common start, for merge: an overlay fork keeps it as its base layer, so the snapshot
         # goes now (the last fork even takes its files); a copy keeps no trace of it, so it stays until the
         # last fork is closed.
@@ -524,6 +544,18 @@ class Sandbox:
         if point is None:
             snap.remove()
         return boxes
+
+
+def _open_base_of(impl: KeptBackend) -> int:
+    """A descriptor of the snapshot's layer a layered workspace started from (its base), or -1: none."""
+    if not isinstance(impl, NativeSandbox):
+        return -1
+    from ..backends.native.kept import _open_base
+
+    try:
+        return _open_base(impl.paths.key)
+    except FileNotFoundError:
+        return -1
 
 
 def whole_number(value: Any, name: str, minimum: int) -> int:

@@ -13,8 +13,11 @@ What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
   and starting or restoring a sandbox from one, costs what changed since
   the source, not the source's size (the source stays the lower layer,
   read live, as for any overlay workspace: it must not change meanwhile);
-- ``copy``: a whole copy of the workspace (a *tree*), as today's copy
-  workspaces cost;
+- ``copy``: on the native backend, one layer over the sandbox's private
+  copy of the source, made once (isolate/backends/native/copies.py), as for
+  an overlay workspace; it keeps that copy while it exists. Where the copy
+  is the workspace itself (no source; the overlay refused here) a whole
+  copy of the workspace (a *tree*);
 - ``bind``: refused (the workspace is the user's own directory).
 
 Beside the workspace, the contents of the sandbox's private tmpfs mounts
@@ -51,10 +54,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.native.kept import _remove_at
+from ..backends.native import copies
 from ..backends.registry import _check_name
 from ..kernel import layers
 from ..kernel.places import open_state_dir, runtime_subdir, state_key
+from ..kernel.tree import remove_dir_at as _remove_at
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.workspace import Workspace
 
@@ -81,7 +85,7 @@ class Snapshot:
     """A frozen capture of a sandbox's files (see the module's docstring)."""
 
     name: str
-    #: "layer" (an overlay workspace's changes over its source) or "tree" (a whole copy).
+    #: "layer" (changes over the source, or over a copy workspace's private copy) or "tree" (a whole copy).
     kind: str
     workspace: Workspace
     created: float
@@ -92,6 +96,9 @@ class Snapshot:
     #: The tmpfs mounts it holds (an archive of them), e.g. ["/tmp", "/home/sandbox"].
     areas: tuple[str, ...]
     identity: tuple[int, int]
+    #: A copy workspace's layer lies over the sandbox's private copy, made once (the token of that copy,
+    #: isolate/backends/native/copies.py); None: over the source (overlay), or a whole tree.
+    lower: str | None = None
 
     # -- the catalogue ------------------------------------------------------------------------------
 
@@ -118,7 +125,8 @@ class Snapshot:
                 meta = json.load(handle)
             return cls(name, str(meta["kind"]), _workspace(meta["workspace"]),
                        float(meta["created"]), str(meta["id"]), meta.get("origin"), tuple(meta["areas"]),
-                       (int(meta["identity"][0]), int(meta["identity"][1])))
+                       (int(meta["identity"][0]), int(meta["identity"][1])),
+                       meta["lower"] if copies.valid(meta.get("lower")) else None)
         except (OSError, ValueError, KeyError, TypeError):
             raise IsolationError(f"no snapshot named {name!r} (isolate.Snapshot.list())") from None
 
@@ -129,6 +137,7 @@ class Snapshot:
             _remove_at(parent, self.name, self.identity)
         finally:
             os.close(parent)
+        copies.release(self.lower)
         try:
             os.unlink(os.path.join(_meta_dir(), f"{self.name}.json"))
         except FileNotFoundError:
@@ -279,6 +288,8 @@ class _Making:
     def __init__(self, name: str | None, kind: str) -> None:
         self.name = _check_name(name) if name is not None else f"snap-{secrets.token_hex(6)}"
         self.kind = kind
+        #: The private copy its layer lies over, once linked (use_copy).
+        self.lower: str | None = None
         if os.path.lexists(os.path.join(_meta_dir(), f"{self.name}.json")):
             raise IsolationError(f"snapshot {self.name!r} exists already; remove it or choose another name")
         self.parent = open_state_dir("snapshots")
@@ -299,6 +310,11 @@ class _Making:
             self.close()
             raise
 
+    def use_copy(self, token: str) -> None:
+        """Its layer lies over that private copy: linked, the copy stays while the snapshot does."""
+        copies.add_user(token, self.fd)
+        self.lower = token
+
     def open_areas(self) -> int:
         """A new areas.tar of the snapshot, for writing (the caller closes it)."""
         return os.open("areas.tar", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
@@ -308,9 +324,9 @@ class _Making:
                id: str | None = None) -> Snapshot:
         """Describe the snapshot made (``id``: a capture's token kept from another machine, see bundles.py)."""
         snap = Snapshot(self.name, self.kind, workspace, time.time(), id or secrets.token_hex(8), origin, areas,
-                        self.identity)
+                        self.identity, self.lower)
         meta = {"kind": snap.kind, "created": snap.created, "id": snap.id, "origin": origin, "areas": list(areas),
-                "identity": list(self.identity),
+                "identity": list(self.identity), "lower": self.lower,
                 "workspace": {"source": workspace.source, "target": workspace.target, "mode": workspace.mode,
                               "exclude": list(workspace.exclude)}}
         directory = _meta_dir()
@@ -326,6 +342,7 @@ class _Making:
         self.close(keep_parent=True)
         _remove_at(self.parent, self.name, self.identity)
         self.close()
+        copies.release(self.lower)
 
     def close(self, keep_parent: bool = False) -> None:
         for fd in (self.data, self.fd) if keep_parent else (self.data, self.fd, self.parent):
@@ -513,15 +530,18 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
     if mode == "bind":
         raise UnsupportedError("snapshot: a bind workspace is the user's own directory, which isolate does not "
                                "freeze; use Workspace(mode='overlay') (layers: costs what changed) or 'copy'")
-    making = _Making(name, "layer" if mode == "overlay" else "tree")
+    making = _Making(name, "layer" if impl.layered else "tree")
     try:
+        if impl.copy is not None:
+            making.use_copy(impl.copy)  # its layer lies over the sandbox's private copy
         captured = capture_areas(sb, making) if areas else ()
         ws_fd = impl.open_workspace()
         try:
-            if mode == "overlay":
+            if impl.layered:
                 # A sandbox started from a snapshot stands on its base layer, whether or not this object
-                # knows that snapshot (one attached by its name does not, and the snapshot may be gone).
-                if origin is not None or _has_base(impl.paths.key):
+                # knows that snapshot (one attached by its name does not, and the snapshot may be gone); a
+                # copy workspace's sandbox says so itself.
+                if (origin is not None or _has_base(impl.paths.key)) if impl.copy is None else impl.copy_base:
                     base = _open_base(impl.paths.key)
                     try:
                         layers.clone(base, making.data)

@@ -59,8 +59,9 @@ def _own(fd_or_name: int | str, info: os.stat_result, dir_fd: int | None = None)
         os.chown(fd_or_name, info.st_uid, info.st_gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
-def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool) -> int:
-    """A directory name under dir_fd with info's mode and owner (made if missing); its descriptor."""
+def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool, filling: bool = False) -> int:
+    """A directory name under dir_fd with info's mode and owner (made if missing); its descriptor.
+    ``filling``: writable to its owner until the caller sets its mode, once it is filled (a read-only one)."""
     try:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
     except FileExistsError:
@@ -71,7 +72,7 @@ def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool) -> i
     fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     try:
         _own(fd, info)
-        os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o7777)
+        os.fchmod(fd, (stat.S_IMODE(info.st_mode) & 0o7777) | (0o700 if filling else 0))
         if opaque:
             os.setxattr(fd, OPAQUE_XATTR, b"y")
     except BaseException:
@@ -160,9 +161,10 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
                     continue
                 child = os.open(name, _DIR_FLAGS, dir_fd=src)
                 try:
-                    out = _mkdir_like(dst, name, info, _opaque(child))
+                    out = _mkdir_like(dst, name, info, _opaque(child), filling=True)
                     try:
                         visit(child, out, depth + 1, prefix + name + "/")
+                        os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o7777)  # filled: its own mode
                     finally:
                         os.close(out)
                 finally:
@@ -213,9 +215,10 @@ def flatten(upper_fd: int, out_fd: int) -> int:
                     # A directory where the base layer deleted or replaced the source's node: the source's
                     # node stays hidden only if the directory is opaque.
                     opaque = True
-                out = _mkdir_like(dst, name, info, opaque)
+                out = _mkdir_like(dst, name, info, opaque, filling=True)
                 try:
                     visit(child, out, depth + 1, prefix + name + "/")
+                    os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o7777)  # filled: its own mode
                 finally:
                     os.close(out)
             finally:
@@ -431,3 +434,38 @@ def delete(root_fd: int, rel: str, layered: bool) -> None:
             os.close(parent)
 
 
+
+
+def materialize(view: View, out_fd: int) -> int:
+    """Fill the empty directory out_fd with the files view means, as a plain tree (whole files, no whiteout,
+    no opaque directory): a layer over its lower tree made one tree. How many nodes were written."""
+    import dataclasses
+
+    from .tree import _descend
+
+    count = 0
+    dirs: list[tuple[str, int]] = []
+    for rel, entry in view.entries.items():  # a directory before what it holds
+        if entry.kind not in ("dir", "file", "link"):
+            continue  # a FIFO, socket or device, or a directory too deep: not kept (as copy_tree)
+        count += 1
+        if entry.kind == "dir":
+            # Writable to its maker while it is filled; its own mode last, deepest first (a read-only one).
+            put(out_fd, rel, dataclasses.replace(entry, mode=entry.mode | 0o700), False)
+            dirs.append((rel, entry.mode & 0o7777))
+            continue
+        if entry.kind == "link":
+            put(out_fd, rel, entry, False)
+            continue
+        src = view.open(rel)
+        try:
+            put(out_fd, rel, entry, False, src_fd=src, owner=os.fstat(src))
+        finally:
+            os.close(src)
+    for rel, mode in sorted(dirs, key=lambda d: -d[0].count("/")):
+        fd = _descend(out_fd, rel)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    return count

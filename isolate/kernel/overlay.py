@@ -52,6 +52,10 @@ REDIRECT_XATTR = "user.overlay.redirect"
 WAY_OUT = "use Workspace(mode='copy') (isolate-run sandbox create --mode copy)"
 
 
+class OverlayRefused(UnsupportedError):
+    """The overlay cannot be made here (the file systems, the kernel or the user namespace refuse it)."""
+
+
 @dataclass(frozen=True)
 class Layers:
     """The host side of an overlay workspace: the source and the state directory holding upper and work."""
@@ -62,6 +66,9 @@ class Layers:
     #: A snapshot's layer (isolate/kernel/layers.py) between the source and the upper layer: a sandbox
     #: started from a snapshot. Its descriptor, open on the clone in <data>/overlay/base (-1: none).
     base_fd: int = -1
+    #: A descriptor of the lower layer as the host made it (a copy workspace's private copy, in the state
+    #: directory): the plan binds the directory the path names only if it is this one (-1: the source).
+    source_fd: int = -1
 
     @property
     def base(self) -> str:
@@ -104,7 +111,7 @@ def make_layers(layers: Layers, data_fd: int) -> tuple[int, int]:
     finally:
         os.close(state)
     if probe:
-        raise UnsupportedError(f"workspace mode overlay: {probe}; {WAY_OUT}")
+        raise OverlayRefused(f"workspace mode overlay: {probe}; {WAY_OUT}")
     return upper.st_dev, upper.st_ino
 
 
@@ -192,7 +199,7 @@ def _lower_userns(owner_uid: int, owner_gid: int, uid: int, gid: int) -> int:
     fd = int(lib.iso_make_idmap_userns_of(owner_uid, owner_gid, uid, gid))
     if fd < 0:
         err = ffi.errno
-        raise UnsupportedError(f"workspace mode overlay: the user namespace for the source's idmapped mount "
+        raise OverlayRefused(f"workspace mode overlay: the user namespace for the source's idmapped mount "
                                f"cannot be made ({os.strerror(err)}); {WAY_OUT}")
     return fd
 
@@ -227,6 +234,8 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
         return fd
 
     source_fd = opened(layers.source, os.O_PATH)
+    if layers.source_fd >= 0 and _identity(source_fd) != _identity(layers.source_fd):
+        raise IsolationError(f"workspace: {layers.source}: replaced while the sandbox was made")
     state_fd = opened(layers.state, os.O_PATH)
     upper_fd = opened(layers.upper, os.O_RDONLY)
     root_caller = os.geteuid() == 0
@@ -244,7 +253,7 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
             err = ffi.errno
             from .hostinfo import filesystem_type as _filesystem_type
 
-            raise UnsupportedError(
+            raise OverlayRefused(
                 f"workspace mode overlay: a root caller's program (uid {program_uid}) owns the source's files "
                 f"through an idmapped mount, and the source's file system ({_filesystem_type(layers.source)}) "
                 f"takes none ({os.strerror(err)}); {WAY_OUT}"
@@ -276,6 +285,11 @@ def _plan(layers: Layers, newroot: str, oldroot: str, program_uid: int, program_
     return Planned(steps, fds, enforced)
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
 def failure(err: int, layers: Layers, step: str = "mount-overlay") -> UnsupportedError:
     """The kernel refused the overlay in the child: why, as far as can be told, and the way out."""
     from .hostinfo import filesystem_type as _filesystem_type
@@ -300,7 +314,9 @@ def failure(err: int, layers: Layers, step: str = "mount-overlay") -> Unsupporte
     else:
         cause = (f"the kernel refused it ({os.strerror(err)}): its layers' file systems (source on {lower_fs}, "
                  f"upper layer on {upper_fs}) may not serve as lower and upper layers (the kernel log says which)")
-    return UnsupportedError(f"workspace mode overlay: cannot mount the overlay (at {step}): {cause}; {WAY_OUT}")
+    # A layer swapped meanwhile is a race (or an attack), not this host refusing overlays.
+    kind = UnsupportedError if err == errno.ESTALE else OverlayRefused
+    return kind(f"workspace mode overlay: cannot mount the overlay (at {step}): {cause}; {WAY_OUT}")
 
 
 def _mounts_below(path: str) -> list[str]:
@@ -405,47 +421,76 @@ def merged_view(source_fd: int, upper_fd: int, workspace: Workspace,
 
 
 class _View:
-    """An overlay workspace's layers opened on the host for one diff or commit."""
+    """An overlay workspace's layers opened on the host for one diff or commit.
 
-    def __init__(self, workspace: Workspace, upper_fd: int) -> None:
+    ``copy_fd``: the lower layer is that private copy of the source (a copy workspace kept as layers,
+    isolate/backends/native/copies.py; the caller keeps the descriptor), not the source: its nodes are not
+    the source's."""
+
+    def __init__(self, workspace: Workspace, upper_fd: int, copy_fd: int = -1, base_fd: int = -1) -> None:
         assert workspace.source is not None
         self.workspace = workspace
         self.upper_fd = upper_fd
-        self.source_fd = _open_dir(workspace.source)
+        self.base_fd = base_fd
+        self.below: set[str] = set()  # paths whose node is the base layer's
+        self.copied = copy_fd >= 0
+        self.lower_fd = os.dup(copy_fd) if copy_fd >= 0 else _open_dir(workspace.source)
         try:
-            self.lower = walk(self.source_fd, workspace)
-            self.merged = merged_view(self.source_fd, upper_fd, workspace, self.lower)
+            self.source_fd = _open_dir(workspace.source) if self.copied else os.dup(self.lower_fd)
         except BaseException:
-            os.close(self.source_fd)
+            os.close(self.lower_fd)
+            raise
+        try:
+            self.lower = walk(self.lower_fd, workspace)
+            below = self.lower
+            if base_fd >= 0:
+                # A sandbox started from a snapshot: the snapshot's layer lies between the lower and upper layers.
+                based = merged_view(self.lower_fd, base_fd, workspace, self.lower)
+                below, self.below = based.entries, based.upper
+            self.merged = merged_view(self.lower_fd, upper_fd, workspace, below)
+            if workspace.exclude:
+                # A copy's excluded names are left alone, as a walk of its tree leaves them (the layers the
+                # program wrote may hold them: it made them there).
+                self.merged.entries = {rel: e for rel, e in self.merged.entries.items()
+                                       if not any(workspace.excluded(part) for part in rel.split("/"))}
+        except BaseException:
+            self.close()
             raise
 
     def open(self, rel: str) -> int:
-        return _open_file(self.upper_fd if rel in self.merged.upper else self.source_fd, rel)
+        if rel in self.merged.upper:
+            return _open_file(self.upper_fd, rel)
+        return _open_file(self.base_fd if rel in self.below else self.lower_fd, rel)
 
     def same_as_source(self) -> set[str]:
-        """Paths whose node is the source's own (unchanged by definition)."""
-        return {rel for rel in self.merged.entries if rel not in self.merged.upper}
+        """Paths whose node is the source's own (unchanged by definition; none over a copy)."""
+        if self.copied:
+            return set()
+        return {rel for rel in self.merged.entries if rel not in self.merged.upper and rel not in self.below}
 
     def close(self) -> None:
+        os.close(self.lower_fd)
         os.close(self.source_fd)
 
 
-def overlay_diff(workspace: Workspace, upper_fd: int) -> Changes:
-    """What the program changed against the source (added, modified, deleted, and what commit refuses)."""
-    view = _View(workspace, upper_fd)
+def overlay_diff(workspace: Workspace, upper_fd: int, copy_fd: int = -1, base_fd: int = -1) -> Changes:
+    """What the program changed against the source (added, modified, deleted, and what commit refuses).
+    ``copy_fd``: the private copy the upper layer lies over (a copy workspace; -1: the source); ``base_fd``:
+    the snapshot's layer between them (a sandbox started from a snapshot), or -1."""
+    view = _View(workspace, upper_fd, copy_fd, base_fd)
     try:
         return diff(-1, view.source_fd, workspace, mine=view.merged.entries, open_mine=view.open,
-                    theirs=view.lower, same=view.same_as_source())
+                    theirs=None if view.copied else view.lower, same=view.same_as_source())
     finally:
         view.close()
 
 
 def overlay_commit(workspace: Workspace, upper_fd: int, target: str | os.PathLike[str] | None,
-                   forbidden: list[str]) -> Changes:
+                   forbidden: list[str], copy_fd: int = -1, base_fd: int = -1) -> Changes:
     """Make target (default: the source) equal to the program's view, as a copy workspace's commit does."""
     assert workspace.source is not None
     real = check_target(os.fspath(target if target is not None else workspace.source), forbidden)
-    view = _View(workspace, upper_fd)
+    view = _View(workspace, upper_fd, copy_fd, base_fd)
     try:
         target_fd = _open_dir(real)
         try:

@@ -372,6 +372,24 @@ def _remove_tree(dir_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=dir_fd)
 
 
+def remove_dir_at(parent: int, name: str, identity: tuple[int, int]) -> None:
+    """Remove the directory ``name`` of the directory ``parent`` and its tree, if it still is ``identity``
+    (its st_dev, st_ino): a directory swapped in meanwhile is left alone; nothing on the way is followed."""
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        try:
+            info = os.fstat(child)
+            if (info.st_dev, info.st_ino) != identity:
+                return
+            for entry in os.listdir(child):
+                _remove_tree(child, entry)
+        finally:
+            os.close(child)
+        os.rmdir(name, dir_fd=parent)
+    except OSError:
+        pass
+
+
 def _ensure_dir(dir_fd: int, name: str, mode: int) -> None:
     """A real directory named name under dir_fd (a link or file there is replaced)."""
     try:

@@ -5,7 +5,10 @@ command of a ``Sandbox`` starts in:
 
 - ``copy``: a private copy of ``source`` (or an empty directory), minus the
   names in ``exclude`` (``.git``, ``node_modules`` ...); ``diff()`` compares it
-  with the source and ``commit()`` writes it back;
+  with the source and ``commit()`` writes it back. On the native backend the
+  copy is made once and kept as an overlay's read-only lower layer, so that
+  snapshots, forks and restores cost what changed since it
+  (isolate/backends/native/copies.py);
 - ``overlay``: an overlayfs over ``source`` (isolate/kernel/overlay.py): the
   source is its read-only lower layer, the program's changes land in an upper
   layer in the sandbox's private state directory; ``diff()`` and ``commit()``

@@ -31,13 +31,15 @@ from typing import Any
 from ..._core import ffi, init_fd, lib
 from ...kernel import fdwait, grants
 from ...kernel.layers import clone
-from ...kernel.overlay import Layers, layers_for, make_layers
+from ...kernel.overlay import WAY_OUT, Layers, OverlayRefused, host_refusal, layers_for, make_layers
 from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
 from ...kernel.tree import copy_tree
+from ...kernel.tree import remove_dir_at as _remove_at
 from ...model.errors import IsolationError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
 from ..registry import Registry, SandboxRecord
+from . import copies
 from .egress import ask_summary
 from .popen import Popen
 from .protocol import Connection, ServerGone, probe
@@ -82,11 +84,11 @@ class Paths:
 
 
 def _server_policy(policy: Policy, workspace: Workspace, workspace_host: str, mounts: Sequence[Mount],
-                   named: bool, ttl: float | None) -> Policy:
+                   named: bool, ttl: float | None, layered: bool) -> Policy:
     """The policy the sandbox runs with: the workspace shown at its target, the default cwd grant dropped."""
     binds = tuple(policy.binds) + tuple(mounts)
     changes: dict[str, Any] = {"cwd": workspace.target, "die_with_parent": not named, "backend": "native"}
-    if workspace.mode == "overlay":
+    if layered:
         # A private tmpfs at the target places it among the mounts and gives it Landlock's write rights;
         # the plan mounts the overlay there instead (isolate/kernel/overlay.py).
         changes["tmpfs"] = (*policy.tmpfs, workspace.target)
@@ -133,6 +135,12 @@ class NativeSandbox:
         self.image_upper_wanted = False
         #: Set before start() by the image builder: the program owns the image's files (imageroot.HostUpper).
         self.image_as_owner = False
+        #: A copy workspace kept as layers (isolate/backends/native/copies.py): the token of its private copy
+        #: (the overlay's lower layer), and whether a snapshot's layer lies between it and the upper layer.
+        #: None: the copy is the workspace itself (no source, or layers refused: ``copy_refused`` says why).
+        self.copy: str | None = None
+        self.copy_base = False
+        self.copy_refused: str | None = None
         self.paused = False
         self.frozen = False
         self.resumed_at: float | None = None
@@ -149,15 +157,36 @@ class NativeSandbox:
         if self.workspace.mode == "bind":
             assert self.workspace.source is not None
             return self.workspace.source
-        if self.workspace.mode == "overlay":
+        if self.layered:
             return os.path.join(self.paths.data, "overlay", "upper")  # what the host reads the changes from
         return os.path.join(self.paths.data, "workspace")
+
+    @property
+    def layered(self) -> bool:
+        """Whether the workspace is an overlay's upper layer (an overlay workspace, or a copy kept as layers)."""
+        return self.workspace.mode == "overlay" or self.copy is not None
 
     @property
     def data_dir(self) -> str:
         return self.paths.data
 
     def start(self) -> None:
+        copying = self.workspace.mode == "copy" and self.workspace.source is not None
+        refusal = _copy_layers_refused() if copying else None
+        if copying and refusal is None:
+            try:
+                self._start(copy_layers=True)
+                return
+            except OverlayRefused as exc:
+                # The overlay over the private copy cannot be made here (no overlayfs in a user namespace, a
+                # state directory without user xattrs): a copy workspace still works, as a whole copy, and
+                # says so in its enforced report.
+                refusal = _COPY_LAYERS_REFUSED[state_dir()] = str(exc).removeprefix("workspace mode overlay: ")
+                refusal = refusal.removesuffix("; " + WAY_OUT)
+        self.copy, self.copy_base, self.copy_refused = None, False, refusal
+        self._start(copy_layers=False)
+
+    def _start(self, copy_layers: bool) -> None:
         if not self.policy.namespaces and self.workspace.mode == "overlay":
             raise UnsupportedError("workspace mode overlay: the overlay is mounted inside the sandbox's user and "
                                    "mount namespaces, and namespaces=False has none; use namespaces=True (a kept "
@@ -180,7 +209,18 @@ class NativeSandbox:
             if self.workspace.mode == "overlay":
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
             on_disk = self.policy.image is not None and self.image_upper_wanted
-            if self.workspace.mode in ("copy", "overlay") or on_disk:
+            if copy_layers:
+                # The lower layer's path is the private copy's, known once it is chosen (below).
+                layers = Layers("", self.workspace.target, os.path.join(self.paths.data, "overlay"))
+                made = make_copy_layers(self.paths.key, self.workspace, layers, self.start_from)
+                self.data_identity, self.workspace_identity, self.copy, self.copy_base = made
+                made_data = True
+                layers = dataclasses.replace(layers, source=copies.tree_path(self.copy))
+                if self.copy_base:
+                    layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
+                lower_fd = copies.open_tree(self.copy)
+                layers = dataclasses.replace(layers, source_fd=lower_fd)
+            elif self.workspace.mode in ("copy", "overlay") or on_disk:
                 self.data_identity, self.workspace_identity = make_data_dir("sandboxes", self.paths.key,
                                                                             self.workspace, layers, self.start_from)
                 made_data = True
@@ -193,7 +233,7 @@ class NativeSandbox:
             # this run binds the workspace in its place, so that every sandbox of one policy shares one
             # prepared plan (paths resolved, rules and filters built) instead of making its own.
             shown, bind_sources = self.workspace_host, None
-            if self.workspace.mode == "copy":
+            if self.workspace.mode == "copy" and not copy_layers:
                 shown = _stand_in()
                 workspace_fd = os.open(self.workspace_host, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 info = os.fstat(workspace_fd)
@@ -201,7 +241,7 @@ class NativeSandbox:
                     raise IsolationError(f"{self.workspace_host}: replaced while the sandbox was made")
                 bind_sources = {shown: workspace_fd}
             policy = _server_policy(self.policy, self.workspace, shown, self.mounts,
-                                    self.name is not None, self.ttl)
+                                    self.name is not None, self.ttl, layers is not None)
             idle_ms = 0 if self.idle_timeout is None else max(1, int(self.idle_timeout * 1000))
             # A spare monitor, forked ahead, takes the fork off each command's start; it is one more
             # process of the sandbox, so none where the policy counts them.
@@ -215,9 +255,7 @@ class NativeSandbox:
                                           image_upper=self.image_upper)
             listener.close()
             listener = None
-            if layers is not None and layers.base_fd >= 0:
-                os.close(layers.base_fd)
-                layers = dataclasses.replace(layers, base_fd=-1)
+            layers = _close_layer_fds(layers)
             if workspace_fd >= 0:
                 os.close(workspace_fd)
                 workspace_fd = -1
@@ -225,6 +263,13 @@ class NativeSandbox:
             assert prepared is not None
             self.environment = _environment_of(prepared.plan)
             self.report_enforced = dict(prepared.enforced)
+            if copy_layers:
+                self.report_enforced["workspace"] = _copy_enforced(self.workspace, self.report_enforced)
+            elif self.copy_refused is not None:
+                self.report_enforced["workspace"] = {
+                    "mode": "copy", "mechanism": f"a private copy of {self.workspace.source}, bound writable",
+                    "snapshots": "whole copies: the copy cannot be an overlay's lower layer here "
+                                 f"({self.copy_refused})"}
             self._wait_ready()
             self._write_meta()
             if self.name is not None:
@@ -233,10 +278,9 @@ class NativeSandbox:
                                                 "", "", now, now))
             if self.name is None:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
-                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity)
+                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity, self.copy)
         except BaseException as exc:
-            if layers is not None and layers.base_fd >= 0:
-                os.close(layers.base_fd)
+            _close_layer_fds(layers)
             if listener is not None:
                 listener.close()
             if workspace_fd >= 0:
@@ -293,7 +337,8 @@ class NativeSandbox:
                 "enforced": self.report_enforced, "created": time.time(),
                 "init": list(self.init_identity) if self.init_identity else None,
                 "data": list(self.data_identity) if self.data_identity else None,
-                "workspace_dir": list(self.workspace_identity) if self.workspace_identity else None}
+                "workspace_dir": list(self.workspace_identity) if self.workspace_identity else None,
+                "copy": self.copy, "copy_base": self.copy_base, "copy_refused": self.copy_refused}
         temp = self.paths.meta + f".{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -324,6 +369,10 @@ class NativeSandbox:
             box.init_identity = (int(init[0]), float(init[1]))
         box.data_identity = _pair(meta.get("data"))
         box.workspace_identity = _pair(meta.get("workspace_dir"))
+        copy = meta.get("copy")
+        box.copy = copy if copies.valid(copy) and ws["mode"] == "copy" else None
+        box.copy_base = meta.get("copy_base") is True
+        box.copy_refused = str(meta["copy_refused"]) if meta.get("copy_refused") else None
         if not ping:
             return box
         try:
@@ -465,7 +514,8 @@ class NativeSandbox:
         self.init_identity = None
         if self._finalizer is not None:
             self._finalizer.detach()
-        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode != "bind" else None)
+        _remove_files(self.paths, self.data_identity if remove_data and self.workspace.mode != "bind" else None,
+                      self.copy if remove_data else None)
 
     # -- pause -------------------------------------------------------------------
 
@@ -505,6 +555,94 @@ class NativeSandbox:
                 with _suppress_missing():
                     os.kill(proc.pid, sig)
         return "sigstop"
+
+
+#: Why a copy workspace cannot be kept as layers over its private copy, by state directory, once the kernel
+#: said so (a refusal known before anything is made is not kept: host_refusal tells it each time).
+_COPY_LAYERS_REFUSED: dict[str, str] = {}
+
+
+def _copy_layers_refused() -> str | None:
+    """Why a copy workspace's private copy cannot be an overlay's lower layer here (None: it can)."""
+    known = _COPY_LAYERS_REFUSED.get(state_dir())
+    if known is not None:
+        return known
+    # The layers' places as they will be: the copy under copies/, the upper layer under sandboxes/.
+    try:
+        base = state_dir()
+        probe = Layers(os.path.join(base, copies.KIND), "/", os.path.join(base, "sandboxes", "probe", "overlay"))
+        return host_refusal(probe)
+    except OSError as exc:  # a directory on the way swapped meanwhile (a program that can write there)
+        raise IsolationError(f"state directory {state_dir()}: {exc.strerror}") from None
+
+
+def make_copy_layers(key: str, workspace: Workspace, layers: Layers,
+                     fill_from: Any) -> tuple[tuple[int, int], tuple[int, int], str, bool]:
+    """Make a copy workspace's data directory ``state_dir()/sandboxes/key`` as layers: the overlay's upper and
+    work directories and the private copy it lies over (copies.py): a new copy of the source, or of a
+    snapshot's tree (hard links: neither is ever written), or the copy a layer snapshot lies over, with the
+    snapshot's layer as the base. (data identity, upper layer's identity, the copy's token, with a base?)"""
+    snapshot = getattr(fill_from, "snapshot", fill_from)
+    parent = open_state_dir("sandboxes")
+    try:
+        os.mkdir(key, 0o700, dir_fd=parent)
+        data_fd = os.open(key, _DIR_FLAGS, dir_fd=parent)
+        data = _fd_identity(data_fd)
+        token: str | None = None
+        try:
+            upper = make_layers(layers, data_fd)
+            if snapshot is not None and snapshot.kind == "layer":
+                token = snapshot.lower
+                if token is None:
+                    raise IsolationError(f"snapshot {snapshot.name!r}: its layer lies over no private copy")
+                copies.add_user(token, data_fd)
+                state = os.open("overlay", _DIR_FLAGS, dir_fd=data_fd)
+                try:
+                    _fill(fill_from, state, "base", hard_links=True)
+                finally:
+                    os.close(state)
+                return data, upper, token, True
+            token, tree = copies.create(data_fd)
+            try:
+                if snapshot is not None:
+                    source = snapshot.open_data()
+                    try:
+                        _copy_owner(source, tree)
+                        clone(source, tree, hard_links=True)
+                    finally:
+                        os.close(source)
+                elif workspace.source is not None:
+                    copy_tree(workspace.source, tree, workspace)
+            finally:
+                os.close(tree)
+            return data, upper, token, False
+        except BaseException:
+            _remove_at(parent, key, data)
+            copies.release(token)
+            raise
+        finally:
+            os.close(data_fd)
+    finally:
+        os.close(parent)
+
+
+def _close_layer_fds(layers: Layers | None) -> Layers | None:
+    """The layers with the descriptors start() opened for the plan closed."""
+    if layers is None:
+        return None
+    for fd in (layers.base_fd, layers.source_fd):
+        if fd >= 0:
+            os.close(fd)
+    return dataclasses.replace(layers, base_fd=-1, source_fd=-1)
+
+
+def _copy_enforced(workspace: Workspace, enforced: dict[str, Any]) -> dict[str, Any]:
+    """A copy workspace's report: the overlay's, told as a copy."""
+    overlay = dict(enforced.get("workspace") or {})
+    return {**overlay, "mode": "copy",
+            "mechanism": f"a private copy of {workspace.source}, made once, as the read-only lower layer of an "
+                         "overlayfs (userxattr) in the sandbox's user namespace",
+            "snapshots": "layers: a snapshot, fork or restore costs what changed since the copy"}
 
 
 def _stand_in() -> str:
@@ -583,7 +721,9 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
                 return data, upper
             if workspace.mode != "copy":
                 return data, None
-            if fill_from is not None:
+            if fill_from is not None and getattr(fill_from, "snapshot", fill_from).kind == "layer":
+                _fill_from_layer(getattr(fill_from, "snapshot", fill_from), data_fd)  # a copy kept as layers
+            elif fill_from is not None:
                 _fill(fill_from, data_fd, "workspace", hard_links=False)  # a snapshot's tree, as it was
             else:
                 os.mkdir("workspace", 0o755, dir_fd=data_fd)
@@ -637,6 +777,30 @@ def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool) -> None:
         os.close(source)
 
 
+def _fill_from_layer(snapshot: Any, dir_fd: int) -> None:
+    """``workspace`` under dir_fd made of the files a layer snapshot of a copy workspace means (its private
+    copy with its layer over it), as one tree: where that copy cannot be an overlay's lower layer."""
+    from ...kernel.layers import View, materialize
+
+    if snapshot.lower is None:
+        raise IsolationError(f"snapshot {snapshot.name!r}: its layer lies over no private copy")
+    os.mkdir("workspace", 0o755, dir_fd=dir_fd)
+    made = os.open("workspace", _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        lower = copies.open_tree(snapshot.lower)
+        try:
+            _copy_owner(lower, made)
+            view = View.of_layer(os.dup(lower), snapshot.open_data())
+            try:
+                materialize(view, made)
+            finally:
+                view.close()
+        finally:
+            os.close(lower)
+    finally:
+        os.close(made)
+
+
 def _copy_owner(src_fd: int, dst_fd: int) -> None:
     info = os.fstat(src_fd)
     os.fchmod(dst_fd, info.st_mode & 0o7777)
@@ -688,13 +852,15 @@ def _kill_and_wait(init: int, timeout: float = 10.0) -> None:
         os.close(pidfd)
 
 
-def _remove_files(paths: Paths, data: tuple[int, int] | None) -> None:
-    """Remove the socket and description; with data (its identity), the data directory start() made."""
+def _remove_files(paths: Paths, data: tuple[int, int] | None, copy: str | None = None) -> None:
+    """Remove the socket and description; with data (its identity), the data directory start() made, and then
+    the private copy it used (``copy``: its token) if nothing else uses it."""
     for path in (paths.socket, paths.meta):
         with _suppress_missing():
             os.unlink(path)
     if data is not None:
         _remove_dir(paths.data, data)
+        copies.release(copy)
 
 
 def _remove_dir(path: str, identity: tuple[int, int]) -> None:
@@ -712,24 +878,6 @@ def _remove_dir(path: str, identity: tuple[int, int]) -> None:
         _remove_at(parent, os.path.basename(path), identity)
     finally:
         os.close(parent)
-
-
-def _remove_at(parent: int, name: str, identity: tuple[int, int]) -> None:
-    """Remove the directory ``name`` of the directory ``parent`` and its tree, if it still is ``identity``."""
-    from ...kernel.tree import _remove_tree
-
-    try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=parent)
-        try:
-            if _fd_identity(child) != identity:
-                return
-            for entry in os.listdir(child):
-                _remove_tree(child, entry)
-        finally:
-            os.close(child)
-        os.rmdir(name, dir_fd=parent)
-    except OSError:
-        pass
 
 
 def environment_for(base: Mapping[str, str], env: Mapping[str, str] | None) -> list[str]:

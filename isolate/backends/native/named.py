@@ -15,11 +15,12 @@ import socket
 import stat
 
 from ...kernel.places import open_state_dir, runtime_dir
+from ...kernel.tree import remove_dir_at as _remove_at
 from ...model.errors import IsolationError
 from ...model.policy import Policy
 from ...model.workspace import Workspace
 from ..registry import Registry
-from .kept import NativeSandbox, Paths, _remove_at, _remove_files
+from .kept import NativeSandbox, Paths, _remove_files
 
 
 def native_names(unnamed: bool = False) -> list[str]:
@@ -148,4 +149,8 @@ def sweep_unnamed() -> list[str]:
             swept.append(name)
     finally:
         os.close(data_fd)
+    if swept:
+        from .copies import sweep
+
+        sweep()  # the private copies only those sandboxes used
     return swept

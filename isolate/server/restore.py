@@ -197,8 +197,8 @@ def _remove_data(name: str) -> None:
     """The data directory (workspace layers) of a kept sandbox whose description is gone (a reboot emptied the
     runtime directory, or its maker was killed before it wrote it): found through the state directory's
     descriptor, removed as the directory found there, never through a link."""
-    from ..backends.native.kept import _remove_at
     from ..kernel.places import open_state_dir
+    from ..kernel.tree import remove_dir_at
 
     try:
         data_fd = open_state_dir("sandboxes")
@@ -207,7 +207,7 @@ def _remove_data(name: str) -> None:
     try:
         info = os.stat(name, dir_fd=data_fd, follow_symlinks=False)
         if stat.S_ISDIR(info.st_mode):
-            _remove_at(data_fd, name, (info.st_dev, info.st_ino))
+            remove_dir_at(data_fd, name, (info.st_dev, info.st_ino))
     except OSError:
         pass
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...model.errors import PolicyError, SetupError, UnsupportedError
 from .engine import _engine_errors, _short, client
-from .runs import _classify, _command_error, _drive, _finish, _raise_start_error, _report
+from .runs import _classify, _command_error, _drive, _finish, _oom_events, _raise_start_error, _report
 from .spec import LABEL, LABEL_KIND, LABEL_SPEC_HASH, ContainerSpec
 from .streams import _EXEC_HOLD, Args, _argv, _Conn, _exec_start, _Streams
 from .watch import _Monitor, watchdog
@@ -238,20 +238,6 @@ def _exec_exit_code(api: Any, exec_id: str) -> int:
             return int(code) if code is not None else 128 + signal_mod.SIGKILL
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-
-
-def _oom_events(api: Any, container_id: str, since: float) -> int:
-    """How many OOM kills the engine saw in the container since ``since`` (epoch seconds)."""
-    try:
-        events = api.events(
-            since=f"{since - 1:.6f}",
-            until=f"{time.time() + 0.5:.6f}",
-            filters={"container": container_id, "event": "oom"},
-            decode=True,
-        )
-        return sum(1 for _ in events)
-    except Exception:
-        return 0
 
 
 def remove_container(id_or_name: str) -> bool:

@@ -113,6 +113,20 @@ def _command_error(held: bytes, argv: list[str], image: str, code: int) -> Isola
     )
 
 
+def _oom_events(api: Any, container_id: str, since: float) -> int:
+    """How many OOM kills the engine saw in the container since ``since`` (epoch seconds)."""
+    try:
+        events = api.events(
+            since=f"{since - 1:.6f}",
+            until=f"{time.time() + 0.5:.6f}",
+            filters={"container": container_id, "event": "oom"},
+            decode=True,
+        )
+        return sum(1 for _ in events)
+    except Exception:
+        return 0
+
+
 def _classify(
     code: int, *, oom: bool, outcome: _Outcome, spec: ContainerSpec, monitor: _Monitor
 ) -> tuple[int, str | None]:
@@ -248,6 +262,7 @@ def run(
         with _engine_errors("attach to the container"):
             conn = _attach(api, container_id, streams.open_stdin)
         spec.verify_binds()  # the engine binds the paths at start: the last moment to look
+        since = time.time()
         try:
             api.start(container_id)
         except Exception as exc:
@@ -275,6 +290,10 @@ def run(
     if outcome.held_error is not None and code in (126, 127):
         raise _command_error(outcome.held_error, argv, spec.image, code)
     oom = bool(state.get("OOMKilled"))
+    if not oom and code == 128 + signal_mod.SIGKILL and spec.memory is not None:
+        # The engine sets OOMKilled from the cgroup's event as the container ends: on a busy host the exit came
+        # first (a shell whose child the OOM killer took exits 137 on its own). The event itself is kept.
+        oom = _oom_events(api, container_id, since) > 0
     returncode, limit = _classify(code, oom=oom, outcome=outcome, spec=spec, monitor=monitor)
     report = _report(returncode, limit, spec=spec, outcome=outcome, monitor=monitor, oom_kills=int(oom))
     report.warnings.extend(engine_warnings)

@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+from .model import hooks as _hooks
 from .model import policy as _policy
 from .model.errors import (
     CommandNotExecutableError,
@@ -44,6 +45,26 @@ def _make_preexec_fn(policy: Policy) -> Callable[[], None]:
 
 # The policy model runs nothing itself: policy.preexec_fn asks this package for the hook.
 _policy.PREEXEC_FACTORY = _make_preexec_fn
+
+
+def _run_build_step(*args: Any) -> Any:
+    from .kept.imagebuild import run_step
+
+    return run_step(*args)
+
+
+# The image layer builds images but runs nothing: a build's RUN step asks this package for the kept layer.
+_hooks.run_build_step = _run_build_step
+
+
+def _merge_on_cluster(*args: Any, **kwargs: Any) -> Any:
+    from .ray.merging import merge
+
+    return merge(*args, **kwargs)
+
+
+# The kept layer does not know Ray: a merge of branches on a cluster asks this package for it.
+_hooks.merge_on_cluster = _merge_on_cluster
 
 __all__ = [
     "AsyncSandbox",

@@ -73,6 +73,39 @@ def _imports(module: str, path: str) -> set[str]:
 GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
+def _late_calls_of_own_parts(module: str, path: str) -> set[str]:
+    """The package's own submodules that a package's face (its ``__init__``) imports only inside functions (or
+    for type checking alone): a class of the face calling out to its own parts when a method runs
+    (``Image.push`` to ``image.push``, which names ``Image``). Such a call cannot meet a module half made, so
+    it is no circle; every other import, late or not, is an arrow of the circle test as of the layers'."""
+    if not path.endswith("__init__.py"):
+        return set()
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    def type_only(node: ast.stmt) -> bool:
+        return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+    top = set()
+    for node in tree.body:
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.ImportFrom) and not isinstance(node, (ast.FunctionDef, ast.ClassDef)) \
+                    and not type_only(node):
+                top.update(f"{module}.{alias.name}" for alias in inner.names if inner.level == 1)
+                if inner.level == 1 and inner.module:
+                    top.add(f"{module}.{inner.module}")
+    late = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
+                (isinstance(node, ast.stmt) and type_only(node)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom) and inner.level == 1 and inner.module:
+                    late.add(f"{module}.{inner.module}")
+    return {target for target in late - top if target in MODULES}
+
+
+#: The graph the circle test walks: GRAPH without a face's late calls of its own parts.
+CIRCLE_GRAPH = {module: GRAPH[module] - _late_calls_of_own_parts(module, path) for module, path in MODULES.items()}
+
+
 def _layer(module: str) -> tuple[str, int]:
     prefix, layer = max(((p, n) for p, n in LAYERS if module == p or module.startswith(p + ".")),
                         key=lambda item: len(item[0]), default=("", -1))
@@ -108,10 +141,10 @@ def _cycle() -> list[str] | None:
     def visit(module: str) -> list[str] | None:
         state[module] = 1
         stack.append(module)
-        for target in sorted(GRAPH.get(module, ())):
+        for target in sorted(CIRCLE_GRAPH.get(module, ())):
             if state.get(target) == 1:
                 return [*stack[stack.index(target):], target]
-            if target in GRAPH and not state.get(target):
+            if target in CIRCLE_GRAPH and not state.get(target):
                 found = visit(target)
                 if found:
                     return found
@@ -119,7 +152,7 @@ def _cycle() -> list[str] | None:
         state[module] = 2
         return None
 
-    for module in sorted(GRAPH):
+    for module in sorted(CIRCLE_GRAPH):
         if not state.get(module):
             found = visit(module)
             if found:

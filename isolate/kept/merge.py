@@ -24,7 +24,7 @@ sandbox), else the workspace's source (an empty tree for a workspace with
 none). Branches of an overlay workspace give a layered result (costs what
 changed); of a copy workspace, a copy. Sandboxes and snapshots of
 ``isolate.ray``, on any nodes of a cluster, merge on the first branch's node
-(``isolate/ray/merging.py``).
+(``isolate/ray/merging.py``, reached through ``isolate.model.hooks``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 from ..kernel import layers
 from ..kernel.layers import View
 from ..kernel.tree import Entry, _open_dir
+from ..model import hooks
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Policy
 from .sandbox import Sandbox
@@ -270,12 +271,12 @@ def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str
     ``policy``: the new sandbox's (default: the first sandbox branch's, else ``Policy()``); ``name``: its
     snapshot's; ``start=False``: make the snapshot only.
     """
-    if any(getattr(item, "_on_cluster", False) for item in [*branches, base]):
-        # Sandboxes or snapshots on the nodes of a Ray cluster: merged on one of them (isolate/ray/merging.py).
-        from ..ray.merging import merge as on_cluster
-
-        return on_cluster(branches, base, policy=policy, on_conflict=on_conflict,  # type: ignore[arg-type]
-                          name=name, start=start)
+    if any(getattr(item, "_on_cluster", False) for item in [*branches, base]) and hooks.merge_on_cluster:
+        # Sandboxes or snapshots on the nodes of a Ray cluster: merged on one of them, by the layer that knows
+        # the cluster (isolate/ray/merging.py, through model/hooks.py: this layer does not import it).
+        result: MergeResult = hooks.merge_on_cluster(branches, base, policy=policy, on_conflict=on_conflict,
+                                                     name=name, start=start)
+        return result
     if on_conflict not in ("markers", "refuse"):
         raise PolicyError(f"on_conflict: {on_conflict!r} is not 'markers' or 'refuse'", "on_conflict")
     items = list(branches)

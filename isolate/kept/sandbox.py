@@ -464,7 +464,7 @@ class Sandbox:
         started from an image (``Policy(image=...)``) with ``image_upper="disk"``; it is paused while its layer
         is read. The workspace, the
         home and ``/tmp`` are the sandbox's own mounts, not its image's: they are not in the layer."""
-        from ..image.commit import commit_image
+        from .commit import commit_image
 
         return commit_image(self, reference)
 

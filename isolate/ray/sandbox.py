@@ -122,7 +122,7 @@ class Sandbox:
         #: Always native: a node runs isolate's own sandboxes (the same attribute as isolate.Sandbox's).
         self.backend = "native"
 
-    _on_cluster = True
+    _on_cluster = True  # isolate.merge of branches of which one is on a cluster: isolate/ray/merging.py
 
     def __repr__(self) -> str:
         return f"isolate.ray.Sandbox(id={self.id!r}, node_id={self.node_id!r})"
@@ -445,7 +445,7 @@ class RemoteSnapshot:
     it in Ray's object store once (``digest``) and that node fetches it (isolate/ray/layers.py).
     """
 
-    _on_cluster = True
+    _on_cluster = True  # isolate.merge of branches of which one is on a cluster: isolate/ray/merging.py
 
     def __init__(self, box: Sandbox, snapshot: Any) -> None:
         self.snapshot, self.name, self.node_id, self._box = snapshot, snapshot.name, box.node_id, box

@@ -120,6 +120,7 @@ def serve_main(argv: Sequence[str]) -> int:
         import uvicorn
 
         from .app import create_app as _create
+        from .restore import restore
         from .state import ServerState
     except ImportError as exc:
         print(f"isolate-run serve: {exc.name} is missing; install the extra: pip install 'isolate[server]'",
@@ -189,7 +190,7 @@ def serve_main(argv: Sequence[str]) -> int:
                             volume_roots=volume_roots, warm=options.warm, volume_store=volume_store,
                             keeper=keeper, end_on_exit=options.end_on_exit)
         state.cluster = options.ray is not None
-        for line in state.restore():
+        for line in restore(state):
             print(f"isolate-run serve: {line}", flush=True)
         state.start_pool()
     except (IsolationError, OSError) as exc:

@@ -28,48 +28,12 @@ import os
 import signal
 import stat
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
 from .keep import Record
-
-if TYPE_CHECKING:
-    from .state import ManagedSandbox, ServerState
-
-
-def thaw(box: Sandbox) -> None:
-    """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it): its
-    run cgroups are found from its processes' /proc/PID/cgroup (the init on the host's side stays outside
-    them), and only isolate's own (isolate-PID-N) are written."""
-    from ..kernel.cgroup.hierarchy import RUN_NAME, find_hierarchies
-
-    try:
-        with open("/proc/self/mountinfo") as mounts:
-            mountinfo = mounts.read()
-    except OSError:
-        return
-    targets: set[tuple[str, str]] = set()
-    for proc in box.processes():
-        try:
-            with open(f"/proc/{proc.pid}/cgroup") as own:
-                hierarchies = find_hierarchies(own.read(), mountinfo)
-        except OSError:
-            continue
-        for found in hierarchies:
-            if found.directory is None or not RUN_NAME.fullmatch(os.path.basename(found.directory)):
-                continue
-            if found.version == 1 and "freezer" in found.controllers:
-                targets.add((os.path.join(found.directory, "freezer.state"), "THAWED"))
-            elif found.version == 2:
-                targets.add((os.path.join(found.directory, "cgroup.freeze"), "0"))
-    for target, value in sorted(targets):
-        with contextlib.suppress(OSError):
-            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                os.write(fd, value.encode())
-            finally:
-                os.close(fd)
+from .state import ManagedSandbox, ServerState, thaw
 
 
 def resume_restored(managed: ManagedSandbox) -> str:
@@ -228,8 +192,6 @@ def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
 
 def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> ManagedSandbox:
     import functools
-
-    from .state import ManagedSandbox
 
     managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
                              record.created_at, record.expires_at, kept=True,

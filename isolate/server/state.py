@@ -12,6 +12,7 @@ keeps nothing: its sandboxes are unnamed and end with the process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import selectors
@@ -276,6 +277,40 @@ def _finish(record: CommandRecord, rc: int | None) -> None:
         listener("exit", record)
 
 
+def thaw(box: Sandbox) -> None:
+    """Thaw the cgroup freezer of a sandbox paused by an earlier server (whose RunCgroup went with it): its
+    run cgroups are found from its processes' /proc/PID/cgroup (the init on the host's side stays outside
+    them), and only isolate's own (isolate-PID-N) are written."""
+    from ..kernel.cgroup.hierarchy import RUN_NAME, find_hierarchies
+
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            mountinfo = mounts.read()
+    except OSError:
+        return
+    targets: set[tuple[str, str]] = set()
+    for proc in box.processes():
+        try:
+            with open(f"/proc/{proc.pid}/cgroup") as own:
+                hierarchies = find_hierarchies(own.read(), mountinfo)
+        except OSError:
+            continue
+        for found in hierarchies:
+            if found.directory is None or not RUN_NAME.fullmatch(os.path.basename(found.directory)):
+                continue
+            if found.version == 1 and "freezer" in found.controllers:
+                targets.add((os.path.join(found.directory, "freezer.state"), "THAWED"))
+            elif found.version == 2:
+                targets.add((os.path.join(found.directory, "cgroup.freeze"), "0"))
+    for target, value in sorted(targets):
+        with contextlib.suppress(OSError):
+            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+
+
 @dataclass
 class ManagedSandbox:
     """One sandbox of the server, as the API sees it."""
@@ -477,8 +512,6 @@ class ManagedSandbox:
             try:
                 self.box.resume()  # a frozen tree cannot take its SIGKILL until thawed
                 if self.restored:
-                    from .restore import thaw
-
                     thaw(self.box)  # its cgroup's freezer (this server holds no handle on it)
             except Exception:
                 pass
@@ -647,9 +680,3 @@ class ServerState:
         if self.keeper is not None:
             self.keeper.close()
 
-    def restore(self) -> list[str]:
-        """Serve again the kept sandboxes an earlier server of this state directory left (see
-        isolate.server.keep); end those past their expiry; the lines to say at start."""
-        from .restore import restore
-
-        return restore(self)

@@ -1,0 +1,85 @@
+"""``Sandbox.commit_image``: a kept native sandbox's writes to its image's root, as one more layer of that image.
+
+The upper layer is read from the host as something the program wrote (isolate/image/export.py's writer:
+descriptors that follow no link, no device, FIFOs as entries), with the sandbox paused; the layer and the
+image's config are made by isolate/image/commit.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ..image import Image
+from ..image.commit import _DIR_FLAGS, add_layer, mount_points, policy_config
+from ..image.export import write_layer
+from ..image.store import Store
+from ..model.errors import IsolationError, UnsupportedError
+
+
+def _owners(impl: Any) -> Any:
+    """A build step's files are the program's on the host: root's in the image (as they were shown to it)."""
+    user = impl.report_enforced.get("user") or {}
+    uid, gid = user.get("uid"), user.get("gid")
+
+    def owners(file_uid: int, file_gid: int) -> tuple[int, int]:
+        return 0 if file_uid == uid else file_uid, 0 if file_gid == gid else file_gid
+
+    return owners
+
+
+def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate commit_image",
+                 config: Mapping[str, Any] | None = None) -> Image:
+    """See ``Sandbox.commit_image``; ``config``: the config to set (default: the policy's, policy_config)."""
+    from ..backends.native.kept import NativeSandbox, _fd_identity
+
+    impl = sandbox._running("commit_image")
+    policy = sandbox.policy
+    if policy.image is None:
+        raise UnsupportedError("commit_image: this sandbox was not started from an image (Policy(image=...))")
+    if not isinstance(impl, NativeSandbox):
+        raise UnsupportedError("commit_image: only a native sandbox's upper layer is read back; use backend='native'")
+    host = impl.image_upper
+    if host is None:
+        raise UnsupportedError("commit_image: this sandbox's writes to its image live in a private tmpfs, which "
+                               "the host cannot read; start it with isolate.Sandbox(..., image_upper='disk')")
+    pid = impl._init_pid()
+    if pid is None:
+        raise IsolationError("commit_image: the sandbox is no longer running")
+    base = Image.get(policy.image)
+    store: Store = base.store
+    store._ensure()
+    leave_out = mount_points(pid)
+    path = os.path.join(store.path, "tmp", f"commit-{os.getpid()}-{threading.get_ident()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    paused = False
+    if not impl.paused:
+        with contextlib.suppress(IsolationError, OSError):
+            sandbox.pause()
+            paused = True
+    try:
+        upper_fd = os.open(host.upper, _DIR_FLAGS)
+        try:
+            if _fd_identity(upper_fd) != host.identity:
+                raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")
+            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'}", leave_out=leave_out,
+                               owners=_owners(impl) if host.as_owner else None)
+        finally:
+            os.close(upper_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    finally:
+        if paused:
+            with contextlib.suppress(IsolationError, OSError):
+                sandbox.resume()
+    try:
+        return add_layer(base, blob, reference, policy_config(base, policy) if config is None else config, history)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

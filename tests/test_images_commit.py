@@ -91,7 +91,7 @@ def test_a_huge_sparse_file_is_refused_before_the_host_reads_it(image: Image) ->
     if _disk_upper_why():
         pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
     with isolate.Sandbox(isolate.Policy(image=image.reference), image_upper="disk") as box:
-        made = box.exec(["sh", "-c", "truncate -s 1T /data/huge && echo small > /data/small"])
+        made = box.exec(["sh", "-c", "truncate -s 1099511627776 /data/huge && echo small > /data/small"])
         assert made.returncode == 0, made.stderr
         with pytest.raises(isolate.IsolationError, match=r"more than it may carry \(at /data/huge"):
             box.commit_image("huge:1")

@@ -155,8 +155,11 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
         try:
             if _fd_identity(upper_fd) != host.identity:
                 raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")
-            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'}", leave_out=leave_out,
-                               owners=_owners(impl) if host.as_owner else None)
+            # Bounded as the store bounds a layer it unpacks, but before a byte is read: a sparse file the program
+            # made claims its size, which the host would read, compress and unpack whole.
+            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'} (at most max_image_size, "
+                               f"{store.max_image_size} bytes)", leave_out=leave_out,
+                               owners=_owners(impl) if host.as_owner else None, max_size=store.max_image_size)
         finally:
             os.close(upper_fd)
     except BaseException:

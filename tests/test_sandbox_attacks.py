@@ -697,6 +697,45 @@ def test_no_earlier_command_forges_a_later_runs_status_output_or_channel(source:
             sh.close()
 
 
+# A command runs with descriptor 3 closed, but the shell keeps the channel meanwhile as a copy it restores
+# after (at 10 or 11). bash (`read -u`, `<&10`) and busybox ash (`<&10`) reach it (dash's syntax takes one
+# digit only), and a subshell forked then keeps it for good: there it read each later run's marker as the host
+# put it on the channel and reported status 0 for that run, from its own pid. A prompt's command substitution
+# ($(...) in PS1, in a terminal's shell) ran with the channel open, in a subshell too.
+_FIND_CHANNEL = "for f in /proc/$$/fd/*; do case $(readlink $f) in socket:*) fd=${{f##*/}};; esac; done"
+CHANNEL_THIEVES = {
+    "subshell": (_FIND_CHANNEL + "; ( ( n={seq}; while eval \"IFS= read -r m <&$fd\"; do "
+                 "echo \"$m $n 0\" >&$fd; printf '\\nFORGED\\n%s\\n' \"$m\"; n=$((n+1)); done ) & ); (exit 7)"),
+    "prompt": ("echo {seq} > /tmp/n; PS1='$(" + _FIND_CHANNEL.replace("$$", "$PPID") + "; n=$(cat /tmp/n); "
+               "echo $((n+1)) > /tmp/n; eval \"IFS= read -r m <&${{fd:-3}}\" && echo \"$m $n 0\" >&${{fd:-3}} && "
+               "printf \"\\nFORGED\\n%s\\n\" \"$m\")'; (exit 7)"),
+}
+
+
+@pytest.mark.parametrize(("argv", "pty", "thief"), [
+    (("/bin/bash", "--noediting"), False, "subshell"), (("/bin/busybox", "ash"), False, "subshell"),
+    (("/bin/sh",), True, "prompt")], ids=["bash-subshell", "ash-subshell", "dash-prompt"])
+def test_no_process_that_kept_the_shells_channel_reports_a_run(source: str, argv: tuple[str, ...], pty: bool,
+                                                                thief: str) -> None:
+    from isolate.kept.shell import Shell
+
+    if not os.path.exists(argv[0]):
+        pytest.skip(f"no {argv[0]} on this host")
+    with Sandbox(policy(write=("/tmp",)), workspace=Workspace(source)) as box:
+        sh = Shell(box, "robbed", pty, argv)
+        try:
+            for command, truth in [(CHANNEL_THIEVES[thief].format(seq=sh._seq + 1), 7), ("echo real; (exit 3)", 3),
+                                   ("echo real; (exit 3)", 3)]:
+                # What the thief takes may cost a run its report (it times out): never a report of its own.
+                try:
+                    output, status = sh.run(command, timeout=1.5)
+                except TimeoutError:
+                    continue
+                assert "FORGED" not in output and status == truth, (output, status)
+        finally:
+            sh.close()
+
+
 FORGER = r"""
 import os, re, sys, time
 # Started by the interpreter's code, it holds the interpreter's stdout and reads its parent's memory.

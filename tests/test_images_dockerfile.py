@@ -159,7 +159,7 @@ def test_a_fifo_or_device_in_the_context_never_hangs_the_build(context: Path) ->
         def run() -> None:
             try:
                 Image.from_dockerfile(dockerfile, context)
-            except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            except BaseException as exc:  # handed to the test
                 caught[0] = exc
 
         thread = threading.Thread(target=run, daemon=True)

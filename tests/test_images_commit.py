@@ -76,3 +76,17 @@ def test_commit_image_needs_a_sandbox_of_an_image_whose_upper_layer_is_on_disk(i
         assert "a private tmpfs" in box.enforced["image"]["root"]
         with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
             box.commit_image("nothing:1")
+
+
+def test_a_huge_sparse_file_is_refused_before_the_host_reads_it(image: Image) -> None:
+    # A few blocks of the sandbox's disk may claim a terabyte: the host would read and compress every byte of it,
+    # then unpack it into the store as zeros. Counted at its size against max_image_size, before it is opened.
+    if _disk_upper_why():
+        pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
+    with isolate.Sandbox(isolate.Policy(image=image.reference), image_upper="disk") as box:
+        made = box.exec(["sh", "-c", "truncate -s 1099511627776 /data/huge && echo small > /data/small"])
+        assert made.returncode == 0, made.stderr
+        with pytest.raises(isolate.IsolationError, match=r"more than it may carry \(at /data/huge"):
+            box.commit_image("huge:1")
+        assert box.exec(["cat", "/data/small"]).stdout == "small\n"  # resumed after the refusal
+    assert not os.listdir(os.path.join(image.store.path, "tmp"))  # nothing of the read left behind

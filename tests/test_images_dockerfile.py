@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import subprocess
@@ -138,3 +139,43 @@ def test_sources_never_leave_the_context(context: Path, tmp_path: Path) -> None:
     image = Image.from_dockerfile(context / "Dockerfile", context)
     top = image.lower_dirs()[0]
     assert os.readlink(os.path.join(top, "app", "host-file")) == str(tmp_path / "outside")
+
+
+def test_a_fifo_or_device_in_the_context_never_hangs_the_build(context: Path) -> None:
+    # The context may be a directory a sandbox wrote: its Dockerfile and .dockerignore may be FIFOs (an open for
+    # reading waits for a writer forever) or a link to a device. Each is refused by name, nothing waits.
+    import threading
+
+    def built(dockerfile: Path) -> BaseException | None:
+        caught: list[BaseException | None] = [None]
+
+        def run() -> None:
+            try:
+                Image.from_dockerfile(dockerfile, context)
+            except BaseException as exc:  # handed to the test
+                caught[0] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(20)
+        if thread.is_alive():
+            # Unblock the open it hangs in (a writer that goes away at once), then fail.
+            for fifo in (context / ".dockerignore", context / "Dockerfile.fifo"):
+                with contextlib.suppress(OSError):
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(5)
+            pytest.fail(f"the build of {dockerfile.name} hangs on a FIFO of the context")
+        return caught[0]
+
+    os.unlink(context / ".dockerignore")
+    os.mkfifo(context / ".dockerignore")
+    (context / "Dockerfile").write_text("FROM base:1\nCOPY notes.txt /app/\n")
+    error = built(context / "Dockerfile")
+    assert isinstance(error, DockerfileError) and ".dockerignore" in str(error), error
+    os.unlink(context / ".dockerignore")
+    os.mkfifo(context / "Dockerfile.fifo")
+    error = built(context / "Dockerfile.fifo")
+    assert isinstance(error, DockerfileError) and "not a regular file" in str(error), error
+    (context / "Dockerfile.dev").symlink_to("/dev/zero")
+    error = built(context / "Dockerfile.dev")
+    assert isinstance(error, DockerfileError) and "not a regular file" in str(error), error

@@ -194,6 +194,24 @@ def test_a_damaged_or_harmful_bundle_is_kept_whole_or_not_at_all(tmp_path: Path,
     assert isolate.Snapshot.list() == []
 
 
+def test_a_bundles_description_with_numbers_out_of_range_is_refused(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The root's owner and mode come from the description: an owner past 32 bits raised OverflowError (no
+    # IsolationError, the caller's handlers missed it), -1 left the owner unchanged for a root caller.
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "state"))
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w"):
+        pass
+    for root in ("[493, 1099511627776, 0]", "[493, 0, -1]", "[-1, 0, 0]", "[493, 0]", '["x", 0, 0]'):
+        meta = (f'{{"kind": "tree", "root": {root}, "id": "x", "origin": null, "areas": [], '
+                '"workspace": {"source": null, "target": "/workspace", "mode": "copy", "exclude": []}}').encode()
+        data, digest = _bundle(snapshot_json=meta, data_tar=layer.getvalue())
+        with pytest.raises(isolate.IsolationError, match="description is not one isolate writes"):
+            bundles.load(data, digest)
+    assert _snapshot_dirs(str(tmp_path / "state")) == []
+    assert isolate.Snapshot.list() == []
+
+
 def test_the_node_holding_a_snapshot_dies_before_it_arrived(cluster: Any) -> None:
     doomed, home = cluster.workers[1], cluster.head_node.node_id
     source = iray.Sandbox(box_policy(), node_id=doomed.node_id).start()

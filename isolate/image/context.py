@@ -19,6 +19,7 @@ import stat
 import tarfile
 from collections.abc import Callable
 
+from ..model.files import read_input_file
 from . import Image
 from .build import BuildError, _existing, _target
 from .export import LayerBlob, write_copy
@@ -36,14 +37,17 @@ class DockerfileError(BuildError):
 
 def ignore_rules(context: str) -> list[tuple[bool, re.Pattern[str]]]:
     """The context's .dockerignore: (negated, pattern) in order (the last that matches decides)."""
+    path = os.path.join(context, ".dockerignore")
     try:
-        fd = os.open(os.path.join(context, ".dockerignore"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Not followed, never waited on (a FIFO), a regular file only, bounded: the context may be a sandbox's.
+        data = read_input_file(path, limit=MAX_IGNORE_FILE, follow=False)
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise DockerfileError(f"{context}/.dockerignore: {exc.strerror}") from None
-    with os.fdopen(fd, encoding="utf-8", errors="replace") as handle:
-        lines = handle.read(MAX_IGNORE_FILE).splitlines()
+        raise DockerfileError(f"{path}: {exc.strerror or exc}: refused") from None
+    except ValueError:
+        raise DockerfileError(f"{path}: past {MAX_IGNORE_FILE} bytes: refused") from None
+    lines = data.decode("utf-8", errors="replace").splitlines()
     rules = []
     for raw in lines:
         line = raw.strip()

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..model.errors import IsolationError
+from ..model.files import read_input_file
 from . import Image
 from .build import Build, Stats, _existing
 from .context import DockerfileError, _archive_layer, _copy_layer, _is_archive, ignore_rules
@@ -79,12 +80,12 @@ def parse(path: str) -> list[Instruction]:
     except ImportError:
         raise IsolationError("Dockerfiles need dockerfile-parse: pip install 'isolate[images]'") from None
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_DOCKERFILE + 1)
+        # The context may be a directory a sandbox wrote: a FIFO there never hangs the build, a device is not read.
+        data = read_input_file(path, limit=MAX_DOCKERFILE)
     except OSError as exc:
         raise DockerfileError(f"{path}: {exc.strerror}") from None
-    if len(data) > MAX_DOCKERFILE:
-        raise DockerfileError(f"{path}: past {MAX_DOCKERFILE} bytes: refused")
+    except ValueError:
+        raise DockerfileError(f"{path}: past {MAX_DOCKERFILE} bytes: refused") from None
     parser = DockerfileParser(fileobj=io.BytesIO(data))
     out = []
     where = os.path.basename(path)

@@ -99,13 +99,20 @@ class _File(io.RawIOBase):
 
 
 def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[int, int]] | None = None,
-                what: str = "layer", leave_out: frozenset[str] = frozenset()) -> LayerBlob:
+                what: str = "layer", leave_out: frozenset[str] = frozenset(), max_size: int | None = None) -> LayerBlob:
     """Write the tree under ``root_fd`` as a gzip layer at ``path`` (created, never followed).
 
     ``leave_out``: paths (relative, no leading slash) not written, nor the directories on their way unless
-    something else in them is (a sandbox's mount points, which the plan made in its upper layer)."""
+    something else in them is (a sandbox's mount points, which the plan made in its upper layer). ``max_size``:
+    the most its files may come to, each counted at its size (holes too) before it is read."""
     map_ids = owners or (lambda uid, gid: (uid, gid))
-    return _write(path, lambda tar: _Writer(tar, os.geteuid() == 0, map_ids, what, leave_out).tree(root_fd, "", 0))
+
+    def fill(tar: tarfile.TarFile) -> None:
+        writer = _Writer(tar, os.geteuid() == 0, map_ids, what, leave_out)
+        writer.budget = None if max_size is None else [max_size]
+        writer.tree(root_fd, "", 0)
+
+    return _write(path, fill)
 
 
 def layer_into(tar: tarfile.TarFile, root_fd: int, *, what: str, budget: list[int] | None = None) -> None:
@@ -285,16 +292,18 @@ class _Writer:
                 info.linkname = first
                 self.add(info)
                 return
-        if self.budget is not None:
-            self.budget[0] -= st.st_size
-            if self.budget[0] < 0:
-                raise IsolationError(f"{self.what}: its files come to more than it may carry (at /{rel}, "
-                                     f"{st.st_size} bytes)")
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         try:
             opened = os.fstat(fd)
             if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
                 raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
+            if self.budget is not None:
+                # The size read (the opened file's, not the one listed: it may have grown since), holes counted:
+                # a sparse file of a few blocks may claim a terabyte, and every byte of it is read and unpacked.
+                self.budget[0] -= opened.st_size
+                if self.budget[0] < 0:
+                    raise IsolationError(f"{self.what}: its files come to more than it may carry (at /{rel}, "
+                                         f"{opened.st_size} bytes, holes counted): refused")
             info = self.info(rel, opened, tarfile.REGTYPE)
             info.size = opened.st_size
             self.add(info, _File(fd, opened.st_size, rel))

@@ -134,7 +134,11 @@ def _meta(raw: bytes, what: str) -> dict[str, Any]:
     try:
         meta = json.loads(raw)
         ws = meta["workspace"]
-        root = [int(x) for x in meta["root"]]
+        root = meta["root"]
+        # A mode and an owner as the kernel takes them: not -1 (fchown's "unchanged"), nothing past 32 bits.
+        if not isinstance(root, list) or len(root) != 3 or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 32) - 1 for x in root):
+            raise ValueError(f"the root's mode and owner {str(root)[:60]}")
         checked = {"kind": meta["kind"], "root": (root[0] & 0o1777, root[1], root[2]), "id": str(meta["id"]),
                    "origin": meta["origin"],
                    "areas": tuple(str(a) for a in meta["areas"]),

@@ -58,16 +58,24 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
         os.unlink(path)
     paused = False
     if not impl.paused:
-        with contextlib.suppress(IsolationError, OSError):
+        # The upper layer is read while nothing of the program runs: a sandbox that cannot be paused is refused
+        # (the read withstands a race, but a commit of files still being written is no snapshot of them).
+        try:
             sandbox.pause()
-            paused = True
+        except (IsolationError, OSError) as exc:
+            raise IsolationError(f"commit_image: the sandbox could not be paused for the read ({exc}): refused") \
+                from None
+        paused = True
     try:
         upper_fd = os.open(host.upper, _DIR_FLAGS)
         try:
             if _fd_identity(upper_fd) != host.identity:
                 raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")
-            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'}", leave_out=leave_out,
-                               owners=_owners(impl) if host.as_owner else None)
+            # Bounded as the store bounds a layer it unpacks, but before a byte is read: a sparse file the program
+            # made claims its size, which the host would read, compress and unpack whole.
+            blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'} (at most max_image_size, "
+                               f"{store.max_image_size} bytes)", leave_out=leave_out,
+                               owners=_owners(impl) if host.as_owner else None, max_size=store.max_image_size)
         finally:
             os.close(upper_fd)
     except BaseException:

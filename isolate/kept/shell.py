@@ -1,9 +1,12 @@
 """A persistent shell in a kept sandbox: ``cd``, variables and functions persist between runs.
 
 The framing is out of band. The shell gets, as its descriptor 3, one end of a socket pair that only it
-and this driver hold: each command line runs with descriptor 3 closed (``3>&-``), so neither the
-command nor anything it leaves in the background has it, a socket cannot be reopened through
-``/proc/PID/fd``, and the default seccomp filter refuses ``pidfd_getfd``. Before the command, the driver
+and this driver hold: each command line runs with descriptor 3 closed (``3>&-``), a socket cannot be
+reopened through ``/proc/PID/fd``, and the default seccomp filter refuses ``pidfd_getfd``. The shell
+keeps a saved copy meanwhile (at 10 or so, to restore descriptor 3 after), which bash's and busybox
+ash's redirections can name and a subshell forked then keeps: reports count only from the shell's own
+pid (SO_PASSCRED, ``PeerChannel``), so such a holder can take a marker (the run times out) but never
+report a run. Before the command, the driver
 puts the run's marker (a random value, sent there and nowhere else) on that socket, where it waits
 unread; after the command the shell reads it, prints it on the output (where the command's output
 ends) and reports the exit status on the socket with it and the run's number. No output of any process
@@ -22,12 +25,12 @@ import os
 import secrets
 import select
 import signal
-import socket
 import termios
 import time
 from typing import Any
 
 from ..backends.native.commands import wait_seconds
+from ..kernel.peerchannel import PeerChannel
 from ..model.errors import IsolationError
 
 #: Every signal a trap can be set on (KILL and STOP take none): a trap a command set is reset after its run.
@@ -67,7 +70,7 @@ class Shell:
         self.name = name
         self.pty = pty
         env = {"PS1": "", "PS2": "", "TERM": "dumb"}
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs = PeerChannel.pair()
         try:
             self._process = box.spawn(list(argv), env=env, pty=pty, fd3=theirs.fileno())
         except BaseException:
@@ -75,7 +78,12 @@ class Shell:
             raise
         finally:
             theirs.close()  # the shell holds its own copy now
+        ours.setblocking(False)
         self._channel = ours
+        # Reports count from the shell's own pid only (the kernel's word, see PeerChannel): while a command
+        # runs the shell keeps the channel as a saved copy (its descriptor 3 restored after), which bash's and
+        # busybox ash's redirections can name and a subshell forked then keeps for good.
+        self._reader = PeerChannel(ours)
         if pty:
             attrs = termios.tcgetattr(self._process.master_fd)
             attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
@@ -125,10 +133,13 @@ class Shell:
                 # 96 bits in 16 characters (the shell's read takes it a byte at a time): no run lasts long enough to
                 # guess them, and one guess is all a run gets.
                 marker = secrets.token_urlsafe(12).encode()
-                self._channel.sendall(marker + b"\n")
+                if self._channel.send(marker + b"\n") != len(marker) + 1:
+                    raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)")
                 self._waiting.append(marker)
             self._process.write(_PREFIX.format(command=_quoted(command), redirect=redirect, traps=self._traps)
                                 + "\n" + _TRAILER.format(seq=seq) + "\n")
+        except BlockingIOError:
+            raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)") from None
         except OSError:
             raise IsolationError(f"shell {self.name!r} has ended") from None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -187,12 +198,9 @@ class Shell:
         A report names the marker its framing read and the run it belongs to; the markers sent before
         that one were read by earlier framings (the socket keeps the order), so they are forgotten. A
         report of an earlier, interrupted run forgets its marker and ends nothing."""
-        try:
-            data = self._channel.recv(4096, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return None
-        except OSError:
-            data = b""
+        data = self._reader.read(4096)
+        if data is None:
+            return None  # nothing, or bytes of another process than the shell's (dropped)
         if not data:
             raise IsolationError(f"shell {self.name!r} ended")
         self._reports += data

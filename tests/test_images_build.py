@@ -81,6 +81,12 @@ def test_a_three_step_build_runs_each_step_and_a_second_build_reuses_them(base: 
     assert (third.cached, third.ran) == (1, 1) and changed.id != image.id
 
 
+def test_an_image_starts_a_build_with_the_run_steps_own_env_and_shell(base: Image) -> None:
+    # docs/images.md: any Image starts a build with ``.run(cmd, network=..., env=...)``, as a Build goes on.
+    step = base.run("echo $A", env={"A": "1"}, shell=("/bin/ash", "-c")).steps[-1]
+    assert (step.args, step.env) == (("/bin/ash", "-c", "echo $A"), (("A", "1"),))
+
+
 def test_a_build_step_is_confined(base: Image, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir(mode=0o777)

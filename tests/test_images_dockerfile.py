@@ -118,6 +118,21 @@ def test_an_unsupported_instruction_names_itself_and_its_line(tmp_path: Path) ->
     assert "Dockerfile:4: MAINTAINER: not supported" in cli.stderr
 
 
+def test_a_damaged_archive_or_a_dockerfile_not_utf8_is_one_line_and_125(context: Path, tmp_path: Path) -> None:
+    # Neither is a traceback (nor the CLI's "unexpected ..., please report it"): the Dockerfile's mistake, named.
+    (context / "broken.tar.gz").write_bytes(b"\x1f\x8b" + b"not gzip" * 64)
+    (context / "Dockerfile").write_text("FROM base:1\nADD broken.tar.gz /app/\n")
+    with pytest.raises(DockerfileError, match=r"broken\.tar\.gz: not a valid tar archive"):
+        Image.from_dockerfile(context / "Dockerfile", context)
+    (context / "Dockerfile").write_bytes(b"FROM base:1\nCOPY \xff\xfe /app/\n")
+    with pytest.raises(DockerfileError, match="not UTF-8 text"):
+        Image.from_dockerfile(context / "Dockerfile", context)
+    cli = subprocess.run([ISOLATE_RUN, "image", "build", "-q", "--image-store", str(tmp_path / "store"), str(context)],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 125 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert "not UTF-8 text" in cli.stderr
+
+
 def test_sources_never_leave_the_context(context: Path, tmp_path: Path) -> None:
     (tmp_path / "outside").write_text("host secret\n")
     (context / "to-host").symlink_to("/etc")

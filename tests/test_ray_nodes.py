@@ -192,6 +192,13 @@ def test_a_damaged_or_harmful_bundle_is_kept_whole_or_not_at_all(tmp_path: Path,
         bundles.load(data, digest)
     assert _snapshot_dirs(str(tmp_path / "state")) == []  # the half-made snapshot was removed
     assert isolate.Snapshot.list() == []
+    # A description whose root is cut short or names an owner no kernel takes: refused in one line, never an
+    # IndexError or OverflowError.
+    for root in (b"[493]", b"[493, -1, 0]", b"[493, 0, 4294967296]"):
+        data, digest = _bundle(snapshot_json=meta.replace(b"[493, 0, 0]", root), data_tar=b"")
+        with pytest.raises(isolate.IsolationError, match="its description is not one isolate writes"):
+            bundles.load(data, digest)
+    assert _snapshot_dirs(str(tmp_path / "state")) == []
 
 
 def test_a_bundles_description_with_numbers_out_of_range_is_refused(tmp_path: Path,

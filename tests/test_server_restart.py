@@ -366,6 +366,17 @@ def test_state_dir_others_may_write_is_refused(state_dir: str) -> None:
             server.stop()
 
 
+def test_a_state_dir_empty_or_not_makeable_is_one_clear_refusal(tmp_path: Any) -> None:
+    from isolate.model.errors import IsolationError
+    from isolate.server.keep import Keeper
+
+    # "" would be the working directory, whose every file would be read as a record.
+    with pytest.raises(IsolationError, match=r"^--state-dir: empty"):
+        Keeper("")
+    with pytest.raises(IsolationError, match=r"^--state-dir \S+/no/such: cannot be made \(No such file"):
+        Keeper(str(tmp_path / "no" / "such"))
+
+
 def test_one_server_per_state_dir(state_dir: str) -> None:
     first = base.Server(*FLAGS, state_dir=state_dir)
     try:

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -312,9 +312,10 @@ class Image:
 
         return Build(self, store=self.store)
 
-    def run(self, command: str | Sequence[str], *, network: Any = None) -> Build:
-        """A build step: ``command`` run in a sandbox of this image (see build.py)."""
-        return self._build().run(command, network=network)
+    def run(self, command: str | Sequence[str], *, network: Any = None, env: Mapping[str, str] | None = None,
+            shell: Sequence[str] = ("/bin/sh", "-c")) -> Build:
+        """A build step: ``command`` run in a sandbox of this image (see build.py's ``Build.run``)."""
+        return self._build().run(command, network=network, env=env, shell=shell)
 
     def copy(self, source: str | os.PathLike[str], destination: str) -> Build:
         return self._build().copy(source, destination)

@@ -7,7 +7,8 @@
   with the step's ``network``, nothing of the host granted: no write, the
   image's env, working directory and user), the command run to its end
   (non-zero: ``BuildError`` with its output's end), its writes committed as
-  one layer (commit.py).
+  one layer (isolate/kept/imagebuild.py, reached through model/hooks.py;
+  the layer is added by commit.py).
 - ``copy(src, dst)``: host files as one layer (export.write_copy: owned by
   root, times 0, links copied as links, never followed).
 - ``env``, ``workdir``, ``user``, ``config``: the image's config, no layer.

@@ -1,14 +1,14 @@
-"""An image made of a kept sandbox of an image: the image's layers and one more, what the program changed.
+"""An image of the store with one more layer, or with its config changed: what a commit and a build step keep.
 
-``Sandbox.commit_image(ref)``: the sandbox's upper layer (on the host, in its
-data directory: backends/native/imageroot.py) is written as one layer
-(export.py: whiteouts and opaque directories as OCI says them, read with
-``O_NOFOLLOW`` from the host, a device node refused, a FIFO an entry), less
-the mount points the sandbox's plan made (read from its init's mount table),
-while the sandbox is paused. The layer is unpacked into the store as a pulled
-one is, and the image's config is the sandbox's image's, with the policy's
-``env``, ``cwd`` and ``uid``/``gid`` over it. The workspace, the home and
-``/tmp`` are the sandbox's own mounts, not the image's: not in the layer.
+``add_layer`` puts a layer written by export.py (a gzip tar in the store's
+``tmp/``) on top of an image, unpacked into the store as a pulled one is;
+``with_config`` keeps a record of an image with its config changed (an
+image between two build steps, or committed with no name, is
+``localhost/isolate-build:ID``). ``Sandbox.commit_image`` (isolate/kept/commit.py,
+which a build's RUN step calls too: isolate/kept/imagebuild.py) reads the
+sandbox's upper layer, less the mount points ``mount_points`` reads, and
+adds it with the config ``policy_config`` gives; build.py adds its other
+steps' layers and configs here.
 """
 
 from __future__ import annotations

@@ -205,30 +205,35 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
                     info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
                     tar.addfile(info)
                 total = 0
-                with tarfile.open(fileobj=handle, mode="r|*") as archive:
-                    for member in archive:
-                        total += max(member.size, 0)
-                        if total > image.store.max_image_size:
-                            raise DockerfileError(f"{what}: {source} unpacks past max_image_size "
-                                                  f"({image.store.max_image_size} bytes): refused")
-                        rel = entry_name(member.name, what)
-                        if not rel:
-                            continue
-                        if rel.rsplit("/", 1)[-1].startswith(".wh."):
-                            raise DockerfileError(f"{what}: {member.name!r} in {source}: a name an OCI layer reads as "
-                                                  "a whiteout: refused")
-                        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
-                            raise DockerfileError(f"{what}: {member.name!r} in {source} is a device or FIFO: "
-                                                  "refused")
-                        copy = tarfile.TarInfo(f"{target}/{rel}" if target else rel)
-                        copy.type, copy.mode, copy.mtime, copy.size = (member.type, member.mode & 0o1777,
-                                                                       int(member.mtime), member.size)
-                        if member.issym():
-                            copy.linkname = member.linkname
-                        elif member.islnk():
-                            linked = entry_name(member.linkname, what)
-                            copy.linkname = f"{target}/{linked}" if target else linked
-                        tar.addfile(copy, archive.extractfile(member) if member.isfile() else None)
+                try:
+                    with tarfile.open(fileobj=handle, mode="r|*") as archive:
+                        for member in archive:
+                            total += max(member.size, 0)
+                            if total > image.store.max_image_size:
+                                raise DockerfileError(f"{what}: {source} unpacks past max_image_size "
+                                                      f"({image.store.max_image_size} bytes): refused")
+                            rel = entry_name(member.name, what)
+                            if not rel:
+                                continue
+                            if rel.rsplit("/", 1)[-1].startswith(".wh."):
+                                raise DockerfileError(f"{what}: {member.name!r} in {source}: a name an OCI layer "
+                                                      "reads as a whiteout: refused")
+                            if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+                                raise DockerfileError(f"{what}: {member.name!r} in {source} is a device or FIFO: "
+                                                      "refused")
+                            copy = tarfile.TarInfo(f"{target}/{rel}" if target else rel)
+                            copy.type, copy.mode, copy.mtime, copy.size = (member.type, member.mode & 0o1777,
+                                                                           int(member.mtime), member.size)
+                            if member.issym():
+                                copy.linkname = member.linkname
+                            elif member.islnk():
+                                linked = entry_name(member.linkname, what)
+                                copy.linkname = f"{target}/{linked}" if target else linked
+                            tar.addfile(copy, archive.extractfile(member) if member.isfile() else None)
+                except (tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
+                    # A damaged archive, its compressed stream cut short, a header's number no tar takes:
+                    # the Dockerfile's mistake, said in one line (never a traceback).
+                    raise DockerfileError(f"{what}: {source}: not a valid tar archive ({exc})") from None
 
             return _write(out, fill)
 

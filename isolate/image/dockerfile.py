@@ -86,6 +86,10 @@ def parse(path: str) -> list[Instruction]:
         raise DockerfileError(f"{path}: {exc.strerror}") from None
     except ValueError:
         raise DockerfileError(f"{path}: past {MAX_DOCKERFILE} bytes: refused") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DockerfileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     parser = DockerfileParser(fileobj=io.BytesIO(data))
     out = []
     where = os.path.basename(path)

@@ -144,11 +144,13 @@ def _meta(raw: bytes, what: str) -> dict[str, Any]:
                    "areas": tuple(str(a) for a in meta["areas"]),
                    "workspace": {"source": ws["source"], "target": str(ws["target"]), "mode": str(ws["mode"]),
                                  "exclude": [str(x) for x in ws["exclude"]]}}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise IsolationError(f"{what}: its description is not one isolate writes ({exc})") from None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise IsolationError(f"{what}: its description is not one isolate writes ({exc!r})") from None
     origin, source = checked["origin"], ws["source"]
+    # The root's owner is given to fchown: 3 numbers, each an id the kernel takes (-1 would mean "unchanged").
     if checked["kind"] not in ("layer", "tree") or not (origin is None or isinstance(origin, str)) \
-            or not (source is None or isinstance(source, str)):
+            or not (source is None or isinstance(source, str)) or len(root) != 3 \
+            or not all(0 <= x < (1 << 32) - 1 for x in root[1:]):
         raise IsolationError(f"{what}: its description is not one isolate writes")
     if not all(os.path.isabs(a) and ".." not in a.split("/") for a in checked["areas"]):
         raise IsolationError(f"{what}: its tmpfs mounts are not absolute paths")

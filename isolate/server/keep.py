@@ -189,9 +189,16 @@ class Keeper:
         if path is None:
             self.path = runtime_subdir(f"opensandbox-server-{state_key()}")
         else:
+            if not path:
+                # abspath("") is the working directory: every file there would be read as a record.
+                raise IsolationError("--state-dir: empty; give a directory of the server's user")
             self.path = os.path.abspath(path)
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.mkdir(self.path, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise IsolationError(f"--state-dir {self.path}: cannot be made ({exc.strerror})") from None
         try:
             self.fd = os.open(self.path, _DIR_FLAGS)
         except OSError as exc:

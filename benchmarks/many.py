@@ -308,7 +308,8 @@ def markdown(figures: dict[str, Any]) -> list[str]:
                          f"{forks['restore_from_another_node']['median_ms']} ms")
     lines.append("")
     for text, goal in figures.get("goals", {}).items():
-        lines.append(f"- goal: {text} <= {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})")
+        sign = ">=" if "at least" in text else "<="
+        lines.append(f"- goal: {text} {sign} {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})")
     return lines
 
 

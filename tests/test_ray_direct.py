@@ -82,10 +82,12 @@ def test_calls_on_the_direct_route_answer_as_through_the_actor(cluster: Any) -> 
         before = sb.stats
         assert sb.read_file("big", text=False) == big
         assert sb.stats["direct_calls"] == before["direct_calls"] + 1
-        # Many calls at once on the one connection: each gets its own answer.
+        # Many calls at once on the one connection: each gets its own answer (and is counted).
+        calls = sb.stats["direct_calls"]
         with ThreadPoolExecutor(16) as callers:
             said = list(callers.map(lambda i: sb.exec(["echo", str(i)]).stdout, range(64)))
         assert said == [f"{i}\n" for i in range(64)]
+        assert sb.stats["direct_calls"] == calls + 64
         shell = sb.shell()
         calls = sb.stats["direct_calls"]
         assert "42" in str(shell.run("echo $((6*7))"))  # sessions take the route too

@@ -27,6 +27,7 @@ import os
 import pickle
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -137,6 +138,7 @@ class Sandbox:
         self._on_close: Any = None
         self._secret: bytes | None = None
         self._calls = {"direct": 0, "actor": 0}
+        self._counting = threading.Lock()  # calls from many threads: no count lost
         self._route_why: str | None = "not started"
         self.enforced: dict[str, Any] = {}
         #: Always native: a node runs isolate's own sandboxes (the same attribute as isolate.Sandbox's).
@@ -291,11 +293,13 @@ class Sandbox:
                         raise IsolationError(f"{what}: the direct connection to node {self.node_id} broke during "
                                              f"the call ({exc}): it may have run") from None
                     else:
-                        self._calls["direct"] += 1
+                        with self._counting:
+                            self._calls["direct"] += 1
                         if isinstance(value, Stashed):
                             value = pickle.loads(outcome(self._actor.take.remote(value.key), self.node_id, what))
                         return settle(value, self.node_id, what)
-            self._calls["actor"] += 1
+            with self._counting:
+                self._calls["actor"] += 1
             return outcome(getattr(self._actor, name).remote(*args), self.node_id, what)
         except SandboxLostError as exc:
             if exc.node_id == self.node_id:  # not another node, whose snapshot this call was fetching

@@ -216,6 +216,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_transfer.py",
     "test_sandbox_docker.py",
     "test_ray.py",
+    "test_ray_direct.py",
     "test_ray_nodes.py",
     "test_server.py",
     "test_server_pool.py",

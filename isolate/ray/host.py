@@ -40,6 +40,7 @@ from ..kernel.places import runtime_subdir
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
+from .direct import Listener, ray_uses_tls
 from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
@@ -123,6 +124,16 @@ class SandboxHost:
         self.layers = Layers(self.node_id)
         # What an earlier host on this machine left when it was killed with its node (no close() ran).
         sweep_unnamed()
+        #: The direct route's port (isolate/ray/direct.py), at the node's address as Ray knows it; none under
+        #: Ray's TLS (the route does not encrypt) or when it cannot listen (calls go through this actor).
+        self._direct: Listener | None = None
+        self.direct_refused = "Ray uses TLS" if ray_uses_tls() else None
+        if self.direct_refused is None:
+            try:
+                self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call)
+            except OSError as exc:
+                self.direct_refused = f"cannot listen: {exc}"
+        self._ended = threading.Event()
 
     # -- sandboxes ---------------------------------------------------------------------
 
@@ -132,6 +143,35 @@ class SandboxHost:
     def count(self) -> int:
         with self._lock:
             return len(self._boxes)
+
+    # -- the direct route (isolate/ray/direct.py) ------------------------------------------------
+
+    def _admit(self, sid: str) -> dict[str, Any]:
+        """What the client of sandbox ``sid`` needs to call it directly: the route's address and the sandbox's
+        secret (handed out here, through Ray, only), or why there is no route."""
+        if self._direct is None:
+            return {"direct": None, "direct_refused": self.direct_refused}
+        return {"direct": self._direct.address, "secret": self._direct.admit(sid)}
+
+    def _direct_call(self, sid: str, operation: str, args: tuple[Any, ...]) -> Any:
+        """A proved request of the direct route, for sandbox ``sid`` only: its Sandbox calls and sessions."""
+        if operation == "call":
+            return self._call(sid, *args)
+        if operation == "session":
+            return self.session(sid, *args)
+        return Failure(PolicyError(f"{operation}: not a call of the direct route", "operation"))
+
+    def take(self, key: str) -> Any:
+        """A direct call's result too large for its frame (the object store carries it)."""
+        blob = self._direct.take(key) if self._direct is not None else None
+        if blob is None:
+            return Failure(IsolationError("that result was taken already, or its sandbox closed"))
+        return ray.put(blob) if len(blob) > LARGE else blob
+
+    def watch(self) -> None:
+        """Answers when this host shuts down: a client waiting on the direct route sees the actor end with its
+        node as Ray sees it (the call fails with the actor)."""
+        self._ended.wait()
 
     def _workspace(self, sid: str, workspace: Workspace | str | None, source: bytes | None) -> Workspace | None:
         if isinstance(workspace, str):
@@ -187,7 +227,7 @@ class SandboxHost:
                 raise
             with self._lock:
                 self._boxes[sid] = box
-            return {"node_id": self.node_id, "enforced": box.enforced}
+            return {"node_id": self.node_id, "enforced": box.enforced, **self._admit(sid)}
         return _attempt(start)
 
     def _shown(self, snap: Snapshot, sid: str) -> Snapshot:
@@ -259,6 +299,7 @@ class SandboxHost:
                     with self._lock:
                         self._boxes[sid] = box
                     out["enforced"] = box.enforced
+                    out.update(self._admit(sid))
                 else:
                     self._drop_source(sid)
                 return out
@@ -278,7 +319,8 @@ class SandboxHost:
             boxes = Sandbox.create_many(len(sids), policy, **kwargs)
             with self._lock:
                 self._boxes.update(zip(sids, boxes, strict=True))
-            return {"node_id": self.node_id}
+            admitted = {sid: self._admit(sid) for sid in sids}
+            return {"node_id": self.node_id, "admitted": admitted}
         return _attempt(start)
 
     def _box(self, sid: str) -> Sandbox:
@@ -289,6 +331,12 @@ class SandboxHost:
         return box
 
     def call(self, sid: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = self._call(sid, method, args, kwargs)
+        if method == "read_file" and isinstance(result, (bytes, str)) and len(result) > LARGE:
+            return ray.put(result)  # the caller fetches it from the object store
+        return result
+
+    def _call(self, sid: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method not in CALLS:
             return Failure(PolicyError(f"{method}: not a Sandbox method this host runs", "method"))
 
@@ -308,10 +356,7 @@ class SandboxHost:
             if method == "commit" and (not resolved or resolved[0] is None) and box.workspace.source in self._tree_of:
                 raise PolicyError("commit(on_node=True): the workspace's source was shipped from the caller's "
                                   "machine (commit() writes there); give a directory of the node", "target_dir")
-            result = getattr(box, method)(*resolved, **named)
-            if method == "read_file" and isinstance(result, (bytes, str)) and len(result) > LARGE:
-                return ray.put(result)  # the caller fetches it from the object store
-            return result
+            return getattr(box, method)(*resolved, **named)
         return _attempt(run)
 
     def fork(self, sid: str, sids: list[str]) -> Any:
@@ -320,7 +365,7 @@ class SandboxHost:
             forks = self._box(sid).fork(len(sids))
             with self._lock:
                 self._boxes.update(zip(sids, forks, strict=True))
-            return {"node_id": self.node_id}
+            return {"node_id": self.node_id, "admitted": {fork: self._admit(fork) for fork in sids}}
         return _attempt(run)
 
     def remove_snapshot(self, snapshot: Any) -> Any:
@@ -342,6 +387,8 @@ class SandboxHost:
         return _attempt(run)
 
     def close(self, sid: str) -> None:
+        if self._direct is not None:
+            self._direct.retire(sid)
         with self._lock:
             box = self._boxes.pop(sid, None)
             doomed = [key for key in self._processes if key.startswith(sid + "/")]
@@ -471,7 +518,7 @@ class SandboxHost:
             box = pool.acquire(timeout)
             with self._lock:
                 self._boxes[sid] = box
-            return {"node_id": self.node_id}
+            return {"node_id": self.node_id, **self._admit(sid)}
         return _attempt(run)
 
     def pool_stats(self, pool_id: str) -> dict[str, int]:
@@ -501,3 +548,13 @@ class SandboxHost:
             self.pool_close(pool_id)
         self.layers.close()
         self._drop_trees()
+        self.unlisten()
+        self._ended.set()
+
+    def unlisten(self) -> None:
+        """Close the direct route's port and its connections (its clients call through this actor from now)."""
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
+            self.direct_refused = "the host stopped listening"
+

@@ -15,6 +15,7 @@ with its reason; when every node refused, the error names each.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
+from .direct import RETRY_AFTER, Route
 from .host import Failure, SandboxHost
 
 #: Concurrent calls one host actor serves (each exec waits in a thread of the actor).
@@ -68,6 +70,13 @@ class Hosts:
         self._lock = threading.Lock()
         self._actors: dict[str, Any] = {}
         self.placed: dict[str, int] = {}
+        # The direct route to each node (isolate/ray/direct.py): its address, the open route, the call that
+        # ends with the node's actor, and when a route that did not open may be tried again (and why).
+        self._addresses: dict[str, tuple[str, int]] = {}
+        self._routes: dict[str, Route] = {}
+        self._watches: dict[str, Any] = {}
+        self._unreachable: dict[str, tuple[float, str]] = {}
+        self._connecting = threading.Lock()
 
     @classmethod
     def get(cls) -> Hosts:
@@ -98,6 +107,58 @@ class Hosts:
         with self._lock:
             self._actors.pop(node_id, None)
             self.placed.pop(node_id, None)
+            self._addresses.pop(node_id, None)
+            self._watches.pop(node_id, None)
+            route = self._routes.pop(node_id, None)
+        if route is not None:
+            route.close()
+
+    # -- the direct route ---------------------------------------------------------------------------
+
+    def learn(self, node_id: str, address: Any) -> None:
+        """The address of that node's direct route, as its host said when it started a sandbox."""
+        if address is not None:
+            with self._lock:
+                self._addresses[node_id] = (str(address[0]), int(address[1]))
+
+    def route(self, node_id: str) -> Route | str:
+        """The open direct route to that node (opened on first use), or why calls go through its actor."""
+        with self._lock:
+            route = self._routes.get(node_id)
+        if route is not None and not route.stale():
+            return route
+        with self._connecting:
+            with self._lock:
+                route = self._routes.get(node_id)
+                if route is not None and not route.stale():
+                    return route
+                address = self._addresses.get(node_id)
+                refused = self._unreachable.get(node_id)
+                actor = self._actors.get(node_id)
+            if address is None or actor is None:
+                return "the node's host offers no direct route"
+            if refused is not None and time.monotonic() < refused[0]:
+                return refused[1]
+            with self._lock:
+                watch = self._watches.get(node_id)
+                if watch is None:
+                    watch = self._watches[node_id] = actor.watch.remote()
+
+            def ended() -> bool:
+                done, _ = ray.wait([watch], timeout=0)
+                return bool(done)
+
+            try:
+                route = Route(address, ended)
+            except OSError as exc:
+                why = f"{address[0]}:{address[1]} did not open ({type(exc).__name__}: {exc})"
+                with self._lock:
+                    self._unreachable[node_id] = (time.monotonic() + RETRY_AFTER, why)
+                return why
+            with self._lock:
+                self._unreachable.pop(node_id, None)
+                self._routes[node_id] = route
+            return route
 
     def count(self, node_id: str, delta: int) -> None:
         with self._lock:
@@ -119,6 +180,12 @@ class Hosts:
         with self._lock:
             actors, self._actors = list(self._actors.values()), {}
             self.placed.clear()
+            routes, self._routes = list(self._routes.values()), {}
+            self._addresses.clear()
+            self._watches.clear()
+            self._unreachable.clear()
+        for route in routes:
+            route.close()
         refs = [actor.shutdown.remote() for actor in actors]
         try:
             ray.get(refs, timeout=30)
@@ -135,6 +202,11 @@ def outcome(ref: Any, node_id: str, what: str) -> Any:
     except _LOST as exc:
         raise SandboxLostError(f"{what}: node {node_id} is gone ({type(exc).__name__}); its sandboxes ended "
                                "with it", node_id) from None
+    return settle(value, node_id, what)
+
+
+def settle(value: Any, node_id: str, what: str) -> Any:
+    """A host's answer (through Ray or the direct route): its Failure raised as itself, a ref fetched."""
     if isinstance(value, Failure):
         if hasattr(value.error, "add_note"):  # Python 3.11+: say where it was raised
             value.error.add_note(f"(raised on Ray node {node_id})")

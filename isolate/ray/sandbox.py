@@ -24,8 +24,10 @@ What differs from a local sandbox, and why:
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,14 +40,30 @@ from ..kernel.tree import Changes
 from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.workspace import Workspace
+from .direct import Broken, Stashed, TooLarge
 from .host import LARGE
-from .placement import Hosts, Placement, outcome, place
+from .placement import Hosts, Placement, outcome, place, settle
 from .transfer import pack_tree, unpack_tree
 
 __all__ = ["RemoteProcess", "Sandbox"]
 
 #: How long one read waits on the node before the caller asks again.
 READ_SLICE = 1.0
+
+#: The host calls that may take the direct route (isolate/ray/direct.py): a sandbox's methods and sessions.
+DIRECT = frozenset({"call", "session"})
+
+
+def _has_refs(args: tuple[Any, ...]) -> bool:
+    """Whether a call carries refs to the object store (large contents): those go through the actor."""
+    for arg in args:
+        if isinstance(arg, ray.ObjectRef):
+            return True
+        if isinstance(arg, (tuple, list)) and _has_refs(tuple(arg)):
+            return True
+        if isinstance(arg, dict) and _has_refs(tuple(arg.values())):
+            return True
+    return False
 
 
 def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
@@ -118,6 +136,10 @@ class Sandbox:
         self._hosts: Hosts | None = None
         self._lost: SandboxLostError | None = None
         self._on_close: Any = None
+        self._secret: bytes | None = None
+        self._calls = {"direct": 0, "actor": 0}
+        self._counting = threading.Lock()  # calls from many threads: no count lost
+        self._route_why: str | None = "not started"
         self.enforced: dict[str, Any] = {}
         #: Always native: a node runs isolate's own sandboxes (the same attribute as isolate.Sandbox's).
         self.backend = "native"
@@ -155,7 +177,19 @@ class Sandbox:
     def _bind(self, hosts: Hosts, node_id: str, info: Mapping[str, Any]) -> None:
         self._hosts, self.node_id, self._actor = hosts, node_id, hosts.actor(node_id)
         self.enforced = dict(info.get("enforced", {}))
+        admitted = info.get("admitted", {}).get(self.id, info)  # create_many: each sandbox's own
+        self._secret = admitted.get("secret")
+        self._route_why = None if self._secret is not None else str(admitted.get("direct_refused")
+                                                                     or "the node's host offers no direct route")
+        hosts.learn(node_id, admitted.get("direct"))
         hosts.count(node_id, 1)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """How its calls reach its node: ``route`` "direct" (a connection of this client to the node's host,
+        isolate/ray/direct.py) or "actor" (through Ray, with ``why``), and how many calls took each."""
+        return {"route": "actor" if self._route_why is not None else "direct", "why": self._route_why,
+                "direct_calls": self._calls["direct"], "actor_calls": self._calls["actor"]}
 
     @classmethod
     def create_many(cls, n: int, policy: Policy | None = None, *, node_id: str | None = None,
@@ -240,8 +274,33 @@ class Sandbox:
         if self._actor is None:
             raise IsolationError(f"sandbox {self.id}: not running; start() it first")
         assert self.node_id is not None
+        what = f"sandbox {self.id}"
         try:
-            return outcome(getattr(self._actor, name).remote(*args), self.node_id, f"sandbox {self.id}")
+            if name in DIRECT and self._secret is not None and self._hosts is not None and not _has_refs(args):
+                route = self._hosts.route(self.node_id)
+                if isinstance(route, str):
+                    self._route_why = route
+                else:
+                    self._route_why = None
+                    try:
+                        value = route.call(self.id, self._secret, name, args[1:])  # args[0]: this sandbox's id
+                    except TooLarge:
+                        pass  # through the actor, whose object store carries it
+                    except Broken as exc:
+                        # The outcome is unknown: the actor says whether the node is gone (SandboxLostError, in
+                        # the time Ray takes), else the call failed with the connection.
+                        outcome(self._actor.node.remote(), self.node_id, what)
+                        raise IsolationError(f"{what}: the direct connection to node {self.node_id} broke during "
+                                             f"the call ({exc}): it may have run") from None
+                    else:
+                        with self._counting:
+                            self._calls["direct"] += 1
+                        if isinstance(value, Stashed):
+                            value = pickle.loads(outcome(self._actor.take.remote(value.key), self.node_id, what))
+                        return settle(value, self.node_id, what)
+            with self._counting:
+                self._calls["actor"] += 1
+            return outcome(getattr(self._actor, name).remote(*args), self.node_id, what)
         except SandboxLostError as exc:
             if exc.node_id == self.node_id:  # not another node, whose snapshot this call was fetching
                 self._lost = exc

@@ -1,0 +1,404 @@
+"""The direct route: a call's bytes between the client and a node's host actor, without Ray in between.
+
+Ray places the sandboxes and watches the nodes; an exec or a file call of a
+sandbox goes over one TCP connection per client and node, to a port the host
+actor listens on at the node's address as Ray knows it (``Listener``), many
+calls at once on it (``Route``: request ids).
+
+Every request is proved per sandbox: the host hands the client a random
+secret when it starts the sandbox (through Ray, never over this route), and
+each request carries an HMAC-SHA256 of the connection's nonce, its header and
+its body under that sandbox's secret, checked in constant time before the
+body is read as anything. A peer that sends anything else (a frame past
+``MAX_FRAME``, an unknown sandbox, a wrong proof, a request id not above the
+last) has its connection closed; a peer that sends nothing is closed after
+``FIRST_FRAME_TIMEOUT``. Answers carry the same proof, so the client takes
+nothing from another speaker. There is no encryption: under Ray's TLS
+(``RAY_USE_TLS``) the route is not offered and calls go through the actor.
+
+Wire format (network byte order):
+
+- on accept the host sends ``MAGIC`` and a 32-byte nonce of the connection;
+- a request: ``REQUEST`` (body length, request id, sandbox id, proof), then
+  the body: a pickle of (operation, arguments);
+- an answer: ``ANSWER`` (body length, request id, proof), then a pickle of the
+  result; a result past ``MAX_FRAME`` stays on the node (``Stashed``) and the
+  client takes it through the actor, whose object store carries large values.
+
+A connection that breaks names no outcome: the caller asks the node's actor
+(``SandboxLostError`` when Ray says the node is gone, in the time Ray takes).
+While a call waits, the reader looks every ``WATCH_SLICE`` seconds at a call
+the actor never answers (``watch``): it ends when the actor does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+MAGIC = b"IRD1"
+NONCE = 32
+#: body length, request id, sandbox id (16 ASCII characters), proof
+REQUEST = struct.Struct(">IQ16s32s")
+#: body length, request id, proof
+ANSWER = struct.Struct(">IQ32s")
+#: The largest body either side reads (the length is checked before anything is read past the header).
+MAX_FRAME = 4 << 20
+#: How long a new connection may take to send its first proved request.
+FIRST_FRAME_TIMEOUT = 10.0
+#: Connections one host serves at once (clients of one cluster: one each).
+MAX_CONNECTIONS = 256
+#: Requests of all connections served at once (each exec waits in a thread, as the actor's calls do).
+WORKERS = 512
+#: How long the client waits for a connection to open before it calls through the actor.
+CONNECT_TIMEOUT = 2.0
+#: How long a node whose route did not open is called through its actor before the route is tried again.
+RETRY_AFTER = 30.0
+#: How often a waiting client looks whether Ray saw the node's actor end.
+WATCH_SLICE = 1.0
+#: Closed sandboxes whose secrets are kept to answer a late call ("closed") rather than close the connection.
+RETIRED = 4096
+
+
+class Broken(Exception):
+    """The connection broke (or spoke out of turn): the call's outcome is unknown."""
+
+
+class TooLarge(Exception):
+    """A request past MAX_FRAME: it goes through the actor."""
+
+
+class Stashed:
+    """A result too large for a frame, kept on the node under ``key`` for the client to take through the actor."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def ray_uses_tls() -> bool:
+    """Whether the cluster's Ray encrypts its connections (as Ray reads it): then this route is not offered."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+def _proof(secret: bytes, nonce: bytes, *parts: bytes) -> bytes:
+    mac = hmac.new(secret, nonce, hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    """Exactly ``size`` bytes, or None at the end of the stream."""
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _dumps(result: Any) -> bytes:
+    try:
+        return pickle.dumps(result, protocol=5)
+    except Exception as exc:  # an exception (or value) that does not pickle: its words still reach the caller
+        from ..model.errors import IsolationError
+        from .host import Failure
+
+        return pickle.dumps(Failure(IsolationError(f"{type(result).__name__} could not be sent: {exc}")), protocol=5)
+
+
+# -- the node's side ---------------------------------------------------------------------------
+
+
+class Listener:
+    """The host actor's port: ``serve(sid, operation, args)`` answers each proved request (never raises)."""
+
+    def __init__(self, ip: str, serve: Callable[[str, str, tuple[Any, ...]], Any]) -> None:
+        self._serve = serve
+        self._lock = threading.Lock()
+        self._secrets: dict[str, bytes] = {}
+        self._retired: OrderedDict[str, bytes] = OrderedDict()
+        self._stash: dict[str, bytes] = {}
+        self._connections: set[socket.socket] = set()
+        self._closed = False
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        self._sock = socket.create_server((ip, 0), family=family, backlog=128)
+        self.address = (ip, int(self._sock.getsockname()[1]))
+        self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="isolate-direct")
+        threading.Thread(target=self._accept, name="isolate-direct-accept", daemon=True).start()
+
+    def admit(self, sid: str) -> bytes:
+        """A new secret for sandbox ``sid``: its calls are served from now on."""
+        secret = secrets.token_bytes(32)
+        with self._lock:
+            self._secrets[sid] = secret
+        return secret
+
+    def retire(self, sid: str) -> None:
+        """Sandbox ``sid`` closed: a late call is answered (closed), for a while, rather than refused."""
+        with self._lock:
+            secret = self._secrets.pop(sid, None)
+            if secret is not None:
+                self._retired[sid] = secret
+                while len(self._retired) > RETIRED:
+                    self._retired.popitem(last=False)
+            for key in [k for k in self._stash if k.startswith(sid + "/")]:
+                del self._stash[key]
+
+    def take(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._stash.pop(key, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        self._sock.close()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    def _secret(self, sid: str) -> bytes | None:
+        with self._lock:
+            return self._secrets.get(sid) or self._retired.get(sid)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                refused = self._closed or len(self._connections) >= MAX_CONNECTIONS
+                if not refused:
+                    self._connections.add(conn)
+            if refused:
+                conn.close()
+                continue
+            threading.Thread(target=self._connection, args=(conn,), name="isolate-direct-conn", daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        nonce = secrets.token_bytes(NONCE)
+        send = threading.Lock()
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(FIRST_FRAME_TIMEOUT)
+            conn.sendall(MAGIC + nonce)
+            last = 0
+            while True:
+                header = _recv_exact(conn, REQUEST.size)
+                if header is None:
+                    return
+                length, rid, sid_bytes, proof = REQUEST.unpack(header)
+                if length > MAX_FRAME or rid <= last:
+                    return
+                secret = self._secret(sid_bytes.decode("ascii", "replace"))
+                if secret is None:
+                    return
+                body = _recv_exact(conn, length)
+                if body is None or not hmac.compare_digest(proof, _proof(secret, nonce, header[:-32], body)):
+                    return
+                last = rid
+                conn.settimeout(None)  # a proved client: its connection stays while it is idle
+                self._workers.submit(self._answer, conn, send, nonce, rid, sid_bytes.decode("ascii"), secret, body)
+        except (OSError, RuntimeError):  # a broken peer, or the executor shut down
+            return
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    def _answer(self, conn: socket.socket, send: threading.Lock, nonce: bytes, rid: int, sid: str, secret: bytes,
+                body: bytes) -> None:
+        try:
+            operation, args = pickle.loads(body)  # proved: the client that holds this sandbox's secret
+            result = self._serve(sid, str(operation), tuple(args))
+        except Exception as exc:
+            from .host import Failure
+
+            result = Failure(exc)
+        blob = _dumps(result)
+        if len(blob) > MAX_FRAME:
+            key = f"{sid}/{uuid.uuid4().hex}"
+            with self._lock:
+                self._stash[key] = blob
+            blob = _dumps(Stashed(key))
+        head = struct.pack(">IQ", len(blob), rid)
+        frame = head + _proof(secret, nonce, b"R", head, blob) + blob
+        try:
+            with send:
+                conn.sendall(frame)
+        except OSError:
+            pass  # the client is gone: it asks the actor what became of the node
+
+
+# -- the client's side --------------------------------------------------------------------------
+
+
+class _Waiter:
+    __slots__ = ("done", "error", "event", "result", "secret")
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self.event = threading.Event()
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class Route:
+    """This client's connection to one node's host (see the module's docstring). ``ended()`` says whether Ray
+    saw the node's actor end; it is asked while a call waits longer than WATCH_SLICE."""
+
+    def __init__(self, address: tuple[str, int], ended: Callable[[], bool]) -> None:
+        self._ended = ended
+        self._sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_exact(self._sock, len(MAGIC) + NONCE)
+        except OSError:
+            self._sock.close()
+            raise
+        if hello is None or not hello.startswith(MAGIC):
+            self._sock.close()
+            raise ConnectionRefusedError(f"{address[0]}:{address[1]} did not greet as an isolate host")
+        self._nonce = hello[len(MAGIC):]
+        self._sock.settimeout(WATCH_SLICE)
+        self._send = threading.Lock()
+        self._reading = threading.Lock()
+        self._pending: dict[int, _Waiter] = {}
+        self._next = 0
+        self._buffer = bytearray()
+        self.broken: BaseException | None = None
+
+    def close(self) -> None:
+        self._break(Broken("closed"))
+
+    def stale(self) -> bool:
+        """Broken, or closed by the node while idle (readable with nothing asked: its end)."""
+        with self._send:
+            if self.broken is None and not self._pending:
+                try:
+                    ended = bool(select.select([self._sock], [], [], 0)[0])
+                except (OSError, ValueError):
+                    ended = True
+                if ended:
+                    self._break_locked(Broken("the node closed the connection"))
+            return self.broken is not None
+
+    def call(self, sid: str, secret: bytes, operation: str, args: tuple[Any, ...]) -> Any:
+        """The node's answer to (operation, args) for sandbox ``sid``: a value, a Failure or Stashed. Raises
+        TooLarge (nothing sent) or Broken (the outcome is unknown)."""
+        body = pickle.dumps((operation, args), protocol=5)
+        if len(body) > MAX_FRAME:
+            raise TooLarge(operation)
+        name = sid.encode("ascii")
+        if len(name) != 16:
+            raise ValueError(f"sandbox id {sid!r}: expected 16 characters")
+        waiter = _Waiter(secret)
+        with self._send:
+            if self.broken is not None:
+                raise Broken(str(self.broken))
+            self._next += 1
+            rid = self._next
+            self._pending[rid] = waiter
+            header = struct.pack(">IQ16s", len(body), rid, name)
+            try:
+                self._sock.sendall(header + _proof(secret, self._nonce, header, body) + body)
+            except OSError as exc:
+                self._break_locked(Broken(f"send: {exc}"))
+        return self._wait(waiter)
+
+    def _wait(self, waiter: _Waiter) -> Any:
+        # The first waiter to take the read lock reads for everyone until its own answer came, then hands the
+        # reading to another waiter: the answer of a lone call is read by its own thread (no hand-off).
+        while not waiter.done:
+            if self._reading.acquire(blocking=False):
+                try:
+                    while not waiter.done:
+                        self._read_one()
+                except Broken as exc:
+                    self._break(exc)
+                except OSError as exc:
+                    self._break(Broken(f"receive: {exc}"))
+                finally:
+                    self._reading.release()
+                    with self._send:
+                        heir = next((w for w in self._pending.values() if not w.done), None)
+                    if heir is not None:
+                        heir.event.set()
+            else:
+                waiter.event.wait()
+                waiter.event.clear()
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.result
+
+    def _fill(self, size: int) -> None:
+        while len(self._buffer) < size:
+            try:
+                chunk = self._sock.recv(max(1 << 16, size - len(self._buffer)))
+            except TimeoutError:
+                if self._ended():
+                    raise Broken("Ray says the node's host ended") from None
+                continue
+            if not chunk:
+                raise Broken("the node closed the connection")
+            self._buffer += chunk
+
+    def _read_one(self) -> None:
+        self._fill(ANSWER.size)
+        length, rid, proof = ANSWER.unpack_from(self._buffer)
+        if length > MAX_FRAME:
+            raise Broken(f"an answer of {length} bytes (past {MAX_FRAME})")
+        self._fill(ANSWER.size + length)
+        head = bytes(self._buffer[:12])
+        blob = bytes(self._buffer[ANSWER.size:ANSWER.size + length])
+        del self._buffer[:ANSWER.size + length]
+        with self._send:
+            waiter = self._pending.get(rid)
+        if waiter is None or not hmac.compare_digest(proof, _proof(waiter.secret, self._nonce, b"R", head, blob)):
+            raise Broken("an answer not proved by the sandbox's secret")
+        result = pickle.loads(blob)  # proved: the node's host, which holds the secret
+        with self._send:
+            del self._pending[rid]
+        waiter.result, waiter.done = result, True
+        waiter.event.set()
+
+    def _break(self, exc: BaseException) -> None:
+        with self._send:
+            self._break_locked(exc)
+
+    def _break_locked(self, exc: BaseException) -> None:
+        if self.broken is None:
+            self.broken = exc
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        for waiter in self._pending.values():
+            waiter.error, waiter.done = Broken(str(exc)), True
+            waiter.event.set()
+        self._pending.clear()

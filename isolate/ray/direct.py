@@ -46,6 +46,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 MAGIC = b"IRD1"
@@ -70,6 +71,13 @@ RETRY_AFTER = 30.0
 WATCH_SLICE = 1.0
 #: Closed sandboxes whose secrets are kept to answer a late call ("closed") rather than close the connection.
 RETIRED = 4096
+
+
+@dataclass
+class Failure:
+    """An exception raised on the node, returned as a value."""
+
+    error: BaseException
 
 
 class Broken(Exception):
@@ -116,7 +124,6 @@ def _dumps(result: Any) -> bytes:
         return pickle.dumps(result, protocol=5)
     except Exception as exc:  # an exception (or value) that does not pickle: its words still reach the caller
         from ..model.errors import IsolationError
-        from .host import Failure
 
         return pickle.dumps(Failure(IsolationError(f"{type(result).__name__} could not be sent: {exc}")), protocol=5)
 
@@ -235,8 +242,6 @@ class Listener:
             operation, args = pickle.loads(body)  # proved: the client that holds this sandbox's secret
             result = self._serve(sid, str(operation), tuple(args))
         except Exception as exc:
-            from .host import Failure
-
             result = Failure(exc)
         blob = _dumps(result)
         if len(blob) > MAX_FRAME:

@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -40,7 +39,7 @@ from ..kernel.places import runtime_subdir
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
-from .direct import Listener, ray_uses_tls
+from .direct import Failure, Listener, ray_uses_tls
 from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
@@ -59,13 +58,6 @@ CALLS = frozenset({
 SESSION_CALLS = {"shell": frozenset({"run", "close", "alive"}),
                  "python": frozenset({"run", "close", "alive", "interrupt"})}
 PROCESS_CALLS = frozenset({"write", "close_stdin", "signal", "kill", "poll", "wait", "returncode", "report"})
-
-
-@dataclass
-class Failure:
-    """An exception raised on the node, returned as a value."""
-
-    error: BaseException
 
 
 def _usage(box: Sandbox) -> tuple[float, int]:

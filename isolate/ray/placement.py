@@ -23,8 +23,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
-from .direct import RETRY_AFTER, Route
-from .host import Failure, SandboxHost
+from .direct import RETRY_AFTER, Failure, Route
+from .host import SandboxHost
 
 #: Concurrent calls one host actor serves (each exec waits in a thread of the actor).
 HOST_CONCURRENCY = 512

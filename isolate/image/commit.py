@@ -109,6 +109,27 @@ def policy_config(base: Image, policy: Any) -> dict[str, Any]:
     return out
 
 
+def _layer_path(store: Store, kind: str) -> str:
+    store._ensure()
+    path = os.path.join(store.path, "tmp", f"{kind}-{os.getpid()}-{threading.get_ident()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return path
+
+
+def snapshot_image(base: Image, root_fd: int, reference: str | None, config: Mapping[str, Any],
+                   leave_out: frozenset[str], history: str) -> Image:
+    """``base`` plus a snapshot's root layer (``root_fd``: overlayfs's format, as an upper layer) as one more
+    layer, kept as ``reference`` (``Snapshot.to_image``: kept/snapshots.py)."""
+    path = _layer_path(base.store, "snapshot")
+    try:
+        blob = write_layer(root_fd, path, what=f"to_image {reference or 'built'}", leave_out=leave_out)
+        return add_layer(base, blob, reference, config, history)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _owners(impl: Any) -> Any:
     """A build step's files are the program's on the host: root's in the image (as they were shown to it)."""
     user = impl.report_enforced.get("user") or {}
@@ -139,12 +160,8 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
     if pid is None:
         raise IsolationError("commit_image: the sandbox is no longer running")
     base = Image.get(policy.image)
-    store: Store = base.store
-    store._ensure()
     leave_out = mount_points(pid)
-    path = os.path.join(store.path, "tmp", f"commit-{os.getpid()}-{threading.get_ident()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    path = _layer_path(base.store, "commit")
     paused = False
     if not impl.paused:
         with contextlib.suppress(IsolationError, OSError):

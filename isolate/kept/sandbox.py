@@ -42,7 +42,7 @@ from ..model.workspace import Workspace
 from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
-from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
+from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_image, check_start, restore_areas, take
 
 if TYPE_CHECKING:
     from ..image import Image
@@ -95,6 +95,9 @@ class Sandbox:
             workspace = Workspace(os.fspath(workspace))
         if snapshot is not None:
             workspace = check_start(snapshot, workspace)
+            check_image(snapshot, policy)
+            if snapshot.image is not None:
+                self.image_upper = image_upper = "disk"  # its root layer lies under an upper layer on disk
         #: The snapshot this sandbox's files started from (None: its workspace's source).
         self.origin = snapshot
         self.workspace = workspace if workspace is not None else Workspace()
@@ -465,9 +468,11 @@ class Sandbox:
         """
         self._running("restore")
         workspace = check_start(snapshot, self.workspace)
+        check_image(snapshot, self.policy)
+        upper = "disk" if snapshot.image is not None else self.image_upper
         # The Docker backend refuses here, before anything ends.
         fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
-                             snapshot, image_upper=self.image_upper)
+                             snapshot, image_upper=upper)
         self._close_sessions()
         old = self._impl
         if self.name is None and isinstance(old, NativeSandbox):
@@ -481,7 +486,7 @@ class Sandbox:
         else:
             old.close()  # a named one's socket and description are the new one's too
         self._started = False
-        self._impl, self.origin = fresh, snapshot
+        self._impl, self.origin, self.image_upper = fresh, snapshot, upper
         self.start()
 
     def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:

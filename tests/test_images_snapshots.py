@@ -128,11 +128,3 @@ def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images
     finally:
         snap.remove()
 
-
-def test_a_tmpfs_upper_is_not_snapshotted(images: tuple[Image, Image]) -> None:
-    base, _ = images
-    with isolate.Sandbox(isolate.Policy(image=base.reference)) as box:
-        with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
-            box.snapshot()
-        with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
-            box.fork(1)

@@ -368,8 +368,8 @@ class _Making:
         ``image``: the image a root layer lies over, see take())."""
         snap = Snapshot(self.name, self.kind, workspace, time.time(), id or secrets.token_hex(8), origin, areas,
                         self.identity, image["id"] if image else None, image["reference"] if image else None)
-        meta = {"image": image, "kind": snap.kind, "created": snap.created, "id": snap.id, "origin": origin, "areas": list(areas),
-                "identity": list(self.identity),
+        meta = {"kind": snap.kind, "created": snap.created, "id": snap.id, "origin": origin, "areas": list(areas),
+                "identity": list(self.identity), "image": image,
                 "workspace": {"source": workspace.source, "target": workspace.target, "mode": workspace.mode,
                               "exclude": list(workspace.exclude)}}
         directory = _meta_dir()

@@ -77,6 +77,10 @@ def test_snapshot_restore_and_fork_keep_the_image_roots_changes(images: tuple[Im
             assert box.exec(["sh", "-c", "rm /usr/local/bin/tool; echo later > /data/later"]).returncode == 0
             box.restore(snap)
             assert _state(box) == "installed\nmine\n"
+            # Again, from the snapshot it now started from (its root layer moved over, not cloned again).
+            assert box.exec(["sh", "-c", "echo again > /data/later; echo 1 > /usr/local/bin/tool"]).returncode == 0
+            box.restore(snap)
+            assert _state(box) == "installed\nmine\n"
             a, b = box.fork(2)
             with a, b:
                 assert _state(a) == _state(b) == "installed\nmine\n"

@@ -476,7 +476,8 @@ class Sandbox:
         self._close_sessions()
         old = self._impl
         if self.name is None and isinstance(old, NativeSandbox):
-            if (workspace.mode == "overlay" and self.origin is not None and self.origin.id == snapshot.id
+            if ((workspace.mode == "overlay" or snapshot.image is not None) and self.origin is not None
+                    and self.origin.id == snapshot.id
                     and isinstance(fresh, NativeSandbox)):
                 fresh.start_from = Reused(snapshot, old.paths.key)  # the old one's base layer is this one's
             # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files

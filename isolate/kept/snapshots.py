@@ -317,9 +317,16 @@ class Reused:
         return self.snapshot.open_root()
 
     def move_data(self, dir_fd: int, name: str) -> bool:
+        return self._move(("overlay",), dir_fd, name)
+
+    def move_root(self, dir_fd: int, name: str) -> bool:
+        """The image root's layer the old sandbox cloned (``image/base``), likewise."""
+        return self._move(("image",), dir_fd, name)
+
+    def _move(self, parts: tuple[str, ...], dir_fd: int, name: str) -> bool:
         fd = open_state_dir("sandboxes")
         try:
-            for part in (self.key, "overlay"):
+            for part in (self.key, *parts):
                 nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nxt

@@ -106,9 +106,15 @@ def test_snapshot_restore_and_fork_keep_the_image_roots_changes(images: tuple[Im
 
 def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images: tuple[Image, Image]) -> None:
     base, other = images
-    with isolate.Sandbox(isolate.Policy(image=base.reference, env={"ADDED": "yes"}), image_upper="disk") as box:
+    name = f"imgsnap-{os.getpid()}"
+    with isolate.Sandbox(isolate.Policy(image=base.reference, env={"ADDED": "yes"}), image_upper="disk", name=name):
+        # Attached (as another process would): its upper layer on disk is still known.
+        box = isolate.Sandbox.attach(name)
         assert box.exec(["sh", "-c", INSTALL]).returncode == 0
         snap = box.snapshot()
+        assert box.exec(["rm", "/usr/local/bin/tool"]).returncode == 0
+        box.restore(snap)
+        assert _state(box) == "installed\nmine\n"
     try:
         made = snap.to_image("snapmade:1")
         assert made.layers[:-1] == base.layers and len(made.layers) == len(base.layers) + 1

@@ -165,6 +165,7 @@ class Sandbox:
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
         box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
         box._fork_point, box.restore_skipped = None, ()
+        box.image_upper = "disk" if getattr(impl, "image_upper", None) is not None else "tmpfs"
         return box
 
     def _close_sessions(self) -> None:

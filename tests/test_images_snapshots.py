@@ -13,6 +13,7 @@ from conftest import NAMESPACES_WHY
 
 import isolate
 from isolate.image import Image, Store
+from isolate.kept import bundles
 from isolate.kept.merge import RootNotMergedWarning
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
@@ -123,6 +124,9 @@ def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images
             # The root's changes are the image's; the workspace is the sandbox's own, not in it.
             assert again.exec(["sh", "-c", "tool; test -e /data/gone || echo deleted; ls -A /workspace"]
                               ).stdout == "installed\ndeleted\n"
+        # Not shipped to another node of a Ray cluster without its root layer: refused.
+        with pytest.raises(isolate.UnsupportedError, match="between nodes"):
+            bundles.export(snap)
         # Its root layer lies over that image only.
         with pytest.raises(isolate.PolicyError, match="snapbase"):
             isolate.Sandbox(isolate.Policy(image=other.reference), snapshot=snap)

@@ -17,6 +17,14 @@ What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
   workspaces cost;
 - ``bind``: refused (the workspace is the user's own directory).
 
+A sandbox of an image (``image_upper="disk"``) adds one more layer, the
+image root's: the root layer it started from with its upper layer laid over
+it (``root``), and the image's id in its description. A sandbox started
+from it lays that layer (hard links) between the image's layers and its own
+upper layer; one of another image is refused; ``to_image`` writes it over
+the image as an image of the store (isolate/image/commit.py). The default
+tmpfs upper layer is refused: no host path reaches it.
+
 Beside the workspace, the contents of the sandbox's private tmpfs mounts
 (``/tmp``, ``/var/tmp``, the home and the policy's ``tmpfs``) are kept when
 they hold anything, as a tar archive made *inside* the sandbox, by the
@@ -49,7 +57,7 @@ import tarfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends.native.kept import _remove_at
 from ..backends.registry import _check_name
@@ -57,6 +65,9 @@ from ..kernel import layers
 from ..kernel.places import open_state_dir, runtime_subdir, state_key
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.workspace import Workspace
+
+if TYPE_CHECKING:
+    from ..image import Image
 
 #: An isolate.Sandbox (not imported: the sandbox module imports this one).
 Sandbox = Any
@@ -195,7 +206,7 @@ class Snapshot:
                                    "(Policy(image=...)), so it holds no root to make an image of")
         return image
 
-    def to_image(self, reference: str | None = None) -> Any:
+    def to_image(self, reference: str | None = None) -> Image:
         """An image in the store: the image the captured sandbox started from, plus one layer, the snapshot's
         root layer (what the program changed there; its workspace, home and /tmp are its own mounts, not the
         image's: not in it). Its config is that image's, with the sandbox's policy's env, working directory

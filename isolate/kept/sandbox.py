@@ -476,20 +476,26 @@ class Sandbox:
                              snapshot, image_upper=upper)
         self._close_sessions()
         old = self._impl
+        started = threading.Event()
         if self.name is None and isinstance(old, NativeSandbox):
             if ((workspace.mode == "overlay" or snapshot.image is not None) and self.origin is not None
                     and self.origin.id == snapshot.id
                     and isinstance(fresh, NativeSandbox)):
                 fresh.start_from = Reused(snapshot, old.paths.key)  # the old one's base layer is this one's
             # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files
-            # removed beside the new one's start, not before it.
+            # removed once the new one has started (its base layers may be moved out of them meanwhile:
+            # removed sooner, a layer half emptied would be moved).
             old.end("restored from a snapshot", wait=False)
-            threading.Thread(target=old.close, name="isolate-restore-cleanup", daemon=True).start()
+            threading.Thread(target=_close_after, args=(old, started), name="isolate-restore-cleanup",
+                             daemon=True).start()
         else:
             old.close()  # a named one's socket and description are the new one's too
         self._started = False
         self._impl, self.origin, self.image_upper = fresh, snapshot, upper
-        self.start()
+        try:
+            self.start()
+        finally:
+            started.set()
 
     def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
         """n new sandboxes (started, unnamed) whose files are this one's as they are now, each on its own.
@@ -531,6 +537,11 @@ class Sandbox:
         if point is None:
             snap.remove()
         return boxes
+
+
+def _close_after(old: KeptBackend, started: threading.Event) -> None:
+    started.wait(120)
+    old.close()
 
 
 def whole_number(value: Any, name: str, minimum: int) -> int:

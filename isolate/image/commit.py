@@ -13,19 +13,22 @@ steps' layers and configs here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..model.errors import IsolationError
 from . import Image, ImageConfig
-from .export import LayerBlob
+from .export import LayerBlob, write_layer
 from .push import remember
 from .reference import Reference
+from .store import Store
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -104,3 +107,28 @@ def policy_config(base: Image, policy: Any) -> dict[str, Any]:
     if policy.uid is not None:
         out["User"] = str(policy.uid) + (f":{policy.gid}" if policy.gid is not None else "")
     return out
+
+
+def _layer_path(store: Store, kind: str) -> str:
+    store._ensure()
+    path = os.path.join(store.path, "tmp", f"{kind}-{os.getpid()}-{threading.get_ident()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return path
+
+
+def snapshot_image(base: Image, root_fd: int, reference: str | None, config: Mapping[str, Any],
+                   leave_out: frozenset[str], history: str) -> Image:
+    """``base`` plus a snapshot's root layer (``root_fd``: overlayfs's format, as an upper layer) as one more
+    layer, kept as ``reference`` (``Snapshot.to_image``: kept/snapshots.py)."""
+    path = _layer_path(base.store, "snapshot")
+    try:
+        # Bounded before a byte is read, as commit_image's (a sparse file claims its size).
+        blob = write_layer(root_fd, path, what=f"to_image {reference or 'built'} (at most max_image_size, "
+                           f"{base.store.max_image_size} bytes)", leave_out=leave_out,
+                           max_size=base.store.max_image_size)
+        return add_layer(base, blob, reference, config, history)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+

@@ -40,7 +40,7 @@ from typing import Any
 from ..image.export import layer_into
 from ..image.unpack import unpack
 from ..kernel.tree import _DIR_FLAGS
-from ..model.errors import IsolationError
+from ..model.errors import IsolationError, UnsupportedError
 from ..model.workspace import Workspace
 from .snapshots import Snapshot, _Making
 
@@ -67,6 +67,10 @@ def _pack(fd: int, budget: list[int], what: str) -> bytes:
 
 def export(snap: Snapshot) -> tuple[bytes, str]:
     """The snapshot as a bundle, and its digest (see the module's docstring)."""
+    if snap.image is not None:
+        raise UnsupportedError(f"snapshot {snap.name!r}: it holds an image root's layer (a sandbox of "
+                               f"{snap.image_ref}), which does not move between nodes yet; its workspace does "
+                               "in a snapshot of a sandbox of the host's root")
     budget = [MAX_BUNDLE]
     what = f"snapshot {snap.name!r} (to another node: at most {MAX_BUNDLE} bytes)"
     members: dict[str, bytes] = {}

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ..image import Image
-from ..image.commit import _DIR_FLAGS, add_layer, mount_points, policy_config
+from ..image.commit import _DIR_FLAGS, _layer_path, add_layer, mount_points, policy_config
 from ..image.export import write_layer
 from ..image.store import Store
 from ..model.errors import IsolationError, UnsupportedError
@@ -51,11 +50,8 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
         raise IsolationError("commit_image: the sandbox is no longer running")
     base = Image.get(policy.image)
     store: Store = base.store
-    store._ensure()
     leave_out = mount_points(pid)
-    path = os.path.join(store.path, "tmp", f"commit-{os.getpid()}-{threading.get_ident()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    path = _layer_path(store, "commit")
     paused = False
     if not impl.paused:
         # The upper layer is read while nothing of the program runs: a sandbox that cannot be paused is refused

@@ -263,6 +263,10 @@ def _no_file(rel: str) -> int:
 # -- the merge -----------------------------------------------------------------------------------------
 
 
+class RootNotMergedWarning(RuntimeWarning):
+    """Branches of sandboxes of an image were merged: their workspaces are, their image roots' changes not."""
+
+
 def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str | os.PathLike[str] | None = None,
           *, policy: Policy | None = None, on_conflict: str = "markers", name: str | None = None,
           start: bool = True) -> MergeResult:
@@ -292,6 +296,13 @@ def merge(branches: Sequence[Sandbox | Snapshot], base: Snapshot | Sandbox | str
         if len(kinds) != 1 or len({b.snapshot.kind for b in made if b.snapshot.lower is None}) > 1:
             raise UnsupportedError("merge: the branches have different workspaces (source, target or mode): "
                                    + "; ".join(str(b.snapshot.workspace) for b in made))
+        roots = sorted({b.snapshot.image_ref or "" for b in made} - {""})
+        if roots:
+            import warnings
+
+            warnings.warn(f"merge: branches of sandboxes of an image ({', '.join(roots)}): their workspaces are "
+                          "merged, their changes to the image's root are not (the merged sandbox starts from the "
+                          "image as it is)", RootNotMergedWarning, stacklevel=2)
         base_view, base_data, base_ground = _base_view(base, made)
         try:
             # A layer over the branches' common ground when they and the base share one; else (copies made

@@ -43,7 +43,7 @@ from ..model.workspace import Workspace
 from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
-from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_start, restore_areas, take
+from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_image, check_start, restore_areas, take
 
 if TYPE_CHECKING:
     from ..image import Image
@@ -96,6 +96,9 @@ class Sandbox:
             workspace = Workspace(os.fspath(workspace))
         if snapshot is not None:
             workspace = check_start(snapshot, workspace)
+            check_image(snapshot, policy)
+            if snapshot.image is not None:
+                self.image_upper = image_upper = "disk"  # its root layer lies under an upper layer on disk
         #: The snapshot this sandbox's files started from (None: its workspace's source).
         self.origin = snapshot
         self.workspace = workspace if workspace is not None else Workspace()
@@ -163,6 +166,7 @@ class Sandbox:
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
         box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
         box._fork_point, box.restore_skipped = None, ()
+        box.image_upper = "disk" if getattr(impl, "image_upper", None) is not None else "tmpfs"
         return box
 
     def _close_sessions(self) -> None:
@@ -485,24 +489,34 @@ class Sandbox:
         """
         self._running("restore")
         workspace = check_start(snapshot, self.workspace)
+        check_image(snapshot, self.policy)
+        upper = "disk" if snapshot.image is not None else self.image_upper
         # The Docker backend refuses here, before anything ends.
         fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
-                             snapshot, image_upper=self.image_upper)
+                             snapshot, image_upper=upper)
         self._close_sessions()
         old = self._impl
+        started = threading.Event()
         if self.name is None and isinstance(old, NativeSandbox):
-            if (snapshot.kind == "layer" and self.origin is not None and self.origin.id == snapshot.id
-                    and isinstance(fresh, NativeSandbox) and (old.copy_base or workspace.mode == "overlay")):
+            reuse = (snapshot.kind == "layer" and (old.copy_base or workspace.mode == "overlay")) \
+                or snapshot.image is not None
+            if (reuse and self.origin is not None and self.origin.id == snapshot.id
+                    and isinstance(fresh, NativeSandbox)):
                 fresh.start_from = Reused(snapshot, old.paths.key)  # the old one's base layer is this one's
             # An unnamed sandbox's paths are its own: the old one is killed now, and reaped and its files
-            # removed beside the new one's start, not before it.
+            # removed once the new one has started (its base layers may be moved out of them meanwhile:
+            # removed sooner, a layer half emptied would be moved).
             old.end("restored from a snapshot", wait=False)
-            threading.Thread(target=old.close, name="isolate-restore-cleanup", daemon=True).start()
+            threading.Thread(target=_close_after, args=(old, started), name="isolate-restore-cleanup",
+                             daemon=True).start()
         else:
             old.close()  # a named one's socket and description are the new one's too
         self._started = False
-        self._impl, self.origin = fresh, snapshot
-        self.start()
+        self._impl, self.origin, self.image_upper = fresh, snapshot, upper
+        try:
+            self.start()
+        finally:
+            started.set()
 
     def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
         """n new sandboxes (started, unnamed) whose files are this one's as they are now, each on its own.
@@ -556,6 +570,11 @@ def _open_base_of(impl: KeptBackend) -> int:
         return _open_base(impl.paths.key)
     except FileNotFoundError:
         return -1
+
+
+def _close_after(old: KeptBackend, started: threading.Event) -> None:
+    started.wait(120)
+    old.close()
 
 
 def whole_number(value: Any, name: str, minimum: int) -> int:

@@ -20,6 +20,14 @@ What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
   copy of the workspace (a *tree*);
 - ``bind``: refused (the workspace is the user's own directory).
 
+A sandbox of an image (``image_upper="disk"``) adds one more layer, the
+image root's: the root layer it started from with its upper layer laid over
+it (``root``), and the image's id in its description. A sandbox started
+from it lays that layer (hard links) between the image's layers and its own
+upper layer; one of another image is refused; ``to_image`` writes it over
+the image as an image of the store (isolate/image/commit.py). The default
+tmpfs upper layer is refused: no host path reaches it.
+
 Beside the workspace, the contents of the sandbox's private tmpfs mounts
 (``/tmp``, ``/var/tmp``, the home and the policy's ``tmpfs``) are kept when
 they hold anything, as a tar archive made *inside* the sandbox, by the
@@ -52,7 +60,7 @@ import tarfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends.native import copies
 from ..backends.registry import _check_name
@@ -61,6 +69,9 @@ from ..kernel.places import open_state_dir, runtime_subdir, state_key
 from ..kernel.tree import remove_dir_at as _remove_at
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.workspace import Workspace
+
+if TYPE_CHECKING:
+    from ..image import Image
 
 #: An isolate.Sandbox (not imported: the sandbox module imports this one).
 Sandbox = Any
@@ -99,6 +110,10 @@ class Snapshot:
     #: A copy workspace's layer lies over the sandbox's private copy, made once (the token of that copy,
     #: isolate/backends/native/copies.py); None: over the source (overlay), or a whole tree.
     lower: str | None = None
+    #: Of a sandbox started from an image: that image's id (its config digest), and the reference it was
+    #: named by; the snapshot then holds the image root's layer too (what the program changed there).
+    image: str | None = None
+    image_ref: str | None = None
 
     # -- the catalogue ------------------------------------------------------------------------------
 
@@ -123,10 +138,12 @@ class Snapshot:
             fd = os.open(os.path.join(_meta_dir(), f"{name}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd) as handle:
                 meta = json.load(handle)
+            image = meta.get("image") or {}
             return cls(name, str(meta["kind"]), _workspace(meta["workspace"]),
                        float(meta["created"]), str(meta["id"]), meta.get("origin"), tuple(meta["areas"]),
                        (int(meta["identity"][0]), int(meta["identity"][1])),
-                       meta["lower"] if copies.valid(meta.get("lower")) else None)
+                       meta["lower"] if copies.valid(meta.get("lower")) else None,
+                       str(image["id"]) if image else None, str(image["reference"]) if image else None)
         except (OSError, ValueError, KeyError, TypeError):
             raise IsolationError(f"no snapshot named {name!r} (isolate.Snapshot.list())") from None
 
@@ -178,6 +195,46 @@ class Snapshot:
             return None
         finally:
             os.close(fd)
+
+    def open_root(self) -> int:
+        """A descriptor of its image root's layer (a snapshot of a sandbox of an image; the caller closes it)."""
+        if self.image is None:
+            raise IsolationError(f"snapshot {self.name!r}: it was not taken of a sandbox of an image")
+        fd = self._open()
+        try:
+            return os.open("root", _DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def _image_meta(self) -> dict[str, Any]:
+        fd = os.open(os.path.join(_meta_dir(), f"{self.name}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as handle:
+            image = json.load(handle).get("image")
+        if not isinstance(image, dict):
+            raise UnsupportedError(f"snapshot {self.name!r}: it was not taken of a sandbox of an image "
+                                   "(Policy(image=...)), so it holds no root to make an image of")
+        return image
+
+    def to_image(self, reference: str | None = None) -> Image:
+        """An image in the store: the image the captured sandbox started from, plus one layer, the snapshot's
+        root layer (what the program changed there; its workspace, home and /tmp are its own mounts, not the
+        image's: not in it). Its config is that image's, with the sandbox's policy's env, working directory
+        and user over it (as ``Sandbox.commit_image``); ``isolate.Sandbox(policy, image=reference)`` starts
+        from it. ``reference``: None keeps it as ``localhost/isolate-build:ID``. An ``isolate.Image``."""
+        from ..image import Image
+        from ..image.commit import snapshot_image
+
+        meta = self._image_meta()
+        base = Image.find(str(meta["id"]))
+        if base is None:
+            raise IsolationError(f"snapshot {self.name!r}: the image it lies over ({meta['reference']}, "
+                                 f"{meta['id']}) is no longer in the image store")
+        root = self.open_root()
+        try:
+            return snapshot_image(base, root, reference, dict(meta["config"]), frozenset(meta["leave_out"]),
+                                  f"isolate snapshot {self.name}")
+        finally:
+            os.close(root)
 
     def open_areas(self) -> int | None:
         """A descriptor of its archive of the tmpfs mounts (a regular file; the caller closes it), or None."""
@@ -245,10 +302,19 @@ class HandedOver:
     def open_data(self) -> int:
         return self.snapshot.open_data()
 
+    def open_root(self) -> int:
+        return self.snapshot.open_root()
+
+    def move_root(self, dir_fd: int, name: str) -> bool:
+        return self._move("root", dir_fd, name)
+
     def move_data(self, dir_fd: int, name: str) -> bool:
+        return self._move(self.snapshot.kind, dir_fd, name)
+
+    def _move(self, part: str, dir_fd: int, name: str) -> bool:
         fd = self.snapshot._open()
         try:
-            os.rename(self.snapshot.kind, name, src_dir_fd=fd, dst_dir_fd=dir_fd)
+            os.rename(part, name, src_dir_fd=fd, dst_dir_fd=dir_fd)
         except OSError:
             return False  # another file system, say: cloned instead
         finally:
@@ -267,10 +333,20 @@ class Reused:
     def open_data(self) -> int:
         return self.snapshot.open_data()
 
+    def open_root(self) -> int:
+        return self.snapshot.open_root()
+
     def move_data(self, dir_fd: int, name: str) -> bool:
+        return self._move(("overlay",), dir_fd, name)
+
+    def move_root(self, dir_fd: int, name: str) -> bool:
+        """The image root's layer the old sandbox cloned (``image/base``), likewise."""
+        return self._move(("image",), dir_fd, name)
+
+    def _move(self, parts: tuple[str, ...], dir_fd: int, name: str) -> bool:
         fd = open_state_dir("sandboxes")
         try:
-            for part in (self.key, "overlay"):
+            for part in (self.key, *parts):
                 nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
@@ -321,12 +397,14 @@ class _Making:
                        dir_fd=self.fd)
 
     def commit(self, workspace: Workspace, origin: str | None, areas: tuple[str, ...],
-               id: str | None = None) -> Snapshot:
-        """Describe the snapshot made (``id``: a capture's token kept from another machine, see bundles.py)."""
+               id: str | None = None, image: dict[str, Any] | None = None) -> Snapshot:
+        """Describe the snapshot made (``id``: a capture's token kept from another machine, see bundles.py;
+        ``image``: the image a root layer lies over, see take())."""
         snap = Snapshot(self.name, self.kind, workspace, time.time(), id or secrets.token_hex(8), origin, areas,
-                        self.identity, self.lower)
+                        self.identity, self.lower, image["id"] if image else None,
+                        image["reference"] if image else None)
         meta = {"kind": snap.kind, "created": snap.created, "id": snap.id, "origin": origin, "areas": list(areas),
-                "identity": list(self.identity), "lower": self.lower,
+                "identity": list(self.identity), "lower": self.lower, "image": image,
                 "workspace": {"source": workspace.source, "target": workspace.target, "mode": workspace.mode,
                               "exclude": list(workspace.exclude)}}
         directory = _meta_dir()
@@ -520,12 +598,14 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
     if not isinstance(impl, NativeSandbox):
         raise UnsupportedError("snapshot: the Docker backend keeps no snapshots (docker commit captures a "
                                "container's image layers, not its bound workspace); use backend='native'")
-    if sb.policy.image is not None:
-        # Its root takes writes (the image's private upper layer), which no snapshot captures yet: a snapshot,
-        # or a fork, would silently lose them.
-        raise UnsupportedError("snapshot: a sandbox from an image keeps its writes to the image's root in a "
-                               "private layer that snapshots and forks do not capture yet; snapshot a sandbox "
-                               "from the host's root, or keep the files in the workspace")
+    if sb.policy.image is not None and impl.image_upper is None:
+        # Its writes to the image's root are in a tmpfs of its own mount namespace: no host path reaches them,
+        # and the program's view (tar inside, as for /tmp) is the image and its changes merged, with no trace
+        # of what it deleted. A snapshot, or a fork, would silently lose them.
+        raise UnsupportedError("snapshot: this sandbox of an image keeps its writes to the image's root in a "
+                               "private tmpfs, which no snapshot or fork can read; start it with "
+                               "isolate.Sandbox(..., image_upper='disk') (the root's upper layer in the state "
+                               "directory: a snapshot then costs what changed there)")
     mode = sb.workspace.mode
     if mode == "bind":
         raise UnsupportedError("snapshot: a bind workspace is the user's own directory, which isolate does not "
@@ -564,7 +644,8 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
                 layers.clone(ws_fd, making.data, hard_links=False)
         finally:
             os.close(ws_fd)
-        return making.commit(sb.workspace, origin.id if origin is not None else None, captured)
+        image = capture_root(sb, making) if sb.policy.image is not None else None
+        return making.commit(sb.workspace, origin.id if origin is not None else None, captured, image=image)
     except BaseException as exc:
         making.abandon()
         if isinstance(exc, OSError):
@@ -573,6 +654,66 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
             raise IsolationError(f"snapshot: could not copy the sandbox's files: {exc.strerror or exc}"
                                  + (f": {exc.filename}" if exc.filename else "")) from None
         raise
+
+
+def capture_root(sb: Sandbox, making: _Making) -> dict[str, Any]:
+    """The image root's layer of a sandbox of an image (its upper layer on disk) into the snapshot being made,
+    as an overlay workspace's: the root layer it started from (a clone, hard links) with its upper layer laid
+    over it; what the snapshot says of the image (its id, the config a to_image gives it, the mount points
+    the sandbox made there, which to_image leaves out)."""
+    from ..backends.native.kept import _fd_identity, _open_base
+    from ..image import Image
+    from ..image.commit import mount_points, policy_config
+
+    impl = sb._impl
+    host = impl.image_upper
+    pid = impl._init_pid()
+    if pid is None:
+        raise IsolationError("snapshot: the sandbox is no longer running")
+    leave_out = mount_points(pid)
+    shown = impl.report_enforced.get("image")
+    image = Image.get(str(shown["id"]) if isinstance(shown, dict) and shown.get("id") else sb.policy.image)
+    upper = os.open(host.upper, _DIR_FLAGS)
+    try:
+        if _fd_identity(upper) != host.identity:
+            raise IsolationError(f"snapshot: {host.upper}: replaced since the sandbox was made: refused")
+        os.mkdir("root", 0o755, dir_fd=making.fd)
+        root = os.open("root", _DIR_FLAGS, dir_fd=making.fd)
+        try:
+            if host.base:
+                base = _open_base(impl.paths.key, ("image", "base"))
+                try:
+                    layers.clone(base, root)
+                finally:
+                    os.close(base)
+            info = os.fstat(upper)
+            os.fchmod(root, stat.S_IMODE(info.st_mode))
+            if os.geteuid() == 0:
+                os.fchown(root, info.st_uid, info.st_gid)
+            layers.flatten(upper, root)
+        finally:
+            os.close(root)
+    finally:
+        os.close(upper)
+    return {"id": image.id, "reference": image.reference, "config": policy_config(image, sb.policy),
+            "leave_out": sorted(leave_out)}
+
+
+def check_image(snapshot: Snapshot, policy: Any) -> None:
+    """Refuse to start or restore a sandbox whose image is not the one the snapshot's root layer lies over."""
+    if snapshot.image is None:
+        return  # the workspace and tmpfs mounts only: any root takes them
+    if policy.image is None:
+        raise PolicyError(f"snapshot {snapshot.name!r} holds the root of a sandbox of image {snapshot.image_ref} "
+                          "(the changes over it); a sandbox started from it runs that image (Policy(image=...))",
+                          "image")
+    from ..image import Image
+
+    found = Image.get(policy.image)
+    if found.id != snapshot.image:
+        raise PolicyError(f"snapshot {snapshot.name!r} was taken of a sandbox of image {snapshot.image_ref} "
+                          f"({snapshot.image[:19]}), and its root layer holds changes over that image only; this "
+                          f"sandbox's image {policy.image} is {found.id[:19]}: refused", "image")
 
 
 def check_start(snapshot: Any, workspace: Workspace | None) -> Workspace:

@@ -212,6 +212,9 @@ class HostUpper:
     #: A root caller's build step: the image's root-owned files are shown as the program's own (an idmapped
     #: mount of the layers, 0 shown as the program's uid), as they are a regular caller's; commit maps back.
     as_owner: bool = False
+    #: Started from a snapshot of an image sandbox: ``<state>/base``, the snapshot's root layer (hard links:
+    #: never written), lies between the image's layers and the upper layer (kept/snapshots.py).
+    base: bool = False
 
     @property
     def upper(self) -> str:
@@ -266,6 +269,8 @@ def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: i
                 found += 1
             elif step.kind == lib.ISO_MOUNT_OVERLAY and step.flags & lib.ISO_MOUNT_F_IMAGE_ROOT:
                 step.fd = upper_fd
+                if host.base:  # the snapshot's root layer, over the image's (bound with the upper layer)
+                    step.source = cstr(f"{STAGING_UPPER}/base:" + os.fsdecode(ffi.string(step.source)))
                 found += 1
             elif (host.as_owner and os.geteuid() == 0 and step.kind == lib.ISO_MOUNT_BIND
                   and ffi.string(step.target) == STAGING_LAYERS.encode()):

@@ -208,7 +208,10 @@ class NativeSandbox:
         try:
             if self.workspace.mode == "overlay":
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
-            on_disk = self.policy.image is not None and self.image_upper_wanted
+            # A snapshot of an image sandbox holds the image root's layer: laid over the image from the upper
+            # layer's directory, which is then on disk whatever was asked (kept/snapshots.py).
+            root_from = _root_source(self.start_from) if self.policy.image is not None else None
+            on_disk = self.policy.image is not None and (self.image_upper_wanted or root_from is not None)
             if copy_layers:
                 # The lower layer's path is the private copy's, known once it is chosen (below).
                 layers = Layers("", self.workspace.target, os.path.join(self.paths.data, "overlay"))
@@ -227,7 +230,8 @@ class NativeSandbox:
                 if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
             if on_disk:
-                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner)
+                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner,
+                                                     root_from)
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
             # this run binds the workspace in its place, so that every sandbox of one policy shares one
@@ -339,6 +343,10 @@ class NativeSandbox:
                 "data": list(self.data_identity) if self.data_identity else None,
                 "workspace_dir": list(self.workspace_identity) if self.workspace_identity else None,
                 "copy": self.copy, "copy_base": self.copy_base, "copy_refused": self.copy_refused}
+        if self.image_upper is not None:  # commit_image and snapshots of an attached sandbox read it
+            host = self.image_upper
+            meta["image_upper"] = {"state": host.state, "identity": list(host.identity),
+                                   "as_owner": host.as_owner, "base": host.base}
         temp = self.paths.meta + f".{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -373,6 +381,12 @@ class NativeSandbox:
         box.copy = copy if copies.valid(copy) and ws["mode"] == "copy" else None
         box.copy_base = meta.get("copy_base") is True
         box.copy_refused = str(meta["copy_refused"]) if meta.get("copy_refused") else None
+        upper = meta.get("image_upper")
+        if isinstance(upper, dict) and _pair(upper.get("identity")) is not None:
+            from .imageroot import HostUpper
+
+            box.image_upper = HostUpper(str(upper["state"]), _pair(upper["identity"]) or (0, 0),
+                                        bool(upper.get("as_owner")), bool(upper.get("base")))
         if not ping:
             return box
         try:
@@ -747,27 +761,45 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
         os.close(parent)
 
 
-def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: bool) -> Any:
+def _root_source(start_from: Any) -> Any:
+    """What a sandbox starts from (a snapshot, or what fork or restore hands over) when it holds an image
+    root's layer; None otherwise."""
+    snapshot = getattr(start_from, "snapshot", start_from)
+    return start_from if getattr(snapshot, "image", None) is not None else None
+
+
+def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: bool, root_from: Any = None) -> Any:
     """A kept image sandbox's upper layer in its data directory (imageroot.make_host_upper), the directory
-    opened without following a link and checked to be the one start() made."""
+    opened without following a link and checked to be the one start() made; ``root_from``: a snapshot whose
+    root layer becomes ``image/base``, between the image and the upper layer."""
     from .imageroot import make_host_upper
 
     data_fd = os.open(data, _DIR_FLAGS)
     try:
         if _fd_identity(data_fd) != identity:
             raise IsolationError(f"{data}: replaced while the sandbox was made")
-        return make_host_upper(data_fd, data, as_owner)
+        host = make_host_upper(data_fd, data, as_owner)
+        if root_from is None:
+            return host
+        state = os.open("image", _DIR_FLAGS, dir_fd=data_fd)
+        try:
+            _fill(root_from, state, "base", hard_links=True, part="root")
+        finally:
+            os.close(state)
+        return dataclasses.replace(host, base=True)
     finally:
         os.close(data_fd)
 
 
-def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool) -> None:
-    """name under dir_fd made of a snapshot's files: its directory moved there when the snapshot is handed
-    over for this sandbox alone (fork's last), else a clone (hard links for a layer, whose files are never
-    written; copies for a workspace, which the program writes)."""
-    if getattr(snapshot, "move_data", None) is not None and snapshot.move_data(dir_fd, name):
+def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool, part: str = "data") -> None:
+    """name under dir_fd made of a snapshot's files (``part``: "data", its workspace's layer or tree; "root",
+    its image root's layer): its directory moved there when the snapshot is handed over for this sandbox
+    alone (fork's last), else a clone (hard links for a layer, whose files are never written; copies for a
+    workspace, which the program writes)."""
+    mover = getattr(snapshot, f"move_{part}", None)
+    if mover is not None and mover(dir_fd, name):
         return
-    source = snapshot.open_data()
+    source = getattr(snapshot, f"open_{part}")()
     try:
         os.mkdir(name, 0o755, dir_fd=dir_fd)
         made = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -811,12 +843,13 @@ def _copy_owner(src_fd: int, dst_fd: int) -> None:
         os.fchown(dst_fd, info.st_uid, info.st_gid)
 
 
-def _open_base(key: str) -> int:
-    """A descriptor of the base layer make_data_dir cloned for sandbox key, reached without following a link
-    (the overlay's plan binds the directory its path names only if it is this one)."""
+def _open_base(key: str, parts: tuple[str, ...] = ("overlay", "base")) -> int:
+    """A descriptor of the base layer make_data_dir cloned for sandbox key (``parts``: or another directory
+    of its data), reached without following a link (the overlay's plan binds the directory its path names
+    only if it is this one)."""
     fd = open_state_dir("sandboxes")
     try:
-        for part in (key, "overlay", "base"):
+        for part in (key, *parts):
             nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nxt

@@ -1,0 +1,144 @@
+"""Snapshots, forks and restores of a sandbox of an image hold its root's changes (one layer over the image);
+``Snapshot.to_image`` makes an image of them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import imagekit as kit
+import pytest
+from conftest import NAMESPACES_WHY
+
+import isolate
+from isolate.image import Image, Store
+from isolate.kept import bundles
+from isolate.kept.merge import RootNotMergedWarning
+
+pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
+                                reason=NAMESPACES_WHY or "busybox-static is not installed")
+
+INSTALL = ("printf '#!/bin/sh\\necho installed\\n' > /usr/local/bin/tool && chmod 755 /usr/local/bin/tool && "
+           "rm /data/gone && echo mine > /workspace/mine")
+
+
+def _disk_upper_why() -> str | None:
+    from isolate.kernel.overlay import xattr_problem
+    from isolate.kernel.places import state_dir
+
+    os.makedirs(state_dir(), exist_ok=True)
+    return xattr_problem(state_dir(), state_dir())
+
+
+@pytest.fixture()
+def images(tmp_path: Path) -> Iterator[tuple[Image, Image]]:
+    if _disk_upper_why():
+        pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
+    saved = os.environ.get("ISOLATE_IMAGE_STORE")
+    os.environ["ISOLATE_IMAGE_STORE"] = str(tmp_path / "store")
+    extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
+             {"name": "usr/local/bin", "type": "dir", "mode": 0o777},
+             {"name": "data", "type": "dir", "mode": 0o777},
+             {"name": "data/gone", "data": b"base's\n", "mode": 0o666}]
+    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="snapbase:1",
+                   Env=["PATH=/usr/local/bin:/bin"])
+    kit.oci_layout(str(tmp_path / "other"), [kit.busybox_layer(extra), kit.layer([{"name": "other", "data": b"x"}])],
+                   ref="snapother:1", Env=["PATH=/usr/local/bin:/bin"])
+    store = Store(tmp_path / "store")
+    try:
+        yield Image.load(tmp_path / "base", store=store), Image.load(tmp_path / "other", store=store)
+    finally:
+        if saved is None:
+            os.environ.pop("ISOLATE_IMAGE_STORE", None)
+        else:
+            os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def _state(box: isolate.Sandbox) -> str:
+    """What the root and workspace hold: the tool's output, whether /data/gone is there, the workspace file."""
+    result = box.exec(["sh", "-c", "tool; test -e /data/gone && echo gone-is-back; cat /workspace/mine; "
+                                   "cat /data/later 2>/dev/null; true"])
+    return result.stdout
+
+
+def test_snapshot_restore_and_fork_keep_the_image_roots_changes(images: tuple[Image, Image], tmp_path: Path) -> None:
+    base, _ = images
+    policy = isolate.Policy(image=base.reference)
+    source = tmp_path / "source"
+    source.mkdir()
+    source.chmod(0o755)
+    workspace = isolate.Workspace(str(source), mode="overlay")
+    with isolate.Sandbox(policy, workspace=workspace, image_upper="disk") as box:
+        assert box.exec(["sh", "-c", INSTALL]).returncode == 0
+        snap = box.snapshot()
+        try:
+            assert snap.image == base.id
+            # Changed after the snapshot: undone by the restore.
+            assert box.exec(["sh", "-c", "rm /usr/local/bin/tool; echo later > /data/later"]).returncode == 0
+            box.restore(snap)
+            assert _state(box) == "installed\nmine\n"
+            # Again, from the snapshot it now started from (its root layer moved over, not cloned again).
+            assert box.exec(["sh", "-c", "echo again > /data/later; echo 1 > /usr/local/bin/tool"]).returncode == 0
+            box.restore(snap)
+            assert _state(box) == "installed\nmine\n"
+            a, b = box.fork(2)
+            with a, b:
+                assert _state(a) == _state(b) == "installed\nmine\n"
+                # Each fork's root is its own.
+                assert a.exec(["sh", "-c", "echo a > /data/later"]).returncode == 0
+                assert _state(b) == "installed\nmine\n"
+                assert _state(a) == "installed\nmine\na\n"
+                # A fork of a fork: its root's layer is the one it started from with its changes over it.
+                (c,) = a.fork(1)
+                with c:
+                    assert _state(c) == "installed\nmine\na\n"
+                with pytest.warns(RootNotMergedWarning):
+                    merged = isolate.merge([a, b])
+                assert merged.sandbox is not None
+                with merged.sandbox:
+                    assert merged.sandbox.exec(["cat", "/workspace/mine"]).stdout == "mine\n"
+                    # The roots are not merged: the merged sandbox's root is the image's.
+                    assert merged.sandbox.exec(["sh", "-c", "test -e /data/gone"]).returncode == 0
+            assert _state(box) == "installed\nmine\n"
+        finally:
+            snap.remove()
+
+
+def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images: tuple[Image, Image]) -> None:
+    base, other = images
+    name = f"imgsnap-{os.getpid()}"
+    with isolate.Sandbox(isolate.Policy(image=base.reference, env={"ADDED": "yes"}), image_upper="disk", name=name):
+        # Attached (as another process would): its upper layer on disk is still known.
+        box = isolate.Sandbox.attach(name)
+        assert box.exec(["sh", "-c", INSTALL]).returncode == 0
+        snap = box.snapshot()
+        assert box.exec(["rm", "/usr/local/bin/tool"]).returncode == 0
+        box.restore(snap)
+        assert _state(box) == "installed\nmine\n"
+    try:
+        made = snap.to_image("snapmade:1")
+        assert made.layers[:-1] == base.layers and len(made.layers) == len(base.layers) + 1
+        assert "ADDED=yes" in made.config.env
+        with isolate.Sandbox(isolate.Policy(image=made.reference)) as again:
+            # The root's changes are the image's; the workspace is the sandbox's own, not in it.
+            assert again.exec(["sh", "-c", "tool; test -e /data/gone || echo deleted; ls -A /workspace"]
+                              ).stdout == "installed\ndeleted\n"
+        # Not shipped to another node of a Ray cluster without its root layer: refused.
+        with pytest.raises(isolate.UnsupportedError, match="between nodes"):
+            bundles.export(snap)
+        # Its root layer lies over that image only.
+        with pytest.raises(isolate.PolicyError, match="snapbase"):
+            isolate.Sandbox(isolate.Policy(image=other.reference), snapshot=snap)
+        with pytest.raises(isolate.PolicyError, match="runs that image"):
+            isolate.Sandbox(isolate.Policy(), snapshot=snap)
+        with isolate.Sandbox(isolate.Policy(image=other.reference), image_upper="disk") as elsewhere:
+            with pytest.raises(isolate.PolicyError, match="refused"):
+                elsewhere.restore(snap)
+            assert elsewhere.exec(["cat", "/other"]).stdout == "x"  # it runs on, untouched
+        # The same image under a new sandbox (its default tmpfs upper): started from the snapshot, on disk.
+        with isolate.Sandbox(isolate.Policy(image=base.reference), snapshot=snap) as started:
+            assert _state(started) == "installed\nmine\n"
+    finally:
+        snap.remove()
+

@@ -202,8 +202,15 @@ class RunCgroup:
                 if hier.directory is None:
                     raise _NotHere(hier.problem or f"{feature}: own cgroup not reachable")
                 parent = os.path.join(hier.directory, PARENT_NAME)
-                _ensure_dir(parent)
-                if not os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+                # Another run's cleanup removes the parent once it is empty: one gone between its making and
+                # the check is made again (access() says no for a directory that is not there).
+                for _attempt in range(10):
+                    _ensure_dir(parent)
+                    usable = os.access(parent, os.W_OK | os.X_OK,
+                                       effective_ids=os.access in os.supports_effective_ids)
+                    if usable or os.path.isdir(parent):
+                        break
+                if not usable:
                     raise _NotHere(f"cannot create a cgroup in {parent}: permission denied for uid {os.geteuid()}")
             except _NotHere as exc:
                 if feature in required:

@@ -558,11 +558,8 @@ class NativeSandbox:
             return "cgroup-freezer"
         sig = signal.SIGSTOP if stop else signal.SIGCONT
         # Stop from the leaves' side up until nothing new appears: a process
-        # that forked meanwhile is stopped in the next round. Never the init:
-        # it runs nothing of the program, and it is what ends the sandbox when
-        # its caller dies (stopped, it left the whole sandbox stopped for good).
-        init = self._init_pid()
-        seen: set[int] = set() if init is None or not stop else {init}
+        # that forked meanwhile is stopped in the next round.
+        seen: set[int] = set()
         for _ in range(50):
             fresh = [p for p in self.processes() if p.pid not in seen]
             if not fresh:

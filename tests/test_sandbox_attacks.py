@@ -896,36 +896,3 @@ def test_a_host_that_holds_many_descriptors_still_runs_shells_and_commands(box: 
             result = isolate.run(["sh", "-c", "sleep 0.3; echo three"], capture_output=True,
                                  policy=isolate.Policy(backend="docker", image=IMAGE, write=(), cwd="/"))
             assert result.stdout == b"three\n"
-
-
-ORPHAN = """
-import os, isolate
-box = isolate.Sandbox(isolate.Policy())
-box.__enter__()
-box.exec(["sh", "-c", "sleep 1000 >/dev/null 2>&1 &"])
-box.pause()
-print(box._impl._init_pid(), flush=True)
-os.kill(os.getpid(), 9)
-"""
-
-
-def test_a_paused_sandbox_ends_with_its_caller() -> None:
-    # Without a cgroup (most regular users), pause() stopped every process with SIGSTOP, the init too: the init,
-    # which ends the sandbox when its caller dies, was stopped then, and a caller killed during a pause (or a
-    # commit_image, which pauses) left the sandbox and its processes stopped for good.
-    ran = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True, timeout=60)
-    init = int(ran.stdout.split()[0])
-    until = time.monotonic() + 15
-    while os.path.exists(f"/proc/{init}") and _state(init) != "Z":
-        if time.monotonic() > until:
-            os.kill(init, 9)  # the test's own leftover: ended so that nothing of it stays
-            pytest.fail("the paused sandbox outlived its caller (its init was stopped)")
-        time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"

@@ -46,6 +46,7 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 cp -r "$work/results/." "$OUT/" 2>/dev/null || true
 cp "$work/console.txt" "$OUT/"
 grep -E '^(== |-- )' "$work/console.txt" || tail -n 40 "$work/console.txt"
-[ "$rc" = 0 ] || tail -n 60 "$work/console.txt"
+# On failure: the guest's end of the run without the skips (what failed, its assertion lines, its exit).
+[ "$rc" = 0 ] || grep -v '^SKIPPED' "$work/console.txt" | tail -n 120
 echo "vm-full: results in $OUT (exit $rc)"
 exit "$rc"

@@ -63,7 +63,9 @@ wait
 status=0
 for who in $CALLERS; do
     echo "-- pytest as $who: $(grep -E '(passed|failed|error)' "$R/pytest-$who.txt" | tail -n 1)"
-    grep -qx '\[exit 0\]' "$R/pytest-$who.txt" || { tail -n 40 "$R/pytest-$who.txt"; status=1; }
+    # On failure: what failed and why (the short summary lists the skips first, which can fill a tail).
+    grep -qx '\[exit 0\]' "$R/pytest-$who.txt" || {
+        grep -E '^(FAILED|ERROR) |^E  ' "$R/pytest-$who.txt" | head -n 60; tail -n 3 "$R/pytest-$who.txt"; status=1; }
 done
 stamp "done"
 exit $status

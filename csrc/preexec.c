@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -34,6 +35,9 @@
 
 #include "steps.h"
 
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
 #ifndef AT_EMPTY_PATH
 #define AT_EMPTY_PATH 0x1000
 #endif
@@ -251,10 +255,19 @@ int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure 
     if (plan->loopback_up && (step = iso_loopback_up()))
         return fail(failure, step, -1);
 
+    /* Y1 must die with H, but the parent-death signal it sets is cleared by
+     * its change of credentials and set again only after it: H killed in
+     * that gap (a subprocess timeout, on a slow host) left Y1 and the
+     * program running.  A pidfd of H, inherited by Y1, tells it afterwards
+     * whether H has already ended.  Kernels before 5.3 have none: they keep
+     * the gap. */
+    int relay_fd = (int)syscall(SYS_pidfd_open, getpid(), 0);
     pid_t first = fork();
     if (first < 0)
         return fail(failure, ISO_STEP_FORK, -1);
     if (first > 0) {
+        if (relay_fd >= 0)
+            close(relay_fd);
         /* H: relay the program's end to subprocess, which waits for us.
          * The relay holds the new namespace's capabilities: drop them too. */
         if ((step = iso_creds_apply(plan)))
@@ -291,6 +304,19 @@ int iso_preexec(const struct iso_plan *plan, int parent_pid, struct iso_failure 
         return fail(failure, step, -1);
     if ((step = iso_die_with_parent()))
         return fail(failure, step, -1);
+    if (relay_fd >= 0) {
+        /* The signal is armed again: H ending from now on kills us; H
+         * already ended reads as the pidfd being readable.  Our end takes
+         * the program's (PID 1's end kills the namespace). */
+        struct pollfd ended = {.fd = relay_fd, .events = POLLIN};
+        int ready;
+        do {
+            ready = poll(&ended, 1, 0);
+        } while (ready < 0 && errno == EINTR);
+        if (ready > 0)
+            _exit(127);
+        close(relay_fd);
+    }
     if ((step = iso_no_new_privs()))
         return fail(failure, step, -1);
     exec_init(plan, program, 0, 0);

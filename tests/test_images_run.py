@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,10 @@ def test_an_images_user_id_past_the_kernels_range_is_refused_not_an_overflow(sto
 
 def test_prune_keeps_the_layers_a_running_sandbox_stands_on(store: str, tmp_path: Path) -> None:
     # image rm, then prune, removed the layers under a running sandbox: its root emptied.
-    _load(tmp_path, "inuse:1", [{"name": "marker", "data": b"still here\n"}])
+    # A layer of its own: the same layer under another caller's running sandbox (the suite as uid 65534, side
+    # by side) is kept too, as prune cannot tell whose store a mount came from.
+    _load(tmp_path, "inuse:1", [{"name": "marker", "data": b"still here\n"},
+                                {"name": "caller", "data": f"{os.getpid()} {time.time()}\n".encode()}])
     policy = isolate.Policy(image="inuse:1", backend="native")
     with isolate.Sandbox(policy=policy) as box:
         image = Image.get("inuse:1")

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 from ..kept.sandbox import Sandbox
-from ..kernel.tree import _DIR_FLAGS, _open_file
+from ..kernel.links import DIR_FLAGS
+from ..kernel.tree import _open_file
 from ..model.errors import IsolationError, PolicyError
 from ..model.files import write_all
 
@@ -237,13 +238,13 @@ class HostFiles:
     @staticmethod
     def _open_dir(dir_fd: int, name: str, path: str, create: bool) -> int:
         try:
-            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             if not create:
                 raise
             with contextlib.suppress(FileExistsError):
                 os.mkdir(name, 0o777, dir_fd=dir_fd)  # the umask applies
-            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(dir_fd, name):
                 raise _link_refused(path) from None

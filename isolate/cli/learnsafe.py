@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
+from ..kernel.links import DIR_FLAGS
 from ..kernel.overlay import Layers, host_refusal, make_layers
 from ..model.errors import UnsupportedError
 
@@ -148,7 +149,7 @@ class Views:
                 refusal = host_refusal(view)
                 if refusal:
                     raise UnsupportedError(f"{directory}: {refusal}")
-                fd = os.open(data, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(data, DIR_FLAGS)
                 try:
                     make_layers(view, fd)
                 finally:

@@ -30,8 +30,6 @@ from .push import remember
 from .reference import Reference
 from .store import Store
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 def mount_points(pid: int) -> frozenset[str]:
     """The mount points of the process's mount namespace, relative to its root (no leading slash)."""

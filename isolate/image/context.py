@@ -19,12 +19,12 @@ import stat
 import tarfile
 from collections.abc import Callable
 
+from ..kernel.links import DIR_FLAGS
 from ..model.files import read_input_file
 from . import Image
 from .build import BuildError, _existing, _target
 from .export import LayerBlob, write_copy
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_IGNORE_FILE = 1 << 20
 
 
@@ -95,7 +95,7 @@ def open_beneath(root_fd: int, rel: str, what: str) -> tuple[int, str]:
     try:
         for part in parts[:-1]:
             try:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise DockerfileError(f"{what}: {rel!r} goes through {part!r}, a link or no directory: refused "
@@ -126,7 +126,7 @@ def _matches(root_fd: int, pattern: str, what: str) -> list[str]:
     if head:
         above, name = open_beneath(root_fd, head, what)
         try:
-            parent = os.open(name, _DIR_FLAGS, dir_fd=above)
+            parent = os.open(name, DIR_FLAGS, dir_fd=above)
         except OSError as exc:
             raise DockerfileError(f"{what}: {head!r} is a link or no directory: refused ({exc.strerror})") from None
         finally:
@@ -147,7 +147,7 @@ def _copy_layer(root: str, patterns: list[str], destination: str, what: str,
     """A builder layer of sources under ``root`` (the context, or a stage's layer)."""
 
     def make(image: Image, out: str) -> LayerBlob:
-        root_fd = os.open(root, _DIR_FLAGS)
+        root_fd = os.open(root, DIR_FLAGS)
         opened: list[tuple[int, str]] = []
         try:
             names = [m for p in patterns for m in _matches(root_fd, p, what)]
@@ -184,7 +184,7 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
         from .export import _write
         from .unpack import entry_name
 
-        root_fd = os.open(context, _DIR_FLAGS)
+        root_fd = os.open(context, DIR_FLAGS)
         try:
             parent, name = open_beneath(root_fd, source, what)
         finally:
@@ -241,7 +241,7 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
 
 
 def _is_archive(context: str, source: str, what: str) -> bool:
-    root_fd = os.open(context, _DIR_FLAGS)
+    root_fd = os.open(context, DIR_FLAGS)
     try:
         parent, name = open_beneath(root_fd, source, what)
     finally:

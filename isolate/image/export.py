@@ -35,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 from .unpack import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
 
 GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_DEPTH = 512
 _CHUNK = 1 << 20
@@ -151,7 +151,7 @@ def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, i
         for number, (dir_fd, name) in enumerate(sources):
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                 prefix = prefixes[number].strip("/") if prefixes else ""
                 writer.source_prefix = f"{prefix}/" if prefix and prefix != "." else ""
                 try:
@@ -238,7 +238,7 @@ class _Writer:
             if stat.S_ISCHR(mode) and st.st_rdev == 0 and not self.fixed_time:  # a copy's host files: a device
                 self.marker(prefix + WHITEOUT_PREFIX + name)
             elif stat.S_ISDIR(mode):
-                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                 try:
                     if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
                         raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")

@@ -26,6 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..kernel.links import DIR_FLAGS
 from .export import GZIP_LAYER, LayerBlob, write_layer
 from .reference import Reference
 from .registry import Client, RegistryError
@@ -81,7 +82,7 @@ def export_layer(image: Image, digest: str) -> LayerBlob:
     path = os.path.join(store.path, "tmp", f"export-{hex_[:16]}-{os.getpid()}-{threading.get_ident()}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    root_fd = os.open(store.layer_root(digest), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    root_fd = os.open(store.layer_root(digest), DIR_FLAGS)
     try:
         blob = write_layer(root_fd, path, what=f"image {image.reference}: layer {digest[:19]}")
     except BaseException:

@@ -39,12 +39,12 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 OPAQUE_XATTR = "user.overlay.opaque"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _REFUSED_XATTRS = ("security.capability", "trusted.", "user.overlay.")
 _CHUNK = 1 << 20
 
@@ -202,10 +202,10 @@ class _Unpacker:
         try:
             for i, part in enumerate(parts[:-1]):
                 try:
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     os.mkdir(part, 0o755, dir_fd=fd)
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         where = "/".join(parts[:i + 1])
@@ -369,7 +369,7 @@ class _Unpacker:
 def _remove_tree_at(dir_fd: int, name: str) -> None:
     """rm -r of dir_fd/name, no link followed (a directory of the store's owner, made writable first)."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ENOTDIR, errno.ELOOP):
             os.unlink(name, dir_fd=dir_fd)
@@ -394,7 +394,7 @@ def remove_tree(path: str) -> None:
     """rm -r path (no link followed); nothing there is fine."""
     parent, name = os.path.split(path.rstrip("/"))
     try:
-        fd = os.open(parent or "/", _DIR_FLAGS)
+        fd = os.open(parent or "/", DIR_FLAGS)
     except FileNotFoundError:
         return
     try:

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..image.export import layer_into
 from ..image.unpack import unpack
-from ..kernel.tree import _DIR_FLAGS
+from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError, UnsupportedError
 from ..model.workspace import Workspace
 from .snapshots import Snapshot, _Making
@@ -184,7 +184,7 @@ def load(data: bytes, digest: str, name: str | None = None) -> Snapshot:
             if meta["kind"] != "layer":
                 raise IsolationError(f"{what}: a tree snapshot with a base layer: refused")
             os.mkdir("base", 0o755, dir_fd=making.fd)
-            base = os.open("base", _DIR_FLAGS, dir_fd=making.fd)
+            base = os.open("base", DIR_FLAGS, dir_fd=making.fd)
             try:
                 unpack(_raw(members["base.tar"]), base, what=what, max_size=MAX_BUNDLE)
             finally:

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..image import Image
-from ..image.commit import _DIR_FLAGS, _layer_path, add_layer, mount_points, policy_config
+from ..image.commit import _layer_path, add_layer, mount_points, policy_config
 from ..image.export import write_layer
 from ..image.store import Store
+from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError, UnsupportedError
 
 
@@ -63,7 +64,7 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
                 from None
         paused = True
     try:
-        upper_fd = os.open(host.upper, _DIR_FLAGS)
+        upper_fd = os.open(host.upper, DIR_FLAGS)
         try:
             if _fd_identity(upper_fd) != host.identity:
                 raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends.native import copies
 from ..backends.registry import _check_name
 from ..kernel import layers
+from ..kernel.links import DIR_FLAGS
 from ..kernel.places import open_state_dir, runtime_subdir, state_key
 from ..kernel.tree import remove_dir_at as _remove_at
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
@@ -76,7 +77,6 @@ if TYPE_CHECKING:
 #: An isolate.Sandbox (not imported: the sandbox module imports this one).
 Sandbox = Any
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: The archive of the tmpfs mounts, at most (it moves between the sandbox and its file CHUNK at a time).
 AREAS_LIMIT = 1 << 30
 CHUNK = 1 << 20
@@ -165,7 +165,7 @@ class Snapshot:
     def _open(self) -> int:
         parent = open_state_dir("snapshots")
         try:
-            fd = os.open(self.name, _DIR_FLAGS, dir_fd=parent)
+            fd = os.open(self.name, DIR_FLAGS, dir_fd=parent)
         except OSError:
             raise IsolationError(f"snapshot {self.name!r}: its files are gone (removed?)") from None
         finally:
@@ -181,7 +181,7 @@ class Snapshot:
         """A descriptor of its layer or tree (the caller closes it)."""
         fd = self._open()
         try:
-            return os.open(self.kind, _DIR_FLAGS, dir_fd=fd)
+            return os.open(self.kind, DIR_FLAGS, dir_fd=fd)
         finally:
             os.close(fd)
 
@@ -190,7 +190,7 @@ class Snapshot:
         snapshot for merge; None when there is none."""
         fd = self._open()
         try:
-            return os.open("base", _DIR_FLAGS, dir_fd=fd)
+            return os.open("base", DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:
             return None
         finally:
@@ -202,7 +202,7 @@ class Snapshot:
             raise IsolationError(f"snapshot {self.name!r}: it was not taken of a sandbox of an image")
         fd = self._open()
         try:
-            return os.open("root", _DIR_FLAGS, dir_fd=fd)
+            return os.open("root", DIR_FLAGS, dir_fd=fd)
         finally:
             os.close(fd)
 
@@ -347,7 +347,7 @@ class Reused:
         fd = open_state_dir("sandboxes")
         try:
             for part in (self.key, *parts):
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
             os.rename("base", name, src_dir_fd=fd, dst_dir_fd=dir_fd)
@@ -377,11 +377,11 @@ class _Making:
                                  "snapshots (left over?); remove it or choose another name") from None
         self.fd = self.data = -1
         try:
-            self.fd = os.open(self.name, _DIR_FLAGS, dir_fd=self.parent)
+            self.fd = os.open(self.name, DIR_FLAGS, dir_fd=self.parent)
             info = os.fstat(self.fd)
             self.identity = (info.st_dev, info.st_ino)
             os.mkdir(kind, 0o755, dir_fd=self.fd)
-            self.data = os.open(kind, _DIR_FLAGS, dir_fd=self.fd)
+            self.data = os.open(kind, DIR_FLAGS, dir_fd=self.fd)
         except BaseException:
             self.close()
             raise
@@ -627,7 +627,7 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
                         layers.clone(base, making.data)
                         # The start it shares with its sibling branches, for merge (hard links again).
                         os.mkdir("base", 0o755, dir_fd=making.fd)
-                        kept = os.open("base", _DIR_FLAGS, dir_fd=making.fd)
+                        kept = os.open("base", DIR_FLAGS, dir_fd=making.fd)
                         try:
                             layers.clone(base, kept)
                         finally:
@@ -673,12 +673,12 @@ def capture_root(sb: Sandbox, making: _Making) -> dict[str, Any]:
     leave_out = mount_points(pid)
     shown = impl.report_enforced.get("image")
     image = Image.get(str(shown["id"]) if isinstance(shown, dict) and shown.get("id") else sb.policy.image)
-    upper = os.open(host.upper, _DIR_FLAGS)
+    upper = os.open(host.upper, DIR_FLAGS)
     try:
         if _fd_identity(upper) != host.identity:
             raise IsolationError(f"snapshot: {host.upper}: replaced since the sandbox was made: refused")
         os.mkdir("root", 0o755, dir_fd=making.fd)
-        root = os.open("root", _DIR_FLAGS, dir_fd=making.fd)
+        root = os.open("root", DIR_FLAGS, dir_fd=making.fd)
         try:
             if host.base:
                 base = _open_base(impl.paths.key, ("image", "base"))

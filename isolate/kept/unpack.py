@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._core import lib
+from ..kernel.links import DIR_FLAGS
 
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
 
 
@@ -69,12 +69,12 @@ def _descend(area: Area, parts: Sequence[str], create: bool) -> int:
     try:
         for part in parts:
             try:
-                nxt = os.open(part, _DIR, dir_fd=fd)
+                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
                     raise _Skip("its directory is missing") from None
                 os.mkdir(part, 0o700, dir_fd=fd)
-                nxt = os.open(part, _DIR, dir_fd=fd)
+                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise _Skip("it lies beneath a link or a file") from None

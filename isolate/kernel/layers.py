@@ -24,7 +24,8 @@ import os
 import stat
 from collections.abc import Callable
 
-from .tree import _DIR_FLAGS, MAX_DEPTH, Entry, _copy_extents, _open_file, _remove_tree, walk
+from .links import DIR_FLAGS
+from .tree import MAX_DEPTH, Entry, _copy_extents, _open_file, _remove_tree, walk
 
 OPAQUE_XATTR = "user.overlay.opaque"
 #: No set-user-ID or set-group-ID bit on a file isolate copies (they mean nothing in a sandbox, which
@@ -69,7 +70,7 @@ def _mkdir_like(dir_fd: int, name: str, info: os.stat_result, opaque: bool, fill
         if not stat.S_ISDIR(found.st_mode):
             os.unlink(name, dir_fd=dir_fd)
             os.mkdir(name, 0o700, dir_fd=dir_fd)
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     try:
         _own(fd, info)
         os.fchmod(fd, (stat.S_IMODE(info.st_mode) & 0o7777) | (0o700 if filling else 0))
@@ -159,7 +160,7 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
             if stat.S_ISDIR(info.st_mode):
                 if depth >= MAX_DEPTH:
                     continue
-                child = os.open(name, _DIR_FLAGS, dir_fd=src)
+                child = os.open(name, DIR_FLAGS, dir_fd=src)
                 try:
                     out = _mkdir_like(dst, name, info, _opaque(child), filling=True)
                     try:
@@ -202,7 +203,7 @@ def flatten(upper_fd: int, out_fd: int) -> int:
                 continue
             if depth >= MAX_DEPTH:
                 continue
-            child = os.open(name, _DIR_FLAGS, dir_fd=src)
+            child = os.open(name, DIR_FLAGS, dir_fd=src)
             try:
                 try:
                     below = os.stat(name, dir_fd=dst, follow_symlinks=False)
@@ -364,7 +365,7 @@ def _parent(root_fd: int, rel: str, layered: bool) -> int:
                 if layered:
                     _set_opaque(fd, part)
         try:
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
         finally:
             if fd != root_fd:
                 os.close(fd)
@@ -373,7 +374,7 @@ def _parent(root_fd: int, rel: str, layered: bool) -> int:
 
 
 def _set_opaque(dir_fd: int, name: str) -> None:
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     try:
         os.setxattr(fd, OPAQUE_XATTR, b"y")
     finally:

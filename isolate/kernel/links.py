@@ -14,6 +14,10 @@ import stat
 
 from ..model.errors import PolicyError
 
+#: How a directory on a path the host uses for a program is opened: never through a link at its last step
+#: (each step of a walk is opened from its parent's descriptor with these flags).
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 def host_symlinks(path: str, field_name: str = "read") -> tuple[list[tuple[str, str]], str]:
     """The symlinked components of absolute ``path`` (as (link, text) pairs) and its real path.
@@ -64,7 +68,7 @@ def open_directory(path: str, create: bool = False) -> int:
     directly under ``/`` are read and followed. With ``create``, a missing directory is made (0700).
     Raises PolicyError for a link the rule does not follow, OSError for anything else.
     """
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = DIR_FLAGS
     fd = os.open("/", flags)
     parts = [p for p in path.split("/") if p not in ("", ".")]
     at_root, hops = True, 0

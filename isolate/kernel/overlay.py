@@ -41,7 +41,8 @@ from typing import Any
 
 from ..model.errors import IsolationError, UnsupportedError
 from ..model.workspace import Workspace
-from .tree import _DIR_FLAGS, MAX_DEPTH, Changes, Entry, _kind, _open_dir, _open_file, apply, check_target, diff, walk
+from .links import DIR_FLAGS
+from .tree import MAX_DEPTH, Changes, Entry, _kind, _open_dir, _open_file, apply, check_target, diff, walk
 
 #: Where the child mounts the layers before it mounts the overlay (in its staging root, gone after pivot_root).
 STAGING_LOWER = "/.isolate-overlay-lower"
@@ -96,7 +97,7 @@ def layers_for(workspace: Workspace, data: str) -> Layers:
 def make_layers(layers: Layers, data_fd: int) -> tuple[int, int]:
     """Make the upper and work directories in the sandbox's fresh data directory (its descriptor: nothing
     on the way is looked up again); the upper directory's (st_dev, st_ino)."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = DIR_FLAGS
     os.mkdir("overlay", 0o700, dir_fd=data_fd)
     state = os.open("overlay", flags, dir_fd=data_fd)
     try:
@@ -373,7 +374,7 @@ def _walk_upper(upper_fd: int) -> tuple[dict[str, Entry], set[str], set[str]]:
             if kind != "dir":
                 continue
             try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
             except OSError:
                 continue
             try:

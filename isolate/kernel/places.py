@@ -22,6 +22,7 @@ import os
 import stat
 
 from ..model.errors import IsolationError, PolicyError
+from .links import DIR_FLAGS
 
 
 def state_dir() -> str:
@@ -40,7 +41,6 @@ def state_key() -> str:
     return hashlib.sha256(os.fsencode(os.path.realpath(state_dir()))).hexdigest()[:16]
 
 
-_WALK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_state_dir(*parts: str) -> int:
@@ -82,7 +82,7 @@ def open_state_dir(*parts: str) -> int:
             except FileExistsError:
                 pass
             try:
-                child = os.open(part, _WALK_FLAGS, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 raise IsolationError(f"state directory: {where} is not a directory isolate made ({exc.strerror}: "
                                      "a link, or another kind of file); remove it") from None

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from ..model.errors import IsolationError
 from ..model.workspace import Workspace
+from .links import DIR_FLAGS
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
 #: How deep walk() goes. A program can nest directories without end; each level costs the walk a
 #: descriptor and a Python frame, so a deeper directory is listed as refused, not descended into.
@@ -89,7 +89,7 @@ def _kind(mode: int) -> str:
 
 def _open_dir(path: str) -> int:
     try:
-        return os.open(path, _DIR_FLAGS)
+        return os.open(path, DIR_FLAGS)
     except OSError as exc:
         raise IsolationError(f"workspace: {path}: {exc.strerror}") from None
 
@@ -114,7 +114,7 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
             out[rel] = Entry(kind, stat.S_IMODE(info.st_mode), info.st_size, link, info.st_ino, info.st_nlink)
             if kind == "dir":
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                    child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                 except OSError:
                     continue  # replaced meanwhile: listed as it was
                 try:
@@ -146,7 +146,7 @@ def _descend(dir_fd: int, rel_dir: str) -> int:
     fd = dir_fd
     for part in [p for p in rel_dir.split("/") if p]:
         try:
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
         finally:
             if fd != dir_fd:
                 os.close(fd)
@@ -300,7 +300,7 @@ def _open_removable(name: str, dir_fd: int) -> int:
     never by a name a link could have replaced meanwhile.
     """
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except PermissionError:
         path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
@@ -309,7 +309,7 @@ def _open_removable(name: str, dir_fd: int) -> int:
             os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
         finally:
             os.close(path_fd)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     info = os.fstat(fd)
     if info.st_mode & 0o700 != 0o700 and info.st_uid == os.geteuid():
         os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o700)
@@ -376,7 +376,7 @@ def remove_dir_at(parent: int, name: str, identity: tuple[int, int]) -> None:
     """Remove the directory ``name`` of the directory ``parent`` and its tree, if it still is ``identity``
     (its st_dev, st_ino): a directory swapped in meanwhile is left alone; nothing on the way is followed."""
     try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        child = os.open(name, DIR_FLAGS, dir_fd=parent)
         try:
             info = os.fstat(child)
             if (info.st_dev, info.st_ino) != identity:

@@ -22,12 +22,12 @@ import stat
 import tarfile
 from collections.abc import Callable
 
+from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 
 #: The most a commit carries to the caller's machine: its files' sizes, holes counted (see above).
 MAX_PACKED = 1 << 30
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def pack_tree(path: str, skip: Callable[[str], bool] | None = None, limit: int | None = None) -> bytes:
@@ -78,7 +78,7 @@ def _open_parent(root_fd: int, parts: list[str]) -> int:
                 os.mkdir(part, 0o755, dir_fd=fd)
             except FileExistsError:
                 pass
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)  # ELOOP/ENOTDIR: a link or a file on the way
+            child = os.open(part, DIR_FLAGS, dir_fd=fd)  # ELOOP/ENOTDIR: a link or a file on the way
             os.close(fd)
             fd = child
     except BaseException:
@@ -89,7 +89,7 @@ def _open_parent(root_fd: int, parts: list[str]) -> int:
 
 def unpack_tree(data: bytes, into: str) -> None:
     """Unpack ``pack_tree``'s tar into the (new, empty) directory ``into`` (see the module's docstring)."""
-    root_fd = os.open(into, _DIR_FLAGS)
+    root_fd = os.open(into, DIR_FLAGS)
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
             for member in archive:
@@ -111,7 +111,7 @@ def _make(archive: tarfile.TarFile, member: tarfile.TarInfo, parent: int, name: 
         try:
             os.mkdir(name, mode | 0o700, dir_fd=parent)
         except FileExistsError:
-            os.close(os.open(name, _DIR_FLAGS, dir_fd=parent))  # a directory already, not a link
+            os.close(os.open(name, DIR_FLAGS, dir_fd=parent))  # a directory already, not a link
         return
     if member.issym():
         os.symlink(member.linkname, name, dir_fd=parent)

@@ -40,6 +40,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kernel.links import DIR_FLAGS
 from ..kernel.places import runtime_subdir, state_key
 from ..model.errors import IsolationError
 from ..model.policy import DEFAULT_WRITE
@@ -53,7 +54,6 @@ MAX_RECORD = 1 << 20
 #: Token hashes kept per sandbox: a restarted server gives out a new token (it has only the hashes) and
 #: keeps accepting the older ones; each port likewise.
 MAX_TOKENS = 16
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def token_hash(token: str) -> str:
@@ -200,7 +200,7 @@ class Keeper:
             except OSError as exc:
                 raise IsolationError(f"--state-dir {self.path}: cannot be made ({exc.strerror})") from None
         try:
-            self.fd = os.open(self.path, _DIR_FLAGS)
+            self.fd = os.open(self.path, DIR_FLAGS)
         except OSError as exc:
             raise IsolationError(f"--state-dir {self.path}: {exc.strerror} (a link is not followed there: give "
                                  "the real path of a directory)") from None

@@ -43,6 +43,7 @@ from typing import Any
 
 from ..._core import INIT_PATH, lib
 from ...kernel.grants import resolve_grant
+from ...kernel.links import DIR_FLAGS
 from ...kernel.places import runtime_dir, state_dir
 from ...kernel.tree import _open_dir
 from ...model.errors import IsolationError, PolicyError, SetupError, UnsupportedError
@@ -292,7 +293,7 @@ class DockerKept:
         """
         if os.geteuid() != 0:
             return
-        fd = os.open(self.paths.run, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(self.paths.run, DIR_FLAGS)
         try:
             info = os.fstat(fd)
             if self.run_identity is None or (info.st_dev, info.st_ino) != self.run_identity:

@@ -33,11 +33,11 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ...kernel.links import DIR_FLAGS
 from ...kernel.places import open_state_dir
 from ...kernel.tree import remove_dir_at
 from ...model.errors import IsolationError
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 KIND = "copies"
 USERS = "users"
 #: The name of a user's link of a copy's ``users`` file, in the user's own directory.
@@ -65,13 +65,13 @@ def create(user_fd: int) -> tuple[str, int]:
     token = secrets.token_hex(12)
     with _locked() as parent:
         os.mkdir(token, 0o700, dir_fd=parent)
-        fd = os.open(token, _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(token, DIR_FLAGS, dir_fd=parent)
         try:
             os.close(os.open(USERS, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=fd))
             os.link(USERS, USER_LINK, src_dir_fd=fd, dst_dir_fd=user_fd, follow_symlinks=False)
             os.mkdir("tree", 0o755, dir_fd=fd)
-            return token, os.open("tree", _DIR_FLAGS, dir_fd=fd)
+            return token, os.open("tree", DIR_FLAGS, dir_fd=fd)
         finally:
             os.close(fd)
 
@@ -80,7 +80,7 @@ def add_user(token: str, user_fd: int) -> None:
     """Link user_fd's directory to the copy (it stays while that link does)."""
     with _locked() as parent:
         try:
-            fd = os.open(_checked(token), _DIR_FLAGS, dir_fd=parent)
+            fd = os.open(_checked(token), DIR_FLAGS, dir_fd=parent)
         except FileNotFoundError:
             raise IsolationError(f"workspace: the private copy it started from ({token}) is gone") from None
         try:
@@ -93,13 +93,13 @@ def open_tree(token: str) -> int:
     """A descriptor of the copy's tree (the caller closes it)."""
     parent = open_state_dir(KIND)
     try:
-        fd = os.open(_checked(token), _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(_checked(token), DIR_FLAGS, dir_fd=parent)
     except FileNotFoundError:
         raise IsolationError(f"workspace: its private copy ({token}) is gone") from None
     finally:
         os.close(parent)
     try:
-        return os.open("tree", _DIR_FLAGS, dir_fd=fd)
+        return os.open("tree", DIR_FLAGS, dir_fd=fd)
     finally:
         os.close(fd)
 
@@ -132,7 +132,7 @@ def sweep() -> list[str]:
 
 def _remove_unused(parent: int, token: str) -> bool:
     try:
-        fd = os.open(token, _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(token, DIR_FLAGS, dir_fd=parent)
     except OSError:
         return False
     try:

@@ -24,6 +24,7 @@ from ..._core import lib
 from ...image import Image, view
 from ...kernel import hostinfo, mounts
 from ...kernel.hostinfo import userns_error
+from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import Step
 from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import Policy
@@ -226,7 +227,7 @@ def make_host_upper(data_fd: int, data: str, as_owner: bool = False) -> HostUppe
     where its file system keeps no user.* extended attributes (overlayfs's metadata in the upper layer)."""
     from ...kernel.overlay import xattr_problem
 
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = DIR_FLAGS
     os.mkdir("image", 0o700, dir_fd=data_fd)
     state = os.open("image", flags, dir_fd=data_fd)
     try:
@@ -251,7 +252,7 @@ def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: i
     try:
         state_fd = os.open(host.state, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fds.append(state_fd)
-        upper_fd = os.open("upper", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=state_fd)
+        upper_fd = os.open("upper", DIR_FLAGS, dir_fd=state_fd)
         fds.append(upper_fd)
         info = os.fstat(upper_fd)
         if (info.st_dev, info.st_ino) != host.identity:

@@ -31,6 +31,7 @@ from typing import Any
 from ..._core import ffi, init_fd, lib
 from ...kernel import fdwait, grants
 from ...kernel.layers import clone
+from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import WAY_OUT, Layers, OverlayRefused, host_refusal, layers_for, make_layers
 from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
 from ...kernel.tree import copy_tree
@@ -43,8 +44,6 @@ from . import copies
 from .egress import ask_summary
 from .popen import Popen
 from .protocol import Connection, ServerGone, probe
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 SERVER_NAME = "isolate-exec-server"
 #: How long start() waits for the server to answer its first ping.
@@ -600,7 +599,7 @@ def make_copy_layers(key: str, workspace: Workspace, layers: Layers,
     parent = open_state_dir("sandboxes")
     try:
         os.mkdir(key, 0o700, dir_fd=parent)
-        data_fd = os.open(key, _DIR_FLAGS, dir_fd=parent)
+        data_fd = os.open(key, DIR_FLAGS, dir_fd=parent)
         data = _fd_identity(data_fd)
         token: str | None = None
         try:
@@ -610,7 +609,7 @@ def make_copy_layers(key: str, workspace: Workspace, layers: Layers,
                 if token is None:
                     raise IsolationError(f"snapshot {snapshot.name!r}: its layer lies over no private copy")
                 copies.add_user(token, data_fd)
-                state = os.open("overlay", _DIR_FLAGS, dir_fd=data_fd)
+                state = os.open("overlay", DIR_FLAGS, dir_fd=data_fd)
                 try:
                     _fill(fill_from, state, "base", hard_links=True)
                 finally:
@@ -721,13 +720,13 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
     parent = open_state_dir(kind)
     try:
         os.mkdir(key, 0o700, dir_fd=parent)
-        data_fd = os.open(key, _DIR_FLAGS, dir_fd=parent)
+        data_fd = os.open(key, DIR_FLAGS, dir_fd=parent)
         data = _fd_identity(data_fd)
         try:
             if layers is not None:
                 upper = make_layers(layers, data_fd)
                 if fill_from is not None:
-                    state = os.open("overlay", _DIR_FLAGS, dir_fd=data_fd)
+                    state = os.open("overlay", DIR_FLAGS, dir_fd=data_fd)
                     try:
                         _fill(fill_from, state, "base", hard_links=True)
                     finally:
@@ -741,7 +740,7 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
                 _fill(fill_from, data_fd, "workspace", hard_links=False)  # a snapshot's tree, as it was
             else:
                 os.mkdir("workspace", 0o755, dir_fd=data_fd)
-            copy_fd = os.open("workspace", _DIR_FLAGS, dir_fd=data_fd)
+            copy_fd = os.open("workspace", DIR_FLAGS, dir_fd=data_fd)
             try:
                 copied = _fd_identity(copy_fd)
                 if fill_from is None and workspace.source is not None:
@@ -771,14 +770,14 @@ def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: boo
     root layer becomes ``image/base``, between the image and the upper layer."""
     from .imageroot import make_host_upper
 
-    data_fd = os.open(data, _DIR_FLAGS)
+    data_fd = os.open(data, DIR_FLAGS)
     try:
         if _fd_identity(data_fd) != identity:
             raise IsolationError(f"{data}: replaced while the sandbox was made")
         host = make_host_upper(data_fd, data, as_owner)
         if root_from is None:
             return host
-        state = os.open("image", _DIR_FLAGS, dir_fd=data_fd)
+        state = os.open("image", DIR_FLAGS, dir_fd=data_fd)
         try:
             _fill(root_from, state, "base", hard_links=True, part="root")
         finally:
@@ -799,7 +798,7 @@ def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool, part: str = "
     source = getattr(snapshot, f"open_{part}")()
     try:
         os.mkdir(name, 0o755, dir_fd=dir_fd)
-        made = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        made = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
         try:
             _copy_owner(source, made)
             clone(source, made, hard_links=hard_links)
@@ -817,7 +816,7 @@ def _fill_from_layer(snapshot: Any, dir_fd: int) -> None:
     if snapshot.lower is None:
         raise IsolationError(f"snapshot {snapshot.name!r}: its layer lies over no private copy")
     os.mkdir("workspace", 0o755, dir_fd=dir_fd)
-    made = os.open("workspace", _DIR_FLAGS, dir_fd=dir_fd)
+    made = os.open("workspace", DIR_FLAGS, dir_fd=dir_fd)
     try:
         lower = copies.open_tree(snapshot.lower)
         try:
@@ -847,7 +846,7 @@ def _open_base(key: str, parts: tuple[str, ...] = ("overlay", "base")) -> int:
     fd = open_state_dir("sandboxes")
     try:
         for part in (key, *parts):
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nxt
     except BaseException:

@@ -229,6 +229,8 @@ static void close_all_but(int a, int b, int c, int d)
  * hang.  The init cannot be stopped from inside its PID namespace, so it
  * continues the server whenever it stops. */
 static int keep_program_running;
+/* Held by the host's pause (ISO_SIGNAL_HOLD): the program stays stopped. */
+static int program_held;
 
 /* Reap every child that has ended; 1 when the program was among them. */
 static int reap(pid_t program)
@@ -237,7 +239,7 @@ static int reap(pid_t program)
     pid_t pid;
     while ((pid = waitpid(-1, &wstatus, WNOHANG | (keep_program_running ? WUNTRACED : 0))) > 0) {
         if (WIFSTOPPED(wstatus)) {
-            if (pid == program && kill(program, SIGCONT) < 0) {
+            if (pid == program && !program_held && kill(program, SIGCONT) < 0) {
                 /* It ended meanwhile: its exit is reaped in a later round. */
             }
             continue;
@@ -335,6 +337,8 @@ int main(int argc, char **argv)
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
+    if (keep_program_running)
+        sigaddset(&mask, ISO_SIGNAL_HOLD);
     if (parent > 0)
         sigaddset(&mask, PARENT_GONE_SIGNAL);
     for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
@@ -416,18 +420,34 @@ int main(int argc, char **argv)
                 break;
         }
         if (fds[0].revents & POLLIN) {
-            struct signalfd_siginfo info;
-            while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info) {
-                int sig = (int)info.ssi_signo;
-                if (parent > 0 && sig == PARENT_GONE_SIGNAL && getppid() != parent) {
-                    parent_gone = 1;
-                    continue;
+            /* Every pending signal at once: the signalfd hands them out by
+             * number, so the SIGCHLD of a stop comes before a hold the host
+             * queued ahead of that stop.  Holds are applied first, so the
+             * stop is not undone. */
+            struct signalfd_siginfo batch[32];
+            ssize_t got;
+            while ((got = read(sigfd, batch, sizeof batch)) >= (ssize_t)sizeof batch[0]) {
+                size_t n = (size_t)got / sizeof batch[0];
+                int reap_now = 0;
+                for (size_t i = 0; i < n; i++) {
+                    /* Only the host's: with a PID namespace a sender inside
+                     * it has a pid here, the host has none (the kernel sets
+                     * it).  Without one, the program could as well stop this
+                     * process itself. */
+                    if ((int)batch[i].ssi_signo == ISO_SIGNAL_HOLD && (!pid_namespace || batch[i].ssi_pid == 0))
+                        program_held = batch[i].ssi_int != 0;
                 }
-                if (sig != SIGCHLD) {
-                    kill(program, sig);
-                    continue;
+                for (size_t i = 0; i < n; i++) {
+                    int sig = (int)batch[i].ssi_signo;
+                    if (parent > 0 && sig == PARENT_GONE_SIGNAL && getppid() != parent)
+                        parent_gone = 1;
+                    else if (sig == SIGCHLD)
+                        reap_now = 1;
+                    else if (sig != ISO_SIGNAL_HOLD && sig != PARENT_GONE_SIGNAL)
+                        kill(program, sig);
                 }
-                done |= reap(program);
+                if (reap_now)
+                    done |= reap(program);
             }
         }
     }

@@ -444,6 +444,20 @@ int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t 
  * returns a mount fd or -1 (errno set). */
 int iso_open_idmapped_tree(const char *path, int userns_fd);
 
+/* A kept sandbox's init continues its exec server whenever it stops (a
+ * command shares its uid and could stop it).  A pause by the host must stop
+ * it and leave the init running (the init ends the sandbox when its caller
+ * dies; stopped, it left a stopped sandbox behind for good): the host first
+ * queues ISO_SIGNAL_HOLD to the init with the value 1, and with 0 once it
+ * has continued everything.  One queued real-time signal, so the init reads
+ * the holds and releases in the order they were sent.  (glibc's SIGRTMIN is
+ * 34; this is SIGRTMIN + 6.) */
+#define ISO_SIGNAL_HOLD 40
+
+/* Queue ISO_SIGNAL_HOLD with `hold` (1 or 0) to process `pid`; 0, or -1
+ * with errno set. */
+int iso_hold_exec_server(int pid, int hold);
+
 /* Probes for `isolate-run doctor`: 0 when the mechanism works, else an errno. */
 int iso_probe_userns(void);
 

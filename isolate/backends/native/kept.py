@@ -40,7 +40,7 @@ from ...model.errors import IsolationError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
 from ..registry import Registry, SandboxRecord
-from . import copies
+from . import copies, pausing
 from .egress import ask_summary
 from .popen import Popen
 from .protocol import Connection, ServerGone, probe
@@ -555,18 +555,11 @@ class NativeSandbox:
             else:
                 cgroup.thaw()
             return "cgroup-freezer"
-        sig = signal.SIGSTOP if stop else signal.SIGCONT
-        # Stop from the leaves' side up until nothing new appears: a process
-        # that forked meanwhile is stopped in the next round.
-        seen: set[int] = set()
-        for _ in range(50):
-            fresh = [p for p in self.processes() if p.pid not in seen]
-            if not fresh:
-                break
-            for proc in fresh:
-                seen.add(proc.pid)
-                with _suppress_missing():
-                    os.kill(proc.pid, sig)
+        init = self._init_pid()
+        if not stop:
+            pausing.continue_all(self.processes, init)
+        else:
+            pausing.stop_all(self.processes, init)
         return "sigstop"
 
 

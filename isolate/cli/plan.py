@@ -250,6 +250,11 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         static = plan_mod._static_for(policy, cwd, False)
         if static.image_command is not None and static.image_command.entrypoint:
             raise NotCovered("an image's Entrypoint (the binary replays the command as given)")
+        if policy.image is not None:
+            from ..backends.native.imageroot import upper_limits
+
+            if upper_limits():
+                raise NotCovered("an image's upper layer on disk, made for each run (before Linux 6.6)")
         plan = prepared.plan
         if plan.n_keep_fds or plan.program_fd >= 0 or plan.idmap_userns_fd >= 0:
             raise NotCovered("descriptors passed on")

@@ -216,6 +216,8 @@ class HostUpper:
     #: Started from a snapshot of an image sandbox: ``<state>/base``, the snapshot's root layer (hard links:
     #: never written), lies between the image's layers and the upper layer (kept/snapshots.py).
     base: bool = False
+    #: Why the upper layer is on disk, for the report.
+    purpose: str = "on disk: the host reads it back for commit_image"
 
     @property
     def upper(self) -> str:

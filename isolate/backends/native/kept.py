@@ -54,6 +54,7 @@ class _ServerProcess(Popen):
     """The sandbox's init, whose program is the exec server (not looked up by name)."""
 
     _program_fd = -1
+    _one_shot_upper = False  # its upper layer is the sandbox's (start() chooses), not the one run's
 
     def __init__(self, args: Any, *, policy: Policy, bind_sources: dict[str, int] | None = None,
                  overlay: Any = None, egress_detached: bool = False, image_upper: Any = None,
@@ -211,6 +212,10 @@ class NativeSandbox:
             # layer's directory, which is then on disk whatever was asked (kept/snapshots.py).
             root_from = _root_source(self.start_from) if self.policy.image is not None else None
             on_disk = self.policy.image is not None and (self.image_upper_wanted or root_from is not None)
+            # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): on disk where the
+            # state directory keeps user.* attributes, else the tmpfs, its limit reported.
+            disk_by_default = self.policy.image is not None and not on_disk and bool(_upper_limits())
+            on_disk = on_disk or disk_by_default
             if copy_layers:
                 # The lower layer's path is the private copy's, known once it is chosen (below).
                 layers = Layers("", self.workspace.target, os.path.join(self.paths.data, "overlay"))
@@ -229,8 +234,12 @@ class NativeSandbox:
                 if layers is not None and self.start_from is not None:
                     layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
             if on_disk:
-                self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner,
-                                                     root_from)
+                try:
+                    self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner,
+                                                         root_from)
+                except UnsupportedError:
+                    if not disk_by_default:
+                        raise
             listener = self._listen()
             # A copied workspace is a new directory each time: the policy binds a stand-in beside it and
             # this run binds the workspace in its place, so that every sandbox of one policy shares one
@@ -748,6 +757,12 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
             os.close(data_fd)
     finally:
         os.close(parent)
+
+
+def _upper_limits() -> str:
+    from .imageroot import upper_limits
+
+    return upper_limits()
 
 
 def _root_source(start_from: Any) -> Any:

@@ -200,8 +200,7 @@ def prepare(
         close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
                                                      static.program_gid, cstr))
         enforced["image"] = dict(enforced.get("image") or {}, root="overlayfs: the image's layers read-only, "
-                                 f"the sandbox's own upper layer in {image_upper.upper} (on disk: the host reads it "
-                                 "back for commit_image)")
+                                 f"the sandbox's own upper layer in {image_upper.upper} ({image_upper.purpose})")
 
     # -- idmapped trees are consumed by each sandbox ---------------------------
     if static.idmap_steps:

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._core import ffi, lib
 from ...model.errors import UnsupportedError
@@ -24,6 +24,9 @@ from ...model.policy import Policy
 from ...model.report import Report, status_for
 from .. import native
 from . import why
+
+if TYPE_CHECKING:
+    from .runupper import RunUpper
 
 _STATUS_SIZE = ffi.sizeof("struct iso_status")
 
@@ -44,6 +47,9 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     #: An overlay workspace (isolate.kernel.overlay.Layers) mounted at its target instead of the tmpfs there.
     _overlay: Any = None
     _image_upper: Any = None
+    #: A one-shot image run's upper layer on disk (runupper.py), removed when the run has ended.
+    _run_upper: RunUpper | None = None
+    _one_shot_upper = True
     #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox).
     _egress_detached = False
 
@@ -81,20 +87,18 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             args = ["/bin/sh", "-c", *args]
             if executable:
                 args[0] = os.fsdecode(executable)
-        prepared = native.prepare(
-            self.policy,
-            args,
-            executable=os.fsdecode(executable) if executable and not shell else None,
-            cwd=os.fsdecode(cwd) if cwd is not None else None,
-            env=env,
-            stdio=(p2cread, c2pwrite, errwrite),
-            pass_fds=pass_fds,
-            program_fd=self._program_fd,
-            bind_sources=self._bind_sources,
-            overlay=self._overlay,
-            image_upper=self._image_upper,
-            egress_detached=self._egress_detached,
-        )
+        image_upper = self._image_upper
+        if image_upper is None and self.policy.image is not None and self._one_shot_upper:
+            from . import runupper
+
+            self._run_upper = runupper.make()  # before Linux 6.6: on disk, not a tmpfs
+            image_upper = self._run_upper.host if self._run_upper is not None else None
+        try:
+            prepared = self._prepare(args, executable, cwd, env, (p2cread, c2pwrite, errwrite), pass_fds, shell,
+                                     image_upper)
+        except BaseException:
+            self._remove_run_upper()
+            raise
         self._prepared = prepared
         cgroup = prepared.cgroup
         try:
@@ -103,12 +107,37 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()
+            self._remove_run_upper()
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
             raise
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
         if cgroup is not None and prepared.limit_cpu_seconds is not None:
             cgroup.start_watchdog(prepared.limit_cpu_seconds, self._on_limit)
+
+    def _prepare(self, args: list[str], executable: Any, cwd: Any, env: Mapping[str, str] | None,
+                 stdio: tuple[int, int, int], pass_fds: Sequence[int], shell: bool, image_upper: Any) -> Any:
+        return native.prepare(
+            self.policy,
+            args,
+            executable=os.fsdecode(executable) if executable and not shell else None,
+            cwd=os.fsdecode(cwd) if cwd is not None else None,
+            env=env,
+            stdio=stdio,
+            pass_fds=pass_fds,
+            program_fd=self._program_fd,
+            bind_sources=self._bind_sources,
+            overlay=self._overlay,
+            image_upper=image_upper,
+            egress_detached=self._egress_detached,
+        )
+
+    def _remove_run_upper(self) -> None:
+        if self._run_upper is not None:
+            from . import runupper
+
+            runupper.remove(self._run_upper)
+            self._run_upper = None
 
     def _on_limit(self, limit: str) -> None:
         self._limit_hit = limit
@@ -174,6 +203,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
             leases.release(self._prepared.lease)  # the sandbox has ended: its layers are free to prune
             self._prepared.lease = None
+        self._remove_run_upper()  # the sandbox's mount namespace has ended with it
         if reason == 1:
             self._limit_hit = "timeout"
         self._finish(status)

@@ -72,7 +72,7 @@ def test_a_committed_sandbox_is_an_image_with_its_writes_and_deletions(image: Im
 def test_commit_image_needs_a_sandbox_of_an_image_whose_upper_layer_is_on_disk(image: Image) -> None:
     with isolate.Sandbox(isolate.Policy()) as box, pytest.raises(isolate.UnsupportedError, match="not started from"):
         box.commit_image("nothing:1")
-    with isolate.Sandbox(isolate.Policy(image=image.reference)) as box:
+    with isolate.Sandbox(isolate.Policy(image=image.reference), image_upper="tmpfs") as box:
         assert "a private tmpfs" in box.enforced["image"]["root"]
         with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
             box.commit_image("nothing:1")

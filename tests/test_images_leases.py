@@ -51,6 +51,10 @@ def test_prune_keeps_a_kept_sandboxs_layers_until_it_ends(store: Store, tmp_path
 
 
 def test_prune_keeps_the_layers_of_a_replayed_isolate_run(store: Store, tmp_path: Path, workdir: str) -> None:
+    from isolate.backends.native.imageroot import upper_limits
+
+    if upper_limits():
+        pytest.skip("before Linux 6.6 an image run's upper layer is on disk, made for each run: not replayed")
     image = _load(store, tmp_path)
     command = [ISOLATE_RUN, "--image", "leased:1", "--", "sh", "-c", "echo ready; read line; cat /marker"]
     assert subprocess.run(command, input="\n", capture_output=True, text=True, cwd=workdir,

@@ -126,3 +126,41 @@ def test_without_profile_an_image_reference_is_still_refused(registry: str, tmp_
         assert status == 400 and body["code"] == "IMAGE_NOT_SUPPORTED" and "--profile" in body["message"], body
     finally:
         srv.stop()
+
+
+SDK_SNAPSHOT = '''
+from opensandbox.sync.sandbox import SandboxSync
+from opensandbox.config.connection_sync import ConnectionConfigSync
+from opensandbox.models.sandboxes import SandboxImageAuth, SandboxImageSpec
+
+config = ConnectionConfigSync(domain=DOMAIN, api_key=KEY)
+box = SandboxSync.create(SandboxImageSpec(IMAGE, auth=SandboxImageAuth(username=USER, password=PASSWORD)),
+                         connection_config=config)
+try:
+    box.commands.run("echo in-the-root > /data/marker")
+    info = box.create_snapshot(name="image root")
+finally:
+    box.kill()
+child = SandboxSync.create(snapshot_id=info.id, connection_config=config)
+try:
+    run = child.commands.run("cat /data/marker; cat /etc/os-release | head -n 1")
+    print("".join(m.text + "\\n" for m in run.logs.stdout), end="")
+finally:
+    child.kill()
+'''
+
+
+def test_a_snapshot_of_an_image_sandbox_holds_its_roots_changes(registry: str, server: Server,
+                                                                tmp_path: Path) -> None:
+    # The server's image sandboxes keep their upper layer on disk (where the state directory keeps user.*
+    # attributes): a snapshot then holds what the program wrote to the image's root, and a sandbox from it
+    # has the image and those writes. With the tmpfs upper layer the snapshot was refused.
+    assert SKOPEO is not None
+    kit.oci_layout(str(tmp_path / "data"), [kit.busybox_layer(), kit.layer([{"name": "data", "type": "dir",
+                                                                              "mode": 0o777}])],
+                   ref="1", Env=["PATH=/bin"])
+    kit.push(SKOPEO, f"{tmp_path / 'data'}:1", f"{registry}/tests/data:1", str(tmp_path),
+             ["--dest-creds", f"{USER}:{PASSWORD}"])
+    code = (f"DOMAIN, KEY, IMAGE, USER, PASSWORD = {server.domain!r}, {KEY!r}, {registry + '/tests/data:1'!r}, "
+            f"{USER!r}, {PASSWORD!r}\n" + SDK_SNAPSHOT)
+    assert run_example(server, code).splitlines() == ["in-the-root", "NAME=busybox-scratch"]

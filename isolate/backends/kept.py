@@ -111,11 +111,12 @@ class KeptBackend(Protocol):
 
 def make_backend(backend: str, policy: Policy, workspace: Workspace, mounts: tuple[Mount, ...], name: str | None,
                  ttl: float | None, idle_timeout: float | None, start_from: Any = None,
-                 image_upper: str = "tmpfs") -> KeptBackend:
+                 image_upper: str | None = None) -> KeptBackend:
     """The kept sandbox of that backend ("native" or "docker"), not started; ``start_from``: a snapshot whose
     files it starts with (native only); ``image_upper``: "disk" keeps an image's upper layer in the state
-    directory, where commit_image reads it (native only)."""
-    if backend == "docker" and image_upper != "tmpfs" and policy.image is not None:
+    directory, where commit_image reads it (native only), "tmpfs" in a private tmpfs, None: as the kernel
+    allows (native/kept.py)."""
+    if backend == "docker" and image_upper == "disk" and policy.image is not None:
         from ..model.errors import UnsupportedError
 
         raise UnsupportedError("image_upper='disk': the Docker backend's container keeps its own layers; use "
@@ -133,7 +134,7 @@ def make_backend(backend: str, policy: Policy, workspace: Workspace, mounts: tup
     from .native.kept import NativeSandbox
 
     sandbox = NativeSandbox(policy, workspace, mounts, name, ttl, idle_timeout, start_from)
-    sandbox.image_upper_wanted = image_upper == "disk"
+    sandbox.image_upper_wanted = image_upper
     return sandbox
 
 

@@ -83,12 +83,14 @@ class Sandbox:
     def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
                  mounts: Sequence[Mount] = (), name: str | None = None, backend: str | None = None,
                  ttl: float | None = None, idle_timeout: float | None = None,
-                 snapshot: Snapshot | None = None, image_upper: str = "tmpfs") -> None:
+                 snapshot: Snapshot | None = None, image_upper: str | None = None) -> None:
         policy = policy if policy is not None else Policy()
-        if image_upper not in ("tmpfs", "disk"):
+        if image_upper not in (None, "tmpfs", "disk"):
             raise PolicyError(f"image_upper: {image_upper!r} is not tmpfs or disk", "image_upper")
         #: Where a sandbox of an image keeps its writes to the image's root: "tmpfs" (private, bounded by the
-        #: tmpfs size), or "disk" (its state directory, where commit_image reads them).
+        #: tmpfs size), or "disk" (its state directory, where commit_image reads them). Not given: the tmpfs
+        #: from Linux 6.6 on, the disk before (where a tmpfs cannot take every change to the root); once
+        #: started, what it is.
         self.image_upper = image_upper
         if not isinstance(policy, Policy):
             raise TypeError("policy must be an isolate.Policy")
@@ -146,6 +148,8 @@ class Sandbox:
             return self
         self._impl.start()
         self._started = True
+        if self.image_upper is None:
+            self.image_upper = "disk" if getattr(self._impl, "image_upper", None) is not None else "tmpfs"
         if self.origin is not None and self.origin.areas:
             try:
                 self.restore_skipped = tuple(restore_areas(self, self.origin))

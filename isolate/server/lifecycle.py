@@ -126,6 +126,20 @@ def _not_written(exc: OSError) -> ApiError:
                     f"directory ({exc.strerror or exc}); not created")
 
 
+def _disk_upper_possible() -> bool:
+    """Whether the state directory's file system keeps user.* attributes (an upper layer's metadata)."""
+    from ..kernel.places import state_dir
+
+    return _keeps_user_xattrs(state_dir())
+
+
+@functools.cache
+def _keeps_user_xattrs(path: str) -> bool:
+    from ..kernel.overlay import xattr_problem
+
+    return xattr_problem(path, path) is None
+
+
 def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], sandbox_id: str, token: str,
                kept: bool) -> ManagedSandbox:
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
@@ -164,10 +178,13 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], san
             # changed); one from a snapshot has the snapshot's. A kept one has no idle end: the server's
             # expiry is its end.
             assert state.keeper is not None or not kept
+            # An image's root with its upper layer on disk, so that the sandbox's snapshots hold its root's
+            # changes (a tmpfs upper layer refuses them), where the state directory keeps user.* attributes.
             box = Sandbox(req.policy, backend=backend, mounts=[item.mount for item in opened], snapshot=snap,
                           workspace=None if snap is not None else state.workspace,
                           name=state.keeper.name_for(sandbox_id) if kept and state.keeper else None,
-                          idle_timeout=math.inf if kept else None)
+                          idle_timeout=math.inf if kept else None,
+                          image_upper="disk" if req.policy.image is not None and _disk_upper_possible() else "tmpfs")
             box.start()
     try:
         verify_volumes(box, opened)

@@ -403,9 +403,10 @@ def parse_create(body: object, profiles: Mapping[str, Policy], any_image: Policy
         raise bad_request(f"image {uri[:80]!r}: this server maps image names to isolate policy profiles and has "
                           f"none by that name (it has: {names}); start it with --image {uri[:40]}=PROFILE.toml, or "
                           "--profile FILE to run any image reference under that policy", "IMAGE_NOT_SUPPORTED")
-    if snapshot_id is None and uri not in profiles:
+    if uri not in profiles:
         # Any other name is an image reference: the sandbox's root is that image (pulled into this server's
-        # image store when it is not there), natively, under the --profile policy.
+        # image store when it is not there), natively, under the --profile policy; a snapshot's sandbox's
+        # image (its root layer lies over it).
         from ..image import Reference
 
         try:

@@ -131,8 +131,9 @@ class NativeSandbox:
         self.report_enforced: dict[str, Any] = {}
         #: A sandbox of an image: its upper layer on the host (imageroot.HostUpper; None: a private tmpfs).
         self.image_upper: Any = None
-        #: Sandbox(image_upper="disk"): the upper layer in the state directory (commit_image reads it there).
-        self.image_upper_wanted = False
+        #: Sandbox(image_upper=...): "disk", the upper layer in the state directory (commit_image reads it
+        #: there); "tmpfs", a private tmpfs; None, as the kernel allows (the disk before Linux 6.6).
+        self.image_upper_wanted: str | None = None
         #: Set before start() by the image builder: the program owns the image's files (imageroot.HostUpper).
         self.image_as_owner = False
         #: A copy workspace kept as layers (isolate/backends/native/copies.py): the token of its private copy
@@ -211,10 +212,12 @@ class NativeSandbox:
             # A snapshot of an image sandbox holds the image root's layer: laid over the image from the upper
             # layer's directory, which is then on disk whatever was asked (kept/snapshots.py).
             root_from = _root_source(self.start_from) if self.policy.image is not None else None
-            on_disk = self.policy.image is not None and (self.image_upper_wanted or root_from is not None)
-            # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): on disk where the
-            # state directory keeps user.* attributes, else the tmpfs, its limit reported.
-            disk_by_default = self.policy.image is not None and not on_disk and bool(_upper_limits())
+            on_disk = self.policy.image is not None and (self.image_upper_wanted == "disk" or root_from is not None)
+            # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs was
+            # asked for, on disk where the state directory keeps user.* attributes, else the tmpfs, its limit
+            # reported.
+            disk_by_default = (self.policy.image is not None and self.image_upper_wanted is None and not on_disk
+                               and bool(_upper_limits()))
             on_disk = on_disk or disk_by_default
             if copy_layers:
                 # The lower layer's path is the private copy's, known once it is chosen (below).
@@ -237,6 +240,9 @@ class NativeSandbox:
                 try:
                     self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner,
                                                          root_from)
+                    if disk_by_default:
+                        self.image_upper = dataclasses.replace(
+                            self.image_upper, purpose="on disk: a tmpfs keeps no user.* attributes before Linux 6.6")
                 except UnsupportedError:
                     if not disk_by_default:
                         raise

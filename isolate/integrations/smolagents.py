@@ -56,7 +56,8 @@ class IsolateExecutor(RemotePythonExecutor):
     Python cannot import are installed with its pip when the policy has a
     network (else, or when pip fails, the missing ones are logged and the
     code's import fails as it would). ``executable``: the interpreter inside
-    (a virtualenv's python, say, with what the agent needs). ``policy``/``sandbox_options`` make the
+    (a virtualenv's python, say, with what the agent needs). ``image``: an image of isolate's store as the
+    sandbox's root (``isolate.Image.pull``/``load`` it first; its ``python3`` runs the code). ``policy``/``sandbox_options`` make the
     sandbox (closed by ``cleanup()``); or pass a started ``sandbox`` of yours
     (left running). ``timeout``: seconds per code step (None: none); a step
     past it ends the interpreter, and the agent sees the error.
@@ -65,12 +66,15 @@ class IsolateExecutor(RemotePythonExecutor):
     def __init__(self, additional_imports: list[str] | None = None, logger: Any = None, *,
                  policy: Policy | None = None, sandbox: Sandbox | None = None, name: str = "smolagents",
                  executable: str = "python3", timeout: float | None = 300.0, allow_pickle: bool = False,
-                 **sandbox_options: Any) -> None:
+                 image: str | None = None, **sandbox_options: Any) -> None:
         if allow_pickle:
             raise UnsupportedError("IsolateExecutor: allow_pickle=True is refused: unpickling what the sandbox "
                                    "sends would run its code on the host; final answers travel as JSON")
-        if sandbox is not None and (policy is not None or sandbox_options):
-            raise ValueError("IsolateExecutor: give a sandbox, or a policy and options to make one, not both")
+        if sandbox is not None and (policy is not None or sandbox_options or image is not None):
+            raise ValueError("IsolateExecutor: give a sandbox, or a policy, image and options to make one, not both")
+        if image is not None:
+            # The sandbox's root is the image, from isolate's store (Image.pull or load it first): its python3.
+            policy = (policy if policy is not None else Policy()).replace(image=image)
         super().__init__(list(additional_imports or []), logger or AgentLogger(LogLevel.INFO), allow_pickle=False)
         self.timeout = timeout
         self._setup: list[str] = []  # what send_tools defined: again in a new interpreter

@@ -143,7 +143,10 @@ def test_isolate_run_takes_an_image_and_replays_its_plan(store: str, workdir: st
         result = subprocess.run([ISOLATE_RUN, "--image", "scratchbox:1", "--", "cat", "/etc/os-release"],
                                 cwd=workdir, capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0 and result.stdout == "NAME=busybox-scratch\n", result.stderr
-    assert "replaying the cached plan" in result.stderr
+    from isolate.backends.native.imageroot import upper_limits
+
+    # Before Linux 6.6 an image run's upper layer is on disk, made for each run: Python runs it, no plan replays it.
+    assert ("not replayed" if upper_limits() else "replaying the cached plan") in result.stderr, result.stderr
     missing = subprocess.run([ISOLATE_RUN, "--image", "nothere:1", "--", "true"], cwd=workdir,
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 125 and "not in the image store" in missing.stderr

@@ -33,8 +33,9 @@ from ..model.errors import IsolationError
 from ..model.files import read_input_file
 from . import Image
 from .build import Build, Stats, _existing
-from .context import DockerfileError, _archive_layer, _copy_layer, _is_archive, ignore_rules
+from .context import Chown, DockerfileError, _archive_layer, _copy_layer, _is_archive, ignore_rules
 from .export import LayerBlob, write_copy
+from .owners import parse_chmod, parse_chown
 from .store import Store
 
 SUPPORTED = ("FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "LABEL", "EXPOSE", "CMD", "ENTRYPOINT",
@@ -247,6 +248,9 @@ def _build_stage(stage: Stage, built: Mapping[str, Image], store: Store, context
     for ins in stage.body:
         what = f"{ins.where}:{ins.line}: {ins.name}"
         if ins.name == "RUN":
+            # RUN's flags (--mount, --network, --security) are Docker's words before the command: none is taken,
+            # and none is left for the shell to read as its command.
+            _flags(ins, ins.value.split(), ())
             argv = ins.json_form()
             build = build.run(argv if argv is not None else ins.value, env=args, shell=shell, network=network)
         elif ins.name in ("CMD", "ENTRYPOINT"):
@@ -319,7 +323,9 @@ def _copy(ins: Instruction, build: Build, built: Mapping[str, Image], store: Sto
         words = json_words if json_words is not None else shlex.split(ins.value, posix=True)
     except ValueError as exc:
         raise ins.fail(str(exc)) from None
-    flags, words = _flags(ins, list(words), ("from",) if ins.name == "COPY" else ())
+    flags, words = _flags(ins, list(words), ("from", "chown", "chmod") if ins.name == "COPY" else ("chown", "chmod"))
+    chown = parse_chown(expand(flags["chown"], values), what) if "chown" in flags else None
+    mode = parse_chmod(expand(flags["chmod"], values), what) if "chmod" in flags else None
     words = [expand(w, values) for w in words]
     if len(words) < 2:
         raise ins.fail("expected SOURCE... DESTINATION")
@@ -329,16 +335,20 @@ def _copy(ins: Instruction, build: Build, built: Mapping[str, Image], store: Sto
         source_image = built.get(name.lower())
         if source_image is None:
             source_image = Image.find(name, store) or Image.pull(name, store=store)
-        return build.layer(_from_image(source_image, sources, destination, what), f"{what} --from={name}")
+        return build.layer(_from_image(source_image, sources, destination, what, chown, mode),
+                           f"{what} --from={name}")
     for source in sources:
         if re.match(r"^[a-z][a-z0-9+.-]*://", source) or source.startswith("git@"):
             raise ins.fail(f"{source!r}: a URL; isolate's builder copies local files only")
     if ins.name == "ADD" and len(sources) == 1 and _is_archive(context, sources[0], what):
-        return build.layer(_archive_layer(context, sources[0], destination, what), f"{what} {sources[0]}")
-    return build.layer(_copy_layer(context, sources, destination, what, rules), f"{what} {' '.join(sources)}")
+        return build.layer(_archive_layer(context, sources[0], destination, what, chown, mode),
+                           f"{what} {sources[0]}")
+    return build.layer(_copy_layer(context, sources, destination, what, rules, chown, mode),
+                       f"{what} {' '.join(sources)}")
 
 
-def _from_image(image: Image, sources: list[str], destination: str, what: str) -> Callable[[Image, str], LayerBlob]:
+def _from_image(image: Image, sources: list[str], destination: str, what: str, chown: Chown | None = None,
+                mode: int | None = None) -> Callable[[Image, str], LayerBlob]:
     """COPY --from: a path of another image (a stage): from the layer that shows it, when one layer holds it all."""
     from .view import _find
 
@@ -359,7 +369,8 @@ def _from_image(image: Image, sources: list[str], destination: str, what: str) -
         layers = {holder for holder, _ in roots}
         if len(layers) != 1:
             raise DockerfileError(f"{what}: its sources lie in several layers of {image.reference}: one COPY each")
-        return _copy_layer(layers.pop(), [rel for _, rel in roots], destination, what, [])(target_image, out)
+        return _copy_layer(layers.pop(), [rel for _, rel in roots], destination, what, [], chown, mode)(
+            target_image, out)
 
     return make
 

@@ -126,6 +126,8 @@ def test_a_bad_flag_is_one_line_naming_the_instruction_and_its_line(context: Pat
     name = instruction.split()[0]
     assert str(caught.value).startswith(f"Dockerfile:3: {name}"), str(caught.value)
     assert why in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+    if not instruction.startswith(("COPY --chown=nobody", "RUN --mount")):
+        return  # the CLI's line and exit status: two cases (each a process, slow in the emulated VM)
     done = subprocess.run([ISOLATE_RUN, "image", "build", "-t", "bad:1", str(context)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 125 and why in done.stderr and "Traceback" not in done.stderr, done.stderr

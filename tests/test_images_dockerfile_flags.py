@@ -1,5 +1,6 @@
 """Dockerfile flags: COPY/ADD ``--chown`` and ``--chmod`` (names from the image's own /etc/passwd and
-/etc/group, never through a link), their bad values refused naming the line, and RUN's flags refused."""
+/etc/group, never through a link), ``RUN --mount=type=cache`` (kept between builds, never in the image),
+bad values and other flags refused naming the line."""
 
 from __future__ import annotations
 
@@ -116,8 +117,15 @@ def test_chown_is_in_the_layer_for_every_caller(context: Path) -> None:
     ("ADD --chmod=99 a.txt /x", "not an octal mode"),
     ("COPY --chmod=4755 a.txt /x", "set-user-id and set-group-id bits are refused"),
     ("COPY --link a.txt /x", "the flag --link is not supported"),
-    ("RUN --mount=type=cache,target=/root/.cache echo hi", "the flag --mount is not supported"),
+    ("RUN --mount=type=bind,target=/x echo hi", "--mount=type=bind: not supported"),
+    ("RUN --mount=target=/x echo hi", "--mount=type=bind: not supported"),
+    ("RUN --mount=type=secret,id=token echo hi", "--mount=type=secret: not supported"),
+    ("RUN --mount=type=cache,target=/x,uid=1 echo hi", "the option 'uid' is not supported"),
+    ("RUN --mount=type=cache,target=/x,sharing=locked echo hi", "sharing=locked is not supported"),
+    ("RUN --mount=type=cache,id=x echo hi", "target '' is not an absolute path"),
+    ("RUN --mount=type=cache,target=/ echo hi", "target '/' is not an absolute path below /"),
     ("RUN --network=none echo hi", "the flag --network is not supported"),
+    ("RUN --security=insecure echo hi", "the flag --security is not supported"),
 ])
 def test_a_bad_flag_is_one_line_naming_the_instruction_and_its_line(context: Path, instruction: str,
                                                                      why: str) -> None:
@@ -126,7 +134,7 @@ def test_a_bad_flag_is_one_line_naming_the_instruction_and_its_line(context: Pat
     name = instruction.split()[0]
     assert str(caught.value).startswith(f"Dockerfile:3: {name}"), str(caught.value)
     assert why in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
-    if not instruction.startswith(("COPY --chown=nobody", "RUN --mount")):
+    if not instruction.startswith(("COPY --chown=nobody", "RUN --mount=type=bind")):
         return  # the CLI's line and exit status: two cases (each a process, slow in the emulated VM)
     done = subprocess.run([ISOLATE_RUN, "image", "build", "-t", "bad:1", str(context)], capture_output=True,
                           text=True, timeout=120)
@@ -154,3 +162,27 @@ def test_account_files_are_never_read_through_a_link(tmp_path: Path, planted: st
         (ctx / "a.txt").write_text("a\n")
         with pytest.raises(DockerfileError, match="no user 'root' in the image's /etc/passwd"):
             _build(ctx, "FROM base:1\nCOPY --chown=root a.txt /x\n")
+
+
+CACHED = """\
+FROM base:1
+ARG ROUND
+RUN --mount=type=cache,target=/etc/cache echo "$ROUND" >> /etc/cache/log && wc -l < /etc/cache/log > /etc/count
+RUN --mount=type=cache,id=other,target=/etc/cache,ro test ! -e /etc/cache/log && cp /etc/count /etc/count2
+"""
+
+
+def test_a_cache_mount_is_kept_between_builds_and_never_in_the_image(context: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "state"))  # where the caches are kept
+    (context / "Dockerfile").write_text(CACHED)
+    counts = []
+    for round_ in ("1", "2"):  # each round's ARG a step of its own: nothing from the step cache
+        image = Image.from_dockerfile(context / "Dockerfile", context, reference=f"cached:{round_}",
+                                      build_args={"ROUND": round_})
+        with isolate.Sandbox(policy=isolate.Policy(image=image.reference, backend="native")) as box:
+            done = box.exec(["sh", "-c", "cat /etc/count /etc/count2; ls -A /etc/cache 2>/dev/null | wc -l"])
+        assert done.returncode == 0, done.stderr
+        counts.append(done.stdout.split())
+    # The second build's RUN saw the first one's line; another id is another directory; the image holds none.
+    assert counts == [["1", "1", "0"], ["2", "2", "0"]]

@@ -186,3 +186,17 @@ def test_a_cache_mount_is_kept_between_builds_and_never_in_the_image(context: Pa
         counts.append(done.stdout.split())
     # The second build's RUN saw the first one's line; another id is another directory; the image holds none.
     assert counts == [["1", "1", "0"], ["2", "2", "0"]]
+
+
+def test_a_cache_mount_is_never_made_through_a_link_of_the_image(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "state"))
+    planted = tmp_path / "host-side"
+    planted.mkdir()
+    with kit.store_env(str(tmp_path / "store")):
+        _base(tmp_path, [{"name": "etc/lnk", "type": "link", "target": str(planted)}])
+        ctx = tmp_path / "ctx"
+        ctx.mkdir()
+        with pytest.raises(isolate.IsolationError, match="a mount is never made through an image's link"):
+            _build(ctx, "FROM base:1\nRUN --mount=type=cache,target=/etc/lnk/zz true\n")
+    assert not os.listdir(planted)

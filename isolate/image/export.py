@@ -28,9 +28,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import os
 import stat
 import tarfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
@@ -323,3 +325,13 @@ def _opaque(fd: int) -> bool:
         return os.getxattr(fd, OPAQUE_XATTR) == b"y"
     except OSError:
         return False
+
+
+def remember(store: Any, layer_digest: str, blob: LayerBlob) -> None:
+    """Keep what a layer exports to beside it (a layer of the store, never followed through a link)."""
+    path = os.path.join(store.layer_dir(layer_digest), "export.json")
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump({"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size}, handle)
+    os.replace(tmp, path)

@@ -56,8 +56,11 @@ def _base(tmp_path: Path, extra: list[dict[str, object]]) -> Store:
     return store
 
 
-@pytest.fixture()
-def context(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One store and context for the module (each test writes its own Dockerfile): the base image is made once."""
+    tmp_path = tmp_path_factory.mktemp("flags")
+    os.chmod(tmp_path, 0o755)
     with kit.store_env(str(tmp_path / "store")):
         _base(tmp_path, [{"name": "etc/passwd", "data": PASSWD}, {"name": "etc/group", "data": GROUP}])
         ctx = tmp_path / "ctx"

@@ -94,6 +94,7 @@ class Builders:
         self.binary = os.path.join(os.path.dirname(sys.executable), "isolate-run")
         self.buildah = ["buildah", "--root", os.path.join(tmp, "buildah-root"),
                         "--runroot", os.path.join(tmp, "buildah-run")]
+        self.made: list[str] = []  # every tag a round made (removed at the end, a round that failed too)
         self.env = dict(os.environ, DOCKER_BUILDKIT="0")
         # Bytecode written (the warm-up round writes it), as an installed package has it: without it the CLI
         # compiles its modules again in every process (~65 ms here).
@@ -123,13 +124,14 @@ class Builders:
     def forget(self, tags: list[str]) -> None:
         """The images (and so the cached steps) the rounds made, removed: the next cold round finds none."""
         if "docker" in self.tools and tags:
+            # Their untagged parents (the legacy builder's steps) go with them; nothing else of the daemon's.
             subprocess.run(["docker", "rmi", "-f", *tags], capture_output=True, timeout=300)
-            subprocess.run(["docker", "image", "prune", "-f"], capture_output=True, timeout=300)
         if "buildah" in self.tools and tags:
             subprocess.run([*self.buildah, "rmi", "-f", *tags], capture_output=True, timeout=300)
             subprocess.run([*self.buildah, "rmi", "--prune"], capture_output=True, timeout=300)
 
     def cleanup(self) -> None:
+        self.forget([t for t in self.made if "isolate" not in t])
         if "docker" in self.tools:
             subprocess.run(["docker", "rmi", "-f", BASE], capture_output=True, timeout=300)
         if "buildah" in self.tools:
@@ -218,6 +220,7 @@ def _measure(rounds: int, tmp: str, store_path: str, with_docker: bool, log: Cal
                 context = _context(tmp, nonce)
                 tag = f"localhost/benchbuild-out:{nonce}"
                 tags.append(tag)
+                builders.made.append(tag)
                 try:
                     seconds, stats = build(name, context, tag)
                 except RuntimeError as exc:

@@ -22,7 +22,8 @@ from typing import Any
 
 from . import machine, output, peers, spawn
 
-SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "branches", "why", "many", "images")
+SECTIONS = ("spawn", "overhead", "throughput", "memory", "kept", "egress", "cli", "branches", "why", "many", "images",
+            "build")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -49,18 +50,19 @@ class Settings:
     branches_copy_rounds: int
     why_runs: int
     images_rounds: int
+    build_rounds: int
 
 
 FULL = Settings(rounds=250, docker_runs=200, syscall_loops=200_000, syscall_runs=15, workload_runs=15,
                 throughput_seconds=4.0, memory_n=30, memory_reps=3, docker_memory_n=10,
                 kept_rounds=60, kept_idle_n=20, kept_many_n=50, egress_rounds=300, egress_downloads=7,
                 egress_size_mb=100, branches_files=10_000, branches_mb=500, branches_rounds=20,
-                branches_copy_rounds=3, why_runs=30, images_rounds=30)
+                branches_copy_rounds=3, why_runs=30, images_rounds=30, build_rounds=10)
 QUICK = Settings(rounds=20, docker_runs=4, syscall_loops=50_000, syscall_runs=3, workload_runs=3,
                  throughput_seconds=1.0, memory_n=5, memory_reps=1, docker_memory_n=0,
                  kept_rounds=5, kept_idle_n=3, kept_many_n=5, egress_rounds=20, egress_downloads=1,
                  egress_size_mb=10, branches_files=500, branches_mb=5, branches_rounds=3, branches_copy_rounds=1,
-                 why_runs=3, images_rounds=3)
+                 why_runs=3, images_rounds=3, build_rounds=1)
 
 
 def _log(message: str) -> None:
@@ -225,6 +227,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     results["images"] = images.measure(settings.images_rounds, tmp, not args.no_docker, _log)
             except Exception as exc:
                 results["images"] = {"error": _error(exc)}
+        if "build" in args.sections:
+            from . import build
+
+            try:
+                with tempfile.TemporaryDirectory(prefix="isolate-bench-build-", dir=os.path.dirname(workdir)) as tmp:
+                    results["build"] = build.measure(settings.build_rounds, tmp, not args.no_docker, _log)
+            except Exception as exc:
+                results["build"] = {"error": _error(exc)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["machine"]["load_average_end"] = machine.load_average()
@@ -304,6 +314,8 @@ def summary(results: dict[str, Any]) -> list[str]:
         first = image_figures["kept"]["create_first_exec"]["image"]["median_ms"]
         lines.append(f"goal: kept sandbox from an image, create + first exec <= 15 ms: {first:.2f} ms "
                      f"({'met' if first <= 15 else 'NOT met'})")
+    for text, goal in results.get("build", {}).get("goals", {}).items():
+        lines.append(f"goal: {text}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})")
     return lines
 
 

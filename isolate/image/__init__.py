@@ -313,9 +313,9 @@ class Image:
         return Build(self, store=self.store)
 
     def run(self, command: str | Sequence[str], *, network: Any = None, env: Mapping[str, str] | None = None,
-            shell: Sequence[str] = ("/bin/sh", "-c")) -> Build:
+            shell: Sequence[str] = ("/bin/sh", "-c"), caches: Sequence[Any] = ()) -> Build:
         """A build step: ``command`` run in a sandbox of this image (see build.py's ``Build.run``)."""
-        return self._build().run(command, network=network, env=env, shell=shell)
+        return self._build().run(command, network=network, env=env, shell=shell, caches=caches)
 
     def copy(self, source: str | os.PathLike[str], destination: str) -> Build:
         return self._build().copy(source, destination)

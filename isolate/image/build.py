@@ -9,6 +9,10 @@
   (non-zero: ``BuildError`` with its output's end), its writes committed as
   one layer (isolate/kept/imagebuild.py, reached through model/hooks.py;
   the layer is added by commit.py).
+- ``run(cmd, caches=[CacheMount(target)])``: directories kept between builds
+  outside the image (in isolate's state directory, one per store and id),
+  bound read-write (or read-only) at their targets; where they are is part
+  of the step's cache key, what they hold is not (as Docker's).
 - ``copy(src, dst)``: host files as one layer (export.write_copy: owned by
   root, times 0, links copied as links, never followed).
 - ``env``, ``workdir``, ``user``, ``config``: the image's config, no layer.
@@ -47,12 +51,40 @@ class BuildError(IsolationError):
 
 
 @dataclass(frozen=True)
+class CacheMount:
+    """A directory a build's ``run`` step sees at ``target``, kept between builds outside the image (a
+    Dockerfile's ``RUN --mount=type=cache``): one directory per ``id`` (default: the target), shared by every
+    step and build of a store that names it; ``readonly``: the step may not write it."""
+
+    target: str
+    id: str = ""
+    readonly: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.target.startswith("/") or "\0" in self.target or os.path.normpath(self.target) == "/":
+            raise BuildError(f"cache mount: target {self.target!r} is not an absolute path below /")
+        object.__setattr__(self, "target", os.path.normpath(self.target))
+        if "\0" in self.id:
+            raise BuildError("cache mount: an id holds a NUL byte")
+        object.__setattr__(self, "id", self.id or self.target)
+
+    def host_dir(self, store: Store) -> str:
+        """Its directory: ``build-caches/KEY`` in isolate's state directory (made, and reached, without
+        following a link: places.state_path), one per store and id. Never in the store, which no sandbox reaches."""
+        from ..kernel.places import state_path
+
+        key = hashlib.sha256(os.fsencode(os.path.realpath(store.path)) + b"\0" + self.id.encode()).hexdigest()
+        return state_path("build-caches", key[:32])
+
+
+@dataclass(frozen=True)
 class Step:
     kind: str  # run, layer (its args: what writes it), config
     args: Any
     network: Any = None
     what: str = ""
     env: tuple[tuple[str, str], ...] = ()
+    mounts: tuple[CacheMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,14 +99,18 @@ class Build:
     # -- steps -------------------------------------------------------------------------
 
     def run(self, command: str | Sequence[str], *, network: Any = None, env: Mapping[str, str] | None = None,
-            shell: Sequence[str] = ("/bin/sh", "-c")) -> Build:
+            shell: Sequence[str] = ("/bin/sh", "-c"), caches: Sequence[CacheMount] = ()) -> Build:
         """Run ``command`` (a string: ``/bin/sh -c``, or ``shell``) in a sandbox of the image so far; its writes
-        are a layer. ``env``: variables of this step only (a Dockerfile's ARG), not kept in the image."""
+        are a layer. ``env``: variables of this step only (a Dockerfile's ARG), not kept in the image.
+        ``caches``: directories kept between builds, outside the image (``CacheMount``)."""
         argv = [*shell, command] if isinstance(command, str) else [str(a) for a in command]
         if not argv:
             raise BuildError("run: an empty command")
+        targets = [c.target for c in caches]
+        if len(set(targets)) != len(targets):
+            raise BuildError(f"run: two cache mounts at one target ({', '.join(targets)})")
         return self._then(Step("run", tuple(argv), network, f"RUN {command if isinstance(command, str) else argv}",
-                               tuple(sorted((env or {}).items()))))
+                               tuple(sorted((env or {}).items())), tuple(caches)))
 
     def copy(self, source: str | os.PathLike[str], destination: str) -> Build:
         """Host files (a file, or a directory's contents) at ``destination`` in the image (relative: to its
@@ -183,6 +219,8 @@ class Builder:
             key_parts: list[Any] = [image.id, "layer", blob.diff_id]
         else:
             key_parts = [image.id, "run", list(step.args), repr(step.network), list(step.env)]
+            if step.mounts:  # where the caches are, not what they hold (as Docker's: a cache never busts a step)
+                key_parts.append([[m.target, m.id, m.readonly] for m in step.mounts])
         key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()
         cached = _cache_get(store, key)
         if cached is not None:
@@ -298,4 +336,4 @@ def _cache_put(store: Store, key: str, entry: dict[str, Any]) -> None:
     os.replace(tmp, _cache_path(store, key))
 
 
-__all__ = ["Build", "BuildError", "Stats"]
+__all__ = ["Build", "BuildError", "CacheMount", "Stats"]

@@ -25,8 +25,7 @@ from typing import Any
 
 from ..model.errors import IsolationError
 from . import Image, ImageConfig
-from .export import LayerBlob, write_layer
-from .push import remember
+from .export import LayerBlob, remember, write_layer
 from .reference import Reference
 from .store import Store
 

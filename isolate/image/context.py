@@ -142,11 +142,23 @@ def _matches(root_fd: int, pattern: str, what: str) -> list[str]:
     return [os.path.join(head, n) for n in found]
 
 
+Chown = tuple[str, "str | None"]  # COPY --chown's USER and GROUP (owners.parse_chown), resolved in the image
+
+
+def _owner(image: Image, chown: Chown | None, what: str) -> tuple[int, int] | None:
+    from .owners import resolve
+
+    return None if chown is None else resolve(image, chown[0], chown[1], what)
+
+
 def _copy_layer(root: str, patterns: list[str], destination: str, what: str,
-                rules: list[tuple[bool, re.Pattern[str]]]) -> Callable[[Image, str], LayerBlob]:
-    """A builder layer of sources under ``root`` (the context, or a stage's layer)."""
+                rules: list[tuple[bool, re.Pattern[str]]], chown: Chown | None = None,
+                mode: int | None = None) -> Callable[[Image, str], LayerBlob]:
+    """A builder layer of sources under ``root`` (the context, or a stage's layer); ``chown``, ``mode``: COPY's
+    --chown (resolved in the image the copy lands in) and --chmod."""
 
     def make(image: Image, out: str) -> LayerBlob:
+        owner = _owner(image, chown, what)
         root_fd = os.open(root, DIR_FLAGS)
         opened: list[tuple[int, str]] = []
         try:
@@ -168,7 +180,7 @@ def _copy_layer(root: str, patterns: list[str], destination: str, what: str,
                 raise DockerfileError(f"{what}: several sources need a destination ending in /")
             return write_copy(opened, _target(image, destination), out, into=into,
                               exclude=exclude if rules else None, what=what, prefixes=kept,
-                              existing=functools.partial(_existing, image.lower_dirs()))
+                              existing=functools.partial(_existing, image.lower_dirs()), owner=owner, mode=mode)
         finally:
             for fd, _ in opened:
                 os.close(fd)
@@ -177,12 +189,16 @@ def _copy_layer(root: str, patterns: list[str], destination: str, what: str,
     return make
 
 
-def _archive_layer(context: str, source: str, destination: str, what: str) -> Callable[[Image, str], LayerBlob]:
-    """ADD of a local tar archive: its entries under ``destination`` (names checked as a layer's are)."""
+def _archive_layer(context: str, source: str, destination: str, what: str, chown: Chown | None = None,
+                   mode: int | None = None) -> Callable[[Image, str], LayerBlob]:
+    """ADD of a local tar archive: its entries under ``destination`` (names checked as a layer's are), owned by
+    root or ``chown``'s owner; ``mode``: every entry's but a link's."""
 
     def make(image: Image, out: str) -> LayerBlob:
         from .export import _write
         from .unpack import entry_name
+
+        uid, gid = _owner(image, chown, what) or (0, 0)
 
         root_fd = os.open(context, DIR_FLAGS)
         try:
@@ -202,7 +218,7 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
                 parts = [p for p in target.split("/") if p]
                 for i in range(1, len(parts) + 1):
                     info = tarfile.TarInfo("/".join(parts[:i]))
-                    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
+                    info.type, info.mode, info.mtime, info.uid, info.gid = tarfile.DIRTYPE, 0o755, 0, uid, gid
                     tar.addfile(info)
                 total = 0
                 try:
@@ -224,6 +240,9 @@ def _archive_layer(context: str, source: str, destination: str, what: str) -> Ca
                             copy = tarfile.TarInfo(f"{target}/{rel}" if target else rel)
                             copy.type, copy.mode, copy.mtime, copy.size = (member.type, member.mode & 0o1777,
                                                                            int(member.mtime), member.size)
+                            copy.uid, copy.gid = uid, gid
+                            if mode is not None and not member.issym():
+                                copy.mode = mode
                             if member.issym():
                                 copy.linkname = member.linkname
                             elif member.islnk():

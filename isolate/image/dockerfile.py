@@ -3,8 +3,9 @@
 The file is split into instructions by ``dockerfile-parse`` (line continuations,
 comments, the ``escape`` directive; ``pip install 'isolate[images]'``); each is
 then read here. Taken: ``FROM`` (``AS`` stages, ``scratch``), ``RUN`` (shell
-and exec form), ``COPY`` (``--from=STAGE|IMAGE``), ``ADD`` (local files, and
-local tar archives, extracted), ``ENV``, ``ARG``, ``WORKDIR``, ``USER``,
+and exec form; ``--mount=type=cache``: build.CacheMount), ``COPY``
+(``--from=STAGE|IMAGE``, ``--chown``, ``--chmod``: owners.py), ``ADD``
+(local files, and local tar archives, extracted; ``--chown``, ``--chmod``), ``ENV``, ``ARG``, ``WORKDIR``, ``USER``,
 ``LABEL``, ``EXPOSE``, ``CMD``, ``ENTRYPOINT``, ``SHELL``. Any other
 instruction, and any flag not named here, is refused before anything is
 built, with its name and line. ``$VAR``, ``${VAR}``, ``${VAR:-word}`` and
@@ -32,9 +33,10 @@ from typing import IO, Any
 from ..model.errors import IsolationError
 from ..model.files import read_input_file
 from . import Image
-from .build import Build, Stats, _existing
-from .context import DockerfileError, _archive_layer, _copy_layer, _is_archive, ignore_rules
+from .build import Build, BuildError, CacheMount, Stats, _existing
+from .context import Chown, DockerfileError, _archive_layer, _copy_layer, _is_archive, ignore_rules
 from .export import LayerBlob, write_copy
+from .owners import parse_chmod, parse_chown
 from .store import Store
 
 SUPPORTED = ("FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "LABEL", "EXPOSE", "CMD", "ENTRYPOINT",
@@ -151,6 +153,49 @@ def _flags(instruction: Instruction, words: list[str], allowed: tuple[str, ...])
     return flags, words
 
 
+_RUN_FLAG = re.compile(r"--(\S*)\s*")
+_CACHE_KEYS = ("type", "target", "dst", "destination", "id", "sharing", "ro", "readonly")
+
+
+def _run_flags(ins: Instruction, values: Mapping[str, str]) -> tuple[list[CacheMount], Instruction]:
+    """RUN's flags, the words before its command: ``--mount=type=cache,...`` taken, any other refused (none is
+    left for the shell to read as its command); the instruction without them."""
+    text = ins.value.lstrip()
+    caches = []
+    while (match := _RUN_FLAG.match(text)) is not None:
+        key, _, value = match.group(1).partition("=")
+        if key != "mount":
+            raise ins.fail(f"the flag --{key} is not supported by isolate's builder (it takes --mount=type=cache)")
+        caches.append(_cache_mount(ins, expand(value, values)))
+        text = text[match.end():]
+    return caches, Instruction(ins.name, ins.line, text, ins.where)
+
+
+def _cache_mount(ins: Instruction, spec: str) -> CacheMount:
+    """``type=cache,target=DIR[,id=ID][,sharing=shared][,ro]``: other types and options refused."""
+    fields: dict[str, str] = {}
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        key = key.lower()
+        if key not in _CACHE_KEYS:
+            raise ins.fail(f"--mount: the option {key!r} is not supported by isolate's builder (it takes type=cache, "
+                           "target, id, sharing=shared, ro)")
+        fields[key] = value if sep else "true"
+    kind = fields.get("type", "bind")
+    if kind != "cache":
+        raise ins.fail(f"--mount=type={kind}: not supported by isolate's builder (it takes type=cache)")
+    if fields.get("sharing", "shared") != "shared":
+        raise ins.fail(f"--mount: sharing={fields['sharing']} is not supported by isolate's builder (only shared)")
+    target = fields.get("target") or fields.get("dst") or fields.get("destination") or ""
+    readonly = fields.get("ro", fields.get("readonly", "false")).lower()
+    if readonly not in ("true", "false"):
+        raise ins.fail(f"--mount: ro={readonly!r} is neither true nor false")
+    try:
+        return CacheMount(target, fields.get("id", ""), readonly == "true")
+    except BuildError as exc:
+        raise ins.fail(f"--mount: {exc}") from None
+
+
 # -- building ---------------------------------------------------------------------------------
 
 
@@ -247,8 +292,10 @@ def _build_stage(stage: Stage, built: Mapping[str, Image], store: Store, context
     for ins in stage.body:
         what = f"{ins.where}:{ins.line}: {ins.name}"
         if ins.name == "RUN":
+            caches, ins = _run_flags(ins, values())
             argv = ins.json_form()
-            build = build.run(argv if argv is not None else ins.value, env=args, shell=shell, network=network)
+            build = build.run(argv if argv is not None else ins.value, env=args, shell=shell, network=network,
+                              caches=caches)
         elif ins.name in ("CMD", "ENTRYPOINT"):
             argv = ins.json_form()
             build = build.config(**{"Cmd" if ins.name == "CMD" else "Entrypoint":
@@ -319,7 +366,9 @@ def _copy(ins: Instruction, build: Build, built: Mapping[str, Image], store: Sto
         words = json_words if json_words is not None else shlex.split(ins.value, posix=True)
     except ValueError as exc:
         raise ins.fail(str(exc)) from None
-    flags, words = _flags(ins, list(words), ("from",) if ins.name == "COPY" else ())
+    flags, words = _flags(ins, list(words), ("from", "chown", "chmod") if ins.name == "COPY" else ("chown", "chmod"))
+    chown = parse_chown(expand(flags["chown"], values), what) if "chown" in flags else None
+    mode = parse_chmod(expand(flags["chmod"], values), what) if "chmod" in flags else None
     words = [expand(w, values) for w in words]
     if len(words) < 2:
         raise ins.fail("expected SOURCE... DESTINATION")
@@ -329,16 +378,20 @@ def _copy(ins: Instruction, build: Build, built: Mapping[str, Image], store: Sto
         source_image = built.get(name.lower())
         if source_image is None:
             source_image = Image.find(name, store) or Image.pull(name, store=store)
-        return build.layer(_from_image(source_image, sources, destination, what), f"{what} --from={name}")
+        return build.layer(_from_image(source_image, sources, destination, what, chown, mode),
+                           f"{what} --from={name}")
     for source in sources:
         if re.match(r"^[a-z][a-z0-9+.-]*://", source) or source.startswith("git@"):
             raise ins.fail(f"{source!r}: a URL; isolate's builder copies local files only")
     if ins.name == "ADD" and len(sources) == 1 and _is_archive(context, sources[0], what):
-        return build.layer(_archive_layer(context, sources[0], destination, what), f"{what} {sources[0]}")
-    return build.layer(_copy_layer(context, sources, destination, what, rules), f"{what} {' '.join(sources)}")
+        return build.layer(_archive_layer(context, sources[0], destination, what, chown, mode),
+                           f"{what} {sources[0]}")
+    return build.layer(_copy_layer(context, sources, destination, what, rules, chown, mode),
+                       f"{what} {' '.join(sources)}")
 
 
-def _from_image(image: Image, sources: list[str], destination: str, what: str) -> Callable[[Image, str], LayerBlob]:
+def _from_image(image: Image, sources: list[str], destination: str, what: str, chown: Chown | None = None,
+                mode: int | None = None) -> Callable[[Image, str], LayerBlob]:
     """COPY --from: a path of another image (a stage): from the layer that shows it, when one layer holds it all."""
     from .view import _find
 
@@ -359,7 +412,8 @@ def _from_image(image: Image, sources: list[str], destination: str, what: str) -
         layers = {holder for holder, _ in roots}
         if len(layers) != 1:
             raise DockerfileError(f"{what}: its sources lie in several layers of {image.reference}: one COPY each")
-        return _copy_layer(layers.pop(), [rel for _, rel in roots], destination, what, [])(target_image, out)
+        return _copy_layer(layers.pop(), [rel for _, rel in roots], destination, what, [], chown, mode)(
+            target_image, out)
 
     return make
 

@@ -28,9 +28,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import os
 import stat
 import tarfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
@@ -126,17 +128,22 @@ def layer_into(tar: tarfile.TarFile, root_fd: int, *, what: str, budget: list[in
 def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, into: bool,
                exclude: Callable[[str], bool] | None = None, what: str = "copy",
                existing: Callable[[str], os.stat_result | None] | None = None,
-               prefixes: list[str] | None = None) -> LayerBlob:
+               prefixes: list[str] | None = None, owner: tuple[int, int] | None = None,
+               mode: int | None = None) -> LayerBlob:
     """A layer of host files (``sources``: (directory descriptor, name) pairs) put at ``destination`` (absolute)
     as COPY puts them: a directory's contents into it, a file (or link, never followed) at it, or into it when
     ``into``. Owned by root, modification times 0 (the layer depends on names, contents and modes only), the
     directories on the way as the image has them (``existing(rel)``: its node there, or None), else made 0755
     root's. ``exclude``: paths left out, relative to a source directory, or prefixed with that source's entry of
-    ``prefixes`` when given (a build context's paths)."""
+    ``prefixes`` when given (a build context's paths). ``owner``: (uid, gid) of what is copied and of the
+    directories the copy makes, instead of root (COPY --chown); ``mode``: the permission bits of what is copied,
+    links aside (COPY --chmod)."""
     target = destination.strip("/")
+    uid_gid = owner if owner is not None else (0, 0)
 
     def fill(tar: tarfile.TarFile) -> None:
-        writer = _Writer(tar, True, lambda uid, gid: (0, 0), what, fixed_time=True, exclude=exclude)
+        writer = _Writer(tar, True, lambda uid, gid: uid_gid, what, fixed_time=True, exclude=exclude)
+        writer.mode = mode
         parts = [p for p in target.split("/") if p]
         for i in range(1, len(parts) + (0 if not into and sources and not _is_dir(*sources[0]) else 1)):
             rel = "/".join(parts[:i])
@@ -147,6 +154,7 @@ def write_copy(sources: list[tuple[int, str]], destination: str, path: str, *, i
             else:
                 info = tarfile.TarInfo(rel)
                 info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
+                info.uid, info.gid = uid_gid
             writer.add(info)
         for number, (dir_fd, name) in enumerate(sources):
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -193,6 +201,7 @@ class _Writer:
         self.on_the_way = {"/".join(p.split("/")[:i]) for p in leave_out for i in range(1, p.count("/") + 1)}
         self.pending: list[tarfile.TarInfo] = []  # directories on the way to a path left out, not written yet
         self.budget: list[int] | None = None  # [bytes the files may still come to], when bounded
+        self.mode: int | None = None  # every entry's permission bits but a link's (COPY --chmod), when given
 
     def add(self, info: tarfile.TarInfo, data: Any = None) -> None:
         for directory in self.pending:
@@ -203,7 +212,7 @@ class _Writer:
     def info(self, name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
         info = tarfile.TarInfo(name)
         info.type = kind
-        info.mode = stat.S_IMODE(st.st_mode) & 0o1777
+        info.mode = stat.S_IMODE(st.st_mode) & 0o1777 if self.mode is None or kind == tarfile.SYMTYPE else self.mode
         info.uid, info.gid = self.owners(st.st_uid, st.st_gid) if self.root else (0, 0)
         info.uname = info.gname = ""
         info.mtime = int(st.st_mtime) if kind in (tarfile.REGTYPE, tarfile.DIRTYPE) and not self.fixed_time else 0
@@ -316,3 +325,13 @@ def _opaque(fd: int) -> bool:
         return os.getxattr(fd, OPAQUE_XATTR) == b"y"
     except OSError:
         return False
+
+
+def remember(store: Any, layer_digest: str, blob: LayerBlob) -> None:
+    """Keep what a layer exports to beside it (a layer of the store, never followed through a link)."""
+    path = os.path.join(store.layer_dir(layer_digest), "export.json")
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump({"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size}, handle)
+    os.replace(tmp, path)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..kernel.links import DIR_FLAGS
-from .export import GZIP_LAYER, LayerBlob, write_layer
+from .export import GZIP_LAYER, LayerBlob, remember, write_layer
 from .reference import Reference
 from .registry import Client, RegistryError
 from .store import digest_hex
@@ -62,16 +62,6 @@ def _exported(image: Image, digest: str) -> dict[str, Any] | None:
             and isinstance(data.get("size"), int):
         return data
     return None
-
-
-def remember(store: Any, layer_digest: str, blob: LayerBlob) -> None:
-    """Keep what a layer exports to beside it (a layer of the store, never followed through a link)."""
-    path = os.path.join(store.layer_dir(layer_digest), "export.json")
-    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump({"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size}, handle)
-    os.replace(tmp, path)
 
 
 def export_layer(image: Image, digest: str) -> LayerBlob:

@@ -57,8 +57,8 @@ class IsolateExecutor(RemotePythonExecutor):
     network (else, or when pip fails, the missing ones are logged and the
     code's import fails as it would). ``executable``: the interpreter inside
     (a virtualenv's python, say, with what the agent needs). ``image``: an image of isolate's store as the
-    sandbox's root (``isolate.Image.pull``/``load`` it first; its ``python3`` runs the code). ``policy``/``sandbox_options`` make the
-    sandbox (closed by ``cleanup()``); or pass a started ``sandbox`` of yours
+    sandbox's root (``isolate.Image.pull``/``load`` it first; its ``python3`` runs the code).
+    ``policy``/``sandbox_options`` make the sandbox (closed by ``cleanup()``); or pass a started ``sandbox`` of yours
     (left running). ``timeout``: seconds per code step (None: none); a step
     past it ends the interpreter, and the agent sees the error.
     """

@@ -8,7 +8,7 @@ from typing import IO, Any
 
 from ..image import Image
 from ..image.build import BuildError, Step
-from ..model.policy import Policy
+from ..model.policy import Mount, Policy
 from .commit import commit_image
 from .sandbox import Sandbox
 
@@ -19,6 +19,9 @@ def run_step(image: Image, step: Step, number: int, progress: IO[str] | None) ->
     fields: dict[str, Any] = {"image": image.reference, "backend": "native", "write": (), "env": dict(step.env)}
     if step.network is not None:
         fields["network"] = step.network
+    if step.mounts:
+        fields["binds"] = tuple(Mount(m.host_dir(image.store), m.target, "ro" if m.readonly else "rw")
+                                for m in step.mounts)
     box = Sandbox(Policy(**fields), image_upper="disk")
     # The step owns the image's files, as Docker's RUN is the image's root: a regular caller's store holds
     # their files anyway; a root caller's are shown as the program's through an idmapped mount.

@@ -50,6 +50,10 @@ class BuildError(IsolationError):
     """A build step failed (its command's exit status and the end of its output), or was refused."""
 
 
+class DockerfileError(BuildError):
+    """A Dockerfile refused: the message names the file, the line and the instruction."""
+
+
 @dataclass(frozen=True)
 class CacheMount:
     """A directory a build's ``run`` step sees at ``target``, kept between builds outside the image (a

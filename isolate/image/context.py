@@ -22,14 +22,10 @@ from collections.abc import Callable
 from ..kernel.links import DIR_FLAGS
 from ..model.files import read_input_file
 from . import Image
-from .build import BuildError, _existing, _target
+from .build import DockerfileError, _existing, _target
 from .export import LayerBlob, write_copy
 
 MAX_IGNORE_FILE = 1 << 20
-
-
-class DockerfileError(BuildError):
-    """A Dockerfile refused: the message names the file, the line and the instruction."""
 
 
 # -- .dockerignore ----------------------------------------------------------------------------

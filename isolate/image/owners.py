@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from . import Image
-from .context import DockerfileError
+from .build import DockerfileError
 from .view import read_file
 
 MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "unchanged" to chown(2): never an owner

@@ -33,8 +33,8 @@ from typing import IO, Any
 from ..model.errors import IsolationError
 from ..model.files import read_input_file
 from . import Image
-from .build import Build, BuildError, CacheMount, Stats, _existing
-from .context import Chown, DockerfileError, _archive_layer, _copy_layer, _is_archive, ignore_rules
+from .build import Build, BuildError, CacheMount, DockerfileError, Stats, _existing
+from .context import Chown, _archive_layer, _copy_layer, _is_archive, ignore_rules
 from .export import LayerBlob, write_copy
 from .owners import parse_chmod, parse_chown
 from .store import Store

@@ -44,8 +44,9 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     #: An overlay workspace (isolate.kernel.overlay.Layers) mounted at its target instead of the tmpfs there.
     _overlay: Any = None
     _image_upper: Any = None
-    #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox).
-    _egress_detached = False
+    #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox), its
+    #: control socket at this path (None: the mediator runs in this process).
+    _egress_detached: str | None = None
 
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
         self.policy = policy if policy is not None else Policy()

@@ -258,7 +258,8 @@ class NativeSandbox:
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=self.name is not None,
-                                          overlay=layers, egress_detached=self.paths.egress if self.name is not None else None,
+                                          overlay=layers,
+                                          egress_detached=self.paths.egress if self.name is not None else None,
                                           image_upper=self.image_upper)
             listener.close()
             listener = None

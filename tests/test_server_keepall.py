@@ -81,14 +81,19 @@ def _egress(server: base.Server, box_id: str) -> tuple[str, dict[str, str]]:
 
 def _mediator_pids(box_id: str, state_dir: str) -> list[int]:
     """The processes listening at the sandbox's mediator control socket (found by its kept name)."""
+    from isolate.server.restore import _listeners
+
+    return _listeners(_control_path(box_id, state_dir))
+
+
+def _control_path(box_id: str, state_dir: str) -> str:
     import hashlib
 
     from isolate.backends.native.kept import Paths
-    from isolate.server.restore import _listeners
 
     # The name a server of this state directory gives it (Keeper.name_for: its real path's hash).
     key = hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
-    return _listeners(Paths.of(f"osb-{key}-{box_id}").egress)
+    return Paths.of(f"osb-{key}-{box_id}").egress
 
 
 def test_an_egress_sandbox_keeps_its_rules_through_a_server_sigkill(state_dir: str, upstream: int,
@@ -135,7 +140,10 @@ def test_an_egress_sandbox_keeps_its_rules_through_a_server_sigkill(state_dir: s
                                    key=None, headers=eheaders)
         assert status == 400 and "listens only on the ports" in str(body), body
         # Its end ends the mediator process and its control socket.
+        control = _control_path(box_id, state_dir)
+        assert os.path.exists(control)
         assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
+        assert not os.path.exists(control)
         box_id = ""
         deadline = time.monotonic() + 10
         while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in mediators):

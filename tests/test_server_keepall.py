@@ -220,3 +220,85 @@ def test_the_warm_pools_sandboxes_end_with_a_killed_server_and_leave_nothing(sta
             second.stop()
     finally:
         first.stop()
+
+
+def test_snapshots_outlive_a_simulated_reboot(state_dir: str) -> None:
+    """A reboot cannot be made here: it is simulated by what it does to a snapshot. Every process of the
+    sandbox and of the server ends (the sandbox is deleted, the server killed with SIGKILL), and the
+    descriptions the runtime directory held (a tmpfs a reboot empties) are removed: the server's and
+    isolate's. The snapshot's files (isolate's state directory, on disk) and the server's state directory
+    (on disk here) stay, as they would. The next server serves the snapshot again, and a sandbox starts
+    from it with its file; its deletion removes the copy too."""
+    from isolate.kept.snapshots import _meta_dir
+    from isolate.kernel.places import runtime_subdir, state_key
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    snapshot_id = ""
+    second = None
+    try:
+        source = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, source)
+        _run(first, prefix, headers, "echo before-reboot > /workspace/f.txt")
+        status, snap = first.call("POST", f"/v1/sandboxes/{source}/snapshots", {"name": "kept"})
+        assert status in (200, 201, 202), snap
+        snapshot_id = snap["id"]
+        assert first.call("DELETE", f"/v1/sandboxes/{source}")[0] == 204
+        _kill(first)
+        # What the reboot's emptying of the runtime directory takes of the snapshot: both descriptions.
+        for description in (os.path.join(runtime_subdir(f"opensandbox-snapshots-{state_key()}"),
+                                          f"{snapshot_id}.json"),
+                            os.path.join(_meta_dir(), f"{snapshot_id}.json")):
+            os.unlink(description)
+
+        second = base.Server(*FLAGS, state_dir=state_dir)
+        status, got = second.call("GET", f"/v1/snapshots/{snapshot_id}")
+        assert status == 200 and got.get("name") == "kept", got
+        branch = base._create(second, image=None, snapshotId=snapshot_id)["id"]
+        prefix, headers = base._endpoint(second, branch)
+        assert _run(second, prefix, headers, "cat /workspace/f.txt") == "before-reboot"
+        assert second.call("DELETE", f"/v1/sandboxes/{branch}")[0] == 204
+        assert second.call("DELETE", f"/v1/snapshots/{snapshot_id}")[0] == 204
+        snapshot_id = ""
+        assert os.listdir(os.path.join(state_dir, "snapshots")) == []
+    finally:
+        if second is not None:
+            if snapshot_id:
+                second.call("DELETE", f"/v1/snapshots/{snapshot_id}")
+            second.stop()
+        first.stop()
+
+
+def test_a_snapshot_whose_files_were_replaced_is_not_put_back(state_dir: str) -> None:
+    """The copy of a snapshot's description names the identity of its files: a directory put in their place
+    (while the runtime directory was emptied) is not used; the copy goes and the start says so."""
+    import shutil
+
+    from isolate.kept.snapshots import _meta_dir
+    from isolate.kernel.places import runtime_subdir, state_key
+    from isolate.kernel.places import state_dir as isolate_state
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        source = base._create(first)["id"]
+        status, snap = first.call("POST", f"/v1/sandboxes/{source}/snapshots", {})
+        assert status in (200, 201, 202), snap
+        snapshot_id = snap["id"]
+        first.call("DELETE", f"/v1/sandboxes/{source}")
+        _kill(first)
+        for description in (os.path.join(runtime_subdir(f"opensandbox-snapshots-{state_key()}"),
+                                          f"{snapshot_id}.json"),
+                            os.path.join(_meta_dir(), f"{snapshot_id}.json")):
+            os.unlink(description)
+        files = os.path.join(isolate_state(), "snapshots", snapshot_id)
+        os.rename(files, files + ".old")  # held while the other is made: it cannot get the same inode
+        os.mkdir(files, 0o700)  # another directory of the same name
+        shutil.rmtree(files + ".old")
+        second = base.Server(*FLAGS, state_dir=state_dir)
+        try:
+            assert second.call("GET", f"/v1/snapshots/{snapshot_id}")[0] == 404
+            assert os.listdir(os.path.join(state_dir, "snapshots")) == []
+        finally:
+            second.stop()
+        os.rmdir(files)
+    finally:
+        first.stop()

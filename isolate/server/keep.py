@@ -279,7 +279,7 @@ class Keeper:
         """Every record (checked), and a line for each entry skipped; temporary files a crash left go."""
         records, skipped = [], []
         for entry in sorted(os.listdir(self.fd)):
-            if entry == ".lock":
+            if entry in (".lock", "snapshots"):  # snapshots/: isolate.server.snapkeep's copies
                 continue
             if entry.startswith(".") and entry.endswith(".tmp"):
                 with contextlib.suppress(OSError):

@@ -284,6 +284,7 @@ def restore(state: ServerState) -> list[str]:
     if keeper is None:
         return []
     records, lines = keeper.load()
+    lines += state.snapshots.recover()
     now = time.time()
     lost_credentials = lost_with_them = 0
     served = expired = gone = 0

@@ -561,6 +561,10 @@ class ServerState:
         self.given_volume_store = volume_store
         self.named_volumes = NamedVolumes()
         self.snapshots = SnapshotStore()
+        if keeper is not None:
+            from .snapkeep import SnapshotCopies
+
+            self.snapshots.copies = SnapshotCopies(keeper.fd)
         #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
         #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
         self.workspace = server_workspace()
@@ -679,6 +683,8 @@ class ServerState:
                 # its vault lost)
             except Exception:
                 pass
+        if self.snapshots.copies is not None:
+            self.snapshots.copies.close()
         if self.keeper is not None:
             self.keeper.close()
 

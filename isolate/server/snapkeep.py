@@ -80,33 +80,54 @@ class SnapshotCopies:
     """The copies in one server's state directory (its descriptor: ``Keeper.fd``)."""
 
     def __init__(self, state_fd: int) -> None:
+        self._state_fd = state_fd
+        self.fd = -1  # snapshots/, made at the first copy
+
+    def _open(self, create: bool) -> bool:
+        if self.fd >= 0:
+            return True
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(SNAPSHOTS, 0o700, dir_fd=self._state_fd)
         try:
-            os.mkdir(SNAPSHOTS, 0o700, dir_fd=state_fd)
-        except FileExistsError:
-            pass
-        self.fd = os.open(SNAPSHOTS, _DIR_FLAGS, dir_fd=state_fd)
-        if os.fstat(self.fd).st_uid != os.geteuid():
-            os.close(self.fd)
+            fd = os.open(SNAPSHOTS, _DIR_FLAGS, dir_fd=self._state_fd)
+        except FileNotFoundError:
+            return False
+        if os.fstat(fd).st_uid != os.geteuid():
+            os.close(fd)
             raise IsolationError(f"the server's state directory's {SNAPSHOTS}/ is not its user's; remove it")
+        self.fd = fd
+        return True
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
     def keep(self, record: dict[str, Any]) -> None:
         """Copy the descriptions of the snapshot just taken (the server's ``record``, and isolate's)."""
+        self._open(create=True)
         snapshot_id = str(record["id"])
         theirs = json.loads(_read(os.path.join(_meta_dir(), f"{snapshot_id}.json")))
         _write_whole(self.fd, "", f"{snapshot_id}.json", json.dumps({"server": record, "isolate": theirs}).encode())
 
     def forget(self, snapshot_id: str) -> None:
+        if not self._open(create=False):
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"{snapshot_id}.json", dir_fd=self.fd)
+        with contextlib.suppress(OSError):  # the last one: the directory goes too (made again when needed)
+            if not os.listdir(self.fd):
+                os.rmdir(SNAPSHOTS, dir_fd=self._state_fd)
+                self.close()
 
     def recover(self, server_dir: str) -> list[str]:
         """Put back the descriptions a reboot took (those missing from the runtime directory); a line for each
         snapshot recovered or let go."""
-        lines = []
+        lines: list[str] = []
+        if not self._open(create=False):
+            return lines
         for entry in sorted(os.listdir(self.fd)):
             if entry.startswith(".") and entry.endswith(".tmp"):
                 with contextlib.suppress(OSError):

@@ -9,6 +9,12 @@ Descriptors it inherits (numbers given on the command line):
   as one line of JSON before it exits;
 - ``--query-fd N`` (optional): a stream socket whose lines ``summary`` are answered as on the control
   socket; its EOF stops nothing (the process that asks may end before the sandbox);
+- ``--query-listen-fd N`` (optional): a listening unix stream socket (bound in its user's private runtime
+  directory, where a restarted server finds it by the sandbox's name): each connection of a process of
+  the mediator's own user is a query socket as above;
+- on a query socket, a line ``rules JSON`` (the rules as ``rules_to_json`` writes them) makes the mediator
+  serve that allow-list from now on (``Mediator.update_rules``: the host rules only, on the ports listened
+  at start), answered ``{"closed": N}`` or ``{"error": TEXT}``;
 - ``--pidfd N`` (optional): a pidfd of the sandbox's process; the mediator stops when it exits;
 - ``--ready-fd N`` (optional): written ``ready`` and closed once the mediator serves.
 
@@ -24,6 +30,7 @@ import resource
 import select
 import signal
 import socket
+import struct
 import sys
 from typing import Any
 
@@ -51,6 +58,47 @@ def _write_line(sock: socket.socket | None, data: dict[str, Any]) -> None:
         pass
 
 
+#: Query connections served at once, and the longest line one may send (a rules line included).
+MAX_QUERIES = 16
+MAX_QUERY_LINE = 4 << 20
+
+
+def _accept_own(listener: socket.socket) -> socket.socket | None:
+    """A connection to the query listener, when its peer is a process of this user (else closed): the
+    listener lies in the user's private runtime directory, and the peer's credentials say so again."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return None
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+    except OSError:
+        uid = -1
+    if uid != os.geteuid():
+        conn.close()
+        return None
+    conn.settimeout(5.0)  # an answer is written whole or not at all: a peer that does not read is let go
+    return conn
+
+
+def _answer(sock: socket.socket, mediator: Mediator, line: bytes) -> None:
+    """One query line: ``summary``, or ``rules JSON`` (a new allow-list)."""
+    if line == b"summary":
+        _write_line(sock, mediator.summary())
+        return
+    command, _, rest = line.partition(b" ")
+    if command != b"rules":
+        _write_line(sock, {"error": f"unknown command {command[:40].decode(errors='replace')!r}"})
+        return
+    try:
+        closed = mediator.update_rules(rules_from_json(rest.decode()))
+    except (PolicyError, UnicodeDecodeError) as exc:
+        _write_line(sock, {"error": str(exc)})
+        return
+    _write_line(sock, {"closed": closed})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m isolate.egress", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rules-fd", type=int, required=True)
@@ -58,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen-fd", type=int, action="append", default=[])
     parser.add_argument("--control-fd", type=int)
     parser.add_argument("--query-fd", type=int)
+    parser.add_argument("--query-listen-fd", type=int)
     parser.add_argument("--pidfd", type=int)
     parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--dns-port", type=int, default=None, help=argparse.SUPPRESS)
@@ -69,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         listeners = [socket.socket(fileno=fd) for fd in args.listen_fd]
         control = socket.socket(fileno=args.control_fd) if args.control_fd is not None else None
         query = socket.socket(fileno=args.query_fd) if args.query_fd is not None else None
+        query_listener = socket.socket(fileno=args.query_listen_fd) if args.query_listen_fd is not None else None
     except (OSError, PolicyError) as exc:
         print(f"python -m isolate.egress: {exc}", file=sys.stderr)
         return 2
@@ -102,26 +152,42 @@ def main(argv: list[str] | None = None) -> int:
         poller.register(control, select.POLLIN)
     if args.pidfd is not None:
         poller.register(args.pidfd, select.POLLIN)
+    # Query sockets by descriptor, each with what it sent of a line so far.
+    queries: dict[int, tuple[socket.socket, bytes]] = {}
     if query is not None:
+        queries[query.fileno()] = (query, b"")
         poller.register(query, select.POLLIN)
+    if query_listener is not None:
+        poller.register(query_listener, select.POLLIN)
     pending = b""
-    asked = b""
     try:
         running = True
         while running:
             for fd, _ in poller.poll():
-                if query is not None and fd == query.fileno():
-                    data = query.recv(4096)
-                    if not data:
-                        poller.unregister(query)
-                        query.close()
-                        query = None
-                        continue
-                    asked = (asked + data)[-4096:]
+                if query_listener is not None and fd == query_listener.fileno():
+                    accepted = _accept_own(query_listener)
+                    if accepted is not None and len(queries) < MAX_QUERIES:
+                        queries[accepted.fileno()] = (accepted, b"")
+                        poller.register(accepted, select.POLLIN)
+                    elif accepted is not None:
+                        accepted.close()
+                    continue
+                if fd in queries:
+                    sock, asked = queries[fd]
+                    try:
+                        data = sock.recv(1 << 16)
+                    except OSError:
+                        data = b""
+                    asked += data
                     while b"\n" in asked:
                         line, _, asked = asked.partition(b"\n")
-                        if line.strip() == b"summary":
-                            _write_line(query, mediator.summary())
+                        _answer(sock, mediator, line.strip())
+                    if not data or len(asked) > MAX_QUERY_LINE:
+                        poller.unregister(fd)
+                        del queries[fd]
+                        sock.close()
+                    else:
+                        queries[fd] = (sock, asked)
                     continue
                 if control is not None and fd == control.fileno():
                     data = control.recv(4096)

@@ -96,6 +96,9 @@ class Record:
     #: Written before its named volumes were claimed: ``volumes`` are those asked for, with whether the
     #: create asked to remove them (it may have made them when its server was killed).
     pending: bool = False
+    #: Its egress rules as changed at run time ((action, target), PATCH /policy; None: as created). Its
+    #: mediator process enforces them; the record lets the next server say them (GET /policy) and merge.
+    egress: list[tuple[str, str]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -104,7 +107,8 @@ class Record:
                 "tokenHashes": self.token_hashes,
                 "portHashes": {str(port): hashes for port, hashes in self.port_hashes.items()},
                 "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials,
-                "pending": self.pending}
+                "pending": self.pending,
+                "egress": None if self.egress is None else [[action, target] for action, target in self.egress]}
 
 
 class BadRecord(ValueError):
@@ -129,7 +133,8 @@ def parse_record(data: object, expected_id: str) -> Record:
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
-    _need(set(data) == known, "unknown or missing fields")
+    optional = {"egress"}  # not in the records of servers before it
+    _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
     image, entrypoint, metadata = data["image"], data["entrypoint"], data["metadata"]
@@ -167,9 +172,27 @@ def parse_record(data: object, expected_id: str) -> Record:
     _need(isinstance(credentials, int) and not isinstance(credentials, bool) and 0 <= credentials < 1 << 20,
           "credentials")
     _need(isinstance(data["pending"], bool) and (not data["pending"] or data["state"] == "Starting"), "pending")
+    egress = _egress_rules(data.get("egress"))
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
-                  data["pending"])
+                  data["pending"], egress)
+
+
+def _egress_rules(raw: object) -> list[tuple[str, str]] | None:
+    """The record's egress rules: None, or at most egress_rules.MAX_ENTRIES [action, target] pairs (the
+    targets are checked again as names when a server applies them)."""
+    from ..model.egress_rules import MAX_ENTRIES
+
+    if raw is None:
+        return None
+    _need(isinstance(raw, list) and len(raw) <= MAX_ENTRIES, "egress")
+    assert isinstance(raw, list)
+    rules: list[tuple[str, str]] = []
+    for item in raw:
+        _need(isinstance(item, list) and len(item) == 2 and item[0] in ("allow", "deny")
+              and isinstance(item[1], str) and 0 < len(item[1]) <= 300, "egress: a rule")
+        rules.append((item[0], item[1]))
+    return rules
 
 
 def _check_private(path: str, fd: int) -> None:
@@ -256,7 +279,7 @@ class Keeper:
         """Every record (checked), and a line for each entry skipped; temporary files a crash left go."""
         records, skipped = [], []
         for entry in sorted(os.listdir(self.fd)):
-            if entry == ".lock":
+            if entry in (".lock", "snapshots"):  # snapshots/: isolate.server.snapkeep's copies
                 continue
             if entry.startswith(".") and entry.endswith(".tmp"):
                 with contextlib.suppress(OSError):

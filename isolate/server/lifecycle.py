@@ -76,9 +76,12 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
                        "(serve --ray), and a named volume is a directory of one machine; serve without --ray")
     store = state.volume_store() if named else None
     sandbox_id, token = secrets.token_hex(12), secrets.token_urlsafe(24)
-    # Kept past the server (a named sandbox) unless a part of it lives in the server process: an egress
-    # allow-list's mediator (its runtime changes and credential vault are the server's), a Ray node's.
-    kept = state.keeper is not None and not state.cluster and not isinstance(req.policy.network, Egress)
+    # Kept past the server (a named sandbox) unless a part of it lives in the server process: a credential
+    # vault (its values never leave the server's memory), a Ray node's. An egress allow-list's mediator is
+    # then a process of its own, which outlives the server and ends with the sandbox (its control socket
+    # takes the allow-list's runtime changes, from this server or the next).
+    kept = state.keeper is not None and not state.cluster and not (isinstance(req.policy.network, Egress)
+                                                                    and req.credential_proxy)
     keeper = state.keeper
 
     def starting(volumes: list[tuple[str, bool]], pending: bool) -> None:

@@ -7,9 +7,13 @@ For each record (isolate.server.keep), in the server's own words at start:
   create that made them asked: ``deleteOnSandboxTermination``);
 - a sandbox that ended meanwhile (killed, a reboot) is let go the same way;
 - a sandbox that ended with the last server (one whose parts lived in it:
-  an egress allow-list's mediator, the warm pool's, a Ray node's) likewise,
-  and the credentials of its vault are counted as lost (their values were
-  never written anywhere);
+  a credential vault, the warm pool's, a Ray node's) likewise, and the
+  credentials of its vault are counted as lost (their values were never
+  written anywhere);
+- a sandbox with an egress allow-list whose mediator process ended (it
+  outlives the server, not a kill of its own) is ended: nothing would leave
+  it, and the mediator cannot be started again (its listeners were made
+  inside the sandbox at its start);
 - any other is attached by its name and served under its id, with its
   metadata, expiry, tokens (as hashes) and named volumes; the commands,
   bash sessions and code contexts the last server ran in it ended with it
@@ -46,6 +50,19 @@ def resume_restored(managed: ManagedSandbox) -> str:
     assert name is not None
     managed.box = Sandbox.attach(name)
     return "thawed"
+
+
+def _mediator_answers(box: Sandbox) -> bool:
+    """Whether a sandbox with an egress allow-list still has its mediator process (it answers at its control
+    socket); True for one without."""
+    from ..model.policy import Egress
+
+    if not isinstance(box.policy.network, Egress) or box.name is None:
+        return True
+    from ..backends.native.egress import MediatorControl
+    from ..backends.native.kept import Paths
+
+    return MediatorControl(Paths.of(box.name).egress).listening()
 
 
 def _state_of(box: Sandbox) -> str:
@@ -142,7 +159,7 @@ def _clear_half_made(name: str) -> None:
             pass
         finally:
             os.close(pidfd)
-    for path in (paths.socket, paths.meta):
+    for path in (paths.socket, paths.meta, paths.egress):
         with contextlib.suppress(OSError):
             os.unlink(path)
     # A description its maker was writing (NAME.json.HEX, renamed over NAME.json once whole).
@@ -200,6 +217,13 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
                              volume_claims=list(record.volumes))
     managed.renew_on_access = record.renew_on_access
     managed.restored = True
+    if record.egress is not None:
+        from .models import egress_with
+
+        # What its mediator process enforces since a runtime change (the process outlived the last server).
+        managed.egress_rules = list(record.egress)
+        with contextlib.suppress(IsolationError):
+            managed.egress = egress_with([t for a, t in record.egress if a == "allow"], box.policy.network)
     store = state.volume_store() if record.volumes else ""
     for claim, doomed in record.volumes:
         path = os.path.join(store, claim)
@@ -220,6 +244,16 @@ def _sweep_cgroups() -> None:
 
     with contextlib.suppress(OSError):
         sweep_stale()
+
+
+def _sweep_pool() -> None:
+    """The warm pool's sandboxes (unnamed) ended with the killed server that made them (their init dies with
+    its parent), and left their files: removed, with those of any unnamed sandbox of this user whose maker is
+    gone and whose socket no one holds (as ``isolate-run sandbox prune`` does)."""
+    from ..backends.native.named import sweep_unnamed
+
+    with contextlib.suppress(OSError, IsolationError):
+        sweep_unnamed()
 
 
 def _sweep_trash(state: ServerState) -> None:
@@ -250,6 +284,7 @@ def restore(state: ServerState) -> list[str]:
     if keeper is None:
         return []
     records, lines = keeper.load()
+    lines += state.snapshots.recover()
     now = time.time()
     lost_credentials = lost_with_them = 0
     served = expired = gone = 0
@@ -264,7 +299,7 @@ def restore(state: ServerState) -> list[str]:
             if record.credentials:
                 lost_credentials += record.credentials
                 lost_with_them += 1
-            lines.append(f"sandbox {record.id}: ended with the last server (its egress mediator, warm pool or "
+            lines.append(f"sandbox {record.id}: ended with the last server (its credential vault, warm pool or "
                          "cluster node was the server's)")
             continue
         box: Sandbox | None
@@ -299,6 +334,12 @@ def restore(state: ServerState) -> list[str]:
             gone += 1
             lines.append(f"sandbox {record.id}: could not be attached again ({exc}); ended")
             continue
+        if not _mediator_answers(box):
+            ending.append((record, box))
+            gone += 1
+            lines.append(f"sandbox {record.id}: its egress mediator process ended (killed?), so nothing leaves the "
+                         "sandbox any more; ended")
+            continue
         managed = _served(state, record, box, paused)
         with state.lock:
             state.sandboxes[managed.id] = managed
@@ -307,6 +348,7 @@ def restore(state: ServerState) -> list[str]:
     for record, maybe_box in ending:
         _end(state, record, maybe_box)
     _sweep_trash(state)
+    _sweep_pool()
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:

@@ -12,13 +12,16 @@ sandbox had.
 What the API says about a snapshot (its source sandbox, name, image) is a
 small description beside isolate's own, in the caller's private runtime
 directory, with the registry's guarantees: a server restart finds every
-snapshot again, a reboot forgets them (as it forgets isolate's snapshots).
+snapshot again; a reboot empties that directory, and a server whose state
+directory is on disk puts both descriptions back from its copies
+(isolate.server.snapkeep).
 The capture happens before the create call answers: a snapshot is listed
 ``Ready`` at once, or the call fails and nothing is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -53,6 +56,16 @@ class SnapshotStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        #: Copies of the descriptions in the server's state directory, to outlive a reboot (isolate.server.snapkeep;
+        #: None: a server without one).
+        self.copies: Any = None
+
+    def recover(self) -> list[str]:
+        """At start: the descriptions a reboot took, put back from the copies (a line for each)."""
+        if self.copies is None:
+            return []
+        lines: list[str] = self.copies.recover(self._dir())
+        return lines
 
     @staticmethod
     def _dir() -> str:
@@ -99,7 +112,11 @@ class SnapshotStore:
             with os.fdopen(fd, "w") as handle:
                 json.dump(record, handle)
             os.rename(temp, os.path.join(directory, f"{snapshot_id}.json"))
+            if self.copies is not None:
+                self.copies.keep(record)  # or no snapshot: one that would not outlive a reboot as said
         except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._dir(), f"{snapshot_id}.json"))
             snap.remove()
             raise
         return record
@@ -111,6 +128,8 @@ class SnapshotStore:
                 Snapshot.get(snapshot_id).remove()
             except IsolationError:
                 pass  # its files went already: the description goes too
+            if self.copies is not None:
+                self.copies.forget(snapshot_id)
             try:
                 os.unlink(os.path.join(self._dir(), f"{snapshot_id}.json"))
             except FileNotFoundError:

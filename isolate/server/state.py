@@ -5,8 +5,9 @@ A sandbox of ``isolate-run serve`` is a named kept ``isolate.Sandbox``
 server's reaper), and outlives the server process, killed or stopped: the
 next server of the same state directory serves it again (``restore``).
 Sandboxes whose parts live in the server process end with it: those with
-an egress allow-list (their mediator), those of the warm pool (the pool's,
-unnamed) and those on a Ray cluster. ``create_app`` (embedding, tests)
+a credential vault (its values), those of the warm pool (the pool's,
+unnamed) and those on a Ray cluster. One with an egress allow-list is kept:
+its mediator is a process of its own (isolate.server.reach). ``create_app`` (embedding, tests)
 keeps nothing: its sandboxes are unnamed and end with the process.
 """
 
@@ -410,7 +411,8 @@ class ManagedSandbox:
                       self.expires_at, self.kept, "Paused" if self.state in ("Paused", "Pausing") else "Running",
                       self.renew_on_access, list(self.token_hashes),
                       {port: list(h) for port, h in self.port_hashes.items()}, list(self.volume_claims),
-                      len(vault.credentials()) if vault is not None else 0)
+                      len(vault.credentials()) if vault is not None else 0,
+                      egress=None if self.egress_rules is None else list(self.egress_rules))
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -559,6 +561,10 @@ class ServerState:
         self.given_volume_store = volume_store
         self.named_volumes = NamedVolumes()
         self.snapshots = SnapshotStore()
+        if keeper is not None:
+            from .snapkeep import SnapshotCopies
+
+            self.snapshots.copies = SnapshotCopies(keeper.fd)
         #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
         #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
         self.workspace = server_workspace()
@@ -677,6 +683,8 @@ class ServerState:
                 # its vault lost)
             except Exception:
                 pass
+        if self.snapshots.copies is not None:
+            self.snapshots.copies.close()
         if self.keeper is not None:
             self.keeper.close()
 

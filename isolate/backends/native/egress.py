@@ -163,11 +163,30 @@ def start_mediator(egress: Egress, host_end: socket.socket) -> Mediator:
     return mediator
 
 
-def start_mediator_process(egress: Egress, host_end: socket.socket,
-                           init_pid: int) -> tuple[subprocess.Popen[bytes], socket.socket]:
+def _control_listener(path: str) -> socket.socket:
+    """The mediator process's query listener at ``path`` (in the private runtime directory, 0600)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(8)
+    except OSError as exc:
+        sock.close()
+        raise SetupError(f"egress: the mediator's control socket {path}: {exc.strerror}") from None
+    return sock
+
+
+def start_mediator_process(egress: Egress, host_end: socket.socket, init_pid: int,
+                           control: str | None = None) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """The same, as a process of its own that outlives this one (a named sandbox): ``python -m
     isolate.egress``, in a session of its own, ending when the sandbox's init does (a pidfd). Also
-    returns a socket on which this process may ask for its summary (``summary`` lines)."""
+    returns a socket on which this process may ask for its summary (``summary`` lines) or change its
+    allow-list (``rules`` lines); ``control``: a path where it listens for more such sockets (a later
+    process of this user finds it there by the sandbox's name: ``MediatorControl``)."""
     from ...egress import rules_to_json
 
     rules = egress.rules()
@@ -176,12 +195,17 @@ def start_mediator_process(egress: Egress, host_end: socket.socket,
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     pidfd = -1
     query, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = None
     try:
         pidfd = os.pidfd_open(init_pid)
         fds = [rules_r, ready_w, pidfd, theirs.fileno()] + [sock.fileno() for sock in sockets]
         argv = [sys.executable, "-I", "-m", "isolate.egress", "--rules-fd", str(rules_r), "--pidfd", str(pidfd),
                 "--ready-fd", str(ready_w), "--query-fd", str(theirs.fileno()),
                 "--dns-fd", str(sockets[0].fileno())]
+        if control is not None:
+            listener = _control_listener(control)
+            fds.append(listener.fileno())
+            argv += ["--query-listen-fd", str(listener.fileno())]
         for sock in sockets[1:]:
             argv += ["--listen-fd", str(sock.fileno())]
         process = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -209,6 +233,8 @@ def start_mediator_process(egress: Egress, host_end: socket.socket,
         raise
     finally:
         theirs.close()
+        if listener is not None:
+            listener.close()
         for fd in (rules_w, ready_r, ready_w):
             if fd >= 0:
                 os.close(fd)
@@ -221,11 +247,55 @@ def start_mediator_process(egress: Egress, host_end: socket.socket,
     return process, query
 
 
+class MediatorControl:
+    """A named sandbox's mediator process, reached at its control socket by any process of its user (a
+    restarted server): the in-process ``Mediator``'s ``update_rules`` and ``summary``, asked over it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _ask(self, line: bytes) -> dict[str, Any] | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(5.0)
+            sock.connect(self.path)
+            return ask(sock, line)
+        except OSError:
+            return None
+        finally:
+            sock.close()
+
+    def listening(self) -> bool:
+        return self._ask(b"summary") is not None
+
+    def summary(self) -> dict[str, Any]:
+        return self._ask(b"summary") or {}
+
+    def update_rules(self, rules: Any) -> int:
+        """Serve ``rules`` (isolate.model.egress_rules.EgressRules) from now on; how many connections it closed
+        (PolicyError when the mediator refuses them, SetupError when it does not answer)."""
+        from ...egress import rules_to_json
+        from ...model.errors import PolicyError
+
+        answer = self._ask(b"rules " + rules_to_json(rules).encode())
+        if answer is None:
+            raise SetupError("egress: the sandbox's mediator process does not answer (it ended?)")
+        if "error" in answer:
+            raise PolicyError(str(answer["error"]), "network")
+        closed = answer.get("closed")
+        return closed if isinstance(closed, int) else 0
+
+
 def ask_summary(query: socket.socket, timeout: float = 5.0) -> dict[str, Any] | None:
     """A mediator process's summary, asked on its query socket (None when it does not answer)."""
+    return ask(query, b"summary", timeout)
+
+
+def ask(query: socket.socket, line: bytes, timeout: float = 5.0) -> dict[str, Any] | None:
+    """A line sent on a mediator process's query socket, and its answer (None when it does not answer)."""
     try:
         query.settimeout(timeout)
-        query.sendall(b"summary\n")
+        query.sendall(line + b"\n")
         data = b""
         while not data.endswith(b"\n"):
             chunk = query.recv(1 << 20)

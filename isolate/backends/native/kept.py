@@ -57,7 +57,7 @@ class _ServerProcess(Popen):
     _one_shot_upper = False  # its upper layer is the sandbox's (start() chooses), not the one run's
 
     def __init__(self, args: Any, *, policy: Policy, bind_sources: dict[str, int] | None = None,
-                 overlay: Any = None, egress_detached: bool = False, image_upper: Any = None,
+                 overlay: Any = None, egress_detached: str | None = None, image_upper: Any = None,
                  **kwargs: Any) -> None:
         self._program_fd = init_fd()
         self._bind_sources = bind_sources
@@ -75,12 +75,15 @@ class Paths:
     socket: str
     meta: str
     data: str
+    #: Its egress mediator process's control socket (an egress allow-list; isolate.egress's --query-listen-fd;
+    #: not named .sock, which names a sandbox in the runtime directory).
+    egress: str = ""
 
     @classmethod
     def of(cls, key: str) -> Paths:
         run = runtime_dir()
         return cls(key, os.path.join(run, f"{key}.sock"), os.path.join(run, f"{key}.json"),
-                   os.path.join(state_dir(), "sandboxes", key))
+                   os.path.join(state_dir(), "sandboxes", key), os.path.join(run, f"{key}.egress"))
 
 
 def _server_policy(policy: Policy, workspace: Workspace, workspace_host: str, mounts: Sequence[Mount],
@@ -269,7 +272,8 @@ class NativeSandbox:
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=self.name is not None,
-                                          overlay=layers, egress_detached=self.name is not None,
+                                          overlay=layers,
+                                          egress_detached=self.paths.egress if self.name is not None else None,
                                           image_upper=self.image_upper)
             listener.close()
             listener = None
@@ -901,7 +905,7 @@ def _kill_and_wait(init: int, timeout: float = 10.0) -> None:
 def _remove_files(paths: Paths, data: tuple[int, int] | None, copy: str | None = None) -> None:
     """Remove the socket and description; with data (its identity), the data directory start() made, and then
     the private copy it used (``copy``: its token) if nothing else uses it."""
-    for path in (paths.socket, paths.meta):
+    for path in (paths.socket, paths.meta, paths.egress):
         with _suppress_missing():
             os.unlink(path)
     if data is not None:

@@ -66,8 +66,9 @@ class Prepared:
     egress: Egress | None = None
     egress_channel: Any = None
     mediator: Any = None
-    #: The mediator is a process of its own that outlives the caller (a named kept sandbox).
-    egress_detached: bool = False
+    #: The mediator is a process of its own that outlives the caller (a named kept sandbox): the path of its
+    #: control socket (None: the mediator runs in this process).
+    egress_detached: str | None = None
     mediator_process: Any = None  # held so that the Popen of a named sandbox's mediator is reaped, not leaked
     #: This process's socket to ask that mediator process for its summary (egress per command).
     mediator_query: Any = None
@@ -151,7 +152,7 @@ def prepare(
     program_fd: int = -1,
     bind_sources: Mapping[str, int] | None = None,
     overlay: Any = None,
-    egress_detached: bool = False,
+    egress_detached: str | None = None,
     image_upper: Any = None,
 ) -> Prepared:
     """The plan for one run of ``args``: the cached static part plus what is this run's own.
@@ -459,9 +460,9 @@ def spawn(prepared: Prepared, args: Sequence[str]) -> int:
         assert prepared.egress is not None
         channel, prepared.egress_channel = prepared.egress_channel, None
         try:
-            if prepared.egress_detached:
+            if prepared.egress_detached is not None:
                 prepared.mediator_process, prepared.mediator_query = egress_plan.start_mediator_process(
-                    prepared.egress, channel, int(pid))
+                    prepared.egress, channel, int(pid), prepared.egress_detached)
             else:
                 prepared.mediator = egress_plan.start_mediator(prepared.egress, channel)
         except BaseException:

@@ -50,8 +50,9 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     #: A one-shot image run's upper layer on disk (runupper.py), removed when the run has ended.
     _run_upper: RunUpper | None = None
     _one_shot_upper = True
-    #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox).
-    _egress_detached = False
+    #: Egress by name: run the mediator as a process that outlives this one (a named kept sandbox), its
+    #: control socket at this path (None: the mediator runs in this process).
+    _egress_detached: str | None = None
 
     def __init__(self, args: Any, *pargs: Any, policy: Policy | None = None, **kwargs: Any) -> None:
         self.policy = policy if policy is not None else Policy()

@@ -2,8 +2,9 @@
 allow-list through its egress mediator.
 
 A sandbox created with allow rules (``networkPolicy`` ``deny`` with
-``allow`` rules: an ``isolate.Egress``) has a mediator in the server
-process that every connection leaving it goes through; ``PATCH`` (merge:
+``allow`` rules: an ``isolate.Egress``) has a mediator that every
+connection leaving it goes through (in the server process, or a process of
+its own for a kept sandbox, isolate.server.reach); ``PATCH`` (merge:
 the request's rules first, the first rule for a target wins, ``deny``
 removes the target) and ``DELETE`` (the targets listed) give it another
 allow-list at once, and the connections already open to a name the new list
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...model import egress_rules
-from ...model.errors import PolicyError
+from ...model.errors import PolicyError, SetupError
 from ...model.policy import Egress
 from ..common import api, json_body
 from ..models import EGRESS_PORT, ApiError, bad_request, egress_with
@@ -85,7 +86,10 @@ def _apply(managed: ManagedSandbox, rules: list[tuple[str, str]]) -> int:
         closed: int = found.update_rules(updated.rules())
     except PolicyError as exc:
         raise bad_request(f"policy: {exc}") from None
+    except SetupError as exc:  # a kept sandbox's mediator process that does not answer
+        raise ApiError(503, "EGRESS_MEDIATOR_GONE", str(exc)) from None
     managed.egress, managed.egress_rules = updated, list(rules)
+    managed.changed()  # recorded: a restarted server says the rules its mediator process enforces
     managed.event(f"egress allow-list now {', '.join(hosts)}" + (f"; {closed} connection(s) to names no longer "
                                                                    "allowed closed" if closed else ""))
     return closed

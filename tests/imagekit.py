@@ -264,12 +264,12 @@ def loopback_registry(directory: str, registry: str, htpasswd: str | None = None
         server.wait()
 
 
-def push(skopeo: str, layout: str, destination: str, work: str, extra: Sequence[str] = ()) -> None:
+def push(skopeo: str, layout: str, destination: str, work: str, extra: Sequence[str] = (), timeout: float = 60) -> None:
     """skopeo copy of an OCI layout's image (``path:ref``) to ``docker://destination`` over plain HTTP. skopeo
     keeps nothing of the caller's and reads no auth file of the host's (a root podman's /run/containers is
     0700: uid 65534's default there is unreadable)."""
     subprocess.run([skopeo, "copy", "--quiet", *extra, "--dest-tls-verify=false", f"oci:{layout}",
-                    f"docker://{destination}"], check=True, capture_output=True, timeout=60,
+                    f"docker://{destination}"], check=True, capture_output=True, timeout=timeout,
                    env=dict(os.environ, HOME=work, REGISTRY_AUTH_FILE=os.path.join(work, "auth.json")))
 
 

@@ -9,18 +9,20 @@ same images: ``docker load`` / ``podman load`` of the same archives):
   and ``podman run --rm`` of the same image;
 - a kept sandbox from the image: create + first exec (the goal: at most
   15 ms), then its close, against one from the host's root;
-- a pull from Debian's docker-registry on loopback (pushed with skopeo): its
-  wall time and the pulling process's peak RSS, against ``podman pull`` and
-  ``docker pull`` of the same image, where they answer;
+- a pull from Debian's docker-registry on loopback (pushed with skopeo) of
+  the Debian 12 + python3 image (tests/imagekit.py's, mmdebstrap; the busybox
+  one in a quick run or where it cannot be built), into cold stores: its wall
+  time and the pulling process's peak RSS, against ``podman pull`` (a new
+  ``--root`` each), ``docker pull`` and ``skopeo copy`` of the same image,
+  where they answer (``--pull-only`` measures this alone);
 - disk added by N kept sandboxes of the image (their writes aside): the store
   and the state directory before and after;
 - an eval-shaped run: 50 tasks over 10 images (each task starts a sandbox
   from its image, writes a file, runs a short test of it, closes), isolate
   natively against isolate's Docker backend: whole wall time and per task.
-  (The images are busybox ones, so the test is a shell's, not Python's: the
-  Debian + python image is not built here.)
+  (The eval images are busybox ones, so the test is a shell's, not Python's.)
 
-Writes ``results/images.json`` when run alone.
+Writes ``results/images.json`` when run alone (merged into what is there).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -212,7 +215,7 @@ def _measure(rounds: int, tmp: str, store: str, with_docker: bool, log: Callable
             box.close()
     results["disk_per_sandbox_bytes"] = {"n": n, "added_each": (during - before) // n}
 
-    results["pull"] = _pull(tmp, tools, log)
+    results["pull"] = _pull(tmp, tools, log, debian=rounds >= 10)
     results["eval"] = _eval(refs[1:], tools, log)
     return results
 
@@ -243,40 +246,99 @@ def _eval(refs: list[str], tools: list[str], log: Callable[[str], None]) -> dict
     return out
 
 
-def _pull(tmp: str, tools: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+PULL_ROUNDS = 3
+
+
+def _pull_layout(tmp: str, debian: bool) -> tuple[str, str, str, str | None]:
+    """The image the pulls measure: the Debian + python one (tests/imagekit.py's, built when missing and this
+    caller can) when ``debian``, else a busybox one of its own (a layer no store or engine holds yet); its OCI
+    layout, its ref there, a name for it, and why the Debian image is not the one (None when it is)."""
+    kit = _kit()
+    why = None if debian else "a quick run (fewer than 10 rounds): the busybox image"
+    if debian:
+        layout = kit.debian_layout(build=kit.debian_why() is None)
+        if layout is not None:
+            return layout, kit.DEBIAN_REF, "debian-python:12", None
+        why = f"no Debian + python image: {kit.debian_why() or 'its cache is unsafe'}"
+    with open("/bin/busybox", "rb") as handle:
+        busybox = handle.read()
+    layer = kit.layer([{"name": "bin", "type": "dir"}, {"name": "bin/busybox", "data": busybox, "mode": 0o755},
+                       {"name": "pull-marker", "data": os.urandom(16).hex().encode()}])
+    kit.oci_layout(os.path.join(tmp, "oci-pull"), [layer], ref="pull:1", Env=["PATH=/bin"])
+    return os.path.join(tmp, "oci-pull"), "pull:1", "busybox:1", why
+
+
+def _peer_pull(argv: list[str]) -> float | str:
+    started = time.perf_counter()
+    ran = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    if ran.returncode != 0:
+        return f"failed: {(ran.stderr.strip().splitlines() or ['?'])[-1][:200]}"
+    return time.perf_counter() - started
+
+
+def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool = True) -> dict[str, Any]:
+    """Pulls from Debian's docker-registry on loopback, every one into a cold store: isolate's (a new store
+    each, in a process of its own: its wall time and peak RSS), ``podman pull`` (a new --root each),
+    ``docker pull`` (the image removed after each) and ``skopeo copy`` to an OCI directory, interleaved,
+    PULL_ROUNDS rounds; medians."""
     registry, skopeo = shutil.which("docker-registry"), shutil.which("skopeo")
     if not registry or not skopeo:
         return {"skipped": "docker-registry and skopeo are not installed"}
     kit = _kit()
+    layout, ref, name, why = _pull_layout(tmp, debian)
     with kit.loopback_registry(tmp, registry) as address:
-        remote = f"{address}/bench/busybox:1"
-        # An image of its own (a layer no store or engine holds yet): every pull fetches all of it.
-        with open("/bin/busybox", "rb") as handle:
-            busybox = handle.read()
-        layer = kit.layer([{"name": "bin", "type": "dir"}, {"name": "bin/busybox", "data": busybox, "mode": 0o755},
-                           {"name": "pull-marker", "data": os.urandom(16).hex().encode()}])
-        kit.oci_layout(os.path.join(tmp, "oci-pull"), [layer], ref="pull:1", Env=["PATH=/bin"])
-        kit.push(skopeo, f"{tmp}/oci-pull:pull:1", remote, tmp)
-        log("images: pulls from the loopback registry")
+        remote = f"{address}/bench/{name}"
+        kit.push(skopeo, f"{layout}:{ref}", remote, tmp, timeout=600)
+        log(f"images: pulls of {name} from the loopback registry, {PULL_ROUNDS} rounds")
         code = ("import resource, sys, time; from isolate.image import Image, Store; t = time.perf_counter(); "
                 f"Image.pull({remote!r}, store=Store(sys.argv[1])); "
                 "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-        done = subprocess.run([sys.executable, "-c", code, os.path.join(tmp, "pulled")], check=True,
-                              capture_output=True, text=True)
-        seconds, peak = done.stdout.split()
-        out: dict[str, Any] = {"image_mb": round(_du(os.path.join(tmp, "oci-pull")) / 1e6, 2),
-                               "isolate_s": round(float(seconds), 3),
-                               "isolate_peak_rss_mib": round(int(peak) / 1024, 1)}
-        for tool in tools:
-            pull = [tool, "pull", "-q", remote] if tool == "docker" else [tool, "pull", "-q", "--tls-verify=false",
-                                                                         remote]
-            started = time.perf_counter()
-            ran = subprocess.run(pull, capture_output=True, text=True, timeout=300)
-            if ran.returncode != 0:
-                out[f"{tool}_s"] = f"failed: {(ran.stderr.strip().splitlines() or ['?'])[-1][:200]}"
-            else:
-                out[f"{tool}_s"] = round(time.perf_counter() - started, 3)
-                subprocess.run([tool, "rmi", remote], capture_output=True, timeout=60)
+        samples: dict[str, list[float]] = {"isolate": [], "skopeo": [], **{tool: [] for tool in tools}}
+        peaks: list[int] = []
+        failed: dict[str, str] = {}
+        for _ in range(PULL_ROUNDS):
+            # Short: podman refuses a --runroot past 50 characters.
+            cold = tempfile.mkdtemp(prefix="isolate-pull-", dir="/tmp")
+            runs: dict[str, list[str]] = {"skopeo": [skopeo, "copy", "--quiet", "--src-tls-verify=false",
+                                                     f"docker://{remote}", f"oci:{cold}/skopeo:x"]}
+            for tool in tools:  # podman: a store of its own, nothing of the image in it
+                runs[tool] = (["podman", "--root", f"{cold}/podman", "--runroot", f"{cold}/podman-run", "pull", "-q",
+                               "--tls-verify=false", remote] if tool == "podman" else [tool, "pull", "-q", remote])
+            order = ["isolate", *runs]
+            random.shuffle(order)
+            for key in order:
+                if key == "isolate":
+                    done = subprocess.run([sys.executable, "-c", code, os.path.join(cold, "isolate")], check=True,
+                                          capture_output=True, text=True)
+                    seconds, peak = done.stdout.split()
+                    samples[key].append(float(seconds))
+                    peaks.append(int(peak))
+                    continue
+                took = _peer_pull(runs[key])
+                if isinstance(took, str):
+                    failed[key] = took
+                else:
+                    samples[key].append(took)
+                if key == "docker":
+                    subprocess.run(["docker", "rmi", remote], capture_output=True, timeout=60)
+            if os.path.isdir(f"{cold}/podman"):
+                subprocess.run(["podman", "--root", f"{cold}/podman", "--runroot", f"{cold}/podman-run", "system",
+                                "reset", "-f"], capture_output=True, timeout=120)
+            shutil.rmtree(cold, ignore_errors=True)
+        out: dict[str, Any] = {"image": name, "image_mb": round(_du(layout) / 1e6, 2), "rounds": PULL_ROUNDS,
+                               "isolate_s": round(statistics.median(samples["isolate"]), 3),
+                               "isolate_peak_rss_mib": round(max(peaks) / 1024, 1)}
+        if why:
+            out["why_not_debian"] = why
+        for key, values in samples.items():
+            if key != "isolate" and values:
+                out[f"{key}_s"] = round(statistics.median(values), 3)
+                out[f"isolate_over_{key}"] = round(out["isolate_s"] / out[f"{key}_s"], 3)
+        for key, text in failed.items():
+            out[f"{key}_failed"] = text
+        if "podman_s" in out:
+            out["goal_at_most_podman_met"] = out["isolate_s"] <= out["podman_s"]
+        out["goal_peak_rss_100mb_met"] = max(peaks) * 1024 <= 100e6
         return out
 
 
@@ -284,12 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.images")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--no-docker", action="store_true")
+    parser.add_argument("--pull-only", action="store_true", help="measure the pulls alone (of the Debian image)")
     args = parser.parse_args(argv)
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="isolate-bench-images-", dir="/var/tmp") as tmp:
-        results = measure(args.rounds, tmp, not args.no_docker, log=lambda m: print(m, file=sys.stderr))
+        if args.pull_only:
+            tools, _skipped = engines(not args.no_docker)
+            results = {"pull": _pull(tmp, tools, log)}
+        else:
+            results = measure(args.rounds, tmp, not args.no_docker, log=log)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "images.json"), "w") as handle:
-        json.dump(results, handle, indent=2)
+    path = os.path.join(RESULTS, "images.json")
+    try:  # merged into the figures there: a partial run keeps the others
+        with open(path) as handle:
+            merged = {**json.load(handle), **results}
+    except (FileNotFoundError, ValueError):
+        merged = results
+    with open(path, "w") as handle:
+        json.dump(merged, handle, indent=2)
     print(json.dumps(results, indent=2))
     return 0
 

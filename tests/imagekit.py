@@ -9,9 +9,12 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
+import stat
 import subprocess
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -261,10 +264,147 @@ def loopback_registry(directory: str, registry: str, htpasswd: str | None = None
         server.wait()
 
 
-def push(skopeo: str, layout: str, destination: str, work: str, extra: Sequence[str] = ()) -> None:
+def push(skopeo: str, layout: str, destination: str, work: str, extra: Sequence[str] = (), timeout: float = 60) -> None:
     """skopeo copy of an OCI layout's image (``path:ref``) to ``docker://destination`` over plain HTTP. skopeo
     keeps nothing of the caller's and reads no auth file of the host's (a root podman's /run/containers is
     0700: uid 65534's default there is unreadable)."""
     subprocess.run([skopeo, "copy", "--quiet", *extra, "--dest-tls-verify=false", f"oci:{layout}",
-                    f"docker://{destination}"], check=True, capture_output=True, timeout=60,
+                    f"docker://{destination}"], check=True, capture_output=True, timeout=timeout,
                    env=dict(os.environ, HOME=work, REGISTRY_AUTH_FILE=os.path.join(work, "auth.json")))
+
+
+#: The Debian 12 + python3 image (mmdebstrap, minbase, without docs, man pages and translations, as Debian's
+#: slim images). Built once per CI run at most (.ci/run's image phase: downloading it takes minutes) into a
+#: cache keyed by what goes into it, which later runs and the tests reuse.
+DEBIAN_SUITE, DEBIAN_PACKAGES, DEBIAN_REF = "bookworm", ("python3",), "debian-python:12"
+DEBIAN_CACHE = os.environ.get("ISOLATE_TEST_IMAGE_CACHE", "/var/tmp/isolate-test-images")
+#: The host's own apt sources, pasted into the image's (mmdebstrap's default mirror when absent).
+DEBIAN_SOURCES = "/etc/apt/sources.list.d/debian.sources"
+_DEBIAN_OPTIONS = ("--variant=minbase", "--mode=root", "--skip=output/dev",
+                   *(f"--dpkgopt=path-exclude=/usr/share/{d}/*" for d in ("doc", "man", "locale", "info")),
+                   "--dpkgopt=path-include=/usr/share/doc/*/copyright")
+
+
+def debian_why() -> str | None:
+    """Why the Debian + python image cannot be built here (None: it can)."""
+    if not shutil.which("mmdebstrap"):
+        return "mmdebstrap is not installed (.ci/run's apt line installs it)"
+    if os.geteuid() != 0:
+        return "mmdebstrap builds the image as root only here (.ci/run's image phase builds it)"
+    return None
+
+
+def debian_key() -> str:
+    """What the image is made of (mmdebstrap's version, options, suite, packages, apt sources, platform), hashed:
+    the cache's key."""
+    version = subprocess.run(["mmdebstrap", "--version"], capture_output=True, text=True,
+                             timeout=60).stdout.strip() if shutil.which("mmdebstrap") else "?"
+    try:
+        with open(DEBIAN_SOURCES, "rb") as handle:
+            sources = hashlib.sha256(handle.read()).hexdigest()
+    except FileNotFoundError:
+        sources = "default"
+    parts = [version, *_DEBIAN_OPTIONS, DEBIAN_SUITE, *DEBIAN_PACKAGES, sources, *host_platform(), "layout 1"]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _safe_cache(path: str) -> bool:
+    """Whether a cache directory is root's or the caller's and no one else can write in it (it is in /var/tmp,
+    where anyone can make one first)."""
+    info = os.lstat(path)
+    return stat.S_ISDIR(info.st_mode) and info.st_uid in (0, os.geteuid()) and not info.st_mode & 0o022
+
+
+def debian_layout(build: bool = True) -> str | None:
+    """The Debian + python image's OCI layout (ref DEBIAN_REF) in the cache: built when missing and ``build``
+    (and debian_why() is None); None when it is missing and not built."""
+    final = os.path.join(DEBIAN_CACHE, f"debian12-python3-{debian_key()}")
+    if os.path.isdir(os.path.join(final, "blobs")):
+        return final if _safe_cache(DEBIAN_CACHE) and _safe_cache(final) else None
+    if not build or debian_why() is not None:
+        return None
+    os.makedirs(DEBIAN_CACHE, mode=0o755, exist_ok=True)
+    if not _safe_cache(DEBIAN_CACHE):
+        raise RuntimeError(f"{DEBIAN_CACHE} is writable by others or not root's: not used")
+    work = tempfile.mkdtemp(prefix="building-", dir=DEBIAN_CACHE)
+    try:
+        rootfs = os.path.join(work, "rootfs.tar")
+        mirror = [DEBIAN_SOURCES] if os.path.exists(DEBIAN_SOURCES) else []
+        subprocess.run(["mmdebstrap", "--quiet", *_DEBIAN_OPTIONS, "--include=" + ",".join(DEBIAN_PACKAGES),
+                        DEBIAN_SUITE, rootfs, *mirror], check=True, stdin=subprocess.DEVNULL, timeout=1800,
+                       env=dict(os.environ, SOURCE_DATE_EPOCH="1700000000"))
+        layout = os.path.join(work, "layout")
+        _layout_of_tar(layout, rootfs, ref=DEBIAN_REF, Env=["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:"
+                                                              "/usr/bin:/sbin:/bin"], Cmd=["python3"])
+        os.chmod(layout, 0o755)
+        os.rename(layout, final)
+        for name in os.listdir(DEBIAN_CACHE):  # those of other inputs: stale
+            if name.startswith("debian12-python3-") and name != os.path.basename(final):
+                shutil.rmtree(os.path.join(DEBIAN_CACHE, name), ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _layout_of_tar(path: str, tar_path: str, ref: str, **image_config: Any) -> None:
+    """An OCI layout of one layer, a tar file on disk, gzipped (level 1) as it streams through: never held whole
+    in memory."""
+    blobs = os.path.join(path, "blobs", "sha256")
+    os.makedirs(blobs)
+    raw_hash, packed_hash, partial = hashlib.sha256(), hashlib.sha256(), os.path.join(blobs, "partial")
+
+    class _Hashed(io.RawIOBase):
+        def __init__(self, target: Any) -> None:
+            self.target = target
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            packed_hash.update(data)
+            return int(self.target.write(data))
+
+    with open(tar_path, "rb") as source, open(partial, "wb") as target:
+        with gzip.GzipFile(fileobj=_Hashed(target), mode="wb", compresslevel=1, mtime=0) as packer:
+            while chunk := source.read(1 << 20):
+                raw_hash.update(chunk)
+                packer.write(chunk)
+    size = os.path.getsize(partial)
+    os.rename(partial, os.path.join(blobs, packed_hash.hexdigest()))
+    os_, arch = host_platform()
+    config = json.dumps({"architecture": arch, "os": os_, "config": image_config,
+                         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + raw_hash.hexdigest()]}}).encode()
+    with open(os.path.join(blobs, digest(config)[7:]), "wb") as handle:
+        handle.write(config)
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config),
+                   "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                    "digest": "sha256:" + packed_hash.hexdigest(), "size": size}],
+    }).encode()
+    with open(os.path.join(blobs, digest(manifest)[7:]), "wb") as handle:
+        handle.write(manifest)
+    with open(os.path.join(path, "index.json"), "w") as handle:
+        json.dump({"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest),
+            "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": ref}}]}, handle)
+    with open(os.path.join(path, "oci-layout"), "w") as handle:
+        json.dump({"imageLayoutVersion": "1.0.0"}, handle)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
+
+
+if __name__ == "__main__":
+    # `PYTHONPATH=. python3 tests/imagekit.py debian`: build the Debian + python image into the cache (CI's
+    # image phase), or say why not; prints the layout's path.
+    import sys
+
+    if sys.argv[1:] != ["debian"]:
+        sys.exit("usage: PYTHONPATH=. python3 tests/imagekit.py debian")
+    why = debian_why()
+    found = debian_layout(build=why is None)
+    if found is None:
+        sys.exit(f"the Debian + python image is not built: {why}")
+    print(found)

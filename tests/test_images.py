@@ -218,6 +218,11 @@ BAD_LAYERS: dict[str, tuple[list[list[dict[str, Any]]], str]] = {
     "dotdot": ([[{"name": "a/../../x", "data": b"x"}]], "climbs out"),
     "through-link": ([[{"name": "l", "type": "link", "target": "/etc"}, {"name": "l/x", "data": b"x"}]],
                      "written through 'l'"),
+    # A directory written in (its descriptor kept open by the unpack) replaced by a link later in its layer: what
+    # follows goes through the link, refused, not into the directory removed.
+    "dir-replaced-by-link": ([[{"name": "d", "type": "dir"}, {"name": "d/a", "data": b"x"},
+                               {"name": "d", "type": "link", "target": "/etc"}, {"name": "d/x", "data": b"x"}]],
+                             "written through 'd'"),
     "earlier-layer-link": ([[{"name": "l", "type": "link", "target": "/etc"}], [{"name": "l/x", "data": b"x"}]],
                            "a link an earlier layer planted"),
     "hard-link-out": ([[{"name": "h", "type": "hard", "target": "etc/shadow"}]], "no file of this layer"),

@@ -45,6 +45,8 @@ from ..model.errors import IsolationError
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 OPAQUE_XATTR = "user.overlay.opaque"
+#: How many of a layer's directories an unpack keeps open at most (then it closes them all and walks anew).
+_OPEN_DIRS = 256
 _REFUSED_XATTRS = ("security.capability", "trusted.", "user.overlay.")
 _CHUNK = 1 << 20
 
@@ -145,6 +147,13 @@ def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None)
     tar_stream = _Counting(_decompressed(blob, what), max_size, what)
     unpacker = _Unpacker(root_fd, what, max_size)
     try:
+        return _unpack(tar_stream, unpacker, what)
+    finally:
+        unpacker.forget()
+
+
+def _unpack(tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
+    try:
         with tarfile.open(fileobj=io.BufferedReader(tar_stream, _CHUNK), mode="r|",
                           tarinfo=_BoundedTarInfo) as archive:
             for count, member in enumerate(archive, 1):
@@ -191,33 +200,43 @@ class _Unpacker:
         self.files: set[str] = set()  # regular files written, the only targets a hard link may have
         self.dir_modes: list[tuple[str, int, float]] = []
         self.root = os.geteuid() == 0
+        self.dirs: dict[str, int] = {}  # directories parent() walked, open, by path in the layer
 
     def refuse(self, name: str, why: str) -> BadImageError:
         return BadImageError(f"{self.what}: entry {name!r} {why}: refused")
 
     def parent(self, rel: str) -> tuple[int, str]:
-        """A descriptor of rel's parent (made as needed, no link followed) and rel's last name."""
+        """A descriptor of rel's parent (made as needed, no link followed) and rel's last name. The directories
+        walked stay open, by their path in the layer (a layer lists a directory's entries together: each is a
+        dup, not a walk); a directory is only ever replaced after clear() removed it, which forgets them all."""
+        if len(self.dirs) >= _OPEN_DIRS:
+            self.forget()
         parts = rel.split("/")
-        fd = os.dup(self.root_fd)
-        try:
-            for i, part in enumerate(parts[:-1]):
-                try:
-                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        where = "/".join(parts[:i + 1])
-                        raise self.refuse(rel, f"is written through {where!r}, which is not a directory "
-                                          "(a link planted by an earlier entry)") from None
-                    raise
-                os.close(fd)
-                fd = child
-        except BaseException:
+        depth = start = len(parts) - 1
+        while start and "/".join(parts[:start]) not in self.dirs:
+            start -= 1
+        fd = self.dirs["/".join(parts[:start])] if start else self.root_fd
+        for i in range(start, depth):
+            part = parts[i]
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    where = "/".join(parts[:i + 1])
+                    raise self.refuse(rel, f"is written through {where!r}, which is not a directory "
+                                      "(a link planted by an earlier entry)") from None
+                raise
+            self.dirs["/".join(parts[:i + 1])] = fd = child
+        return os.dup(fd), parts[-1]
+
+    def forget(self) -> None:
+        """Close the directories parent() keeps open."""
+        for fd in self.dirs.values():
             os.close(fd)
-            raise
-        return fd, parts[-1]
+        self.dirs.clear()
 
     def clear(self, dir_fd: int, name: str, keep_dir: bool) -> None:
         """Remove what an earlier entry of this layer left at name (a later entry replaces it)."""
@@ -228,6 +247,7 @@ class _Unpacker:
         if stat.S_ISDIR(info.st_mode):
             if keep_dir:
                 return
+            self.forget()  # those kept open may be in the tree removed, and their paths another's next
             _remove_tree_at(dir_fd, name)
         else:
             os.unlink(name, dir_fd=dir_fd)

@@ -114,3 +114,30 @@ def test_a_given_sandbox_is_used_and_left_running() -> None:
 def test_pickle_is_refused() -> None:
     with pytest.raises(UnsupportedError, match="allow_pickle"):
         IsolateExecutor(logger=AgentLogger(LogLevel.OFF), allow_pickle=True)
+
+
+def test_an_image_is_the_sandboxs_root(tmp_path: Any) -> None:
+    # IsolateExecutor(image=...): the agent's code runs in the image's python3 (the Debian + python test image,
+    # built once per CI run by .ci/run), not the host's.
+    import os
+    import shutil
+
+    import imagekit as kit
+
+    from isolate.image import Image, Store
+
+    layout = kit.debian_layout(build=False) if shutil.which("mmdebstrap") else None
+    if layout is None:
+        pytest.skip("the Debian + python test image is not built (`PYTHONPATH=. python3 tests/imagekit.py debian`)")
+    with kit.store_env(str(tmp_path / "store")) as store:
+        ref = Image.load(layout, store=Store(store)).reference
+        ex = IsolateExecutor(logger=AgentLogger(LogLevel.OFF), image=ref)
+        try:
+            model = ScriptedModel(["Thought: where am I?\n<code>\nimport sys, os\nfinal_answer([sys.executable, "
+                                   "open('/etc/debian_version').read().strip()[:3], "
+                                   "os.path.exists('/usr/bin/mmdebstrap')])\n</code>"])
+            agent = CodeAgent(tools=[], model=model, executor=ex, max_steps=2, verbosity_level=LogLevel.OFF)
+            assert agent.run("Say where the code runs.") == ["/usr/bin/python3", "12.", False]
+            assert os.path.exists("/usr/bin/mmdebstrap")  # the host's /usr is not what the code saw
+        finally:
+            ex.cleanup()

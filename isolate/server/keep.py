@@ -47,6 +47,10 @@ from ..model.policy import DEFAULT_WRITE
 #: The API's sandbox ids (secrets.token_hex(12)); a record's file is named after one.
 SANDBOX_ID = re.compile(r"[0-9a-f]{24}")
 _HASH = re.compile(r"[0-9a-f]{64}")
+#: A code context's id (ctx-HEX, or a language's default), the only part of its socket's path it names.
+CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
+#: Kept code contexts per record (more than a server lets a sandbox have).
+MAX_CONTEXTS = 256
 _CLAIM = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 #: The largest record read back (a sandbox's metadata is small; a huge file is not one of ours).
 MAX_RECORD = 1 << 20
@@ -96,6 +100,8 @@ class Record:
     #: Written before its named volumes were claimed: ``volumes`` are those asked for, with whether the
     #: create asked to remove them (it may have made them when its server was killed).
     pending: bool = False
+    #: Its code contexts whose interpreters outlive the server: (context id, language).
+    contexts: list[tuple[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -104,7 +110,7 @@ class Record:
                 "tokenHashes": self.token_hashes,
                 "portHashes": {str(port): hashes for port, hashes in self.port_hashes.items()},
                 "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials,
-                "pending": self.pending}
+                "pending": self.pending, "contexts": [[cid, language] for cid, language in self.contexts]}
 
 
 class BadRecord(ValueError):
@@ -129,7 +135,8 @@ def parse_record(data: object, expected_id: str) -> Record:
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
-    _need(set(data) == known, "unknown or missing fields")
+    # "contexts" came later: a record of an earlier server has none.
+    _need(set(data) - {"contexts"} == known, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
     image, entrypoint, metadata = data["image"], data["entrypoint"], data["metadata"]
@@ -167,9 +174,16 @@ def parse_record(data: object, expected_id: str) -> Record:
     _need(isinstance(credentials, int) and not isinstance(credentials, bool) and 0 <= credentials < 1 << 20,
           "credentials")
     _need(isinstance(data["pending"], bool) and (not data["pending"] or data["state"] == "Starting"), "pending")
+    contexts: list[tuple[str, str]] = []
+    raw_contexts = data.get("contexts", [])
+    _need(isinstance(raw_contexts, list) and len(raw_contexts) <= MAX_CONTEXTS, "contexts")
+    for item in raw_contexts:
+        _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 64
+              and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] == "python", "contexts: a context")
+        contexts.append((item[0], item[1]))
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
-                  data["pending"])
+                  data["pending"], contexts)
 
 
 def _check_private(path: str, fd: int) -> None:

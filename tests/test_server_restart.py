@@ -252,12 +252,15 @@ def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: st
 
 def test_a_stop_leaves_the_sandboxes_to_the_next_server(state_dir: str) -> None:
     """SIGTERM (an upgrade's stop) without --end-on-exit: the sandbox and a process it left running stay, and the
-    next server serves them; with --end-on-exit the stop ends them."""
+    next server serves them, the Python context with its variables; with --end-on-exit the stop ends them."""
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:
         box_id = base._create(first)["id"]
         prefix, headers = base._endpoint(first, box_id)
         _run(first, prefix, headers, "(setsid sleep 600 </dev/null >/dev/null 2>&1 &)")
+        status, body = first.call("POST", prefix + "/code", {"code": "y = 3", "context": {"language": "python"}},
+                                  key=None, headers=headers)  # the default Python context, made by its first use
+        assert status == 200 and b'"error"' not in body, body
         first.proc.send_signal(signal.SIGTERM)
         assert first.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
@@ -265,6 +268,7 @@ def test_a_stop_leaves_the_sandboxes_to_the_next_server(state_dir: str) -> None:
     second = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=True)
     try:
         assert _run(second, prefix, headers, "pgrep -x sleep >/dev/null && echo running") == "running"
+        assert _cell(second, prefix, headers, "default-python", "y")["result"]["results"] == {"text": "3"}
     finally:
         second.stop()
     left = _leftovers(state_dir, state_dir)

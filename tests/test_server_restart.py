@@ -558,3 +558,22 @@ def test_kills_at_random_steps_leave_nothing_half_made(state_dir: str, volume_st
             server.proc.wait()
         # Whatever a failure left: a server that ends everything at its stop.
         base.Server(*flags, state_dir=state_dir, end_on_exit=True).stop()
+
+
+def test_a_records_code_contexts_are_checked() -> None:
+    """A record's code contexts are ids the server makes, in Python only: nothing else is read back (the id
+    makes the path of the interpreter's socket in the sandbox); a record of an earlier server has none."""
+    from isolate.server.keep import BadRecord, parse_record
+
+    sandbox_id = "f" * 24
+    record = {"version": 1, "id": sandbox_id, "image": "ubuntu", "entrypoint": [], "metadata": {}, "createdAt": 1.0,
+              "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
+              "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
+    assert parse_record(record, sandbox_id).contexts == []
+    good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"]]
+    assert parse_record(dict(record, contexts=good), sandbox_id).contexts == [tuple(c) for c in good]
+    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "java"]], [["ctx-01", "python"]],
+                [["ctx-0123456789abcdef\n", "python"]], "ctx", [["ctx-0123456789abcdef"]], [[1, "python"]],
+                [["default-python", "python"]] * 300):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, contexts=bad), sandbox_id)

@@ -6,6 +6,7 @@ skipped. The server runs as in tests/test_server.py (a subprocess on a loopback 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -151,6 +152,66 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str, volume_store: str)
                     remove_native(name)
 
 
+def _cell(server: base.Server, prefix: str, headers: dict[str, str], context_id: str, code: str) -> dict[str, Any]:
+    """A code cell's events, by type (its result's text, its error)."""
+    status, body = server.call("POST", prefix + "/code", {"code": code, "context": {"id": context_id}}, key=None,
+                               headers=headers)
+    assert status == 200, body
+    text = body.decode() if isinstance(body, bytes) else json.dumps(body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    return {e["type"]: e for e in events}
+
+
+def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
+    """A Python context's interpreter is a process of the kept sandbox: after SIGKILL and a start on the same
+    --state-dir it is listed and keeps its variables; a cell running when the server died is interrupted and
+    the next one works; a command of the last server is answered as ended with it; a delete ends the
+    interpreter."""
+    import threading
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, context = first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
+                                     headers=headers)
+        assert status == 200, context
+        assert "error" not in _cell(first, prefix, headers, context["id"], "x = 41")
+        status, body = first.call("POST", prefix + "/command", {"command": "sleep 600", "background": True},
+                                  key=None, headers=headers)
+        command_id = json.loads(body.decode().splitlines()[0][6:])["text"]
+        # A cell in flight when the server dies: its client gets a connection error.
+        def in_flight() -> None:
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                _cell(first, prefix, headers, context["id"], "import time\ntime.sleep(120)")
+
+        flight = threading.Thread(target=in_flight, daemon=True)
+        flight.start()
+        time.sleep(1.0)
+        _kill(first)
+        flight.join(30)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        status, listed = second.call("GET", prefix + "/code/contexts", key=None, headers=headers)
+        assert status == 200 and listed == [{"id": context["id"], "language": "python"}], listed
+        got = _cell(second, prefix, headers, context["id"], "x + 1")
+        assert got.get("result", {}).get("results") == {"text": "42"}, got
+        assert "error" not in _cell(second, prefix, headers, context["id"], "x = 7")
+        assert _cell(second, prefix, headers, context["id"], "x")["result"]["results"] == {"text": "7"}
+        status, answer = second.call("GET", prefix + f"/command/status/{command_id}", key=None, headers=headers)
+        assert status == 404 and "ended with it" in json.dumps(answer), answer
+        assert _run(second, prefix, headers, "echo next") == "next"
+        assert _run(second, prefix, headers, "pgrep -fc '[-]-kept /tmp' || true") == "1"
+        status, _ = second.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
+        assert status == 200
+        assert _run(second, prefix, headers, "pgrep -fc '[-]-kept /tmp' || true") == "0"
+        assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers)[1] == []
+    finally:
+        second.stop()
+
+
 def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: str) -> None:
     """A sandbox started from a snapshot stands on the snapshot's layer; served again after a restart (attached
     by its name, its origin unknown to the new server), its snapshot still holds that layer's files."""
@@ -191,12 +252,15 @@ def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: st
 
 def test_a_stop_leaves_the_sandboxes_to_the_next_server(state_dir: str) -> None:
     """SIGTERM (an upgrade's stop) without --end-on-exit: the sandbox and a process it left running stay, and the
-    next server serves them; with --end-on-exit the stop ends them."""
+    next server serves them, the Python context with its variables; with --end-on-exit the stop ends them."""
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:
         box_id = base._create(first)["id"]
         prefix, headers = base._endpoint(first, box_id)
         _run(first, prefix, headers, "(setsid sleep 600 </dev/null >/dev/null 2>&1 &)")
+        status, body = first.call("POST", prefix + "/code", {"code": "y = 3", "context": {"language": "python"}},
+                                  key=None, headers=headers)  # the default Python context, made by its first use
+        assert status == 200 and b'"error"' not in body, body
         first.proc.send_signal(signal.SIGTERM)
         assert first.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
@@ -204,6 +268,7 @@ def test_a_stop_leaves_the_sandboxes_to_the_next_server(state_dir: str) -> None:
     second = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=True)
     try:
         assert _run(second, prefix, headers, "pgrep -x sleep >/dev/null && echo running") == "running"
+        assert _cell(second, prefix, headers, "default-python", "y")["result"]["results"] == {"text": "3"}
     finally:
         second.stop()
     left = _leftovers(state_dir, state_dir)
@@ -493,3 +558,22 @@ def test_kills_at_random_steps_leave_nothing_half_made(state_dir: str, volume_st
             server.proc.wait()
         # Whatever a failure left: a server that ends everything at its stop.
         base.Server(*flags, state_dir=state_dir, end_on_exit=True).stop()
+
+
+def test_a_records_code_contexts_are_checked() -> None:
+    """A record's code contexts are ids the server makes, in Python only: nothing else is read back (the id
+    makes the path of the interpreter's socket in the sandbox); a record of an earlier server has none."""
+    from isolate.server.keep import BadRecord, parse_record
+
+    sandbox_id = "f" * 24
+    record = {"version": 1, "id": sandbox_id, "image": "ubuntu", "entrypoint": [], "metadata": {}, "createdAt": 1.0,
+              "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
+              "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
+    assert parse_record(record, sandbox_id).contexts == []
+    good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"]]
+    assert parse_record(dict(record, contexts=good), sandbox_id).contexts == [tuple(c) for c in good]
+    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "java"]], [["ctx-01", "python"]],
+                [["ctx-0123456789abcdef\n", "python"]], "ctx", [["ctx-0123456789abcdef"]], [[1, "python"]],
+                [["default-python", "python"]] * 300):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, contexts=bad), sandbox_id)

@@ -48,6 +48,10 @@ from ..model.policy import DEFAULT_WRITE
 #: The API's sandbox ids (secrets.token_hex(12)); a record's file is named after one.
 SANDBOX_ID = re.compile(r"[0-9a-f]{24}")
 _HASH = re.compile(r"[0-9a-f]{64}")
+#: A code context's id (ctx-HEX, or a language's default), the only part of its socket's path it names.
+CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
+#: Kept code contexts per record (more than a server lets a sandbox have).
+MAX_CONTEXTS = 256
 _CLAIM = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 #: The largest record read back (a sandbox's metadata is small; a huge file is not one of ours).
 MAX_RECORD = 1 << 20
@@ -99,6 +103,8 @@ class Record:
     #: Its egress rules as changed at run time ((action, target), PATCH /policy; None: as created). Its
     #: mediator process enforces them; the record lets the next server say them (GET /policy) and merge.
     egress: list[tuple[str, str]] | None = None
+    #: Its code contexts whose interpreters outlive the server: (context id, language).
+    contexts: list[tuple[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -108,7 +114,8 @@ class Record:
                 "portHashes": {str(port): hashes for port, hashes in self.port_hashes.items()},
                 "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials,
                 "pending": self.pending,
-                "egress": None if self.egress is None else [[action, target] for action, target in self.egress]}
+                "egress": None if self.egress is None else [[action, target] for action, target in self.egress],
+                "contexts": [[cid, language] for cid, language in self.contexts]}
 
 
 class BadRecord(ValueError):
@@ -133,7 +140,7 @@ def parse_record(data: object, expected_id: str) -> Record:
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
-    optional = {"egress"}  # not in the records of servers before it
+    optional = {"egress", "contexts"}  # not in the records of servers before them
     _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -173,9 +180,16 @@ def parse_record(data: object, expected_id: str) -> Record:
           "credentials")
     _need(isinstance(data["pending"], bool) and (not data["pending"] or data["state"] == "Starting"), "pending")
     egress = _egress_rules(data.get("egress"))
+    contexts: list[tuple[str, str]] = []
+    raw_contexts = data.get("contexts", [])
+    _need(isinstance(raw_contexts, list) and len(raw_contexts) <= MAX_CONTEXTS, "contexts")
+    for item in raw_contexts:
+        _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 64
+              and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] == "python", "contexts: a context")
+        contexts.append((item[0], item[1]))
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
-                  data["pending"], egress)
+                  data["pending"], egress, contexts)
 
 
 def _egress_rules(raw: object) -> list[tuple[str, str]] | None:

@@ -15,9 +15,11 @@ For each record (isolate.server.keep), in the server's own words at start:
   it, and the mediator cannot be started again (its listeners were made
   inside the sandbox at its start);
 - any other is attached by its name and served under its id, with its
-  metadata, expiry, tokens (as hashes) and named volumes; the commands,
-  bash sessions and code contexts the last server ran in it ended with it
-  (the exec server ends a command whose host hung up), what they left
+  metadata, expiry, tokens (as hashes), named volumes and Python code
+  contexts (their interpreters are processes of the sandbox, connected to
+  again at their next use: isolate.server.code.KeptPython); the commands,
+  bash sessions and other code contexts the last server ran in it ended with
+  it (the exec server ends a command whose host hung up), what they left
   running in the background runs on. One paused when the server ended stays
   paused.
 
@@ -224,6 +226,11 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
         managed.egress_rules = list(record.egress)
         with contextlib.suppress(IsolationError):
             managed.egress = egress_with([t for a, t in record.egress if a == "allow"], box.policy.network)
+    from .code import CodeContext
+
+    for context_id, language in record.contexts:
+        # Its interpreter, a process of the sandbox, is connected to at the context's first use.
+        managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
     store = state.volume_store() if record.volumes else ""
     for claim, doomed in record.volumes:
         path = os.path.join(store, claim)
@@ -232,8 +239,8 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
     managed.on_close.append(_sweep_cgroups)
     managed.message = "served again by a restarted server"
-    managed.event("served again by a restarted server of its state directory (the commands, bash sessions and "
-                  "code contexts the last one ran in it ended with it)")
+    managed.event("served again by a restarted server of its state directory (the commands and bash sessions "
+                  "the last one ran in it ended with it; its Python code contexts live on)")
     if paused:
         managed.set_state("Paused", "server_restart", "paused when the last server ended")
     return managed

@@ -412,7 +412,8 @@ class ManagedSandbox:
                       self.renew_on_access, list(self.token_hashes),
                       {port: list(h) for port, h in self.port_hashes.items()}, list(self.volume_claims),
                       len(vault.credentials()) if vault is not None else 0,
-                      egress=None if self.egress_rules is None else list(self.egress_rules))
+                      egress=None if self.egress_rules is None else list(self.egress_rules),
+                      contexts=[(c.id, c.language) for c in list(self.contexts.values()) if c.kept])
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -488,15 +489,19 @@ class ManagedSandbox:
         except OSError:
             pass  # it ended meanwhile and its conversation is closed
 
-    def _let_go(self) -> None:
-        """End the server's side of it: its forwarder, bash sessions and code contexts."""
+    def _let_go(self, detach: bool = False) -> None:
+        """End the server's side of it: its forwarder, bash sessions and code contexts (``detach``: a kept
+        context's interpreter is left running for the next server)."""
         forwarder = self.forwarder
         if forwarder is not None:
             forwarder.close()
         with self.lock:
             for session in [*self.sessions.values(), *self.contexts.values()]:
                 try:
-                    session.close()
+                    if detach and getattr(session, "kept", False):
+                        session.detach()
+                    else:
+                        session.close()
                 except Exception:
                     pass
             self.sessions.clear()
@@ -505,7 +510,7 @@ class ManagedSandbox:
     def detach(self) -> None:
         """Leave a kept sandbox running for the next server (its sessions, contexts and the commands this
         server runs in it end: the exec server ends a command whose host hung up)."""
-        self._let_go()
+        self._let_go(detach=True)
         self.box.detach()
 
     def close(self) -> None:

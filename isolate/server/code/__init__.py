@@ -22,19 +22,23 @@ count.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
+import signal
 import threading
 from typing import Protocol
 
 from ...kept.sandbox import Sandbox
 from . import go, java, node, python, shell
-from .driver import Emit
+from .driver import Driver, Emit
 
 LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
 
 
 class _Engine(Protocol):
-    count: int
+    @property
+    def count(self) -> int: ...
 
     def run(self, code: str, emit: Emit) -> None: ...
 
@@ -46,14 +50,26 @@ class _Engine(Protocol):
 class CodeContext:
     """One context: its interpreter, run one cell at a time."""
 
-    def __init__(self, box: Sandbox, language: str, context_id: str | None = None) -> None:
+    def __init__(self, box: Sandbox, language: str, context_id: str | None = None, kept: bool = False,
+                 fresh: bool = True) -> None:
+        """``kept``: its interpreter outlives the server (a Python context of a kept sandbox); ``fresh``
+        False: the context of an earlier server of the sandbox, connected to at its first use."""
         if language not in LANGUAGES:
             raise ValueError(f"language: {language!r} is not one of {', '.join(LANGUAGES)}")
         self.id = context_id or f"ctx-{secrets.token_hex(8)}"
         self.language = language
         self.lock = threading.Lock()
+        #: Its interpreter outlives the server: the sandbox's record names it.
+        self.kept = kept and language == "python"
+        if not fresh:
+            if not self.kept:
+                raise ValueError(f"{language} contexts end with their server")
+            self._engine: _Engine = KeptPython(box, self.id, fresh=False)
+            return
         engine: _Engine
-        if language == "python":
+        if language == "python" and kept:
+            engine = KeptPython(box, self.id, fresh=True)
+        elif language == "python":
             engine = python.start(box)
         elif language == "java":
             engine = java.start(box)
@@ -79,3 +95,79 @@ class CodeContext:
 
     def close(self) -> None:
         self._engine.close()
+
+    def detach(self) -> None:
+        """Let go of the context without ending a kept interpreter (the next server connects to it)."""
+        if isinstance(self._engine, KeptPython):
+            self._engine.detach()
+        else:
+            self._engine.close()
+
+
+class KeptPython:
+    """A Python context whose driver is a process of the sandbox, not of the command that started it: the
+    server's end (a killed server's included) ends only the relay that hands the driver this server's channel
+    and pipes (``python.RELAY``); the next server starts another relay and the namespace carries on. A cell
+    that was running when its server ended is interrupted (the driver sees its channel's far end close)."""
+
+    def __init__(self, box: Sandbox, context_id: str, fresh: bool) -> None:
+        self._box, self._id = box, context_id
+        self._driver: Driver | None = None
+        self._pidfd = -1
+        self._count = 0
+        if fresh:
+            python.start_kept(box, context_id)
+            try:
+                self._connect()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.close()
+                raise
+
+    @property
+    def count(self) -> int:
+        return self._driver.count if self._driver is not None else self._count
+
+    def _connect(self) -> Driver:
+        if self._driver is None:
+            try:
+                driver = python.connect(self._box, self._id)
+            except Exception as exc:
+                raise RuntimeError(f"the context's interpreter did not survive its last server ({exc})") from None
+            peer = driver.peer  # the driver's pid here (the kernel's word, its hello's writer)
+            try:
+                self._pidfd = os.pidfd_open(peer) if peer else -1
+            except OSError:
+                self._pidfd = -1
+            driver.count = self._count
+            self._driver = driver
+        return self._driver
+
+    def run(self, code: str, emit: Emit) -> None:
+        self._connect().run(code, emit)
+
+    def interrupt(self) -> None:
+        if self._driver is not None:
+            self._driver.interrupt()
+
+    def detach(self) -> None:
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            self._count = driver.count
+            driver.close()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def close(self) -> None:
+        """Ended with its driver (a context of an earlier server is connected to first, to learn which)."""
+        if self._driver is None:
+            with contextlib.suppress(Exception):
+                self._connect()
+        pidfd = self._pidfd
+        try:
+            if pidfd >= 0:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            self.detach()

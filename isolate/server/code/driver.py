@@ -78,6 +78,11 @@ class Driver:
             self.close()
             raise unavailable(language, str(exc), hint) from None
 
+    @property
+    def peer(self) -> int | None:
+        """The driver's pid in the server's PID namespace (the writer of its hello)."""
+        return self._channel.peer
+
     def _hello(self) -> None:
         """Wait for the hello; what the driver printed before it is kept only to say why it did not come."""
         deadline = time.monotonic() + HELLO_TIMEOUT

@@ -164,7 +164,10 @@ async def run_command(request: Request) -> Response:
 def _command(managed: ManagedSandbox, command_id: str) -> CommandRecord:
     record = managed.commands.get(command_id)
     if record is None:
-        raise ApiError(404, "COMMAND_NOT_FOUND", f"command {command_id[:64]!r} not found")
+        # The commands of an earlier server of a kept sandbox ended with it (and their output, its memory's).
+        why = ("; the sandbox was served again by a restarted server, and the commands of the last one ended "
+               "with it (their output too)") if managed.restored else ""
+        raise ApiError(404, "COMMAND_NOT_FOUND", f"command {command_id[:64]!r} not found{why}")
     return record
 
 

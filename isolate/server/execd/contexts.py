@@ -44,8 +44,10 @@ async def create_context(request: Request) -> Response:
         raise bad_request("the body must be {\"language\": \"python\"}", "INVALID_REQUEST_BODY")
     language = _language((body or {}).get("language"))
     room_for_session(managed)
-    context = await run_in_threadpool(CodeContext, managed.box, language)
+    context = await run_in_threadpool(CodeContext, managed.box, language, None, managed.kept)
     managed.contexts[context.id] = context
+    if context.kept:
+        await run_in_threadpool(managed.changed)  # its record names it: a restarted server serves it again
     return JSONResponse({"id": context.id, "language": language})
 
 
@@ -69,6 +71,8 @@ async def delete_context(request: Request) -> Response:
     context = _context(managed, request.path_params["context_id"])
     managed.contexts.pop(context.id, None)
     await run_in_threadpool(context.close)
+    if context.kept:
+        await run_in_threadpool(managed.changed)
     return Response(status_code=200)
 
 
@@ -76,9 +80,12 @@ async def delete_context(request: Request) -> Response:
 async def delete_contexts(request: Request) -> Response:
     managed = sandbox_for(request, running=False)
     language = _language(request.query_params.get("language"))
-    for context in [c for c in managed.contexts.values() if c.language == language]:
+    doomed = [c for c in managed.contexts.values() if c.language == language]
+    for context in doomed:
         managed.contexts.pop(context.id, None)
         await run_in_threadpool(context.close)
+    if any(c.kept for c in doomed):
+        await run_in_threadpool(managed.changed)
     return Response(status_code=200)
 
 
@@ -108,8 +115,11 @@ async def run_code(request: Request) -> Response:
         default: CodeContext | None = managed.contexts.get(f"default-{language}")
         if default is None:
             room_for_session(managed)
-            default = await run_in_threadpool(CodeContext, managed.box, language, f"default-{language}")
+            default = await run_in_threadpool(CodeContext, managed.box, language, f"default-{language}",
+                                              managed.kept)
             managed.contexts[default.id] = default
+            if default.kept:
+                await run_in_threadpool(managed.changed)
         context = default
     bridge = Bridge(asyncio.get_running_loop())
     threading.Thread(target=context.run, args=(body["code"], bridge.put), daemon=True,

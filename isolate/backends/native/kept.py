@@ -214,8 +214,8 @@ class NativeSandbox:
             root_from = _root_source(self.start_from) if self.policy.image is not None else None
             on_disk = self.policy.image is not None and (self.image_upper_wanted == "disk" or root_from is not None)
             # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs or
-            # its size was asked for, on disk where the state directory keeps user.* attributes, else the tmpfs, its limit
-            # reported.
+            # its size was asked for, on disk where the state directory keeps user.* attributes, else the tmpfs,
+            # its limit reported.
             disk_by_default = (self.policy.image is not None and self.image_upper_wanted is None and not on_disk
                                and _disk_by_default(self.policy))
             on_disk = on_disk or disk_by_default

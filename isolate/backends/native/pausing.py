@@ -4,8 +4,9 @@ The init runs nothing of the program, and it is what ends the sandbox when its c
 the rest, it left a sandbox whose caller was killed during a pause (or a ``commit_image``, which pauses)
 stopped for good. It stays running, told to hold the exec server stopped (``ISO_SIGNAL_HOLD``, until
 ``ISO_SIGNAL_RELEASE``; it continues a stopped exec server otherwise, as a command could stop it). Both are
-sent with kill(), whose sender the kernel writes (csrc/isolate.h): a process of the sandbox cannot forge them. An init of an isolate from before
-the hold takes no hold (the signal would end it): it is stopped with the rest, as then. A restarted server
+sent with kill(), whose sender the kernel writes (csrc/isolate.h): a process of the sandbox cannot forge
+them. An init of an isolate from before them takes no hold (the signals would end it): it is stopped with
+the rest, as then. A restarted server
 still tells a paused sandbox by its exec server not answering.
 """
 

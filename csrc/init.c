@@ -229,7 +229,7 @@ static void close_all_but(int a, int b, int c, int d)
  * hang.  The init cannot be stopped from inside its PID namespace, so it
  * continues the server whenever it stops. */
 static int keep_program_running;
-/* Held by the host's pause (ISO_SIGNAL_HOLD): the program stays stopped. */
+/* Held by the host's pause (ISO_SIGNAL_HOLD, ended by ISO_SIGNAL_RELEASE): the program stays stopped. */
 static int program_held;
 
 /* Reap every child that has ended; 1 when the program was among them. */
@@ -337,8 +337,10 @@ int main(int argc, char **argv)
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
-    if (keep_program_running)
+    if (keep_program_running) {
         sigaddset(&mask, ISO_SIGNAL_HOLD);
+        sigaddset(&mask, ISO_SIGNAL_RELEASE);
+    }
     if (parent > 0)
         sigaddset(&mask, PARENT_GONE_SIGNAL);
     for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
@@ -430,12 +432,15 @@ int main(int argc, char **argv)
                 size_t n = (size_t)got / sizeof batch[0];
                 int reap_now = 0;
                 for (size_t i = 0; i < n; i++) {
-                    /* Only the host's: with a PID namespace a sender inside
-                     * it has a pid here, the host has none (the kernel sets
-                     * it).  Without one, the program could as well stop this
-                     * process itself. */
-                    if ((int)batch[i].ssi_signo == ISO_SIGNAL_HOLD && (!pid_namespace || batch[i].ssi_pid == 0))
-                        program_held = batch[i].ssi_int != 0;
+                    /* Only the host's: with a PID namespace the kernel
+                     * writes a kill()'s sender pid (SI_USER), 0 only for a
+                     * sender outside it; a sigqueue's (SI_QUEUE) the sender
+                     * writes itself.  Without one, the program could as
+                     * well stop this process itself. */
+                    int sig = (int)batch[i].ssi_signo;
+                    int host = !pid_namespace || (batch[i].ssi_code == SI_USER && batch[i].ssi_pid == 0);
+                    if ((sig == ISO_SIGNAL_HOLD || sig == ISO_SIGNAL_RELEASE) && host)
+                        program_held = sig == ISO_SIGNAL_HOLD;
                 }
                 for (size_t i = 0; i < n; i++) {
                     int sig = (int)batch[i].ssi_signo;
@@ -443,7 +448,7 @@ int main(int argc, char **argv)
                         parent_gone = 1;
                     else if (sig == SIGCHLD)
                         reap_now = 1;
-                    else if (sig != ISO_SIGNAL_HOLD && sig != PARENT_GONE_SIGNAL)
+                    else if (sig != ISO_SIGNAL_HOLD && sig != ISO_SIGNAL_RELEASE && sig != PARENT_GONE_SIGNAL)
                         kill(program, sig);
                 }
                 if (reap_now)

@@ -448,14 +448,19 @@ int iso_open_idmapped_tree(const char *path, int userns_fd);
  * command shares its uid and could stop it).  A pause by the host must stop
  * it and leave the init running (the init ends the sandbox when its caller
  * dies; stopped, it left a stopped sandbox behind for good): the host first
- * queues ISO_SIGNAL_HOLD to the init with the value 1, and with 0 once it
- * has continued everything.  One queued real-time signal, so the init reads
- * the holds and releases in the order they were sent.  (glibc's SIGRTMIN is
- * 34; this is SIGRTMIN + 6.) */
+ * sends ISO_SIGNAL_HOLD to the init, and ISO_SIGNAL_RELEASE once it has
+ * continued everything.  Sent with kill(): the kernel writes the sender's
+ * pid as the init sees it (SI_USER), 0 only for a sender outside its PID
+ * namespace; a sender inside cannot forge that (rt_sigqueueinfo lets it
+ * write any si_pid, but not si_code SI_USER).  Pending together, the init
+ * reads them by number (the hold first); the host waits for a release to
+ * be taken before it may send another hold.  (glibc's SIGRTMIN is 34;
+ * these are SIGRTMIN + 6 and + 7.) */
 #define ISO_SIGNAL_HOLD 40
+#define ISO_SIGNAL_RELEASE 41
 
-/* Queue ISO_SIGNAL_HOLD with `hold` (1 or 0) to process `pid`; 0, or -1
- * with errno set. */
+/* Send ISO_SIGNAL_HOLD (hold 1) or ISO_SIGNAL_RELEASE (hold 0) to process
+ * `pid`; 0, or -1 with errno set. */
 int iso_hold_exec_server(int pid, int hold);
 
 /* Probes for `isolate-run doctor`: 0 when the mechanism works, else an errno. */

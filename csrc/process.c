@@ -142,17 +142,10 @@ int iso_close_fds(const struct iso_plan *plan, const int *extra_keep, int n_extr
  * set after the ids are final. */
 int iso_hold_exec_server(int pid, int hold)
 {
-    /* rt_sigqueueinfo, as sigqueue(3) does: the kernel fills in our pid and
-     * uid as the init sees them (0 for a sender outside its namespace), and
-     * the init trusts only that. */
-    siginfo_t info;
-    memset(&info, 0, sizeof info);
-    info.si_signo = ISO_SIGNAL_HOLD;
-    info.si_code = SI_QUEUE;
-    info.si_pid = getpid();
-    info.si_uid = getuid();
-    info.si_value.sival_int = hold ? 1 : 0;
-    return (int)syscall(SYS_rt_sigqueueinfo, (pid_t)pid, ISO_SIGNAL_HOLD, &info);
+    /* kill(), not sigqueue(): only for SI_USER does the kernel write the
+     * sender's pid itself (0 for us, outside the init's PID namespace),
+     * which is what the init trusts. */
+    return kill((pid_t)pid, hold ? ISO_SIGNAL_HOLD : ISO_SIGNAL_RELEASE);
 }
 
 int iso_die_with_parent(void)

@@ -111,3 +111,18 @@ def test_before_linux_6_6_a_kept_sandboxs_upper_layer_is_on_disk_unasked(
         assert "on disk" in box.enforced["image"]["root"]
         result = box.exec(["sh", "-c", SCRIPT])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_before_linux_6_6_an_asked_tmpfs_size_still_bounds_the_image_roots_writes(
+        image: Image, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The upper layer on disk by default (before Linux 6.6) is bounded by the disk only: a policy that asks for a
+    # tmpfs size keeps the tmpfs it asked for (its EIO limit reported), not a silently unbounded disk.
+    monkeypatch.setattr(overlay, "_kernel", lambda: (6, 1))
+    policy = isolate.Policy(image=image.reference, backend="native", limits=isolate.Limits(tmpfs_size="1M"))
+    write = "dd if=/dev/zero of=/data/big bs=64k count=64 2>/dev/null && echo wrote"
+    result = isolate.run(["sh", "-c", write], policy=policy, capture_output=True, text=True, timeout=60)
+    assert "on disk" not in result.report.enforced["image"]["root"]
+    assert "wrote" not in result.stdout, result.stdout + result.stderr
+    with isolate.Sandbox(policy) as box:
+        assert box.image_upper == "tmpfs"
+        assert "wrote" not in box.exec(["sh", "-c", write]).stdout

@@ -8,6 +8,7 @@ backend too, where an engine answers (as in tests/test_sandbox.py).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -970,3 +971,39 @@ def test_a_sigstop_pause_holds_and_leaves_the_init_running(tmp_path: Path) -> No
         assert states and set(states.values()) == {"T"}, states
         box.resume()
         assert box.exec("echo resumed").stdout == "resumed\n"
+
+
+FORGED_HOLD = """
+import ctypes, os, signal, struct
+libc = ctypes.CDLL(None, use_errno=True)
+info = ctypes.create_string_buffer(128)
+# rt_sigqueueinfo as the host's would look: SI_QUEUE, si_pid 0 (what the kernel writes for a sender outside the
+# PID namespace; a sender inside may write it itself), the value 1 ("hold").
+struct.pack_into("iii", info, 0, 40, 0, -1)
+struct.pack_into("IIi", info, 16, 0, 0, 1)
+print(libc.syscall(129, 1, 40, info), flush=True)  # SYS_rt_sigqueueinfo (x86_64)
+try:
+    os.kill(2, signal.SIGSTOP)  # the exec server: its init continues it unless the host holds it
+except PermissionError:
+    pass  # Landlock's signal scoping (ABI 6): a command signals nothing outside its own domain
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the syscall number is x86_64's")
+def test_a_command_cannot_forge_the_hosts_hold(tmp_path: Path) -> None:
+    # rt_sigqueueinfo lets a sender inside the PID namespace write any si_pid: only a signal whose sender the
+    # kernel fills in (kill: SI_USER) proves it came from outside (si_pid 0). A forged hold must not leave the
+    # exec server stopped, hanging every later request.
+    with Sandbox(policy(write=[str(tmp_path)])) as box:
+        if box.exec(["cat", "/proc/2/comm"]).stdout.strip() != "isolate-init":
+            pytest.skip("no PID namespace: the program could stop the init itself")
+        ran = box.exec([PYTHON, "-c", FORGED_HOLD], timeout=30)
+        assert ran.stdout.strip() in ("0", "-1"), ran
+        assert box.exec("echo still answering", timeout=30).stdout == "still answering\n"
+        if os.geteuid() == 0 and shutil.which("nsenter"):
+            # A process of the PID namespace that Landlock does not scope, as every command is before Linux
+            # 6.12 (the VM): decisive on this kernel too.
+            forger = subprocess.run(["nsenter", "-t", str(box._impl._init_pid()), "-p", "--", sys.executable, "-c",
+                                     FORGED_HOLD], capture_output=True, text=True, timeout=30)
+            assert forger.stdout.strip() == "0", forger
+            assert box.exec("echo still answering", timeout=10).stdout == "still answering\n"

@@ -251,9 +251,9 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         if static.image_command is not None and static.image_command.entrypoint:
             raise NotCovered("an image's Entrypoint (the binary replays the command as given)")
         if policy.image is not None:
-            from ..backends.native.imageroot import upper_limits
+            from ..backends.native.imageroot import disk_by_default
 
-            if upper_limits():
+            if disk_by_default(policy):
                 raise NotCovered("an image's upper layer on disk, made for each run (before Linux 6.6)")
         plan = prepared.plan
         if plan.n_keep_fds or plan.program_fd >= 0 or plan.idmap_userns_fd >= 0:

@@ -148,6 +148,13 @@ def upper_limits() -> str:
             "of the image fails (EIO)")
 
 
+def disk_by_default(policy: Policy) -> bool:
+    """Whether an image's upper layer not asked for goes on disk: before Linux 6.6 (upper_limits()), unless the
+    policy asks for a tmpfs size, which bounds the image root's writes on the tmpfs and which a disk would not
+    (a bound asked for is kept, the tmpfs's limit reported, rather than dropped silently)."""
+    return policy.limits.tmpfs_size is None and bool(upper_limits())
+
+
 def check_targets(root: ImageRoot, plan_steps: list[mounts.MountStep]) -> None:
     """Refuse a plan whose mount or directory would go through a link (or a file) of the image."""
     for step in plan_steps:

@@ -216,11 +216,11 @@ class NativeSandbox:
             # layer's directory, which is then on disk whatever was asked (kept/snapshots.py).
             root_from = _root_source(self.start_from) if self.policy.image is not None else None
             on_disk = self.policy.image is not None and (self.image_upper_wanted == "disk" or root_from is not None)
-            # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs was
-            # asked for, on disk where the state directory keeps user.* attributes, else the tmpfs, its limit
-            # reported.
+            # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs or
+            # its size was asked for, on disk where the state directory keeps user.* attributes, else the tmpfs,
+            # its limit reported.
             disk_by_default = (self.policy.image is not None and self.image_upper_wanted is None and not on_disk
-                               and bool(_upper_limits()))
+                               and _disk_by_default(self.policy))
             on_disk = on_disk or disk_by_default
             if copy_layers:
                 # The lower layer's path is the private copy's, known once it is chosen (below).
@@ -769,10 +769,10 @@ def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | No
         os.close(parent)
 
 
-def _upper_limits() -> str:
-    from .imageroot import upper_limits
+def _disk_by_default(policy: Policy) -> bool:
+    from .imageroot import disk_by_default
 
-    return upper_limits()
+    return disk_by_default(policy)
 
 
 def _root_source(start_from: Any) -> Any:

@@ -2,9 +2,11 @@
 
 The init runs nothing of the program, and it is what ends the sandbox when its caller dies: stopped with
 the rest, it left a sandbox whose caller was killed during a pause (or a ``commit_image``, which pauses)
-stopped for good. It stays running, told to hold the exec server stopped (``ISO_SIGNAL_HOLD``; it
-continues a stopped exec server otherwise, as a command could stop it). An init of an isolate from before
-the hold takes no hold (the signal would end it): it is stopped with the rest, as then. A restarted server
+stopped for good. It stays running, told to hold the exec server stopped (``ISO_SIGNAL_HOLD``, until
+``ISO_SIGNAL_RELEASE``; it continues a stopped exec server otherwise, as a command could stop it). Both are
+sent with kill(), whose sender the kernel writes (csrc/isolate.h): a process of the sandbox cannot forge
+them. An init of an isolate from before them takes no hold (the signals would end it): it is stopped with
+the rest, as then. A restarted server
 still tells a paused sandbox by its exec server not answering.
 """
 
@@ -44,19 +46,42 @@ def continue_all(processes: Processes, init: int | None) -> None:
             pass
     if init is not None and init_takes_holds(init):
         hold_exec_server(init, False)
+        _wait_taken(init, lib.ISO_SIGNAL_RELEASE)
+
+
+#: How long continue_all waits for the init to take a release (it is never stopped: at once, but for load).
+TAKE_SECONDS = 2.0
+
+
+def _wait_taken(init: int, sig: int) -> None:
+    """Wait until the init has read ``sig`` (pending no more): a hold sent after a release still pending would be
+    read before it (by number), leaving the next pause released."""
+    deadline = time.monotonic() + TAKE_SECONDS
+    while _pending(init) >> (sig - 1) & 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def init_takes_holds(init: int) -> bool:
-    """Whether the init blocks ISO_SIGNAL_HOLD (it reads it from its signalfd); an init of an isolate before
-    the hold leaves it at its default action, which would end it."""
+    """Whether the init blocks ISO_SIGNAL_HOLD and ISO_SIGNAL_RELEASE (it reads them from its signalfd); an init
+    of an isolate before them leaves them at their default action, which would end it."""
+    blocked = _mask(init, "SigBlk:")
+    return all(blocked >> (sig - 1) & 1 for sig in (lib.ISO_SIGNAL_HOLD, lib.ISO_SIGNAL_RELEASE))
+
+
+def _pending(init: int) -> int:
+    return _mask(init, "ShdPnd:") | _mask(init, "SigPnd:")
+
+
+def _mask(pid: int, field: str) -> int:
+    """A signal mask of /proc/PID/status (0 where it cannot be read)."""
     try:
-        with open(f"/proc/{init}/status", encoding="ascii", errors="replace") as handle:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
             for line in handle:
-                if line.startswith("SigBlk:"):
-                    return bool(int(line.split()[1], 16) >> (lib.ISO_SIGNAL_HOLD - 1) & 1)
+                if line.startswith(field):
+                    return int(line.split()[1], 16)
     except (OSError, ValueError, IndexError):
         pass
-    return False
+    return 0
 
 
 def hold_exec_server(init: int, hold: bool) -> None:

@@ -92,7 +92,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         if image_upper is None and self.policy.image is not None and self._one_shot_upper:
             from . import runupper
 
-            self._run_upper = runupper.make()  # before Linux 6.6: on disk, not a tmpfs
+            self._run_upper = runupper.make(self.policy)  # before Linux 6.6: on disk, not a tmpfs
             image_upper = self._run_upper.host if self._run_upper is not None else None
         try:
             prepared = self._prepare(args, executable, cwd, env, (p2cread, c2pwrite, errwrite), pass_fds, shell,

@@ -24,7 +24,8 @@ from ...kernel.links import DIR_FLAGS
 from ...kernel.places import open_state_dir, state_dir
 from ...kernel.tree import remove_dir_at
 from ...model.errors import UnsupportedError
-from .imageroot import HostUpper, make_host_upper, upper_limits
+from ...model.policy import Policy
+from .imageroot import HostUpper, disk_by_default, make_host_upper
 
 RUNS = "image-runs"
 
@@ -36,10 +37,11 @@ class RunUpper:
     identity: tuple[int, int]  # the run directory's (st_dev, st_ino)
 
 
-def make() -> RunUpper | None:
-    """A run directory with the upper layer in it; None where the tmpfs does (Linux 6.6 on), or where the state
-    directory's file system keeps no ``user.*`` attributes either (the tmpfs then, its limit reported)."""
-    if not upper_limits():
+def make(policy: Policy) -> RunUpper | None:
+    """A run directory with the upper layer in it; None where the tmpfs does (Linux 6.6 on, or a tmpfs size
+    asked for), or where the state directory's file system keeps no ``user.*`` attributes either (the tmpfs
+    then, its limit reported)."""
+    if not disk_by_default(policy):
         return None
     parent = open_state_dir(RUNS)
     try:

@@ -968,7 +968,7 @@ def test_a_sigstop_pause_holds_and_leaves_the_init_running(tmp_path: Path) -> No
         time.sleep(0.3)  # long enough for an init that continued its exec server to have done so
         states = {p.pid: _state(p.pid) for p in box._impl.processes()}
         assert states.pop(init) != "T", "the init was stopped"
-        assert states and set(states.values()) == {"T"}, states
+        assert states and set(states.values()) <= {"T", "t", "Z", "gone"}, states  # stopped (or ended meanwhile)
         box.resume()
         assert box.exec("echo resumed").stdout == "resumed\n"
 

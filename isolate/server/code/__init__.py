@@ -53,7 +53,10 @@ class CodeContext:
         self.language = language
         self.lock = threading.Lock()
         engine: _Engine
-        if language == "python":
+        remote = getattr(box, "remote_code", None)
+        if remote is not None:  # a sandbox on a Ray node (serve --ray): its node drives the interpreter
+            engine = remote(language, self.id)
+        elif language == "python":
             engine = python.start(box)
         elif language == "java":
             engine = java.start(box)

@@ -80,7 +80,7 @@ def rl_round(n: int, rounds: int, sleep: float, log: Callable[[str], None]) -> d
             "command_sleep_s": sleep, "round": summary_ms(whole), "commands": summary_ms(dispatch),
             "restores": summary_ms(restore), "slowest_command": summary_ms(slowest),
             "goal_ms": round(median(goal) * 1000, 1),
-            "rounds_within_goal": sum(1 for w, g in zip(whole, goal) if w <= g)}
+            "rounds_within_goal": sum(1 for w, g in zip(whole, goal, strict=True) if w <= g)}
 
 
 def measure(n: int, rounds: int, sleep: float, log: Callable[[str], None]) -> dict[str, Any]:

@@ -171,6 +171,7 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
 
     log("many: a 3-node Ray cluster on this machine")
     temp = tempfile.mkdtemp(prefix="isolate-bench-ray-")
+    os.mkdir(os.path.join(temp, "ray"), 0o700)  # where Ray writes its address file, without making it
     # Ray's address file and sessions in this run's own directory, not the machine's shared /tmp/ray (another
     # user's, or another run's): the nodes inherit RAY_TMPDIR, and the driver reads it where it writes the file.
     outer_tmpdir = os.environ.get("RAY_TMPDIR")

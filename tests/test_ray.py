@@ -356,8 +356,34 @@ finally:
 '''
 
 
+# A Python code context in each sandbox (the code-interpreter SDK): the node of each drives its interpreter.
+CODE_ON_NODES = '''
+import os, re
+from code_interpreter import CodeInterpreterSync
+from code_interpreter.models.code import SupportedLanguage
+from opensandbox import SandboxSync
+from opensandbox.config import ConnectionConfigSync
+
+config = ConnectionConfigSync(domain=os.environ["OPEN_SANDBOX_DOMAIN"], api_key=os.environ["OPEN_SANDBOX_API_KEY"])
+boxes = [SandboxSync.create("ubuntu", connection_config=config) for _ in range(3)]
+try:
+    for box in boxes:
+        codes = CodeInterpreterSync.create(sandbox=box, skip_health_check=True).codes
+        context = codes.create_context(SupportedLanguage.PYTHON)
+        codes.run("x = 6", context=context)  # the namespace stays between cells
+        run = codes.run("print('cell', flush=True)\\nx * 7", context=context)
+        failed = codes.run("1 / 0", context=context).error
+        node = re.search("on Ray node ([0-9a-f]+)", box.get_info().status.message)[1]
+        print(node, [m.text.strip() for m in run.logs.stdout], [r.text for r in run.result], failed.name)
+finally:
+    for box in boxes:
+        box.destroy()
+'''
+
+
 def test_the_opensandbox_server_over_the_cluster(cluster: Any) -> None:
-    """`isolate-run serve --ray ADDRESS`: the SDK's hello world, unchanged, and sandboxes on several nodes."""
+    """`isolate-run serve --ray ADDRESS`: the SDK's hello world, unchanged, sandboxes on several nodes, and code
+    contexts in sandboxes of nodes other than the server's."""
     pytest.importorskip("starlette", reason="the server extra is not installed: pip install 'isolate[server]'")
     pytest.importorskip("opensandbox", reason="the SDK is not installed: pip install 'isolate[server-test]'")
     import test_server as base
@@ -371,6 +397,12 @@ def test_the_opensandbox_server_over_the_cluster(cluster: Any) -> None:
         assert said == ["hi"] * 3
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         assert len(nodes) >= 2 and nodes <= alive - {cluster.broken.node_id}
+        pytest.importorskip("code_interpreter", reason="the code-interpreter SDK is missing: pip install "
+                            "'isolate[server-test]'")
+        ran = [line.split(" ", 1) for line in base.run_example(server, CODE_ON_NODES).splitlines()]
+        assert [said for _, said in ran] == ["['cell'] ['42'] ZeroDivisionError"] * 3
+        workers = {worker.node_id for worker in cluster.workers}
+        assert {node for node, _ in ran} & workers, "no context ran on a worker node"
         assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
     finally:
         server.stop()

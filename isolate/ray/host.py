@@ -98,6 +98,40 @@ def _scratch() -> str:
     return runtime_subdir("ray")
 
 
+class _Context:
+    """A code context on this node: the events of its running cell, gathered for the caller to take."""
+
+    def __init__(self, sid: str, context: Any) -> None:
+        self.sid = sid
+        self.context = context
+        self._cond = threading.Condition()
+        self._events: list[tuple[str, Any]] = []
+        self._running = False
+
+    def start(self, code: str) -> None:
+        with self._cond:
+            if self._running:
+                raise IsolationError("a cell of this context is running")
+            self._running, self._events = True, []
+        threading.Thread(target=self._run, args=(code,), daemon=True, name="isolate-ray-context").start()
+
+    def _emit(self, kind: str, value: Any) -> None:
+        with self._cond:
+            self._events.append((kind, value))
+            if kind == "done":
+                self._running = False
+            self._cond.notify_all()
+
+    def _run(self, code: str) -> None:
+        self.context.run(code, self._emit)  # it always ends with "done"
+
+    def events(self, timeout: float) -> list[tuple[str, Any]]:
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._events) or not self._running, timeout=max(0.0, timeout))
+            taken, self._events = self._events, []
+            return taken
+
+
 class SandboxHost:
     """The actor of one node (see the module's docstring)."""
 
@@ -112,6 +146,8 @@ class SandboxHost:
         self._unpacking: dict[str, threading.Lock] = {}
         self._processes: dict[str, SandboxProcess] = {}
         self._pools: dict[str, SandboxPool] = {}
+        #: The server's code contexts (isolate/server/code) of this node's sandboxes: id -> _Context.
+        self._contexts: dict[str, _Context] = {}
         #: The snapshots this node holds by digest, shipped here or sent from here (isolate/ray/layers.py).
         self.layers = Layers(self.node_id)
         # What an earlier host on this machine left when it was killed with its node (no close() ran).
@@ -385,6 +421,9 @@ class SandboxHost:
             box = self._boxes.pop(sid, None)
             doomed = [key for key in self._processes if key.startswith(sid + "/")]
             processes = [self._processes.pop(key) for key in doomed]
+            contexts = [self._contexts.pop(key) for key, c in list(self._contexts.items()) if c.sid == sid]
+        for context in contexts:
+            context.context.close()
         for process in processes:
             process.close()
         if box is not None:
@@ -433,6 +472,45 @@ class SandboxHost:
             attribute = getattr(session, method)
             return attribute(*args, **kwargs) if callable(attribute) else attribute
         return _attempt(run)
+
+    # -- code contexts (the server's /code of a sandbox here: serve --ray) ----------------------------------
+
+    def context_open(self, sid: str, context_id: str, language: str) -> Any:
+        """A code context (isolate/server/code) of sandbox ``sid``, its interpreter driven from here: its
+        descriptors (a socket pair, the driver's stdout and stderr) are this machine's."""
+        def run() -> str:
+            from ..server.code import CodeContext
+
+            context = _Context(sid, CodeContext(self._box(sid), language, context_id))
+            with self._lock:
+                self._contexts[context_id] = context
+            return context_id
+        return _attempt(run)
+
+    def _context(self, context_id: str) -> _Context:
+        with self._lock:
+            context = self._contexts.get(context_id)
+        if context is None:
+            raise IsolationError(f"context {context_id}: closed")
+        return context
+
+    def context_run(self, context_id: str, code: str) -> Any:
+        """Start one cell; its events come from ``context_events``."""
+        return _attempt(lambda: self._context(context_id).start(code))
+
+    def context_events(self, context_id: str, timeout: float) -> Any:
+        """The running cell's events so far ([kind, value], ending with ["done", answer]), after waiting up to
+        ``timeout`` seconds for the first."""
+        return _attempt(lambda: self._context(context_id).events(timeout))
+
+    def context_interrupt(self, context_id: str) -> Any:
+        return _attempt(lambda: self._context(context_id).context.interrupt())
+
+    def context_close(self, context_id: str) -> None:
+        with self._lock:
+            context = self._contexts.pop(context_id, None)
+        if context is not None:
+            context.context.close()
 
     # -- spawned commands -----------------------------------------------------------------
 

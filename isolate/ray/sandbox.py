@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -331,6 +331,12 @@ class Sandbox:
     def python(self, name: str = "default", executable: str = "python3") -> RemoteSession:
         return RemoteSession(self, "python", name, {"executable": executable})
 
+    def remote_code(self, language: str, context_id: str) -> RemoteCodeEngine:
+        """A code context of the server's ``/code`` (isolate/server/code), driven by this sandbox's node (its
+        interpreter's descriptors are that machine's): ``isolate-run serve --ray``."""
+        self._host_call("context_open", self.id, context_id, language)
+        return RemoteCodeEngine(self, context_id)
+
     def read_file(self, path: str, **kwargs: Any) -> Any:
         return self._call("read_file", path, **kwargs)
 
@@ -559,6 +565,37 @@ class RemoteSnapshot:
         outcome(self._actor(self.node_id).remove_snapshot.remote(self.snapshot), self.node_id,
                 f"snapshot {self.name}")
         self._shipped = None
+
+
+class RemoteCodeEngine:
+    """The engine of a server code context (``CodeContext``) whose interpreter runs on a Ray node: a cell is
+    started there, and its events are taken a batch at a time (each call waits for the next)."""
+
+    #: How long one call for a cell's events waits on the node before it answers with none.
+    WAIT = 1.0
+
+    def __init__(self, box: Sandbox, context_id: str) -> None:
+        self._box = box
+        self.id = context_id
+        self.count = 0
+
+    def run(self, code: str, emit: Callable[[str, Any], None]) -> None:
+        self._box._host_call("context_run", self.id, code)
+        while True:
+            for kind, value in self._box._host_call("context_events", self.id, self.WAIT):
+                emit(kind, value)
+                if kind == "done":
+                    self.count = int(value.get("count") or self.count)
+                    return
+
+    def interrupt(self) -> None:
+        self._box._host_call("context_interrupt", self.id)
+
+    def close(self) -> None:
+        try:
+            self._box._host_call("context_close", self.id)
+        except IsolationError:  # its sandbox or its node is gone: the context ended with it
+            pass
 
 
 class RemoteSession:

@@ -40,6 +40,10 @@ class ApiError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[ApiError], tuple[int, str, str]]:
+        # As itself through pickle: a code context on a Ray node refuses with it (isolate/ray/host.py).
+        return ApiError, (self.status, self.code, self.message)
+
 
 def bad_request(message: str, code: str = "INVALID_REQUEST") -> ApiError:
     return ApiError(400, code, message)

@@ -67,7 +67,11 @@ class CodeContext:
             self._engine: _Engine = KeptPython(box, self.id, fresh=False)
             return
         engine: _Engine
-        if language == "python" and kept:
+        remote = getattr(box, "remote_code", None)
+        if remote is not None:  # a sandbox on a Ray node (serve --ray): its node drives the interpreter
+            engine = remote(language, self.id)
+            self.kept = False  # the node's host actor holds it: it ends with the server
+        elif language == "python" and kept:
             engine = KeptPython(box, self.id, fresh=True)
         elif language == "python":
             engine = python.start(box)

@@ -66,6 +66,16 @@ def _merge_on_cluster(*args: Any, **kwargs: Any) -> Any:
 # The kept layer does not know Ray: a merge of branches on a cluster asks this package for it.
 _hooks.merge_on_cluster = _merge_on_cluster
 
+
+def _code_context(*args: Any) -> Any:
+    from .server.code import CodeContext
+
+    return CodeContext(*args)
+
+
+# The Ray layer runs a node's sandboxes, not the server: serve --ray's code contexts on a node ask this package.
+_hooks.code_context = _code_context
+
 __all__ = [
     "AsyncSandbox",
     "CommandNotExecutableError",

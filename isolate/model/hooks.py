@@ -16,3 +16,7 @@ run_build_step: Callable[..., Any] | None = None
 #: ``isolate.merge`` of branches of which one is on a Ray cluster (isolate/kept/merge.py calls it), with
 #: merge's own arguments: merged on one of the cluster's nodes (isolate/ray/merging.py).
 merge_on_cluster: Callable[..., Any] | None = None
+
+#: A code context of the server's kind driven on a Ray node (isolate/ray/host.py calls it for serve --ray):
+#: ``(sandbox, language, context id)`` -> an isolate/server/code CodeContext.
+code_context: Callable[..., Any] | None = None

@@ -36,6 +36,7 @@ from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
 from ..kept.snapshots import Snapshot
 from ..kernel.places import runtime_subdir
+from ..model import hooks
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
@@ -479,9 +480,9 @@ class SandboxHost:
         """A code context (isolate/server/code) of sandbox ``sid``, its interpreter driven from here: its
         descriptors (a socket pair, the driver's stdout and stderr) are this machine's."""
         def run() -> str:
-            from ..server.code import CodeContext
-
-            context = _Context(sid, CodeContext(self._box(sid), language, context_id))
+            if hooks.code_context is None:  # pragma: no cover - the package sets it on import
+                raise IsolationError("code contexts: isolate.model.hooks.code_context is not set")
+            context = _Context(sid, hooks.code_context(self._box(sid), language, context_id))
             with self._lock:
                 self._contexts[context_id] = context
             return context_id

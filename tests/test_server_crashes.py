@@ -215,7 +215,8 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
     with open("/proc/self/mountinfo") as table:
         mounts = [line for line in table if w.root in line]
     # Processes the killed servers had made: each still running is in a listed (or pooled) sandbox's namespaces.
-    live_ns = {_pid_ns(pid) for name in want + pooled for pid in _listeners(os.path.join(runtime_dir(), name + ".sock"))}
+    live_ns = {_pid_ns(pid) for name in want + pooled
+               for pid in _listeners(os.path.join(runtime_dir(), name + ".sock"))}
     stray = []
     for proc in before:
         with contextlib.suppress(psutil.Error):
@@ -225,6 +226,10 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
     from isolate.kept.snapshots import Snapshot
 
     isolate_snaps = sorted(s.name for s in Snapshot.list() if s.name.startswith("osb-snap-"))
+    try:
+        isolate_snaps += os.listdir(os.path.join(w.isolate_state, "snapshots"))  # their files, described or not
+    except FileNotFoundError:
+        pass
     return {"records": [r for r in records if r not in listed],
             "named": [n for n in named if n not in want + pooled],
             "missing": [n for n in want if n not in named or n not in data or n not in bound],
@@ -253,7 +258,7 @@ def check(server: base.Server, w: World, before: list[Any], prune: bool) -> list
     items = server.call("GET", "/v1/sandboxes?pageSize=1000")[1]["items"]
     listed = sorted(item["id"] for item in items)
     left = _leftovers(w, listed, before, server.proc.pid)
-    assert all(not v for v in left.values()), left
+    assert all(not v for v in left.values()), {k: v for k, v in left.items() if v}
     for item in items:
         expect = []
         if "claim" in item["metadata"]:

@@ -182,19 +182,22 @@ def _cgroups(w: World) -> list[str]:
     return empty
 
 
-def _pid_ns(pid: int) -> str:
+def _sandbox_pids(name: str) -> list[int]:
+    """A kept (or unnamed) sandbox's processes on the host: its init (as its description says, told apart from a
+    reused pid by its start time) and every process under it (the exec server first)."""
+    from isolate.kept.sandbox import Sandbox
+    from isolate.model.errors import IsolationError
+
     try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return ""
+        return [p.pid for p in Sandbox.attach(name, ping=False).processes()]
+    except (IsolationError, psutil.Error):
+        return []
 
 
 def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict[str, Any]:
     """Everything of this world that is not a listed sandbox's (or a listed snapshot's)."""
     from isolate.backends.native.named import native_names
     from isolate.kernel.places import runtime_dir
-    from isolate.server.restore import _listeners
-
     prefix = w.prefix
     records = sorted(e[:-5] for e in os.listdir(w.state_dir) if e.endswith(".json"))
     data: list[str] = []
@@ -215,12 +218,11 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
     with open("/proc/self/mountinfo") as table:
         mounts = [line for line in table if w.root in line]
     # Processes the killed servers had made: each still running is in a listed (or pooled) sandbox's namespaces.
-    live_ns = {_pid_ns(pid) for name in want + pooled
-               for pid in _listeners(os.path.join(runtime_dir(), name + ".sock"))}
+    live = {pid for name in want + pooled for pid in _sandbox_pids(name)}
     stray = []
     for proc in before:
         with contextlib.suppress(psutil.Error):
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE and _pid_ns(proc.pid) not in live_ns:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE and proc.pid not in live:
                 stray.append(f"{proc.pid} {' '.join(proc.cmdline())[:80]}")
     snaps = sorted(s["id"] for s in _list_snapshots(w))
     from isolate.kept.snapshots import Snapshot
@@ -348,14 +350,8 @@ def _end_all(server: base.Server, w: World) -> None:
 
 
 def _host_processes(w: World, sandbox_id: str) -> list[int]:
-    """A kept sandbox's processes on the host: the holder of its socket (its exec server) and that one's parent
-    (its init)."""
-    from isolate.kernel.places import runtime_dir
-    from isolate.server.restore import _listeners
-
-    pids = _listeners(os.path.join(runtime_dir(), f"{w.prefix}{sandbox_id}.sock"))
-    parents = [psutil.Process(p).ppid() for p in pids if psutil.pid_exists(p)]
-    return sorted(set(pids + parents))
+    """A kept sandbox's host-side processes: its init and its exec server."""
+    return _sandbox_pids(w.prefix + sandbox_id)[:2]
 
 
 def run_sandbox_kills(w: World, kills: int, seed: int) -> dict[str, float]:
@@ -390,6 +386,7 @@ def run_sandbox_kills(w: World, kills: int, seed: int) -> dict[str, float]:
             check(server, w, [], prune=False)
             _trim(server, w, 3)
         _end_all(server, w)
+        assert len(waits) * 2 >= kills, f"only {len(waits)} of {kills} kills found a sandbox to kill"
     finally:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGKILL)

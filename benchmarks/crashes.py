@@ -30,22 +30,26 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=1000)
     parser.add_argument("--sandbox-kills", type=int, default=100)
     parser.add_argument("--seed", type=int, default=38)
+    parser.add_argument("--seconds", type=float, default=float("inf"),
+                        help="stop each part after this long, with the kills done (said in the result)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "crashes.json"))
     options = parser.parse_args()
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import test_server_crashes as crashes
 
-    result: dict[str, object] = {"seed": options.seed, "kills_asked": options.kills,
+    result: dict[str, object] = {"seed": options.seed, "kills_asked": options.kills, "host_load": os.getloadavg(),
                                  "sandbox_kills_asked": options.sandbox_kills, "cpus": os.cpu_count()}
     failure = None
     started = time.monotonic()
     try:
         with crashes.world() as w:
-            result["server"] = crashes.run_kills(w, options.kills, options.seed)
+            result["server"] = crashes.run_kills(w, options.kills, options.seed,
+                                                 deadline=started + options.seconds)
         result["server_seconds"] = round(time.monotonic() - started, 1)
         started = time.monotonic()
         with crashes.world(warm=False) as w:
-            result["sandbox"] = crashes.run_sandbox_kills(w, options.sandbox_kills, options.seed)
+            result["sandbox"] = crashes.run_sandbox_kills(w, options.sandbox_kills, options.seed,
+                                                          deadline=started + options.seconds)
         result["sandbox_seconds"] = round(time.monotonic() - started, 1)
     except Exception:  # a leftover found: said, with what was done until then
         failure = traceback.format_exc()[-4000:]

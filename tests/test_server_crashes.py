@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import http.client
 import json
+import math
 import os
 import random
 import shutil
@@ -309,16 +310,20 @@ def _trim(server: base.Server, w: World, keep: int) -> None:
     del w.ids[keep:], w.snapshots[keep:]
 
 
-def run_kills(w: World, kills: int, seed: int, prune_every: int = 10) -> dict[str, float]:
-    """SIGKILL the server ``kills`` times at random points of the clients' work; after each start, check."""
+def run_kills(w: World, kills: int, seed: int, prune_every: int = 10,
+              deadline: float = math.inf) -> dict[str, float]:
+    """SIGKILL the server ``kills`` times at random points of the clients' work; after each start, check.
+    ``deadline`` (time.monotonic()): stop there, with the kills done."""
     rng = random.Random(seed)
     server = w.start()
     starts: list[float] = []
     try:
         for round_no in range(kills):
+            if time.monotonic() > deadline:
+                break
             stop = threading.Event()
             workers = _clients(server, w, rng, stop)
-            time.sleep(rng.uniform(0.02, 0.6))
+            time.sleep(rng.uniform(0.02, 0.5))
             before = psutil.Process(server.proc.pid).children(recursive=True)
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait()
@@ -354,14 +359,17 @@ def _host_processes(w: World, sandbox_id: str) -> list[int]:
     return _sandbox_pids(w.prefix + sandbox_id)[:2]
 
 
-def run_sandbox_kills(w: World, kills: int, seed: int) -> dict[str, float]:
+def run_sandbox_kills(w: World, kills: int, seed: int, deadline: float = math.inf) -> dict[str, float]:
     """SIGKILL one kept sandbox's host-side process (its init or its exec server) ``kills`` times at random
     points of the clients' work; the server lets that sandbox go whole (unlisted, nothing left) by itself."""
     rng = random.Random(seed)
     server = w.start()
     waits: list[float] = []
     try:
-        for _ in range(kills):
+        for done in range(kills):
+            if time.monotonic() > deadline:
+                kills = done
+                break
             stop = threading.Event()
             workers = _clients(server, w, rng, stop)
             time.sleep(rng.uniform(0.05, 0.6))
@@ -392,7 +400,7 @@ def run_sandbox_kills(w: World, kills: int, seed: int) -> dict[str, float]:
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait()
         server.stop()
-    return {"victims": len(waits), "let_go_s_max": max(waits, default=0.0)}
+    return {"kills": kills, "victims": len(waits), "let_go_s_max": max(waits, default=0.0)}
 
 
 def test_server_kills_at_random_steps_leave_nothing_half_made() -> None:

@@ -411,3 +411,26 @@ def test_server_kills_at_random_steps_leave_nothing_half_made() -> None:
 def test_sandbox_process_kills_end_that_sandbox_whole() -> None:
     with world(warm=False) as w:
         run_sandbox_kills(w, SANDBOX_KILLS, SEED)
+
+
+def test_a_shared_volume_outlives_its_maker_and_a_restart_only_while_held() -> None:
+    """A named volume made by a create that asked for its removal, shared by a second sandbox: its maker
+    deleted, the server killed and started again, the second one's delete removes it (only the maker's
+    record said it goes with its last holder)."""
+    with world(warm=False) as w:
+        server = w.start()
+        try:
+            maker = base._create(server, volumes=_pvc("shared-a"))["id"]
+            holder = base._create(server, volumes=_pvc("shared-a"))["id"]
+            assert server.call("DELETE", f"/v1/sandboxes/{maker}")[0] == 204
+            assert os.listdir(w.volume_store) == ["shared-a"]
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait()
+        finally:
+            server.stop()
+        server = w.start()
+        try:
+            assert server.call("DELETE", f"/v1/sandboxes/{holder}")[0] == 204
+            assert os.listdir(w.volume_store) == []
+        finally:
+            server.stop()

@@ -43,13 +43,20 @@ def main() -> int:
     started = time.monotonic()
     try:
         with crashes.world() as w:
-            result["server"] = crashes.run_kills(w, options.kills, options.seed,
-                                                 deadline=started + options.seconds)
+            result["server_kills_checked"] = 0
+            try:
+                result["server"] = crashes.run_kills(w, options.kills, options.seed,
+                                                     deadline=started + options.seconds)
+            finally:
+                result["server_kills_checked"] = w.kills_done
         result["server_seconds"] = round(time.monotonic() - started, 1)
         started = time.monotonic()
         with crashes.world(warm=False) as w:
-            result["sandbox"] = crashes.run_sandbox_kills(w, options.sandbox_kills, options.seed,
-                                                          deadline=started + options.seconds)
+            try:
+                result["sandbox"] = crashes.run_sandbox_kills(w, options.sandbox_kills, options.seed,
+                                                              deadline=started + options.seconds)
+            finally:
+                result["sandbox_kills_checked"] = w.kills_done
         result["sandbox_seconds"] = round(time.monotonic() - started, 1)
     except Exception:  # a leftover found: said, with what was done until then
         failure = traceback.format_exc()[-4000:]

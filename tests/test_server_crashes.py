@@ -64,6 +64,8 @@ class World:
     snapshots: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     prunes: int = 0
+    #: Kills followed by a check that passed.
+    kills_done: int = 0
 
     @property
     def state_dir(self) -> str:
@@ -335,6 +337,7 @@ def run_kills(w: World, kills: int, seed: int, prune_every: int = 10,
             server = w.start()
             starts.append(time.monotonic() - started)
             check(server, w, before, prune=(round_no + 1) % prune_every == 0 or round_no == kills - 1)
+            w.kills_done += 1
             _trim(server, w, 2)
         _end_all(server, w)
     finally:
@@ -392,6 +395,7 @@ def run_sandbox_kills(w: World, kills: int, seed: int, deadline: float = math.in
                     time.sleep(0.1)
                 waits.append(time.monotonic() - started)
             check(server, w, [], prune=False)
+            w.kills_done += 1
             _trim(server, w, 3)
         _end_all(server, w)
         assert len(waits) * 2 >= kills, f"only {len(waits)} of {kills} kills found a sandbox to kill"

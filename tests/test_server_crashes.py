@@ -438,3 +438,29 @@ def test_a_shared_volume_outlives_its_maker_and_a_restart_only_while_held() -> N
             assert os.listdir(w.volume_store) == []
         finally:
             server.stop()
+
+
+HOLD_AND_DIE = """
+import os, sys, time
+from isolate.server.keep import Keeper
+keeper = Keeper(sys.argv[1])
+if os.fork() == 0:  # a child the server forked (its descriptors with it), still running after the server's end
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    time.sleep(20)
+    os._exit(0)
+print("locked", flush=True)
+os._exit(0)  # as a server killed
+"""
+
+
+def test_a_killed_servers_forked_child_does_not_hold_the_state_directory(tmp_path: Any) -> None:
+    import sys
+
+    from isolate.server.keep import Keeper
+
+    path = str(tmp_path / "state")
+    done = subprocess.run([sys.executable, "-c", HOLD_AND_DIE, path], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "locked", done.stderr
+    Keeper(path).close()  # the next server starts (the child still runs)

@@ -219,6 +219,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_direct.py",
     "test_ray_nodes.py",
     "test_server.py",
+    "test_server_crashes.py",
     "test_server_keepall.py",
     "test_server_pool.py",
     "test_server_restart.py",

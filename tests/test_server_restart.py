@@ -451,12 +451,6 @@ def test_one_server_per_state_dir(state_dir: str) -> None:
         first.stop()
 
 
-#: Kills of the server at random points of creates and deletes (a fixed seed); each costs a start (~2 s).
-#: ISOLATE_TEST_KILLS=N runs more (and ISOLATE_TEST_KILL_SEED another seed), outside CI.
-KILLS = int(os.environ.get("ISOLATE_TEST_KILLS", "8"))
-SEED = int(os.environ.get("ISOLATE_TEST_KILL_SEED", "38"))
-
-
 def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
     """What the state directory, the runtime directory, isolate's state directory and the volume store hold
     for this server's sandboxes."""
@@ -489,75 +483,6 @@ def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
             "runtime": runtime, "bound": bound,
             "data": data, "volumes": sorted(os.listdir(volume_store)),
             "stray": [e for e in os.listdir(state_dir) if e not in (".lock",) and not e.endswith(".json")]}
-
-
-def _check_whole(server: base.Server, state_dir: str, volume_store: str) -> list[str]:
-    """Every sandbox the server lists is whole (it answers, its files and volumes are there); nothing is left
-    of any other."""
-    ids = sorted(item["id"] for item in server.call("GET", "/v1/sandboxes?pageSize=1000")[1]["items"])
-    left = _leftovers(state_dir, volume_store)
-    assert sorted(left["records"]) == ids, left
-    assert all(r["state"] in ("Running", "Paused") for r in left["records"].values()), left
-    assert left["named"] == ids and left["data"] == ids and left["stray"] == [] and left["runtime"] == [], left
-    assert left["bound"] == ids, left
-    claims = sorted(claim for r in left["records"].values() for claim, _ in r["volumes"])
-    assert left["volumes"] == claims, left
-    for sandbox_id in ids:
-        prefix, headers = base._endpoint(server, sandbox_id)
-        assert _run(server, prefix, headers, "ls /mnt/v >/dev/null && echo whole") == "whole"
-    return ids
-
-
-def test_kills_at_random_steps_leave_nothing_half_made(state_dir: str, volume_store: str) -> None:
-    """SIGKILL the server at random points while clients create (each sandbox with a named volume it makes and
-    that goes with it) and delete sandboxes; after each start every sandbox is whole and served, or gone with
-    everything it held: record, kept sandbox, files, volume."""
-    import random
-    import threading
-
-    flags = (*FLAGS, "--volume-store", volume_store)
-    seed = random.Random(SEED)
-    server = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
-    try:
-        for round_no in range(KILLS):
-            stop = threading.Event()
-
-            def work(rng: random.Random, server: base.Server = server, stop: threading.Event = stop) -> None:
-                while not stop.is_set():
-                    try:
-                        status, body = server.call("POST", "/v1/sandboxes", {
-                            "image": {"uri": "ubuntu"}, "timeout": 600,
-                            "volumes": _pvc(f"v{rng.getrandbits(40):010x}")})
-                        if status == 202 and rng.random() < 0.5:
-                            server.call("DELETE", f"/v1/sandboxes/{body['id']}")
-                    except (OSError, http.client.HTTPException):
-                        return  # the server is gone
-
-            workers = [threading.Thread(target=work, args=(random.Random(seed.random()),)) for _ in range(2)]
-            for worker in workers:
-                worker.start()
-            time.sleep(seed.uniform(0.05, 1.2))
-            _kill(server)
-            stop.set()
-            for worker in workers:
-                worker.join(60)
-            server = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
-            ids = _check_whole(server, state_dir, volume_store)
-            # Keep the live ones few: delete all but two.
-            for sandbox_id in ids[2:]:
-                assert server.call("DELETE", f"/v1/sandboxes/{sandbox_id}")[0] == 204, round_no
-        for item in server.call("GET", "/v1/sandboxes?pageSize=1000")[1]["items"]:
-            server.call("DELETE", f"/v1/sandboxes/{item['id']}")
-        server.stop()
-        left = _leftovers(state_dir, volume_store)
-        assert left == {"records": {}, "named": [], "runtime": [], "bound": [], "data": [], "volumes": [],
-                        "stray": []}, left
-    finally:
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGKILL)
-            server.proc.wait()
-        # Whatever a failure left: a server that ends everything at its stop.
-        base.Server(*flags, state_dir=state_dir, end_on_exit=True).stop()
 
 
 def test_a_records_code_contexts_are_checked() -> None:

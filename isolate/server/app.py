@@ -42,6 +42,15 @@ async def _reaper(state: ServerState) -> None:
             except Exception as exc:
                 log.warning("closing expired sandbox %s: %s", managed.id, exc)
             state.forget(managed)
+        for managed in state.ended():
+            # Its init was killed (from the host, or its exec server's end ended it): let it go whole now, its
+            # files, cgroups, volumes and record with it, rather than serve a sandbox that no longer answers.
+            log.warning("sandbox %s ended by itself (its init is gone); removed", managed.id)
+            try:
+                await run_in_threadpool(managed.close)
+            except Exception as exc:
+                log.warning("closing ended sandbox %s: %s", managed.id, exc)
+            state.forget(managed)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -28,6 +28,7 @@ One server uses one state directory at a time (a lock held while it runs).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -248,9 +249,13 @@ class Keeper:
             self._lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                                     dir_fd=self.fd)
             try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                # A lock of this process (POSIX, F_SETLK), not of the open file: a child the server forked holds
+                # a flock() of it too, and one still running after the server was killed refused the restart.
+                fcntl.lockf(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
                 os.close(self._lock_fd)
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise IsolationError(f"state directory {self.path}: its lock: {exc.strerror}") from None
                 raise IsolationError(f"state directory {self.path}: another isolate-run serve uses it; give each "
                                      "server its own --state-dir") from None
         except BaseException:

@@ -101,7 +101,9 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
         starting([(spec.claim, spec.delete_on_end) for spec in req.volumes if spec.claim is not None], True)
         # The named volumes are held from here (a create still starting uses them too), until the sandbox ends.
         opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
-        claims = [(item.spec.claim, item.made is not None and item.spec.delete_on_end)
+        # Doomed also when another create made it so: a holder's record carries its volume's end (state.save).
+        claims = [(item.spec.claim, (item.made is not None and item.spec.delete_on_end)
+                   or state.named_volumes.doomed(item.held))
                   for item in opened if item.spec.claim is not None and item.held is not None]
         starting(claims, False)
         managed = _start_box(state, req, opened, sandbox_id, token, kept)

@@ -287,11 +287,12 @@ def _sweep_trash(state: ServerState) -> None:
 def restore(state: ServerState) -> list[str]:
     from ..backends.native.named import native_names
 
+    snapshot_lines = state.snapshots.recover()
     keeper = state.keeper
     if keeper is None:
-        return []
+        return snapshot_lines
     records, lines = keeper.load()
-    lines += state.snapshots.recover()
+    lines += snapshot_lines
     now = time.time()
     lost_credentials = lost_with_them = 0
     served = expired = gone = 0
@@ -355,7 +356,10 @@ def restore(state: ServerState) -> list[str]:
     for record, maybe_box in ending:
         _end(state, record, maybe_box)
     _sweep_trash(state)
+    # The warm pool's sandboxes (unnamed, anon-PID-...) ended with the last server, killed: no close() removed
+    # their files (prune would); nor the cgroups it owned of those that ended.
     _sweep_pool()
+    _sweep_cgroups()
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import threading
 from typing import Any
 
@@ -61,11 +62,10 @@ class SnapshotStore:
         self.copies: Any = None
 
     def recover(self) -> list[str]:
-        """At start: the descriptions a reboot took, put back from the copies (a line for each)."""
-        if self.copies is None:
-            return []
-        lines: list[str] = self.copies.recover(self._dir())
-        return lines
+        """At start: the descriptions a reboot took, put back from the copies, then what a killed server left
+        half done finished or undone (a line for each)."""
+        lines: list[str] = self.copies.recover(self._dir()) if self.copies is not None else []
+        return lines + self._finish_marked()
 
     @staticmethod
     def _dir() -> str:
@@ -100,10 +100,25 @@ class SnapshotStore:
         except IsolationError:
             raise _not_found(snapshot_id) from None
 
+    def _mark(self, snapshot_id: str, step: str) -> str:
+        """A marker of a step under way (``take`` or ``remove``) and of the process doing it: a server killed
+        in the middle leaves it, and the next start (``recover``) finishes or undoes that step."""
+        marker = os.path.join(self._dir(), f".{snapshot_id}.{step}")
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(str(os.getpid()))
+        return marker
+
     def take(self, box: Any, sandbox_id: str, image: str, name: str | None) -> dict[str, Any]:
         """Capture ``box`` (an isolate.Sandbox) and describe it; the capture runs in the caller's thread."""
         snapshot_id = f"osb-snap-{secrets.token_hex(8)}"
-        snap = box.snapshot(snapshot_id)
+        marker = self._mark(snapshot_id, "take")
+        try:
+            snap = box.snapshot(snapshot_id)
+        except BaseException:
+            _discard(snapshot_id)
+            os.unlink(marker)
+            raise
         record = {"id": snapshot_id, "sandboxId": sandbox_id, "name": name, "image": image, "created": snap.created}
         try:
             directory = self._dir()
@@ -119,21 +134,92 @@ class SnapshotStore:
                 os.unlink(os.path.join(self._dir(), f"{snapshot_id}.json"))
             snap.remove()
             raise
+        finally:
+            os.unlink(marker)
         return record
 
     def remove(self, snapshot_id: str) -> None:
         with self._lock:
             self.get(snapshot_id)
-            try:
-                Snapshot.get(snapshot_id).remove()
-            except IsolationError:
-                pass  # its files went already: the description goes too
+            marker = self._mark(snapshot_id, "remove")
             if self.copies is not None:
-                self.copies.forget(snapshot_id)
+                self.copies.forget(snapshot_id)  # first: a reboot must not bring back one half removed
+            # The description first: a snapshot listed is whole; a kill after it leaves the marker to finish.
             try:
                 os.unlink(os.path.join(self._dir(), f"{snapshot_id}.json"))
             except FileNotFoundError:
+                os.unlink(marker)
                 raise _not_found(snapshot_id) from None
+            _discard(snapshot_id)
+            os.unlink(marker)
+
+    def _finish_marked(self) -> list[str]:
+        """Finish what a killed server left half done: a snapshot it was taking (no description: its files go)
+        or removing (its files go), and the temporary descriptions it was writing. Only markers of a process
+        that no longer runs: another server of this user's may be taking one right now."""
+        directory = self._dir()
+        lines = []
+        for entry in sorted(os.listdir(directory)):
+            parts = entry.split(".")
+            if len(parts) != 3 or parts[0] or not _ID.fullmatch(parts[1]) or parts[2] not in ("take", "remove"):
+                continue
+            snapshot_id, path = parts[1], os.path.join(directory, entry)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd) as handle:
+                    pid = int(handle.read(16))
+            except (OSError, ValueError):
+                continue
+            if pid == os.getpid() or _running(pid):
+                continue
+            described = os.path.exists(os.path.join(directory, f"{snapshot_id}.json"))
+            if parts[2] == "remove" or not described:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, f"{snapshot_id}.json"))
+                _discard(snapshot_id)
+                if self.copies is not None:
+                    self.copies.forget(snapshot_id)
+                doing = "removing" if parts[2] == "remove" else "taking"
+                lines.append(f"snapshot {snapshot_id}: the last server was {doing} it when it ended; removed")
+            for other in os.listdir(directory):
+                if other.startswith(f".{snapshot_id}.") and other != entry:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, other))
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return lines
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _discard(snapshot_id: str) -> None:
+    """isolate's snapshot of that name, whole or half made (its files without a description yet)."""
+    from ..kernel.places import open_state_dir
+    from ..kernel.tree import remove_dir_at
+
+    with contextlib.suppress(IsolationError):
+        Snapshot.get(snapshot_id).remove()
+        return
+    try:
+        parent = open_state_dir("snapshots")
+    except (OSError, IsolationError):
+        return
+    try:
+        info = os.stat(snapshot_id, dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            remove_dir_at(parent, snapshot_id, (info.st_dev, info.st_ino))
+    except OSError:
+        pass
+    finally:
+        os.close(parent)
 
 
 def snapshot_json(record: dict[str, Any]) -> dict[str, Any]:

@@ -529,6 +529,17 @@ class ManagedSandbox:
                 self.on_close.pop()()
 
 
+def _init_gone(box: Sandbox) -> bool:
+    """Whether a native sandbox's init has ended (the process this server started, or the one it attached to,
+    told apart from a reused pid by its start time): a look at /proc, no conversation."""
+    impl: Any = getattr(box, "_impl", None)
+    process = getattr(impl, "process", None)
+    if process is not None:
+        return process.poll() is not None
+    init_pid = getattr(impl, "_init_pid", None)
+    return callable(init_pid) and init_pid() is None
+
+
 #: The state directory's entry that every sandbox's /workspace is an overlay of (kept empty).
 WORKSPACE_BASE = "opensandbox-workspace"
 #: The state directory's entry where named (pvc) volumes are kept, unless serve --volume-store says.
@@ -650,11 +661,26 @@ class ServerState:
                 del self.sandboxes[managed.id]
             return gone
 
+    def ended(self) -> list[ManagedSandbox]:
+        """The sandboxes whose init no longer runs (killed), taken out of the server's list."""
+        with self.lock:
+            gone = [m for m in self.sandboxes.values() if _init_gone(m.box)]
+            for managed in gone:
+                del self.sandboxes[managed.id]
+            return gone
+
     def save(self, managed: ManagedSandbox) -> None:
         """Write the sandbox's record (when the server keeps records); OSError when it cannot."""
         if self.keeper is not None:
             with self._save_lock:  # the record made and written in one go: two changes write in their order
-                self.keeper.write(managed.record())
+                record = managed.record()
+                if record.volumes:
+                    # A shared volume goes with its last holder when the create that made it asked: every
+                    # holder's record says so, or a restart after its maker's end would keep it forever.
+                    store = self.volume_store()
+                    record.volumes = [(claim, doomed or self.named_volumes.doomed(os.path.join(store, claim)))
+                                      for claim, doomed in record.volumes]
+                self.keeper.write(record)
 
     def saved(self, managed: ManagedSandbox) -> None:
         """``save`` after a change the sandbox lives on without (metadata, expiry, a token): a failure is

@@ -132,6 +132,11 @@ class NamedVolumes:
             if doomed:
                 self._doomed.add(path)
 
+    def doomed(self, path: str) -> bool:
+        """Whether the volume goes with its last holder."""
+        with self._lock:
+            return path in self._doomed
+
     def users(self, path: str) -> int:
         with self._lock:
             return self._users.get(path, 0)

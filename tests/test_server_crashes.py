@@ -235,6 +235,9 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
         isolate_snaps += os.listdir(os.path.join(w.isolate_state, "snapshots"))  # their files, described or not
     except FileNotFoundError:
         pass
+    copies: list[str] = []
+    with contextlib.suppress(FileNotFoundError):
+        copies = os.listdir(os.path.join(w.state_dir, "snapshots"))
     return {"records": [r for r in records if r not in listed],
             "named": [n for n in named if n not in want + pooled],
             "missing": [n for n in want if n not in named or n not in data or n not in bound],
@@ -244,7 +247,10 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
             "lost volumes": sorted(claims - set(os.listdir(w.volume_store))),
             "mounts": mounts, "cgroups": _cgroups(w), "processes": stray,
             "snapshots": [s for s in isolate_snaps if s not in snaps],
-            "stray files": [e for e in os.listdir(w.state_dir) if e != ".lock" and not e.endswith(".json")]}
+            # The copies of the snapshots' descriptions (isolate/server/snapkeep.py): of listed snapshots only.
+            "snapshot copies": [e for e in copies if e not in [f"{s}.json" for s in snaps]],
+            "stray files": [e for e in os.listdir(w.state_dir)
+                            if e not in (".lock", "snapshots") and not e.endswith(".json")]}
 
 
 _SERVER: dict[str, base.Server] = {}

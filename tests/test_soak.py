@@ -1,6 +1,7 @@
-"""``python -m benchmarks.soak`` for two minutes (4 clients): mixed work against one ``isolate-run serve``, then no
-error, no descriptor, mount or kept sandbox left and memory within its bound (the script's exit status; its
-docstring states the bounds). ``ISOLATE_SOAK_SECONDS`` changes the duration."""
+"""``python -m benchmarks.soak`` for two minutes (4 clients): mixed work against one ``isolate-run serve`` (commands,
+files, sessions, code contexts, snapshots and forks, the warm pool, egress), then no error, no descriptor, mount,
+process, run cgroup, state directory entry or kept sandbox left and memory within its bound (the script's exit
+status; its docstring states the bounds). ``ISOLATE_SOAK_SECONDS`` changes the duration."""
 
 from __future__ import annotations
 
@@ -30,4 +31,5 @@ def test_soak_two_minutes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert results["requests"] > 0 and results["errors"] == 0 and not results["problems"], results["problems"]
-    assert {"create", "command", "download", "delete"} <= set(results["operations"])
+    assert {"create", "command", "download", "delete", "session-run", "code-run", "snapshot", "pool-command",
+            "egress-command"} <= set(results["operations"]), results["operations"]

@@ -1,7 +1,7 @@
 """``python -m benchmarks.soak [--seconds S] [--clients N] [--out FILE] [--plot FILE]``: one server under mixed work.
 
 ``isolate-run serve`` on a free loopback port (a state directory of its own,
-``--end-on-exit``, a warm pool of two: ``--warm 2``, and an image ``egress``
+isolate's too: ``ISOLATE_STATE_DIR``; ``--end-on-exit``, a warm pool of two: ``--warm 2``, and an image ``egress``
 whose profile allows ``web.test`` on a loopback port this script serves), and N
 clients, each a thread speaking the API over plain HTTP, doing over and over
 for S seconds: create a sandbox (1 CPU, 512 MiB), ask its endpoint, run commands
@@ -18,8 +18,9 @@ fails to resolve ``other.test`` (not allowed). Every request is timed per
 operation; an answer that is a stream (session, code) is checked for what it
 must say. Every few seconds the server's resident memory, its open descriptors
 and threads, its descendant processes, the host's mounts, the run cgroups of
-the server's processes, the entries of its state directory and its kept
-sandboxes are sampled.
+the server's processes, the entries of its state directories (its
+``--state-dir``, its ``ISOLATE_STATE_DIR``: sandboxes, snapshots, workspaces,
+and the runtime directory's entries of that) and its kept sandboxes are sampled.
 
 Reported (JSON, and ``--out FILE``; ``--plot FILE`` draws memory, descriptors,
 mounts, processes and run cgroups over time): requests and errors (a status of 400 or more,
@@ -28,7 +29,7 @@ with their p50/p99, and the samples. Bounds checked at the end, once every
 sandbox is deleted: no error, no client still waiting; the server's descriptors
 within 64 of the first sample's, the host's mounts within 16, its descendant
 processes within 4 and the run cgroups of its processes within 4 (the pool
-refills meanwhile), its state directory's entries within 16, no kept sandbox of
+refills meanwhile), its state directories' entries within 16, no kept sandbox of
 the server's left, and its resident memory grown by at most 64 MiB over the
 first sample taken after the first minute (or the first sample, in a shorter
 run); the exit status is 1 when a bound is passed. ``tests/test_soak.py`` runs
@@ -262,8 +263,17 @@ def _run_cgroups(pids: set[int]) -> int:
     return found
 
 
-def _entries(path: str) -> int:
-    return sum(len(dirs) + len(files) for _top, dirs, files in os.walk(path))
+def _entries(state_dir: str) -> int:
+    """The entries (all the way down) of the server's --state-dir, of isolate's state directory (its own:
+    ``ISOLATE_STATE_DIR``) and of the runtime directory's entries named after that."""
+    from isolate.kernel.places import runtime_dir, state_key
+
+    key = state_key()
+    runtime = [os.path.join(runtime_dir(), name) for name in os.listdir(runtime_dir()) if key in name]
+    found = len(runtime)
+    for path in [state_dir, os.environ["ISOLATE_STATE_DIR"], *runtime]:
+        found += sum(len(dirs) + len(files) for _top, dirs, files in os.walk(path))
+    return found
 
 
 def _sample(proc_pid: int, started: float, prefix_dir: str, state_dir: str, seen: set[int]) -> dict[str, Any]:
@@ -289,12 +299,37 @@ def _settled(proc_pid: int, started: float, prefix: str, state_dir: str, seen: s
     while sample["processes"] > 0 and time.monotonic() < deadline:
         time.sleep(2.0)
         last, sample = sample, _sample(proc_pid, started, prefix, state_dir, seen)
-        if (last["processes"], last["cgroups"]) == (sample["processes"], sample["cgroups"]):
+        if all(last[key] == sample[key] for key in ("processes", "cgroups", "state_entries")):
             break
     return sample
 
 
 def run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
+    # isolate's state directory of its own (the server's sandboxes, snapshots, workspaces), for the server and
+    # for this process (its look at the kept sandboxes): what is left in it is this server's.
+    before = os.environ.get("ISOLATE_STATE_DIR")
+    os.environ["ISOLATE_STATE_DIR"] = tempfile.mkdtemp(prefix="isolate-soak-state-")
+    atexit.register(shutil.rmtree, os.environ["ISOLATE_STATE_DIR"], True)
+    try:
+        return _run(seconds, clients, log)
+    finally:
+        from isolate.kernel.places import runtime_dir, state_key
+
+        key = state_key()  # the runtime directory's files about that state directory go with it
+        for name in os.listdir(runtime_dir()):
+            if key in name:
+                path = os.path.join(runtime_dir(), name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, True)
+                else:
+                    os.unlink(path)
+        if before is None:
+            del os.environ["ISOLATE_STATE_DIR"]
+        else:
+            os.environ["ISOLATE_STATE_DIR"] = before
+
+
+def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     import hashlib
 
     site, web_port = _web()
@@ -360,7 +395,7 @@ def run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     for key, bound, what in (("fds", FD_BOUND, "descriptors"), ("mounts", MOUNT_BOUND, "mounts"),
                              ("processes", PROCESS_BOUND, "processes under the server"),
                              ("cgroups", CGROUP_BOUND, "run cgroups of the server's processes"),
-                             ("state_entries", STATE_BOUND, "entries of the state directory")):
+                             ("state_entries", STATE_BOUND, "entries of the state directories")):
         if final[key] > first[key] + bound:
             problems.append(f"{what}: {first[key]} at start, {final[key]} at the end")
     if final["kept_sandboxes"]:

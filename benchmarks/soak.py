@@ -249,10 +249,12 @@ def _mounts() -> int:
         return sum(1 for _ in handle)
 
 
-def _run_cgroups(pids: set[int]) -> int:
-    """The run cgroups (isolate-PID-N, in every hierarchy) made by one of ``pids``."""
+def _run_cgroups(pids: set[int], root: str = "/sys/fs/cgroup") -> int:
+    """The run cgroups (isolate-PID-N, in every hierarchy under ``root``) made by one of ``pids``: the server
+    and its descendants alive now (the server makes them; a pid of a descendant that ended may since be
+    another's, with run cgroups of its own: pids wrap within the hour)."""
     found = 0
-    for top, dirs, _files in os.walk("/sys/fs/cgroup"):
+    for top, dirs, _files in os.walk(root):
         for name in list(dirs):
             match = RUN_CGROUP.match(name)
             if match:
@@ -276,7 +278,7 @@ def _entries(state_dir: str) -> int:
     return found
 
 
-def _sample(proc_pid: int, started: float, prefix_dir: str, state_dir: str, seen: set[int]) -> dict[str, Any]:
+def _sample(proc_pid: int, started: float, prefix_dir: str, state_dir: str) -> dict[str, Any]:
     import psutil
 
     from isolate.backends.native.named import native_names
@@ -285,20 +287,20 @@ def _sample(proc_pid: int, started: float, prefix_dir: str, state_dir: str, seen
     with server.oneshot():
         rss, fds, threads = server.memory_info().rss, server.num_fds(), server.num_threads()
     children = server.children(recursive=True)
-    seen.update(child.pid for child in children)
     kept = sum(1 for name in native_names() if name.startswith(prefix_dir))
     return {"t": round(time.monotonic() - started, 1), "rss_mb": round(rss / 2**20, 1), "fds": fds,
             "threads": threads, "processes": len(children), "mounts": _mounts(),
-            "cgroups": _run_cgroups(seen | {proc_pid}), "state_entries": _entries(state_dir), "kept_sandboxes": kept}
+            "cgroups": _run_cgroups({proc_pid, *(child.pid for child in children)}),
+            "state_entries": _entries(state_dir), "kept_sandboxes": kept}
 
 
-def _settled(proc_pid: int, started: float, prefix: str, state_dir: str, seen: set[int]) -> dict[str, Any]:
+def _settled(proc_pid: int, started: float, prefix: str, state_dir: str) -> dict[str, Any]:
     """A sample once the pool has its sandboxes again (up to 60 s): the counts at rest."""
     deadline = time.monotonic() + 60
-    sample = _sample(proc_pid, started, prefix, state_dir, seen)
+    sample = _sample(proc_pid, started, prefix, state_dir)
     while sample["processes"] > 0 and time.monotonic() < deadline:
         time.sleep(2.0)
-        last, sample = sample, _sample(proc_pid, started, prefix, state_dir, seen)
+        last, sample = sample, _sample(proc_pid, started, prefix, state_dir)
         if all(last[key] == sample[key] for key in ("processes", "cgroups", "state_entries")):
             break
     return sample
@@ -348,8 +350,7 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     prefix = f"osb-{hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]}-"
     client = Client(domain, web_port)
     started = time.monotonic()
-    seen: set[int] = set()
-    first = _settled(proc.pid, started, prefix, state_dir, seen)
+    first = _settled(proc.pid, started, prefix, state_dir)
     samples = [first]
     stop = threading.Event()
 
@@ -366,7 +367,7 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
         interval = max(1.0, min(10.0, seconds / 24))
         while time.monotonic() - started < seconds:
             time.sleep(interval)
-            samples.append(_sample(proc.pid, started, prefix, state_dir, seen))
+            samples.append(_sample(proc.pid, started, prefix, state_dir))
             s = samples[-1]
             log(f"t={s['t']} s: rss {s['rss_mb']} MB, {s['fds']} fds, {s['processes']} processes, "
                 f"{s['mounts']} mounts, {s['cgroups']} cgroups, {s['kept_sandboxes']} sandboxes, "
@@ -376,7 +377,7 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
             worker.join(300)
         hung = sum(worker.is_alive() for worker in workers)
         time.sleep(1.0)
-        final = _settled(proc.pid, started, prefix, state_dir, seen)
+        final = _settled(proc.pid, started, prefix, state_dir)
         samples.append(final)
     finally:
         stop.set()

@@ -1,6 +1,7 @@
-"""``python -m benchmarks.soak`` for two minutes (4 clients): mixed work against one ``isolate-run serve``, then no
-error, no descriptor, mount or kept sandbox left and memory within its bound (the script's exit status; its
-docstring states the bounds). ``ISOLATE_SOAK_SECONDS`` changes the duration."""
+"""``python -m benchmarks.soak`` for two minutes (4 clients): mixed work against one ``isolate-run serve`` (commands,
+files, sessions, code contexts, snapshots and forks, the warm pool, egress), then no error, no descriptor, mount,
+process, run cgroup, state directory entry or kept sandbox left and memory within its bound (the script's exit
+status; its docstring states the bounds). ``ISOLATE_SOAK_SECONDS`` changes the duration."""
 
 from __future__ import annotations
 
@@ -30,4 +31,22 @@ def test_soak_two_minutes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert results["requests"] > 0 and results["errors"] == 0 and not results["problems"], results["problems"]
-    assert {"create", "command", "download", "delete"} <= set(results["operations"])
+    assert {"create", "command", "download", "delete", "session-run", "code-run", "snapshot", "pool-command",
+            "egress-command"} <= set(results["operations"]), results["operations"]
+
+
+def test_run_cgroups_are_counted_by_live_creator(tmp_path: Path) -> None:
+    """The soak's cgroup count takes the run cgroups of the pids given (the server and its live descendants):
+    another's run cgroup, made by a pid a descendant that ended once had, is not the server's (the hour's run
+    counted 9 such once pids had wrapped)."""
+    sys.path.insert(0, REPO)
+    try:
+        from benchmarks.soak import _run_cgroups
+    finally:
+        sys.path.pop(0)
+    for hierarchy in ("memory", "freezer"):
+        for name in ("isolate-100-0", "isolate-100-1", "isolate-200-0", "isolate-caller", "other"):
+            (tmp_path / hierarchy / "parent" / "isolate" / name).mkdir(parents=True)
+    assert _run_cgroups({100}, str(tmp_path)) == 4
+    assert _run_cgroups({100, 200}, str(tmp_path)) == 6
+    assert _run_cgroups({300}, str(tmp_path)) == 0

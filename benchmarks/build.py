@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._stats import ratio, summary_ms
+from .images import image_store
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,16 +156,8 @@ def _context(tmp: str, nonce: str) -> str:
 
 def measure(rounds: int, tmp: str, with_docker: bool = True,
             log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    store = os.path.join(tmp, "store")
-    saved = os.environ.get("ISOLATE_IMAGE_STORE")
-    os.environ["ISOLATE_IMAGE_STORE"] = store
-    try:
+    with image_store(os.path.join(tmp, "store")) as store:
         return _measure(rounds, tmp, store, with_docker, log)
-    finally:
-        if saved is None:
-            os.environ.pop("ISOLATE_IMAGE_STORE", None)
-        else:
-            os.environ["ISOLATE_IMAGE_STORE"] = saved
 
 
 def _measure(rounds: int, tmp: str, store_path: str, with_docker: bool, log: Callable[[str], None]) -> dict[str, Any]:

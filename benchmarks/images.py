@@ -28,6 +28,7 @@ Writes ``results/images.json`` when run alone (merged into what is there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._stats import summary_ms
@@ -127,18 +128,24 @@ def _make_images(tmp: str, tools: list[str]) -> list[str]:
     return refs
 
 
-def measure(rounds: int, tmp: str, with_docker: bool = True,
-            log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    store = os.path.join(tmp, "store")
+@contextlib.contextmanager
+def image_store(store: str) -> Iterator[str]:
+    """isolate's image store at ``store`` for this process while the block runs (ISOLATE_IMAGE_STORE)."""
     saved = os.environ.get("ISOLATE_IMAGE_STORE")
     os.environ["ISOLATE_IMAGE_STORE"] = store
     try:
-        return _measure(rounds, tmp, store, with_docker, log)
+        yield store
     finally:
         if saved is None:
             os.environ.pop("ISOLATE_IMAGE_STORE", None)
         else:
             os.environ["ISOLATE_IMAGE_STORE"] = saved
+
+
+def measure(rounds: int, tmp: str, with_docker: bool = True,
+            log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    with image_store(os.path.join(tmp, "store")) as store:
+        return _measure(rounds, tmp, store, with_docker, log)
 
 
 def _measure(rounds: int, tmp: str, store: str, with_docker: bool, log: Callable[[str], None]) -> dict[str, Any]:

@@ -372,6 +372,25 @@ def _remove_tree(dir_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=dir_fd)
 
 
+def remove_state_entry(kind: str, name: str) -> None:
+    """Remove the directory ``state_dir()/kind/name`` and its tree, if it is one: found through the state
+    directory's descriptor and removed as the directory found there, never through a link."""
+    from .places import open_state_dir
+
+    try:
+        parent = open_state_dir(kind)
+    except (OSError, IsolationError):
+        return
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            remove_dir_at(parent, name, (info.st_dev, info.st_ino))
+    except OSError:
+        pass
+    finally:
+        os.close(parent)
+
+
 def remove_dir_at(parent: int, name: str, identity: tuple[int, int]) -> None:
     """Remove the directory ``name`` of the directory ``parent`` and its tree, if it still is ``identity``
     (its st_dev, st_ino): a directory swapped in meanwhile is left alone; nothing on the way is followed."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import stat
 import time
 from typing import Any
 
@@ -180,21 +179,9 @@ def _remove_data(name: str) -> None:
     """The data directory (workspace layers) of a kept sandbox whose description is gone (a reboot emptied the
     runtime directory, or its maker was killed before it wrote it): found through the state directory's
     descriptor, removed as the directory found there, never through a link."""
-    from ..kernel.places import open_state_dir
-    from ..kernel.tree import remove_dir_at
+    from ..kernel.tree import remove_state_entry
 
-    try:
-        data_fd = open_state_dir("sandboxes")
-    except (OSError, IsolationError):
-        return
-    try:
-        info = os.stat(name, dir_fd=data_fd, follow_symlinks=False)
-        if stat.S_ISDIR(info.st_mode):
-            remove_dir_at(data_fd, name, (info.st_dev, info.st_ino))
-    except OSError:
-        pass
-    finally:
-        os.close(data_fd)
+    remove_state_entry("sandboxes", name)
 
 
 def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:

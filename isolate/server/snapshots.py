@@ -27,7 +27,6 @@ import math
 import os
 import re
 import secrets
-import stat
 import threading
 from typing import Any
 
@@ -202,24 +201,12 @@ def _running(pid: int) -> bool:
 
 def _discard(snapshot_id: str) -> None:
     """isolate's snapshot of that name, whole or half made (its files without a description yet)."""
-    from ..kernel.places import open_state_dir
-    from ..kernel.tree import remove_dir_at
+    from ..kernel.tree import remove_state_entry
 
     with contextlib.suppress(IsolationError):
         Snapshot.get(snapshot_id).remove()
         return
-    try:
-        parent = open_state_dir("snapshots")
-    except (OSError, IsolationError):
-        return
-    try:
-        info = os.stat(snapshot_id, dir_fd=parent, follow_symlinks=False)
-        if stat.S_ISDIR(info.st_mode):
-            remove_dir_at(parent, snapshot_id, (info.st_dev, info.st_ino))
-    except OSError:
-        pass
-    finally:
-        os.close(parent)
+    remove_state_entry("snapshots", snapshot_id)
 
 
 def snapshot_json(record: dict[str, Any]) -> dict[str, Any]:

@@ -23,11 +23,12 @@ Each figure comes with its baseline, measured in the same run:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -155,11 +156,43 @@ def cross_node_fork(rounds: int, files: int, log: Callable[[str], None]) -> dict
         shutil.rmtree(source, ignore_errors=True)
 
 
-def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[str, Any]:
+@contextlib.contextmanager
+def local_cluster(num_cpus: int, nodes: int = 3) -> Iterator[Any]:
+    """A Ray cluster of ``nodes`` on this machine (``ray.cluster_utils.Cluster``), joined by ``ray.init``, ended
+    after the block. Ray's address file and sessions lie in this run's own directory, not the machine's shared
+    /tmp/ray (another user's, or another run's): the nodes inherit RAY_TMPDIR, and the driver reads it where it
+    writes the file (which it does not make)."""
     import tempfile
 
     import ray
     from ray.cluster_utils import Cluster
+
+    import isolate.ray as iray
+
+    temp = tempfile.mkdtemp(prefix="isolate-bench-ray-")
+    os.mkdir(os.path.join(temp, "ray"), 0o700)
+    outer_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "temp_dir": temp})
+    try:
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=num_cpus)
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        iray.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        if outer_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = outer_tmpdir
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import ray
 
     import isolate
     import isolate.ray as iray
@@ -170,18 +203,7 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
         return int(outcome(box._actor.call.remote(box.id, "exec", (["true"],), {}), box.node_id, "bench").returncode)
 
     log("many: a 3-node Ray cluster on this machine")
-    temp = tempfile.mkdtemp(prefix="isolate-bench-ray-")
-    os.mkdir(os.path.join(temp, "ray"), 0o700)  # where Ray writes its address file, without making it
-    # Ray's address file and sessions in this run's own directory, not the machine's shared /tmp/ray (another
-    # user's, or another run's): the nodes inherit RAY_TMPDIR, and the driver reads it where it writes the file.
-    outer_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
+    with local_cluster(num_cpus=1):
         local = isolate.Sandbox(_policy()).start()
         remote = iray.Sandbox(_policy()).start()
         local_times, remote_times, actor_times, ray_times = [], [], [], []
@@ -235,15 +257,6 @@ def on_ray(rounds: int, n: int, execs: int, log: Callable[[str], None]) -> dict[
             "execs_per_s_through_actor": round(execs / burst_actor, 1),
             "execs_failed": sum(1 for c in codes if c != 0),
         }
-    finally:
-        iray.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        if outer_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = outer_tmpdir
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def measure(quick: bool, image: str | None, log: Callable[[str], None]) -> dict[str, Any]:

@@ -17,16 +17,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._stats import median, summary_ms
-from .many import GOALS, _policy, cross_node_fork
+from .many import GOALS, _policy, cross_node_fork, local_cluster
 
 #: One command of an episode step: it reports its own duration (ns) inside the sandbox.
 STEP = ("s=$(date +%s%N); sleep {sleep}; echo step-$s > obs; e=$(date +%s%N); echo $((e - s))")
@@ -84,33 +82,10 @@ def rl_round(n: int, rounds: int, sleep: float, log: Callable[[str], None]) -> d
 
 
 def measure(n: int, rounds: int, sleep: float, log: Callable[[str], None]) -> dict[str, Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    import isolate.ray as iray
-
     log("ray_round: a 3-node Ray cluster on this machine")
-    temp = tempfile.mkdtemp(prefix="isolate-bench-ray-")
-    os.mkdir(os.path.join(temp, "ray"), 0o700)  # where Ray writes its address file, without making it
-    outer_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp  # this run's own Ray files, not the machine's shared /tmp/ray
     # Sandboxes ask for no CPU of Ray (the host actor takes num_cpus=0); a node's CPUs are what Ray schedules on.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "temp_dir": temp})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
+    with local_cluster(num_cpus=2):
         out = {"round": rl_round(n, rounds, sleep, log), "forks": cross_node_fork(20, 2000, log)}
-    finally:
-        iray.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        if outer_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = outer_tmpdir
-        shutil.rmtree(temp, ignore_errors=True)
     rnd, fork = out["round"], out["forks"]["fork_to_another_node"]["median_ms"]
     out["goals"] = {
         "RL round, 64 sandboxes over 3 nodes (median, ms; goal 2x the slowest command + 50 ms)": {

@@ -54,13 +54,18 @@ class Server:
              "--image", "ubuntu=default", "--state-dir", self.state_dir,
              *(("--end-on-exit",) if end_on_exit else ()), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
+        # A start on a loaded host (CI: two suites and the VM on two cores) after a kill may take a while: its
+        # restore ends and sweeps what the killed one left.
+        deadline = time.monotonic() + 120
         while True:
             try:
                 self.call("GET", "/v1/sandboxes")
                 break
             except (ConnectionError, urllib.error.URLError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    # Ended first: its output is read to its end, which a server still running never reaches.
+                    self.proc.kill()
+                    self.proc.wait()
                     out = self.proc.stdout.read().decode() if self.proc.stdout else ""
                     raise RuntimeError(f"the server did not start: {out}") from None
                 time.sleep(0.1)

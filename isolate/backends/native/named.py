@@ -147,6 +147,15 @@ def sweep_unnamed() -> list[str]:
             if info is not None and stat.S_ISDIR(info.st_mode):
                 _remove_at(data_fd, name, (info.st_dev, info.st_ino))
             swept.append(name)
+        # A description being written when the creator was killed: its temporary file (NAME.json.TOKEN).
+        with_temps = [e for e in os.listdir(runtime_dir()) if e.startswith("anon-") and ".json." in e]
+        for entry in with_temps:
+            name = entry.split(".json.", 1)[0]
+            if _creator_gone(name) and not _listening(Paths.of(name).socket):
+                try:
+                    os.unlink(os.path.join(runtime_dir(), entry))  # the entry itself, never what it names
+                except OSError:
+                    pass
     finally:
         os.close(data_fd)
     if swept:

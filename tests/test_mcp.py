@@ -85,6 +85,16 @@ def gone(marker: str, within: float = 10.0) -> bool:
     return True
 
 
+async def started(marker: str, within: float = 10.0) -> bool:
+    """A process with ``marker`` runs (a command just started may not have exec'd yet on a loaded host)."""
+    deadline = time.monotonic() + within
+    while not processes_with(marker):
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(0.05)
+    return True
+
+
 async def ended(marker: str, within: float = 10.0) -> bool:
     """``gone``, letting the client's event loop go on meanwhile (it may have a cancellation to send)."""
     deadline = time.monotonic() + within
@@ -144,7 +154,7 @@ def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
             bg = await c.call("command_run", sandbox_id=sid, command=f"sleep {marker}", background=True)
             status = await c.call("command_get_status", sandbox_id=sid, execution_id=bg["id"])
             assert status["status"] == "running" and status["exit_code"] is None
-            assert processes_with(marker)
+            assert await started(marker)
             metrics = await c.call("sandbox_get_metrics", sandbox_id=sid)
             assert metrics["processes"] >= 2 and metrics["memory_used_in_mib"] > 0, metrics
             assert (await c.call("command_interrupt", sandbox_id=sid, execution_id=bg["id"]))["status"] == \
@@ -203,7 +213,7 @@ def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
 
             # Kill: it and everything in it end.
             await c.call("command_run", sandbox_id=sid, command=f"sleep {marker} >/dev/null 2>&1 &")
-            assert processes_with(marker)
+            assert await started(marker)
             assert (await c.call("sandbox_kill", sandbox_id=sid))["status"] == "killed"
             assert await ended(marker)
             assert (await c.call("sandbox_list"))["sandboxes"] == []
@@ -211,7 +221,7 @@ def test_every_tool_does_what_it_says(tmp_path: Path) -> None:
             # What the server still holds when it exits ends with it.
             other = (await c.call("sandbox_create"))["sandbox_id"]
             await c.call("command_run", sandbox_id=other, command=f"sleep {left} >/dev/null 2>&1 &")
-            assert processes_with(left)
+            assert await started(left)
             called.update(c.called)
 
     anyio.run(main)

@@ -946,8 +946,8 @@ except PermissionError:
 
 
 def test_a_command_cannot_hold_its_exec_server_stopped(tmp_path: Path) -> None:
-    # A pause leaves the init running and tells it, by a queued signal, to keep the exec server stopped.
-    # Only the host may: a command that sends the same signal, then stops its exec server, must not hang
+    # A pause leaves the init running and tells it, by a signal, to keep the exec server stopped. Only the
+    # host may: a command that sends that signal (here queued), then stops its exec server, must not hang
     # every later request. (With Landlock's signal scoping, ABI 6, the command cannot signal either; on
     # older kernels, as in the VM, it can, and the init must take holds from the host only.)
     with Sandbox(policy(write=[str(tmp_path)])) as box:

@@ -41,7 +41,9 @@ KEY = "bench-key-" + "0123456789abcdef"
 DOCKER_IMAGE = "isolate-test:busybox"
 
 
-def _server(best_effort: bool, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def _server(best_effort: bool, *extra: str, log: Any = None) -> tuple[subprocess.Popen[bytes], str]:
+    """The server on a free loopback port; its standard error goes to ``log`` (a file) when given, else is
+    read only if it does not start."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         domain = f"127.0.0.1:{s.getsockname()[1]}"
@@ -51,19 +53,21 @@ def _server(best_effort: bool, *extra: str) -> tuple[subprocess.Popen[bytes], st
     cmd = [sys.executable, "-m", "isolate.cli", "serve", "--listen", domain, "--api-key", KEY,
            "--image", "bench=default", "--state-dir", state, "--end-on-exit",
            *(["--best-effort"] if best_effort else []), *extra]
-    errors = tempfile.TemporaryFile()
+    errors = log if log is not None else tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors)
     deadline = time.monotonic() + 30
     while True:
         try:
             with socket.create_connection(tuple(domain.split(":")), timeout=1):  # type: ignore[arg-type]
-                errors.close()
+                if log is None:
+                    errors.close()
                 return proc, domain
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 errors.seek(0)
                 said = errors.read().decode(errors="replace").strip()[-500:]
-                errors.close()
+                if log is None:
+                    errors.close()
                 raise RuntimeError(f"isolate-run serve did not start: {said or 'no message'}") from None
             time.sleep(0.05)
 

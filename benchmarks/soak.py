@@ -344,7 +344,8 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
                      'add_hosts = {"web.test" = "127.0.0.1"}\n')
     os.chmod(profile, 0o644)
     enforceable = _limits_enforceable()
-    proc, domain = _server(not enforceable, "--warm", str(WARM), "--image", f"egress={profile}")
+    server_log = tempfile.TemporaryFile()  # read back when a request failed: what the server said about it
+    proc, domain = _server(not enforceable, "--warm", str(WARM), "--image", f"egress={profile}", log=server_log)
     args = [str(a) for a in proc.args]  # type: ignore[union-attr]
     state_dir = args[args.index("--state-dir") + 1]
     prefix = f"osb-{hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]}-"
@@ -391,6 +392,9 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     errors = {op: found[:5] for op, found in client.errors.items() if found}
     if errors:
         problems.append(f"errors: {json.dumps(errors)[:2000]}")
+        server_log.seek(0)
+        problems.append("the server's log ends: " + server_log.read().decode(errors="replace")[-4000:])
+    server_log.close()
     if hung:
         problems.append(f"{hung} clients still waiting 300 s after the end")
     for key, bound, what in (("fds", FD_BOUND, "descriptors"), ("mounts", MOUNT_BOUND, "mounts"),

@@ -302,3 +302,48 @@ def test_named_volume_goes_only_with_its_last_user(places: dict[str, str]) -> No
         assert not os.path.exists(os.path.join(store, "kept"))
     finally:
         server.stop()
+
+
+def test_snapshot_copies_taken_and_removed_at_once_by_many_threads(tmp_path: Any, monkeypatch: Any) -> None:
+    """The server takes and removes snapshots in its worker threads at once, and removing the last copy takes
+    the copies' directory (and its descriptor) with it: every copy is written whole and every removal goes
+    through, whatever the interleaving (before the copies had a lock, a copy could be written through a
+    descriptor another thread had just closed, or into the directory it had just removed: an OSError, 500)."""
+    import json as json_
+
+    from isolate.kept.snapshots import _meta_dir
+    from isolate.server.snapkeep import SNAPSHOTS, SnapshotCopies
+
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "isolate"))
+    server_state = tmp_path / "server"
+    server_state.mkdir()
+    state_fd = os.open(server_state, os.O_RDONLY | os.O_DIRECTORY)
+    copies = SnapshotCopies(state_fd)
+    failures: list[BaseException] = []
+
+    def churn(worker: int) -> None:
+        try:
+            for round_ in range(150):
+                snapshot_id = f"osb-snap-{worker:08x}{round_:08x}"
+                with open(os.path.join(_meta_dir(), f"{snapshot_id}.json"), "w") as handle:
+                    json_.dump({"kind": "test"}, handle)
+                copies.keep({"id": snapshot_id, "sandboxId": "s", "name": None, "image": "i", "created": 1.0})
+                copies.forget(snapshot_id)
+                os.unlink(os.path.join(_meta_dir(), f"{snapshot_id}.json"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            failures.append(exc)
+
+    try:
+        workers = [threading.Thread(target=churn, args=(n,)) for n in range(6)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert not failures, failures[:3]
+        assert not (server_state / SNAPSHOTS).exists()  # the last removal took the directory
+    finally:
+        copies.close()
+        os.close(state_fd)
+        import shutil
+
+        shutil.rmtree(_meta_dir(), ignore_errors=True)

@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from typing import Any
 
 from ..kept.snapshots import Snapshot, _meta_dir
@@ -77,10 +78,16 @@ def _server_record(data: object, snapshot_id: str) -> dict[str, Any]:
 
 
 class SnapshotCopies:
-    """The copies in one server's state directory (its descriptor: ``Keeper.fd``)."""
+    """The copies in one server's state directory (its descriptor: ``Keeper.fd``).
+
+    Snapshots are taken and removed in the server's worker threads at once; the last copy's removal takes the
+    directory (and closes its descriptor) with it. One lock makes each method whole: a copy is never written
+    through a descriptor another thread closed (a number the kernel may already have given to another file),
+    nor into a directory another thread removed."""
 
     def __init__(self, state_fd: int) -> None:
         self._state_fd = state_fd
+        self._lock = threading.Lock()
         self.fd = -1  # snapshots/, made at the first copy
 
     def _open(self, create: bool) -> bool:
@@ -100,6 +107,10 @@ class SnapshotCopies:
         return True
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
@@ -107,12 +118,20 @@ class SnapshotCopies:
 
     def keep(self, record: dict[str, Any]) -> None:
         """Copy the descriptions of the snapshot just taken (the server's ``record``, and isolate's)."""
+        with self._lock:
+            self._keep(record)
+
+    def _keep(self, record: dict[str, Any]) -> None:
         self._open(create=True)
         snapshot_id = str(record["id"])
         theirs = json.loads(_read(os.path.join(_meta_dir(), f"{snapshot_id}.json")))
         _write_whole(self.fd, "", f"{snapshot_id}.json", json.dumps({"server": record, "isolate": theirs}).encode())
 
     def forget(self, snapshot_id: str) -> None:
+        with self._lock:
+            self._forget(snapshot_id)
+
+    def _forget(self, snapshot_id: str) -> None:
         if not self._open(create=False):
             return
         with contextlib.suppress(FileNotFoundError):
@@ -120,11 +139,15 @@ class SnapshotCopies:
         with contextlib.suppress(OSError):  # the last one: the directory goes too (made again when needed)
             if not os.listdir(self.fd):
                 os.rmdir(SNAPSHOTS, dir_fd=self._state_fd)
-                self.close()
+                self._close()
 
     def recover(self, server_dir: str) -> list[str]:
         """Put back the descriptions a reboot took (those missing from the runtime directory); a line for each
         snapshot recovered or let go."""
+        with self._lock:
+            return self._recover(server_dir)
+
+    def _recover(self, server_dir: str) -> list[str]:
         lines: list[str] = []
         if not self._open(create=False):
             return lines
@@ -144,7 +167,7 @@ class SnapshotCopies:
                 record = _server_record(data["server"], snapshot_id)
                 self._put_back(snapshot_id, data["isolate"])
             except (OSError, ValueError, RecursionError, IsolationError) as exc:
-                self.forget(snapshot_id)
+                self._forget(snapshot_id)
                 lines.append(f"snapshot {snapshot_id}: its description could not be put back after a reboot "
                              f"({exc}); let go")
                 continue

@@ -330,7 +330,7 @@ def test_snapshot_copies_taken_and_removed_at_once_by_many_threads(tmp_path: Any
                 copies.keep({"id": snapshot_id, "sandboxId": "s", "name": None, "image": "i", "created": 1.0})
                 copies.forget(snapshot_id)
                 os.unlink(os.path.join(_meta_dir(), f"{snapshot_id}.json"))
-        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+        except BaseException as exc:  # reported by the test's thread
             failures.append(exc)
 
     try:

@@ -228,6 +228,31 @@ def test_a_process_a_cell_leaves_writing_does_not_hold_the_cells_end(box: isolat
         context.close()
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["ends-with-server", "kept"])
+def test_the_processes_a_cell_leaves_end_with_its_context(box: isolate.Sandbox, kept: bool) -> None:
+    # Before: a kept Python context's interpreter (a process of the sandbox, in a session of its own) was killed
+    # alone, and what its cells had started ran on after the context's deletion: a child of its own, and one in
+    # a session of its own.
+    context = CodeContext(box, "python", kept=kept)
+    try:
+        answer, _, _ = run_cell(context, "import subprocess\n"
+                                         "a = subprocess.Popen(['sleep', '1000'])\n"
+                                         "b = subprocess.Popen(['sleep', '1001'], start_new_session=True)\n"
+                                         "f'{a.pid} {b.pid}'")
+        assert answer is not None, "the cell did not end"
+        pids = str(answer["result"]).strip("'").split()
+        assert len(pids) == 2
+    finally:
+        context.close()
+    deadline = time.monotonic() + 10
+    while True:
+        left = box.exec(["sh", "-c", " ".join(f"kill -0 {pid} 2>/dev/null && echo {pid};" for pid in pids)])
+        if not left.stdout.strip() or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left.stdout.strip(), f"still running after the context's deletion: {left.stdout.split()}"
+
+
 def test_a_driver_that_ends_leaving_its_channel_held_ends_the_cell(box: isolate.Sandbox) -> None:
     # Before: the channel never came to its end (a child held it), and the run waited until close().
     context = CodeContext(box, "python")

@@ -29,6 +29,8 @@ import signal
 import threading
 from typing import Protocol
 
+import psutil
+
 from ...kept.sandbox import Sandbox
 from . import go, java, node, python, shell
 from .driver import Driver, Emit
@@ -168,10 +170,42 @@ class KeptPython:
         if self._driver is None:
             with contextlib.suppress(Exception):
                 self._connect()
-        pidfd = self._pidfd
+        pidfd, pid = self._pidfd, ((self._driver.peer or 0) if self._driver is not None else 0)
         try:
             if pidfd >= 0:
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                _end_with_descendants(pidfd, pid)
         finally:
             self.detach()
+
+
+def _end_with_descendants(pidfd: int, pid: int) -> None:
+    """SIGKILL a kept driver (``pidfd``; ``pid``: the same process here) and what its cells started: a driver
+    leads a session of its own, detached from the exec server that would otherwise end a command's tree, so
+    its children (those in a session of their own too) would outlive the context. The driver is stopped first:
+    a stopped process neither ends nor forks, so its pid and its children's list stay its own while the tree
+    is stopped from the top down (a child stopped cannot fork an escapee either), then killed. A grandchild a
+    cell had already orphaned (a daemon's double fork) belongs to the sandbox's init, not to the context: it
+    ends with the sandbox."""
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
+    stopped: list[psutil.Process] = []
+    try:
+        if pid > 0:
+            seen: set[int] = set()
+            for _ in range(8):  # until a listing finds none not yet stopped (each round stops a generation)
+                fresh = [child for child in psutil.Process(pid).children(recursive=True) if child.pid not in seen]
+                if not fresh:
+                    break
+                for child in fresh:
+                    seen.add(child.pid)
+                    with contextlib.suppress(psutil.Error):
+                        child.suspend()
+                        stopped.append(child)
+    except psutil.Error:
+        pass  # the driver is gone already (its pidfd then signals nothing either)
+    finally:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        for child in stopped:
+            with contextlib.suppress(psutil.Error):
+                child.kill()  # psutil checks it is still the process listed (its start time), not a reused pid

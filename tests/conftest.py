@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +244,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name not in HOST_INDEPENDENT:
             item.add_marker(pytest.mark.host)
+
+
+@pytest.fixture
+def upstream() -> Iterator[int]:
+    """A loopback server that answers every connection "hi\\n" and keeps it open: the port the names of an
+    egress allow-list map to (``egress_profile``)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(b"hi\n")
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+def egress_profile(directory: Path, port: int) -> str:
+    """A profile (``directory/egress.toml``, readable by a server of another user) whose allow-list holds
+    ``web.test`` and ``late.test`` on ``port`` of the loopback."""
+    profile = directory / "egress.toml"
+    profile.write_text(f'[network]\negress = ["web.test:{port}", "late.test:{port}"]\n'
+                       'add_hosts = {"web.test" = "127.0.0.1", "late.test" = "127.0.0.1"}\n')
+    profile.chmod(0o644)
+    directory.chmod(0o755)
+    return str(profile)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import test_server as base
+from conftest import egress_profile
 from test_server_restart import _kill, _run
 
 FLAGS = () if base.limits_enforceable() else ("--best-effort",)
@@ -32,39 +31,6 @@ def state_dir() -> Iterator[str]:
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def upstream() -> Iterator[int]:
-    """A loopback server that answers every connection "hi\\n": the names of the allow-list map to it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            conn.sendall(b"hi\n")
-            held.append(conn)
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        listener.close()
-        for conn in held:
-            conn.close()
-
-
-def _profile(tmp_path: Path, port: int) -> str:
-    profile = tmp_path / "egress.toml"
-    profile.write_text(f'[network]\negress = ["web.test:{port}", "late.test:{port}"]\n'
-                       'add_hosts = {"web.test" = "127.0.0.1", "late.test" = "127.0.0.1"}\n')
-    profile.chmod(0o644)
-    tmp_path.chmod(0o755)
-    return str(profile)
 
 
 def _probe(port: int, name: str) -> str:
@@ -98,7 +64,7 @@ def _control_path(box_id: str, state_dir: str) -> str:
 
 def test_an_egress_sandbox_keeps_its_rules_through_a_server_sigkill(state_dir: str, upstream: int,
                                                                     tmp_path: Path) -> None:
-    flags = (*FLAGS, "--image", f"egress={_profile(tmp_path, upstream)}")
+    flags = (*FLAGS, "--image", f"egress={egress_profile(tmp_path, upstream)}")
     first = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
     box_id = ""
     second = None
@@ -167,7 +133,7 @@ def _alive(pid: int) -> bool:
 
 def test_an_egress_sandbox_whose_mediator_was_killed_is_ended(state_dir: str, upstream: int,
                                                                tmp_path: Path) -> None:
-    flags = (*FLAGS, "--image", f"egress={_profile(tmp_path, upstream)}")
+    flags = (*FLAGS, "--image", f"egress={egress_profile(tmp_path, upstream)}")
     first = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
     try:
         box_id = base._create(first, image={"uri": "egress"}, timeout=900)["id"]

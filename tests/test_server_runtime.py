@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import test_server as base
+from conftest import egress_profile
 
 httpx = pytest.importorskip("httpx")
 
@@ -276,32 +277,12 @@ def test_metadata_metrics_and_diagnostics(server: base.Server) -> None:
         sandbox.kill()
 
 
-def test_egress_policy_changes_at_run_time(tmp_path: Any) -> None:
+def test_egress_policy_changes_at_run_time(tmp_path: Any, upstream: int) -> None:
     """PATCH /policy allows a name from now on; DELETE removes one and closes the connections open to it."""
-    import socket
-    import threading
-
     from opensandbox.models.sandboxes import NetworkRule
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    held: list[socket.socket] = []
-
-    def accept() -> None:  # every connection gets "hi\n" and is kept open by this side
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            conn.sendall(b"hi\n")
-            held.append(conn)
-
-    threading.Thread(target=accept, daemon=True).start()
-    profile = tmp_path / "egress.toml"
-    profile.write_text(f'[network]\negress = ["web.test:{port}", "late.test:{port}"]\n'
-                       'add_hosts = {"web.test" = "127.0.0.1", "late.test" = "127.0.0.1"}\n')
-    profile.chmod(0o644)
-    tmp_path.chmod(0o755)
+    port = upstream
+    profile = egress_profile(tmp_path, port)
     srv = base.Server("--image", f"egress={profile}", "--best-effort")
     probe = ("python3 -c 'import socket, sys\ntry:\n s = socket.create_connection((sys.argv[1], PORT), 5)\n"
              " print(s.recv(3).decode().strip())\nexcept OSError as e:\n print(type(e).__name__)' ").replace(
@@ -357,9 +338,6 @@ def test_egress_policy_changes_at_run_time(tmp_path: Any) -> None:
             sandbox.kill()
     finally:
         srv.stop()
-        listener.close()
-        for conn in held:
-            conn.close()
 
 
 def test_renew_on_access_through_the_server_proxy(server: base.Server) -> None:

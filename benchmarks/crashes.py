@@ -1,6 +1,6 @@
 """``python -m benchmarks.crashes [--kills N] [--sandbox-kills M] [--seed S] [--out FILE]``: kills at random steps.
 
-The driver of tests/test_server_crashes.py, for longer: N SIGKILLs of
+The driver of tests/test_server_crashes.py (tests/crashkit.py), for longer: N SIGKILLs of
 ``isolate-run serve`` at random points (a fixed seed) of two clients'
 creates, deletes, snapshots, creates from snapshots, shared named volumes and
 warm-pool takes, each followed by a start on the same state directory and the
@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(RESULTS, "crashes.json"))
     options = parser.parse_args()
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    import test_server_crashes as crashes
+    import crashkit as crashes
 
     result: dict[str, object] = {"seed": options.seed, "kills_asked": options.kills, "host_load": os.getloadavg(),
                                  "sandbox_kills_asked": options.sandbox_kills, "cpus": os.cpu_count()}

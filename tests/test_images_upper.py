@@ -85,6 +85,39 @@ def test_before_linux_6_6_a_one_shot_runs_upper_layer_is_on_disk_and_removed_aft
     assert os.listdir(runs) == []
 
 
+def test_a_run_directory_of_a_caller_in_another_pid_namespace_is_not_swept(
+        image: Image, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A caller in another PID namespace sharing the state directory (a container) names its run directory by a
+    # PID that means another process here, or none: before, the next run's sweep took it for ended and removed
+    # the upper layer from under its running sandbox. Its lock (held while the run lasts) says it runs.
+    import subprocess
+    import sys
+
+    from isolate.backends.native import runupper
+    from isolate.kernel.places import state_dir
+
+    monkeypatch.setattr(overlay, "_kernel", lambda: (6, 1))
+    runs = os.path.join(state_dir(), runupper.RUNS)
+    held = os.path.join(runs, "1-1-0123456789ab")  # PID 1 of this namespace is another process (start time)
+    os.makedirs(os.path.join(held, "image", "upper"), exist_ok=True)
+    if overlay.xattr_problem(runs, runs):
+        pytest.skip(str(overlay.xattr_problem(runs, runs)))
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                               "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\nsys.stdin.read()",
+                               held], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        result = isolate.run(["true"], policy=isolate.Policy(image=image.reference, backend="native"),
+                             timeout=60)
+        assert result.returncode == 0
+        assert os.path.isdir(os.path.join(held, "image", "upper")), "a held run directory was swept"
+    finally:
+        holder.communicate("")
+    result = isolate.run(["true"], policy=isolate.Policy(image=image.reference, backend="native"), timeout=60)
+    assert not os.path.exists(held)  # its caller ended: the next run's sweep removes it
+
+
 def test_a_kept_sandboxs_upper_layer_on_disk_takes_every_change(image: Image) -> None:
     # A kept sandbox's upper layer lies in its state directory (for commit_image): a disk keeps user.* attributes
     # on every kernel, so the opaque directory and the rename work there before Linux 6.6 as well.

@@ -7,14 +7,19 @@ renaming a non-empty directory of the image then fails (EIO), which
 kernel a one-shot run from an image takes its upper layer from the state
 directory (``image-runs/PID-START-TOKEN/image``, made as a kept sandbox's
 ``image_upper="disk"`` is, where the file system keeps those attributes) and
-removes it when the run has ended. A run directory whose caller (PID, its
-start time) has ended is removed by the next run's start: a caller killed
-before it could remove its own leaves nothing for long.
+removes it when the run has ended. A run directory whose caller has ended is
+removed by the next run's start: a caller killed before it could remove its
+own leaves nothing for long. A caller holds an exclusive ``flock`` on its run
+directory for as long as the run lasts (the kernel drops it with the
+caller's last descriptor, a SIGKILL included); the name's PID and start time
+alone cannot tell: a caller in another PID namespace (a container sharing the
+state directory) has a PID that means another process, or none, here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import secrets
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ class RunUpper:
     host: HostUpper
     name: str
     identity: tuple[int, int]  # the run directory's (st_dev, st_ino)
+    lock_fd: int  # the run directory, flock'ed until the run is removed
 
 
 def make(policy: Policy) -> RunUpper | None:
@@ -50,43 +56,53 @@ def make(policy: Policy) -> RunUpper | None:
         os.mkdir(name, 0o700, dir_fd=parent)
         fd = os.open(name, DIR_FLAGS, dir_fd=parent)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh directory: no one else holds it
             info = os.fstat(fd)
             identity = (info.st_dev, info.st_ino)
-            try:
-                host = make_host_upper(fd, os.path.join(state_dir(), RUNS, name))
-            except UnsupportedError:
-                remove_dir_at(parent, name, identity)
-                return None
-        finally:
+            host = make_host_upper(fd, os.path.join(state_dir(), RUNS, name))
+        except UnsupportedError:
+            remove_dir_at(parent, name, identity)
             os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
         why = "on disk: a tmpfs keeps no user.* attributes before Linux 6.6; removed at the run's end"
-        return RunUpper(dataclasses.replace(host, purpose=why), name, identity)
+        return RunUpper(dataclasses.replace(host, purpose=why), name, identity, fd)
     finally:
         os.close(parent)
 
 
 def remove(run: RunUpper) -> None:
     """Remove the run's directory (a directory swapped in at its name is left alone)."""
-    parent = open_state_dir(RUNS)
     try:
-        remove_dir_at(parent, run.name, run.identity)
+        parent = open_state_dir(RUNS)
+        try:
+            remove_dir_at(parent, run.name, run.identity)
+        finally:
+            os.close(parent)
     finally:
-        os.close(parent)
+        os.close(run.lock_fd)  # the lock goes last: a sweep never sees the directory free before it is gone
 
 
 def _sweep(parent: int) -> None:
-    """Remove the run directories of callers that have ended."""
+    """Remove the run directories of callers that have ended: neither a caller of this PID namespace (its PID
+    and start time) nor one anywhere (its lock) holds them."""
     for name in os.listdir(parent):
         pid, _, rest = name.partition("-")
         start = rest.partition("-")[0]
         if pid.isdigit() and start.isdigit() and str(leases.start_time(int(pid))) == start:
-            continue  # its caller runs: its run may too
+            continue  # its caller runs (it may be between making the directory and locking it)
         try:
             fd = os.open(name, DIR_FLAGS, dir_fd=parent)
         except OSError:
             continue  # not a directory (nothing isolate made): left alone
         try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its caller runs, in another PID namespace
             info = os.fstat(fd)
+            remove_dir_at(parent, name, (info.st_dev, info.st_ino))
         finally:
             os.close(fd)
-        remove_dir_at(parent, name, (info.st_dev, info.st_ino))

@@ -43,7 +43,19 @@ from ..model.workspace import Workspace
 from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
-from .snapshots import ForkPoint, HandedOver, Reused, Snapshot, check_image, check_start, restore_areas, take
+from .snapshots import (
+    ForkPoint,
+    HandedOver,
+    Reused,
+    Snapshot,
+    check_image,
+    check_start,
+    fork_snapshot_name,
+    hold_fork_snapshot,
+    restore_areas,
+    sweep_fork_snapshots,
+    take,
+)
 
 if TYPE_CHECKING:
     from ..image import Image
@@ -538,12 +550,18 @@ class Sandbox:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
         self._running("fork")
-        snap = take(self, None, self.origin)
+        sweep_fork_snapshots()  # those of forking processes killed meanwhile
+        snap = take(self, fork_snapshot_name(), self.origin)
+        try:
+            held = hold_fork_snapshot(snap)
+        except BaseException:
+            snap.remove()
+            raise
         layered = snap.kind == "layer"
         # The forks' common start, for merge: an overlay fork keeps it as its base layer, so the snapshot
         # goes now (the last fork even takes its files); a copy keeps no trace of it, so it stays until the
         # last fork is closed.
-        point = None if layered else ForkPoint(snap, n)
+        point = None if layered else ForkPoint(snap, n, held)
         boxes: list[Sandbox] = []
         try:
             for i in range(n):
@@ -557,10 +575,15 @@ class Sandbox:
         except BaseException:
             for box in boxes:
                 box.close()
-            snap.remove()
+            if point is None:
+                snap.remove()
+                os.close(held)
+            else:
+                point.release_all()
             raise
         if point is None:
             snap.remove()
+            os.close(held)
         return boxes
 
 

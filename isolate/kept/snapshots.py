@@ -52,8 +52,11 @@ registry, the descriptions do not survive a reboot.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import secrets
 import stat
 import tarfile
@@ -64,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.native import copies
 from ..backends.registry import _check_name
+from ..image import leases
 from ..kernel import layers
 from ..kernel.links import DIR_FLAGS
 from ..kernel.places import open_state_dir, runtime_subdir, state_key
@@ -268,14 +272,15 @@ class ForkPoint:
     """The snapshot the forks of a copy workspace started from, kept while one of them is open: merge finds
     their common start by it. Removed when the last is closed, or when this process ends."""
 
-    def __init__(self, snapshot: Snapshot, forks: int) -> None:
+    def __init__(self, snapshot: Snapshot, forks: int, held: int) -> None:
+        """``held``: the snapshot's directory, locked (``hold_fork_snapshot``), closed once it is removed."""
         import threading
         import weakref
 
         self.snapshot = snapshot
         self.open = forks
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot)
+        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot, held)
 
     def release(self) -> None:
         with self._lock:
@@ -284,12 +289,104 @@ class ForkPoint:
         if last:
             self._finalizer()
 
+    def release_all(self) -> None:
+        """The fork failed: the snapshot goes now, whatever forks had started (they were closed)."""
+        self._finalizer()
 
-def _remove_quietly(snapshot: Snapshot) -> None:
+
+def _remove_quietly(snapshot: Snapshot, held: int = -1) -> None:
     try:
         snapshot.remove()
     except (OSError, IsolationError):
         pass
+    finally:
+        if held >= 0:
+            os.close(held)
+
+
+#: The name of a snapshot fork() takes for itself: ``fork-PID-START-HEX``, its maker's pid and start time.
+_FORK_SNAPSHOT = re.compile(r"fork-([1-9][0-9]{0,9})-([0-9]{1,20})-[0-9a-f]{8}")
+
+
+def fork_snapshot_name() -> str:
+    """A name for the snapshot fork() takes, which says whose it is (``sweep_fork_snapshots``)."""
+    pid = os.getpid()
+    return f"fork-{pid}-{leases.start_time(pid) or 0}-{secrets.token_hex(4)}"
+
+
+def hold_fork_snapshot(snapshot: Snapshot) -> int:
+    """The snapshot's directory, flock'ed for as long as its fork() or its forks need it (the caller closes
+    it last): a sweep leaves a held one, whatever its name's pid means in the sweeper's PID namespace."""
+    fd = snapshot._open()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sweep_fork_snapshots() -> list[str]:
+    """Remove the snapshots fork() took in processes that were killed before they could (SIGKILL, an OOM
+    kill): neither their maker (its pid and start time, in this PID namespace) nor anyone (the lock) holds
+    them. Their description, or the temporary one a kill left half written, goes with them."""
+    swept: list[str] = []
+    try:
+        parent = open_state_dir("snapshots")
+    except (OSError, IsolationError):
+        return swept
+    try:
+        for name in os.listdir(parent):
+            match = _FORK_SNAPSHOT.fullmatch(name)
+            if match is None or str(leases.start_time(int(match.group(1))) or 0) == match.group(2):
+                continue
+            try:
+                fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+            except OSError:
+                continue  # not a directory: nothing isolate made
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its maker runs, in another PID namespace
+                info = os.fstat(fd)
+                identity = (info.st_dev, info.st_ino)
+                try:
+                    snapshot = Snapshot.get(name)
+                except IsolationError:
+                    snapshot = None  # killed before its description was written
+                if snapshot is not None and snapshot.identity == identity:
+                    snapshot.remove()
+                else:
+                    _remove_at(parent, name, identity)
+                swept.append(name)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(parent)
+    directory = _meta_dir()
+    for entry in os.listdir(directory):  # descriptions without files, and temporary ones, of ended makers
+        stem = entry[1:].rsplit(".", 1)[0] if entry.startswith(".") else entry.removesuffix(".json")
+        match = _FORK_SNAPSHOT.fullmatch(stem)
+        if match is not None and str(leases.start_time(int(match.group(1))) or 0) != match.group(2):
+            with contextlib.suppress(OSError):
+                if entry.startswith(".") or not _exists_in_state(stem):
+                    os.unlink(os.path.join(directory, entry))
+    return swept
+
+
+def _exists_in_state(name: str) -> bool:
+    try:
+        parent = open_state_dir("snapshots")
+    except (OSError, IsolationError):
+        return False
+    try:
+        os.stat(name, dir_fd=parent, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(parent)
 
 
 class HandedOver:

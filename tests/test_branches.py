@@ -440,5 +440,5 @@ def test_a_process_killed_while_forking_leaves_nothing_after_a_prune(source: str
     assert pruned.returncode == 0, pruned.stderr
     assert os.listdir(os.path.join(state_dir(), "snapshots")) == []
     meta = os.path.join(runtime_dir(), f"snapshots-{state_key()}")
-    assert not [e for e in (os.listdir(meta) if os.path.isdir(meta) else []) if "fork-" in e]
+    assert not [e for e in (os.listdir(meta) if os.path.isdir(meta) else []) if "tmp-" in e]
     assert [e for e in os.listdir(os.path.join(state_dir(), "sandboxes")) if not e.startswith(".")] == []

@@ -360,10 +360,10 @@ def _rm(options: argparse.Namespace) -> int:
 def _prune(options: argparse.Namespace) -> int:
     for name, why in prune_native():
         print(f"removed {name} ({why})")
-    from ..kept.snapshots import sweep_fork_snapshots
+    from ..kept.snapshots import sweep_temporary_snapshots
 
-    for name in sweep_fork_snapshots():
-        print(f"removed snapshot {name} (the fork() that took it was killed)")
+    for name in sweep_temporary_snapshots():
+        print(f"removed snapshot {name} (isolate took it for a fork or a merge, which was killed)")
     if _docker_wanted():
         from ..backends.docker import sandbox as docker_sandbox
 

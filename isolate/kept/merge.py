@@ -172,7 +172,7 @@ class _Branch:
         self.label = label
         self.temporary: Snapshot | None = None
         if isinstance(item, Sandbox):
-            self.temporary = take(item, None, item.origin, areas=False)
+            self.temporary = take(item, None, item.origin, areas=False, temporary=True)
             self.snapshot = self.temporary
             self.sandbox: Sandbox | None = item
         elif isinstance(item, Snapshot):
@@ -223,7 +223,7 @@ def _base_view(base: Any, branches: list[_Branch]) -> tuple[View, int, Ground]:
     if isinstance(base, (str, os.PathLike)):
         return View.of_tree(_open_dir(os.fspath(base))), -1, ("tree", None)
     if isinstance(base, Sandbox):
-        base = take(base, None, base.origin, areas=False)  # its files now; removed once read
+        base = take(base, None, base.origin, areas=False, temporary=True)  # its files now; removed once read
         try:
             return _view(base), base.open_data(), _ground(base)
         finally:

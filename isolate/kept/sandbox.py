@@ -50,10 +50,8 @@ from .snapshots import (
     Snapshot,
     check_image,
     check_start,
-    fork_snapshot_name,
-    hold_fork_snapshot,
     restore_areas,
-    sweep_fork_snapshots,
+    sweep_temporary_snapshots,
     take,
 )
 
@@ -550,18 +548,13 @@ class Sandbox:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
         self._running("fork")
-        sweep_fork_snapshots()  # those of forking processes killed meanwhile
-        snap = take(self, fork_snapshot_name(), self.origin)
-        try:
-            held = hold_fork_snapshot(snap)
-        except BaseException:
-            snap.remove()
-            raise
+        sweep_temporary_snapshots()  # those of processes killed while forking or merging
+        snap = take(self, None, self.origin, temporary=True)
         layered = snap.kind == "layer"
         # The forks' common start, for merge: an overlay fork keeps it as its base layer, so the snapshot
         # goes now (the last fork even takes its files); a copy keeps no trace of it, so it stays until the
         # last fork is closed.
-        point = None if layered else ForkPoint(snap, n, held)
+        point = None if layered else ForkPoint(snap, n)
         boxes: list[Sandbox] = []
         try:
             for i in range(n):
@@ -577,13 +570,11 @@ class Sandbox:
                 box.close()
             if point is None:
                 snap.remove()
-                os.close(held)
             else:
                 point.release_all()
             raise
         if point is None:
             snap.remove()
-            os.close(held)
         return boxes
 
 

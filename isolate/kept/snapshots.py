@@ -163,6 +163,7 @@ class Snapshot:
             os.unlink(os.path.join(_meta_dir(), f"{self.name}.json"))
         except FileNotFoundError:
             pass
+        _release(self.name)  # a temporary one's lock, last: a sweep never sees it free before it is gone
 
     # -- its files ----------------------------------------------------------------------------------
 
@@ -272,15 +273,14 @@ class ForkPoint:
     """The snapshot the forks of a copy workspace started from, kept while one of them is open: merge finds
     their common start by it. Removed when the last is closed, or when this process ends."""
 
-    def __init__(self, snapshot: Snapshot, forks: int, held: int) -> None:
-        """``held``: the snapshot's directory, locked (``hold_fork_snapshot``), closed once it is removed."""
+    def __init__(self, snapshot: Snapshot, forks: int) -> None:
         import threading
         import weakref
 
         self.snapshot = snapshot
         self.open = forks
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot, held)
+        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot)
 
     def release(self) -> None:
         with self._lock:
@@ -294,42 +294,40 @@ class ForkPoint:
         self._finalizer()
 
 
-def _remove_quietly(snapshot: Snapshot, held: int = -1) -> None:
+def _remove_quietly(snapshot: Snapshot) -> None:
     try:
         snapshot.remove()
     except (OSError, IsolationError):
         pass
-    finally:
-        if held >= 0:
-            os.close(held)
 
 
-#: The name of a snapshot fork() takes for itself: ``fork-PID-START-HEX``, its maker's pid and start time.
-_FORK_SNAPSHOT = re.compile(r"fork-([1-9][0-9]{0,9})-([0-9]{1,20})-[0-9a-f]{8}")
+#: A snapshot isolate takes for itself (fork's start, merge's branches): ``tmp-PID-START-HEX``, its maker's pid
+#: and start time. Its maker holds an exclusive flock on its directory from its making to its removal.
+_TEMPORARY = re.compile(r"tmp-([1-9][0-9]{0,9})-([0-9]{1,20})-[0-9a-f]{8}")
+#: The locks this process holds on its temporary snapshots: name -> a descriptor of the directory.
+_HELD: dict[str, int] = {}
 
 
-def fork_snapshot_name() -> str:
-    """A name for the snapshot fork() takes, which says whose it is (``sweep_fork_snapshots``)."""
+def _temporary_name() -> str:
     pid = os.getpid()
-    return f"fork-{pid}-{leases.start_time(pid) or 0}-{secrets.token_hex(4)}"
+    return f"tmp-{pid}-{leases.start_time(pid) or 0}-{secrets.token_hex(4)}"
 
 
-def hold_fork_snapshot(snapshot: Snapshot) -> int:
-    """The snapshot's directory, flock'ed for as long as its fork() or its forks need it (the caller closes
-    it last): a sweep leaves a held one, whatever its name's pid means in the sweeper's PID namespace."""
-    fd = snapshot._open()
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
+def _release(name: str) -> None:
+    fd = _HELD.pop(name, -1)
+    if fd >= 0:
         os.close(fd)
-        raise
-    return fd
 
 
-def sweep_fork_snapshots() -> list[str]:
-    """Remove the snapshots fork() took in processes that were killed before they could (SIGKILL, an OOM
-    kill): neither their maker (its pid and start time, in this PID namespace) nor anyone (the lock) holds
-    them. Their description, or the temporary one a kill left half written, goes with them."""
+def _maker_runs(match: re.Match[str]) -> bool:
+    return str(leases.start_time(int(match.group(1))) or 0) == match.group(2)
+
+
+def sweep_temporary_snapshots() -> list[str]:
+    """Remove the temporary snapshots of processes killed before they could (SIGKILL, an OOM kill, a Ray
+    node's loss): neither their maker (its pid and start time, in this PID namespace) nor anyone (its lock:
+    a maker in another PID namespace has a pid meaningless here) holds them. Their description, or the
+    temporary one a kill left half written, goes with them."""
     swept: list[str] = []
     try:
         parent = open_state_dir("snapshots")
@@ -337,8 +335,8 @@ def sweep_fork_snapshots() -> list[str]:
         return swept
     try:
         for name in os.listdir(parent):
-            match = _FORK_SNAPSHOT.fullmatch(name)
-            if match is None or str(leases.start_time(int(match.group(1))) or 0) == match.group(2):
+            match = _TEMPORARY.fullmatch(name)
+            if match is None or _maker_runs(match):
                 continue
             try:
                 fd = os.open(name, DIR_FLAGS, dir_fd=parent)
@@ -352,7 +350,7 @@ def sweep_fork_snapshots() -> list[str]:
                 info = os.fstat(fd)
                 identity = (info.st_dev, info.st_ino)
                 try:
-                    snapshot = Snapshot.get(name)
+                    snapshot: Snapshot | None = Snapshot.get(name)
                 except IsolationError:
                     snapshot = None  # killed before its description was written
                 if snapshot is not None and snapshot.identity == identity:
@@ -367,8 +365,8 @@ def sweep_fork_snapshots() -> list[str]:
     directory = _meta_dir()
     for entry in os.listdir(directory):  # descriptions without files, and temporary ones, of ended makers
         stem = entry[1:].rsplit(".", 1)[0] if entry.startswith(".") else entry.removesuffix(".json")
-        match = _FORK_SNAPSHOT.fullmatch(stem)
-        if match is not None and str(leases.start_time(int(match.group(1))) or 0) != match.group(2):
+        match = _TEMPORARY.fullmatch(stem)
+        if match is not None and not _maker_runs(match):
             with contextlib.suppress(OSError):
                 if entry.startswith(".") or not _exists_in_state(stem):
                     os.unlink(os.path.join(directory, entry))
@@ -458,8 +456,12 @@ class Reused:
 class _Making:
     """A snapshot being made: its directory, removed again unless commit() is reached."""
 
-    def __init__(self, name: str | None, kind: str) -> None:
-        self.name = _check_name(name) if name is not None else f"snap-{secrets.token_hex(6)}"
+    def __init__(self, name: str | None, kind: str, temporary: bool = False) -> None:
+        """``temporary``: a snapshot isolate takes for itself, locked from its making to its removal."""
+        if temporary:
+            self.name = _temporary_name()
+        else:
+            self.name = _check_name(name) if name is not None else f"snap-{secrets.token_hex(6)}"
         self.kind = kind
         #: The private copy its layer lies over, once linked (use_copy).
         self.lower: str | None = None
@@ -475,12 +477,16 @@ class _Making:
         self.fd = self.data = -1
         try:
             self.fd = os.open(self.name, DIR_FLAGS, dir_fd=self.parent)
+            if temporary:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)  # held by a descriptor of its own until its removal
+                _HELD[self.name] = os.dup(self.fd)
             info = os.fstat(self.fd)
             self.identity = (info.st_dev, info.st_ino)
             os.mkdir(kind, 0o755, dir_fd=self.fd)
             self.data = os.open(kind, DIR_FLAGS, dir_fd=self.fd)
         except BaseException:
             self.close()
+            _release(self.name)
             raise
 
     def use_copy(self, token: str) -> None:
@@ -515,7 +521,10 @@ class _Making:
 
     def abandon(self) -> None:
         self.close(keep_parent=True)
-        _remove_at(self.parent, self.name, self.identity)
+        try:
+            _remove_at(self.parent, self.name, self.identity)
+        finally:
+            _release(self.name)
         self.close()
         copies.release(self.lower)
 
@@ -688,8 +697,10 @@ def _has_base(key: str) -> bool:
     return True
 
 
-def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True) -> Snapshot:
-    """Capture a running native sandbox's files (see the module's docstring)."""
+def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True,
+         temporary: bool = False) -> Snapshot:
+    """Capture a running native sandbox's files (see the module's docstring); ``temporary``: one isolate takes
+    for itself and removes (fork's start, merge's branches), swept if its maker is killed first."""
     from ..backends.native.kept import NativeSandbox, _open_base
     impl = sb._impl
     if not isinstance(impl, NativeSandbox):
@@ -707,7 +718,7 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
     if mode == "bind":
         raise UnsupportedError("snapshot: a bind workspace is the user's own directory, which isolate does not "
                                "freeze; use Workspace(mode='overlay') (layers: costs what changed) or 'copy'")
-    making = _Making(name, "layer" if impl.layered else "tree")
+    making = _Making(name, "layer" if impl.layered else "tree", temporary)
     try:
         if impl.copy is not None:
             making.use_copy(impl.copy)  # its layer lies over the sandbox's private copy

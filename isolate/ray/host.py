@@ -34,7 +34,7 @@ import ray
 from ..backends.native.named import sweep_unnamed
 from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
-from ..kept.snapshots import Snapshot, sweep_fork_snapshots
+from ..kept.snapshots import Snapshot, sweep_temporary_snapshots
 from ..kernel.places import runtime_subdir
 from ..model import hooks
 from ..model.errors import IsolationError, PolicyError
@@ -153,7 +153,7 @@ class SandboxHost:
         self.layers = Layers(self.node_id)
         # What an earlier host on this machine left when it was killed with its node (no close() ran).
         sweep_unnamed()
-        sweep_fork_snapshots()
+        sweep_temporary_snapshots()
         #: The direct route's port (isolate/ray/direct.py), at the node's address as Ray knows it; none under
         #: Ray's TLS (the route does not encrypt) or when it cannot listen (calls go through this actor).
         self._direct: Listener | None = None
@@ -313,7 +313,7 @@ class SandboxHost:
                 for kind, value in branches:
                     if kind == "sandbox":
                         box = self._box(value)
-                        snap = take(box, None, box.origin, areas=False)
+                        snap = take(box, None, box.origin, areas=False, temporary=True)
                         temporary.append(snap)
                     else:
                         snap = self.layers.here(value, hold=None)

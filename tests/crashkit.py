@@ -103,14 +103,7 @@ def _pvc(claim: str) -> list[dict[str, Any]]:
     return [{"name": "v", "mountPath": "/mnt/v", "pvc": {"claimName": claim, "deleteOnSandboxTermination": True}}]
 
 
-def _run(server: base.Server, sandbox_id: str, command: str) -> str:
-    prefix, headers = base._endpoint(server, sandbox_id)
-    status, body = server.call("POST", prefix + "/command", {"command": command}, key=None, headers=headers)
-    assert status == 200, body
-    text = body.decode() if isinstance(body, bytes) else json.dumps(body)
-    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
-    assert not [e for e in events if e.get("type") == "error"], events
-    return "\n".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+_run = base.run_command
 
 
 def _operate(server: base.Server, w: World, rng: random.Random) -> None:

@@ -79,8 +79,11 @@ def cluster() -> Iterator[Any]:
     temp = tempfile.mkdtemp(prefix="iray-")
     bad_state = Path(temp) / "not-a-directory"
     bad_state.write_text("")
-    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
-    workers = [c.add_node(num_cpus=1, resources={"worker": 1}) for _ in range(2)]
+    # The nodes' image store: this module's own (a pull by a node lands there, not in the user's store).
+    store = {"ISOLATE_IMAGE_STORE": os.path.join(temp, "images")}
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp,
+                                                                    "env_vars": store})
+    workers = [c.add_node(num_cpus=1, resources={"worker": 1}, env_vars=store) for _ in range(2)]
     # A node whose isolate cannot keep any state: it refuses every sandbox, with its reason.
     broken = c.add_node(num_cpus=1, resources={"broken": 1}, env_vars={"ISOLATE_STATE_DIR": str(bad_state)})
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
@@ -406,3 +409,46 @@ def test_the_opensandbox_server_over_the_cluster(cluster: Any) -> None:
         assert server.call("GET", "/v1/sandboxes")[1]["items"] == []
     finally:
         server.stop()
+    server = base.Server("--ray", cluster.address, "--profile", "default", *extra)  # any image reference
+    try:
+        _image_sandbox_on_a_node(server)
+    finally:
+        server.stop()
+
+
+def _image_sandbox_on_a_node(server: Any) -> None:
+    """An image of a registry that asks for a login: the node the sandbox is placed on pulls it with the
+    create's image.auth (before, serve --ray refused every image reference)."""
+    import shutil
+
+    import imagekit as kit
+    import test_server as base
+    from test_server_images import PASSWORD, USER, _bcrypt
+
+    registry, skopeo = shutil.which("docker-registry"), shutil.which("skopeo")
+    if registry is None or skopeo is None:
+        return  # the images suites say why (apt-get install docker-registry skopeo)
+    tmp = Path(tempfile.mkdtemp(prefix="iray-registry-"))
+    try:
+        (tmp / "htpasswd").write_text(f"{USER}:{_bcrypt(PASSWORD)}\n")
+        with kit.loopback_registry(str(tmp), registry, htpasswd=str(tmp / "htpasswd")) as address:
+            kit.oci_layout(str(tmp / "busybox"), [kit.busybox_layer()], ref="1", Env=["PATH=/bin"])
+            kit.push(skopeo, f"{tmp / 'busybox'}:1", f"{address}/tests/busybox:1", str(tmp),
+                     ["--dest-creds", f"{USER}:{PASSWORD}"])
+            image = {"uri": f"{address}/tests/busybox:1"}
+            status, body = server.call("POST", "/v1/sandboxes", {"image": image, "timeout": 120,
+                                                                 "entrypoint": ["tail", "-f", "/dev/null"],
+                                                                 "resourceLimits": {}})
+            assert status == 400 and body["code"] == "IMAGE_PULL_FAILED", body  # no login: the node says why
+            status, body = server.call("POST", "/v1/sandboxes", {
+                "image": {**image, "auth": {"username": USER, "password": PASSWORD}}, "timeout": 120,
+                "entrypoint": ["tail", "-f", "/dev/null"], "resourceLimits": {}})
+            assert status == 202, body
+            sandbox_id = body["id"]
+            try:
+                said = base.run_command(server, sandbox_id, "cat /etc/os-release; test -e /bin/busybox && echo busybox")
+                assert said.split() == ["NAME=busybox-scratch", "busybox"]
+            finally:
+                server.call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -529,6 +529,17 @@ def _endpoint(server: Server, sandbox_id: str) -> tuple[str, dict[str, str]]:
     return "/" + body["endpoint"].split("/", 1)[1], body["headers"]
 
 
+def run_command(server: Server, sandbox_id: str, command: str) -> str:
+    """A command's stdout, through the sandbox's execution API (its endpoint and token; server-sent events)."""
+    prefix, headers = _endpoint(server, sandbox_id)
+    status, body = server.call("POST", prefix + "/command", {"command": command}, key=None, headers=headers)
+    assert status == 200, body
+    text = body.decode() if isinstance(body, bytes) else json.dumps(body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert not [e for e in events if e.get("type") == "error"], events
+    return "\n".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+
+
 def test_execd_needs_the_sandbox_token_and_bad_bodies_are_4xx(server: Server) -> None:
     box = _create(server)
     try:

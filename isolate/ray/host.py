@@ -81,15 +81,16 @@ def _attempt(call: Callable[[], Any]) -> Any:
         return Failure(exc)
 
 
-def _image_here(policy: Policy) -> None:
+def _image_here(policy: Policy, login: tuple[str, str] | None = None) -> None:
     """The policy's image in this node's image store (its caller's own): pulled from its registry when this node
-    does not have it yet (concurrent pulls of one layer on a node fetch it once: the store's locks)."""
+    does not have it yet (concurrent pulls of one layer on a node fetch it once: the store's locks); ``login``:
+    the registry's (user, secret) the caller gave, used for this pull only, never kept."""
     if policy.image is None or policy.backend == "docker":
         return
     from ..image import Image
 
     if Image.find(policy.image) is None:
-        Image.pull(policy.image)
+        Image.pull(policy.image, login=login)
 
 
 def _scratch() -> str:
@@ -238,11 +239,13 @@ class SandboxHost:
             return where
 
     def create(self, sid: str, policy: Policy, kwargs: dict[str, Any], workspace: Workspace | str | None,
-               source: bytes | None, layer: dict[str, Any] | None = None) -> Any:
+               source: bytes | None, layer: dict[str, Any] | None = None,
+               image_login: tuple[str, str] | None = None) -> Any:
         """Start a sandbox here: its id, or the node's reason it cannot (as a Failure). ``layer``: start from
-        that snapshot (taken here, or shipped from another node: see isolate/ray/layers.py)."""
+        that snapshot (taken here, or shipped from another node: see isolate/ray/layers.py); ``image_login``:
+        for the pull of the policy's image, when this node lacks it."""
         def start() -> dict[str, Any]:
-            _image_here(policy)
+            _image_here(policy, image_login)
             try:
                 shown = self._workspace(sid, workspace, source)
                 if layer is None:

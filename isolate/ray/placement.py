@@ -236,5 +236,15 @@ def place(placement: Placement, attempt: Callable[[Any, str], Any], what: str, h
         except IsolationError as exc:
             reasons.append((node_id, exc))
     every = "; ".join(f"node {node_id}: {exc}" for node_id, exc in reasons)
-    kind = UnsupportedError if all(isinstance(e, UnsupportedError) for _, e in reasons) else IsolationError
-    raise kind(f"{what}: no node of the Ray cluster would host it: {every}")
+    # The class every node's refusal shares (an image no node could pull: RegistryError), as a caller catches
+    # it on one machine; else UnsupportedError when each is one, else IsolationError.
+    kinds = {type(e) for _, e in reasons}
+    shared = next(iter(kinds)) if len(kinds) == 1 else None
+    kind: type[IsolationError] = IsolationError
+    if shared is not None and issubclass(shared, IsolationError) and shared.__init__ is IsolationError.__init__:
+        kind = shared
+    elif all(isinstance(e, UnsupportedError) for _, e in reasons):
+        kind = UnsupportedError
+    error = kind(f"{what}: no node of the Ray cluster would host it: {every}")
+    error.reasons = reasons  # type: ignore[attr-defined]  # each node's own refusal, as itself
+    raise error

@@ -103,14 +103,22 @@ class Sandbox:
     The arguments are ``isolate.Sandbox``'s, plus where it may run:
     ``node_id`` (that node only), ``resources`` (custom resources the node
     must have, e.g. ``{"sandbox": 1}``), ``labels`` (node labels it must
-    carry), and ``workspace_on``.
+    carry), and ``workspace_on``; ``image_login``: the registry's (user,
+    secret) for the node's pull of the policy's image when it lacks it (sent
+    with the create call, used for that pull only).
     """
 
     def __init__(self, policy: Policy | None = None, *, workspace: Workspace | str | None = None,
                  mounts: Sequence[Mount] = (), node_id: str | None = None,
                  resources: Mapping[str, float] | None = None, labels: Mapping[str, str] | None = None,
-                 workspace_on: str = "caller", snapshot: RemoteSnapshot | None = None, **kwargs: Any) -> None:
+                 workspace_on: str = "caller", snapshot: RemoteSnapshot | None = None,
+                 image_login: tuple[str, str] | None = None, **kwargs: Any) -> None:
         _check_kwargs(kwargs)
+        if image_login is not None and not (isinstance(image_login, tuple) and len(image_login) == 2
+                                            and all(isinstance(part, str) for part in image_login)):
+            raise TypeError("image_login must be a (user, secret) tuple of two strings")
+        #: The registry's (user, secret) for the node's pull of the policy's image (never kept by the node).
+        self._image_login = image_login
         self.policy = policy if policy is not None else Policy()
         if not isinstance(self.policy, Policy):
             raise TypeError("policy must be an isolate.Policy")
@@ -166,7 +174,8 @@ class Sandbox:
 
         def attempt(actor: Any, node: str) -> Any:
             layer = origin.layer_for(node) if origin is not None else None
-            return actor.create.remote(self.id, self.policy, dict(self._kwargs), self.workspace, source, layer)
+            return actor.create.remote(self.id, self.policy, dict(self._kwargs), self.workspace, source, layer,
+                                       self._image_login)
 
         # Among the eligible nodes, the one that holds the snapshot first (nothing to ship).
         node_id, info = place(self.placement, attempt, f"sandbox {self.id}", hosts,

@@ -155,12 +155,8 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], san
                        "Docker backend of Sandbox has no spawn or file methods yet)")
     warm = None
     box: Any
-    if req.policy.image is not None and snap is None:
-        if state.cluster:
-            raise ApiError(400, "UNSUPPORTED", f"image {req.image!r}: this server places sandboxes on the nodes of "
-                           "a Ray cluster (serve --ray), whose image stores it does not fill; serve without --ray "
-                           "to create sandboxes from image references")
-        _ensure_image(req)
+    if req.policy.image is not None and snap is None and not state.cluster:
+        _ensure_image(req)  # on a Ray cluster, the node the sandbox is placed on pulls what it lacks
     if state.cluster:
         if req.credential_proxy:
             raise ApiError(400, "UNSUPPORTED", "credentialProxy: this server places sandboxes on the nodes of a Ray "
@@ -170,9 +166,20 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], san
             raise ApiError(400, "UNSUPPORTED", "snapshotId: this server places sandboxes on the nodes of a Ray "
                            "cluster (serve --ray), and a snapshot is kept on one machine; serve without --ray "
                            "to create sandboxes from snapshots")
+        from ..image.registry import RegistryError
+        from ..image.unpack import BadImageError
         from ..ray import Sandbox as ClusterSandbox  # serve --ray: the box lives on a node of the cluster
 
-        box = ClusterSandbox(req.policy).start()
+        try:
+            box = ClusterSandbox(req.policy, image_login=req.image_auth).start()
+        except IsolationError as exc:
+            # A node that could not pull the image says why (the registry's answer): the client's error, not
+            # the server's, as on one machine (_ensure_image).
+            pulls = [e for _, e in getattr(exc, "reasons", []) if isinstance(e, (RegistryError, BadImageError))]
+            if pulls:
+                raise ApiError(400, "IMAGE_PULL_FAILED", f"image {req.image[:200]!r}: the Ray node could not pull "
+                               f"it: {str(pulls[0])[:500]}") from None
+            raise
     else:
         warm = state.take_warm(req.policy) if snap is None and not opened else None
         if warm is not None:

@@ -1,0 +1,178 @@
+"""``isolate-run serve --state-dir DIR`` (on disk) past a host reboot: a sandbox's processes end, its files and
+identity do not. A reboot cannot be made by a test: it is simulated by what it does. The server is killed
+(SIGKILL), every process of its sandboxes too, and the runtime directory's files about them (their
+descriptions, sockets, registry rows: a tmpfs a reboot empties) are removed; isolate's state directory and the
+server's (on disk here) stay. The next server lists the sandbox stopped (Paused, reason host_reboot) with
+its metadata and expiry, refuses a command (409, saying to resume it), and its resume starts it again over
+its files; a delete then leaves nothing. One whose expiry passes while stopped is ended with its files.
+The server runs as in tests/test_server.py (a subprocess on a loopback port, plain HTTP).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+import test_server as base
+from test_server_restart import _kill, _run, _pvc
+
+FLAGS = () if base.limits_enforceable() else ("--best-effort",)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="isolate-serve-reboot-")
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def volume_store() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="isolate-serve-reboot-volumes-")
+    os.chmod(path, 0o755)  # the sandbox's user (65534 under a root server) reaches its volumes
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _name(state_dir: str, box_id: str) -> str:
+    import hashlib
+
+    key = hashlib.sha256(os.fsencode(os.path.realpath(state_dir))).hexdigest()[:8]
+    return f"osb-{key}-{box_id}"
+
+
+def _reboot(server: base.Server, names: list[str]) -> None:
+    """What a reboot does to the server and its sandboxes: every process ends, the runtime files go."""
+    from isolate.backends.registry import Registry
+    from isolate.kernel.places import runtime_dir
+
+    pids = server.sandbox_pids()
+    _kill(server)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    base._wait_gone(list(pids))
+    for name in names:
+        for suffix in (".json", ".sock", ".egress"):
+            try:
+                os.unlink(os.path.join(runtime_dir(), name + suffix))
+            except FileNotFoundError:
+                pass
+        Registry().forget("native", name)
+
+
+def _data(name: str) -> str:
+    from isolate.kernel.places import state_dir as isolate_state
+
+    return os.path.join(isolate_state(), "sandboxes", name)
+
+
+def test_a_sandbox_outlives_a_simulated_reboot_stopped_and_resumes_over_its_files(state_dir: str,
+                                                                                 volume_store: str) -> None:
+    flags = (*FLAGS, "--volume-store", volume_store)
+    first = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+    second = None
+    made: list[str] = []
+    try:
+        box = base._create(first, timeout=900, metadata={"team": "blue"}, volumes=_pvc("reboot-vol"),
+                           resourceLimits={"cpu": "1", "memory": "1Gi"})
+        short = base._create(first, timeout=900)["id"]
+        made = [box["id"], short]
+        prefix, headers = base._endpoint(first, box["id"])
+        _run(first, prefix, headers, "echo before-reboot > /workspace/f.txt; mkdir -p /workspace/d; "
+             "ln -s /etc/shadow /workspace/d/link; echo vol > /mnt/v/g.txt; echo tmp > /tmp/t.txt")
+        names = [_name(state_dir, i) for i in made]
+        _reboot(first, names)
+        assert os.path.isdir(_data(names[0]))
+
+        second = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+        status, got = second.call("GET", f"/v1/sandboxes/{box['id']}")
+        assert status == 200, got
+        assert got["status"]["state"] == "Paused" and got["status"]["reason"] == "host_reboot", got
+        assert "reboot" in got["status"]["message"] and "resume" in got["status"]["message"], got
+        assert got["metadata"] == {"team": "blue"} and got["expiresAt"] == box["expiresAt"]
+        listed = {item["id"]: item["status"]["state"] for item in second.call("GET", "/v1/sandboxes")[1]["items"]}
+        assert listed == {box["id"]: "Paused", short: "Paused"}
+        # A command is refused, saying what to do; the old token is still its own.
+        status, body = second.call("POST", prefix + "/command", {"command": "true"}, key=None, headers=headers)
+        assert status == 409 and "resume" in json.dumps(body) and "reboot" in json.dumps(body), body
+
+        # The other one's expiry, moved close while it is stopped, ends it with its files.
+        soon = datetime.datetime.fromtimestamp(time.time() + 2, datetime.timezone.utc).isoformat()
+        assert second.call("POST", f"/v1/sandboxes/{short}/renew-expiration", {"expiresAt": soon})[0] == 200
+        deadline = time.monotonic() + 15
+        while second.call("GET", f"/v1/sandboxes/{short}")[0] != 404 or os.path.exists(_data(names[1])) \
+                or os.path.exists(os.path.join(state_dir, f"{short}.json")):
+            assert time.monotonic() < deadline, "a stopped sandbox outlived its expiry, or left its files"
+            time.sleep(0.3)
+        made.remove(short)
+
+        assert second.call("POST", f"/v1/sandboxes/{box['id']}/resume")[0] == 202
+        status, got = second.call("GET", f"/v1/sandboxes/{box['id']}")
+        assert got["status"]["state"] == "Running", got
+        prefix, headers = base._endpoint(second, box["id"])
+        assert _run(second, prefix, headers, "cat /workspace/f.txt") == "before-reboot"
+        assert _run(second, prefix, headers, "readlink /workspace/d/link") == "/etc/shadow"  # kept as a link
+        assert _run(second, prefix, headers, "cat /mnt/v/g.txt") == "vol"  # its named volume again
+        assert _run(second, prefix, headers, "cat /tmp/t.txt 2>&1 || echo gone") .endswith("gone")  # a tmpfs
+        assert _run(second, prefix, headers, "echo after > /workspace/h.txt; cat /workspace/h.txt") == "after"
+        assert not os.path.exists(_data(names[0]) + ".resuming")
+
+        assert second.call("DELETE", f"/v1/sandboxes/{box['id']}")[0] == 204
+        made = []
+        assert not os.path.exists(_data(names[0]))
+        assert sorted(os.listdir(state_dir)) == [".lock"]  # no record, no copy left
+        assert os.listdir(volume_store) == []  # the volume its create made goes with it
+        second.stop()
+        import subprocess
+
+        from conftest import ISOLATE_RUN
+
+        pruned = subprocess.run([ISOLATE_RUN, "sandbox", "prune"], capture_output=True, text=True, timeout=60)
+        assert pruned.returncode == 0, pruned.stderr
+        assert not [line for line in pruned.stdout.splitlines() if any(n in line for n in names)], pruned.stdout
+    finally:
+        if second is not None:
+            for box_id in made:
+                second.call("DELETE", f"/v1/sandboxes/{box_id}")
+            second.stop()
+        first.stop()
+
+
+def test_a_stopped_sandbox_whose_files_were_replaced_is_let_go(state_dir: str) -> None:
+    """The copy names its data directory's identity: a directory put in its place while no server ran is not
+    started from: the sandbox is let go, as before this copy existed."""
+    import shutil
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    box_id = base._create(first)["id"]
+    name = _name(state_dir, box_id)
+    _reboot(first, [name])
+    first.stop()
+    data = _data(name)
+    os.rename(data, data + ".old")  # held while the other is made: it cannot get the same inode
+    os.mkdir(data, 0o700)
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert second.call("GET", f"/v1/sandboxes/{box_id}")[0] == 404
+        assert sorted(os.listdir(state_dir)) == [".lock"]
+    finally:
+        second.stop()
+        shutil.rmtree(data + ".old", ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import test_server as base
-from test_server_restart import _kill, _run, _pvc
+from test_server_restart import _kill, _pvc, _run
 
 FLAGS = () if base.limits_enforceable() else ("--best-effort",)
 

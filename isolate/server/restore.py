@@ -148,7 +148,7 @@ def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
                       name=name, idle_timeout=math.inf,
                       image_upper="disk" if copy.image is not None or (policy.image is not None
                                                                         and _disk_upper_possible()) else "tmpfs")
-        box._impl.start_from = FromStopped(name + ".resuming", copy)  # type: ignore[attr-defined]
+        box._impl.start_from = FromStopped(name + ".resuming", copy)
         box.start()
         try:
             verify_volumes(box, opened)

@@ -101,6 +101,25 @@ def _stopped(state: ServerState, record: Record) -> ManagedSandbox | None:
     return managed
 
 
+def _finish_resume(state: ServerState, sandbox_id: str, name: str, box: Sandbox) -> None:
+    """A sandbox served again whose last server was killed as it resumed it after a reboot (the old data
+    directory still set aside): its copy names the new one's layers, and the old directory goes."""
+    from .stopped import ASIDE
+
+    if state.stopped is None:
+        return
+    try:
+        from ..kernel.places import state_path
+
+        if not os.path.lexists(os.path.join(state_path("sandboxes"), name + ASIDE)):
+            return
+        copy = state.stopped.read(sandbox_id)
+        state.stopped.keep(sandbox_id, copy.request, box)
+        remove_aside(name, copy.data)
+    except (OSError, ValueError, RecursionError, IsolationError):
+        return
+
+
 def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
     """Start a sandbox a reboot stopped again over its files (isolate.server.stopped): its kept create request
     parsed again as any create, its named and host volumes opened again, a new kept sandbox of its name
@@ -470,6 +489,7 @@ def restore(state: ServerState) -> list[str]:
                          "sandbox any more; ended")
             continue
         managed = _served(state, record, box, paused)
+        _finish_resume(state, record.id, name, box)
         with state.lock:
             state.sandboxes[managed.id] = managed
         managed.persist = state.saved

@@ -176,3 +176,25 @@ def test_a_stopped_sandbox_whose_files_were_replaced_is_let_go(state_dir: str) -
         second.stop()
         shutil.rmtree(data + ".old", ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.mark.parametrize("change", [
+    {"version": 2}, {"request": "x"}, {"data": [1]}, {"data": [1, True]}, {"upper": ["1", 2]}, {"data": [-1, 2]},
+    {"image": "sha256:" + "0" * 64}, {"image": "../x", "imageUpper": [1, 2]}, {"imageUpper": [1, 2]},
+    {"extra": 1}])
+def test_a_hostile_copy_is_refused_field_by_field(change: dict[str, object]) -> None:
+    from isolate.server.stopped import parse_copy
+
+    good = {"version": 1, "request": {"image": {"uri": "ubuntu"}}, "data": [1, 2], "upper": [3, 4], "image": None,
+            "imageUpper": None}
+    assert parse_copy(good).data == (1, 2)
+    with pytest.raises(ValueError):
+        parse_copy({**good, **change})
+
+
+def test_the_kept_request_holds_no_registry_credentials() -> None:
+    from isolate.server.stopped import request_of
+
+    kept = request_of({"image": {"uri": "reg.test/a:1", "auth": {"username": "u", "password": "p"}},
+                       "snapshotId": "osb-snap-" + "0" * 16, "timeout": 60}, "reg.test/a:1")
+    assert kept == {"image": {"uri": "reg.test/a:1"}, "timeout": 60}

@@ -501,6 +501,9 @@ def restore(state: ServerState) -> list[str]:
     # their files (prune would); nor the cgroups it owned of those that ended.
     _sweep_pool()
     _sweep_cgroups()
+    if state.stopped is not None:
+        with contextlib.suppress(OSError):
+            state.stopped.sweep({record.id for record in records} - {record.id for record, _ in ending})
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:

@@ -705,10 +705,10 @@ class ServerState:
 
     def forget(self, managed: ManagedSandbox) -> None:
         """The sandbox ended: its record goes."""
+        if self.stopped is not None:
+            self.stopped.forget(managed.id)  # first: a copy is never left without its record
         if self.keeper is not None:
             self.keeper.remove(managed.id)
-        if self.stopped is not None:
-            self.stopped.forget(managed.id)
 
     def close_all(self) -> None:
         with self.lock:

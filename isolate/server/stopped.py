@@ -169,6 +169,33 @@ class StoppedCopies:
         finally:
             os.close(fd)
 
+    def sweep(self, known: set[str]) -> None:
+        """Remove the copies (and the temporary files) of sandboxes that have no record."""
+        try:
+            fd = self._open(create=False)
+        except (OSError, IsolationError):
+            return
+        try:
+            names = os.listdir(fd)
+        finally:
+            os.close(fd)
+        for entry in names:
+            sandbox_id = entry[:-5] if entry.endswith(".json") else entry[1:].split(".", 1)[0]
+            if sandbox_id in known:
+                continue
+            if _ID.fullmatch(sandbox_id):
+                self.forget(sandbox_id)
+            else:
+                self._drop(entry)
+
+    def _drop(self, entry: str) -> None:
+        with contextlib.suppress(OSError, IsolationError):
+            fd = self._open(create=False)
+            try:
+                os.unlink(entry, dir_fd=fd)
+            finally:
+                os.close(fd)
+
     def forget(self, sandbox_id: str) -> None:
         try:
             fd = self._open(create=False)

@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import test_server as base
@@ -198,3 +199,47 @@ def test_the_kept_request_holds_no_registry_credentials() -> None:
     kept = request_of({"image": {"uri": "reg.test/a:1", "auth": {"username": "u", "password": "p"}},
                        "snapshotId": "osb-snap-" + "0" * 16, "timeout": 60}, "reg.test/a:1")
     assert kept == {"image": {"uri": "reg.test/a:1"}, "timeout": 60}
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/busybox"), reason="busybox-static is not installed")
+def test_an_image_sandbox_keeps_its_root_changes_past_a_reboot(state_dir: str, tmp_path: Path) -> None:
+    """A sandbox of an image whose root's upper layer is on disk: what it wrote to the image's root comes back
+    with the resume, over the same image."""
+    import imagekit as kit
+
+    from isolate.image import Image, Store
+    from isolate.server.lifecycle import _disk_upper_possible
+
+    if not _disk_upper_possible():
+        pytest.skip("isolate's state directory keeps no user.* attributes: an image's upper layer is a tmpfs")
+    first = second = None
+    box_id = ""
+    with kit.store_env(str(tmp_path / "store")):
+        kit.oci_layout(str(tmp_path / "bb"), [kit.busybox_layer([{"name": "data", "type": "dir", "mode": 0o777}])],
+                       ref="1", Env=["PATH=/bin"])
+        Image.load(tmp_path / "bb", reference="tests/busybox:1", store=Store(tmp_path / "store"))
+        flags = ("--profile", "default", "--best-effort")
+        try:
+            first = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+            box_id = base._create(first, image={"uri": "tests/busybox:1"}, timeout=900)["id"]
+            prefix, headers = base._endpoint(first, box_id)
+            _run(first, prefix, headers, "echo root > /data/r.txt; echo ws > /workspace/w.txt")
+            _reboot(first, [_name(state_dir, box_id)])
+            second = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
+            status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
+            assert status == 200 and got["status"]["state"] == "Paused", got
+            status, body = second.call("POST", f"/v1/sandboxes/{box_id}/resume")
+            assert status == 202, body
+            prefix, headers = base._endpoint(second, box_id)
+            assert _run(second, prefix, headers, "cat /data/r.txt /workspace/w.txt") == "root\nws"
+            assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
+            assert not os.path.exists(_data(_name(state_dir, box_id)))
+            box_id = ""
+            assert sorted(os.listdir(state_dir)) == [".lock"]
+        finally:
+            if second is not None:
+                if box_id:
+                    second.call("DELETE", f"/v1/sandboxes/{box_id}")
+                second.stop()
+            if first is not None:
+                first.stop()

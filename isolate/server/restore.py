@@ -181,7 +181,13 @@ def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
         raise
     with contextlib.suppress(OSError, IsolationError):
         remove_aside(name, copy.data)
-    managed.box = box
+    with state.lock:
+        deleted = state.sandboxes.get(managed.id) is not managed
+        if not deleted:
+            managed.box = box
+    if deleted:  # a delete while it started: it ends now, not with the next server
+        box.close()
+        raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {managed.id} was deleted while it resumed")
     managed.stopped = False
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
     managed.event("started again over the files a host reboot left (a new sandbox of the same policy, image, "

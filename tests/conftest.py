@@ -223,6 +223,7 @@ HOST_INDEPENDENT = frozenset({
     "test_server_crashes.py",
     "test_server_keepall.py",
     "test_server_pool.py",
+    "test_server_reboot.py",
     "test_server_restart.py",
     "test_server_spec.py",
     "test_smolagents.py",

@@ -213,6 +213,9 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
     copies: list[str] = []
     with contextlib.suppress(FileNotFoundError):
         copies = os.listdir(os.path.join(w.state_dir, "snapshots"))
+    stopped: list[str] = []
+    with contextlib.suppress(FileNotFoundError):
+        stopped = os.listdir(os.path.join(w.state_dir, "stopped"))
     return {"records": [r for r in records if r not in listed],
             "named": [n for n in named if n not in want + pooled],
             "missing": [n for n in want if n not in named or n not in data or n not in bound],
@@ -224,8 +227,10 @@ def _leftovers(w: World, listed: list[str], before: list[Any], pid: int) -> dict
             "snapshots": [s for s in isolate_snaps if s not in snaps],
             # The copies of the snapshots' descriptions (isolate/server/snapkeep.py): of listed snapshots only.
             "snapshot copies": [e for e in copies if e not in [f"{s}.json" for s in snaps]],
+            # What a resume after a reboot needs (isolate/server/stopped.py): of listed sandboxes only.
+            "stopped copies": [e for e in stopped if e not in [f"{i}.json" for i in listed]],
             "stray files": [e for e in os.listdir(w.state_dir)
-                            if e not in (".lock", "snapshots") and not e.endswith(".json")]}
+                            if e not in (".lock", "snapshots", "stopped") and not e.endswith(".json")]}
 
 
 _SERVER: dict[str, base.Server] = {}

@@ -309,8 +309,9 @@ def test_a_paused_sandbox_stays_paused_and_resumes(state_dir: str) -> None:
 
 
 def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
-    """As after a reboot: the sandbox's processes and its runtime files are gone; the next server lets its
-    record go and removes its workspace's files."""
+    """As after a reboot, for a sandbox the server keeps no copy of (one of a server before those copies, or
+    whose copy was lost): the sandbox's processes and its runtime files are gone; the next server lets its
+    record go and removes its workspace's files (with a copy it is kept stopped: test_server_reboot.py)."""
     from isolate.kernel.places import runtime_dir
     from isolate.kernel.places import state_dir as isolate_state
 
@@ -330,6 +331,7 @@ def test_a_sandbox_ended_while_no_server_ran_is_let_go(state_dir: str) -> None:
     base._wait_gone(list(pids))
     for suffix in (".json", ".sock"):
         os.unlink(os.path.join(runtime_dir(), name + suffix))
+    os.unlink(os.path.join(state_dir, "stopped", f"{box_id}.json"))
     assert os.path.isdir(os.path.join(isolate_state(), "sandboxes", name))
     second = base.Server(*FLAGS, state_dir=state_dir)
     try:

@@ -298,7 +298,8 @@ class Keeper:
         """Every record (checked), and a line for each entry skipped; temporary files a crash left go."""
         records, skipped = [], []
         for entry in sorted(os.listdir(self.fd)):
-            if entry in (".lock", "snapshots"):  # snapshots/: isolate.server.snapkeep's copies
+            # snapshots/: isolate.server.snapkeep's copies; stopped/: isolate.server.stopped's
+            if entry in (".lock", "snapshots", "stopped"):
                 continue
             if entry.startswith(".") and entry.endswith(".tmp"):
                 with contextlib.suppress(OSError):

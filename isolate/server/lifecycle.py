@@ -35,8 +35,9 @@ from .models import (
     parse_time,
 )
 from .ports import PORT_TOKEN_HEADER, port_token
-from .restore import resume_restored
+from .restore import resume_restored, resume_stopped
 from .state import ManagedSandbox, ServerState
+from .stopped import request_of
 from .volumes import Opened, open_volumes
 from .volumes import release as release_volumes
 from .volumes import verify as verify_volumes
@@ -69,7 +70,7 @@ def _network_text(network: object) -> str:
     return network if isinstance(network, str) else "egress allow-list"
 
 
-def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
+def _start(state: ServerState, req: CreateRequest, body: object = None) -> ManagedSandbox:
     named = [spec.claim for spec in req.volumes if spec.claim is not None]
     if named and state.cluster:
         raise ApiError(400, "UNSUPPORTED", "volumes: this server places sandboxes on the nodes of a Ray cluster "
@@ -115,6 +116,9 @@ def _start(state: ServerState, req: CreateRequest) -> ManagedSandbox:
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
     managed.volume_claims = claims
     try:
+        if managed.kept and state.stopped is not None:
+            # What a start over its files after a host reboot needs (isolate.server.stopped).
+            state.stopped.keep(managed.id, request_of(body, req.image), managed.box)
         # Recorded whole before the create answers: from here a server started after this one's end serves it.
         state.save(managed)
     except BaseException as exc:
@@ -252,11 +256,12 @@ def _ensure_image(req: CreateRequest) -> None:
 @api
 async def create_sandbox(request: Request) -> Response:
     state = check_key(request)
-    req = parse_create(await json_body(request), state.profiles, state.any_image,
+    body = await json_body(request)
+    req = parse_create(body, state.profiles, state.any_image,
                        lambda snapshot_id: str(state.snapshots.get(snapshot_id)["image"]))
     state.reserve()
     try:
-        managed = await run_in_threadpool(_start, state, req)
+        managed = await run_in_threadpool(_start, state, req, body)
     except BaseException:
         state.release()
         raise
@@ -335,7 +340,8 @@ async def pause_sandbox(request: Request) -> Response:
 async def resume_sandbox(request: Request) -> Response:
     state = check_key(request)
     managed = state.get(request.path_params["sandbox_id"])
-    work = functools.partial(resume_restored, managed) if managed.restored else managed.box.resume
+    work = (functools.partial(resume_stopped, state, managed) if managed.stopped else
+            functools.partial(resume_restored, managed) if managed.restored else managed.box.resume)
     await _transition(managed, "Paused", "Resuming", "Running", "user_resume", work)
     return Response(status_code=202)
 

@@ -39,6 +39,12 @@ from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
 from .keep import Record
 from .state import ManagedSandbox, ServerState, thaw
+from .stopped import FromStopped, StoppedBox, files_left, put_back, remove_aside, remove_files, set_aside
+
+#: The status reason of a sandbox a reboot stopped (Paused), and its message.
+REBOOT_REASON = "host_reboot"
+REBOOT_MESSAGE = ("its processes ended with a host reboot; its files are kept: resume starts it again over them "
+                  "(POST /v1/sandboxes/{id}/resume), delete removes it")
 
 
 def resume_restored(managed: ManagedSandbox) -> str:
@@ -51,6 +57,145 @@ def resume_restored(managed: ManagedSandbox) -> str:
     assert name is not None
     managed.box = Sandbox.attach(name)
     return "thawed"
+
+
+def _stopped(state: ServerState, record: Record) -> ManagedSandbox | None:
+    """A sandbox whose description a reboot took, kept stopped over its files when its copy reads back and its
+    data directory is the one the copy names (isolate.server.stopped); None otherwise (it is let go)."""
+    import functools
+
+    from .models import parse_create
+
+    if state.stopped is None or state.keeper is None:
+        return None
+    name = state.keeper.name_for(record.id)
+    try:
+        copy = state.stopped.read(record.id)
+    except (OSError, ValueError, RecursionError, IsolationError):
+        return None
+    if not files_left(name, copy):
+        return None
+    try:
+        policy = parse_create(copy.request, state.profiles, state.any_image).policy
+    except Exception:  # the image's profile is gone: listed all the same; its resume says why it cannot start
+        from ..model.policy import Policy
+
+        policy = Policy()
+    box: Any = StoppedBox(name, policy, copy)
+    managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
+                             record.created_at, record.expires_at, kept=True,
+                             token_hashes=list(record.token_hashes),
+                             port_hashes={port: list(h) for port, h in record.port_hashes.items()},
+                             volume_claims=list(record.volumes))
+    managed.renew_on_access = record.renew_on_access
+    managed.stopped = True
+    if record.egress is not None:
+        managed.egress_rules = list(record.egress)
+    store = state.volume_store() if record.volumes else ""
+    for claim, doomed in record.volumes:
+        path = os.path.join(store, claim)
+        state.named_volumes.adopt(path, doomed)
+        managed.on_close.append(functools.partial(state.named_volumes.release, path))
+    managed.on_close.append(functools.partial(state.stopped.forget, record.id))
+    managed.set_state("Paused", REBOOT_REASON, REBOOT_MESSAGE.format(id=record.id))
+    return managed
+
+
+def _finish_resume(state: ServerState, sandbox_id: str, name: str, box: Sandbox) -> None:
+    """A sandbox served again whose last server was killed as it resumed it after a reboot (the old data
+    directory still set aside): its copy names the new one's layers, and the old directory goes."""
+    from .stopped import ASIDE
+
+    if state.stopped is None:
+        return
+    try:
+        from ..kernel.places import state_path
+
+        if not os.path.lexists(os.path.join(state_path("sandboxes"), name + ASIDE)):
+            return
+        copy = state.stopped.read(sandbox_id)
+        state.stopped.keep(sandbox_id, copy.request, box)
+        remove_aside(name, copy.data)
+    except (OSError, ValueError, RecursionError, IsolationError):
+        return
+
+
+def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
+    """Start a sandbox a reboot stopped again over its files (isolate.server.stopped): its kept create request
+    parsed again as any create, its named and host volumes opened again, a new kept sandbox of its name
+    started from one layer made of its old ones; the old data directory then removed."""
+    import functools
+    import math
+    import shlex
+
+    from .lifecycle import _disk_upper_possible
+    from .models import KEEPALIVE_ENTRYPOINT, ApiError, egress_with, parse_create
+    from .volumes import open_volumes
+    from .volumes import release as release_volumes
+    from .volumes import verify as verify_volumes
+
+    stand_in = managed.box
+    assert isinstance(stand_in, StoppedBox) and state.stopped is not None
+    copy, name = stand_in.copy, stand_in.name
+    try:
+        req = parse_create(copy.request, state.profiles, state.any_image)
+    except ApiError as exc:
+        raise ApiError(409, "CANNOT_RESUME", f"sandbox {managed.id}: its create request no longer maps onto this "
+                       f"server's profiles ({exc.message}); start the server with the flags it had, or delete "
+                       "it") from None
+    policy = req.policy
+    if managed.egress_rules is not None:  # the allow-list as changed at run time, not as created
+        policy = policy.replace(network=egress_with([t for a, t in managed.egress_rules if a == "allow"],
+                                                    policy.network))
+    if copy.image is not None:
+        from ..image import Image
+
+        found = Image.find(policy.image) if policy.image is not None else None
+        if found is None or found.id != copy.image:
+            raise ApiError(409, "CANNOT_RESUME", f"sandbox {managed.id}: its root's changes lie over image "
+                           f"{copy.image[:19]}, which its image {req.image[:200]!r} no longer is in the image "
+                           "store; delete it")
+    store = state.volume_store() if any(spec.claim is not None for spec in req.volumes) else None
+    opened = open_volumes(req.volumes, state.volume_roots, store, state.named_volumes)
+    try:
+        set_aside(name, copy.data)
+    except (OSError, IsolationError) as exc:
+        release_volumes(opened, state.named_volumes)
+        raise IsolationError(f"sandbox {managed.id}: its files: {exc}") from None
+    try:
+        box = Sandbox(policy, backend="native", mounts=[item.mount for item in opened], workspace=state.workspace,
+                      name=name, idle_timeout=math.inf,
+                      image_upper="disk" if copy.image is not None or (policy.image is not None
+                                                                        and _disk_upper_possible()) else "tmpfs")
+        box._impl.start_from = FromStopped(name + ".resuming", copy)
+        box.start()
+        try:
+            verify_volumes(box, opened)
+            state.stopped.keep(managed.id, copy.request, box)
+        except BaseException:
+            box.close()
+            raise
+    except BaseException:
+        release_volumes(opened, state.named_volumes)
+        put_back(name)
+        raise
+    with contextlib.suppress(OSError, IsolationError):
+        remove_aside(name, copy.data)
+    with state.lock:
+        deleted = state.sandboxes.get(managed.id) is not managed
+        if not deleted:
+            managed.box = box
+    if deleted:  # a delete while it started: it ends now, not with the next server
+        box.close()
+        raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {managed.id} was deleted while it resumed")
+    managed.stopped = False
+    managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
+    managed.event("started again over the files a host reboot left (a new sandbox of the same policy, image, "
+                  "limits and volumes: no process of before)")
+    if managed.entrypoint != KEEPALIVE_ENTRYPOINT:
+        record = managed.start_command(shlex.join(managed.entrypoint), True, None, None, None, None)
+        managed.entry_command = record.id
+    return "started again over its files after a host reboot"
 
 
 def _mediator_answers(box: Sandbox) -> bool:
@@ -192,6 +337,10 @@ def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
             box.close()
     elif record.kept:
         _clear_half_made(state.keeper.name_for(record.id))
+    if state.stopped is not None:
+        with contextlib.suppress(OSError, IsolationError):
+            remove_files(state.keeper.name_for(record.id), None)  # one a resume had set aside
+        state.stopped.forget(record.id)
     _release_claims(state, record)
     state.keeper.remove(record.id)
 
@@ -282,7 +431,7 @@ def restore(state: ServerState) -> list[str]:
     lines += snapshot_lines
     now = time.time()
     lost_credentials = lost_with_them = 0
-    served = expired = gone = 0
+    served = expired = gone = kept_stopped = 0
     # Those served again hold their named volumes before any other lets go of one: a volume shared with
     # one that ended is then not removed under the one that lives on.
     ending: list[tuple[Record, Sandbox | None]] = []
@@ -314,6 +463,16 @@ def restore(state: ServerState) -> list[str]:
             expired += 1
             lines.append(f"sandbox {record.id}: its timeout passed while no server ran; ended")
             continue
+        if box is None and record.state != "Starting":
+            stopped = _stopped(state, record)
+            if stopped is not None:
+                with state.lock:
+                    state.sandboxes[stopped.id] = stopped
+                stopped.persist = state.saved
+                kept_stopped += 1
+                lines.append(f"sandbox {record.id}: its processes ended with a host reboot; kept stopped over its "
+                             "files (Paused: resume starts it again, delete removes it)")
+                continue
         paused = record.state == "Paused" and alive == "not answering"
         if alive != "running" and not paused:
             ending.append((record, box))
@@ -336,6 +495,7 @@ def restore(state: ServerState) -> list[str]:
                          "sandbox any more; ended")
             continue
         managed = _served(state, record, box, paused)
+        _finish_resume(state, record.id, name, box)
         with state.lock:
             state.sandboxes[managed.id] = managed
         managed.persist = state.saved
@@ -347,6 +507,9 @@ def restore(state: ServerState) -> list[str]:
     # their files (prune would); nor the cgroups it owned of those that ended.
     _sweep_pool()
     _sweep_cgroups()
+    if state.stopped is not None:
+        with contextlib.suppress(OSError):
+            state.stopped.sweep({record.id for record in records} - {record.id for record, _ in ending})
     known = {keeper.name_for(record.id) for record in records}
     for name in native_names():
         if name.startswith(keeper.prefix()) and name not in known:
@@ -357,8 +520,9 @@ def restore(state: ServerState) -> list[str]:
             except OSError:
                 pass
             lines.append(f"kept sandbox {name}: the last server was making it (no record); removed")
-    if served or expired or gone:
-        lines.append(f"{served} sandbox(es) of the last server served again, {expired} expired, {gone} ended")
+    if served or expired or gone or kept_stopped:
+        lines.append(f"{served} sandbox(es) of the last server served again, {kept_stopped} kept stopped after a "
+                     f"reboot, {expired} expired, {gone} ended")
     if lost_credentials:
         lines.append(f"{lost_credentials} credentials were lost with the last server (a credential vault's values "
                      f"are never written to disk), with the {lost_with_them} sandbox(es) whose vaults held them: "

@@ -34,6 +34,7 @@ from ..model.workspace import Workspace
 from .common import log
 from .keep import MAX_TOKENS, Keeper, Record, hash_matches, token_hash
 from .models import ApiError, iso
+from .stopped import StoppedCopies
 from .volumes import NamedVolumes
 
 #: Output kept per command (its tail); a poller that falls behind loses the oldest bytes.
@@ -365,6 +366,9 @@ class ManagedSandbox:
     volume_claims: list[tuple[str, bool]] = field(default_factory=list)
     #: Served again by a restarted server (attached by its name: no cgroup or process handle of this one's).
     restored: bool = False
+    #: Its processes ended with a host reboot: ``box`` is an isolate.server.stopped.StoppedBox, and resume
+    #: starts a new sandbox over its files (isolate.server.restore.resume_stopped).
+    stopped: bool = False
     #: Writes its record again after a change (ServerState.saved; None: nothing is recorded).
     persist: Callable[[ManagedSandbox], None] | None = None
 
@@ -442,6 +446,10 @@ class ManagedSandbox:
 
     def usable(self) -> None:
         """Refuse execution requests while paused (the exec server is frozen and would not answer)."""
+        if self.stopped:
+            raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {self.id} is {self.state}: its processes ended "
+                           f"with a host reboot; resume it first (POST /v1/sandboxes/{self.id}/resume starts it "
+                           "again over its files)")
         if self.state != "Running":
             raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {self.id} is {self.state}; resume it first")
 
@@ -581,6 +589,10 @@ class ServerState:
             from .snapkeep import SnapshotCopies
 
             self.snapshots.copies = SnapshotCopies(keeper.fd)
+        #: What a resume after a host reboot needs of each kept sandbox (isolate.server.stopped).
+        self.stopped: StoppedCopies | None = None
+        if keeper is not None:
+            self.stopped = StoppedCopies(keeper.fd)
         #: Every new sandbox's /workspace: an overlay over an empty directory of the state directory, so
         #: that a snapshot is a layer (what the sandbox changed) and a sandbox from one starts on it.
         self.workspace = server_workspace()
@@ -693,6 +705,8 @@ class ServerState:
 
     def forget(self, managed: ManagedSandbox) -> None:
         """The sandbox ended: its record goes."""
+        if self.stopped is not None:
+            self.stopped.forget(managed.id)  # first: a copy is never left without its record
         if self.keeper is not None:
             self.keeper.remove(managed.id)
 

@@ -199,9 +199,9 @@ def test_an_image_sandbox_keeps_its_root_changes_past_a_reboot(state_dir: str, t
     import imagekit as kit
 
     from isolate.image import Image, Store
-    from isolate.server.lifecycle import _disk_upper_possible
+    from isolate.server.state import disk_upper_possible
 
-    if not _disk_upper_possible():
+    if not disk_upper_possible():
         pytest.skip("isolate's state directory keeps no user.* attributes: an image's upper layer is a tmpfs")
     first = second = None
     box_id = ""

@@ -36,7 +36,7 @@ from .models import (
 )
 from .ports import PORT_TOKEN_HEADER, port_token
 from .restore import resume_restored, resume_stopped
-from .state import ManagedSandbox, ServerState
+from .state import ManagedSandbox, ServerState, disk_upper_possible
 from .stopped import request_of
 from .volumes import Opened, open_volumes
 from .volumes import release as release_volumes
@@ -135,20 +135,6 @@ def _not_written(exc: OSError) -> ApiError:
                     f"directory ({exc.strerror or exc}); not created")
 
 
-def _disk_upper_possible() -> bool:
-    """Whether the state directory's file system keeps user.* attributes (an upper layer's metadata)."""
-    from ..kernel.places import state_dir
-
-    return _keeps_user_xattrs(state_dir())
-
-
-@functools.cache
-def _keeps_user_xattrs(path: str) -> bool:
-    from ..kernel.overlay import xattr_problem
-
-    return xattr_problem(path, path) is None
-
-
 def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], sandbox_id: str, token: str,
                kept: bool) -> ManagedSandbox:
     snap = state.snapshots.snapshot(req.snapshot_id) if req.snapshot_id is not None else None
@@ -200,7 +186,7 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], san
                           workspace=None if snap is not None else state.workspace,
                           name=state.keeper.name_for(sandbox_id) if kept and state.keeper else None,
                           idle_timeout=math.inf if kept else None,
-                          image_upper="disk" if req.policy.image is not None and _disk_upper_possible() else "tmpfs")
+                          image_upper="disk" if req.policy.image is not None and disk_upper_possible() else "tmpfs")
             box.start()
     try:
         verify_volumes(box, opened)

@@ -38,7 +38,7 @@ from typing import Any
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
 from .keep import Record
-from .state import ManagedSandbox, ServerState, thaw
+from .state import ManagedSandbox, ServerState, disk_upper_possible, thaw
 from .stopped import FromStopped, StoppedBox, files_left, put_back, remove_aside, remove_files, set_aside
 
 #: The status reason of a sandbox a reboot stopped (Paused), and its message.
@@ -128,7 +128,6 @@ def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
     import math
     import shlex
 
-    from .lifecycle import _disk_upper_possible
     from .models import KEEPALIVE_ENTRYPOINT, ApiError, egress_with, parse_create
     from .volumes import open_volumes
     from .volumes import release as release_volumes
@@ -166,7 +165,7 @@ def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
         box = Sandbox(policy, backend="native", mounts=[item.mount for item in opened], workspace=state.workspace,
                       name=name, idle_timeout=math.inf,
                       image_upper="disk" if copy.image is not None or (policy.image is not None
-                                                                        and _disk_upper_possible()) else "tmpfs")
+                                                                        and disk_upper_possible()) else "tmpfs")
         box._impl.start_from = FromStopped(name + ".resuming", copy)
         box.start()
         try:

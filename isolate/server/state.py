@@ -14,6 +14,7 @@ keeps nothing: its sandboxes are unnamed and end with the process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import selectors
@@ -733,3 +734,17 @@ class ServerState:
         if self.keeper is not None:
             self.keeper.close()
 
+
+def disk_upper_possible() -> bool:
+    """Whether isolate's state directory's file system keeps user.* attributes (an image sandbox's upper layer
+    on disk keeps its metadata in them)."""
+    from ..kernel.places import state_dir
+
+    return _keeps_user_xattrs(state_dir())
+
+
+@functools.cache
+def _keeps_user_xattrs(path: str) -> bool:
+    from ..kernel.overlay import xattr_problem
+
+    return xattr_problem(path, path) is None

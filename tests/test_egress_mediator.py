@@ -129,10 +129,19 @@ class FakeResolver:
     def __init__(self, answers: dict[str, list[str]], truncate: frozenset[str] = frozenset()) -> None:
         self.answers = answers
         self.truncate = truncate
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
-        self.port = int(self.udp.getsockname()[1])
-        self.tcp = socket.create_server(("127.0.0.1", self.port))
+        # One port for both: a free UDP port's TCP twin may be another process's (the suite runs beside
+        # others), so a pair that cannot be had is given up and another tried.
+        for _ in range(50):
+            self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.udp.bind(("127.0.0.1", 0))
+            self.port = int(self.udp.getsockname()[1])
+            try:
+                self.tcp = socket.create_server(("127.0.0.1", self.port))
+                break
+            except OSError:
+                self.udp.close()
+        else:
+            raise RuntimeError("no loopback port free for both UDP and TCP")
         self.tcp_queries = 0
         threading.Thread(target=self._udp_loop, daemon=True).start()
         threading.Thread(target=self._tcp_loop, daemon=True).start()

@@ -105,7 +105,8 @@ def test_snapshot_restore_and_fork_keep_the_image_roots_changes(images: tuple[Im
             snap.remove()
 
 
-def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images: tuple[Image, Image]) -> None:
+def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images: tuple[Image, Image],
+                                                                         tmp_path: Path) -> None:
     base, other = images
     name = f"imgsnap-{os.getpid()}"
     with isolate.Sandbox(isolate.Policy(image=base.reference, env={"ADDED": "yes"}), image_upper="disk", name=name):
@@ -124,9 +125,35 @@ def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images
             # The root's changes are the image's; the workspace is the sandbox's own, not in it.
             assert again.exec(["sh", "-c", "tool; test -e /data/gone || echo deleted; ls -A /workspace"]
                               ).stdout == "installed\ndeleted\n"
-        # Not shipped to another node of a Ray cluster without its root layer: refused.
-        with pytest.raises(isolate.UnsupportedError, match="between nodes"):
-            bundles.export(snap)
+        # Shipped as a bundle (as to another node of a Ray cluster: another state directory, the same image in
+        # its store), with its root layer: a sandbox started from it there has the root's changes.
+        data, digest = bundles.export(snap)
+        there = tmp_path / "elsewhere"
+        saved = os.environ["ISOLATE_STATE_DIR"] if "ISOLATE_STATE_DIR" in os.environ else None
+        os.environ["ISOLATE_STATE_DIR"] = str(there)
+        try:
+            shipped = bundles.load(data, digest)
+            assert shipped.image == base.id and shipped.image_ref == snap.image_ref
+            with isolate.Sandbox(isolate.Policy(image=base.reference), snapshot=shipped) as arrived:
+                assert _state(arrived) == "installed\nmine\n"  # its root, and its workspace
+            assert shipped.to_image("snapshipped:1").layers[:-1] == base.layers
+            shipped.remove()
+            # A bundle whose description names no image but carries a root layer (or the reverse): refused.
+            forged = bundles._image_meta({"id": base.id, "reference": None, "config": {}, "leave_out": [],
+                                          "root": [0o755, 0, 0]})
+            assert forged is not None and forged["root"] == (0o755, 0, 0)
+            for bad in ({"id": "sha256:../x", "reference": None, "config": {}, "leave_out": [], "root": [493, 0, 0]},
+                        {"id": base.id, "reference": None, "config": [], "leave_out": [], "root": [493, 0, 0]},
+                        {"id": base.id, "reference": None, "config": {}, "leave_out": ["../up"],
+                         "root": [493, 0, 0]},
+                        {"id": base.id, "reference": None, "config": {}, "leave_out": [], "root": [493, -1, 0]}):
+                with pytest.raises(ValueError):
+                    bundles._image_meta(bad)
+        finally:
+            if saved is None:
+                os.environ.pop("ISOLATE_STATE_DIR", None)
+            else:
+                os.environ["ISOLATE_STATE_DIR"] = saved
         # Its root layer lies over that image only.
         with pytest.raises(isolate.PolicyError, match="snapbase"):
             isolate.Sandbox(isolate.Policy(image=other.reference), snapshot=snap)

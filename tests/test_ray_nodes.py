@@ -161,6 +161,34 @@ def test_merge_of_forks_on_two_nodes(cluster: Any) -> None:
             b.close()
 
 
+def test_a_snapshot_of_an_image_sandbox_moves_with_its_root_layer(cluster: Any, tmp_path: Path) -> None:
+    """The root's changes of a sandbox of an image (its upper layer on disk) go with its snapshot to another
+    node, which holds the same image: a sandbox started there has them (before: refused, "does not move
+    between nodes yet")."""
+    import imagekit as kit
+
+    from isolate.image import Image, Store
+    from isolate.kernel.overlay import xattr_problem
+
+    home, away = cluster.head_node.node_id, cluster.workers[0].node_id
+    why = xattr_problem(cluster.states[home], cluster.states[home])
+    if why:
+        pytest.skip(f"image_upper='disk' is refused here: {why}")
+    kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer([{"name": "data", "type": "dir", "mode": 0o777}])],
+                   ref="raysnap:1", Env=["PATH=/bin"])
+    for state in (cluster.states[home], cluster.states[away]):  # each node's own store holds the image
+        image = Image.load(tmp_path / "base", store=Store(os.path.join(state, "images")))
+    policy = isolate.Policy(image=image.reference)
+    with iray.Sandbox(policy, node_id=home, image_upper="disk") as parent:
+        parent.exec("echo changed > /data/root.txt; echo ws > /workspace/ws.txt")
+        snap = parent.snapshot()
+        try:
+            with iray.Sandbox(policy, snapshot=snap, node_id=away) as moved:
+                assert moved.exec("cat /data/root.txt /workspace/ws.txt").stdout == "changed\nws\n"
+        finally:
+            snap.remove()
+
+
 def _bundle(**members: bytes) -> tuple[bytes, str]:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:

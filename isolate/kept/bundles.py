@@ -3,10 +3,16 @@
     data, digest = bundles.export(snap)       # bytes, and "sha256:<hex of the bytes>"
     snap = bundles.load(data, digest)         # on the other machine: verified, then kept as a local snapshot
 
-A bundle is an uncompressed tar of at most four members, each a regular file:
-``snapshot.json`` (its kind, workspace, id, origin and tmpfs mounts),
+A bundle is an uncompressed tar of at most five members, each a regular file:
+``snapshot.json`` (its kind, workspace, id, origin and tmpfs mounts, and for a
+sandbox of an image that image's id and reference and what ``to_image`` needs),
 ``data.tar`` (the layer or tree), ``base.tar`` (a layer snapshot's start, for
-merge) and ``areas.tar`` (the tmpfs mounts' archive, as the snapshot keeps it).
+merge), ``root.tar`` (a sandbox of an image: its root's layer, the changes it
+made to the image) and ``areas.tar`` (the tmpfs mounts' archive, as the
+snapshot keeps it). The image itself does not travel: the machine that loads
+the bundle has it (a Ray node pulls its policy's image before it starts a
+sandbox), and a sandbox starts from the snapshot only over that same image
+(its id; ``check_image``).
 A layer or tree travels as an image layer does: whiteouts as ``.wh.NAME``,
 opaque directories as ``.wh..wh..opq``, links as links, no
 device: packed by the image layer writer (``isolate/image/export.py``), through descriptors that follow no
@@ -33,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import stat
 import tarfile
 from typing import Any
@@ -40,14 +47,14 @@ from typing import Any
 from ..image.export import layer_into
 from ..image.unpack import unpack
 from ..kernel.links import DIR_FLAGS
-from ..model.errors import IsolationError, UnsupportedError
+from ..model.errors import IsolationError
 from ..model.workspace import Workspace
 from .snapshots import Snapshot, _Making
 
 #: The most a bundle carries (its files' sizes, holes counted: a bundle is made in memory).
 MAX_BUNDLE = 1 << 30
 #: The members a bundle may hold; anything else in one is refused.
-MEMBERS = ("snapshot.json", "data.tar", "base.tar", "areas.tar")
+MEMBERS = ("snapshot.json", "data.tar", "base.tar", "root.tar", "areas.tar")
 _MAX_META = 1 << 20
 
 
@@ -67,10 +74,6 @@ def _pack(fd: int, budget: list[int], what: str) -> bytes:
 
 def export(snap: Snapshot) -> tuple[bytes, str]:
     """The snapshot as a bundle, and its digest (see the module's docstring)."""
-    if snap.image is not None:
-        raise UnsupportedError(f"snapshot {snap.name!r}: it holds an image root's layer (a sandbox of "
-                               f"{snap.image_ref}), which does not move between nodes yet; its workspace does "
-                               "in a snapshot of a sandbox of the host's root")
     budget = [MAX_BUNDLE]
     what = f"snapshot {snap.name!r} (to another node: at most {MAX_BUNDLE} bytes)"
     members: dict[str, bytes] = {}
@@ -85,6 +88,16 @@ def export(snap: Snapshot) -> tuple[bytes, str]:
             members["base.tar"] = _pack(base, budget, what)
         finally:
             os.close(base)
+    image: dict[str, Any] | None = None
+    if snap.image is not None:
+        image = snap._image_meta()
+        root = snap.open_root()
+        try:
+            members["root.tar"] = _pack(root, budget, what)
+            top = os.fstat(root)
+            image = {**image, "root": [stat.S_IMODE(top.st_mode) & 0o1777, top.st_uid, top.st_gid]}
+        finally:
+            os.close(root)
     areas = snap.open_areas()
     if areas is not None:
         with os.fdopen(areas, "rb") as handle:
@@ -100,6 +113,8 @@ def export(snap: Snapshot) -> tuple[bytes, str]:
     meta = {"kind": snap.kind, "root": [stat.S_IMODE(top.st_mode) & 0o1777, top.st_uid, top.st_gid],
             "id": snap.id, "origin": snap.origin, "areas": list(snap.areas),
             "workspace": {"source": ws.source, "target": ws.target, "mode": ws.mode, "exclude": list(ws.exclude)}}
+    if image is not None:
+        meta["image"] = image
     members["snapshot.json"] = json.dumps(meta, sort_keys=True).encode()
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
@@ -143,7 +158,9 @@ def _meta(raw: bytes, what: str) -> dict[str, Any]:
         if not isinstance(root, list) or len(root) != 3 or not all(
                 isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 32) - 1 for x in root):
             raise ValueError(f"the root's mode and owner {str(root)[:60]}")
+        image = _image_meta(meta.get("image"))
         checked = {"kind": meta["kind"], "root": (root[0] & 0o1777, root[1], root[2]), "id": str(meta["id"]),
+                   "image": image,
                    "origin": meta["origin"],
                    "areas": tuple(str(a) for a in meta["areas"]),
                    "workspace": {"source": ws["source"], "target": str(ws["target"]), "mode": str(ws["mode"]),
@@ -159,6 +176,32 @@ def _meta(raw: bytes, what: str) -> dict[str, Any]:
     if not all(os.path.isabs(a) and ".." not in a.split("/") for a in checked["areas"]):
         raise IsolationError(f"{what}: its tmpfs mounts are not absolute paths")
     return checked
+
+
+def _owner(value: Any) -> tuple[int, int, int]:
+    """A mode and an owner as the kernel takes them: not -1 (fchown's "unchanged"), nothing past 32 bits."""
+    if not isinstance(value, list) or len(value) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 32) - 1 for x in value):
+        raise ValueError(f"a mode and owner {str(value)[:60]}")
+    return value[0] & 0o1777, value[1], value[2]
+
+
+def _image_meta(value: Any) -> dict[str, Any] | None:
+    """What a snapshot of a sandbox of an image says of that image, each field checked (ValueError)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"id", "reference", "config", "leave_out", "root"}:
+        raise ValueError("the image it lies over is not described as isolate does")
+    image_id, reference, config, leave_out = value["id"], value["reference"], value["config"], value["leave_out"]
+    if not (isinstance(image_id, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", image_id)) \
+            or not (reference is None or (isinstance(reference, str) and 0 < len(reference) <= 4096)):
+        raise ValueError("the image's id or reference")
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config) \
+            or not isinstance(leave_out, list) or not all(
+                isinstance(p, str) and p and not p.startswith("/") and ".." not in p.split("/") for p in leave_out):
+        raise ValueError("the image's config or the mount points left out of it")
+    return {"id": image_id, "reference": reference, "config": config, "leave_out": list(leave_out),
+            "root": _owner(value["root"])}
 
 
 def load(data: bytes, digest: str, name: str | None = None) -> Snapshot:
@@ -189,6 +232,20 @@ def load(data: bytes, digest: str, name: str | None = None) -> Snapshot:
                 unpack(_raw(members["base.tar"]), base, what=what, max_size=MAX_BUNDLE)
             finally:
                 os.close(base)
+        image = meta["image"]
+        if ("root.tar" in members) != (image is not None):
+            raise IsolationError(f"{what}: an image's root layer without its image, or the reverse: refused")
+        if image is not None:
+            os.mkdir("root", 0o755, dir_fd=making.fd)
+            root = os.open("root", DIR_FLAGS, dir_fd=making.fd)
+            try:
+                unpack(_raw(members["root.tar"]), root, what=what, max_size=MAX_BUNDLE)
+                mode, uid, gid = image.pop("root")
+                if os.geteuid() == 0:
+                    os.fchown(root, uid, gid)
+                os.fchmod(root, mode)
+            finally:
+                os.close(root)
         if "areas.tar" in members:
             if not meta["areas"]:
                 raise IsolationError(f"{what}: a tmpfs archive and no tmpfs mount it is for: refused")
@@ -197,7 +254,7 @@ def load(data: bytes, digest: str, name: str | None = None) -> Snapshot:
                 handle.write(members["areas.tar"])
         elif meta["areas"]:
             raise IsolationError(f"{what}: names tmpfs mounts and carries no archive of them: refused")
-        return making.commit(workspace, meta["origin"], meta["areas"], id=meta["id"])
+        return making.commit(workspace, meta["origin"], meta["areas"], id=meta["id"], image=image)
     except BaseException:
         making.abandon()
         raise

@@ -70,7 +70,7 @@ def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
     if kwargs.get("name") is not None:
         raise PolicyError("name: a sandbox on a Ray cluster is unnamed (it belongs to its client and ends with it)",
                           "name")
-    unknown = set(kwargs) - {"mounts", "backend", "ttl", "idle_timeout", "name"}
+    unknown = set(kwargs) - {"mounts", "backend", "ttl", "idle_timeout", "name", "image_upper"}
     if unknown:
         raise TypeError(f"Sandbox() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
 

@@ -124,8 +124,21 @@ def _make_images(tmp: str, tools: list[str]) -> list[str]:
         archive = os.path.join(tmp, f"saved-{i}.tar")
         kit.docker_archive(archive, layers, tag=name, Env=["PATH=/bin"])
         for tool in tools:
-            subprocess.run([tool, "load", "-q", "-i", archive], check=True, capture_output=True, timeout=300)
+            _load(tool, archive)
     return refs
+
+
+def _load(tool: str, archive: str) -> None:
+    """``TOOL load`` of the archive; tried again once (podman's storage lock can be held by another podman of
+    this machine, which its load reports as exit 125), then failing with what the tool said."""
+    for attempt in range(2):
+        done = subprocess.run([tool, "load", "-q", "-i", archive], capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            return
+        if attempt == 0:
+            time.sleep(2.0)
+    said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+    raise RuntimeError(f"{tool} load {os.path.basename(archive)} failed ({done.returncode}): {' | '.join(said)}")
 
 
 @contextlib.contextmanager

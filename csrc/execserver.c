@@ -350,17 +350,33 @@ static void do_file_op(int conn, const struct request *req)
 
 /* --- commands ------------------------------------------------------------- */
 
+static long long now_ms(void);
+
 static pid_t command;
 static int command_reaped;
 static int command_status;
 static int children_fd = -1; /* /proc/self/task/TID/children of the monitor */
+/* The usage of what this monitor reaped for its command: each child's (wait4 gives a child's own and
+ * that of what it reaped in turn).  RUSAGE_CHILDREN would count every earlier command of a monitor
+ * that serves again (see spare_main). */
+static int64_t usage_user_usec, usage_system_usec, usage_maxrss_kib;
+
+static void account(const struct rusage *ru)
+{
+    usage_user_usec += (int64_t)ru->ru_utime.tv_sec * 1000000 + ru->ru_utime.tv_usec;
+    usage_system_usec += (int64_t)ru->ru_stime.tv_sec * 1000000 + ru->ru_stime.tv_usec;
+    if (ru->ru_maxrss > usage_maxrss_kib)
+        usage_maxrss_kib = ru->ru_maxrss;
+}
 
 /* Reap children without blocking; note the command's status. */
 static void reap_some(void)
 {
     int wstatus;
     pid_t pid;
-    while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+    struct rusage ru;
+    while ((pid = wait4(-1, &wstatus, WNOHANG, &ru)) > 0) {
+        account(&ru);
         if (pid == command) {
             command_status = wstatus;
             command_reaped = 1;
@@ -389,8 +405,11 @@ static void kill_tree(void)
             kill((pid_t)pid, SIGKILL);
             int wstatus;
             pid_t got;
-            while ((got = waitpid((pid_t)pid, &wstatus, 0)) < 0 && errno == EINTR)
+            struct rusage ru;
+            while ((got = wait4((pid_t)pid, &wstatus, 0, &ru)) < 0 && errno == EINTR)
                 ;
+            if (got > 0)
+                account(&ru);
             if (got == command) {
                 command_status = wstatus;
                 command_reaped = 1;
@@ -402,8 +421,12 @@ static void kill_tree(void)
     }
     if (children_fd < 0 && !command_reaped) {
         /* Without /proc only the group and the command can be named. */
-        while (waitpid(command, &command_status, 0) < 0 && errno == EINTR)
+        struct rusage ru;
+        pid_t got;
+        while ((got = wait4(command, &command_status, 0, &ru)) < 0 && errno == EINTR)
             ;
+        if (got > 0)
+            account(&ru);
         command_reaped = 1;
     }
 }
@@ -567,13 +590,9 @@ fail:
 static void send_exited(int conn, int reason)
 {
     struct iso_xs_reply reply = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_EXITED, .pid = command,
-                                 .wait_status = command_status, .reason = reason};
-    struct rusage usage;
-    if (getrusage(RUSAGE_CHILDREN, &usage) == 0) {
-        reply.user_usec = (int64_t)usage.ru_utime.tv_sec * 1000000 + usage.ru_utime.tv_usec;
-        reply.system_usec = (int64_t)usage.ru_stime.tv_sec * 1000000 + usage.ru_stime.tv_usec;
-        reply.maxrss_kib = usage.ru_maxrss;
-    }
+                                 .wait_status = command_status, .reason = reason,
+                                 .user_usec = usage_user_usec, .system_usec = usage_system_usec,
+                                 .maxrss_kib = usage_maxrss_kib};
     send_reply(conn, &reply, NULL, 0, -1);
 }
 
@@ -603,11 +622,30 @@ static void monitor_prepare(void)
         monitor_err = errno;
 }
 
-/* A monitor: owns conn and one command, until the command has ended. */
+/* 1 when this process has no child at all, alive or not yet reaped (none is reaped here). */
+static int childless(void)
+{
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) < 0 && errno == ECHILD;
+}
+
+/* A monitor: owns conn and one command, until the command has ended.
+ * Returns (conn closed) only when this process may serve another command
+ * (see spare_main): its command exited by itself, leaving nothing running
+ * below it, so that whatever it reaps or kills from now on is the next
+ * command's.  Otherwise it exits. */
 static void monitor(int conn, struct request *req)
 {
     const struct iso_xs_request *h = &req->head;
     int64_t timeout_ms = h->timeout_ms; /* req is `current`, which the loop below reuses */
+    int late_started = (h->flags & ISO_XS_F_LATE_STARTED) != 0;
+    /* A terminal's master and a strings mapping are not undone here: such a command's monitor exits. */
+    int may_serve_again = !(h->flags & (ISO_XS_F_PTY | ISO_XS_F_STRINGS_FD));
+    command = 0;
+    command_reaped = 0;
+    command_status = 0;
+    usage_user_usec = usage_system_usec = usage_maxrss_kib = 0;
     if (h->flags & ISO_XS_F_STRINGS_FD) {
         int err = load_strings(req);
         if (err) {
@@ -684,6 +722,7 @@ static void monitor(int conn, struct request *req)
         start_command(req, argv, err_pipe[1]);
     }
     close(err_pipe[1]);
+    monitor_err_pipe[1] = -1;
     close_fds(req);
     struct iso_failure failure;
     ssize_t got;
@@ -691,6 +730,7 @@ static void monitor(int conn, struct request *req)
         got = read(err_pipe[0], &failure, sizeof failure);
     } while (got < 0 && errno == EINTR);
     close(err_pipe[0]);
+    monitor_err_pipe[0] = -1;
     if (got == (ssize_t)sizeof failure) {
         while (waitpid(command, NULL, 0) < 0 && errno == EINTR)
             ;
@@ -700,9 +740,18 @@ static void monitor(int conn, struct request *req)
         _exit(0);
     }
     struct iso_xs_reply started = {.magic = ISO_XS_MAGIC, .kind = ISO_XS_STARTED, .pid = command};
-    send_reply(conn, &started, NULL, 0, master);
-    if (master >= 0)
-        close(master); /* the host holds it now; the command's side stays open in the command */
+    /* ISO_XS_F_LATE_STARTED (never with a terminal, whose master goes with STARTED): most commands
+     * are short, and their EXITED, which carries the pid, says that they started; STARTED then
+     * would only wake the host once more.  One that outlasts ISO_XS_STARTED_AFTER_MS gets it then,
+     * well within the host's wait for it. */
+    long long started_due = -1;
+    if (late_started && master < 0) {
+        started_due = now_ms() + ISO_XS_STARTED_AFTER_MS;
+    } else {
+        send_reply(conn, &started, NULL, 0, master);
+        if (master >= 0)
+            close(master); /* the host holds it now; the command's side stays open in the command */
+    }
 
     int timer = -1;
     if (timeout_ms > 0) {
@@ -720,7 +769,17 @@ static void monitor(int conn, struct request *req)
     while (!command_reaped) {
         struct pollfd fds[3] = {{.fd = sigfd, .events = POLLIN}, {.fd = conn, .events = POLLIN},
                                 {.fd = timer, .events = POLLIN}};
-        if (poll(fds, 3, -1) < 0) {
+        int wait_ms = -1;
+        if (started_due >= 0) {
+            long long left = started_due - now_ms();
+            if (left <= 0) {
+                send_reply(conn, &started, NULL, 0, -1);
+                started_due = -1;
+                continue;
+            }
+            wait_ms = (int)left;
+        }
+        if (poll(fds, 3, wait_ms) < 0) {
             if (errno == EINTR)
                 continue;
             kill_tree();
@@ -764,7 +823,11 @@ static void monitor(int conn, struct request *req)
     if (flags >= 0 && fcntl(conn, F_SETFL, flags | O_NONBLOCK) == 0)
         while (receive(conn) != 0)
             close_fds(&current);
-    _exit(0);
+    if (reason != ISO_XS_REASON_EXITED || !may_serve_again || !childless())
+        _exit(0); /* what the command left goes to the sandbox's init with this process's end */
+    if (timer >= 0)
+        close(timer);
+    close(conn);
 }
 
 /* --- the server ----------------------------------------------------------- */
@@ -807,89 +870,151 @@ static int listen_at(const char *path)
     return fd;
 }
 
-static pid_t monitors[MAX_MONITORS];
+/* The server's state: its listener, SIGCHLD signalfd and connections. */
+static int listener = -1, server_sigfd = -1;
+static int clients[MAX_CLIENTS];
+static int n_clients, running;
+
+/* The server's monitors: those running a command, and (with SPARE) those
+ * waiting for one.  chan is the server's end of a socketpair to the
+ * monitor; -1 for one forked without (no spares wanted). */
+struct monitor_ref {
+    pid_t pid;
+    int chan;
+};
+static struct monitor_ref monitors[MAX_MONITORS];
 static int n_monitors;
+/* Waiting monitors kept at most: two serve commands run one after the
+ * other and a second one beside, with no fork; more would only hold
+ * processes (and memory) of the sandbox. */
+#define MAX_IDLE 2
+static struct monitor_ref idle[MAX_IDLE];
+static int n_idle;
+
+static int find_ref(const struct monitor_ref *list, int n, pid_t pid)
+{
+    for (int i = 0; i < n; i++)
+        if (list[i].pid == pid)
+            return i;
+    return -1;
+}
 
 static int is_monitor(pid_t pid)
 {
-    for (int i = 0; i < n_monitors; i++)
-        if (monitors[i] == pid)
-            return 1;
-    return 0;
+    return find_ref(monitors, n_monitors, pid) >= 0 || find_ref(idle, n_idle, pid) >= 0;
 }
 
-/* 1 when pid was one of our monitors (now forgotten), 0 for an orphan. */
+/* Drop list[i] (its chan closed). */
+static void drop_ref(struct monitor_ref *list, int *n, int i)
+{
+    if (list[i].chan >= 0)
+        close(list[i].chan);
+    list[i] = list[--*n];
+}
+
+/* pid has ended: 1 when it was running a command (now forgotten), 0 for a
+ * waiting monitor (forgotten too) or an orphan. */
 static int forget_monitor(pid_t pid)
 {
-    for (int i = 0; i < n_monitors; i++) {
-        if (monitors[i] == pid) {
-            monitors[i] = monitors[--n_monitors];
-            return 1;
-        }
+    int i = find_ref(idle, n_idle, pid);
+    if (i >= 0) {
+        drop_ref(idle, &n_idle, i);
+        return 0;
     }
-    return 0;
+    i = find_ref(monitors, n_monitors, pid);
+    if (i < 0)
+        return 0;
+    drop_ref(monitors, &n_monitors, i);
+    return 1;
 }
 
-/* --- the spare monitor ------------------------------------------------------
+/* --- waiting monitors -------------------------------------------------------
  *
  * fork() of the server and the monitor's own set-up cost a command's start
- * about as much as its exec.  With SPARE set, the server keeps one monitor
- * forked and prepared ahead, waiting on a socketpair: an EXEC request is
- * handed to it as it came (the connection, then the packet with its
- * descriptors), and the next spare is forked after, while the command runs.
- * The spare is a process of the sandbox like any monitor (it counts towards
- * a process limit: the host asks for no spare when the policy has one).  A
- * spare that is gone (a process of the sandbox, same uid, can kill it) is
- * seen when the hand-over fails: the server then forks the monitor itself. */
-static pid_t spare_pid = -1;
-static int spare_fd = -1; /* the server's end of the spare's socketpair */
+ * about as much as its exec, and the monitor's exit and reaping as much
+ * again.  With SPARE set, the server keeps a monitor forked and prepared
+ * ahead, waiting on a socketpair: an EXEC request is handed to it as it
+ * came (the connection, then the packet with its descriptors).  When its
+ * command has exited by itself and left no process behind (the monitor has
+ * no child at all), the monitor says so on the socketpair and waits for the
+ * next one: a command that follows another costs no fork.  One that
+ * leaves processes behind, times out, is killed, or has a terminal ends its
+ * monitor as before (what it left goes to the sandbox's init).
+ *
+ * A waiting monitor is a process of the sandbox like any monitor (it counts
+ * towards a process limit: the host asks for no spare when the policy has
+ * one).  One that is gone (a process of the sandbox, same uid, can kill it)
+ * is seen when the hand-over fails: the server then starts another. */
+static int spares_wanted;
 
 static void spare_main(int chan)
 {
     monitor_prepare();
-    char byte;
-    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } control;
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof control.buf};
-    ssize_t n;
-    do {
-        n = recvmsg(chan, &msg, MSG_CMSG_CLOEXEC);
-    } while (n < 0 && errno == EINTR);
-    struct cmsghdr *c = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL;
-    if (!c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(sizeof(int)))
-        _exit(0); /* the server is gone (or did not hand a connection): nothing to monitor */
-    int conn;
-    memcpy(&conn, CMSG_DATA(c), sizeof conn);
-    int r = receive(chan);
-    /* Taken: from here on this process answers conn.  Until the server
-     * reads this byte it keeps the request, and starts the command itself
-     * if this process ends first (it was killed). */
-    if (write(chan, "", 1) != 1)
-        _exit(0);
-    close(chan);
-    if (r <= 0 || current.head.op != ISO_XS_EXEC) {
-        close_fds(&current);
-        reply_kind(conn, ISO_XS_ERROR, EPROTO);
-        _exit(0);
+    for (;;) {
+        char byte;
+        struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+        union {
+            char buf[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } control;
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = sizeof control.buf};
+        ssize_t n;
+        do {
+            n = recvmsg(chan, &msg, MSG_CMSG_CLOEXEC);
+        } while (n < 0 && errno == EINTR);
+        struct cmsghdr *c = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL;
+        if (!c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS ||
+            c->cmsg_len != CMSG_LEN(sizeof(int)))
+            _exit(0); /* the server is gone, keeps enough waiting, or did not hand a connection */
+        int conn;
+        memcpy(&conn, CMSG_DATA(c), sizeof conn);
+        int r = receive(chan);
+        /* Taken: from here on this process answers conn.  Until the server
+         * reads this byte it keeps the request, and starts the command itself
+         * if this process ends first (it was killed). */
+        if (write(chan, "", 1) != 1)
+            _exit(0);
+        if (r <= 0 || current.head.op != ISO_XS_EXEC) {
+            close_fds(&current);
+            reply_kind(conn, ISO_XS_ERROR, EPROTO);
+            _exit(0);
+        }
+        monitor(conn, &current); /* returns only when this process may serve again */
+        /* Ready again: the next command's error pipe, then the word to the server. */
+        if (pipe2(monitor_err_pipe, O_CLOEXEC) < 0 || write(chan, "", 1) != 1)
+            _exit(0);
     }
-    monitor(conn, &current);
 }
 
-/* Fork a spare; without one (fork failed), monitors are forked per command. */
-static void make_spare(const int *keep_out, int n_keep_out)
+/* In a child of the server: close what only the server may hold (the
+ * listener, its signalfd, the other connections, the other monitors'
+ * sockets), all but keep. */
+static void close_server_fds(int keep)
+{
+    close(listener);
+    close(server_sigfd);
+    for (int j = 0; j < n_clients; j++)
+        if (clients[j] != keep)
+            close(clients[j]);
+    for (int j = 0; j < n_idle; j++)
+        close(idle[j].chan);
+    for (int j = 0; j < n_monitors; j++)
+        if (monitors[j].chan >= 0)
+            close(monitors[j].chan);
+}
+
+/* Fork a waiting monitor into idle[]; without one (fork failed), monitors
+ * are forked per command. */
+static void make_spare(void)
 {
     int pair[2];
-    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0)
+    if (n_idle >= MAX_IDLE || socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0)
         return;
     pid_t pid = fork();
     if (pid == 0) {
         close(pair[0]);
-        for (int i = 0; i < n_keep_out; i++)
-            close(keep_out[i]);
+        close_server_fds(-1);
         spare_main(pair[1]);
     }
     close(pair[1]);
@@ -897,8 +1022,7 @@ static void make_spare(const int *keep_out, int n_keep_out)
         close(pair[0]);
         return;
     }
-    spare_pid = pid;
-    spare_fd = pair[0];
+    idle[n_idle++] = (struct monitor_ref){.pid = pid, .chan = pair[0]};
 }
 
 static int send_fds(int fd, const void *data, size_t len, const int *fds, int n_fds)
@@ -926,13 +1050,13 @@ static int send_fds(int fd, const void *data, size_t len, const int *fds, int n_
     return n == (ssize_t)len ? 0 : -1;
 }
 
-/* Wait for the spare's word that it took the request: 1, or 0 when it
- * ended first (or did not answer in 10 s: it is then killed).  A spare
- * stopped meanwhile is continued, as the main loop continues monitors. */
-static int spare_took_it(pid_t pid)
+/* Wait for the monitor's word that it took the request: 1, or 0 when it
+ * ended first (or did not answer in 10 s: it is then killed).  One stopped
+ * meanwhile is continued, as the main loop continues monitors. */
+static int spare_took_it(struct monitor_ref m)
 {
     for (int round = 0; round < 1000; round++) {
-        struct pollfd p = {.fd = spare_fd, .events = POLLIN};
+        struct pollfd p = {.fd = m.chan, .events = POLLIN};
         int n = poll(&p, 1, 10);
         if (n < 0 && errno != EINTR)
             break;
@@ -940,47 +1064,80 @@ static int spare_took_it(pid_t pid)
             char byte;
             ssize_t got;
             do {
-                got = read(spare_fd, &byte, 1);
+                got = read(m.chan, &byte, 1);
             } while (got < 0 && errno == EINTR);
             return got == 1;
         }
         int wstatus;
-        if (waitpid(pid, &wstatus, WNOHANG | WUNTRACED) == pid && WIFSTOPPED(wstatus))
-            kill(pid, SIGCONT);
+        if (waitpid(m.pid, &wstatus, WNOHANG | WUNTRACED) == m.pid && WIFSTOPPED(wstatus))
+            kill(m.pid, SIGCONT);
     }
-    kill(pid, SIGKILL);
+    kill(m.pid, SIGKILL);
     return 0;
 }
 
-/* Hand conn and `current` to the spare: its pid, or -1 (no spare, or it
- * ended before it took the request, which is then still the server's). */
-static pid_t hand_to_spare(int conn)
+/* Hand conn and `current` to a waiting monitor: it (now the caller's), or
+ * pid -1 (none, or each ended before it took the request, which is then
+ * still the server's). */
+static struct monitor_ref hand_to_spare(int conn)
 {
-    if (spare_pid < 0)
-        return -1;
-    pid_t pid = spare_pid;
-    char byte = 0;
-    int ok = send_fds(spare_fd, &byte, 1, &conn, 1) == 0 &&
-             send_fds(spare_fd, message, current_len, current.fds, current.n_fds) == 0 && spare_took_it(pid);
-    if (!ok)
-        kill(pid, SIGKILL); /* it must not answer conn: the caller forks a monitor for it */
-    close(spare_fd);
-    spare_fd = -1;
-    spare_pid = -1;
-    return ok ? pid : -1;
+    while (n_idle > 0) {
+        struct monitor_ref m = idle[--n_idle];
+        char byte = 0;
+        if (send_fds(m.chan, &byte, 1, &conn, 1) == 0 &&
+            send_fds(m.chan, message, current_len, current.fds, current.n_fds) == 0 && spare_took_it(m))
+            return m;
+        kill(m.pid, SIGKILL); /* it must not answer conn: another one does */
+        close(m.chan);
+    }
+    return (struct monitor_ref){.pid = -1, .chan = -1};
+}
+
+/* A running monitor's word on its socket: it is waiting again (kept, or
+ * let go when enough wait), or it has ended (its socket hung up). */
+static void monitor_spoke(pid_t pid)
+{
+    int i = find_ref(monitors, n_monitors, pid);
+    if (i < 0)
+        return;
+    char byte;
+    ssize_t got;
+    do {
+        got = read(monitors[i].chan, &byte, 1);
+    } while (got < 0 && errno == EINTR);
+    if (got != 1) {
+        close(monitors[i].chan); /* its end comes as SIGCHLD */
+        monitors[i].chan = -1;
+        return;
+    }
+    if (n_idle < MAX_IDLE) {
+        idle[n_idle++] = monitors[i];
+        monitors[i] = monitors[--n_monitors];
+    } else {
+        drop_ref(monitors, &n_monitors, i); /* its recvmsg sees the hang-up: it exits */
+    }
+    running--;
+}
+
+/* Whether a running monitor may come back to wait (then none is forked ahead). */
+static int one_may_come_back(void)
+{
+    for (int i = 0; i < n_monitors; i++)
+        if (monitors[i].chan >= 0)
+            return 1;
+    return 0;
 }
 
 static long long now_ms(void)
 {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    /* CLOCK_MONOTONIC is always there; were it not, time would stand still (no idle end, a late STARTED
+     * never sent: EXITED still says that the command started). */
+    if (clock_gettime(CLOCK_MONOTONIC, &t) < 0)
+        return 0;
     return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-/* The server's state: its listener, SIGCHLD signalfd and connections. */
-static int listener = -1, server_sigfd = -1;
-static int clients[MAX_CLIENTS];
-static int n_clients, running;
 
 /* Answer the request just received on conn (r: what receive() returned).
  * 1 when conn is done with here (an EXEC handed it to a monitor, or the
@@ -998,21 +1155,29 @@ static int serve(int conn, int r)
         close_fds(&current);
         return 0;
     }
-    pid_t pid = n_monitors < MAX_MONITORS ? hand_to_spare(conn) : -1;
-    if (pid < 0)
-        pid = n_monitors < MAX_MONITORS ? fork() : (errno = EAGAIN, -1);
-    if (pid == 0) {
-        close(listener);
-        close(server_sigfd);
-        for (int j = 0; j < n_clients; j++)
-            if (clients[j] != conn)
-                close(clients[j]);
-        monitor(conn, &current);
+    struct monitor_ref m = {.pid = -1, .chan = -1};
+    if (n_monitors < MAX_MONITORS) {
+        m = hand_to_spare(conn);
+        if (m.pid < 0 && spares_wanted) {
+            /* None waiting (another command runs): one forked now, which may
+             * then wait for the next command in its turn. */
+            make_spare();
+            m = hand_to_spare(conn);
+        }
+        if (m.pid < 0)
+            m.pid = fork();
+    } else {
+        errno = EAGAIN;
     }
-    if (pid < 0) {
+    if (m.pid == 0) {
+        close_server_fds(conn);
+        monitor(conn, &current);
+        _exit(0); /* forked for this command alone */
+    }
+    if (m.pid < 0) {
         reply_kind(conn, ISO_XS_ERROR, errno);
     } else {
-        monitors[n_monitors++] = pid;
+        monitors[n_monitors++] = m;
         running++;
     }
     close_fds(&current);
@@ -1026,7 +1191,7 @@ int iso_exec_server_main(int argc, char **argv)
     uid_t peer_uid = (uid_t)strtoul(argv[2], NULL, 10);
     long long idle_ms = atoll(argv[3]);
     long long ttl_ms = argc > 4 ? atoll(argv[4]) : 0;
-    int spare = argc > 5 && atoi(argv[5]) == 1;
+    spares_wanted = argc > 5 && atoi(argv[5]) == 1;
     long long started = now_ms();
     listener = argv[1][0] == '/' ? listen_at(argv[1]) : atoi(argv[1]);
     if (listener < 0)
@@ -1047,16 +1212,24 @@ int iso_exec_server_main(int argc, char **argv)
 
     long long idle_since = now_ms();
     for (;;) {
-        if (spare && spare_pid < 0 && n_monitors < MAX_MONITORS - 1) {
-            int keep_out[2 + MAX_CLIENTS] = {listener, sigfd};
-            memcpy(keep_out + 2, clients, sizeof(int) * (size_t)n_clients);
-            make_spare(keep_out, 2 + n_clients);
-        }
-        struct pollfd fds[2 + MAX_CLIENTS];
+        /* One waiting ahead of the next command, unless a running one will come back to wait. */
+        if (spares_wanted && n_idle == 0 && !one_may_come_back() && n_monitors < MAX_MONITORS - 1)
+            make_spare();
+        /* The listener, the signalfd, the connections, then the running monitors' sockets. */
+        static struct pollfd fds[2 + MAX_CLIENTS + MAX_MONITORS];
+        static pid_t speakers[MAX_MONITORS];
         fds[0] = (struct pollfd){.fd = n_clients < MAX_CLIENTS ? listener : -1, .events = POLLIN};
         fds[1] = (struct pollfd){.fd = sigfd, .events = POLLIN};
         for (int i = 0; i < n_clients; i++)
             fds[2 + i] = (struct pollfd){.fd = clients[i], .events = POLLIN};
+        int n_speakers = 0;
+        for (int i = 0; i < n_monitors; i++) {
+            if (monitors[i].chan < 0)
+                continue;
+            fds[2 + n_clients + n_speakers] = (struct pollfd){.fd = monitors[i].chan, .events = POLLIN};
+            speakers[n_speakers++] = monitors[i].pid;
+        }
+        int first_speaker = 2 + n_clients;
         /* The nearest end: idleness (when nothing runs) or the ttl. */
         int bounded = 0;
         long long left = 0;
@@ -1076,7 +1249,7 @@ int iso_exec_server_main(int argc, char **argv)
                 return 0;
             wait_ms = left > 1000000 ? 1000000 : (int)left;
         }
-        int ready = poll(fds, (nfds_t)(2 + n_clients), wait_ms);
+        int ready = poll(fds, (nfds_t)(first_speaker + n_speakers), wait_ms);
         if (ready < 0) {
             if (errno == EINTR)
                 continue;
@@ -1093,13 +1266,9 @@ int iso_exec_server_main(int argc, char **argv)
             pid_t child;
             while ((child = waitpid(-1, &wstatus, WNOHANG | WUNTRACED)) > 0) {
                 if (WIFSTOPPED(wstatus)) {
-                    if (is_monitor(child) || child == spare_pid) /* an orphan of the program may stay stopped */
+                    if (is_monitor(child)) /* an orphan of the program may stay stopped */
                         kill(child, SIGCONT);
-                } else if (child == spare_pid) {
-                    close(spare_fd); /* killed: the next one is forked before the next poll */
-                    spare_fd = -1;
-                    spare_pid = -1;
-                } else if (forget_monitor(child)) {
+                } else if (forget_monitor(child)) { /* a waiting one killed: the next is forked before the next poll */
                     running--;
                 }
             }
@@ -1107,6 +1276,14 @@ int iso_exec_server_main(int argc, char **argv)
                 running = 0;
             if (running == 0)
                 idle_since = now_ms();
+        }
+        /* Before the new requests: a monitor waiting again takes the next command. */
+        for (int i = 0; ready > 0 && i < n_speakers; i++) {
+            if (fds[first_speaker + i].revents) {
+                monitor_spoke(speakers[i]);
+                if (running == 0)
+                    idle_since = now_ms();
+            }
         }
         int polled = ready > 0 ? n_clients : 0;
         if (fds[0].revents & POLLIN) {

@@ -144,8 +144,10 @@ class Command:
         #: What the sandbox's egress mediator had seen when the command started (None: no egress by name).
         self._egress_start = sandbox.egress_summary() if sandbox is not None else None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms,
-                                         int(lib.ISO_XS_F_PTY) if pty else 0)
+        # Without waiting for the start, the monitor says STARTED only for a command that runs a while:
+        # a short one's EXITED says both (one wake-up of the host, not two).
+        flags = int(lib.ISO_XS_F_PTY) if pty else 0 if wait_started else int(lib.ISO_XS_F_LATE_STARTED)
+        packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms, flags)
         try:
             conn.send(packet, ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio))
         finally:
@@ -247,8 +249,11 @@ class Command:
                 raise self.lost("its monitor inside the sandbox went away before it") from None
             if self._start_deadline is not None:
                 self._start_deadline = None
-                self._started_reply(reply, False)
-                continue
+                if reply.kind == lib.ISO_XS_EXITED:
+                    self.pid = reply.pid  # ISO_XS_F_LATE_STARTED: it ended before its STARTED was due
+                else:
+                    self._started_reply(reply, False)
+                    continue
             if reply.fd is not None:
                 os.close(reply.fd)
             if reply.kind != lib.ISO_XS_EXITED:

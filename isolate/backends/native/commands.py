@@ -32,7 +32,7 @@ from ..._core import lib, step_name
 from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
 from ...model.report import Report, status_for
 from .egress import summary_delta
-from .protocol import REPLY_TIMEOUT, Connection, Reply, ServerGone, encode, encode_exec
+from .protocol import REPLY_SIZE, REPLY_TIMEOUT, Connection, Reply, ServerGone, encode, encode_exec
 
 if TYPE_CHECKING:
     from ..kept import KeptBackend
@@ -230,7 +230,7 @@ class Command:
             if deadline is not None and (wait is None or deadline - now <= wait):
                 wait, hard = max(0.0, deadline - now), True
             try:
-                reply = self.conn.receive(wait)
+                reply = self.conn.receive(wait, REPLY_SIZE)  # STARTED, EXITED: no payload
             except TimeoutError:
                 if not hard or self.deadline is None:
                     return None
@@ -341,9 +341,9 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
     out, err = _Tail(output_limit), _Tail(output_limit)
     # poll(), not a selector: no epoll descriptor made and closed per command.
     sel = select.poll()
+    # The pipes stay blocking (no fcntl pair each): each is read only when poll says it is readable.
     for fd in (out_r, err_r):
         if fd is not None:
-            os.set_blocking(fd, False)
             sel.register(fd, select.POLLIN)
     conn_fd = command.conn.fileno()
     sel.register(conn_fd, select.POLLIN)
@@ -385,17 +385,21 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
                         sel.unregister(fd)
         # Whatever the command wrote before it ended is in the pipes now; a
         # background process that keeps them open is not waited for.
-        for fd, tail in ((out_r, out), (err_r, err)):
-            if fd is None:
-                continue
-            while True:
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                if not chunk:
-                    break
-                tail.add(chunk)
+        draining = [fd for fd in (out_r, err_r) if fd is not None]
+        if stdin_w is not None:
+            sel.unregister(stdin_w)
+        sel.unregister(conn_fd)
+        while draining:
+            ready = [fd for fd, _ in sel.poll(0) if fd in draining]
+            if not ready:
+                break
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    (out if fd == out_r else err).add(chunk)
+                else:
+                    sel.unregister(fd)
+                    draining.remove(fd)
     finally:
         if stdin_w is not None:
             os.close(stdin_w)

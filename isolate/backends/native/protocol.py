@@ -205,18 +205,25 @@ class Connection:
         except OSError as exc:
             raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
 
-    def receive(self, timeout: float | None = None) -> Reply:
-        """The next reply; ServerGone when the server hung up."""
-        self.sock.settimeout(timeout)
+    def receive(self, timeout: float | None = None, size: int = MAX_MESSAGE) -> Reply:
+        """The next reply; ServerGone when the server hung up. ``size``: the longest reply expected (a
+        command's conversation has no payload: REPLY_SIZE spares a buffer of MAX_MESSAGE per reply);
+        a longer one is malformed."""
+        # A timeout of 0 (a caller's poll said the socket is readable) is MSG_DONTWAIT: settimeout would
+        # cost the socket's flags read and set twice per reply.
+        dontwait = timeout == 0
+        if not dontwait:
+            self.sock.settimeout(timeout)
         try:
             try:
-                data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+                data, ancdata, msg_flags, _ = self.sock.recvmsg(size, socket.CMSG_SPACE(4 * 4),
+                                                                socket.MSG_DONTWAIT if dontwait else 0)
             except ConnectionResetError:
                 # The peer closed with a request of ours unread (a kill that crossed the command's end):
                 # the kernel reports that first, once, and what the peer sent before is still queued.
-                self.sock.settimeout(0)
                 try:
-                    data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+                    data, ancdata, msg_flags, _ = self.sock.recvmsg(size, socket.CMSG_SPACE(4 * 4),
+                                                                    socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     data, ancdata, msg_flags = b"", [], 0  # nothing was queued: it hung up
         except (TimeoutError, BlockingIOError):
@@ -224,7 +231,8 @@ class Connection:
         except OSError as exc:
             raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
         finally:
-            self.sock.settimeout(None)
+            if not dontwait:
+                self.sock.settimeout(None)
         fds: list[int] = []
         for level, kind, blob in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

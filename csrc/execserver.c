@@ -84,14 +84,17 @@
 /* Commands running at once (each has a monitor process). */
 #define MAX_MONITORS 4096
 #define MAX_STRINGS 16384
+/* Descriptors one request may carry (see struct request). */
+#define MAX_FDS 6
 
 /* One request as received: the header, its strings, its descriptors. */
 struct request {
     struct iso_xs_request head;
     char **strings; /* inline_strings, or (ISO_XS_F_STRINGS_FD) a monitor's own mapping */
-    /* The strings' memfd (ISO_XS_F_STRINGS_FD), stdin, stdout, stderr, and
-     * the command's descriptor 3 if one came. */
-    int fds[5];
+    /* The conversation (ISO_XS_F_CONVERSATION), the strings' memfd
+     * (ISO_XS_F_STRINGS_FD), stdin, stdout, stderr, and the command's
+     * descriptor 3 if one came. */
+    int fds[MAX_FDS];
     int n_fds;
 };
 
@@ -122,7 +125,7 @@ static int receive(int conn)
 static int receive_flags(int conn, int flags)
 {
     union {
-        char buf[CMSG_SPACE(sizeof(int) * 5)];
+        char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
         struct cmsghdr align;
     } control;
     struct iovec iov = {.iov_base = message, .iov_len = ISO_XS_MAX_MESSAGE};
@@ -143,7 +146,7 @@ static int receive_flags(int conn, int flags)
         for (size_t i = 0; i < count; i++) {
             int fd;
             memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-            if (current.n_fds < 5)
+            if (current.n_fds < MAX_FDS)
                 current.fds[current.n_fds++] = fd;
             else
                 close(fd);
@@ -819,10 +822,9 @@ static void monitor(int conn, struct request *req)
     /* A request that crossed the end (a kill sent as the command exited)
      * is read and dropped: a unix socket closed with unread data resets
      * its peer, which is then told that error before the EXITED above. */
-    int flags = fcntl(conn, F_GETFL);
-    if (flags >= 0 && fcntl(conn, F_SETFL, flags | O_NONBLOCK) == 0)
-        while (receive(conn) != 0)
-            close_fds(&current);
+    int r;
+    while ((r = receive_flags(conn, MSG_DONTWAIT)) != 0 && r != -2) /* MSG_DONTWAIT: no fcntl pair */
+        close_fds(&current);
     if (reason != ISO_XS_REASON_EXITED || !may_serve_again || !childless())
         _exit(0); /* what the command left goes to the sandbox's init with this process's end */
     if (timer >= 0)
@@ -1029,7 +1031,7 @@ static int send_fds(int fd, const void *data, size_t len, const int *fds, int n_
 {
     struct iovec iov = {.iov_base = (void *)data, .iov_len = len};
     union {
-        char buf[CMSG_SPACE(sizeof(int) * 5)];
+        char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
         struct cmsghdr align;
     } control;
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
@@ -1155,14 +1157,31 @@ static int serve(int conn, int r)
         close_fds(&current);
         return 0;
     }
+    /* The command's conversation: this connection, or (ISO_XS_F_CONVERSATION)
+     * the socket that came first, which is then taken off the request's
+     * descriptors; this connection goes on with its file operations. */
+    int conv = conn;
+    if (current.head.flags & ISO_XS_F_CONVERSATION) {
+        int type = 0;
+        socklen_t len = sizeof type;
+        if (current.n_fds < 1 || getsockopt(current.fds[0], SOL_SOCKET, SO_TYPE, &type, &len) < 0 ||
+            type != SOCK_SEQPACKET) {
+            close_fds(&current);
+            reply_kind(conn, ISO_XS_ERROR, EPROTO); /* the host reads no reply here: it ends this connection */
+            return 1;
+        }
+        conv = current.fds[0];
+        memmove(current.fds, current.fds + 1, sizeof(int) * (size_t)(current.n_fds - 1));
+        current.n_fds--;
+    }
     struct monitor_ref m = {.pid = -1, .chan = -1};
     if (n_monitors < MAX_MONITORS) {
-        m = hand_to_spare(conn);
+        m = hand_to_spare(conv);
         if (m.pid < 0 && spares_wanted) {
             /* None waiting (another command runs): one forked now, which may
              * then wait for the next command in its turn. */
             make_spare();
-            m = hand_to_spare(conn);
+            m = hand_to_spare(conv);
         }
         if (m.pid < 0)
             m.pid = fork();
@@ -1170,17 +1189,23 @@ static int serve(int conn, int r)
         errno = EAGAIN;
     }
     if (m.pid == 0) {
-        close_server_fds(conn);
-        monitor(conn, &current);
+        close_server_fds(conv);
+        if (conv != conn)
+            close(conn); /* not among the clients yet when it was just accepted */
+        monitor(conv, &current);
         _exit(0); /* forked for this command alone */
     }
     if (m.pid < 0) {
-        reply_kind(conn, ISO_XS_ERROR, errno);
+        reply_kind(conv, ISO_XS_ERROR, errno);
     } else {
         monitors[n_monitors++] = m;
         running++;
     }
     close_fds(&current);
+    if (conv != conn) {
+        close(conv); /* the monitor has it */
+        return 0;
+    }
     return 1;
 }
 

@@ -344,9 +344,13 @@ enum iso_xs_flag {
     ISO_XS_F_STRINGS_FD = 4,   /* EXEC: the strings are not in the packet but in the first descriptor
                                   (a memfd), for what one packet cannot hold (argv and environment
                                   up to the kernel's own limit) */
-    ISO_XS_F_LATE_STARTED = 8  /* EXEC: STARTED only once the command has run ISO_XS_STARTED_AFTER_MS;
+    ISO_XS_F_LATE_STARTED = 8, /* EXEC: STARTED only once the command has run ISO_XS_STARTED_AFTER_MS;
                                   one that ends sooner gets EXITED alone (it carries the pid): a
                                   short command costs the host one wake-up, not two */
+    ISO_XS_F_CONVERSATION = 16 /* EXEC on a file connection: the first descriptor is the command's own
+                                  conversation (one end of a socketpair the host made), which the
+                                  monitor answers on, instead of the connection the request came on:
+                                  no connect, accept and wake-up of the server for it */
 };
 
 enum iso_xs_kind {

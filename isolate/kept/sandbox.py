@@ -250,9 +250,10 @@ class Sandbox:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            command = Command(impl.connect(), argv, cwd or "", environment_for(impl.environment, env), timeout,
+            # The request goes on the file connection with the command's own socketpair (see Command).
+            command = Command(None, argv, cwd or "", environment_for(impl.environment, env), timeout,
                               (in_r, out_w, err_w), False, impl.report_enforced, impl.backend, impl,
-                              wait_started=False)
+                              wait_started=False, via=impl.files())
         except BaseException:
             for fd in (in_w, out_r, err_r):
                 if fd >= 0:

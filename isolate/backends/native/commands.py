@@ -117,13 +117,21 @@ def _start_error(reply: Reply, argv: Sequence[str], cwd: str) -> IsolationError:
 class Command:
     """One command started in the sandbox; ``conn`` is its conversation with the server's monitor."""
 
-    def __init__(self, conn: Connection, argv: Sequence[str], cwd: str, environment: Sequence[str],
+    def __init__(self, conn: Connection | None, argv: Sequence[str], cwd: str, environment: Sequence[str],
                  timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any],
-                 backend: str = "native", sandbox: KeptBackend | None = None, wait_started: bool = True) -> None:
+                 backend: str = "native", sandbox: KeptBackend | None = None, wait_started: bool = True,
+                 via: Connection | None = None) -> None:
         """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side.
         ``sandbox``: what the host ends when the command's monitor no longer answers for it.
         ``wait_started=False`` (not with pty): return once the request is sent; the monitor's STARTED (or its
-        refusal, raised then) is read with its EXITED by poll_exit, which saves the host a wake-up per command."""
+        refusal, raised then) is read with its EXITED by poll_exit, which saves the host a wake-up per command.
+        ``via`` (conn None): the request goes on this connection (the sandbox's file connection) with the far
+        end of a socketpair made here (``Connection.pair``), which the command's monitor answers on: no
+        connect, and no wake-up of the server for one."""
+        far = None
+        if conn is None:
+            assert via is not None
+            conn, far = Connection.pair()
         self.conn = conn
         self.sandbox = sandbox
         self.backend = backend
@@ -147,12 +155,26 @@ class Command:
         # Without waiting for the start, the monitor says STARTED only for a command that runs a while:
         # a short one's EXITED says both (one wake-up of the host, not two).
         flags = int(lib.ISO_XS_F_PTY) if pty else 0 if wait_started else int(lib.ISO_XS_F_LATE_STARTED)
-        packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms, flags)
+        if far is not None:
+            flags |= int(lib.ISO_XS_F_CONVERSATION)
         try:
-            conn.send(packet, ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio))
+            packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms, flags)
+            fds = ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio)
+            try:
+                if via is None:
+                    conn.send(packet, fds)
+                else:
+                    try:
+                        via.send_alone(packet, (far.fileno(), *fds) if far is not None else fds)
+                    except ServerGone:
+                        via.close()  # the next file call connects afresh
+                        raise
+            finally:
+                if strings_fd is not None:
+                    os.close(strings_fd)
         finally:
-            if strings_fd is not None:
-                os.close(strings_fd)
+            if far is not None:
+                far.close()  # the monitor holds it now (or nobody: conn then reads the hang-up)
         if not wait_started and not pty:
             self._start_deadline = self.started + REPLY_TIMEOUT
             return

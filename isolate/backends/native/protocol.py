@@ -170,6 +170,16 @@ class Connection:
             self.sock.close()
             raise ServerGone(f"the sandbox does not answer ({path}: {exc.strerror})") from None
 
+    @classmethod
+    def pair(cls) -> tuple[Connection, socket.socket]:
+        """A command's own conversation, made here: this end, and the far one to send with its EXEC
+        (ISO_XS_F_CONVERSATION) on a connection the server has checked already (no connect, no accept)."""
+        ours, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        conn = cls.__new__(cls)
+        conn.sock = ours
+        conn._turn = threading.Lock()
+        return conn, far
+
     def fileno(self) -> int:
         return self.sock.fileno()
 
@@ -257,6 +267,11 @@ class Connection:
         return Reply(int(raw.kind), int(raw.err), int(raw.step), int(raw.pid), int(raw.wait_status), int(raw.reason),
                      int(raw.count), int(raw.user_usec), int(raw.system_usec), int(raw.maxrss_kib), _stat(raw.st),
                      data[REPLY_SIZE:], fds[0] if fds else None)
+
+    def send_alone(self, packet: bytes, fds: Sequence[int]) -> None:
+        """A request that has no answer here (an EXEC with its own conversation), between the others' turns."""
+        with self._turn:
+            self.send(packet, fds)
 
     # -- file operations (answered in order by the server) ---------------------
 

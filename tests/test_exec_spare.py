@@ -5,14 +5,19 @@ its report counts that command alone, and one that left processes behind is not 
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 from conftest import NAMESPACES_WHY, policy
 
 import isolate
+from isolate._core import lib
+from isolate.backends.native import protocol
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
@@ -91,3 +96,32 @@ def test_a_command_longer_than_the_started_delay() -> None:
     with isolate.Sandbox(policy(write=())) as box:
         done = box.exec(["sh", "-c", "sleep 1.3; echo done"])
         assert (done.returncode, done.stdout) == (0, "done\n")
+
+
+def test_execs_beside_file_calls_from_threads() -> None:
+    # exec()'s request shares the file connection (its answers come on its own socketpair): threads mixing
+    # both each get their own answers.
+    with isolate.Sandbox(policy(write=())) as box:
+        def work(i: int) -> tuple[str, str]:
+            box.write_file(f"f{i}", str(i))
+            done = box.exec(["cat", f"f{i}"])
+            return done.stdout, box.read_file(f"f{i}")
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(work, range(16)))
+        assert results == [(str(i), str(i)) for i in range(16)]
+
+
+def test_a_conversation_that_is_not_a_socket_is_refused() -> None:
+    with isolate.Sandbox(policy(write=())) as box:
+        conn = box._impl.connect()
+        r, w = os.pipe()
+        try:
+            packet, _ = protocol.encode_exec(["", "/bin/true"], 1, 0, int(lib.ISO_XS_F_CONVERSATION))
+            conn.send(packet, [r, r, w, w])
+            reply = conn.answer()
+        finally:
+            os.close(r)
+            os.close(w)
+            conn.close()
+        assert (reply.kind, reply.err) == (lib.ISO_XS_ERROR, errno.EPROTO)

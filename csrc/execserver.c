@@ -605,6 +605,8 @@ static void send_exited(int conn, int reason)
  * path of the command it will start.  An error is kept in monitor_err and
  * answered to the command's request. */
 static int monitor_sigfd = -1;
+/* A waiting monitor's socket to the server (spare_main); -1 in one forked for one command. */
+static int monitor_chan = -1;
 static int monitor_err_pipe[2] = {-1, -1};
 static int monitor_err;
 
@@ -818,6 +820,14 @@ static void monitor(int conn, struct request *req)
     }
     if (reason != ISO_XS_REASON_EXITED)
         kill_tree(); /* the last round: anything forked meanwhile */
+    /* Serving again is decided, and said to the server (spare_main's
+     * socket), before EXITED: the host's next command, sent once it has
+     * EXITED, then finds this monitor waiting rather than none, and
+     * waits in the socket until this one is done here.  With its command
+     * reaped and no child at all, nothing of this command can appear
+     * below this process any more. */
+    int again = reason == ISO_XS_REASON_EXITED && may_serve_again && monitor_chan >= 0 && childless() &&
+                write(monitor_chan, "", 1) == 1;
     send_exited(conn, reason);
     /* A request that crossed the end (a kill sent as the command exited)
      * is read and dropped: a unix socket closed with unread data resets
@@ -825,7 +835,7 @@ static void monitor(int conn, struct request *req)
     int r;
     while ((r = receive_flags(conn, MSG_DONTWAIT)) != 0 && r != -2) /* MSG_DONTWAIT: no fcntl pair */
         close_fds(&current);
-    if (reason != ISO_XS_REASON_EXITED || !may_serve_again || !childless())
+    if (!again)
         _exit(0); /* what the command left goes to the sandbox's init with this process's end */
     if (timer >= 0)
         close(timer);
@@ -952,6 +962,7 @@ static int spares_wanted;
 static void spare_main(int chan)
 {
     monitor_prepare();
+    monitor_chan = chan;
     for (;;) {
         char byte;
         struct iovec iov = {.iov_base = &byte, .iov_len = 1};
@@ -982,9 +993,10 @@ static void spare_main(int chan)
             reply_kind(conn, ISO_XS_ERROR, EPROTO);
             _exit(0);
         }
-        monitor(conn, &current); /* returns only when this process may serve again */
-        /* Ready again: the next command's error pipe, then the word to the server. */
-        if (pipe2(monitor_err_pipe, O_CLOEXEC) < 0 || write(chan, "", 1) != 1)
+        monitor(conn, &current); /* returns only when this process may serve again (it told the server) */
+        /* The next command's error pipe; without one, the server's next hand-over fails and it starts
+         * another monitor. */
+        if (pipe2(monitor_err_pipe, O_CLOEXEC) < 0)
             _exit(0);
     }
 }

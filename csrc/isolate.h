@@ -341,9 +341,16 @@ enum iso_xs_op {
 enum iso_xs_flag {
     ISO_XS_F_PTY = 1,          /* EXEC: no stdio sent; the monitor makes a terminal, STARTED carries its master */
     ISO_XS_F_DESCENDANTS = 2,  /* SIGNAL: every process the command started, not itself */
-    ISO_XS_F_STRINGS_FD = 4    /* EXEC: the strings are not in the packet but in the first descriptor
+    ISO_XS_F_STRINGS_FD = 4,   /* EXEC: the strings are not in the packet but in the first descriptor
                                   (a memfd), for what one packet cannot hold (argv and environment
                                   up to the kernel's own limit) */
+    ISO_XS_F_LATE_STARTED = 8, /* EXEC: STARTED only once the command has run ISO_XS_STARTED_AFTER_MS;
+                                  one that ends sooner gets EXITED alone (it carries the pid): a
+                                  short command costs the host one wake-up, not two */
+    ISO_XS_F_CONVERSATION = 16 /* EXEC on a file connection: the first descriptor is the command's own
+                                  conversation (one end of a socketpair the host made), which the
+                                  monitor answers on, instead of the connection the request came on:
+                                  no connect, accept and wake-up of the server for it */
 };
 
 enum iso_xs_kind {
@@ -413,6 +420,8 @@ struct iso_xs_dirent {
  * cap), so this never refuses what a kernel would run. */
 #define ISO_XS_MAX_STRINGS_BYTES 16777216
 #define ISO_XS_MAX_FD_STRINGS 4194304
+/* ISO_XS_F_LATE_STARTED: well inside the host's wait for a start (protocol.REPLY_TIMEOUT, 30 s). */
+#define ISO_XS_STARTED_AFTER_MS 1000
 
 /* --- parent side -------------------------------------------------------- */
 

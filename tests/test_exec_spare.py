@@ -1,17 +1,23 @@
 """The exec server's spare monitor (forked ahead of the next command): what a process of the sandbox can do
 to it (kill it, stop it) costs at most the saving, never a command or the sandbox; a policy that counts
-processes gets no spare."""
+processes gets no spare. A monitor whose command exited leaving nothing serves the next command (no fork):
+its report counts that command alone, and one that left processes behind is not reused."""
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 from conftest import NAMESPACES_WHY, policy
 
 import isolate
+from isolate._core import lib
+from isolate.backends.native import protocol
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY), reason=NAMESPACES_WHY or "")
 
@@ -53,3 +59,69 @@ def test_no_spare_where_the_policy_counts_processes() -> None:
     with box:
         assert box.exec(["/bin/true"]).returncode == 0
         assert _server_children(box, 0) == []
+
+
+def test_a_monitor_serves_the_next_command_with_its_own_usage() -> None:
+    with isolate.Sandbox(policy(write=())) as box:
+        assert box.exec(["/bin/true"]).returncode == 0
+        (first,) = _server_children(box, 1)
+        busy = box.exec(["sh", "-c", "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done"])
+        assert busy.returncode == 0 and busy.report.cpu_seconds > 0.02
+        quick = box.exec(["/bin/true"])
+        assert quick.returncode == 0
+        # The same monitor ran all three (none forked for them) ...
+        assert [c.pid for c in _server_children(box, 1)] == [first.pid]
+        # ... and each report counts its own command (not the monitor's earlier ones).
+        assert quick.report.cpu_seconds < busy.report.cpu_seconds / 2
+
+
+def test_a_command_that_leaves_processes_gets_a_monitor_of_its_own() -> None:
+    with isolate.Sandbox(policy(write=())) as box:
+        assert box.exec(["/bin/true"]).returncode == 0
+        (first,) = _server_children(box, 1)
+        assert box.exec("sleep 30 >/dev/null 2>&1 &").returncode == 0
+        # Its monitor ended (the sleep went to the sandbox's init); a new one waits for the next command.
+        deadline = time.monotonic() + 10
+        while first.is_running() and first.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not first.is_running() or first.status() == psutil.STATUS_ZOMBIE
+        # A later command's timeout ends its own tree, not what an earlier command left.
+        timed = box.exec(["sleep", "10"], timeout=0.3)
+        assert timed.timed_out
+        assert box.exec(["sh", "-c", "pgrep -x sleep || ps -o comm | grep -qx sleep"]).returncode == 0
+
+
+def test_a_command_longer_than_the_started_delay() -> None:
+    # The host does not wait for STARTED (exec); a command outlasting ISO_XS_STARTED_AFTER_MS gets it late.
+    with isolate.Sandbox(policy(write=())) as box:
+        done = box.exec(["sh", "-c", "sleep 1.3; echo done"])
+        assert (done.returncode, done.stdout) == (0, "done\n")
+
+
+def test_execs_beside_file_calls_from_threads() -> None:
+    # exec()'s request shares the file connection (its answers come on its own socketpair): threads mixing
+    # both each get their own answers.
+    with isolate.Sandbox(policy(write=())) as box:
+        def work(i: int) -> tuple[str, str]:
+            box.write_file(f"f{i}", str(i))
+            done = box.exec(["cat", f"f{i}"])
+            return done.stdout, box.read_file(f"f{i}")
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(work, range(16)))
+        assert results == [(str(i), str(i)) for i in range(16)]
+
+
+def test_a_conversation_that_is_not_a_socket_is_refused() -> None:
+    with isolate.Sandbox(policy(write=())) as box:
+        conn = box._impl.connect()
+        r, w = os.pipe()
+        try:
+            packet, _ = protocol.encode_exec(["", "/bin/true"], 1, 0, int(lib.ISO_XS_F_CONVERSATION))
+            conn.send(packet, [r, r, w, w])
+            reply = conn.answer()
+        finally:
+            os.close(r)
+            os.close(w)
+            conn.close()
+        assert (reply.kind, reply.err) == (lib.ISO_XS_ERROR, errno.EPROTO)

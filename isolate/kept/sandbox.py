@@ -260,9 +260,14 @@ class Sandbox:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            command = Command(impl.connect(), argv, cwd or "", environment_for(impl.environment, env), timeout,
-                              (in_r, out_w, err_w), False, impl.report_enforced, impl.backend, impl,
-                              wait_started=False)
+            # Native: the request goes on the file connection with the command's own socketpair (see Command).
+            # Docker: a connection of its own, whose listener is checked again to be the container's main
+            # process (the program can plant a socket in its place there, not in a native sandbox's).
+            native = impl.backend == "native"
+            command = Command(None if native else impl.connect(), argv, cwd or "",
+                              environment_for(impl.environment, env), timeout, (in_r, out_w, err_w), False,
+                              impl.report_enforced, impl.backend, impl, wait_started=False,
+                              via=impl.files() if native else None)
         except BaseException:
             for fd in (in_w, out_r, err_r):
                 if fd >= 0:

@@ -471,6 +471,8 @@ class DockerKept:
         return conn
 
     def files(self) -> Connection:
+        if self.ended_because is not None:
+            raise IsolationError(f"the sandbox was ended by the host: {self.ended_because}")
         if self._files is None or self._files.closed:
             self._files = self.connect()
         return self._files

@@ -32,7 +32,7 @@ from ..._core import lib, step_name
 from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
 from ...model.report import Report, status_for
 from .egress import summary_delta
-from .protocol import REPLY_TIMEOUT, Connection, Reply, ServerGone, encode, encode_exec
+from .protocol import REPLY_SIZE, REPLY_TIMEOUT, Connection, Reply, ServerGone, encode, encode_exec
 
 if TYPE_CHECKING:
     from ..kept import KeptBackend
@@ -117,13 +117,21 @@ def _start_error(reply: Reply, argv: Sequence[str], cwd: str) -> IsolationError:
 class Command:
     """One command started in the sandbox; ``conn`` is its conversation with the server's monitor."""
 
-    def __init__(self, conn: Connection, argv: Sequence[str], cwd: str, environment: Sequence[str],
+    def __init__(self, conn: Connection | None, argv: Sequence[str], cwd: str, environment: Sequence[str],
                  timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any],
-                 backend: str = "native", sandbox: KeptBackend | None = None, wait_started: bool = True) -> None:
+                 backend: str = "native", sandbox: KeptBackend | None = None, wait_started: bool = True,
+                 via: Connection | None = None) -> None:
         """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side.
         ``sandbox``: what the host ends when the command's monitor no longer answers for it.
         ``wait_started=False`` (not with pty): return once the request is sent; the monitor's STARTED (or its
-        refusal, raised then) is read with its EXITED by poll_exit, which saves the host a wake-up per command."""
+        refusal, raised then) is read with its EXITED by poll_exit, which saves the host a wake-up per command.
+        ``via`` (conn None): the request goes on this connection (the sandbox's file connection) with the far
+        end of a socketpair made here (``Connection.pair``), which the command's monitor answers on: no
+        connect, and no wake-up of the server for one."""
+        far = None
+        if conn is None:
+            assert via is not None
+            conn, far = Connection.pair()
         self.conn = conn
         self.sandbox = sandbox
         self.backend = backend
@@ -144,13 +152,29 @@ class Command:
         #: What the sandbox's egress mediator had seen when the command started (None: no egress by name).
         self._egress_start = sandbox.egress_summary() if sandbox is not None else None
         timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms,
-                                         int(lib.ISO_XS_F_PTY) if pty else 0)
+        # Without waiting for the start, the monitor says STARTED only for a command that runs a while:
+        # a short one's EXITED says both (one wake-up of the host, not two).
+        flags = int(lib.ISO_XS_F_PTY) if pty else 0 if wait_started else int(lib.ISO_XS_F_LATE_STARTED)
+        if far is not None:
+            flags |= int(lib.ISO_XS_F_CONVERSATION)
         try:
-            conn.send(packet, ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio))
+            packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms, flags)
+            fds = ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio)
+            try:
+                if via is None:
+                    conn.send(packet, fds)
+                else:
+                    try:
+                        via.send_alone(packet, (far.fileno(), *fds) if far is not None else fds)
+                    except ServerGone:
+                        via.close()  # the next file call connects afresh
+                        raise
+            finally:
+                if strings_fd is not None:
+                    os.close(strings_fd)
         finally:
-            if strings_fd is not None:
-                os.close(strings_fd)
+            if far is not None:
+                far.close()  # the monitor holds it now (or nobody: conn then reads the hang-up)
         if not wait_started and not pty:
             self._start_deadline = self.started + REPLY_TIMEOUT
             return
@@ -228,7 +252,7 @@ class Command:
             if deadline is not None and (wait is None or deadline - now <= wait):
                 wait, hard = max(0.0, deadline - now), True
             try:
-                reply = self.conn.receive(wait)
+                reply = self.conn.receive(wait, REPLY_SIZE)  # STARTED, EXITED: no payload
             except TimeoutError:
                 if not hard or self.deadline is None:
                     return None
@@ -247,8 +271,11 @@ class Command:
                 raise self.lost("its monitor inside the sandbox went away before it") from None
             if self._start_deadline is not None:
                 self._start_deadline = None
-                self._started_reply(reply, False)
-                continue
+                if reply.kind == lib.ISO_XS_EXITED:
+                    self.pid = reply.pid  # ISO_XS_F_LATE_STARTED: it ended before its STARTED was due
+                else:
+                    self._started_reply(reply, False)
+                    continue
             if reply.fd is not None:
                 os.close(reply.fd)
             if reply.kind != lib.ISO_XS_EXITED:
@@ -336,9 +363,9 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
     out, err = _Tail(output_limit), _Tail(output_limit)
     # poll(), not a selector: no epoll descriptor made and closed per command.
     sel = select.poll()
+    # The pipes stay blocking (no fcntl pair each): each is read only when poll says it is readable.
     for fd in (out_r, err_r):
         if fd is not None:
-            os.set_blocking(fd, False)
             sel.register(fd, select.POLLIN)
     conn_fd = command.conn.fileno()
     sel.register(conn_fd, select.POLLIN)
@@ -380,17 +407,21 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
                         sel.unregister(fd)
         # Whatever the command wrote before it ended is in the pipes now; a
         # background process that keeps them open is not waited for.
-        for fd, tail in ((out_r, out), (err_r, err)):
-            if fd is None:
-                continue
-            while True:
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                if not chunk:
-                    break
-                tail.add(chunk)
+        draining = [fd for fd in (out_r, err_r) if fd is not None]
+        if stdin_w is not None:
+            sel.unregister(stdin_w)
+        sel.unregister(conn_fd)
+        while draining:
+            ready = [fd for fd, _ in sel.poll(0) if fd in draining]
+            if not ready:
+                break
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    (out if fd == out_r else err).add(chunk)
+                else:
+                    sel.unregister(fd)
+                    draining.remove(fd)
     finally:
         if stdin_w is not None:
             os.close(stdin_w)

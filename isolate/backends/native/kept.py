@@ -429,6 +429,8 @@ class NativeSandbox:
         return fd
 
     def files(self) -> Connection:
+        if self.ended_because is not None:
+            raise IsolationError(f"the sandbox was ended by the host: {self.ended_because}")
         if self._files is None:
             raise IsolationError("the sandbox is not running; start() it first")
         if self._files.closed:  # dropped after an answer that did not come: start a fresh conversation

@@ -170,6 +170,16 @@ class Connection:
             self.sock.close()
             raise ServerGone(f"the sandbox does not answer ({path}: {exc.strerror})") from None
 
+    @classmethod
+    def pair(cls) -> tuple[Connection, socket.socket]:
+        """A command's own conversation, made here: this end, and the far one to send with its EXEC
+        (ISO_XS_F_CONVERSATION) on a connection the server has checked already (no connect, no accept)."""
+        ours, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        conn = cls.__new__(cls)
+        conn.sock = ours
+        conn._turn = threading.Lock()
+        return conn, far
+
     def fileno(self) -> int:
         return self.sock.fileno()
 
@@ -205,18 +215,25 @@ class Connection:
         except OSError as exc:
             raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
 
-    def receive(self, timeout: float | None = None) -> Reply:
-        """The next reply; ServerGone when the server hung up."""
-        self.sock.settimeout(timeout)
+    def receive(self, timeout: float | None = None, size: int = MAX_MESSAGE) -> Reply:
+        """The next reply; ServerGone when the server hung up. ``size``: the longest reply expected (a
+        command's conversation has no payload: REPLY_SIZE spares a buffer of MAX_MESSAGE per reply);
+        a longer one is malformed."""
+        # A timeout of 0 (a caller's poll said the socket is readable) is MSG_DONTWAIT: settimeout would
+        # cost the socket's flags read and set twice per reply.
+        dontwait = timeout == 0
+        if not dontwait:
+            self.sock.settimeout(timeout)
         try:
             try:
-                data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+                data, ancdata, msg_flags, _ = self.sock.recvmsg(size, socket.CMSG_SPACE(4 * 4),
+                                                                socket.MSG_DONTWAIT if dontwait else 0)
             except ConnectionResetError:
                 # The peer closed with a request of ours unread (a kill that crossed the command's end):
                 # the kernel reports that first, once, and what the peer sent before is still queued.
-                self.sock.settimeout(0)
                 try:
-                    data, ancdata, msg_flags, _ = self.sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4))
+                    data, ancdata, msg_flags, _ = self.sock.recvmsg(size, socket.CMSG_SPACE(4 * 4),
+                                                                    socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     data, ancdata, msg_flags = b"", [], 0  # nothing was queued: it hung up
         except (TimeoutError, BlockingIOError):
@@ -224,7 +241,8 @@ class Connection:
         except OSError as exc:
             raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
         finally:
-            self.sock.settimeout(None)
+            if not dontwait:
+                self.sock.settimeout(None)
         fds: list[int] = []
         for level, kind, blob in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -249,6 +267,11 @@ class Connection:
         return Reply(int(raw.kind), int(raw.err), int(raw.step), int(raw.pid), int(raw.wait_status), int(raw.reason),
                      int(raw.count), int(raw.user_usec), int(raw.system_usec), int(raw.maxrss_kib), _stat(raw.st),
                      data[REPLY_SIZE:], fds[0] if fds else None)
+
+    def send_alone(self, packet: bytes, fds: Sequence[int]) -> None:
+        """A request that has no answer here (an EXEC with its own conversation), between the others' turns."""
+        with self._turn:
+            self.send(packet, fds)
 
     # -- file operations (answered in order by the server) ---------------------
 

@@ -31,8 +31,11 @@ if TYPE_CHECKING:
     from ...model.policy import Egress
 
 #: The sandbox's /etc/resolv.conf: isolate's DNS only (no search domain: a
-#: short name must not turn into a host's internal one).
-RESOLV_CONF = f"nameserver {egress_rules.DNS_ADDRESS}\noptions timeout:2 attempts:2\n"
+#: short name must not turn into a host's internal one). The mediator answers
+#: at once (a refusal too); the resolver asks again every 2 s, five times, so
+#: that a mediator starved by a loaded host (50 lookups at once in a VM under
+#: emulation gave up after 2 x 2 s) still answers before the program gives up.
+RESOLV_CONF = f"nameserver {egress_rules.DNS_ADDRESS}\noptions timeout:2 attempts:5\n"
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 #: How long a named sandbox's mediator process may take to start serving.
 MEDIATOR_START_TIMEOUT = 30.0

@@ -23,6 +23,14 @@ would do nothing anyway). Other extended attributes are not applied.
 Owners are kept for a root caller (the sandbox maps root, and the program's
 own uid); a regular user's store holds that user's files only.
 
+Inodes are made side by side (writers.py): while a layer only adds names,
+each new regular file, symbolic link and hard link is a task of the thread of
+its directory, decided here first, in the archive's order, against what the
+layer made so far (a name under one that is not a directory is refused as
+the kernel would refuse it: the entry written through a link). The first
+entry that replaces a name the layer made waits for every task, and the rest
+of the layer is unpacked in this thread, entry after entry.
+
 The caller gives a fresh, empty directory; on any error it throws it away.
 """
 
@@ -34,13 +42,16 @@ import hashlib
 import importlib
 import io
 import os
+import queue
 import stat
 import tarfile
+import threading
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
+from .writers import Writers
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -49,6 +60,11 @@ OPAQUE_XATTR = "user.overlay.opaque"
 _OPEN_DIRS = 256
 _REFUSED_XATTRS = ("security.capability", "trusted.", "user.overlay.")
 _CHUNK = 1 << 20
+#: Threads making a layer's inodes side by side (writers.py), and the bytes of contents read and not yet written.
+_WRITERS = 4
+_IN_FLIGHT = 16 << 20
+#: A file past this is written by the reading thread itself (its contents never held whole).
+_SMALL_FILE = 1 << 20
 
 
 class BadImageError(IsolationError):
@@ -98,9 +114,65 @@ class _Counting(io.RawIOBase):
         buffer[:n] = data
         return n
 
-    def drain(self) -> None:
-        while self.readinto(bytearray(_CHUNK)):
-            pass
+
+class _Ahead(io.RawIOBase):
+    """A stream read ahead by a thread of its own (``depth`` chunks at most): the layer's decompression and
+    hashing (zlib and hashlib let other threads run) go on while this thread parses the archive and makes its
+    files. The thread's error is raised here, where the stream is read; ``stop()`` ends the thread."""
+
+    def __init__(self, source: IO[bytes], depth: int = 4) -> None:
+        super().__init__()
+        self.source = source
+        self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(depth)
+        self.left = memoryview(b"")
+        self.ended = False
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="isolate-unpack-read", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        item: bytes | BaseException
+        try:
+            while True:
+                item = self.source.read(_CHUNK)
+                if not self._put(item) or not item:
+                    return
+        except BaseException as exc:  # raised in the reading thread, where the stream is read
+            self._put(exc)
+
+    def _put(self, item: bytes | BaseException) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.chunks.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self.left:
+            if self.ended:
+                return 0
+            item = self.chunks.get()
+            if isinstance(item, BaseException):
+                self.ended = True
+                raise item
+            if not item:
+                self.ended = True
+                return 0
+            self.left = memoryview(item)
+        n = min(len(buffer), len(self.left))
+        buffer[:n] = self.left[:n]
+        self.left = self.left[n:]
+        return n
+
+    def stop(self) -> None:
+        """End the thread (at once when it waits to hand a chunk over; after its read otherwise)."""
+        self.stopping.set()
+        self.thread.join()
 
 
 def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
@@ -144,23 +216,31 @@ class Unpacked:
 
 def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
     """Unpack the layer read from ``blob`` into the empty directory ``root_fd``."""
-    tar_stream = _Counting(_decompressed(blob, what), max_size, what)
     unpacker = _Unpacker(root_fd, what, max_size)
+    ahead = None
     try:
-        return _unpack(tar_stream, unpacker, what)
+        tar_stream = _Counting(_decompressed(blob, what), max_size, what)
+        # Decompressed and hashed by a thread of its own, ahead of the parsing here.
+        ahead = _Ahead(tar_stream)
+        return _unpack(ahead, tar_stream, unpacker, what)
     finally:
+        if ahead is not None:
+            ahead.stop()  # before the caller reads the blob on (its digest), or throws the layer away
+        unpacker.stop()
         unpacker.forget()
 
 
-def _unpack(tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
+def _unpack(ahead: _Ahead, tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
     try:
-        with tarfile.open(fileobj=io.BufferedReader(tar_stream, _CHUNK), mode="r|",
+        with tarfile.open(fileobj=io.BufferedReader(ahead, _CHUNK), mode="r|",
                           tarinfo=_BoundedTarInfo) as archive:
             for count, member in enumerate(archive, 1):
                 if count > MAX_ENTRIES:
                     raise BadImageError(f"{what}: more than {MAX_ENTRIES} entries: refused")
                 unpacker.entry(archive, member)
-        tar_stream.drain()  # the diff id covers the whole stream, its trailing blocks too
+        unpacker.serial()  # every file made
+        while ahead.readinto(bytearray(_CHUNK)):  # the diff id covers the whole stream, its trailing blocks too
+            pass
     except BadImageError as exc:
         if not str(exc).startswith(what):
             raise BadImageError(f"{what}: {exc}") from None
@@ -201,6 +281,11 @@ class _Unpacker:
         self.dir_modes: list[tuple[str, int, float]] = []
         self.root = os.geteuid() == 0
         self.dirs: dict[str, int] = {}  # directories parent() walked, open, by path in the layer
+        #: While the layer only adds names: the threads making them, and what each name made is ("d": a
+        #: directory, "f": a regular file, "o": anything else). None once an entry replaced one (see the
+        #: module's docstring): from there on, each entry is made in this thread.
+        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT)
+        self.made: dict[str, str] = {}
 
     def refuse(self, name: str, why: str) -> BadImageError:
         return BadImageError(f"{self.what}: entry {name!r} {why}: refused")
@@ -231,6 +316,41 @@ class _Unpacker:
                 raise
             self.dirs["/".join(parts[:i + 1])] = fd = child
         return os.dup(fd), parts[-1]
+
+    def serial(self) -> None:
+        """Every task run (its error raised), and the rest of the layer made in this thread."""
+        if self.writers is not None:
+            try:
+                self.writers.drain()
+            finally:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.writers is not None:
+            self.writers.close()
+            self.writers = None
+            self.made.clear()
+
+    def through(self, rel: str, shown: str) -> None:
+        """Refuse rel when a name above it was made as no directory (before the task making it may have run:
+        the refusal the kernel gives, O_NOFOLLOW, in serial order)."""
+        end = rel.find("/")
+        while end != -1:
+            kind = self.made.get(rel[:end])
+            if kind is not None and kind != "d":
+                raise self.refuse(shown, f"is written through {rel[:end]!r}, which is not a directory "
+                                  "(a link planted by an earlier entry)")
+            end = rel.find("/", end + 1)
+
+    def mark(self, rel: str, kind: str) -> None:
+        """rel made (kind), and its parents (parent() makes the missing ones)."""
+        if self.writers is None:
+            return
+        end = rel.find("/")
+        while end != -1:
+            self.made.setdefault(rel[:end], "d")
+            end = rel.find("/", end + 1)
+        self.made[rel] = kind
 
     def forget(self) -> None:
         """Close the directories parent() keeps open."""
@@ -270,6 +390,12 @@ class _Unpacker:
         if member.issym():
             if "\0" in member.linkname:
                 raise self.refuse(member.name, "is a link with a NUL byte")
+        if self.writers is not None:
+            kind = self.made.get(rel)
+            if kind is not None and not (kind == "d" and member.isdir()):
+                self.serial()  # a name replaced: what it was must be there to be removed, and what follows waits
+            elif self.added(rel, archive, member):
+                return
         dir_fd, name = self.parent(rel)
         self.files.discard(rel)
         try:
@@ -329,8 +455,75 @@ class _Unpacker:
         finally:
             os.close(dir_fd)
 
+    def added(self, rel: str, archive: tarfile.TarFile, member: tarfile.TarInfo) -> bool:
+        """A new name, or a directory again: made, or given to the threads (True), or left to entry() (False)."""
+        assert self.writers is not None
+        self.through(rel, member.name)
+        key = rel.rpartition("/")[0]
+        if member.isreg() and member.size <= _SMALL_FILE:
+            self.grow(member.size, member.name)
+            source = archive.extractfile(member)
+            assert source is not None
+            data = source.read()
+            dir_fd, name = self.parent(rel)
+            self.writers.submit(key, lambda: self.write_file(dir_fd, name, data, member), len(data), (dir_fd,))
+            self.mark(rel, "f")
+            self.files.add(rel)
+            self.index.others.append(rel)
+            return True
+        if member.issym():
+            dir_fd, name = self.parent(rel)
+            self.writers.submit(key, lambda: self.symlink(dir_fd, name, member), 0, (dir_fd,))
+            self.mark(rel, "o")
+            self.index.links.append(rel)
+            return True
+        if member.islnk():
+            target = entry_name(member.linkname, self.what)
+            if target not in self.files:
+                raise self.refuse(member.name, f"is a hard link to {member.linkname!r}, which is no file of this "
+                                  "layer")
+            dir_fd, name = self.parent(rel)
+            try:
+                target_fd, target_name = self.parent(target)
+            except BaseException:
+                os.close(dir_fd)
+                raise
+            # The thread that made the target (its directory's): the link is made after it.
+            self.writers.submit(target.rpartition("/")[0], lambda: self.hard_link(target_fd, target_name, dir_fd,
+                                                                                  name, member), 0, (dir_fd, target_fd))
+            self.mark(rel, "o")
+            self.index.others.append(rel)
+            return True
+        self.mark(rel, "d" if member.isdir() else "o")  # made below, in this thread (the name is new)
+        return False
+
+    def write_file(self, dir_fd: int, name: str, data: bytes, member: tarfile.TarInfo) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            self.own_fd(fd, member)
+            os.fchmod(fd, member.mode & 0o1777)  # set-id bits dropped (see the module's docstring)
+            os.utime(fd, (member.mtime, member.mtime))
+        finally:
+            os.close(fd)
+
+    def symlink(self, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
+        os.symlink(member.linkname, name, dir_fd=dir_fd)
+        self.own(dir_fd, name, member)
+
+    def hard_link(self, target_fd: int, target_name: str, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
+        # The kind of what lies there now, not of what was written there first: a file replaced by a link later
+        # in the layer made a hard link that is a symbolic link, unseen by the index.
+        if not stat.S_ISREG(os.stat(target_name, dir_fd=target_fd, follow_symlinks=False).st_mode):
+            raise self.refuse(member.name, f"is a hard link to {member.linkname!r}, which is no longer a regular file")
+        os.link(target_name, name, src_dir_fd=target_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+
     def whiteout(self, rel: str, base: str, member: tarfile.TarInfo) -> None:
         directory = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        if self.writers is not None:
+            self.through(rel, member.name)
         if base == OPAQUE_MARKER:
             fd = self.open_dir(directory, member.name)
             try:
@@ -343,6 +536,9 @@ class _Unpacker:
         if not hidden or hidden in (".", "..") or hidden.startswith(WHITEOUT_PREFIX):
             raise self.refuse(member.name, "is a whiteout of no valid name")
         target = f"{directory}/{hidden}" if directory else hidden
+        if self.writers is not None and target in self.made:
+            self.serial()  # a name replaced
+        self.mark(target, "o")
         dir_fd, name = self.parent(target)
         try:
             self.clear(dir_fd, name, keep_dir=False)

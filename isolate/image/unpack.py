@@ -104,15 +104,19 @@ class _Counting(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = self.raw.read(len(buffer))
-        n = len(data)
-        self.count += n
+        data = self.chunk(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def chunk(self, size: int) -> bytes:
+        """Up to size bytes, as read (no copy)."""
+        data = self.raw.read(size)
+        self.count += len(data)
         if self.limit is not None and self.count > self.limit:
             raise BadImageError(f"{self.what}: past max_image_size ({self.limit} bytes) once decompressed "
                                 "(a decompression bomb, or an image too large): refused")
         self.sha.update(data)
-        buffer[:n] = data
-        return n
+        return data
 
 
 class _Ahead(io.RawIOBase):
@@ -120,7 +124,7 @@ class _Ahead(io.RawIOBase):
     hashing (zlib and hashlib let other threads run) go on while this thread parses the archive and makes its
     files. The thread's error is raised here, where the stream is read; ``stop()`` ends the thread."""
 
-    def __init__(self, source: IO[bytes], depth: int = 4) -> None:
+    def __init__(self, source: _Counting, depth: int = 4) -> None:
         super().__init__()
         self.source = source
         self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(depth)
@@ -134,7 +138,7 @@ class _Ahead(io.RawIOBase):
         item: bytes | BaseException
         try:
             while True:
-                item = self.source.read(_CHUNK)
+                item = self.source.chunk(_CHUNK)
                 if not self._put(item) or not item:
                     return
         except BaseException as exc:  # raised in the reading thread, where the stream is read
@@ -333,23 +337,26 @@ class _Unpacker:
 
     def through(self, rel: str, shown: str) -> None:
         """Refuse rel when a name above it was made as no directory (before the task making it may have run:
-        the refusal the kernel gives, O_NOFOLLOW, in serial order)."""
-        end = rel.find("/")
+        the refusal the kernel gives, O_NOFOLLOW, in serial order). While the layer only adds names, a directory
+        made has only directories above it: a known directory ends the walk."""
+        end = rel.rfind("/")
         while end != -1:
             kind = self.made.get(rel[:end])
-            if kind is not None and kind != "d":
+            if kind == "d":
+                return
+            if kind is not None:
                 raise self.refuse(shown, f"is written through {rel[:end]!r}, which is not a directory "
                                   "(a link planted by an earlier entry)")
-            end = rel.find("/", end + 1)
+            end = rel.rfind("/", 0, end)
 
     def mark(self, rel: str, kind: str) -> None:
         """rel made (kind), and its parents (parent() makes the missing ones)."""
         if self.writers is None:
             return
-        end = rel.find("/")
-        while end != -1:
-            self.made.setdefault(rel[:end], "d")
-            end = rel.find("/", end + 1)
+        end = rel.rfind("/")
+        while end != -1 and rel[:end] not in self.made:
+            self.made[rel[:end]] = "d"
+            end = rel.rfind("/", 0, end)
         self.made[rel] = kind
 
     def forget(self) -> None:

@@ -218,30 +218,101 @@ class Unpacked:
     diff_id: str  # sha256 of the uncompressed tar stream
 
 
+class _Parser:
+    """The archive's entries parsed by a thread of its own (tarfile's headers cost as much as the checks), in
+    order, each with its contents when it is a regular file of at most _SMALL_FILE bytes (read, ``depth``
+    entries ahead at most). A larger one is read by the caller from ``archive`` (its ``extractfile``) while
+    this thread waits, until ``next()`` is called again. The thread's error is raised by ``next()``."""
+
+    _END = object()
+
+    def __init__(self, stream: IO[bytes], what: str, depth: int = 16) -> None:
+        self.stream, self.what = stream, what
+        self.entries: queue.Queue[Any] = queue.Queue(depth)
+        self.stopping = threading.Event()
+        self.turn = threading.Event()  # set: the caller is done with a large file's contents
+        self.archive: tarfile.TarFile | None = None
+        self.waiting = False
+        self.thread = threading.Thread(target=self._parse, name="isolate-unpack-parse", daemon=True)
+        self.thread.start()
+
+    def _parse(self) -> None:
+        try:
+            with tarfile.open(fileobj=self.stream, mode="r|", tarinfo=_BoundedTarInfo) as archive:
+                self.archive = archive
+                for count, member in enumerate(archive, 1):
+                    if count > MAX_ENTRIES:
+                        raise BadImageError(f"{self.what}: more than {MAX_ENTRIES} entries: refused")
+                    data = None
+                    if member.isreg() and member.size <= _SMALL_FILE:
+                        source = archive.extractfile(member)
+                        assert source is not None
+                        data = source.read()
+                    if not self._put((member, data)):
+                        return
+                    if member.isreg() and data is None:
+                        self.turn.wait()  # the caller reads it from the archive
+                        self.turn.clear()
+                        if self.stopping.is_set():
+                            return
+            self._put(self._END)
+        except BaseException as exc:  # raised in the caller's thread, by next()
+            self._put(exc)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.entries.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> tuple[tarfile.TarInfo, bytes | None] | None:
+        """The next entry and its contents (None: read them from ``archive``), or None at the end."""
+        if self.waiting:
+            self.waiting = False
+            self.turn.set()
+        item = self.entries.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is self._END:
+            self.thread.join()  # done with the stream: the caller reads on from it
+            return None
+        member, data = item
+        self.waiting = member.isreg() and data is None
+        return member, data
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.turn.set()
+        self.thread.join()
+
+
 def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
     """Unpack the layer read from ``blob`` into the empty directory ``root_fd``."""
     unpacker = _Unpacker(root_fd, what, max_size)
-    ahead = None
+    ahead = parser = None
     try:
         tar_stream = _Counting(_decompressed(blob, what), max_size, what)
-        # Decompressed and hashed by a thread of its own, ahead of the parsing here.
+        # Decompressed and hashed by a thread of its own, parsed by another, ahead of the checks here.
         ahead = _Ahead(tar_stream)
-        return _unpack(ahead, tar_stream, unpacker, what)
+        parser = _Parser(io.BufferedReader(ahead, _CHUNK), what)
+        return _unpack(ahead, parser, tar_stream, unpacker, what)
     finally:
+        if parser is not None:
+            parser.stop()  # first: it may wait for a chunk from ahead
         if ahead is not None:
             ahead.stop()  # before the caller reads the blob on (its digest), or throws the layer away
         unpacker.stop()
         unpacker.forget()
 
 
-def _unpack(ahead: _Ahead, tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
+def _unpack(ahead: _Ahead, parser: _Parser, tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
     try:
-        with tarfile.open(fileobj=io.BufferedReader(ahead, _CHUNK), mode="r|",
-                          tarinfo=_BoundedTarInfo) as archive:
-            for count, member in enumerate(archive, 1):
-                if count > MAX_ENTRIES:
-                    raise BadImageError(f"{what}: more than {MAX_ENTRIES} entries: refused")
-                unpacker.entry(archive, member)
+        while (item := parser.next()) is not None:
+            assert parser.archive is not None
+            unpacker.entry(parser.archive, *item)
         unpacker.serial()  # every file made
         while ahead.readinto(bytearray(_CHUNK)):  # the diff id covers the whole stream, its trailing blocks too
             pass
@@ -379,7 +450,8 @@ class _Unpacker:
         else:
             os.unlink(name, dir_fd=dir_fd)
 
-    def entry(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    def entry(self, archive: tarfile.TarFile, member: tarfile.TarInfo, data: bytes | None) -> None:
+        """Make member (its contents: data, or read from archive when None)."""
         rel = entry_name(member.name, self.what)
         if not rel:
             return  # the layer's root itself
@@ -401,7 +473,7 @@ class _Unpacker:
             kind = self.made.get(rel)
             if kind is not None and not (kind == "d" and member.isdir()):
                 self.serial()  # a name replaced: what it was must be there to be removed, and what follows waits
-            elif self.added(rel, archive, member):
+            elif self.added(rel, member, data):
                 return
         dir_fd, name = self.parent(rel)
         self.files.discard(rel)
@@ -416,6 +488,11 @@ class _Unpacker:
                 self.dir_modes.append((rel, mode, float(member.mtime)))
                 self.index.dirs.append(rel)
                 self.own(dir_fd, name, member)
+            elif member.isreg() and data is not None:
+                self.grow(member.size, member.name)
+                self.write_file(dir_fd, name, data, member)
+                self.files.add(rel)
+                self.index.others.append(rel)
             elif member.isreg():
                 self.grow(member.size, member.name)
                 source = archive.extractfile(member)
@@ -462,16 +539,13 @@ class _Unpacker:
         finally:
             os.close(dir_fd)
 
-    def added(self, rel: str, archive: tarfile.TarFile, member: tarfile.TarInfo) -> bool:
+    def added(self, rel: str, member: tarfile.TarInfo, data: bytes | None) -> bool:
         """A new name, or a directory again: made, or given to the threads (True), or left to entry() (False)."""
         assert self.writers is not None
         self.through(rel, member.name)
         key = rel.rpartition("/")[0]
-        if member.isreg() and member.size <= _SMALL_FILE:
+        if member.isreg() and data is not None:
             self.grow(member.size, member.name)
-            source = archive.extractfile(member)
-            assert source is not None
-            data = source.read()
             dir_fd, name = self.parent(rel)
             self.writers.submit(key, lambda: self.write_file(dir_fd, name, data, member), len(data), (dir_fd,))
             self.mark(rel, "f")

@@ -108,21 +108,23 @@ class _Counting(io.RawIOBase):
         buffer[:len(data)] = data
         return len(data)
 
-    def chunk(self, size: int) -> bytes:
-        """Up to size bytes, as read (no copy)."""
+    def chunk(self, size: int, hashed: bool = True) -> bytes:
+        """Up to size bytes, as read (no copy); not hashed when not ``hashed`` (the reader hashes them)."""
         data = self.raw.read(size)
         self.count += len(data)
         if self.limit is not None and self.count > self.limit:
             raise BadImageError(f"{self.what}: past max_image_size ({self.limit} bytes) once decompressed "
                                 "(a decompression bomb, or an image too large): refused")
-        self.sha.update(data)
+        if hashed:
+            self.sha.update(data)
         return data
 
 
 class _Ahead(io.RawIOBase):
-    """A stream read ahead by a thread of its own (``depth`` chunks at most): the layer's decompression and
-    hashing (zlib and hashlib let other threads run) go on while this thread parses the archive and makes its
-    files. The thread's error is raised here, where the stream is read; ``stop()`` ends the thread."""
+    """A stream read ahead by a thread of its own (``depth`` chunks at most): the layer's decompression (zlib
+    lets other threads run) goes on while others parse the archive and make its files. Its chunks are hashed
+    into the source's ``sha`` as they are read from here (the hashing shared out: the thread decompressing is
+    the busiest). The thread's error is raised here, where the stream is read; ``stop()`` ends the thread."""
 
     def __init__(self, source: _Counting, depth: int = 4) -> None:
         super().__init__()
@@ -138,7 +140,7 @@ class _Ahead(io.RawIOBase):
         item: bytes | BaseException
         try:
             while True:
-                item = self.source.chunk(_CHUNK)
+                item = self.source.chunk(_CHUNK, hashed=False)
                 if not self._put(item) or not item:
                     return
         except BaseException as exc:  # raised in the reading thread, where the stream is read
@@ -167,6 +169,7 @@ class _Ahead(io.RawIOBase):
             if not item:
                 self.ended = True
                 return 0
+            self.source.sha.update(item)
             self.left = memoryview(item)
         n = min(len(buffer), len(self.left))
         buffer[:n] = self.left[:n]

@@ -642,6 +642,25 @@ class _Unpacker:
             os.close(dir_fd)
         return dir_fd
 
+    def dir_if_there(self, rel: str) -> int | None:
+        """A descriptor of the directory rel, walked from the root with no link followed and nothing made; None
+        when a name on the way is not a directory (now)."""
+        parent, _, _ = rel.rpartition("/")
+        start = self.dirs.get(parent) if parent else self.root_fd
+        parts = [rel.rpartition("/")[2]] if start is not None else rel.split("/")
+        fd = os.dup(start if start is not None else self.root_fd)
+        for part in parts:
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                    return None
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+
     def grow(self, size: int, name: str) -> None:
         self.index.size += size
         if self.max_size is not None and self.index.size > self.max_size:
@@ -656,9 +675,17 @@ class _Unpacker:
             os.fchown(fd, member.uid, member.gid)
 
     def finish(self) -> None:
-        """Directories get their modes last (one made read-only early would refuse what goes in it)."""
-        for rel, mode, mtime in reversed(self.dir_modes):
-            fd = self.open_dir(rel, rel)
+        """Directories get their modes last (one made read-only early would refuse what goes in it), each the
+        mode and time of its last entry (as tar gives them); one a later entry replaced (a link, a file, a
+        whiteout) is left as it is, never opened through (nor made again)."""
+        last: dict[str, tuple[int, float]] = {}
+        for rel, mode, mtime in self.dir_modes:
+            last[rel] = (mode, mtime)
+        self.forget()
+        for rel, (mode, mtime) in reversed(last.items()):
+            fd = self.dir_if_there(rel)
+            if fd is None:
+                continue
             try:
                 os.fchmod(fd, mode | (0 if self.root else 0o700))
                 os.utime(fd, (mtime, mtime))

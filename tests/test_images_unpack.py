@@ -117,3 +117,35 @@ def test_the_threads_end_with_the_unpack(tmp_path: Path) -> None:
         Store(tmp_path / "store").ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"),
                                                diff_id=None, what="layer")
     assert threading.active_count() == before
+
+
+@pytest.fixture(params=["zlib", "isal"])
+def gzip_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each gzip reader the unpack may use (ISA-L's where the module isal is installed, else zlib's)."""
+    if request.param == "zlib":
+        import gzip
+        import zlib
+
+        monkeypatch.setattr(unpacking, "_GZIP", gzip.GzipFile)
+        monkeypatch.setattr(unpacking, "_DAMAGED", (zlib.error,))
+    else:
+        pytest.importorskip("isal")
+        monkeypatch.setattr(unpacking, "_GZIP", unpacking._gzip_reader()[0])
+        monkeypatch.setattr(unpacking, "_DAMAGED", unpacking._gzip_reader()[1])
+    return str(request.param)
+
+
+def test_each_gzip_reader_unpacks_the_same_and_refuses_a_damaged_stream_in_one_line(tmp_path: Path,
+                                                                                  gzip_reader: str) -> None:
+    layer = kit.layer([{"name": f"d{d}/f{f}", "data": os.urandom(f * 100)} for d in range(5) for f in range(10)])
+    raw = kit.gz(layer)
+    (tmp_path / "good").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "good", "rb"), diff_id=kit.digest(layer),
+                       what="layer")
+    # The first deflate block of a reserved type: ISA-L's error is no zlib.error (which tarfile words itself).
+    damaged = raw[:10] + b"\xff" + raw[11:]
+    (tmp_path / "bad").write_bytes(damaged)
+    with pytest.raises(unpacking.BadImageError, match=r"compressed stream is damaged|not a valid layer archive"):
+        store.ensure_layer(kit.digest(damaged), lambda: open(tmp_path / "bad", "rb"), diff_id=None, what="layer")
+    assert os.listdir(os.path.join(store.path, "tmp")) == []

@@ -23,7 +23,11 @@ would do nothing anyway). Other extended attributes are not applied.
 Owners are kept for a root caller (the sandbox maps root, and the program's
 own uid); a regular user's store holds that user's files only.
 
-Inodes are made side by side (writers.py): while a layer only adds names,
+The work is shared out among threads: one decompresses the stream (with
+ISA-L where the module isal is installed), one parses its tar headers and
+reads small files' contents, and this one, the caller's, checks each entry in
+the archive's order and makes its directories. Inodes are made side by side
+(writers.py): while a layer only adds names,
 each new regular file, symbolic link and hard link is a task of the thread of
 its directory, decided here first, in the archive's order, against what the
 layer made so far (a name under one that is not a directory is refused as

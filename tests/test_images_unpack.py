@@ -155,3 +155,14 @@ def test_each_gzip_reader_unpacks_the_same_and_refuses_a_damaged_stream_in_one_l
     with pytest.raises(unpacking.BadImageError, match=r"compressed stream is damaged|not a valid layer archive"):
         store.ensure_layer(kit.digest(damaged), lambda: open(tmp_path / "bad", "rb"), diff_id=None, what="layer")
     assert os.listdir(os.path.join(store.path, "tmp")) == []
+
+
+def test_a_directory_made_for_an_opaque_marker_is_replaced_by_a_later_entry_of_its_name(tmp_path: Path) -> None:
+    # Made by the marker alone (no entry named it), it was not known to the threads' record: the file of its
+    # name that followed failed to be made (File exists).
+    raw = kit.gz(kit.layer([{"name": "o/.wh..wh..opq"}, {"name": "o", "data": b"file"}]))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    with open(os.path.join(store.layer_root(kit.digest(raw)), "o"), "rb") as handle:
+        assert handle.read() == b"file"

@@ -631,6 +631,8 @@ class _Unpacker:
         if self.writers is not None:
             self.through(rel, member.name)
         if base == OPAQUE_MARKER:
+            if directory:
+                self.mark(directory, "d")  # made here when no entry named it: a later entry of its name replaces it
             fd = self.open_dir(directory, member.name)
             try:
                 os.setxattr(fd, OPAQUE_XATTR, b"y")

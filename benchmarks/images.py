@@ -296,11 +296,12 @@ def _peer_pull(argv: list[str]) -> float | str:
     return time.perf_counter() - started
 
 
-def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool = True) -> dict[str, Any]:
+def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool = True,
+          rounds: int = PULL_ROUNDS) -> dict[str, Any]:
     """Pulls from Debian's docker-registry on loopback, every one into a cold store: isolate's (a new store
     each, in a process of its own: its wall time and peak RSS), ``podman pull`` (a new --root each),
     ``docker pull`` (the image removed after each) and ``skopeo copy`` to an OCI directory, interleaved,
-    PULL_ROUNDS rounds; medians."""
+    ``rounds`` rounds; medians."""
     registry, skopeo = shutil.which("docker-registry"), shutil.which("skopeo")
     if not registry or not skopeo:
         return {"skipped": "docker-registry and skopeo are not installed"}
@@ -309,14 +310,14 @@ def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool =
     with kit.loopback_registry(tmp, registry) as address:
         remote = f"{address}/bench/{name}"
         kit.push(skopeo, f"{layout}:{ref}", remote, tmp, timeout=600)
-        log(f"images: pulls of {name} from the loopback registry, {PULL_ROUNDS} rounds")
+        log(f"images: pulls of {name} from the loopback registry, {rounds} rounds")
         code = ("import resource, sys, time; from isolate.image import Image, Store; t = time.perf_counter(); "
                 f"Image.pull({remote!r}, store=Store(sys.argv[1])); "
                 "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
         samples: dict[str, list[float]] = {"isolate": [], "skopeo": [], **{tool: [] for tool in tools}}
         peaks: list[int] = []
         failed: dict[str, str] = {}
-        for _ in range(PULL_ROUNDS):
+        for _ in range(rounds):
             # Short: podman refuses a --runroot past 50 characters.
             cold = tempfile.mkdtemp(prefix="isolate-pull-", dir="/tmp")
             runs: dict[str, list[str]] = {"skopeo": [skopeo, "copy", "--quiet", "--src-tls-verify=false",
@@ -345,7 +346,7 @@ def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool =
                 subprocess.run(["podman", "--root", f"{cold}/podman", "--runroot", f"{cold}/podman-run", "system",
                                 "reset", "-f"], capture_output=True, timeout=120)
             shutil.rmtree(cold, ignore_errors=True)
-        out: dict[str, Any] = {"image": name, "image_mb": round(_du(layout) / 1e6, 2), "rounds": PULL_ROUNDS,
+        out: dict[str, Any] = {"image": name, "image_mb": round(_du(layout) / 1e6, 2), "rounds": rounds,
                                "isolate_s": round(statistics.median(samples["isolate"]), 3),
                                "isolate_peak_rss_mib": round(max(peaks) / 1024, 1)}
         if why:
@@ -367,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--no-docker", action="store_true")
     parser.add_argument("--pull-only", action="store_true", help="measure the pulls alone (of the Debian image)")
+    parser.add_argument("--pull-rounds", type=int, default=PULL_ROUNDS,
+                        help="interleaved rounds of pulls (their medians; more where the host's load varies)")
     args = parser.parse_args(argv)
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="isolate-bench-images-", dir="/var/tmp") as tmp:
         if args.pull_only:
             tools, _skipped = engines(not args.no_docker)
-            results = {"pull": _pull(tmp, tools, log)}
+            results = {"pull": _pull(tmp, tools, log, rounds=args.pull_rounds)}
         else:
             results = measure(args.rounds, tmp, not args.no_docker, log=log)
     os.makedirs(RESULTS, exist_ok=True)

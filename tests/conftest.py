@@ -207,6 +207,7 @@ HOST_INDEPENDENT = frozenset({
     "test_examples.py",
     "test_images_push.py",
     "test_images_trust.py",
+    "test_images_unpack.py",
     "test_inspect.py",
     "test_kubernetes.py",
     "test_layers.py",

@@ -23,6 +23,18 @@ would do nothing anyway). Other extended attributes are not applied.
 Owners are kept for a root caller (the sandbox maps root, and the program's
 own uid); a regular user's store holds that user's files only.
 
+The work is shared out among threads: one decompresses the stream (with
+ISA-L where the module isal is installed), one parses its tar headers and
+reads small files' contents, and this one, the caller's, checks each entry in
+the archive's order and makes its directories. Inodes are made side by side
+(writers.py): while a layer only adds names,
+each new regular file, symbolic link and hard link is a task of the thread of
+its directory, decided here first, in the archive's order, against what the
+layer made so far (a name under one that is not a directory is refused as
+the kernel would refuse it: the entry written through a link). The first
+entry that replaces a name the layer made waits for every task, and the rest
+of the layer is unpacked in this thread, entry after entry.
+
 The caller gives a fresh, empty directory; on any error it throws it away.
 """
 
@@ -34,13 +46,17 @@ import hashlib
 import importlib
 import io
 import os
+import queue
 import stat
 import tarfile
+import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
+from .writers import Writers
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -49,6 +65,11 @@ OPAQUE_XATTR = "user.overlay.opaque"
 _OPEN_DIRS = 256
 _REFUSED_XATTRS = ("security.capability", "trusted.", "user.overlay.")
 _CHUNK = 1 << 20
+#: Threads making a layer's inodes side by side (writers.py), and the bytes of contents read and not yet written.
+_WRITERS = 4
+_IN_FLIGHT = 16 << 20
+#: A file past this is written by the reading thread itself (its contents never held whole).
+_SMALL_FILE = 1 << 20
 
 
 class BadImageError(IsolationError):
@@ -88,19 +109,97 @@ class _Counting(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = self.raw.read(len(buffer))
-        n = len(data)
-        self.count += n
+        data = self.chunk(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def chunk(self, size: int, hashed: bool = True) -> bytes:
+        """Up to size bytes, as read (no copy); not hashed when not ``hashed`` (the reader hashes them)."""
+        data = self.raw.read(size)
+        self.count += len(data)
         if self.limit is not None and self.count > self.limit:
             raise BadImageError(f"{self.what}: past max_image_size ({self.limit} bytes) once decompressed "
                                 "(a decompression bomb, or an image too large): refused")
-        self.sha.update(data)
-        buffer[:n] = data
+        if hashed:
+            self.sha.update(data)
+        return data
+
+
+class _Ahead(io.RawIOBase):
+    """A stream read ahead by a thread of its own (``depth`` chunks at most): the layer's decompression (zlib
+    lets other threads run) goes on while others parse the archive and make its files. Its chunks are hashed
+    into the source's ``sha`` as they are read from here (the hashing shared out: the thread decompressing is
+    the busiest). The thread's error is raised here, where the stream is read; ``stop()`` ends the thread."""
+
+    def __init__(self, source: _Counting, depth: int = 4) -> None:
+        super().__init__()
+        self.source = source
+        self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(depth)
+        self.left = memoryview(b"")
+        self.ended = False
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="isolate-unpack-read", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        item: bytes | BaseException
+        try:
+            while True:
+                item = self.source.chunk(_CHUNK, hashed=False)
+                if not self._put(item) or not item:
+                    return
+        except BaseException as exc:  # raised in the reading thread, where the stream is read
+            self._put(exc)
+
+    def _put(self, item: bytes | BaseException) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.chunks.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self.left:
+            if self.ended:
+                return 0
+            item = self.chunks.get()
+            if isinstance(item, BaseException):
+                self.ended = True
+                raise item
+            if not item:
+                self.ended = True
+                return 0
+            self.source.sha.update(item)
+            self.left = memoryview(item)
+        n = min(len(buffer), len(self.left))
+        buffer[:n] = self.left[:n]
+        self.left = self.left[n:]
         return n
 
-    def drain(self) -> None:
-        while self.readinto(bytearray(_CHUNK)):
-            pass
+    def stop(self) -> None:
+        """End the thread (at once when it waits to hand a chunk over; after its read otherwise)."""
+        self.stopping.set()
+        self.thread.join()
+
+
+def _gzip_reader() -> tuple[Any, tuple[type[Exception], ...]]:
+    """The gzip reader: ISA-L's (the Python module isal, of ``isolate[images]``: the same format read with about
+    half the CPU of zlib's, which was the busiest thread of a pull) where installed, else the standard library's;
+    and the errors each raises for a damaged stream beyond EOFError and BadGzipFile."""
+    try:
+        igzip = importlib.import_module("isal.igzip")
+        isal_error = importlib.import_module("isal.isal_zlib").error
+    except ImportError:
+        return gzip.GzipFile, (zlib.error,)
+    return igzip.GzipFile, (zlib.error, isal_error)
+
+
+_GZIP, _DAMAGED = _gzip_reader()
 
 
 def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
@@ -108,7 +207,7 @@ def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
     buffered = io.BufferedReader(raw, _CHUNK)
     magic = buffered.peek(4)[:4]
     if magic[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
+        return _GZIP(fileobj=buffered, mode="rb")  # type: ignore[no-any-return]
     if magic == b"\x28\xb5\x2f\xfd":
         try:
             zstandard = importlib.import_module("zstandard")
@@ -142,25 +241,104 @@ class Unpacked:
     diff_id: str  # sha256 of the uncompressed tar stream
 
 
+class _Parser:
+    """The archive's entries parsed by a thread of its own (tarfile's headers cost as much as the checks), in
+    order, each with its contents when it is a regular file of at most _SMALL_FILE bytes (read, ``depth``
+    entries ahead at most). A larger one is read by the caller from ``archive`` (its ``extractfile``) while
+    this thread waits, until ``next()`` is called again. The thread's error is raised by ``next()``."""
+
+    _END = object()
+
+    def __init__(self, stream: IO[bytes], what: str, depth: int = 16) -> None:
+        self.stream, self.what = stream, what
+        self.entries: queue.Queue[Any] = queue.Queue(depth)
+        self.stopping = threading.Event()
+        self.turn = threading.Event()  # set: the caller is done with a large file's contents
+        self.archive: tarfile.TarFile | None = None
+        self.waiting = False
+        self.thread = threading.Thread(target=self._parse, name="isolate-unpack-parse", daemon=True)
+        self.thread.start()
+
+    def _parse(self) -> None:
+        try:
+            with tarfile.open(fileobj=self.stream, mode="r|", tarinfo=_BoundedTarInfo) as archive:
+                self.archive = archive
+                for count, member in enumerate(archive, 1):
+                    if count > MAX_ENTRIES:
+                        raise BadImageError(f"{self.what}: more than {MAX_ENTRIES} entries: refused")
+                    data = None
+                    if member.isreg() and member.size <= _SMALL_FILE:
+                        source = archive.extractfile(member)
+                        assert source is not None
+                        data = source.read()
+                    if not self._put((member, data)):
+                        return
+                    if member.isreg() and data is None:
+                        self.turn.wait()  # the caller reads it from the archive
+                        self.turn.clear()
+                        if self.stopping.is_set():
+                            return
+            self._put(self._END)
+        except BaseException as exc:  # raised in the caller's thread, by next()
+            self._put(exc)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.entries.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> tuple[tarfile.TarInfo, bytes | None] | None:
+        """The next entry and its contents (None: read them from ``archive``), or None at the end."""
+        if self.waiting:
+            self.waiting = False
+            self.turn.set()
+        item = self.entries.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is self._END:
+            self.thread.join()  # done with the stream: the caller reads on from it
+            return None
+        member, data = item
+        self.waiting = member.isreg() and data is None
+        return member, data
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.turn.set()
+        self.thread.join()
+
+
 def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
     """Unpack the layer read from ``blob`` into the empty directory ``root_fd``."""
-    tar_stream = _Counting(_decompressed(blob, what), max_size, what)
     unpacker = _Unpacker(root_fd, what, max_size)
+    ahead = parser = None
     try:
-        return _unpack(tar_stream, unpacker, what)
+        tar_stream = _Counting(_decompressed(blob, what), max_size, what)
+        # Decompressed and hashed by a thread of its own, parsed by another, ahead of the checks here.
+        ahead = _Ahead(tar_stream)
+        parser = _Parser(io.BufferedReader(ahead, _CHUNK), what)
+        return _unpack(ahead, parser, tar_stream, unpacker, what)
     finally:
+        if parser is not None:
+            parser.stop()  # first: it may wait for a chunk from ahead
+        if ahead is not None:
+            ahead.stop()  # before the caller reads the blob on (its digest), or throws the layer away
+        unpacker.stop()
         unpacker.forget()
 
 
-def _unpack(tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
+def _unpack(ahead: _Ahead, parser: _Parser, tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
     try:
-        with tarfile.open(fileobj=io.BufferedReader(tar_stream, _CHUNK), mode="r|",
-                          tarinfo=_BoundedTarInfo) as archive:
-            for count, member in enumerate(archive, 1):
-                if count > MAX_ENTRIES:
-                    raise BadImageError(f"{what}: more than {MAX_ENTRIES} entries: refused")
-                unpacker.entry(archive, member)
-        tar_stream.drain()  # the diff id covers the whole stream, its trailing blocks too
+        while (item := parser.next()) is not None:
+            assert parser.archive is not None
+            unpacker.entry(parser.archive, *item)
+        unpacker.serial()  # every file made
+        while ahead.readinto(bytearray(_CHUNK)):  # the diff id covers the whole stream, its trailing blocks too
+            pass
     except BadImageError as exc:
         if not str(exc).startswith(what):
             raise BadImageError(f"{what}: {exc}") from None
@@ -171,6 +349,8 @@ def _unpack(tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
         # A number of a header the kernel or tarfile cannot take (an mtime NaN or past time_t, an owner past
         # 32 bits or negative, a pax sparse map cut short): the archive's, never a traceback.
         raise BadImageError(f"{what}: not a valid layer archive (a header's value: {exc})") from None
+    except _DAMAGED as exc:  # ISA-L's "invalid deflate block" and the like (tarfile words zlib's only while it parses)
+        raise BadImageError(f"{what}: its compressed stream is damaged ({exc})") from None
     except (EOFError, gzip.BadGzipFile, OSError) as exc:
         if isinstance(exc, BadImageError):
             raise
@@ -201,6 +381,11 @@ class _Unpacker:
         self.dir_modes: list[tuple[str, int, float]] = []
         self.root = os.geteuid() == 0
         self.dirs: dict[str, int] = {}  # directories parent() walked, open, by path in the layer
+        #: While the layer only adds names: the threads making them, and what each name made is ("d": a
+        #: directory, "f": a regular file, "o": anything else). None once an entry replaced one (see the
+        #: module's docstring): from there on, each entry is made in this thread.
+        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT)
+        self.made: dict[str, str] = {}
 
     def refuse(self, name: str, why: str) -> BadImageError:
         return BadImageError(f"{self.what}: entry {name!r} {why}: refused")
@@ -232,6 +417,44 @@ class _Unpacker:
             self.dirs["/".join(parts[:i + 1])] = fd = child
         return os.dup(fd), parts[-1]
 
+    def serial(self) -> None:
+        """Every task run (its error raised), and the rest of the layer made in this thread."""
+        if self.writers is not None:
+            try:
+                self.writers.drain()
+            finally:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.writers is not None:
+            self.writers.close()
+            self.writers = None
+            self.made.clear()
+
+    def through(self, rel: str, shown: str) -> None:
+        """Refuse rel when a name above it was made as no directory (before the task making it may have run:
+        the refusal the kernel gives, O_NOFOLLOW, in serial order). While the layer only adds names, a directory
+        made has only directories above it: a known directory ends the walk."""
+        end = rel.rfind("/")
+        while end != -1:
+            kind = self.made.get(rel[:end])
+            if kind == "d":
+                return
+            if kind is not None:
+                raise self.refuse(shown, f"is written through {rel[:end]!r}, which is not a directory "
+                                  "(a link planted by an earlier entry)")
+            end = rel.rfind("/", 0, end)
+
+    def mark(self, rel: str, kind: str) -> None:
+        """rel made (kind), and its parents (parent() makes the missing ones)."""
+        if self.writers is None:
+            return
+        end = rel.rfind("/")
+        while end != -1 and rel[:end] not in self.made:
+            self.made[rel[:end]] = "d"
+            end = rel.rfind("/", 0, end)
+        self.made[rel] = kind
+
     def forget(self) -> None:
         """Close the directories parent() keeps open."""
         for fd in self.dirs.values():
@@ -252,7 +475,8 @@ class _Unpacker:
         else:
             os.unlink(name, dir_fd=dir_fd)
 
-    def entry(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    def entry(self, archive: tarfile.TarFile, member: tarfile.TarInfo, data: bytes | None) -> None:
+        """Make member (its contents: data, or read from archive when None)."""
         rel = entry_name(member.name, self.what)
         if not rel:
             return  # the layer's root itself
@@ -270,6 +494,12 @@ class _Unpacker:
         if member.issym():
             if "\0" in member.linkname:
                 raise self.refuse(member.name, "is a link with a NUL byte")
+        if self.writers is not None:
+            kind = self.made.get(rel)
+            if kind is not None and not (kind == "d" and member.isdir()):
+                self.serial()  # a name replaced: what it was must be there to be removed, and what follows waits
+            elif self.added(rel, member, data):
+                return
         dir_fd, name = self.parent(rel)
         self.files.discard(rel)
         try:
@@ -283,6 +513,11 @@ class _Unpacker:
                 self.dir_modes.append((rel, mode, float(member.mtime)))
                 self.index.dirs.append(rel)
                 self.own(dir_fd, name, member)
+            elif member.isreg() and data is not None:
+                self.grow(member.size, member.name)
+                self.write_file(dir_fd, name, data, member)
+                self.files.add(rel)
+                self.index.others.append(rel)
             elif member.isreg():
                 self.grow(member.size, member.name)
                 source = archive.extractfile(member)
@@ -329,9 +564,75 @@ class _Unpacker:
         finally:
             os.close(dir_fd)
 
+    def added(self, rel: str, member: tarfile.TarInfo, data: bytes | None) -> bool:
+        """A new name, or a directory again: made, or given to the threads (True), or left to entry() (False)."""
+        assert self.writers is not None
+        self.through(rel, member.name)
+        key = rel.rpartition("/")[0]
+        if member.isreg() and data is not None:
+            self.grow(member.size, member.name)
+            dir_fd, name = self.parent(rel)
+            self.writers.submit(key, lambda: self.write_file(dir_fd, name, data, member), len(data), (dir_fd,))
+            self.mark(rel, "f")
+            self.files.add(rel)
+            self.index.others.append(rel)
+            return True
+        if member.issym():
+            dir_fd, name = self.parent(rel)
+            self.writers.submit(key, lambda: self.symlink(dir_fd, name, member), 0, (dir_fd,))
+            self.mark(rel, "o")
+            self.index.links.append(rel)
+            return True
+        if member.islnk():
+            target = entry_name(member.linkname, self.what)
+            if target not in self.files:
+                raise self.refuse(member.name, f"is a hard link to {member.linkname!r}, which is no file of this "
+                                  "layer")
+            dir_fd, name = self.parent(rel)
+            try:
+                target_fd, target_name = self.parent(target)
+            except BaseException:
+                os.close(dir_fd)
+                raise
+            # The thread that made the target (its directory's): the link is made after it.
+            self.writers.submit(target.rpartition("/")[0], lambda: self.hard_link(target_fd, target_name, dir_fd,
+                                                                                  name, member), 0, (dir_fd, target_fd))
+            self.mark(rel, "o")
+            self.index.others.append(rel)
+            return True
+        self.mark(rel, "d" if member.isdir() else "o")  # made below, in this thread (the name is new)
+        return False
+
+    def write_file(self, dir_fd: int, name: str, data: bytes, member: tarfile.TarInfo) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            self.own_fd(fd, member)
+            os.fchmod(fd, member.mode & 0o1777)  # set-id bits dropped (see the module's docstring)
+            os.utime(fd, (member.mtime, member.mtime))
+        finally:
+            os.close(fd)
+
+    def symlink(self, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
+        os.symlink(member.linkname, name, dir_fd=dir_fd)
+        self.own(dir_fd, name, member)
+
+    def hard_link(self, target_fd: int, target_name: str, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
+        # The kind of what lies there now, not of what was written there first: a file replaced by a link later
+        # in the layer made a hard link that is a symbolic link, unseen by the index.
+        if not stat.S_ISREG(os.stat(target_name, dir_fd=target_fd, follow_symlinks=False).st_mode):
+            raise self.refuse(member.name, f"is a hard link to {member.linkname!r}, which is no longer a regular file")
+        os.link(target_name, name, src_dir_fd=target_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+
     def whiteout(self, rel: str, base: str, member: tarfile.TarInfo) -> None:
         directory = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        if self.writers is not None:
+            self.through(rel, member.name)
         if base == OPAQUE_MARKER:
+            if directory:
+                self.mark(directory, "d")  # made here when no entry named it: a later entry of its name replaces it
             fd = self.open_dir(directory, member.name)
             try:
                 os.setxattr(fd, OPAQUE_XATTR, b"y")
@@ -343,6 +644,9 @@ class _Unpacker:
         if not hidden or hidden in (".", "..") or hidden.startswith(WHITEOUT_PREFIX):
             raise self.refuse(member.name, "is a whiteout of no valid name")
         target = f"{directory}/{hidden}" if directory else hidden
+        if self.writers is not None and target in self.made:
+            self.serial()  # a name replaced
+        self.mark(target, "o")
         dir_fd, name = self.parent(target)
         try:
             self.clear(dir_fd, name, keep_dir=False)
@@ -362,6 +666,25 @@ class _Unpacker:
             os.close(dir_fd)
         return dir_fd
 
+    def dir_if_there(self, rel: str) -> int | None:
+        """A descriptor of the directory rel, walked from the root with no link followed and nothing made; None
+        when a name on the way is not a directory (now)."""
+        parent, _, _ = rel.rpartition("/")
+        start = self.dirs.get(parent) if parent else self.root_fd
+        parts = [rel.rpartition("/")[2]] if start is not None else rel.split("/")
+        fd = os.dup(start if start is not None else self.root_fd)
+        for part in parts:
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                    return None
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+
     def grow(self, size: int, name: str) -> None:
         self.index.size += size
         if self.max_size is not None and self.index.size > self.max_size:
@@ -376,9 +699,17 @@ class _Unpacker:
             os.fchown(fd, member.uid, member.gid)
 
     def finish(self) -> None:
-        """Directories get their modes last (one made read-only early would refuse what goes in it)."""
-        for rel, mode, mtime in reversed(self.dir_modes):
-            fd = self.open_dir(rel, rel)
+        """Directories get their modes last (one made read-only early would refuse what goes in it), each the
+        mode and time of its last entry (as tar gives them); one a later entry replaced (a link, a file, a
+        whiteout) is left as it is, never opened through (nor made again)."""
+        last: dict[str, tuple[int, float]] = {}
+        for rel, mode, mtime in self.dir_modes:
+            last[rel] = (mode, mtime)
+        self.forget()
+        for rel, (mode, mtime) in reversed(last.items()):
+            fd = self.dir_if_there(rel)
+            if fd is None:
+                continue
             try:
                 os.fchmod(fd, mode | (0 if self.root else 0o700))
                 os.utime(fd, (mtime, mtime))

@@ -1,0 +1,168 @@
+"""A layer's unpacking, its inodes made by several threads: the same tree as tarfile's own extraction, in order."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import imagekit as kit
+import pytest
+
+import isolate
+from isolate.image import Store
+from isolate.image import unpack as unpacking
+
+
+def _tree(root: str, named: set[str]) -> dict[str, Any]:
+    """What a directory holds, as the comparison sees it (hard links: the other names of an inode; the time of a
+    directory the layer does not name, made as a parent, left out)."""
+    out: dict[str, Any] = {}
+    inodes: dict[int, list[str]] = {}
+    for path, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = os.path.join(path, name)
+            rel = os.path.relpath(full, root)
+            info = os.lstat(full)
+            if stat.S_ISLNK(info.st_mode):
+                out[rel] = ("link", os.readlink(full))
+            elif stat.S_ISDIR(info.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(info.st_mode), info.st_mtime if rel in named else None)
+            else:
+                with open(full, "rb") as handle:
+                    out[rel] = ("file", stat.S_IMODE(info.st_mode), info.st_mtime, handle.read())
+                inodes.setdefault(info.st_ino, []).append(rel)
+    for names in inodes.values():
+        for rel in names:
+            out[rel] += (sorted(names),)
+    return out
+
+
+def _entries() -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = [{"name": "usr", "type": "dir"}]
+    for d in range(12):  # directories that hash to different threads, some never named (made as parents)
+        if d % 3:
+            entries.append({"name": f"usr/d{d}", "type": "dir", "mode": 0o750 if d % 2 else 0o755})
+        for f in range(25):
+            entries.append({"name": f"usr/d{d}/f{f}", "data": f"{d}/{f}\n".encode() * (f + 1),
+                            "mode": 0o644 if f % 2 else 0o755})
+        entries.append({"name": f"usr/d{d}/up", "type": "link", "target": f"../d{(d + 1) % 12}/f0"})
+        # Hard links into another directory (another thread) than their target's.
+        entries.append({"name": f"usr/d{d}/same", "type": "hard", "target": f"usr/d{max(d - 5, 0)}/f3"})
+    entries.append({"name": "usr/big", "data": os.urandom(3 << 19)})  # past the small files: written by the reader
+    entries.append({"name": "usr/deep/a/b/c", "data": b"deep"})
+    # A name replaced: every task done first, and what follows unpacked serially.
+    entries.append({"name": "usr/d2/f1", "data": b"again"})
+    entries.append({"name": "usr/d4/f0", "type": "link", "target": "f1"})
+    for f in range(10):
+        entries.append({"name": f"usr/after/f{f}", "data": b"after"})
+    entries.append({"name": "usr/after/same", "type": "hard", "target": "usr/d2/f1"})
+    return entries
+
+
+def test_a_layer_unpacks_as_tarfile_extracts_it(tmp_path: Path) -> None:
+    entries = _entries()
+    layer = kit.layer(entries)
+    store = Store(tmp_path / "store")
+    raw = kit.gz(layer)
+    (tmp_path / "blob").write_bytes(raw)
+    store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=kit.digest(layer),
+                       what="layer")
+    reference = tmp_path / "reference"
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
+        # The "tar" filter where this Python has extraction filters (3.11.4); the layer is the test's own.
+        options: dict[str, Any] = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+        tar.extractall(reference, **options)
+    named = {e["name"] for e in entries}
+    assert _tree(store.layer_root(kit.digest(raw)), named) == _tree(str(reference), named)
+
+
+def test_a_directory_a_later_entry_replaced_is_left_as_it_is_and_one_listed_twice_takes_the_last(
+        tmp_path: Path) -> None:
+    # Its mode was given at the end through its name: the link that replaced it refused the layer ("written
+    # through"), the whiteout that replaced it too. A directory listed twice took its first entry's mode (Docker
+    # gives the last; tarfile the last since Python 3.11.4, the first before).
+    raw = kit.gz(kit.layer([{"name": "a", "type": "dir"}, {"name": "a/f", "data": b"x"},
+                            {"name": "a", "type": "link", "target": "b"}, {"name": "w", "type": "dir"},
+                            {"name": ".wh.w"}, {"name": "b", "type": "dir", "mode": 0o711},
+                            {"name": "c", "type": "dir", "mode": 0o750}, {"name": "c/f", "data": b"x"},
+                            {"name": "c", "type": "dir", "mode": 0o705}]))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    root = store.layer_root(kit.digest(raw))
+    assert os.readlink(os.path.join(root, "a")) == "b"
+    assert stat.S_ISCHR(os.lstat(os.path.join(root, "w")).st_mode)
+    assert stat.S_IMODE(os.lstat(os.path.join(root, "b")).st_mode) == 0o711
+    assert stat.S_IMODE(os.lstat(os.path.join(root, "c")).st_mode) == 0o705
+
+
+def test_an_error_of_a_thread_making_files_is_raised_and_nothing_kept(tmp_path: Path) -> None:
+    entries = [{"name": f"d{d}/f{f}", "data": b"x"} for d in range(8) for f in range(20)]
+    entries.insert(50, {"name": "d3/" + "n" * 300, "data": b"x"})  # past NAME_MAX: the kernel refuses it
+    raw = kit.gz(kit.layer(entries))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    with pytest.raises(isolate.IsolationError, match="File name too long"):
+        store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    assert os.listdir(os.path.join(store.path, "layers")) == []
+    assert os.listdir(os.path.join(store.path, "tmp")) == []
+
+
+def test_the_threads_end_with_the_unpack(tmp_path: Path) -> None:
+    import threading
+
+    before = threading.active_count()
+    raw = kit.gz(kit.layer([{"name": f"d{d}/f", "data": b"x"} for d in range(20)]
+                           + [{"name": "l", "type": "link", "target": "/etc"}, {"name": "l/x", "data": b"x"}]))
+    (tmp_path / "blob").write_bytes(raw)
+    with pytest.raises(unpacking.BadImageError, match="written through 'l'"):
+        Store(tmp_path / "store").ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"),
+                                               diff_id=None, what="layer")
+    assert threading.active_count() == before
+
+
+@pytest.fixture(params=["zlib", "isal"])
+def gzip_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each gzip reader the unpack may use (ISA-L's where the module isal is installed, else zlib's)."""
+    if request.param == "zlib":
+        import gzip
+        import zlib
+
+        monkeypatch.setattr(unpacking, "_GZIP", gzip.GzipFile)
+        monkeypatch.setattr(unpacking, "_DAMAGED", (zlib.error,))
+    else:
+        pytest.importorskip("isal")
+        monkeypatch.setattr(unpacking, "_GZIP", unpacking._gzip_reader()[0])
+        monkeypatch.setattr(unpacking, "_DAMAGED", unpacking._gzip_reader()[1])
+    return str(request.param)
+
+
+def test_each_gzip_reader_unpacks_the_same_and_refuses_a_damaged_stream_in_one_line(tmp_path: Path,
+                                                                                  gzip_reader: str) -> None:
+    layer = kit.layer([{"name": f"d{d}/f{f}", "data": os.urandom(f * 100)} for d in range(5) for f in range(10)])
+    raw = kit.gz(layer)
+    (tmp_path / "good").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "good", "rb"), diff_id=kit.digest(layer),
+                       what="layer")
+    # The first deflate block of a reserved type: ISA-L's error is no zlib.error (which tarfile words itself).
+    damaged = raw[:10] + b"\xff" + raw[11:]
+    (tmp_path / "bad").write_bytes(damaged)
+    with pytest.raises(unpacking.BadImageError, match=r"compressed stream is damaged|not a valid layer archive"):
+        store.ensure_layer(kit.digest(damaged), lambda: open(tmp_path / "bad", "rb"), diff_id=None, what="layer")
+    assert os.listdir(os.path.join(store.path, "tmp")) == []
+
+
+def test_a_directory_made_for_an_opaque_marker_is_replaced_by_a_later_entry_of_its_name(tmp_path: Path) -> None:
+    # Made by the marker alone (no entry named it), it was not known to the threads' record: the file of its
+    # name that followed failed to be made (File exists).
+    raw = kit.gz(kit.layer([{"name": "o/.wh..wh..opq"}, {"name": "o", "data": b"file"}]))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    with open(os.path.join(store.layer_root(kit.digest(raw)), "o"), "rb") as handle:
+        assert handle.read() == b"file"

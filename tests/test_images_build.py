@@ -97,3 +97,24 @@ def test_a_build_step_is_confined(base: Image, tmp_path: Path) -> None:
     probe = base.run(f"test ! -e {tmp_path} && test ! -e /usr/bin/python3 && echo confined > /app/probe").build()
     with isolate.Sandbox(isolate.Policy(image=probe.reference)) as box:
         assert box.exec(["cat", "/app/probe"]).stdout == "confined\n"
+
+
+def test_a_build_step_makes_new_entries_in_the_images_root(base: Image) -> None:
+    # As docker build's RUN: the step's root is the image (its private upper layer), new top-level entries included.
+    built = base.run("mkdir /srv2 && echo made > /srv2/file && ln -s srv2 /link2 && echo top > /top-file").build()
+    with isolate.Sandbox(isolate.Policy(image=built.reference)) as box:
+        assert box.exec(["cat", "/srv2/file", "/link2/file", "/top-file"]).stdout == "made\nmade\ntop\n"
+        # A kept sandbox of an image is a container's root too: where the program owns / (a regular caller's, whose
+        # store holds their own files; a root caller's program is never root), it adds to it (its upper layer) ...
+        if box.exec(["sh", "-c", 'test "$(stat -c %u /)" = "$(id -u)"']).returncode == 0:
+            made = box.exec(["sh", "-c", "mkdir /made && echo x > /made/f && cat /made/f"])
+            assert made.stdout == "x\n", made.stderr
+        # ... and never writes the kernel's file systems mounted under it, which a rule on / would reach.
+        for path in ("/proc/self/oom_score_adj", "/proc/self/comm", "/proc/sysrq-trigger"):
+            assert box.exec(["sh", "-c", f"echo 0 > {path}"]).returncode != 0, path
+    # A host path granted read-only holds FIFOs and sockets no mount flag keeps: the root is then granted by its
+    # directories only, and the report says why.
+    with isolate.Sandbox(isolate.Policy(image=built.reference, read=["/etc/hostname"])) as box:
+        denied = box.exec(["sh", "-c", "mkdir /made2"])
+        assert denied.returncode != 0
+        assert "no new entry in /" in denied.report.enforced["image"]["root"]

@@ -166,7 +166,12 @@ static int apply_one(const struct iso_mount *m)
             return ISO_STEP_MOUNT_TMPFS;
         break;
     case ISO_MOUNT_PROC:
-        if (mount("proc", m->target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+        /* Read-only: no program writes the sandbox's /proc (Landlock grants it
+         * read only), and a rule granting writes on the root of an image
+         * (which Landlock applies to every mount under it) must not reach
+         * /proc/sysrq-trigger, /proc/sys or the processes' own files: the
+         * mount refuses what the rule would let through. */
+        if (mount("proc", m->target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, NULL) < 0)
             return ISO_STEP_MOUNT_PROC;
         return 0;
     case ISO_MOUNT_DEVPTS:

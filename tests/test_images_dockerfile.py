@@ -31,8 +31,8 @@ ARG GREETING=hi
 WORKDIR /work
 COPY src/ ./src/
 RUN ["sh", "-c", "test ! -e src/secret.txt && cat src/a.txt > out.txt && echo $GREETING >> out.txt"]
-RUN mkdir -p /work/out \\
- && cp out.txt /work/out/result
+RUN mkdir /out \\
+ && cp out.txt /out/result
 
 FROM base:1
 SHELL ["/bin/sh", "-c"]
@@ -40,7 +40,7 @@ ENV APP_HOME=/app MODE=test
 LABEL org.example.name="demo app" version=1
 EXPOSE 8080/tcp 53/udp
 USER 0
-COPY --from=builder /work/out/result ${APP_HOME}/result
+COPY --from=builder /out/result ${APP_HOME}/result
 ADD bundle.tar.gz /app/bundle/
 ADD notes.txt /app/
 COPY . /app/ctx/

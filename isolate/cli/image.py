@@ -7,7 +7,7 @@
     isolate-run image ls [--json]
     isolate-run image inspect REF
     isolate-run image rm REF...
-    isolate-run image prune                     the layers no image names
+    isolate-run image prune [--build-cache]     the layers no image names (and the build cache)
 
 ``--image-store DIR`` (before or after the action) names another store than
 ``$ISOLATE_IMAGE_STORE`` or ``<state dir>/images``. Errors are one line and
@@ -69,8 +69,11 @@ def _parser() -> UsageParser:
     inspect.add_argument("ref")
     rm = commands.add_parser("rm", help="remove images (their layers stay until prune)")
     rm.add_argument("refs", nargs="+")
-    commands.add_parser("prune", help="remove the layers no image names")
-    for sub in (load, pull, push, build, ls, inspect, rm):
+    prune = commands.add_parser("prune", help="remove the layers no image names")
+    prune.add_argument("--build-cache", action="store_true", help="the build cache too (as docker builder prune "
+                       "-a): the images kept between build steps, the cache mounts' directories; not what a running "
+                       "build uses")
+    for sub in (load, pull, push, build, ls, inspect, rm, prune):
         sub.add_argument("--image-store", metavar="DIR", default=argparse.SUPPRESS)
     return parser
 
@@ -134,8 +137,15 @@ def image_main(argv: Sequence[str]) -> int:
                 image.remove()
                 print(f"removed {image.reference}")
         elif options.action == "prune":
-            removed = Image.prune(store)
-            print(f"removed {len(removed)} unused layer{'s' if len(removed) != 1 else ''}")
+            from ..image import PruneStats
+
+            stats = PruneStats()
+            removed = Image.prune(store, build_cache=options.build_cache, stats=stats)
+            line = f"removed {len(removed)} unused layer{'s' if len(removed) != 1 else ''}"
+            if options.build_cache:
+                line += (f", {stats.images} build image{'s' if stats.images != 1 else ''}, {stats.cache_mounts} "
+                         f"cache mount{'s' if stats.cache_mounts != 1 else ''}")
+            print(line + (f", {stats.steps} step cache entries" if stats.steps else ""))
         return 0
     except UsageError as exc:
         print(f"isolate-run image: {exc}", file=sys.stderr)

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ..model.errors import IsolationError
 from .archive import Found, parse_json, read_archive
 from .reference import Reference
-from .store import DEFAULT_MAX_IMAGE_SIZE, Store, check_stack
+from .store import DEFAULT_MAX_IMAGE_SIZE, PruneStats, Store, check_stack
 from .unpack import BadImageError, LayerIndex
 
 if TYPE_CHECKING:
     from .build import Build
 
-__all__ = ["BadImageError", "Image", "ImageConfig", "Reference", "Store"]
+__all__ = ["BadImageError", "Image", "ImageConfig", "PruneStats", "Reference", "Store"]
 
 
 
@@ -337,9 +337,12 @@ class Image:
             raise IsolationError(f"image {self.reference}: not in the image store {self.store.path}")
 
     @classmethod
-    def prune(cls, store: Store | None = None) -> builtins.list[str]:
-        """Remove the layers no image names; their digests."""
-        return (store or Store()).prune()
+    def prune(cls, store: Store | None = None, *, build_cache: bool = False,
+              stats: PruneStats | None = None) -> builtins.list[str]:
+        """Remove the layers no image names (and the build steps' cache entries of layers gone); their digests.
+        ``build_cache``: the build cache too (images kept between build steps, cache mounts' directories), as
+        ``docker builder prune -a``; what a running sandbox or build stands on stays. ``stats``: what went."""
+        return (store or Store()).prune(build_cache, stats)
 
     def lower_dirs(self) -> builtins.list[str]:
         """The layers' directories, topmost first (overlayfs's lowerdir order)."""

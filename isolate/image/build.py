@@ -40,7 +40,7 @@ from typing import IO, Any
 
 from ..model import hooks
 from ..model.errors import IsolationError
-from . import Image
+from . import Image, leases
 from .commit import add_layer, with_config
 from .export import LayerBlob, write_copy
 from .store import Store
@@ -72,13 +72,29 @@ class CacheMount:
             raise BuildError("cache mount: an id holds a NUL byte")
         object.__setattr__(self, "id", self.id or self.target)
 
+    def key(self, store: Store) -> str:
+        return hashlib.sha256(os.fsencode(os.path.realpath(store.path)) + b"\0" + self.id.encode()).hexdigest()[:32]
+
+    def host_path(self, store: Store) -> str:
+        """Where host_dir() is (not made)."""
+        from ..kernel.places import state_dir
+
+        return os.path.join(state_dir(), "build-caches", self.key(store))
+
     def host_dir(self, store: Store) -> str:
         """Its directory: ``build-caches/KEY`` in isolate's state directory (made, and reached, without
-        following a link: places.state_path), one per store and id. Never in the store, which no sandbox reaches."""
+        following a link: places.state_path), one per store and id. Never in the store, which no sandbox reaches;
+        the store names it in ``cache-mounts/KEY``, for prune (Store.prune(build_cache=True))."""
         from ..kernel.places import state_path
+        from .store import CACHE_MOUNTS
 
-        key = hashlib.sha256(os.fsencode(os.path.realpath(store.path)) + b"\0" + self.id.encode()).hexdigest()
-        return state_path("build-caches", key[:32])
+        store._ensure()
+        marks = os.path.join(store.path, CACHE_MOUNTS)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(marks, 0o700)
+        os.close(os.open(os.path.join(marks, self.key(store)), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
+        return state_path("build-caches", self.key(store))
 
 
 @dataclass(frozen=True)
@@ -190,6 +206,23 @@ class Builder:
 
     def build(self, reference: str | None) -> Image:
         image = self.base()
+        # A lease on what the build stands on while it runs (leases.Holding): prune(build_cache=True) keeps it.
+        self.lease = leases.Holding(image.store.path)
+        try:
+            self.hold(image)
+            if image.store.record(image.reference) is None:
+                raise BuildError(f"build: {image.reference} was removed from the image store as the build began")
+            return self.steps(image, reference)
+        finally:
+            self.lease.release()
+
+    def hold(self, image: Image, caches: Sequence[CacheMount] = ()) -> None:
+        with image.store.adding():  # prune's lock, shared: what prune decides and what is held never cross
+            self.lease.add([image.store._record_path(image.reference), *(os.path.dirname(d) for d in
+                                                                         image.lower_dirs()),
+                            *(c.host_path(image.store) for c in caches)])
+
+    def steps(self, image: Image, reference: str | None) -> Image:
         pending: dict[str, Any] = {}
         for number, step in enumerate(self.spec.steps, 1):
             self.stats.steps += 1
@@ -205,8 +238,12 @@ class Builder:
                 continue
             if pending:
                 image = with_config(image, None, pending, "isolate build: " + ", ".join(sorted(pending)))
+                self.hold(image)
                 pending = {}
+            if step.mounts:
+                self.hold(image, step.mounts)
             image = self.layer_step(image, step, number)
+            self.hold(image)
         if pending:
             image = with_config(image, reference, pending, "isolate build: " + ", ".join(sorted(pending)))
         elif reference is not None:

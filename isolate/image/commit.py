@@ -27,7 +27,7 @@ from ..model.errors import IsolationError
 from . import Image, ImageConfig
 from .export import LayerBlob, remember, write_layer
 from .reference import Reference
-from .store import Store
+from .store import INTERMEDIATE, Store
 
 
 def mount_points(pid: int) -> frozenset[str]:
@@ -61,8 +61,6 @@ def add_layer(base: Image, blob: LayerBlob, reference: str | None, config: Mappi
                            added_size=index.size)
 
 
-#: Where an image between two build steps (or committed with no name) is kept: its tag is its config digest.
-INTERMEDIATE = "localhost/isolate-build"
 
 
 def with_config(base: Image, reference: str | None, config: Mapping[str, Any], history: str, *,

@@ -12,13 +12,22 @@ has ended is no lease: prune removes it, as its sandbox's end does.
 
 The native ``isolate-run`` binary writes the same file when it replays a
 cached plan (csrc/cli.c: the plan carries the directory and the lines).
+
+A build holds one too while it runs (``Holding``: ``leases/PID-START.bN``):
+its first line ``started WALLTIME``, then the paths it stands on as it goes
+(its images' records and layers, its cache mounts' directories), so that
+``prune(build_cache=True)`` takes neither an image a running build made or
+starts from, nor a cache directory a running step has bound.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 LEASES = "leases"
 
@@ -65,15 +74,22 @@ def release(path: str | None) -> None:
             os.unlink(path)
 
 
-def live(store_path: str) -> Iterator[str]:
-    """The layer names (hex digests) that live leases hold; the leases of ended processes are removed."""
+@dataclass(frozen=True)
+class Lease:
+    name: str
+    lines: tuple[str, ...]
+
+
+def _live_leases(store_path: str) -> Iterator[Lease]:
+    """The leases of running processes (``PID-START`` or ``PID-START.TAG``); those of ended ones removed."""
     directory = os.path.join(store_path, LEASES)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
     for name in names:
-        pid_text, _, start_text = name.partition("-")
+        pid_text, _, rest = name.partition("-")
+        start_text = rest.partition(".")[0]
         path = os.path.join(directory, name)
         if not (pid_text.isdigit() and start_text.isdigit()):
             release(path)  # not a lease (a writer's leftover)
@@ -87,5 +103,62 @@ def live(store_path: str) -> Iterator[str]:
                 lines = handle.read(1 << 20).decode(errors="replace").splitlines()
         except OSError:
             continue
-        for line in lines:
-            yield os.path.basename(line.rstrip("/"))
+        yield Lease(name, tuple(lines))
+
+
+def live(store_path: str) -> Iterator[str]:
+    """The names (the last component of each path: a layer's hex digest, an image record's file, a cache
+    directory's key) that live leases hold; the leases of ended processes are removed."""
+    for lease in _live_leases(store_path):
+        for line in lease.lines:
+            if line.startswith("/"):
+                yield os.path.basename(line.rstrip("/"))
+
+
+def builds_started(store_path: str) -> list[float]:
+    """When each running build began (wall clock): an image made since may be one it has not leased yet."""
+    out = []
+    for lease in _live_leases(store_path):
+        first = lease.lines[0] if lease.lines else ""
+        if first.startswith("started "):
+            with contextlib.suppress(ValueError):
+                out.append(float(first.split()[1]))
+    return out
+
+
+_counter = itertools.count()
+
+
+class Holding:
+    """A build's lease, held while it runs: ``add`` names more paths (call it under the store's shared lock,
+    which prune takes exclusively, so that what prune decided and what is added never cross)."""
+
+    def __init__(self, store_path: str) -> None:
+        self.store_path = store_path
+        self.lines = [f"started {time.time()!r}"]
+        self.path: str | None = None
+        self.tag = f"b{next(_counter)}"
+
+    def add(self, paths: Sequence[str]) -> None:
+        new = [p for p in paths if p not in self.lines]
+        if not new and self.path is not None:
+            return
+        self.lines.extend(new)
+        started = start_time(os.getpid())
+        if started is None:  # no /proc: nothing can lease
+            return
+        directory = os.path.join(self.store_path, LEASES)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+        self.path = os.path.join(directory, f"{os.getpid()}-{started}.{self.tag}")
+        tmp = self.path + ".new"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, "".join(f"{line}\n" for line in self.lines).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+
+    def release(self) -> None:
+        release(self.path)
+        self.path = None

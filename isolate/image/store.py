@@ -35,6 +35,7 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 from ..model.errors import IsolationError
@@ -47,6 +48,8 @@ DEFAULT_MAX_IMAGE_SIZE = 16 << 30
 #: A manifest, an index or a config past this is refused, never parsed.
 MAX_METADATA_SIZE = 4 << 20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+#: Where an image between two build steps (or committed with no name) is kept: its tag is its config digest.
+INTERMEDIATE = "localhost/isolate-build"
 _thread_locks: dict[str, threading.Lock] = {}
 _thread_locks_guard = threading.Lock()
 
@@ -314,17 +317,35 @@ class Store:
                                          f"image store {self.path} (pruned): load or pull the image again")
             yield
 
-    def prune(self) -> list[str]:
-        """Remove the layers and blobs neither an image names nor a running sandbox stands on; the digests of
-        the layers removed."""
+    def prune(self, build_cache: bool = False, stats: PruneStats | None = None) -> list[str]:
+        """Remove the layers and blobs neither an image names nor a running sandbox or build stands on, and the
+        build steps' cache entries whose layer is gone; the digests of the layers removed.
+
+        ``build_cache``: the build cache too, as ``docker builder prune -a`` does beside ``docker image
+        prune``: the images kept between build steps (``localhost/isolate-build:ID``), then the layers only they
+        named and the steps' entries of those layers, and the directories of the builds' cache mounts. What a
+        running build leases (its images, its cache mounts) stays, and so does an image kept between steps
+        since a running build began (it may not have leased it yet). ``stats``: filled with what went."""
+
+        stats = stats if stats is not None else PruneStats()
         with self._lock("store"):
-            used_layers: set[str] = set(leases.live(self.path))  # a running sandbox's layers stay
+            held = set(leases.live(self.path))  # a running sandbox's layers, a running build's images and caches
+            if build_cache:
+                started = min(leases.builds_started(self.path), default=None)
+                for record in self.records():
+                    reference = record["reference"]
+                    if (not reference.startswith(INTERMEDIATE + ":")
+                            or os.path.basename(self._record_path(reference)) in held
+                            or (started is not None and _created(record) >= started - 1)):
+                        continue
+                    if self.forget(reference):
+                        stats.images += 1
+            used_layers: set[str] = held | layers_in_use()
             used_blobs: set[str] = set()
             for record in self.records():
                 used_layers.update(digest_hex(d, "layer") for d in record.get("layers", []))
                 used_blobs.update(digest_hex(d, "blob") for d in (record.get("digest"), record.get("config_digest"))
                                   if isinstance(d, str))
-            used_layers |= layers_in_use()
             removed = []
             for name in os.listdir(os.path.join(self.path, "layers")):
                 if _HEX.match(name) and name not in used_layers:
@@ -334,7 +355,78 @@ class Store:
             for name in os.listdir(blobs):
                 if name not in used_blobs:
                     os.unlink(os.path.join(blobs, name))
+            stats.layers += len(removed)
+            stats.steps += self._prune_step_cache()
+            if build_cache:
+                stats.cache_mounts += self._prune_cache_mounts(held)
             return removed
+
+    def _prune_step_cache(self) -> int:
+        """Remove the build steps' cache entries whose layer the store no longer holds (isolate/image/build.py)."""
+        directory = os.path.join(self.path, "build-cache")
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return 0
+        count = 0
+        for name in names:
+            path = os.path.join(directory, name)
+            digest = None
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as handle:
+                    entry = json.loads(handle.read(1 << 16))
+                digest = entry.get("digest") if isinstance(entry, dict) else None
+                keep = name.endswith(".json") and isinstance(digest, str) and self.has_layer(digest)
+            except (OSError, ValueError, BadImageError):
+                keep = False
+            if not keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                count += name.endswith(".json")
+        return count
+
+    def _prune_cache_mounts(self, held: set[str]) -> int:
+        """Remove the directories of this store's build cache mounts (``cache-mounts/KEY`` names each, the
+        directory is ``build-caches/KEY`` in isolate's state directory) that no running build has bound."""
+        from ..kernel.tree import remove_state_entry
+
+        directory = os.path.join(self.path, CACHE_MOUNTS)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return 0
+        count = 0
+        for name in names:
+            if name in held:
+                continue
+            if _CACHE_KEY.match(name):  # a name of the store's own making: never a path
+                remove_state_entry("build-caches", name)
+                count += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+        return count
+
+
+#: The store's list of its builds' cache mount directories (their keys: isolate/image/build.py's CacheMount).
+CACHE_MOUNTS = "cache-mounts"
+_CACHE_KEY = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass
+class PruneStats:
+    """What a prune removed: layers, images kept between build steps, build steps' cache entries, cache
+    mount directories."""
+
+    layers: int = 0
+    images: int = 0
+    steps: int = 0
+    cache_mounts: int = 0
+
+
+def _created(record: dict[str, Any]) -> float:
+    value = record.get("created")
+    return float(value) if isinstance(value, (int, float)) and value == value else float("inf")
 
 
 #: How a running sandbox's root names a layer in its mount table (backends/native/imageroot.py's staging).

@@ -171,14 +171,33 @@ def check_targets(root: ImageRoot, plan_steps: list[mounts.MountStep]) -> None:
                                    "is never made through an image's link)")
 
 
-def landlock_rules(root: ImageRoot, read_rights: int, write_rights: int) -> list[tuple[str, int]]:
-    """Read and execute everywhere in the image; write in its top-level directories (their writes land in the
-    private upper layer), never through /proc, /dev or /sys."""
-    rules = [("/", read_rights)]
+def landlock_rules(root: ImageRoot, read_rights: int, write_rights: int, whole_root: bool,
+                   resolve_unix: int = 0) -> list[tuple[str, int]]:
+    """Read and execute everywhere in the image; write in the image's root itself (``whole_root``: new top-level
+    entries, as a container's root takes them) or else in its top-level directories; their writes land in the
+    private upper layer.
+
+    A Landlock rule holds for the whole hierarchy under the inode it is on, mounts included (the kernel's walk
+    goes up through mount points): a rule on ``/`` reaches /proc, /dev and every bind. What keeps them is
+    the mount, not the rule: /proc is mounted read-only, /dev's nodes take no ioctl and no new device from
+    this rule (``write_rights`` holds neither), a read-only bind refuses every write to its files and
+    directories. It does not refuse a write to a FIFO or a unix socket in it (no mount flag does): so the
+    root is granted whole only where no host path is granted read-only (``whole_root``), and the right to
+    connect to a named socket (``resolve_unix``, Landlock ABI 9) never on ``/``: only in the image's own
+    top-level directories (a server's socket in /run or /var), whose lower layers are the image's."""
+    rules = [("/", read_rights | (write_rights if whole_root else 0))]
     for name, found in root.top.items():
         if found == "dir" and name not in _NOT_WRITABLE:
-            rules.append(("/" + name, write_rights))
+            rules.append(("/" + name, write_rights | resolve_unix))
     return rules
+
+
+def whole_root_refusal(read_only_grants: list[str]) -> str:
+    """Why the image's root takes no new top-level entry ("" where it does): see landlock_rules."""
+    if not read_only_grants:
+        return ""
+    return (f"; no new entry in / (only in its directories): {read_only_grants[0]} is granted read-only, and "
+            "Landlock's write rule on / would reach a FIFO or socket under it")
 
 
 def image_refusal(policy: Policy) -> str | None:

@@ -206,6 +206,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     for (source, target, readonly), m in zip(binds, policy.binds, strict=True):
         hide_runtime_dir(source, target, m.source, "binds", readonly)
     rw_sources = [source for source, _, readonly in binds if not readonly]
+    # Host paths granted read-only in an image sandbox (before egress's name files, which are isolate's own): the
+    # image's root takes new entries only without them (imageroot.landlock_rules).
+    image_read_only = [*read, *(source for source, _, readonly in binds if readonly)] if image_root else []
     tmpfs = list(policy.tmpfs) if use_ns or policy.tmpfs != DEFAULT_TMPFS else []
     if tmpfs and not use_ns:
         refusals.refuse("tmpfs: a private tmpfs needs namespaces (namespaces=true)")
@@ -304,6 +307,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     # -- the program's home ------------------------------------------------
     home, home_files = _plan_home(policy, use_ns, read + write, tmpfs, run_cwd, program_uid, program_gid,
                                   refusals, open_source)
+    if image_root is not None:
+        image_read_only.extend(real for real, _ in home_files)
     if home is not None:
         enforced["home"] = {
             "path": home,
@@ -393,7 +398,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             enforced["image"] = {"reference": image_root.image.reference, "id": image_root.image.id,
                                  "layers": len(image_root.lowers),
                                  "root": "overlayfs: the image's layers read-only, a private tmpfs as upper layer"
-                                         + imageroot.upper_limits()}
+                                         + imageroot.upper_limits() + imageroot.whole_root_refusal(image_read_only)}
         cmounts = ffi.new("struct iso_mount[]", max(len(first) + len(steps), 1))
         keep.append(cmounts)
         for i, istep in enumerate(first):
@@ -465,7 +470,8 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             rules.append(("/proc", landlock.proc_rights(abi)))
             if image_root is not None:
                 rules.extend(imageroot.landlock_rules(image_root, landlock.read_rights(abi),
-                                                      landlock.write_rights(abi) | resolve_unix))
+                                                      landlock.write_rights(abi), not image_read_only,
+                                                      resolve_unix))
             else:
                 # The root is the sandbox's own read-only tmpfs: listing it shows
                 # only what was granted.

@@ -57,8 +57,10 @@ def _name(state_dir: str, box_id: str) -> str:
     return f"osb-{key}-{box_id}"
 
 
-def _reboot(server: base.Server, names: list[str]) -> None:
-    """What a reboot does to the server and its sandboxes: every process ends, the runtime files go."""
+def _reboot(server: base.Server, names: list[str], state_dir: str, same_boot: tuple[str, ...] = ()) -> None:
+    """What a reboot does to the server and its sandboxes: every process ends, the runtime files go, and the
+    kernel's boot id changes (the copies were written in another boot). ``same_boot``: names whose copy keeps
+    this boot's id (their description went without a reboot)."""
     from isolate.backends.registry import Registry
     from isolate.kernel.places import runtime_dir
 
@@ -77,6 +79,14 @@ def _reboot(server: base.Server, names: list[str]) -> None:
             except FileNotFoundError:
                 pass
         Registry().forget("native", name)
+        if name in same_boot:
+            continue
+        path = os.path.join(state_dir, "stopped", name.split("-", 2)[2] + ".json")
+        with open(path) as handle:
+            copy = json.load(handle)
+        copy["boot"] = "00000000-0000-4000-8000-000000000000"  # the boot before this one
+        with open(path, "w") as handle:
+            json.dump(copy, handle)
 
 
 def _data(name: str) -> str:
@@ -97,12 +107,15 @@ def test_a_sandbox_outlives_a_simulated_reboot_stopped_and_resumes_over_its_file
                            resourceLimits={"cpu": "1", "memory": "1Gi"})
         short = base._create(first, timeout=900)["id"]
         replaced = base._create(first, timeout=900)["id"]
-        made = [box["id"], short, replaced]
+        no_reboot = base._create(first, timeout=900)["id"]
+        made = [box["id"], short, replaced, no_reboot]
         prefix, headers = base._endpoint(first, box["id"])
         _run(first, prefix, headers, "echo before-reboot > /workspace/f.txt; mkdir -p /workspace/d; "
              "ln -s /etc/shadow /workspace/d/link; echo vol > /mnt/v/g.txt; echo tmp > /tmp/t.txt")
         names = [_name(state_dir, i) for i in made]
-        _reboot(first, names)
+        # The fourth one's description goes, and its copy was written in this boot: no reboot took it (a delete
+        # or a create the last server did not finish): let go, never kept stopped.
+        _reboot(first, names, state_dir, same_boot=(names[3],))
         assert os.path.isdir(_data(names[0]))
         # The copy names its data directory's identity: a directory put in the place of the third one's while
         # no server ran is not started from; that sandbox is let go, as before copies were kept.
@@ -117,9 +130,11 @@ def test_a_sandbox_outlives_a_simulated_reboot_stopped_and_resumes_over_its_file
         assert got["metadata"] == {"team": "blue"} and got["expiresAt"] == box["expiresAt"]
         listed = {item["id"]: item["status"]["state"] for item in second.call("GET", "/v1/sandboxes")[1]["items"]}
         assert listed == {box["id"]: "Paused", short: "Paused"}
-        made.remove(replaced)
-        assert not os.path.exists(os.path.join(state_dir, f"{replaced}.json"))
-        assert not os.path.exists(os.path.join(state_dir, "stopped", f"{replaced}.json"))
+        for gone in (replaced, no_reboot):
+            made.remove(gone)
+            assert not os.path.exists(os.path.join(state_dir, f"{gone}.json"))
+            assert not os.path.exists(os.path.join(state_dir, "stopped", f"{gone}.json"))
+        assert not os.path.exists(_data(names[3]))
         # A command is refused, saying what to do; the old token is still its own.
         status, body = second.call("POST", prefix + "/command", {"command": "true"}, key=None, headers=headers)
         assert status == 409 and "resume" in json.dumps(body) and "reboot" in json.dumps(body), body
@@ -173,12 +188,12 @@ def test_a_sandbox_outlives_a_simulated_reboot_stopped_and_resumes_over_its_file
 @pytest.mark.parametrize("change", [
     {"version": 2}, {"request": "x"}, {"data": [1]}, {"data": [1, True]}, {"upper": ["1", 2]}, {"data": [-1, 2]},
     {"image": "sha256:" + "0" * 64}, {"image": "../x", "imageUpper": [1, 2]}, {"imageUpper": [1, 2]},
-    {"extra": 1}])
+    {"extra": 1}, {"boot": "../x"}, {"boot": 1}])
 def test_a_hostile_copy_is_refused_field_by_field(change: dict[str, object]) -> None:
     from isolate.server.stopped import parse_copy
 
     good = {"version": 1, "request": {"image": {"uri": "ubuntu"}}, "data": [1, 2], "upper": [3, 4], "image": None,
-            "imageUpper": None}
+            "imageUpper": None, "boot": "00000000-0000-4000-8000-000000000000"}
     assert parse_copy(good).data == (1, 2)
     with pytest.raises(ValueError):
         parse_copy({**good, **change})
@@ -215,7 +230,7 @@ def test_an_image_sandbox_keeps_its_root_changes_past_a_reboot(state_dir: str, t
             box_id = base._create(first, image={"uri": "tests/busybox:1"}, timeout=900)["id"]
             prefix, headers = base._endpoint(first, box_id)
             _run(first, prefix, headers, "echo root > /data/r.txt; echo ws > /workspace/w.txt")
-            _reboot(first, [_name(state_dir, box_id)])
+            _reboot(first, [_name(state_dir, box_id)], state_dir)
             second = base.Server(*flags, state_dir=state_dir, end_on_exit=False)
             status, got = second.call("GET", f"/v1/sandboxes/{box_id}")
             assert status == 200 and got["status"]["state"] == "Paused", got

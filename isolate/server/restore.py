@@ -39,7 +39,16 @@ from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
 from .keep import Record
 from .state import ManagedSandbox, ServerState, disk_upper_possible, thaw
-from .stopped import FromStopped, StoppedBox, files_left, put_back, remove_aside, remove_files, set_aside
+from .stopped import (
+    FromStopped,
+    StoppedBox,
+    boot_id,
+    files_left,
+    put_back,
+    remove_aside,
+    remove_files,
+    set_aside,
+)
 
 #: The status reason of a sandbox a reboot stopped (Paused), and its message.
 REBOOT_REASON = "host_reboot"
@@ -73,6 +82,8 @@ def _stopped(state: ServerState, record: Record) -> ManagedSandbox | None:
         copy = state.stopped.read(record.id)
     except (OSError, ValueError, RecursionError, IsolationError):
         return None
+    if not copy.boot or copy.boot == boot_id():
+        return None  # no reboot since: its description went with a delete or a kill, and so does it
     if not files_left(name, copy):
         return None
     try:

@@ -50,6 +50,17 @@ ASIDE = ".resuming"
 MAX_COPY = 1 << 20
 _ID = re.compile(r"[0-9a-f]{24}")
 _IMAGE_ID = re.compile(r"sha256:[0-9a-f]{64}")
+_BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def boot_id() -> str:
+    """This boot's id (the kernel's random UUID, another at each boot); "" where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            value = handle.read().strip()
+    except (OSError, ValueError):
+        return ""
+    return value if _BOOT_ID.fullmatch(value) else ""
 
 
 @dataclass(frozen=True)
@@ -63,10 +74,14 @@ class Copy:
     #: Of a sandbox of an image with its root's upper layer on disk: the image's id and that layer's identity.
     image: str | None = None
     image_upper: tuple[int, int] | None = None
+    #: The boot it was written in: a sandbox is kept stopped only past a reboot (another boot id), never when
+    #: its description went otherwise (a delete or a create the last server did not finish).
+    boot: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "request": self.request, "data": list(self.data), "upper": list(self.upper),
-                "image": self.image, "imageUpper": None if self.image_upper is None else list(self.image_upper)}
+                "image": self.image, "imageUpper": None if self.image_upper is None else list(self.image_upper),
+                "boot": self.boot}
 
 
 def _pair(value: object, what: str) -> tuple[int, int]:
@@ -78,8 +93,11 @@ def _pair(value: object, what: str) -> tuple[int, int]:
 
 def parse_copy(data: object) -> Copy:
     """A copy read back, each field checked (ValueError: not one the server wrote)."""
-    if not isinstance(data, dict) or set(data) != {"version", "request", "data", "upper", "image", "imageUpper"}:
+    if not isinstance(data, dict) \
+            or set(data) != {"version", "request", "data", "upper", "image", "imageUpper", "boot"}:
         raise ValueError("not a copy the server wrote")
+    if not (isinstance(data["boot"], str) and (data["boot"] == "" or _BOOT_ID.fullmatch(data["boot"]))):
+        raise ValueError("boot: not a boot id")
     if data["version"] != 1 or not isinstance(data["request"], dict):
         raise ValueError("unknown version, or no request")
     image, image_upper = data["image"], data["imageUpper"]
@@ -87,7 +105,7 @@ def parse_copy(data: object) -> Copy:
                                                                            and _IMAGE_ID.fullmatch(image))):
         raise ValueError("image: not an image id with its layer")
     return Copy(dict(data["request"]), _pair(data["data"], "data"), _pair(data["upper"], "upper"),
-                image, None if image_upper is None else _pair(image_upper, "imageUpper"))
+                image, None if image_upper is None else _pair(image_upper, "imageUpper"), data["boot"])
 
 
 def request_of(body: object, image: str) -> dict[str, Any]:
@@ -142,7 +160,7 @@ class StoppedCopies:
             shown = impl.report_enforced.get("image")
             image = str(shown["id"]) if isinstance(shown, dict) and shown.get("id") else None
             image_upper = impl.image_upper.identity if image is not None else None
-        copy = Copy(request, impl.data_identity, impl.workspace_identity, image, image_upper)
+        copy = Copy(request, impl.data_identity, impl.workspace_identity, image, image_upper, boot_id())
         fd = self._open(create=True)
         try:
             temp = f".{sandbox_id}.{secrets.token_hex(4)}.tmp"

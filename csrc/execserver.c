@@ -231,6 +231,31 @@ static void close_server_fds(int keep)
             close(monitors[j].chan);
 }
 
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+
+/* In a waiting monitor just forked: close every descriptor but stdio and
+ * its channel.  It may be forked in the middle of a request (serve(), none
+ * waiting), when this process holds that request's descriptors: its
+ * conversation, the command's pipes, a passed socket.  A monitor lives on
+ * from command to command, and a copy of those would keep them open for
+ * ever (a pipe or socket whose far end never sees its end).  Before Linux
+ * 5.9 (no close_range) each is closed in turn up to the descriptor limit. */
+static void spare_close_others(int chan)
+{
+    if (chan > 3 && syscall(SYS_close_range, 3U, (unsigned int)chan - 1, 0) < 0)
+        for (int fd = 3; fd < chan; fd++)
+            close(fd);
+    if (syscall(SYS_close_range, (unsigned int)chan + 1, ~0U, 0) < 0) {
+        struct rlimit most;
+        rlim_t end = getrlimit(RLIMIT_NOFILE, &most) == 0 && most.rlim_cur != RLIM_INFINITY &&
+                             most.rlim_cur < (1U << 20) ? most.rlim_cur : 4096;
+        for (rlim_t fd = (rlim_t)chan + 1; fd < end; fd++)
+            close((int)fd);
+    }
+}
+
 /* Fork a waiting monitor into idle[]; without one (fork failed), monitors
  * are forked per command. */
 static void make_spare(void)
@@ -242,6 +267,7 @@ static void make_spare(void)
     if (pid == 0) {
         close(pair[0]);
         close_server_fds(-1);
+        spare_close_others(pair[1]);
         spare_main(pair[1]);
     }
     close(pair[1]);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -125,3 +126,27 @@ def test_a_conversation_that_is_not_a_socket_is_refused() -> None:
             os.close(w)
             conn.close()
         assert (reply.kind, reply.err) == (lib.ISO_XS_ERROR, errno.EPROTO)
+
+
+def test_a_waiting_monitor_holds_no_descriptor_of_another_command() -> None:
+    # A monitor forked while the server held a request's descriptors (none waiting: a command already runs)
+    # kept a copy of them, and serves on once its command ends by itself: a socket passed to a command (fd3)
+    # never saw its end when the command was killed from inside (the server's port connector hung).
+    with isolate.Sandbox(policy()) as box:
+        busy = box.spawn(["sleep", "1001"])  # takes the waiting monitor: the next request forks one
+        try:
+            for _ in range(2):
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    # Killed from inside (by itself): an end of its own, after which its monitor serves on.
+                    proc = box.spawn(["sh", "-c", "printf up >&3; kill -9 $$"], fd3=theirs.fileno())
+                    theirs.close()
+                    ours.settimeout(10)
+                    assert ours.recv(16) == b"up"
+                    assert ours.recv(16) == b"", "a copy of the command's socket outlived it"
+                    proc.wait(timeout=30)
+                finally:
+                    ours.close()
+                    theirs.close()
+        finally:
+            busy.kill()

@@ -788,17 +788,12 @@ def capture_root(sb: Sandbox, making: _Making) -> dict[str, Any]:
         os.mkdir("root", 0o755, dir_fd=making.fd)
         root = os.open("root", DIR_FLAGS, dir_fd=making.fd)
         try:
-            if host.base:
-                base = _open_base(impl.paths.key, ("image", "base"))
-                try:
-                    layers.clone(base, root)
-                finally:
+            base = _open_base(impl.paths.key, ("image", "base")) if host.base else None
+            try:
+                layers.flatten_over(base, upper, root)
+            finally:
+                if base is not None:
                     os.close(base)
-            info = os.fstat(upper)
-            os.fchmod(root, stat.S_IMODE(info.st_mode))
-            if os.geteuid() == 0:
-                os.fchown(root, info.st_uid, info.st_gid)
-            layers.flatten(upper, root)
         finally:
             os.close(root)
     finally:

@@ -184,6 +184,18 @@ def clone(src_fd: int, dst_fd: int, hard_links: bool = True) -> int:
     return count
 
 
+def flatten_over(base_fd: int | None, upper_fd: int, out_fd: int) -> None:
+    """One layer in ``out_fd``: ``base_fd`` (a layer, or None) cloned, then ``upper_fd`` laid over it; the
+    directory takes the upper layer's mode (and, for root, its owner)."""
+    if base_fd is not None:
+        clone(base_fd, out_fd)
+    info = os.fstat(upper_fd)
+    os.fchmod(out_fd, stat.S_IMODE(info.st_mode))
+    if os.geteuid() == 0:
+        os.fchown(out_fd, info.st_uid, info.st_gid)
+    flatten(upper_fd, out_fd)
+
+
 def flatten(upper_fd: int, out_fd: int) -> int:
     """Lay the upper layer upper_fd over the layer in out_fd (a clone of the base layer), as overlayfs shows
     them together: out_fd becomes the one layer that means both. How many nodes were copied."""

@@ -93,20 +93,10 @@ def _stopped(state: ServerState, record: Record) -> ManagedSandbox | None:
 
         policy = Policy()
     box: Any = StoppedBox(name, policy, copy)
-    managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
-                             record.created_at, record.expires_at, kept=True,
-                             token_hashes=list(record.token_hashes),
-                             port_hashes={port: list(h) for port, h in record.port_hashes.items()},
-                             volume_claims=list(record.volumes))
-    managed.renew_on_access = record.renew_on_access
+    managed = _from_record(state, record, box)
     managed.stopped = True
     if record.egress is not None:
         managed.egress_rules = list(record.egress)
-    store = state.volume_store() if record.volumes else ""
-    for claim, doomed in record.volumes:
-        path = os.path.join(store, claim)
-        state.named_volumes.adopt(path, doomed)
-        managed.on_close.append(functools.partial(state.named_volumes.release, path))
     managed.on_close.append(functools.partial(state.stopped.forget, record.id))
     managed.set_state("Paused", REBOOT_REASON, REBOOT_MESSAGE.format(id=record.id))
     return managed
@@ -356,14 +346,7 @@ def _end(state: ServerState, record: Record, box: Sandbox | None) -> None:
 
 
 def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> ManagedSandbox:
-    import functools
-
-    managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
-                             record.created_at, record.expires_at, kept=True,
-                             token_hashes=list(record.token_hashes),
-                             port_hashes={port: list(h) for port, h in record.port_hashes.items()},
-                             volume_claims=list(record.volumes))
-    managed.renew_on_access = record.renew_on_access
+    managed = _from_record(state, record, box)
     managed.restored = True
     if record.egress is not None:
         from .models import egress_with
@@ -377,11 +360,6 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     for context_id, language in record.contexts:
         # Its interpreter, a process of the sandbox, is connected to at the context's first use.
         managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
-    store = state.volume_store() if record.volumes else ""
-    for claim, doomed in record.volumes:
-        path = os.path.join(store, claim)
-        state.named_volumes.adopt(path, doomed)
-        managed.on_close.append(functools.partial(state.named_volumes.release, path))
     # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
     managed.on_close.append(_sweep_cgroups)
     managed.message = "served again by a restarted server"
@@ -389,6 +367,25 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
                   "the last one ran in it ended with it; its Python code contexts live on)")
     if paused:
         managed.set_state("Paused", "server_restart", "paused when the last server ended")
+    return managed
+
+
+def _from_record(state: ServerState, record: Record, box: Any) -> ManagedSandbox:
+    """The sandbox a record describes, over ``box``: its id, metadata, expiry, token hashes, and the named
+    volumes it holds (adopted: released when it ends)."""
+    import functools
+
+    managed = ManagedSandbox(record.id, "", box, record.image, record.entrypoint, record.metadata,
+                             record.created_at, record.expires_at, kept=True,
+                             token_hashes=list(record.token_hashes),
+                             port_hashes={port: list(h) for port, h in record.port_hashes.items()},
+                             volume_claims=list(record.volumes))
+    managed.renew_on_access = record.renew_on_access
+    store = state.volume_store() if record.volumes else ""
+    for claim, doomed in record.volumes:
+        path = os.path.join(store, claim)
+        state.named_volumes.adopt(path, doomed)
+        managed.on_close.append(functools.partial(state.named_volumes.release, path))
     return managed
 
 

@@ -359,17 +359,15 @@ class FromStopped:
                     os.mkdir(name, 0o755, dir_fd=dir_fd)
                     out = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                     try:
-                        with contextlib.suppress(FileNotFoundError):
-                            base = os.open("base", DIR_FLAGS, dir_fd=state)
-                            try:
-                                layers.clone(base, out)
-                            finally:
+                        try:
+                            base: int | None = os.open("base", DIR_FLAGS, dir_fd=state)
+                        except FileNotFoundError:
+                            base = None
+                        try:
+                            layers.flatten_over(base, upper, out)
+                        finally:
+                            if base is not None:
                                 os.close(base)
-                        info = os.fstat(upper)
-                        os.fchmod(out, stat.S_IMODE(info.st_mode))
-                        if os.geteuid() == 0:
-                            os.fchown(out, info.st_uid, info.st_gid)
-                        layers.flatten(upper, out)
                     finally:
                         os.close(out)
                 finally:

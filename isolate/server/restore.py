@@ -279,6 +279,7 @@ def _end_from_inside(name: str) -> None:
     box._impl, box._shells, box._interpreters, box._started = impl, {}, {}, True
     box._on_close, box._fork_point, box.origin, box.restore_skipped = None, None, None, ()
     with contextlib.suppress(Exception):  # the conversation ends with the server it asked
+        impl._files = impl.connect()  # the file connection, which a command's request goes on
         box.exec(["/bin/sh", "-c", "kill -KILL -1"], timeout=10)
     deadline = time.monotonic() + 10
     while _listening(Paths.of(name).socket) and time.monotonic() < deadline:

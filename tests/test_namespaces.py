@@ -162,6 +162,9 @@ DAEMON = (
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
     "        open(sys.argv[1], 'w').write('up')\n        time.sleep(60)\n    os._exit(0)\n"
+    # The program ends once its daemon is up (a fixed 0.3 s was not always enough on a loaded host).
+    "deadline = time.monotonic() + 30\n"
+    "while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n    time.sleep(0.02)\n"
     "time.sleep(0.3)\n"
 )
 

@@ -61,12 +61,19 @@ prepare_unprivileged() {
 suite() {
     local who="$1" log="$2" t0 rc
     t0=$(date +%s)
+    # Each run's temporary directories in a directory of its own (--basetemp), never in the user's shared
+    # /tmp/pytest-of-USER, whose older runs pytest removes at the end: what anything else left there (a tree
+    # deeper than Python's recursion limit) ended a whole suite in a RecursionError.
+    local temp
+    temp="$(mktemp -d /tmp/isolate-pytest.XXXXXX)"
     if [ "$who" = current ]; then
-        "$PYTHON" -m pytest -p no:cacheprovider tests/ > "$log" 2>&1
+        "$PYTHON" -m pytest -p no:cacheprovider --basetemp "$temp/t" tests/ > "$log" 2>&1
     else
+        chown 65534:65534 "$temp"
         (cd /tmp && setpriv --reuid=65534 --regid=65534 --clear-groups \
             env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
-            "$work/venv/bin/python" -m pytest -p no:cacheprovider "$work/src/tests") > "$log" 2>&1
+            "$work/venv/bin/python" -m pytest -p no:cacheprovider --basetemp "$temp/t" "$work/src/tests") \
+            > "$log" 2>&1
     fi
     rc=$?
     echo "$rc" > "$log.rc"

@@ -68,6 +68,9 @@ _CHUNK = 1 << 20
 #: Threads making a layer's inodes side by side (writers.py), and the bytes of contents read and not yet written.
 _WRITERS = 4
 _IN_FLIGHT = 16 << 20
+#: Tasks given the threads and not yet run: each holds one or two descriptors (within the usual limit of 1024,
+#: beside the _OPEN_DIRS this thread keeps).
+_TASKS = 256
 #: A file past this is written by the reading thread itself (its contents never held whole).
 _SMALL_FILE = 1 << 20
 
@@ -384,7 +387,7 @@ class _Unpacker:
         #: While the layer only adds names: the threads making them, and what each name made is ("d": a
         #: directory, "f": a regular file, "o": anything else). None once an entry replaced one (see the
         #: module's docstring): from there on, each entry is made in this thread.
-        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT)
+        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT, _TASKS)
         self.made: dict[str, str] = {}
 
     def refuse(self, name: str, why: str) -> BadImageError:

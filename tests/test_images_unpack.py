@@ -194,3 +194,16 @@ def test_the_tasks_waiting_for_the_threads_are_bounded_not_only_their_bytes(tmp_
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(os.listdir(os.path.join(store.layer_root(kit.digest(raw)), "d"))) == 1500
+
+
+def test_a_name_too_deep_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    # One entry 2,000 directories deep: the walk held a descriptor per directory (Too many open files at the
+    # usual limit), and throwing the layer away recursed once per directory: RecursionError (a traceback), the
+    # partial tree left in the store's tmp. Where the descriptors sufficed, the layer was kept, and its removal
+    # (prune) failed the same way.
+    raw = kit.gz(kit.layer([{"name": "a/" * 2000 + "f", "data": b"x"}]))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    with pytest.raises(unpacking.BadImageError, match=r"^layer: entry 'a/a/.* is \d+ names deep"):
+        store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    assert os.listdir(os.path.join(store.path, "tmp")) == []

@@ -166,3 +166,44 @@ def test_a_directory_made_for_an_opaque_marker_is_replaced_by_a_later_entry_of_i
     store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
     with open(os.path.join(store.layer_root(kit.digest(raw)), "o"), "rb") as handle:
         assert handle.read() == b"file"
+
+
+def test_the_tasks_waiting_for_the_threads_are_bounded_not_only_their_bytes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each task holds a descriptor (two for a hard link) until its thread runs it, and a symbolic link or an
+    # empty file has no bytes: a layer of many of them in one directory (one thread) piled up tasks while the
+    # archive was read faster than the inodes were made, until the unpack failed (Too many open files: 50,000
+    # links at the usual limit of 1024, 200,000 at 20,000). Here the thread is slowed, the limit the usual one.
+    import resource
+    import time
+
+    made = unpacking._Unpacker.symlink
+
+    def slow(self: Any, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
+        time.sleep(0.0005)
+        made(self, dir_fd, name, member)
+
+    monkeypatch.setattr(unpacking._Unpacker, "symlink", slow)
+    raw = kit.gz(kit.layer([{"name": f"d/l{i}", "type": "link", "target": "x"} for i in range(1500)]))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, soft), hard))
+    try:
+        store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(os.listdir(os.path.join(store.layer_root(kit.digest(raw)), "d"))) == 1500
+
+
+def test_a_name_too_deep_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    # One entry 2,000 directories deep: the walk held a descriptor per directory (Too many open files at the
+    # usual limit), and throwing the layer away recursed once per directory: RecursionError (a traceback), the
+    # partial tree left in the store's tmp. Where the descriptors sufficed, the layer was kept, and its removal
+    # (prune) failed the same way.
+    raw = kit.gz(kit.layer([{"name": "a/" * 2000 + "f", "data": b"x"}]))
+    (tmp_path / "blob").write_bytes(raw)
+    store = Store(tmp_path / "store")
+    with pytest.raises(unpacking.BadImageError, match=r"^layer: entry 'a/a/.* is \d+ names deep"):
+        store.ensure_layer(kit.digest(raw), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    assert os.listdir(os.path.join(store.path, "tmp")) == []

@@ -6,7 +6,7 @@ component with ``O_NOFOLLOW``, so an entry that would be written through a
 link (planted by an earlier entry of the layer) is refused. What is refused,
 each with one line naming the entry (``BadImageError``):
 
-- names that are absolute or hold ``..``;
+- names that are absolute, hold ``..``, or are more than MAX_DEPTH (256) names deep;
 - hard links to anything but a regular file this very layer already holds;
 - device nodes (whiteouts aside), and ``security.capability``, ``trusted.*``
   and ``user.overlay.*`` extended attributes (a file's capabilities, and
@@ -68,6 +68,9 @@ _CHUNK = 1 << 20
 #: Threads making a layer's inodes side by side (writers.py), and the bytes of contents read and not yet written.
 _WRITERS = 4
 _IN_FLIGHT = 16 << 20
+#: Tasks given the threads and not yet run: each holds one or two descriptors (within the usual limit of 1024,
+#: beside the directories this thread keeps open: _OPEN_DIRS, and MAX_DEPTH for one walk).
+_TASKS = 128
 #: A file past this is written by the reading thread itself (its contents never held whole).
 _SMALL_FILE = 1 << 20
 
@@ -220,6 +223,9 @@ def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
 
 #: A pax or GNU long-name header past this is refused before tarfile reads it (it reads them whole).
 MAX_HEADER = 1 << 20
+#: Names in one entry's path: the walk to it holds a descriptor per directory, and so does the removal of its tree,
+#: which recurses once per directory (Linux's PATH_MAX, 4096 bytes, holds 2048 at most).
+MAX_DEPTH = 256
 #: Entries of one layer (each costs an inode, and a line of the layer's index).
 MAX_ENTRIES = 2_000_000
 
@@ -370,6 +376,8 @@ def entry_name(name: str, what: str) -> str:
         raise BadImageError(f"{what}: entry {name!r} climbs out with '..': refused")
     if "\0" in name:
         raise BadImageError(f"{what}: entry {name!r} has a NUL byte in its name: refused")
+    if len(parts) > MAX_DEPTH:
+        raise BadImageError(f"{what}: entry {name[:80]!r}... is {len(parts)} names deep (past {MAX_DEPTH}): refused")
     return "/".join(parts)
 
 
@@ -384,7 +392,7 @@ class _Unpacker:
         #: While the layer only adds names: the threads making them, and what each name made is ("d": a
         #: directory, "f": a regular file, "o": anything else). None once an entry replaced one (see the
         #: module's docstring): from there on, each entry is made in this thread.
-        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT)
+        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT, _TASKS)
         self.made: dict[str, str] = {}
 
     def refuse(self, name: str, why: str) -> BadImageError:

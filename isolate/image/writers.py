@@ -11,7 +11,9 @@ apart, at once).
 The reading thread decides everything (unpack.py's checks run there, in the
 archive's order, before a task is given); a task only makes what was decided,
 through the directory descriptors it was given (its own: closed once the task ran, or was dropped).
-The contents read and not yet written are bounded (``limit`` bytes). The first
+The contents read and not yet written are bounded (``limit`` bytes), and so are
+the tasks given and not yet run (``tasks``: each holds a descriptor or two, and
+a symbolic link or an empty file has no bytes to bound it). The first
 error of a task is raised in the reading thread at its next ``submit``, or at
 ``drain``; the tasks after it are dropped.
 """
@@ -29,8 +31,8 @@ Task = Callable[[], None]
 class Writers:
     """``count`` threads running tasks by key (started on the first task)."""
 
-    def __init__(self, count: int, limit: int) -> None:
-        self.count, self.limit = count, limit
+    def __init__(self, count: int, limit: int, tasks: int) -> None:
+        self.count, self.limit, self.tasks = count, limit, tasks
         self._queues: list[queue.SimpleQueue[tuple[Task, int, tuple[int, ...]] | None]] = []
         self._threads: list[threading.Thread] = []
         self._done = threading.Condition()
@@ -41,13 +43,13 @@ class Writers:
 
     def submit(self, key: str, task: Task, size: int, fds: tuple[int, ...]) -> None:
         """Run ``task`` on ``key``'s thread, after the tasks given it before, then close ``fds`` (given to the
-        task: closed here even when it is not run). Waits while more than ``limit`` bytes of contents are
-        pending. Raises the first error of a task run before (``fds`` then closed at once)."""
+        task: closed here even when it is not run). Waits while more than ``limit`` bytes of contents, or
+        ``tasks`` tasks, are pending. Raises the first error of a task run before (``fds`` then closed at once)."""
         try:
             if not self._threads:
                 self._start()
             with self._done:
-                while self._bytes > self.limit and self.error is None:
+                while (self._bytes > self.limit or self._pending >= self.tasks) and self.error is None:
                     self._done.wait()
                 if self.error is not None:
                     raise self.error

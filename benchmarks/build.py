@@ -25,6 +25,7 @@ Writes ``results/build.json`` when run alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -116,8 +117,17 @@ class Builders:
         if "docker" in self.tools:
             subprocess.run(["docker", "load", "-q", "-i", archive], check=True, capture_output=True, timeout=300)
         if "buildah" in self.tools:
-            pulled = subprocess.run([*self.buildah, "pull", "-q", f"oci:{layout}:{BASE}"], check=True,
-                                    capture_output=True, text=True, timeout=300).stdout.split()[-1]
+            # buildah names an image pulled from a layout after the layout's path, which must then be a valid
+            # reference: a temporary directory's random name may not be (a "_" at its end): a link of a safe name.
+            safe = os.path.join(os.path.dirname(self.tmp), f"isolatebenchoci{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(safe)
+            os.symlink(layout, safe)
+            try:
+                pulled = subprocess.run([*self.buildah, "pull", "-q", f"oci:{safe}:{BASE}"], check=True,
+                                        capture_output=True, text=True, timeout=300).stdout.split()[-1]
+            finally:
+                os.unlink(safe)
             # buildah names it after the layout's path: tagged as localhost/NAME, which FROM NAME finds.
             subprocess.run([*self.buildah, "tag", pulled, f"localhost/{BASE}"], check=True, capture_output=True,
                            timeout=60)

@@ -192,11 +192,15 @@ def landlock_rules(root: ImageRoot, read_rights: int, write_rights: int, whole_r
     return rules
 
 
+#: How the report's image root says that the root itself takes no new entry (see whole_root_refusal).
+NO_NEW_ENTRY = "; no new entry in /"
+
+
 def whole_root_refusal(read_only_grants: list[str]) -> str:
     """Why the image's root takes no new top-level entry ("" where it does): see landlock_rules."""
     if not read_only_grants:
         return ""
-    return (f"; no new entry in / (only in its directories): {read_only_grants[0]} is granted read-only, and "
+    return (f"{NO_NEW_ENTRY} (only in its directories): {read_only_grants[0]} is granted read-only, and "
             "Landlock's write rule on / would reach a FIFO or socket under it")
 
 

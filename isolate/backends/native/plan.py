@@ -200,8 +200,12 @@ def prepare(
         assert cmounts is not None
         close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
                                                      static.program_gid, cstr))
-        enforced["image"] = dict(enforced.get("image") or {}, root="overlayfs: the image's layers read-only, "
-                                 f"the sandbox's own upper layer in {image_upper.upper} ({image_upper.purpose})")
+        shown = dict(enforced.get("image") or {})
+        # What the static plan said of the root beyond its upper layer (imageroot.whole_root_refusal) stays said.
+        said = str(shown.get("root", ""))
+        refusal = said[said.index(imageroot.NO_NEW_ENTRY):] if imageroot.NO_NEW_ENTRY in said else ""
+        enforced["image"] = dict(shown, root="overlayfs: the image's layers read-only, the sandbox's own upper "
+                                 f"layer in {image_upper.upper} ({image_upper.purpose}){refusal}")
 
     # -- idmapped trees are consumed by each sandbox ---------------------------
     if static.idmap_steps:

@@ -442,3 +442,21 @@ def test_a_process_killed_while_forking_leaves_nothing_after_a_prune(source: str
     meta = os.path.join(runtime_dir(), f"snapshots-{state_key()}")
     assert not [e for e in (os.listdir(meta) if os.path.isdir(meta) else []) if "tmp-" in e]
     assert [e for e in os.listdir(os.path.join(state_dir(), "sandboxes")) if not e.startswith(".")] == []
+
+
+def test_a_snapshot_named_as_a_temporary_one_is_refused(source: str) -> None:
+    # Before: a snapshot the user named tmp-PID-START-HEX (a name of the form isolate gives the snapshots it takes
+    # for itself) was taken, and the next fork anywhere (or a prune) removed it as one whose maker was killed.
+    from isolate.kept.snapshots import sweep_temporary_snapshots
+
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        try:
+            snap = box.snapshot("tmp-1-0-0123abcd")
+        except isolate.PolicyError:
+            return
+        try:
+            sweep_temporary_snapshots()
+            assert "tmp-1-0-0123abcd" in {s.name for s in isolate.Snapshot.list()}, \
+                "the user's snapshot was swept as a temporary one"
+        finally:
+            snap.remove()

@@ -253,6 +253,60 @@ def test_the_processes_a_cell_leaves_end_with_its_context(box: isolate.Sandbox, 
     assert not left.stdout.strip(), f"still running after the context's deletion: {left.stdout.split()}"
 
 
+_REUSED_PID = r"""
+import os, signal, sys, time
+from isolate.server.code import _end_with_descendants
+
+driver = os.fork()
+if driver == 0:
+    time.sleep(60)
+    os._exit(0)
+pidfd = os.pidfd_open(driver)
+os.kill(driver, signal.SIGKILL)  # a cell ended its interpreter; the server still holds its pidfd and pid
+os.waitpid(driver, 0)
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the pid taken again, by a process of no sandbox
+    f.write(str(driver - 1))
+r, w = os.pipe()
+other = os.fork()
+if other == 0:
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    os.write(w, str(child).encode())
+    _, status = os.waitpid(child, 0)
+    os._exit(os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0)
+assert other == driver, (other, driver)
+child = int(os.read(r, 32))
+_end_with_descendants(pidfd, driver)
+time.sleep(0.2)
+try:
+    os.kill(child, signal.SIGTERM)  # ours, when the server left it alone
+except ProcessLookupError:
+    pass
+_, status = os.waitpid(other, 0)
+print(os.WEXITSTATUS(status))
+"""
+
+
+def test_ending_a_context_whose_interpreter_ended_kills_no_process_that_took_its_pid() -> None:
+    # Before: the context's end walked the children of its interpreter's pid number with no check that the
+    # number was still the interpreter's: a cell that ended its interpreter (its pid free, taken again by any
+    # process of the host; pid_max may be 32768) made the server stop and SIGKILL that process's children.
+    # A PID namespace of the test's own sets which process takes the pid (ns_last_pid).
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is missing")
+    run = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", _REUSED_PID],
+                         capture_output=True, text=True, timeout=60)
+    if run.returncode != 0 and "unshare" in run.stderr:
+        pytest.skip(f"no user and PID namespace here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(15)], "the child of the process that took the interpreter's pid was " \
+        f"killed by the server (signal {run.stdout.strip()}), not left to its owner"
+
+
 def test_a_driver_that_ends_leaving_its_channel_held_ends_the_cell(box: isolate.Sandbox) -> None:
     # Before: the channel never came to its end (a child held it), and the run waited until close().
     context = CodeContext(box, "python")

@@ -462,6 +462,9 @@ class _Making:
             self.name = _temporary_name()
         else:
             self.name = _check_name(name) if name is not None else f"snap-{secrets.token_hex(6)}"
+            if _TEMPORARY.fullmatch(self.name):
+                raise PolicyError(f"snapshot name {self.name!r}: tmp-PID-START-HEX names the snapshots isolate "
+                                  "takes for itself (removed when their maker is gone); choose another", "name")
         self.kind = kind
         #: The private copy its layer lies over, once linked (use_copy).
         self.lower: str | None = None

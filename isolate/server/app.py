@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import diagnostics, execd, lifecycle, ports, snapshots
+from .background import KeptCommand
 from .common import api, error_response, log
 from .execd.access import refusal_for
 from .lifecycle import check_key
@@ -35,6 +36,11 @@ REAP_INTERVAL = 1.0
 async def _reaper(state: ServerState) -> None:
     while True:
         await asyncio.sleep(REAP_INTERVAL)
+        now = time.time()
+        for managed in state.all():
+            if any(isinstance(c, KeptCommand) and c.finished_at is None for c in list(managed.commands.values())):
+                # Its background commands' ends, timeouts and logs' oldest bytes (their files are the sandbox's).
+                await run_in_threadpool(managed.tend_commands, now)
         for managed in state.expired(time.time()):
             log.info("sandbox %s expired", managed.id)
             try:

@@ -620,3 +620,29 @@ def test_a_background_command_cannot_make_the_next_server_read_a_host_file_or_ha
         import shutil
 
         shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def test_a_background_commands_log_keeps_its_last_bytes(state_dir: str) -> None:
+    """A background command's log file in the sandbox's /tmp holds its last OUTPUT_LIMIT bytes, as the server's
+    memory held them: the older ones are freed (a hole: the offsets, the API's cursors, stay), while it runs and
+    when it ends."""
+    from isolate.server.state import OUTPUT_LIMIT
+
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        prefix, headers = base._endpoint(server, base._create(server)["id"])
+        size = OUTPUT_LIMIT + (4 << 20)
+        running = _background(server, prefix, headers, f"head -c {size} /dev/zero | tr '\\0' x; echo end; sleep 600")
+        ended = _background(server, prefix, headers, f"head -c {size} /dev/zero | tr '\\0' y; echo end")
+
+        def held(command_id: str) -> int:
+            return int(_run(server, prefix, headers, f"stat -c %b /tmp/.isolate-cmd-{command_id}.log")) * 512
+
+        assert _until(lambda: _status(server, prefix, headers, ended)["exit_code"] == 0)
+        for command_id in (running, ended):
+            _until(lambda: held(command_id) <= OUTPUT_LIMIT + (64 << 10))  # noqa: B023 (called at once)
+            text, end = _logs(server, prefix, headers, command_id)
+            assert end == size + 4 and len(text) == OUTPUT_LIMIT and text.endswith("end\n"), (end, len(text))
+            assert _logs(server, prefix, headers, command_id, end - 4) == ("end\n", end)
+    finally:
+        server.stop()

@@ -310,6 +310,10 @@ class KeptCommand:
             if code != 0:
                 self.error = {"timeout": "timed out", "killed": "killed"}.get(said, f"exit status {code}")
             self.finished_at = time.time()
+            fd = self._log_fd if self._log_fd >= 0 else self._open_log(os.O_RDWR)
+            if fd >= 0 and fd != self._log_fd:
+                self._log_fd = fd
+            self._free()  # what it wrote last, past the limit (the reaper's last round may not have seen it)
             self._release()
         self._on_end()
 
@@ -402,14 +406,18 @@ class KeptCommand:
         with self._lock:
             if self._log_fd < 0:
                 self._log_fd = self._open_log(os.O_RDWR)  # a restarted server's, to free its oldest bytes
-            fd = self._log_fd
-            if fd < 0:
-                return
-            excess = (os.fstat(fd).st_size - self.limit) & ~0xFFF
-            if excess > self._freed:
-                with contextlib.suppress(OSError):  # a file system without holes keeps it whole
-                    _punch(fd, excess)
-                    self._freed = excess
+            self._free()
+
+    def _free(self) -> None:
+        """Free the log's bytes before its last ``limit`` (whole pages; under the lock)."""
+        fd = self._log_fd
+        if fd < 0:
+            return
+        excess = (os.fstat(fd).st_size - self.limit) & ~0xFFF
+        if excess > self._freed:
+            with contextlib.suppress(OSError):  # a file system without holes keeps it whole
+                _punch(fd, excess)
+                self._freed = excess
 
     def _wrapper(self) -> psutil.Process | None:
         if self._pidfd < 0:

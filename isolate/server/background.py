@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -77,6 +78,10 @@ _EXIT = re.compile(rb"([0-9]{1,3})(?: (killed|timeout))?\n?")
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 #: Rounds of listing a command's processes and stopping the new ones (each round stops a generation).
 _STOP_ROUNDS = 8
+#: The launcher's longest run (it starts the wrapper and ends).
+LAUNCH_TIMEOUT = 30.0
+#: How long what needs a new command's wrapper waits for it to be found (a few milliseconds, usually).
+SETTLE_WAIT = 40.0
 #: Processes looked at when finding a wrapper or a command's processes (a sandbox may fork many).
 _MOST_PROCESSES = 1 << 16
 
@@ -118,7 +123,8 @@ def _children(pid: int) -> list[int]:
 def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     """The host's process of the sandbox whose pid there is ns_pid, at the sandbox's own PID namespace's depth (a
     process of a namespace the sandbox made below its own is not it). The launcher has ended, so the wrapper is
-    the sandbox init's child by now: those are looked at first, then every process of the sandbox."""
+    the sandbox init's child by now, or its monitor's (a subreaper, ending): those are looked at first, then every
+    process of the sandbox."""
     init = _init_of(box)
     if init is None:
         return None
@@ -127,9 +133,14 @@ def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     except (OSError, KeyError, ValueError):
         return None
 
-    def candidates() -> list[int]:
+    def candidates() -> Iterator[int]:
         first = _children(init)
-        return first + [p.pid for p in box.processes()[:_MOST_PROCESSES] if p.pid not in first]
+        yield from first
+        # Until the launcher's monitor (a subreaper) has ended, the wrapper is its child.
+        second = [pid for parent in first for pid in _children(parent)]
+        yield from second
+        near = {*first, *second}
+        yield from (p.pid for p in box.processes()[:_MOST_PROCESSES] if p.pid not in near)
 
     for pid in candidates():
         try:
@@ -208,15 +219,22 @@ class KeptCommand:
         self._pidfd = -1
         self._log_fd = -1
         self._freed = 0
+        self._closed = False
         self.log_path, self.exit_path = paths(recorded.id)
+        #: Its wrapper looked for (``recorded`` names it, or it had ended): what needs its process waits for this.
+        self.settled = threading.Event()
+        self.settled.set()
 
     # -- its start, and a restarted server's ---------------------------------------------------------------
 
     @classmethod
     def start(cls, sandbox: Callable[[], Sandbox | None], log_fd: int, command_id: str, content: str, shell: str,
               cwd: str | None, env: Mapping[str, str] | None, timeout: float | None, limit: int,
-              on_end: Callable[[], None]) -> KeptCommand:
-        """Launch it (its log, ``log_fd``, made by ``make_log``: this closes it on a failure), find its wrapper."""
+              on_end: Callable[[], None], on_settled: Callable[[], None]) -> KeptCommand:
+        """Start its launcher (its log, ``log_fd``, made by ``make_log``: this closes it on a failure). The rest is
+        done on a thread of its own, off the request's path, as a command's output pump is: the launcher's end
+        waited for (the exec server would end what it started if its host hung up first), the wrapper found;
+        what needs the wrapper waits for that. ``on_settled`` then (the sandbox's record, naming it, is written)."""
         box = sandbox()
         try:
             if box is None:
@@ -226,31 +244,59 @@ class KeptCommand:
             # bash's background jobs keep SIGINT's default action; sh's ignore it (and cannot undo that).
             launcher = shell if shell == "/bin/bash" else "/bin/sh"
             try:
-                done = box.exec([launcher, "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                                env=env, timeout=30, output_limit=256)
+                proc = box.spawn([launcher, "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
+                                 env=env, timeout=LAUNCH_TIMEOUT)
             except FileNotFoundError:
                 if launcher == "/bin/sh":
                     raise
-                done = box.exec(["/bin/sh", "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                                env=env, timeout=30, output_limit=256)
-            said = re.fullmatch(r"([0-9]{1,10}) ([0-9]{1,10})\n", done.stdout)
-            if done.returncode != 0 or said is None:
-                raise OSError(errno.EIO, f"the launcher of background command {command_id} failed (exit status "
-                              f"{done.returncode}: {done.stderr.strip()[-200:]!r})")
-            group, ns_pid = int(said.group(1)), int(said.group(2))
-            wrapper = _find_wrapper(box, ns_pid)
-            recorded = RecordedCommand(command_id, content, started, 0, 0.0, group, deadline)
-            if wrapper is not None:  # else it ended already (its exit file says how)
-                with contextlib.suppress(psutil.Error):
-                    recorded = RecordedCommand(command_id, content, started, wrapper.pid, wrapper.create_time(), group,
-                                        deadline)
+                proc = box.spawn(["/bin/sh", "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
+                                 env=env, timeout=LAUNCH_TIMEOUT)
         except BaseException:
             os.close(log_fd)
             raise
-        command = cls(sandbox, recorded, limit, on_end)
+        command = cls(sandbox, RecordedCommand(command_id, content, started, 0, 0.0, proc.pid, deadline), limit,
+                      on_end)
         command._log_fd = log_fd
-        command._hold()
+        command.settled.clear()
+        threading.Thread(target=command._settle, args=(box, proc, on_settled), daemon=True,
+                         name=f"isolate-serve-bg-{command_id}").start()
         return command
+
+    def _settle(self, box: Sandbox, proc: Any, on_settled: Callable[[], None]) -> None:
+        """The launcher's word (its pid there, its wrapper's) and end, then the wrapper's process on the host."""
+        failed = ""
+        try:
+            proc.close_stdin()
+            said = proc.stdout.read(64)
+            while said and len(said) < 64 and (more := proc.stdout.read(64 - len(said))):
+                said += more
+            rc = proc.wait(LAUNCH_TIMEOUT + 5)
+            match = re.fullmatch(rb"([0-9]{1,10}) ([0-9]{1,10})\n", said)
+            if rc != 0 or match is None or int(match.group(1)) != self.recorded.group:
+                failed = f"its launcher failed (exit status {rc})"
+            else:
+                wrapper = _find_wrapper(box, int(match.group(2)))
+                if wrapper is not None:  # else it ended already (its exit file says how)
+                    with contextlib.suppress(psutil.Error):
+                        self.recorded = dataclasses.replace(self.recorded, pid=wrapper.pid,
+                                                            pid_start=wrapper.create_time())
+        except Exception as exc:  # the sandbox ended under it
+            failed = f"its launcher failed ({exc})"
+        finally:
+            with contextlib.suppress(OSError):
+                proc.close()
+        try:
+            if failed:
+                with self._lock:
+                    self.error = failed
+            self._hold()
+        finally:
+            self.settled.set()
+        on_settled()
+
+    def _wait_settled(self) -> None:
+        if not self.settled.is_set():
+            self.settled.wait(SETTLE_WAIT)
 
     @classmethod
     def served_again(cls, sandbox: Callable[[], Sandbox | None], recorded: RecordedCommand, limit: int,
@@ -264,7 +310,7 @@ class KeptCommand:
     def _hold(self) -> None:
         """A pidfd of the wrapper, if the process of that pid is still the one recorded; else it has ended."""
         pid, pidfd = self.recorded.pid, -1
-        if pid > 0:
+        if pid > 0 and not self._closed:
             with contextlib.suppress(OSError):
                 pidfd = os.pidfd_open(pid)
         if pidfd >= 0:
@@ -275,7 +321,12 @@ class KeptCommand:
             if not same:
                 os.close(pidfd)
                 pidfd = -1
-        self._pidfd = pidfd
+        with self._lock:
+            if self._closed:  # let go of meanwhile (the sandbox or the server ended)
+                if pidfd >= 0:
+                    os.close(pidfd)
+                return
+            self._pidfd = pidfd
         if pidfd < 0:
             self._ended()
 
@@ -288,6 +339,7 @@ class KeptCommand:
 
     def refresh(self) -> None:
         """Its end, once its wrapper ended (its pidfd readable): then its exit status is read."""
+        self._wait_settled()
         pidfd = self._pidfd
         if self.finished_at is None and (pidfd < 0 or ready([pidfd], timeout=0)):
             self._ended()
@@ -302,12 +354,14 @@ class KeptCommand:
             if box is None:
                 return
             code, said = self._read_exit(box)
-            if code is None:
+            if code is None and self.error:  # its launcher failed: it never ran
+                code = 255
+            elif code is None:
                 code, said = 137, how or "killed"
                 with contextlib.suppress(OSError, IsolationError):
                     box.write_file(self.exit_path, f"{code} {said}\n")
             self.exit_code, self.report_status = code, said
-            if code != 0:
+            if code != 0 and not self.error:
                 self.error = {"timeout": "timed out", "killed": "killed"}.get(said, f"exit status {code}")
             self.finished_at = time.time()
             fd = self._log_fd if self._log_fd >= 0 else self._open_log(os.O_RDWR)
@@ -328,6 +382,7 @@ class KeptCommand:
         return int(match.group(1)), (match.group(2) or b"").decode()
 
     def _release(self) -> None:
+        self._closed = True
         for name in ("_pidfd", "_log_fd"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -466,6 +521,7 @@ class KeptCommand:
         box = self.sandbox()
         if box is None or not self.running:
             return
+        self._wait_settled()
         before = self._processes(box, session=True)
         for process in self._processes(box, session=False):
             with contextlib.suppress(psutil.Error):
@@ -481,6 +537,7 @@ class KeptCommand:
         box = self.sandbox()
         if box is None:
             return
+        self._wait_settled()
         stop_then_kill(lambda: [*before, *self._processes(box, session=True)])
         pidfd = self._pidfd
         if pidfd >= 0:

@@ -416,7 +416,8 @@ class ManagedSandbox:
                       len(vault.credentials()) if vault is not None else 0,
                       egress=None if self.egress_rules is None else list(self.egress_rules),
                       contexts=[(c.id, c.language) for c in list(self.contexts.values()) if c.kept],
-                      commands=[c.recorded for c in list(self.commands.values()) if isinstance(c, KeptCommand)])
+                      commands=[c.recorded for c in list(self.commands.values())
+                                if isinstance(c, KeptCommand) and c.settled.is_set()])
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -454,7 +455,8 @@ class ManagedSandbox:
         # room for the others.
         most = min(MAX_RUNNING, max(1, RUNNING.limit // 4))
         with self.lock:
-            if sum(1 for c in self.commands.values() if c.running) >= most:
+            # Ends as last seen (a kept command's by the reaper, each second): no wait on a sandbox's file here.
+            if sum(1 for c in self.commands.values() if c.finished_at is None) >= most:
                 raise ApiError(429, "TOO_MANY_COMMANDS", f"at most {most} commands run at once in a sandbox")
         if not RUNNING.take():
             raise ApiError(429, "TOO_MANY_COMMANDS", f"this server runs at most {RUNNING.limit} commands at once "
@@ -509,12 +511,11 @@ class ManagedSandbox:
             return None
         try:
             command = KeptCommand.start(self._usable_box, log_fd, command_id, content, shell, cwd, env, timeout,
-                                        OUTPUT_LIMIT, RUNNING.give)
+                                        OUTPUT_LIMIT, RUNNING.give, self.changed)
         except BaseException:
             RUNNING.give()
             raise
-        self._listed(command)
-        self.changed()
+        self._listed(command)  # its record is written once its wrapper is found (``changed``)
         return command
 
     def tend_commands(self, now: float) -> None:

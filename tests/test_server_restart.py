@@ -541,10 +541,11 @@ def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> N
     """A background command of a kept sandbox is a process of the sandbox: it runs on past a SIGKILL of its
     server, and the next server of the state directory serves its status and its logs (with the lines written
     before, during and after the restart, read from any cursor), then its exit code; an interrupt after the
-    restart ends it and what it started (its children, one in a session of its own included)."""
+    restart ends it and what it started (its children, one in a session of its own included). The create's
+    entrypoint, a background command, lives on likewise."""
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:
-        box_id = base._create(first)["id"]
+        box_id = base._create(first, entrypoint=["/bin/sh", "-c", "echo entry up; exec tail -f /dev/null"])["id"]
         prefix, headers = base._endpoint(first, box_id)
         ticking = _background(first, prefix, headers, "i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); "
                               "echo line $i; sleep 1; done; echo last; exit 3")
@@ -572,6 +573,9 @@ def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> N
         text, end = _logs(second, prefix, headers, ticking)
         assert text.endswith("last\n") and end == len(text.encode()), text
         assert _logs(second, prefix, headers, ticking, end - 5) == ("last\n", end)
+        # The entrypoint (a background command too) runs on, its output in the sandbox's diagnostics.
+        status, logs = second.call("GET", f"/v1/sandboxes/{box_id}/diagnostics/logs?scope=container")
+        assert status == 200 and logs["content"] == "entry up\n", logs
         # An interrupt from the new server: the command and what it started end.
         assert _run(second, prefix, headers, "pgrep -cx sleep || true") == "3"
         assert second.call("DELETE", prefix + f"/command?id={parent}", key=None, headers=headers)[0] == 200
@@ -646,3 +650,29 @@ def test_a_background_commands_log_keeps_its_last_bytes(state_dir: str) -> None:
             assert _logs(server, prefix, headers, command_id, end - 4) == ("end\n", end)
     finally:
         server.stop()
+
+
+def test_a_records_background_commands_are_checked() -> None:
+    """A record's background commands are read as data, each field checked: an id the server makes (it names
+    the command's files in the sandbox), bounded numbers and text, an entry command among them."""
+    from isolate.server.keep import MAX_COMMANDS, MAX_CONTENT, BadRecord, parse_record
+
+    sandbox_id = "e" * 24
+    record = {"version": 1, "id": sandbox_id, "image": "ubuntu", "entrypoint": [], "metadata": {}, "createdAt": 1.0,
+              "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
+              "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
+    assert parse_record(record, sandbox_id).commands == []
+    good = {"id": "0123456789abcdef", "content": "sleep 1", "startedAt": 2.0, "pid": 4321, "pidStart": 1.5,
+            "group": 7, "deadline": None}
+    parsed = parse_record(dict(record, commands=[good], entryCommand=good["id"]), sandbox_id)
+    assert [(c.id, c.pid, c.group) for c in parsed.commands] == [("0123456789abcdef", 4321, 7)]
+    assert parsed.entry_command == good["id"]
+    for bad in ({"id": "../../etc/passwd"}, {"id": "0123456789ABCDEF"}, {"content": "x" * (MAX_CONTENT + 1)},
+                {"pid": -1}, {"pid": True}, {"pid": 1 << 40}, {"group": 0}, {"startedAt": float("nan")},
+                {"deadline": "soon"}, {"extra": 1}):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, commands=[dict(good, **bad)]), sandbox_id)
+    for commands, entry in (([good, good], None), ([good], "fedcba9876543210"), ("x", None),
+                            ([dict(good, id=f"{i:016x}") for i in range(MAX_COMMANDS + 1)], None)):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, commands=commands, entryCommand=entry), sandbox_id)

@@ -128,8 +128,10 @@ class Record:
     egress: list[tuple[str, str]] | None = None
     #: Its code contexts whose interpreters outlive the server: (context id, language).
     contexts: list[tuple[str, str]] = field(default_factory=list)
-    #: Its background commands, which outlive the server (isolate.server.background).
+    #: Its background commands, which outlive the server (isolate.server.background), and the one running the
+    #: create's entrypoint (one of them; None: the SDK's keep-alive, or not recorded).
     commands: list[RecordedCommand] = field(default_factory=list)
+    entry_command: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -143,7 +145,9 @@ class Record:
                 "contexts": [[cid, language] for cid, language in self.contexts],
                 "commands": [{"id": c.id, "content": c.content[:MAX_CONTENT], "startedAt": c.started_at,
                               "pid": c.pid, "pidStart": c.pid_start, "group": c.group, "deadline": c.deadline}
-                             for c in self.commands[-MAX_COMMANDS:]]}
+                             for c in self.commands[-MAX_COMMANDS:]],
+                "entryCommand": self.entry_command if any(c.id == self.entry_command
+                                                          for c in self.commands[-MAX_COMMANDS:]) else None}
 
 
 class BadRecord(ValueError):
@@ -168,7 +172,7 @@ def parse_record(data: object, expected_id: str) -> Record:
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
-    optional = {"egress", "contexts", "commands"}  # not in the records of servers before them
+    optional = {"egress", "contexts", "commands", "entryCommand"}  # not in the records of servers before them
     _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -217,14 +221,14 @@ def parse_record(data: object, expected_id: str) -> Record:
         contexts.append((item[0], item[1]))
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
-                  data["pending"], egress, contexts, _commands(data.get("commands", [])))
+                  data["pending"], egress, contexts, *_commands(data.get("commands", []), data.get("entryCommand")))
 
 
 def _int(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _commands(raw: object) -> list[RecordedCommand]:
+def _commands(raw: object, entry: object) -> tuple[list[RecordedCommand], str | None]:
     """The record's background commands: at most MAX_COMMANDS, each field checked (a pid is only ever compared
     with a process's start time before it is used; the id names the command's files)."""
     _need(isinstance(raw, list) and len(raw) <= MAX_COMMANDS, "commands")
@@ -241,7 +245,9 @@ def _commands(raw: object) -> list[RecordedCommand]:
                                  item["pid"], _time(item["pidStart"], "commands: a process's start"), item["group"],
                                  deadline))
     _need(len({c.id for c in commands}) == len(commands), "commands: an id twice")
-    return commands
+    _need(entry is None or any(c.id == entry for c in commands), "entryCommand: not one of its commands")
+    assert entry is None or isinstance(entry, str)
+    return commands, entry
 
 
 def _egress_rules(raw: object) -> list[tuple[str, str]] | None:

@@ -226,6 +226,7 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
         RUNNING.take(force=True)  # given back at its end (it runs already: no ceiling refuses it)
         managed.commands[recorded.id] = KeptCommand.served_again(managed._usable_box, recorded, OUTPUT_LIMIT,
                                                                  RUNNING.give)
+    managed.entry_command = record.entry_command  # its output: GET .../diagnostics/logs?scope=container
     store = state.volume_store() if record.volumes else ""
     for claim, doomed in record.volumes:
         path = os.path.join(store, claim)

@@ -417,7 +417,8 @@ class ManagedSandbox:
                       egress=None if self.egress_rules is None else list(self.egress_rules),
                       contexts=[(c.id, c.language) for c in list(self.contexts.values()) if c.kept],
                       commands=[c.recorded for c in list(self.commands.values())
-                                if isinstance(c, KeptCommand) and c.settled.is_set()])
+                                if isinstance(c, KeptCommand) and c.settled.is_set()],
+                      entry_command=self.entry_command)
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))

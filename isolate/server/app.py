@@ -20,7 +20,6 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import diagnostics, execd, lifecycle, ports, snapshots
-from .background import KeptCommand
 from .common import api, error_response, log
 from .execd.access import refusal_for
 from .lifecycle import check_key
@@ -38,9 +37,8 @@ async def _reaper(state: ServerState) -> None:
         await asyncio.sleep(REAP_INTERVAL)
         now = time.time()
         for managed in state.all():
-            if any(isinstance(c, KeptCommand) and c.finished_at is None for c in list(managed.commands.values())):
-                # Its background commands' ends, timeouts and logs' oldest bytes (their files are the sandbox's).
-                await run_in_threadpool(managed.tend_commands, now)
+            # Its kept background commands' ends, timeouts and logs' oldest bytes (on a thread of its own).
+            managed.tend_commands(now)
         for managed in state.expired(time.time()):
             log.info("sandbox %s expired", managed.id)
             try:

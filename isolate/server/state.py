@@ -31,6 +31,7 @@ from ..kernel.places import state_path
 from ..model.errors import IsolationError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
+from . import background
 from .background import KeptCommand, make_log
 from .common import log
 from .keep import MAX_TOKENS, Keeper, Record, hash_matches, token_hash
@@ -334,6 +335,8 @@ class ManagedSandbox:
     sessions: dict[str, Any] = field(default_factory=dict)
     contexts: dict[str, Any] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: Held by the reaper's round over its kept background commands (tend_commands).
+    _tending: threading.Lock = field(default_factory=threading.Lock)
     #: The background command running the create request's entrypoint (None: the SDK's keep-alive).
     entry_command: str | None = None
     #: (time, text) of what happened to the sandbox, for GET .../diagnostics/events.
@@ -515,18 +518,31 @@ class ManagedSandbox:
                                         OUTPUT_LIMIT, RUNNING.give, self.changed)
         except BaseException:
             RUNNING.give()
+            with contextlib.suppress(Exception):
+                self.box.remove(background.paths(command_id)[0])
             raise
         self._listed(command)  # its record is written once its wrapper is found (``changed``)
         return command
 
     def tend_commands(self, now: float) -> None:
-        """The reaper's round over its kept commands (their ends, timeouts, logs' oldest bytes)."""
-        for command in list(self.commands.values()):
-            if isinstance(command, KeptCommand) and command.finished_at is None:
-                try:
-                    command.tend(now)
-                except Exception as exc:  # one command's trouble does not stop the round
-                    log.warning("sandbox %s: background command %s: %s", self.id, command.id, exc)
+        """The reaper's round over its kept commands (their ends, timeouts, logs' oldest bytes), on a thread of
+        its own: one whose sandbox does not answer (its exec server stopped from inside) holds only that
+        thread, and the next rounds of that sandbox are skipped until it is done."""
+        if any(isinstance(c, KeptCommand) and c.finished_at is None for c in list(self.commands.values())) \
+                and self._tending.acquire(blocking=False):
+            threading.Thread(target=self._tend, args=(now,), name=f"isolate-serve-tend-{self.id}",
+                             daemon=True).start()
+
+    def _tend(self, now: float) -> None:
+        try:
+            for command in list(self.commands.values()):
+                if isinstance(command, KeptCommand) and command.finished_at is None:
+                    try:
+                        command.tend(now)
+                    except Exception as exc:  # one command's trouble does not stop the round
+                        log.warning("sandbox %s: background command %s: %s", self.id, command.id, exc)
+        finally:
+            self._tending.release()
 
     def interrupt(self, record: CommandRecord | KeptCommand) -> None:
         """SIGTERM to the command's process group; after INTERRUPT_GRACE, SIGKILL to everything it started."""

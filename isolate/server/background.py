@@ -62,12 +62,14 @@ from ..kernel.fdwait import ready
 from ..model.errors import IsolationError
 from .keep import COMMAND_ID, RecordedCommand
 
-#: Started with ``sh -c LAUNCHER isolate-bg ID SHELL CONTENT``: the wrapper (the subshell) runs on when the
-#: launcher ends; its process group and session are the launcher's (the exec server makes each command lead its
-#: own). The TERM trap lets the wrapper outlive an interrupt's SIGTERM to write the command's status.
+#: Started with ``sh -c LAUNCHER isolate-bg ID SHELL CONTENT``: the log made (mode 0600; exit status 3: it
+#: cannot be), the wrapper (the subshell) runs on when the launcher ends; its process group and session are the
+#: launcher's (the exec server makes each command lead its own). The TERM trap lets the wrapper outlive an
+#: interrupt's SIGTERM to write the command's status.
 LAUNCHER = r'''f=/tmp/.isolate-cmd-$1
 s=$2
 [ -x "$s" ] || s=/bin/sh
+(umask 077; : >>"$f.log") || exit 3
 ( trap : TERM
   "$s" -c "$3"
   echo $? >"$f.exit" ) </dev/null >>"$f.log" 2>&1 &
@@ -184,19 +186,6 @@ def stop_then_kill(listing: Callable[[], list[psutil.Process]]) -> None:
                 process.kill()
 
 
-def make_log(box: Sandbox, command_id: str) -> int:
-    """The command's log file, made inside as the program (O_EXCL: new, never through a link); its descriptor,
-    for reading and freeing its oldest bytes. OSError, IsolationError: it cannot be made (no writable /tmp)."""
-    log_path, _ = paths(command_id)
-    fd, info = native_files.open_fd(box._conn(), log_path,
-                                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    if not info.is_file:
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", log_path)
-    os.set_blocking(fd, True)
-    return fd
-
-
 class KeptCommand:
     """One background command of a kept sandbox (see the module's docstring), read as
     isolate.server.state.CommandRecord is for status and logs."""
@@ -228,35 +217,30 @@ class KeptCommand:
     # -- its start, and a restarted server's ---------------------------------------------------------------
 
     @classmethod
-    def start(cls, sandbox: Callable[[], Sandbox | None], log_fd: int, command_id: str, content: str, shell: str,
+    def start(cls, sandbox: Callable[[], Sandbox | None], command_id: str, content: str, shell: str,
               cwd: str | None, env: Mapping[str, str] | None, timeout: float | None, limit: int,
               on_end: Callable[[], None], on_settled: Callable[[], None]) -> KeptCommand:
-        """Start its launcher (its log, ``log_fd``, made by ``make_log``: this closes it on a failure). The rest is
-        done on a thread of its own, off the request's path, as a command's output pump is: the launcher's end
-        waited for (the exec server would end what it started if its host hung up first), the wrapper found;
-        what needs the wrapper waits for that. ``on_settled`` then (the sandbox's record, naming it, is written)."""
+        """Start its launcher. The rest is done on a thread of its own, off the request's path, as a command's
+        output pump is: the launcher's end waited for (the exec server would end what it started if its host hung
+        up first), the wrapper found, the log opened; what needs them waits for that. ``on_settled`` then (the
+        sandbox's record, naming it, is written)."""
         box = sandbox()
+        if box is None:
+            raise OSError(errno.EAGAIN, "the sandbox is not running")
+        started = time.time()
+        deadline = None if timeout is None else started + timeout
+        # bash's background jobs keep SIGINT's default action; sh's ignore it (and cannot undo that).
+        launcher = shell if shell == "/bin/bash" else "/bin/sh"
         try:
-            if box is None:
-                raise OSError(errno.EAGAIN, "the sandbox is not running")
-            started = time.time()
-            deadline = None if timeout is None else started + timeout
-            # bash's background jobs keep SIGINT's default action; sh's ignore it (and cannot undo that).
-            launcher = shell if shell == "/bin/bash" else "/bin/sh"
-            try:
-                proc = box.spawn([launcher, "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                                 env=env, timeout=LAUNCH_TIMEOUT)
-            except FileNotFoundError:
-                if launcher == "/bin/sh":
-                    raise
-                proc = box.spawn(["/bin/sh", "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                                 env=env, timeout=LAUNCH_TIMEOUT)
-        except BaseException:
-            os.close(log_fd)
-            raise
+            proc = box.spawn([launcher, "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
+                             env=env, timeout=LAUNCH_TIMEOUT)
+        except FileNotFoundError:
+            if launcher == "/bin/sh":
+                raise
+            proc = box.spawn(["/bin/sh", "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
+                             env=env, timeout=LAUNCH_TIMEOUT)
         command = cls(sandbox, RecordedCommand(command_id, content, started, 0, 0.0, proc.pid, deadline), limit,
                       on_end)
-        command._log_fd = log_fd
         command.settled.clear()
         threading.Thread(target=command._settle, args=(box, proc, on_settled), daemon=True,
                          name=f"isolate-serve-bg-{command_id}").start()
@@ -272,9 +256,18 @@ class KeptCommand:
                 said += more
             rc = proc.wait(LAUNCH_TIMEOUT + 5)
             match = re.fullmatch(rb"([0-9]{1,10}) ([0-9]{1,10})\n", said)
-            if rc != 0 or match is None or int(match.group(1)) != self.recorded.group:
+            if rc == 3 and not said:
+                failed = f"no file for its output could be made in the sandbox's /tmp ({self.log_path})"
+            elif rc != 0 or match is None or int(match.group(1)) != self.recorded.group:
                 failed = f"its launcher failed (exit status {rc})"
             else:
+                log_fd = self._open_log(os.O_RDWR)  # the file the launcher made, checked (regular, not a link)
+                with self._lock:
+                    if self._closed or self._log_fd >= 0:
+                        if log_fd >= 0:
+                            os.close(log_fd)
+                    else:
+                        self._log_fd = log_fd
                 wrapper = _find_wrapper(box, int(match.group(2)))
                 if wrapper is not None:  # else it ended already (its exit file says how)
                     with contextlib.suppress(psutil.Error):

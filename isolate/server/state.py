@@ -31,8 +31,7 @@ from ..kernel.places import state_path
 from ..model.errors import IsolationError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
-from . import background
-from .background import KeptCommand, make_log
+from .background import KeptCommand
 from .common import log
 from .keep import MAX_TOKENS, Keeper, Record, hash_matches, token_hash
 from .models import ApiError, iso
@@ -468,9 +467,7 @@ class ManagedSandbox:
         # bash when the sandbox has it (as upstream's execd: brace expansion, [[ ]], ...), else sh.
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
         if background and self.kept and self.box.backend == "native":
-            kept = self._start_kept(content, shell, cwd, env, timeout)
-            if kept is not None:
-                return kept
+            return self._start_kept(content, shell, cwd, env, timeout)
         try:
             try:
                 proc = self.box.spawn([shell, "-c", content], cwd=cwd, env=env, timeout=timeout)
@@ -503,23 +500,13 @@ class ManagedSandbox:
         return self.box if self.state == "Running" else None
 
     def _start_kept(self, content: str, shell: str, cwd: str | None, env: Mapping[str, str] | None,
-                    timeout: float | None) -> KeptCommand | None:
-        """A background command that outlives the server (isolate.server.background); None when the sandbox has
-        no /tmp to keep its output in (it then runs as the server's, and ends with it: its events say so)."""
-        command_id = secrets.token_hex(8)
+                    timeout: float | None) -> KeptCommand:
+        """A background command that outlives the server (isolate.server.background)."""
         try:
-            log_fd = make_log(self.box, command_id)
-        except (OSError, IsolationError) as exc:
-            self.event(f"background command {command_id}: no file for its output in the sandbox's /tmp ({exc}); it "
-                       "runs as the server's and ends with it")
-            return None
-        try:
-            command = KeptCommand.start(self._usable_box, log_fd, command_id, content, shell, cwd, env, timeout,
+            command = KeptCommand.start(self._usable_box, secrets.token_hex(8), content, shell, cwd, env, timeout,
                                         OUTPUT_LIMIT, RUNNING.give, self.changed)
         except BaseException:
             RUNNING.give()
-            with contextlib.suppress(Exception):
-                self.box.remove(background.paths(command_id)[0])
             raise
         self._listed(command)  # its record is written once its wrapper is found (``changed``)
         return command

@@ -541,8 +541,8 @@ def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> N
     """A background command of a kept sandbox is a process of the sandbox: it runs on past a SIGKILL of its
     server, and the next server of the state directory serves its status and its logs (with the lines written
     before, during and after the restart, read from any cursor), then its exit code; an interrupt after the
-    restart ends it and what it started (its children, one in a session of its own included). The create's
-    entrypoint, a background command, lives on likewise."""
+    restart ends it and what it started (its children, one in a session of its own included); its timeout holds.
+    The create's entrypoint, a background command, lives on likewise."""
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:
         box_id = base._create(first, entrypoint=["/bin/sh", "-c", "echo entry up; exec tail -f /dev/null"])["id"]
@@ -551,6 +551,10 @@ def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> N
                               "echo line $i; sleep 1; done; echo last; exit 3")
         parent = _background(first, prefix, headers, "sleep 1001 & setsid sleep 1002 & (sleep 1003 &); "
                              "echo started; wait")
+        status, body = first.call("POST", prefix + "/command", {"command": "exec tail -f /dev/null",
+                                                                "background": True, "timeout": 4000},
+                                  key=None, headers=headers)
+        timed = json.loads(body.decode().splitlines()[0][6:])["text"]
         _until(lambda: "line 2" in _logs(first, prefix, headers, ticking)[0])
         assert _logs(first, prefix, headers, parent)[0] == "started\n"
         _kill(first)
@@ -573,6 +577,9 @@ def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> N
         text, end = _logs(second, prefix, headers, ticking)
         assert text.endswith("last\n") and end == len(text.encode()), text
         assert _logs(second, prefix, headers, ticking, end - 5) == ("last\n", end)
+        # Its timeout, recorded, is enforced by the new server.
+        status = _until(lambda: (s := _status(second, prefix, headers, timed))["exit_code"] is not None and s)
+        assert status["exit_code"] == 137 and status["error"] == "timed out", status
         # The entrypoint (a background command too) runs on, its output in the sandbox's diagnostics.
         status, logs = second.call("GET", f"/v1/sandboxes/{box_id}/diagnostics/logs?scope=container")
         assert status == 200 and logs["content"] == "entry up\n", logs

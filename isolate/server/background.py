@@ -17,22 +17,25 @@ sandbox's record (its ``commands``):
 - the wrapper's process on the host, named by its pid and start time (told
   apart from a reused pid), held as a pidfd while it runs: the command has
   ended when its wrapper has; signals go to its processes from the host;
-- the log file, made by the server before the launch through the sandbox's
-  file API (opened inside, as the program, O_EXCL, a regular file checked
-  from the host): read with ``pread`` at the API's cursors, which are the
-  file's offsets. Its bytes beyond the last OUTPUT_LIMIT are freed
-  (FALLOC_FL_PUNCH_HOLE: the offsets stay) by the server's reaper while a
-  server runs; while none runs, the file grows with the command's output
-  within /tmp's size, and the next server frees it down again;
+- the log file, made by the launcher (mode 0600) and opened by the server
+  once the launcher ended, through the sandbox's file API (opened inside,
+  as the program, O_NOFOLLOW, a regular file checked from the host): read
+  with ``pread`` at the API's cursors, which are the file's offsets. Its
+  bytes before the last OUTPUT_LIMIT are freed (FALLOC_FL_PUNCH_HOLE: the
+  offsets stay) by the server's reaper while a server runs, and at its end;
+  while none runs, the file grows with the command's output within /tmp's
+  size, and the next server frees it down again;
 - after a restart, and after the command ended, both files are opened
-  again through the file API: a path resolves as the program's would,
-  inside its own view (a link it planted leads to nothing of the host's),
-  a FIFO is opened without blocking and refused, as anything not a regular
-  file is, and an exit file is read up to a few bytes. What the files hold
-  is the sandbox's word, as a command's output always is.
+  again the same way: a path resolves as the program's would, inside its
+  own view (a link it planted leads to nothing of the host's), a FIFO is
+  opened without blocking and refused, as anything not a regular file is,
+  and an exit file is read up to a few bytes. What the files hold is the
+  sandbox's word, as a command's output always is.
 
-An interrupt sends SIGTERM to the command's process group (what the exec
-server does), and after the grace stops then kills its session and every
+The launcher's end is waited for off the request's path (``_settle``), so a
+start costs what the exec server's spawn costs. An interrupt sends SIGTERM to
+the command's process group (what the exec server does), and once that ended
+it or after the grace, stops then kills what is left of its session and every
 descendant of its wrapper. A process the command double-forked into a
 session of its own is the sandbox's, not the command's: it ends with the
 sandbox (the exec server's monitor would have caught it; the wrapper, a
@@ -208,6 +211,7 @@ class KeptCommand:
         self._pidfd = -1
         self._log_fd = -1
         self._freed = 0
+        #: Let go of by the server (its sandbox ended, or the server): nothing is held or recorded for it again.
         self._closed = False
         self.log_path, self.exit_path = paths(recorded.id)
         #: Its wrapper looked for (``recorded`` names it, or it had ended): what needs its process waits for this.
@@ -285,7 +289,8 @@ class KeptCommand:
             self._hold()
         finally:
             self.settled.set()
-        on_settled()
+        if not self._closed:  # else let go of meanwhile: its sandbox ended (and its record with it), or the server
+            on_settled()
 
     def _wait_settled(self) -> None:
         if not self.settled.is_set():
@@ -315,7 +320,7 @@ class KeptCommand:
                 os.close(pidfd)
                 pidfd = -1
         with self._lock:
-            if self._closed:  # let go of meanwhile (the sandbox or the server ended)
+            if self._closed or self.finished_at is not None:  # let go of meanwhile (the sandbox or server ended)
                 if pidfd >= 0:
                     os.close(pidfd)
                 return
@@ -375,7 +380,6 @@ class KeptCommand:
         return int(match.group(1)), (match.group(2) or b"").decode()
 
     def _release(self) -> None:
-        self._closed = True
         for name in ("_pidfd", "_log_fd"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -540,6 +544,7 @@ class KeptCommand:
     def ended_with_sandbox(self) -> None:
         """The sandbox ended (and the command with it)."""
         with self._lock:
+            self._closed = True
             self._release()
             if self.finished_at is not None:
                 return
@@ -549,6 +554,7 @@ class KeptCommand:
     def close(self) -> None:
         """Let go of it (the server ends; the command runs on for the next)."""
         with self._lock:
+            self._closed = True
             self._release()
 
     def forget(self) -> None:

@@ -578,6 +578,7 @@ class ManagedSandbox:
         self.box.detach()
 
     def close(self) -> None:
+        self.persist = None  # its record goes: nothing still running (a command's settling) writes it again
         self._let_go()
         if self.state in ("Paused", "Pausing", "Resuming"):
             try:

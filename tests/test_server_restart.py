@@ -47,6 +47,39 @@ def _run(server: base.Server, prefix: str, headers: dict[str, str], command: str
     return "\n".join(e.get("text", "") for e in events if e.get("type") == "stdout")
 
 
+def _background(server: base.Server, prefix: str, headers: dict[str, str], command: str) -> str:
+    """A background command's id."""
+    status, body = server.call("POST", prefix + "/command", {"command": command, "background": True}, key=None,
+                               headers=headers)
+    assert status == 200, body
+    return str(json.loads(body.decode().splitlines()[0][6:])["text"])
+
+
+def _logs(server: base.Server, prefix: str, headers: dict[str, str], command_id: str,
+          cursor: int = 0) -> tuple[str, int]:
+    """A background command's output from cursor, and the cursor its end is at."""
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{server.domain}{prefix}/command/{command_id}/logs?cursor={cursor}",
+                                     headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode(), int(response.headers["EXECD-COMMANDS-TAIL-CURSOR"])
+
+
+def _status(server: base.Server, prefix: str, headers: dict[str, str], command_id: str) -> dict[str, Any]:
+    status, body = server.call("GET", prefix + f"/command/status/{command_id}", key=None, headers=headers)
+    assert status == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+def _until(what: Any, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, "waited too long"
+        time.sleep(0.2)
+    return got
+
+
 def _kill(server: base.Server) -> None:
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
@@ -165,7 +198,7 @@ def _cell(server: base.Server, prefix: str, headers: dict[str, str], context_id:
 def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
     """A Python context's interpreter is a process of the kept sandbox: after SIGKILL and a start on the same
     --state-dir it is listed and keeps its variables; a cell running when the server died is interrupted and
-    the next one works; a command of the last server is answered as ended with it; a delete ends the
+    the next one works; a background command of the last server is served again; a delete ends the
     interpreter."""
     import threading
 
@@ -201,7 +234,7 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
         assert "error" not in _cell(second, prefix, headers, context["id"], "x = 7")
         assert _cell(second, prefix, headers, context["id"], "x")["result"]["results"] == {"text": "7"}
         status, answer = second.call("GET", prefix + f"/command/status/{command_id}", key=None, headers=headers)
-        assert status == 404 and "ended with it" in json.dumps(answer), answer
+        assert status == 200 and answer["running"], answer  # a background command lives on too
         assert _run(second, prefix, headers, "echo next") == "next"
         assert _run(second, prefix, headers, "pgrep -fc '[-]-kept /tmp' || true") == "1"
         status, _ = second.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
@@ -504,3 +537,152 @@ def test_a_records_code_contexts_are_checked() -> None:
                 [["default-python", "python"]] * 300):
         with pytest.raises(BadRecord):
             parse_record(dict(record, contexts=bad), sandbox_id)
+
+
+def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> None:
+    """A background command of a kept sandbox is a process of the sandbox: it runs on past a SIGKILL of its
+    server, and the next server of the state directory serves its status and its logs (with the lines written
+    before, during and after the restart, read from any cursor), then its exit code; an interrupt after the
+    restart ends it and what it started (its children, one in a session of its own included); its timeout holds.
+    The create's entrypoint, a background command, lives on likewise."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first, entrypoint=["/bin/sh", "-c", "echo entry up; exec tail -f /dev/null"])["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        ticking = _background(first, prefix, headers, "i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); "
+                              "echo line $i; sleep 1; done; echo last; exit 3")
+        parent = _background(first, prefix, headers, "sleep 1001 & setsid sleep 1002 & (sleep 1003 &); "
+                             "echo started; wait")
+        status, body = first.call("POST", prefix + "/command", {"command": "exec tail -f /dev/null",
+                                                                "background": True, "timeout": 4000},
+                                  key=None, headers=headers)
+        timed = json.loads(body.decode().splitlines()[0][6:])["text"]
+        _until(lambda: "line 2" in _logs(first, prefix, headers, ticking)[0])
+        assert _logs(first, prefix, headers, parent)[0] == "started\n"
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        status = _status(second, prefix, headers, ticking)
+        assert status["running"] and status["exit_code"] is None, status
+        text, end = _logs(second, prefix, headers, ticking)
+        assert text.startswith("line 1\nline 2\n"), text
+        seen = int(text.splitlines()[-1].split()[1])
+        # Lines written after the restart, read from the cursor the last read ended at.
+        more = _until(lambda: _logs(second, prefix, headers, ticking, end)[0])
+        assert more.startswith(f"line {seen + 1}\n"), (text, more)
+        assert _logs(second, prefix, headers, ticking, 7)[0].startswith((text + more)[7:])
+        _run(second, prefix, headers, "touch /tmp/stop")
+        status = _until(lambda: (s := _status(second, prefix, headers, ticking))["exit_code"] is not None and s)
+        assert not status["running"] and status["exit_code"] == 3 and status["finished_at"], status
+        text, end = _logs(second, prefix, headers, ticking)
+        assert text.endswith("last\n") and end == len(text.encode()), text
+        assert _logs(second, prefix, headers, ticking, end - 5) == ("last\n", end)
+        # Its timeout, recorded, is enforced by the new server.
+        status = _until(lambda: (s := _status(second, prefix, headers, timed))["exit_code"] is not None and s)
+        assert status["exit_code"] == 137 and status["error"] == "timed out", status
+        # The entrypoint (a background command too) runs on, its output in the sandbox's diagnostics.
+        status, logs = second.call("GET", f"/v1/sandboxes/{box_id}/diagnostics/logs?scope=container")
+        assert status == 200 and logs["content"] == "entry up\n", logs
+        # An interrupt from the new server: the command and what it started end.
+        assert _run(second, prefix, headers, "pgrep -cx sleep || true") == "3"
+        assert second.call("DELETE", prefix + f"/command?id={parent}", key=None, headers=headers)[0] == 200
+        status = _status(second, prefix, headers, parent)
+        assert not status["running"] and status["exit_code"] == 143, status
+        assert _run(second, prefix, headers, "pgrep -cx sleep || true") == "0"
+    finally:
+        second.stop()
+
+
+def test_a_background_command_cannot_make_the_next_server_read_a_host_file_or_hang(state_dir: str) -> None:
+    """A background command's files are the sandbox's: one that replaces its log by a link to a host file, or its
+    log and exit file by FIFOs, gets from the restarted server what its sandbox's own view holds there (nothing),
+    at once: the server reads them through the sandbox's file API, never through a link, never blocking."""
+    secret_dir = tempfile.mkdtemp(prefix="isolate-serve-secret-")
+    secret = os.path.join(secret_dir, "secret.txt")
+    with open(secret, "w") as handle:
+        handle.write("HOST SECRET\n")
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        linked = _background(first, prefix, headers, f"log=$(readlink /proc/$$/fd/1); echo before; rm $log; "
+                             f"ln -s {secret} $log; echo linked >/tmp/linked; sleep 600")
+        fifos = _background(first, prefix, headers, "log=$(readlink /proc/$$/fd/1); rm $log; mkfifo $log "
+                            "${log%.log}.exit; echo made >/tmp/fifos; exit 5")
+        _until(lambda: _run(first, prefix, headers, "cat /tmp/linked /tmp/fifos 2>/dev/null; true") == "linked\nmade")
+        # The file it wrote (when the server opened it before the swap), or nothing: never what the link names.
+        assert _logs(first, prefix, headers, linked)[0] in ("before\n", "")
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        start = time.monotonic()
+        assert _status(second, prefix, headers, linked)["running"]
+        assert _logs(second, prefix, headers, linked) == ("", 0)
+        # Its wrapper is stuck opening its exit FIFO (the sandbox's own doing): it runs, and says nothing.
+        assert _status(second, prefix, headers, fifos)["running"]
+        assert _logs(second, prefix, headers, fifos) == ("", 0)
+        assert second.call("DELETE", prefix + f"/command?id={fifos}", key=None, headers=headers)[0] == 200
+        status = _status(second, prefix, headers, fifos)
+        assert not status["running"] and status["exit_code"] == 137, status
+        assert time.monotonic() - start < 20  # the interrupt's grace (3 s) included
+    finally:
+        second.stop()
+        import shutil
+
+        shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def test_a_background_commands_log_keeps_its_last_bytes(state_dir: str) -> None:
+    """A background command's log file in the sandbox's /tmp holds its last OUTPUT_LIMIT bytes, as the server's
+    memory held them: the older ones are freed (a hole: the offsets, the API's cursors, stay), while it runs and
+    when it ends."""
+    from isolate.server.state import OUTPUT_LIMIT
+
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        prefix, headers = base._endpoint(server, base._create(server)["id"])
+        size = OUTPUT_LIMIT + (4 << 20)
+        running = _background(server, prefix, headers, f"head -c {size} /dev/zero | tr '\\0' x; echo end; sleep 600")
+        ended = _background(server, prefix, headers, f"head -c {size} /dev/zero | tr '\\0' y; echo end")
+
+        def held(command_id: str) -> int:
+            return int(_run(server, prefix, headers, f"stat -c %b /tmp/.isolate-cmd-{command_id}.log")) * 512
+
+        assert _until(lambda: _status(server, prefix, headers, ended)["exit_code"] == 0)
+        for command_id in (running, ended):
+            _until(lambda: held(command_id) <= OUTPUT_LIMIT + (64 << 10))  # noqa: B023 (called at once)
+            text, end = _logs(server, prefix, headers, command_id)
+            assert end == size + 4 and len(text) == OUTPUT_LIMIT and text.endswith("end\n"), (end, len(text))
+            assert _logs(server, prefix, headers, command_id, end - 4) == ("end\n", end)
+    finally:
+        server.stop()
+
+
+def test_a_records_background_commands_are_checked() -> None:
+    """A record's background commands are read as data, each field checked: an id the server makes (it names
+    the command's files in the sandbox), bounded numbers and text, an entry command among them."""
+    from isolate.server.keep import MAX_COMMANDS, MAX_CONTENT, BadRecord, parse_record
+
+    sandbox_id = "e" * 24
+    record = {"version": 1, "id": sandbox_id, "image": "ubuntu", "entrypoint": [], "metadata": {}, "createdAt": 1.0,
+              "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
+              "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
+    assert parse_record(record, sandbox_id).commands == []
+    good = {"id": "0123456789abcdef", "content": "sleep 1", "startedAt": 2.0, "pid": 4321, "pidStart": 1.5,
+            "group": 7, "deadline": None}
+    parsed = parse_record(dict(record, commands=[good], entryCommand=good["id"]), sandbox_id)
+    assert [(c.id, c.pid, c.group) for c in parsed.commands] == [("0123456789abcdef", 4321, 7)]
+    assert parsed.entry_command == good["id"]
+    for bad in ({"id": "../../etc/passwd"}, {"id": "0123456789ABCDEF"}, {"content": "x" * (MAX_CONTENT + 1)},
+                {"pid": -1}, {"pid": True}, {"pid": 1 << 40}, {"group": 0}, {"startedAt": float("nan")},
+                {"deadline": "soon"}, {"extra": 1}):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, commands=[dict(good, **bad)]), sandbox_id)
+    for commands, entry in (([good, good], None), ([good], "fedcba9876543210"), ("x", None),
+                            ([dict(good, id=f"{i:016x}") for i in range(MAX_COMMANDS + 1)], None)):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, commands=commands, entryCommand=entry), sandbox_id)

@@ -35,6 +35,10 @@ REAP_INTERVAL = 1.0
 async def _reaper(state: ServerState) -> None:
     while True:
         await asyncio.sleep(REAP_INTERVAL)
+        now = time.time()
+        for managed in state.all():
+            # Its kept background commands' ends, timeouts and logs' oldest bytes (on a thread of its own).
+            managed.tend_commands(now)
         for managed in state.expired(time.time()):
             log.info("sandbox %s expired", managed.id)
             try:

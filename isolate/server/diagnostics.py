@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -69,7 +70,8 @@ def _answer(managed: ManagedSandbox, kind: str, scope: str, text: str, warnings:
 async def diagnostic_logs(request: Request) -> Response:
     managed = check_key(request).get(request.path_params["sandbox_id"])
     scope = _scope(request, LOG_SCOPES)
-    text, warnings = ("", []) if scope == "lifecycle" else _container_text(managed)
+    # A kept command's output is read from its file in the sandbox: off the event loop.
+    text, warnings = ("", []) if scope == "lifecycle" else await run_in_threadpool(_container_text, managed)
     if scope in ("lifecycle", "all"):
         text += _events_text(managed)
     return _answer(managed, "logs", scope, text, warnings)

@@ -53,6 +53,12 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
 #: Kept code contexts per record (more than a server lets a sandbox have).
 MAX_CONTEXTS = 256
+#: A background command's id (secrets.token_hex(8)), the only part of its files' paths it names.
+COMMAND_ID = re.compile(r"[0-9a-f]{16}")
+#: Background commands per record (running ones, then the latest finished), and the part of a command's
+#: text kept there (status says it; a restarted server says no more of it).
+MAX_COMMANDS = 512
+MAX_CONTENT = 512
 _CLAIM = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 #: The largest record read back (a sandbox's metadata is small; a huge file is not one of ours).
 MAX_RECORD = 1 << 20
@@ -74,6 +80,22 @@ def hash_matches(given: str | None, hashes: list[str]) -> bool:
     for known in hashes:
         found |= hmac.compare_digest(digest, known)
     return found
+
+
+@dataclass(frozen=True)
+class RecordedCommand:
+    """What a sandbox's record says of one of its background commands (isolate.server.background)."""
+
+    id: str
+    content: str
+    started_at: float
+    #: The wrapper on the host: its pid and start time (psutil's create_time).
+    pid: int
+    pid_start: float
+    #: The command's process group (and session) inside the sandbox: the launcher's pid there.
+    group: int
+    #: When its timeout ends it (None: none).
+    deadline: float | None
 
 
 @dataclass
@@ -106,6 +128,10 @@ class Record:
     egress: list[tuple[str, str]] | None = None
     #: Its code contexts whose interpreters outlive the server: (context id, language).
     contexts: list[tuple[str, str]] = field(default_factory=list)
+    #: Its background commands, which outlive the server (isolate.server.background), and the one running the
+    #: create's entrypoint (one of them; None: the SDK's keep-alive, or not recorded).
+    commands: list[RecordedCommand] = field(default_factory=list)
+    entry_command: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -116,7 +142,12 @@ class Record:
                 "volumes": [[claim, doomed] for claim, doomed in self.volumes], "credentials": self.credentials,
                 "pending": self.pending,
                 "egress": None if self.egress is None else [[action, target] for action, target in self.egress],
-                "contexts": [[cid, language] for cid, language in self.contexts]}
+                "contexts": [[cid, language] for cid, language in self.contexts],
+                "commands": [{"id": c.id, "content": c.content[:MAX_CONTENT], "startedAt": c.started_at,
+                              "pid": c.pid, "pidStart": c.pid_start, "group": c.group, "deadline": c.deadline}
+                             for c in self.commands[-MAX_COMMANDS:]],
+                "entryCommand": self.entry_command if any(c.id == self.entry_command
+                                                          for c in self.commands[-MAX_COMMANDS:]) else None}
 
 
 class BadRecord(ValueError):
@@ -141,7 +172,7 @@ def parse_record(data: object, expected_id: str) -> Record:
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
-    optional = {"egress", "contexts"}  # not in the records of servers before them
+    optional = {"egress", "contexts", "commands", "entryCommand"}  # not in the records of servers before them
     _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -190,7 +221,33 @@ def parse_record(data: object, expected_id: str) -> Record:
         contexts.append((item[0], item[1]))
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
-                  data["pending"], egress, contexts)
+                  data["pending"], egress, contexts, *_commands(data.get("commands", []), data.get("entryCommand")))
+
+
+def _int(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _commands(raw: object, entry: object) -> tuple[list[RecordedCommand], str | None]:
+    """The record's background commands: at most MAX_COMMANDS, each field checked (a pid is only ever compared
+    with a process's start time before it is used; the id names the command's files)."""
+    _need(isinstance(raw, list) and len(raw) <= MAX_COMMANDS, "commands")
+    assert isinstance(raw, list)
+    commands: list[RecordedCommand] = []
+    for item in raw:
+        _need(isinstance(item, dict) and set(item) == {"id", "content", "startedAt", "pid", "pidStart", "group",
+                                                        "deadline"}, "commands: a command")
+        _need(isinstance(item["id"], str) and bool(COMMAND_ID.fullmatch(item["id"])), "commands: an id")
+        _need(isinstance(item["content"], str) and len(item["content"]) <= MAX_CONTENT, "commands: its content")
+        _need(_int(item["pid"], 0, 1 << 22) and _int(item["group"], 1, 1 << 22), "commands: a pid")
+        deadline = None if item["deadline"] is None else _time(item["deadline"], "commands: a deadline")
+        commands.append(RecordedCommand(item["id"], item["content"], _time(item["startedAt"], "commands: a start"),
+                                 item["pid"], _time(item["pidStart"], "commands: a process's start"), item["group"],
+                                 deadline))
+    _need(len({c.id for c in commands}) == len(commands), "commands: an id twice")
+    _need(entry is None or any(c.id == entry for c in commands), "entryCommand: not one of its commands")
+    assert entry is None or isinstance(entry, str)
+    return commands, entry
 
 
 def _egress_rules(raw: object) -> list[tuple[str, str]] | None:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
 from ..model.policy import Egress
+from .background import SETTLE_WAIT, KeptCommand
 from .common import ACCESS_TOKEN_HEADER, API_KEY_HEADER, api, json_body, query_int, same
 from .keep import Record, token_hash
 from .models import (
@@ -219,6 +220,8 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], san
             record = managed.start_command(shlex.join(req.entrypoint), True, None, None, None, None)
             managed.message = f"entrypoint runs as background command {record.id}"
             managed.entry_command = record.id
+            if isinstance(record, KeptCommand):
+                record.settled.wait(SETTLE_WAIT)  # its wrapper found: the record written before the answer names it
             managed.event(f"entrypoint {shlex.join(req.entrypoint)[:200]} started as background command {record.id}")
     except BaseException:
         box.close()

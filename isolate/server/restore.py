@@ -15,11 +15,13 @@ For each record (isolate.server.keep), in the server's own words at start:
   it, and the mediator cannot be started again (its listeners were made
   inside the sandbox at its start);
 - any other is attached by its name and served under its id, with its
-  metadata, expiry, tokens (as hashes), named volumes and Python code
+  metadata, expiry, tokens (as hashes), named volumes, Python code
   contexts (their interpreters are processes of the sandbox, connected to
-  again at their next use: isolate.server.code.KeptPython); the commands,
-  bash sessions and other code contexts the last server ran in it ended with
-  it (the exec server ends a command whose host hung up), what they left
+  again at their next use: isolate.server.code.KeptPython) and background
+  commands (processes of the sandbox too, their output and exit status in
+  its files: isolate.server.background); the foreground commands, bash
+  sessions and other code contexts the last server ran in it ended with it
+  (the exec server ends a command whose host hung up), what they left
   running in the background runs on. One paused when the server ended stays
   paused.
 
@@ -37,8 +39,9 @@ from typing import Any
 
 from ..kept.sandbox import Sandbox
 from ..model.errors import IsolationError
+from .background import KeptCommand
 from .keep import Record
-from .state import ManagedSandbox, ServerState, disk_upper_possible, thaw
+from .state import OUTPUT_LIMIT, RUNNING, ManagedSandbox, ServerState, disk_upper_possible, thaw
 from .stopped import (
     FromStopped,
     StoppedBox,
@@ -185,8 +188,9 @@ def resume_stopped(state: ServerState, managed: ManagedSandbox) -> str:
         deleted = state.sandboxes.get(managed.id) is not managed
         if not deleted:
             managed.box = box
-    if deleted:  # a delete while it started: it ends now, not with the next server
+    if deleted:  # a delete while it started: it ends now, not with the next server, and lets its volumes go
         box.close()
+        release_volumes(opened, state.named_volumes)
         raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {managed.id} was deleted while it resumed")
     managed.stopped = False
     managed.on_close.append(functools.partial(release_volumes, opened, state.named_volumes))
@@ -361,11 +365,18 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     for context_id, language in record.contexts:
         # Its interpreter, a process of the sandbox, is connected to at the context's first use.
         managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
+    for recorded in record.commands:
+        # Its wrapper, a process of the sandbox, is held again if it still runs; its files are read when asked.
+        RUNNING.take(force=True)  # given back at its end (it runs already: no ceiling refuses it)
+        managed.commands[recorded.id] = KeptCommand.served_again(managed._usable_box, recorded, OUTPUT_LIMIT,
+                                                                 RUNNING.give)
+    managed.entry_command = record.entry_command  # its output: GET .../diagnostics/logs?scope=container
     # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
     managed.on_close.append(_sweep_cgroups)
     managed.message = "served again by a restarted server"
-    managed.event("served again by a restarted server of its state directory (the commands and bash sessions "
-                  "the last one ran in it ended with it; its Python code contexts live on)")
+    managed.event("served again by a restarted server of its state directory (the foreground commands and bash "
+                  "sessions the last one ran in it ended with it; its background commands and Python code contexts "
+                  "live on)")
     if paused:
         managed.set_state("Paused", "server_restart", "paused when the last server ended")
     return managed

@@ -32,6 +32,7 @@ from ..kernel.places import state_path
 from ..model.errors import IsolationError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
+from .background import KeptCommand
 from .common import log
 from .keep import MAX_TOKENS, Keeper, Record, hash_matches, token_hash
 from .models import ApiError, iso
@@ -62,9 +63,10 @@ class _Slots:
         self._lock = threading.Lock()
         self._used = 0
 
-    def take(self) -> bool:
+    def take(self, force: bool = False) -> bool:
+        """One more (``force``: even past the ceiling, for what runs already), or False."""
         with self._lock:
-            if self._used >= self.limit:
+            if self._used >= self.limit and not force:
                 return False
             self._used += 1
             return True
@@ -330,10 +332,12 @@ class ManagedSandbox:
     reason: str = "running"
     message: str = ""
     transition_at: float = field(default_factory=time.time)
-    commands: dict[str, CommandRecord] = field(default_factory=dict)
+    commands: dict[str, CommandRecord | KeptCommand] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     contexts: dict[str, Any] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: Held by the reaper's round over its kept background commands (tend_commands).
+    _tending: threading.Lock = field(default_factory=threading.Lock)
     #: The background command running the create request's entrypoint (None: the SDK's keep-alive).
     entry_command: str | None = None
     #: (time, text) of what happened to the sandbox, for GET .../diagnostics/events.
@@ -418,7 +422,10 @@ class ManagedSandbox:
                       {port: list(h) for port, h in self.port_hashes.items()}, list(self.volume_claims),
                       len(vault.credentials()) if vault is not None else 0,
                       egress=None if self.egress_rules is None else list(self.egress_rules),
-                      contexts=[(c.id, c.language) for c in list(self.contexts.values()) if c.kept])
+                      contexts=[(c.id, c.language) for c in list(self.contexts.values()) if c.kept],
+                      commands=[c.recorded for c in list(self.commands.values())
+                                if isinstance(c, KeptCommand) and c.settled.is_set()],
+                      entry_command=self.entry_command)
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -455,18 +462,21 @@ class ManagedSandbox:
             raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {self.id} is {self.state}; resume it first")
 
     def start_command(self, content: str, background: bool, cwd: str | None, env: Mapping[str, str] | None,
-                      timeout: float | None, listener: Listener | None) -> CommandRecord:
+                      timeout: float | None, listener: Listener | None) -> CommandRecord | KeptCommand:
         # One sandbox runs at most a quarter of what the server runs: a flood of commands in one leaves
         # room for the others.
         most = min(MAX_RUNNING, max(1, RUNNING.limit // 4))
         with self.lock:
-            if sum(1 for c in self.commands.values() if c.running) >= most:
+            # Ends as last seen (a kept command's by the reaper, each second): no wait on a sandbox's file here.
+            if sum(1 for c in self.commands.values() if c.finished_at is None) >= most:
                 raise ApiError(429, "TOO_MANY_COMMANDS", f"at most {most} commands run at once in a sandbox")
         if not RUNNING.take():
             raise ApiError(429, "TOO_MANY_COMMANDS", f"this server runs at most {RUNNING.limit} commands at once "
                            "over all its sandboxes; wait for some to end")
         # bash when the sandbox has it (as upstream's execd: brace expansion, [[ ]], ...), else sh.
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        if background and self.kept and self.box.backend == "native":
+            return self._start_kept(content, shell, cwd, env, timeout)
         try:
             try:
                 proc = self.box.spawn([shell, "-c", content], cwd=cwd, env=env, timeout=timeout)
@@ -478,16 +488,63 @@ class ManagedSandbox:
             RUNNING.give()
             raise
         record = CommandRecord(secrets.token_hex(8), content, background, proc, listener=listener)
-        with self.lock:
-            self.commands[record.id] = record
-            finished = [c for c in self.commands.values() if not c.running]
-            for old in finished[:max(0, len(finished) - KEEP_FINISHED)]:
-                del self.commands[old.id]
+        self._listed(record)
         threading.Thread(target=_pump, args=(record,), name=f"isolate-serve-cmd-{record.id}", daemon=True).start()
         return record
 
-    def interrupt(self, record: CommandRecord) -> None:
+    def _listed(self, record: CommandRecord | KeptCommand) -> None:
+        """List a command; the oldest finished past KEEP_FINISHED go (a kept one's files with it)."""
+        with self.lock:
+            self.commands[record.id] = record
+            finished = [c for c in self.commands.values() if c.finished_at is not None]
+            gone = finished[:max(0, len(finished) - KEEP_FINISHED)]
+            for old in gone:
+                del self.commands[old.id]
+        for old in gone:
+            if isinstance(old, KeptCommand):
+                old.forget()
+
+    def _usable_box(self) -> Sandbox | None:
+        """The sandbox while its exec server answers (not paused): a kept command's files are reached through it."""
+        return self.box if self.state == "Running" else None
+
+    def _start_kept(self, content: str, shell: str, cwd: str | None, env: Mapping[str, str] | None,
+                    timeout: float | None) -> KeptCommand:
+        """A background command that outlives the server (isolate.server.background)."""
+        try:
+            command = KeptCommand.start(self._usable_box, secrets.token_hex(8), content, shell, cwd, env, timeout,
+                                        OUTPUT_LIMIT, RUNNING.give, self.changed)
+        except BaseException:
+            RUNNING.give()
+            raise
+        self._listed(command)  # its record is written once its wrapper is found (``changed``)
+        return command
+
+    def tend_commands(self, now: float) -> None:
+        """The reaper's round over its kept commands (their ends, timeouts, logs' oldest bytes), on a thread of
+        its own: one whose sandbox does not answer (its exec server stopped from inside) holds only that
+        thread, and the next rounds of that sandbox are skipped until it is done."""
+        if any(isinstance(c, KeptCommand) and c.finished_at is None for c in list(self.commands.values())) \
+                and self._tending.acquire(blocking=False):
+            threading.Thread(target=self._tend, args=(now,), name=f"isolate-serve-tend-{self.id}",
+                             daemon=True).start()
+
+    def _tend(self, now: float) -> None:
+        try:
+            for command in list(self.commands.values()):
+                if isinstance(command, KeptCommand) and command.finished_at is None:
+                    try:
+                        command.tend(now)
+                    except Exception as exc:  # one command's trouble does not stop the round
+                        log.warning("sandbox %s: background command %s: %s", self.id, command.id, exc)
+        finally:
+            self._tending.release()
+
+    def interrupt(self, record: CommandRecord | KeptCommand) -> None:
         """SIGTERM to the command's process group; after INTERRUPT_GRACE, SIGKILL to everything it started."""
+        if isinstance(record, KeptCommand):
+            record.interrupt(INTERRUPT_GRACE)
+            return
         try:
             if not record.running:
                 return
@@ -515,14 +572,22 @@ class ManagedSandbox:
                     pass
             self.sessions.clear()
             self.contexts.clear()
+            kept = [c for c in self.commands.values() if isinstance(c, KeptCommand)]
+        for command in kept:
+            if detach:
+                command.close()  # it runs on; the next server reads its files
+            else:
+                command.ended_with_sandbox()
 
     def detach(self) -> None:
-        """Leave a kept sandbox running for the next server (its sessions, contexts and the commands this
-        server runs in it end: the exec server ends a command whose host hung up)."""
+        """Leave a kept sandbox running for the next server (its sessions, non-Python contexts and foreground
+        commands end: the exec server ends a command whose host hung up; its background commands and Python
+        contexts run on)."""
         self._let_go(detach=True)
         self.box.detach()
 
     def close(self) -> None:
+        self.persist = None  # its record goes: nothing still running (a command's settling) writes it again
         self._let_go()
         if self.state in ("Paused", "Pausing", "Resuming"):
             try:

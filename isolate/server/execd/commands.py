@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..background import KeptCommand
 from ..common import SSE_HEADERS, LineSplitter, api, json_body, query_int, sse
 from ..models import MAX_TIMEOUT, ApiError, bad_request, bounded
 from ..state import CommandRecord, ManagedSandbox
@@ -150,7 +151,7 @@ async def run_command(request: Request) -> Response:
     bridge = Bridge(asyncio.get_running_loop())
     record = await run_in_threadpool(managed.start_command, body["command"], background, cwd or None, envs, timeout,
                                      None if background else bridge.put)
-    if background:
+    if background or not isinstance(record, CommandRecord):
         events = [sse({"type": "init", "text": record.id}), sse({"type": "execution_complete", "execution_time": 0})]
 
         async def done() -> AsyncIterator[bytes]:
@@ -161,12 +162,13 @@ async def run_command(request: Request) -> Response:
     return StreamingResponse(_stream(record, bridge), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _command(managed: ManagedSandbox, command_id: str) -> CommandRecord:
+def _command(managed: ManagedSandbox, command_id: str) -> CommandRecord | KeptCommand:
     record = managed.commands.get(command_id)
     if record is None:
-        # The commands of an earlier server of a kept sandbox ended with it (and their output, its memory's).
-        why = ("; the sandbox was served again by a restarted server, and the commands of the last one ended "
-               "with it (their output too)") if managed.restored else ""
+        # The foreground commands of an earlier server of a kept sandbox ended with it (and their output, its
+        # memory's); its background ones are served again (isolate.server.background).
+        why = ("; the sandbox was served again by a restarted server, and the foreground commands of the last one "
+               "ended with it (their output too)") if managed.restored else ""
         raise ApiError(404, "COMMAND_NOT_FOUND", f"command {command_id[:64]!r} not found{why}")
     return record
 
@@ -186,15 +188,21 @@ async def interrupt_command(request: Request) -> Response:
     return Response(status_code=200)
 
 
+def _status(record: CommandRecord | KeptCommand) -> dict[str, Any]:
+    from ..models import iso
+
+    running = record.running  # a kept command's end is read first (its exit file, in the sandbox)
+    return {"id": record.id, "content": record.content, "running": running, "exit_code": record.exit_code,
+            "error": record.error, "started_at": iso(record.started_at), "finished_at": iso(record.finished_at)}
+
+
 @api
 async def command_status(request: Request) -> Response:
     managed = sandbox_for(request, running=False)
     record = _command(managed, request.path_params["command_id"])
-    from ..models import iso
-
-    return JSONResponse({"id": record.id, "content": record.content, "running": record.running,
-                         "exit_code": record.exit_code, "error": record.error, "started_at": iso(record.started_at),
-                         "finished_at": iso(record.finished_at)})
+    if isinstance(record, KeptCommand):
+        return JSONResponse(await run_in_threadpool(_status, record))
+    return JSONResponse(_status(record))
 
 
 @api
@@ -203,5 +211,8 @@ async def command_logs(request: Request) -> Response:
     record = _command(managed, request.path_params["command_id"])
     cursor = query_int(request, "cursor", 0, 0, 1 << 62)
     assert cursor is not None
-    data, end = record.read_from(cursor)
+    if isinstance(record, KeptCommand):  # read from its file in the sandbox
+        data, end = await run_in_threadpool(record.read_from, cursor)
+    else:
+        data, end = record.read_from(cursor)
     return Response(data, media_type="text/plain; charset=utf-8", headers={"EXECD-COMMANDS-TAIL-CURSOR": str(end)})

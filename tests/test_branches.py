@@ -460,3 +460,46 @@ def test_a_snapshot_named_as_a_temporary_one_is_refused(source: str) -> None:
                 "the user's snapshot was swept as a temporary one"
         finally:
             snap.remove()
+
+
+def test_a_temporary_snapshot_between_its_making_and_its_lock_is_not_swept() -> None:
+    # Before: a maker in another PID namespace (its pid means nothing here) that had made its temporary snapshot's
+    # directory but not yet locked it had the directory swept from under it by a sweep running just then. The
+    # maker holds the snapshots directory's making lock through that window; a sweep waits for it.
+    import subprocess
+    import sys
+    import threading
+
+    from isolate.kept.snapshots import sweep_temporary_snapshots
+
+    parent = os.path.join(state_dir(), "snapshots")
+    os.makedirs(parent, exist_ok=True)
+    name = "tmp-1-0-0badc0de"  # PID 1 here is another process than its maker (start time 0)
+    maker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                              "from isolate.kernel.places import making_in\n"
+                              "parent = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                              "with making_in(parent):\n"
+                              "    os.mkdir(sys.argv[2], dir_fd=parent)\n"
+                              "    print('made', flush=True)\n"
+                              "    sys.stdin.readline()\n"
+                              "    fd = os.open(sys.argv[2], os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)\n"
+                              "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                              "print('locked', flush=True)\nsys.stdin.readline()\n", parent, name],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert maker.stdin is not None and maker.stdout is not None
+    try:
+        assert maker.stdout.readline() == "made\n"
+        sweep = threading.Thread(target=sweep_temporary_snapshots)
+        sweep.start()
+        sweep.join(0.5)  # it waits for the window to close (before the fix it swept the directory at once)
+        assert os.path.isdir(os.path.join(parent, name)), "a directory just made was swept before its lock"
+        maker.stdin.write("\n")
+        maker.stdin.flush()
+        assert maker.stdout.readline() == "locked\n"
+        sweep.join(30)
+        assert not sweep.is_alive()
+        assert os.path.isdir(os.path.join(parent, name)), "a locked temporary snapshot was swept"
+    finally:
+        maker.communicate("\n")
+    assert sweep_temporary_snapshots() == [name]  # its maker ended: swept now
+    assert not os.path.exists(os.path.join(parent, name))

@@ -70,7 +70,7 @@ from ..backends.registry import _check_name
 from ..image import leases
 from ..kernel import layers
 from ..kernel.links import DIR_FLAGS
-from ..kernel.places import open_state_dir, runtime_subdir, state_key
+from ..kernel.places import lock_if_left, making_in, open_state_dir, runtime_subdir, state_key
 from ..kernel.tree import remove_dir_at as _remove_at
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.workspace import Workspace
@@ -343,9 +343,7 @@ def sweep_temporary_snapshots() -> list[str]:
             except OSError:
                 continue  # not a directory: nothing isolate made
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not lock_if_left(parent, fd):
                     continue  # its maker runs, in another PID namespace
                 info = os.fstat(fd)
                 identity = (info.st_dev, info.st_ino)
@@ -471,18 +469,19 @@ class _Making:
         if os.path.lexists(os.path.join(_meta_dir(), f"{self.name}.json")):
             raise IsolationError(f"snapshot {self.name!r} exists already; remove it or choose another name")
         self.parent = open_state_dir("snapshots")
-        try:
-            os.mkdir(self.name, 0o700, dir_fd=self.parent)
-        except FileExistsError:
-            os.close(self.parent)
-            raise IsolationError(f"snapshot {self.name!r}: {self.name} exists in the state directory's "
-                                 "snapshots (left over?); remove it or choose another name") from None
         self.fd = self.data = -1
         try:
-            self.fd = os.open(self.name, DIR_FLAGS, dir_fd=self.parent)
-            if temporary:
-                fcntl.flock(self.fd, fcntl.LOCK_EX)  # held by a descriptor of its own until its removal
-                _HELD[self.name] = os.dup(self.fd)
+            # A temporary one is locked before a sweep (of a maker in another PID namespace, too) can see it.
+            with making_in(self.parent) if temporary else contextlib.nullcontext():
+                try:
+                    os.mkdir(self.name, 0o700, dir_fd=self.parent)
+                except FileExistsError:
+                    raise IsolationError(f"snapshot {self.name!r}: {self.name} exists in the state directory's "
+                                         "snapshots (left over?); remove it or choose another name") from None
+                self.fd = os.open(self.name, DIR_FLAGS, dir_fd=self.parent)
+                if temporary:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX)  # held by a descriptor of its own until its removal
+                    _HELD[self.name] = os.dup(self.fd)
             info = os.fstat(self.fd)
             self.identity = (info.st_dev, info.st_ino)
             os.mkdir(kind, 0o755, dir_fd=self.fd)

@@ -17,9 +17,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import stat
+from collections.abc import Iterator
 
 from ..model.errors import IsolationError, PolicyError
 from .links import DIR_FLAGS
@@ -145,3 +148,28 @@ def runtime_subdir(name: str) -> str:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             raise IsolationError(f"{path}: not a directory of this user; remove it") from None
     return path
+
+
+@contextlib.contextmanager
+def making_in(parent: int) -> Iterator[None]:
+    """Held (shared) from making a directory in ``parent`` to locking it (flock): a ``sweeping_in`` of the same
+    directory waits for that window to close, so it never takes a directory just made, not yet locked, for
+    one its maker left (a maker in another PID namespace has no pid the sweeper could check instead)."""
+    fcntl.flock(parent, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(parent, fcntl.LOCK_UN)
+
+
+def lock_if_left(parent: int, fd: int) -> bool:
+    """Whether the directory ``fd`` of ``parent`` was left by its maker: its lock is free, taken now (the
+    caller removes it, then closes ``fd``). No maker is between its mkdir and its flock meanwhile."""
+    fcntl.flock(parent, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        fcntl.flock(parent, fcntl.LOCK_UN)

@@ -13,7 +13,8 @@ own leaves nothing for long. A caller holds an exclusive ``flock`` on its run
 directory for as long as the run lasts (the kernel drops it with the
 caller's last descriptor, a SIGKILL included); the name's PID and start time
 alone cannot tell: a caller in another PID namespace (a container sharing the
-state directory) has a PID that means another process, or none, here.
+state directory) has a PID that means another process, or none, here. A sweep
+never sees a directory between its making and its lock (``making_in``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from ...image import leases
 from ...kernel.links import DIR_FLAGS
-from ...kernel.places import open_state_dir, state_dir
+from ...kernel.places import lock_if_left, making_in, open_state_dir, state_dir
 from ...kernel.tree import remove_dir_at
 from ...model.errors import UnsupportedError
 from ...model.policy import Policy
@@ -53,10 +54,11 @@ def make(policy: Policy) -> RunUpper | None:
     try:
         _sweep(parent)
         name = f"{os.getpid()}-{leases.start_time(os.getpid())}-{secrets.token_hex(6)}"
-        os.mkdir(name, 0o700, dir_fd=parent)
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
-        try:
+        with making_in(parent):  # a sweep (of a caller in another PID namespace, too) waits until it is locked
+            os.mkdir(name, 0o700, dir_fd=parent)
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent)
             fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh directory: no one else holds it
+        try:
             info = os.fstat(fd)
             identity = (info.st_dev, info.st_ino)
             host = make_host_upper(fd, os.path.join(state_dir(), RUNS, name))
@@ -98,9 +100,7 @@ def _sweep(parent: int) -> None:
         except OSError:
             continue  # not a directory (nothing isolate made): left alone
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not lock_if_left(parent, fd):
                 continue  # its caller runs, in another PID namespace
             info = os.fstat(fd)
             remove_dir_at(parent, name, (info.st_dev, info.st_ino))

@@ -310,7 +310,8 @@ static int lease_begin(const char *store, const char *body)
     return fd;
 }
 
-/* The lease of sandbox `pid` (leases/PID-START, START its start time in /proc/PID/stat), its path in
+/* The lease of sandbox `pid` (leases/PID-START~NS, START its start time in /proc/PID/stat, NS the inode of
+ * this PID namespace), its path in
  * out; 0 with errno set when it cannot be written.  A process already gone needs none (out stays ""). */
 static int lease_write(const char *store, const char *body, int pid, char *out, size_t size)
 {
@@ -339,7 +340,13 @@ static int lease_write(const char *store, const char *body, int pid, char *out, 
     }
     if (mkdir(out, 0700) < 0 && errno != EEXIST)
         return 0;
-    if (snprintf(out, size, "%s/leases/%d-%llu", store, pid, start) >= (int)size) {
+    /* The PID namespace the pid is a number of: a pruner of another one (a container sharing the store) cannot
+     * tell whether it runs, so it keeps the lease (isolate/image/leases.py). */
+    struct stat ns;
+    if (stat("/proc/self/ns/pid", &ns) < 0)
+        return 0;
+    if (snprintf(out, size, "%s/leases/%d-%llu~%llu", store, pid, start, (unsigned long long)ns.st_ino) >=
+        (int)size) {
         errno = ENAMETOOLONG;
         return 0;
     }

@@ -91,3 +91,31 @@ def test_a_sandbox_of_a_pruned_layer_is_refused_not_mounted_half_gone(store: Sto
     Image.prune(store)
     with pytest.raises(isolate.IsolationError, match="not in the image store"):
         isolate.run(["true"], policy=isolate.Policy(image=image.reference, backend="native"))
+
+
+def test_a_lease_of_a_sandbox_of_another_pid_namespace_is_kept(store: Store, tmp_path: Path) -> None:
+    # Before: a caller in another PID namespace sharing the store (a container) leased its layers as PID-START of
+    # its own namespace; here that pid is another process or none, so prune took the lease for ended and removed
+    # the layers from under its running sandbox. Only a pruner of the lease's namespace may judge it now.
+    import sys
+
+    image = _load(store, tmp_path)
+    code = ("import os, sys\nfrom isolate.image import leases\n"
+            "print(leases.write(sys.argv[1], os.getpid(), sys.argv[2:]), flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                               sys.executable, "-c", code, str(store.path),
+                               *[os.path.dirname(d) for d in image.lower_dirs()]],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        held = holder.stdout.readline().strip()
+        assert os.path.basename(held).startswith("1-"), held  # its pid there
+        image.remove()
+        assert Image.prune(store) == [], "the layers of another PID namespace's running sandbox were pruned"
+        assert os.path.basename(held) in os.listdir(os.path.join(store.path, "leases"))
+    finally:
+        holder.communicate("")
+    # Ended, but this namespace cannot tell: kept until a pruner of its own namespace (or its sandbox's end).
+    assert Image.prune(store) == []
+    os.unlink(os.path.join(store.path, "leases", os.path.basename(held)))
+    assert sorted(Image.prune(store)) == sorted(image.layers)

@@ -1,10 +1,15 @@
 """Leases: which layers of the store a running sandbox stands on, so that prune never removes them.
 
-A sandbox from an image holds a lease while it runs: ``leases/PID-START``
+A sandbox from an image holds a lease while it runs: ``leases/PID-START~NS``
 in the store, PID the host pid of its init (or of the one-shot's first
 process) and START that process's start time (``/proc/PID/stat``, clock
 ticks since boot: a pid used again is another process, whose start time
-differs), one line per layer directory the overlay is made of. The lease is
+differs), NS the inode of the writer's PID namespace, one line per layer
+directory the overlay is made of. A pid is a number of one PID namespace: a
+lease written in another one (a container sharing the store) names a process
+that may run although this namespace has no such pid, so only a pruner of the
+lease's own namespace may take it for ended; the others keep it (and its
+layers) until one does. The lease is
 written under the store's lock held shared, between the check that the
 layers are still there and the spawn's end; prune takes that lock
 exclusively and keeps every layer a live lease names. A lease whose process
@@ -46,6 +51,18 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _name(pid: int, started: int) -> str:
+    return f"{pid}-{started}~{pid_namespace()}"
+
+
 def body(layer_dirs: Sequence[str]) -> bytes:
     return "".join(f"{path}\n" for path in layer_dirs).encode()
 
@@ -59,7 +76,7 @@ def write(store_path: str, pid: int, layer_dirs: Sequence[str]) -> str | None:
     directory = os.path.join(store_path, LEASES)
     with contextlib.suppress(FileExistsError):
         os.mkdir(directory, 0o700)
-    path = os.path.join(directory, f"{pid}-{started}")
+    path = os.path.join(directory, _name(pid, started))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, body(layer_dirs))
@@ -81,20 +98,23 @@ class Lease:
 
 
 def _live_leases(store_path: str) -> Iterator[Lease]:
-    """The leases of running processes (``PID-START`` or ``PID-START.TAG``); those of ended ones removed."""
+    """The leases of running processes (``PID-START~NS``, ``.TAG`` after it for a build's), and those of other
+    PID namespaces; those of ended ones removed."""
     directory = os.path.join(store_path, LEASES)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
+    own = str(pid_namespace())
     for name in names:
         pid_text, _, rest = name.partition("-")
-        start_text = rest.partition(".")[0]
+        start_text, _, namespace = rest.partition(".")[0].partition("~")
         path = os.path.join(directory, name)
-        if not (pid_text.isdigit() and start_text.isdigit()):
+        if not (pid_text.isdigit() and start_text.isdigit() and (namespace.isdigit() or not namespace)):
             release(path)  # not a lease (a writer's leftover)
             continue
-        if start_time(int(pid_text)) != int(start_text):
+        # One without NS is of an earlier isolate, which wrote leases of its own PID namespace only.
+        if namespace in ("", own) and start_time(int(pid_text)) != int(start_text):
             release(path)
             continue
         try:
@@ -150,7 +170,7 @@ class Holding:
         directory = os.path.join(self.store_path, LEASES)
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o700)
-        self.path = os.path.join(directory, f"{os.getpid()}-{started}.{self.tag}")
+        self.path = os.path.join(directory, f"{_name(os.getpid(), started)}.{self.tag}")
         tmp = self.path + ".new"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:

@@ -160,7 +160,7 @@ def test_diff_and_commit_after_a_restore_see_the_snapshots_files(source: str, st
 
 def test_a_layer_snapshot_started_where_the_overlay_is_refused_is_one_whole_copy(
         source: str, state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from isolate.backends.native import kept
+    from isolate.backends.native import datadir
     from isolate.kernel.places import state_dir
 
     with Sandbox(policy(write=()), workspace=Workspace(source)) as sb:
@@ -168,7 +168,7 @@ def test_a_layer_snapshot_started_where_the_overlay_is_refused_is_one_whole_copy
         sb.exec("echo changed > d1/f001 && rm -r d2 && mkdir d3/new && echo n > d3/new/n && chmod 555 d3")
         snap = sb.snapshot()
     # As if the kernel had refused the overlay in this process (a refusal is remembered per state directory).
-    monkeypatch.setitem(kept._COPY_LAYERS_REFUSED, state_dir(), "refused (test)")
+    monkeypatch.setitem(datadir.COPY_LAYERS_REFUSED, state_dir(), "refused (test)")
     with Sandbox(policy(write=()), snapshot=snap) as other:
         assert other.enforced["workspace"]["snapshots"] == "whole copies: the copy cannot be an overlay's lower " \
                                                           "layer here (refused (test))"

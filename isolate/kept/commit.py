@@ -34,7 +34,8 @@ def _owners(impl: Any) -> Any:
 def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate commit_image",
                  config: Mapping[str, Any] | None = None) -> Image:
     """See ``Sandbox.commit_image``; ``config``: the config to set (default: the policy's, policy_config)."""
-    from ..backends.native.kept import NativeSandbox, _fd_identity
+    from ..backends.native.datadir import fd_identity
+    from ..backends.native.kept import NativeSandbox
 
     impl = sandbox._running("commit_image")
     policy = sandbox.policy
@@ -66,7 +67,7 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
     try:
         upper_fd = os.open(host.upper, DIR_FLAGS)
         try:
-            if _fd_identity(upper_fd) != host.identity:
+            if fd_identity(upper_fd) != host.identity:
                 raise IsolationError(f"commit_image: {host.upper}: replaced since the sandbox was made: refused")
             # Bounded as the store bounds a layer it unpacks, but before a byte is read: a sparse file the program
             # made claims its size, which the host would read, compress and unpack whole.

@@ -587,10 +587,10 @@ def _open_base_of(impl: KeptBackend) -> int:
     """A descriptor of the snapshot's layer a layered workspace started from (its base), or -1: none."""
     if not isinstance(impl, NativeSandbox):
         return -1
-    from ..backends.native.kept import _open_base
+    from ..backends.native.datadir import open_base
 
     try:
-        return _open_base(impl.paths.key)
+        return open_base(impl.paths.key)
     except FileNotFoundError:
         return -1
 

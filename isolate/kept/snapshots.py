@@ -690,10 +690,10 @@ def restore_areas(sb: Sandbox, snap: Snapshot) -> list[str]:
 def _has_base(key: str) -> bool:
     """Whether sandbox key's overlay has a base layer (it started from a snapshot), looked up without
     following a link (the state directory may be a sandbox's to write)."""
-    from ..backends.native.kept import _open_base
+    from ..backends.native.datadir import open_base
 
     try:
-        os.close(_open_base(key))
+        os.close(open_base(key))
     except (OSError, IsolationError):
         return False
     return True
@@ -703,7 +703,8 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
          temporary: bool = False) -> Snapshot:
     """Capture a running native sandbox's files (see the module's docstring); ``temporary``: one isolate takes
     for itself and removes (fork's start, merge's branches), swept if its maker is killed first."""
-    from ..backends.native.kept import NativeSandbox, _open_base
+    from ..backends.native.datadir import open_base
+    from ..backends.native.kept import NativeSandbox
     impl = sb._impl
     if not isinstance(impl, NativeSandbox):
         raise UnsupportedError("snapshot: the Docker backend keeps no snapshots (docker commit captures a "
@@ -732,7 +733,7 @@ def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = T
                 # knows that snapshot (one attached by its name does not, and the snapshot may be gone); a
                 # copy workspace's sandbox says so itself.
                 if (origin is not None or _has_base(impl.paths.key)) if impl.copy is None else impl.copy_base:
-                    base = _open_base(impl.paths.key)
+                    base = open_base(impl.paths.key)
                     try:
                         layers.clone(base, making.data)
                         # The start it shares with its sibling branches, for merge (hard links again).
@@ -771,7 +772,7 @@ def capture_root(sb: Sandbox, making: _Making) -> dict[str, Any]:
     as an overlay workspace's: the root layer it started from (a clone, hard links) with its upper layer laid
     over it; what the snapshot says of the image (its id, the config a to_image gives it, the mount points
     the sandbox made there, which to_image leaves out)."""
-    from ..backends.native.kept import _fd_identity, _open_base
+    from ..backends.native.datadir import fd_identity, open_base
     from ..image import Image
     from ..image.commit import mount_points, policy_config
 
@@ -785,12 +786,12 @@ def capture_root(sb: Sandbox, making: _Making) -> dict[str, Any]:
     image = Image.get(str(shown["id"]) if isinstance(shown, dict) and shown.get("id") else sb.policy.image)
     upper = os.open(host.upper, DIR_FLAGS)
     try:
-        if _fd_identity(upper) != host.identity:
+        if fd_identity(upper) != host.identity:
             raise IsolationError(f"snapshot: {host.upper}: replaced since the sandbox was made: refused")
         os.mkdir("root", 0o755, dir_fd=making.fd)
         root = os.open("root", DIR_FLAGS, dir_fd=making.fd)
         try:
-            base = _open_base(impl.paths.key, ("image", "base")) if host.base else None
+            base = open_base(impl.paths.key, ("image", "base")) if host.base else None
             try:
                 layers.flatten_over(base, upper, root)
             finally:

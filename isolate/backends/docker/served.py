@@ -49,7 +49,8 @@ from ...kernel.tree import _open_dir
 from ...model.errors import IsolationError, PolicyError, SetupError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
-from ..native.kept import _dir_identity, _pair, _remove_dir, _suppress_missing, make_data_dir
+from ..native.datadir import dir_identity, make_data_dir, remove_dir
+from ..native.kept import _pair, _suppress_missing
 from ..native.protocol import Connection, ServerGone, probe
 from ..registry import Registry, SandboxRecord
 from .spec import LABEL, LABEL_SPEC_HASH, BindMount, ContainerSpec, default_image, program_ids
@@ -310,7 +311,7 @@ class DockerKept:
                 raise IsolationError(f"sandbox {self.box_name!r}: {path} is left from an earlier one; remove it with "
                                      f"isolate-run sandbox rm {self.box_name}")
         os.mkdir(self.paths.run, 0o700)
-        self.run_identity = _dir_identity(self.paths.run)
+        self.run_identity = dir_identity(self.paths.run)
         if os.geteuid() == 0:
             os.chown(self.paths.run, uid, gid)  # the server, as the container's user, binds its socket here
         if self.workspace.mode != "copy":
@@ -403,7 +404,7 @@ class DockerKept:
 
     def _files_intact(self) -> bool:
         try:
-            if self.run_identity is None or _dir_identity(self.paths.run) != self.run_identity:
+            if self.run_identity is None or dir_identity(self.paths.run) != self.run_identity:
                 return False
             if self.workspace.mode == "copy":
                 os.close(self.open_workspace())
@@ -610,10 +611,10 @@ def remove_files(name: str, identities: dict[str, Any] | None = None) -> None:
         os.unlink(paths.meta)
     run = identities.get("run")
     if run is not None:
-        _remove_dir(paths.run, run)
+        remove_dir(paths.run, run)
     data = identities.get("data")
     if data is not None:
-        _remove_dir(paths.data, data)
+        remove_dir(paths.data, data)
 
 
 def _remove_all(name: str, container_id: str, identities: dict[str, Any] | None = None) -> None:

@@ -30,17 +30,24 @@ from typing import Any
 
 from ..._core import ffi, init_fd, lib
 from ...kernel import fdwait, grants
-from ...kernel.layers import clone
-from ...kernel.links import DIR_FLAGS
-from ...kernel.overlay import WAY_OUT, Layers, OverlayRefused, host_refusal, layers_for, make_layers
-from ...kernel.places import open_state_dir, runtime_dir, state_dir, state_path
-from ...kernel.tree import copy_tree
-from ...kernel.tree import remove_dir_at as _remove_at
+from ...kernel.overlay import WAY_OUT, Layers, OverlayRefused, layers_for
+from ...kernel.places import runtime_dir, state_dir, state_path
 from ...model.errors import IsolationError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
 from ..registry import Registry, SandboxRecord
 from . import copies, pausing
+from .datadir import (
+    COPY_LAYERS_REFUSED,
+    close_layer_fds,
+    copy_layers_refused,
+    make_copy_layers,
+    make_data_dir,
+    make_image_upper,
+    open_base,
+    remove_dir,
+    root_source,
+)
 from .egress import ask_summary
 from .popen import Popen
 from .protocol import Connection, ServerGone, probe
@@ -176,7 +183,7 @@ class NativeSandbox:
 
     def start(self) -> None:
         copying = self.workspace.mode == "copy" and self.workspace.source is not None
-        refusal = _copy_layers_refused() if copying else None
+        refusal = copy_layers_refused() if copying else None
         if copying and refusal is None:
             try:
                 self._start(copy_layers=True)
@@ -185,7 +192,7 @@ class NativeSandbox:
                 # The overlay over the private copy cannot be made here (no overlayfs in a user namespace, a
                 # state directory without user xattrs): a copy workspace still works, as a whole copy, and
                 # says so in its enforced report.
-                refusal = _COPY_LAYERS_REFUSED[state_dir()] = str(exc).removeprefix("workspace mode overlay: ")
+                refusal = COPY_LAYERS_REFUSED[state_dir()] = str(exc).removeprefix("workspace mode overlay: ")
                 refusal = refusal.removesuffix("; " + WAY_OUT)
         self.copy, self.copy_base, self.copy_refused = None, False, refusal
         self._start(copy_layers=False)
@@ -214,7 +221,7 @@ class NativeSandbox:
                 layers = layers_for(self.workspace, self.paths.data)  # refused before anything is made
             # A snapshot of an image sandbox holds the image root's layer: laid over the image from the upper
             # layer's directory, which is then on disk whatever was asked (kept/snapshots.py).
-            root_from = _root_source(self.start_from) if self.policy.image is not None else None
+            root_from = root_source(self.start_from) if self.policy.image is not None else None
             on_disk = self.policy.image is not None and (self.image_upper_wanted == "disk" or root_from is not None)
             # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs or
             # its size was asked for, on disk where the state directory keeps user.* attributes, else the tmpfs,
@@ -230,7 +237,7 @@ class NativeSandbox:
                 made_data = True
                 layers = dataclasses.replace(layers, source=copies.tree_path(self.copy))
                 if self.copy_base:
-                    layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
+                    layers = dataclasses.replace(layers, base_fd=open_base(self.paths.key))
                 lower_fd = copies.open_tree(self.copy)
                 layers = dataclasses.replace(layers, source_fd=lower_fd)
             elif self.workspace.mode in ("copy", "overlay") or on_disk:
@@ -238,10 +245,10 @@ class NativeSandbox:
                                                                             self.workspace, layers, self.start_from)
                 made_data = True
                 if layers is not None and self.start_from is not None:
-                    layers = dataclasses.replace(layers, base_fd=_open_base(self.paths.key))
+                    layers = dataclasses.replace(layers, base_fd=open_base(self.paths.key))
             if on_disk:
                 try:
-                    self.image_upper = _make_image_upper(self.paths.data, self.data_identity, self.image_as_owner,
+                    self.image_upper = make_image_upper(self.paths.data, self.data_identity, self.image_as_owner,
                                                          root_from)
                     if disk_by_default:
                         self.image_upper = dataclasses.replace(
@@ -277,7 +284,7 @@ class NativeSandbox:
                                           image_upper=self.image_upper)
             listener.close()
             listener = None
-            layers = _close_layer_fds(layers)
+            layers = close_layer_fds(layers)
             if workspace_fd >= 0:
                 os.close(workspace_fd)
                 workspace_fd = -1
@@ -302,7 +309,7 @@ class NativeSandbox:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
                 self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity, self.copy)
         except BaseException as exc:
-            _close_layer_fds(layers)
+            close_layer_fds(layers)
             if listener is not None:
                 listener.close()
             if workspace_fd >= 0:
@@ -584,85 +591,6 @@ class NativeSandbox:
         return "sigstop"
 
 
-#: Why a copy workspace cannot be kept as layers over its private copy, by state directory, once the kernel
-#: said so (a refusal known before anything is made is not kept: host_refusal tells it each time).
-_COPY_LAYERS_REFUSED: dict[str, str] = {}
-
-
-def _copy_layers_refused() -> str | None:
-    """Why a copy workspace's private copy cannot be an overlay's lower layer here (None: it can)."""
-    known = _COPY_LAYERS_REFUSED.get(state_dir())
-    if known is not None:
-        return known
-    # The layers' places as they will be: the copy under copies/, the upper layer under sandboxes/.
-    try:
-        base = state_dir()
-        probe = Layers(os.path.join(base, copies.KIND), "/", os.path.join(base, "sandboxes", "probe", "overlay"))
-        return host_refusal(probe)
-    except OSError as exc:  # a directory on the way swapped meanwhile (a program that can write there)
-        raise IsolationError(f"state directory {state_dir()}: {exc.strerror}") from None
-
-
-def make_copy_layers(key: str, workspace: Workspace, layers: Layers,
-                     fill_from: Any) -> tuple[tuple[int, int], tuple[int, int], str, bool]:
-    """Make a copy workspace's data directory ``state_dir()/sandboxes/key`` as layers: the overlay's upper and
-    work directories and the private copy it lies over (copies.py): a new copy of the source, or of a
-    snapshot's tree (hard links: neither is ever written), or the copy a layer snapshot lies over, with the
-    snapshot's layer as the base. (data identity, upper layer's identity, the copy's token, with a base?)"""
-    snapshot = getattr(fill_from, "snapshot", fill_from)
-    parent = open_state_dir("sandboxes")
-    try:
-        os.mkdir(key, 0o700, dir_fd=parent)
-        data_fd = os.open(key, DIR_FLAGS, dir_fd=parent)
-        data = _fd_identity(data_fd)
-        token: str | None = None
-        try:
-            upper = make_layers(layers, data_fd)
-            if snapshot is not None and snapshot.kind == "layer":
-                token = snapshot.lower
-                if token is None:
-                    raise IsolationError(f"snapshot {snapshot.name!r}: its layer lies over no private copy")
-                copies.add_user(token, data_fd)
-                state = os.open("overlay", DIR_FLAGS, dir_fd=data_fd)
-                try:
-                    _fill(fill_from, state, "base", hard_links=True)
-                finally:
-                    os.close(state)
-                return data, upper, token, True
-            token, tree = copies.create(data_fd)
-            try:
-                if snapshot is not None:
-                    source = snapshot.open_data()
-                    try:
-                        _copy_owner(source, tree)
-                        clone(source, tree, hard_links=True)
-                    finally:
-                        os.close(source)
-                elif workspace.source is not None:
-                    copy_tree(workspace.source, tree, workspace)
-            finally:
-                os.close(tree)
-            return data, upper, token, False
-        except BaseException:
-            _remove_at(parent, key, data)
-            copies.release(token)
-            raise
-        finally:
-            os.close(data_fd)
-    finally:
-        os.close(parent)
-
-
-def _close_layer_fds(layers: Layers | None) -> Layers | None:
-    """The layers with the descriptors start() opened for the plan closed."""
-    if layers is None:
-        return None
-    for fd in (layers.base_fd, layers.source_fd):
-        if fd >= 0:
-            os.close(fd)
-    return dataclasses.replace(layers, base_fd=-1, source_fd=-1)
-
-
 def _copy_enforced(workspace: Workspace, enforced: dict[str, Any]) -> dict[str, Any]:
     """A copy workspace's report: the overlay's, told as a copy."""
     overlay = dict(enforced.get("workspace") or {})
@@ -710,169 +638,10 @@ class _suppress_missing:
         return kind is not None and issubclass(kind, (ProcessLookupError, FileNotFoundError))
 
 
-def _dir_identity(path: str) -> tuple[int, int]:
-    info = os.stat(path, follow_symlinks=False)
-    return info.st_dev, info.st_ino
-
-
-def _fd_identity(fd: int) -> tuple[int, int]:
-    info = os.fstat(fd)
-    return info.st_dev, info.st_ino
-
-
-def make_data_dir(kind: str, key: str, workspace: Workspace, layers: Layers | None = None,
-                  fill_from: Any = None) -> tuple[tuple[int, int], tuple[int, int] | None]:
-    """Make a kept sandbox's data directory ``state_dir()/kind/key`` and in it, for a copied workspace,
-    ``workspace`` filled from the source, or an overlay's layers; the identities of the data directory
-    and of the workspace as the host reads it (the copy, or the upper layer; None for a bound one).
-
-    Made through descriptors that follow no link a program planted in the state directory (see
-    places.open_state_dir): the workspace is copied where isolate means, nowhere else. On failure what
-    was made is removed, through the same descriptors. ``fill_from``: a snapshot (isolate.Snapshot, or
-    what fork hands over) whose files are the copy, or the overlay's base layer, instead of the source's.
-    """
-    parent = open_state_dir(kind)
-    try:
-        os.mkdir(key, 0o700, dir_fd=parent)
-        data_fd = os.open(key, DIR_FLAGS, dir_fd=parent)
-        data = _fd_identity(data_fd)
-        try:
-            if layers is not None:
-                upper = make_layers(layers, data_fd)
-                if fill_from is not None:
-                    state = os.open("overlay", DIR_FLAGS, dir_fd=data_fd)
-                    try:
-                        _fill(fill_from, state, "base", hard_links=True)
-                    finally:
-                        os.close(state)
-                return data, upper
-            if workspace.mode != "copy":
-                return data, None
-            if fill_from is not None and getattr(fill_from, "snapshot", fill_from).kind == "layer":
-                _fill_from_layer(getattr(fill_from, "snapshot", fill_from), data_fd)  # a copy kept as layers
-            elif fill_from is not None:
-                _fill(fill_from, data_fd, "workspace", hard_links=False)  # a snapshot's tree, as it was
-            else:
-                os.mkdir("workspace", 0o755, dir_fd=data_fd)
-            copy_fd = os.open("workspace", DIR_FLAGS, dir_fd=data_fd)
-            try:
-                copied = _fd_identity(copy_fd)
-                if fill_from is None and workspace.source is not None:
-                    copy_tree(workspace.source, copy_fd, workspace)
-            finally:
-                os.close(copy_fd)
-            return data, copied
-        except BaseException:
-            _remove_at(parent, key, data)
-            raise
-        finally:
-            os.close(data_fd)
-    finally:
-        os.close(parent)
-
-
 def _disk_by_default(policy: Policy) -> bool:
     from .imageroot import disk_by_default
 
     return disk_by_default(policy)
-
-
-def _root_source(start_from: Any) -> Any:
-    """What a sandbox starts from (a snapshot, or what fork or restore hands over) when it holds an image
-    root's layer; None otherwise."""
-    snapshot = getattr(start_from, "snapshot", start_from)
-    return start_from if getattr(snapshot, "image", None) is not None else None
-
-
-def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: bool, root_from: Any = None) -> Any:
-    """A kept image sandbox's upper layer in its data directory (imageroot.make_host_upper), the directory
-    opened without following a link and checked to be the one start() made; ``root_from``: a snapshot whose
-    root layer becomes ``image/base``, between the image and the upper layer."""
-    from .imageroot import make_host_upper
-
-    data_fd = os.open(data, DIR_FLAGS)
-    try:
-        if _fd_identity(data_fd) != identity:
-            raise IsolationError(f"{data}: replaced while the sandbox was made")
-        host = make_host_upper(data_fd, data, as_owner)
-        if root_from is None:
-            return host
-        state = os.open("image", DIR_FLAGS, dir_fd=data_fd)
-        try:
-            _fill(root_from, state, "base", hard_links=True, part="root")
-        finally:
-            os.close(state)
-        return dataclasses.replace(host, base=True)
-    finally:
-        os.close(data_fd)
-
-
-def _fill(snapshot: Any, dir_fd: int, name: str, hard_links: bool, part: str = "data") -> None:
-    """name under dir_fd made of a snapshot's files (``part``: "data", its workspace's layer or tree; "root",
-    its image root's layer): its directory moved there when the snapshot is handed over for this sandbox
-    alone (fork's last), else a clone (hard links for a layer, whose files are never written; copies for a
-    workspace, which the program writes)."""
-    mover = getattr(snapshot, f"move_{part}", None)
-    if mover is not None and mover(dir_fd, name):
-        return
-    source = getattr(snapshot, f"open_{part}")()
-    try:
-        os.mkdir(name, 0o755, dir_fd=dir_fd)
-        made = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-        try:
-            _copy_owner(source, made)
-            clone(source, made, hard_links=hard_links)
-        finally:
-            os.close(made)
-    finally:
-        os.close(source)
-
-
-def _fill_from_layer(snapshot: Any, dir_fd: int) -> None:
-    """``workspace`` under dir_fd made of the files a layer snapshot of a copy workspace means (its private
-    copy with its layer over it), as one tree: where that copy cannot be an overlay's lower layer."""
-    from ...kernel.layers import View, materialize
-
-    if snapshot.lower is None:
-        raise IsolationError(f"snapshot {snapshot.name!r}: its layer lies over no private copy")
-    os.mkdir("workspace", 0o755, dir_fd=dir_fd)
-    made = os.open("workspace", DIR_FLAGS, dir_fd=dir_fd)
-    try:
-        lower = copies.open_tree(snapshot.lower)
-        try:
-            _copy_owner(lower, made)
-            view = View.of_layer(os.dup(lower), snapshot.open_data())
-            try:
-                materialize(view, made)
-            finally:
-                view.close()
-        finally:
-            os.close(lower)
-    finally:
-        os.close(made)
-
-
-def _copy_owner(src_fd: int, dst_fd: int) -> None:
-    info = os.fstat(src_fd)
-    os.fchmod(dst_fd, info.st_mode & 0o7777)
-    if os.geteuid() == 0:
-        os.fchown(dst_fd, info.st_uid, info.st_gid)
-
-
-def _open_base(key: str, parts: tuple[str, ...] = ("overlay", "base")) -> int:
-    """A descriptor of the base layer make_data_dir cloned for sandbox key (``parts``: or another directory
-    of its data), reached without following a link (the overlay's plan binds the directory its path names
-    only if it is this one)."""
-    fd = open_state_dir("sandboxes")
-    try:
-        for part in (key, *parts):
-            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
@@ -911,25 +680,8 @@ def _remove_files(paths: Paths, data: tuple[int, int] | None, copy: str | None =
         with _suppress_missing():
             os.unlink(path)
     if data is not None:
-        _remove_dir(paths.data, data)
+        remove_dir(paths.data, data)
         copies.release(copy)
-
-
-def _remove_dir(path: str, identity: tuple[int, int]) -> None:
-    """Remove a sandbox's data directory without following anything planted in it or on the way to it.
-
-    The state directory may be writable by a sandbox (one granted the home):
-    a planted link on the way could lead to another directory of the same
-    name, so only the directory that still is the one start() made goes.
-    """
-    try:
-        parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        _remove_at(parent, os.path.basename(path), identity)
-    finally:
-        os.close(parent)
 
 
 def environment_for(base: Mapping[str, str], env: Mapping[str, str] | None) -> list[str]:

@@ -668,6 +668,11 @@ SHELL_ATTACKS = (
     "( (i=0; while [ $i -lt 2000 ]; do kill -WINCH $$ || break; i=$((i+1)); done) >/dev/null 2>&1 & )",
     "set -xv",  # the shell's own tracing printed the marker
     "command() { return 0; }",  # what runs the command (eval is a special builtin, as unset)
+    # A read-only variable of the framing's name: the status was kept in one, whose assignment then failed
+    # (an interactive shell went on with the value the command chose: every later run reported status 0).
+    "readonly __isolate_s=0 __isolate_status=0",
+    # The framing's own read-only variables (set before any command ran) can be neither changed nor unset.
+    "__isolate_r=:; __isolate_t=:; unset __isolate_r __isolate_t; readonly __isolate_r=: __isolate_t=:; true",
 )
 
 

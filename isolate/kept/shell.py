@@ -41,17 +41,22 @@ _SIGNALS = " ".join(str(n) for n in range(1, 65) if n not in (9, 19))
 #: POSIX mode: ``POSIXLY_CORRECT`` set, an assignment, turns bash's on whatever ``set +o posix`` did). The
 #: command is a quoted string for ``command eval``: a syntax error is its status (2), not the end of the
 #: shell, and no text of it can close the framing. After it, still with the channel (descriptor 3) closed,
-#: the status is taken by an assignment and every trap the command set is reset, so no trap (a signal's, or
-#: bash's ``DEBUG``/``RETURN``/``ERR``) runs while the shell holds the channel; printing options (``-x``,
-#: ``-v``) end too, as they would print the marker.
-_PREFIX = "{{ POSIXLY_CORRECT=y; \\unset -f command; {{ \\command eval {command}; }}{redirect}; __isolate_s=$?; " \
-          "\\set +vx; \\trap - {traps}; }} 3>&-"
+#: the status is kept as the positional parameter ``$1`` (``set`` is a special builtin too; no command can
+#: make a parameter read-only, as it can a variable, whose assignment then fails in an interactive shell and
+#: leaves the value it chose), and every trap the command set is reset, so no trap (a signal's, or bash's
+#: ``DEBUG``/``RETURN``/``ERR``) runs while the shell holds the channel; printing options (``-x``, ``-v``)
+#: end too, as they would print the marker. ``{reset}``: that reset, as text until the shell has it in a
+#: read-only variable of its own (set before any command of the caller ran), then that variable's ``eval``.
+_PREFIX = "{{ POSIXLY_CORRECT=y; \\unset -f command; \\command eval {command}; \\set -- \"$?\"; {reset}; }} 3>&-"
+_RESET = "\\set +vx; \\trap - {traps}"
 
-#: What follows, on its own line: it calls only what no earlier command can redefine (``echo``, ``printf``
-#: and ``read`` lose their functions first; every name is quoted with a backslash, which no alias matches).
+#: What follows, on its own line, with the run's number as ``$2``: it calls only what no earlier command can
+#: redefine (``echo``, ``printf`` and ``read`` lose their functions first; every name is quoted with a
+#: backslash, which no alias matches). Kept in a read-only variable too once the shell has it.
 _TRAILER = ("\\unset -f echo printf read; IFS= \\read -r __isolate_m <&3; "
-            "\\echo \"$__isolate_m {seq} $__isolate_s\" >&3; \\printf '\\n%s\\n' \"$__isolate_m\"; "
-            "\\unset __isolate_m __isolate_s")
+            "\\echo \"$__isolate_m $2 $1\" >&3; \\printf '\\n%s\\n' \"$__isolate_m\"; \\unset __isolate_m")
+#: The read-only variables that hold the reset and the trailer (a command can neither change nor unset them).
+_RESET_VAR, _TRAILER_VAR = "__isolate_r", "__isolate_t"
 
 
 def _quoted(text: str) -> str:
@@ -69,10 +74,14 @@ class Shell:
     def __init__(self, box: Any, name: str, pty: bool, argv: tuple[str, ...] = ("/bin/sh",)) -> None:
         self.name = name
         self.pty = pty
-        env = {"PS1": "", "PS2": "", "TERM": "dumb"}
+        # The framing's constant parts come in the environment, taken into read-only variables below (a line
+        # that long is more than busybox ash's line editor takes at a terminal).
+        env = {"PS1": "", "PS2": "", "TERM": "dumb", _RESET_VAR + "0": _RESET.format(traps=_SIGNALS),
+               _TRAILER_VAR + "0": _TRAILER}
         ours, theirs = PeerChannel.pair()
         try:
-            self._process = box.spawn(list(argv), env=env, pty=pty, fd3=theirs.fileno())
+            # Its stderr is its stdout (a terminal's are one anyway): no command needs a 2>&1 of its own.
+            self._process = box.spawn(list(argv), env=env, pty=pty, fd3=theirs.fileno(), stderr_to_stdout=True)
         except BaseException:
             ours.close()
             raise
@@ -101,11 +110,21 @@ class Shell:
         self._waiting: list[bytes] = []  # markers sent that no report has named yet, oldest first
         self._seq = 0
         self._unsynced = False
-        self._traps = _SIGNALS
+        self._reset = _RESET.format(traps=_SIGNALS)
+        self._trailer = _TRAILER
         # The trap names besides signals that this shell has (asked before any command of the caller ran).
         probe, _ = self.run("\\trap - ERR 2>/dev/null && \\echo ERR; \\echo \"${BASH_VERSION:+DEBUG RETURN}\"",
                             timeout=30)
-        self._traps = " ".join([_SIGNALS, *probe.split()])
+        extra = "".join(f" {name}" for name in probe.split() if name in ("ERR", "DEBUG", "RETURN"))
+        # Then the framing's constant parts go into read-only variables, no longer exported: each run sends a
+        # few bytes, not the whole text (bash reads a pipe a byte at a time).
+        _, status = self.run(f'\\readonly {_RESET_VAR}="${_RESET_VAR}0{extra}" {_TRAILER_VAR}="${_TRAILER_VAR}0"; '
+                             f"\\unset {_RESET_VAR}0 {_TRAILER_VAR}0", timeout=30)
+        if status != 0:
+            raise IsolationError(f"shell {self.name!r}: its framing could not be set up (status {status})")
+        self._reset = f'\\eval "${_RESET_VAR}"'
+        self._trailer = f'\\eval "${_TRAILER_VAR}"'
+
 
     @property
     def alive(self) -> bool:
@@ -125,19 +144,18 @@ class Shell:
     def _exchange(self, command: str, timeout: float | None, fresh: bool = False) -> tuple[str, int]:
         self._seq += 1
         seq = self._seq
-        redirect = "" if self.pty else " 2>&1"
         try:
             if fresh or not self._waiting:
                 # The run's marker waits on the socket before the command is sent: the framing reads it
                 # without a round trip. After an interrupted run, a fresh one goes behind what may be left.
-                # 96 bits in 16 characters (the shell's read takes it a byte at a time): no run lasts long enough to
-                # guess them, and one guess is all a run gets.
-                marker = secrets.token_urlsafe(12).encode()
+                # 64 bits in 11 characters (the shell's read takes it a byte at a time, a system call each): a
+                # run gets one guess, and 2**64 runs of 50 us each take 29 million years.
+                marker = secrets.token_urlsafe(8).encode()
                 if self._channel.send(marker + b"\n") != len(marker) + 1:
                     raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)")
                 self._waiting.append(marker)
-            self._process.write(_PREFIX.format(command=_quoted(command), redirect=redirect, traps=self._traps)
-                                + "\n" + _TRAILER.format(seq=seq) + "\n")
+            self._process.write(_PREFIX.format(command=_quoted(command), reset=self._reset)
+                                + f'\n\\set -- "$1" {seq}; ' + self._trailer + "\n")
         except BlockingIOError:
             raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)") from None
         except OSError:

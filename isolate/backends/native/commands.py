@@ -432,10 +432,12 @@ class SandboxProcess:
     """A command started by ``Sandbox.spawn``: stream ``stdout``/``stderr``, ``write()``, ``kill()``, ``wait()``."""
 
     def __init__(self, impl: Any, argv: list[str], cwd: str, environment: list[str],
-                 timeout: float | None, pty: bool, fd3: int = -1, stdin: int = -1) -> None:
+                 timeout: float | None, pty: bool, fd3: int = -1, stdin: int = -1,
+                 stderr_to_stdout: bool = False) -> None:
         """``fd3``: a descriptor of the caller's that the command gets as its descriptor 3 (the caller
         keeps its own; a persistent shell's out-of-band status channel). ``stdin``: one the command gets as
-        its standard input instead of a pipe (a file, a sealed memfd; the caller keeps its own)."""
+        its standard input instead of a pipe (a file, a sealed memfd; the caller keeps its own).
+        ``stderr_to_stdout``: its stderr is its stdout's pipe (one stream, in the order written)."""
         self.args = argv
         self.master_fd = -1
         stdio: tuple[int, ...] = ()
@@ -446,9 +448,9 @@ class SandboxProcess:
         else:
             in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin < 0 else (os.dup(stdin), -1)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = (-1, out_w) if stderr_to_stdout else os.pipe2(os.O_CLOEXEC)
             stdio = (in_r, out_w, err_w)
-            closers = [in_r, out_w, err_w]
+            closers = list({in_r, out_w, err_w})
             self.stdin_fd, self.stdout_fd, self.stderr_fd = in_w, out_r, err_r
         try:
             self._command = Command(impl.connect(), argv, cwd, environment, timeout,

@@ -77,11 +77,13 @@ def start_server(domain: str, key: str) -> subprocess.Popen[str]:
     # A throw-away server: a state directory of its own, and its sandboxes end with it.
     state = tempfile.mkdtemp(prefix="opensandbox-example-")
     atexit.register(shutil.rmtree, state, True)
-    args = [isolate_run(), "serve", "--listen", domain, "--api-key", key, "--state-dir", state, "--end-on-exit"]
+    # The key goes in the environment: a command line is every local user's to read (ps).
+    args = [isolate_run(), "serve", "--listen", domain, "--state-dir", state, "--end-on-exit"]
     if not limits_enforceable():
         print("no cgroup this user may write: serving with --best-effort (the SDK's 1 CPU / 2 GiB not enforced)")
         args.append("--best-effort")
-    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "ISOLATE_API_KEY": key})
     assert server.stdout is not None
     print(server.stdout.readline().strip())  # "isolate-run serve: http://127.0.0.1:PORT (images: default)"
     # Wait until it answers (or give up at once if it exited); each wait is on the server process itself.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -47,6 +48,29 @@ def _profile(text: str) -> Policy:
     return Policy() if text == "default" else Policy.load(text)
 
 
+def _api_key(options: argparse.Namespace) -> tuple[str | None, str]:
+    """The API key and where it came from: ``--api-key``, ``--api-key-file`` or ``$ISOLATE_API_KEY``."""
+    if options.api_key is not None and options.api_key_file is not None:
+        raise ValueError("--api-key and --api-key-file: give one")
+    if options.api_key is not None:
+        return options.api_key, "--api-key"
+    if options.api_key_file is not None:
+        from ..model.files import read_input_file
+
+        path = options.api_key_file
+        try:
+            if os.stat(path).st_mode & 0o077:
+                raise ValueError(f"--api-key-file {path}: others may read it; chmod 600 it")
+            data = read_input_file(path, limit=4096)
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+        lines = data.decode(errors="replace").splitlines()
+        return (lines[0].strip() if lines else ""), "--api-key-file"
+    if os.environ.get("ISOLATE_API_KEY"):
+        return os.environ["ISOLATE_API_KEY"], "ISOLATE_API_KEY"
+    return None, ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="isolate-run serve",
@@ -56,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
                         help="where to listen (default 127.0.0.1:8080)")
     parser.add_argument("--api-key", metavar="KEY",
-                        help="the key clients send in OPEN-SANDBOX-API-KEY (default: a new random key, printed)")
+                        help="the key clients send in OPEN-SANDBOX-API-KEY (default: $ISOLATE_API_KEY, else a new "
+                             "random key, printed); on the command line every local user can read it in the "
+                             "process list: prefer --api-key-file or the variable")
+    parser.add_argument("--api-key-file", metavar="FILE",
+                        help="read the key from FILE (its first line; the file readable by its owner only)")
     parser.add_argument("--profile", metavar="FILE",
                         help="a TOML policy for every image name not given by --image ('default': isolate's "
                              "defaults); without it, other names are refused")
@@ -150,9 +178,13 @@ def serve_main(argv: Sequence[str]) -> int:
     from . import state as state_module
 
     state_module.RUNNING.limit = options.max_commands
-    key = options.api_key
+    try:
+        key, given_by = _api_key(options)
+    except ValueError as exc:
+        print(f"isolate-run serve: {exc}", file=sys.stderr)
+        return 125
     if key is not None and len(key) < 16:
-        print("isolate-run serve: --api-key: at least 16 characters", file=sys.stderr)
+        print(f"isolate-run serve: {given_by}: the API key must have at least 16 characters", file=sys.stderr)
         return 125
     if key is None:
         key = secrets.token_urlsafe(24)

@@ -109,24 +109,59 @@ def many(n: int, log: Callable[[str], None]) -> dict[str, Any]:
 SHELL_GOAL_MS = 0.06
 
 
+def _timed_runs(run: Callable[[], None], rounds: int) -> list[float]:
+    for _ in range(min(rounds, 50)):  # warm
+        run()
+    runs: list[float] = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        run()
+        runs.append(time.perf_counter() - started)
+    return runs
+
+
 def shell(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """``shell.run("true")`` with and without a terminal, in dash (the default ``/bin/sh``), busybox ash and bash
+    (pipes), against the floor of a round trip to the same shell with an in-band framing that any command could
+    forge (``true; echo @`` and a read up to ``@``): the difference is what the safe framing costs."""
+    import os
+
     import isolate
+    from isolate.kept.shell import Shell
 
     out: dict[str, Any] = {"rounds": rounds}
+
+    def check(sh: Any) -> Callable[[], None]:
+        def run() -> None:
+            if sh.run("true")[1] != 0:
+                raise RuntimeError("shell.run('true') did not report 0")
+        return run
+
     with isolate.Sandbox(_policy()) as box:
+        floor = box.spawn(["/bin/sh"])
+
+        def in_band() -> None:
+            floor.write(b"true; echo @\n")
+            got = b""
+            while not got.endswith(b"@\n"):
+                got += os.read(floor.stdout_fd, 4096)
+
+        out["in_band_floor"] = summary_ms(_timed_runs(in_band, rounds))
+        floor.kill()
+        floor.close()
         for pty in (False, True):
-            sh = box.shell(f"bench-{pty}", pty=pty)
-            for _ in range(min(rounds, 50)):  # warm
-                sh.run("true")
-            runs: list[float] = []
-            for _ in range(rounds):
-                started = time.perf_counter()
-                if sh.run("true")[1] != 0:
-                    raise RuntimeError("shell.run('true') did not report 0")
-                runs.append(time.perf_counter() - started)
-            out["pty" if pty else "pipe"] = summary_ms(runs)
+            out["pty" if pty else "pipe"] = summary_ms(_timed_runs(check(box.shell(f"bench-{pty}", pty=pty)), rounds))
+        for name, argv in (("busybox_ash", ("/bin/busybox", "ash")), ("bash", ("/bin/bash",))):
+            if os.path.exists(argv[0]):
+                sh = Shell(box, f"bench-{name}", False, argv)
+                try:
+                    out[f"pipe_{name}"] = summary_ms(_timed_runs(check(sh), rounds))
+                finally:
+                    sh.close()
     out["goal"] = {"limit_ms": SHELL_GOAL_MS, "met": out["pipe"]["median_ms"] <= SHELL_GOAL_MS}
-    log(f"kept: shell.run('true') {out['pipe']['median_ms']} ms (pipes), {out['pty']['median_ms']} ms (terminal)")
+    others = ", ".join(f"{k.removeprefix('pipe_')} {out[k]['median_ms']} ms" for k in out if k.startswith("pipe_"))
+    log(f"kept: shell.run('true') {out['pipe']['median_ms']} ms (dash, pipes; {others}), {out['pty']['median_ms']} "
+        f"ms (terminal); an in-band round trip, the floor: {out['in_band_floor']['median_ms']} ms")
     return out
 
 

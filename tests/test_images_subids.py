@@ -82,7 +82,13 @@ try:
 except isolate.IsolationError as error:
     print(json.dumps({"rc": 125, "out": "", "err": str(error), "report": {}}))
     sys.exit()
-print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr,
+disk = ""
+try:
+    with isolate.Sandbox(policy, image_upper="disk") as box:
+        disk = box.exec(["id", "-u"]).stdout
+except isolate.IsolationError as error:
+    disk = str(error)
+print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr, "disk": disk,
                   "report": {"enforced": result.report.enforced}}))
 """
 
@@ -101,11 +107,14 @@ def _run_as_caller(user: str = "www-data") -> dict[str, Any]:
         os.chmod(work, 0o755)
         layout = _layout(work, user)
         store = os.path.join(work, "store")
-        os.mkdir(store, 0o700)
-        os.chown(store, CALLER, CALLER)
+        state = os.path.join(work, "state")
+        for path in (store, state):
+            os.mkdir(path, 0o700)
+            os.chown(path, CALLER, CALLER)
         command = ["setpriv", f"--reuid={CALLER}", f"--regid={CALLER}", "--clear-groups", sys.executable, "-c",
                    _SCRIPT, layout, store]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "ISOLATE_IMAGE_STORE": store}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "ISOLATE_IMAGE_STORE": store,
+               "ISOLATE_STATE_DIR": state}
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/tmp", env=env)
         assert done.returncode == 0, done.stderr
         result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -131,6 +140,8 @@ def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
     assert owner == "0"
     enforced = result["report"]["enforced"]
     assert enforced["image_user"] == "www-data"
+    # An upper layer on disk would hold files of a subordinate id: refused (the caller could not remove them).
+    assert "whose files in an upper layer on disk" in result["disk"] and "image_upper='tmpfs'" in result["disk"]
     assert enforced["id_map"].startswith("newuidmap/newgidmap (subordinate ids): 0 is the caller, uids 1-65536 are "
                                          "300000-365535")
 

@@ -82,13 +82,15 @@ try:
 except isolate.IsolationError as error:
     print(json.dumps({"rc": 125, "out": "", "err": str(error), "report": {}}))
     sys.exit()
+with isolate.Sandbox(policy, image_upper="tmpfs") as box:
+    kept = box.exec(["id", "-u"]).stdout
 disk = ""
 try:
     with isolate.Sandbox(policy, image_upper="disk") as box:
         disk = box.exec(["id", "-u"]).stdout
 except isolate.IsolationError as error:
     disk = str(error)
-print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr, "disk": disk,
+print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr, "disk": disk, "kept": kept,
                   "report": {"enforced": result.report.enforced}}))
 """
 
@@ -140,6 +142,7 @@ def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
     assert owner == "0"
     enforced = result["report"]["enforced"]
     assert enforced["image_user"] == "www-data"
+    assert result["kept"] == "33\n"  # a kept sandbox's exec server takes the caller, root inside, as its peer
     # An upper layer on disk would hold files of a subordinate id: refused (the caller could not remove them).
     assert "whose files in an upper layer on disk" in result["disk"] and "image_upper='tmpfs'" in result["disk"]
     assert enforced["id_map"].startswith("newuidmap/newgidmap (subordinate ids): 0 is the caller, uids 1-65536 are "

@@ -102,6 +102,16 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
     return found_uid[0], new_gid, ranges
 
 
+def caller_inside(policy: Policy) -> int:
+    """The uid the caller is seen as inside a sandbox of ``policy`` (an exec server checks its peers by it):
+    0 where a regular caller's subordinate ids are mapped (program_ids), else its own."""
+    caller = os.geteuid()
+    if policy.image is None or caller == 0 or policy.uid is not None or not policy.namespaces:
+        return caller
+    _, _, ranges = program_ids(load(policy), policy, caller, os.getegid(), False, {})
+    return caller if ranges is None else 0
+
+
 #: The largest uid or gid a user namespace maps ((uid_t)-1 means "no change" to the kernel).
 _MAX_ID = 2**32 - 2
 

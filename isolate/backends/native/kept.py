@@ -40,7 +40,7 @@ from ...model.errors import IsolationError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
 from ..registry import Registry, SandboxRecord
-from . import copies, pausing
+from . import copies, imageroot, pausing
 from .egress import ask_summary
 from .popen import Popen
 from .protocol import Connection, ServerGone, probe
@@ -267,7 +267,9 @@ class NativeSandbox:
             # A spare monitor, forked ahead, takes the fork off each command's start; it is one more
             # process of the sandbox, so none where the policy counts them.
             spare = "0" if self.policy.limits.pids is not None else "1"
-            args = [SERVER_NAME, str(listener.fileno()), str(os.geteuid()), str(idle_ms), "0", spare]
+            # The host as the exec server sees it: the caller, or 0 where its subordinate ids are mapped.
+            args = [SERVER_NAME, str(listener.fileno()), str(imageroot.caller_inside(policy)), str(idle_ms), "0",
+                    spare]
             self.process = _ServerProcess(args, policy=policy, bind_sources=bind_sources,
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -219,8 +219,9 @@ class NativeSandbox:
             # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs or
             # its size was asked for, on disk where the state directory keeps user.* attributes, else the tmpfs,
             # its limit reported.
+            # Not for a User run as a subordinate id: the caller could not remove its files there (plan.py).
             disk_by_default = (self.policy.image is not None and self.image_upper_wanted is None and not on_disk
-                               and _disk_by_default(self.policy))
+                               and _disk_by_default(self.policy) and not _maps_range(self.policy))
             on_disk = on_disk or disk_by_default
             if copy_layers:
                 # The lower layer's path is the private copy's, known once it is chosen (below).
@@ -784,6 +785,11 @@ def _root_source(start_from: Any) -> Any:
     root's layer; None otherwise."""
     snapshot = getattr(start_from, "snapshot", start_from)
     return start_from if getattr(snapshot, "image", None) is not None else None
+
+
+def _maps_range(policy: Policy) -> bool:
+    """Whether a sandbox of ``policy`` maps the caller's subordinate ids (the caller is root inside)."""
+    return os.geteuid() != 0 and imageroot.caller_inside(policy) == 0
 
 
 def _make_image_upper(data: str, identity: tuple[int, int] | None, as_owner: bool, root_from: Any = None) -> Any:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import imagekit as kit
@@ -74,6 +75,9 @@ def _subordinate_line() -> Iterator[None]:
 _SCRIPT = """
 import json, sys, isolate
 from isolate.image import Image, Store
+from isolate.kernel import subids
+if len(sys.argv) > 3:
+    subids.HELPER_DIRS = (sys.argv[3],)
 Image.load(sys.argv[1], store=Store(sys.argv[2]))
 policy = isolate.Policy(image="owned:1", backend="native")
 try:
@@ -103,7 +107,7 @@ def _layout(directory: str, user: str) -> str:
     return path
 
 
-def _run_as_caller(user: str = "www-data") -> dict[str, Any]:
+def _run_as_caller(user: str = "www-data", helpers: str | None = None) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="isolate-subids-")
     try:
         os.chmod(work, 0o755)
@@ -113,8 +117,12 @@ def _run_as_caller(user: str = "www-data") -> dict[str, Any]:
         for path in (store, state):
             os.mkdir(path, 0o700)
             os.chown(path, CALLER, CALLER)
+        if helpers:
+            for name in ("newuidmap", "newgidmap"):  # set-user-id root, as found, but they refuse every range
+                shutil.copy("/bin/false", os.path.join(helpers, name))
+                os.chmod(os.path.join(helpers, name), 0o4755)
         command = ["setpriv", f"--reuid={CALLER}", f"--regid={CALLER}", "--clear-groups", sys.executable, "-c",
-                   _SCRIPT, layout, store]
+                   _SCRIPT, layout, store, *([helpers] if helpers else [])]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "ISOLATE_IMAGE_STORE": store,
                "ISOLATE_STATE_DIR": state}
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/tmp", env=env)
@@ -167,3 +175,27 @@ def test_a_user_past_the_callers_range_is_refused_in_one_line() -> None:
         result = _run_as_caller(user="70000")
     assert result["rc"] == 125, result
     assert "past the caller's 65536 subordinate uids (/etc/subuid): add a larger range" in result["err"]
+
+
+@needs_root
+def test_a_helper_that_refuses_the_range_fails_the_run_in_one_line_naming_it() -> None:
+    helpers = tempfile.mkdtemp(prefix="isolate-subids-helpers-")
+    try:
+        os.chmod(helpers, 0o755)
+        with _subordinate_line():
+            result = _run_as_caller(helpers=helpers)
+    finally:
+        shutil.rmtree(helpers)
+    assert result["rc"] == 125, result
+    assert f"{helpers}/newuidmap or {helpers}/newgidmap refused the caller's subordinate ids" in result["err"]
+    assert "\n" not in result["err"]
+
+
+def test_a_helper_not_set_user_id_root_is_no_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subids, "HELPER_DIRS", (str(tmp_path / "missing"), str(tmp_path)))
+    assert subids.helper("newuidmap") is None  # missing
+    shutil.copy("/bin/true", tmp_path / "newuidmap")
+    os.chmod(tmp_path / "newuidmap", 0o755)
+    assert subids.helper("newuidmap") is None  # not set-user-id
+    os.chmod(tmp_path / "newuidmap", 0o4755)
+    assert subids.helper("newuidmap") == (str(tmp_path / "newuidmap") if os.geteuid() == 0 else None)  # root's only

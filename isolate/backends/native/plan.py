@@ -528,6 +528,11 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
             name, err, detail,
         )
     where = f" ({detail})" if detail else ""
+    if step == lib.ISO_STEP_USERNS_MAP and plan.newuidmap != ffi.NULL:
+        helpers = f"{os.fsdecode(ffi.string(plan.newuidmap))} or {os.fsdecode(ffi.string(plan.newgidmap))}"
+        return SetupError(f"sandbox setup failed at {name}: {helpers} refused the caller's subordinate ids "
+                          f"({os.strerror(err)}; its own message is above): check the caller's lines in /etc/subuid "
+                          "and /etc/subgid, or run as the caller (uid=)", name, err, detail)
     if step == lib.ISO_STEP_MOUNT_PROC and err in (errno_mod.EPERM, errno_mod.EACCES):
         return SetupError(f"sandbox setup failed at {name}{where}: {os.strerror(err)}: "
                           + hostinfo.proc_mount_advice(), name, err, detail)

@@ -79,12 +79,14 @@ from isolate.kernel import subids
 if len(sys.argv) > 3:
     subids.HELPER_DIRS = (sys.argv[3],)
 Image.load(sys.argv[1], store=Store(sys.argv[2]))
+from isolate.cli import doctor
+doctor_said = doctor._subids()
 policy = isolate.Policy(image="owned:1", backend="native")
 try:
     result = isolate.run(["sh", "-c", "id -u; id -g; stat -c %u /srv/owned"], policy=policy, capture_output=True,
                          text=True, timeout=60)
 except isolate.IsolationError as error:
-    print(json.dumps({"rc": 125, "out": "", "err": str(error), "report": {}}))
+    print(json.dumps({"rc": 125, "out": "", "err": str(error), "report": {}, "doctor": doctor_said}))
     sys.exit()
 with isolate.Sandbox(policy, image_upper="tmpfs") as box:
     kept = box.exec(["id", "-u"]).stdout
@@ -95,7 +97,7 @@ try:
 except isolate.IsolationError as error:
     disk = str(error)
 print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr, "disk": disk, "kept": kept,
-                  "report": {"enforced": result.report.enforced}}))
+                  "doctor": doctor_said, "report": {"enforced": result.report.enforced}}))
 """
 
 
@@ -150,6 +152,7 @@ def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
     assert owner == "0"
     enforced = result["report"]["enforced"]
     assert enforced["image_user"] == "www-data"
+    assert result["doctor"] == [True, "an image's User runs as that user: " + enforced["id_map"]]
     assert result["kept"] == "33\n"  # a kept sandbox's exec server takes the caller, root inside, as its peer
     # An upper layer on disk would hold files of a subordinate id: refused (the caller could not remove them).
     assert "whose files in an upper layer on disk" in result["disk"] and "image_upper='tmpfs'" in result["disk"]
@@ -166,6 +169,7 @@ def test_without_a_range_the_caller_runs_as_itself_and_the_report_says_why() -> 
     assert result["rc"] == 0, result["err"]
     assert result["out"].split()[:2] == [str(CALLER), str(CALLER)]
     note = result["report"]["enforced"]["image_user"]
+    assert not result["doctor"][0] and "no usable range in /etc/subuid and /etc/subgid" in result["doctor"][1]
     assert "not applied: the program runs as uid 39" in note and "/etc/subuid" in note and "usermod" in note
 
 

@@ -33,6 +33,7 @@ LOCK = "/run/lock/isolate-test-subids.lock"
 def test_malformed_empty_huge_and_overlapping_lines_are_skipped() -> None:
     text = "\n".join([
         "1000", "1000:x:10", "1000:5:", "1000:-5:10", "1000:+5:10", "1000:\uff15:10",  # malformed, not ASCII digits
+        "1000: 100000:10", " 1000:100000:10",  # spaces: the helpers may read them otherwise
         "1000:100000:0",  # no id at all
         "1000:0:65536",  # the host's uid 0
         "1000:4294967290:10",  # past the kernel's last id

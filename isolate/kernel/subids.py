@@ -63,8 +63,8 @@ class SubIds:
 
 
 def _number(text: str) -> int | None:
-    """ASCII digits within the kernel's ids, else None (``int`` takes other scripts' digits and signs)."""
-    text = text.strip()
+    """ASCII digits within the kernel's ids, else None (``int`` takes other scripts' digits, signs and spaces,
+    which the helpers may read otherwise: such a line is skipped)."""
     if not text or len(text) > 10 or not text.isascii() or not text.isdigit():
         return None
     value = int(text)
@@ -77,7 +77,7 @@ def parse(text: str, owner_id: int, owner_name: str | None, avoid: int) -> Range
     owners = {str(owner_id)} | ({owner_name} if owner_name else set())
     for line in text.splitlines():
         fields = line.split(":")
-        if len(fields) != 3 or fields[0].strip() not in owners:
+        if len(fields) != 3 or fields[0] not in owners:
             continue
         start, count = _number(fields[1]), _number(fields[2])
         if start is None or count is None or start == 0 or count == 0 or start + count - 1 > MAX_ID:

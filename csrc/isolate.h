@@ -130,6 +130,11 @@ struct iso_plan {
     const char *uid_map;
     const char *gid_map;
     int32_t setgroups_deny;
+    /* Set-id helpers (newuidmap, newgidmap: Debian's uidmap) that write the
+     * maps instead, for a regular caller's subordinate ranges (/etc/subuid,
+     * /etc/subgid), which it may not write itself; NULL writes directly. */
+    const char *newuidmap;
+    const char *newgidmap;
     /* Files the parent writes the child's pid into (cgroup.procs), -1 ends. */
     int32_t cgroup_procs_fds[8];
 

@@ -74,6 +74,12 @@ static int map_writer_main(void *arg)
 
 static int unshare_user(const struct iso_plan *plan)
 {
+    /* The set-id map helpers are run by a parent that waits for them; this
+     * hook's writer shares the program's memory (the plan never asks). */
+    if (plan->newuidmap || plan->newgidmap) {
+        errno = ENOTSUP;
+        return -1;
+    }
     int pipefd[2];
     if (pipe2(pipefd, O_CLOEXEC) < 0)
         return -1;

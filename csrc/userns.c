@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -40,8 +41,88 @@ static int write_file_at_pid(int pid, const char *name, const char *text)
     return 0;
 }
 
+/* Maps at most this many lines long, and so many bytes: the plan's are two
+ * lines (the caller's own id, then its subordinate range). */
+#define MAP_HELPER_LINES 4
+#define MAP_HELPER_TEXT 256
+
+/* Run a set-id map helper (newuidmap PID INSIDE OUTSIDE COUNT ...) for the
+ * map text given, and wait for it: it checks the ranges against
+ * /etc/subuid itself, as root, and writes them where this caller may not.
+ * Runs in the parent (never in a child sharing its memory) with every
+ * signal blocked: the helper gets them back, default and unblocked. */
+static int run_map_helper(const char *helper, int pid, const char *map)
+{
+    char text[MAP_HELPER_TEXT], pid_text[16];
+    char *argv[2 + 3 * MAP_HELPER_LINES + 1];
+    size_t len = strlen(map);
+    if (len >= sizeof text) {
+        errno = E2BIG;
+        return -1;
+    }
+    memcpy(text, map, len + 1);
+    snprintf(pid_text, sizeof pid_text, "%d", pid);
+    int argc = 0;
+    argv[argc++] = (char *)helper;
+    argv[argc++] = pid_text;
+    for (char *save = NULL, *word = strtok_r(text, " \n", &save); word; word = strtok_r(NULL, " \n", &save)) {
+        if (argc >= 2 + 3 * MAP_HELPER_LINES) {
+            errno = E2BIG;
+            return -1;
+        }
+        argv[argc++] = word;
+    }
+    argv[argc] = NULL;
+    if ((argc - 2) % 3 != 0 || argc == 2) {
+        errno = EINVAL;
+        return -1;
+    }
+    posix_spawnattr_t attr;
+    int err = posix_spawnattr_init(&attr);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    err = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    if (!err)
+        err = posix_spawnattr_setsigmask(&attr, &none);
+    if (!err)
+        err = posix_spawnattr_setsigdefault(&attr, &all);
+    char *envp[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+    int helper_pid = -1;
+    if (!err)
+        err = posix_spawn(&helper_pid, helper, NULL, &attr, argv, envp);
+    posix_spawnattr_destroy(&attr);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    int status;
+    while (waitpid(helper_pid, &status, 0) < 0) {
+        if (errno != EINTR)
+            return -1;
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        /* The helper said why on standard error; the kernel's word is EPERM. */
+        errno = EPERM;
+        return -1;
+    }
+    return 0;
+}
+
 int iso_write_id_maps(int pid, const struct iso_plan *plan)
 {
+    if (plan->newuidmap && plan->newgidmap) {
+        /* newgidmap leaves setgroups allowed where the range maps the
+         * caller's own group, so the child can drop the supplementary
+         * groups (clear_groups); it is never written here. */
+        if (run_map_helper(plan->newuidmap, pid, plan->uid_map) < 0)
+            return -1;
+        return run_map_helper(plan->newgidmap, pid, plan->gid_map);
+    }
     if (plan->setgroups_deny && write_file_at_pid(pid, "setgroups", "deny") < 0)
         return -1;
     if (write_file_at_pid(pid, "uid_map", plan->uid_map) < 0)

@@ -206,6 +206,7 @@ HOST_INDEPENDENT = frozenset({
     "test_docker.py",
     "test_examples.py",
     "test_images_push.py",
+    "test_images_subids.py",
     "test_images_trust.py",
     "test_images_unpack.py",
     "test_inspect.py",

@@ -15,6 +15,7 @@ from conftest import ISOLATE_RUN, NAMESPACES_WHY, ROOT
 
 import isolate
 from isolate.image import Image, Store
+from isolate.kernel import subids
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
@@ -105,6 +106,8 @@ def test_the_images_user_applies_for_a_root_caller(store: str) -> None:
     assert result.returncode == 0, result.stderr
     if ROOT:
         assert "uid=1234" in result.stdout and "gid=4321" in result.stdout
+    elif isinstance(subids.find(os.geteuid(), os.getegid()), subids.SubIds):
+        assert "uid=1234" in result.stdout and "gid=4321" in result.stdout  # the caller's range (newuidmap)
     else:
         assert f"uid={os.getuid()}" in result.stdout  # one uid: the caller's own
 

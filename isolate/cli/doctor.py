@@ -113,6 +113,17 @@ def _idmap() -> tuple[bool, str]:
     return True, f"idmapped mounts work on {os.getcwd()} (files the program writes stay the caller's)"
 
 
+def _subids() -> tuple[bool, str]:
+    from ..kernel import subids
+
+    if os.geteuid() == 0:
+        return True, "not needed: root maps an image's User itself"
+    found = subids.find(os.geteuid(), os.getegid())
+    if isinstance(found, str):
+        return False, f"an image's User (other than root) runs as the caller: {found}"
+    return True, f"an image's User runs as that user: {found.describe()}"
+
+
 def _seccomp() -> tuple[bool, str]:
     from ..kernel import seccomp
 
@@ -151,6 +162,7 @@ CHECKS: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
     ("sandbox", _sandbox),
     ("egress", _egress),
     ("idmapped-mounts", _idmap),
+    ("subordinate-ids", _subids),
     ("seccomp", _seccomp),
     ("cgroups", _cgroups),
     ("docker", _docker),

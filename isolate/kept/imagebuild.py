@@ -4,6 +4,7 @@ this through ``isolate.model.hooks.run_build_step`` (set by the package's public
 
 from __future__ import annotations
 
+import os
 from typing import IO, Any
 
 from ..image import Image
@@ -17,6 +18,10 @@ def run_step(image: Image, step: Step, number: int, progress: IO[str] | None) ->
     """An image build's RUN step: a kept sandbox of ``image`` with nothing of the host granted runs it, and
     its writes become the step's layer (isolate/image/build.py)."""
     fields: dict[str, Any] = {"image": image.reference, "backend": "native", "write": (), "env": dict(step.env)}
+    if os.geteuid() != 0:
+        # As the caller, not the image's User through its subordinate ids: the step's layer is read back, and
+        # a subordinate id's files would be the caller's to read neither there nor in the store.
+        fields["uid"] = os.geteuid()
     if step.network is not None:
         fields["network"] = step.network
     if step.mounts:

@@ -22,10 +22,11 @@ from typing import Any
 
 from ..._core import lib
 from ...image import Image, view
-from ...kernel import hostinfo, mounts
+from ...kernel import hostinfo, mounts, subids
 from ...kernel.hostinfo import userns_error
 from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import Step
+from ...kernel.subids import SubIds
 from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import Policy
 
@@ -65,24 +66,50 @@ def load(policy: Policy) -> ImageRoot:
 
 
 def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller: bool,
-                enforced: dict[str, Any]) -> tuple[int, int]:
-    """The image's User, where the caller can run the program as another uid (a root caller); else the ids
-    given, the image's User noted as not applied."""
+                enforced: dict[str, Any], ranges_allowed: bool = True) -> tuple[int, int, SubIds | None]:
+    """The image's User, where the caller can run the program as another uid: a root caller, or a regular one
+    with subordinate ids (then returned: the sandbox maps them through newuidmap, kernel/subids.py); else the
+    ids given, the image's User noted as not applied, and why."""
     user = root.image.config.user
     if not user or policy.uid is not None:
-        return uid, gid
+        return uid, gid, None
     name, _, group = user.partition(":")
     found_uid, found_gid = _lookup(root, name, "etc/passwd"), _lookup(root, group, "etc/group") if group else None
     if found_uid is None:
         raise PolicyError(f"image {root.image.reference}: its User {user!r} is not in its /etc/passwd", "image")
-    if found_uid[0] == 0 or not root_caller:
+    new_gid = found_gid[0] if found_gid else (found_uid[1] if found_uid[1] >= 0 else found_uid[0])
+    ranges: SubIds | None = None
+    if found_uid[0] != 0 and not root_caller and found_uid[0] != uid:
+        found = subids.find(os.geteuid(), os.getegid()) if ranges_allowed else (
+            "preexec_fn has no parent to run newuidmap: use isolate.run, isolate.Popen or isolate.Sandbox")
+        if isinstance(found, str):
+            enforced["image_user"] = (f"{user} not applied: the program runs as uid {uid} (the caller's own: a user "
+                                      f"namespace of one uid, as {found})")
+            return uid, gid, None
+        ranges = found
+        for kind, number, have in (("uid", found_uid[0], found.uids), ("gid", new_gid, found.gids)):
+            if number > have.count:
+                raise UnsupportedError(
+                    f"image {root.image.reference}: its User {user!r} is {kind} {number}, past the caller's "
+                    f"{have.count} subordinate {kind}s (/etc/sub{kind}): add a larger range there, or run as "
+                    "another user (uid=)")
+    elif found_uid[0] == 0 or not root_caller:
         if found_uid[0] != uid:
             enforced["image_user"] = (f"{user} not applied: the program runs as uid {uid}"
                                       + ("" if root_caller else " (the caller's own: a user namespace of one uid)"))
-        return uid, gid
-    new_gid = found_gid[0] if found_gid else (found_uid[1] if found_uid[1] >= 0 else found_uid[0])
+        return uid, gid, None
     enforced["image_user"] = user
-    return found_uid[0], new_gid
+    return found_uid[0], new_gid, ranges
+
+
+def caller_inside(policy: Policy) -> int:
+    """The uid the caller is seen as inside a sandbox of ``policy`` (an exec server checks its peers by it):
+    0 where a regular caller's subordinate ids are mapped (program_ids), else its own."""
+    caller = os.geteuid()
+    if policy.image is None or caller == 0 or policy.uid is not None or not policy.namespaces:
+        return caller
+    _, _, ranges = program_ids(load(policy), policy, caller, os.getegid(), False, {})
+    return caller if ranges is None else 0
 
 
 #: The largest uid or gid a user namespace maps ((uid_t)-1 means "no change" to the kernel).

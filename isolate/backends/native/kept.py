@@ -36,7 +36,7 @@ from ...model.errors import IsolationError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
 from ..registry import Registry, SandboxRecord
-from . import copies, pausing
+from . import copies, imageroot, pausing
 from .datadir import (
     COPY_LAYERS_REFUSED,
     close_layer_fds,
@@ -226,8 +226,9 @@ class NativeSandbox:
             # Before Linux 6.6 a tmpfs upper layer cannot take every change (runupper.py): unless the tmpfs or
             # its size was asked for, on disk where the state directory keeps user.* attributes, else the tmpfs,
             # its limit reported.
+            # Not for a User run as a subordinate id: the caller could not remove its files there (plan.py).
             disk_by_default = (self.policy.image is not None and self.image_upper_wanted is None and not on_disk
-                               and _disk_by_default(self.policy))
+                               and _disk_by_default(self.policy) and not _maps_range(self.policy))
             on_disk = on_disk or disk_by_default
             if copy_layers:
                 # The lower layer's path is the private copy's, known once it is chosen (below).
@@ -274,7 +275,9 @@ class NativeSandbox:
             # A spare monitor, forked ahead, takes the fork off each command's start; it is one more
             # process of the sandbox, so none where the policy counts them.
             spare = "0" if self.policy.limits.pids is not None else "1"
-            args = [SERVER_NAME, str(listener.fileno()), str(os.geteuid()), str(idle_ms), "0", spare]
+            # The host as the exec server sees it: the caller, or 0 where its subordinate ids are mapped.
+            args = [SERVER_NAME, str(listener.fileno()), str(imageroot.caller_inside(policy)), str(idle_ms), "0",
+                    spare]
             self.process = _ServerProcess(args, policy=policy, bind_sources=bind_sources,
                                           pass_fds=[listener.fileno()],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -642,6 +645,11 @@ def _disk_by_default(policy: Policy) -> bool:
     from .imageroot import disk_by_default
 
     return disk_by_default(policy)
+
+
+def _maps_range(policy: Policy) -> bool:
+    """Whether a sandbox of ``policy`` maps the caller's subordinate ids (the caller is root inside)."""
+    return os.geteuid() != 0 and imageroot.caller_inside(policy) == 0
 
 
 def _pair(value: Any) -> tuple[int, int] | None:

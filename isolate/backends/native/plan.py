@@ -198,6 +198,13 @@ def prepare(
 
     if image_upper is not None:
         assert cmounts is not None
+        if plan.newuidmap != ffi.NULL:
+            # The program's files in the upper layer would belong to a subordinate id on the host: the caller
+            # could neither read them back (commit_image, a snapshot) nor remove them with the sandbox.
+            raise UnsupportedError(
+                f"image: its User runs as a subordinate id of the caller (uid {static.program_uid} inside), whose "
+                f"files in an upper layer on disk ({image_upper.purpose}) the caller could neither read back nor "
+                f"remove: use the tmpfs upper layer (image_upper='tmpfs'), or run as the caller (uid={os.geteuid()})")
         close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
                                                      static.program_gid, cstr))
         shown = dict(enforced.get("image") or {})
@@ -521,6 +528,11 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
             name, err, detail,
         )
     where = f" ({detail})" if detail else ""
+    if step == lib.ISO_STEP_USERNS_MAP and plan.newuidmap != ffi.NULL:
+        helpers = f"{os.fsdecode(ffi.string(plan.newuidmap))} or {os.fsdecode(ffi.string(plan.newgidmap))}"
+        return SetupError(f"sandbox setup failed at {name}: {helpers} refused the caller's subordinate ids "
+                          f"({os.strerror(err)}; its own message is above): check the caller's lines in /etc/subuid "
+                          "and /etc/subgid, or run as the caller (uid=)", name, err, detail)
     if step == lib.ISO_STEP_MOUNT_PROC and err in (errno_mod.EPERM, errno_mod.EACCES):
         return SetupError(f"sandbox setup failed at {name}{where}: {os.strerror(err)}: "
                           + hostinfo.proc_mount_advice(), name, err, detail)

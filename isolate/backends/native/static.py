@@ -16,6 +16,7 @@ from ..._core import INIT_PATH, ffi, init_fd, lib
 from ...kernel import grants, hostinfo, landlock, mounts
 from ...kernel.hostinfo import userns_error
 from ...kernel.places import runtime_dir
+from ...kernel.subids import SubIds
 from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
 from ...model.units import milliseconds_up
@@ -233,9 +234,10 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     program_gid = policy.gid if policy.gid is not None else (NOBODY if root_caller else caller_gid)
     if not root_caller and (policy.uid not in (None, caller_uid) or policy.gid not in (None, caller_gid)):
         raise PolicyError("uid/gid: only a root caller can run the program as another user", "uid")
+    ranges: SubIds | None = None  # a regular caller's subordinate ids, mapped through newuidmap
     if image_root is not None:
-        program_uid, program_gid = imageroot.program_ids(image_root, policy, program_uid, program_gid, root_caller,
-                                                         enforced)
+        program_uid, program_gid, ranges = imageroot.program_ids(image_root, policy, program_uid, program_gid,
+                                                                 root_caller, enforced, not for_preexec)
 
     # -- namespaces and ids ------------------------------------------------
     # Egress by name is the namespace's own loopback, plus the mediator's listeners on it.
@@ -267,10 +269,19 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             # and the init switch to the unprivileged ids before they exec.
             plan.uid_map = cstr(f"0 0 1\n{program_uid} {program_uid} 1\n")
             plan.gid_map = cstr(f"0 0 1\n{program_gid} {program_gid} 1\n")
+            enforced["id_map"] = "written by the parent (root): root, and the program's ids"
+        elif ranges is not None:
+            # The caller is root inside (it owns the image's files), the program one of its subordinate ids;
+            # the set-id helpers write the maps, the child waiting on its pipe meanwhile (csrc/userns.c).
+            plan.uid_map = cstr(ranges.uid_map(caller_uid))
+            plan.gid_map = cstr(ranges.gid_map(caller_gid))
+            plan.newuidmap = cstr(ranges.newuidmap)
+            plan.newgidmap = cstr(ranges.newgidmap)
+            enforced["id_map"] = ranges.describe()
         else:
             plan.uid_map = cstr(f"{caller_uid} {caller_uid} 1\n")
             plan.gid_map = cstr(f"{caller_gid} {caller_gid} 1\n")
-        plan.setgroups_deny = 0 if root_caller else 1
+        plan.setgroups_deny = 0 if root_caller or ranges is not None else 1
         plan.hostname = cstr(HOSTNAME)
         plan.loopback_up = 1 if network == "loopback" else 0
         enforced["namespaces"] = [n for n, f in NAMESPACE_FLAGS.items() if flags & f]
@@ -292,10 +303,10 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             for source, target in egress_plan.name_files():
                 binds.append((open_source(source, "network"), target, True))
     plan.clone_flags = flags
-    plan.set_ids = 1 if root_caller else 0
+    plan.set_ids = 1 if root_caller or ranges is not None else 0
     plan.uid = program_uid
     plan.gid = program_gid
-    plan.clear_groups = 1 if root_caller else 0
+    plan.clear_groups = 1 if root_caller or ranges is not None else 0
     plan.drop_caps = 1
     plan.no_new_privs = 1
     plan.new_session = 1 if policy.new_session else 0

@@ -1,0 +1,206 @@
+"""An image's ``User`` for a regular caller: its subordinate ids (/etc/subuid) mapped through newuidmap, or one uid.
+
+The caller with a range is a system user every Debian has (irc, uid 39: newuidmap wants the caller's name), run
+by the root suite through setpriv with a line of its own added to /etc/subuid and /etc/subgid and removed after,
+under a lock. The parser of those files is tested on text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import imagekit as kit
+import pytest
+from conftest import NAMESPACES_WHY, ROOT
+
+from isolate.kernel import subids
+
+CALLER = 39  # irc (Debian's base-passwd)
+LINE = f"{CALLER}:300000:65536\n"
+LOCK = "/run/lock/isolate-test-subids.lock"
+
+
+def test_malformed_empty_huge_and_overlapping_lines_are_skipped() -> None:
+    text = "\n".join([
+        "1000", "1000:x:10", "1000:5:", "1000:-5:10", "1000:+5:10", "1000:\uff15:10",  # malformed, not ASCII digits
+        "1000: 100000:10", " 1000:100000:10",  # spaces: the helpers may read them otherwise
+        "1000:100000:0",  # no id at all
+        "1000:0:65536",  # the host's uid 0
+        "1000:4294967290:10",  # past the kernel's last id
+        "1000:99999999999:1",  # past 32 bits
+        "1000:900:200",  # holds the caller's own uid (mapped as 0 inside)
+        "alice:200000:99999999",  # the first good one, cut to MAX_COUNT
+        "1000:300000:65536",
+    ])
+    assert subids.parse(text, 1000, "alice", 1000) == subids.Range(200000, subids.MAX_COUNT)
+    assert subids.parse(text, 1000, None, 1000) == subids.Range(300000, 65536)
+    assert subids.parse(text, 1001, "bob", 1001) is None
+    assert subids.parse("1000:1:65536\n", 1000, None, 70000) == subids.Range(1, 65536)
+    assert subids.find(0, 0) == "root writes its maps itself"
+
+
+@contextlib.contextmanager
+def _subordinate_line() -> Iterator[None]:
+    """LINE in /etc/subuid and /etc/subgid while the block runs; the files as they were after (other lines kept)."""
+    os.makedirs(os.path.dirname(LOCK), exist_ok=True)
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = [path for path in (subids.SUBUID, subids.SUBGID) if not os.path.exists(path)]
+        try:
+            for path in (subids.SUBUID, subids.SUBGID):
+                with open(path, "a") as handle:
+                    handle.write(LINE)
+            yield
+        finally:
+            for path in (subids.SUBUID, subids.SUBGID):
+                if path in made:
+                    os.unlink(path)
+                    continue
+                with open(path, "r+") as handle:
+                    kept = [line for line in handle.readlines() if line != LINE]
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.writelines(kept)
+
+
+_SCRIPT = """
+import json, sys, isolate
+from isolate.image import Image, Store
+from isolate.kernel import subids
+if len(sys.argv) > 3:
+    subids.HELPER_DIRS = (sys.argv[3],)
+Image.load(sys.argv[1], store=Store(sys.argv[2]))
+from isolate.cli import doctor
+doctor_said = doctor._subids()
+policy = isolate.Policy(image="owned:1", backend="native")
+try:
+    result = isolate.run(["sh", "-c", "id -u; id -g; stat -c %u /srv/owned"], policy=policy, capture_output=True,
+                         text=True, timeout=60)
+except isolate.IsolationError as error:
+    print(json.dumps({"rc": 125, "out": "", "err": str(error), "report": {}, "doctor": doctor_said}))
+    sys.exit()
+with isolate.Sandbox(policy, image_upper="tmpfs") as box:
+    kept = box.exec(["id", "-u"]).stdout
+disk = ""
+try:
+    with isolate.Sandbox(policy, image_upper="disk") as box:
+        disk = box.exec(["id", "-u"]).stdout
+except isolate.IsolationError as error:
+    disk = str(error)
+print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr, "disk": disk, "kept": kept,
+                  "doctor": doctor_said, "report": {"enforced": result.report.enforced}}))
+"""
+
+
+def _layout(directory: str, user: str) -> str:
+    extra = kit.layer([{"name": "etc/passwd", "data": b"root:x:0:0::/:/bin/sh\nwww-data:x:33:33::/:/bin/sh\n"},
+                       {"name": "srv", "type": "dir"}, {"name": "srv/owned", "data": b"x\n", "pax": {"uid": "33"}}])
+    path = os.path.join(directory, "layout")
+    kit.oci_layout(path, [kit.busybox_layer(), extra], ref="owned:1", User=user, Env=["PATH=/bin"])
+    return path
+
+
+def _run_as_caller(user: str = "www-data", helpers: str | None = None) -> dict[str, Any]:
+    work = tempfile.mkdtemp(prefix="isolate-subids-")
+    try:
+        os.chmod(work, 0o755)
+        layout = _layout(work, user)
+        store = os.path.join(work, "store")
+        state = os.path.join(work, "state")
+        for path in (store, state):
+            os.mkdir(path, 0o700)
+            os.chown(path, CALLER, CALLER)
+        if helpers:
+            for name in ("newuidmap", "newgidmap"):  # set-user-id root, as found, but they refuse every range
+                shutil.copy("/bin/false", os.path.join(helpers, name))
+                os.chmod(os.path.join(helpers, name), 0o4755)
+        command = ["setpriv", f"--reuid={CALLER}", f"--regid={CALLER}", "--clear-groups", sys.executable, "-c",
+                   _SCRIPT, layout, store, *([helpers] if helpers else [])]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "ISOLATE_IMAGE_STORE": store,
+               "ISOLATE_STATE_DIR": state}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/tmp", env=env)
+        assert done.returncode == 0, done.stderr
+        result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+        return result
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", work], check=False)
+
+
+needs_root = pytest.mark.skipif(not ROOT or bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox")
+                                or subids.helper("newuidmap") is None or shutil.which("setpriv") is None,
+                                reason="root (to add a subordinate range for uid 39), namespaces, busybox-static, "
+                                "newuidmap (apt-get install uidmap) and setpriv")
+
+
+@needs_root
+def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
+    with _subordinate_line():
+        result = _run_as_caller()
+    assert result["rc"] == 0, result["err"]
+    uid, gid, owner = result["out"].split()
+    assert (uid, gid) == ("33", "33")  # the image's User, not the caller's 39
+    # A regular user's store holds that user's files only: the caller's, root inside (docs/images.md).
+    assert owner == "0"
+    enforced = result["report"]["enforced"]
+    assert enforced["image_user"] == "www-data"
+    assert result["doctor"] == [True, "an image's User runs as that user: " + enforced["id_map"]]
+    assert result["kept"] == "33\n"  # a kept sandbox's exec server takes the caller, root inside, as its peer
+    # An upper layer on disk would hold files of a subordinate id: refused (the caller could not remove them).
+    assert "whose files in an upper layer on disk" in result["disk"] and "image_upper='tmpfs'" in result["disk"]
+    assert enforced["id_map"].startswith("newuidmap/newgidmap (subordinate ids): 0 is the caller, uids 1-65536 are "
+                                         "300000-365535")
+
+
+@needs_root
+def test_without_a_range_the_caller_runs_as_itself_and_the_report_says_why() -> None:
+    with open(subids.SUBUID) if os.path.exists(subids.SUBUID) else contextlib.nullcontext() as handle:
+        if handle is not None and any(line.split(":")[0] in ("irc", str(CALLER)) for line in handle):
+            pytest.skip("this host gives uid 39 a subordinate range")
+    result = _run_as_caller()
+    assert result["rc"] == 0, result["err"]
+    assert result["out"].split()[:2] == [str(CALLER), str(CALLER)]
+    note = result["report"]["enforced"]["image_user"]
+    assert not result["doctor"][0] and "no usable range in /etc/subuid and /etc/subgid" in result["doctor"][1]
+    assert "not applied: the program runs as uid 39" in note and "/etc/subuid" in note and "usermod" in note
+
+
+@needs_root
+def test_a_user_past_the_callers_range_is_refused_in_one_line() -> None:
+    with _subordinate_line():
+        result = _run_as_caller(user="70000")
+    assert result["rc"] == 125, result
+    assert "past the caller's 65536 subordinate uids (/etc/subuid): add a larger range" in result["err"]
+
+
+@needs_root
+def test_a_helper_that_refuses_the_range_fails_the_run_in_one_line_naming_it() -> None:
+    helpers = tempfile.mkdtemp(prefix="isolate-subids-helpers-")
+    try:
+        os.chmod(helpers, 0o755)
+        with _subordinate_line():
+            result = _run_as_caller(helpers=helpers)
+    finally:
+        shutil.rmtree(helpers)
+    assert result["rc"] == 125, result
+    assert f"{helpers}/newuidmap or {helpers}/newgidmap refused the caller's subordinate ids" in result["err"]
+    assert "\n" not in result["err"]
+
+
+def test_a_helper_not_set_user_id_root_is_no_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subids, "HELPER_DIRS", (str(tmp_path / "missing"), str(tmp_path)))
+    assert subids.helper("newuidmap") is None  # missing
+    shutil.copy("/bin/true", tmp_path / "newuidmap")
+    os.chmod(tmp_path / "newuidmap", 0o755)
+    assert subids.helper("newuidmap") is None  # not set-user-id
+    os.chmod(tmp_path / "newuidmap", 0o4755)
+    assert subids.helper("newuidmap") == (str(tmp_path / "newuidmap") if os.geteuid() == 0 else None)  # root's only

@@ -286,3 +286,28 @@ def egress_profile(directory: Path, port: int) -> str:
     profile.chmod(0o644)
     directory.chmod(0o755)
     return str(profile)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[str]:
+    """A state directory for an ``isolate-run serve`` (``--state-dir``) of the server tests, removed after."""
+    path = tempfile.mkdtemp(prefix="isolate-serve-state-")
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def volume_store() -> Iterator[str]:
+    """A ``--volume-store`` for the server tests (named volumes), removed after."""
+    path = tempfile.mkdtemp(prefix="isolate-serve-volumes-")
+    os.chmod(path, 0o755)  # the sandbox's user (65534 under a root server) reaches its volumes
+    try:
+        yield path
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)

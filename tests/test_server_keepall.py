@@ -9,28 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import test_server as base
 from conftest import egress_profile
 from test_server_restart import _kill, _run
 
 FLAGS = () if base.limits_enforceable() else ("--best-effort",)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="isolate-serve-keepall-")
-    try:
-        yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _probe(port: int, name: str) -> str:

@@ -15,9 +15,7 @@ import datetime
 import json
 import os
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,29 +23,6 @@ import test_server as base
 from test_server_restart import _kill, _pvc, _run
 
 FLAGS = () if base.limits_enforceable() else ("--best-effort",)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="isolate-serve-reboot-")
-    try:
-        yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def volume_store() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="isolate-serve-reboot-volumes-")
-    os.chmod(path, 0o755)  # the sandbox's user (65534 under a root server) reaches its volumes
-    try:
-        yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _name(state_dir: str, box_id: str) -> str:

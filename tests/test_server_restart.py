@@ -14,7 +14,6 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,17 +22,6 @@ import test_server as base
 psutil = pytest.importorskip("psutil")
 
 FLAGS = () if base.limits_enforceable() else ("--best-effort",)
-
-
-@pytest.fixture
-def state_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="isolate-serve-restart-")
-    try:
-        yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run(server: base.Server, prefix: str, headers: dict[str, str], command: str) -> str:
@@ -93,18 +81,6 @@ def _port_get(server: base.Server, sandbox_id: str, port: int, token: str, path:
 
 def _pvc(claim: str) -> list[dict[str, Any]]:
     return [{"name": "v", "mountPath": "/mnt/v", "pvc": {"claimName": claim, "deleteOnSandboxTermination": True}}]
-
-
-@pytest.fixture
-def volume_store() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="isolate-serve-restart-volumes-")
-    os.chmod(path, 0o755)  # the sandbox's user (65534 under a root server) reaches its volumes
-    try:
-        yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_sigkill_and_restart_keep_the_sandbox(state_dir: str, volume_store: str) -> None:

@@ -745,6 +745,44 @@ def test_no_process_that_kept_the_shells_channel_reports_a_run(source: str, argv
             sh.close()
 
 
+
+# The thief above is a subshell (another pid): its reports are dropped. The shell's own process is not: a command's
+# builtins run in it and (bash, busybox ash) name the saved copy of the channel, read the run's marker waiting
+# there, report the run ended with status 0 from the shell's pid, print the marker, and stay in the shell: they
+# read the next run's marker and command line as the host sends them and report that run too, without running it.
+# dash refuses the two-digit descriptor. Open in bash and busybox ash (issue 37): strict xfail, so that a fix shows.
+OWN_PROCESS_FORGER = ("for f in 10 11 12; do if IFS= read -r m <&$f 2>/dev/null; then c=$f; break; fi; done; "
+                      "echo \"$m {seq} 0\" >&$c; printf '\\n%s\\n' \"$m\"; IFS= read -r m2 <&$c; IFS= read -r l1; "
+                      "IFS= read -r l2; echo \"$m2 {next} 0\" >&$c; printf 'FORGED\\n%s\\n' \"$m2\"")
+_OPEN_IN_OWN_PROCESS = pytest.mark.xfail(strict=True, reason="issue 37: a command in the shell's own process reads "
+                                         "the saved channel (bash, busybox ash name descriptors past 9)")
+
+
+@pytest.mark.parametrize("argv", [
+    ("/bin/dash",), pytest.param(("/bin/bash", "--noediting"), marks=_OPEN_IN_OWN_PROCESS),
+    pytest.param(("/bin/busybox", "ash"), marks=_OPEN_IN_OWN_PROCESS)], ids=["dash", "bash", "ash"])
+def test_no_command_in_the_shells_own_process_reports_a_later_run(source: str, argv: tuple[str, ...]) -> None:
+    from isolate.kept.shell import Shell
+
+    if not os.path.exists(argv[0]):
+        pytest.skip(f"no {argv[0]} on this host")
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        sh = Shell(box, "robbed", False, argv)
+        try:
+            seq = sh._seq + 1
+            try:
+                sh.run(OWN_PROCESS_FORGER.format(seq=seq, next=seq + 1), timeout=2)
+            except TimeoutError:
+                pass
+            try:
+                output, status = sh.run("echo real; (exit 3)", timeout=2)
+            except TimeoutError:
+                return  # the forger held the shell: a timeout, never a report of its own
+            assert "FORGED" not in output and (output, status) == ("real\n", 3), (output, status)
+        finally:
+            sh.close()
+
+
 FORGER = r"""
 import os, re, sys, time
 # Started by the interpreter's code, it holds the interpreter's stdout and reads its parent's memory.

@@ -750,11 +750,11 @@ def test_no_process_that_kept_the_shells_channel_reports_a_run(source: str, argv
 # builtins run in it and (bash, busybox ash) name the saved copy of the channel, read the run's marker waiting
 # there, report the run ended with status 0 from the shell's pid, print the marker, and stay in the shell: they
 # read the next run's marker and command line as the host sends them and report that run too, without running it.
-# dash refuses the two-digit descriptor. Open in bash and busybox ash (issue 37): strict xfail, so that a fix shows.
+# dash refuses the two-digit descriptor. Open in bash and busybox ash (issue 34): strict xfail, so that a fix shows.
 OWN_PROCESS_FORGER = ("for f in 10 11 12; do if IFS= read -r m <&$f 2>/dev/null; then c=$f; break; fi; done; "
                       "echo \"$m {seq} 0\" >&$c; printf '\\n%s\\n' \"$m\"; IFS= read -r m2 <&$c; IFS= read -r l1; "
                       "IFS= read -r l2; echo \"$m2 {next} 0\" >&$c; printf 'FORGED\\n%s\\n' \"$m2\"")
-_OPEN_IN_OWN_PROCESS = pytest.mark.xfail(strict=True, reason="issue 37: a command in the shell's own process reads "
+_OPEN_IN_OWN_PROCESS = pytest.mark.xfail(strict=True, reason="issue 34: a command in the shell's own process reads "
                                          "the saved channel (bash, busybox ash name descriptors past 9)")
 
 
@@ -779,6 +779,23 @@ def test_no_command_in_the_shells_own_process_reports_a_later_run(source: str, a
             except TimeoutError:
                 return  # the forger held the shell: a timeout, never a report of its own
             assert "FORGED" not in output and (output, status) == ("real\n", 3), (output, status)
+        finally:
+            sh.close()
+
+
+@pytest.mark.parametrize("argv", [("/bin/dash",), ("/bin/bash", "--noediting"), ("/bin/busybox", "ash")],
+                         ids=["dash", "bash", "ash"])
+def test_a_shell_says_whether_an_earlier_command_can_forge_its_results(source: str, argv: tuple[str, ...]) -> None:
+    # The forger above works where a redirection names a descriptor past 9: the shell says so.
+    from isolate.kept.shell import Shell
+
+    if not os.path.exists(argv[0]):
+        pytest.skip(f"no {argv[0]} on this host")
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        sh = Shell(box, "asked", False, argv)
+        try:
+            assert sh.trusted_results is (argv[0] == "/bin/dash")
+            assert sh.run("echo ok", timeout=30) == ("ok\n", 0)
         finally:
             sh.close()
 

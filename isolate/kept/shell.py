@@ -124,7 +124,15 @@ class Shell:
             raise IsolationError(f"shell {self.name!r}: its framing could not be set up (status {status})")
         self._reset = f'\\eval "${_RESET_VAR}"'
         self._trailer = f'\\eval "${_TRAILER_VAR}"'
-
+        # Whether a redirection can name a descriptor past 9 (bash, busybox ash; dash's syntax takes one digit):
+        # such a shell's commands can reach the saved copy of the channel (see trusted_results).
+        names, _ = self.run("(: 10</dev/null <&10 && \\echo FD10) 2>/dev/null", timeout=30)
+        #: Whether no earlier command can forge a later run's status or output. False in a shell whose
+        #: redirections name descriptors past 9 (bash, busybox ash: Fedora's and Alpine's ``/bin/sh``): a
+        #: command's builtins, run in the shell's own process, can read the run's marker from the saved copy of
+        #: the channel, report the run ended, and stay in the shell to answer the next runs themselves. True in
+        #: dash (Debian's and Ubuntu's ``/bin/sh``). A status a grader must trust comes from ``Sandbox.exec``.
+        self.trusted_results = "FD10" not in names
 
     @property
     def alive(self) -> bool:

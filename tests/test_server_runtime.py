@@ -97,7 +97,8 @@ def test_endpoint_forwards_http_to_the_sandboxs_own_port(server: base.Server) ->
             "    if b\"send\" + b\"_fds\" in open(\"/proc/%s/cmdline\" % p, \"rb\").read():\n"
             "        os.kill(int(p), signal.SIGKILL); print(\"killed\")'")
         assert [m.text for m in killed.logs.stdout] == ["killed"]
-        assert httpx.get(url, headers=endpoint.headers).status_code == 201
+        again = httpx.get(url, headers=endpoint.headers)
+        assert again.status_code == 201, again.text
         # The app's own log (its stdout) is the sandbox's container log.
         logs = sandbox.get_diagnostic_logs("container")
         assert "served POST /echo/a%20b?q=1&r=%2F" in (logs.content or "")

@@ -27,6 +27,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from ..model.errors import IsolationError
 from .models import ApiError
 from .state import ManagedSandbox
 
@@ -136,7 +137,14 @@ class Forwarder:
                     raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {self.managed.id} is gone")
                 channel = self.channel
                 if channel is None:
-                    channel = await run_in_threadpool(self._start)
+                    try:
+                        channel = await run_in_threadpool(self._start)
+                    except IsolationError as exc:  # its spawn failed (the sandbox's exec server busy, ending)
+                        self._stop()
+                        if attempt == 2:
+                            raise ApiError(502, "FORWARD_FAILED", f"the sandbox's connector could not start ({exc})") \
+                                from None
+                        continue
                 try:
                     channel.send(struct.pack("!H", port))  # 2 bytes into an empty socket: never blocks
                     message, fds = await asyncio.wait_for(self._receive(channel), CONNECT_TIMEOUT)

@@ -27,7 +27,7 @@ import pytest
 from imagekit import node_tls_files
 
 pytest.importorskip("ray", reason="ray is not installed: pip install '.[ray]'")
-from isolate.ray import channel, direct  # noqa: E402  (after the skip: isolate.ray imports ray)
+from isolate.ray import channel, direct
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's certificates")
 

@@ -221,6 +221,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray.py",
     "test_ray_direct.py",
     "test_ray_nodes.py",
+    "test_ray_tls.py",
     "test_server.py",
     "test_server_crashes.py",
     "test_server_keepall.py",

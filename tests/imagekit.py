@@ -178,6 +178,24 @@ def client_certificate(files: dict[str, str], directory: str) -> None:
         target.write(source.read())
 
 
+def node_tls_files(directory: str, ips: list[str]) -> dict[str, str]:
+    """A throwaway CA and one certificate it signed for the addresses ``ips``, good as a server's and as a
+    client's (the one certificate Ray's TLS presents both ways: RAY_TLS_SERVER_CERT), made with openssl in
+    directory: their paths ({"ca", "cert", "key"})."""
+    os.makedirs(directory, exist_ok=True)
+    files = {name: os.path.join(directory, name) for name in ("ca.crt", "ca.key", "node.crt", "node.key")}
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", files["ca.key"], "-out", files["ca.crt"], "-subj", "/CN=isolate test cluster CA",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", files["node.key"], "-out", files["node.crt"], "-subj", "/CN=isolate test node",
+             "-CA", files["ca.crt"], "-CAkey", files["ca.key"],
+             "-addext", "subjectAltName=" + ",".join(f"IP:{ip}" for ip in dict.fromkeys(ips)),
+             "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
+             "-addext", "extendedKeyUsage=serverAuth,clientAuth")
+    return {"ca": files["ca.crt"], "cert": files["node.crt"], "key": files["node.key"]}
+
+
 class TokenSigner:
     """A token service's key (RSA, self-signed certificate: the bundle a registry's ``auth: token:`` trusts),
     and JWTs (RS256) signed with it, as the distribution registry verifies them: the key named by its libtrust

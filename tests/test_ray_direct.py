@@ -70,6 +70,7 @@ def test_calls_on_the_direct_route_answer_as_through_the_actor(cluster: Any) -> 
         assert (direct_result.returncode, direct_result.stdout) == (3, "out\nin\n")
         stats = sb.stats
         assert stats["route"] == "direct" and stats["why"] is None and stats["direct_calls"] == 1, stats
+        assert stats["tls"] is False  # Ray without TLS: neither is the route (test_ray_tls.py)
         # A node's refusal comes back as itself.
         with pytest.raises(FileNotFoundError) as direct_error:
             sb.read_file("/nonexistent/x")

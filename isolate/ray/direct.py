@@ -13,8 +13,9 @@ body is read as anything. A peer that sends anything else (a frame past
 ``MAX_FRAME``, an unknown sandbox, a wrong proof, a request id not above the
 last) has its connection closed; a peer that sends nothing is closed after
 ``FIRST_FRAME_TIMEOUT``. Answers carry the same proof, so the client takes
-nothing from another speaker. There is no encryption: under Ray's TLS
-(``RAY_USE_TLS``) the route is not offered and calls go through the actor.
+nothing from another speaker. Under Ray's TLS (``RAY_USE_TLS``) the
+connection is TLS with Ray's own certificates, both sides proved by the
+cluster's CA (isolate/ray/channel.py); the per-sandbox proof stays.
 
 Wire format (network byte order):
 
@@ -33,21 +34,24 @@ the actor never answers (``watch``): it ends when the actor does.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import os
 import pickle
+import queue
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from .channel import Plain, Tls
+
+__all__ = ["Broken", "Failure", "Listener", "Route", "Stashed", "TooLarge"]
 
 MAGIC = b"IRD1"
 NONCE = 32
@@ -95,19 +99,12 @@ class Stashed:
         self.key = key
 
 
-def ray_uses_tls() -> bool:
-    """Whether the cluster's Ray encrypts its connections (as Ray reads it): then this route is not offered."""
-    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
-
-
 def _proof(secret: bytes, nonce: bytes, *parts: bytes) -> bytes:
-    mac = hmac.new(secret, nonce, hashlib.sha256)
-    for part in parts:
-        mac.update(part)
-    return mac.digest()
+    # hmac.digest: OpenSSL's one-shot HMAC, a fifth of hmac.new's cost on a small frame (four per call)
+    return hmac.digest(secret, b"".join((nonce, *parts)), "sha256")
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+def _recv_exact(sock: Plain | Tls, size: int) -> bytes | None:
     """Exactly ``size`` bytes, or None at the end of the stream."""
     chunks, left = [], size
     while left:
@@ -117,6 +114,76 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+class _Stream:
+    """A channel read in large pieces: a frame's header, its body and the frames after it in one recv."""
+
+    def __init__(self, channel: Plain | Tls) -> None:
+        self.channel = channel
+        self._buffer = bytearray()
+
+    def take(self, size: int) -> bytes | None:
+        """Exactly ``size`` bytes, or None at the end of the stream."""
+        while len(self._buffer) < size:
+            chunk = self.channel.recv(min(max(1 << 16, size - len(self._buffer)), 1 << 20))
+            if not chunk:
+                return None
+            self._buffer += chunk
+        data = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        return data
+
+
+class _Workers:
+    """Threads that run the requests (each exec waits in one, as the actor's calls do): at most ``most``, one
+    started only when none is idle. Lighter than a ThreadPoolExecutor per request (no future, no semaphore)."""
+
+    def __init__(self, most: int) -> None:
+        self._most = most
+        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads that finished their request and take the next (each counted for one request)
+        self._threads = 0
+        self._owed = 0  # requests queued while every thread was busy
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("closed")
+            start = False
+            if self._idle:
+                self._idle -= 1  # that thread takes this request (or another's: each request has its thread)
+            elif self._threads < self._most:
+                start, self._threads = True, self._threads + 1
+            else:
+                self._owed += 1  # every thread busy: the next to finish takes it (and is not counted idle)
+        self._queue.put((fn, args))
+        if start:
+            threading.Thread(target=self._work, name="isolate-direct", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args = item
+            fn(*args)
+            with self._lock:
+                if self._closed:
+                    return
+                if self._owed:
+                    self._owed -= 1
+                else:
+                    self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        for _ in range(threads):
+            self._queue.put(None)
 
 
 def _dumps(result: Any) -> bytes:
@@ -134,8 +201,10 @@ def _dumps(result: Any) -> bytes:
 class Listener:
     """The host actor's port: ``serve(sid, operation, args)`` answers each proved request (never raises)."""
 
-    def __init__(self, ip: str, serve: Callable[[str, str, tuple[Any, ...]], Any]) -> None:
+    def __init__(self, ip: str, serve: Callable[[str, str, tuple[Any, ...]], Any],
+                 tls: ssl.SSLContext | None = None) -> None:
         self._serve = serve
+        self.tls = tls
         self._lock = threading.Lock()
         self._secrets: dict[str, bytes] = {}
         self._retired: OrderedDict[str, bytes] = OrderedDict()
@@ -145,7 +214,7 @@ class Listener:
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self._sock = socket.create_server((ip, 0), family=family, backlog=128)
         self.address = (ip, int(self._sock.getsockname()[1]))
-        self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="isolate-direct")
+        self._workers = _Workers(WORKERS)
         threading.Thread(target=self._accept, name="isolate-direct-accept", daemon=True).start()
 
     def admit(self, sid: str) -> bytes:
@@ -180,7 +249,7 @@ class Listener:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._workers.close()
 
     def _secret(self, sid: str) -> bytes | None:
         with self._lock:
@@ -206,11 +275,13 @@ class Listener:
         send = threading.Lock()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(FIRST_FRAME_TIMEOUT)
-            conn.sendall(MAGIC + nonce)
+            conn.settimeout(FIRST_FRAME_TIMEOUT)  # the TLS handshake too
+            channel = Plain(conn) if self.tls is None else Tls(conn, self.tls, server_side=True)
+            channel.sendall(MAGIC + nonce)
+            stream = _Stream(channel)
             last = 0
             while True:
-                header = _recv_exact(conn, REQUEST.size)
+                header = stream.take(REQUEST.size)
                 if header is None:
                     return
                 length, rid, sid_bytes, proof = REQUEST.unpack(header)
@@ -219,13 +290,13 @@ class Listener:
                 secret = self._secret(sid_bytes.decode("ascii", "replace"))
                 if secret is None:
                     return
-                body = _recv_exact(conn, length)
+                body = stream.take(length)
                 if body is None or not hmac.compare_digest(proof, _proof(secret, nonce, header[:-32], body)):
                     return
                 last = rid
                 conn.settimeout(None)  # a proved client: its connection stays while it is idle
-                self._workers.submit(self._answer, conn, send, nonce, rid, sid_bytes.decode("ascii"), secret, body)
-        except (OSError, RuntimeError):  # a broken peer, or the executor shut down
+                self._workers.submit(self._answer, channel, send, nonce, rid, sid_bytes.decode("ascii"), secret, body)
+        except (OSError, RuntimeError):  # a broken peer, or the workers closed
             return
         finally:
             with self._lock:
@@ -236,7 +307,7 @@ class Listener:
                 pass
             conn.close()
 
-    def _answer(self, conn: socket.socket, send: threading.Lock, nonce: bytes, rid: int, sid: str, secret: bytes,
+    def _answer(self, channel: Plain | Tls, send: threading.Lock, nonce: bytes, rid: int, sid: str, secret: bytes,
                 body: bytes) -> None:
         try:
             operation, args = pickle.loads(body)  # proved: the client that holds this sandbox's secret
@@ -253,7 +324,7 @@ class Listener:
         frame = head + _proof(secret, nonce, b"R", head, blob) + blob
         try:
             with send:
-                conn.sendall(frame)
+                channel.sendall(frame)
         except OSError:
             pass  # the client is gone: it asks the actor what became of the node
 
@@ -262,26 +333,41 @@ class Listener:
 
 
 class _Waiter:
-    __slots__ = ("done", "error", "event", "result", "secret")
+    """One call's wait: ``wake()`` lets its thread look again (its answer came, or it is to read for all); a
+    lock held while nothing is to be seen, cheaper than an Event (a Condition) on every call."""
+
+    __slots__ = ("_signal", "done", "error", "result", "secret")
 
     def __init__(self, secret: bytes) -> None:
         self.secret = secret
-        self.event = threading.Event()
+        self._signal = threading.Lock()
+        self._signal.acquire()
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
 
+    def wake(self) -> None:
+        try:
+            self._signal.release()
+        except RuntimeError:  # woken already and not yet looked: once is enough
+            pass
+
+    def sleep(self) -> None:
+        self._signal.acquire()
+
 
 class Route:
     """This client's connection to one node's host (see the module's docstring). ``ended()`` says whether Ray
-    saw the node's actor end; it is asked while a call waits longer than WATCH_SLICE."""
+    saw the node's actor end; it is asked while a call waits longer than WATCH_SLICE. With ``tls`` (a client
+    context of Ray's certificates) the host's certificate must name the node's address."""
 
-    def __init__(self, address: tuple[str, int], ended: Callable[[], bool]) -> None:
+    def __init__(self, address: tuple[str, int], ended: Callable[[], bool], tls: ssl.SSLContext | None = None) -> None:
         self._ended = ended
         self._sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_exact(self._sock, len(MAGIC) + NONCE)
+            self._channel = Plain(self._sock) if tls is None else Tls(self._sock, tls, False, address[0])
+            hello = _recv_exact(self._channel, len(MAGIC) + NONCE)
         except OSError:
             self._sock.close()
             raise
@@ -296,6 +382,7 @@ class Route:
         self._next = 0
         self._buffer = bytearray()
         self.broken: BaseException | None = None
+        self.tls = self._channel.tls
 
     def close(self) -> None:
         self._break(Broken("closed"))
@@ -330,7 +417,7 @@ class Route:
             self._pending[rid] = waiter
             header = struct.pack(">IQ16s", len(body), rid, name)
             try:
-                self._sock.sendall(header + _proof(secret, self._nonce, header, body) + body)
+                self._channel.sendall(header + _proof(secret, self._nonce, header, body) + body)
             except OSError as exc:
                 self._break_locked(Broken(f"send: {exc}"))
         return self._wait(waiter)
@@ -352,10 +439,9 @@ class Route:
                     with self._send:
                         heir = next((w for w in self._pending.values() if not w.done), None)
                     if heir is not None:
-                        heir.event.set()
+                        heir.wake()
             else:
-                waiter.event.wait()
-                waiter.event.clear()
+                waiter.sleep()
         if waiter.error is not None:
             raise waiter.error
         return waiter.result
@@ -363,7 +449,7 @@ class Route:
     def _fill(self, size: int) -> None:
         while len(self._buffer) < size:
             try:
-                chunk = self._sock.recv(max(1 << 16, size - len(self._buffer)))
+                chunk = self._channel.recv(max(1 << 16, size - len(self._buffer)))
             except TimeoutError:
                 if self._ended():
                     raise Broken("Ray says the node's host ended") from None
@@ -389,7 +475,7 @@ class Route:
         with self._send:
             del self._pending[rid]
         waiter.result, waiter.done = result, True
-        waiter.event.set()
+        waiter.wake()
 
     def _break(self, exc: BaseException) -> None:
         with self._send:
@@ -405,5 +491,5 @@ class Route:
             self._sock.close()
         for waiter in self._pending.values():
             waiter.error, waiter.done = Broken(str(exc)), True
-            waiter.event.set()
+            waiter.wake()
         self._pending.clear()

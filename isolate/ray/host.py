@@ -37,10 +37,11 @@ from ..kept.sandbox import Sandbox, SandboxProcess
 from ..kept.snapshots import Snapshot, sweep_temporary_snapshots
 from ..kernel.places import runtime_subdir
 from ..model import hooks
-from ..model.errors import IsolationError, PolicyError
+from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
-from .direct import Failure, Listener, ray_uses_tls
+from .channel import ray_uses_tls, tls_context
+from .direct import Failure, Listener
 from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
@@ -155,15 +156,18 @@ class SandboxHost:
         # What an earlier host on this machine left when it was killed with its node (no close() ran).
         sweep_unnamed()
         sweep_temporary_snapshots()
-        #: The direct route's port (isolate/ray/direct.py), at the node's address as Ray knows it; none under
-        #: Ray's TLS (the route does not encrypt) or when it cannot listen (calls go through this actor).
+        #: The direct route's port (isolate/ray/direct.py), at the node's address as Ray knows it, TLS with Ray's
+        #: certificates under Ray's TLS (isolate/ray/channel.py); none when it cannot listen, or Ray's TLS files
+        #: do not load here (calls go through this actor).
         self._direct: Listener | None = None
-        self.direct_refused = "Ray uses TLS" if ray_uses_tls() else None
-        if self.direct_refused is None:
-            try:
-                self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call)
-            except OSError as exc:
-                self.direct_refused = f"cannot listen: {exc}"
+        self.direct_refused: str | None = None
+        try:
+            tls = tls_context(server_side=True) if ray_uses_tls() else None
+            self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call, tls)
+        except UnsupportedError as exc:
+            self.direct_refused = str(exc)
+        except OSError as exc:
+            self.direct_refused = f"cannot listen: {exc}"
         self._ended = threading.Event()
 
     # -- sandboxes ---------------------------------------------------------------------
@@ -182,7 +186,7 @@ class SandboxHost:
         secret (handed out here, through Ray, only), or why there is no route."""
         if self._direct is None:
             return {"direct": None, "direct_refused": self.direct_refused}
-        return {"direct": self._direct.address, "secret": self._direct.admit(sid)}
+        return {"direct": self._direct.address, "secret": self._direct.admit(sid), "tls": self._direct.tls is not None}
 
     def _direct_call(self, sid: str, operation: str, args: tuple[Any, ...]) -> Any:
         """A proved request of the direct route, for sandbox ``sid`` only: its Sandbox calls and sessions."""

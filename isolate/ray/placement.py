@@ -23,6 +23,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
+from .channel import ray_uses_tls, tls_context
 from .direct import RETRY_AFTER, Failure, Route
 from .host import SandboxHost
 
@@ -73,6 +74,7 @@ class Hosts:
         # The direct route to each node (isolate/ray/direct.py): its address, the open route, the call that
         # ends with the node's actor, and when a route that did not open may be tried again (and why).
         self._addresses: dict[str, tuple[str, int]] = {}
+        self._tls: dict[str, bool] = {}  # whether the node's host speaks TLS on its route
         self._routes: dict[str, Route] = {}
         self._watches: dict[str, Any] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}
@@ -108,6 +110,7 @@ class Hosts:
             self._actors.pop(node_id, None)
             self.placed.pop(node_id, None)
             self._addresses.pop(node_id, None)
+            self._tls.pop(node_id, None)
             self._watches.pop(node_id, None)
             route = self._routes.pop(node_id, None)
         if route is not None:
@@ -115,11 +118,13 @@ class Hosts:
 
     # -- the direct route ---------------------------------------------------------------------------
 
-    def learn(self, node_id: str, address: Any) -> None:
-        """The address of that node's direct route, as its host said when it started a sandbox."""
+    def learn(self, node_id: str, address: Any, tls: bool = False) -> None:
+        """The address of that node's direct route, and whether it speaks TLS, as its host said when it started
+        a sandbox."""
         if address is not None:
             with self._lock:
                 self._addresses[node_id] = (str(address[0]), int(address[1]))
+                self._tls[node_id] = bool(tls)
 
     def route(self, node_id: str) -> Route | str:
         """The open direct route to that node (opened on first use), or why calls go through its actor."""
@@ -133,6 +138,9 @@ class Hosts:
                 if route is not None and not route.stale():
                     return route
                 address = self._addresses.get(node_id)
+                # TLS when the node's host speaks it or this client's Ray uses it: never plain bytes under
+                # Ray's TLS (a host that listens in the clear then fails the handshake: calls take the actor).
+                tls = self._tls.get(node_id, False) or ray_uses_tls()
                 refused = self._unreachable.get(node_id)
                 actor = self._actors.get(node_id)
             if address is None or actor is None:
@@ -149,7 +157,9 @@ class Hosts:
                 return bool(done)
 
             try:
-                route = Route(address, ended)
+                route = Route(address, ended, tls_context(server_side=False) if tls else None)
+            except UnsupportedError as exc:  # Ray's TLS files do not load here
+                return str(exc)
             except OSError as exc:
                 why = f"{address[0]}:{address[1]} did not open ({type(exc).__name__}: {exc})"
                 with self._lock:
@@ -182,6 +192,7 @@ class Hosts:
             self.placed.clear()
             routes, self._routes = list(self._routes.values()), {}
             self._addresses.clear()
+            self._tls.clear()
             self._watches.clear()
             self._unreachable.clear()
         for route in routes:

@@ -148,6 +148,7 @@ class Sandbox:
         self._calls = {"direct": 0, "actor": 0}
         self._counting = threading.Lock()  # calls from many threads: no count lost
         self._route_why: str | None = "not started"
+        self._route_tls = False
         self.enforced: dict[str, Any] = {}
         #: Always native: a node runs isolate's own sandboxes (the same attribute as isolate.Sandbox's).
         self.backend = "native"
@@ -190,14 +191,17 @@ class Sandbox:
         self._secret = admitted.get("secret")
         self._route_why = None if self._secret is not None else str(admitted.get("direct_refused")
                                                                      or "the node's host offers no direct route")
-        hosts.learn(node_id, admitted.get("direct"))
+        self._route_tls = bool(admitted.get("tls"))
+        hosts.learn(node_id, admitted.get("direct"), self._route_tls)
         hosts.count(node_id, 1)
 
     @property
     def stats(self) -> dict[str, Any]:
         """How its calls reach its node: ``route`` "direct" (a connection of this client to the node's host,
-        isolate/ray/direct.py) or "actor" (through Ray, with ``why``), and how many calls took each."""
-        return {"route": "actor" if self._route_why is not None else "direct", "why": self._route_why,
+        isolate/ray/direct.py; ``tls`` True when it is TLS, under Ray's TLS) or "actor" (through Ray, with
+        ``why``), and how many calls took each."""
+        direct = self._route_why is None
+        return {"route": "direct" if direct else "actor", "why": self._route_why, "tls": direct and self._route_tls,
                 "direct_calls": self._calls["direct"], "actor_calls": self._calls["actor"]}
 
     @classmethod
@@ -290,7 +294,7 @@ class Sandbox:
                 if isinstance(route, str):
                     self._route_why = route
                 else:
-                    self._route_why = None
+                    self._route_why, self._route_tls = None, route.tls
                     try:
                         value = route.call(self.id, self._secret, name, args[1:])  # args[0]: this sandbox's id
                     except TooLarge:

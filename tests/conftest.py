@@ -8,6 +8,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -312,3 +313,15 @@ def volume_store() -> Iterator[str]:
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)
+
+
+def running(process: int | Any) -> bool:
+    """Whether a process (a pid, or a psutil.Process) runs: not ended, not a zombie; one that ends while it is
+    looked at has ended (psutil raises NoSuchProcess then, between any two of its reads)."""
+    import psutil
+
+    try:
+        proc = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from conftest import NAMESPACES_WHY, policy
+from conftest import NAMESPACES_WHY, policy, running
 
 import isolate
 from isolate._core import lib
@@ -30,7 +30,7 @@ def _server_children(box: isolate.Sandbox, want: int) -> list[psutil.Process]:
     (server,) = init.children()
     deadline = time.monotonic() + 10
     while True:
-        children = [c for c in server.children() if c.status() != psutil.STATUS_ZOMBIE]
+        children = [c for c in server.children() if running(c)]
         if len(children) == want or time.monotonic() > deadline:
             return children
         time.sleep(0.01)
@@ -83,9 +83,9 @@ def test_a_command_that_leaves_processes_gets_a_monitor_of_its_own() -> None:
         assert box.exec("sleep 30 >/dev/null 2>&1 &").returncode == 0
         # Its monitor ended (the sleep went to the sandbox's init); a new one waits for the next command.
         deadline = time.monotonic() + 10
-        while first.is_running() and first.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        while running(first) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not first.is_running() or first.status() == psutil.STATUS_ZOMBIE
+        assert not running(first)
         # A later command's timeout ends its own tree, not what an earlier command left.
         timed = box.exec(["sleep", "10"], timeout=0.3)
         assert timed.timed_out

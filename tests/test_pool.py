@@ -16,7 +16,7 @@ import uuid
 
 import psutil
 import pytest
-from conftest import NAMESPACES_WHY, policy, python_read
+from conftest import NAMESPACES_WHY, policy, python_read, running
 
 import isolate
 from isolate.kept.pool import PoolClosedError, PoolExhaustedError
@@ -171,16 +171,11 @@ def test_a_sandbox_outlives_the_thread_that_started_it_not_its_process() -> None
     creator.kill()
     creator.wait()
     deadline = time.monotonic() + 5
-    while _running(int(init)):
+    while running(int(init)):
         assert time.monotonic() < deadline, "the sandbox outlived its creator"
         time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_a_sandbox_starts_when_its_program_descriptor_is_not_the_cached_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -325,3 +325,13 @@ def running(process: int | Any) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def recv_exact(sock: Any, size: int) -> bytes:
+    """Exactly ``size`` bytes from a socket (a test's peer); an assertion when it closes first."""
+    got = b""
+    while len(got) < size:
+        chunk = sock.recv(size - len(got))
+        assert chunk, "the peer closed the connection early"
+        got += chunk
+    return got

@@ -150,18 +150,29 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
 
 
+def _signed(files: dict[str, str], name: str, subject: str, *extensions: str) -> None:
+    """A certificate and key of files' CA (``ca.crt``, ``ca.key``): NAME.crt and NAME.key beside them (EC P-256,
+    two days); a CA of its own first, when files has none yet."""
+    if not os.path.exists(files["ca.crt"]):
+        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+                 "-keyout", files["ca.key"], "-out", files["ca.crt"], "-subj", "/CN=isolate test CA",
+                 "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-keyout", files[f"{name}.key"], "-out", files[f"{name}.crt"], "-subj", subject,
+             "-CA", files["ca.crt"], "-CAkey", files["ca.key"], "-addext", "basicConstraints=critical,CA:FALSE",
+             "-addext", "keyUsage=critical,digitalSignature", *extensions)
+
+
+def _places(directory: str, name: str) -> dict[str, str]:
+    return {part: os.path.join(directory, part) for part in ("ca.crt", "ca.key", f"{name}.crt", f"{name}.key")}
+
+
 def tls_files(directory: str) -> dict[str, str]:
     """A throwaway CA and a server certificate of 127.0.0.1 it signed (EC P-256, two days), made with openssl
     in directory: their paths ({"ca", "cert", "key"})."""
-    files = {name: os.path.join(directory, name) for name in ("ca.crt", "ca.key", "server.crt", "server.key")}
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-keyout", files["ca.key"], "-out", files["ca.crt"], "-subj", "/CN=isolate test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-keyout", files["server.key"], "-out", files["server.crt"], "-subj", "/CN=127.0.0.1",
-             "-CA", files["ca.crt"], "-CAkey", files["ca.key"], "-addext", "subjectAltName=IP:127.0.0.1",
-             "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
-             "-addext", "extendedKeyUsage=serverAuth")
+    files = _places(directory, "server")
+    _signed(files, "server", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+            "-addext", "extendedKeyUsage=serverAuth")
     return {"ca": files["ca.crt"], "cert": files["server.crt"], "key": files["server.key"], "ca_key": files["ca.key"]}
 
 
@@ -183,16 +194,10 @@ def node_tls_files(directory: str, ips: list[str]) -> dict[str, str]:
     client's (the one certificate Ray's TLS presents both ways: RAY_TLS_SERVER_CERT), made with openssl in
     directory: their paths ({"ca", "cert", "key"})."""
     os.makedirs(directory, exist_ok=True)
-    files = {name: os.path.join(directory, name) for name in ("ca.crt", "ca.key", "node.crt", "node.key")}
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-keyout", files["ca.key"], "-out", files["ca.crt"], "-subj", "/CN=isolate test cluster CA",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-keyout", files["node.key"], "-out", files["node.crt"], "-subj", "/CN=isolate test node",
-             "-CA", files["ca.crt"], "-CAkey", files["ca.key"],
-             "-addext", "subjectAltName=" + ",".join(f"IP:{ip}" for ip in dict.fromkeys(ips)),
-             "-addext", "basicConstraints=critical,CA:FALSE", "-addext", "keyUsage=critical,digitalSignature",
-             "-addext", "extendedKeyUsage=serverAuth,clientAuth")
+    files = _places(directory, "node")
+    _signed(files, "node", "/CN=isolate test node",
+            "-addext", "subjectAltName=" + ",".join(f"IP:{ip}" for ip in dict.fromkeys(ips)),
+            "-addext", "extendedKeyUsage=serverAuth,clientAuth")
     return {"ca": files["ca.crt"], "cert": files["node.crt"], "key": files["node.key"]}
 
 

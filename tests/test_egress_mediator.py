@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import recv_exact
 
 from isolate.egress import Mediator, dns, rules_from_json, rules_to_json
 from isolate.model.egress_rules import DNS_ADDRESS, PROXY_ADDRESS, EgressRules, HostRule
@@ -217,8 +218,8 @@ class Plan:
         if tcp:
             with socket.create_connection((DNS_ADDRESS, self.dns_port), timeout=10) as s:
                 s.sendall(struct.pack("!H", len(message)) + message)
-                length = struct.unpack("!H", _recv_exact(s, 2))[0]
-                return dns.parse_response(_recv_exact(s, length), ident, name, qtype)
+                length = struct.unpack("!H", recv_exact(s, 2))[0]
+                return dns.parse_response(recv_exact(s, length), ident, name, qtype)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.settimeout(10)
             s.sendto(message, (DNS_ADDRESS, self.dns_port))
@@ -229,14 +230,6 @@ class Plan:
         assert answer.rcode == dns.NOERROR and len(answer.records) == 1, answer
         return answer.records[0][0]
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, "connection closed early"
-        data += chunk
-    return data
 
 
 def _recv_all(sock: socket.socket) -> bytes:
@@ -389,7 +382,7 @@ def test_connect_relays_an_allowed_name_and_refuses_the_rest(echo: EchoServer) -
         with s:
             assert head.startswith(b"HTTP/1.1 200 ")
             s.sendall(b"ping")
-            assert _recv_exact(s, 4) == b"ping"
+            assert recv_exact(s, 4) == b"ping"
         for target, status, words in ((f"other.test:{echo.port}", b"403", f"--allow-host other.test:{echo.port}"),
                                       ("one.test:1", b"403", "--allow-host one.test:1"),
                                       (f"127.0.0.1:{echo.port}", b"403", "an address, not a name"),
@@ -528,7 +521,7 @@ def test_transparent_path_relays_allowed_names_and_resets_the_rest(echo: EchoSer
         address = p.resolve("one.test")
         with socket.create_connection((address, echo.port), timeout=10) as s:
             s.sendall(b"through")
-            assert _recv_exact(s, 7) == b"through"
+            assert recv_exact(s, 7) == b"through"
             s.shutdown(socket.SHUT_WR)               # half-close reaches the server, whose close comes back
             assert _recv_all(s) == b""
         _assert_reset((address, other))                    # a port the name is not allowed on
@@ -565,7 +558,7 @@ def test_fifty_connections_at_once(echo: EchoServer) -> None:
         for i, s in enumerate(sockets):        # all open at once, then each used
             s.sendall(b"%05d" % i)
         for i, s in enumerate(sockets):
-            assert _recv_exact(s, 5) == b"%05d" % i
+            assert recv_exact(s, 5) == b"%05d" % i
             s.close()
         assert p.mediator.summary()["allowed"] == [{"host": "one.test", "port": echo.port, "count": 50}]
 
@@ -575,7 +568,7 @@ def test_close_ends_relays_and_is_idempotent(echo: EchoServer) -> None:
     p = Plan(rules, (echo.port,))
     s = socket.create_connection((p.resolve("one.test"), echo.port), timeout=10)
     s.sendall(b"x")
-    assert _recv_exact(s, 1) == b"x"
+    assert recv_exact(s, 1) == b"x"
     p.mediator.close()
     try:                     # ended by close(): not left to the 10 s timeout
         assert s.recv(10) == b""
@@ -640,7 +633,7 @@ def test_mediator_process_serves_and_reports(echo: EchoServer) -> None:
         address = p.resolve("one.test")
         with socket.create_connection((address, echo.port), timeout=10) as s:
             s.sendall(b"hi")
-            assert _recv_exact(s, 2) == b"hi"
+            assert recv_exact(s, 2) == b"hi"
         assert p.query("no.test").rcode == dns.NXDOMAIN
         control.sendall(b"summary\n")
         reader = control.makefile("r")
@@ -750,7 +743,7 @@ def test_an_error_in_one_connection_leaves_the_others_served(echo: EchoServer,
         _assert_reset((address, echo.port))                 # the broken one: reset, not left hanging
         with socket.create_connection((address, echo.port), timeout=10) as s:
             s.sendall(b"ok")
-            assert _recv_exact(s, 2) == b"ok"
+            assert recv_exact(s, 2) == b"ok"
         # The broken connection's worker counts its error after the reset it caused: on a busy host, later.
         deadline = time.monotonic() + 10
         while "errors" not in p.mediator.summary() and time.monotonic() < deadline:

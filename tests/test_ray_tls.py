@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from conftest import recv_exact
 from imagekit import node_tls_files
 
 pytest.importorskip("ray", reason="ray is not installed: pip install '.[ray]'")
@@ -106,14 +107,6 @@ def _said(peer: socket.socket, size: int) -> bytes:
     return got
 
 
-def _said_exactly(peer: socket.socket, size: int) -> bytes:
-    got = b""
-    while len(got) < size:
-        chunk = peer.recv(size - len(got))
-        assert chunk, "the host closed the connection"
-        got += chunk
-    return got
-
 
 def test_peers_without_the_clusters_certificate_are_closed(host: direct.Listener, files: dict[str, Any]) -> None:
     secret = host.admit(SID)
@@ -137,7 +130,7 @@ def test_peers_without_the_clusters_certificate_are_closed(host: direct.Listener
     body = pickle.dumps(("call", ("echo",)))
     for key, answered in ((b"w" * 32, False), (secret, True)):
         peer = _tls_peer(host.address, cluster["ca"], cluster)
-        greeting = _said_exactly(peer, HELLO)
+        greeting = recv_exact(peer, HELLO)
         assert greeting.startswith(direct.MAGIC)
         nonce = greeting[len(direct.MAGIC):]
         header = struct.pack(">IQ16s", len(body), 1, SID.encode())
@@ -145,9 +138,9 @@ def test_peers_without_the_clusters_certificate_are_closed(host: direct.Listener
         if not answered:
             assert _said(peer, 1) == b""
             continue
-        head = _said_exactly(peer, direct.ANSWER.size)
+        head = recv_exact(peer, direct.ANSWER.size)
         length, rid, _ = direct.ANSWER.unpack(head)
-        assert rid == 1 and pickle.loads(_said_exactly(peer, length)) == (SID, "call", ("echo",))
+        assert rid == 1 and pickle.loads(recv_exact(peer, length)) == (SID, "call", ("echo",))
         peer.close()
 
 

@@ -255,9 +255,17 @@ class KeptCommand:
         failed = ""
         try:
             proc.close_stdin()
-            said = proc.stdout.read(64)
-            while said and len(said) < 64 and (more := proc.stdout.read(64 - len(said))):
-                said += more
+            # Its one line, not its end of file: a process of the sandbox can reopen the launcher's stdout
+            # (/proc/PID/fd/1, a pipe) and hold it open for ever. Within LAUNCH_TIMEOUT, whatever it holds.
+            said, deadline = b"", time.monotonic() + LAUNCH_TIMEOUT
+            while b"\n" not in said and len(said) < 64:
+                left = deadline - time.monotonic()
+                if left <= 0 or not ready([proc.stdout_fd], timeout=left):
+                    break
+                chunk = os.read(proc.stdout_fd, 64 - len(said))
+                if not chunk:
+                    break
+                said += chunk
             rc = proc.wait(LAUNCH_TIMEOUT + 5)
             match = re.fullmatch(rb"([0-9]{1,10}) ([0-9]{1,10})\n", said)
             if rc == 3 and not said:

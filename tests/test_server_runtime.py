@@ -384,3 +384,22 @@ def test_ports_benchmark_runs() -> None:
         sys.path.pop(0)
     results = bench.run(2, lambda message: None)
     assert results["forwarded-get"]["n"] == 2 and results["host-direct-get"]["n"] == 2
+
+
+def test_the_container_log_answers_its_tail_of_a_long_entrypoint_output(server: base.Server) -> None:
+    # The entrypoint's output, past what an answer holds (1 MiB): its last bytes, marked truncated (the server
+    # reads only that tail of the sandbox's log file, never the whole kept output per request).
+    box = base._create(server, entrypoint=["/bin/sh", "-c", "head -c 2621440 /dev/zero | tr '\\0' x; echo; "
+                                           "echo last; exec tail -f /dev/null"])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            status, logs = server.call("GET", f"/v1/sandboxes/{box['id']}/diagnostics/logs?scope=container")
+            assert status == 200, logs
+            if logs["content"].endswith("\nlast\n") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert logs["content"].endswith("x\nlast\n") and logs["truncated"], logs["content"][-40:]
+        assert logs["contentLength"] <= 1 << 20 and set(logs["content"][:-6]) == {"x"}
+    finally:
+        server.call("DELETE", f"/v1/sandboxes/{box['id']}")

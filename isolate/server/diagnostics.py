@@ -48,7 +48,10 @@ def _container_text(managed: ManagedSandbox) -> tuple[str, list[str]]:
     record = managed.commands.get(managed.entry_command)
     if record is None:
         return "", ["the entrypoint's output is no longer kept (too many commands finished since)"]
-    data, _ = record.read_from(0)
+    # Only the tail an answer can hold (and a character's worth before it): never the whole kept output,
+    # up to 16 MiB a command, decoded and encoded again per request.
+    _, end = record.read_from(1 << 62)
+    data, _ = record.read_from(max(0, end - MAX_INLINE - 3))
     warnings = [] if record.output_base == 0 else [f"the first {record.output_base} bytes are no longer kept"]
     return data.decode(errors="replace"), warnings
 

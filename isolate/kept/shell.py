@@ -6,7 +6,9 @@ reopened through ``/proc/PID/fd``, and the default seccomp filter refuses ``pidf
 keeps a saved copy meanwhile (at 10 or so, to restore descriptor 3 after), which bash's and busybox
 ash's redirections can name and a subshell forked then keeps: reports count only from the shell's own
 pid (SO_PASSCRED, ``PeerChannel``), so such a holder can take a marker (the run times out) but never
-report a run. Before the command, the driver
+report a run. The command's own builtins run in the shell's process, though: in bash and busybox ash they
+can read the saved copy and answer later runs themselves, which no framing can prevent (``trusted_results``
+is False there; dash's syntax names no descriptor past 9). Before the command, the driver
 puts the run's marker (a random value, sent there and nowhere else) on that socket, where it waits
 unread; after the command the shell reads it, prints it on the output (where the command's output
 ends) and reports the exit status on the socket with it and the run's number. No output of any process

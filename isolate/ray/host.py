@@ -22,6 +22,7 @@ import hashlib
 import os
 import select
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import Any
 
 import ray
 
+from ..backends.native.loopback import connect_once
 from ..backends.native.named import sweep_unnamed
 from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
@@ -40,7 +42,7 @@ from ..model import hooks
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
-from .direct import Failure, Listener, ray_uses_tls
+from .direct import PORT_CONNECT_TIMEOUT, Failure, Listener, ray_uses_tls
 from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
@@ -161,7 +163,7 @@ class SandboxHost:
         self.direct_refused = "Ray uses TLS" if ray_uses_tls() else None
         if self.direct_refused is None:
             try:
-                self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call)
+                self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call, self._open_port)
             except OSError as exc:
                 self.direct_refused = f"cannot listen: {exc}"
         self._ended = threading.Event()
@@ -191,6 +193,11 @@ class SandboxHost:
         if operation == "session":
             return self.session(sid, *args)
         return Failure(PolicyError(f"{operation}: not a call of the direct route", "operation"))
+
+    def _open_port(self, sid: str, port: int) -> socket.socket:
+        """A forwarded connection of the direct route (the server's port route): a connection to ``port`` on
+        sandbox ``sid``'s loopback, made by a connector inside it, under its own network policy."""
+        return connect_once(self._box(sid), port, PORT_CONNECT_TIMEOUT)
 
     def take(self, key: str) -> Any:
         """A direct call's result too large for its frame (the object store carries it)."""

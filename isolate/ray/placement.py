@@ -121,6 +121,11 @@ class Hosts:
             with self._lock:
                 self._addresses[node_id] = (str(address[0]), int(address[1]))
 
+    def address(self, node_id: str) -> tuple[str, int] | None:
+        """The address of that node's direct route, if its host offers one."""
+        with self._lock:
+            return self._addresses.get(node_id)
+
     def route(self, node_id: str) -> Route | str:
         """The open direct route to that node (opened on first use), or why calls go through its actor."""
         with self._lock:

@@ -12,6 +12,7 @@ suite's, which the VM runs on other kernels; this file runs on the host only.)
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -463,7 +464,7 @@ def test_a_sandboxs_own_port_on_another_node_through_the_server(cluster: Any) ->
                 sandbox_id = body["id"]
         assert sandbox_id is not None, "no sandbox was placed on a worker node"
         prefix, headers = base._endpoint(server, sandbox_id)
-        status, answer = server.call("POST", prefix + "/command", {"command": f"python3 -c '{WEB_APP}'",
+        status, answer = server.call("POST", prefix + "/command", {"command": "python3 -c " + shlex.quote(WEB_APP),
                                                                    "background": True}, key=None, headers=headers)
         assert status == 200, answer
         status, body = server.call("GET", f"/v1/sandboxes/{sandbox_id}/endpoints/8000")

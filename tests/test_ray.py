@@ -12,6 +12,7 @@ suite's, which the VM runs on other kernels; this file runs on the host only.)
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -412,6 +413,89 @@ def test_the_opensandbox_server_over_the_cluster(cluster: Any) -> None:
     server = base.Server("--ray", cluster.address, "--profile", "default", *extra)  # any image reference
     try:
         _image_sandbox_on_a_node(server)
+    finally:
+        server.stop()
+
+
+# A web app inside the sandbox: a page that sets a cookie for the whole site, and a POST answered with the
+# sha256 of its body (a large body crosses the relay both ways).
+WEB_APP = r"""
+import hashlib, http.server
+class App(http.server.BaseHTTPRequestHandler):
+    def answer(self, out):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.send_header("Set-Cookie", "seen=1; Path=/; Domain=example.org")
+        self.send_header("Clear-Site-Data", '"*"')
+        self.end_headers()
+        self.wfile.write(out)
+    def do_GET(self):
+        self.answer(b"page " + self.path.encode() + b" from " + open("/etc/hostname", "rb").read().strip())
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(hashlib.sha256(body).hexdigest().encode() * 4000)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", 8000), App).serve_forever()
+"""
+
+
+def test_a_sandboxs_own_port_on_another_node_through_the_server(cluster: Any) -> None:
+    """`serve --ray`: a web app in a sandbox on a worker node is reached through the server's port route (the
+    node's host relays the bytes over the direct route), with the port route's token and origin isolation."""
+    pytest.importorskip("starlette", reason="the server extra is not installed: pip install 'isolate[server]'")
+    httpx = pytest.importorskip("httpx", reason="httpx is not installed: pip install 'isolate[server-test]'")
+    import hashlib
+
+    import test_server as base
+
+    extra = () if base.limits_enforceable() else ("--best-effort",)
+    server = base.Server("--ray", cluster.address, *extra)
+    workers = {worker.node_id for worker in cluster.workers}
+    try:
+        made, sandbox_id = [], None
+        while sandbox_id is None and len(made) < 4:  # placement spreads: one of the first few is on a worker
+            status, body = server.call("POST", "/v1/sandboxes", {"image": {"uri": "ubuntu"}, "timeout": 120,
+                                                                 "networkPolicy": {"defaultAction": "deny"}})
+            assert status == 202, body
+            made.append(body["id"])
+            message = server.call("GET", f"/v1/sandboxes/{body['id']}")[1]["status"]["message"]
+            if message.rsplit("on Ray node ", 1)[-1] in workers:
+                sandbox_id = body["id"]
+        assert sandbox_id is not None, "no sandbox was placed on a worker node"
+        prefix, headers = base._endpoint(server, sandbox_id)
+        status, answer = server.call("POST", prefix + "/command", {"command": "python3 -c " + shlex.quote(WEB_APP),
+                                                                   "background": True}, key=None, headers=headers)
+        assert status == 200, answer
+        status, body = server.call("GET", f"/v1/sandboxes/{sandbox_id}/endpoints/8000")
+        assert status == 200, body
+        url, token = f"http://{body['endpoint']}", body["headers"]
+        deadline = time.monotonic() + 20
+        while True:
+            r = httpx.get(url + "/index.html?x=1", headers=token, timeout=30)
+            if r.status_code != 502 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        hostname = base.run_command(server, sandbox_id, "cat /etc/hostname").strip()
+        assert (r.status_code, r.text) == (200, f"page /index.html?x=1 from {hostname}"), r.text
+        # The port route's origin isolation holds for a remote app as for a local one.
+        assert r.headers["content-security-policy"].startswith("sandbox ")
+        assert r.headers["set-cookie"] == f"seen=1; Path=/sandboxes/{sandbox_id}/port/8000"
+        assert "clear-site-data" not in r.headers
+        big = os.urandom(3 << 20)
+        r = httpx.post(url + "/", content=big, headers=token, timeout=60)
+        assert (r.status_code, r.text) == (200, hashlib.sha256(big).hexdigest() * 4000)
+        # A wrong token, another port's, or none: refused before anything reaches the node.
+        assert httpx.get(url + "/", headers={"OpenSandbox-Secure-Access": "0" * 64}).status_code == 401
+        other = server.call("GET", f"/v1/sandboxes/{sandbox_id}/endpoints/8001")[1]
+        assert httpx.get(url + "/", headers=other["headers"]).status_code == 401
+        assert httpx.get(url + "/").status_code == 401
+        # A port nothing listens on, on that node: named as on one machine.
+        r = httpx.get(f"http://{other['endpoint']}/", headers=other["headers"])
+        assert (r.status_code, r.json()["code"]) == (502, "PORT_NOT_LISTENING"), r.text
+        for made_id in made:
+            server.call("DELETE", f"/v1/sandboxes/{made_id}")
+        assert httpx.get(url + "/", headers=token).status_code == 401  # gone with its sandbox
     finally:
         server.stop()
 

@@ -144,6 +144,50 @@ def test_peers_without_the_clusters_certificate_are_closed(host: direct.Listener
         peer.close()
 
 
+def test_a_forwarded_port_goes_over_tls(ray_tls: dict[str, str]) -> None:
+    """A sandbox's port forwarded over the route (``serve --ray``'s port route) is TLS under Ray's TLS: the
+    app's bytes both ways, an app that answers before it reads included, and its end; the sandbox's secret is
+    still asked for."""
+    app = socket.create_server(("127.0.0.1", 0))
+    port = app.getsockname()[1]
+
+    def app_serves() -> None:
+        conn, _ = app.accept()
+        with conn:
+            conn.sendall(b"hello\n")  # before it reads
+            while data := conn.recv(1 << 16):
+                conn.sendall(data.upper())
+
+    opened: list[int] = []
+
+    def open_port(sid: str, asked: int) -> socket.socket:
+        opened.append(asked)
+        return socket.create_connection(("127.0.0.1", asked), timeout=5)
+
+    listener = direct.Listener("127.0.0.1", serve, channel.tls_context(server_side=True), open_port)
+    try:
+        secret = listener.admit(SID)
+        with pytest.raises(direct.Broken):  # a wrong secret: the host closes without an answer
+            direct.open_port(listener.address, SID, b"w" * 32, port, channel.tls_context(server_side=False))
+        with ThreadPoolExecutor(1) as background:
+            served = background.submit(app_serves)
+            sock = direct.open_port(listener.address, SID, secret, port, channel.tls_context(server_side=False))
+            with sock:
+                assert recv_exact(sock, 6) == b"hello\n"
+                payload = os.urandom(300_000).hex().encode()  # many TLS records each way
+                sock.sendall(payload)
+                assert recv_exact(sock, len(payload)) == payload.upper()
+                sock.shutdown(socket.SHUT_WR)
+                assert sock.recv(1) == b""  # the app saw the end and closed
+            served.result(timeout=10)
+        assert opened == [port]
+        with pytest.raises(OSError):  # a client in the clear: the TLS host never greets it
+            direct.open_port(listener.address, SID, secret, port)
+    finally:
+        listener.close()
+        app.close()
+
+
 def test_a_client_under_tls_calls_no_host_the_cluster_did_not_certify(ray_tls: dict[str, str],
                                                                      files: dict[str, Any]) -> None:
     stranger = files["stranger"]

@@ -71,6 +71,9 @@ class Plain:
     def sendall(self, data: bytes) -> None:
         self.sock.sendall(data)
 
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
 
 class Tls:
     """TLS over the TCP socket through memory BIOs (see the module's docstring). The handshake runs in the
@@ -135,3 +138,7 @@ class Tls:
                     view = view[written:]
                     sealed.append(self._out.read())
             self.sock.sendall(b"".join(sealed))
+
+    def shutdown(self, how: int) -> None:
+        """The TCP connection's side(s) shut, with no TLS close (a forwarded connection's end, direct.py)."""
+        self.sock.shutdown(how)

@@ -26,6 +26,15 @@ Wire format (network byte order):
   result; a result past ``MAX_FRAME`` stays on the node (``Stashed``) and the
   client takes it through the actor, whose object store carries large values.
 
+A connection may instead carry one forwarded connection to a port on a
+sandbox's loopback (the server's port route, ``isolate-run serve --ray``): its
+first request is ``PORT`` with the port, proved as any request; the host has a
+connector started in the sandbox connect to the port
+(isolate/backends/native/loopback.py: under the sandbox's own network policy,
+the socket checked), answers (proved: ``"open"`` or the failure), and from
+then on the connection carries the bytes both ways, unframed, until either
+side ends (``open_port`` on the client's side).
+
 A connection that breaks names no outcome: the caller asks the node's actor
 (``SandboxLostError`` when Ray says the node is gone, in the time Ray takes).
 While a call waits, the reader looks every ``WATCH_SLICE`` seconds at a call
@@ -49,9 +58,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..model.errors import PolicyError
 from .channel import Plain, Tls
 
-__all__ = ["Broken", "Failure", "Listener", "Route", "Stashed", "TooLarge"]
+__all__ = ["Broken", "Failure", "Listener", "Route", "Stashed", "TooLarge", "open_port"]
 
 MAGIC = b"IRD1"
 NONCE = 32
@@ -73,6 +83,10 @@ CONNECT_TIMEOUT = 2.0
 RETRY_AFTER = 30.0
 #: How often a waiting client looks whether Ray saw the node's actor end.
 WATCH_SLICE = 1.0
+#: The operation of a connection's first request that makes it a forwarded connection to a sandbox's port.
+PORT = "port"
+#: How long the sandbox's connector may take to connect to its port (a loopback connect is immediate, or refused).
+PORT_CONNECT_TIMEOUT = 10.0
 #: Closed sandboxes whose secrets are kept to answer a late call ("closed") rather than close the connection.
 RETIRED = 4096
 
@@ -132,6 +146,12 @@ class _Stream:
             self._buffer += chunk
         data = bytes(self._buffer[:size])
         del self._buffer[:size]
+        return data
+
+    def rest(self) -> bytes:
+        """What was read past the last frame taken (and is taken now)."""
+        data = bytes(self._buffer)
+        self._buffer.clear()
         return data
 
 
@@ -199,12 +219,15 @@ def _dumps(result: Any) -> bytes:
 
 
 class Listener:
-    """The host actor's port: ``serve(sid, operation, args)`` answers each proved request (never raises)."""
+    """The host actor's port: ``serve(sid, operation, args)`` answers each proved request (never raises);
+    ``open_port(sid, port)`` connects to a port on sandbox ``sid``'s loopback for a forwarded connection."""
 
     def __init__(self, ip: str, serve: Callable[[str, str, tuple[Any, ...]], Any],
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None,
+                 open_port: Callable[[str, int], socket.socket] | None = None) -> None:
         self._serve = serve
         self.tls = tls
+        self._open_port = open_port
         self._lock = threading.Lock()
         self._secrets: dict[str, bytes] = {}
         self._retired: OrderedDict[str, bytes] = OrderedDict()
@@ -293,6 +316,11 @@ class Listener:
                 body = stream.take(length)
                 if body is None or not hmac.compare_digest(proof, _proof(secret, nonce, header[:-32], body)):
                     return
+                if last == 0 and self._open_port is not None:
+                    operation, args = pickle.loads(body)  # proved: the client that holds this sandbox's secret
+                    if operation == PORT:
+                        self._forward(stream, nonce, rid, sid_bytes.decode("ascii"), secret, tuple(args))
+                        return
                 last = rid
                 conn.settimeout(None)  # a proved client: its connection stays while it is idle
                 self._workers.submit(self._answer, channel, send, nonce, rid, sid_bytes.decode("ascii"), secret, body)
@@ -306,6 +334,39 @@ class Listener:
             except OSError:
                 pass
             conn.close()
+
+    def _forward(self, stream: _Stream, nonce: bytes, rid: int, sid: str, secret: bytes,
+                 args: tuple[Any, ...]) -> None:
+        """A forwarded connection: the sandbox's port connected, the proved answer sent, then the bytes relayed
+        both ways until either side ends (in this connection's thread and one more)."""
+        assert self._open_port is not None
+        upstream: socket.socket | None = None
+        try:
+            port = args[0] if len(args) == 1 else None
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise PolicyError(f"port: expected a port number (1-65535), got {port!r}", "port")
+            upstream = self._open_port(sid, port)
+            result: Any = "open"
+        except Exception as exc:
+            result = Failure(exc)
+        blob = _dumps(result)
+        head = struct.pack(">IQ", len(blob), rid)
+        try:
+            stream.channel.sendall(head + _proof(secret, nonce, b"R", head, blob) + blob)
+        except OSError:
+            if upstream is not None:
+                upstream.close()
+            return
+        if upstream is None:
+            return
+        stream.channel.sock.settimeout(None)
+        upstream.settimeout(None)
+        other = threading.Thread(target=_relay, args=(upstream, stream.channel), name="isolate-direct-port",
+                                 daemon=True)
+        other.start()
+        _relay(stream.channel, upstream, stream.rest())
+        other.join()
+        upstream.close()
 
     def _answer(self, channel: Plain | Tls, send: threading.Lock, nonce: bytes, rid: int, sid: str, secret: bytes,
                 body: bytes) -> None:
@@ -327,6 +388,27 @@ class Listener:
                 channel.sendall(frame)
         except OSError:
             pass  # the client is gone: it asks the actor what became of the node
+
+
+def _relay(source: Plain | Tls | socket.socket, sink: Plain | Tls | socket.socket, first: bytes = b"") -> None:
+    """Bytes from source to sink (``first``, then what source sends) until source ends (then sink's writing side
+    is shut) or either breaks (then both are shut, which ends the other direction's relay too). A TLS side's
+    end is its TCP connection's: the bytes of a forwarded connection are the app's, which frames its own."""
+    try:
+        if first:
+            sink.sendall(first)
+        while True:
+            data = source.recv(1 << 16)
+            if not data:
+                sink.shutdown(socket.SHUT_WR)
+                return
+            sink.sendall(data)
+    except OSError:
+        for side in (source, sink):
+            try:
+                side.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 # -- the client's side --------------------------------------------------------------------------
@@ -493,3 +575,60 @@ class Route:
             waiter.error, waiter.done = Broken(str(exc)), True
             waiter.wake()
         self._pending.clear()
+
+
+def open_port(address: tuple[str, int], sid: str, secret: bytes, port: int,
+              tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connection of its own to the node's host at ``address`` that carries one connection to ``port`` on the
+    loopback of sandbox ``sid`` (see the module's docstring): after the host's proved answer, the bytes of the
+    app. With ``tls`` (the node's route speaks TLS) the socket returned is one end of a local pair whose bytes
+    two threads carry over the TLS connection. Raises the host's failure
+    (isolate.backends.native.loopback.ConnectorError: nothing listens there...), OSError, or Broken (an answer
+    not proved by the sandbox's secret)."""
+    name = sid.encode("ascii")
+    if len(name) != 16:
+        raise ValueError(f"sandbox id {sid!r}: expected 16 characters")
+    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = Plain(sock) if tls is None else Tls(sock, tls, False, address[0])
+        hello = _recv_exact(channel, len(MAGIC) + NONCE)
+        if hello is None or not hello.startswith(MAGIC):
+            raise ConnectionRefusedError(f"{address[0]}:{address[1]} did not greet as an isolate host")
+        nonce = hello[len(MAGIC):]
+        body = pickle.dumps((PORT, (port,)), protocol=5)
+        header = struct.pack(">IQ16s", len(body), 1, name)
+        channel.sendall(header + _proof(secret, nonce, header, body) + body)
+        sock.settimeout(PORT_CONNECT_TIMEOUT + CONNECT_TIMEOUT)
+        head = _recv_exact(channel, ANSWER.size)
+        if head is None:
+            raise Broken("the node closed the connection")
+        length, rid, proof = ANSWER.unpack(head)
+        if length > MAX_FRAME or rid != 1:
+            raise Broken(f"an answer of {length} bytes to request {rid}")
+        blob = _recv_exact(channel, length)
+        if blob is None or not hmac.compare_digest(proof, _proof(secret, nonce, b"R", head[:12], blob)):
+            raise Broken("an answer not proved by the sandbox's secret")
+        result = pickle.loads(blob)  # proved: the node's host, which holds the secret
+        if isinstance(result, Failure):
+            raise result.error
+        if result != "open":
+            raise Broken(f"the host answered {type(result).__name__}")
+        sock.settimeout(None)
+        if isinstance(channel, Plain):
+            return sock
+        ours, theirs = socket.socketpair()
+    except BaseException:
+        sock.close()
+        raise
+
+    def carry() -> None:
+        other = threading.Thread(target=_relay, args=(channel, theirs), name="isolate-direct-port", daemon=True)
+        other.start()
+        _relay(theirs, channel)
+        other.join()
+        theirs.close()
+        sock.close()
+
+    threading.Thread(target=carry, name="isolate-direct-port", daemon=True).start()
+    return ours

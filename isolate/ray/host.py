@@ -22,6 +22,7 @@ import hashlib
 import os
 import select
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import Any
 
 import ray
 
+from ..backends.native.loopback import connect_once
 from ..backends.native.named import sweep_unnamed
 from ..kept.pool import SandboxPool
 from ..kept.sandbox import Sandbox, SandboxProcess
@@ -41,7 +43,7 @@ from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Policy
 from ..model.workspace import Workspace
 from .channel import ray_uses_tls, tls_context
-from .direct import Failure, Listener
+from .direct import PORT_CONNECT_TIMEOUT, Failure, Listener
 from .layers import Layers
 from .transfer import MAX_PACKED, pack_tree, unpack_tree
 
@@ -163,7 +165,7 @@ class SandboxHost:
         self.direct_refused: str | None = None
         try:
             tls = tls_context(server_side=True) if ray_uses_tls() else None
-            self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call, tls)
+            self._direct = Listener(ray.util.get_node_ip_address(), self._direct_call, tls, self._open_port)
         except UnsupportedError as exc:
             self.direct_refused = str(exc)
         except OSError as exc:
@@ -195,6 +197,11 @@ class SandboxHost:
         if operation == "session":
             return self.session(sid, *args)
         return Failure(PolicyError(f"{operation}: not a call of the direct route", "operation"))
+
+    def _open_port(self, sid: str, port: int) -> socket.socket:
+        """A forwarded connection of the direct route (the server's port route): a connection to ``port`` on
+        sandbox ``sid``'s loopback, made by a connector inside it, under its own network policy."""
+        return connect_once(self._box(sid), port, PORT_CONNECT_TIMEOUT)
 
     def take(self, key: str) -> Any:
         """A direct call's result too large for its frame (the object store carries it)."""

@@ -14,6 +14,7 @@ with its reason; when every node refused, the error names each.
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -125,6 +126,17 @@ class Hosts:
             with self._lock:
                 self._addresses[node_id] = (str(address[0]), int(address[1]))
                 self._tls[node_id] = bool(tls)
+
+    def address(self, node_id: str) -> tuple[tuple[str, int], ssl.SSLContext | None] | None:
+        """The address of that node's direct route, if its host offers one, and the TLS context a connection of
+        its own to it takes (a forwarded port's: ``open_port``); UnsupportedError when Ray's TLS files do not
+        load here."""
+        with self._lock:
+            address = self._addresses.get(node_id)
+            tls = self._tls.get(node_id, False) or ray_uses_tls()  # as ``route`` chooses
+        if address is None:
+            return None
+        return address, tls_context(server_side=False) if tls else None
 
     def route(self, node_id: str) -> Route | str:
         """The open direct route to that node (opened on first use), or why calls go through its actor."""

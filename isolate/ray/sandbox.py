@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import subprocess
 import tempfile
 import threading
@@ -40,7 +41,7 @@ from ..kernel.tree import Changes
 from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.workspace import Workspace
-from .direct import Broken, Stashed, TooLarge
+from .direct import Broken, Stashed, TooLarge, open_port
 from .host import LARGE
 from .placement import Hosts, Placement, outcome, place, settle
 from .transfer import pack_tree, unpack_tree
@@ -337,6 +338,32 @@ class Sandbox:
                                   name)
         info = self._host_call("spawn", self.id, (cmd if isinstance(cmd, str) else list(cmd),), kwargs)
         return RemoteProcess(self, info["key"], info["pid"], info["args"])
+
+    def open_port(self, port: int) -> socket.socket:
+        """A TCP connection to ``port`` on the sandbox's own loopback, as a program inside it would make (under its
+        network policy): a connection of this client to the node's host, which relays the bytes (the direct
+        route's forwarded connection, isolate/ray/direct.py). What the server's port route uses for a sandbox on
+        a node (``isolate-run serve --ray``). Raises ConnectorError (nothing listens there, ...), or
+        UnsupportedError where the node offers no direct route (it could not listen, or Ray's TLS files do not load
+        there or here). Under Ray's TLS the connection is TLS, as the route's calls are."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise PolicyError(f"port: expected a port number (1-65535), got {port!r}", "port")
+        if self._lost is not None:
+            raise self._lost
+        if self._actor is None:
+            raise IsolationError(f"sandbox {self.id}: not running; start() it first")
+        assert self.node_id is not None
+        direct = self._hosts.address(self.node_id) if self._hosts is not None else None
+        if self._secret is None or direct is None:
+            raise UnsupportedError(f"port {port}: sandbox {self.id} is on node {self.node_id}, whose host offers no "
+                                   f"direct route ({self._route_why or 'none'}); its ports cannot be forwarded")
+        try:
+            return open_port(direct[0], self.id, self._secret, port, direct[1])
+        except (OSError, Broken) as exc:
+            # Ray says whether the node is gone (SandboxLostError); else the connection failed.
+            outcome(self._actor.node.remote(), self.node_id, f"sandbox {self.id}")
+            raise IsolationError(f"port {port}: the connection to node {self.node_id}'s host failed ({exc})") \
+                from None
 
     def shell(self, name: str = "default", pty: bool = True) -> RemoteSession:
         return RemoteSession(self, "shell", name, {"pty": pty})

@@ -40,7 +40,7 @@ def _goal(value: float | None, limit: float, text: str) -> dict[str, Any]:
 
 
 def spawn_analysis(spawn: dict[str, Any]) -> dict[str, Any]:
-    """Ratios to subprocess.run, isolate vs peers, parent growth, and issue 3's goals."""
+    """Ratios to subprocess.run, isolate vs peers, parent growth, and the goals of issues 3 and 37."""
     out: dict[str, Any] = {"to_subprocess": {}, "isolate_vs_peers": {}, "big_over_small": {}}
     parents = list(spawn.get("parents", {}))
     keys: list[str] = []
@@ -68,6 +68,11 @@ def spawn_analysis(spawn: dict[str, Any]) -> dict[str, Any]:
         _goal(small.get("sandbox-exec / isolate.run"), 0.3, "Sandbox.exec (native) <= 0.3x isolate.run (median)"),
         _goal(small.get("sandbox-exec / isolate-sandbox"), 1 / 40,
               "Sandbox.exec (native) <= 1/40 of the Docker backend's kept exec (median)"),
+        # Issue 37 (speed at the floor): the same rounds, tighter.
+        _goal(out["to_subprocess"].get("small", {}).get("sandbox-exec"), 1.2,
+              "Sandbox.exec (native) <= 1.2x subprocess.run (median, small parent)"),
+        _goal(small.get("isolate.run / bwrap"), 0.45, "isolate.run <= 0.45x bwrap (median, small parent)"),
+        _goal(small.get("cli / bwrap"), 0.6, "isolate-run CLI <= 0.6x bwrap (whole process, median)"),
     ]  # fmt: skip
     return out
 
@@ -161,7 +166,7 @@ def markdown(results: dict[str, Any]) -> str:
         for name, value in analysis["isolate_vs_peers"].get("small", {}).items():
             big_value = analysis["isolate_vs_peers"].get("1GiB", {}).get(name)
             lines.append(f"| {name} | {_fmt(value, 3)} | {_fmt(big_value, 3)} |")
-        lines += ["", "### Goals (issue 3; reported, not asserted)", "", "| goal | value | |", "|---|---:|---|"]
+        lines += ["", "### Goals (issues 3 and 37; reported, not asserted)", "", "| goal | value | |", "|---|---:|---|"]
         for goal in analysis["goals"]:
             lines.append(f"| {goal['goal']} | {_fmt(goal['value'], 3)} | {_met(goal)} |")
         lines += ["", "![spawn latency](spawn.png)", ""]
@@ -267,6 +272,7 @@ def markdown(results: dict[str, Any]) -> str:
             "Exec latency: `sandbox-exec` in the spawn table above (same rounds as `isolate.run`).",
             "",
         ]
+        lines += _shell_markdown(kept.get("shell"))
     egress = results.get("egress")
     if isinstance(egress, dict) and "sandboxed" in egress:
         boxed, mediator = egress["sandboxed"], egress["mediator"]
@@ -316,6 +322,28 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+#: The kept shell's rows: its own ``run("true")`` in each shell, and the floor of one in-band round trip.
+_SHELL_ROWS = (("pipe", "`/bin/sh` (dash), pipes"), ("pty", "`/bin/sh` (dash), a terminal"),
+               ("pipe_busybox_ash", "busybox ash, pipes"), ("pipe_bash", "bash, pipes"),
+               ("in_band_floor", "floor: one in-band round trip through a shell's pipe, no framing"))
+
+
+def _shell_markdown(shell: Any) -> list[str]:
+    if not isinstance(shell, dict) or "pipe" not in shell:
+        return []
+    lines = [f"Kept shell: `Sandbox.shell().run(\"true\")`, median of {shell.get('rounds')} rounds (us).", "",
+             "| shell | median | p99 |", "|---|---:|---:|"]
+    for key, label in _SHELL_ROWS:
+        row = shell.get(key)
+        if isinstance(row, dict) and "median_ms" in row:
+            lines.append(f"| {label} | {row['median_ms'] * 1000:.0f} | {row['p99_ms'] * 1000:.0f} |")
+    goal = shell.get("goal")
+    if isinstance(goal, dict):
+        lines += ["", f"Goal (issues 34 and 37): dash over pipes <= {goal['limit_ms'] * 1000:.0f} us: "
+                  f"{'met' if goal['met'] else 'not met'}."]
+    return [*lines, ""]
 
 
 def _branches_markdown(figures: Any) -> list[str]:

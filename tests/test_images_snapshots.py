@@ -14,7 +14,6 @@ from conftest import NAMESPACES_WHY
 import isolate
 from isolate.image import Image, Store
 from isolate.kept import bundles
-from isolate.kept.merge import RootNotMergedWarning
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
@@ -93,13 +92,11 @@ def test_snapshot_restore_and_fork_keep_the_image_roots_changes(images: tuple[Im
                 (c,) = a.fork(1)
                 with c:
                     assert _state(c) == "installed\nmine\na\n"
-                with pytest.warns(RootNotMergedWarning):
-                    merged = isolate.merge([a, b])
-                assert merged.sandbox is not None
+                merged = isolate.merge([a, b])
+                assert merged.sandbox is not None and merged.merged == ["/data/later"] and not merged.conflicts
                 with merged.sandbox:
-                    assert merged.sandbox.exec(["cat", "/workspace/mine"]).stdout == "mine\n"
-                    # The roots are not merged: the merged sandbox's root is the image's.
-                    assert merged.sandbox.exec(["sh", "-c", "test -e /data/gone"]).returncode == 0
+                    # The roots are merged too: the fork point's changes, and a's since.
+                    assert _state(merged.sandbox) == "installed\nmine\na\n"
             assert _state(box) == "installed\nmine\n"
         finally:
             snap.remove()
@@ -169,3 +166,83 @@ def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images
     finally:
         snap.remove()
 
+
+
+
+@pytest.fixture()
+def box(images: tuple[Image, Image], tmp_path: Path) -> Iterator[isolate.Sandbox]:
+    """A kept sandbox of the first image (its root's upper layer on disk), with a file written in its root."""
+    source = tmp_path / "source"
+    source.mkdir()
+    source.chmod(0o755)
+    workspace = isolate.Workspace(str(source), mode="overlay")
+    with isolate.Sandbox(isolate.Policy(image=images[0].reference), workspace=workspace,
+                         image_upper="disk") as made:
+        assert made.exec(["sh", "-c", "echo start > /data/shared"]).returncode == 0
+        yield made
+
+
+def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: isolate.Sandbox) -> None:
+    a, b = box.fork(2)
+    with a, b:
+        # a: a new file in /usr/local/bin (0777 in the image, and in the merged root: the directories on its
+        # way are made as the image shows them), an image file deleted, a link and a FIFO of the program's (the
+        # link stays a link, never followed; the FIFO is never opened); b: a new directory and an edit of the
+        # fork point's file.
+        assert a.exec(["sh", "-c", "echo a > /usr/local/bin/a-only && rm /data/gone && busybox ln -s "
+                                   "/etc/shadow /data/alink && busybox mkfifo /data/afifo"]).returncode == 0
+        assert b.exec(["sh", "-c", "mkdir /data/b && echo b > /data/b/file && echo more >> /data/shared"]
+                      ).returncode == 0
+        merged = isolate.merge([a, b])
+        assert not merged.conflicts
+        assert {"/usr/local/bin/a-only", "/data/gone", "/data/alink", "/data/b/file", "/data/shared"
+                } <= set(merged.merged)
+        assert merged.snapshot is not None and merged.snapshot.image == images[0].id
+        assert merged.sandbox is not None
+        expected = "a\nb\nstart\nmore\ndeleted\n/etc/shadow\n777\n"
+        script = ("cat /usr/local/bin/a-only /data/b/file /data/shared; test -e /data/gone || echo deleted; "
+                  "busybox readlink /data/alink; stat -c %a /usr/local/bin")
+        with merged.sandbox as together:
+            assert together.exec(["sh", "-c", script]).stdout == expected
+        merged.snapshot.remove()
+        kept = [a.snapshot(), b.snapshot()]
+    try:
+        # Snapshots of the forks, merged once the fork point is gone: the root layer each fork started from,
+        # kept in its snapshot, is their common start (else the fork point's /data/shared would conflict).
+        again = isolate.merge(kept)
+        assert not again.conflicts and again.sandbox is not None and again.snapshot is not None
+        with again.sandbox as together:
+            assert together.exec(["sh", "-c", script]).stdout == expected
+        again.snapshot.remove()
+    finally:
+        for snap in kept:
+            snap.remove()
+
+
+def test_merge_of_one_root_file_changed_by_both_marks_or_refuses(images: tuple[Image, Image],
+                                                                box: isolate.Sandbox) -> None:
+    c, d = box.fork(2)
+    with c, d:
+        assert c.exec(["sh", "-c", "echo c > /data/gone"]).returncode == 0
+        assert d.exec(["sh", "-c", "echo d > /data/gone"]).returncode == 0
+        before = {s.name for s in isolate.Snapshot.list()}
+        with pytest.raises(isolate.MergeConflictError, match="/data/gone") as refused:
+            isolate.merge([c, d], on_conflict="refuse")
+        assert [x.path for x in refused.value.result.conflicts] == ["/data/gone"]
+        assert {s.name for s in isolate.Snapshot.list()} == before
+        marked = isolate.merge([c, d], start=False)
+        assert marked.snapshot is not None and [(x.path, x.kind) for x in marked.conflicts] == [("/data/gone", "text")]
+        try:
+            with isolate.Sandbox(isolate.Policy(image=images[0].reference), snapshot=marked.snapshot) as started:
+                assert started.exec(["cat", "/data/gone"]).stdout.splitlines()[1:4] == ["c", "=======", "d"]
+        finally:
+            marked.snapshot.remove()
+
+
+def test_merge_of_branches_of_different_images_is_refused(images: tuple[Image, Image], box: isolate.Sandbox) -> None:
+    before = {s.name for s in isolate.Snapshot.list()}
+    with isolate.Sandbox(isolate.Policy(image=images[1].reference), workspace=box.workspace,
+                         image_upper="disk") as elsewhere:
+        with pytest.raises(isolate.UnsupportedError, match="snapbase.*snapother"):
+            isolate.merge([box, elsewhere])
+    assert {s.name for s in isolate.Snapshot.list()} == before

@@ -191,8 +191,8 @@ def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: 
         # fork point's file.
         assert a.exec(["sh", "-c", "echo a > /usr/local/bin/a-only && rm /data/gone && busybox ln -s "
                                    "/etc/shadow /data/alink && busybox mkfifo /data/afifo"]).returncode == 0
-        assert b.exec(["sh", "-c", "mkdir /data/b && echo b > /data/b/file && echo more >> /data/shared"]
-                      ).returncode == 0
+        assert b.exec(["sh", "-c", "mkdir /data/b && echo b > /data/b/file && echo more >> /data/shared && "
+                                   "busybox ln /data/b/file /data/b/same"]).returncode == 0
         merged = isolate.merge([a, b])
         assert not merged.conflicts
         assert {"/usr/local/bin/a-only", "/data/gone", "/data/alink", "/data/b/file", "/data/shared"
@@ -204,6 +204,13 @@ def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: 
                   "busybox readlink /data/alink; stat -c %a /usr/local/bin")
         with merged.sandbox as together:
             assert together.exec(["sh", "-c", script]).stdout == expected
+        # A file of two names is written once: its names are one file in the merged root layer too.
+        root = merged.snapshot.open_root()
+        try:
+            names = [os.stat(f"data/b/{name}", dir_fd=root, follow_symlinks=False) for name in ("file", "same")]
+            assert names[0].st_ino == names[1].st_ino
+        finally:
+            os.close(root)
         merged.snapshot.remove()
         kept = [a.snapshot(), b.snapshot()]
     try:
@@ -243,6 +250,6 @@ def test_merge_of_branches_of_different_images_is_refused(images: tuple[Image, I
     before = {s.name for s in isolate.Snapshot.list()}
     with isolate.Sandbox(isolate.Policy(image=images[1].reference), workspace=box.workspace,
                          image_upper="disk") as elsewhere:
-        with pytest.raises(isolate.UnsupportedError, match="snapbase.*snapother"):
+        with pytest.raises(isolate.UnsupportedError, match=r"snapbase.*snapother"):
             isolate.merge([box, elsewhere])
     assert {s.name for s in isolate.Snapshot.list()} == before

@@ -40,7 +40,7 @@ from typing import Any
 from ..kernel import layers
 from ..kernel.layers import View
 from ..kernel.links import DIR_FLAGS
-from ..kernel.tree import Entry, _descend, _open_dir
+from ..kernel.tree import Entry, _descend, _open_dir, _remove_tree
 from ..model import hooks
 from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Policy
@@ -576,15 +576,23 @@ def _write(out: int, base: View, base_data: int, views: list[View], decisions: l
         copy_tree(base._fds[0], out, _plain())
     deleted: list[str] = []
     made: list[tuple[str, int]] = []
+    written: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}  # a source file: its first copy, its node
     for rel, index, entry, data in decisions:
         old = base.entries.get(rel)
-        if layered:
-            _parents_like(out, rel, (views[index], base), made)
         if entry is None:
             # Under a deleted directory, the directory's deletion says it all.
             if (old is not None or not layered) and not any(rel.startswith(d + "/") for d in deleted):
+                if layered:
+                    _parents_like(out, rel, (views[index], base), made)
                 layers.delete(out, rel, layered)
                 deleted.append(rel)
+            continue
+        if layered:
+            _parents_like(out, rel, (views[index], base), made)
+        # A file of several names (hard links) is written once and linked under its other names: a program's
+        # thousand names of one big file cost the host one copy, as they cost the program (and as a snapshot).
+        shared = views[index].key(rel) if entry.kind == "file" and data is None and entry.nlink > 1 else None
+        if shared is not None and shared in written and _link(out, written[shared], rel, layered):
             continue
         src_fd = -1
         owner = None
@@ -597,6 +605,10 @@ def _write(out: int, base: View, base_data: int, views: list[View], decisions: l
         finally:
             if src_fd >= 0:
                 os.close(src_fd)
+        if shared is not None:
+            node = _node(out, rel)
+            if node is not None:
+                written[shared] = (rel, node)
     for rel, mode in sorted(made, key=lambda m: -m[0].count("/")):  # filled: their own modes, deepest first
         try:
             fd = _descend(out, rel)
@@ -606,6 +618,46 @@ def _write(out: int, base: View, base_data: int, views: list[View], decisions: l
             os.fchmod(fd, mode)
         finally:
             os.close(fd)
+
+
+def _node(root: int, rel: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the regular file rel under root, reached without following a link."""
+    try:
+        parent = _descend(root, os.path.dirname(rel))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        info = os.stat(os.path.basename(rel), dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        if parent != root:
+            os.close(parent)
+    return (info.st_dev, info.st_ino) if stat.S_ISREG(info.st_mode) else None
+
+
+def _link(root: int, first: tuple[str, tuple[int, int]], rel: str, layered: bool) -> bool:
+    """rel made a hard link of the file the merge wrote first at first's path (still that very file, reached
+    without following a link); False when it cannot be (then it is copied)."""
+    path, node = first
+    if _node(root, path) != node:
+        return False
+    source = _descend(root, os.path.dirname(path))
+    try:
+        parent = layers._parent(root, rel, layered)
+        try:
+            name = os.path.basename(rel)
+            _remove_tree(parent, name)
+            os.link(os.path.basename(path), name, src_dir_fd=source, dst_dir_fd=parent, follow_symlinks=False)
+        except OSError:
+            return False
+        finally:
+            if parent != root:
+                os.close(parent)
+    finally:
+        if source != root:
+            os.close(source)
+    return True
 
 
 def _parents_like(out: int, rel: str, sources: tuple[View, ...], made: list[tuple[str, int]]) -> None:

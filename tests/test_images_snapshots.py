@@ -182,7 +182,8 @@ def box(images: tuple[Image, Image], tmp_path: Path) -> Iterator[isolate.Sandbox
         yield made
 
 
-def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: isolate.Sandbox) -> None:
+def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: isolate.Sandbox,
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = box.fork(2)
     with a, b:
         # a: a new file in /usr/local/bin (0777 in the image, and in the merged root: the directories on its
@@ -221,6 +222,15 @@ def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: 
         with again.sandbox as together:
             assert together.exec(["sh", "-c", script]).stdout == expected
         again.snapshot.remove()
+        # Shipped as bundles (as to a Ray node: another state directory), with that start: merged there alike.
+        bundled = [bundles.export(snap) for snap in kept]
+        monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "elsewhere"))
+        shipped = [bundles.load(data, digest) for data, digest in bundled]
+        there = isolate.merge(shipped, start=False)
+        assert not there.conflicts and there.snapshot is not None and "/data/shared" in there.merged
+        for snap in [*shipped, there.snapshot]:
+            snap.remove()
+        monkeypatch.undo()
     finally:
         for snap in kept:
             snap.remove()

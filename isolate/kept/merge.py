@@ -22,7 +22,15 @@ The common start: ``base=`` (a snapshot, a sandbox, or a directory), else the
 snapshot every branch started from when they share one (forks of one
 sandbox), else the workspace's source (an empty tree for a workspace with
 none). Branches of an overlay workspace give a layered result (costs what
-changed); of a copy workspace, a copy. Sandboxes and snapshots of
+changed); of a copy workspace, a copy.
+
+Branches of sandboxes of one image (``image_upper="disk"``) merge their
+roots too: the same merge runs over their root layers, each laid over the
+image's layers, against the common start's root (the base's root layer, or
+the one the forks started from, kept in their snapshots; else the image),
+into the result's root layer; root paths are reported absolute
+(``/etc/motd``), the sandboxes' mount points left out. Branches of different
+images, or of an image and the host's root, are refused. Sandboxes and snapshots of
 ``isolate.ray``, on any nodes of a cluster, merge on the first branch's node
 (``isolate/ray/merging.py``, reached through ``isolate.model.hooks``).
 """

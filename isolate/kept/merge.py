@@ -277,30 +277,44 @@ def _base_view(base: Any, branches: list[_Branch], image: str | None) -> _Start:
     if base is not None:
         raise TypeError("merge: base is an isolate.Snapshot, an isolate.Sandbox or a directory")
     origins = {b.snapshot.origin for b in branches}
+    root = -1
     if len(origins) == 1 and None not in origins:
         origin = origins.pop()
         for snap in Snapshot.list():
             if snap.id == origin:
                 return _of(snap, image)
-        for branch in branches:
-            # A layer snapshot of a sandbox started from that snapshot keeps a clone of its layer (and of its
-            # root layer, of an image's sandbox).
-            base_fd = branch.snapshot.open_base()
-            if base_fd is not None:
-                root = branch.snapshot.open_root_base() if image is not None else None
-                return _Start(View.of_layer(_source_fd(first), os.dup(base_fd)), base_fd, _ground(first),
-                              -1 if root is None else root)
-    lowers = {b.snapshot.lower for b in branches}
-    if len(lowers) == 1 and first.lower is not None:
-        # Copies kept as layers over one private copy: the copy is where they all started.
-        from ..backends.native.copies import open_tree
+        # A snapshot of a sandbox of an image started from that snapshot keeps a clone of its root layer.
+        for branch in branches if image is not None else []:
+            kept = branch.snapshot.open_root_base()
+            if kept is not None:
+                root = kept
+                break
+        try:
+            for branch in branches:
+                # A layer snapshot of a sandbox started from that snapshot keeps a clone of its layer.
+                base_fd = branch.snapshot.open_base()
+                if base_fd is not None:
+                    return _Start(View.of_layer(_source_fd(first), os.dup(base_fd)), base_fd, _ground(first), root)
+        except BaseException:
+            if root >= 0:
+                os.close(root)
+            raise
+    try:
+        lowers = {b.snapshot.lower for b in branches}
+        if len(lowers) == 1 and first.lower is not None:
+            # Copies kept as layers over one private copy: the copy is where they all started.
+            from ..backends.native.copies import open_tree
 
-        return _Start(View.of_tree(open_tree(first.lower)), -1, ("tree", None))
-    # The workspace's source itself (a layer's files are its nodes where the layer has none).
-    source = first.workspace.source
-    if source is None:
-        return _Start(View({}, _no_file, lambda rel: (-1, 0), []), -1, ("tree", None))
-    return _Start(View.of_tree(_open_dir(source)), -1, ("tree", None))
+            return _Start(View.of_tree(open_tree(first.lower)), -1, ("tree", None), root)
+        # The workspace's source itself (a layer's files are its nodes where the layer has none).
+        source = first.workspace.source
+        if source is None:
+            return _Start(View({}, _no_file, lambda rel: (-1, 0), []), -1, ("tree", None), root)
+        return _Start(View.of_tree(_open_dir(source)), -1, ("tree", None), root)
+    except BaseException:
+        if root >= 0:
+            os.close(root)
+        raise
 
 
 def _no_file(rel: str) -> int:

@@ -269,3 +269,25 @@ def test_merge_of_branches_of_different_images_is_refused(images: tuple[Image, I
         with pytest.raises(isolate.UnsupportedError, match=r"snapbase.*snapother"):
             isolate.merge([box, elsewhere])
     assert _ours(images) == before
+
+
+def test_merge_of_tree_snapshots_finds_the_roots_start(images: tuple[Image, Image]) -> None:
+    # A copy workspace with no source: its snapshots are whole trees, which keep no workspace base; their
+    # roots' start is kept all the same (else the fork point's /data/shared would conflict).
+    with isolate.Sandbox(isolate.Policy(image=images[0].reference), workspace=isolate.Workspace(mode="copy"),
+                         image_upper="disk") as made:
+        assert made.exec(["sh", "-c", "echo start > /data/shared"]).returncode == 0
+        a, b = made.fork(2)
+        with a, b:
+            assert a.exec(["sh", "-c", "echo a > /data/a"]).returncode == 0
+            assert b.exec(["sh", "-c", "echo more >> /data/shared"]).returncode == 0
+            kept = [a.snapshot(), b.snapshot()]
+    try:
+        assert [s.kind for s in kept] == ["tree", "tree"]
+        result = isolate.merge(kept, start=False)
+        assert result.snapshot is not None
+        result.snapshot.remove()
+        assert not result.conflicts and sorted(result.merged) == ["/data/a", "/data/shared"]
+    finally:
+        for snap in kept:
+            snap.remove()

@@ -39,7 +39,8 @@ def images(tmp_path: Path) -> Iterator[tuple[Image, Image]]:
     extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
              {"name": "usr/local/bin", "type": "dir", "mode": 0o777},
              {"name": "data", "type": "dir", "mode": 0o777},
-             {"name": "data/gone", "data": b"base's\n", "mode": 0o666}]
+             {"name": "data/gone", "data": b"base's\n", "mode": 0o666},
+             {"name": "data/piped", "data": b"base's\n", "mode": 0o666}]
     kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="snapbase:1",
                    Env=["PATH=/usr/local/bin:/bin"])
     kit.oci_layout(str(tmp_path / "other"), [kit.busybox_layer(extra), kit.layer([{"name": "other", "data": b"x"}])],
@@ -191,7 +192,8 @@ def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: 
         # link stays a link, never followed; the FIFO is never opened); b: a new directory and an edit of the
         # fork point's file.
         assert a.exec(["sh", "-c", "echo a > /usr/local/bin/a-only && rm /data/gone && busybox ln -s "
-                                   "/etc/shadow /data/alink && busybox mkfifo /data/afifo"]).returncode == 0
+                                   "/etc/shadow /data/alink && busybox mkfifo /data/afifo && rm /data/piped && "
+                                   "busybox mkfifo /data/piped"]).returncode == 0
         assert b.exec(["sh", "-c", "mkdir /data/b && echo b > /data/b/file && echo more >> /data/shared && "
                                    "busybox ln /data/b/file /data/b/same"]).returncode == 0
         merged = isolate.merge([a, b])
@@ -200,9 +202,11 @@ def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: 
                 } <= set(merged.merged)
         assert merged.snapshot is not None and merged.snapshot.image == images[0].id
         assert merged.sandbox is not None
-        expected = "a\nb\nstart\nmore\ndeleted\n/etc/shadow\n777\n"
+        # The FIFOs are not kept: /data/piped is gone (the image's file it replaced does not show again).
+        expected = "a\nb\nstart\nmore\ndeleted\n/etc/shadow\n777\nnone\n"
         script = ("cat /usr/local/bin/a-only /data/b/file /data/shared; test -e /data/gone || echo deleted; "
-                  "busybox readlink /data/alink; stat -c %a /usr/local/bin")
+                  "busybox readlink /data/alink; stat -c %a /usr/local/bin; "
+                  "test -e /data/piped || test -e /data/afifo || echo none")
         with merged.sandbox as together:
             assert together.exec(["sh", "-c", script]).stdout == expected
         # A file of two names is written once: its names are one file in the merged root layer too.

@@ -601,6 +601,10 @@ def _write(out: int, base: View, base_data: int, views: list[View], decisions: l
     written: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}  # a source file: its first copy, its node
     for rel, index, entry, data in decisions:
         old = base.entries.get(rel)
+        if entry is not None and entry.kind == "other":
+            # A FIFO, socket or device node is not kept (nothing is read from it): in a layer that must hide what
+            # lies below, or the image's or source's node it replaced would show again.
+            entry = None
         if entry is None:
             # Under a deleted directory, the directory's deletion says it all.
             if (old is not None or not layered) and not any(rel.startswith(d + "/") for d in deleted):

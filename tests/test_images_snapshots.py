@@ -14,7 +14,6 @@ from conftest import NAMESPACES_WHY
 import isolate
 from isolate.image import Image, Store
 from isolate.kept import bundles
-from isolate.kept.merge import RootNotMergedWarning
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
@@ -40,7 +39,8 @@ def images(tmp_path: Path) -> Iterator[tuple[Image, Image]]:
     extra = [{"name": "usr", "type": "dir"}, {"name": "usr/local", "type": "dir"},
              {"name": "usr/local/bin", "type": "dir", "mode": 0o777},
              {"name": "data", "type": "dir", "mode": 0o777},
-             {"name": "data/gone", "data": b"base's\n", "mode": 0o666}]
+             {"name": "data/gone", "data": b"base's\n", "mode": 0o666},
+             {"name": "data/piped", "data": b"base's\n", "mode": 0o666}]
     kit.oci_layout(str(tmp_path / "base"), [kit.busybox_layer(extra)], ref="snapbase:1",
                    Env=["PATH=/usr/local/bin:/bin"])
     kit.oci_layout(str(tmp_path / "other"), [kit.busybox_layer(extra), kit.layer([{"name": "other", "data": b"x"}])],
@@ -93,13 +93,11 @@ def test_snapshot_restore_and_fork_keep_the_image_roots_changes(images: tuple[Im
                 (c,) = a.fork(1)
                 with c:
                     assert _state(c) == "installed\nmine\na\n"
-                with pytest.warns(RootNotMergedWarning):
-                    merged = isolate.merge([a, b])
-                assert merged.sandbox is not None
+                merged = isolate.merge([a, b])
+                assert merged.sandbox is not None and merged.merged == ["/data/later"] and not merged.conflicts
                 with merged.sandbox:
-                    assert merged.sandbox.exec(["cat", "/workspace/mine"]).stdout == "mine\n"
-                    # The roots are not merged: the merged sandbox's root is the image's.
-                    assert merged.sandbox.exec(["sh", "-c", "test -e /data/gone"]).returncode == 0
+                    # The roots are merged too: the fork point's changes, and a's since.
+                    assert _state(merged.sandbox) == "installed\nmine\na\n"
             assert _state(box) == "installed\nmine\n"
         finally:
             snap.remove()
@@ -169,3 +167,131 @@ def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images
     finally:
         snap.remove()
 
+
+
+
+@pytest.fixture()
+def box(images: tuple[Image, Image], tmp_path: Path) -> Iterator[isolate.Sandbox]:
+    """A kept sandbox of the first image (its root's upper layer on disk), with a file written in its root."""
+    source = tmp_path / "source"
+    source.mkdir()
+    source.chmod(0o755)
+    workspace = isolate.Workspace(str(source), mode="overlay")
+    with isolate.Sandbox(isolate.Policy(image=images[0].reference), workspace=workspace,
+                         image_upper="disk") as made:
+        assert made.exec(["sh", "-c", "echo start > /data/shared"]).returncode == 0
+        yield made
+
+
+def test_merge_merges_the_image_roots_changes(images: tuple[Image, Image], box: isolate.Sandbox,
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = box.fork(2)
+    with a, b:
+        # a: a new file in /usr/local/bin (0777 in the image, and in the merged root: the directories on its
+        # way are made as the image shows them), an image file deleted, a link and a FIFO of the program's (the
+        # link stays a link, never followed; the FIFO is never opened); b: a new directory and an edit of the
+        # fork point's file.
+        assert a.exec(["sh", "-c", "echo a > /usr/local/bin/a-only && rm /data/gone && busybox ln -s "
+                                   "/etc/shadow /data/alink && busybox mkfifo /data/afifo && rm /data/piped && "
+                                   "busybox mkfifo /data/piped"]).returncode == 0
+        assert b.exec(["sh", "-c", "mkdir /data/b && echo b > /data/b/file && echo more >> /data/shared && "
+                                   "busybox ln /data/b/file /data/b/same"]).returncode == 0
+        merged = isolate.merge([a, b])
+        assert not merged.conflicts
+        assert {"/usr/local/bin/a-only", "/data/gone", "/data/alink", "/data/b/file", "/data/shared"
+                } <= set(merged.merged)
+        assert merged.snapshot is not None and merged.snapshot.image == images[0].id
+        assert merged.sandbox is not None
+        # The FIFOs are not kept: /data/piped is gone (the image's file it replaced does not show again).
+        expected = "a\nb\nstart\nmore\ndeleted\n/etc/shadow\n777\nnone\n"
+        script = ("cat /usr/local/bin/a-only /data/b/file /data/shared; test -e /data/gone || echo deleted; "
+                  "busybox readlink /data/alink; stat -c %a /usr/local/bin; "
+                  "test -e /data/piped || test -e /data/afifo || echo none")
+        with merged.sandbox as together:
+            assert together.exec(["sh", "-c", script]).stdout == expected
+        # A file of two names is written once: its names are one file in the merged root layer too.
+        root = merged.snapshot.open_root()
+        try:
+            names = [os.stat(f"data/b/{name}", dir_fd=root, follow_symlinks=False) for name in ("file", "same")]
+            assert names[0].st_ino == names[1].st_ino
+        finally:
+            os.close(root)
+        merged.snapshot.remove()
+        kept = [a.snapshot(), b.snapshot()]
+    try:
+        # Snapshots of the forks, merged once the fork point is gone: the root layer each fork started from,
+        # kept in its snapshot, is their common start (else the fork point's /data/shared would conflict).
+        again = isolate.merge(kept)
+        assert not again.conflicts and again.sandbox is not None and again.snapshot is not None
+        with again.sandbox as together:
+            assert together.exec(["sh", "-c", script]).stdout == expected
+        again.snapshot.remove()
+        # Shipped as bundles (as to a Ray node: another state directory), with that start: merged there alike.
+        bundled = [bundles.export(snap) for snap in kept]
+        monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path / "elsewhere"))
+        shipped = [bundles.load(data, digest) for data, digest in bundled]
+        there = isolate.merge(shipped, start=False)
+        assert not there.conflicts and there.snapshot is not None and "/data/shared" in there.merged
+        for snap in [*shipped, there.snapshot]:
+            snap.remove()
+        monkeypatch.undo()
+    finally:
+        for snap in kept:
+            snap.remove()
+
+
+def _ours(images: tuple[Image, Image]) -> set[str]:
+    """The snapshots of sandboxes of these images (other tests' may come and go meanwhile, and temporary ones)."""
+    return {s.name for s in isolate.Snapshot.list()
+            if s.image in (images[0].id, images[1].id) and not s.name.startswith("tmp-")}
+
+
+def test_merge_of_one_root_file_changed_by_both_marks_or_refuses(images: tuple[Image, Image],
+                                                                box: isolate.Sandbox) -> None:
+    c, d = box.fork(2)
+    with c, d:
+        assert c.exec(["sh", "-c", "echo c > /data/gone"]).returncode == 0
+        assert d.exec(["sh", "-c", "echo d > /data/gone"]).returncode == 0
+        before = _ours(images)
+        with pytest.raises(isolate.MergeConflictError, match="/data/gone") as refused:
+            isolate.merge([c, d], on_conflict="refuse")
+        assert [x.path for x in refused.value.result.conflicts] == ["/data/gone"]
+        assert _ours(images) == before
+        marked = isolate.merge([c, d], start=False)
+        assert marked.snapshot is not None and [(x.path, x.kind) for x in marked.conflicts] == [("/data/gone", "text")]
+        try:
+            with isolate.Sandbox(isolate.Policy(image=images[0].reference), snapshot=marked.snapshot) as started:
+                assert started.exec(["cat", "/data/gone"]).stdout.splitlines()[1:4] == ["c", "=======", "d"]
+        finally:
+            marked.snapshot.remove()
+
+
+def test_merge_of_branches_of_different_images_is_refused(images: tuple[Image, Image], box: isolate.Sandbox) -> None:
+    before = _ours(images)
+    with isolate.Sandbox(isolate.Policy(image=images[1].reference), workspace=box.workspace,
+                         image_upper="disk") as elsewhere:
+        with pytest.raises(isolate.UnsupportedError, match=r"snapbase.*snapother"):
+            isolate.merge([box, elsewhere])
+    assert _ours(images) == before
+
+
+def test_merge_of_tree_snapshots_finds_the_roots_start(images: tuple[Image, Image]) -> None:
+    # A copy workspace with no source: its snapshots are whole trees, which keep no workspace base; their
+    # roots' start is kept all the same (else the fork point's /data/shared would conflict).
+    with isolate.Sandbox(isolate.Policy(image=images[0].reference), workspace=isolate.Workspace(mode="copy"),
+                         image_upper="disk") as made:
+        assert made.exec(["sh", "-c", "echo start > /data/shared"]).returncode == 0
+        a, b = made.fork(2)
+        with a, b:
+            assert a.exec(["sh", "-c", "echo a > /data/a"]).returncode == 0
+            assert b.exec(["sh", "-c", "echo more >> /data/shared"]).returncode == 0
+            kept = [a.snapshot(), b.snapshot()]
+    try:
+        assert [s.kind for s in kept] == ["tree", "tree"]
+        result = isolate.merge(kept, start=False)
+        assert result.snapshot is not None
+        result.snapshot.remove()
+        assert not result.conflicts and sorted(result.merged) == ["/data/a", "/data/shared"]
+    finally:
+        for snap in kept:
+            snap.remove()

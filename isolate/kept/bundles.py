@@ -3,12 +3,13 @@
     data, digest = bundles.export(snap)       # bytes, and "sha256:<hex of the bytes>"
     snap = bundles.load(data, digest)         # on the other machine: verified, then kept as a local snapshot
 
-A bundle is an uncompressed tar of at most five members, each a regular file:
+A bundle is an uncompressed tar of at most six members, each a regular file:
 ``snapshot.json`` (its kind, workspace, id, origin and tmpfs mounts, and for a
 sandbox of an image that image's id and reference and what ``to_image`` needs),
 ``data.tar`` (the layer or tree), ``base.tar`` (a layer snapshot's start, for
 merge), ``root.tar`` (a sandbox of an image: its root's layer, the changes it
-made to the image) and ``areas.tar`` (the tmpfs mounts' archive, as the
+made to the image), ``rootbase.tar`` (the root layer it started from, for
+merge) and ``areas.tar`` (the tmpfs mounts' archive, as the
 snapshot keeps it). The image itself does not travel: the machine that loads
 the bundle has it (a Ray node pulls its policy's image before it starts a
 sandbox), and a sandbox starts from the snapshot only over that same image
@@ -54,7 +55,7 @@ from .snapshots import Snapshot, _Making
 #: The most a bundle carries (its files' sizes, holes counted: a bundle is made in memory).
 MAX_BUNDLE = 1 << 30
 #: The members a bundle may hold; anything else in one is refused.
-MEMBERS = ("snapshot.json", "data.tar", "base.tar", "root.tar", "areas.tar")
+MEMBERS = ("snapshot.json", "data.tar", "base.tar", "root.tar", "rootbase.tar", "areas.tar")
 _MAX_META = 1 << 20
 
 
@@ -98,6 +99,12 @@ def export(snap: Snapshot) -> tuple[bytes, str]:
             image = {**image, "root": [stat.S_IMODE(top.st_mode) & 0o1777, top.st_uid, top.st_gid]}
         finally:
             os.close(root)
+        root_base = snap.open_root_base()
+        if root_base is not None:
+            try:
+                members["rootbase.tar"] = _pack(root_base, budget, what)
+            finally:
+                os.close(root_base)
     areas = snap.open_areas()
     if areas is not None:
         with os.fdopen(areas, "rb") as handle:
@@ -246,6 +253,15 @@ def load(data: bytes, digest: str, name: str | None = None) -> Snapshot:
                 os.fchmod(root, mode)
             finally:
                 os.close(root)
+            if "rootbase.tar" in members:
+                os.mkdir("rootbase", 0o755, dir_fd=making.fd)
+                root_base = os.open("rootbase", DIR_FLAGS, dir_fd=making.fd)
+                try:
+                    unpack(_raw(members["rootbase.tar"]), root_base, what=what, max_size=MAX_BUNDLE)
+                finally:
+                    os.close(root_base)
+        elif "rootbase.tar" in members:
+            raise IsolationError(f"{what}: the root layer a sandbox started from, without its image: refused")
         if "areas.tar" in members:
             if not meta["areas"]:
                 raise IsolationError(f"{what}: a tmpfs archive and no tmpfs mount it is for: refused")

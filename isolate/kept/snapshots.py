@@ -22,7 +22,8 @@ What a snapshot holds, by workspace mode (isolate/kernel/layers.py says how):
 
 A sandbox of an image (``image_upper="disk"``) adds one more layer, the
 image root's: the root layer it started from with its upper layer laid over
-it (``root``), and the image's id in its description. A sandbox started
+it (``root``; that start kept too, ``rootbase``, for merge), and the image's
+id in its description. A sandbox started
 from it lays that layer (hard links) between the image's layers and its own
 upper layer; one of another image is refused; ``to_image`` writes it over
 the image as an image of the store (isolate/image/commit.py). The default
@@ -208,6 +209,19 @@ class Snapshot:
         fd = self._open()
         try:
             return os.open("root", DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def open_root_base(self) -> int | None:
+        """A descriptor of the image root's layer the captured sandbox started from, kept for merge beside
+        ``open_base``'s; None when there is none (it started from the image itself, or a bundle's)."""
+        if self.image is None:
+            return None
+        fd = self._open()
+        try:
+            return os.open("rootbase", DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            return None
         finally:
             os.close(fd)
 
@@ -794,6 +808,14 @@ def capture_root(sb: Sandbox, making: _Making) -> dict[str, Any]:
             base = open_base(impl.paths.key, ("image", "base")) if host.base else None
             try:
                 layers.flatten_over(base, upper, root)
+                if base is not None:
+                    # The root layer the sandbox started from, for merge (hard links again), as the workspace's.
+                    os.mkdir("rootbase", 0o755, dir_fd=making.fd)
+                    kept = os.open("rootbase", DIR_FLAGS, dir_fd=making.fd)
+                    try:
+                        layers.clone(base, kept)
+                    finally:
+                        os.close(kept)
             finally:
                 if base is not None:
                     os.close(base)

@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable
 
 from .links import DIR_FLAGS
-from .tree import MAX_DEPTH, Entry, _copy_extents, _open_file, _remove_tree, walk
+from .tree import MAX_DEPTH, Entry, _copy_extents, _descend, _open_file, _remove_tree, walk
 
 OPAQUE_XATTR = "user.overlay.opaque"
 #: No set-user-ID or set-group-ID bit on a file isolate copies (they mean nothing in a sandbox, which
@@ -288,18 +288,59 @@ class View:
     """
 
     def __init__(self, entries: dict[str, Entry], opener: Callable[[str], int],
-                 key: Callable[[str], tuple[int, int]], fds: list[int]) -> None:
+                 key: Callable[[str], tuple[int, int]], fds: list[int],
+                 holder: Callable[[str], int] | None = None) -> None:
         self.entries = entries
         self.open = opener
         self.key = key
         self._fds = fds
+        #: The descriptor of the tree or layer whose node shows at rel (None: the view has no such node).
+        self._holder = holder
+
+    def node(self, rel: str) -> os.stat_result | None:
+        """rel's node as it is in the tree or layer that holds it (mode, owner), not following a link."""
+        if self._holder is None or rel not in self.entries:
+            return None
+        parent = _descend(self._holder(rel), os.path.dirname(rel))
+        try:
+            return os.stat(os.path.basename(rel), dir_fd=parent, follow_symlinks=False)
+        finally:
+            if parent != self._holder(rel):
+                os.close(parent)
 
     @classmethod
     def of_tree(cls, fd: int) -> View:
         """A directory's tree (the view owns fd)."""
         dev = os.fstat(fd).st_dev
         entries = walk(fd)
-        return cls(entries, lambda rel: _open_file(fd, rel), lambda rel: (dev, entries[rel].ino), [fd])
+        return cls(entries, lambda rel: _open_file(fd, rel), lambda rel: (dev, entries[rel].ino), [fd],
+                   lambda rel: fd)
+
+    @classmethod
+    def of_layers(cls, layer_fds: list[int]) -> View:
+        """Layers laid over each other as overlayfs shows them, lowest first (an image's layers and a root
+        layer over them: whiteouts and opaque directories hide what lies below); the view owns the descriptors."""
+        from ..model.workspace import Workspace
+        from .overlay import merged_view
+
+        entries: dict[str, Entry] = {}
+        held: dict[str, int] = {}
+        try:
+            for index, fd in enumerate(layer_fds):
+                merged = merged_view(-1, fd, Workspace(), entries)
+                entries = merged.entries
+                held = {rel: index if rel in merged.upper else held[rel] for rel in entries}
+            devs = [os.fstat(fd).st_dev for fd in layer_fds]
+        except BaseException:
+            for fd in layer_fds:
+                os.close(fd)
+            raise
+
+        def key(rel: str) -> tuple[int, int]:
+            return (devs[held[rel]], -1 - entries[rel].ino)  # a layer's inode numbers are kept negated
+
+        return cls(entries, lambda rel: _open_file(layer_fds[held[rel]], rel), key, list(layer_fds),
+                   lambda rel: layer_fds[held[rel]])
 
     @classmethod
     def of_layer(cls, source_fd: int | None, layer_fd: int) -> View:
@@ -321,7 +362,10 @@ class View:
             ino = merged.entries[rel].ino
             return (upper_dev, -1 - ino) if rel in merged.upper else (lower_dev, ino)
 
-        return cls(merged.entries, opener, key, [fd for fd in (source_fd, layer_fd) if fd is not None])
+        def holder(rel: str) -> int:
+            return layer_fd if rel in merged.upper or source_fd is None else source_fd
+
+        return cls(merged.entries, opener, key, [fd for fd in (source_fd, layer_fd) if fd is not None], holder)
 
     def read(self, rel: str) -> bytes:
         fd = self.open(rel)
@@ -453,8 +497,6 @@ def materialize(view: View, out_fd: int) -> int:
     """Fill the empty directory out_fd with the files view means, as a plain tree (whole files, no whiteout,
     no opaque directory): a layer over its lower tree made one tree. How many nodes were written."""
     import dataclasses
-
-    from .tree import _descend
 
     count = 0
     dirs: list[tuple[str, int]] = []

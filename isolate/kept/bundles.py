@@ -78,17 +78,16 @@ def export(snap: Snapshot) -> tuple[bytes, str]:
     budget = [MAX_BUNDLE]
     what = f"snapshot {snap.name!r} (to another node: at most {MAX_BUNDLE} bytes)"
     members: dict[str, bytes] = {}
-    data = snap.open_data()
-    try:
-        members["data.tar"] = _pack(data, budget, what)
-    finally:
-        os.close(data)
-    base = snap.open_base()
-    if base is not None:
-        try:
-            members["base.tar"] = _pack(base, budget, what)
-        finally:
-            os.close(base)
+
+    def pack_layer(name: str, fd: int | None) -> None:
+        if fd is not None:
+            try:
+                members[name] = _pack(fd, budget, what)
+            finally:
+                os.close(fd)
+
+    pack_layer("data.tar", snap.open_data())
+    pack_layer("base.tar", snap.open_base())
     image: dict[str, Any] | None = None
     if snap.image is not None:
         image = snap._image_meta()
@@ -99,12 +98,7 @@ def export(snap: Snapshot) -> tuple[bytes, str]:
             image = {**image, "root": [stat.S_IMODE(top.st_mode) & 0o1777, top.st_uid, top.st_gid]}
         finally:
             os.close(root)
-        root_base = snap.open_root_base()
-        if root_base is not None:
-            try:
-                members["rootbase.tar"] = _pack(root_base, budget, what)
-            finally:
-                os.close(root_base)
+        pack_layer("rootbase.tar", snap.open_root_base())
     areas = snap.open_areas()
     if areas is not None:
         with os.fdopen(areas, "rb") as handle:

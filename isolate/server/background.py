@@ -128,8 +128,8 @@ def _children(pid: int) -> list[int]:
 def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     """The host's process of the sandbox whose pid there is ns_pid, at the sandbox's own PID namespace's depth (a
     process of a namespace the sandbox made below its own is not it). The launcher has ended, so the wrapper is
-    the sandbox init's child by now, or its monitor's (a subreaper, ending): those are looked at first, then every
-    process of the sandbox."""
+    its monitor's child (a subreaper, detached: it stays), below the exec server, or (the monitor was killed)
+    the sandbox init's: those three generations are looked at first, then every process of the sandbox."""
     init = _init_of(box)
     if init is None:
         return None
@@ -141,10 +141,12 @@ def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     def candidates() -> Iterator[int]:
         first = _children(init)
         yield from first
-        # Until the launcher's monitor (a subreaper) has ended, the wrapper is its child.
+        # The launcher's monitor (a subreaper) is the exec server's child, the wrapper the monitor's.
         second = [pid for parent in first for pid in _children(parent)]
         yield from second
-        near = {*first, *second}
+        third = [pid for parent in second for pid in _children(parent)]
+        yield from third
+        near = {*first, *second, *third}
         yield from (p.pid for p in box.processes()[:_MOST_PROCESSES] if p.pid not in near)
 
     for pid in candidates():
@@ -187,6 +189,26 @@ def stop_then_kill(listing: Callable[[], list[psutil.Process]]) -> None:
         for process in stopped:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+@dataclasses.dataclass(frozen=True)
+class Monitor:
+    """A background command's monitor in the sandbox, held (its pidfd) while its descendants are listed."""
+
+    process: psutil.Process
+    pidfd: int
+
+    def descendants(self) -> list[psutil.Process]:
+        """Its descendants; none once it has ended (a listing made after that could be another's, of its pid
+        reused: while its pidfd is not readable it ran throughout)."""
+        try:
+            found = self.process.children(recursive=True)
+        except psutil.Error:
+            return []
+        return [] if ready([self.pidfd], timeout=0) else found
+
+    def close(self) -> None:
+        os.close(self.pidfd)
 
 
 class KeptCommand:
@@ -237,12 +259,12 @@ class KeptCommand:
         launcher = shell if shell == "/bin/bash" else "/bin/sh"
         try:
             proc = box.spawn([launcher, "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                             env=env, timeout=LAUNCH_TIMEOUT)
+                             env=env, timeout=LAUNCH_TIMEOUT, detached=True)
         except FileNotFoundError:
             if launcher == "/bin/sh":
                 raise
             proc = box.spawn(["/bin/sh", "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                             env=env, timeout=LAUNCH_TIMEOUT)
+                             env=env, timeout=LAUNCH_TIMEOUT, detached=True)
         command = cls(sandbox, RecordedCommand(command_id, content, started, 0, 0.0, proc.pid, deadline), limit,
                       on_end)
         command.settled.clear()
@@ -488,9 +510,42 @@ class KeptCommand:
         except psutil.Error:
             return None
 
-    def _processes(self, box: Sandbox, session: bool) -> list[psutil.Process]:
+    def _monitor(self, box: Sandbox) -> Monitor | None:
+        """The monitor of the command's launcher in the sandbox (spawned detached): the wrapper's parent, a
+        subreaper that every process the command left (whatever it did with sessions and double forks) is a
+        descendant of, until all have ended. None when the wrapper has ended, or its parent is the sandbox's init
+        (the monitor was killed: the sandbox's processes can, they share its uid) or not of the sandbox. The
+        caller closes it."""
+        wrapper = self._wrapper()
+        init = _init_of(box)
+        if wrapper is None or init is None:
+            return None
+        pidfd = -1
+        try:
+            pid = wrapper.ppid()
+            if pid in (0, 1, init):
+                return None
+            # Held while it is checked: a parent that ended meanwhile (its pid reused) is not taken for it.
+            pidfd = os.pidfd_open(pid)
+            if wrapper.ppid() != pid:
+                return None
+            monitor = psutil.Process(pid)  # its start time, against a reuse of its pid from now on
+            depth = len(_status_fields(init, ("NSpid",))["NSpid"])
+            nspid = _status_fields(pid, ("NSpid",)).get("NSpid", [])
+            if ready([pidfd], timeout=0) or len(nspid) != depth or nspid[-1] == 1:
+                return None
+            held, pidfd = Monitor(monitor, pidfd), -1
+            return held
+        except (OSError, KeyError, ValueError, psutil.Error):
+            return None
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+    def _processes(self, box: Sandbox, session: bool, monitor: Monitor | None = None) -> list[psutil.Process]:
         """The command's processes on the host: its process group (``session``: its session too) inside the
-        sandbox, and every descendant of its wrapper."""
+        sandbox, every descendant of its wrapper and (``monitor``, found once per interrupt: it outlives the
+        wrapper) of its monitor."""
         found: dict[int, psutil.Process] = {}
         wrapper = self._wrapper()
         if wrapper is not None:
@@ -498,6 +553,8 @@ class KeptCommand:
                 found[wrapper.pid] = wrapper
                 for child in wrapper.children(recursive=True):
                     found[child.pid] = child
+        if monitor is not None:
+            found.update((p.pid, p) for p in monitor.descendants())
         init = _init_of(box)
         try:
             depth = len(_status_fields(init, ("NSpid",))["NSpid"]) if init is not None else 0
@@ -527,23 +584,35 @@ class KeptCommand:
         if box is None or not self.running:
             return
         self._wait_settled()
-        before = self._processes(box, session=True)
-        for process in self._processes(box, session=False):
-            with contextlib.suppress(psutil.Error):
-                process.send_signal(signal.SIGTERM)
-        pidfd = self._pidfd
-        if pidfd >= 0:
-            ready([pidfd], timeout=grace)
-        self.kill("killed", before)
+        monitor = self._monitor(box)
+        try:
+            before = self._processes(box, session=True, monitor=monitor)
+            for process in self._processes(box, session=False):
+                with contextlib.suppress(psutil.Error):
+                    process.send_signal(signal.SIGTERM)
+            pidfd = self._pidfd
+            if pidfd >= 0:
+                ready([pidfd], timeout=grace)
+            self.kill("killed", before, monitor)
+        finally:
+            if monitor is not None:
+                monitor.close()
 
-    def kill(self, how: str, before: Sequence[psutil.Process] = ()) -> None:
+    def kill(self, how: str, before: Sequence[psutil.Process] = (), monitor: Monitor | None = None) -> None:
         """SIGKILL to everything it started (``how``: "killed" or "timeout", said when it leaves no status;
-        ``before``: its processes listed earlier, killed too if they still run)."""
+        ``before``: its processes listed earlier, killed too if they still run; ``monitor``: its monitor, found
+        earlier, while its wrapper ran, which the caller closes). The monitor itself is left to reap them and
+        end."""
         box = self.sandbox()
         if box is None:
             return
         self._wait_settled()
-        stop_then_kill(lambda: [*before, *self._processes(box, session=True)])
+        found = None if monitor is not None else self._monitor(box)
+        try:
+            stop_then_kill(lambda: [*before, *self._processes(box, session=True, monitor=monitor or found)])
+        finally:
+            if found is not None:
+                found.close()
         pidfd = self._pidfd
         if pidfd >= 0:
             ready([pidfd], timeout=5.0)

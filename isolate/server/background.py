@@ -4,8 +4,11 @@ A command the exec server runs ends when its host hangs up, so a background
 command run as the server's would end with the server (a killed one too).
 In a kept sandbox (isolate.server.keep) the server instead runs a launcher
 (``LAUNCHER``, the sandbox's own shell) that starts a wrapper in the
-background and ends at once; the exec server leaves what a command left
-running, so the wrapper and the command under it run on past the server.
+background and ends at once. The launcher is spawned detached
+(``Sandbox.spawn(detached=True)``): its monitor in the sandbox ends nothing
+when the server hangs up, and once the launcher has ended it stays the
+subreaper of what it left, reaping until nothing is left, so the wrapper
+and the command under it run on past the server, below that monitor.
 The wrapper runs the command as the exec server would (``SHELL -c
 CONTENT``, its cwd and environment), its stdout and stderr appended to a
 log file of the sandbox's private /tmp, and writes the command's exit
@@ -16,7 +19,10 @@ sandbox's record (its ``commands``):
 
 - the wrapper's process on the host, named by its pid and start time (told
   apart from a reused pid), held as a pidfd while it runs: the command has
-  ended when its wrapper has; signals go to its processes from the host;
+  ended when its wrapper has; signals go to its processes from the host.
+  Its parent is the monitor (``_monitor``: not the sandbox's init, held by a
+  pidfd while its descendants are listed), which a restarted server finds
+  the same way;
 - the log file, made by the launcher (mode 0600) and opened by the server
   once the launcher ended, through the sandbox's file API (opened inside,
   as the program, O_NOFOLLOW, a regular file checked from the host): read
@@ -36,11 +42,15 @@ The launcher's end is waited for off the request's path (``_settle``), so a
 start costs what the exec server's spawn costs. An interrupt sends SIGTERM to
 the command's process group (what the exec server does), and once that ended
 it or after the grace, stops then kills what is left of its session and every
-descendant of its wrapper. A process the command double-forked into a
-session of its own is the sandbox's, not the command's: it ends with the
-sandbox (the exec server's monitor would have caught it; the wrapper, a
-shell, cannot be a subreaper). A foreground command streams to the client
-that asked for it and ends with its server, as before.
+descendant of its monitor, as its timeout does. A process the command
+double-forked into a session of its own (``setsid -f``, a daemon) is one of
+them: the wrapper, a shell, cannot be a subreaper, but the monitor is, and
+an orphan goes to the nearest living subreaper above it. Only a command that
+killed its own monitor (a process of the sandbox, of its uid) puts them
+under the sandbox's init, where they end with the sandbox. A command that
+ended by itself leaves what it started running (as a foreground command
+does), below the monitor until that ends. A foreground command streams to
+the client that asked for it and ends with its server, as before.
 """
 
 from __future__ import annotations

@@ -513,6 +513,12 @@ void xs_monitor(int conn, struct request *req)
         xs_close_fds(&xs_current);
     if (detached && reason == ISO_XS_REASON_EXITED) {
         close(conn);
+        /* A waiting monitor's socket closed: the server learns that this one will not come back to wait,
+         * and forks the next ahead (one_may_come_back), rather than once per command while this one lives. */
+        if (xs_monitor_chan >= 0) {
+            close(xs_monitor_chan);
+            xs_monitor_chan = -1;
+        }
         reap_what_it_left();
         _exit(0);
     }

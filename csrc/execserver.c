@@ -32,7 +32,11 @@
  *     setsid daemon included) becomes its child, so a timeout, a SIGKILL
  *     from the host or the host hanging up ends the command's whole tree
  *     and nothing else.  When the command exits by itself, what it left in
- *     the background goes on running, as on any machine.
+ *     the background goes on running, as on any machine.  A detached
+ *     command (ISO_XS_F_DETACHED) outlives its host's hanging up, and its
+ *     monitor then stays the subreaper of what it left until all of it has
+ *     ended (counted as running meanwhile): the host ends all of it from
+ *     outside, as the monitor's descendants.
  * With IDLE_MS > 0 the server exits after that long without a connection
  * or a running command; its exit ends the sandbox (the init then ends the
  * PID namespace).  With TTL_MS > 0 it exits that long after it started,

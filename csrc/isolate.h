@@ -352,10 +352,15 @@ enum iso_xs_flag {
     ISO_XS_F_LATE_STARTED = 8, /* EXEC: STARTED only once the command has run ISO_XS_STARTED_AFTER_MS;
                                   one that ends sooner gets EXITED alone (it carries the pid): a
                                   short command costs the host one wake-up, not two */
-    ISO_XS_F_CONVERSATION = 16 /* EXEC on a file connection: the first descriptor is the command's own
+    ISO_XS_F_CONVERSATION = 16, /* EXEC on a file connection: the first descriptor is the command's own
                                   conversation (one end of a socketpair the host made), which the
                                   monitor answers on, instead of the connection the request came on:
                                   no connect, accept and wake-up of the server for it */
+    ISO_XS_F_DETACHED = 32     /* EXEC: the host hanging up ends nothing, and once the command has
+                                  ended the monitor stays the subreaper of what it left (double forks
+                                  and sessions of their own included) until all of it has ended: the
+                                  host finds them all below the monitor (a kept sandbox's background
+                                  commands, which outlive their server) */
 };
 
 enum iso_xs_kind {

@@ -286,6 +286,24 @@ static int childless(void)
     return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) < 0 && errno == ECHILD;
 }
 
+/* ISO_XS_F_DETACHED, the command ended by itself: what it left, whatever
+ * it did with sessions, groups and double forks, is below this subreaper
+ * (an orphan comes to the nearest living one), where the host finds and
+ * ends it; it is reaped here until none is left.  A blocking wait4 needs
+ * no signal (SIGCHLD stays blocked), and ECHILD says nothing is left. */
+static void reap_what_it_left(void)
+{
+    for (;;) {
+        int wstatus;
+        struct rusage ru;
+        if (wait4(-1, &wstatus, 0, &ru) < 0) {
+            if (errno == EINTR)
+                continue;
+            return; /* ECHILD: all of it has ended */
+        }
+    }
+}
+
 /* A monitor: owns conn and one command, until the command has ended.
  * Returns (conn closed) only when this process may serve another command
  * (see spare_main): its command exited by itself, leaving nothing running
@@ -296,8 +314,11 @@ void xs_monitor(int conn, struct request *req)
     const struct iso_xs_request *h = &req->head;
     int64_t timeout_ms = h->timeout_ms; /* req is `current`, which the loop below reuses */
     int late_started = (h->flags & ISO_XS_F_LATE_STARTED) != 0;
-    /* A terminal's master and a strings mapping are not undone here: such a command's monitor exits. */
-    int may_serve_again = !(h->flags & (ISO_XS_F_PTY | ISO_XS_F_STRINGS_FD));
+    /* The host hanging up ends nothing; the monitor outlives the command (reap_what_it_left). */
+    int detached = (h->flags & ISO_XS_F_DETACHED) != 0;
+    /* A terminal's master and a strings mapping are not undone here: such a command's monitor exits.
+     * A detached one's stays with what its command left. */
+    int may_serve_again = !(h->flags & (ISO_XS_F_PTY | ISO_XS_F_STRINGS_FD | ISO_XS_F_DETACHED));
     command = 0;
     command_reaped = 0;
     command_status = 0;
@@ -421,9 +442,10 @@ void xs_monitor(int conn, struct request *req)
         }
     }
     int reason = ISO_XS_REASON_EXITED;
+    int host_gone = 0; /* detached: its host hung up (set after the vfork: not one it could clobber) */
     reap_some();
     while (!command_reaped) {
-        struct pollfd fds[3] = {{.fd = sigfd, .events = POLLIN}, {.fd = conn, .events = POLLIN},
+        struct pollfd fds[3] = {{.fd = sigfd, .events = POLLIN}, {.fd = host_gone ? -1 : conn, .events = POLLIN},
                                 {.fd = timer, .events = POLLIN}};
         int wait_ms = -1;
         if (started_due >= 0) {
@@ -454,7 +476,10 @@ void xs_monitor(int conn, struct request *req)
         }
         if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
             int r = xs_receive(conn);
-            if (r == 0) {
+            if (r == 0 && detached) {
+                /* Its host (a server) may end before it: the command runs on, its timeout still holds. */
+                host_gone = 1;
+            } else if (r == 0) {
                 /* The host hung up: nobody waits for this command any more. */
                 reason = ISO_XS_REASON_KILLED;
                 kill_tree();
@@ -479,13 +504,24 @@ void xs_monitor(int conn, struct request *req)
      * below this process any more. */
     int again = reason == ISO_XS_REASON_EXITED && may_serve_again && xs_monitor_chan >= 0 && childless() &&
                 write(xs_monitor_chan, "", 1) == 1;
-    send_exited(conn, reason);
+    send_exited(conn, reason); /* to a host gone: EPIPE, nobody to tell */
     /* A request that crossed the end (a kill sent as the command exited)
      * is read and dropped: a unix socket closed with unread data resets
      * its peer, which is then told that error before the EXITED above. */
     int r;
     while ((r = xs_receive_flags(conn, MSG_DONTWAIT)) != 0 && r != -2) /* MSG_DONTWAIT: no fcntl pair */
         xs_close_fds(&xs_current);
+    if (detached && reason == ISO_XS_REASON_EXITED) {
+        close(conn);
+        /* A waiting monitor's socket closed: the server learns that this one will not come back to wait,
+         * and forks the next ahead (one_may_come_back), rather than once per command while this one lives. */
+        if (xs_monitor_chan >= 0) {
+            close(xs_monitor_chan);
+            xs_monitor_chan = -1;
+        }
+        reap_what_it_left();
+        _exit(0);
+    }
     if (!again)
         _exit(0); /* what the command left goes to the sandbox's init with this process's end */
     if (timer >= 0)

@@ -150,3 +150,28 @@ def test_a_waiting_monitor_holds_no_descriptor_of_another_command() -> None:
                     theirs.close()
         finally:
             busy.kill()
+
+
+def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
+    """A detached command's monitor outlives the command and its host hanging up: what the command left (a
+    double fork into a session of its own included) stays below it, not the sandbox's init, until it has ended;
+    the monitor, which will not wait for another command, lets the server fork the next one's ahead."""
+    with isolate.Sandbox(policy(write=())) as box:
+        assert box.exec(["/bin/true"]).returncode == 0
+        (spare,) = _server_children(box, 1)
+        proc = box.spawn(["sh", "-c", "setsid -f sleep 30 >/dev/null 2>&1"], detached=True)
+        proc.close_stdin()
+        assert proc.wait(10) == 0
+        proc.close()  # the host hangs up: nothing ends
+        init = box.processes()[0]
+        (server,) = init.children()
+        (sleep,) = [p for p in server.children(recursive=True) if p.name() == "sleep"]
+        assert sleep.parent() == spare  # the monitor that ran the command, detached, its subreaper
+        # The server forked the next command's monitor ahead: two children (the detached one and the spare).
+        assert len(_server_children(box, 2)) == 2
+        sleep.kill()
+        deadline = time.monotonic() + 10
+        while running(spare) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not running(spare)  # nothing left below it: it ended
+        assert box.exec(["/bin/true"]).returncode == 0

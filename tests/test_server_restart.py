@@ -672,3 +672,44 @@ def test_a_records_background_commands_are_checked() -> None:
                             ([dict(good, id=f"{i:016x}") for i in range(MAX_COMMANDS + 1)], None)):
         with pytest.raises(BadRecord):
             parse_record(dict(record, commands=commands, entryCommand=entry), sandbox_id)
+
+
+def test_what_a_background_command_double_forked_ends_with_it(state_dir: str) -> None:
+    """A process a background command double-forked into a session of its own (``setsid -f``: its parent ends
+    at once, it is orphaned) ends with the command's timeout and interrupt, and with an interrupt from the next
+    server after a SIGKILL of the first: the command's monitor in the sandbox stays their subreaper."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+
+    def left(server: base.Server, pattern: str) -> int:
+        # The pattern's bracket keeps it from matching the shell that runs pgrep.
+        return int(_run(server, prefix, headers, f"pgrep -cf '{pattern}' || true") or 0)
+
+    ended: dict[str, int] = {}
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, body = first.call("POST", prefix + "/command", {"command": "setsid -f sleep 1011; sleep 1010",
+                                                                "background": True, "timeout": 2000},
+                                  key=None, headers=headers)
+        assert status == 200, body
+        timed = json.loads(body.decode().splitlines()[0][6:])["text"]
+        interrupted = _background(first, prefix, headers, "setsid -f sleep 1021; sleep 1020")
+        restarted = _background(first, prefix, headers, "setsid -f sleep 1031; sleep 1030")
+        _until(lambda: left(first, "^sleep 10[23][01]$") == 4)
+        _until(lambda: _recorded(state_dir, box_id, timed, interrupted, restarted))
+        status = _until(lambda: (s := _status(first, prefix, headers, timed))["exit_code"] is not None and s)
+        assert status["error"] == "timed out", status
+        ended["timeout"] = left(first, "^sleep 101[01]$")
+        assert first.call("DELETE", prefix + f"/command?id={interrupted}", key=None, headers=headers)[0] == 200
+        ended["interrupt"] = left(first, "^sleep 102[01]$")
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert _status(second, prefix, headers, restarted)["running"]
+        assert second.call("DELETE", prefix + f"/command?id={restarted}", key=None, headers=headers)[0] == 200
+        ended["restart"] = left(second, "^sleep 103[01]$")
+    finally:
+        second.stop()
+    assert ended == {"timeout": 0, "interrupt": 0, "restart": 0}

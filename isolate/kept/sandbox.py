@@ -290,7 +290,8 @@ class Sandbox:
 
     def spawn(self, cmd: str | Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
               timeout: float | None = None, shell: bool = False, pty: bool = False,
-              fd3: int | None = None, stdin: int | None = None, stderr_to_stdout: bool = False) -> SandboxProcess:
+              fd3: int | None = None, stdin: int | None = None, stderr_to_stdout: bool = False,
+              detached: bool = False) -> SandboxProcess:
         """Start a command and return at once: stream its output, write to it, kill it, wait for it.
 
         ``fd3``: a descriptor of the caller's (a socket, a pipe) that the command gets as its descriptor 3:
@@ -298,6 +299,10 @@ class Sandbox:
         the caller's (a file, a sealed memfd) that the command reads as its standard input, instead of a
         pipe that ``write`` feeds (not with ``pty``). ``stderr_to_stdout``: its stderr goes to its stdout's
         pipe, one stream in the order written (as ``subprocess``'s ``stderr=STDOUT``; a terminal always is).
+        ``detached``: the command outlives this process (its end does not end the command, as it ends any other),
+        and its monitor in the sandbox stays the subreaper of what the command leaves running (double forks and
+        sessions of their own included) until all of that has ended: a sandbox with an idle end counts it as a
+        running command meanwhile. The caller ends it from the host, as the monitor's descendants.
         """
         impl = self._running("spawn")
         for name, fd in (("fd3", fd3), ("stdin", stdin)):
@@ -307,7 +312,7 @@ class Sandbox:
             raise PolicyError("stdin: a command with a terminal reads the terminal", "stdin")
         return SandboxProcess(impl, self._argv(cmd, shell), cwd or "", environment_for(impl.environment, env),
                               _seconds(timeout, "timeout"), pty, -1 if fd3 is None else fd3,
-                              -1 if stdin is None else stdin, bool(stderr_to_stdout))
+                              -1 if stdin is None else stdin, bool(stderr_to_stdout), bool(detached))
 
     def shell(self, name: str = "default", pty: bool = True) -> Shell:
         """A persistent shell (``cd``, variables and functions persist between ``run`` calls)."""

@@ -4,8 +4,11 @@ A command the exec server runs ends when its host hangs up, so a background
 command run as the server's would end with the server (a killed one too).
 In a kept sandbox (isolate.server.keep) the server instead runs a launcher
 (``LAUNCHER``, the sandbox's own shell) that starts a wrapper in the
-background and ends at once; the exec server leaves what a command left
-running, so the wrapper and the command under it run on past the server.
+background and ends at once. The launcher is spawned detached
+(``Sandbox.spawn(detached=True)``): its monitor in the sandbox ends nothing
+when the server hangs up, and once the launcher has ended it stays the
+subreaper of what it left, reaping until nothing is left, so the wrapper
+and the command under it run on past the server, below that monitor.
 The wrapper runs the command as the exec server would (``SHELL -c
 CONTENT``, its cwd and environment), its stdout and stderr appended to a
 log file of the sandbox's private /tmp, and writes the command's exit
@@ -16,7 +19,10 @@ sandbox's record (its ``commands``):
 
 - the wrapper's process on the host, named by its pid and start time (told
   apart from a reused pid), held as a pidfd while it runs: the command has
-  ended when its wrapper has; signals go to its processes from the host;
+  ended when its wrapper has; signals go to its processes from the host.
+  Its parent is the monitor (``_monitor``: not the sandbox's init, held by a
+  pidfd while its descendants are listed), which a restarted server finds
+  the same way;
 - the log file, made by the launcher (mode 0600) and opened by the server
   once the launcher ended, through the sandbox's file API (opened inside,
   as the program, O_NOFOLLOW, a regular file checked from the host): read
@@ -36,11 +42,15 @@ The launcher's end is waited for off the request's path (``_settle``), so a
 start costs what the exec server's spawn costs. An interrupt sends SIGTERM to
 the command's process group (what the exec server does), and once that ended
 it or after the grace, stops then kills what is left of its session and every
-descendant of its wrapper. A process the command double-forked into a
-session of its own is the sandbox's, not the command's: it ends with the
-sandbox (the exec server's monitor would have caught it; the wrapper, a
-shell, cannot be a subreaper). A foreground command streams to the client
-that asked for it and ends with its server, as before.
+descendant of its monitor, as its timeout does. A process the command
+double-forked into a session of its own (``setsid -f``, a daemon) is one of
+them: the wrapper, a shell, cannot be a subreaper, but the monitor is, and
+an orphan goes to the nearest living subreaper above it. Only a command that
+killed its own monitor (a process of the sandbox, of its uid) puts them
+under the sandbox's init, where they end with the sandbox. A command that
+ended by itself leaves what it started running (as a foreground command
+does), below the monitor until that ends. A foreground command streams to
+the client that asked for it and ends with its server, as before.
 """
 
 from __future__ import annotations
@@ -128,8 +138,8 @@ def _children(pid: int) -> list[int]:
 def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     """The host's process of the sandbox whose pid there is ns_pid, at the sandbox's own PID namespace's depth (a
     process of a namespace the sandbox made below its own is not it). The launcher has ended, so the wrapper is
-    the sandbox init's child by now, or its monitor's (a subreaper, ending): those are looked at first, then every
-    process of the sandbox."""
+    its monitor's child (a subreaper, detached: it stays), below the exec server, or (the monitor was killed)
+    the sandbox init's: those three generations are looked at first, then every process of the sandbox."""
     init = _init_of(box)
     if init is None:
         return None
@@ -141,10 +151,12 @@ def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     def candidates() -> Iterator[int]:
         first = _children(init)
         yield from first
-        # Until the launcher's monitor (a subreaper) has ended, the wrapper is its child.
+        # The launcher's monitor (a subreaper) is the exec server's child, the wrapper the monitor's.
         second = [pid for parent in first for pid in _children(parent)]
         yield from second
-        near = {*first, *second}
+        third = [pid for parent in second for pid in _children(parent)]
+        yield from third
+        near = {*first, *second, *third}
         yield from (p.pid for p in box.processes()[:_MOST_PROCESSES] if p.pid not in near)
 
     for pid in candidates():
@@ -187,6 +199,26 @@ def stop_then_kill(listing: Callable[[], list[psutil.Process]]) -> None:
         for process in stopped:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+@dataclasses.dataclass(frozen=True)
+class Monitor:
+    """A background command's monitor in the sandbox, held (its pidfd) while its descendants are listed."""
+
+    process: psutil.Process
+    pidfd: int
+
+    def descendants(self) -> list[psutil.Process]:
+        """Its descendants; none once it has ended (a listing made after that could be another's, of its pid
+        reused: while its pidfd is not readable it ran throughout)."""
+        try:
+            found = self.process.children(recursive=True)
+        except psutil.Error:
+            return []
+        return [] if ready([self.pidfd], timeout=0) else found
+
+    def close(self) -> None:
+        os.close(self.pidfd)
 
 
 class KeptCommand:
@@ -237,12 +269,12 @@ class KeptCommand:
         launcher = shell if shell == "/bin/bash" else "/bin/sh"
         try:
             proc = box.spawn([launcher, "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                             env=env, timeout=LAUNCH_TIMEOUT)
+                             env=env, timeout=LAUNCH_TIMEOUT, detached=True)
         except FileNotFoundError:
             if launcher == "/bin/sh":
                 raise
             proc = box.spawn(["/bin/sh", "-c", LAUNCHER, "isolate-bg", command_id, shell, content], cwd=cwd,
-                             env=env, timeout=LAUNCH_TIMEOUT)
+                             env=env, timeout=LAUNCH_TIMEOUT, detached=True)
         command = cls(sandbox, RecordedCommand(command_id, content, started, 0, 0.0, proc.pid, deadline), limit,
                       on_end)
         command.settled.clear()
@@ -488,9 +520,42 @@ class KeptCommand:
         except psutil.Error:
             return None
 
-    def _processes(self, box: Sandbox, session: bool) -> list[psutil.Process]:
+    def _monitor(self, box: Sandbox) -> Monitor | None:
+        """The monitor of the command's launcher in the sandbox (spawned detached): the wrapper's parent, a
+        subreaper that every process the command left (whatever it did with sessions and double forks) is a
+        descendant of, until all have ended. None when the wrapper has ended, or its parent is the sandbox's init
+        (the monitor was killed: the sandbox's processes can, they share its uid) or not of the sandbox. The
+        caller closes it."""
+        wrapper = self._wrapper()
+        init = _init_of(box)
+        if wrapper is None or init is None:
+            return None
+        pidfd = -1
+        try:
+            pid = wrapper.ppid()
+            if pid in (0, 1, init):
+                return None
+            # Held while it is checked: a parent that ended meanwhile (its pid reused) is not taken for it.
+            pidfd = os.pidfd_open(pid)
+            if wrapper.ppid() != pid:
+                return None
+            monitor = psutil.Process(pid)  # its start time, against a reuse of its pid from now on
+            depth = len(_status_fields(init, ("NSpid",))["NSpid"])
+            nspid = _status_fields(pid, ("NSpid",)).get("NSpid", [])
+            if ready([pidfd], timeout=0) or len(nspid) != depth or nspid[-1] == 1:
+                return None
+            held, pidfd = Monitor(monitor, pidfd), -1
+            return held
+        except (OSError, KeyError, ValueError, psutil.Error):
+            return None
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+    def _processes(self, box: Sandbox, session: bool, monitor: Monitor | None = None) -> list[psutil.Process]:
         """The command's processes on the host: its process group (``session``: its session too) inside the
-        sandbox, and every descendant of its wrapper."""
+        sandbox, every descendant of its wrapper and (``monitor``, found once per interrupt: it outlives the
+        wrapper) of its monitor."""
         found: dict[int, psutil.Process] = {}
         wrapper = self._wrapper()
         if wrapper is not None:
@@ -498,6 +563,8 @@ class KeptCommand:
                 found[wrapper.pid] = wrapper
                 for child in wrapper.children(recursive=True):
                     found[child.pid] = child
+        if monitor is not None:
+            found.update((p.pid, p) for p in monitor.descendants())
         init = _init_of(box)
         try:
             depth = len(_status_fields(init, ("NSpid",))["NSpid"]) if init is not None else 0
@@ -527,23 +594,35 @@ class KeptCommand:
         if box is None or not self.running:
             return
         self._wait_settled()
-        before = self._processes(box, session=True)
-        for process in self._processes(box, session=False):
-            with contextlib.suppress(psutil.Error):
-                process.send_signal(signal.SIGTERM)
-        pidfd = self._pidfd
-        if pidfd >= 0:
-            ready([pidfd], timeout=grace)
-        self.kill("killed", before)
+        monitor = self._monitor(box)
+        try:
+            before = self._processes(box, session=True, monitor=monitor)
+            for process in self._processes(box, session=False):
+                with contextlib.suppress(psutil.Error):
+                    process.send_signal(signal.SIGTERM)
+            pidfd = self._pidfd
+            if pidfd >= 0:
+                ready([pidfd], timeout=grace)
+            self.kill("killed", before, monitor)
+        finally:
+            if monitor is not None:
+                monitor.close()
 
-    def kill(self, how: str, before: Sequence[psutil.Process] = ()) -> None:
+    def kill(self, how: str, before: Sequence[psutil.Process] = (), monitor: Monitor | None = None) -> None:
         """SIGKILL to everything it started (``how``: "killed" or "timeout", said when it leaves no status;
-        ``before``: its processes listed earlier, killed too if they still run)."""
+        ``before``: its processes listed earlier, killed too if they still run; ``monitor``: its monitor, found
+        earlier, while its wrapper ran, which the caller closes). The monitor itself is left to reap them and
+        end."""
         box = self.sandbox()
         if box is None:
             return
         self._wait_settled()
-        stop_then_kill(lambda: [*before, *self._processes(box, session=True)])
+        found = None if monitor is not None else self._monitor(box)
+        try:
+            stop_then_kill(lambda: [*before, *self._processes(box, session=True, monitor=monitor or found)])
+        finally:
+            if found is not None:
+                found.close()
         pidfd = self._pidfd
         if pidfd >= 0:
             ready([pidfd], timeout=5.0)

@@ -120,14 +120,16 @@ class Command:
     def __init__(self, conn: Connection | None, argv: Sequence[str], cwd: str, environment: Sequence[str],
                  timeout: float | None, stdio: tuple[int, ...], pty: bool, enforced: Mapping[str, Any],
                  backend: str = "native", sandbox: KeptBackend | None = None, wait_started: bool = True,
-                 via: Connection | None = None) -> None:
+                 via: Connection | None = None, detached: bool = False) -> None:
         """``stdio``: the command's three descriptors; with ``pty``, none: ``terminal`` is then its master side.
         ``sandbox``: what the host ends when the command's monitor no longer answers for it.
         ``wait_started=False`` (not with pty): return once the request is sent; the monitor's STARTED (or its
         refusal, raised then) is read with its EXITED by poll_exit, which saves the host a wake-up per command.
         ``via`` (conn None): the request goes on this connection (the sandbox's file connection) with the far
         end of a socketpair made here (``Connection.pair``), which the command's monitor answers on: no
-        connect, and no wake-up of the server for one."""
+        connect, and no wake-up of the server for one. ``detached``: the host hanging up (its process ending)
+        ends nothing, and the monitor stays the subreaper of what the command left until all of it has ended
+        (ISO_XS_F_DETACHED)."""
         far = None
         if conn is None:
             assert via is not None
@@ -157,6 +159,8 @@ class Command:
         flags = int(lib.ISO_XS_F_PTY) if pty else 0 if wait_started else int(lib.ISO_XS_F_LATE_STARTED)
         if far is not None:
             flags |= int(lib.ISO_XS_F_CONVERSATION)
+        if detached:
+            flags |= int(lib.ISO_XS_F_DETACHED)
         try:
             packet, strings_fd = encode_exec([cwd, *self.args, *environment], len(self.args), timeout_ms, flags)
             fds = ((strings_fd,) if strings_fd is not None else ()) + tuple(stdio)
@@ -433,11 +437,12 @@ class SandboxProcess:
 
     def __init__(self, impl: Any, argv: list[str], cwd: str, environment: list[str],
                  timeout: float | None, pty: bool, fd3: int = -1, stdin: int = -1,
-                 stderr_to_stdout: bool = False) -> None:
+                 stderr_to_stdout: bool = False, detached: bool = False) -> None:
         """``fd3``: a descriptor of the caller's that the command gets as its descriptor 3 (the caller
         keeps its own; a persistent shell's out-of-band status channel). ``stdin``: one the command gets as
         its standard input instead of a pipe (a file, a sealed memfd; the caller keeps its own).
-        ``stderr_to_stdout``: its stderr is its stdout's pipe (one stream, in the order written)."""
+        ``stderr_to_stdout``: its stderr is its stdout's pipe (one stream, in the order written).
+        ``detached``: see Command."""
         self.args = argv
         self.master_fd = -1
         stdio: tuple[int, ...] = ()
@@ -455,7 +460,7 @@ class SandboxProcess:
         try:
             self._command = Command(impl.connect(), argv, cwd, environment, timeout,
                                     stdio + ((fd3,) if fd3 >= 0 else ()), pty, impl.report_enforced, impl.backend,
-                                    impl)
+                                    impl, detached=detached)
             if pty:
                 master = self._command.terminal
                 if master is None:

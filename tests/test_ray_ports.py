@@ -1,0 +1,152 @@
+"""A sandbox's port forwarded over the direct route (isolate/ray/direct.py, ``serve --ray``), against a hostile
+app and a client that goes away, with a host's Listener and its client's ``open_port`` and no Ray cluster (the
+connector is a plain loopback connect here: what is tested is the route's relay, not the connector).
+
+What a forwarded connection holds on the node's host (a connection, two threads) it gives back: when the client
+closed and the app never does (nor answers), after ``LINGER`` idle seconds; when the sandbox is retired; when
+the host closes, at once; under TLS the client's own relay threads too. Forwarded connections held open do not
+take the route's connections (its calls still open), and one sandbox's forwards do not refuse another's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from imagekit import node_tls_files
+
+pytest.importorskip("ray", reason="ray is not installed: pip install '.[ray]'")
+from isolate.ray import channel, direct  # noqa: E402  (after the skip: isolate.ray imports ray)
+
+SID, OTHER = "0123456789abcdef", "fedcba9876543210"
+
+
+def serve(sid: str, operation: str, args: tuple[Any, ...]) -> Any:
+    return (sid, operation, args)
+
+
+class App:
+    """A hostile app on the sandbox's loopback: it accepts and holds every connection, never answers, never
+    closes (not even at the client's end)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def relays() -> list[threading.Thread]:
+    """The threads that carry forwarded connections (the host's and, under TLS, the client's)."""
+    return [t for t in threading.enumerate() if t.name in ("isolate-direct-port", "isolate-direct-conn")]
+
+
+def settled(within: float) -> list[threading.Thread]:
+    deadline = time.monotonic() + within
+    while relays() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return relays()
+
+
+@pytest.fixture
+def app() -> Iterator[App]:
+    a = App()
+    yield a
+    a.close()
+
+
+@pytest.fixture(params=["plain", "tls"])
+def route_tls(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """(the host's TLS context, the client's): none on the plain route; Ray's TLS with openssl's files."""
+    if request.param == "plain":
+        return None, None
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl makes the test's certificates")
+    files = node_tls_files(os.path.join(str(tmp_path_factory.mktemp("tls")), "cluster"), ["127.0.0.1"])
+    for name, value in ((channel.CERT, files["cert"]), (channel.KEY, files["key"]), (channel.CA, files["ca"])):
+        monkeypatch.setenv(name, value)
+    return channel.tls_context(server_side=True), channel.tls_context(server_side=False)
+
+
+def connector(sid: str, port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+@pytest.fixture
+def host(route_tls: tuple[Any, Any]) -> Iterator[tuple[direct.Listener, Callable[..., socket.socket]]]:
+    assert not relays(), "an earlier test left relays running"
+    listener = direct.Listener("127.0.0.1", serve, route_tls[0], connector)
+    secrets = {sid: listener.admit(sid) for sid in (SID, OTHER)}
+
+    def forward(port: int, sid: str = SID) -> socket.socket:
+        return direct.open_port(listener.address, sid, secrets[sid], port, route_tls[1])
+
+    try:
+        yield listener, forward
+    finally:
+        listener.close()
+
+
+def test_a_client_gone_from_an_app_that_never_closes_holds_nothing(host: Any, app: App,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "LINGER", 0.5, raising=False)
+    _, forward = host
+    sock = forward(app.port)
+    sock.sendall(b"GET / HTTP/1.1\r\nconnection: close\r\n\r\n")
+    sock.close()  # the server's port route closes for good: the app sees the end, and ignores it
+    assert settled(5.0) == [], "a forwarded connection held past its client"
+
+
+def test_a_retired_sandbox_and_a_closed_host_end_their_forwards(host: Any, app: App) -> None:
+    listener, forward = host
+    held = [forward(app.port) for _ in range(3)]
+    other = forward(app.port, OTHER)
+    listener.retire(SID)  # the sandbox closed: its forwards end (the other sandbox's stays)
+    for sock in held:
+        sock.settimeout(5)
+        assert sock.recv(1) == b""
+    other.sendall(b"still here")
+    listener.close()  # the host ends: every forward with it, the app's idle ones too
+    other.settimeout(5)
+    assert other.recv(1) == b""
+    assert settled(5.0) == []
+    for sock in (*held, other):
+        sock.close()
+
+
+def test_forwards_held_open_take_neither_the_routes_connections_nor_another_sandboxs(
+        host: Any, app: App, route_tls: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(direct, "MAX_FORWARDS_PER_SANDBOX", 6, raising=False)
+    listener, forward = host
+    held = [forward(app.port) for _ in range(6)]  # more than the route's connections, held open by the app
+    route = direct.Route(listener.address, lambda: False, route_tls[1])
+    try:
+        assert route.call(SID, listener._secrets[SID], "call", ("exec",)) == (SID, "call", ("exec",))
+    finally:
+        route.close()
+    with pytest.raises(Exception, match="forwarded connections"):
+        forward(app.port)  # this sandbox's share is taken: refused with the host's words
+    held.append(forward(app.port, OTHER))  # another sandbox's still opens
+    for sock in held:
+        sock.close()

@@ -22,7 +22,7 @@ import pytest
 from imagekit import node_tls_files
 
 pytest.importorskip("ray", reason="ray is not installed: pip install '.[ray]'")
-from isolate.ray import channel, direct  # noqa: E402  (after the skip: isolate.ray imports ray)
+from isolate.ray import channel, direct  # after the skip: isolate.ray imports ray
 
 SID, OTHER = "0123456789abcdef", "fedcba9876543210"
 
@@ -94,7 +94,7 @@ def connector(sid: str, port: int) -> socket.socket:
 
 @pytest.fixture
 def host(route_tls: tuple[Any, Any]) -> Iterator[tuple[direct.Listener, Callable[..., socket.socket]]]:
-    assert not relays(), "an earlier test left relays running"
+    assert settled(5.0) == [], "an earlier test left relays running"
     listener = direct.Listener("127.0.0.1", serve, route_tls[0], connector)
     secrets = {sid: listener.admit(sid) for sid in (SID, OTHER)}
 
@@ -129,9 +129,9 @@ def test_a_retired_sandbox_and_a_closed_host_end_their_forwards(host: Any, app: 
     listener.close()  # the host ends: every forward with it, the app's idle ones too
     other.settimeout(5)
     assert other.recv(1) == b""
-    assert settled(5.0) == []
     for sock in (*held, other):
         sock.close()
+    assert settled(5.0) == []
 
 
 def test_forwards_held_open_take_neither_the_routes_connections_nor_another_sandboxs(

@@ -150,3 +150,49 @@ def test_forwards_held_open_take_neither_the_routes_connections_nor_another_sand
     held.append(forward(app.port, OTHER))  # another sandbox's still opens
     for sock in held:
         sock.close()
+
+
+def test_a_remote_sandboxs_stalled_connector_holds_none_of_the_servers_threads() -> None:
+    """``serve --ray``'s port route for a sandbox on a node: a connector that never answers (stopped from inside
+    the sandbox) holds that sandbox's forwards only, as a local sandbox's does, never the server's shared threads
+    (40 requests to its port stalled every endpoint that runs in a thread)."""
+    pytest.importorskip("starlette", reason="the server's extra: pip install '.[server]'")
+    import asyncio
+    import types
+
+    from starlette.concurrency import run_in_threadpool
+
+    from isolate.server.connector import NodeForwarder
+
+    stalled, entered = threading.Event(), threading.Semaphore(0)
+    pairs: list[socket.socket] = []
+
+    class Box:  # an isolate.ray.Sandbox whose node's connector never answers (until the test lets it)
+        def open_port(self, port: int) -> socket.socket:
+            entered.release()
+            stalled.wait(30)
+            ours, theirs = socket.socketpair()
+            pairs.append(theirs)
+            return ours
+
+    forwarder = NodeForwarder(types.SimpleNamespace(id="remote", box=Box()))  # type: ignore[arg-type]
+
+    async def scene() -> float:
+        requests = [asyncio.ensure_future(forwarder.connect(8080)) for _ in range(48)]
+        try:
+            await asyncio.sleep(0.5)
+            start = time.monotonic()
+            assert await asyncio.wait_for(run_in_threadpool(lambda: 1), 10) == 1  # another endpoint's thread
+            return time.monotonic() - start
+        finally:
+            stalled.set()
+            for sock in await asyncio.gather(*requests):
+                sock.close()
+
+    try:
+        waited = asyncio.run(scene())
+    finally:
+        stalled.set()
+        for sock in pairs:
+            sock.close()
+    assert waited < 2.0, f"another endpoint waited {waited:.1f} s for a thread"

@@ -196,3 +196,27 @@ def test_a_remote_sandboxs_stalled_connector_holds_none_of_the_servers_threads()
         for sock in pairs:
             sock.close()
     assert waited < 2.0, f"another endpoint waited {waited:.1f} s for a thread"
+
+
+
+def test_a_peer_that_trickles_its_first_frame_is_closed_in_time(route_tls: tuple[Any, Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """FIRST_FRAME_TIMEOUT bounds the whole of a connection's unproved start (the TLS handshake, the first
+    frame), not each read: a peer without a secret that sends a byte now and then held one of the host's
+    connections (what forwards and routes open: MAX_CONNECTIONS) for as long as it liked."""
+    monkeypatch.setattr(direct, "FIRST_FRAME_TIMEOUT", 1.0)
+    listener = direct.Listener("127.0.0.1", serve, route_tls[0], connector)
+    start = time.monotonic()
+    try:
+        with socket.create_connection(listener.address, timeout=5) as peer:
+            try:
+                if route_tls[0] is not None:
+                    peer.sendall(b"\x16\x03\x01\x02\x00")  # a handshake record of 512 bytes, then its bytes
+                while time.monotonic() - start < 6:
+                    peer.sendall(b"\x01")  # never a whole record, nor a whole header, here
+                    time.sleep(0.2)
+            except OSError:
+                pass  # reset: the host closed it
+    finally:
+        listener.close()
+    assert time.monotonic() - start < 4, "a trickling peer kept its connection"

@@ -78,7 +78,7 @@ REQUEST = struct.Struct(">IQ16s32s")
 ANSWER = struct.Struct(">IQ32s")
 #: The largest body either side reads (the length is checked before anything is read past the header).
 MAX_FRAME = 4 << 20
-#: How long a new connection may take to send its first proved request.
+#: How long a new connection may take to send its first proved request (its TLS handshake included), in all.
 FIRST_FRAME_TIMEOUT = 10.0
 #: Connections one host serves at once (clients of one cluster: one each).
 MAX_CONNECTIONS = 256
@@ -316,9 +316,14 @@ class Listener:
     def _connection(self, conn: socket.socket) -> None:
         nonce = secrets.token_bytes(NONCE)
         send = threading.Lock()
+        # FIRST_FRAME_TIMEOUT bounds the whole unproved start (the TLS handshake, the first frame), not each read:
+        # a peer that trickles a byte now and then is shut when it is over.
+        watchdog = threading.Timer(FIRST_FRAME_TIMEOUT, _shut, (conn,))
+        watchdog.name, watchdog.daemon = "isolate-direct-watch", True
+        watchdog.start()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(FIRST_FRAME_TIMEOUT)  # the TLS handshake too
+            conn.settimeout(FIRST_FRAME_TIMEOUT)  # each read's too
             channel = Plain(conn) if self.tls is None else Tls(conn, self.tls, server_side=True)
             channel.sendall(MAGIC + nonce)
             stream = _Stream(channel)
@@ -336,6 +341,7 @@ class Listener:
                 body = stream.take(length)
                 if body is None or not hmac.compare_digest(proof, _proof(secret, nonce, header[:-32], body)):
                     return
+                watchdog.cancel()  # proved
                 if last == 0 and self._open_port is not None:
                     operation, args = pickle.loads(body)  # proved: the client that holds this sandbox's secret
                     if operation == PORT:
@@ -347,6 +353,7 @@ class Listener:
         except (OSError, RuntimeError):  # a broken peer, or the workers closed
             return
         finally:
+            watchdog.cancel()
             with self._lock:
                 self._connections.discard(conn)
             try:

@@ -220,3 +220,14 @@ def test_a_peer_that_trickles_its_first_frame_is_closed_in_time(route_tls: tuple
     finally:
         listener.close()
     assert time.monotonic() - start < 4, "a trickling peer kept its connection"
+
+
+def test_a_retired_sandbox_forwards_nothing(host: Any, app: App) -> None:
+    """A retired sandbox's secret still proves a late call (answered "closed"), but opens no forward: none opens
+    between the retire and the sandbox's end, when nothing would end it (an app outside the sandbox's network
+    namespace: a sandbox of the host's network)."""
+    listener, forward = host
+    listener.retire(SID)
+    with pytest.raises(Exception, match="closed"):
+        forward(app.port)
+    assert app.held == []

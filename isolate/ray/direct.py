@@ -371,10 +371,11 @@ class Listener:
         pair = _Pair(sid)
         pair.add(conn)
         with self._lock:
+            live = sid in self._secrets and not self._closed  # a retired sandbox's secret opens no forward
             mine = sum(1 for p in self._forwards if p.sid == sid)
             full = len(self._forwards) >= MAX_FORWARDS or mine >= MAX_FORWARDS_PER_SANDBOX
-            if not full and not self._closed:
-                self._forwards.add(pair)
+            if live and not full:
+                self._forwards.add(pair)  # from now a retire or a close shuts it
                 self._connections.discard(conn)
         upstream: socket.socket | None = None
         try:
@@ -382,6 +383,8 @@ class Listener:
                 port = args[0] if len(args) == 1 else None
                 if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
                     raise PolicyError(f"port: expected a port number (1-65535), got {port!r}", "port")
+                if not live:
+                    raise ConnectorError("FORWARD_FAILED", f"port {port}: sandbox {sid} is closed")
                 if full:
                     raise ConnectorError("FORWARD_FAILED", f"port {port}: the node's host relays "
                                          f"{MAX_FORWARDS_PER_SANDBOX} forwarded connections of a sandbox at most "

@@ -222,6 +222,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray.py",
     "test_ray_direct.py",
     "test_ray_nodes.py",
+    "test_ray_ports.py",
     "test_ray_tls.py",
     "test_server.py",
     "test_server_crashes.py",

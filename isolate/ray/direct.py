@@ -33,7 +33,13 @@ connector started in the sandbox connect to the port
 (isolate/backends/native/loopback.py: under the sandbox's own network policy,
 the socket checked), answers (proved: ``"open"`` or the failure), and from
 then on the connection carries the bytes both ways, unframed, until either
-side ends (``open_port`` on the client's side).
+side ends (``open_port`` on the client's side). Forwarded connections are
+counted apart from the route's (``MAX_FORWARDS``, ``MAX_FORWARDS_PER_SANDBOX``:
+an app that holds its connections open never refuses the route's calls, nor
+another sandbox's forwards); when one direction ends the other goes on while
+bytes move and ends after ``LINGER`` idle seconds (a client that closed for
+good, an app that never closes); a retired sandbox's and a closed host's
+forwards end at once.
 
 A connection that breaks names no outcome: the caller asks the node's actor
 (``SandboxLostError`` when Ray says the node is gone, in the time Ray takes).
@@ -58,6 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends.native.loopback import ConnectorError
 from ..model.errors import PolicyError
 from .channel import Plain, Tls
 
@@ -71,7 +78,7 @@ REQUEST = struct.Struct(">IQ16s32s")
 ANSWER = struct.Struct(">IQ32s")
 #: The largest body either side reads (the length is checked before anything is read past the header).
 MAX_FRAME = 4 << 20
-#: How long a new connection may take to send its first proved request.
+#: How long a new connection may take to send its first proved request (its TLS handshake included), in all.
 FIRST_FRAME_TIMEOUT = 10.0
 #: Connections one host serves at once (clients of one cluster: one each).
 MAX_CONNECTIONS = 256
@@ -87,6 +94,12 @@ WATCH_SLICE = 1.0
 PORT = "port"
 #: How long the sandbox's connector may take to connect to its port (a loopback connect is immediate, or refused).
 PORT_CONNECT_TIMEOUT = 10.0
+#: Forwarded connections one host relays at once (each holds two threads), and of one sandbox: counted apart from
+#: MAX_CONNECTIONS, so that forwards an app holds open never refuse the route's calls nor another sandbox's forwards.
+MAX_FORWARDS = 512
+MAX_FORWARDS_PER_SANDBOX = 128
+#: After one direction of a forwarded connection ended, how long the other may go without a byte before both end.
+LINGER = 30.0
 #: Closed sandboxes whose secrets are kept to answer a late call ("closed") rather than close the connection.
 RETIRED = 4096
 
@@ -233,6 +246,7 @@ class Listener:
         self._retired: OrderedDict[str, bytes] = OrderedDict()
         self._stash: dict[str, bytes] = {}
         self._connections: set[socket.socket] = set()
+        self._forwards: set[_Pair] = set()  # forwarded connections (not in _connections: counted apart)
         self._closed = False
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self._sock = socket.create_server((ip, 0), family=family, backlog=128)
@@ -257,6 +271,9 @@ class Listener:
                     self._retired.popitem(last=False)
             for key in [k for k in self._stash if k.startswith(sid + "/")]:
                 del self._stash[key]
+            ended = [pair for pair in self._forwards if pair.sid == sid]
+        for pair in ended:  # its forwarded connections end with it
+            pair.shut()
 
     def take(self, key: str) -> bytes | None:
         with self._lock:
@@ -266,12 +283,15 @@ class Listener:
         with self._lock:
             self._closed = True
             connections = list(self._connections)
+            forwards = list(self._forwards)
         self._sock.close()
         for conn in connections:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        for pair in forwards:  # the app's side too: an idle app's relay ends now, not when it closes
+            pair.shut()
         self._workers.close()
 
     def _secret(self, sid: str) -> bytes | None:
@@ -296,9 +316,14 @@ class Listener:
     def _connection(self, conn: socket.socket) -> None:
         nonce = secrets.token_bytes(NONCE)
         send = threading.Lock()
+        # FIRST_FRAME_TIMEOUT bounds the whole unproved start (the TLS handshake, the first frame), not each read:
+        # a peer that trickles a byte now and then is shut when it is over.
+        watchdog = threading.Timer(FIRST_FRAME_TIMEOUT, _shut, (conn,))
+        watchdog.name, watchdog.daemon = "isolate-direct-watch", True
+        watchdog.start()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(FIRST_FRAME_TIMEOUT)  # the TLS handshake too
+            conn.settimeout(FIRST_FRAME_TIMEOUT)  # each read's too
             channel = Plain(conn) if self.tls is None else Tls(conn, self.tls, server_side=True)
             channel.sendall(MAGIC + nonce)
             stream = _Stream(channel)
@@ -316,10 +341,11 @@ class Listener:
                 body = stream.take(length)
                 if body is None or not hmac.compare_digest(proof, _proof(secret, nonce, header[:-32], body)):
                     return
+                watchdog.cancel()  # proved
                 if last == 0 and self._open_port is not None:
                     operation, args = pickle.loads(body)  # proved: the client that holds this sandbox's secret
                     if operation == PORT:
-                        self._forward(stream, nonce, rid, sid_bytes.decode("ascii"), secret, tuple(args))
+                        self._forward(conn, stream, nonce, rid, sid_bytes.decode("ascii"), secret, tuple(args))
                         return
                 last = rid
                 conn.settimeout(None)  # a proved client: its connection stays while it is idle
@@ -327,6 +353,7 @@ class Listener:
         except (OSError, RuntimeError):  # a broken peer, or the workers closed
             return
         finally:
+            watchdog.cancel()
             with self._lock:
                 self._connections.discard(conn)
             try:
@@ -335,38 +362,58 @@ class Listener:
                 pass
             conn.close()
 
-    def _forward(self, stream: _Stream, nonce: bytes, rid: int, sid: str, secret: bytes,
+    def _forward(self, conn: socket.socket, stream: _Stream, nonce: bytes, rid: int, sid: str, secret: bytes,
                  args: tuple[Any, ...]) -> None:
         """A forwarded connection: the sandbox's port connected, the proved answer sent, then the bytes relayed
-        both ways until either side ends (in this connection's thread and one more)."""
+        both ways until either side ends (in this connection's thread and one more). It leaves the route's
+        connections for a forward's place (MAX_FORWARDS, MAX_FORWARDS_PER_SANDBOX), or is refused in words."""
         assert self._open_port is not None
+        pair = _Pair(sid)
+        pair.add(conn)
+        with self._lock:
+            live = sid in self._secrets and not self._closed  # a retired sandbox's secret opens no forward
+            mine = sum(1 for p in self._forwards if p.sid == sid)
+            full = len(self._forwards) >= MAX_FORWARDS or mine >= MAX_FORWARDS_PER_SANDBOX
+            if live and not full:
+                self._forwards.add(pair)  # from now a retire or a close shuts it
+                self._connections.discard(conn)
         upstream: socket.socket | None = None
         try:
-            port = args[0] if len(args) == 1 else None
-            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-                raise PolicyError(f"port: expected a port number (1-65535), got {port!r}", "port")
-            upstream = self._open_port(sid, port)
-            result: Any = "open"
-        except Exception as exc:
-            result = Failure(exc)
-        blob = _dumps(result)
-        head = struct.pack(">IQ", len(blob), rid)
-        try:
-            stream.channel.sendall(head + _proof(secret, nonce, b"R", head, blob) + blob)
-        except OSError:
+            try:
+                port = args[0] if len(args) == 1 else None
+                if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                    raise PolicyError(f"port: expected a port number (1-65535), got {port!r}", "port")
+                if not live:
+                    raise ConnectorError("FORWARD_FAILED", f"port {port}: sandbox {sid} is closed")
+                if full:
+                    raise ConnectorError("FORWARD_FAILED", f"port {port}: the node's host relays "
+                                         f"{MAX_FORWARDS_PER_SANDBOX} forwarded connections of a sandbox at most "
+                                         f"and {MAX_FORWARDS} in all; try again when one ended")
+                upstream = self._open_port(sid, port)
+                pair.add(upstream)  # shut at once if the sandbox was retired or the host closed meanwhile
+                result: Any = "open"
+            except Exception as exc:
+                result = Failure(exc)
+            blob = _dumps(result)
+            head = struct.pack(">IQ", len(blob), rid)
+            try:
+                stream.channel.sendall(head + _proof(secret, nonce, b"R", head, blob) + blob)
+            except OSError:
+                return
+            if upstream is None:
+                return
+            stream.channel.sock.settimeout(None)
+            upstream.settimeout(None)
+            other = threading.Thread(target=pair.relay, args=(upstream, stream.channel), name="isolate-direct-port",
+                                     daemon=True)
+            other.start()
+            pair.relay(stream.channel, upstream, stream.rest())
+            other.join()
+        finally:
+            with self._lock:
+                self._forwards.discard(pair)
             if upstream is not None:
                 upstream.close()
-            return
-        if upstream is None:
-            return
-        stream.channel.sock.settimeout(None)
-        upstream.settimeout(None)
-        other = threading.Thread(target=_relay, args=(upstream, stream.channel), name="isolate-direct-port",
-                                 daemon=True)
-        other.start()
-        _relay(stream.channel, upstream, stream.rest())
-        other.join()
-        upstream.close()
 
     def _answer(self, channel: Plain | Tls, send: threading.Lock, nonce: bytes, rid: int, sid: str, secret: bytes,
                 body: bytes) -> None:
@@ -390,25 +437,69 @@ class Listener:
             pass  # the client is gone: it asks the actor what became of the node
 
 
-def _relay(source: Plain | Tls | socket.socket, sink: Plain | Tls | socket.socket, first: bytes = b"") -> None:
-    """Bytes from source to sink (``first``, then what source sends) until source ends (then sink's writing side
-    is shut) or either breaks (then both are shut, which ends the other direction's relay too). A TLS side's
-    end is its TCP connection's: the bytes of a forwarded connection are the app's, which frames its own."""
+class _Pair:
+    """A forwarded connection's two sides, relayed both ways (``relay``, one thread each way); ``shut()`` ends
+    both (a retired sandbox, a closed host, a side that broke, an idle half). ``add`` names a side's socket."""
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        self._sockets: list[socket.socket] = []
+        self._state = threading.Condition()
+        self._shut = False
+        self._ended = 0  # directions ended
+        self._moved = 0  # bytes relayed (either way): whether the remaining direction still moves
+
+    def add(self, sock: socket.socket) -> None:
+        with self._state:
+            self._sockets.append(sock)
+            shut = self._shut
+        if shut:
+            _shut(sock)
+
+    def shut(self) -> None:
+        with self._state:
+            self._shut = True
+            sockets = list(self._sockets)
+            self._state.notify_all()
+        for sock in sockets:
+            _shut(sock)
+
+    def relay(self, source: Plain | Tls | socket.socket, sink: Plain | Tls | socket.socket, first: bytes = b"") -> None:
+        """Bytes from source to sink (``first``, then what source sends) until source ends (then sink's writing
+        side is shut) or either breaks (then both sides are shut, which ends the other direction too). Then, if
+        the other direction goes on, it is given LINGER seconds without a byte before both are shut: a client
+        that closed for good reads nothing more, and an app that never closes holds nothing past that. A TLS
+        side's end is its TCP connection's: the bytes of a forwarded connection are the app's, which frames its
+        own."""
+        try:
+            if first:
+                sink.sendall(first)
+            while True:
+                data = source.recv(1 << 16)
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    break
+                sink.sendall(data)
+                self._moved += len(data)  # the other direction ended (or goes on): only a change is looked at
+        except OSError:
+            self.shut()
+        with self._state:
+            self._ended += 1
+            self._state.notify_all()
+            seen = -1
+            while self._ended < 2 and not self._shut and self._moved != seen:
+                seen = self._moved
+                self._state.wait(LINGER)
+            idle = self._ended < 2 and not self._shut
+        if idle:
+            self.shut()
+
+
+def _shut(sock: socket.socket) -> None:
     try:
-        if first:
-            sink.sendall(first)
-        while True:
-            data = source.recv(1 << 16)
-            if not data:
-                sink.shutdown(socket.SHUT_WR)
-                return
-            sink.sendall(data)
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
-        for side in (source, sink):
-            try:
-                side.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        pass
 
 
 # -- the client's side --------------------------------------------------------------------------
@@ -621,11 +712,14 @@ def open_port(address: tuple[str, int], sid: str, secret: bytes, port: int,
     except BaseException:
         sock.close()
         raise
+    pair = _Pair(sid)
+    pair.add(sock)
+    pair.add(theirs)
 
     def carry() -> None:
-        other = threading.Thread(target=_relay, args=(channel, theirs), name="isolate-direct-port", daemon=True)
+        other = threading.Thread(target=pair.relay, args=(channel, theirs), name="isolate-direct-port", daemon=True)
         other.start()
-        _relay(theirs, channel)
+        pair.relay(theirs, channel)
         other.join()
         theirs.close()
         sock.close()

@@ -22,6 +22,8 @@ import socket
 import struct
 from typing import Any
 
+import anyio
+import anyio.to_thread
 from starlette.concurrency import run_in_threadpool
 
 from ..backends.native.loopback import CONNECTOR, ConnectorError, checked, unavailable
@@ -142,18 +144,29 @@ def _api_error(exc: ConnectorError) -> ApiError:
 class NodeForwarder:
     """The ports of a sandbox on a Ray node (``serve --ray``): each connection is one of the direct route's
     forwarded connections (isolate.ray.Sandbox.open_port): the node's host has a connector inside the sandbox
-    connect, then relays the bytes between this server and it."""
+    connect, then relays the bytes between this server and it.
+
+    Each connect waits in a thread (up to the node's connect timeout and the route's: a connector stalled from
+    inside answers nothing), taken from this sandbox's own few (``CONNECTS``), never from the server's shared
+    ones: a stalled connector holds its own sandbox's forwards only, as a local sandbox's does.
+    """
+
+    #: Connects of one sandbox waiting at once (the rest wait their turn on the event loop, holding no thread).
+    CONNECTS = 4
 
     def __init__(self, managed: ManagedSandbox) -> None:
         self.managed = managed
         self.closed = False
+        self._threads: anyio.CapacityLimiter | None = None  # made on the event loop, at the first connect
 
     async def connect(self, port: int) -> socket.socket:
         if self.closed:
             raise ApiError(404, "SANDBOX_NOT_FOUND", f"sandbox {self.managed.id} is gone")
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(self.CONNECTS)
         try:
             box: Any = self.managed.box  # an isolate.ray.Sandbox
-            sock: socket.socket = await run_in_threadpool(box.open_port, port)
+            sock: socket.socket = await anyio.to_thread.run_sync(box.open_port, port, limiter=self._threads)
         except ConnectorError as exc:
             raise _api_error(exc) from None
         except UnsupportedError as exc:

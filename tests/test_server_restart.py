@@ -10,6 +10,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import stat
 import tempfile
@@ -225,6 +226,59 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
         assert status == 200
         assert _run(second, prefix, headers, "pgrep -fc '[-]-kept /tmp' || true") == "0"
         assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers)[1] == []
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("language", ["javascript", "go"])
+def test_a_javascript_context_lives_on_and_a_go_context_is_served_again(state_dir: str, language: str) -> None:
+    """A JavaScript context's Node.js realm is a process of the kept sandbox, as a Python context's interpreter:
+    after SIGKILL and a start on the same --state-dir its variables are there, a cell that was running is
+    interrupted, and a delete ends the realm. A Go context holds no state but its id: it is served again."""
+    tool = {"javascript": "node", "go": "go"}[language]
+    if shutil.which(tool) is None:
+        pytest.skip(f"no {tool} on this machine (Debian: apt-get install {'nodejs' if tool == 'node' else 'golang-go'})")
+    import threading
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, context = first.call("POST", prefix + "/code/context", {"language": language}, key=None,
+                                     headers=headers)
+        assert status == 200, context
+        if language == "go":
+            _kill(first)
+        else:
+            assert "error" not in _cell(first, prefix, headers, context["id"], "var x = 41")
+
+            def in_flight() -> None:  # a cell busy in the realm when its server dies
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    _cell(first, prefix, headers, context["id"], "for (;;) {}")
+
+            flight = threading.Thread(target=in_flight, daemon=True)
+            flight.start()
+            time.sleep(1.0)
+            _kill(first)
+            flight.join(30)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        status, listed = second.call("GET", prefix + "/code/contexts", key=None, headers=headers)
+        assert status == 200 and listed == [{"id": context["id"], "language": language}], listed
+        if language == "go":
+            got = _cell(second, prefix, headers, context["id"], 'import "fmt"\nfunc main() { fmt.Print(6 * 7) }')
+            assert "error" not in got, got
+            return
+        got = _cell(second, prefix, headers, context["id"], "x + 1")
+        assert got.get("result", {}).get("results") == {"text": "42"}, got
+        out = _cell(second, prefix, headers, context["id"], "console.log('out', x); x = 7")
+        assert out["stdout"]["text"] == "out 41\n" and out["result"]["results"] == {"text": "7"}, out
+        assert _run(second, prefix, headers, "pgrep -fc '[-]-kept-driver' || true") == "1"
+        status, _ = second.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
+        assert status == 200
+        assert _run(second, prefix, headers, "pgrep -fc '[-]-kept-driver' || true") == "0"
     finally:
         second.stop()
 

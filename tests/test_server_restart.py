@@ -559,8 +559,9 @@ def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
 
 
 def test_a_records_code_contexts_are_checked() -> None:
-    """A record's code contexts are ids the server makes, in Python only: nothing else is read back (the id
-    makes the path of the interpreter's socket in the sandbox); a record of an earlier server has none."""
+    """A record's code contexts are ids the server makes, in a language whose contexts outlive it (Python,
+    JavaScript, TypeScript, Go): nothing else is read back (the id makes the path of the interpreter's socket in
+    the sandbox); a record of an earlier server has none."""
     from isolate.server.keep import BadRecord, parse_record
 
     sandbox_id = "f" * 24
@@ -568,9 +569,11 @@ def test_a_records_code_contexts_are_checked() -> None:
               "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
               "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
     assert parse_record(record, sandbox_id).contexts == []
-    good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"]]
+    good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"], ["ctx-0123456789abcdee", "javascript"],
+            ["default-typescript", "typescript"], ["ctx-0123456789abcded", "go"]]
     assert parse_record(dict(record, contexts=good), sandbox_id).contexts == [tuple(c) for c in good]
-    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "java"]], [["ctx-01", "python"]],
+    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "java"]], [["default-bash", "bash"]],
+                [["ctx-01", "python"]],
                 [["ctx-0123456789abcdef\n", "python"]], "ctx", [["ctx-0123456789abcdef"]], [[1, "python"]],
                 [["default-python", "python"]] * 300):
         with pytest.raises(BadRecord):

@@ -20,10 +20,10 @@ answers go on a socket only the driver holds, and only the driver's answers
 count.
 
 In a kept sandbox (``isolate-run serve --state-dir``) the contexts in
-``KEPT`` outlive the server: a Python or Node.js driver is a process of the
-sandbox, connected to again by the next server (``KeptInterpreter``); a Go
-context, which holds nothing but its id, is made again. A Java or bash
-context ends with its server.
+``KEPT`` outlive the server: a Python, Node.js or Java (JDK 16 or later)
+driver is a process of the sandbox, connected to again by the next server
+(``KeptInterpreter``); a Go context, which holds nothing but its id, is made
+again. A bash context ends with its server.
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ class CodeContext:
             engine = remote(language, self.id)
             self.kept = False  # the node's host actor holds it: it ends with the server
         elif self.kept and language != "go":
-            engine = KeptInterpreter(box, language, self.id, fresh=True)
+            try:
+                engine = KeptInterpreter(box, language, self.id, fresh=True)
+            except java.NotKeepable:  # a JDK before 16: a context that ends with its server
+                engine = java.start(box)
+                self.kept = False
         elif language == "python":
             engine = python.start(box)
         elif language == "java":
@@ -122,11 +126,12 @@ class CodeContext:
 
 
 class KeptInterpreter:
-    """A Python or Node.js context whose driver is a process of the sandbox, not of the command that started it:
-    the server's end (a killed server's included) ends only the relay that connects this server's channel and
-    pipes to the driver (``python.RELAY`` hands them over, ``node.RELAY`` carries the protocol through); the
-    next server starts another relay and the namespace carries on. A cell that was running when its server
-    ended is interrupted (the driver sees its host's connection end; a Node.js relay sends SIGINT first)."""
+    """A Python, Node.js or Java context whose driver is a process of the sandbox, not of the command that started
+    it: the server's end (a killed server's included) ends only the relay that connects this server's channel
+    and pipes to the driver (``python.RELAY`` hands them over; the Node.js and Java relays, ``node.RELAY`` and
+    ``IsolateDriver.java --relay``, carry the protocol through); the next server starts another relay and the
+    namespace carries on. A cell that was running when its server ended is interrupted (a Python or Node.js
+    driver sees its host's connection end; the Node.js and Java relays send SIGINT first)."""
 
     def __init__(self, box: Sandbox, language: str, context_id: str, fresh: bool) -> None:
         self._box, self._id, self._language = box, context_id, language
@@ -137,6 +142,8 @@ class KeptInterpreter:
         if fresh:
             if language == "python":
                 python.start_kept(box, context_id)
+            elif language == "java":
+                java.start_kept(box, context_id)
             else:
                 node.start_kept(box, language, context_id)
             try:
@@ -153,8 +160,12 @@ class KeptInterpreter:
     def _connect(self) -> Driver:
         if self._driver is None:
             try:
-                driver = python.connect(self._box, self._id) if self._language == "python" else \
-                    node.connect(self._box, self._language, self._id)
+                if self._language == "python":
+                    driver = python.connect(self._box, self._id)
+                elif self._language == "java":
+                    driver = java.connect(self._box, self._id)
+                else:
+                    driver = node.connect(self._box, self._language, self._id)
             except Exception as exc:
                 raise RuntimeError(f"the context's interpreter did not survive its last server ({exc})") from None
             self._peer = self._driver_pid(driver)
@@ -167,8 +178,8 @@ class KeptInterpreter:
         return self._driver
 
     def _driver_pid(self, driver: Driver) -> int:
-        """The driver's pid here: a Python driver's is its hello's writer's (the kernel's word); a Node.js
-        driver's relay writes its hello, which names the driver by its pid in the sandbox, found here among the
+        """The driver's pid here: a Python driver's is its hello's writer's (the kernel's word); a Node.js or
+        Java driver's relay writes its hello, which names the driver by its pid in the sandbox, found here among the
         sandbox's own processes (a name forged from inside names at worst another process of the sandbox)."""
         if self._language == "python":
             return driver.peer or 0

@@ -287,6 +287,16 @@ def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(
         assert got.get("result", {}).get("results") == {"text": "42"}, got
         out = _cell(second, prefix, headers, context["id"], show)
         assert out["stdout"]["text"].rstrip("\n") == "out 41" and out["result"]["results"] == {"text": "7"}, out
+        # An interrupt goes to the relay, which passes it on to the interpreter it is connected to.
+        stopped: list[dict[str, Any]] = []
+        flight = threading.Thread(target=lambda: stopped.append(_cell(second, prefix, headers, context["id"], busy)))
+        flight.start()
+        time.sleep(1.5)
+        status, _ = second.call("DELETE", prefix + f"/code?id={context['id']}", key=None, headers=headers)
+        assert status == 200
+        flight.join(30)
+        assert stopped and "error" in stopped[0], stopped
+        assert _cell(second, prefix, headers, context["id"], "x")["result"]["results"] == {"text": "7"}
         assert _run(second, prefix, headers, "pgrep -fc '[-]-kept-driver' || true") == "1"
         status, _ = second.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
         assert status == 200

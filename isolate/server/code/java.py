@@ -12,6 +12,11 @@ and the launcher's read, and that process's code would then be the driver
 and answer for every cell. A sealed memfd cannot be written, by anyone, and
 each open of it reads from its start (a pipe could be drained and refilled).
 The JShell uses its "local" execution engine: no second JVM, no debugger port.
+
+A context of a kept sandbox keeps its JShell past the server (``start_kept``;
+JDK 16 or later, the top of ``IsolateDriver.java`` says how): each server
+connects a relay to it (``connect``, a JVM of the same sealed source), and
+only what that driver sends on its connection reaches the host's channel.
 """
 
 from __future__ import annotations

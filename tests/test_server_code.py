@@ -228,17 +228,31 @@ def test_a_process_a_cell_leaves_writing_does_not_hold_the_cells_end(box: isolat
         context.close()
 
 
-@pytest.mark.parametrize("kept", [False, True], ids=["ends-with-server", "kept"])
-def test_the_processes_a_cell_leaves_end_with_its_context(box: isolate.Sandbox, kept: bool) -> None:
+#: A cell that starts two sleeps, one in a session of its own, and gives their pids.
+_LEAVES = {
+    "python": "import subprocess\n"
+              "a = subprocess.Popen(['sleep', '1000'])\n"
+              "b = subprocess.Popen(['sleep', '1001'], start_new_session=True)\n"
+              "f'{a.pid} {b.pid}'",
+    "javascript": "const cp = require('child_process');\n"
+                  "const a = cp.spawn('sleep', ['1000']);\n"
+                  "const b = cp.spawn('sleep', ['1001'], { detached: true });\n"
+                  "`${a.pid} ${b.pid}`",
+}
+
+
+@pytest.mark.parametrize(("language", "kept"), [("python", False), ("python", True), ("javascript", True)],
+                         ids=["ends-with-server", "kept", "kept-javascript"])
+def test_the_processes_a_cell_leaves_end_with_its_context(box: isolate.Sandbox, language: str, kept: bool) -> None:
     # Before: a kept Python context's interpreter (a process of the sandbox, in a session of its own) was killed
     # alone, and what its cells had started ran on after the context's deletion: a child of its own, and one in
-    # a session of its own.
-    context = CodeContext(box, "python", kept=kept)
+    # a session of its own. A kept JavaScript context's realm (issue 38) is such a process too.
+    if language == "javascript":
+        needs("node")
+    context = CodeContext(box, language, kept=kept)
+    assert context.kept == kept
     try:
-        answer, _, _ = run_cell(context, "import subprocess\n"
-                                         "a = subprocess.Popen(['sleep', '1000'])\n"
-                                         "b = subprocess.Popen(['sleep', '1001'], start_new_session=True)\n"
-                                         "f'{a.pid} {b.pid}'")
+        answer, _, _ = run_cell(context, _LEAVES[language])
         assert answer is not None, "the cell did not end"
         pids = str(answer["result"]).strip("'").split()
         assert len(pids) == 2
@@ -370,14 +384,17 @@ def test_a_go_cell_ends_with_its_program_whatever_it_leaves_running(box: isolate
         context._engine.run("func main() {}", lambda kind, payload: None)
 
 
-def test_javascript_interrupt_stops_an_awaited_promise(box: isolate.Sandbox) -> None:
+@pytest.mark.parametrize("kept", [False, True], ids=["ends-with-server", "kept"])
+def test_javascript_interrupt_stops_an_awaited_promise(box: isolate.Sandbox, kept: bool) -> None:
+    # Kept (issue 38): the interrupt goes to the relay, which passes it on to the realm it is connected to.
     needs("node")
-    context = CodeContext(box, "javascript")
+    context = CodeContext(box, "javascript", kept=kept)
+    assert context.kept == kept
     try:
         answer, _, _ = run_cell(context, "new Promise(() => {})", interrupt_after=0.5)
         assert answer is not None and "interrupted" in answer["error"]["evalue"]  # type: ignore[index]
-        answer, _, _ = run_cell(context, "6 * 7")
-        assert answer is not None and answer["result"] == "42"
+        answer, output, _ = run_cell(context, "console.error('to stderr'); 6 * 7")
+        assert answer is not None and answer["result"] == "42" and output == b"to stderr\n"
     finally:
         context.close()
 

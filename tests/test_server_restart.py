@@ -10,6 +10,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import stat
 import tempfile
@@ -225,6 +226,81 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
         assert status == 200
         assert _run(second, prefix, headers, "pgrep -fc '[-]-kept /tmp' || true") == "0"
         assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers)[1] == []
+    finally:
+        second.stop()
+
+
+#: Per language: its toolchain and Debian package, a cell that defines x, one busy when the server dies, one
+#: that prints x and sets it to 7.
+_KEEPS = {
+    "javascript": ("node", "nodejs", "var x = 41", "for (;;) {}", "console.log('out', x); x = 7"),
+    "java": ("java", "default-jdk-headless", "int x = 41;", "Thread.sleep(120000);",
+             'System.out.println("out " + x);\nx = 7'),
+    "go": ("go", "golang-go", "", "", ""),
+}
+
+
+@pytest.mark.parametrize("language", ["javascript", "java", "go"])
+def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(state_dir: str,
+                                                                                language: str) -> None:
+    """A JavaScript context's Node.js realm and a Java context's JShell are processes of the kept sandbox, as a
+    Python context's interpreter: after SIGKILL and a start on the same --state-dir their variables are there, a
+    cell that was running is interrupted, and a delete ends the interpreter. A Go context holds no state but its
+    id: it is served again."""
+    tool, package, define, busy, show = _KEEPS[language]
+    if shutil.which(tool) is None:
+        pytest.skip(f"no {tool} on this machine (Debian: apt-get install {package})")
+    import threading
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, context = first.call("POST", prefix + "/code/context", {"language": language}, key=None,
+                                     headers=headers)
+        assert status == 200, context
+        if language == "go":
+            _kill(first)
+        else:
+            assert "error" not in _cell(first, prefix, headers, context["id"], define)
+
+            def in_flight() -> None:  # a cell busy in the interpreter when its server dies
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    _cell(first, prefix, headers, context["id"], busy)
+
+            flight = threading.Thread(target=in_flight, daemon=True)
+            flight.start()
+            time.sleep(1.0)
+            _kill(first)
+            flight.join(30)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        status, listed = second.call("GET", prefix + "/code/contexts", key=None, headers=headers)
+        assert status == 200 and listed == [{"id": context["id"], "language": language}], listed
+        if language == "go":
+            got = _cell(second, prefix, headers, context["id"], 'import "fmt"\nfunc main() { fmt.Print(6 * 7) }')
+            assert "error" not in got, got
+            return
+        got = _cell(second, prefix, headers, context["id"], "x + 1")
+        assert got.get("result", {}).get("results") == {"text": "42"}, got
+        out = _cell(second, prefix, headers, context["id"], show)
+        assert out["stdout"]["text"].rstrip("\n") == "out 41" and out["result"]["results"] == {"text": "7"}, out
+        # An interrupt goes to the relay, which passes it on to the interpreter it is connected to.
+        stopped: list[dict[str, Any]] = []
+        flight = threading.Thread(target=lambda: stopped.append(_cell(second, prefix, headers, context["id"], busy)))
+        flight.start()
+        time.sleep(1.5)
+        status, _ = second.call("DELETE", prefix + f"/code?id={context['id']}", key=None, headers=headers)
+        assert status == 200
+        flight.join(30)
+        assert stopped and "error" in stopped[0], stopped
+        assert _cell(second, prefix, headers, context["id"], "x")["result"]["results"] == {"text": "7"}
+        assert _run(second, prefix, headers, "pgrep -fc '[-]-kept-driver' || true") == "1"
+        status, _ = second.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
+        assert status == 200
+        assert _run(second, prefix, headers, "pgrep -fc '[-]-kept-driver' || true") == "0"
     finally:
         second.stop()
 
@@ -505,8 +581,9 @@ def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
 
 
 def test_a_records_code_contexts_are_checked() -> None:
-    """A record's code contexts are ids the server makes, in Python only: nothing else is read back (the id
-    makes the path of the interpreter's socket in the sandbox); a record of an earlier server has none."""
+    """A record's code contexts are ids the server makes, in a language whose contexts outlive it (Python, Java,
+    JavaScript, TypeScript, Go): nothing else is read back (the id makes the path of the interpreter's socket in
+    the sandbox); a record of an earlier server has none."""
     from isolate.server.keep import BadRecord, parse_record
 
     sandbox_id = "f" * 24
@@ -514,9 +591,11 @@ def test_a_records_code_contexts_are_checked() -> None:
               "expiresAt": None, "kept": True, "state": "Running", "renewOnAccess": None,
               "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
     assert parse_record(record, sandbox_id).contexts == []
-    good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"]]
+    good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"], ["ctx-0123456789abcdee", "javascript"],
+            ["default-typescript", "typescript"], ["ctx-0123456789abcded", "go"], ["default-java", "java"]]
     assert parse_record(dict(record, contexts=good), sandbox_id).contexts == [tuple(c) for c in good]
-    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "java"]], [["ctx-01", "python"]],
+    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "ruby"]], [["default-bash", "bash"]],
+                [["ctx-01", "python"]],
                 [["ctx-0123456789abcdef\n", "python"]], "ctx", [["ctx-0123456789abcdef"]], [[1, "python"]],
                 [["default-python", "python"]] * 300):
         with pytest.raises(BadRecord):

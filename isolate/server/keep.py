@@ -51,6 +51,8 @@ SANDBOX_ID = re.compile(r"[0-9a-f]{24}")
 _HASH = re.compile(r"[0-9a-f]{64}")
 #: A code context's id (ctx-HEX, or a language's default), the only part of its socket's path it names.
 CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
+#: The languages of the code contexts a kept sandbox keeps past its server (isolate.server.code says how).
+KEPT_LANGUAGES = ("python", "java", "typescript", "javascript", "go")
 #: Kept code contexts per record (more than a server lets a sandbox have).
 MAX_CONTEXTS = 256
 #: A background command's id (secrets.token_hex(8)), the only part of its files' paths it names.
@@ -217,7 +219,7 @@ def parse_record(data: object, expected_id: str) -> Record:
     _need(isinstance(raw_contexts, list) and len(raw_contexts) <= MAX_CONTEXTS, "contexts")
     for item in raw_contexts:
         _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 64
-              and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] == "python", "contexts: a context")
+              and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] in KEPT_LANGUAGES, "contexts: a context")
         contexts.append((item[0], item[1]))
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,

@@ -10,6 +10,16 @@
 //
 // Errors keep the names the upstream Java kernel (IJava) gives: a snippet that
 // throws is an EvalException, one that does not compile a CompilationException.
+//
+// Kept (a context of a kept sandbox, issue 38; JDK 16 or later, for unix
+// sockets): "--kept PATH" starts a second JVM, "--kept-driver PATH", that
+// outlives the command (and so the server) and listens on PATH, a socket of
+// the sandbox's private /tmp, serving one host at a time; "--relay PATH" is
+// each server's relay to it. The protocol is driver.js's kept one: frames (a
+// kind byte, a 4-byte big-endian length, the bytes) of the output ("o", "e")
+// and of the channel ("c": "hello PID", then the answers) from the driver, the
+// cells as they are to it. The relay interrupts first a cell the driver may
+// still run for the last server.
 
 import java.io.BufferedInputStream;
 import java.io.ByteArrayOutputStream;
@@ -21,8 +31,19 @@ import java.io.IOException;
 import java.io.OutputStream;
 import java.io.PrintWriter;
 import java.io.StringWriter;
+import java.io.InputStream;
+import java.io.PrintStream;
 import java.lang.reflect.Field;
+import java.net.ProtocolFamily;
+import java.net.SocketAddress;
+import java.net.StandardProtocolFamily;
+import java.nio.ByteBuffer;
+import java.nio.channels.ServerSocketChannel;
+import java.nio.channels.SocketChannel;
 import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.nio.file.attribute.PosixFilePermissions;
 import java.util.ArrayList;
 import java.util.List;
 import jdk.jshell.Diag;
@@ -38,18 +59,27 @@ public final class IsolateDriver {
     private static volatile boolean running;
     /** SIGINT stopped the running cell. */
     private static volatile boolean stopped;
+    /** Cells run so far, over every host. */
+    private static int count;
+    /** A kept driver's host of the moment (null: none, its output goes nowhere). */
+    private static SocketChannel session;
 
     private IsolateDriver() {}
 
     public static void main(String[] args) throws Exception {
-        FileDescriptor descriptor = new FileDescriptor();
-        Field number = FileDescriptor.class.getDeclaredField("fd");  // needs --add-opens java.base/java.io
-        number.setAccessible(true);
-        number.setInt(descriptor, 3);
-        DataInputStream cells = new DataInputStream(new BufferedInputStream(new FileInputStream(descriptor)));
-        OutputStream answers = new FileOutputStream(descriptor);
-
-        JShell shell = JShell.builder().executionEngine("local").out(System.out).err(System.err).build();
+        String mode = args.length == 2 ? args[0] : "";
+        if (mode.equals("--relay")) {
+            relay(args[1]);
+            return;
+        }
+        if (mode.equals("--kept")) {
+            launch(args[1]);
+            return;
+        }
+        boolean kept = mode.equals("--kept-driver");
+        PrintStream out = kept ? new PrintStream(new Framed('o'), true, StandardCharsets.UTF_8) : System.out;
+        PrintStream err = kept ? new PrintStream(new Framed('e'), true, StandardCharsets.UTF_8) : System.err;
+        JShell shell = JShell.builder().executionEngine("local").out(out).err(err).build();
         shell.eval("int isolateWarmUp = 0;");  // the first eval loads the compiler: before the hello, not in a cell
         shell.drop(shell.snippets().filter(s -> s.source().contains("isolateWarmUp")).findFirst().orElseThrow());
         // SIGINT stops the running cell (JShell.stop), and nothing else: between cells it is ignored.
@@ -59,10 +89,30 @@ public final class IsolateDriver {
                 shell.stop();
             }
         });
+        if (kept) {
+            keep(args[1], shell, out, err);
+            return;
+        }
+        FileDescriptor descriptor = descriptor3();
+        DataInputStream cells = new DataInputStream(new BufferedInputStream(new FileInputStream(descriptor)));
+        OutputStream answers = new FileOutputStream(descriptor);
         answers.write("hello\n".getBytes(StandardCharsets.US_ASCII));
         answers.flush();
+        serve(shell, cells, answers);
+        shell.close();
+        System.exit(0);
+    }
 
-        int count = 0;
+    private static FileDescriptor descriptor3() throws ReflectiveOperationException {
+        FileDescriptor descriptor = new FileDescriptor();
+        Field number = FileDescriptor.class.getDeclaredField("fd");  // needs --add-opens java.base/java.io
+        number.setAccessible(true);
+        number.setInt(descriptor, 3);
+        return descriptor;
+    }
+
+    /** Runs the cells of one host until its end. */
+    private static void serve(JShell shell, DataInputStream cells, OutputStream answers) throws IOException {
         while (true) {
             String header = readLine(cells);
             if (header == null) {
@@ -86,8 +136,231 @@ public final class IsolateDriver {
             answers.write(answer.getBytes(StandardCharsets.UTF_8));
             answers.flush();
         }
-        shell.close();
+    }
+
+    /** A unix socket's address, and a channel of that family (JDK 16 or later; found at run time, so that
+     *  the driver still compiles on JDK 11 for the contexts that end with their server). */
+    private static SocketAddress unixAddress(String place) throws ReflectiveOperationException {
+        return (SocketAddress) Class.forName("java.net.UnixDomainSocketAddress").getMethod("of", String.class)
+            .invoke(null, place);
+    }
+
+    private static Object unixChannel(Class<?> kind) throws ReflectiveOperationException {
+        return kind.getMethod("open", ProtocolFamily.class).invoke(null, StandardProtocolFamily.valueOf("UNIX"));
+    }
+
+    private static byte[] frame(char kind, byte[] data, int offset, int length) {
+        ByteBuffer framed = ByteBuffer.allocate(5 + length);
+        framed.put((byte) kind).putInt(length).put(data, offset, length);
+        return framed.array();
+    }
+
+    private static void writeAll(SocketChannel channel, byte[] data) throws IOException {
+        ByteBuffer buffer = ByteBuffer.wrap(data);
+        while (buffer.hasRemaining()) {
+            channel.write(buffer);
+        }
+    }
+
+    /** A kept driver's output or answers: frames to its host of the moment; with none, or one gone, nowhere. */
+    private static final class Framed extends OutputStream {
+        private final char kind;
+
+        Framed(char kind) {
+            this.kind = kind;
+        }
+
+        @Override
+        public void write(int b) {
+            write(new byte[] {(byte) b}, 0, 1);
+        }
+
+        @Override
+        public void write(byte[] data, int offset, int length) {
+            synchronized (Framed.class) {
+                if (session == null || length == 0) {
+                    return;
+                }
+                try {
+                    writeAll(session, frame(kind, data, offset, length));
+                } catch (IOException gone) {
+                    // its host went away: the next reads its end
+                }
+            }
+        }
+    }
+
+    /** What a channel gives, as a stream (no lock shared with its writes, as Channels' streams have). */
+    private static InputStream reading(SocketChannel channel) {
+        return new InputStream() {
+            @Override
+            public int read() throws IOException {
+                byte[] one = new byte[1];
+                return read(one, 0, 1) < 0 ? -1 : one[0] & 0xff;
+            }
+
+            @Override
+            public int read(byte[] data, int offset, int length) throws IOException {
+                return length == 0 ? 0 : channel.read(ByteBuffer.wrap(data, offset, length));
+            }
+        };
+    }
+
+    private static void keep(String place, JShell shell, PrintStream out, PrintStream err) throws Exception {
+        ServerSocketChannel listener = (ServerSocketChannel) unixChannel(ServerSocketChannel.class);
+        Path path = Path.of(place);
+        Files.deleteIfExists(path);
+        listener.bind(unixAddress(place));
+        Files.setPosixFilePermissions(path, PosixFilePermissions.fromString("rw-------"));
+        Files.writeString(Path.of(place.replaceAll("\\.sock$", ".pid")), ProcessHandle.current().pid() + "\n");
+        System.setOut(out);
+        System.setErr(err);
+        OutputStream answers = new Framed('c');
+        while (true) {
+            SocketChannel host = listener.accept();
+            synchronized (Framed.class) {
+                session = host;
+            }
+            try {
+                answers.write(("hello " + ProcessHandle.current().pid() + "\n").getBytes(StandardCharsets.US_ASCII));
+                serve(shell, new DataInputStream(new BufferedInputStream(reading(host))), answers);
+            } catch (IOException | RuntimeException gone) {
+                // its host went away, or sent what is not a cell: the next one
+            }
+            synchronized (Framed.class) {
+                session = null;
+            }
+            host.close();
+        }
+    }
+
+    /** Sends SIGINT to a process of the sandbox (Java has no call for it: the shell's kill builtin). */
+    private static void interrupt(long pid) {
+        if (pid <= 1) {
+            return;
+        }
+        try {
+            new ProcessBuilder("sh", "-c", "kill -INT \"$0\" 2>/dev/null", Long.toString(pid))
+                .redirectOutput(ProcessBuilder.Redirect.DISCARD).redirectError(ProcessBuilder.Redirect.DISCARD)
+                .start().waitFor();
+        } catch (IOException | InterruptedException ignored) {
+            // gone, or no sh: nothing to interrupt then
+        }
+    }
+
+    private static volatile long driver;
+
+    /** The relay (see the top of this file): the host's channel and pipes on one side, the driver on the other. */
+    private static void relay(String place) throws Exception {
+        try {
+            driver = Long.parseLong(Files.readString(Path.of(place.replaceAll("\\.sock$", ".pid"))).trim());
+        } catch (IOException | NumberFormatException unknown) {
+            driver = 0;
+        }
+        interrupt(driver);
+        sun.misc.Signal.handle(new sun.misc.Signal("INT"), signal -> interrupt(driver));  // the host's, passed on
+        SocketChannel conn = (SocketChannel) unixChannel(SocketChannel.class);
+        try {
+            conn.connect(unixAddress(place));
+        } catch (IOException gone) {
+            System.err.println("isolate: the context's interpreter is gone (" + gone.getMessage() + ")");
+            System.exit(1);
+        }
+        FileDescriptor descriptor = descriptor3();
+        FileOutputStream host = new FileOutputStream(descriptor);
+        Thread cells = new Thread(() -> {
+            byte[] buffer = new byte[65536];
+            try (FileInputStream from = new FileInputStream(descriptor)) {
+                for (int n = from.read(buffer); n >= 0; n = from.read(buffer)) {
+                    writeAll(conn, java.util.Arrays.copyOf(buffer, n));
+                }
+            } catch (IOException gone) {
+                // either side gone
+            }
+            System.exit(0);
+        });
+        cells.setDaemon(true);
+        cells.start();
+        DataInputStream frames = new DataInputStream(new BufferedInputStream(reading(conn)));
+        FileOutputStream stdout = new FileOutputStream(FileDescriptor.out);
+        FileOutputStream stderr = new FileOutputStream(FileDescriptor.err);
+        boolean hello = true;
+        try {
+            while (true) {
+                int kind = frames.read();
+                if (kind < 0) {
+                    break;
+                }
+                byte[] body = new byte[frames.readInt()];
+                frames.readFully(body);
+                if (kind == 'o' || kind == 'e') {
+                    (kind == 'o' ? stdout : stderr).write(body);  // before the answer that follows it
+                } else if (kind == 'c') {
+                    if (hello) {
+                        hello = false;
+                        String said = new String(body, StandardCharsets.US_ASCII);
+                        driver = said.matches("hello [0-9]{1,9}\n") ? Long.parseLong(said.substring(6).trim()) : 0;
+                    }
+                    host.write(body);
+                }
+            }
+        } catch (IOException gone) {
+            // the driver went away
+        }
         System.exit(0);
+    }
+
+    /** Starts the kept driver, and ends once it listens (its hello on PATH names it) or it ended. */
+    private static void launch(String place) throws Exception {
+        ProcessHandle.Info info = ProcessHandle.current().info();
+        List<String> command = new ArrayList<>();
+        command.add(info.command().orElse("java"));
+        for (String argument : info.arguments().orElse(new String[0])) {
+            command.add(argument.equals("--kept") ? "--kept-driver" : argument);
+        }
+        try {
+            unixAddress(place);
+        } catch (ClassNotFoundException older) {
+            System.err.println("isolate: a kept Java context needs JDK 16 or later (unix sockets)");
+            System.exit(3);  // the server then makes one that ends with it
+        }
+        Process keeper = new ProcessBuilder(command).redirectInput(ProcessBuilder.Redirect.INHERIT)
+            .redirectOutput(ProcessBuilder.Redirect.DISCARD).start();
+        ByteArrayOutputStream said = new ByteArrayOutputStream();
+        Thread reader = new Thread(() -> {
+            try (InputStream from = keeper.getErrorStream()) {
+                from.transferTo(said);
+            } catch (IOException ignored) {
+                // it ended
+            }
+        });
+        reader.setDaemon(true);
+        reader.start();
+        byte[] hello = ("hello " + keeper.pid() + "\n").getBytes(StandardCharsets.US_ASCII);
+        long deadline = System.nanoTime() + 50_000_000_000L;
+        while (System.nanoTime() < deadline) {
+            if (!keeper.isAlive()) {
+                reader.join(2000);
+                String[] lines = said.toString(StandardCharsets.UTF_8).strip().split("\n");
+                System.err.println("isolate: the kept driver ended before it listened: " + lines[lines.length - 1]);
+                System.exit(1);
+            }
+            try (SocketChannel probe = (SocketChannel) unixChannel(SocketChannel.class)) {
+                probe.connect(unixAddress(place));
+                DataInputStream frames = new DataInputStream(reading(probe));
+                frames.readByte();
+                byte[] body = new byte[Math.min(64, frames.readInt())];
+                frames.readFully(body);
+                if (java.util.Arrays.equals(body, hello)) {
+                    System.exit(0);
+                }
+            } catch (IOException notYet) {
+                // not listening yet
+            }
+            Thread.sleep(100);
+        }
+        System.err.println("isolate: the kept driver did not listen in 50 s");
+        System.exit(1);
     }
 
     /** Runs a cell snippet by snippet: {result, ename, evalue, traceback}, the error's fields null when none. */

@@ -18,6 +18,12 @@ bash        a bash session (``shell.py``)                      variables, cwd, f
 Python, Java and Node.js share one driver protocol (``driver.py``): cells and
 answers go on a socket only the driver holds, and only the driver's answers
 count.
+
+In a kept sandbox (``isolate-run serve --state-dir``) the contexts in
+``KEPT`` outlive the server: a Python, Node.js or Java (JDK 16 or later)
+driver is a process of the sandbox, connected to again by the next server
+(``KeptInterpreter``); a Go context, which holds nothing but its id, is made
+again. A bash context ends with its server.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ from typing import Protocol
 import psutil
 
 from ...kept.sandbox import Sandbox
+from ..keep import KEPT_LANGUAGES
 from . import go, java, node, python, shell
 from .driver import Driver, Emit
 
 LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
+#: The languages whose contexts a kept sandbox keeps past its server (its record names them).
+KEPT = KEPT_LANGUAGES
 
 
 class _Engine(Protocol):
@@ -54,27 +63,33 @@ class CodeContext:
 
     def __init__(self, box: Sandbox, language: str, context_id: str | None = None, kept: bool = False,
                  fresh: bool = True) -> None:
-        """``kept``: its interpreter outlives the server (a Python context of a kept sandbox); ``fresh``
-        False: the context of an earlier server of the sandbox, connected to at its first use."""
+        """``kept``: its interpreter outlives the server (a context of a kept sandbox, in a language of ``KEPT``);
+        ``fresh`` False: the context of an earlier server of the sandbox, connected to at its first use."""
         if language not in LANGUAGES:
             raise ValueError(f"language: {language!r} is not one of {', '.join(LANGUAGES)}")
         self.id = context_id or f"ctx-{secrets.token_hex(8)}"
         self.language = language
         self.lock = threading.Lock()
         #: Its interpreter outlives the server: the sandbox's record names it.
-        self.kept = kept and language == "python"
+        self.kept = kept and language in KEPT
         if not fresh:
             if not self.kept:
                 raise ValueError(f"{language} contexts end with their server")
-            self._engine: _Engine = KeptPython(box, self.id, fresh=False)
+            # A Go context holds no state: a new one, its toolchain looked for at its first cell.
+            self._engine: _Engine = go.GoContext(box, probe=False) if language == "go" else \
+                KeptInterpreter(box, language, self.id, fresh=False)
             return
         engine: _Engine
         remote = getattr(box, "remote_code", None)
         if remote is not None:  # a sandbox on a Ray node (serve --ray): its node drives the interpreter
             engine = remote(language, self.id)
             self.kept = False  # the node's host actor holds it: it ends with the server
-        elif language == "python" and kept:
-            engine = KeptPython(box, self.id, fresh=True)
+        elif self.kept and language != "go":
+            try:
+                engine = KeptInterpreter(box, language, self.id, fresh=True)
+            except java.NotKeepable:  # a JDK before 16: a context that ends with its server
+                engine = java.start(box)
+                self.kept = False
         elif language == "python":
             engine = python.start(box)
         elif language == "java":
@@ -104,25 +119,33 @@ class CodeContext:
 
     def detach(self) -> None:
         """Let go of the context without ending a kept interpreter (the next server connects to it)."""
-        if isinstance(self._engine, KeptPython):
+        if isinstance(self._engine, KeptInterpreter):
             self._engine.detach()
         else:
             self._engine.close()
 
 
-class KeptPython:
-    """A Python context whose driver is a process of the sandbox, not of the command that started it: the
-    server's end (a killed server's included) ends only the relay that hands the driver this server's channel
-    and pipes (``python.RELAY``); the next server starts another relay and the namespace carries on. A cell
-    that was running when its server ended is interrupted (the driver sees its channel's far end close)."""
+class KeptInterpreter:
+    """A Python, Node.js or Java context whose driver is a process of the sandbox, not of the command that started
+    it: the server's end (a killed server's included) ends only the relay that connects this server's channel
+    and pipes to the driver (``python.RELAY`` hands them over; the Node.js and Java relays, ``node.RELAY`` and
+    ``IsolateDriver.java --relay``, carry the protocol through); the next server starts another relay and the
+    namespace carries on. A cell that was running when its server ended is interrupted (a Python or Node.js
+    driver sees its host's connection end; the Node.js and Java relays send SIGINT first)."""
 
-    def __init__(self, box: Sandbox, context_id: str, fresh: bool) -> None:
-        self._box, self._id = box, context_id
+    def __init__(self, box: Sandbox, language: str, context_id: str, fresh: bool) -> None:
+        self._box, self._id, self._language = box, context_id, language
         self._driver: Driver | None = None
         self._pidfd = -1
+        self._peer = 0
         self._count = 0
         if fresh:
-            python.start_kept(box, context_id)
+            if language == "python":
+                python.start_kept(box, context_id)
+            elif language == "java":
+                java.start_kept(box, context_id)
+            else:
+                node.start_kept(box, language, context_id)
             try:
                 self._connect()
             except BaseException:
@@ -137,17 +160,33 @@ class KeptPython:
     def _connect(self) -> Driver:
         if self._driver is None:
             try:
-                driver = python.connect(self._box, self._id)
+                if self._language == "python":
+                    driver = python.connect(self._box, self._id)
+                elif self._language == "java":
+                    driver = java.connect(self._box, self._id)
+                else:
+                    driver = node.connect(self._box, self._language, self._id)
             except Exception as exc:
                 raise RuntimeError(f"the context's interpreter did not survive its last server ({exc})") from None
-            peer = driver.peer  # the driver's pid here (the kernel's word, its hello's writer)
+            self._peer = self._driver_pid(driver)
             try:
-                self._pidfd = os.pidfd_open(peer) if peer else -1
+                self._pidfd = os.pidfd_open(self._peer) if self._peer else -1
             except OSError:
                 self._pidfd = -1
             driver.count = self._count
             self._driver = driver
         return self._driver
+
+    def _driver_pid(self, driver: Driver) -> int:
+        """The driver's pid here: a Python driver's is its hello's writer's (the kernel's word); a Node.js or
+        Java driver's relay writes its hello, which names the driver by its pid in the sandbox, found here among the
+        sandbox's own processes (a name forged from inside names at worst another process of the sandbox)."""
+        if self._language == "python":
+            return driver.peer or 0
+        from ..background import _find_wrapper
+
+        found = _find_wrapper(self._box, driver.said_pid) if driver.said_pid else None
+        return found.pid if found is not None else 0
 
     def run(self, code: str, emit: Emit) -> None:
         self._connect().run(code, emit)
@@ -170,7 +209,7 @@ class KeptPython:
         if self._driver is None:
             with contextlib.suppress(Exception):
                 self._connect()
-        pidfd, pid = self._pidfd, ((self._driver.peer or 0) if self._driver is not None else 0)
+        pidfd, pid = self._pidfd, (self._peer if self._driver is not None else 0)
         try:
             if pidfd >= 0:
                 _end_with_descendants(pidfd, pid)

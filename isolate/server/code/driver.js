@@ -9,6 +9,15 @@
 // cell's last expression is its result. TypeScript is transpiled by the
 // sandbox's own `typescript` module (types are removed, not checked: a type
 // error does not stop a cell, as with ts-node --transpile-only).
+//
+// Kept (a context of a kept sandbox, issue 38): `-- LANGUAGE --kept PATH` starts a second driver in a
+// session of its own (`--kept-driver PATH`) that outlives the command, and so the server: it listens on
+// PATH, a socket of the sandbox's private /tmp, and serves one host at a time. Node cannot take a
+// descriptor from another process, so each server's relay (node.py's RELAY) connects there and carries
+// the protocol over that connection: from the driver, frames (a kind byte, a 4-byte big-endian length,
+// the bytes) of the cell's output ("o", "e") and of the channel ("c": the hello, then the answers); to
+// it, the cells as they are. A host gone mid-cell interrupts the cell (the next relay sends SIGINT first
+// too, for a cell still running on the CPU), and what that cell writes afterwards goes to no host.
 'use strict';
 // SIGUSR1 would open Node's inspector on 127.0.0.1:9229, where any process of the sandbox that reaches
 // loopback could run code in this realm and answer for the driver: a listener of ours keeps it shut.
@@ -18,7 +27,7 @@ const path = require('path');
 const util = require('util');
 const vm = require('vm');
 
-const language = process.argv[process.argv.length - 1];  // node -e SOURCE -- LANGUAGE
+const [language, mode = '', place = ''] = process.argv.slice(1);  // node -e SOURCE -- LANGUAGE [MODE PATH]
 let ts = null;
 if (language === 'typescript') {
   const where = ['/usr/share/nodejs', '/usr/lib/node_modules', '/usr/local/lib/node_modules',
@@ -50,10 +59,6 @@ process.on('SIGINT', () => {
   }
 });
 
-const channel = new net.Socket({ fd: 3, readable: true, writable: true });
-let pending = Buffer.alloc(0);
-let count = 0;
-let running = false;
 
 // A cell's top-level const and let become var: a cell run again (a notebook's way), or one that failed
 // after its declaration, may declare the same name again; a realm's lexical names could never be.
@@ -118,45 +123,186 @@ async function run(code) {
   return { result, error };
 }
 
+// The host the cells come from: its bytes not yet read as cells, how to answer it, how to drop it.
+let session = null;
+let count = 0;
+let running = false;
+
 async function next() {
   if (running) {
     return;
   }
   running = true;
   for (;;) {
-    const newline = pending.indexOf(10);
+    const current = session;
+    if (current === null) {
+      break;
+    }
+    const newline = current.pending.indexOf(10);
     if (newline < 0 || newline > 20) {
-      if (newline > 20 || pending.length > 20) {
-        process.exit(2);  // not a length: the channel is not the host's
+      if (newline > 20 || current.pending.length > 20) {
+        current.fail();  // not a length: the channel is not the host's
       }
       break;
     }
-    const length = Number(pending.subarray(0, newline).toString('ascii'));
+    const length = Number(current.pending.subarray(0, newline).toString('ascii'));
     if (!Number.isSafeInteger(length) || length < 0) {
-      process.exit(2);
-    }
-    if (pending.length < newline + 1 + length) {
+      current.fail();
       break;
     }
-    const code = pending.subarray(newline + 1, newline + 1 + length).toString('utf8');
-    pending = pending.subarray(newline + 1 + length);
+    if (current.pending.length < newline + 1 + length) {
+      break;
+    }
+    const code = current.pending.subarray(newline + 1, newline + 1 + length).toString('utf8');
+    current.pending = current.pending.subarray(newline + 1 + length);
     count += 1;
     const { result, error } = await run(code);
-    // The cell's output first: the host has it all with the answer.
-    await new Promise((resolve) => process.stdout.write('', resolve));
-    await new Promise((resolve) => process.stderr.write('', resolve));
-    await new Promise((resolve) => channel.write(JSON.stringify({ count, result, error }) + '\n', resolve));
+    if (current === session) {  // a kept driver's host may have gone meanwhile: the answer is nobody's
+      await current.answer(JSON.stringify({ count, result, error }) + '\n');
+    }
   }
   running = false;
 }
 
-channel.on('data', (chunk) => {
-  pending = Buffer.concat([pending, chunk]);
-  next();
-});
-channel.on('end', () => process.exit(0));
-channel.on('error', () => process.exit(0));
+function serve() {
+  const channel = new net.Socket({ fd: 3, readable: true, writable: true });
+  session = {
+    pending: Buffer.alloc(0),
+    fail: () => process.exit(2),
+    answer: async (text) => {
+      // The cell's output first: the host has it all with the answer.
+      await new Promise((resolve) => process.stdout.write('', resolve));
+      await new Promise((resolve) => process.stderr.write('', resolve));
+      await new Promise((resolve) => channel.write(text, resolve));
+    },
+  };
+  channel.on('data', (chunk) => {
+    session.pending = Buffer.concat([session.pending, chunk]);
+    next();
+  });
+  channel.on('end', () => process.exit(0));
+  channel.on('error', () => process.exit(0));
+  channel.write('hello\n');
+}
+
+function frame(kind, data) {
+  const head = Buffer.alloc(5);
+  head[0] = kind.charCodeAt(0);
+  head.writeUInt32BE(data.length, 1);
+  return Buffer.concat([head, data]);
+}
+
+// A kept driver's output goes to its host of the moment, framed; with none, nowhere.
+function divert(stream, kind) {
+  stream.write = (chunk, encoding, callback) => {
+    const done = typeof encoding === 'function' ? encoding : callback;
+    const data = typeof chunk === 'string'
+      ? Buffer.from(chunk, typeof encoding === 'string' ? encoding : 'utf8') : Buffer.from(chunk);
+    if (session !== null && data.length) {
+      session.sock.write(frame(kind, data));
+    }
+    if (typeof done === 'function') {
+      process.nextTick(done);
+    }
+    return true;
+  };
+}
+
+function keep() {
+  const fs = require('fs');
+  divert(process.stdout, 'o');
+  divert(process.stderr, 'e');
+  const waiting = [];
+  const attach = () => {
+    while (session === null && waiting.length) {
+      const sock = waiting.shift();
+      if (sock.destroyed) {
+        continue;
+      }
+      const current = {
+        sock,
+        pending: Buffer.alloc(0),
+        fail: () => sock.destroy(),
+        answer: (text) => new Promise((resolve) => sock.write(frame('c', Buffer.from(text)), () => resolve())),
+      };
+      session = current;
+      sock.on('data', (chunk) => {
+        if (session === current) {
+          current.pending = Buffer.concat([current.pending, chunk]);
+          next();
+        }
+      });
+      sock.on('close', () => {
+        if (session === current) {
+          session = null;
+          if (interruptCell !== null) {
+            interruptCell();  // its host is gone: the cell it asked for stops
+          }
+          attach();
+        }
+      });
+      sock.write(frame('c', Buffer.from(`hello ${process.pid}\n`)));
+    }
+  };
+  process.umask(0o077);
+  try {
+    fs.unlinkSync(place);
+  } catch (error) {
+    // none there
+  }
+  const listener = net.createServer((sock) => {
+    sock.on('error', () => {});
+    waiting.push(sock);
+    attach();
+  });
+  listener.listen(place, () => {
+    // Whom the next relay interrupts before it connects (see the top of this file).
+    fs.writeFileSync(place.replace(/\.sock$/, '.pid'), `${process.pid}\n`);
+  });
+}
+
+// Start the kept driver; end once it listens (its hello on PATH names it), or it ended.
+function launch() {
+  const keeper = require('child_process').spawn(process.execPath,
+    [...process.execArgv, '--', language, '--kept-driver', place], { detached: true, stdio: 'ignore' });
+  let listening = false;
+  keeper.on('exit', (code, signal) => {
+    if (!listening) {
+      process.stderr.write(`isolate: the kept driver ended before it listened (${code === null ? signal : code})\n`);
+      process.exit(1);
+    }
+  });
+  const deadline = Date.now() + 50000;
+  const attempt = () => {
+    const probe = net.connect(place);
+    let said = '';
+    probe.on('data', (chunk) => {
+      said += chunk.toString('latin1');  // its one frame: hello PID
+      if (said.includes(`hello ${keeper.pid}\n`)) {
+        listening = true;
+        probe.destroy();
+        process.exit(0);
+      }
+    });
+    probe.on('error', () => {
+      probe.destroy();
+      if (Date.now() > deadline) {
+        process.stderr.write('isolate: the kept driver did not listen in 50 s\n');
+        process.exit(1);
+      }
+      setTimeout(attempt, 50);
+    });
+  };
+  attempt();
+}
+
 if (require('inspector').url() !== undefined) {
   process.exit(2);  // opened before our SIGUSR1 listener was: this realm may not be the driver's alone
 }
-channel.write('hello\n');
+if (mode === '--kept') {
+  launch();
+} else if (mode === '--kept-driver') {
+  keep();
+} else {
+  serve();
+}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -54,6 +55,8 @@ class Driver:
                  hint: str, stdin: int | None = None) -> None:
         """``stdin``: a descriptor the driver reads as its standard input (the Java driver's sealed source)."""
         self.count = 0
+        #: A kept Node.js driver's pid inside the sandbox, from its hello (which its relay passes on).
+        self.said_pid: int | None = None
         ours, theirs = PeerChannel.pair()
         try:
             self._proc = box.spawn(list(argv), env=dict(env), fd3=theirs.fileno(), stdin=stdin)
@@ -108,8 +111,10 @@ class Driver:
                              if any(c.isalnum() for c in line)]
                     raise _NoHello(lines[-1] if lines else "it ended without a word")
                 said += chunk or b""
-        if said != b"hello\n":
+        said_pid = re.fullmatch(rb"hello(?: ([0-9]{1,9}))?\n", said)
+        if said_pid is None:
             raise _NoHello("its first words were not its hello")
+        self.said_pid = int(said_pid[1]) if said_pid[1] is not None else None
 
     def _send(self, data: bytes) -> None:
         view = memoryview(data)

@@ -35,14 +35,15 @@ _PACKAGE = re.compile(r"^\s*package\s+\w+", re.M)
 
 
 class GoContext:
-    def __init__(self, box: Sandbox) -> None:
+    def __init__(self, box: Sandbox, probe: bool = True) -> None:
+        """``probe`` False: the toolchain is not looked for now (a context served again by a restarted server:
+        its first cell says so when it is gone)."""
         self.count = 0
         self._box = box
         self._proc: SandboxProcess | None = None
         self._guard = threading.Lock()
         self._closed = False
-        probe = box.exec(["sh", "-c", "command -v go"])
-        if probe.returncode != 0:
+        if probe and box.exec(["sh", "-c", "command -v go"]).returncode != 0:
             raise unavailable("go", "go: not found", HINT)
 
     def run(self, code: str, emit: Emit) -> None:

@@ -12,6 +12,11 @@ and the launcher's read, and that process's code would then be the driver
 and answer for every cell. A sealed memfd cannot be written, by anyone, and
 each open of it reads from its start (a pipe could be drained and refilled).
 The JShell uses its "local" execution engine: no second JVM, no debugger port.
+
+A context of a kept sandbox keeps its JShell past the server (``start_kept``;
+JDK 16 or later, the top of ``IsolateDriver.java`` says how): each server
+connects a relay to it (``connect``, a JVM of the same sealed source), and
+only what that driver sends on its connection reaches the host's channel.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import os
 from importlib import resources
 
 from ...kept.sandbox import Sandbox
-from .driver import Driver
+from ...model.errors import CommandNotFoundError
+from .driver import HELLO_TIMEOUT, Driver, read_pending, unavailable
+from .python import socket_path
 
 SOURCE = resources.files(__package__).joinpath("IsolateDriver.java").read_text(encoding="utf-8")
 # --add-opens: the driver takes descriptor 3 through java.io.FileDescriptor's field (Java has no fdopen).
@@ -39,13 +46,14 @@ LAUNCH = r'''sized=
 if [ -n "$1" ]; then
     sized="-XX:MaxRAM=$1 -XX:MaxRAMPercentage=50"
 fi
+shift
 v=$(ulimit -v)
 if [ "$v" != unlimited ]; then
     sized="-Xmx$((v / 4))k -XX:CompressedClassSpaceSize=32m -XX:ReservedCodeCacheSize=32m"
     export MALLOC_ARENA_MAX=2
 fi
 exec java -XX:+DisableAttachMechanism -XX:+UseSerialGC -XX:TieredStopAtLevel=1 $sized \
-    --add-opens java.base/java.io=ALL-UNNAMED --source 11 /proc/self/fd/0
+    --add-opens java.base/java.io=ALL-UNNAMED --source 11 /proc/self/fd/0 "$@"
 '''
 
 
@@ -65,13 +73,51 @@ def _sealed_source() -> int:
     return fd
 
 
+HINT = "it needs a JDK 11 or later inside the sandbox, with its jdk.jshell module " \
+       "(Debian: apt-get install default-jdk-headless)"
+
+
+class NotKeepable(Exception):
+    """The sandbox's JDK is older than 16 (no unix sockets): its contexts end with their server."""
+
+
+def _argv(box: Sandbox, *args: str) -> list[str]:
+    memory = box.policy.limits.value("memory")
+    return ["sh", "-c", LAUNCH, "isolate-java", "" if memory is None else str(int(memory)), *args]
+
+
 def start(box: Sandbox) -> Driver:
     source = _sealed_source()
     try:
-        memory = box.policy.limits.value("memory")
-        argv = ["sh", "-c", LAUNCH, "isolate-java", "" if memory is None else str(int(memory))]
-        return Driver(box, argv, {}, "java",
-                      "it needs a JDK 11 or later inside the sandbox, with its jdk.jshell module "
-                      "(Debian: apt-get install default-jdk-headless)", stdin=source)
+        return Driver(box, _argv(box), {}, "java", HINT, stdin=source)
     finally:
         os.close(source)  # the command has its own
+
+
+def start_kept(box: Sandbox, context_id: str) -> None:
+    """Start a kept driver (the top of ``IsolateDriver.java`` says how); a relay then connects to it."""
+    source = _sealed_source()
+    try:
+        proc = box.spawn(_argv(box, "--kept", socket_path(context_id)), stdin=source, timeout=HELLO_TIMEOUT)
+    except CommandNotFoundError as exc:
+        raise unavailable("java", str(exc), HINT) from None
+    finally:
+        os.close(source)
+    try:
+        status = proc.wait()
+        said = read_pending(proc.stderr_fd).decode(errors="replace")
+    finally:
+        proc.close()
+    if status == 3:
+        raise NotKeepable(said.strip())
+    if status != 0:
+        raise unavailable("java", (said.strip().splitlines() or ["it ended without a word"])[-1], HINT)
+
+
+def connect(box: Sandbox, context_id: str) -> Driver:
+    """A relay to the kept driver of the context: its hello names the driver (``Driver.said_pid``)."""
+    source = _sealed_source()
+    try:
+        return Driver(box, _argv(box, "--relay", socket_path(context_id)), {}, "java", HINT, stdin=source)
+    finally:
+        os.close(source)

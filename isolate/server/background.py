@@ -135,11 +135,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _find_wrapper(box: Sandbox, ns_pid: int) -> psutil.Process | None:
+def host_process(box: Sandbox, ns_pid: int) -> psutil.Process | None:
     """The host's process of the sandbox whose pid there is ns_pid, at the sandbox's own PID namespace's depth (a
-    process of a namespace the sandbox made below its own is not it). The launcher has ended, so the wrapper is
-    its monitor's child (a subreaper, detached: it stays), below the exec server, or (the monitor was killed)
-    the sandbox init's: those three generations are looked at first, then every process of the sandbox."""
+    process of a namespace the sandbox made below its own is not it). The three generations below the sandbox's
+    init are looked at first, then every process of the sandbox: a background command's wrapper is its launcher's
+    monitor's child (a subreaper, detached: it stays), below the exec server, or (the monitor was killed) the
+    init's; a kept code context's driver is the init's (its launcher ended)."""
     init = _init_of(box)
     if init is None:
         return None
@@ -312,7 +313,7 @@ class KeptCommand:
                             os.close(log_fd)
                     else:
                         self._log_fd = log_fd
-                wrapper = _find_wrapper(box, int(match.group(2)))
+                wrapper = host_process(box, int(match.group(2)))
                 if wrapper is not None:  # else it ended already (its exit file says how)
                     with contextlib.suppress(psutil.Error):
                         self.recorded = dataclasses.replace(self.recorded, pid=wrapper.pid,

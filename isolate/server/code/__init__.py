@@ -38,6 +38,7 @@ from typing import Protocol
 import psutil
 
 from ...kept.sandbox import Sandbox
+from ..background import host_process
 from ..keep import KEPT_LANGUAGES
 from . import go, java, node, python, shell
 from .driver import Driver, Emit
@@ -183,9 +184,7 @@ class KeptInterpreter:
         sandbox's own processes (a name forged from inside names at worst another process of the sandbox)."""
         if self._language == "python":
             return driver.peer or 0
-        from ..background import _find_wrapper
-
-        found = _find_wrapper(self._box, driver.said_pid) if driver.said_pid else None
+        found = host_process(self._box, driver.said_pid) if driver.said_pid else None
         return found.pid if found is not None else 0
 
     def run(self, code: str, emit: Emit) -> None:

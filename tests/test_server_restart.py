@@ -198,6 +198,8 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
         status, body = first.call("POST", prefix + "/command", {"command": "sleep 600", "background": True},
                                   key=None, headers=headers)
         command_id = json.loads(body.decode().splitlines()[0][6:])["text"]
+        _until(lambda: _recorded(state_dir, box_id, command_id))  # its launcher settled, the record names it
+
         # A cell in flight when the server dies: its client gets a connection error.
         def in_flight() -> None:
             with contextlib.suppress(OSError, http.client.HTTPException):

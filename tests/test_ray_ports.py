@@ -231,3 +231,15 @@ def test_a_retired_sandbox_forwards_nothing(host: Any, app: App) -> None:
     with pytest.raises(Exception, match="closed"):
         forward(app.port)
     assert app.held == []
+
+
+def test_a_forwarded_connection_is_probed_when_idle(host: Any, app: App, route_tls: tuple[Any, Any]) -> None:
+    """A node that dies without a word (its machine off the network) ends a forward that waits on it (a WebSocket's)
+    after TCP keepalive's probes, not when its browser leaves: the client's connection to the node is probed."""
+    if route_tls[1] is not None:
+        pytest.skip("under TLS the socket returned is a local pair's end; the TCP connection is the relay's")
+    _, forward = host
+    with forward(app.port) as sock:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == direct.KEEPALIVE_IDLE
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == direct.KEEPALIVE_PROBES

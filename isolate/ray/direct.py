@@ -368,6 +368,7 @@ class Listener:
         both ways until either side ends (in this connection's thread and one more). It leaves the route's
         connections for a forward's place (MAX_FORWARDS, MAX_FORWARDS_PER_SANDBOX), or is refused in words."""
         assert self._open_port is not None
+        keep_alive(conn)  # a client gone without a word (its machine off the network) ends the forward too
         pair = _Pair(sid)
         pair.add(conn)
         with self._lock:
@@ -668,6 +669,20 @@ class Route:
         self._pending.clear()
 
 
+#: A forwarded connection idle this long is probed (TCP keepalive), every KEEPALIVE_INTERVAL, KEEPALIVE_PROBES times.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES = 30, 10, 3
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on a forwarded connection: a node that died without a word (no FIN, no reset: its machine
+    off the network) ends the connection about a minute after it fell silent, not when the app's client leaves
+    (a WebSocket waits on it for as long as the browser stays)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+
+
 def open_port(address: tuple[str, int], sid: str, secret: bytes, port: int,
               tls: ssl.SSLContext | None = None) -> socket.socket:
     """A connection of its own to the node's host at ``address`` that carries one connection to ``port`` on the
@@ -682,6 +697,7 @@ def open_port(address: tuple[str, int], sid: str, secret: bytes, port: int,
     sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock)
         channel = Plain(sock) if tls is None else Tls(sock, tls, False, address[0])
         hello = _recv_exact(channel, len(MAGIC) + NONCE)
         if hello is None or not hello.startswith(MAGIC):

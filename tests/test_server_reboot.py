@@ -224,3 +224,37 @@ def test_an_image_sandbox_keeps_its_root_changes_past_a_reboot(state_dir: str, t
                 second.stop()
             if first is not None:
                 first.stop()
+
+
+def test_stopped_copies_written_and_removed_at_once_by_many_threads(tmp_path: Path) -> None:
+    """Creates and deletes write and remove the sandboxes' copies in the server's worker threads at once, and
+    removing the last copy removes their directory: every copy is written whole and every removal goes through,
+    whatever the interleaving (before the copies had a lock, a copy written while another thread removed the
+    directory failed with ENOENT: a create answered 500 STATE_NOT_WRITTEN, as the soak once saw)."""
+    import threading
+
+    from isolate.server.stopped import STOPPED, Copy, StoppedCopies
+
+    state_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    copies = StoppedCopies(state_fd)
+    failures: list[BaseException] = []
+
+    def churn(worker: int) -> None:
+        try:
+            for round_ in range(150):
+                sandbox_id = f"{worker:08x}{round_:016x}"
+                copies.write(sandbox_id, Copy({"image": {"uri": "default"}}, (1, 2), (3, 4)))
+                copies.forget(sandbox_id)
+        except BaseException as exc:  # reported by the test's thread
+            failures.append(exc)
+
+    try:
+        workers = [threading.Thread(target=churn, args=(n,)) for n in range(6)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert not failures, failures[:3]
+        assert not (tmp_path / STOPPED).exists()  # the last removal took the directory
+    finally:
+        os.close(state_fd)

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,10 @@ class StoppedCopies:
 
     def __init__(self, state_fd: int) -> None:
         self._state_fd = state_fd
+        # Creates and deletes run in several worker threads at once, and removing the last copy removes the
+        # directory: a copy written meanwhile, through a descriptor of the directory opened before, would fail
+        # (ENOENT: a create answered 500). Each write and each removal holds this lock.
+        self._lock = threading.Lock()
 
     def _open(self, create: bool) -> int:
         if create:
@@ -160,7 +165,15 @@ class StoppedCopies:
             shown = impl.report_enforced.get("image")
             image = str(shown["id"]) if isinstance(shown, dict) and shown.get("id") else None
             image_upper = impl.image_upper.identity if image is not None else None
-        copy = Copy(request, impl.data_identity, impl.workspace_identity, image, image_upper, boot_id())
+        self.write(sandbox_id, Copy(request, impl.data_identity, impl.workspace_identity, image, image_upper,
+                                    boot_id()))
+
+    def write(self, sandbox_id: str, copy: Copy) -> None:
+        """The sandbox's copy, whole (a temporary file renamed); OSError when it cannot be written."""
+        with self._lock:
+            self._write(sandbox_id, copy)
+
+    def _write(self, sandbox_id: str, copy: Copy) -> None:
         fd = self._open(create=True)
         try:
             temp = f".{sandbox_id}.{secrets.token_hex(4)}.tmp"
@@ -207,7 +220,7 @@ class StoppedCopies:
                 self._drop(entry)
 
     def _drop(self, entry: str) -> None:
-        with contextlib.suppress(OSError, IsolationError):
+        with self._lock, contextlib.suppress(OSError, IsolationError):
             fd = self._open(create=False)
             try:
                 os.unlink(entry, dir_fd=fd)
@@ -215,6 +228,10 @@ class StoppedCopies:
                 os.close(fd)
 
     def forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._forget(sandbox_id)
+
+    def _forget(self, sandbox_id: str) -> None:
         try:
             fd = self._open(create=False)
         except (OSError, IsolationError):

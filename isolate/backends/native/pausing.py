@@ -118,7 +118,7 @@ def stop_until_stopped(processes: Processes, skip: int | None) -> None:
             return
         if time.monotonic() > deadline:
             raise IsolationError(f"pause: {len(running)} of the sandbox's processes kept running through "
-                                 f"{STOP_SECONDS:g} s of SIGSTOP (pid {running[0].pid})")
+                                 f"{STOP_SECONDS:g} s of SIGSTOP (pid {running[0].pid}: {_seen(running[0])})")
         for proc in running:
             try:
                 os.kill(proc.pid, signal.SIGSTOP)
@@ -126,3 +126,16 @@ def stop_until_stopped(processes: Processes, skip: int | None) -> None:
                 pass
         time.sleep(pause)  # a stop takes effect when the process is next scheduled
         pause = min(pause * 2, 0.05)
+
+
+def _seen(proc: Any) -> str:
+    """What a process that would not stop was seen doing (its name, state and kernel wait), for the message."""
+    try:
+        with open(f"/proc/{proc.pid}/wchan", encoding="ascii", errors="replace") as handle:
+            wchan = handle.read(64) or "-"
+    except OSError:
+        wchan = "?"
+    try:
+        return f"{proc.name()}, {proc.status()}, waiting in {wchan}"
+    except Exception:  # psutil.Error: it ended as it was looked at
+        return "ended"

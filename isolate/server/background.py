@@ -135,12 +135,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def host_process(box: Sandbox, ns_pid: int) -> psutil.Process | None:
+def host_process(box: Sandbox, ns_pid: int, group: int | None = None) -> psutil.Process | None:
     """The host's process of the sandbox whose pid there is ns_pid, at the sandbox's own PID namespace's depth (a
-    process of a namespace the sandbox made below its own is not it). The three generations below the sandbox's
-    init are looked at first, then every process of the sandbox: a background command's wrapper is its launcher's
-    monitor's child (a subreaper, detached: it stays), below the exec server, or (the monitor was killed) the
-    init's; a kept code context's driver is the init's (its launcher ended)."""
+    process of a namespace the sandbox made below its own is not it), never its init: ns_pid is what a process of
+    the sandbox said (a launcher's line, which any of them can write through /proc/PID/fd/1), and the init is
+    nobody's wrapper or driver (an interrupt killed it, which the sandbox itself cannot). ``group``: it must be in
+    that process group there (a background command's wrapper is in its launcher's). The three generations below
+    the sandbox's init are looked at first, then every process of the sandbox: a background command's wrapper is
+    its launcher's monitor's child (a subreaper, detached: it stays), below the exec server, or (the monitor was
+    killed) the init's; a kept code context's driver is the init's (its launcher ended)."""
     init = _init_of(box)
     if init is None:
         return None
@@ -161,9 +164,13 @@ def host_process(box: Sandbox, ns_pid: int) -> psutil.Process | None:
         yield from (p.pid for p in box.processes()[:_MOST_PROCESSES] if p.pid not in near)
 
     for pid in candidates():
+        if pid == init:
+            continue
         try:
-            nspid = _status_fields(pid, ("NSpid",)).get("NSpid", [])
-            if len(nspid) == depth and nspid[-1] == ns_pid:
+            ids = _status_fields(pid, ("NSpid", "NSpgid"))
+            nspid = ids.get("NSpid", [])
+            if len(nspid) == depth and nspid[-1] == ns_pid and nspid[-1] != 1 and \
+                    (group is None or ids.get("NSpgid", [0])[-1] == group):
                 return psutil.Process(pid)
         except (OSError, ValueError, psutil.Error):
             continue
@@ -313,7 +320,7 @@ class KeptCommand:
                             os.close(log_fd)
                     else:
                         self._log_fd = log_fd
-                wrapper = host_process(box, int(match.group(2)))
+                wrapper = host_process(box, int(match.group(2)), group=self.recorded.group)
                 if wrapper is not None:  # else it ended already (its exit file says how)
                     with contextlib.suppress(psutil.Error):
                         self.recorded = dataclasses.replace(self.recorded, pid=wrapper.pid,
@@ -539,6 +546,11 @@ class KeptCommand:
             # Held while it is checked: a parent that ended meanwhile (its pid reused) is not taken for it.
             pidfd = os.pidfd_open(pid)
             if wrapper.ppid() != pid:
+                return None
+            # The exec server's child, as a monitor is (that server the init's): the wrapper a launcher's line
+            # named may be any process of the sandbox, a monitor or the exec server itself, whose parent would
+            # take every command of the sandbox for this one's.
+            if psutil.Process(psutil.Process(pid).ppid()).ppid() != init:
                 return None
             monitor = psutil.Process(pid)  # its start time, against a reuse of its pid from now on
             depth = len(_status_fields(init, ("NSpid",))["NSpid"])

@@ -12,7 +12,7 @@ from typing import Any
 import psutil
 import pytest
 
-from isolate.server import code
+from isolate.server import background, code
 
 
 class _Relay:
@@ -38,7 +38,34 @@ def test_a_driver_pid_given_again_since_its_lookup_is_not_signalled(monkeypatch:
         box: Any = object()
         context = code.KeptInterpreter(box, "javascript", "ctx-0123456789abcdef", fresh=False)
         context.close()
-        assert host.poll() is None, "the host's process that took the driver's number was killed"
+        with pytest.raises(subprocess.TimeoutExpired):  # a SIGKILL sent has ended it by then
+            host.wait(timeout=0.5)
+    finally:
+        host.kill()
+        host.wait()
+
+
+class _PythonDriver(_Relay):
+    """A Python driver's hello names no pid: its writer's (the kernel's word) is the peer."""
+
+    said_pid = None
+
+
+def test_a_python_hello_writer_gone_since_is_not_signalled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hello's writer (a process of the sandbox, a squatter of the driver's socket) ended at once and the host
+    # gave its number to a process of its own: the sandbox has no process of that number any more.
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        relay = _PythonDriver()
+        relay.peer = host.pid  # type: ignore[assignment]
+        monkeypatch.setattr(code, "host_process", lambda box, pid: None)
+        monkeypatch.setattr(background, "host_process", lambda box, pid: None)
+        monkeypatch.setattr(code.python, "connect", lambda box, context_id: relay)
+        box: Any = object()
+        context = code.KeptInterpreter(box, "python", "ctx-0123456789abcdef", fresh=False)
+        context.close()
+        with pytest.raises(subprocess.TimeoutExpired):  # a SIGKILL sent has ended it by then
+            host.wait(timeout=0.5)
     finally:
         host.kill()
         host.wait()

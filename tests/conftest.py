@@ -226,6 +226,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_tls.py",
     "test_server.py",
     "test_server_bg_lookup.py",
+    "test_server_code_driverpid.py",
     "test_server_crashes.py",
     "test_server_keepall.py",
     "test_server_pool.py",

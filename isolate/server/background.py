@@ -177,6 +177,18 @@ def host_process(box: Sandbox, ns_pid: int, group: int | None = None) -> psutil.
     return None
 
 
+def of_sandbox(box: Sandbox, pid: int) -> bool:
+    """Whether the host's process ``pid`` is the sandbox's, at its own PID namespace's depth (``host_process`` finds
+    it by its pid there). Asked after a pidfd of ``pid`` is opened, and while that pidfd names a live process, the
+    answer is that pidfd's process's: a number is given again only once its process is reaped."""
+    try:
+        inner = _status_fields(pid, ("NSpid",))["NSpid"][-1]
+    except (OSError, KeyError, IndexError, ValueError):
+        return False
+    found = host_process(box, inner)
+    return found is not None and found.pid == pid
+
+
 def _punch(fd: int, length: int) -> None:
     """Free the file's first ``length`` bytes (they read as zeros; its size and offsets stay)."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -38,7 +38,7 @@ from typing import Protocol
 import psutil
 
 from ...kept.sandbox import Sandbox
-from ..background import host_process
+from ..background import host_process, of_sandbox
 from ..keep import KEPT_LANGUAGES
 from . import go, java, node, python, shell
 from .driver import Driver, Emit
@@ -169,23 +169,38 @@ class KeptInterpreter:
                     driver = node.connect(self._box, self._language, self._id)
             except Exception as exc:
                 raise RuntimeError(f"the context's interpreter did not survive its last server ({exc})") from None
-            self._peer = self._driver_pid(driver)
-            try:
-                self._pidfd = os.pidfd_open(self._peer) if self._peer else -1
-            except OSError:
-                self._pidfd = -1
+            self._pidfd, self._peer = self._hold_driver(driver)
             driver.count = self._count
             self._driver = driver
         return self._driver
 
-    def _driver_pid(self, driver: Driver) -> int:
-        """The driver's pid here: a Python driver's is its hello's writer's (the kernel's word); a Node.js or
-        Java driver's relay writes its hello, which names the driver by its pid in the sandbox, found here among the
-        sandbox's own processes (a name forged from inside names at worst another process of the sandbox)."""
+    def _hold_driver(self, driver: Driver) -> tuple[int, int]:
+        """A pidfd of the driver and its pid here; (-1, 0) when it is not found. A Python driver's pid is its hello's
+        writer's (the kernel's word); a Node.js or Java driver's relay writes its hello, which names the driver by
+        its pid in the sandbox, found here among the sandbox's own processes (a name forged from inside names at
+        worst another process of the sandbox). Either number is given again once its process ends (the hello's
+        writer may end at once): the pidfd is opened first, then its process is checked to be the one found (its
+        start time) and the sandbox's, so that the delete that signals it signals no process of the host."""
+        listed: psutil.Process | None = None
         if self._language == "python":
-            return driver.peer or 0
-        found = host_process(self._box, driver.said_pid) if driver.said_pid else None
-        return found.pid if found is not None else 0
+            pid = driver.peer or 0
+        else:
+            listed = host_process(self._box, driver.said_pid) if driver.said_pid else None
+            pid = listed.pid if listed is not None else 0
+        if pid <= 0:
+            return -1, 0
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return -1, 0
+        try:
+            held = (listed is None or listed.is_running()) and of_sandbox(self._box, pid) and _alive(fd)
+        except psutil.Error:
+            held = False
+        if not held:
+            os.close(fd)
+            return -1, 0
+        return fd, pid
 
     def run(self, code: str, emit: Emit) -> None:
         self._connect().run(code, emit)

@@ -794,3 +794,32 @@ def test_what_a_background_command_double_forked_ends_with_it(state_dir: str) ->
     finally:
         second.stop()
     assert ended == {"timeout": 0, "interrupt": 0, "restart": 0}
+
+
+def test_a_sandbox_ends_at_once_though_a_process_took_its_kept_contexts_socket(state_dir: str) -> None:
+    """A sandbox's end ends its kept contexts' interpreters with it (its PID namespace): it does not connect to
+    them first. A process of the sandbox that took a context's socket and listens without a word held the end
+    of the sandbox for the hello's wait (60 s), one context after another (a record names up to 256)."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, context = first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
+                                     headers=headers)
+        assert status == 200, context
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        path = f"/tmp/.isolate-code-{context['id']}.sock"
+        _background(second, prefix, headers,
+                    f"exec python3 -c \"import os, socket, time; os.unlink('{path}'); "
+                    f"s = socket.socket(socket.AF_UNIX); s.bind('{path}'); s.listen(8); "
+                    "open('/tmp/squatting', 'w').close(); time.sleep(600)\"")
+        _until(lambda: _run(second, prefix, headers, "test -e /tmp/squatting && echo yes || true") == "yes")
+        started = time.monotonic()
+        assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
+        assert time.monotonic() - started < 20, "the sandbox's end waited on the squatter's silence"
+    finally:
+        second.stop()

@@ -556,15 +556,17 @@ class ManagedSandbox:
             pass  # it ended meanwhile and its conversation is closed
 
     def _let_go(self, detach: bool = False) -> None:
-        """End the server's side of it: its forwarder, bash sessions and code contexts (``detach``: a kept
-        context's interpreter is left running for the next server)."""
+        """End the server's side of it: its forwarder, bash sessions and code contexts. A kept context is let
+        go, not ended: its interpreter is left running for the next server (``detach``), or ends with the
+        sandbox's PID namespace (``close``; ending it first would connect to a context of an earlier server,
+        and a process of the sandbox that took its socket could hold the end for the hello's wait, each)."""
         forwarder = self.forwarder
         if forwarder is not None:
             forwarder.close()
         with self.lock:
             for session in [*self.sessions.values(), *self.contexts.values()]:
                 try:
-                    if detach and getattr(session, "kept", False):
+                    if getattr(session, "kept", False):
                         session.detach()
                     else:
                         session.close()

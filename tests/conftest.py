@@ -338,3 +338,23 @@ def recv_exact(sock: Any, size: int) -> bytes:
         assert chunk, "the peer closed the connection early"
         got += chunk
     return got
+
+
+def in_threads(work: Any, count: int) -> list[BaseException]:
+    """``work(n)`` in ``count`` threads at once (n = 0 .. count-1), joined; what each raised, if anything."""
+    import threading
+
+    failures: list[BaseException] = []
+
+    def run(n: int) -> None:
+        try:
+            work(n)
+        except BaseException as exc:  # reported to the test's thread
+            failures.append(exc)
+
+    workers = [threading.Thread(target=run, args=(n,)) for n in range(count)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return failures

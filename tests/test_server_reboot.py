@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import test_server as base
+from conftest import in_threads
 from test_server_restart import _kill, _pvc, _run
 
 FLAGS = () if base.limits_enforceable() else ("--best-effort",)
@@ -231,29 +232,19 @@ def test_stopped_copies_written_and_removed_at_once_by_many_threads(tmp_path: Pa
     removing the last copy removes their directory: every copy is written whole and every removal goes through,
     whatever the interleaving (before the copies had a lock, a copy written while another thread removed the
     directory failed with ENOENT: a create answered 500 STATE_NOT_WRITTEN, as the soak once saw)."""
-    import threading
-
     from isolate.server.stopped import STOPPED, Copy, StoppedCopies
 
     state_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     copies = StoppedCopies(state_fd)
-    failures: list[BaseException] = []
 
     def churn(worker: int) -> None:
-        try:
-            for round_ in range(150):
-                sandbox_id = f"{worker:08x}{round_:016x}"
-                copies.write(sandbox_id, Copy({"image": {"uri": "default"}}, (1, 2), (3, 4)))
-                copies.forget(sandbox_id)
-        except BaseException as exc:  # reported by the test's thread
-            failures.append(exc)
+        for round_ in range(150):
+            sandbox_id = f"{worker:08x}{round_:016x}"
+            copies.write(sandbox_id, Copy({"image": {"uri": "default"}}, (1, 2), (3, 4)))
+            copies.forget(sandbox_id)
 
     try:
-        workers = [threading.Thread(target=churn, args=(n,)) for n in range(6)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        failures = in_threads(churn, 6)
         assert not failures, failures[:3]
         assert not (tmp_path / STOPPED).exists()  # the last removal took the directory
     finally:

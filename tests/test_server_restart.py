@@ -83,6 +83,21 @@ def _kill(server: base.Server) -> None:
     server.stop()
 
 
+def _kill_in_flight(server: base.Server, prefix: str, headers: dict[str, str], context_id: str, code: str) -> None:
+    """SIGKILL the server while a cell of the context runs (its client then gets a connection error)."""
+    import threading
+
+    def in_flight() -> None:
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            _cell(server, prefix, headers, context_id, code)
+
+    flight = threading.Thread(target=in_flight, daemon=True)
+    flight.start()
+    time.sleep(1.0)
+    _kill(server)
+    flight.join(30)
+
+
 def _port_get(server: base.Server, sandbox_id: str, port: int, token: str, path: str) -> tuple[int, Any]:
     return server.call("GET", f"/sandboxes/{sandbox_id}/port/{port}/{path}", key=None,
                        headers={"OpenSandbox-Secure-Access": token})
@@ -185,7 +200,6 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
     --state-dir it is listed and keeps its variables; a cell running when the server died is interrupted and
     the next one works; a background command of the last server is served again; a delete ends the
     interpreter."""
-    import threading
 
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     try:
@@ -201,15 +215,7 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
         _until(lambda: _recorded(state_dir, box_id, command_id))  # its launcher settled, the record names it
 
         # A cell in flight when the server dies: its client gets a connection error.
-        def in_flight() -> None:
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                _cell(first, prefix, headers, context["id"], "import time\ntime.sleep(120)")
-
-        flight = threading.Thread(target=in_flight, daemon=True)
-        flight.start()
-        time.sleep(1.0)
-        _kill(first)
-        flight.join(30)
+        _kill_in_flight(first, prefix, headers, context["id"], "import time\ntime.sleep(120)")
     finally:
         first.stop()
     second = base.Server(*FLAGS, state_dir=state_dir)
@@ -265,16 +271,7 @@ def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(
             _kill(first)
         else:
             assert "error" not in _cell(first, prefix, headers, context["id"], define)
-
-            def in_flight() -> None:  # a cell busy in the interpreter when its server dies
-                with contextlib.suppress(OSError, http.client.HTTPException):
-                    _cell(first, prefix, headers, context["id"], busy)
-
-            flight = threading.Thread(target=in_flight, daemon=True)
-            flight.start()
-            time.sleep(1.0)
-            _kill(first)
-            flight.join(30)
+            _kill_in_flight(first, prefix, headers, context["id"], busy)  # a cell busy in the interpreter
     finally:
         first.stop()
     second = base.Server(*FLAGS, state_dir=state_dir)

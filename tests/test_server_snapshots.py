@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import test_server as base
+from conftest import in_threads
 from opensandbox import SandboxManagerSync, SandboxSync
 from opensandbox.config import ConnectionConfigSync
 from opensandbox.exceptions import SandboxException
@@ -319,26 +320,18 @@ def test_snapshot_copies_taken_and_removed_at_once_by_many_threads(tmp_path: Any
     server_state.mkdir()
     state_fd = os.open(server_state, os.O_RDONLY | os.O_DIRECTORY)
     copies = SnapshotCopies(state_fd)
-    failures: list[BaseException] = []
 
     def churn(worker: int) -> None:
-        try:
-            for round_ in range(150):
-                snapshot_id = f"osb-snap-{worker:08x}{round_:08x}"
-                with open(os.path.join(_meta_dir(), f"{snapshot_id}.json"), "w") as handle:
-                    json_.dump({"kind": "test"}, handle)
-                copies.keep({"id": snapshot_id, "sandboxId": "s", "name": None, "image": "i", "created": 1.0})
-                copies.forget(snapshot_id)
-                os.unlink(os.path.join(_meta_dir(), f"{snapshot_id}.json"))
-        except BaseException as exc:  # reported by the test's thread
-            failures.append(exc)
+        for round_ in range(150):
+            snapshot_id = f"osb-snap-{worker:08x}{round_:08x}"
+            with open(os.path.join(_meta_dir(), f"{snapshot_id}.json"), "w") as handle:
+                json_.dump({"kind": "test"}, handle)
+            copies.keep({"id": snapshot_id, "sandboxId": "s", "name": None, "image": "i", "created": 1.0})
+            copies.forget(snapshot_id)
+            os.unlink(os.path.join(_meta_dir(), f"{snapshot_id}.json"))
 
     try:
-        workers = [threading.Thread(target=churn, args=(n,)) for n in range(6)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        failures = in_threads(churn, 6)
         assert not failures, failures[:3]
         assert not (server_state / SNAPSHOTS).exists()  # the last removal took the directory
     finally:

@@ -171,6 +171,14 @@ def test_spawn_reads_a_descriptor_of_the_callers_as_its_stdin(box: Sandbox) -> N
         box.spawn("cat", stdin=0, pty=True)
 
 
+def test_spawns_flags_are_true_or_false_and_a_detached_one_has_no_terminal(box: Sandbox) -> None:
+    for flag in ("pty", "stderr_to_stdout", "detached"):
+        with pytest.raises(isolate.PolicyError, match=f"{flag}: expected True or False"):
+            box.spawn("true", **{flag: "no"})  # a string is true: it would have been taken as True
+    with pytest.raises(isolate.PolicyError, match="detached: a command with a terminal"):
+        box.spawn("sleep 300", detached=True, pty=True)
+
+
 def test_dropping_a_command_ends_it(box: Sandbox) -> None:
     proc = box.spawn("sleep 305")
     proc.close()  # the conversation ends: so does the command

@@ -310,6 +310,12 @@ class Sandbox:
                 raise PolicyError(f"{name}: expected an open descriptor, got {fd!r}", name)
         if stdin is not None and pty:
             raise PolicyError("stdin: a command with a terminal reads the terminal", "stdin")
+        for name, flag in (("pty", pty), ("stderr_to_stdout", stderr_to_stdout), ("detached", detached)):
+            if not isinstance(flag, bool):
+                raise PolicyError(f"{name}: expected True or False, got {flag!r}", name)
+        if detached and pty:
+            raise PolicyError("detached: a command with a terminal ends with its host (the terminal's master is "
+                              "the host's)", "detached")
         return SandboxProcess(impl, self._argv(cmd, shell), cwd or "", environment_for(impl.environment, env),
                               _seconds(timeout, "timeout"), pty, -1 if fd3 is None else fd3,
                               -1 if stdin is None else stdin, bool(stderr_to_stdout), bool(detached))

@@ -518,6 +518,10 @@ class ManagedSandbox:
             RUNNING.give()
             raise
         self._listed(command)  # its record is written once its wrapper is found (``changed``)
+        if command.settled.is_set():
+            # It settled before it was listed (its settling runs on a thread of its own): the record its
+            # settling wrote did not name it; this one does.
+            self.changed()
         return command
 
     def tend_commands(self, now: float) -> None:

@@ -38,7 +38,7 @@ SOURCE = resources.files(__package__).joinpath("IsolateDriver.java").read_text(e
 # have the whole driver killed instead of getting an OutOfMemoryError.
 # Under an address-space limit (RLIMIT_AS: memory without a cgroup) the JVM's default reservations (half of
 # it for the heap, 1 GiB of class space, 240 MiB of code cache, a malloc arena per thread) do not fit: a
-# quarter for the heap, and small fixed ones.
+# quarter for the heap, small fixed ones, and one malloc arena (each reserves 64 MiB of the limit).
 # -XX:+DisableAttachMechanism: the HotSpot attach listener (jcmd, agents; opened for any process of the
 # same uid that drops /tmp/.attach_pidN and sends SIGQUIT) would let another process of the sandbox load
 # code into the driver and answer for it.
@@ -50,7 +50,7 @@ shift
 v=$(ulimit -v)
 if [ "$v" != unlimited ]; then
     sized="-Xmx$((v / 4))k -XX:CompressedClassSpaceSize=32m -XX:ReservedCodeCacheSize=32m"
-    export MALLOC_ARENA_MAX=2
+    export MALLOC_ARENA_MAX=1
 fi
 exec java -XX:+DisableAttachMechanism -XX:+UseSerialGC -XX:TieredStopAtLevel=1 $sized \
     --add-opens java.base/java.io=ALL-UNNAMED --source 11 /proc/self/fd/0 "$@"

@@ -126,8 +126,10 @@ def _operate(server: base.Server, w: World, rng: random.Random) -> None:
         return
     elif op == "snapshot":
         sandbox_id = rng.choice(ids)
+        # Written whole, then renamed: the other client may be snapshotting the same sandbox, and a snapshot
+        # holds each file as it is at that moment (docs/kept-sandboxes.md), a truncated one too.
         with contextlib.suppress(AssertionError):  # deleted meanwhile by the other client
-            _run(server, sandbox_id, "echo snap > /workspace/mark")
+            _run(server, sandbox_id, "echo snap > /workspace/.mark.$$ && mv -f /workspace/.mark.$$ /workspace/mark")
         status, got = server.call("POST", f"/v1/sandboxes/{sandbox_id}/snapshots", {})
         if status == 202:
             with w.lock:

@@ -52,7 +52,8 @@
  * could otherwise unlink the socket and listen in its place).
  *
  * The parts, behind execserver.h: xs_wire.c (packets), xs_files.c (file
- * operations), xs_monitor.c (a command's monitor); this file is the server
+ * operations), xs_monitor.c (a command's monitor), xs_keep.c (descriptors
+ * the host leaves here across its own restart); this file is the server
  * (its loop, its connections, its waiting monitors).
  */
 
@@ -233,6 +234,7 @@ static void close_server_fds(int keep)
     for (int j = 0; j < n_monitors; j++)
         if (monitors[j].chan >= 0)
             close(monitors[j].chan);
+    xs_keep_close_all(); /* a monitor holding a shell's far ends would outlive its use of them */
 }
 
 #ifndef SYS_close_range
@@ -369,6 +371,11 @@ static int serve(int conn, int r)
         return 1;
     if (r < 0) {
         xs_reply_kind(conn, ISO_XS_ERROR, EPROTO);
+        return 0;
+    }
+    if (xs_current.head.op == ISO_XS_KEEP || xs_current.head.op == ISO_XS_TAKE) {
+        xs_keep_op(conn, &xs_current);
+        xs_close_fds(&xs_current);
         return 0;
     }
     if (xs_current.head.op != ISO_XS_EXEC) {

@@ -1,7 +1,8 @@
 /*
  * execserver.h - the parts of the exec server (a kept sandbox's program,
  * see execserver.c): its wire (xs_wire.c), its file operations
- * (xs_files.c) and its command monitors (xs_monitor.c).  Internal to the
+ * (xs_files.c), its command monitors (xs_monitor.c) and the descriptors it
+ * keeps for the host (xs_keep.c).  Internal to the
  * init executable; the cffi surface is isolate.h alone.
  */
 #ifndef ISO_EXECSERVER_H
@@ -81,6 +82,13 @@ long long xs_now_ms(void);
 
 /* Answer a file operation (or PING) on conn, as the program would do it. */
 void xs_file_op(int conn, const struct request *req);
+
+/* --- descriptors kept for the host (xs_keep.c) ------------------------------ */
+
+/* Answer KEEP or TAKE on conn (the request's own descriptors stay the caller's to close). */
+void xs_keep_op(int conn, const struct request *req);
+/* In a child of the server: close every descriptor held for the host. */
+void xs_keep_close_all(void);
 
 /* --- commands (xs_monitor.c) ------------------------------------------------ */
 

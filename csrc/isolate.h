@@ -340,7 +340,12 @@ enum iso_xs_op {
     ISO_XS_RMDIR = 8,
     ISO_XS_RENAME = 9,    /* strings: from, to */
     ISO_XS_READDIR = 10,  /* strings: path; replies ENTRIES..., then END */
-    ISO_XS_PING = 11      /* replies OK with the server's pid */
+    ISO_XS_PING = 11,     /* replies OK with the server's pid */
+    ISO_XS_KEEP = 12,     /* strings: key; the request's descriptors (1 to 3) are held by the server
+                             under key, with mode as the host's note, in place of any held there;
+                             none: what key held is let go (xs_keep.c) */
+    ISO_XS_TAKE = 13      /* strings: key; mode: an index; replies OK with a copy of that descriptor
+                             of key's and the note as pid (the server keeps its own) */
 };
 
 enum iso_xs_flag {

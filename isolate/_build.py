@@ -28,7 +28,7 @@ CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-fno-str
 CORE_SOURCES = ["spawn.c", "preexec.c", "process.c", "userns.c", "mounts.c", "net.c",
                 "rlimits.c", "caps.c", "landlock.c", "seccomp.c"]
 INIT_SOURCES = ["init.c", "landlock.c", "supervise.c", "why.c", "execserver.c", "xs_wire.c", "xs_files.c",
-                "xs_monitor.c", "process.c"]
+                "xs_monitor.c", "xs_keep.c", "process.c"]
 INIT_NAME = "isolate-init"
 # The native isolate-run (csrc/cli.c): the core's objects and its main, linked here and installed into
 # the scripts directory (<prefix>/bin) as a data file by setup.py (the console script is gone).

@@ -290,6 +290,31 @@ class Connection:
             raise ServerGone("the sandbox's exec server sent an unexpected reply")
         return reply
 
+    # -- descriptors the server keeps for the host (csrc/xs_keep.c) -----------
+
+    def keep(self, key: str, fds: Sequence[int], note: int = 0) -> None:
+        """Leave copies of ``fds`` (1 to 3) with the server under ``key``, with ``note`` (a number of the
+        caller's), in place of what ``key`` held; none: let go of what it held. A host that ends then leaves
+        them held (a shell's far ends: the shell sees no end of its input), and the next takes them again."""
+        with self._turn:
+            self.send(encode(lib.ISO_XS_KEEP, [key], mode=note), fds)
+            reply = self.answer()
+        if reply.fd is not None:
+            os.close(reply.fd)
+        if reply.kind == lib.ISO_XS_ERROR:
+            raise _os_error(reply.err, key)
+        if reply.kind != lib.ISO_XS_OK:
+            self.close()
+            raise ServerGone("the sandbox's exec server sent an unexpected reply")
+
+    def take(self, key: str, index: int) -> tuple[int, int]:
+        """A copy of the ``index``-th descriptor kept under ``key`` (the server keeps its own), and the note."""
+        reply = self.call(lib.ISO_XS_TAKE, [key], mode=index)
+        if reply.fd is None:
+            self.close()
+            raise ServerGone("the sandbox's exec server sent no descriptor")
+        return reply.fd, reply.pid
+
     def readdir(self, path: str) -> list[tuple[str, Stat]]:
         """The directory's entries, all of them (read in one turn of the conversation)."""
         entries: list[tuple[str, Stat]] = []

@@ -27,6 +27,7 @@ import os
 import secrets
 import select
 import signal
+import socket
 import termios
 import time
 from typing import Any
@@ -66,6 +67,10 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
 
 
+#: Markers of an earlier host's an adopted shell looks past at most (each a run that host started, or sent the
+#: marker of, and did not see end: one, as a host runs one command at a time).
+_STALE_MARKERS = 8
+
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
 OUTPUT_LIMIT = 16 << 20
 
@@ -73,9 +78,11 @@ OUTPUT_LIMIT = 16 << 20
 class Shell:
     """A persistent shell in a sandbox: ``run(command)`` returns (output, exit status); state persists."""
 
-    def __init__(self, box: Any, name: str, pty: bool, argv: tuple[str, ...] = ("/bin/sh",)) -> None:
-        self.name = name
-        self.pty = pty
+    def __init__(self, box: Any, name: str, pty: bool, argv: tuple[str, ...] = ("/bin/sh",),
+                 detached: bool = False) -> None:
+        """``detached``: the shell outlives this process (``Sandbox.spawn``'s ``detached``), so that another
+        host can ``adopt`` it: its far ends must then be kept meanwhile (``ends``), or it reads the end of its
+        input when this process ends."""
         # The framing's constant parts come in the environment, taken into read-only variables below (a line
         # that long is more than busybox ash's line editor takes at a terminal).
         env = {"PS1": "", "PS2": "", "TERM": "dumb", _RESET_VAR + "0": _RESET.format(traps=_SIGNALS),
@@ -83,37 +90,19 @@ class Shell:
         ours, theirs = PeerChannel.pair()
         try:
             # Its stderr is its stdout (a terminal's are one anyway): no command needs a 2>&1 of its own.
-            self._process = box.spawn(list(argv), env=env, pty=pty, fd3=theirs.fileno(), stderr_to_stdout=True)
+            process = box.spawn(list(argv), env=env, pty=pty, fd3=theirs.fileno(), stderr_to_stdout=True,
+                                detached=detached)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()  # the shell holds its own copy now
-        ours.setblocking(False)
-        self._channel = ours
-        # Reports count from the shell's own pid only (the kernel's word, see PeerChannel): while a command
-        # runs the shell keeps the channel as a saved copy (its descriptor 3 restored after), which bash's and
-        # busybox ash's redirections can name and a subshell forked then keeps for good.
-        self._reader = PeerChannel(ours)
+        self._attach(name, pty, process, ours)
         if pty:
             attrs = termios.tcgetattr(self._process.master_fd)
             attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
             attrs[1] &= ~termios.ONLCR
             termios.tcsetattr(self._process.master_fd, termios.TCSANOW, attrs)
-        os.set_blocking(self._process.stdout_fd, False)  # the host's end: read what is there, or wait
-        # poll, not select: a host with many shells holds descriptors past FD_SETSIZE.
-        self._poll_output = select.poll()
-        self._poll_output.register(self._process.stdout_fd, select.POLLIN)
-        self._poll_both = select.poll()
-        self._poll_both.register(self._process.stdout_fd, select.POLLIN)
-        self._poll_both.register(ours.fileno(), select.POLLIN)
-        self._buffer = bytearray()
-        self._reports = bytearray()
-        self._waiting: list[bytes] = []  # markers sent that no report has named yet, oldest first
-        self._seq = 0
-        self._unsynced = False
-        self._reset = _RESET.format(traps=_SIGNALS)
-        self._trailer = _TRAILER
         # The trap names besides signals that this shell has (asked before any command of the caller ran).
         probe, _ = self.run("\\trap - ERR 2>/dev/null && \\echo ERR; \\echo \"${BASH_VERSION:+DEBUG RETURN}\"",
                             timeout=30)
@@ -126,6 +115,38 @@ class Shell:
             raise IsolationError(f"shell {self.name!r}: its framing could not be set up (status {status})")
         self._reset = f'\\eval "${_RESET_VAR}"'
         self._trailer = f'\\eval "${_TRAILER_VAR}"'
+        self._probe_names()
+
+    def _attach(self, name: str, pty: bool, process: Any, channel: socket.socket, peer: int | None = None) -> None:
+        """The host's side: ``process`` (write, stdout_fd, poll, signal, kill, close) and the channel."""
+        self.name = name
+        self.pty = pty
+        self._process = process
+        channel.setblocking(False)
+        self._channel = channel
+        # Reports count from the shell's own pid only (the kernel's word, see PeerChannel): while a command
+        # runs the shell keeps the channel as a saved copy (its descriptor 3 restored after), which bash's and
+        # busybox ash's redirections can name and a subshell forked then keeps for good.
+        self._reader = PeerChannel(channel)
+        self._reader.peer = peer
+        os.set_blocking(process.stdout_fd, False)  # the host's end: read what is there, or wait
+        # poll, not select: a host with many shells holds descriptors past FD_SETSIZE.
+        self._poll_output = select.poll()
+        self._poll_output.register(process.stdout_fd, select.POLLIN)
+        self._poll_both = select.poll()
+        self._poll_both.register(process.stdout_fd, select.POLLIN)
+        self._poll_both.register(channel.fileno(), select.POLLIN)
+        self._buffer = bytearray()
+        self._reports = bytearray()
+        self._waiting: list[bytes] = []  # markers sent that no report has named yet, oldest first
+        self._seq = 0
+        self._unsynced = False
+        #: Markers of an earlier host's may wait unread (an adopted shell): see _report.
+        self._stale = 0
+        self._reset = _RESET.format(traps=_SIGNALS)
+        self._trailer = _TRAILER
+
+    def _probe_names(self) -> None:
         # Whether a redirection can name a descriptor past 9 (bash, busybox ash; dash's syntax takes one digit):
         # such a shell's commands can reach the saved copy of the channel (see trusted_results).
         names, _ = self.run("(: 10</dev/null <&10 && \\echo FD10) 2>/dev/null", timeout=30)
@@ -135,6 +156,32 @@ class Shell:
         #: the channel, report the run ended, and stay in the shell to answer the next runs themselves. True in
         #: dash (Debian's and Ubuntu's ``/bin/sh``). A status a grader must trust comes from ``Sandbox.exec``.
         self.trusted_results = "FD10" not in names
+
+    def ends(self) -> tuple[list[int], int]:
+        """The host's ends (its input's, its output's, the channel's) and the shell's pid here, for a host that
+        keeps them past itself (a detached shell's), so that another host can ``adopt`` the shell."""
+        return [self._process.stdin_fd, self._process.stdout_fd, self._channel.fileno()], self._reader.peer or 0
+
+    @classmethod
+    def adopt(cls, name: str, process: Any, channel: socket.socket, peer: int) -> Shell:
+        """A shell an earlier host started (detached) and kept the ends of (``ends``): ``process`` holds its input's
+        and output's (write, stdout_fd, poll, signal, kill, close), ``channel`` the channel's, ``peer`` its pid
+        here. Its framing lives in the shell already. What the last host's last run left (a command still
+        running, its output, markers no framing read) is interrupted now and dropped by the first run."""
+        shell = cls.__new__(cls)
+        shell._attach(name, False, process, channel, peer or None)
+        shell._reset = f'\\eval "${_RESET_VAR}"'
+        shell._trailer = f'\\eval "${_TRAILER_VAR}"'
+        # Its runs are numbered apart from the last host's, whose reports may still come.
+        shell._seq = secrets.randbits(31)
+        # The last host may have sent markers that no framing read yet (its run's, and one whose command line it
+        # did not write before it ended): a framing of ours that reads one of those is followed by another.
+        shell._stale = _STALE_MARKERS
+        shell._unsynced = True
+        # Not asked again (that would be a run before the caller's): what the last host learnt is not kept.
+        shell.trusted_results = False
+        shell.interrupt()
+        return shell
 
     @property
     def alive(self) -> bool:
@@ -237,8 +284,15 @@ class Shell:
             line, _, rest = bytes(self._reports).partition(b"\n")
             self._reports = bytearray(rest)
             words = line.split()
+            if len(words) == 3 and self._stale and words[1] == str(seq).encode() and words[0] not in self._waiting:
+                # This run's framing read a marker an earlier host sent (an adopted shell's): ours waits behind
+                # it, for one more framing.
+                self._stale -= 1
+                self._process.write(f'\\set -- 0 {seq}; ' + self._trailer + "\n")
+                continue
             if len(words) != 3 or words[0] not in self._waiting:
                 continue  # only the shell writes here: nothing else can name a marker
+            self._stale = 0  # a marker of ours read: none of an earlier host's is left before it
             del self._waiting[:self._waiting.index(words[0]) + 1]
             if words[1] == str(seq).encode() and found is None:
                 try:
@@ -252,6 +306,11 @@ class Shell:
     def interrupt(self) -> None:
         """SIGINT to what the shell is running (not the shell itself)."""
         self._process.signal(signal.SIGINT, descendants=True)
+
+    def release(self) -> None:
+        """Let go of a detached shell without ending it (another host adopts it: its ends must be kept)."""
+        self._process.release()
+        self._channel.close()
 
     def close(self) -> None:
         self._process.kill()

@@ -445,6 +445,7 @@ class SandboxProcess:
         ``detached``: see Command."""
         self.args = argv
         self.master_fd = -1
+        self._detached = detached
         stdio: tuple[int, ...] = ()
         closers: list[int] = []
         if pty:
@@ -533,6 +534,15 @@ class SandboxProcess:
     @property
     def report(self) -> Any:
         return self._command.report() if self._command.exit is not None else None
+
+    def release(self) -> None:
+        """Let go of a detached command without ending it (``close`` ends one still running): its conversation
+        and this process's ends of its pipes are closed, and it runs on (a kept shell whose ends the sandbox's
+        exec server holds, for the next host)."""
+        if not self._detached:
+            raise ValueError("release: only a detached command runs on without its host")
+        self._command.conn.close()
+        self.close()
 
     def close(self) -> None:
         self._command.close()

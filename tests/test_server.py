@@ -890,8 +890,8 @@ r = await interpreter.codes.run("x", context=context)
 print([x.text for x in r.result], r.execution_count)
 print([m.text for m in (await interpreter.codes.run("print('default')")).logs.stdout])
 bash = await interpreter.codes.create_context(SupportedLanguage.BASH)
-await interpreter.codes.run("Y=3", context=bash)
-print([m.text for m in (await interpreter.codes.run("echo again $Y", context=bash)).logs.stdout])
+await interpreter.codes.run("Y=(2 3)", context=bash)  # an array: bash, not a POSIX sh
+print([m.text for m in (await interpreter.codes.run("echo again ${Y[1]}", context=bash)).logs.stdout])
 async def stop():
     await asyncio.sleep(1)
     await interpreter.codes.interrupt(context.id)

@@ -269,7 +269,7 @@ def test_the_processes_a_cell_leaves_end_with_its_context(box: isolate.Sandbox, 
 
 _REUSED_PID = r"""
 import os, signal, sys, time
-from isolate.server.code import _end_with_descendants
+from isolate.server.code.proctree import end_with_descendants
 
 driver = os.fork()
 if driver == 0:
@@ -292,7 +292,7 @@ if other == 0:
     os._exit(os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0)
 assert other == driver, (other, driver)
 child = int(os.read(r, 32))
-_end_with_descendants(pidfd, driver)
+end_with_descendants(pidfd, driver)
 time.sleep(0.2)
 try:
     os.kill(child, signal.SIGTERM)  # ours, when the server left it alone

@@ -304,6 +304,65 @@ def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(
         second.stop()
 
 
+def test_a_bash_context_lives_on_past_a_killed_server_and_a_stopped_one(state_dir: str) -> None:
+    """A bash context's shell outlives its server, killed (SIGKILL) or stopped: the sandbox's exec server holds
+    the server's ends of its pipes meanwhile, and the next server adopts it with its variables, functions and
+    working directory; a cell that was running when the server died is interrupted, and the next cells work,
+    interrupt and are deleted as before."""
+    import threading
+
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, context = first.call("POST", prefix + "/code/context", {"language": "bash"}, key=None,
+                                     headers=headers)
+        assert status == 200, context
+        got = _cell(first, prefix, headers, context["id"],
+                    "a=(4 1); x=${a[0]}${a[1]}; cd /tmp; f() { echo fn; }; echo $$")  # an array: bash's
+        assert "error" not in got, got
+        shell_pid = got["stdout"]["text"].strip()
+        _kill_in_flight(first, prefix, headers, context["id"], "sleep 120; echo late")
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        status, listed = second.call("GET", prefix + "/code/contexts", key=None, headers=headers)
+        assert status == 200 and listed == [{"id": context["id"], "language": "bash"}], listed
+        got = _cell(second, prefix, headers, context["id"], "echo $((x + 1)) $PWD $$ && f")  # a line an event
+        assert "error" not in got and got["stdout"]["text"].strip() == "fn", got
+        got = _cell(second, prefix, headers, context["id"], "echo $((x + 1)) $PWD $$")
+        # The cell in flight was interrupted, its output dropped.
+        assert "error" not in got and got["stdout"]["text"].split() == ["42", "/tmp", shell_pid], got
+        assert "error" in _cell(second, prefix, headers, context["id"], "false")
+        assert "error" not in _cell(second, prefix, headers, context["id"], "x=7")
+    finally:
+        second.stop()  # stopped, not killed: it lets the shell go as it is
+    third = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        got = _cell(third, prefix, headers, context["id"], "echo $x")
+        assert got["stdout"]["text"].strip() == "7", got
+        stopped: list[dict[str, Any]] = []
+        flight = threading.Thread(target=lambda: stopped.append(_cell(third, prefix, headers, context["id"],
+                                                                      "sleep 120")))
+        flight.start()
+        time.sleep(1.5)
+        assert third.call("DELETE", prefix + f"/code?id={context['id']}", key=None, headers=headers)[0] == 200
+        flight.join(30)
+        assert stopped and "error" in stopped[0], stopped
+        assert _cell(third, prefix, headers, context["id"], "echo $x")["stdout"]["text"].strip() == "7"
+        assert _run(third, prefix, headers, f"test -d /proc/{shell_pid} && echo on") == "on"
+        # A process a cell left in a session of its own (below the shell's monitor) ends with the context.
+        assert "error" not in _cell(third, prefix, headers, context["id"], "(setsid sleep 997 >/dev/null 2>&1 &)")
+        status, _ = third.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
+        assert status == 200
+        assert _run(third, prefix, headers, f"test -d /proc/{shell_pid} && echo on || echo gone") == "gone"
+        assert _run(third, prefix, headers, "pgrep -c -x sleep || true") == "0"
+        assert third.call("GET", prefix + "/code/contexts", key=None, headers=headers)[1] == []
+    finally:
+        third.stop()
+
+
 def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: str) -> None:
     """A sandbox started from a snapshot stands on the snapshot's layer; served again after a restart (attached
     by its name, its origin unknown to the new server), its snapshot still holds that layer's files."""
@@ -581,7 +640,7 @@ def _leftovers(state_dir: str, volume_store: str) -> dict[str, Any]:
 
 def test_a_records_code_contexts_are_checked() -> None:
     """A record's code contexts are ids the server makes, in a language whose contexts outlive it (Python, Java,
-    JavaScript, TypeScript, Go): nothing else is read back (the id makes the path of the interpreter's socket in
+    JavaScript, TypeScript, Go, bash): nothing else is read back (the id makes the path of the interpreter's socket in
     the sandbox); a record of an earlier server has none."""
     from isolate.server.keep import BadRecord, parse_record
 
@@ -591,9 +650,10 @@ def test_a_records_code_contexts_are_checked() -> None:
               "tokenHashes": ["0" * 64], "portHashes": {}, "volumes": [], "credentials": 0, "pending": False}
     assert parse_record(record, sandbox_id).contexts == []
     good = [["ctx-0123456789abcdef", "python"], ["default-python", "python"], ["ctx-0123456789abcdee", "javascript"],
-            ["default-typescript", "typescript"], ["ctx-0123456789abcded", "go"], ["default-java", "java"]]
+            ["default-typescript", "typescript"], ["ctx-0123456789abcded", "go"], ["default-java", "java"],
+            ["default-bash", "bash"]]
     assert parse_record(dict(record, contexts=good), sandbox_id).contexts == [tuple(c) for c in good]
-    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "ruby"]], [["default-bash", "bash"]],
+    for bad in ([["../../../tmp/x", "python"]], [["ctx-0123456789abcdef", "ruby"]], [["default-bash", "sh"]],
                 [["ctx-01", "python"]],
                 [["ctx-0123456789abcdef\n", "python"]], "ctx", [["ctx-0123456789abcdef"]], [[1, "python"]],
                 [["default-python", "python"]] * 300):

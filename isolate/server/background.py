@@ -241,6 +241,42 @@ class Monitor:
         os.close(self.pidfd)
 
 
+def monitor_of(box: Sandbox, command: psutil.Process) -> Monitor | None:
+    """The monitor in the sandbox of a command spawned detached (a background command's wrapper, a kept shell):
+    its parent, a subreaper that every process the command left (whatever it did with sessions and double forks)
+    is a descendant of, until all have ended. None when its parent is the sandbox's init (the monitor was killed:
+    the sandbox's processes can, they share its uid) or not of the sandbox. The caller closes it."""
+    init = _init_of(box)
+    if init is None:
+        return None
+    pidfd = -1
+    try:
+        pid = command.ppid()
+        if pid in (0, 1, init):
+            return None
+        # Held while it is checked: a parent that ended meanwhile (its pid reused) is not taken for it.
+        pidfd = os.pidfd_open(pid)
+        if command.ppid() != pid:
+            return None
+        # The exec server's child, as a monitor is (that server the init's): the command's pid may have come
+        # from a line any process of the sandbox could write, naming a monitor or the exec server itself, whose
+        # parent would take every command of the sandbox for this one's.
+        if psutil.Process(psutil.Process(pid).ppid()).ppid() != init:
+            return None
+        monitor = psutil.Process(pid)  # its start time, against a reuse of its pid from now on
+        depth = len(_status_fields(init, ("NSpid",))["NSpid"])
+        nspid = _status_fields(pid, ("NSpid",)).get("NSpid", [])
+        if ready([pidfd], timeout=0) or len(nspid) != depth or nspid[-1] == 1:
+            return None
+        held, pidfd = Monitor(monitor, pidfd), -1
+        return held
+    except (OSError, KeyError, ValueError, psutil.Error):
+        return None
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
 class KeptCommand:
     """One background command of a kept sandbox (see the module's docstring), read as
     isolate.server.state.CommandRecord is for status and logs."""
@@ -541,41 +577,10 @@ class KeptCommand:
             return None
 
     def _monitor(self, box: Sandbox) -> Monitor | None:
-        """The monitor of the command's launcher in the sandbox (spawned detached): the wrapper's parent, a
-        subreaper that every process the command left (whatever it did with sessions and double forks) is a
-        descendant of, until all have ended. None when the wrapper has ended, or its parent is the sandbox's init
-        (the monitor was killed: the sandbox's processes can, they share its uid) or not of the sandbox. The
-        caller closes it."""
+        """The monitor of the command's launcher in the sandbox (spawned detached): the wrapper's parent (see
+        ``monitor_of``). None when the wrapper has ended. The caller closes it."""
         wrapper = self._wrapper()
-        init = _init_of(box)
-        if wrapper is None or init is None:
-            return None
-        pidfd = -1
-        try:
-            pid = wrapper.ppid()
-            if pid in (0, 1, init):
-                return None
-            # Held while it is checked: a parent that ended meanwhile (its pid reused) is not taken for it.
-            pidfd = os.pidfd_open(pid)
-            if wrapper.ppid() != pid:
-                return None
-            # The exec server's child, as a monitor is (that server the init's): the wrapper a launcher's line
-            # named may be any process of the sandbox, a monitor or the exec server itself, whose parent would
-            # take every command of the sandbox for this one's.
-            if psutil.Process(psutil.Process(pid).ppid()).ppid() != init:
-                return None
-            monitor = psutil.Process(pid)  # its start time, against a reuse of its pid from now on
-            depth = len(_status_fields(init, ("NSpid",))["NSpid"])
-            nspid = _status_fields(pid, ("NSpid",)).get("NSpid", [])
-            if ready([pidfd], timeout=0) or len(nspid) != depth or nspid[-1] == 1:
-                return None
-            held, pidfd = Monitor(monitor, pidfd), -1
-            return held
-        except (OSError, KeyError, ValueError, psutil.Error):
-            return None
-        finally:
-            if pidfd >= 0:
-                os.close(pidfd)
+        return monitor_of(box, wrapper) if wrapper is not None else None
 
     def _processes(self, box: Sandbox, session: bool, monitor: Monitor | None = None) -> list[psutil.Process]:
         """The command's processes on the host: its process group (``session``: its session too) inside the

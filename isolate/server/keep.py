@@ -52,7 +52,7 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 #: A code context's id (ctx-HEX, or a language's default), the only part of its socket's path it names.
 CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
 #: The languages of the code contexts a kept sandbox keeps past its server (isolate.server.code says how).
-KEPT_LANGUAGES = ("python", "java", "typescript", "javascript", "go")
+KEPT_LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
 #: Kept code contexts per record (more than a server lets a sandbox have).
 MAX_CONTEXTS = 256
 #: A background command's id (secrets.token_hex(8)), the only part of its files' paths it names.

@@ -15,15 +15,15 @@ For each record (isolate.server.keep), in the server's own words at start:
   it, and the mediator cannot be started again (its listeners were made
   inside the sandbox at its start);
 - any other is attached by its name and served under its id, with its
-  metadata, expiry, tokens (as hashes), named volumes, Python, JavaScript,
-  TypeScript and Go code contexts (an interpreter is a process of the
-  sandbox, connected to again at its next use:
-  isolate.server.code.KeptInterpreter; a Go context is made again) and background
-  commands (processes of the sandbox too, their output and exit status in
-  its files: isolate.server.background); the foreground commands, bash
-  sessions and Java and bash code contexts the last server ran in it ended with it
-  (the exec server ends a command whose host hung up), what they left
-  running in the background runs on. One paused when the server ended stays
+  metadata, expiry, tokens (as hashes), named volumes, code contexts (an
+  interpreter or a bash context's shell is a process of the sandbox,
+  connected to or adopted again at its next use: isolate.server.code; a Go
+  context is made again; a Java context on a JDK before 16 ended) and
+  background commands (processes of the sandbox too, their output and exit
+  status in its files: isolate.server.background); the foreground commands
+  and bash sessions the last server ran in it ended with it (the exec server
+  ends a command whose host hung up), what they left running in the
+  background runs on. One paused when the server ended stays
   paused.
 
 A kept sandbox of this state directory's name without a record (the last
@@ -375,9 +375,9 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
     managed.on_close.append(_sweep_cgroups)
     managed.message = "served again by a restarted server"
-    managed.event("served again by a restarted server of its state directory (the foreground commands, bash "
-                  "sessions and Java and bash code contexts the last one ran in it ended with it; its background "
-                  "commands and Python, JavaScript, TypeScript and Go code contexts live on)")
+    managed.event("served again by a restarted server of its state directory (the foreground commands and bash "
+                  "sessions the last one ran in it ended with it, and Java code contexts on a JDK before 16; its "
+                  "background commands and code contexts live on)")
     if paused:
         managed.set_state("Paused", "server_restart", "paused when the last server ended")
     return managed

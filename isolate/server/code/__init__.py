@@ -22,8 +22,9 @@ count.
 In a kept sandbox (``isolate-run serve --state-dir``) the contexts in
 ``KEPT`` outlive the server: a Python, Node.js or Java (JDK 16 or later)
 driver is a process of the sandbox, connected to again by the next server
-(``KeptInterpreter``); a Go context, which holds nothing but its id, is made
-again. A bash context ends with its server.
+(``KeptInterpreter``); a bash context's shell runs on, its ends held by the
+sandbox's exec server meanwhile, and is adopted by the next server
+(``shell.py``); a Go context, which holds nothing but its id, is made again.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
 import threading
 from typing import Protocol
 
@@ -42,6 +42,7 @@ from ..background import host_process, of_sandbox
 from ..keep import KEPT_LANGUAGES
 from . import go, java, node, python, shell
 from .driver import Driver, Emit
+from .proctree import alive, end_with_descendants
 
 LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
 #: The languages whose contexts a kept sandbox keeps past its server (its record names them).
@@ -78,6 +79,7 @@ class CodeContext:
                 raise ValueError(f"{language} contexts end with their server")
             # A Go context holds no state: a new one, its toolchain looked for at its first cell.
             self._engine: _Engine = go.GoContext(box, probe=False) if language == "go" else \
+                shell.BashContext(box, self.id, kept=True, fresh=False) if language == "bash" else \
                 KeptInterpreter(box, language, self.id, fresh=False)
             return
         engine: _Engine
@@ -85,7 +87,7 @@ class CodeContext:
         if remote is not None:  # a sandbox on a Ray node (serve --ray): its node drives the interpreter
             engine = remote(language, self.id)
             self.kept = False  # the node's host actor holds it: it ends with the server
-        elif self.kept and language != "go":
+        elif self.kept and language not in ("go", "bash"):
             try:
                 engine = KeptInterpreter(box, language, self.id, fresh=True)
             except java.NotKeepable:  # a JDK before 16: a context that ends with its server
@@ -100,7 +102,7 @@ class CodeContext:
         elif language == "go":
             engine = go.GoContext(box)
         else:
-            engine = shell.BashContext(box, self.id)
+            engine = shell.BashContext(box, self.id, kept=self.kept)
         self._engine = engine
 
     def run(self, code: str, emit: Emit) -> None:
@@ -120,7 +122,7 @@ class CodeContext:
 
     def detach(self) -> None:
         """Let go of the context without ending a kept interpreter (the next server connects to it)."""
-        if isinstance(self._engine, KeptInterpreter):
+        if isinstance(self._engine, KeptInterpreter) or (self.kept and isinstance(self._engine, shell.BashContext)):
             self._engine.detach()
         else:
             self._engine.close()
@@ -194,7 +196,7 @@ class KeptInterpreter:
         except OSError:
             return -1, 0
         try:
-            held = (listed is None or listed.is_running()) and of_sandbox(self._box, pid) and _alive(fd)
+            held = (listed is None or listed.is_running()) and of_sandbox(self._box, pid) and alive(fd)
         except psutil.Error:
             held = False
         if not held:
@@ -226,92 +228,6 @@ class KeptInterpreter:
         pidfd, pid = self._pidfd, (self._peer if self._driver is not None else 0)
         try:
             if pidfd >= 0:
-                _end_with_descendants(pidfd, pid)
+                end_with_descendants(pidfd, pid)
         finally:
             self.detach()
-
-
-def _end_with_descendants(pidfd: int, pid: int) -> None:
-    """SIGKILL a kept driver (``pidfd``; ``pid``: the same process here) and what its cells started: a driver
-    leads a session of its own, detached from the exec server that would otherwise end a command's tree, so
-    its children (those in a session of their own too) would outlive the context. The driver is stopped first:
-    a stopped process neither ends nor forks, so its pid and its children's list stay its own while the tree
-    is stopped from the top down (a child stopped cannot fork an escapee either), then killed. A grandchild a
-    cell had already orphaned (a daemon's double fork) belongs to the sandbox's init, not to the context: it
-    ends with the sandbox.
-
-    A pid is a number the kernel gives again once its process is reaped (a cell may end its driver, and cycle
-    the numbers): the tree is walked only while the driver's pidfd still names a live process (its number is
-    then its own), and each descendant is signalled through a pidfd of its own, opened before it is checked to
-    be still the process listed, a child of the tree."""
-    with contextlib.suppress(OSError):
-        signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
-    stopped: list[int] = []  # pidfds of the descendants stopped
-    try:
-        driver = _listed_driver(pidfd, pid)
-        seen: set[int] = {pid}
-        for _ in range(8 if driver is not None else 0):  # until none not yet stopped (a generation a round)
-            try:
-                listed = driver.children(recursive=True) if driver is not None else []
-            except psutil.Error:
-                break  # the driver is gone already (its pidfd then signals nothing either)
-            if not _alive(pidfd):
-                break  # it ended during the listing: its number may be another process's
-            fresh = [child for child in listed if child.pid not in seen]
-            if not fresh:
-                break
-            tree = set(seen)
-            seen.update(child.pid for child in fresh)
-            for child in fresh:
-                fd = _open_descendant(child, tree | seen)
-                if fd < 0:
-                    continue
-                stopped.append(fd)
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(fd, signal.SIGSTOP)
-    finally:
-        with contextlib.suppress(OSError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        for fd in stopped:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            os.close(fd)
-
-
-def _alive(pidfd: int) -> bool:
-    """Whether the process a pidfd names has not been reaped (a zombie still holds its pid)."""
-    try:
-        signal.pidfd_send_signal(pidfd, 0)
-    except OSError:
-        return False
-    return True
-
-
-def _listed_driver(pidfd: int, pid: int) -> psutil.Process | None:
-    """The driver as psutil sees it at ``pid``, when that number is still the driver's (its pidfd names a live
-    process after psutil read the number's start time); None otherwise."""
-    if pid <= 0:
-        return None
-    try:
-        driver = psutil.Process(pid)
-    except psutil.Error:
-        return None
-    return driver if _alive(pidfd) else None
-
-
-def _open_descendant(child: psutil.Process, tree: set[int]) -> int:
-    """A pidfd of ``child`` when it is still the process listed (its start time) and a child of the tree's (a
-    listing reads each process's parent at its own moment: a number freed and taken again since is another
-    process's); -1 otherwise. The pidfd is opened first: a check that passes after it is a check of its
-    process (the one listed held the number from before the open until the check)."""
-    try:
-        fd = os.pidfd_open(child.pid)
-    except OSError:
-        return -1
-    try:
-        if child.is_running() and child.ppid() in tree and _alive(fd):
-            return fd
-    except psutil.Error:
-        pass
-    os.close(fd)
-    return -1

@@ -1,20 +1,68 @@
-"""The bash context: a bash session of the sandbox's (``Sandbox.shell``), its status framed out of band."""
+"""The bash context: a bash session of the sandbox's (``isolate.kept.shell.Shell``, ``/bin/bash``), its status
+framed out of band.
+
+In a kept sandbox the shell outlives its server: it is started detached, and the server leaves copies of its
+ends of the shell's pipes and channel with the sandbox's exec server (``Connection.keep``), which holds them
+while no server runs, so the shell never reads the end of its input. The next server takes copies back and
+adopts the shell (``Shell.adopt``): variables, functions and the working directory carry on; a cell that was
+running when the last server ended is interrupted."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import stat
+
+import psutil
+
 from ...kept.sandbox import Sandbox
-from .driver import Emit
+from ...kept.shell import Shell
+from ...model.errors import CommandNotFoundError
+from ..background import Monitor, monitor_of, of_sandbox, stop_then_kill
+from .driver import Emit, unavailable
+from .proctree import alive, end_with_descendants, open_descendant
+
+#: The shell: bash, as the language says (a sandbox's ``/bin/sh`` may be dash or busybox ash).
+BASH = "/bin/bash"
+HINT = "it needs bash inside the sandbox (Debian: apt-get install bash; Alpine: apk add bash)"
 
 
 class BashContext:
-    def __init__(self, box: Sandbox, name: str) -> None:
+    def __init__(self, box: Sandbox, name: str, kept: bool = False, fresh: bool = True) -> None:
+        """``kept``: the shell outlives the server (a kept sandbox's context); ``fresh`` False: the shell of an
+        earlier server of the sandbox, adopted at the context's first use."""
         self.count = 0
-        self._shell = box.shell(name, pty=False)
+        self._box = box
+        self._key = f"code-{name}"
+        self._kept = kept
+        self._shell: Shell | None = None
+        if not fresh:
+            return
+        try:
+            shell = Shell(box, name, pty=False, argv=(BASH,), detached=kept)
+        except CommandNotFoundError as exc:
+            raise unavailable("bash", str(exc), HINT) from None
+        if kept:
+            try:
+                ends, peer = shell.ends()
+                box._conn().keep(self._key, ends, note=peer)
+            except BaseException:
+                shell.close()
+                raise
+        self._shell = shell
+
+    def _connect(self) -> Shell:
+        if self._shell is None:
+            self._shell = _adopt(self._box, self._key)
+        return self._shell
 
     def run(self, code: str, emit: Emit) -> None:
+        shell = self._connect()
         self.count += 1
         try:
-            output, status = self._shell.run(code, None)
+            output, status = shell.run(code, None)
         except TimeoutError as exc:
             output, status = str(exc), 124
         emit("stdout", output.encode())
@@ -23,7 +71,137 @@ class BashContext:
         emit("done", {"count": self.count, "result": None, "error": error})
 
     def interrupt(self) -> None:
-        self._shell.interrupt()
+        if self._shell is not None:
+            self._shell.interrupt()
+
+    def detach(self) -> None:
+        """Let go of a kept shell without ending it (the exec server holds its ends for the next server)."""
+        shell, self._shell = self._shell, None
+        if shell is not None:
+            shell.release()
 
     def close(self) -> None:
-        self._shell.close()
+        """End the shell and what its cells started (a kept one's adopted first, to learn which), and let the exec
+        server drop its ends."""
+        if self._shell is None and self._kept:
+            with contextlib.suppress(Exception):
+                self._connect()
+        shell, self._shell = self._shell, None
+        try:
+            if shell is not None:
+                shell.close()
+        finally:
+            if self._kept:
+                with contextlib.suppress(Exception):
+                    self._box._conn().keep(self._key, [])
+
+
+def _adopt(box: Sandbox, key: str) -> Shell:
+    """The kept shell whose ends the exec server holds under ``key``, adopted."""
+    conn = box._conn()
+    fds: list[int] = []
+    try:
+        try:
+            for index in range(3):
+                fd, peer = conn.take(key, index)
+                fds.append(fd)
+        except OSError as exc:
+            raise RuntimeError(f"the context's shell did not survive its last server ({exc.strerror})") from None
+        # What the exec server hands back was the host's own; still, only what a shell's ends are is taken.
+        kinds = [stat.S_IFMT(os.fstat(fd).st_mode) for fd in fds]
+        if kinds != [stat.S_IFIFO, stat.S_IFIFO, stat.S_IFSOCK]:
+            raise RuntimeError("the context's shell did not survive its last server (its ends are not pipes and a "
+                               "socket)")
+        channel = socket.socket(fileno=fds[2])
+        fds.pop()
+        try:
+            process = _AdoptedShell(box, peer, fds[0], fds[1])
+        except BaseException:
+            channel.close()
+            raise
+        fds.clear()  # the process's now
+        try:
+            return Shell.adopt(key, process, channel, process.pid)
+        except BaseException:
+            process.close()
+            channel.close()
+            raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class _AdoptedShell:
+    """A kept shell as ``Shell`` drives it (write, stdout_fd, poll, signal, kill, close), through a pidfd of its
+    process: a process of the sandbox, checked once the pidfd is open (its pid came from the last server, and
+    is given again once its process is reaped)."""
+
+    def __init__(self, box: Sandbox, pid: int, stdin_fd: int, stdout_fd: int) -> None:
+        self.pid = pid
+        self.master_fd = -1
+        self._pidfd = -1
+        if pid > 0:
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(pid)
+        try:
+            held = self._pidfd >= 0 and of_sandbox(box, pid) and alive(self._pidfd)
+        except psutil.Error:
+            held = False
+        if not held:
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+            raise RuntimeError("the context's shell did not survive its last server (it has ended)")
+        self.stdin_fd, self.stdout_fd = stdin_fd, stdout_fd
+        # Its monitor, the subreaper of what its cells left (double forks included): what ends with it.
+        self._monitor: Monitor | None = None
+        with contextlib.suppress(psutil.Error):
+            self._monitor = monitor_of(box, psutil.Process(pid))
+
+    def write(self, data: str | bytes) -> None:
+        view = memoryview(data.encode() if isinstance(data, str) else data)
+        while view:
+            view = view[os.write(self.stdin_fd, view):]
+
+    def poll(self) -> int | None:
+        return None if self._pidfd >= 0 and alive(self._pidfd) else -1
+
+    def signal(self, sig: int, descendants: bool = False) -> None:
+        if self._pidfd < 0 or not alive(self._pidfd):
+            return
+        if not descendants:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+            return
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        if not alive(self._pidfd):
+            return  # it ended during the listing: its number may be another process's
+        tree = {self.pid, *(child.pid for child in children)}
+        for child in children:
+            fd = open_descendant(child, tree)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(fd, sig)
+                os.close(fd)
+
+    def kill(self) -> None:
+        """The shell, what its cells started, and what they left below its monitor."""
+        if self._pidfd >= 0:
+            end_with_descendants(self._pidfd, self.pid)
+        if self._monitor is not None:
+            stop_then_kill(self._monitor.descendants)
+
+    def release(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in (self.stdin_fd, self.stdout_fd, self._pidfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.stdin_fd = self.stdout_fd = self._pidfd = -1
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None

@@ -363,6 +363,42 @@ def test_a_bash_context_lives_on_past_a_killed_server_and_a_stopped_one(state_di
         third.stop()
 
 
+def _in_session(server: base.Server, prefix: str, headers: dict[str, str], session: str, command: str) -> str:
+    status, body = server.call("POST", prefix + f"/session/{session}/run", {"command": command}, key=None,
+                               headers=headers)
+    assert status == 200, body
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert not [e for e in events if e.get("type") == "error"], events
+    return "\n".join(e.get("text", "") for e in events if e.get("type") == "stdout")
+
+
+def test_a_bash_session_lives_on_past_a_killed_server(state_dir: str) -> None:
+    """A bash session's shell outlives its server as a bash context's does: listed in the record, adopted by the
+    next server with its variables and working directory; its delete ends it and forgets it."""
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        status, made = first.call("POST", prefix + "/session", None, key=None, headers=headers)
+        assert status == 200, made
+        session = made["session_id"]
+        assert _in_session(first, prefix, headers, session, "Y=(4 5); cd /tmp; echo $$").strip().isdigit()
+        assert _recorded(state_dir, box_id, session)
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert _in_session(second, prefix, headers, session, "echo ${Y[1]} $PWD") == "5 /tmp"
+        assert second.call("DELETE", prefix + f"/session/{session}", key=None, headers=headers)[0] == 200
+        assert not _recorded(state_dir, box_id, session)
+        status, body = second.call("POST", prefix + f"/session/{session}/run", {"command": "true"}, key=None,
+                                   headers=headers)
+        assert status == 404, body
+    finally:
+        second.stop()
+
+
 def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: str) -> None:
     """A sandbox started from a snapshot stands on the snapshot's layer; served again after a restart (attached
     by its name, its origin unknown to the new server), its snapshot still holds that layer's files."""
@@ -659,6 +695,13 @@ def test_a_records_code_contexts_are_checked() -> None:
                 [["default-python", "python"]] * 300):
         with pytest.raises(BadRecord):
             parse_record(dict(record, contexts=bad), sandbox_id)
+    # A bash session's id is the key its shell's ends are kept under in the exec server: only ids it makes.
+    assert parse_record(dict(record, sessions=["session-0123456789abcdef"]), sandbox_id).sessions \
+        == ["session-0123456789abcdef"]
+    for bad in (["session-../x"], ["session-0123456789ABCDEF"], ["code-ctx-0123456789abcdef"], "session-0", [1],
+                ["session-0123456789abcdef"] * 300):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, sessions=bad), sandbox_id)
 
 
 def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> None:

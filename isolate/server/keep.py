@@ -53,7 +53,9 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
 #: The languages of the code contexts a kept sandbox keeps past its server (isolate.server.code says how).
 KEPT_LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
-#: Kept code contexts per record (more than a server lets a sandbox have).
+#: A bash session's id (session-HEX): the key its shell's ends are kept under in the sandbox's exec server.
+SESSION_ID = re.compile(r"session-[0-9a-f]{16}")
+#: Kept code contexts and bash sessions per record (more than a server lets a sandbox have).
 MAX_CONTEXTS = 256
 #: A background command's id (secrets.token_hex(8)), the only part of its files' paths it names.
 COMMAND_ID = re.compile(r"[0-9a-f]{16}")
@@ -134,6 +136,8 @@ class Record:
     #: create's entrypoint (one of them; None: the SDK's keep-alive, or not recorded).
     commands: list[RecordedCommand] = field(default_factory=list)
     entry_command: str | None = None
+    #: Its bash sessions, whose shells outlive the server (isolate.server.code.shell): their ids.
+    sessions: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -145,6 +149,7 @@ class Record:
                 "pending": self.pending,
                 "egress": None if self.egress is None else [[action, target] for action, target in self.egress],
                 "contexts": [[cid, language] for cid, language in self.contexts],
+                "sessions": list(self.sessions),
                 "commands": [{"id": c.id, "content": c.content[:MAX_CONTENT], "startedAt": c.started_at,
                               "pid": c.pid, "pidStart": c.pid_start, "group": c.group, "deadline": c.deadline}
                              for c in self.commands[-MAX_COMMANDS:]],
@@ -174,7 +179,8 @@ def parse_record(data: object, expected_id: str) -> Record:
     assert isinstance(data, dict)
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
-    optional = {"egress", "contexts", "commands", "entryCommand"}  # not in the records of servers before them
+    # Not in the records of servers before them.
+    optional = {"egress", "contexts", "commands", "entryCommand", "sessions"}
     _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -221,9 +227,13 @@ def parse_record(data: object, expected_id: str) -> Record:
         _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 64
               and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] in KEPT_LANGUAGES, "contexts: a context")
         contexts.append((item[0], item[1]))
+    sessions = data.get("sessions", [])
+    _need(isinstance(sessions, list) and len(sessions) + len(contexts) <= MAX_CONTEXTS
+          and all(isinstance(s, str) and SESSION_ID.fullmatch(s) for s in sessions), "sessions")
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
-                  data["pending"], egress, contexts, *_commands(data.get("commands", []), data.get("entryCommand")))
+                  data["pending"], egress, contexts, *_commands(data.get("commands", []), data.get("entryCommand")),
+                  sessions=list(sessions))
 
 
 def _int(value: object, low: int, high: int) -> bool:

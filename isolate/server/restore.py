@@ -20,10 +20,10 @@ For each record (isolate.server.keep), in the server's own words at start:
   connected to or adopted again at its next use: isolate.server.code; a Go
   context is made again; a Java context on a JDK before 16 ended) and
   background commands (processes of the sandbox too, their output and exit
-  status in its files: isolate.server.background); the foreground commands
-  and bash sessions the last server ran in it ended with it (the exec server
-  ends a command whose host hung up), what they left running in the
-  background runs on. One paused when the server ended stays
+  status in its files: isolate.server.background) and bash sessions (their
+  shells adopted as a bash context's); the foreground commands the last
+  server ran in it ended with it (the exec server ends a command whose host
+  hung up), what they left running in the background runs on. One paused when the server ended stays
   paused.
 
 A kept sandbox of this state directory's name without a record (the last
@@ -362,10 +362,13 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
         with contextlib.suppress(IsolationError):
             managed.egress = egress_with([t for a, t in record.egress if a == "allow"], box.policy.network)
     from .code import CodeContext
+    from .code.shell import BashShell
 
     for context_id, language in record.contexts:
         # Its interpreter, a process of the sandbox, is connected to at the context's first use.
         managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
+    for session_id in record.sessions:
+        managed.sessions[session_id] = BashShell(box, session_id, kept=True, fresh=False)  # adopted at its first use
     for recorded in record.commands:
         # Its wrapper, a process of the sandbox, is held again if it still runs; its files are read when asked.
         RUNNING.take(force=True)  # given back at its end (it runs already: no ceiling refuses it)
@@ -375,9 +378,9 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     # Its cgroup's owner (the last server) is gone: once it has ended, its empty cgroups are swept.
     managed.on_close.append(_sweep_cgroups)
     managed.message = "served again by a restarted server"
-    managed.event("served again by a restarted server of its state directory (the foreground commands and bash "
-                  "sessions the last one ran in it ended with it, and Java code contexts on a JDK before 16; its "
-                  "background commands and code contexts live on)")
+    managed.event("served again by a restarted server of its state directory (the foreground commands the last one "
+                  "ran in it ended with it, and Java code contexts on a JDK before 16; its background commands, bash "
+                  "sessions and code contexts live on)")
     if paused:
         managed.set_state("Paused", "server_restart", "paused when the last server ended")
     return managed

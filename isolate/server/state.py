@@ -425,7 +425,8 @@ class ManagedSandbox:
                       contexts=[(c.id, c.language) for c in list(self.contexts.values()) if c.kept],
                       commands=[c.recorded for c in list(self.commands.values())
                                 if isinstance(c, KeptCommand) and c.settled.is_set()],
-                      entry_command=self.entry_command)
+                      entry_command=self.entry_command,
+                      sessions=[sid for sid, shell in list(self.sessions.items()) if getattr(shell, "kept", False)])
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
@@ -586,9 +587,8 @@ class ManagedSandbox:
                 command.ended_with_sandbox()
 
     def detach(self) -> None:
-        """Leave a kept sandbox running for the next server (its sessions, non-Python contexts and foreground
-        commands end: the exec server ends a command whose host hung up; its background commands and Python
-        contexts run on)."""
+        """Leave a kept sandbox running for the next server (its foreground commands end: the exec server ends a
+        command whose host hung up; its background commands, bash sessions and code contexts run on)."""
         self._let_go(detach=True)
         self.box.detach()
 

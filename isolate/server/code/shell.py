@@ -1,5 +1,5 @@
-"""The bash context: a bash session of the sandbox's (``isolate.kept.shell.Shell``, ``/bin/bash``), its status
-framed out of band.
+"""A bash of the sandbox's (``isolate.kept.shell.Shell``, ``/bin/bash``, its status framed out of band), as a bash
+code context's and a bash session's (``/session``).
 
 In a kept sandbox the shell outlives its server: it is started detached, and the server leaves copies of its
 ends of the shell's pipes and channel with the sandbox's exec server (``Connection.keep``), which holds them
@@ -29,46 +29,34 @@ BASH = "/bin/bash"
 HINT = "it needs bash inside the sandbox (Debian: apt-get install bash; Alpine: apk add bash)"
 
 
-class BashContext:
-    def __init__(self, box: Sandbox, name: str, kept: bool = False, fresh: bool = True) -> None:
-        """``kept``: the shell outlives the server (a kept sandbox's context); ``fresh`` False: the shell of an
-        earlier server of the sandbox, adopted at the context's first use."""
-        self.count = 0
-        self._box = box
-        self._key = f"code-{name}"
-        self._kept = kept
+class BashShell:
+    """A bash of the sandbox's, a bash context's or a bash session's; ``kept``: it outlives the server (a kept
+    sandbox's), its ends left with the exec server under ``key``; ``fresh`` False: the shell of an earlier
+    server of the sandbox, adopted at its first use."""
+
+    def __init__(self, box: Sandbox, key: str, kept: bool = False, fresh: bool = True) -> None:
+        self.kept = kept
+        self._box, self._key = box, key
         self._shell: Shell | None = None
         if not fresh:
             return
-        try:
-            shell = Shell(box, name, pty=False, argv=(BASH,), detached=kept)
-        except CommandNotFoundError as exc:
-            raise unavailable("bash", str(exc), HINT) from None
+        shell = Shell(box, key, pty=False, argv=(BASH,), detached=kept)  # CommandNotFoundError: no bash there
         if kept:
             try:
                 ends, peer = shell.ends()
-                box._conn().keep(self._key, ends, note=peer)
+                box._conn().keep(key, ends, note=peer)
             except BaseException:
                 shell.close()
                 raise
         self._shell = shell
 
-    def _connect(self) -> Shell:
+    def shell(self) -> Shell:
         if self._shell is None:
             self._shell = _adopt(self._box, self._key)
         return self._shell
 
-    def run(self, code: str, emit: Emit) -> None:
-        shell = self._connect()
-        self.count += 1
-        try:
-            output, status = shell.run(code, None)
-        except TimeoutError as exc:
-            output, status = str(exc), 124
-        emit("stdout", output.encode())
-        error = None if status == 0 else {"ename": "CommandExecError", "evalue": str(status),
-                                          "traceback": [f"exit status {status}"]}
-        emit("done", {"count": self.count, "result": None, "error": error})
+    def run(self, command: str, timeout: float | None) -> tuple[str, int]:
+        return self.shell().run(command, timeout)
 
     def interrupt(self) -> None:
         if self._shell is not None:
@@ -81,19 +69,50 @@ class BashContext:
             shell.release()
 
     def close(self) -> None:
-        """End the shell and what its cells started (a kept one's adopted first, to learn which), and let the exec
-        server drop its ends."""
-        if self._shell is None and self._kept:
+        """End the shell and what its commands started (a kept one's adopted first, to learn which), and let the
+        exec server drop its ends."""
+        if self._shell is None and self.kept:
             with contextlib.suppress(Exception):
-                self._connect()
+                self.shell()
         shell, self._shell = self._shell, None
         try:
             if shell is not None:
                 shell.close()
         finally:
-            if self._kept:
+            if self.kept:
                 with contextlib.suppress(Exception):
                     self._box._conn().keep(self._key, [])
+
+
+class BashContext:
+    """A bash code context: its cells run in a ``BashShell``."""
+
+    def __init__(self, box: Sandbox, name: str, kept: bool = False, fresh: bool = True) -> None:
+        self.count = 0
+        try:
+            self._bash = BashShell(box, f"code-{name}", kept, fresh)
+        except CommandNotFoundError as exc:
+            raise unavailable("bash", str(exc), HINT) from None
+
+    def run(self, code: str, emit: Emit) -> None:
+        self.count += 1
+        try:
+            output, status = self._bash.run(code, None)
+        except TimeoutError as exc:
+            output, status = str(exc), 124
+        emit("stdout", output.encode())
+        error = None if status == 0 else {"ename": "CommandExecError", "evalue": str(status),
+                                          "traceback": [f"exit status {status}"]}
+        emit("done", {"count": self.count, "result": None, "error": error})
+
+    def interrupt(self) -> None:
+        self._bash.interrupt()
+
+    def detach(self) -> None:
+        self._bash.detach()
+
+    def close(self) -> None:
+        self._bash.close()
 
 
 def _adopt(box: Sandbox, key: str) -> Shell:
@@ -106,12 +125,11 @@ def _adopt(box: Sandbox, key: str) -> Shell:
                 fd, peer = conn.take(key, index)
                 fds.append(fd)
         except OSError as exc:
-            raise RuntimeError(f"the context's shell did not survive its last server ({exc.strerror})") from None
+            raise RuntimeError(f"the shell did not survive its last server ({exc.strerror})") from None
         # What the exec server hands back was the host's own; still, only what a shell's ends are is taken.
         kinds = [stat.S_IFMT(os.fstat(fd).st_mode) for fd in fds]
         if kinds != [stat.S_IFIFO, stat.S_IFIFO, stat.S_IFSOCK]:
-            raise RuntimeError("the context's shell did not survive its last server (its ends are not pipes and a "
-                               "socket)")
+            raise RuntimeError("the shell did not survive its last server (its ends are not pipes and a socket)")
         channel = socket.socket(fileno=fds[2])
         fds.pop()
         try:
@@ -150,7 +168,7 @@ class _AdoptedShell:
         if not held:
             if self._pidfd >= 0:
                 os.close(self._pidfd)
-            raise RuntimeError("the context's shell did not survive its last server (it has ended)")
+            raise RuntimeError("the shell did not survive its last server (it has ended)")
         self.stdin_fd, self.stdout_fd = stdin_fd, stdout_fd
         # Its monitor, the subreaper of what its cells left (double forks included): what ends with it.
         self._monitor: Monitor | None = None

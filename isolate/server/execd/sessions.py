@@ -1,4 +1,5 @@
-"""Bash sessions (``/session``): a persistent shell per session, commands run in it one at a time.
+"""Bash sessions (``/session``): a persistent bash per session (``server.code.shell.BashShell``), commands run in it
+one at a time; in a kept sandbox it outlives the server.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ...model.errors import CommandNotFoundError
+from ..code.shell import HINT, BashShell
 from ..common import SSE_HEADERS, LineSplitter, api, json_body, sse
 from ..models import ApiError, bad_request
 from ..state import room_for_session
@@ -32,16 +35,22 @@ async def create_session(request: Request) -> Response:
 
     session_id = "session-" + secrets.token_hex(8)
     room_for_session(managed)
-    shell = await run_in_threadpool(managed.box.shell, session_id, False)
-    managed.sessions[session_id] = shell
+    try:
+        # In a kept sandbox the session's shell outlives the server, as a bash code context's (server.code.shell).
+        shell = await run_in_threadpool(BashShell, managed.box, session_id, managed.kept)
+    except CommandNotFoundError as exc:
+        raise bad_request(f"bash sessions run bash, and this sandbox has none ({str(exc)[:200]}): {HINT}",
+                          "BASH_NOT_FOUND") from None
     if cwd:
         import shlex
 
         out, status = await run_in_threadpool(shell.run, f"cd -- {shlex.quote(cwd)}", 30.0)
         if status != 0:
-            del managed.sessions[session_id]
             await run_in_threadpool(shell.close)
             raise bad_request(f"cwd: {out.strip()[:200] or cwd}")
+    managed.sessions[session_id] = shell
+    if shell.kept:
+        await run_in_threadpool(managed.changed)  # its record names it: a restarted server adopts it
     return JSONResponse({"session_id": session_id})
 
 
@@ -90,4 +99,6 @@ async def delete_session(request: Request) -> Response:
     if shell is None:
         raise ApiError(404, "SESSION_NOT_FOUND", "no such session")
     await run_in_threadpool(shell.close)
+    if shell.kept:
+        await run_in_threadpool(managed.changed)
     return Response(status_code=200)

@@ -3,9 +3,11 @@
 - ``round``: 64 sandboxes forked from one snapshot over the 3 nodes of a
   ``ray.cluster_utils.Cluster`` on this machine; each round runs one command in
   each (all dispatched at once), then restores each to the snapshot (all at
-  once); 10 rounds. Goal: the whole round <= 2x the slowest command (its own
-  duration, measured inside the sandbox) + 50 ms. The round's two halves are
-  given apart (dispatch, restore) to show where the time goes.
+  once, each with ``ahead=True``: the next restore's sandbox starts while the
+  commands run, and the restore swaps it in); 10 rounds. Goal: the whole round
+  <= 2x the slowest command (its own duration, measured inside the sandbox) +
+  50 ms. The round's two halves are given apart (dispatch, restore) to show
+  where the time goes.
 - ``forks``: a fork to another node of a sandbox whose overlay workspace (2,000
   files) has a 100-file episode diff (goal: <= 100 ms median), the measurement
   of ``benchmarks.many.cross_node_fork``, here on this cluster.
@@ -50,12 +52,13 @@ def rl_round(n: int, rounds: int, sleep: float, log: Callable[[str], None]) -> d
         whole, dispatch, restore, slowest, ratio = [], [], [], [], []
         try:
             with ThreadPoolExecutor(n) as callers:
-                list(callers.map(lambda b: b.restore(snap), boxes))  # the snapshot shipped to every node once
+                # The snapshot shipped to every node once; each restore starts the next one ahead (a spare).
+                list(callers.map(lambda b: b.restore(snap, ahead=True), boxes))
                 for r in range(rounds):
                     t0 = time.perf_counter()
                     results = list(callers.map(lambda b: b.exec(command), boxes))
                     t1 = time.perf_counter()
-                    list(callers.map(lambda b: b.restore(snap), boxes))
+                    list(callers.map(lambda b: b.restore(snap, ahead=True), boxes))
                     t2 = time.perf_counter()
                     if any(res.returncode != 0 for res in results):
                         raise AssertionError(f"round {r}: a command failed")

@@ -8,6 +8,7 @@ changes of several branches against their common start.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +153,45 @@ def test_restore_undoes_an_episode(box: Sandbox) -> None:
         assert files(box) == before
         assert box.read_file("notes.txt") == LINES and box.read_file("src/main.py") == "print('hello')\n"
     assert box.origin == start
+
+
+def test_a_restore_started_ahead_is_the_snapshot_and_ends_with_the_sandbox(source: str) -> None:
+    """restore(ahead=True) starts the next restore to that snapshot in the background: the next restore swaps it
+    in (the episode's files, /tmp's included, and processes gone; the snapshot's back), a restore to another
+    snapshot or the close ends the spare; a named sandbox refuses it before anything ends."""
+    def init_count() -> int:
+        return sum(1 for p in psutil.Process().children() if _cmdline(p).startswith("isolate-init"))
+
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        box.exec("echo start > state.txt && echo t > /tmp/start")
+        start = box.snapshot()
+        before = files(box)
+        alone = init_count()
+        for _ in range(3):
+            box.exec("echo changed > notes.txt; rm keep.txt; echo e > /tmp/episode; sleep 60 >/dev/null 2>&1 &")
+            box.restore(start, ahead=True)
+            assert files(box) == before
+            assert not any("sleep" in _cmdline(p) for p in box.processes())
+        assert init_count() == alone + 1  # the spare, waiting
+        other = box.snapshot()
+        box.restore(other)  # not the spare's snapshot: it goes
+        deadline = time.monotonic() + 10
+        while init_count() != alone and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert init_count() == alone
+        box.restore(start, ahead=True)
+        assert files(box) == before
+    deadline = time.monotonic() + 10
+    while init_count() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert init_count() == 0  # the sandbox and its spare
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay"), name="branches-ahead") as named:
+        snap = named.snapshot()
+        named.write_file("mark", "kept")
+        with pytest.raises(isolate.UnsupportedError, match="ahead"):
+            named.restore(snap, ahead=True)
+        assert named.read_file("mark") == "kept"
+        named.close()
 
 
 def test_docker_and_bind_refuse(source: str) -> None:

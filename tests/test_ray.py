@@ -230,7 +230,10 @@ def test_every_sandbox_method_works_remotely(cluster: Any, tmp_path: Path) -> No
         finally:
             fork.close()
         sb.write_file("state.txt", "after")
-        sb.restore(snap)
+        sb.restore(snap, ahead=True)  # the next restore to it started on the node
+        assert sb.read_file("state.txt") == "before"
+        sb.write_file("state.txt", "again")
+        sb.restore(snap)  # the spare swapped in
         assert sb.read_file("state.txt") == "before"
         snap.remove()
         with pytest.raises(isolate.IsolationError):

@@ -101,7 +101,10 @@ def test_forks_spread_over_the_nodes_and_a_snapshot_moves_once_per_node(cluster:
             snap = parent.snapshot()
             other = next(f for f in forks if f.node_id != home)
             other.write_file("pkg/b.py", "fork's\n")
-            other.restore(snap)
+            other.restore(snap, ahead=True)
+            assert other.read_file("pkg/b.py") == "2\n" and other.read_file("/tmp/t") == "kept\n"
+            other.write_file("pkg/b.py", "again\n")
+            other.restore(snap)  # the spare started ahead on that node, swapped in
             assert other.read_file("pkg/b.py") == "2\n" and other.read_file("/tmp/t") == "kept\n"
             with iray.Sandbox(box_policy(), snapshot=snap, node_id=other.node_id) as started:
                 assert started.read_file("pkg/b.py") == "2\n" and not started.exists("gone.txt")

@@ -40,6 +40,7 @@ from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
+from .ahead import Ahead
 from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
@@ -137,6 +138,8 @@ class Sandbox:
         #: Files of the snapshot it started from (or was last restored to) that were not restored, each with
         #: why: they would have landed in a host directory it shows, or beneath a link (SnapshotSkipWarning).
         self.restore_skipped: tuple[str, ...] = ()
+        #: The next restore, started ahead (``restore(ahead=True)``).
+        self._ahead: Ahead | None = None
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -198,6 +201,9 @@ class Sandbox:
 
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
+        spare, self._ahead = getattr(self, "_ahead", None), None
+        if spare is not None:
+            spare.discard()
         try:
             self._close_sessions()
             self._impl.close()
@@ -512,16 +518,54 @@ class Sandbox:
         self._running("snapshot")
         return take(self, name, self.origin)
 
-    def restore(self, snapshot: Snapshot) -> None:
+    def restore(self, snapshot: Snapshot, *, ahead: bool = False) -> None:
         """Bring the sandbox's files back to snapshot (taken of this sandbox, or of one with its workspace).
 
         Its processes end (commands, shells, interpreters): the sandbox starts again from the snapshot's
-        files, with the same policy, mounts and name.
+        files, with the same policy, mounts and name. ``ahead``: also start the next restore to this snapshot
+        now, in the background (an unnamed native sandbox: ``isolate.kept.ahead``), so that the next
+        ``restore(snapshot)`` swaps that one in instead of starting one (a loop that resets a sandbox after each
+        episode); a spare sandbox waits meanwhile, until that restore, a restore to another snapshot or close.
         """
         self._running("restore")
+        if not isinstance(ahead, bool):
+            raise PolicyError(f"ahead: expected True or False, got {ahead!r}", "ahead")
+        if ahead and (self.name is not None or self.backend != "native"):
+            raise UnsupportedError("restore(ahead=True): the spare it starts is an unnamed native sandbox (a name "
+                                   "is one sandbox's); restore without ahead")
         workspace = check_start(snapshot, self.workspace)
         check_image(snapshot, self.policy)
         upper = "disk" if snapshot.image is not None else self.image_upper
+        spare, self._ahead = getattr(self, "_ahead", None), None
+        prepared = spare.take(snapshot) if spare is not None else None
+        if prepared is not None:
+            self._swap_in(prepared, snapshot, upper)
+        else:
+            self._restart_from(snapshot, workspace, upper)
+        if ahead:
+            self._ahead = Ahead(snapshot, make_backend(self.backend, self.policy, workspace, self.mounts, None,
+                                                       self._ttl, self._idle, snapshot, image_upper=upper))
+
+    def _swap_in(self, prepared: KeptBackend, snapshot: Snapshot, upper: str | None) -> None:
+        """Restore by a spare started from the snapshot ahead: the old sandbox ends as a restore ends it."""
+        self._close_sessions()
+        old = self._impl
+        if isinstance(old, NativeSandbox):
+            old.end("restored from a snapshot", wait=False)
+        done = threading.Event()
+        done.set()
+        threading.Thread(target=_close_after, args=(old, done), name="isolate-restore-cleanup", daemon=True).start()
+        self._impl, self.origin, self.image_upper = prepared, snapshot, upper
+        self.restore_skipped = ()
+        if snapshot.areas:
+            try:
+                self.restore_skipped = tuple(restore_areas(self, snapshot))
+            except BaseException:
+                self.close()
+                raise
+
+    def _restart_from(self, snapshot: Snapshot, workspace: Workspace, upper: str | None) -> None:
+        """Restore by starting the sandbox again over the snapshot's files."""
         # The Docker backend refuses here, before anything ends.
         fresh = make_backend(self.backend, self.policy, workspace, self.mounts, self.name, self._ttl, self._idle,
                              snapshot, image_upper=upper)

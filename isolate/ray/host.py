@@ -304,11 +304,12 @@ class SandboxHost:
         """How many snapshot bundles this node fetched and unpacked (each digest once)."""
         return self.layers.received
 
-    def restore_from(self, sid: str, layer: dict[str, Any]) -> Any:
-        """Restore sandbox ``sid`` to a snapshot taken here or shipped from another node."""
+    def restore_from(self, sid: str, layer: dict[str, Any], ahead: bool = False) -> Any:
+        """Restore sandbox ``sid`` to a snapshot taken here or shipped from another node (``ahead``: see
+        ``isolate.Sandbox.restore``)."""
         def run() -> None:
             box = self._box(sid)
-            box.restore(self._shown(self.layers.here(layer, hold=None), sid))
+            box.restore(self._shown(self.layers.here(layer, hold=None), sid), ahead=ahead is True)
         return _attempt(run)
 
     def merge(self, sid: str, branches: list[tuple[str, Any]], base: dict[str, Any] | None, policy: Policy | None,

@@ -448,15 +448,18 @@ class Sandbox:
         """``isolate.Sandbox.snapshot``, on the node: its files stay there (``remove()`` removes them there)."""
         return RemoteSnapshot(self, self._call("snapshot", name))
 
-    def restore(self, snapshot: RemoteSnapshot) -> None:
-        """``isolate.Sandbox.restore`` to a snapshot taken on any node (shipped to this one the first time)."""
+    def restore(self, snapshot: RemoteSnapshot, *, ahead: bool = False) -> None:
+        """``isolate.Sandbox.restore`` to a snapshot taken on any node (shipped to this one the first time);
+        ``ahead``: the next restore to it started now on the node (``isolate.Sandbox.restore``)."""
         if not isinstance(snapshot, RemoteSnapshot):
             raise PolicyError("restore: give a snapshot of an isolate.ray.Sandbox (sb.snapshot())", "snapshot")
+        if not isinstance(ahead, bool):
+            raise PolicyError(f"ahead: expected True or False, got {ahead!r}", "ahead")
         if snapshot.node_id == self.node_id:
-            self._call("restore", snapshot.snapshot)
+            self._call("restore", snapshot.snapshot, ahead=ahead)
             return
         assert self.node_id is not None
-        self._host_call("restore_from", self.id, snapshot.layer_for(self.node_id))
+        self._host_call("restore_from", self.id, snapshot.layer_for(self.node_id), ahead)
 
     def fork(self, n: int = 1, *, processes: bool = False) -> list[Sandbox]:
         """``isolate.Sandbox.fork``: n new sandboxes from this one's files as they are now, placed as new

@@ -48,6 +48,17 @@ static void let_go(int i)
     kept[i] = kept[--n_kept];
 }
 
+/* Whether what key i holds serves no one any more: its first descriptor is
+ * the write end of a pipe (a shell's input) whose readers have all gone
+ * (poll says POLLERR), its shell ended.  A host that could not let go of a
+ * key (the sandbox was paused, the host was killed in between) leaves it
+ * so; a full table lets those go first. */
+static int ended(int i)
+{
+    struct pollfd p = {.fd = kept[i].fds[0], .events = 0};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLERR | POLLNVAL));
+}
+
 void xs_keep_close_all(void)
 {
     for (int i = 0; i < n_kept; i++)
@@ -85,7 +96,12 @@ static int keep(const struct request *req, const char *key)
         for (int j = 0; j < kept[i].n_fds; j++)
             close(kept[i].fds[j]);
         kept[i] = next;
-    } else if (n_kept < MAX_KEPT) {
+        return 0;
+    }
+    for (int j = n_kept - 1; n_kept >= MAX_KEPT && j >= 0; j--)
+        if (ended(j))
+            let_go(j);
+    if (n_kept < MAX_KEPT) {
         kept[n_kept++] = next;
     } else {
         for (int k = 0; k < next.n_fds; k++)

@@ -19,7 +19,7 @@ import psutil
 
 from ...kept.sandbox import Sandbox
 from ...kept.shell import Shell
-from ...model.errors import CommandNotFoundError
+from ...model.errors import CommandNotFoundError, IsolationError
 from ..background import Monitor, monitor_of, of_sandbox, stop_then_kill
 from .driver import Emit, unavailable
 from .proctree import alive, end_with_descendants, open_descendant
@@ -45,6 +45,10 @@ class BashShell:
             try:
                 ends, peer = shell.ends()
                 box._conn().keep(key, ends, note=peer)
+            except OSError as exc:
+                shell.close()
+                raise IsolationError(f"the shell could not be kept past the server: the sandbox's exec server "
+                                     f"refused its ends ({exc.strerror or exc})") from None
             except BaseException:
                 shell.close()
                 raise
@@ -70,8 +74,11 @@ class BashShell:
 
     def close(self) -> None:
         """End the shell and what its commands started (a kept one's adopted first, to learn which), and let the
-        exec server drop its ends."""
-        if self._shell is None and self.kept:
+        exec server drop its ends. In a paused sandbox the exec server does not answer: a kept shell not adopted
+        yet then ends with the sandbox, and its ends stay held until the exec server needs their place (it lets
+        go of a shell's that has ended first)."""
+        paused = bool(getattr(getattr(self._box, "_impl", None), "paused", False))
+        if self._shell is None and self.kept and not paused:
             with contextlib.suppress(Exception):
                 self.shell()
         shell, self._shell = self._shell, None
@@ -79,7 +86,7 @@ class BashShell:
             if shell is not None:
                 shell.close()
         finally:
-            if self.kept:
+            if self.kept and not paused:
                 with contextlib.suppress(Exception):
                     self._box._conn().keep(self._key, [])
 

@@ -390,10 +390,11 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     baseline = next((s for s in samples if s["t"] >= 60), samples[0]) if seconds > 90 else samples[0]
     problems = []
     errors = {op: found[:5] for op, found in client.errors.items() if found}
+    said = ""
     if errors:
         problems.append(f"errors: {json.dumps(errors)[:2000]}")
         server_log.seek(0)
-        problems.append("the server's log ends: " + server_log.read().decode(errors="replace")[-4000:])
+        said = "the server's log ends: " + server_log.read().decode(errors="replace")[-4000:]
     server_log.close()
     if hung:
         problems.append(f"{hung} clients still waiting 300 s after the end")
@@ -408,6 +409,8 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     if final["rss_mb"] * 2**20 > baseline["rss_mb"] * 2**20 + RSS_BOUND:
         problems.append(f"resident memory: {baseline['rss_mb']} MB at t={baseline['t']} s, {final['rss_mb']} MB at "
                         "the end")
+    if said:  # last, as the longest: a tail of the output cut short still shows the problems before it
+        problems.append(said)
     return {"seconds": seconds, "clients": clients, "requests": sum(len(v) for v in client.times.values()),
             "errors": sum(len(v) for v in client.errors.values()), "operations": ops, "samples": samples,
             "first": first, "final": final,

@@ -28,11 +28,28 @@ def test_soak_two_minutes(tmp_path: Path) -> None:
              "runpy.run_module('benchmarks.soak', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", start, "--seconds", seconds, "--clients", "4"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=float(seconds) + 600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, _why(done)
     results = json.loads(done.stdout)
-    assert results["requests"] > 0 and results["errors"] == 0 and not results["problems"], results["problems"]
+    assert results["requests"] > 0 and results["errors"] == 0 and not results["problems"], _why(done)
     assert {"create", "command", "download", "delete", "session-run", "code-run", "snapshot", "pool-command",
             "egress-command"} <= set(results["operations"]), results["operations"]
+
+
+def _why(done: subprocess.CompletedProcess[str]) -> str:
+    """What a failed soak said: its exit status, its problems (from its JSON on standard output: a bound passed,
+    the failed requests, the server's log last, as the longest) and the ends of both streams; the problems come
+    first, so that a log cut short still shows them."""
+    parts = [f"exit status {done.returncode}"]
+    try:
+        results = json.loads(done.stdout)
+    except ValueError:
+        parts.append("standard output (not JSON) ends: " + done.stdout[-2000:])
+    else:
+        parts.append(f"{results.get('requests')} requests, {results.get('errors')} errors; first sample "
+                     f"{results.get('first')}, final {results.get('final')}")
+        parts += [f"problem: {problem}" for problem in results.get("problems", [])]
+    parts.append("standard error ends: " + done.stderr[-3000:])
+    return "\n".join(parts)
 
 
 def test_run_cgroups_are_counted_by_live_creator(tmp_path: Path) -> None:

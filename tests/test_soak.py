@@ -67,3 +67,25 @@ def test_run_cgroups_are_counted_by_live_creator(tmp_path: Path) -> None:
     assert _run_cgroups({100}, str(tmp_path)) == 4
     assert _run_cgroups({100, 200}, str(tmp_path)) == 6
     assert _run_cgroups({300}, str(tmp_path)) == 0
+
+
+def test_host_mounts_are_bounded_only_where_the_server_may_mount() -> None:
+    """The host's mounts are the whole machine's: as uid 65534 the server and its sandboxes cannot add one (their
+    mount namespaces are of user namespaces of their own and never propagate back), so mounts another made meanwhile
+    (CI's root suite beside the unprivileged one: Docker containers, overlay mounts) are not the server's leak; as
+    root they are bounded, and the problem names the new mount points. ``_may_mount`` is the kernel's answer:
+    CAP_SYS_ADMIN, which root has and uid 65534 has not."""
+    sys.path.insert(0, REPO)
+    try:
+        from benchmarks.soak import _counts_passed, _may_mount
+    finally:
+        sys.path.pop(0)
+    first = {"fds": 30, "mounts": 23, "processes": 6, "cgroups": 0, "state_entries": 15}
+    others = {**first, "mounts": 40}
+    points = [f"/var/lib/docker/overlay2/{i}/merged" for i in range(17)]
+    assert _counts_passed(first, others, points, may_mount=False) == []
+    passed = _counts_passed(first, others, points, may_mount=True)
+    assert passed and passed[0].startswith("mounts: 23 at start, 40 at the end") and points[0] in passed[0]
+    leaked = {**first, "processes": 11, "state_entries": 32}
+    assert len(_counts_passed(first, leaked, [], may_mount=False)) == 2  # the others stay bounded
+    assert _may_mount() is (os.geteuid() == 0)

@@ -39,6 +39,7 @@ from ._stats import summary_ms
 
 KEY = "bench-key-" + "0123456789abcdef"
 DOCKER_IMAGE = "isolate-test:busybox"
+START_SECONDS = 120
 
 
 def _server(best_effort: bool, *extra: str, log: Any = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -55,7 +56,10 @@ def _server(best_effort: bool, *extra: str, log: Any = None) -> tuple[subprocess
            *(["--best-effort"] if best_effort else []), *extra]
     errors = log if log is not None else tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors)
-    deadline = time.monotonic() + 30
+    # A server that exits is reported at once; one still starting is waited for: it imports the server and starts
+    # its --warm pool before it listens, 3 s on an idle 2-core host, 12 to 14 s at a load of 12 to 16 (as uid 65534),
+    # which CI's (the VM's emulation beside two suites) may double. This deadline is for a server that hangs.
+    deadline = time.monotonic() + START_SECONDS
     while True:
         try:
             with socket.create_connection(tuple(domain.split(":")), timeout=1):  # type: ignore[arg-type]
@@ -63,12 +67,21 @@ def _server(best_effort: bool, *extra: str, log: Any = None) -> tuple[subprocess
                     errors.close()
                 return proc, domain
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
+            exited = proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                if exited is None:  # not left running: it ends its sandboxes (--end-on-exit) on SIGTERM
+                    proc.terminate()
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
                 errors.seek(0)
                 said = errors.read().decode(errors="replace").strip()[-500:]
                 if log is None:
                     errors.close()
-                raise RuntimeError(f"isolate-run serve did not start: {said or 'no message'}") from None
+                how = f"exit status {exited}" if exited is not None else f"not listening after {START_SECONDS} s"
+                raise RuntimeError(f"isolate-run serve did not start ({how}): {said or 'no message'}") from None
             time.sleep(0.05)
 
 

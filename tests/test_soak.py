@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,33 @@ def test_host_mounts_are_bounded_only_where_the_server_may_mount() -> None:
     leaked = {**first, "processes": 11, "state_entries": 32}
     assert len(_counts_passed(first, leaked, [], may_mount=False)) == 2  # the others stay bounded
     assert _may_mount() is (os.geteuid() == 0)
+
+
+def test_server_started_again_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness picks a free port and releases it for the server to bind: another's listener may take it
+    meanwhile (the longer the server takes to start, as on a loaded host). A connection to that port reached the
+    other listener and was taken for the server started, while the server ended on "address already in use": the
+    server is started once it listens there itself, and again on another port when it could not bind."""
+    sys.path.insert(0, REPO)
+    try:
+        from benchmarks import opensandbox
+    finally:
+        sys.path.pop(0)
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    picks = iter([port])
+    free = opensandbox._free_port
+    monkeypatch.setattr(opensandbox, "_free_port", lambda: next(picks, None) or free())
+    try:
+        proc, domain = opensandbox._server(True)
+        try:
+            assert domain != f"127.0.0.1:{port}" and proc.poll() is None
+            request = urllib.request.Request(f"http://{domain}/v1/sandboxes",
+                                             headers={"OPEN-SANDBOX-API-KEY": opensandbox.KEY})
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                assert answer.status == 200
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    finally:
+        taken.close()

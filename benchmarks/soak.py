@@ -27,7 +27,9 @@ mounts, processes and run cgroups over time): requests and errors (a status of 4
 or no answer within 120 s, or a stream without what it must say) per operation
 with their p50/p99, and the samples. Bounds checked at the end, once every
 sandbox is deleted: no error, no client still waiting; the server's descriptors
-within 64 of the first sample's, the host's mounts within 16, its descendant
+within 64 of the first sample's, the host's mounts within 16 (when the server
+may mount there, as root: as another user neither it nor its sandboxes can, and
+a mount added there is another's; the new mount points are reported), its descendant
 processes within 4 and the run cgroups of its processes within 4 (the pool
 refills meanwhile), its state directories' entries within 16, no kept sandbox of
 the server's left, and its resident memory grown by at most 64 MiB over the
@@ -244,9 +246,22 @@ def _web() -> tuple[http.server.ThreadingHTTPServer, int]:
     return site, int(site.server_address[1])
 
 
-def _mounts() -> int:
+def _mounts() -> dict[str, str]:
+    """The mounts of this process's mount namespace (the host's): mount id to mount point."""
     with open("/proc/self/mountinfo") as handle:
-        return sum(1 for _ in handle)
+        return {fields[0]: fields[4] for fields in (line.split() for line in handle) if len(fields) > 4}
+
+
+def _may_mount() -> bool:
+    """Whether the server (started by this process, as its user) may mount in this mount namespace: CAP_SYS_ADMIN
+    in its effective set. Without it neither the server nor its sandboxes can add a mount here: theirs are in mount
+    namespaces of user namespaces of their own, whose mounts never propagate back to a more privileged one (the
+    kernel makes the copies slaves), so a mount added here meanwhile is another's."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 21 & 1)  # CAP_SYS_ADMIN is 21
+    return False
 
 
 def _run_cgroups(pids: set[int], root: str = "/sys/fs/cgroup") -> int:
@@ -289,7 +304,7 @@ def _sample(proc_pid: int, started: float, prefix_dir: str, state_dir: str) -> d
     children = server.children(recursive=True)
     kept = sum(1 for name in native_names() if name.startswith(prefix_dir))
     return {"t": round(time.monotonic() - started, 1), "rss_mb": round(rss / 2**20, 1), "fds": fds,
-            "threads": threads, "processes": len(children), "mounts": _mounts(),
+            "threads": threads, "processes": len(children), "mounts": len(_mounts()),
             "cgroups": _run_cgroups({proc_pid, *(child.pid for child in children)}),
             "state_entries": _entries(state_dir), "kept_sandboxes": kept}
 
@@ -304,6 +319,22 @@ def _settled(proc_pid: int, started: float, prefix: str, state_dir: str) -> dict
         if all(last[key] == sample[key] for key in ("processes", "cgroups", "state_entries")):
             break
     return sample
+
+
+def _counts_passed(first: dict[str, Any], final: dict[str, Any], new_mounts: list[str], may_mount: bool) -> list[str]:
+    """The counts of the final sample past their bounds over the first's. The host's mounts are bounded only when
+    the server may add to them (``may_mount``): as another user whatever changes there is another's (CI's root
+    suite beside the unprivileged one: its Docker containers, its overlay mounts)."""
+    problems = []
+    for key, bound, what in (("fds", FD_BOUND, "descriptors"),
+                             *((("mounts", MOUNT_BOUND, "mounts"),) if may_mount else ()),
+                             ("processes", PROCESS_BOUND, "processes under the server"),
+                             ("cgroups", CGROUP_BOUND, "run cgroups of the server's processes"),
+                             ("state_entries", STATE_BOUND, "entries of the state directories")):
+        if final[key] > first[key] + bound:
+            problems.append(f"{what}: {first[key]} at start, {final[key]} at the end"
+                            + (f" (new mount points: {json.dumps(new_mounts[:20])})" if key == "mounts" else ""))
+    return problems
 
 
 def run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
@@ -352,6 +383,7 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     client = Client(domain, web_port)
     started = time.monotonic()
     first = _settled(proc.pid, started, prefix, state_dir)
+    first_mounts = _mounts()
     samples = [first]
     stop = threading.Event()
 
@@ -379,6 +411,7 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
         hung = sum(worker.is_alive() for worker in workers)
         time.sleep(1.0)
         final = _settled(proc.pid, started, prefix, state_dir)
+        final_mounts = _mounts()
         samples.append(final)
     finally:
         stop.set()
@@ -390,28 +423,29 @@ def _run(seconds: float, clients: int, log: Any) -> dict[str, Any]:
     baseline = next((s for s in samples if s["t"] >= 60), samples[0]) if seconds > 90 else samples[0]
     problems = []
     errors = {op: found[:5] for op, found in client.errors.items() if found}
+    said = ""
     if errors:
         problems.append(f"errors: {json.dumps(errors)[:2000]}")
         server_log.seek(0)
-        problems.append("the server's log ends: " + server_log.read().decode(errors="replace")[-4000:])
+        said = "the server's log ends: " + server_log.read().decode(errors="replace")[-4000:]
     server_log.close()
     if hung:
         problems.append(f"{hung} clients still waiting 300 s after the end")
-    for key, bound, what in (("fds", FD_BOUND, "descriptors"), ("mounts", MOUNT_BOUND, "mounts"),
-                             ("processes", PROCESS_BOUND, "processes under the server"),
-                             ("cgroups", CGROUP_BOUND, "run cgroups of the server's processes"),
-                             ("state_entries", STATE_BOUND, "entries of the state directories")):
-        if final[key] > first[key] + bound:
-            problems.append(f"{what}: {first[key]} at start, {final[key]} at the end")
+    new_mounts = sorted({point for key, point in final_mounts.items() if key not in first_mounts})
+    may_mount = _may_mount()
+    problems += _counts_passed(first, final, new_mounts, may_mount)
     if final["kept_sandboxes"]:
         problems.append(f"{final['kept_sandboxes']} sandboxes left after every delete")
     if final["rss_mb"] * 2**20 > baseline["rss_mb"] * 2**20 + RSS_BOUND:
         problems.append(f"resident memory: {baseline['rss_mb']} MB at t={baseline['t']} s, {final['rss_mb']} MB at "
                         "the end")
+    if said:  # last, as the longest: a tail of the output cut short still shows the problems before it
+        problems.append(said)
     return {"seconds": seconds, "clients": clients, "requests": sum(len(v) for v in client.times.values()),
             "errors": sum(len(v) for v in client.errors.values()), "operations": ops, "samples": samples,
-            "first": first, "final": final,
-            "bounds": {"fds": FD_BOUND, "mounts": MOUNT_BOUND, "processes": PROCESS_BOUND, "cgroups": CGROUP_BOUND,
+            "first": first, "final": final, "new_mounts": new_mounts[:100],
+            "bounds": {"fds": FD_BOUND, "mounts": MOUNT_BOUND if may_mount else None, "processes": PROCESS_BOUND,
+                       "cgroups": CGROUP_BOUND,
                        "state_entries": STATE_BOUND, "rss_mb": RSS_BOUND >> 20},
             "problems": problems}
 

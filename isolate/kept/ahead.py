@@ -14,9 +14,26 @@ close.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..backends.kept import KeptBackend
+
+#: The spares' starts and the old sandboxes' ends run here, off the restores' path: a thread started per
+#: restore cost the restore its start (a switch to it and back, about a millisecond on a busy host).
+_BACKGROUND = ThreadPoolExecutor(max_workers=4, thread_name_prefix="isolate-restore")
+
+
+def in_background(work: Any) -> None:
+    """Run ``work()`` on the restores' background threads (what it raises is its own: it is dropped)."""
+    _BACKGROUND.submit(_quietly, work)
+
+
+def _quietly(work: Any) -> None:
+    try:
+        work()
+    except Exception:
+        pass
 
 
 class Ahead:
@@ -27,15 +44,20 @@ class Ahead:
         self.impl = impl
         self.error: BaseException | None = None
         self._done = threading.Event()
-        threading.Thread(target=self._start, name="isolate-restore-ahead", daemon=True).start()
+        self._lock = threading.Lock()
+        self._discarded = False
+        in_background(self._start)
 
     def _start(self) -> None:
         try:
             self.impl.start()
         except BaseException as exc:  # the restore that would take it starts one the usual way
             self.error = exc
-        finally:
+        with self._lock:
             self._done.set()
+            discarded = self._discarded
+        if discarded:
+            self._close()
 
     def take(self, snapshot: Any) -> KeptBackend | None:
         """The started sandbox when it is of ``snapshot`` and still runs (waited for if still starting); None
@@ -44,21 +66,22 @@ class Ahead:
             self.discard()
             return None
         self._done.wait()
-        if self.error is None:
-            try:
-                if self.impl.state() == "running":  # an idle end or a process of its may have ended it
-                    return self.impl
-            except Exception:
-                pass
+        process = getattr(self.impl, "process", None)
+        # Its init still runs (an idle end or a process of its own may have ended it meanwhile).
+        if self.error is None and process is not None and process.poll() is None:
+            return self.impl
         self.discard()
         return None
 
     def discard(self) -> None:
-        """End it (once it has started: off the caller's path)."""
-        threading.Thread(target=self._close, name="isolate-restore-ahead-close", daemon=True).start()
+        """End it, once it has started (off the caller's path: a start still under way ends it when done)."""
+        with self._lock:
+            self._discarded = True
+            started = self._done.is_set()
+        if started:
+            in_background(self._close)
 
     def _close(self) -> None:
-        self._done.wait()
         try:
             self.impl.close()
         except Exception:

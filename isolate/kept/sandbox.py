@@ -40,7 +40,7 @@ from ..model.errors import IsolationError, PolicyError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.units import MIN_SECONDS
 from ..model.workspace import Workspace
-from .ahead import Ahead
+from .ahead import Ahead, in_background
 from .hostfiles import commit_tree, save_download, upload_tree
 from .interpreter import Interpreter
 from .shell import Shell
@@ -552,9 +552,7 @@ class Sandbox:
         old = self._impl
         if isinstance(old, NativeSandbox):
             old.end("restored from a snapshot", wait=False)
-        done = threading.Event()
-        done.set()
-        threading.Thread(target=_close_after, args=(old, done), name="isolate-restore-cleanup", daemon=True).start()
+        in_background(old.close)  # reaped and its files removed off this path
         self._impl, self.origin, self.image_upper = prepared, snapshot, upper
         self.restore_skipped = ()
         if snapshot.areas:

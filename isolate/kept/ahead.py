@@ -13,15 +13,30 @@ close.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..backends.kept import KeptBackend
 
+
+def _executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="isolate-restore")
+
+
 #: The spares' starts and the old sandboxes' ends run here, off the restores' path: a thread started per
 #: restore cost the restore its start (a switch to it and back, about a millisecond on a busy host).
-_BACKGROUND = ThreadPoolExecutor(max_workers=4, thread_name_prefix="isolate-restore")
+_BACKGROUND = _executor()
+
+
+def _after_fork() -> None:
+    """A forked child has none of its parent's threads, while the executor still counts them: a new one."""
+    global _BACKGROUND
+    _BACKGROUND = _executor()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def in_background(work: Any) -> None:

@@ -233,6 +233,7 @@ HOST_INDEPENDENT = frozenset({
     "test_server_reboot.py",
     "test_server_restart.py",
     "test_server_spec.py",
+    "test_shell_stdin.py",
     "test_smolagents.py",
     "test_soak.py",
 })

@@ -132,7 +132,7 @@ def _adopt(box: Sandbox, key: str) -> Shell:
 
 
 class _AdoptedShell:
-    """A kept shell as ``Shell`` drives it (write, stdout_fd, poll, signal, kill, close), through a pidfd of its
+    """A kept shell as ``Shell`` drives it (stdin_fd, stdout_fd, poll, signal, kill, close), through a pidfd of its
     process: a process of the sandbox, checked once the pidfd is open (its pid came from the last server, and
     is given again once its process is reaped)."""
 
@@ -156,11 +156,6 @@ class _AdoptedShell:
         self._monitor: Monitor | None = None
         with contextlib.suppress(psutil.Error):
             self._monitor = monitor_of(box, psutil.Process(pid))
-
-    def write(self, data: str | bytes) -> None:
-        view = memoryview(data.encode() if isinstance(data, str) else data)
-        while view:
-            view = view[os.write(self.stdin_fd, view):]
 
     def poll(self) -> int | None:
         return None if self._pidfd >= 0 and alive(self._pidfd) else -1

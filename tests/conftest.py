@@ -225,6 +225,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_ports.py",
     "test_ray_tls.py",
     "test_server.py",
+    "test_server_bash_kept.py",
     "test_server_bg_lookup.py",
     "test_server_code_driverpid.py",
     "test_server_crashes.py",

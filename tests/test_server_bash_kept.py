@@ -1,0 +1,58 @@
+"""A kept sandbox's bash context (``isolate-run serve --state-dir``), whose shell outlives its server: its ends
+held by the sandbox's exec server (isolate.server.code.shell), attacked from the sandbox and from the API.
+The server runs as in tests/test_server.py."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import test_server as base
+from test_server_restart import FLAGS, _cell, _run
+
+pytest.importorskip("psutil")
+
+
+def _call(server: base.Server, method: str, path: str, headers: dict[str, str], within: float) -> tuple[int, bytes]:
+    """A request that must be answered within ``within`` seconds (TimeoutError otherwise)."""
+    request = urllib.request.Request(f"http://{server.domain}{path}", method=method)
+    for name, value in headers.items():
+        request.add_header(name, value)
+    try:
+        with urllib.request.urlopen(request, timeout=within) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _context(server: base.Server, prefix: str, headers: dict[str, str]) -> str:
+    status, context = server.call("POST", prefix + "/code/context", {"language": "bash"}, key=None, headers=headers)
+    assert status == 200, context
+    return str(context["id"])
+
+
+def test_a_paused_sandboxs_bash_context_is_deleted_once_it_runs(state_dir: str) -> None:
+    # Before: the delete waited for the frozen exec server (30 s to drop the shell's ends, 30 more to take them
+    # for a shell not yet adopted), and what it could not reach lived on: the shell, unknown to every server
+    # from then on, and its ends, held by the exec server. A kept bash context's delete needs the sandbox
+    # running; refused (409) while it is paused, it ends whole once resumed.
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        box_id = base._create(server)["id"]
+        prefix, headers = base._endpoint(server, box_id)
+        context = _context(server, prefix, headers)
+        shell = _cell(server, prefix, headers, context, "echo $$")["stdout"]["text"].strip()
+        assert server.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        for path in (f"/code/contexts/{context}", "/code/contexts?language=bash"):
+            status, body = _call(server, "DELETE", prefix + path, headers, within=20)
+            assert status == 409 and b"resume" in body, (status, body)
+        status, listed = server.call("GET", prefix + "/code/contexts", key=None, headers=headers)
+        assert listed == [{"id": context, "language": "bash"}], listed
+        assert server.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert _call(server, "DELETE", prefix + f"/code/contexts/{context}", headers, within=20)[0] == 200
+        assert _run(server, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
+    finally:
+        server.stop()

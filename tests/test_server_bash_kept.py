@@ -4,10 +4,8 @@ The server runs as in tests/test_server.py."""
 
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
-from typing import Any
 
 import pytest
 import test_server as base
@@ -49,9 +47,9 @@ def test_a_paused_sandboxs_bash_context_is_deleted_once_it_runs(state_dir: str) 
         for path in (f"/code/contexts/{context}", "/code/contexts?language=bash"):
             status, body = _call(server, "DELETE", prefix + path, headers, within=20)
             assert status == 409 and b"resume" in body, (status, body)
+        assert server.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
         status, listed = server.call("GET", prefix + "/code/contexts", key=None, headers=headers)
         assert listed == [{"id": context, "language": "bash"}], listed
-        assert server.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
         assert _call(server, "DELETE", prefix + f"/code/contexts/{context}", headers, within=20)[0] == 200
         assert _run(server, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
     finally:

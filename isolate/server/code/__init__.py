@@ -117,6 +117,12 @@ class CodeContext:
     def interrupt(self) -> None:
         self._engine.interrupt()
 
+    @property
+    def ends_in_sandbox(self) -> bool:
+        """Whether ending it needs the sandbox running: a kept bash context's shell is known by what the sandbox's
+        exec server holds (its ends, its pid), which a paused sandbox's frozen server cannot hand back or drop."""
+        return self.kept and self.language == "bash"
+
     def close(self) -> None:
         self._engine.close()
 

@@ -54,3 +54,40 @@ def test_a_paused_sandboxs_bash_context_is_deleted_once_it_runs(state_dir: str) 
         assert _run(server, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
     finally:
         server.stop()
+
+
+def test_a_bash_context_past_what_the_exec_server_keeps_is_a_clear_refusal(tmp_path: Any) -> None:
+    # The exec server holds at most 64 shells' ends (csrc/xs_keep.c); a server lets a sandbox have 32 contexts,
+    # so only ends a server left there (one killed between a context's start and its record's write) reach
+    # that. Before: the next kept bash context was refused as "400 INVALID_PATH code-ctx-...: No space left on
+    # device". Now a 429 that says what is full; the shell started for it ends, and nothing is left held.
+    import os
+
+    from conftest import policy
+
+    from isolate import Sandbox, Workspace
+    from isolate.server.code import CodeContext
+    from isolate.server.common import to_api_error
+
+    (tmp_path / "w").mkdir()
+    with Sandbox(policy(write=()), workspace=Workspace(str(tmp_path / "w"))) as box:
+        read, write = os.pipe()
+        try:
+            for index in range(64):
+                box._conn().keep(f"left-{index}", [read, write], note=1)
+        finally:
+            os.close(read)
+            os.close(write)
+        with pytest.raises(Exception) as raised:
+            CodeContext(box, "bash", None, kept=True)
+        refusal = to_api_error(raised.value)
+        assert refusal.status == 429 and "64" in refusal.message, (refusal.status, refusal.code, refusal.message)
+        assert box.exec("pgrep -c -x bash || true").stdout.strip() == "0"
+        box._conn().keep("left-0", [])  # one let go: room for one
+        context = CodeContext(box, "bash", None, kept=True)
+        try:
+            got: list[Any] = []
+            context.run("echo $((6 * 7))", lambda kind, payload: got.append((kind, payload)))
+            assert got[0] == ("stdout", b"42\n"), got
+        finally:
+            context.close()

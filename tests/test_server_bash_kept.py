@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 import pytest
 import test_server as base
@@ -56,7 +58,7 @@ def test_a_paused_sandboxs_bash_context_is_deleted_once_it_runs(state_dir: str) 
         server.stop()
 
 
-def test_a_bash_context_past_what_the_exec_server_keeps_is_a_clear_refusal(tmp_path: Any) -> None:
+def test_a_bash_context_past_what_the_exec_server_keeps_is_a_clear_refusal(tmp_path: Path) -> None:
     # The exec server holds at most 64 shells' ends (csrc/xs_keep.c); a server lets a sandbox have 32 contexts,
     # so only ends a server left there (one killed between a context's start and its record's write) reach
     # that. Before: the next kept bash context was refused as "400 INVALID_PATH code-ctx-...: No space left on

@@ -10,6 +10,7 @@ running when the last server ended is interrupted."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -21,9 +22,12 @@ from ...kept.sandbox import Sandbox
 from ...kept.shell import Shell
 from ...model.errors import CommandNotFoundError
 from ..background import Monitor, monitor_of, of_sandbox, stop_then_kill
+from ..models import ApiError
 from .driver import Emit, unavailable
 from .proctree import alive, end_with_descendants, open_descendant
 
+#: Shells whose ends the sandbox's exec server keeps at once (csrc/xs_keep.c's MAX_KEPT).
+KEPT_SHELLS = 64
 #: The shell: bash, as the language says (a sandbox's ``/bin/sh`` may be dash or busybox ash).
 BASH = "/bin/bash"
 HINT = "it needs bash inside the sandbox (Debian: apt-get install bash; Alpine: apk add bash)"
@@ -48,8 +52,12 @@ class BashContext:
             try:
                 ends, peer = shell.ends()
                 box._conn().keep(self._key, ends, note=peer)
-            except BaseException:
+            except BaseException as exc:
                 shell.close()
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    raise ApiError(429, "TOO_MANY_SESSIONS", f"the sandbox's exec server keeps the shells of at most "
+                                   f"{KEPT_SHELLS} bash contexts past their server, and holds that many (a server "
+                                   "killed as it started one leaves it there); delete a bash context first") from None
                 raise
         self._shell = shell
 

@@ -93,3 +93,40 @@ def test_a_bash_context_past_what_the_exec_server_keeps_is_a_clear_refusal(tmp_p
             assert got[0] == ("stdout", b"42\n"), got
         finally:
             context.close()
+
+
+def test_kept_shells_leave_the_exec_server_room_under_a_low_open_files_limit(tmp_path: Path) -> None:
+    # The exec server runs under the sandbox's open-files limit, and each kept bash context's shell costs it three
+    # descriptors for as long as the context lives. Before: under a limit of 32 the seventh context failed as
+    # "starting /bin/bash failed at exec-server: Protocol error" (its request's descriptors found no room), and
+    # the host ended the sandbox (a command's monitor went away). The exec server keeps descriptors only below
+    # half its limit: past that, a 429 that says why, and the sandbox runs on.
+    import dataclasses
+
+    from conftest import policy
+
+    from isolate import Sandbox, Workspace
+    from isolate.server.code import CodeContext
+    from isolate.server.common import to_api_error
+
+    (tmp_path / "w").mkdir()
+    base_policy = policy(write=())
+    low = dataclasses.replace(base_policy, limits=dataclasses.replace(base_policy.limits, open_files=32))
+    with Sandbox(low, workspace=Workspace(str(tmp_path / "w"))) as box:
+        contexts: list[CodeContext] = []
+        try:
+            with pytest.raises(Exception) as raised:
+                for _ in range(12):
+                    contexts.append(CodeContext(box, "bash", None, kept=True))
+            refusal = to_api_error(raised.value)
+            assert refusal.status == 429 and "open-files" in refusal.message, (refusal.status, refusal.message)
+            assert contexts, "not one kept bash context under a limit of 32"
+            assert box.exec("echo runs").stdout == "runs\n"
+            for context in contexts:
+                got: list[Any] = []
+                context.run("echo $((6 * 7))", lambda kind, payload: got.append((kind, payload)))
+                assert got[0] == ("stdout", b"42\n"), got
+        finally:
+            for context in contexts:
+                context.close()
+        assert box.exec("echo after").stdout == "after\n"

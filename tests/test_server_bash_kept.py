@@ -28,6 +28,13 @@ def _call(server: base.Server, method: str, path: str, headers: dict[str, str], 
         return err.code, err.read()
 
 
+def _events(context: Any, code: str) -> list[tuple[str, Any]]:
+    """What a code context's cell emits, in order."""
+    got: list[tuple[str, Any]] = []
+    context.run(code, lambda kind, payload: got.append((kind, payload)))
+    return got
+
+
 def _context(server: base.Server, prefix: str, headers: dict[str, str]) -> str:
     status, context = server.call("POST", prefix + "/code/context", {"language": "bash"}, key=None, headers=headers)
     assert status == 200, context
@@ -88,8 +95,7 @@ def test_a_bash_context_past_what_the_exec_server_keeps_is_a_clear_refusal(tmp_p
         box._conn().keep("left-0", [])  # one let go: room for one
         context = CodeContext(box, "bash", None, kept=True)
         try:
-            got: list[Any] = []
-            context.run("echo $((6 * 7))", lambda kind, payload: got.append((kind, payload)))
+            got = _events(context, "echo $((6 * 7))")
             assert got[0] == ("stdout", b"42\n"), got
         finally:
             context.close()
@@ -123,8 +129,7 @@ def test_kept_shells_leave_the_exec_server_room_under_a_low_open_files_limit(tmp
             assert contexts, "not one kept bash context under a limit of 32"
             assert box.exec("echo runs").stdout == "runs\n"
             for context in contexts:
-                got: list[Any] = []
-                context.run("echo $((6 * 7))", lambda kind, payload: got.append((kind, payload)))
+                got = _events(context, "echo $((6 * 7))")
                 assert got[0] == ("stdout", b"42\n"), got
         finally:
             for context in contexts:

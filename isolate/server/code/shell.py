@@ -58,6 +58,11 @@ class BashContext:
                     raise ApiError(429, "TOO_MANY_SESSIONS", f"the sandbox's exec server keeps the shells of at most "
                                    f"{KEPT_SHELLS} bash contexts past their server, and holds that many (a server "
                                    "killed as it started one leaves it there); delete a bash context first") from None
+                if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+                    raise ApiError(429, "TOO_MANY_SESSIONS", "the sandbox's open-files limit leaves its exec server no "
+                                   "room to keep one more bash context's shell past its server (it keeps them in "
+                                   "half its descriptors); delete a bash context first, or give the sandbox a "
+                                   "higher open-files limit") from None
                 raise
         self._shell = shell
 

@@ -4,6 +4,7 @@ The server runs as in tests/test_server.py."""
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -135,3 +136,43 @@ def test_kept_shells_leave_the_exec_server_room_under_a_low_open_files_limit(tmp
             for context in contexts:
                 context.close()
         assert box.exec("echo after").stdout == "after\n"
+
+
+def test_a_bash_context_deleted_as_its_first_cell_adopts_the_shell_leaks_nothing(tmp_path: Path,
+                                                                                  monkeypatch: Any) -> None:
+    # A context served again (its shell left by the last server) adopts its shell at its first use, and its
+    # delete adopts it too (to learn what to end) without the cell's lock (a cell may run for ever). Before: the
+    # two adopted it each, and the cell's adoption, made last, stayed the context's after the delete, its
+    # descriptors (the shell's pipes, channel and pidfds) held by the server for good. The adoption is the
+    # context's alone now, and after its end none is made.
+    import os
+    import threading
+
+    from conftest import policy
+
+    from isolate import Sandbox, Workspace
+    from isolate.server.code import CodeContext
+    from isolate.server.code import shell as bash
+
+    (tmp_path / "w").mkdir()
+    with Sandbox(policy(write=()), workspace=Workspace(str(tmp_path / "w"))) as box:
+        first = CodeContext(box, "bash", None, kept=True)
+        assert _events(first, "x=3")[-1][1]["error"] is None
+        first.detach()  # as a server's stop leaves it
+        held = len(os.listdir("/proc/self/fd"))
+        adopt = bash._adopt
+
+        def slow_adopt(*args: Any) -> Any:
+            time.sleep(0.5)  # both adoptions under way at once
+            return adopt(*args)
+
+        monkeypatch.setattr(bash, "_adopt", slow_adopt)
+        again = CodeContext(box, "bash", first.id, kept=True, fresh=False)
+        cell = threading.Thread(target=_events, args=(again, "echo $x"))
+        cell.start()
+        time.sleep(0.1)
+        again.close()
+        cell.join(30)
+        assert not cell.is_alive()
+        assert len(os.listdir("/proc/self/fd")) <= held, os.listdir("/proc/self/fd")
+        assert box.exec("pgrep -c -x bash || true").stdout.strip() == "0"

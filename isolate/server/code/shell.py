@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 
 import psutil
 
@@ -42,6 +43,11 @@ class BashContext:
         self._key = f"code-{name}"
         self._kept = kept
         self._shell: Shell | None = None
+        # The adoption is the context's alone: a cell adopts under its own lock, a delete without it (a cell may
+        # run for ever), and two adoptions at once would each hold the shell's ends, one of them for good; none
+        # after the delete.
+        self._adopting = threading.Lock()
+        self._ended = False
         if not fresh:
             return
         try:
@@ -67,9 +73,12 @@ class BashContext:
         self._shell = shell
 
     def _connect(self) -> Shell:
-        if self._shell is None:
-            self._shell = _adopt(self._box, self._key)
-        return self._shell
+        with self._adopting:
+            if self._ended:
+                raise RuntimeError("the context was deleted")
+            if self._shell is None:
+                self._shell = _adopt(self._box, self._key)
+            return self._shell
 
     def run(self, code: str, emit: Emit) -> None:
         shell = self._connect()
@@ -89,17 +98,20 @@ class BashContext:
 
     def detach(self) -> None:
         """Let go of a kept shell without ending it (the exec server holds its ends for the next server)."""
-        shell, self._shell = self._shell, None
+        with self._adopting:
+            shell, self._shell = self._shell, None
         if shell is not None:
             shell.release()
 
     def close(self) -> None:
         """End the shell and what its cells started (a kept one's adopted first, to learn which), and let the exec
         server drop its ends."""
-        if self._shell is None and self._kept:
-            with contextlib.suppress(Exception):
-                self._connect()
-        shell, self._shell = self._shell, None
+        with self._adopting:
+            if self._shell is None and self._kept:
+                with contextlib.suppress(Exception):
+                    self._shell = _adopt(self._box, self._key)
+            self._ended = True
+            shell, self._shell = self._shell, None
         try:
             if shell is not None:
                 shell.close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import test_server as base
-from test_server_restart import FLAGS, _cell, _run
+from test_server_restart import FLAGS, _cell, _kill, _run
 
 pytest.importorskip("psutil")
 
@@ -176,3 +176,30 @@ def test_a_bash_context_deleted_as_its_first_cell_adopts_the_shell_leaks_nothing
         assert not cell.is_alive()
         assert len(os.listdir("/proc/self/fd")) <= held, os.listdir("/proc/self/fd")
         assert box.exec("pgrep -c -x bash || true").stdout.strip() == "0"
+
+
+def test_a_bash_context_of_a_sandbox_paused_across_a_restart_runs_once_resumed(state_dir: str) -> None:
+    # A sandbox paused when its server was killed is served again paused, and its resume attaches it again (a
+    # new handle). Before: its code contexts kept the handle they were made with, of a sandbox not attached: each
+    # cell failed ("the sandbox is not running; start() it first"), and a bash context's delete could reach
+    # neither its shell nor what the exec server holds for it, answered 200 and left the shell running. Its
+    # contexts follow the sandbox's handle now.
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        context = _context(first, prefix, headers)
+        shell = _cell(first, prefix, headers, context, "y=5; echo $$")["stdout"]["text"].strip()
+        assert first.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
+        _kill(first)
+    finally:
+        first.stop()
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        got = _cell(second, prefix, headers, context, "echo $y $$")
+        assert "error" not in got and got["stdout"]["text"].split() == ["5", shell], got
+        assert second.call("DELETE", prefix + f"/code/contexts/{context}", key=None, headers=headers)[0] == 200
+        assert _run(second, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
+    finally:
+        second.stop()

@@ -190,6 +190,10 @@ def test_a_bash_context_of_a_sandbox_paused_across_a_restart_runs_once_resumed(s
         prefix, headers = base._endpoint(first, box_id)
         context = _context(first, prefix, headers)
         shell = _cell(first, prefix, headers, context, "y=5; echo $$")["stdout"]["text"].strip()
+        status, python = first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
+                                    headers=headers)
+        assert status == 200, python
+        assert "error" not in _cell(first, prefix, headers, python["id"], "w = 6")
         assert first.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
         _kill(first)
     finally:
@@ -199,6 +203,8 @@ def test_a_bash_context_of_a_sandbox_paused_across_a_restart_runs_once_resumed(s
         assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
         got = _cell(second, prefix, headers, context, "echo $y $$")
         assert "error" not in got and got["stdout"]["text"].split() == ["5", shell], got
+        got = _cell(second, prefix, headers, python["id"], "print(w + 1)")  # a Python context's handle too
+        assert "error" not in got and got["stdout"]["text"].strip() == "7", got
         assert second.call("DELETE", prefix + f"/code/contexts/{context}", key=None, headers=headers)[0] == 200
         assert _run(second, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
     finally:

@@ -72,6 +72,9 @@ class BashContext:
                 raise
         self._shell = shell
 
+    def rebind(self, box: Sandbox) -> None:
+        self._box = box  # the shell it holds is a process of the sandbox, whatever the handle
+
     def _connect(self) -> Shell:
         with self._adopting:
             if self._ended:

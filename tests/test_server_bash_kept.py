@@ -209,3 +209,44 @@ def test_a_bash_context_of_a_sandbox_paused_across_a_restart_runs_once_resumed(s
         assert _run(second, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
     finally:
         second.stop()
+
+
+def test_a_shells_pid_taken_by_another_process_is_not_adopted(tmp_path: Path) -> None:
+    # What the exec server holds names the shell by its pid, a number the kernel gives again once the shell is
+    # reaped (a cell's `exit`, then the numbers cycled). Before: the next server adopted whatever process of the
+    # sandbox held the number then (a user's background command, say) and the context's delete killed it and
+    # what its monitor held. Only the process that reads the kept input pipe is adopted: here the note names
+    # another process of the sandbox, as a reused number would.
+    import os
+
+    from conftest import policy
+
+    from isolate import Sandbox, Workspace
+    from isolate.server.background import host_process
+    from isolate.server.code import CodeContext
+
+    (tmp_path / "w").mkdir()
+    with Sandbox(policy(write=()), workspace=Workspace(str(tmp_path / "w"))) as box:
+        first = CodeContext(box, "bash", None, kept=True)
+        other = box.spawn(["sleep", "1000"], detached=True)
+        try:
+            inner = box.exec("pgrep -x sleep").stdout.split()
+            assert len(inner) == 1, inner
+            host = host_process(box, int(inner[0]))
+            assert host is not None
+            conn = box._conn()
+            ends = [conn.take(f"code-{first.id}", index)[0] for index in range(3)]
+            try:
+                conn.keep(f"code-{first.id}", ends, note=host.pid)  # the shell's ends, another's pid
+            finally:
+                for fd in ends:
+                    os.close(fd)
+            first.detach()
+            again = CodeContext(box, "bash", first.id, kept=True, fresh=False)
+            got = _events(again, "echo hi")
+            assert got[-1][1]["error"] is not None and "did not survive" in got[-1][1]["error"]["evalue"], got
+            again.close()
+            assert box.exec("pgrep -x sleep || true").stdout.split() == inner, "the other process was ended"
+        finally:
+            other.kill()
+            other.close()

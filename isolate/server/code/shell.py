@@ -159,6 +159,17 @@ def _adopt(box: Sandbox, key: str) -> Shell:
             os.close(fd)
 
 
+def _reads(pid: int, stdin_fd: int) -> bool:
+    """Whether the process ``pid`` reads the pipe ``stdin_fd`` writes to, as its standard input: the shell, not
+    another process that got its number once it was reaped (checked while a pidfd holds the number, before the
+    pidfd is found still alive). A process the shell started may read it too, but none but the sandbox's own."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/fd/0"), os.fstat(stdin_fd)
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
 class _AdoptedShell:
     """A kept shell as ``Shell`` drives it (stdin_fd, stdout_fd, poll, signal, kill, close), through a pidfd of its
     process: a process of the sandbox, checked once the pidfd is open (its pid came from the last server, and
@@ -172,7 +183,8 @@ class _AdoptedShell:
             with contextlib.suppress(OSError):
                 self._pidfd = os.pidfd_open(pid)
         try:
-            held = self._pidfd >= 0 and of_sandbox(box, pid) and alive(self._pidfd)
+            held = (self._pidfd >= 0 and of_sandbox(box, pid) and _reads(pid, stdin_fd)
+                    and alive(self._pidfd))
         except psutil.Error:
             held = False
         if not held:

@@ -222,6 +222,8 @@ class Shell:
                                   + f'\n\\set -- "$1" {seq}; ' + self._trailer + "\n", deadline)
         except BlockingIOError:
             raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)") from None
+        except OSError:
+            raise IsolationError(f"shell {self.name!r} has ended") from None
         if not written:
             self._timed_out()
             raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s (the shell "

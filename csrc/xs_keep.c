@@ -67,6 +67,21 @@ void xs_keep_close_all(void)
     n_kept = 0;
 }
 
+/* The lowest descriptor number a kept one may not take: half the server's
+ * open-files limit (the sandbox's).  The other half stays for its own work
+ * (its conversations, a command's descriptors in flight, the socket pair of
+ * each monitor it forks): under a low limit a sandbox keeps fewer shells
+ * (EMFILE), never an exec server that cannot start a command (a request
+ * whose descriptors find no room is lost, and a monitor that cannot be
+ * forked ends the sandbox). */
+static int kept_ceiling(void)
+{
+    struct rlimit most;
+    if (getrlimit(RLIMIT_NOFILE, &most) < 0 || most.rlim_cur == RLIM_INFINITY || most.rlim_cur > (1U << 20))
+        return 1 << 19;
+    return (int)(most.rlim_cur / 2);
+}
+
 static int keep(const struct request *req, const char *key)
 {
     int i = find_key(key);
@@ -82,8 +97,14 @@ static int keep(const struct request *req, const char *key)
     memcpy(next.key, key, strlen(key) + 1);
     /* Copies of the request's descriptors: those are closed after the
      * request, as every request's are. */
+    int ceiling = kept_ceiling();
     for (int j = 0; j < req->n_fds; j++) {
         int fd = fcntl(req->fds[j], F_DUPFD_CLOEXEC, 3);
+        if (fd >= ceiling) {
+            close(fd);
+            fd = -1;
+            errno = EMFILE;
+        }
         if (fd < 0) {
             int err = errno;
             for (int k = 0; k < next.n_fds; k++)

@@ -226,6 +226,7 @@ HOST_INDEPENDENT = frozenset({
     "test_ray_ports.py",
     "test_ray_tls.py",
     "test_server.py",
+    "test_server_bash_kept.py",
     "test_server_bg_lookup.py",
     "test_server_code_driverpid.py",
     "test_server_crashes.py",
@@ -234,6 +235,7 @@ HOST_INDEPENDENT = frozenset({
     "test_server_reboot.py",
     "test_server_restart.py",
     "test_server_spec.py",
+    "test_shell_stdin.py",
     "test_smolagents.py",
     "test_soak.py",
 })

@@ -118,7 +118,7 @@ class Shell:
         self._probe_names()
 
     def _attach(self, name: str, pty: bool, process: Any, channel: socket.socket, peer: int | None = None) -> None:
-        """The host's side: ``process`` (write, stdout_fd, poll, signal, kill, close) and the channel."""
+        """The host's side: ``process`` (stdin_fd, stdout_fd, poll, signal, kill, close) and the channel."""
         self.name = name
         self.pty = pty
         self._process = process
@@ -130,7 +130,12 @@ class Shell:
         self._reader = PeerChannel(channel)
         self._reader.peer = peer
         os.set_blocking(process.stdout_fd, False)  # the host's end: read what is there, or wait
+        # Its input too (a terminal's is its output's descriptor): a shell that reads no more (stopped by a process
+        # of the sandbox, or busy) leaves a pipe full, and a blocking write would wait past any run's deadline.
+        os.set_blocking(process.stdin_fd, False)
         # poll, not select: a host with many shells holds descriptors past FD_SETSIZE.
+        self._poll_input = select.poll()
+        self._poll_input.register(process.stdin_fd, select.POLLOUT)
         self._poll_output = select.poll()
         self._poll_output.register(process.stdout_fd, select.POLLIN)
         self._poll_both = select.poll()
@@ -138,6 +143,7 @@ class Shell:
         self._poll_both.register(channel.fileno(), select.POLLIN)
         self._buffer = bytearray()
         self._reports = bytearray()
+        self._unwritten = bytearray()  # the rest of a line begun when a deadline came (see _write)
         self._waiting: list[bytes] = []  # markers sent that no report has named yet, oldest first
         self._seq = 0
         self._unsynced = False
@@ -165,7 +171,7 @@ class Shell:
     @classmethod
     def adopt(cls, name: str, process: Any, channel: socket.socket, peer: int) -> Shell:
         """A shell an earlier host started (detached) and kept the ends of (``ends``): ``process`` holds its input's
-        and output's (write, stdout_fd, poll, signal, kill, close), ``channel`` the channel's, ``peer`` its pid
+        and output's (stdin_fd, stdout_fd, poll, signal, kill, close), ``channel`` the channel's, ``peer`` its pid
         here. Its framing lives in the shell already. What the last host's last run left (a command still
         running, its output, markers no framing read) is interrupted now and dropped by the first run."""
         shell = cls.__new__(cls)
@@ -201,6 +207,7 @@ class Shell:
     def _exchange(self, command: str, timeout: float | None, fresh: bool = False) -> tuple[str, int]:
         self._seq += 1
         seq = self._seq
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if fresh or not self._waiting:
                 # The run's marker waits on the socket before the command is sent: the framing reads it
@@ -211,13 +218,16 @@ class Shell:
                 if self._channel.send(marker + b"\n") != len(marker) + 1:
                     raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)")
                 self._waiting.append(marker)
-            self._process.write(_PREFIX.format(command=_quoted(command), reset=self._reset)
-                                + f'\n\\set -- "$1" {seq}; ' + self._trailer + "\n")
+            written = self._write(_PREFIX.format(command=_quoted(command), reset=self._reset)
+                                  + f'\n\\set -- "$1" {seq}; ' + self._trailer + "\n", deadline)
         except BlockingIOError:
             raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)") from None
         except OSError:
             raise IsolationError(f"shell {self.name!r} has ended") from None
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if not written:
+            self._timed_out()
+            raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} s (the shell "
+                               "read no more of its input)")
         # The command's output may be a flood: it is kept in a bytearray (appending is not a copy),
         # only its tail is kept, and only what is new is searched for the marker (a search from
         # the start each time would make a flood cost the host quadratic time).
@@ -244,7 +254,7 @@ class Shell:
                         del self._buffer[:excess]
                         start = max(0, start - excess)
             if reported is None:
-                reported = self._report(seq)
+                reported = self._report(seq, deadline)
             if reported is not None:
                 marker = reported[0]
                 at = self._buffer.find(marker, start)
@@ -255,9 +265,7 @@ class Shell:
             if deadline is not None:
                 wait = deadline - time.monotonic()
                 if wait <= 0:
-                    self.interrupt()
-                    self._unsynced = True
-                    self._buffer = bytearray()
+                    self._timed_out()
                     raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} "
                                        "s (it was interrupted)")
                 millis = int(wait * 1000 + 0.999)
@@ -267,7 +275,43 @@ class Shell:
         del self._buffer[:at + len(reported[0]) + 1]
         return output.decode(errors="replace"), reported[1]
 
-    def _report(self, seq: int) -> tuple[bytes, int] | None:
+    def _write(self, data: str, deadline: float | None) -> bool:
+        """Write ``data`` to the shell's input, after the rest of a line an earlier run began; False when the
+        deadline came first. A line the shell began to get is finished later (the shell reads whole lines: a
+        half would join the next); one not begun is dropped (its run's marker, which waits on the channel, is
+        read by the next framing: the next run sends none of its own, see ``_exchange``)."""
+        owed = len(self._unwritten)  # bytes of an earlier line, before this one's
+        self._unwritten += data.encode()
+        fd = self._process.stdin_fd
+        while self._unwritten:
+            try:
+                count = os.write(fd, self._unwritten)
+            except BlockingIOError:
+                count = 0
+            except OSError:
+                raise IsolationError(f"shell {self.name!r} has ended") from None
+            if count:
+                del self._unwritten[:count]
+                owed -= count
+                continue
+            millis = -1
+            if deadline is not None:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    if owed >= 0:
+                        del self._unwritten[owed:]  # not a byte of this line went: none of it goes
+                    return False
+                millis = int(wait * 1000 + 0.999)
+            self._poll_input.poll(millis)
+        return True
+
+    def _timed_out(self) -> None:
+        """A run's deadline came: what the shell runs is interrupted, the next run synchronises first."""
+        self.interrupt()
+        self._unsynced = True
+        self._buffer = bytearray()
+
+    def _report(self, seq: int, deadline: float | None = None) -> tuple[bytes, int] | None:
         """Read the shell's reports on the channel: (marker, status) once this run's has come, else None.
 
         A report names the marker its framing read and the run it belongs to; the markers sent before
@@ -288,7 +332,7 @@ class Shell:
                 # This run's framing read a marker an earlier host sent (an adopted shell's): ours waits behind
                 # it, for one more framing.
                 self._stale -= 1
-                self._process.write(f'\\set -- 0 {seq}; ' + self._trailer + "\n")
+                self._write(f'\\set -- 0 {seq}; ' + self._trailer + "\n", deadline)  # late: the run times out
                 continue
             if len(words) != 3 or words[0] not in self._waiting:
                 continue  # only the shell writes here: nothing else can name a marker

@@ -69,6 +69,8 @@ def resume_restored(managed: ManagedSandbox) -> str:
     name = managed.box.name
     assert name is not None
     managed.box = Sandbox.attach(name)
+    for context in [*managed.contexts.values(), *managed.sessions.values()]:
+        context.rebind(managed.box)  # made with the handle before (of one not attached, if paused at the restart)
     return "thawed"
 
 

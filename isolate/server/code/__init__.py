@@ -117,6 +117,18 @@ class CodeContext:
     def interrupt(self) -> None:
         self._engine.interrupt()
 
+    def rebind(self, box: Sandbox) -> None:
+        """Use ``box`` from now on: the same sandbox's new handle (a restored one is attached again at its resume,
+        and one paused when the last server ended was not attached before)."""
+        if isinstance(self._engine, (KeptInterpreter, shell.BashContext, go.GoContext)):
+            self._engine.rebind(box)
+
+    @property
+    def ends_in_sandbox(self) -> bool:
+        """Whether ending it needs the sandbox running: a kept bash context's shell is known by what the sandbox's
+        exec server holds (its ends, its pid), which a paused sandbox's frozen server cannot hand back or drop."""
+        return self.kept and self.language == "bash"
+
     def close(self) -> None:
         self._engine.close()
 
@@ -159,6 +171,9 @@ class KeptInterpreter:
     @property
     def count(self) -> int:
         return self._driver.count if self._driver is not None else self._count
+
+    def rebind(self, box: Sandbox) -> None:
+        self._box = box  # the driver it holds is a process of the sandbox, whatever the handle
 
     def _connect(self) -> Driver:
         if self._driver is None:

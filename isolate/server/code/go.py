@@ -46,6 +46,9 @@ class GoContext:
         if probe and box.exec(["sh", "-c", "command -v go"]).returncode != 0:
             raise unavailable("go", "go: not found", HINT)
 
+    def rebind(self, box: Sandbox) -> None:
+        self._box = box
+
     def run(self, code: str, emit: Emit) -> None:
         self.count += 1
         source = code if _PACKAGE.search(code) else "package main\n" + code

@@ -10,10 +10,12 @@ running when the last server ended is interrupted."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
 import stat
+import threading
 
 import psutil
 
@@ -21,9 +23,12 @@ from ...kept.sandbox import Sandbox
 from ...kept.shell import Shell
 from ...model.errors import CommandNotFoundError, IsolationError
 from ..background import Monitor, monitor_of, of_sandbox, stop_then_kill
+from ..models import ApiError
 from .driver import Emit, unavailable
 from .proctree import alive, end_with_descendants, open_descendant
 
+#: Shells whose ends the sandbox's exec server keeps at once (csrc/xs_keep.c's MAX_KEPT).
+KEPT_SHELLS = 64
 #: The shell: bash, as the language says (a sandbox's ``/bin/sh`` may be dash or busybox ash).
 BASH = "/bin/bash"
 HINT = "it needs bash inside the sandbox (Debian: apt-get install bash; Alpine: apk add bash)"
@@ -38,6 +43,11 @@ class BashShell:
         self.kept = kept
         self._box, self._key = box, key
         self._shell: Shell | None = None
+        # The adoption is this shell's alone: a run adopts under this lock, as a delete does (a run may last for
+        # ever, so a delete does not wait for the run's own lock), and two adoptions at once would each hold the
+        # shell's ends, one of them for good; none after the delete.
+        self._adopting = threading.Lock()
+        self._ended = False
         if not fresh:
             return
         shell = Shell(box, key, pty=False, argv=(BASH,), detached=kept)  # CommandNotFoundError: no bash there
@@ -45,43 +55,62 @@ class BashShell:
             try:
                 ends, peer = shell.ends()
                 box._conn().keep(key, ends, note=peer)
-            except OSError as exc:
+            except BaseException as exc:
                 shell.close()
-                raise IsolationError(f"the shell could not be kept past the server: the sandbox's exec server "
-                                     f"refused its ends ({exc.strerror or exc})") from None
-            except BaseException:
-                shell.close()
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    raise ApiError(429, "TOO_MANY_SESSIONS", f"the sandbox's exec server keeps the shells of at most "
+                                   f"{KEPT_SHELLS} bash contexts and sessions past their server, and holds that many "
+                                   "(a server killed as it started one leaves it there until that shell ends); "
+                                   "delete one first") from None
+                if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+                    raise ApiError(429, "TOO_MANY_SESSIONS", "the sandbox's open-files limit leaves its exec server no "
+                                   "room to keep one more bash shell past its server (it keeps them in half its "
+                                   "descriptors); delete a bash context or session first, or give the sandbox a "
+                                   "higher open-files limit") from None
+                if isinstance(exc, OSError):
+                    raise IsolationError(f"the shell could not be kept past the server: the sandbox's exec server "
+                                         f"refused its ends ({exc.strerror or exc})") from None
                 raise
         self._shell = shell
 
+    def rebind(self, box: Sandbox) -> None:
+        self._box = box  # the shell it holds is a process of the sandbox, whatever the handle
+
     def shell(self) -> Shell:
-        if self._shell is None:
-            self._shell = _adopt(self._box, self._key)
-        return self._shell
+        with self._adopting:
+            if self._ended:
+                raise RuntimeError("it was deleted")
+            if self._shell is None:
+                self._shell = _adopt(self._box, self._key)
+            return self._shell
 
     def run(self, command: str, timeout: float | None) -> tuple[str, int]:
         return self.shell().run(command, timeout)
 
     def interrupt(self) -> None:
-        if self._shell is not None:
-            self._shell.interrupt()
+        shell = self._shell
+        if shell is not None:
+            shell.interrupt()
 
     def detach(self) -> None:
         """Let go of a kept shell without ending it (the exec server holds its ends for the next server)."""
-        shell, self._shell = self._shell, None
+        with self._adopting:
+            shell, self._shell = self._shell, None
         if shell is not None:
             shell.release()
 
     def close(self) -> None:
         """End the shell and what its commands started (a kept one's adopted first, to learn which), and let the
-        exec server drop its ends. In a paused sandbox the exec server does not answer: a kept shell not adopted
-        yet then ends with the sandbox, and its ends stay held until the exec server needs their place (it lets
-        go of a shell's that has ended first)."""
+        exec server drop its ends. In a paused sandbox the exec server does not answer (the server refuses to
+        delete a kept bash context there): a kept shell not adopted yet then ends with the sandbox, and its ends
+        stay held until the exec server needs their place (it lets go of an ended shell's first)."""
         paused = bool(getattr(getattr(self._box, "_impl", None), "paused", False))
-        if self._shell is None and self.kept and not paused:
-            with contextlib.suppress(Exception):
-                self.shell()
-        shell, self._shell = self._shell, None
+        with self._adopting:
+            if self._shell is None and self.kept and not paused:
+                with contextlib.suppress(Exception):
+                    self._shell = _adopt(self._box, self._key)
+            self._ended = True
+            shell, self._shell = self._shell, None
         try:
             if shell is not None:
                 shell.close()
@@ -117,6 +146,9 @@ class BashContext:
 
     def detach(self) -> None:
         self._bash.detach()
+
+    def rebind(self, box: Sandbox) -> None:
+        self._bash.rebind(box)
 
     def close(self) -> None:
         self._bash.close()
@@ -156,8 +188,19 @@ def _adopt(box: Sandbox, key: str) -> Shell:
             os.close(fd)
 
 
+def _reads(pid: int, stdin_fd: int) -> bool:
+    """Whether the process ``pid`` reads the pipe ``stdin_fd`` writes to, as its standard input: the shell, not
+    another process that got its number once it was reaped (checked while a pidfd holds the number, before the
+    pidfd is found still alive). A process the shell started may read it too, but none but the sandbox's own."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/fd/0"), os.fstat(stdin_fd)
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
 class _AdoptedShell:
-    """A kept shell as ``Shell`` drives it (write, stdout_fd, poll, signal, kill, close), through a pidfd of its
+    """A kept shell as ``Shell`` drives it (stdin_fd, stdout_fd, poll, signal, kill, close), through a pidfd of its
     process: a process of the sandbox, checked once the pidfd is open (its pid came from the last server, and
     is given again once its process is reaped)."""
 
@@ -169,7 +212,8 @@ class _AdoptedShell:
             with contextlib.suppress(OSError):
                 self._pidfd = os.pidfd_open(pid)
         try:
-            held = self._pidfd >= 0 and of_sandbox(box, pid) and alive(self._pidfd)
+            held = (self._pidfd >= 0 and of_sandbox(box, pid) and _reads(pid, stdin_fd)
+                    and alive(self._pidfd))
         except psutil.Error:
             held = False
         if not held:
@@ -181,11 +225,6 @@ class _AdoptedShell:
         self._monitor: Monitor | None = None
         with contextlib.suppress(psutil.Error):
             self._monitor = monitor_of(box, psutil.Process(pid))
-
-    def write(self, data: str | bytes) -> None:
-        view = memoryview(data.encode() if isinstance(data, str) else data)
-        while view:
-            view = view[os.write(self.stdin_fd, view):]
 
     def poll(self) -> int | None:
         return None if self._pidfd >= 0 and alive(self._pidfd) else -1

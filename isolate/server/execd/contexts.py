@@ -65,10 +65,19 @@ async def get_context(request: Request) -> Response:
     return JSONResponse({"id": context.id, "language": context.language})
 
 
+def _endable(managed: ManagedSandbox, doomed: list[CodeContext]) -> None:
+    """Refuse (409) to end, while the sandbox is not running, a context whose end needs it running: each would
+    wait on its frozen exec server, and what it could not reach (a kept bash context's shell) would live on."""
+    if managed.state != "Running" and any(c.ends_in_sandbox for c in doomed):
+        raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {managed.id} is {managed.state}: a kept bash context "
+                       "ends with the sandbox's help (its exec server holds the shell's ends); resume it first")
+
+
 @api
 async def delete_context(request: Request) -> Response:
     managed = sandbox_for(request, running=False)
     context = _context(managed, request.path_params["context_id"])
+    _endable(managed, [context])
     managed.contexts.pop(context.id, None)
     await run_in_threadpool(context.close)
     if context.kept:
@@ -81,6 +90,7 @@ async def delete_contexts(request: Request) -> Response:
     managed = sandbox_for(request, running=False)
     language = _language(request.query_params.get("language"))
     doomed = [c for c in managed.contexts.values() if c.language == language]
+    _endable(managed, doomed)
     for context in doomed:
         managed.contexts.pop(context.id, None)
         await run_in_threadpool(context.close)

@@ -95,9 +95,14 @@ async def run_in_session(request: Request) -> Response:
 @api
 async def delete_session(request: Request) -> Response:
     managed = sandbox_for(request, running=False)
-    shell = managed.sessions.pop(request.path_params["session_id"], None)
+    shell = managed.sessions.get(request.path_params["session_id"])
     if shell is None:
         raise ApiError(404, "SESSION_NOT_FOUND", "no such session")
+    if shell.kept and managed.state != "Running":
+        # Its end needs the sandbox's exec server, which holds the shell's ends and is frozen meanwhile.
+        raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {managed.id} is {managed.state}: a kept bash session "
+                       "ends with the sandbox's help (its exec server holds the shell's ends); resume it first")
+    managed.sessions.pop(request.path_params["session_id"], None)
     await run_in_threadpool(shell.close)
     if shell.kept:
         await run_in_threadpool(managed.changed)

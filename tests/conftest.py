@@ -206,6 +206,7 @@ HOST_INDEPENDENT = frozenset({
     "test_csrc_layers.py",
     "test_docker.py",
     "test_examples.py",
+    "test_images_memory.py",
     "test_images_push.py",
     "test_images_subids.py",
     "test_images_trust.py",

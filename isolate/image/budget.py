@@ -31,7 +31,7 @@ SMALL_WINDOW = 8 << 20
 #: zstd's own default bound on a window (its ZSTD_WINDOWLOG_LIMIT_DEFAULT, 2**27): a frame past it is refused.
 MAX_WINDOW = 128 << 20
 #: Bytes of small files read ahead and not yet written, for every unpack of the process together.
-CONTENTS_BYTES = 16 << 20
+CONTENTS_BYTES = 8 << 20
 
 
 class Slots:

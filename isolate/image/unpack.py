@@ -301,6 +301,9 @@ class _Parser:
                 for count, member in enumerate(archive, 1):
                     if count > MAX_ENTRIES:
                         raise BadImageError(f"{self.what}: more than {MAX_ENTRIES} entries: refused")
+                    # tarfile keeps every entry it read (for a random access a stream never makes): a layer's
+                    # headers would all be held to its end. Its iteration reads on past a list emptied.
+                    archive.members.clear()
                     data = None
                     if member.isreg() and member.size <= _SMALL_FILE:
                         # Its bytes taken from the process's budget first (given back once written).

@@ -303,7 +303,7 @@ class _Parser:
                         raise BadImageError(f"{self.what}: more than {MAX_ENTRIES} entries: refused")
                     # tarfile keeps every entry it read (for a random access a stream never makes): a layer's
                     # headers would all be held to its end. Its iteration reads on past a list emptied.
-                    archive.members.clear()
+                    archive.members.clear()  # type: ignore[attr-defined]
                     data = None
                     if member.isreg() and member.size <= _SMALL_FILE:
                         # Its bytes taken from the process's budget first (given back once written).

@@ -207,6 +207,7 @@ HOST_INDEPENDENT = frozenset({
     "test_docker.py",
     "test_examples.py",
     "test_exec_keep.py",
+    "test_images_memory.py",
     "test_images_push.py",
     "test_images_subids.py",
     "test_images_trust.py",

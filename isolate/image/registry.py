@@ -31,8 +31,9 @@ process and a binary more on every host, for less control.
   ``credsStore`` (``docker-credential-NAME get``), as docker and podman read
   them.
 - Indexes and manifest lists: the host's platform is chosen.
-- Layers download in parallel (four at a time), each streamed into its
-  unpacking; one a store already holds is not fetched.
+- Layers download in parallel (four at a time: budget.PARALLEL, for the
+  whole process), each streamed into its unpacking; one a store already
+  holds is not fetched.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from typing import IO, Any
 from ..model.errors import IsolationError
 from ..model.files import read_input_file
 from .archive import INDEX_TYPES, Found, choose_manifest, parse_json
+from .budget import PARALLEL
 from .reference import DEFAULT_REGISTRY, Reference
 from .store import MAX_METADATA_SIZE, verify
 from .unpack import BadImageError
@@ -68,7 +70,6 @@ MANIFEST_TYPES = ", ".join((
     "application/vnd.docker.distribution.manifest.v2+json"))
 TIMEOUT = 60.0
 MAX_REDIRECTS = 5
-PARALLEL = 4
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
 #: Where docker and podman look for a registry's CAs and client certificates (HOST:PORT under each), after
 #: the user's own ~/.config/containers/certs.d (containers-certs.d(5), docker's "Verify repository client

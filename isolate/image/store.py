@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ..model.errors import IsolationError
-from . import leases
+from . import budget, leases
 from .unpack import BadImageError, LayerIndex, remove_tree, unpack
 
 STORE_ENV = "ISOLATE_IMAGE_STORE"
@@ -99,7 +99,7 @@ class _HashingReader(io.RawIOBase):
         return True
 
     def drain(self) -> None:
-        buffer = bytearray(1 << 20)
+        buffer = bytearray(256 << 10)
         while self.readinto(buffer):
             pass
 
@@ -230,9 +230,11 @@ class Store:
                 os.mkdir(os.path.join(work, "root"), 0o755)
                 root_fd = os.open(os.path.join(work, "root"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
                 try:
-                    with opener() as raw:
+                    # One of the process's few layers unpacked at once (budget.py): taken before the blob is
+                    # opened, so that no more downloads than unpacks are under way either.
+                    with budget.slot() as held, opener() as raw:
                         reader = _HashingReader(raw, self.max_image_size, what)
-                        unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size)
+                        unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size, slot=held)
                         reader.drain()
                 finally:
                     os.close(root_fd)

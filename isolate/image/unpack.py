@@ -56,6 +56,7 @@ from typing import IO, Any
 
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
+from .budget import CONTENTS, CONTENTS_BYTES, MAX_WINDOW, SMALL_WINDOW, Account, Slot
 from .writers import Writers
 
 WHITEOUT_PREFIX = ".wh."
@@ -64,10 +65,14 @@ OPAQUE_XATTR = "user.overlay.opaque"
 #: How many of a layer's directories an unpack keeps open at most (then it closes them all and walks anew).
 _OPEN_DIRS = 256
 _REFUSED_XATTRS = ("security.capability", "trusted.", "user.overlay.")
-_CHUNK = 1 << 20
-#: Threads making a layer's inodes side by side (writers.py), and the bytes of contents read and not yet written.
+#: What each stage of an unpack reads at once (and what its read-ahead holds: _AHEAD of them): what an unpack holds
+#: beyond its small files' contents (budget.CONTENTS) and its decompressor's window.
+_CHUNK = 256 << 10
+_AHEAD = 4
+#: Threads making a layer's inodes side by side (writers.py), and the bytes of contents read and not yet written
+#: (of one layer: all of them together are bounded by budget.CONTENTS).
 _WRITERS = 4
-_IN_FLIGHT = 16 << 20
+_IN_FLIGHT = CONTENTS_BYTES
 #: Tasks given the threads and not yet run: each holds one or two descriptors (within the usual limit of 1024,
 #: beside the directories this thread keeps open: _OPEN_DIRS, and MAX_DEPTH for one walk).
 _TASKS = 128
@@ -134,7 +139,7 @@ class _Ahead(io.RawIOBase):
     into the source's ``sha`` as they are read from here (the hashing shared out: the thread decompressing is
     the busiest). The thread's error is raised here, where the stream is read; ``stop()`` ends the thread."""
 
-    def __init__(self, source: _Counting, depth: int = 4) -> None:
+    def __init__(self, source: _Counting, depth: int = _AHEAD) -> None:
         super().__init__()
         self.source = source
         self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(depth)
@@ -205,8 +210,20 @@ def _gzip_reader() -> tuple[Any, tuple[type[Exception], ...]]:
 _GZIP, _DAMAGED = _gzip_reader()
 
 
-def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
-    """The layer's tar stream, whatever its compression (told by its first bytes)."""
+def _zstd_errors() -> tuple[type[Exception], ...]:
+    try:
+        return (importlib.import_module("zstandard").ZstdError,)
+    except ImportError:
+        return ()
+
+
+_DAMAGED += _zstd_errors()  # a damaged zstd frame, or one whose window is past MAX_WINDOW
+
+
+def _decompressed(raw: io.RawIOBase, what: str, slot: Slot | None) -> IO[bytes]:
+    """The layer's tar stream, whatever its compression (told by its first bytes). A zstd frame's decoder holds
+    its whole window: past budget.SMALL_WINDOW (the first frame's), the layer unpacks alone (``slot``), and a
+    frame past MAX_WINDOW, or past SMALL_WINDOW when the first was not, is refused."""
     buffered = io.BufferedReader(raw, _CHUNK)
     magic = buffered.peek(4)[:4]
     if magic[:2] == b"\x1f\x8b":
@@ -217,7 +234,18 @@ def _decompressed(raw: io.RawIOBase, what: str) -> IO[bytes]:
         except ImportError:
             raise BadImageError(f"{what}: a zstd layer, and the Python module zstandard is not installed "
                                 "(pip install 'isolate[images]')") from None
-        return zstandard.ZstdDecompressor().stream_reader(buffered)  # type: ignore[no-any-return]
+        try:
+            window = int(zstandard.get_frame_parameters(buffered.peek(18)[:18]).window_size)
+        except zstandard.ZstdError as exc:
+            raise BadImageError(f"{what}: its compressed stream is damaged ({exc})") from None
+        if window > MAX_WINDOW:
+            raise BadImageError(f"{what}: a zstd frame whose window is {window} bytes, past {MAX_WINDOW}: refused")
+        bound = SMALL_WINDOW
+        if window > SMALL_WINDOW:
+            bound = MAX_WINDOW
+            if slot is not None:
+                slot.alone()
+        return zstandard.ZstdDecompressor(max_window_size=bound).stream_reader(buffered)  # type: ignore[no-any-return]
     return buffered
 
 
@@ -250,13 +278,14 @@ class Unpacked:
 class _Parser:
     """The archive's entries parsed by a thread of its own (tarfile's headers cost as much as the checks), in
     order, each with its contents when it is a regular file of at most _SMALL_FILE bytes (read, ``depth``
-    entries ahead at most). A larger one is read by the caller from ``archive`` (its ``extractfile``) while
-    this thread waits, until ``next()`` is called again. The thread's error is raised by ``next()``."""
+    entries ahead at most, their bytes taken from ``account``: given back once written). A larger one is read by
+    the caller from ``archive`` (its ``extractfile``) while this thread waits, until ``next()`` is called again.
+    The thread's error is raised by ``next()``."""
 
     _END = object()
 
-    def __init__(self, stream: IO[bytes], what: str, depth: int = 16) -> None:
-        self.stream, self.what = stream, what
+    def __init__(self, stream: IO[bytes], what: str, account: Account, depth: int = 16) -> None:
+        self.stream, self.what, self.account = stream, what, account
         self.entries: queue.Queue[Any] = queue.Queue(depth)
         self.stopping = threading.Event()
         self.turn = threading.Event()  # set: the caller is done with a large file's contents
@@ -272,8 +301,14 @@ class _Parser:
                 for count, member in enumerate(archive, 1):
                     if count > MAX_ENTRIES:
                         raise BadImageError(f"{self.what}: more than {MAX_ENTRIES} entries: refused")
+                    # tarfile keeps every entry it read (for a random access a stream never makes): a layer's
+                    # headers would all be held to its end. Its iteration reads on past a list emptied.
+                    archive.members.clear()  # type: ignore[attr-defined]
                     data = None
                     if member.isreg() and member.size <= _SMALL_FILE:
+                        # Its bytes taken from the process's budget first (given back once written).
+                        if member.size and not self.account.take(member.size, self.stopping):
+                            return
                         source = archive.extractfile(member)
                         assert source is not None
                         data = source.read()
@@ -318,15 +353,20 @@ class _Parser:
         self.thread.join()
 
 
-def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None) -> Unpacked:
-    """Unpack the layer read from ``blob`` into the empty directory ``root_fd``."""
-    unpacker = _Unpacker(root_fd, what, max_size)
+def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None, slot: Slot | None = None) -> Unpacked:
+    """Unpack the layer read from ``blob`` into the empty directory ``root_fd``. ``slot``: the caller's hold on
+    budget.SLOTS (taken for all of them where the layer's decompression needs a large window)."""
+    account = CONTENTS.account()
+    unpacker = _Unpacker(root_fd, what, max_size, account)
     ahead = parser = None
     try:
-        tar_stream = _Counting(_decompressed(blob, what), max_size, what)
+        try:
+            tar_stream = _Counting(_decompressed(blob, what, slot), max_size, what)
+        except _DAMAGED as exc:
+            raise BadImageError(f"{what}: its compressed stream is damaged ({exc})") from None
         # Decompressed and hashed by a thread of its own, parsed by another, ahead of the checks here.
         ahead = _Ahead(tar_stream)
-        parser = _Parser(io.BufferedReader(ahead, _CHUNK), what)
+        parser = _Parser(io.BufferedReader(ahead, _CHUNK), what, account)
         return _unpack(ahead, parser, tar_stream, unpacker, what)
     finally:
         if parser is not None:
@@ -335,6 +375,7 @@ def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None)
             ahead.stop()  # before the caller reads the blob on (its digest), or throws the layer away
         unpacker.stop()
         unpacker.forget()
+        account.close()  # what its threads held when it ended (each stopped above)
 
 
 def _unpack(ahead: _Ahead, parser: _Parser, tar_stream: _Counting, unpacker: _Unpacker, what: str) -> Unpacked:
@@ -382,8 +423,8 @@ def entry_name(name: str, what: str) -> str:
 
 
 class _Unpacker:
-    def __init__(self, root_fd: int, what: str, max_size: int | None) -> None:
-        self.root_fd, self.what, self.max_size = root_fd, what, max_size
+    def __init__(self, root_fd: int, what: str, max_size: int | None, account: Account) -> None:
+        self.root_fd, self.what, self.max_size, self.account = root_fd, what, max_size, account
         self.index = LayerIndex()
         self.files: set[str] = set()  # regular files written, the only targets a hard link may have
         self.dir_modes: list[tuple[str, int, float]] = []
@@ -392,7 +433,7 @@ class _Unpacker:
         #: While the layer only adds names: the threads making them, and what each name made is ("d": a
         #: directory, "f": a regular file, "o": anything else). None once an entry replaced one (see the
         #: module's docstring): from there on, each entry is made in this thread.
-        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT, _TASKS)
+        self.writers: Writers | None = Writers(_WRITERS, _IN_FLIGHT, _TASKS, account.give)
         self.made: dict[str, str] = {}
 
     def refuse(self, name: str, why: str) -> BadImageError:
@@ -524,6 +565,7 @@ class _Unpacker:
             elif member.isreg() and data is not None:
                 self.grow(member.size, member.name)
                 self.write_file(dir_fd, name, data, member)
+                self.account.give(len(data))
                 self.files.add(rel)
                 self.index.others.append(rel)
             elif member.isreg():

@@ -29,10 +29,11 @@ Task = Callable[[], None]
 
 
 class Writers:
-    """``count`` threads running tasks by key (started on the first task)."""
+    """``count`` threads running tasks by key (started on the first task); ``done(size)`` called once each task
+    given is run or dropped (its contents' bytes no longer held)."""
 
-    def __init__(self, count: int, limit: int, tasks: int) -> None:
-        self.count, self.limit, self.tasks = count, limit, tasks
+    def __init__(self, count: int, limit: int, tasks: int, done: Callable[[int], None] | None = None) -> None:
+        self.count, self.limit, self.tasks, self.done = count, limit, tasks, done
         self._queues: list[queue.SimpleQueue[tuple[Task, int, tuple[int, ...]] | None]] = []
         self._threads: list[threading.Thread] = []
         self._done = threading.Condition()
@@ -99,6 +100,8 @@ class Writers:
             finally:
                 for fd in fds:
                     os.close(fd)
+            if self.done is not None and size:
+                self.done(size)  # run or dropped: its bytes no longer held
             with self._done:
                 if failed is not None and self.error is None:
                     self.error = failed

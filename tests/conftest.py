@@ -362,3 +362,21 @@ def in_threads(work: Any, count: int) -> list[BaseException]:
     for worker in workers:
         worker.join()
     return failures
+
+
+def finishes(call: Any, within: float) -> tuple[bool, Any]:
+    """Run call in a thread: (whether it returned or raised within the time, what it gave)."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = call()
+        except BaseException as exc:
+            out["value"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    return not thread.is_alive(), out.get("value")

@@ -53,7 +53,7 @@ def layer(entries: list[dict[str, Any]]) -> bytes:
                 info.type = tarfile.FIFOTYPE
             if kind == "file" and "size" in entry:
                 info.size = entry["size"]
-                tar.addfile(info, _Zeros(entry["size"]))  # type: ignore[arg-type]
+                tar.addfile(info, Zeros(entry["size"]))  # type: ignore[arg-type]
             elif kind == "file":
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -62,7 +62,9 @@ def layer(entries: list[dict[str, Any]]) -> bytes:
     return out.getvalue()
 
 
-class _Zeros:
+class Zeros:
+    """A file-like object of n zero bytes (a layer's large file, never held whole)."""
+
     def __init__(self, n: int) -> None:
         self.left = n
 

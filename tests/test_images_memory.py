@@ -31,16 +31,6 @@ LAYERS, LAYER_BYTES = 4, 24 << 20
 GROWTH_MIB = 40
 
 
-class _Zeros:
-    def __init__(self, n: int) -> None:
-        self.left = n
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.left if n < 0 else min(n, self.left)
-        self.left -= n
-        return bytes(n)
-
-
 def _layout(path: Path, name: str, layers: int, size: int) -> None:
     """An OCI layout (ref "1") of ``layers`` uncompressed layers, each one file of ``size`` zeros, written to disk
     as it is made (never held whole here)."""
@@ -52,7 +42,7 @@ def _layout(path: Path, name: str, layers: int, size: int) -> None:
         with tarfile.open(work, "w", format=tarfile.PAX_FORMAT) as tar:
             info = tarfile.TarInfo(f"{name}-{number}")
             info.size, info.mtime = size, 1700000000
-            tar.addfile(info, _Zeros(size))  # type: ignore[arg-type]
+            tar.addfile(info, kit.Zeros(size))  # type: ignore[arg-type]
         sha = hashlib.sha256()
         with open(work, "rb") as handle:
             while chunk := handle.read(1 << 20):

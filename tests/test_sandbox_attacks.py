@@ -13,12 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, PYTHON, descriptors_past_fd_setsize, policy, python_read
+from conftest import NAMESPACES_WHY, PYTHON, descriptors_past_fd_setsize, finishes, policy, python_read
 from test_sandbox_docker import DOCKER_WHY, IMAGE
 
 import isolate
@@ -53,22 +53,6 @@ def box(source: str, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
         yield sandbox
 
 
-def _finishes(call: Callable[[], Any], within: float) -> tuple[bool, Any]:
-    """Run call in a thread: (whether it returned or raised within the time, what it gave)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = call()
-        except BaseException as exc:
-            out["value"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(within)
-    return not thread.is_alive(), out.get("value")
-
-
 def test_commit_refuses_links_that_leave_the_tree_through_other_links(box: Sandbox, workdir: str) -> None:
     # Each link's own text stays inside; followed as the kernel does, `out` names the target's parent.
     box.exec("mkdir a && ln -s .. a/up && ln -s a/up/.. out && ln -s a/up/a/up/../.. out2 && ln -s a/up/a.txt ok")
@@ -97,10 +81,10 @@ def test_a_stopped_exec_server_is_continued(box: Sandbox, monkeypatch: pytest.Mo
         return
     assert box.exec(f"kill -STOP {SERVER}").returncode == 0
     for _ in range(3):
-        done, value = _finishes(lambda: box.read_file("a.txt"), 20)
+        done, value = finishes(lambda: box.read_file("a.txt"), 20)
         assert done, "read_file hung on a stopped exec server"
         assert value == "kept", value
-        done, value = _finishes(lambda: box.exec("echo hi", timeout=5), 20)
+        done, value = finishes(lambda: box.exec("echo hi", timeout=5), 20)
         assert done, "exec hung on a stopped exec server"
         assert not isinstance(value, Exception) and value.stdout == "hi\n", value
         box.exec(f"kill -STOP {SERVER}")
@@ -113,7 +97,7 @@ def test_a_command_that_stops_its_monitor_does_not_outwait_its_timeout(box: Sand
     monkeypatch.setattr(commands, "GRACE", 1.0)
     # The monitor may be stopped before it says STARTED (then the start's own wait ends it).
     monkeypatch.setattr(protocol, "REPLY_TIMEOUT", 2.0)
-    done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 30)
+    done, value = finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 30)
     assert done, "exec(timeout=1) hung on a stopped monitor"
     assert isinstance(value, (isolate.IsolationError, commands.ExecResult)), value
     if isinstance(value, commands.ExecResult):
@@ -136,7 +120,7 @@ def test_a_pause_longer_than_a_commands_timeout_does_not_end_the_sandbox(box: Sa
             waiting.wait()
         return
     out: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: out.update(value=_finishes(waiting.wait, 30)), daemon=True)
+    thread = threading.Thread(target=lambda: out.update(value=finishes(waiting.wait, 30)), daemon=True)
     thread.start()  # waits through the pause, not past it
     time.sleep(3)
     assert "value" not in out, out
@@ -453,7 +437,7 @@ def test_a_stopped_monitor_is_continued_and_enforces_the_timeout(box: Sandbox) -
     import time
 
     started = time.monotonic()
-    done, value = _finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 25)
+    done, value = finishes(lambda: box.exec("kill -STOP $PPID; sleep 1000", timeout=1), 25)
     assert done and not isinstance(value, BaseException), value
     assert value.timed_out and time.monotonic() - started < 10, value
     assert "sleep 1000" not in box.exec("ps -eo args").stdout
@@ -503,7 +487,7 @@ def test_a_command_that_keeps_stopping_its_monitor_ends_by_its_deadline(box: San
 
     monkeypatch.setattr(commands, "GRACE", 2.0)
     started = time.monotonic()
-    done, value = _finishes(lambda: box.exec("while :; do kill -STOP $PPID; done & sleep 1000", timeout=1), 30)
+    done, value = finishes(lambda: box.exec("while :; do kill -STOP $PPID; done & sleep 1000", timeout=1), 30)
     assert done, "exec(timeout=1) outlived its deadline"
     assert time.monotonic() - started < 20
     if not isinstance(value, BaseException):

@@ -4,13 +4,10 @@ deadline (isolate.kept.shell.Shell)."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from conftest import policy
+from conftest import finishes, policy
 
 from isolate import Sandbox, Workspace
 from isolate.kept.shell import Shell
@@ -18,22 +15,6 @@ from isolate.kept.shell import Shell
 #: A command of the shell's that stops the shell (any process of the sandbox with its uid can): it reads no more of
 #: its input pipe, and a command line longer than the pipe holds finds no room.
 STOP = "( sleep 0.3; kill -STOP $$ ) >/dev/null 2>&1 &"
-
-
-def _finishes(call: Callable[[], Any], within: float) -> tuple[bool, Any]:
-    """Run call in a thread: (whether it returned or raised within the time, what it gave)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = call()
-        except BaseException as exc:
-            out["value"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(within)
-    return not thread.is_alive(), out.get("value")
 
 
 def test_a_full_input_pipe_keeps_the_runs_timeout(tmp_path: Path) -> None:
@@ -46,7 +27,7 @@ def test_a_full_input_pipe_keeps_the_runs_timeout(tmp_path: Path) -> None:
         try:
             assert sh.run(STOP, timeout=30) == ("", 0)
             time.sleep(1.5)
-            done, value = _finishes(lambda: sh.run("echo " + "x" * 70_000, timeout=1), within=15)
+            done, value = finishes(lambda: sh.run("echo " + "x" * 70_000, timeout=1), within=15)
             assert done, "the run's write waited past its timeout"
             assert isinstance(value, TimeoutError), value
             # The rest of that line waits for room, then goes before the next's: the shell reads whole lines.

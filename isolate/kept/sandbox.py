@@ -533,14 +533,29 @@ class Sandbox:
         if ahead and (self.name is not None or self.backend != "native"):
             raise UnsupportedError("restore(ahead=True): the spare it starts is an unnamed native sandbox (a name "
                                    "is one sandbox's); restore without ahead")
+        if ahead and self._ttl is not None:
+            # The ttl is counted by the init and the exec server from their start: a spare's would run while it
+            # waits, and the sandbox swapped in would end that much sooner than a restored one.
+            raise UnsupportedError("restore(ahead=True): the sandbox has a ttl, and a spare's ttl would count from "
+                                   "the spare's start, not the restore's; restore without ahead, or use "
+                                   "idle_timeout")
         workspace = check_start(snapshot, self.workspace)
         check_image(snapshot, self.policy)
         upper = "disk" if snapshot.image is not None else self.image_upper
-        spare, self._ahead = getattr(self, "_ahead", None), None
-        prepared = spare.take(snapshot) if spare is not None else None
-        if prepared is not None:
-            self._swap_in(prepared, snapshot, upper)
-        else:
+        spare = getattr(self, "_ahead", None)
+        if spare is not None and spare.of(snapshot):
+            os.close(snapshot._open())  # a snapshot removed meanwhile is refused, as a restore's start refuses it
+        self._ahead = None
+        prepared = None
+        try:
+            prepared = spare.take(snapshot) if spare is not None else None
+            if prepared is not None:
+                self._swap_in(prepared, snapshot, upper)
+        except BaseException:
+            if spare is not None and self._impl is not prepared:
+                spare.discard()  # taken, and not this sandbox's: ended (a KeyboardInterrupt while it started)
+            raise
+        if prepared is None:
             self._restart_from(snapshot, workspace, upper)
         if ahead:
             self._ahead = Ahead(snapshot, make_backend(self.backend, self.policy, workspace, self.mounts, None,

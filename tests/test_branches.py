@@ -235,6 +235,34 @@ def test_a_restore_ahead_that_fails_after_taking_its_spare_ends_the_spare(source
     assert _wait_for_inits(alone) == alone  # the spare too
 
 
+def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source: str) -> None:
+    """close while another thread restores (ahead) waits for that restore: it ends the sandbox started by it and
+    its spare (they were started after the close ended the old one, and ran until this process's exit)."""
+    import threading
+
+    alone = _inits()
+    for _ in range(3):
+        box = Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")).start()
+        snap = box.snapshot()
+        stopped: list[BaseException] = []
+
+        def restores(box: Sandbox = box, snap: isolate.Snapshot = snap, stopped: list[BaseException] = stopped) -> None:
+            try:
+                while True:
+                    box.restore(snap, ahead=True)
+            except isolate.IsolationError as exc:
+                stopped.append(exc)
+
+        thread = threading.Thread(target=restores)
+        thread.start()
+        time.sleep(0.1)
+        box.close()
+        thread.join(30)
+        assert stopped and "not running" in str(stopped[0])
+        assert _wait_for_inits(alone) == alone
+        snap.remove()
+
+
 def test_a_restore_ahead_to_a_removed_snapshot_is_refused_as_a_restore_is(source: str) -> None:
     with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
         snap = box.snapshot()

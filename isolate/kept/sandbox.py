@@ -16,6 +16,7 @@ same exec server, with the same API. Both implement one interface
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import math
@@ -140,6 +141,9 @@ class Sandbox:
         self.restore_skipped: tuple[str, ...] = ()
         #: The next restore, started ahead (``restore(ahead=True)``).
         self._ahead: Ahead | None = None
+        #: Held by restore and close: one of them at a time (a close during a restore in another thread would
+        #: end the old sandbox while the restore started the new one and its spare, never ended).
+        self._lifecycle = threading.RLock()
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -184,6 +188,7 @@ class Sandbox:
         box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
         box._fork_point, box.restore_skipped = None, ()
         box.image_upper = "disk" if getattr(impl, "image_upper", None) is not None else "tmpfs"
+        box._lifecycle = threading.RLock()
         return box
 
     def _close_sessions(self) -> None:
@@ -199,8 +204,17 @@ class Sandbox:
         self._impl.detach()
         self._started = False
 
+    def _one_at_a_time(self) -> contextlib.AbstractContextManager[Any]:
+        """restore and close, one at a time (a Sandbox made without __init__ has no lock: no restore either)."""
+        lock = getattr(self, "_lifecycle", None)
+        return lock if lock is not None else contextlib.nullcontext()
+
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
+        with self._one_at_a_time():
+            self._close()
+
+    def _close(self) -> None:
         spare, self._ahead = getattr(self, "_ahead", None), None
         if spare is not None:
             spare.discard()
@@ -527,6 +541,10 @@ class Sandbox:
         ``restore(snapshot)`` swaps that one in instead of starting one (a loop that resets a sandbox after each
         episode); a spare sandbox waits meanwhile, until that restore, a restore to another snapshot or close.
         """
+        with self._one_at_a_time():
+            self._restore(snapshot, ahead)
+
+    def _restore(self, snapshot: Snapshot, ahead: bool) -> None:
         self._running("restore")
         if not isinstance(ahead, bool):
             raise PolicyError(f"ahead: expected True or False, got {ahead!r}", "ahead")

@@ -540,6 +540,7 @@ class Sandbox:
         now, in the background (an unnamed native sandbox: ``isolate.kept.ahead``), so that the next
         ``restore(snapshot)`` swaps that one in instead of starting one (a loop that resets a sandbox after each
         episode); a spare sandbox waits meanwhile, until that restore, a restore to another snapshot or close.
+        Refused with a ttl (a spare's would run from its own start). A close in another thread waits for it.
         """
         with self._one_at_a_time():
             self._restore(snapshot, ahead)

@@ -194,6 +194,84 @@ def test_a_restore_started_ahead_is_the_snapshot_and_ends_with_the_sandbox(sourc
         named.close()
 
 
+def _inits() -> int:
+    return sum(1 for p in psutil.Process().children() if _cmdline(p).startswith("isolate-init"))
+
+
+def _wait_for_inits(n: int) -> int:
+    deadline = time.monotonic() + 10
+    while _inits() != n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _inits()
+
+
+def test_restore_ahead_refuses_a_ttl_before_anything_ends(source: str) -> None:
+    """A spare's ttl runs from its own start (the init's and the exec server's clocks): swapped in, the sandbox
+    would end sooner than a restored one. Refused, before anything ends."""
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay"), ttl=60) as box:
+        snap = box.snapshot()
+        box.write_file("mark", "kept")
+        with pytest.raises(isolate.UnsupportedError, match="ttl"):
+            box.restore(snap, ahead=True)
+        assert box.read_file("mark") == "kept"
+
+
+def test_a_restore_ahead_that_fails_after_taking_its_spare_ends_the_spare(source: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    alone = _inits()
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        snap = box.snapshot()
+        box.restore(snap, ahead=True)
+        assert _wait_for_inits(alone + 2) == alone + 2  # the sandbox and its spare
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(box, "_close_sessions", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            box.restore(snap)
+        monkeypatch.undo()
+        assert box.exec("echo on").stdout == "on\n"  # the sandbox as it was
+    assert _wait_for_inits(alone) == alone  # the spare too
+
+
+def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source: str) -> None:
+    """close while another thread restores (ahead) waits for that restore: it ends the sandbox started by it and
+    its spare (they were started after the close ended the old one, and ran until this process's exit)."""
+    import threading
+
+    alone = _inits()
+    for _ in range(3):
+        box = Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")).start()
+        snap = box.snapshot()
+        stopped: list[BaseException] = []
+
+        def restores(box: Sandbox = box, snap: isolate.Snapshot = snap, stopped: list[BaseException] = stopped) -> None:
+            try:
+                while True:
+                    box.restore(snap, ahead=True)
+            except isolate.IsolationError as exc:
+                stopped.append(exc)
+
+        thread = threading.Thread(target=restores)
+        thread.start()
+        time.sleep(0.1)
+        box.close()
+        thread.join(30)
+        assert stopped and "not running" in str(stopped[0])
+        assert _wait_for_inits(alone) == alone
+        snap.remove()
+
+
+def test_a_restore_ahead_to_a_removed_snapshot_is_refused_as_a_restore_is(source: str) -> None:
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        snap = box.snapshot()
+        box.restore(snap, ahead=True)
+        snap.remove()
+        with pytest.raises(isolate.IsolationError, match="gone"):
+            box.restore(snap)
+
+
 def test_docker_and_bind_refuse(source: str) -> None:
     with Sandbox(policy(write=()), workspace=Workspace(source, mode="bind")) as sb, \
             pytest.raises(isolate.UnsupportedError, match="bind workspace"):

@@ -295,3 +295,31 @@ def test_merge_of_tree_snapshots_finds_the_roots_start(images: tuple[Image, Imag
     finally:
         for snap in kept:
             snap.remove()
+
+
+def test_a_restore_started_ahead_brings_back_the_image_roots_changes(images: tuple[Image, Image],
+                                                                     tmp_path: Path) -> None:
+    """The spare of restore(ahead=True) starts from the snapshot's root layer as a restore does: swapped in, its
+    root is the snapshot's, on disk, and a snapshot of it holds the root again."""
+    base, _ = images
+    source = tmp_path / "source"
+    source.mkdir()
+    source.chmod(0o755)
+    with isolate.Sandbox(isolate.Policy(image=base.reference), workspace=isolate.Workspace(str(source), mode="overlay"),
+                         image_upper="disk") as box:
+        assert box.exec(["sh", "-c", INSTALL]).returncode == 0
+        snap = box.snapshot()
+        try:
+            for _ in range(2):
+                assert box.exec(["sh", "-c", "rm /usr/local/bin/tool; echo later > /data/later"]).returncode == 0
+                box.restore(snap, ahead=True)  # the second swaps the spare in
+                assert _state(box) == "installed\nmine\n" and box.image_upper == "disk" and box.origin is snap
+            again = box.snapshot()
+            try:
+                assert box.exec(["sh", "-c", "rm /usr/local/bin/tool"]).returncode == 0
+                box.restore(again)
+                assert _state(box) == "installed\nmine\n"
+            finally:
+                again.remove()
+        finally:
+            snap.remove()

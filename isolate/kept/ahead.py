@@ -74,10 +74,14 @@ class Ahead:
         if discarded:
             self._close()
 
+    def of(self, snapshot: Any) -> bool:
+        """Whether it was started from ``snapshot``."""
+        return (snapshot.id, snapshot.identity) == (self.snapshot_id, self.identity)
+
     def take(self, snapshot: Any) -> KeptBackend | None:
         """The started sandbox when it is of ``snapshot`` and still runs (waited for if still starting); None
         otherwise (it is then ended)."""
-        if (snapshot.id, snapshot.identity) != (self.snapshot_id, self.identity):
+        if not self.of(snapshot):
             self.discard()
             return None
         self._done.wait()

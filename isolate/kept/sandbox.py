@@ -16,6 +16,7 @@ same exec server, with the same API. Both implement one interface
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import math
@@ -140,6 +141,9 @@ class Sandbox:
         self.restore_skipped: tuple[str, ...] = ()
         #: The next restore, started ahead (``restore(ahead=True)``).
         self._ahead: Ahead | None = None
+        #: Held by restore and close: one of them at a time (a close during a restore in another thread would
+        #: end the old sandbox while the restore started the new one and its spare, never ended).
+        self._lifecycle = threading.RLock()
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -184,6 +188,7 @@ class Sandbox:
         box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
         box._fork_point, box.restore_skipped = None, ()
         box.image_upper = "disk" if getattr(impl, "image_upper", None) is not None else "tmpfs"
+        box._lifecycle = threading.RLock()
         return box
 
     def _close_sessions(self) -> None:
@@ -199,8 +204,17 @@ class Sandbox:
         self._impl.detach()
         self._started = False
 
+    def _one_at_a_time(self) -> contextlib.AbstractContextManager[Any]:
+        """restore and close, one at a time (a Sandbox made without __init__ has no lock: no restore either)."""
+        lock = getattr(self, "_lifecycle", None)
+        return lock if lock is not None else contextlib.nullcontext()
+
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
+        with self._one_at_a_time():
+            self._close()
+
+    def _close(self) -> None:
         spare, self._ahead = getattr(self, "_ahead", None), None
         if spare is not None:
             spare.discard()
@@ -526,21 +540,41 @@ class Sandbox:
         now, in the background (an unnamed native sandbox: ``isolate.kept.ahead``), so that the next
         ``restore(snapshot)`` swaps that one in instead of starting one (a loop that resets a sandbox after each
         episode); a spare sandbox waits meanwhile, until that restore, a restore to another snapshot or close.
+        Refused with a ttl (a spare's would run from its own start). A close in another thread waits for it.
         """
+        with self._one_at_a_time():
+            self._restore(snapshot, ahead)
+
+    def _restore(self, snapshot: Snapshot, ahead: bool) -> None:
         self._running("restore")
         if not isinstance(ahead, bool):
             raise PolicyError(f"ahead: expected True or False, got {ahead!r}", "ahead")
         if ahead and (self.name is not None or self.backend != "native"):
             raise UnsupportedError("restore(ahead=True): the spare it starts is an unnamed native sandbox (a name "
                                    "is one sandbox's); restore without ahead")
+        if ahead and self._ttl is not None:
+            # The ttl is counted by the init and the exec server from their start: a spare's would run while it
+            # waits, and the sandbox swapped in would end that much sooner than a restored one.
+            raise UnsupportedError("restore(ahead=True): the sandbox has a ttl, and a spare's ttl would count from "
+                                   "the spare's start, not the restore's; restore without ahead, or use "
+                                   "idle_timeout")
         workspace = check_start(snapshot, self.workspace)
         check_image(snapshot, self.policy)
         upper = "disk" if snapshot.image is not None else self.image_upper
-        spare, self._ahead = getattr(self, "_ahead", None), None
-        prepared = spare.take(snapshot) if spare is not None else None
-        if prepared is not None:
-            self._swap_in(prepared, snapshot, upper)
-        else:
+        spare = getattr(self, "_ahead", None)
+        if spare is not None and spare.of(snapshot):
+            os.close(snapshot._open())  # a snapshot removed meanwhile is refused, as a restore's start refuses it
+        self._ahead = None
+        prepared = None
+        try:
+            prepared = spare.take(snapshot) if spare is not None else None
+            if prepared is not None:
+                self._swap_in(prepared, snapshot, upper)
+        except BaseException:
+            if spare is not None and self._impl is not prepared:
+                spare.discard()  # taken, and not this sandbox's: ended (a KeyboardInterrupt while it started)
+            raise
+        if prepared is None:
             self._restart_from(snapshot, workspace, upper)
         if ahead:
             self._ahead = Ahead(snapshot, make_backend(self.backend, self.policy, workspace, self.mounts, None,

@@ -621,3 +621,33 @@ def test_a_temporary_snapshot_between_its_making_and_its_lock_is_not_swept() -> 
         maker.communicate("\n")
     assert sweep_temporary_snapshots() == [name]  # its maker ended: swept now
     assert not os.path.exists(os.path.join(parent, name))
+
+
+def test_a_forked_child_leaves_its_parents_spare_alone(source: str) -> None:
+    """A child forked while a restore's spare is starting neither waits for that start (it has no thread to see
+    it end: its restore would hang for good) nor ends the spare (the parent's); the parent then swaps it in."""
+    with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
+        start = box.snapshot()
+        box.restore(start, ahead=True)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: what its restore and close would ask of the spare
+            try:
+                os.close(read)
+                spare = box._ahead
+                assert spare is not None
+                taken = spare.take(start)
+                spare.discard()
+                os.write(write, b"ok" if taken is None and not spare._discarded else b"spare touched")
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as answer:
+            said = answer.read()
+        os.waitpid(pid, 0)
+        assert said == b"ok"
+        spare = box._ahead
+        assert spare is not None and not spare._discarded
+        box.exec("echo x > episode")
+        box.restore(start)
+        assert box._impl is spare.impl and not box.exists("episode")

@@ -61,6 +61,9 @@ class Ahead:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._discarded = False
+        #: The process it was started for: a child forked since has neither its starting thread nor a right to
+        #: its processes (they are the parent's), and leaves it alone.
+        self._pid = os.getpid()
         in_background(self._start)
 
     def _start(self) -> None:
@@ -81,6 +84,8 @@ class Ahead:
     def take(self, snapshot: Any) -> KeptBackend | None:
         """The started sandbox when it is of ``snapshot`` and still runs (waited for if still starting); None
         otherwise (it is then ended)."""
+        if os.getpid() != self._pid:
+            return None  # a forked child's copy: the parent's spare (its start may never be seen here)
         if not self.of(snapshot):
             self.discard()
             return None
@@ -94,6 +99,8 @@ class Ahead:
 
     def discard(self) -> None:
         """End it, once it has started (off the caller's path: a start still under way ends it when done)."""
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the parent's to end
         with self._lock:
             self._discarded = True
             started = self._done.is_set()

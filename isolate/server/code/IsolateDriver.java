@@ -19,7 +19,8 @@
 // kind byte, a 4-byte big-endian length, the bytes) of the output ("o", "e")
 // and of the channel ("c": "hello PID", then the answers) from the driver, the
 // cells as they are to it. The relay interrupts first a cell the driver may
-// still run for the last server.
+// still run for the last server ("--relay-fresh PATH", a context's first
+// relay, has none to interrupt).
 
 import java.io.BufferedInputStream;
 import java.io.ByteArrayOutputStream;
@@ -68,8 +69,8 @@ public final class IsolateDriver {
 
     public static void main(String[] args) throws Exception {
         String mode = args.length == 2 ? args[0] : "";
-        if (mode.equals("--relay")) {
-            relay(args[1]);
+        if (mode.equals("--relay") || mode.equals("--relay-fresh")) {
+            relay(args[1], mode.equals("--relay"));
             return;
         }
         if (mode.equals("--kept")) {
@@ -251,13 +252,17 @@ public final class IsolateDriver {
     private static volatile long driver;
 
     /** The relay (see the top of this file): the host's channel and pipes on one side, the driver on the other. */
-    private static void relay(String place) throws Exception {
+    private static void relay(String place, boolean interruptFirst) throws Exception {
         try {
             driver = Long.parseLong(Files.readString(Path.of(place.replaceAll("\\.sock$", ".pid"))).trim());
         } catch (IOException | NumberFormatException unknown) {
             driver = 0;
         }
-        interrupt(driver);
+        // A context's first relay ("--relay-fresh") has no cell of an earlier server to stop, and a SIGINT the
+        // JVM handles late (its handler runs on a thread of its own) would stop the first cell instead.
+        if (interruptFirst) {
+            interrupt(driver);
+        }
         sun.misc.Signal.handle(new sun.misc.Signal("INT"), signal -> interrupt(driver));  // the host's, passed on
         SocketChannel conn = (SocketChannel) unixChannel(SocketChannel.class);
         try {

@@ -162,7 +162,7 @@ class KeptInterpreter:
             else:
                 node.start_kept(box, language, context_id)
             try:
-                self._connect()
+                self._connect(fresh=True)
             except BaseException:
                 with contextlib.suppress(Exception):
                     self.close()
@@ -175,15 +175,16 @@ class KeptInterpreter:
     def rebind(self, box: Sandbox) -> None:
         self._box = box  # the driver it holds is a process of the sandbox, whatever the handle
 
-    def _connect(self) -> Driver:
+    def _connect(self, fresh: bool = False) -> Driver:
+        """The driver's channel (``fresh``: the context's first, with no cell of an earlier server to stop)."""
         if self._driver is None:
             try:
                 if self._language == "python":
                     driver = python.connect(self._box, self._id)
                 elif self._language == "java":
-                    driver = java.connect(self._box, self._id)
+                    driver = java.connect(self._box, self._id, fresh)
                 else:
-                    driver = node.connect(self._box, self._language, self._id)
+                    driver = node.connect(self._box, self._language, self._id, fresh)
             except Exception as exc:
                 raise RuntimeError(f"the context's interpreter did not survive its last server ({exc})") from None
             self._pidfd, self._peer = self._hold_driver(driver)

@@ -114,10 +114,12 @@ def start_kept(box: Sandbox, context_id: str) -> None:
         raise unavailable("java", (said.strip().splitlines() or ["it ended without a word"])[-1], HINT)
 
 
-def connect(box: Sandbox, context_id: str) -> Driver:
-    """A relay to the kept driver of the context: its hello names the driver (``Driver.said_pid``)."""
+def connect(box: Sandbox, context_id: str, fresh: bool = False) -> Driver:
+    """A relay to the kept driver of the context: its hello names the driver (``Driver.said_pid``). Not ``fresh``
+    (a later server's), it first interrupts a cell the driver may still run for the last server."""
     source = _sealed_source()
     try:
-        return Driver(box, _argv(box, "--relay", socket_path(context_id)), {}, "java", HINT, stdin=source)
+        return Driver(box, _argv(box, "--relay-fresh" if fresh else "--relay", socket_path(context_id)), {}, "java",
+                      HINT, stdin=source)
     finally:
         os.close(source)

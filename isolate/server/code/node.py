@@ -55,7 +55,9 @@ try {
 } catch (error) {
   driver = 0;
 }
-interrupt();
+if (process.argv[2] !== 'fresh') {
+  interrupt();  // a context's first relay has no cell of an earlier server to stop (a late SIGINT would stop its first)
+}
 process.on('SIGINT', interrupt);  // the host's interrupt, passed on
 process.on('SIGUSR1', () => {});
 const channel = new net.Socket({ fd: 3, readable: true, writable: true });
@@ -130,6 +132,8 @@ def start_kept(box: Sandbox, language: str, context_id: str) -> None:
                           HINTS[language])
 
 
-def connect(box: Sandbox, language: str, context_id: str) -> Driver:
-    """A relay to the kept driver of the context: its hello names the driver (``Driver.said_pid``)."""
-    return Driver(box, ["node", "-e", RELAY, socket_path(context_id)], {}, language, HINTS[language])
+def connect(box: Sandbox, language: str, context_id: str, fresh: bool = False) -> Driver:
+    """A relay to the kept driver of the context: its hello names the driver (``Driver.said_pid``). Not ``fresh``
+    (a later server's), it first interrupts a cell the driver may still run for the last server."""
+    return Driver(box, ["node", "-e", RELAY, socket_path(context_id), *(["fresh"] if fresh else [])], {}, language,
+                  HINTS[language])

@@ -250,6 +250,10 @@ public final class IsolateDriver {
     }
 
     private static volatile long driver;
+    /** The relay has had the driver's hello: the driver was between cells, or is now. */
+    private static volatile boolean helloSeen;
+    /** How long a relay waits for the hello before it takes the driver for busy with an earlier cell. */
+    private static final long HELLO_WAIT_MS = 300;
 
     /** The relay (see the top of this file): the host's channel and pipes on one side, the driver on the other. */
     private static void relay(String place, boolean interruptFirst) throws Exception {
@@ -258,11 +262,6 @@ public final class IsolateDriver {
         } catch (IOException | NumberFormatException unknown) {
             driver = 0;
         }
-        // A context's first relay ("--relay-fresh") has no cell of an earlier server to stop, and a SIGINT the
-        // JVM handles late (its handler runs on a thread of its own) would stop the first cell instead.
-        if (interruptFirst) {
-            interrupt(driver);
-        }
         sun.misc.Signal.handle(new sun.misc.Signal("INT"), signal -> interrupt(driver));  // the host's, passed on
         SocketChannel conn = (SocketChannel) unixChannel(SocketChannel.class);
         try {
@@ -270,6 +269,24 @@ public final class IsolateDriver {
         } catch (IOException gone) {
             System.err.println("isolate: the context's interpreter is gone (" + gone.getMessage() + ")");
             System.exit(1);
+        }
+        // A driver between cells says hello at once; one that does not is still running a cell of the last
+        // server, which is then stopped. Not sent otherwise: the JVM runs a SIGINT's handler on a thread of its
+        // own, and one handled late, once this host's first cell runs, would stop that cell instead. A
+        // context's first relay ("--relay-fresh") has no earlier cell to stop.
+        if (interruptFirst) {
+            Thread late = new Thread(() -> {
+                try {
+                    Thread.sleep(HELLO_WAIT_MS);
+                } catch (InterruptedException ignored) {
+                    return;
+                }
+                if (!helloSeen) {
+                    interrupt(driver);
+                }
+            });
+            late.setDaemon(true);
+            late.start();
         }
         FileDescriptor descriptor = descriptor3();
         FileOutputStream host = new FileOutputStream(descriptor);
@@ -303,6 +320,7 @@ public final class IsolateDriver {
                 } else if (kind == 'c') {
                     if (hello) {
                         hello = false;
+                        helloSeen = true;
                         String said = new String(body, StandardCharsets.US_ASCII);
                         driver = said.matches("hello [0-9]{1,9}\n") ? Long.parseLong(said.substring(6).trim()) : 0;
                     }

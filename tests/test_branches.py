@@ -159,32 +159,23 @@ def test_a_restore_started_ahead_is_the_snapshot_and_ends_with_the_sandbox(sourc
     """restore(ahead=True) starts the next restore to that snapshot in the background: the next restore swaps it
     in (the episode's files, /tmp's included, and processes gone; the snapshot's back), a restore to another
     snapshot or the close ends the spare; a named sandbox refuses it before anything ends."""
-    def init_count() -> int:
-        return sum(1 for p in psutil.Process().children() if _cmdline(p).startswith("isolate-init"))
-
+    before = _inits()
     with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
         box.exec("echo start > state.txt && echo t > /tmp/start")
         start = box.snapshot()
-        before = files(box)
-        alone = init_count()
+        taken = files(box)
         for _ in range(3):
             box.exec("echo changed > notes.txt; rm keep.txt; echo e > /tmp/episode; sleep 60 >/dev/null 2>&1 &")
             box.restore(start, ahead=True)
-            assert files(box) == before
+            assert files(box) == taken
             assert not any("sleep" in _cmdline(p) for p in box.processes())
-        assert init_count() == alone + 1  # the spare, waiting
+        assert _new_inits(before, 2) == 2  # the sandbox, and its spare waiting
         other = box.snapshot()
         box.restore(other)  # not the spare's snapshot: it goes
-        deadline = time.monotonic() + 10
-        while init_count() != alone and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert init_count() == alone
+        assert _new_inits(before, 1) == 1
         box.restore(start, ahead=True)
-        assert files(box) == before
-    deadline = time.monotonic() + 10
-    while init_count() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert init_count() == 0  # the sandbox and its spare
+        assert files(box) == taken
+    assert _new_inits(before, 0) == 0  # the sandbox and its spare
     with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay"), name="branches-ahead") as named:
         snap = named.snapshot()
         named.write_file("mark", "kept")
@@ -194,15 +185,18 @@ def test_a_restore_started_ahead_is_the_snapshot_and_ends_with_the_sandbox(sourc
         named.close()
 
 
-def _inits() -> int:
-    return sum(1 for p in psutil.Process().children() if _cmdline(p).startswith("isolate-init"))
+def _inits() -> set[int]:
+    """The sandboxes' inits this process started (their pids): each sandbox, and each spare, has one."""
+    return {p.pid for p in psutil.Process().children() if _cmdline(p).startswith("isolate-init")}
 
 
-def _wait_for_inits(n: int) -> int:
-    deadline = time.monotonic() + 10
-    while _inits() != n and time.monotonic() < deadline:
+def _new_inits(before: set[int], expect: int) -> int:
+    """How many inits not in ``before`` run, once that is ``expect`` or after 60 s (sandboxes end in the
+    background, after earlier tests' too: a count of all of them would take those for this test's)."""
+    deadline = time.monotonic() + 60
+    while (count := len(_inits() - before)) != expect and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _inits()
+    return count
 
 
 def test_restore_ahead_refuses_a_ttl_before_anything_ends(source: str) -> None:
@@ -218,11 +212,11 @@ def test_restore_ahead_refuses_a_ttl_before_anything_ends(source: str) -> None:
 
 def test_a_restore_ahead_that_fails_after_taking_its_spare_ends_the_spare(source: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    alone = _inits()
+    before = _inits()
     with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
         snap = box.snapshot()
         box.restore(snap, ahead=True)
-        assert _wait_for_inits(alone + 2) == alone + 2  # the sandbox and its spare
+        assert _new_inits(before, 2) == 2  # the sandbox and its spare
 
         def interrupted() -> None:
             raise KeyboardInterrupt
@@ -232,7 +226,7 @@ def test_a_restore_ahead_that_fails_after_taking_its_spare_ends_the_spare(source
             box.restore(snap)
         monkeypatch.undo()
         assert box.exec("echo on").stdout == "on\n"  # the sandbox as it was
-    assert _wait_for_inits(alone) == alone  # the spare too
+    assert _new_inits(before, 0) == 0  # the spare too
 
 
 def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source: str) -> None:
@@ -240,7 +234,7 @@ def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source:
     its spare (they were started after the close ended the old one, and ran until this process's exit)."""
     import threading
 
-    alone = _inits()
+    before = _inits()
     for _ in range(3):
         box = Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")).start()
         snap = box.snapshot()
@@ -257,9 +251,9 @@ def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source:
         thread.start()
         time.sleep(0.1)
         box.close()
-        thread.join(30)
-        assert stopped and "not running" in str(stopped[0])
-        assert _wait_for_inits(alone) == alone
+        thread.join(60)
+        assert stopped and "not running" in str(stopped[0]), stopped
+        assert _new_inits(before, 0) == 0
         snap.remove()
 
 

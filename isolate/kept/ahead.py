@@ -61,6 +61,7 @@ class Ahead:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._discarded = False
+        self._closed = False
         #: The process it was started for: a child forked since has neither its starting thread nor a right to
         #: its processes (they are the parent's), and leaves it alone.
         self._pid = os.getpid()
@@ -107,7 +108,21 @@ class Ahead:
         if started:
             in_background(self._close)
 
+    def end(self) -> None:
+        """End it now: wait for a start still under way, then close it (the sandbox's close: nothing of it is
+        left running once that returns)."""
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the parent's to end
+        with self._lock:
+            self._discarded = True
+        self._done.wait()
+        self._close()
+
     def _close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return  # ended by the other of discard's and end's paths
+            self._closed = True
         try:
             self.impl.close()
         except Exception:

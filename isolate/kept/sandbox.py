@@ -144,6 +144,8 @@ class Sandbox:
         #: Held by restore and close: one of them at a time (a close during a restore in another thread would
         #: end the old sandbox while the restore started the new one and its spare, never ended).
         self._lifecycle = threading.RLock()
+        #: A close is waiting for the lock (see close).
+        self._closing = False
 
     def __repr__(self) -> str:
         return f"Sandbox(name={self.name!r}, backend={self.backend!r}, workspace={self.workspace.target!r})"
@@ -211,13 +213,19 @@ class Sandbox:
 
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
+        # Said before the lock is waited for: a thread restoring in a loop takes the lock again first (a lock is
+        # not handed to its waiter), and would keep the close waiting; its next restore refuses instead.
+        self._closing = True
         with self._one_at_a_time():
-            self._close()
+            try:
+                self._close()
+            finally:
+                self._closing = False  # closed: a restore now finds it not running
 
     def _close(self) -> None:
         spare, self._ahead = getattr(self, "_ahead", None), None
         if spare is not None:
-            spare.discard()
+            spare.end()  # a spare still starting is waited for: nothing of the sandbox outlives its close
         try:
             self._close_sessions()
             self._impl.close()
@@ -547,6 +555,9 @@ class Sandbox:
 
     def _restore(self, snapshot: Snapshot, ahead: bool) -> None:
         self._running("restore")
+        if getattr(self, "_closing", False):
+            raise IsolationError("restore: the sandbox is being closed (by another thread): it is not running any "
+                                 "more")
         if not isinstance(ahead, bool):
             raise PolicyError(f"ahead: expected True or False, got {ahead!r}", "ahead")
         if ahead and (self.name is not None or self.backend != "native"):

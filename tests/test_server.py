@@ -47,6 +47,10 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.domain = f"127.0.0.1:{self.port}"
+        # A request's wait: a create on a Ray cluster (serve --ray) may try node after node, each node's host a
+        # Ray worker started on first use (seconds each on a loaded host: CI runs two suites and the VM on two
+        # cores), and a pull refused by the registry is tried on every node before the create says so.
+        self.call_timeout = 120.0 if "--ray" in extra else 30.0
         self.own_state = state_dir is None
         self.state_dir = state_dir if state_dir is not None else tempfile.mkdtemp(prefix="isolate-serve-state-")
         env = dict(os.environ, OPENSANDBOX_DISABLE_METRICS="1")
@@ -81,7 +85,7 @@ class Server:
         for name, value in (headers or {}).items():
             request.add_header(name, value)
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:
+            with urllib.request.urlopen(request, timeout=self.call_timeout) as response:
                 text = response.read()
                 status = response.status
         except urllib.error.HTTPError as err:

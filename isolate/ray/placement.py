@@ -30,6 +30,8 @@ from .host import SandboxHost
 
 #: Concurrent calls one host actor serves (each exec waits in a thread of the actor).
 HOST_CONCURRENCY = 512
+#: Hosts started together once a placement's first node refused (see ``place``).
+HOSTS_AHEAD = 4
 
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.NodeDiedError)
 
@@ -248,7 +250,14 @@ def place(placement: Placement, attempt: Callable[[Any, str], Any], what: str, h
     """
     hosts = hosts or Hosts.get()
     reasons: list[tuple[str, BaseException]] = []
-    for node_id in hosts.candidates(placement, prefer):
+    candidates = hosts.candidates(placement, prefer)
+    for index, node_id in enumerate(candidates):
+        if index == 1:
+            # The first node refused: the hosts of the next few start now, together. A host's start is a Ray
+            # worker's (seconds on a busy node); started one after another's refusal, a create every node
+            # refuses (an image the registry will not give) took the sum of them.
+            for later in candidates[1:1 + HOSTS_AHEAD]:
+                hosts.actor(later)
         try:
             return node_id, outcome(attempt(hosts.actor(node_id), node_id), node_id, what)
         except PolicyError:

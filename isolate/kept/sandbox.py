@@ -16,7 +16,6 @@ same exec server, with the same API. Both implement one interface
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import io
 import math
@@ -183,12 +182,17 @@ class Sandbox:
 
         ``ping=False``: do not wait for its exec server's answer (needed to resume a paused one).
         """
-        impl = attach_backend(_check_name(name), ping)
+        return cls._around(attach_backend(_check_name(name), ping), name)
+
+    @classmethod
+    def _around(cls, impl: KeptBackend, name: str | None) -> Sandbox:
+        """A started Sandbox around a backend's sandbox that is already running (attach; a server's sweep of
+        what an earlier server left), with every attribute ``__init__`` gives one."""
         box = cls.__new__(cls)
-        box.workspace, box.mounts, box.name, box.backend = impl.workspace, impl.mounts, name, impl.backend
+        box.workspace, box.mounts, box.name, box.backend = impl.workspace, tuple(impl.mounts), name, impl.backend
         box.policy, box._impl, box._shells, box._started = impl.policy, impl, {}, True
         box._interpreters, box.origin, box._ttl, box._idle, box._on_close = {}, None, None, None, None
-        box._fork_point, box.restore_skipped = None, ()
+        box._fork_point, box.restore_skipped, box._ahead, box._closing = None, (), None, False
         box.image_upper = "disk" if getattr(impl, "image_upper", None) is not None else "tmpfs"
         box._lifecycle = threading.RLock()
         return box
@@ -206,24 +210,20 @@ class Sandbox:
         self._impl.detach()
         self._started = False
 
-    def _one_at_a_time(self) -> contextlib.AbstractContextManager[Any]:
-        """restore and close, one at a time (a Sandbox made without __init__ has no lock: no restore either)."""
-        lock = getattr(self, "_lifecycle", None)
-        return lock if lock is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """End the sandbox and everything in it (and forget a named one)."""
         # Said before the lock is waited for: a thread restoring in a loop takes the lock again first (a lock is
         # not handed to its waiter), and would keep the close waiting; its next restore refuses instead.
         self._closing = True
-        with self._one_at_a_time():
+        with self._lifecycle:
             try:
                 self._close()
             finally:
                 self._closing = False  # closed: a restore now finds it not running
 
     def _close(self) -> None:
-        spare, self._ahead = getattr(self, "_ahead", None), None
+        spare, self._ahead = self._ahead, None
         if spare is not None:
             spare.end()  # a spare still starting is waited for: nothing of the sandbox outlives its close
         try:
@@ -231,7 +231,7 @@ class Sandbox:
             self._impl.close()
         finally:
             self._started = False
-            point, self._fork_point = getattr(self, "_fork_point", None), None
+            point, self._fork_point = self._fork_point, None
             if point is not None:
                 point.release()
             hook, self._on_close = self._on_close, None
@@ -550,12 +550,12 @@ class Sandbox:
         episode); a spare sandbox waits meanwhile, until that restore, a restore to another snapshot or close.
         Refused with a ttl (a spare's would run from its own start). A close in another thread waits for it.
         """
-        with self._one_at_a_time():
+        with self._lifecycle:
             self._restore(snapshot, ahead)
 
     def _restore(self, snapshot: Snapshot, ahead: bool) -> None:
         self._running("restore")
-        if getattr(self, "_closing", False):
+        if self._closing:
             raise IsolationError("restore: the sandbox is being closed (by another thread): it is not running any "
                                  "more")
         if not isinstance(ahead, bool):
@@ -572,7 +572,7 @@ class Sandbox:
         workspace = check_start(snapshot, self.workspace)
         check_image(snapshot, self.policy)
         upper = "disk" if snapshot.image is not None else self.image_upper
-        spare = getattr(self, "_ahead", None)
+        spare = self._ahead
         if spare is not None and spare.of(snapshot):
             os.close(snapshot._open())  # a snapshot removed meanwhile is refused, as a restore's start refuses it
         self._ahead = None

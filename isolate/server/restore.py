@@ -280,11 +280,8 @@ def _end_from_inside(name: str) -> None:
 
     if not _listening(Paths.of(name).socket):
         return
-    impl = NativeSandbox(Policy(), Workspace(), (), name, None, None)
-    box = Sandbox.__new__(Sandbox)
-    box.workspace, box.mounts, box.name, box.backend, box.policy = impl.workspace, (), name, "native", impl.policy
-    box._impl, box._shells, box._interpreters, box._started = impl, {}, {}, True
-    box._on_close, box._fork_point, box.origin, box.restore_skipped = None, None, None, ()
+    box = Sandbox._around(NativeSandbox(Policy(), Workspace(), (), name, None, None), name)
+    impl: Any = box._impl
     with contextlib.suppress(Exception):  # the conversation ends with the server it asked
         impl._files = impl.connect()  # the file connection, which a command's request goes on
         box.exec(["/bin/sh", "-c", "kill -KILL -1"], timeout=10)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..._core import lib, step_name
+from ...kernel.fdwait import poll_millis
 from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
 from ...model.report import Report, status_for
 from .egress import summary_delta
@@ -50,9 +51,6 @@ def wait_seconds(value: float | None, name: str) -> float | None:
         raise ValueError(f"{name}: expected a number of seconds, got {value!r}")
     return None if value >= MAX_TIMEOUT else float(value)
 
-
-#: poll()'s longest wait (its int milliseconds); a longer one is waited for in rounds.
-MAX_POLL_MS = 2**31 - 1
 
 #: How long the host waits past a command's own timeout for the monitor's word, and for the monitor
 #: to confirm that a dropped command has ended, before it ends the sandbox itself. Generous: a monitor
@@ -384,9 +382,7 @@ def run_collecting(command: Command, stdin_w: int | None, data: bytes, out_r: in
     try:
         while command.exit is None:
             deadline = command.deadline  # it moves while the sandbox is paused (see Command.deadline)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait = None if left is None else min(MAX_POLL_MS, math.ceil(left * 1000))
-            events = sel.poll(wait)
+            events = sel.poll(poll_millis(None if deadline is None else deadline - time.monotonic()))
             if not events and deadline is not None and time.monotonic() >= deadline:
                 command.poll_exit(0)  # the monitor's word, or the end of the sandbox (it raises)
                 continue

@@ -36,6 +36,9 @@ cp tests/vm/guest-suite.sh "$work/"
 t0=$(date +%s)
 /usr/bin/python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q "$work/src" pytest > "$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; exit 1; }
+# The guest takes the tree and the venv as one archive: a copy of their thousands of files over the 9p share,
+# file by file under emulation, took seven minutes; the archive, one sequential read, takes seconds.
+tar -C "$work" -cf "$work/payload.tar" src venv
 echo "-- the guest's venv, built here: $(( $(date +%s) - t0 )) s"
 set +e
 "$VM/run.sh" --share "$work" --cgroup delegated --mem 4096 --timeout 3000 "${RUN_OPTS[@]}" -- \

@@ -2,7 +2,7 @@
 # guest-suite.sh -- runs INSIDE the VM (tests/vm-full.sh shares a folder holding src/, wheels/ and this
 # script, and runs it there as root). One boot serves both callers:
 #   1. one install: the venv tests/vm-full.sh built on the host (nothing is compiled under
-#      emulation), copied to the path it was built at, readable by every user;
+#      emulation), unpacked from its archive at the path it was built at, readable by every user;
 #   2. the README's quick start as root and as uid 65534;
 #   3. pytest as root and as uid 65534, side by side, each in a fresh cgroup of its own (delegated as
 #      systemd's Delegate=yes would, to that user), with its own HOME and TMPDIR, so that neither run
@@ -18,11 +18,13 @@ CALLERS="${CALLERS:-root 65534}" MARK="${MARK-host}"
 SRC=/opt/isolate-src CG=/sys/fs/cgroup/vm.slice
 stamp() { echo "== $* ($(date +%T), uptime $(cut -d' ' -f1 /proc/uptime)s)"; }
 
-stamp "the venv built on the host, copied to its own path"
-rm -rf "$SRC"; cp -a "$SHARE/src" "$SRC"; chmod -R a+rX "$SRC"
+stamp "the tree and the venv built on the host, unpacked at their own paths"
 V="${VENV:?VENV: the host path of the venv tests/vm-full.sh built}"
-mkdir -p "$(dirname "$V")" && cp -a "$SHARE/venv" "$V" && chmod -R a+rX "$V" || exit 1
-chmod 755 "$(dirname "$V")"
+unpacked="$(mktemp -d /opt/payload.XXXXXX)"
+tar -C "$unpacked" -xf "$SHARE/payload.tar" || exit 1
+rm -rf "$SRC" "$V"; mkdir -p "$(dirname "$V")"
+mv "$unpacked/src" "$SRC" && mv "$unpacked/venv" "$V" && rmdir "$unpacked" || exit 1
+chmod -R a+rX "$SRC" "$V"; chmod 755 "$(dirname "$V")"
 
 # run_as WHO CMD...: CMD as that caller, with a minimal environment of its own.
 run_as() {

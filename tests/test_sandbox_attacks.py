@@ -635,6 +635,29 @@ def test_no_process_can_end_or_fake_a_shell_run(box: Sandbox, pty: bool) -> None
     assert sh.run("echo again", timeout=30) == ("again\n", 0)
 
 
+@pytest.mark.parametrize("argv", [("/bin/sh",), ("/bin/bash",)], ids=["dash", "bash"])
+def test_a_shell_synchronises_again_after_any_run_that_lost_its_report(source: str, argv: tuple[str, ...]) -> None:
+    # Before: a run given the longest timeout the API takes (30 days) made poll raise OverflowError after its
+    # marker and command were sent, and a bash command that read its own run's marker from the saved channel
+    # timed out: in both, the framing of that run later took the next run's marker, and every run after
+    # timed out, for good (its synchronising run's marker went the same way).
+    from isolate.kept.shell import Shell
+
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        sh = Shell(box, "resync", False, argv)
+        try:
+            assert sh.run("echo first", timeout=30 * 24 * 3600) == ("first\n", 0)
+            assert sh.run("echo second", timeout=1e8) == ("second\n", 0)
+            if argv[0] == "/bin/bash":  # dash's syntax names no descriptor past 9
+                with pytest.raises(TimeoutError):
+                    sh.run("for fd in 10 11 12; do IFS= read -r -t 0.2 x <&$fd 2>/dev/null && break; done; :",
+                           timeout=2)
+            for n in range(3):
+                assert sh.run(f"echo run{n}; (exit {n})", timeout=10) == (f"run{n}\n", n)
+        finally:
+            sh.close()
+
+
 # What an earlier command defines in its shell, one attack a line: each would have forged every later
 # run's status, output or channel through the names the framing calls.
 SHELL_ATTACKS = (

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from ..backends.native.commands import wait_seconds
+from ..kernel.fdwait import poll_millis
 from ..kernel.peerchannel import PeerChannel
 from ..model.errors import IsolationError
 
@@ -202,7 +203,13 @@ class Shell:
         if self._unsynced:
             self._exchange(":", 10.0, fresh=True)  # what an interrupted run left goes with it
             self._unsynced = False
-        return self._exchange(command, timeout)
+        try:
+            return self._exchange(command, timeout)
+        except BaseException:
+            # Whatever ended the run between its marker and its report (a timeout, the caller's interrupt, an
+            # error of the host's), its output and report may still come: the next run synchronises first.
+            self._unsynced = True
+            raise
 
     def _exchange(self, command: str, timeout: float | None, fresh: bool = False) -> tuple[str, int]:
         self._seq += 1
@@ -214,10 +221,7 @@ class Shell:
                 # without a round trip. After an interrupted run, a fresh one goes behind what may be left.
                 # 64 bits in 11 characters (the shell's read takes it a byte at a time, a system call each): a
                 # run gets one guess, and 2**64 runs of 50 us each take 29 million years.
-                marker = secrets.token_urlsafe(8).encode()
-                if self._channel.send(marker + b"\n") != len(marker) + 1:
-                    raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)")
-                self._waiting.append(marker)
+                self._send_marker()
             written = self._write(_PREFIX.format(command=_quoted(command), reset=self._reset)
                                   + f'\n\\set -- "$1" {seq}; ' + self._trailer + "\n", deadline)
         except BlockingIOError:
@@ -261,14 +265,14 @@ class Shell:
                 if at >= 0:
                     break
                 start = max(0, len(self._buffer) - len(marker))
-            millis = -1
+            millis: int | None = None
             if deadline is not None:
                 wait = deadline - time.monotonic()
                 if wait <= 0:
                     self._timed_out()
                     raise TimeoutError(f"shell {self.name!r}: {command[:60]!r} did not finish within {timeout} "
                                        "s (it was interrupted)")
-                millis = int(wait * 1000 + 0.999)
+                millis = poll_millis(wait)
             (self._poll_output if reported is not None else self._poll_both).poll(millis)
         assert reported is not None
         output = bytes(self._buffer[:at]).removesuffix(b"\n")  # the marker's own line break
@@ -294,14 +298,14 @@ class Shell:
                 del self._unwritten[:count]
                 owed -= count
                 continue
-            millis = -1
+            millis: int | None = None
             if deadline is not None:
                 wait = deadline - time.monotonic()
                 if wait <= 0:
                     if owed >= 0:
                         del self._unwritten[owed:]  # not a byte of this line went: none of it goes
                     return False
-                millis = int(wait * 1000 + 0.999)
+                millis = poll_millis(wait)
             self._poll_input.poll(millis)
         return True
 
@@ -310,6 +314,12 @@ class Shell:
         self.interrupt()
         self._unsynced = True
         self._buffer = bytearray()
+
+    def _send_marker(self) -> None:
+        marker = secrets.token_urlsafe(8).encode()
+        if self._channel.send(marker + b"\n") != len(marker) + 1:
+            raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)")
+        self._waiting.append(marker)
 
     def _report(self, seq: int, deadline: float | None = None) -> tuple[bytes, int] | None:
         """Read the shell's reports on the channel: (marker, status) once this run's has come, else None.
@@ -345,6 +355,10 @@ class Shell:
                     found = (words[0], -1)
         if len(self._reports) > 4096:  # only the shell writes here; a line this long is not one of its
             raise IsolationError(f"shell {self.name!r}: its status channel carried garbage")
+        if found is None and not self._waiting:
+            # An earlier run's framing read the last marker sent, ours (that run was interrupted, or its command
+            # read its own marker first, or its host gave up on it): this run's framing waits for one more.
+            self._send_marker()
         return found
 
     def interrupt(self) -> None:

@@ -133,9 +133,13 @@ class BuildExt(build_ext):  # type: ignore[misc]
         init_names, cli_names = INIT_SOURCES, CLI_SOURCES + CORE_SOURCES
         musl = self._musl_objects(objects_dir, config, sorted(set(init_names) | set(cli_names)))
         if musl is not None:
-            self._run([MUSL_CC, "-static", "-o", init_path, *[musl[n] for n in init_names]])
-            self._run([MUSL_CC, "-static", "-o", cli_path, *[musl[n] for n in cli_names]])
-        else:
+            try:
+                self._run([MUSL_CC, "-static", "-o", init_path, *[musl[n] for n in init_names]])
+                self._run([MUSL_CC, "-static", "-o", cli_path, *[musl[n] for n in cli_names]])
+            except SystemExit as exc:
+                print(f"isolate: linking with musl failed; linking with glibc\n{exc}", file=sys.stderr)
+                musl = None
+        if musl is None:
             try:
                 self._run([*compiler, "-static", "-o", init_path, *[objects[n] for n in init_names]])
             except SystemExit:

@@ -85,7 +85,7 @@ int parse_plan(struct reader *r, const unsigned char digest[32], struct replay *
     if (!stored || len != 32 || memcmp(stored, digest, 32) != 0)
         return miss("stale or malformed plan", "check at cli.c:579");
 
-    /* This program, and every file of the package that wrote the plan. */
+    /* This program, and the package's files that made the plan (and their directories). */
     struct stat st;
     uint64_t dev = r_u64(r), ino = r_u64(r);
     int64_t size = r_i64(r), mtime = r_i64(r);

@@ -120,6 +120,37 @@ def test_a_granted_file_replaced_by_another_is_not_replayed(workdir: str) -> Non
     assert result.returncode == 0 and result.stdout == "second\n", result.stderr
 
 
+def test_a_plan_rests_on_the_code_that_made_it_and_on_nothing_else(workdir: str) -> None:
+    """A planning module changed, or a file added beside one (its directory's time), makes the plan stale; a
+    file of the package planning never imported (an image push's) is no premise (one stat fewer per replay)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(str(cliplan.__file__))))
+    planning = os.path.join(package, "backends", "native", "plan.py")
+    unrelated = os.path.join(package, "image", "push.py")
+    paths = [planning, os.path.dirname(planning), unrelated]
+    if not all(os.access(p, os.W_OK) for p in paths):
+        pytest.skip("the package's files are not this caller's to touch")
+    args = ["--", "true"]
+    saved = {p: os.stat(p).st_mtime_ns for p in paths}
+
+    def touched(path: str) -> subprocess.CompletedProcess[str]:
+        warm(args, workdir)
+        os.utime(path, ns=(saved[path], saved[path] + 1_000_000_000))
+        try:
+            return run(*args, cwd=workdir)
+        finally:
+            os.utime(path, ns=(saved[path], saved[path]))
+
+    try:
+        for path in (planning, os.path.dirname(planning)):
+            result = touched(path)
+            assert result.returncode == 0 and not replayed(result), (path, result.stderr)
+        result = touched(unrelated)
+        assert result.returncode == 0 and replayed(result), result.stderr
+    finally:
+        for path, mtime in saved.items():
+            os.utime(path, ns=(mtime, mtime))
+
+
 def test_a_changed_profile_is_not_replayed(workdir: str) -> None:
     profile = os.path.join(workdir, "p.toml")
     with open(profile, "w") as handle:

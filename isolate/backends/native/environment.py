@@ -138,13 +138,25 @@ def _inside(path: str, granted: Sequence[str]) -> bool:
     return any(path == g or path.startswith(g.rstrip("/") + "/") for g in granted)
 
 
+#: reduced_path's answers: a function of its two arguments' text alone (no file is looked at), asked
+#: for on every run with the same PATH and grants (20 µs each time; a dict lookup once known).
+_REDUCED: dict[tuple[str, tuple[str, ...]], str] = {}
+
+
 def reduced_path(search_path: str, granted: Sequence[str]) -> str:
     """``search_path`` without the directories the program cannot see (an empty result: the
     granted part of the default PATH)."""
-    kept = [d for d in search_path.split(":") if d and os.path.isabs(d) and _inside(os.path.normpath(d), granted)]
-    if not kept:
-        kept = [d for d in DEFAULT_PATH.split(":") if _inside(d, granted)] or DEFAULT_PATH.split(":")[:1]
-    return ":".join(dict.fromkeys(kept))
+    key = (search_path, tuple(granted))
+    answer = _REDUCED.get(key)
+    if answer is None:
+        kept = [d for d in search_path.split(":") if d and os.path.isabs(d) and _inside(os.path.normpath(d), granted)]
+        if not kept:
+            kept = [d for d in DEFAULT_PATH.split(":") if _inside(d, granted)] or DEFAULT_PATH.split(":")[:1]
+        answer = ":".join(dict.fromkeys(kept))
+        if len(_REDUCED) >= 64:
+            _REDUCED.clear()
+        _REDUCED[key] = answer
+    return answer
 
 
 def check_command(program: str, search_path: str, granted: Sequence[str], cwd: str) -> None:

@@ -165,7 +165,12 @@ def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
         proc.close()  # the host hangs up: nothing ends
         init = box.processes()[0]
         (server,) = init.children()
-        (sleep,) = [p for p in server.children(recursive=True) if p.name() == "sleep"]
+        # setsid -f returns once it has forked: its child may not have run sleep yet.
+        deadline = time.monotonic() + 10
+        while not (sleeps := [p for p in server.children(recursive=True) if p.name() == "sleep"]):
+            assert time.monotonic() < deadline, "the detached command's sleep never ran"
+            time.sleep(0.01)
+        (sleep,) = sleeps
         assert sleep.parent() == spare  # the monitor that ran the command, detached, its subreaper
         # The server forked the next command's monitor ahead: two children (the detached one and the spare).
         assert len(_server_children(box, 2)) == 2

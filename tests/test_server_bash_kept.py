@@ -4,6 +4,7 @@ The server runs as in tests/test_server.py."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.error
 import urllib.request
@@ -250,3 +251,65 @@ def test_a_shells_pid_taken_by_another_process_is_not_adopted(tmp_path: Path) ->
         finally:
             other.kill()
             other.close()
+
+
+
+#: Put on a server's PYTHONPATH: it kills itself (SIGKILL) right after the sandbox's exec server kept a shell's ends
+#: (KILL_AFTER=keep) or let go of them (KILL_AFTER=letgo).
+_KILLED_AFTER = """import os, signal
+from isolate.backends.native import protocol
+_keep = protocol.Connection.keep
+def keep(self, key, fds, note=0):
+    _keep(self, key, fds, note)
+    when = os.environ.get("KILL_AFTER")
+    if when and bool(fds) == (when == "keep"):
+        os.kill(os.getpid(), signal.SIGKILL)
+protocol.Connection.keep = keep
+"""
+
+
+@pytest.mark.parametrize("kind, step", [("session", "keep"), ("context", "keep"), ("session", "letgo")])
+def test_a_server_killed_as_it_keeps_or_lets_go_of_a_shell_leaves_neither_shell_nor_name(
+        state_dir: str, tmp_path: Path, monkeypatch: Any, kind: str, step: str) -> None:
+    # A server killed after the exec server kept a new bash session's (or bash context's) shell ends, before its
+    # record named the shell. Before: the next server knew no key of it, and the shell lived on in the exec
+    # server's table for good (one of its 64 keys). Or killed as it deleted a session, after the exec server let go
+    # of the ends: the next served a session the client had deleted (its shell gone). The record names the shell
+    # as one the next server ends from before its ends are kept until it is a session's (or context's), and from
+    # before a delete until they are let go: the next server ends it, and serves no such session.
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_KILLED_AFTER)
+    import os
+
+    paths = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "hook"), *([paths] if paths else [])]))
+    monkeypatch.setenv("KILL_AFTER", step)
+    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
+    session = ""
+    try:
+        box_id = base._create(first)["id"]
+        prefix, headers = base._endpoint(first, box_id)
+        path, body = ("/session", None) if kind == "session" else ("/code/context", {"language": "bash"})
+        with contextlib.ExitStack() as stack:
+            if step == "keep":
+                stack.enter_context(pytest.raises(OSError))  # the server dies mid-request
+            status, made = first.call("POST", prefix + path, body, key=None, headers=headers)
+        if step == "letgo":
+            assert status == 200, made
+            session = made["session_id"]
+            with pytest.raises(OSError):
+                first.call("DELETE", prefix + f"/session/{session}", key=None, headers=headers)
+        assert first.proc.wait(30) == -9
+    finally:
+        first.stop()
+    monkeypatch.setenv("KILL_AFTER", "")
+    second = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        assert _run(second, prefix, headers, "pgrep -c -f '^/bin/bash$' || true").strip() == "0"
+        assert second.call("GET", prefix + "/code/contexts?language=bash", key=None, headers=headers) == (200, [])
+        if session:
+            status, body = second.call("POST", prefix + f"/session/{session}/run", {"command": "true"}, key=None,
+                                       headers=headers)
+            assert status == 404, (status, body)
+    finally:
+        second.stop()

@@ -72,6 +72,11 @@ def _quoted(text: str) -> str:
 #: marker of, and did not see end: one, as a host runs one command at a time).
 _STALE_MARKERS = 8
 
+#: The room for a chunk of a long command (quoted) in a line of at most PIPE_BUF bytes (see Shell._lines).
+_ROOM = select.PIPE_BUF - 64
+#: The most variables a long command's chunks go in (their names, twice, fit in its last line).
+_GROUPS = 48
+
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
 OUTPUT_LIMIT = 16 << 20
 
@@ -144,7 +149,7 @@ class Shell:
         self._poll_both.register(channel.fileno(), select.POLLIN)
         self._buffer = bytearray()
         self._reports = bytearray()
-        self._unwritten = bytearray()  # the rest of a line begun when a deadline came (see _write)
+        self._unwritten = bytearray()  # the rest of what a terminal took part of (see _write)
         self._waiting: list[bytes] = []  # markers sent that no report has named yet, oldest first
         self._seq = 0
         self._unsynced = False
@@ -222,8 +227,7 @@ class Shell:
                 # 64 bits in 11 characters (the shell's read takes it a byte at a time, a system call each): a
                 # run gets one guess, and 2**64 runs of 50 us each take 29 million years.
                 self._send_marker()
-            written = self._write(_PREFIX.format(command=_quoted(command), reset=self._reset)
-                                  + f'\n\\set -- "$1" {seq}; ' + self._trailer + "\n", deadline)
+            written = self._write(self._lines(command, seq), deadline)
         except BlockingIOError:
             raise IsolationError(f"shell {self.name!r}: its channel is full (no one reads its markers)") from None
         except OSError:
@@ -279,31 +283,60 @@ class Shell:
         del self._buffer[:at + len(reported[0]) + 1]
         return output.decode(errors="replace"), reported[1]
 
-    def _write(self, data: str, deadline: float | None) -> bool:
-        """Write ``data`` to the shell's input, after the rest of a line an earlier run began; False when the
-        deadline came first. A line the shell began to get is finished later (the shell reads whole lines: a
-        half would join the next); one not begun is dropped (its run's marker, which waits on the channel, is
-        read by the next framing: the next run sends none of its own, see ``_exchange``)."""
-        owed = len(self._unwritten)  # bytes of an earlier line, before this one's
-        self._unwritten += data.encode()
+    def _lines(self, command: str, seq: int) -> list[bytes]:
+        """What runs ``command`` as run ``seq``, in pieces of whole lines of at most ``PIPE_BUF`` bytes (see _write).
+        A longer command goes in chunks, each line an assignment that appends one to a variable of this run's (its
+        name random: no earlier command made it read-only; a variable per group of chunks, as each append copies
+        the variable), then lines that evaluate the variables joined and unset them: the chunks of a command whose
+        last piece never went are never run."""
+        tail = f'\n\\set -- "$1" {seq}; {self._trailer}\n'
+        whole = (_PREFIX.format(command=_quoted(command), reset=self._reset) + tail).encode()
+        if len(whole) <= select.PIPE_BUF:
+            return [whole]
+        pieces: list[bytes] = []
+        data, at = command.encode(), 0
+        while at < len(data):
+            piece = data[at:at + _ROOM]  # what fits in a line once quoted (a quote takes four bytes)
+            while (over := len(piece) + 3 * piece.count(b"'") - _ROOM) > 0:
+                piece = piece[:len(piece) - (over + 3) // 4]
+            at += len(piece)
+            pieces.append(piece.replace(b"'", b"'\\''"))
+        per = -(-len(pieces) // _GROUPS)
+        stem = f"__isolate_{secrets.token_hex(6)}_"
+        names = [f"{stem}{group}" for group in range(-(-len(pieces) // per))]
+        lines = [f"{names[i // per]}={'$' + names[i // per] if i % per else ''}'".encode() + piece + b"'\n"
+                 for i, piece in enumerate(pieces)]
+        joined = '"' + "".join("$" + name for name in names) + '"'
+        return [*lines, (_PREFIX.format(command=joined, reset=self._reset) + f"\n\\unset {' '.join(names)}; "
+                         + tail[1:]).encode()]
+
+    def _write(self, lines: list[bytes], deadline: float | None) -> bool:
+        """Write ``lines`` to the shell's input, each with one write(2), after the rest of one an earlier run began;
+        False when the deadline came first (the lines not begun are dropped). Each is whole lines of at most
+        ``PIPE_BUF`` bytes: a pipe takes such a write all or nothing, so the shell never holds part of a line, even
+        when this host is killed mid-run (the next host adopts the shell, see ``adopt``). A terminal may take a
+        part (this host's alone): its rest goes first later, as the shell reads whole lines."""
         fd = self._process.stdin_fd
-        while self._unwritten:
+        index = 0
+        while self._unwritten or index < len(lines):
+            data = self._unwritten or lines[index]
             try:
-                count = os.write(fd, self._unwritten)
+                count = os.write(fd, data)
             except BlockingIOError:
                 count = 0
             except OSError:
                 raise IsolationError(f"shell {self.name!r} has ended") from None
             if count:
-                del self._unwritten[:count]
-                owed -= count
+                if self._unwritten:
+                    del self._unwritten[:count]
+                else:
+                    self._unwritten = bytearray(data[count:])
+                    index += 1
                 continue
             millis: int | None = None
             if deadline is not None:
                 wait = deadline - time.monotonic()
                 if wait <= 0:
-                    if owed >= 0:
-                        del self._unwritten[owed:]  # not a byte of this line went: none of it goes
                     return False
                 millis = poll_millis(wait)
             self._poll_input.poll(millis)
@@ -342,7 +375,7 @@ class Shell:
                 # This run's framing read a marker an earlier host sent (an adopted shell's): ours waits behind
                 # it, for one more framing.
                 self._stale -= 1
-                self._write(f'\\set -- 0 {seq}; ' + self._trailer + "\n", deadline)  # late: the run times out
+                self._write([f'\\set -- 0 {seq}; {self._trailer}\n'.encode()], deadline)  # late: the run times out
                 continue
             if len(words) != 3 or words[0] not in self._waiting:
                 continue  # only the shell writes here: nothing else can name a marker

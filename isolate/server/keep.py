@@ -55,6 +55,9 @@ CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
 KEPT_LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
 #: A bash session's id (session-HEX): the key its shell's ends are kept under in the sandbox's exec server.
 SESSION_ID = re.compile(r"session-[0-9a-f]{16}")
+#: The key a kept bash shell's ends are held under by the exec server: a session's id, or a bash context's, after
+#: ``code-`` (isolate.server.code.shell).
+SHELL_KEY = re.compile(r"session-[0-9a-f]{16}|code-(ctx-[0-9a-f]{16}|default-bash)")
 #: Kept code contexts and bash sessions per record (more than a server lets a sandbox have).
 MAX_CONTEXTS = 256
 #: A background command's id (secrets.token_hex(8)), the only part of its files' paths it names.
@@ -138,6 +141,9 @@ class Record:
     entry_command: str | None = None
     #: Its bash sessions, whose shells outlive the server (isolate.server.code.shell): their ids.
     sessions: list[str] = field(default_factory=list)
+    #: Keys of kept bash shells the next server ends (``SHELL_KEY``): named from before the exec server keeps a
+    #: shell's ends until a session or context names it, and from before a delete until the ends are let go.
+    ending: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -150,6 +156,8 @@ class Record:
                 "egress": None if self.egress is None else [[action, target] for action, target in self.egress],
                 "contexts": [[cid, language] for cid, language in self.contexts],
                 "sessions": list(self.sessions),
+                # Only when there are (a server before it refuses the field, and has none to end).
+                **({"endingShells": list(self.ending)} if self.ending else {}),
                 "commands": [{"id": c.id, "content": c.content[:MAX_CONTENT], "startedAt": c.started_at,
                               "pid": c.pid, "pidStart": c.pid_start, "group": c.group, "deadline": c.deadline}
                              for c in self.commands[-MAX_COMMANDS:]],
@@ -180,7 +188,7 @@ def parse_record(data: object, expected_id: str) -> Record:
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
     # Not in the records of servers before them.
-    optional = {"egress", "contexts", "commands", "entryCommand", "sessions"}
+    optional = {"egress", "contexts", "commands", "entryCommand", "sessions", "endingShells"}
     _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -230,10 +238,13 @@ def parse_record(data: object, expected_id: str) -> Record:
     sessions = data.get("sessions", [])
     _need(isinstance(sessions, list) and len(sessions) + len(contexts) <= MAX_CONTEXTS
           and all(isinstance(s, str) and SESSION_ID.fullmatch(s) for s in sessions), "sessions")
+    ending = data.get("endingShells", [])
+    _need(isinstance(ending, list) and len(ending) <= MAX_CONTEXTS
+          and all(isinstance(k, str) and SHELL_KEY.fullmatch(k) for k in ending), "endingShells")
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
                   data["pending"], egress, contexts, *_commands(data.get("commands", []), data.get("entryCommand")),
-                  sessions=list(sessions))
+                  sessions=list(sessions), ending=list(ending))
 
 
 def _int(value: object, low: int, high: int) -> bool:

@@ -363,11 +363,20 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     from .code import CodeContext
     from .code.shell import BashShell
 
+    # The kept shells the last server was making or ending when it was killed: ended (a paused sandbox's exec server
+    # answers nothing: at a later restart), and none is a session's or context's.
+    managed.ending_shells = set(record.ending)
+    for key in [] if paused else record.ending:
+        with contextlib.suppress(Exception):
+            BashShell(box, key, kept=True, fresh=False).close()
+            managed.ending_shells.discard(key)
     for context_id, language in record.contexts:
         # Its interpreter, a process of the sandbox, is connected to at the context's first use.
-        managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
+        if f"code-{context_id}" not in record.ending:
+            managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
     for session_id in record.sessions:
-        managed.sessions[session_id] = BashShell(box, session_id, kept=True, fresh=False)  # adopted at its first use
+        if session_id not in record.ending:  # its shell adopted at its first use
+            managed.sessions[session_id] = BashShell(box, session_id, kept=True, fresh=False)
     for recorded in record.commands:
         # Its wrapper, a process of the sandbox, is held again if it still runs; its files are read when asked.
         RUNNING.take(force=True)  # given back at its end (it runs already: no ceiling refuses it)

@@ -335,6 +335,8 @@ class ManagedSandbox:
     commands: dict[str, CommandRecord | KeptCommand] = field(default_factory=dict)
     sessions: dict[str, Any] = field(default_factory=dict)
     contexts: dict[str, Any] = field(default_factory=dict)
+    #: Keys of kept bash shells its record names as ones the next server ends (see ``shell_in_doubt``).
+    ending_shells: set[str] = field(default_factory=set)
     lock: threading.RLock = field(default_factory=threading.RLock)
     #: Held by the reaper's round over its kept background commands (tend_commands).
     _tending: threading.Lock = field(default_factory=threading.Lock)
@@ -426,7 +428,18 @@ class ManagedSandbox:
                       commands=[c.recorded for c in list(self.commands.values())
                                 if isinstance(c, KeptCommand) and c.settled.is_set()],
                       entry_command=self.entry_command,
-                      sessions=[sid for sid, shell in list(self.sessions.items()) if getattr(shell, "kept", False)])
+                      sessions=[sid for sid, shell in list(self.sessions.items()) if getattr(shell, "kept", False)],
+                      ending=sorted(self.ending_shells))
+
+    def shell_in_doubt(self, key: str, doubt: bool) -> None:
+        """Its record names the kept bash shell ``key`` (a session's id, or ``code-`` and a bash context's) as one
+        the next server ends (``doubt``), or no longer, and is written: from before the exec server keeps the
+        shell's ends until a session or context names it, and from before a delete until the ends are let go. A
+        server killed at any step leaves no kept shell that no record names (it would live on in the exec
+        server's table, one of its 64 keys, for good), and no name of one the client never had or deleted."""
+        with self.lock:
+            (self.ending_shells.add if doubt else self.ending_shells.discard)(key)
+        self.changed()
 
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))

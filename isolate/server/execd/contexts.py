@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,41 @@ def _context(managed: ManagedSandbox, context_id: str) -> CodeContext:
     return context
 
 
+def _shell_kept(managed: ManagedSandbox, language: str) -> bool:
+    """Whether a context's shell outlives the server, its ends kept by the sandbox's exec server (a kept bash
+    context's): its record names it while it is made or deleted (ManagedSandbox.shell_in_doubt)."""
+    return managed.kept and language == "bash"
+
+
+async def _made(managed: ManagedSandbox, language: str, context_id: str) -> CodeContext:
+    """A new context of the sandbox's, in its list (and, a kept bash context, in its record, named before its
+    shell's ends are kept)."""
+    doubt = _shell_kept(managed, language)
+    if doubt:
+        await run_in_threadpool(managed.shell_in_doubt, f"code-{context_id}", True)
+    try:
+        context = await run_in_threadpool(CodeContext, managed.box, language, context_id, managed.kept)
+        managed.contexts[context.id] = context
+    finally:
+        if doubt:  # a context of its record now (a restarted server adopts its shell), or none
+            await run_in_threadpool(managed.shell_in_doubt, f"code-{context_id}", False)
+    return context
+
+
+async def _ended(managed: ManagedSandbox, context: CodeContext) -> None:
+    """A context taken out of the sandbox's list and ended (a kept bash context's shell named by its record as one
+    to end until the exec server let go of its ends)."""
+    doubt = context.ends_in_sandbox
+    if doubt:
+        await run_in_threadpool(managed.shell_in_doubt, f"code-{context.id}", True)
+    managed.contexts.pop(context.id, None)
+    try:
+        await run_in_threadpool(context.close)
+    finally:
+        if doubt:
+            await run_in_threadpool(managed.shell_in_doubt, f"code-{context.id}", False)
+
+
 @api
 async def create_context(request: Request) -> Response:
     managed = sandbox_for(request)
@@ -44,9 +80,9 @@ async def create_context(request: Request) -> Response:
         raise bad_request("the body must be {\"language\": \"python\"}", "INVALID_REQUEST_BODY")
     language = _language((body or {}).get("language"))
     room_for_session(managed)
-    context = await run_in_threadpool(CodeContext, managed.box, language, None, managed.kept)
-    managed.contexts[context.id] = context
-    if context.kept:
+    context_id = f"ctx-{secrets.token_hex(8)}"
+    context = await _made(managed, language, context_id)
+    if context.kept and not _shell_kept(managed, language):
         await run_in_threadpool(managed.changed)  # its record names it: a restarted server serves it again
     return JSONResponse({"id": context.id, "language": language})
 
@@ -78,9 +114,8 @@ async def delete_context(request: Request) -> Response:
     managed = sandbox_for(request, running=False)
     context = _context(managed, request.path_params["context_id"])
     _endable(managed, [context])
-    managed.contexts.pop(context.id, None)
-    await run_in_threadpool(context.close)
-    if context.kept:
+    await _ended(managed, context)
+    if context.kept and not context.ends_in_sandbox:
         await run_in_threadpool(managed.changed)
     return Response(status_code=200)
 
@@ -92,9 +127,8 @@ async def delete_contexts(request: Request) -> Response:
     doomed = [c for c in managed.contexts.values() if c.language == language]
     _endable(managed, doomed)
     for context in doomed:
-        managed.contexts.pop(context.id, None)
-        await run_in_threadpool(context.close)
-    if any(c.kept for c in doomed):
+        await _ended(managed, context)
+    if any(c.kept and not c.ends_in_sandbox for c in doomed):
         await run_in_threadpool(managed.changed)
     return Response(status_code=200)
 
@@ -125,10 +159,8 @@ async def run_code(request: Request) -> Response:
         default: CodeContext | None = managed.contexts.get(f"default-{language}")
         if default is None:
             room_for_session(managed)
-            default = await run_in_threadpool(CodeContext, managed.box, language, f"default-{language}",
-                                              managed.kept)
-            managed.contexts[default.id] = default
-            if default.kept:
+            default = await _made(managed, language, f"default-{language}")
+            if default.kept and not _shell_kept(managed, language):
                 await run_in_threadpool(managed.changed)
         context = default
     bridge = Bridge(asyncio.get_running_loop())

@@ -15,7 +15,7 @@ from ...model.errors import CommandNotFoundError
 from ..code.shell import HINT, BashShell
 from ..common import SSE_HEADERS, LineSplitter, api, json_body, sse
 from ..models import ApiError, bad_request
-from ..state import room_for_session
+from ..state import ManagedSandbox, room_for_session
 from .access import sandbox_for
 from .commands import _timeout_ms
 
@@ -35,6 +35,17 @@ async def create_session(request: Request) -> Response:
 
     session_id = "session-" + secrets.token_hex(8)
     room_for_session(managed)
+    if managed.kept:  # its record names the shell before its ends are kept (ManagedSandbox.shell_in_doubt)
+        await run_in_threadpool(managed.shell_in_doubt, session_id, True)
+    try:
+        managed.sessions[session_id] = await _started(managed, session_id, cwd)
+    finally:
+        if managed.kept:  # a session of its record now (a restarted server adopts its shell), or none
+            await run_in_threadpool(managed.shell_in_doubt, session_id, False)
+    return JSONResponse({"session_id": session_id})
+
+
+async def _started(managed: ManagedSandbox, session_id: str, cwd: str | None) -> BashShell:
     try:
         # In a kept sandbox the session's shell outlives the server, as a bash code context's (server.code.shell).
         shell = await run_in_threadpool(BashShell, managed.box, session_id, managed.kept)
@@ -48,10 +59,7 @@ async def create_session(request: Request) -> Response:
         if status != 0:
             await run_in_threadpool(shell.close)
             raise bad_request(f"cwd: {out.strip()[:200] or cwd}")
-    managed.sessions[session_id] = shell
-    if shell.kept:
-        await run_in_threadpool(managed.changed)  # its record names it: a restarted server adopts it
-    return JSONResponse({"session_id": session_id})
+    return shell
 
 
 @api
@@ -102,8 +110,13 @@ async def delete_session(request: Request) -> Response:
         # Its end needs the sandbox's exec server, which holds the shell's ends and is frozen meanwhile.
         raise ApiError(409, "SANDBOX_NOT_RUNNING", f"sandbox {managed.id} is {managed.state}: a kept bash session "
                        "ends with the sandbox's help (its exec server holds the shell's ends); resume it first")
-    managed.sessions.pop(request.path_params["session_id"], None)
-    await run_in_threadpool(shell.close)
-    if shell.kept:
-        await run_in_threadpool(managed.changed)
+    session_id = request.path_params["session_id"]
+    if shell.kept:  # its record names the shell as one to end until its ends are let go
+        await run_in_threadpool(managed.shell_in_doubt, session_id, True)
+    managed.sessions.pop(session_id, None)
+    try:
+        await run_in_threadpool(shell.close)
+    finally:
+        if shell.kept:
+            await run_in_threadpool(managed.shell_in_doubt, session_id, False)
     return Response(status_code=200)

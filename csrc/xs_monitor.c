@@ -400,6 +400,20 @@ void xs_monitor(int conn, struct request *req)
     }
     close(err_pipe[1]);
     xs_monitor_err_pipe[1] = -1;
+    /* The command's stdout and stderr (pipes of the host's, mostly) stay
+     * open here until its EXITED is sent: their hang-up, which the
+     * command's exit gives the host's poll before the monitor has reaped
+     * it, would wake the host once more per command for nothing (all the
+     * command wrote is in the pipes by then; the host drains them after
+     * EXITED).  Its stdin and descriptor 3 are closed now, as before: a
+     * writer to its stdin sees its end when it ends. */
+    int held[2] = {-1, -1};
+    if (!(h->flags & ISO_XS_F_PTY)) {
+        held[0] = req->fds[1];
+        held[1] = req->fds[2];
+        req->fds[1] = req->fds[3]; /* the command's 3, if it has one (n_fds 4) */
+        req->n_fds -= 2;
+    }
     xs_close_fds(req);
     struct iso_failure failure;
     ssize_t got;
@@ -505,6 +519,9 @@ void xs_monitor(int conn, struct request *req)
     int again = reason == ISO_XS_REASON_EXITED && may_serve_again && xs_monitor_chan >= 0 && childless() &&
                 write(xs_monitor_chan, "", 1) == 1;
     send_exited(conn, reason); /* to a host gone: EPIPE, nobody to tell */
+    for (int i = 0; i < 2; i++)
+        if (held[i] >= 0)
+            close(held[i]);
     /* A request that crossed the end (a kill sent as the command exited)
      * is read and dropped: a unix socket closed with unread data resets
      * its peer, which is then told that error before the EXITED above. */

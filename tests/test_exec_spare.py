@@ -175,3 +175,31 @@ def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
             time.sleep(0.01)
         assert not running(spare)  # nothing left below it: it ended
         assert box.exec(["/bin/true"]).returncode == 0
+
+
+def test_output_ends_close_when_the_command_ends_on_a_monitor_that_serves_on() -> None:
+    # The monitor holds the command's stdout and stderr until its EXITED is sent (their hang-up then
+    # wakes the host no more), and must let go of them before it serves the next command: else a
+    # reader of a spawned command's output would wait for its end for ever.
+    import select
+
+    with isolate.Sandbox(policy(write=())) as box:
+        for round in range(3):
+            proc = box.spawn(["sh", "-c", f"printf out{round}; printf err{round} >&2"])
+            try:
+                assert proc.wait(timeout=30) == 0
+                for stream, want in ((proc.stdout, f"out{round}"), (proc.stderr, f"err{round}")):
+                    assert stream is not None
+                    got = b""
+                    while True:
+                        ready, _, _ = select.select([stream], [], [], 10)
+                        assert ready, f"round {round}: the command's output never reached its end"
+                        chunk = os.read(stream.fileno(), 4096)
+                        if not chunk:
+                            break
+                        got += chunk
+                    assert got == want.encode()
+            finally:
+                proc.close()
+            done = box.exec(["sh", "-c", f"head -c 300000 /dev/zero; echo tail{round} >&2"])
+            assert (done.returncode, len(done.stdout), done.stderr) == (0, 300000, f"tail{round}\n")

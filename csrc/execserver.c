@@ -353,6 +353,27 @@ static void monitor_spoke(pid_t pid)
     running--;
 }
 
+/* The running monitors' words that came meanwhile, read without waiting.
+ * While a host is connected the server does not poll their sockets (see
+ * the main loop): a monitor says it waits again just before its EXITED,
+ * and the host's next command is what needs it, so the word is read then,
+ * with that request, and costs the server no wake-up of its own. */
+static void collect_spoken(void)
+{
+    for (int i = n_monitors - 1; i >= 0; i--) {
+        if (monitors[i].chan < 0)
+            continue;
+        char byte;
+        ssize_t got;
+        do {
+            got = recv(monitors[i].chan, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
+        } while (got < 0 && errno == EINTR);
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            continue;
+        monitor_spoke(monitors[i].pid); /* its word, or its hang-up */
+    }
+}
+
 /* Whether a running monitor may come back to wait (then none is forked ahead). */
 static int one_may_come_back(void)
 {
@@ -401,6 +422,8 @@ static int serve(int conn, int r)
         xs_current.n_fds--;
     }
     struct monitor_ref m = {.pid = -1, .chan = -1};
+    if (n_idle == 0 || n_monitors >= MAX_MONITORS) /* the monitors that wait again, not yet read */
+        collect_spoken();
     if (n_monitors < MAX_MONITORS) {
         m = hand_to_spare(conv);
         if (m.pid < 0 && spares_wanted) {
@@ -473,11 +496,17 @@ int iso_exec_server_main(int argc, char **argv)
         fds[1] = (struct pollfd){.fd = sigfd, .events = POLLIN};
         for (int i = 0; i < n_clients; i++)
             fds[2 + i] = (struct pollfd){.fd = clients[i], .events = POLLIN};
+        /* The running monitors' words wake the server only while no host
+         * is connected (they then start the idle time); with one connected,
+         * its next command reads them (collect_spoken).  A hang-up (a
+         * detached monitor that will not come back to wait) is always seen:
+         * poll reports it whatever was asked. */
         int n_speakers = 0;
         for (int i = 0; i < n_monitors; i++) {
             if (monitors[i].chan < 0)
                 continue;
-            fds[2 + n_clients + n_speakers] = (struct pollfd){.fd = monitors[i].chan, .events = POLLIN};
+            fds[2 + n_clients + n_speakers] = (struct pollfd){.fd = monitors[i].chan,
+                                                              .events = n_clients == 0 ? POLLIN : 0};
             speakers[n_speakers++] = monitors[i].pid;
         }
         int first_speaker = 2 + n_clients;

@@ -420,6 +420,13 @@ static int serve(int conn, int r)
         conv = xs_current.fds[0];
         memmove(xs_current.fds, xs_current.fds + 1, sizeof(int) * (size_t)(xs_current.n_fds - 1));
         xs_current.n_fds--;
+        if ((xs_current.head.flags & ISO_XS_F_STRINGS_FD) && xs_current.n_fds < 1) {
+            /* wire.c's check that the memfd came counted the conversation */
+            xs_close_fds(&xs_current);
+            xs_reply_kind(conv, ISO_XS_ERROR, EPROTO);
+            close(conv);
+            return 0;
+        }
     }
     struct monitor_ref m = {.pid = -1, .chan = -1};
     if (n_idle == 0 || n_monitors >= MAX_MONITORS) /* the monitors that wait again, not yet read */

@@ -137,6 +137,8 @@ static void do_signal(int sig, int flags)
  * req->strings at them.  0, or an errno. */
 static int load_strings(struct request *req)
 {
+    if (req->n_fds < 1)
+        return EINVAL;
     int fd = req->fds[0];
     memmove(req->fds, req->fds + 1, sizeof(int) * (size_t)(req->n_fds - 1));
     req->n_fds--;

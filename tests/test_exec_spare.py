@@ -9,6 +9,7 @@ import errno
 import os
 import signal
 import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,3 +204,32 @@ def test_output_ends_close_when_the_command_ends_on_a_monitor_that_serves_on() -
                 proc.close()
             done = box.exec(["sh", "-c", f"head -c 300000 /dev/zero; echo tail{round} >&2"])
             assert (done.returncode, len(done.stdout), done.stderr) == (0, 300000, f"tail{round}\n")
+
+
+@pytest.mark.parametrize("spare", [True, False])
+def test_strings_in_a_memfd_that_did_not_come_are_refused(spare: bool) -> None:
+    # An EXEC whose strings are in a memfd (ISO_XS_F_STRINGS_FD) with its own conversation, and no descriptor
+    # but the conversation: the server's check (one descriptor at least) counted the conversation, which it
+    # then takes off; a monitor forked for the command (no spare: a pids limit) then moved -1 descriptors
+    # and crashed (a hang-up, not an answer). A spare refused it already (it parses the request again).
+    try:
+        box = isolate.Sandbox(policy(write=(), **({} if spare else {"limits": isolate.Limits(pids=50)}))).start()
+    except isolate.UnsupportedError as exc:  # no cgroup this user may write (a pids limit is refused then)
+        pytest.skip(str(exc)[:120])
+    with box:
+        conn = box._impl.connect()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            flags = int(lib.ISO_XS_F_CONVERSATION | lib.ISO_XS_F_STRINGS_FD)
+            conn.send(protocol._header(int(lib.ISO_XS_EXEC), flags, 0, 0, 2, 1), [theirs.fileno()])
+            theirs.close()
+            ours.settimeout(30)
+            reply = ours.recv(4096)
+        finally:
+            ours.close()
+            theirs.close()
+            conn.close()
+        assert len(reply) >= protocol.REPLY_SIZE, "the monitor hung up instead of answering"
+        kind, err = struct.unpack_from("=Ii", reply, 4)
+        assert (kind, err) == (lib.ISO_XS_ERROR, errno.EPROTO)
+        assert box.exec(["/bin/true"]).returncode == 0

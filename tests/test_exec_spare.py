@@ -153,6 +153,13 @@ def test_a_waiting_monitor_holds_no_descriptor_of_another_command() -> None:
             busy.kill()
 
 
+def _name(process: psutil.Process) -> str:
+    try:
+        return str(process.name())
+    except psutil.NoSuchProcess:  # ended meanwhile (setsid -f's parent)
+        return ""
+
+
 def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
     """A detached command's monitor outlives the command and its host hanging up: what the command left (a
     double fork into a session of its own included) stays below it, not the sandbox's init, until it has ended;
@@ -166,7 +173,12 @@ def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
         proc.close()  # the host hangs up: nothing ends
         init = box.processes()[0]
         (server,) = init.children()
-        (sleep,) = [p for p in server.children(recursive=True) if p.name() == "sleep"]
+        # setsid -f's child may not have exec'd sleep yet when the command (its parent) has ended.
+        deadline = time.monotonic() + 10
+        while not (sleeps := [p for p in server.children(recursive=True) if _name(p) == "sleep"]):
+            assert time.monotonic() < deadline, "the command's double fork never ran sleep"
+            time.sleep(0.01)
+        (sleep,) = sleeps
         assert sleep.parent() == spare  # the monitor that ran the command, detached, its subreaper
         # The server forked the next command's monitor ahead: two children (the detached one and the spare).
         assert len(_server_children(box, 2)) == 2

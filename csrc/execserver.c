@@ -327,22 +327,22 @@ static struct monitor_ref hand_to_spare(int conn)
     return (struct monitor_ref){.pid = -1, .chan = -1};
 }
 
-/* A running monitor's word on its socket: it is waiting again (kept, or
- * let go when enough wait), or it has ended (its socket hung up). */
-static void monitor_spoke(pid_t pid)
+/* What monitors[i] said on its socket, read with flags (MSG_DONTWAIT:
+ * perhaps nothing yet, then 0): it is waiting again (kept, or let go when
+ * enough wait), or it has ended (its socket hung up).  1 when it spoke. */
+static int monitor_spoke_at(int i, int flags)
 {
-    int i = find_ref(monitors, n_monitors, pid);
-    if (i < 0)
-        return;
     char byte;
     ssize_t got;
     do {
-        got = read(monitors[i].chan, &byte, 1);
+        got = recv(monitors[i].chan, &byte, 1, flags);
     } while (got < 0 && errno == EINTR);
+    if (got < 0 && (flags & MSG_DONTWAIT) && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return 0;
     if (got != 1) {
         close(monitors[i].chan); /* its end comes as SIGCHLD */
         monitors[i].chan = -1;
-        return;
+        return 1;
     }
     if (n_idle < MAX_IDLE) {
         idle[n_idle++] = monitors[i];
@@ -351,27 +351,27 @@ static void monitor_spoke(pid_t pid)
         drop_ref(monitors, &n_monitors, i); /* its recvmsg sees the hang-up: it exits */
     }
     running--;
+    return 1;
+}
+
+static void monitor_spoke(pid_t pid)
+{
+    int i = find_ref(monitors, n_monitors, pid);
+    if (i >= 0)
+        monitor_spoke_at(i, 0);
 }
 
 /* The running monitors' words that came meanwhile, read without waiting.
  * While a host is connected the server does not poll their sockets (see
  * the main loop): a monitor says it waits again just before its EXITED,
  * and the host's next command is what needs it, so the word is read then,
- * with that request, and costs the server no wake-up of its own. */
+ * with that request, and costs the server no wake-up of its own.  Last
+ * first: one that spoke is replaced by the last, seen already. */
 static void collect_spoken(void)
 {
-    for (int i = n_monitors - 1; i >= 0; i--) {
-        if (monitors[i].chan < 0)
-            continue;
-        char byte;
-        ssize_t got;
-        do {
-            got = recv(monitors[i].chan, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
-        } while (got < 0 && errno == EINTR);
-        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-            continue;
-        monitor_spoke(monitors[i].pid); /* its word, or its hang-up */
-    }
+    for (int i = n_monitors - 1; i >= 0; i--)
+        if (monitors[i].chan >= 0)
+            monitor_spoke_at(i, MSG_DONTWAIT);
 }
 
 /* Whether a running monitor may come back to wait (then none is forked ahead). */

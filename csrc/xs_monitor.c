@@ -23,6 +23,12 @@ static void account(const struct rusage *ru)
         usage_maxrss_kib = ru->ru_maxrss;
 }
 
+/* Set when reap_some's last wait4 said ECHILD: no child at all, alive or
+ * not yet reaped.  Nothing can become this subreaper's child after that
+ * (every living descendant has a living parent below it, or is its child),
+ * so it stays true; childless() need not ask again. */
+static int no_child_left;
+
 /* Reap children without blocking; note the command's status. */
 static void reap_some(void)
 {
@@ -36,6 +42,7 @@ static void reap_some(void)
             command_reaped = 1;
         }
     }
+    no_child_left = pid < 0 && errno == ECHILD;
 }
 
 /* End the command's whole tree: its group, then, round after round, every
@@ -283,6 +290,8 @@ void xs_monitor_prepare(void)
 /* 1 when this process has no child at all, alive or not yet reaped (none is reaped here). */
 static int childless(void)
 {
+    if (no_child_left)
+        return 1;
     siginfo_t info;
     memset(&info, 0, sizeof info);
     return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) < 0 && errno == ECHILD;
@@ -324,6 +333,7 @@ void xs_monitor(int conn, struct request *req)
     command = 0;
     command_reaped = 0;
     command_status = 0;
+    no_child_left = 0;
     usage_user_usec = usage_system_usec = usage_maxrss_kib = 0;
     if (h->flags & ISO_XS_F_STRINGS_FD) {
         int err = load_strings(req);
@@ -481,9 +491,11 @@ void xs_monitor(int conn, struct request *req)
             break;
         }
         if (fds[0].revents & POLLIN) {
-            struct signalfd_siginfo info;
-            while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info)
-                ;
+            /* One read takes every pending SIGCHLD (one is pending at most: it is not queued). */
+            struct signalfd_siginfo info[4];
+            if (read(sigfd, info, sizeof info) < 0 && errno != EAGAIN && errno != EINTR) {
+                /* Nothing to do: the wait4s below reap whatever has ended. */
+            }
             reap_some();
         }
         if (fds[2].revents & POLLIN) {

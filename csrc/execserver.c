@@ -327,22 +327,22 @@ static struct monitor_ref hand_to_spare(int conn)
     return (struct monitor_ref){.pid = -1, .chan = -1};
 }
 
-/* A running monitor's word on its socket: it is waiting again (kept, or
- * let go when enough wait), or it has ended (its socket hung up). */
-static void monitor_spoke(pid_t pid)
+/* What monitors[i] said on its socket, read with flags (MSG_DONTWAIT:
+ * perhaps nothing yet, then 0): it is waiting again (kept, or let go when
+ * enough wait), or it has ended (its socket hung up).  1 when it spoke. */
+static int monitor_spoke_at(int i, int flags)
 {
-    int i = find_ref(monitors, n_monitors, pid);
-    if (i < 0)
-        return;
     char byte;
     ssize_t got;
     do {
-        got = read(monitors[i].chan, &byte, 1);
+        got = recv(monitors[i].chan, &byte, 1, flags);
     } while (got < 0 && errno == EINTR);
+    if (got < 0 && (flags & MSG_DONTWAIT) && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return 0;
     if (got != 1) {
         close(monitors[i].chan); /* its end comes as SIGCHLD */
         monitors[i].chan = -1;
-        return;
+        return 1;
     }
     if (n_idle < MAX_IDLE) {
         idle[n_idle++] = monitors[i];
@@ -351,6 +351,27 @@ static void monitor_spoke(pid_t pid)
         drop_ref(monitors, &n_monitors, i); /* its recvmsg sees the hang-up: it exits */
     }
     running--;
+    return 1;
+}
+
+static void monitor_spoke(pid_t pid)
+{
+    int i = find_ref(monitors, n_monitors, pid);
+    if (i >= 0)
+        monitor_spoke_at(i, 0);
+}
+
+/* The running monitors' words that came meanwhile, read without waiting.
+ * While a host is connected the server does not poll their sockets (see
+ * the main loop): a monitor says it waits again just before its EXITED,
+ * and the host's next command is what needs it, so the word is read then,
+ * with that request, and costs the server no wake-up of its own.  Last
+ * first: one that spoke is replaced by the last, seen already. */
+static void collect_spoken(void)
+{
+    for (int i = n_monitors - 1; i >= 0; i--)
+        if (monitors[i].chan >= 0)
+            monitor_spoke_at(i, MSG_DONTWAIT);
 }
 
 /* Whether a running monitor may come back to wait (then none is forked ahead). */
@@ -399,8 +420,17 @@ static int serve(int conn, int r)
         conv = xs_current.fds[0];
         memmove(xs_current.fds, xs_current.fds + 1, sizeof(int) * (size_t)(xs_current.n_fds - 1));
         xs_current.n_fds--;
+        if ((xs_current.head.flags & ISO_XS_F_STRINGS_FD) && xs_current.n_fds < 1) {
+            /* wire.c's check that the memfd came counted the conversation */
+            xs_close_fds(&xs_current);
+            xs_reply_kind(conv, ISO_XS_ERROR, EPROTO);
+            close(conv);
+            return 0;
+        }
     }
     struct monitor_ref m = {.pid = -1, .chan = -1};
+    if (n_idle == 0 || n_monitors >= MAX_MONITORS) /* the monitors that wait again, not yet read */
+        collect_spoken();
     if (n_monitors < MAX_MONITORS) {
         m = hand_to_spare(conv);
         if (m.pid < 0 && spares_wanted) {
@@ -473,11 +503,19 @@ int iso_exec_server_main(int argc, char **argv)
         fds[1] = (struct pollfd){.fd = sigfd, .events = POLLIN};
         for (int i = 0; i < n_clients; i++)
             fds[2 + i] = (struct pollfd){.fd = clients[i], .events = POLLIN};
+        /* The running monitors' words wake the server only while no host
+         * is connected (they then start the idle time); with one connected,
+         * its next command reads them (collect_spoken).  Not under a pids
+         * limit (no spares): there a monitor past the idle ones must exit as
+         * soon as it is done, not count against the limit until the next
+         * command.  A hang-up (a detached monitor that will not come back to
+         * wait) is always seen: poll reports it whatever was asked. */
         int n_speakers = 0;
         for (int i = 0; i < n_monitors; i++) {
             if (monitors[i].chan < 0)
                 continue;
-            fds[2 + n_clients + n_speakers] = (struct pollfd){.fd = monitors[i].chan, .events = POLLIN};
+            fds[2 + n_clients + n_speakers] = (struct pollfd){.fd = monitors[i].chan,
+                                                              .events = n_clients == 0 || !spares_wanted ? POLLIN : 0};
             speakers[n_speakers++] = monitors[i].pid;
         }
         int first_speaker = 2 + n_clients;

@@ -23,6 +23,12 @@ static void account(const struct rusage *ru)
         usage_maxrss_kib = ru->ru_maxrss;
 }
 
+/* Set when reap_some's last wait4 said ECHILD: no child at all, alive or
+ * not yet reaped.  Nothing can become this subreaper's child after that
+ * (every living descendant has a living parent below it, or is its child),
+ * so it stays true; childless() need not ask again. */
+static int no_child_left;
+
 /* Reap children without blocking; note the command's status. */
 static void reap_some(void)
 {
@@ -36,6 +42,7 @@ static void reap_some(void)
             command_reaped = 1;
         }
     }
+    no_child_left = pid < 0 && errno == ECHILD;
 }
 
 /* End the command's whole tree: its group, then, round after round, every
@@ -137,6 +144,8 @@ static void do_signal(int sig, int flags)
  * req->strings at them.  0, or an errno. */
 static int load_strings(struct request *req)
 {
+    if (req->n_fds < 1)
+        return EINVAL;
     int fd = req->fds[0];
     memmove(req->fds, req->fds + 1, sizeof(int) * (size_t)(req->n_fds - 1));
     req->n_fds--;
@@ -281,6 +290,8 @@ void xs_monitor_prepare(void)
 /* 1 when this process has no child at all, alive or not yet reaped (none is reaped here). */
 static int childless(void)
 {
+    if (no_child_left)
+        return 1;
     siginfo_t info;
     memset(&info, 0, sizeof info);
     return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) < 0 && errno == ECHILD;
@@ -322,6 +333,7 @@ void xs_monitor(int conn, struct request *req)
     command = 0;
     command_reaped = 0;
     command_status = 0;
+    no_child_left = 0;
     usage_user_usec = usage_system_usec = usage_maxrss_kib = 0;
     if (h->flags & ISO_XS_F_STRINGS_FD) {
         int err = load_strings(req);
@@ -400,6 +412,20 @@ void xs_monitor(int conn, struct request *req)
     }
     close(err_pipe[1]);
     xs_monitor_err_pipe[1] = -1;
+    /* The command's stdout and stderr (pipes of the host's, mostly) stay
+     * open here until its EXITED is sent: their hang-up, which the
+     * command's exit gives the host's poll before the monitor has reaped
+     * it, would wake the host once more per command for nothing (all the
+     * command wrote is in the pipes by then; the host drains them after
+     * EXITED).  Its stdin and descriptor 3 are closed now, as before: a
+     * writer to its stdin sees its end when it ends. */
+    int held[2] = {-1, -1};
+    if (!(h->flags & ISO_XS_F_PTY)) {
+        held[0] = req->fds[1];
+        held[1] = req->fds[2];
+        req->fds[1] = req->fds[3]; /* the command's 3, if it has one (n_fds 4) */
+        req->n_fds -= 2;
+    }
     xs_close_fds(req);
     struct iso_failure failure;
     ssize_t got;
@@ -465,9 +491,11 @@ void xs_monitor(int conn, struct request *req)
             break;
         }
         if (fds[0].revents & POLLIN) {
-            struct signalfd_siginfo info;
-            while (read(sigfd, &info, sizeof info) == (ssize_t)sizeof info)
-                ;
+            /* One read takes every pending SIGCHLD (one is pending at most: it is not queued). */
+            struct signalfd_siginfo info[4];
+            if (read(sigfd, info, sizeof info) < 0 && errno != EAGAIN && errno != EINTR) {
+                /* Nothing to do: the wait4s below reap whatever has ended. */
+            }
             reap_some();
         }
         if (fds[2].revents & POLLIN) {
@@ -505,6 +533,9 @@ void xs_monitor(int conn, struct request *req)
     int again = reason == ISO_XS_REASON_EXITED && may_serve_again && xs_monitor_chan >= 0 && childless() &&
                 write(xs_monitor_chan, "", 1) == 1;
     send_exited(conn, reason); /* to a host gone: EPIPE, nobody to tell */
+    for (int i = 0; i < 2; i++)
+        if (held[i] >= 0)
+            close(held[i]);
     /* A request that crossed the end (a kill sent as the command exited)
      * is read and dropped: a unix socket closed with unread data resets
      * its peer, which is then told that error before the EXITED above. */

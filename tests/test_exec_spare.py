@@ -9,6 +9,7 @@ import errno
 import os
 import signal
 import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -152,6 +153,13 @@ def test_a_waiting_monitor_holds_no_descriptor_of_another_command() -> None:
             busy.kill()
 
 
+def _name(process: psutil.Process) -> str:
+    try:
+        return str(process.name())
+    except psutil.NoSuchProcess:  # ended meanwhile (setsid -f's parent)
+        return ""
+
+
 def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
     """A detached command's monitor outlives the command and its host hanging up: what the command left (a
     double fork into a session of its own included) stays below it, not the sandbox's init, until it has ended;
@@ -165,10 +173,10 @@ def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
         proc.close()  # the host hangs up: nothing ends
         init = box.processes()[0]
         (server,) = init.children()
-        # setsid -f returns once it has forked: its child may not have run sleep yet.
+        # setsid -f's child may not have exec'd sleep yet when the command (its parent) has ended.
         deadline = time.monotonic() + 10
-        while not (sleeps := [p for p in server.children(recursive=True) if p.name() == "sleep"]):
-            assert time.monotonic() < deadline, "the detached command's sleep never ran"
+        while not (sleeps := [p for p in server.children(recursive=True) if _name(p) == "sleep"]):
+            assert time.monotonic() < deadline, "the command's double fork never ran sleep"
             time.sleep(0.01)
         (sleep,) = sleeps
         assert sleep.parent() == spare  # the monitor that ran the command, detached, its subreaper
@@ -179,4 +187,61 @@ def test_a_detached_command_keeps_what_it_left_below_its_monitor() -> None:
         while running(spare) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not running(spare)  # nothing left below it: it ended
+        assert box.exec(["/bin/true"]).returncode == 0
+
+
+def test_output_ends_close_when_the_command_ends_on_a_monitor_that_serves_on() -> None:
+    # The monitor holds the command's stdout and stderr until its EXITED is sent (their hang-up then
+    # wakes the host no more), and must let go of them before it serves the next command: else a
+    # reader of a spawned command's output would wait for its end for ever.
+    import select
+
+    with isolate.Sandbox(policy(write=())) as box:
+        for round in range(3):
+            proc = box.spawn(["sh", "-c", f"printf out{round}; printf err{round} >&2"])
+            try:
+                assert proc.wait(timeout=30) == 0
+                for stream, want in ((proc.stdout, f"out{round}"), (proc.stderr, f"err{round}")):
+                    assert stream is not None
+                    got = b""
+                    while True:
+                        ready, _, _ = select.select([stream], [], [], 10)
+                        assert ready, f"round {round}: the command's output never reached its end"
+                        chunk = os.read(stream.fileno(), 4096)
+                        if not chunk:
+                            break
+                        got += chunk
+                    assert got == want.encode()
+            finally:
+                proc.close()
+            done = box.exec(["sh", "-c", f"head -c 300000 /dev/zero; echo tail{round} >&2"])
+            assert (done.returncode, len(done.stdout), done.stderr) == (0, 300000, f"tail{round}\n")
+
+
+@pytest.mark.parametrize("spare", [True, False])
+def test_strings_in_a_memfd_that_did_not_come_are_refused(spare: bool) -> None:
+    # An EXEC whose strings are in a memfd (ISO_XS_F_STRINGS_FD) with its own conversation, and no descriptor
+    # but the conversation: the server's check (one descriptor at least) counted the conversation, which it
+    # then takes off; a monitor forked for the command (no spare: a pids limit) then moved -1 descriptors
+    # and crashed (a hang-up, not an answer). A spare refused it already (it parses the request again).
+    try:
+        box = isolate.Sandbox(policy(write=(), **({} if spare else {"limits": isolate.Limits(pids=50)}))).start()
+    except isolate.UnsupportedError as exc:  # no cgroup this user may write (a pids limit is refused then)
+        pytest.skip(str(exc)[:120])
+    with box:
+        conn = box._impl.connect()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            flags = int(lib.ISO_XS_F_CONVERSATION | lib.ISO_XS_F_STRINGS_FD)
+            conn.send(protocol._header(int(lib.ISO_XS_EXEC), flags, 0, 0, 2, 1), [theirs.fileno()])
+            theirs.close()
+            ours.settimeout(30)
+            reply = ours.recv(4096)
+        finally:
+            ours.close()
+            theirs.close()
+            conn.close()
+        assert len(reply) >= protocol.REPLY_SIZE, "the monitor hung up instead of answering"
+        kind, err = struct.unpack_from("=Ii", reply, 4)
+        assert (kind, err) == (lib.ISO_XS_ERROR, errno.EPROTO)
         assert box.exec(["/bin/true"]).returncode == 0

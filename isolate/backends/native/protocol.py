@@ -18,6 +18,7 @@ import fcntl
 import os
 import socket
 import stat as stat_mod
+import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,38 @@ class Stat:
 def _stat(raw: Any) -> Stat:
     return Stat(int(raw.mode), int(raw.uid), int(raw.gid), int(raw.nlink), int(raw.size), int(raw.mtime_ns),
                 int(raw.ino), int(raw.dev))
+
+
+def _layout(struct_name: str, fields: Sequence[tuple[str, str]]) -> struct.Struct:
+    """A struct.Struct for isolate.h's ``struct_name`` (native byte order), checked against cffi's view of
+    it field by field (offset and size): a header changed on one side only fails at import, never on the wire."""
+    layout = struct.Struct("=" + "".join(code for _, code in fields))
+    offset = 0
+    for name, code in fields:
+        at = ffi.offsetof(struct_name, *name.split("."))  # "st.mode": a field of a nested struct
+        if at != offset:
+            raise ImportError(f"{struct_name}.{name}: at {at}, expected {offset}")
+        offset += struct.calcsize("=" + code)
+    if offset != ffi.sizeof(struct_name):
+        raise ImportError(f"{struct_name}: {ffi.sizeof(struct_name)} bytes, expected {offset}")
+    return layout
+
+
+# The request and reply packed and parsed by struct (one call each), not field by field through cffi objects:
+# a kept exec sends one and reads one per command.
+_REQUEST = _layout("struct iso_xs_request", [("magic", "I"), ("op", "I"), ("flags", "i"), ("mode", "i"),
+                                             ("timeout_ms", "q"), ("n_strings", "I"), ("n_argv", "I")])
+_REPLY = _layout("struct iso_xs_reply", [
+    ("magic", "I"), ("kind", "I"), ("err", "i"), ("step", "i"), ("pid", "i"), ("wait_status", "i"), ("reason", "i"),
+    ("count", "I"), ("user_usec", "q"), ("system_usec", "q"), ("maxrss_kib", "q"),
+    ("st.mode", "I"), ("st.uid", "I"), ("st.gid", "I"), ("st.nlink", "I"), ("st.size", "q"), ("st.mtime_ns", "q"),
+    ("st.ino", "Q"), ("st.dev", "Q")])
+_MAGIC = int(lib.ISO_XS_MAGIC)
+#: The status of a reply that carries none (STARTED, EXITED, ERROR): one shared instance (it is frozen).
+_NO_STAT = Stat(0, 0, 0, 0, 0, 0, 0, 0)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_FDS_SPACE = socket.CMSG_SPACE(4 * 4)
+_SEQPACKET = int(socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
 
 
 @dataclass(frozen=True)
@@ -144,15 +177,11 @@ def _nul_terminated(text: str | bytes) -> bytes:
 
 
 def _header(op: int, flags: int, mode: int, timeout_ms: int, n_strings: int, n_argv: int) -> bytes:
-    req = ffi.new("struct iso_xs_request *")
-    req.magic = lib.ISO_XS_MAGIC
-    req.op = op
-    req.flags = flags
-    req.mode = mode
-    req.timeout_ms = timeout_ms
-    req.n_strings = n_strings
-    req.n_argv = n_argv
-    return bytes(ffi.buffer(req))
+    try:
+        return _REQUEST.pack(_MAGIC, op, flags, mode, timeout_ms, n_strings, n_argv)
+    except struct.error:
+        raise ValueError(f"a request field is out of range (op {op}, flags {flags}, mode {mode}, "
+                         f"timeout_ms {timeout_ms}, {n_strings} strings)") from None
 
 
 class Connection:
@@ -174,7 +203,7 @@ class Connection:
     def pair(cls) -> tuple[Connection, socket.socket]:
         """A command's own conversation, made here: this end, and the far one to send with its EXEC
         (ISO_XS_F_CONVERSATION) on a connection the server has checked already (no connect, no accept)."""
-        ours, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        ours, far = socket.socketpair(socket.AF_UNIX, _SEQPACKET)
         conn = cls.__new__(cls)
         conn.sock = ours
         conn._turn = threading.Lock()
@@ -226,14 +255,13 @@ class Connection:
             self.sock.settimeout(timeout)
         try:
             try:
-                data, ancdata, msg_flags, _ = self.sock.recvmsg(size, socket.CMSG_SPACE(4 * 4),
+                data, ancdata, msg_flags, _ = self.sock.recvmsg(size, _FDS_SPACE,
                                                                 socket.MSG_DONTWAIT if dontwait else 0)
             except ConnectionResetError:
                 # The peer closed with a request of ours unread (a kill that crossed the command's end):
                 # the kernel reports that first, once, and what the peer sent before is still queued.
                 try:
-                    data, ancdata, msg_flags, _ = self.sock.recvmsg(size, socket.CMSG_SPACE(4 * 4),
-                                                                    socket.MSG_DONTWAIT)
+                    data, ancdata, msg_flags, _ = self.sock.recvmsg(size, _FDS_SPACE, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     data, ancdata, msg_flags = b"", [], 0  # nothing was queued: it hung up
         except (TimeoutError, BlockingIOError):
@@ -254,19 +282,18 @@ class Connection:
             for fd in fds:
                 os.close(fd)
             raise ServerGone("the sandbox's exec server hung up")
-        if len(data) < REPLY_SIZE or len(fds) > 1 or msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if len(data) < REPLY_SIZE or len(fds) > 1 or msg_flags & _TRUNCATED:
             for fd in fds:
                 os.close(fd)
             raise ServerGone("the sandbox's exec server sent a malformed reply")
-        raw = ffi.new("struct iso_xs_reply *")
-        ffi.memmove(raw, data, REPLY_SIZE)
-        if raw.magic != lib.ISO_XS_MAGIC:
+        (magic, kind, err, step, pid, wait_status, reason, count, user_usec, system_usec, maxrss_kib,
+         *st) = _REPLY.unpack_from(data)
+        if magic != _MAGIC:
             for fd in fds:
                 os.close(fd)
             raise ServerGone("the sandbox's exec server sent a malformed reply")
-        return Reply(int(raw.kind), int(raw.err), int(raw.step), int(raw.pid), int(raw.wait_status), int(raw.reason),
-                     int(raw.count), int(raw.user_usec), int(raw.system_usec), int(raw.maxrss_kib), _stat(raw.st),
-                     data[REPLY_SIZE:], fds[0] if fds else None)
+        return Reply(kind, err, step, pid, wait_status, reason, count, user_usec, system_usec, maxrss_kib,
+                     Stat(*st) if any(st) else _NO_STAT, data[REPLY_SIZE:], fds[0] if fds else None)
 
     def send_alone(self, packet: bytes, fds: Sequence[int]) -> None:
         """A request that has no answer here (an EXEC with its own conversation), between the others' turns."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import test_server as base
-from test_server_restart import FLAGS, _cell, _kill, _run
+from test_server_restart import FLAGS, _cell, _kill, _run, killed_after
 
 pytest.importorskip("psutil")
 
@@ -253,21 +253,6 @@ def test_a_shells_pid_taken_by_another_process_is_not_adopted(tmp_path: Path) ->
             other.close()
 
 
-
-#: Put on a server's PYTHONPATH: it kills itself (SIGKILL) right after the sandbox's exec server kept a shell's ends
-#: (KILL_AFTER=keep) or let go of them (KILL_AFTER=letgo).
-_KILLED_AFTER = """import os, signal
-from isolate.backends.native import protocol
-_keep = protocol.Connection.keep
-def keep(self, key, fds, note=0):
-    _keep(self, key, fds, note)
-    when = os.environ.get("KILL_AFTER")
-    if when and bool(fds) == (when == "keep"):
-        os.kill(os.getpid(), signal.SIGKILL)
-protocol.Connection.keep = keep
-"""
-
-
 @pytest.mark.parametrize("kind, step", [("session", "keep"), ("context", "keep"), ("session", "letgo")])
 def test_a_server_killed_as_it_keeps_or_lets_go_of_a_shell_leaves_neither_shell_nor_name(
         state_dir: str, tmp_path: Path, monkeypatch: Any, kind: str, step: str) -> None:
@@ -277,13 +262,8 @@ def test_a_server_killed_as_it_keeps_or_lets_go_of_a_shell_leaves_neither_shell_
     # of the ends: the next served a session the client had deleted (its shell gone). The record names the shell
     # as one the next server ends from before its ends are kept until it is a session's (or context's), and from
     # before a delete until they are let go: the next server ends it, and serves no such session.
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(_KILLED_AFTER)
-    import os
-
-    paths = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "hook"), *([paths] if paths else [])]))
-    monkeypatch.setenv("KILL_AFTER", step)
+    killed_after(tmp_path, monkeypatch, "isolate.backends.native.protocol:Connection.keep" if step == "keep" else
+                 "isolate.server.code.shell:BashShell.close")
     first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
     session = ""
     try:
@@ -302,7 +282,7 @@ def test_a_server_killed_as_it_keeps_or_lets_go_of_a_shell_leaves_neither_shell_
         assert first.proc.wait(30) == -9
     finally:
         first.stop()
-    monkeypatch.setenv("KILL_AFTER", "")
+    killed_after(tmp_path, monkeypatch, "")
     second = base.Server(*FLAGS, state_dir=state_dir)
     try:
         assert _run(second, prefix, headers, "pgrep -c -f '^/bin/bash$' || true").strip() == "0"

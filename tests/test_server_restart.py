@@ -83,6 +83,41 @@ def _kill(server: base.Server) -> None:
     server.stop()
 
 
+#: Put on a server's PYTHONPATH (``killed_after``): it kills itself (SIGKILL) right after a call of KILL_AFTER
+#: (``module:function`` or ``module:Class.method``) returns, and KILL_PAUSE seconds more.
+_KILLED_AFTER = """import importlib, os, signal, time
+def _hook(where):
+    module, _, name = where.partition(":")
+    *path, attr = name.split(".")
+    owner = importlib.import_module(module)
+    for part in path:
+        owner = getattr(owner, part)
+    called = getattr(owner, attr)
+    def killing(*args, **kwargs):
+        result = called(*args, **kwargs)
+        time.sleep(float(os.environ.get("KILL_PAUSE") or 0))
+        os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    setattr(owner, attr, killing)
+if os.environ.get("KILL_AFTER"):
+    _hook(os.environ["KILL_AFTER"])
+"""
+
+
+def killed_after(tmp_path: Any, monkeypatch: Any, where: str, pause: float = 0) -> None:
+    """Servers started from now on (until ``where`` is "") SIGKILL themselves right after a call of ``where``
+    (``pause`` seconds after)."""
+    hook = os.path.join(str(tmp_path), "hook")
+    os.makedirs(hook, exist_ok=True)
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as file:
+        file.write(_KILLED_AFTER)
+    paths = os.environ.get("PYTHONPATH")
+    if hook not in (paths or "").split(os.pathsep):
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([hook, *([paths] if paths else [])]))
+    monkeypatch.setenv("KILL_AFTER", where)
+    monkeypatch.setenv("KILL_PAUSE", str(pause))
+
+
 def _kill_in_flight(server: base.Server, prefix: str, headers: dict[str, str], context_id: str, code: str) -> None:
     """SIGKILL the server while a cell of the context runs (its client then gets a connection error)."""
     import threading
@@ -185,10 +220,12 @@ def test_sigkill_and_restart_keep_the_sandbox(state_dir: str, volume_store: str)
                     remove_native(name)
 
 
-def _cell(server: base.Server, prefix: str, headers: dict[str, str], context_id: str, code: str) -> dict[str, Any]:
-    """A code cell's events, by type (its result's text, its error)."""
-    status, body = server.call("POST", prefix + "/code", {"code": code, "context": {"id": context_id}}, key=None,
-                               headers=headers)
+def _cell(server: base.Server, prefix: str, headers: dict[str, str], context_id: str, code: str,
+          context: dict[str, str] | None = None) -> dict[str, Any]:
+    """A code cell's events, by type (its result's text, its error); ``context`` instead of the id's: the context
+    the request names (a language's default: {"language": LANGUAGE})."""
+    status, body = server.call("POST", prefix + "/code", {"code": code, "context": context or {"id": context_id}},
+                               key=None, headers=headers)
     assert status == 200, body
     text = body.decode() if isinstance(body, bytes) else json.dumps(body)
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]

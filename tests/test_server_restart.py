@@ -739,6 +739,15 @@ def test_a_records_code_contexts_are_checked() -> None:
                 ["session-0123456789abcdef"] * 300):
         with pytest.raises(BadRecord):
             parse_record(dict(record, sessions=bad), sandbox_id)
+    # Interpreters the next server ends (a server killed as it made or deleted them): a context of a language
+    # whose driver is a process of its own, written only when there are some (a server before refuses the field).
+    ending = [["ctx-0123456789abcdef", "python"], ["default-java", "java"]]
+    parsed = parse_record(dict(record, endingContexts=ending), sandbox_id)
+    assert parsed.ending_contexts == [tuple(c) for c in ending] and parsed.to_json()["endingContexts"] == ending
+    assert "endingContexts" not in parse_record(record, sandbox_id).to_json()
+    for bad in ([["default-bash", "bash"]], [["ctx-0123456789abcded", "go"]], [["../x", "python"]], "x"):
+        with pytest.raises(BadRecord):
+            parse_record(dict(record, endingContexts=bad), sandbox_id)
 
 
 def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> None:

@@ -53,6 +53,8 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{16}|default-[a-z]{2,10}")
 #: The languages of the code contexts a kept sandbox keeps past its server (isolate.server.code says how).
 KEPT_LANGUAGES = ("python", "java", "typescript", "javascript", "go", "bash")
+#: Those whose contexts' interpreters are processes of the sandbox of their own (a kept driver, not a shell).
+INTERPRETERS = ("python", "java", "typescript", "javascript")
 #: A bash session's id (session-HEX): the key its shell's ends are kept under in the sandbox's exec server.
 SESSION_ID = re.compile(r"session-[0-9a-f]{16}")
 #: The key a kept bash shell's ends are held under by the exec server: a session's id, or a bash context's, after
@@ -144,6 +146,10 @@ class Record:
     #: Keys of kept bash shells the next server ends (``SHELL_KEY``): named from before the exec server keeps a
     #: shell's ends until a session or context names it, and from before a delete until the ends are let go.
     ending: list[str] = field(default_factory=list)
+    #: Kept interpreters (Python, Node.js, Java: ``INTERPRETERS``) the next server ends, as ``ending``'s shells:
+    #: (context id, language), named from before the driver starts until a context names it, and from before a
+    #: delete until the driver is ended.
+    ending_contexts: list[tuple[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": 1, "id": self.id, "image": self.image, "entrypoint": self.entrypoint,
@@ -158,6 +164,7 @@ class Record:
                 "sessions": list(self.sessions),
                 # Only when there are (a server before it refuses the field, and has none to end).
                 **({"endingShells": list(self.ending)} if self.ending else {}),
+                **({"endingContexts": [[c, lang] for c, lang in self.ending_contexts]} if self.ending_contexts else {}),
                 "commands": [{"id": c.id, "content": c.content[:MAX_CONTENT], "startedAt": c.started_at,
                               "pid": c.pid, "pidStart": c.pid_start, "group": c.group, "deadline": c.deadline}
                              for c in self.commands[-MAX_COMMANDS:]],
@@ -188,7 +195,8 @@ def parse_record(data: object, expected_id: str) -> Record:
     known = {"version", "id", "image", "entrypoint", "metadata", "createdAt", "expiresAt", "kept", "state",
              "renewOnAccess", "tokenHashes", "portHashes", "volumes", "credentials", "pending"}
     # Not in the records of servers before them.
-    optional = {"egress", "contexts", "commands", "entryCommand", "sessions", "endingShells"}
+    optional = {"egress", "contexts", "commands", "entryCommand", "sessions", "endingShells",
+                "endingContexts"}
     _need(known <= set(data) <= known | optional, "unknown or missing fields")
     _need(data["version"] == 1, "unknown version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
@@ -228,23 +236,29 @@ def parse_record(data: object, expected_id: str) -> Record:
           "credentials")
     _need(isinstance(data["pending"], bool) and (not data["pending"] or data["state"] == "Starting"), "pending")
     egress = _egress_rules(data.get("egress"))
-    contexts: list[tuple[str, str]] = []
-    raw_contexts = data.get("contexts", [])
-    _need(isinstance(raw_contexts, list) and len(raw_contexts) <= MAX_CONTEXTS, "contexts")
-    for item in raw_contexts:
-        _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 64
-              and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] in KEPT_LANGUAGES, "contexts: a context")
-        contexts.append((item[0], item[1]))
+    contexts = _contexts(data.get("contexts", []), KEPT_LANGUAGES, "contexts")
     sessions = data.get("sessions", [])
     _need(isinstance(sessions, list) and len(sessions) + len(contexts) <= MAX_CONTEXTS
           and all(isinstance(s, str) and SESSION_ID.fullmatch(s) for s in sessions), "sessions")
     ending = data.get("endingShells", [])
     _need(isinstance(ending, list) and len(ending) <= MAX_CONTEXTS
           and all(isinstance(k, str) and SHELL_KEY.fullmatch(k) for k in ending), "endingShells")
+    ending_contexts = _contexts(data.get("endingContexts", []), INTERPRETERS, "endingContexts")
     return Record(expected_id, image, list(entrypoint), dict(metadata), _time(data["createdAt"], "createdAt"),
                   expires, data["kept"], data["state"], renew, list(hashes), ports, claims, credentials,
                   data["pending"], egress, contexts, *_commands(data.get("commands", []), data.get("entryCommand")),
-                  sessions=list(sessions), ending=list(ending))
+                  sessions=list(sessions), ending=list(ending), ending_contexts=ending_contexts)
+
+
+def _contexts(raw: object, languages: tuple[str, ...], what: str) -> list[tuple[str, str]]:
+    """A record's list of contexts, each [context id, language] (a language of ``languages``)."""
+    _need(isinstance(raw, list) and len(raw) <= MAX_CONTEXTS, what)
+    contexts: list[tuple[str, str]] = []
+    for item in raw if isinstance(raw, list) else []:
+        _need(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and len(item[0]) <= 64
+              and bool(CONTEXT_ID.fullmatch(item[0])) and item[1] in languages, f"{what}: a context")
+        contexts.append((item[0], item[1]))
+    return contexts
 
 
 def _int(value: object, low: int, high: int) -> bool:

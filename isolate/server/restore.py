@@ -71,7 +71,24 @@ def resume_restored(managed: ManagedSandbox) -> str:
     managed.box = Sandbox.attach(name)
     for context in [*managed.contexts.values(), *managed.sessions.values()]:
         context.rebind(managed.box)  # made with the handle before (of one not attached, if paused at the restart)
+    end_in_doubt(managed)  # its record is written once it runs
     return "thawed"
+
+
+def end_in_doubt(managed: ManagedSandbox) -> None:
+    """End the kept shells and interpreters a running sandbox's record names as ones to end (its last server was
+    killed as it made or deleted them: ManagedSandbox.shell_in_doubt); each ended is named no longer."""
+    from .code import KeptInterpreter
+    from .code.shell import BashShell
+
+    for key in sorted(managed.ending_shells):
+        with contextlib.suppress(Exception):
+            BashShell(managed.box, key, kept=True, fresh=False).close()
+            managed.ending_shells.discard(key)
+    for context_id, language in sorted(managed.ending_contexts.items()):
+        with contextlib.suppress(Exception):
+            KeptInterpreter(managed.box, language, context_id, fresh=False).close()
+            managed.ending_contexts.pop(context_id, None)
 
 
 def _stopped(state: ServerState, record: Record) -> ManagedSandbox | None:
@@ -363,16 +380,14 @@ def _served(state: ServerState, record: Record, box: Sandbox, paused: bool) -> M
     from .code import CodeContext
     from .code.shell import BashShell
 
-    # The kept shells the last server was making or ending when it was killed: ended (a paused sandbox's exec server
-    # answers nothing: at a later restart), and none is a session's or context's.
-    managed.ending_shells = set(record.ending)
-    for key in [] if paused else record.ending:
-        with contextlib.suppress(Exception):
-            BashShell(box, key, kept=True, fresh=False).close()
-            managed.ending_shells.discard(key)
+    # The kept shells and interpreters the last server was making or ending when it was killed: ended (a paused
+    # sandbox's at its resume: its exec server answers nothing), and none is a session's or context's.
+    managed.ending_shells, managed.ending_contexts = set(record.ending), dict(record.ending_contexts)
+    if not paused:
+        end_in_doubt(managed)
     for context_id, language in record.contexts:
         # Its interpreter, a process of the sandbox, is connected to at the context's first use.
-        if f"code-{context_id}" not in record.ending:
+        if f"code-{context_id}" not in record.ending and context_id not in dict(record.ending_contexts):
             managed.contexts[context_id] = CodeContext(box, language, context_id, kept=True, fresh=False)
     for session_id in record.sessions:
         if session_id not in record.ending:  # its shell adopted at its first use

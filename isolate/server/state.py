@@ -337,6 +337,8 @@ class ManagedSandbox:
     contexts: dict[str, Any] = field(default_factory=dict)
     #: Keys of kept bash shells its record names as ones the next server ends (see ``shell_in_doubt``).
     ending_shells: set[str] = field(default_factory=set)
+    #: Kept interpreters its record names as ones the next server ends: context id -> language (``context_in_doubt``).
+    ending_contexts: dict[str, str] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     #: Held by the reaper's round over its kept background commands (tend_commands).
     _tending: threading.Lock = field(default_factory=threading.Lock)
@@ -429,7 +431,7 @@ class ManagedSandbox:
                                 if isinstance(c, KeptCommand) and c.settled.is_set()],
                       entry_command=self.entry_command,
                       sessions=[sid for sid, shell in list(self.sessions.items()) if getattr(shell, "kept", False)],
-                      ending=sorted(self.ending_shells))
+                      ending=sorted(self.ending_shells), ending_contexts=sorted(self.ending_contexts.items()))
 
     def shell_in_doubt(self, key: str, doubt: bool) -> None:
         """Its record names the kept bash shell ``key`` (a session's id, or ``code-`` and a bash context's) as one
@@ -439,6 +441,17 @@ class ManagedSandbox:
         server's table, one of its 64 keys, for good), and no name of one the client never had or deleted."""
         with self.lock:
             (self.ending_shells.add if doubt else self.ending_shells.discard)(key)
+        self.changed()
+
+    def context_in_doubt(self, context_id: str, language: str, doubt: bool) -> None:
+        """As ``shell_in_doubt``, for a kept interpreter's context (isolate.server.code.KeptInterpreter): named as one
+        the next server ends from before its driver starts (a process of the sandbox, which outlives the server)
+        until its context is in the record, and from before a delete until the driver is ended."""
+        with self.lock:
+            if doubt:
+                self.ending_contexts[context_id] = language
+            else:
+                self.ending_contexts.pop(context_id, None)
         self.changed()
 
     def event(self, text: str) -> None:

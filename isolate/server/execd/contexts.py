@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..code import LANGUAGES, CodeContext
 from ..common import SSE_HEADERS, LineSplitter, api, json_body, sse
+from ..keep import INTERPRETERS
 from ..models import ApiError, bad_request
 from ..state import ManagedSandbox, room_for_session
 from .access import sandbox_for
@@ -37,39 +38,52 @@ def _context(managed: ManagedSandbox, context_id: str) -> CodeContext:
     return context
 
 
-def _shell_kept(managed: ManagedSandbox, language: str) -> bool:
-    """Whether a context's shell outlives the server, its ends kept by the sandbox's exec server (a kept bash
-    context's): its record names it while it is made or deleted (ManagedSandbox.shell_in_doubt)."""
-    return managed.kept and language == "bash"
+def _outlives(managed: ManagedSandbox, language: str) -> bool:
+    """Whether a context's process outlives the server (a kept sandbox's bash shell, its ends kept by the sandbox's
+    exec server, or Python, Node.js or Java driver): its record names it while it is made or deleted."""
+    return managed.kept and language in (*INTERPRETERS, "bash")
+
+
+def _in_doubt(managed: ManagedSandbox, language: str, context_id: str, doubt: bool) -> None:
+    """Its record names the context's process as one the next server ends (``doubt``), or no longer
+    (ManagedSandbox.shell_in_doubt, context_in_doubt)."""
+    if language == "bash":
+        managed.shell_in_doubt(f"code-{context_id}", doubt)
+    else:
+        managed.context_in_doubt(context_id, language, doubt)
 
 
 async def _made(managed: ManagedSandbox, language: str, context_id: str) -> CodeContext:
-    """A new context of the sandbox's, in its list (and, a kept bash context, in its record, named before its
-    shell's ends are kept)."""
-    doubt = _shell_kept(managed, language)
+    """A new context of the sandbox's, in its list and, kept, in its record (named as one to end from before its
+    process starts until then: a server killed meanwhile leaves none that no record names)."""
+    doubt = _outlives(managed, language)
     if doubt:
-        await run_in_threadpool(managed.shell_in_doubt, f"code-{context_id}", True)
+        await run_in_threadpool(_in_doubt, managed, language, context_id, True)
     try:
         context = await run_in_threadpool(CodeContext, managed.box, language, context_id, managed.kept)
         managed.contexts[context.id] = context
     finally:
-        if doubt:  # a context of its record now (a restarted server adopts its shell), or none
-            await run_in_threadpool(managed.shell_in_doubt, f"code-{context_id}", False)
+        if doubt:  # a context of its record now (a restarted server adopts its process), or none
+            await run_in_threadpool(_in_doubt, managed, language, context_id, False)
+    if context.kept and not doubt:  # a Go context: its record names it, a restarted server serves it again
+        await run_in_threadpool(managed.changed)
     return context
 
 
 async def _ended(managed: ManagedSandbox, context: CodeContext) -> None:
-    """A context taken out of the sandbox's list and ended (a kept bash context's shell named by its record as one
-    to end until the exec server let go of its ends)."""
-    doubt = context.ends_in_sandbox
+    """A context taken out of the sandbox's list and ended (a kept one's process named by its record as one to end
+    until it is ended: a server killed meanwhile leaves it to the next one, which serves no context of it)."""
+    doubt = context.kept and _outlives(managed, context.language)
     if doubt:
-        await run_in_threadpool(managed.shell_in_doubt, f"code-{context.id}", True)
+        await run_in_threadpool(_in_doubt, managed, context.language, context.id, True)
     managed.contexts.pop(context.id, None)
     try:
         await run_in_threadpool(context.close)
     finally:
         if doubt:
-            await run_in_threadpool(managed.shell_in_doubt, f"code-{context.id}", False)
+            await run_in_threadpool(_in_doubt, managed, context.language, context.id, False)
+    if context.kept and not doubt:
+        await run_in_threadpool(managed.changed)
 
 
 @api
@@ -82,8 +96,6 @@ async def create_context(request: Request) -> Response:
     room_for_session(managed)
     context_id = f"ctx-{secrets.token_hex(8)}"
     context = await _made(managed, language, context_id)
-    if context.kept and not _shell_kept(managed, language):
-        await run_in_threadpool(managed.changed)  # its record names it: a restarted server serves it again
     return JSONResponse({"id": context.id, "language": language})
 
 
@@ -115,8 +127,6 @@ async def delete_context(request: Request) -> Response:
     context = _context(managed, request.path_params["context_id"])
     _endable(managed, [context])
     await _ended(managed, context)
-    if context.kept and not context.ends_in_sandbox:
-        await run_in_threadpool(managed.changed)
     return Response(status_code=200)
 
 
@@ -128,8 +138,6 @@ async def delete_contexts(request: Request) -> Response:
     _endable(managed, doomed)
     for context in doomed:
         await _ended(managed, context)
-    if any(c.kept and not c.ends_in_sandbox for c in doomed):
-        await run_in_threadpool(managed.changed)
     return Response(status_code=200)
 
 
@@ -160,8 +168,6 @@ async def run_code(request: Request) -> Response:
         if default is None:
             room_for_session(managed)
             default = await _made(managed, language, f"default-{language}")
-            if default.kept and not _shell_kept(managed, language):
-                await run_in_threadpool(managed.changed)
         context = default
     bridge = Bridge(asyncio.get_running_loop())
     threading.Thread(target=context.run, args=(body["code"], bridge.put), daemon=True,

@@ -1,6 +1,6 @@
 """A kept sandbox's code contexts whose processes outlive the server (Python, Node.js and Java drivers, bash shells):
-a server killed at any step of their making or ending leaves none that no record names, and a resume after a restart
-ends those named as ones to end.
+a server killed at any step of their making or ending leaves none that no record names, a resume after a restart
+ends those named as ones to end, and a language's default context is made once however many ask at once.
 The server runs as in tests/test_server.py, killed as in tests/test_server_bash_kept.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import test_server as base
-from test_server_restart import FLAGS, _run, killed_after
+from test_server_restart import FLAGS, _cell, _run, killed_after
 
 pytest.importorskip("psutil")
 
@@ -102,3 +102,31 @@ def test_a_resume_after_a_restart_ends_what_the_record_names_as_ones_to_end(
         assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers) == (200, [])
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("language", ["bash", "python"])
+def test_a_default_context_asked_for_at_once_is_made_once(state_dir: str, language: str) -> None:
+    # Four first cells of a language's default context at once. Before: each made default-LANGUAGE, its cell
+    # ran in its own shell or driver, and the last replaced the others (the exec server's ends of a shell, the
+    # record's name of a driver, which ran on named by nothing). One is made, and runs all four.
+    _language("python")
+    server = base.Server(*FLAGS, state_dir=state_dir)
+    try:
+        box_id = base._create(server)["id"]
+        prefix, headers = base._endpoint(server, box_id)
+        code = "echo $$" if language == "bash" else "import os; print(os.getpid())"
+        pids: list[str] = []
+
+        def first_cell() -> None:
+            pids.append(_cell(server, prefix, headers, "", code, {"language": language})["stdout"]["text"])
+
+        threads = [threading.Thread(target=first_cell) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(pids) == 4 and len(set(pids)) == 1, pids
+        count = "pgrep -c -f '^/bin/bash$'" if language == "bash" else _DRIVERS
+        assert _run(server, prefix, headers, count).strip() == "1"
+    finally:
+        server.stop()

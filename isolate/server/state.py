@@ -339,6 +339,8 @@ class ManagedSandbox:
     ending_shells: set[str] = field(default_factory=set)
     #: Kept interpreters its record names as ones the next server ends: context id -> language (``context_in_doubt``).
     ending_contexts: dict[str, str] = field(default_factory=dict)
+    #: Held while a context of the key (a language's default) is made: one at a time (isolate.server.execd.contexts).
+    making: dict[str, Any] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     #: Held by the reaper's round over its kept background commands (tend_commands).
     _tending: threading.Lock = field(default_factory=threading.Lock)

@@ -151,6 +151,19 @@ async def interrupt_code(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def _default(managed: ManagedSandbox, language: str) -> CodeContext:
+    """The language's default context, made at its first use: by one request at a time (two made at once would
+    both be ``default-LANGUAGE``, and the second's shell or driver would replace the first's, left running)."""
+    key = f"default-{language}"
+    making: asyncio.Lock = managed.making.setdefault(key, asyncio.Lock())
+    async with making:
+        context: CodeContext | None = managed.contexts.get(key)
+        if context is None:
+            room_for_session(managed)
+            context = await _made(managed, language, key)
+    return context
+
+
 @api
 async def run_code(request: Request) -> Response:
     managed = sandbox_for(request)
@@ -164,11 +177,7 @@ async def run_code(request: Request) -> Response:
         context = _context(managed, str(spec["id"]))
     else:  # the language's default context, made at its first use
         language = _language(spec.get("language"))
-        default: CodeContext | None = managed.contexts.get(f"default-{language}")
-        if default is None:
-            room_for_session(managed)
-            default = await _made(managed, language, f"default-{language}")
-        context = default
+        context = await _default(managed, language)
     bridge = Bridge(asyncio.get_running_loop())
     threading.Thread(target=context.run, args=(body["code"], bridge.put), daemon=True,
                      name=f"isolate-serve-code-{context.id}").start()

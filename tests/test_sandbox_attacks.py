@@ -658,6 +658,68 @@ def test_a_shell_synchronises_again_after_any_run_that_lost_its_report(source: s
             sh.close()
 
 
+# An earlier command's EXIT trap, run when a later command ends the shell (``exit``, or a failure under ``set -e``):
+# the exiting shell put its redirections back first, so the trap had the channel and that run's unread marker.
+EXIT_TRAP = """set -e; trap 'IFS= read -r m <&3; echo "$m $(($2+1)) 0" >&3; printf "FORGED\\n%s\\n" "$m"' EXIT"""
+
+
+@pytest.mark.parametrize("pty", [False, True])
+def test_an_exit_trap_of_an_earlier_command_reports_no_later_run(source: str, pty: bool) -> None:
+    from isolate.kept.shell import Shell
+
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        for victim in ("echo g; false", "echo g; exit 3", "x" * 6000 + " 2>/dev/null; echo g"):
+            sh = Shell(box, "exit-trap", pty, ("/bin/sh",))
+            try:
+                assert sh.run(EXIT_TRAP, timeout=30) == ("", 0)
+                # The trap was reset after its own run: the victim's failure ends the shell (set -e stays, as the
+                # command's own choice), and the host says so; before, it got ("FORGED", 0).
+                with pytest.raises(isolate.IsolationError, match="ended"):
+                    sh.run(victim, timeout=30)
+            finally:
+                sh.close()
+
+
+def test_a_terminal_shell_takes_every_byte_of_a_command_as_data(source: str) -> None:
+    # Before: ^C in a quoted string was a SIGINT (ISIG), and the shell ran the rest of the line as code, outside the
+    # quotes and the framing, with the channel open; ^S stopped the terminal's output for good (IXON), and a CR
+    # became a newline (ICRNL). The host sets the terminal's modes again before each run (a command's stty).
+    import shlex
+
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        sh = box.shell("raw")  # dash, with a terminal
+        data = "\x03 echo INJECTED; \x13 \x1a \x1c \x16 \x0f \r #"
+        for earlier in ("true", "stty isig ixon icrnl iexten 2>/dev/null; true"):
+            assert sh.run(earlier, timeout=30)[1] == 0
+            output, status = sh.run(f"printf '%s' {shlex.quote(data)} > /tmp/f; od -An -c /tmp/f", timeout=30)
+            assert status == 0 and "INJECTED" not in output.replace("I   N   J", ""), output
+            assert sh.run("cat /tmp/f", timeout=30) == (data, 0)
+        assert sh.run("echo after", timeout=30) == ("after\n", 0)
+
+
+def test_a_shell_whose_input_a_command_can_reopen_says_its_results_can_be_forged(source: str) -> None:
+    # A command that opens the shell's input pipe again (/proc/PID/fd/0: possible where the sandbox runs as the
+    # host's own uid, a host that is not root) plants a line that runs after it, at the shell's top level with
+    # the channel, and answers the next run. dash's trusted_results must then be False; as root it is True and
+    # nothing is planted.
+    import shlex
+
+    from isolate.kept.shell import Shell
+
+    plant = 'IFS= read -r m <&3; echo "$m $(($2+1)) 0" >&3; printf \'FORGED\\n%s\\n\' "$m"'
+    with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
+        sh = Shell(box, "reopen", False, ("/bin/sh",))
+        try:
+            planted = sh.run(f"printf '%s\\n' {shlex.quote(plant)} 2>/dev/null >/proc/self/fd/0 && echo planted",
+                             timeout=30)
+            forged = planted == ("planted\n", 0) and sh.run("echo real; false", timeout=30) != ("real\n", 1)
+            assert not (forged and sh.trusted_results)
+            if os.geteuid() == 0:
+                assert sh.trusted_results and not forged
+        finally:
+            sh.close()
+
+
 # What an earlier command defines in its shell, one attack a line: each would have forged every later
 # run's status, output or channel through the names the framing calls.
 SHELL_ATTACKS = (
@@ -793,7 +855,9 @@ def test_no_command_in_the_shells_own_process_reports_a_later_run(source: str, a
 @pytest.mark.parametrize("argv", [("/bin/dash",), ("/bin/bash", "--noediting"), ("/bin/busybox", "ash")],
                          ids=["dash", "bash", "ash"])
 def test_a_shell_says_whether_an_earlier_command_can_forge_its_results(source: str, argv: tuple[str, ...]) -> None:
-    # The forger above works where a redirection names a descriptor past 9: the shell says so.
+    # The forger above works where a redirection names a descriptor past 9: the shell says so. So does a line
+    # planted in the shell's input pipe, which a sandbox running as the host's own uid can open again (a host
+    # that is not root; see test_a_shell_whose_input_a_command_can_reopen_says_its_results_can_be_forged).
     from isolate.kept.shell import Shell
 
     if not os.path.exists(argv[0]):
@@ -801,7 +865,7 @@ def test_a_shell_says_whether_an_earlier_command_can_forge_its_results(source: s
     with Sandbox(policy(write=()), workspace=Workspace(source)) as box:
         sh = Shell(box, "asked", False, argv)
         try:
-            assert sh.trusted_results is (argv[0] == "/bin/dash")
+            assert sh.trusted_results is (argv[0] == "/bin/dash" and os.geteuid() == 0)
             assert sh.run("echo ok", timeout=30) == ("ok\n", 0)
         finally:
             sh.close()

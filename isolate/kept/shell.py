@@ -37,8 +37,11 @@ from ..kernel.fdwait import poll_millis
 from ..kernel.peerchannel import PeerChannel
 from ..model.errors import IsolationError
 
-#: Every signal a trap can be set on (KILL and STOP take none): a trap a command set is reset after its run.
-_SIGNALS = " ".join(str(n) for n in range(1, 65) if n not in (9, 19))
+#: Every signal a trap can be set on (KILL and STOP take none), and EXIT (0): a trap a command set is reset after
+#: its run. EXIT's above all: a shell that exits puts its redirections back first, so its EXIT trap runs with the
+#: channel open, where it read the marker of the run that ended the shell (a later command's ``exit``, or a
+#: failure under ``set -e``) and reported that run itself.
+_SIGNALS = " ".join(str(n) for n in range(0, 65) if n not in (9, 19))
 
 #: What runs the command, on one line with it. Before the command, ``command`` loses any function of that
 #: name (``unset`` is a POSIX special builtin, which no function can shadow in dash, busybox ash or bash in
@@ -106,9 +109,15 @@ class Shell:
         self._attach(name, pty, process, ours)
         if pty:
             attrs = termios.tcgetattr(self._process.master_fd)
-            attrs[3] &= ~(termios.ECHO | termios.ICANON)  # no echo of what the host types
+            # No echo of what the host types, and no byte of it special: with ISIG a ^C inside a quoted string
+            # of a command was a SIGINT, and the shell parsed the rest of the line as code, outside the quotes
+            # and the framing; IXON's ^S stopped the terminal's output for good; ICRNL made a CR a newline.
+            attrs[0] &= ~(termios.ICRNL | termios.INLCR | termios.IGNCR | termios.IXON | termios.IXOFF
+                          | termios.ISTRIP | termios.BRKINT)
+            attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG | termios.IEXTEN)
             attrs[1] &= ~termios.ONLCR
-            termios.tcsetattr(self._process.master_fd, termios.TCSANOW, attrs)
+            self._raw = attrs
+            self._set_raw()
         # The trap names besides signals that this shell has (asked before any command of the caller ran).
         probe, _ = self.run("\\trap - ERR 2>/dev/null && \\echo ERR; \\echo \"${BASH_VERSION:+DEBUG RETURN}\"",
                             timeout=30)
@@ -158,16 +167,31 @@ class Shell:
         self._reset = _RESET.format(traps=_SIGNALS)
         self._trailer = _TRAILER
 
+    def _set_raw(self) -> None:
+        """The terminal's modes as the host set them (a command may have changed them: ``stty isig``)."""
+        termios.tcsetattr(self._process.master_fd, termios.TCSANOW, self._raw)
+
     def _probe_names(self) -> None:
         # Whether a redirection can name a descriptor past 9 (bash, busybox ash; dash's syntax takes one digit):
         # such a shell's commands can reach the saved copy of the channel (see trusted_results).
         names, _ = self.run("(: 10</dev/null <&10 && \\echo FD10) 2>/dev/null", timeout=30)
+        # Whether no command can open the shell's input pipe again through /proc/PID/fd/0 (a line it wrote there
+        # would run after it, at the shell's top level, channel open): root's pipe, closed to every other uid,
+        # is closed to the sandbox (never root, no capability); a host that is not root runs the sandbox as its
+        # own uid, the pipe's owner.
+        reopenable = False
+        if not self.pty:
+            pipe = os.fstat(self._process.stdin_fd)
+            reopenable = pipe.st_uid != 0 or bool(pipe.st_mode & 0o077)
         #: Whether no earlier command can forge a later run's status or output. False in a shell whose
         #: redirections name descriptors past 9 (bash, busybox ash: Fedora's and Alpine's ``/bin/sh``): a
         #: command's builtins, run in the shell's own process, can read the run's marker from the saved copy of
         #: the channel, report the run ended, and stay in the shell to answer the next runs themselves. True in
-        #: dash (Debian's and Ubuntu's ``/bin/sh``). A status a grader must trust comes from ``Sandbox.exec``.
-        self.trusted_results = "FD10" not in names
+        #: dash (Debian's and Ubuntu's ``/bin/sh``), unless, without a terminal, a command can open the shell's
+        #: input pipe again (``/proc/PID/fd/0``: the sandbox runs as the host's own uid, a host that is not root):
+        #: a line it writes there runs after it, at the shell's top level, and answers the next run. A status a
+        #: grader must trust comes from ``Sandbox.exec``.
+        self.trusted_results = "FD10" not in names and (self.pty or not reopenable)
 
     def ends(self) -> tuple[list[int], int]:
         """The host's ends (its input's, its output's, the channel's) and the shell's pid here, for a host that
@@ -219,6 +243,8 @@ class Shell:
     def _exchange(self, command: str, timeout: float | None, fresh: bool = False) -> tuple[str, int]:
         self._seq += 1
         seq = self._seq
+        if self.pty:
+            self._set_raw()  # before each run: an earlier command may have made a byte special again
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if fresh or not self._waiting:

@@ -112,6 +112,24 @@ public final class IsolateDriver {
         return descriptor;
     }
 
+    /** Heap held back for the cell after one that filled it: compiling even "big = null" needs some. */
+    private static final int RESERVE = (int) Math.min(16L << 20, Runtime.getRuntime().maxMemory() / 16);
+    private static byte[] reserve = new byte[RESERVE];
+
+    /** After a cell that ran out of memory, the reserve is let go (its variables still hold the heap, and the
+     *  next cell must compile to free them); after one that did not, it is taken again if it can be. */
+    private static void keepHeadroom(String[] outcome) {
+        if (outcome[2] != null && outcome[2].startsWith("java.lang.OutOfMemoryError")) {
+            reserve = null;
+        } else if (reserve == null) {
+            try {
+                reserve = new byte[RESERVE];
+            } catch (OutOfMemoryError stillFull) {
+                // the next cell runs without one
+            }
+        }
+    }
+
     /** Runs the cells of one host until its end. */
     private static void serve(JShell shell, DataInputStream cells, OutputStream answers) throws IOException {
         while (true) {
@@ -124,8 +142,20 @@ public final class IsolateDriver {
             count++;
             stopped = false;
             running = true;
-            String[] outcome = run(shell, new String(code, StandardCharsets.UTF_8));
+            String[] outcome;
+            try {
+                outcome = run(shell, new String(code, StandardCharsets.UTF_8));
+            } catch (OutOfMemoryError full) {
+                // JShell's own work (compiling the cell, wrapping what it threw) ran out of heap: an answer,
+                // not a dead driver. The reserve goes first, so that the answer itself can be made.
+                reserve = null;
+                outcome = new String[] {null, "EvalException", "java.lang.OutOfMemoryError: " + full.getMessage()
+                                        + " (the interpreter's own, running the cell)", ""};
+            } catch (RuntimeException | StackOverflowError broken) {
+                outcome = new String[] {null, broken.getClass().getSimpleName(), String.valueOf(broken), ""};
+            }
             running = false;
+            keepHeadroom(outcome);
             if (stopped && outcome[1] == null) {  // JShell reports a stopped snippet as no event at all
                 outcome = new String[] {null, "InterruptedException", "the cell was interrupted", ""};
             }

@@ -748,6 +748,13 @@ def test_a_records_code_contexts_are_checked() -> None:
     for bad in ([["default-bash", "bash"]], [["ctx-0123456789abcded", "go"]], [["../x", "python"]], "x"):
         with pytest.raises(BadRecord):
             parse_record(dict(record, endingContexts=bad), sandbox_id)
+    # A newer server's record (a downgrade) is left alone, and the line says so, naming what this one lacks.
+    with pytest.raises(BadRecord, match=r"unknown to this server, written by a newer isolate\? \(laterField\)"):
+        parse_record(dict(record, laterField=1), sandbox_id)
+    with pytest.raises(BadRecord, match=r"version 2 unknown to this server"):
+        parse_record(dict(record, version=2), sandbox_id)
+    with pytest.raises(BadRecord, match="fields missing: pending"):
+        parse_record({k: v for k, v in record.items() if k != "pending"}, sandbox_id)
 
 
 def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> None:

@@ -278,23 +278,37 @@ def test_a_server_killed_as_it_keeps_or_lets_go_of_a_shell_leaves_neither_shell_
             assert status == 404, (status, body)
 
 
-def test_a_long_command_cut_short_leaves_none_of_its_chunks_in_the_shell(state_dir: str) -> None:
+@pytest.mark.parametrize("cut", ["deadline", "kill"])
+def test_a_long_command_cut_short_leaves_none_of_its_chunks_in_the_shell(state_dir: str, cut: str) -> None:
     # A command longer than a pipe's atomic write goes to the shell in chunks, each line an assignment to a
     # variable of a random name that only the command's last line evaluates and unsets. Before: a run cut between
-    # its chunks (here its deadline came while the shell read them, a byte at a time; a server killed then is
-    # another such cut) left them set in the shell for good (megabytes, listed by every `set`). The first run after
-    # an unfinished one unsets them.
-    server = base.Server(*FLAGS, state_dir=state_dir)
-    try:
-        box_id = base._create(server)["id"]
-        prefix, headers = base._endpoint(server, box_id)
-        status, made = server.call("POST", prefix + "/session", None, key=None, headers=headers)
+    # its chunks (its deadline came while the shell read them, a byte at a time; or its server was killed, here
+    # while the shell was stopped and the pipe full) left them set in the shell for good (megabytes, listed by
+    # every `set`). The first run after an unfinished one unsets them (the next server's, in the shell it adopts).
+    import http.client
+    import threading
+
+    with restart(state_dir) as r:
+        status, made = r.first.call("POST", r.prefix + "/session", None, key=None, headers=r.headers)
         assert status == 200, made
         session = made["session_id"]
-        long = {"command": "echo never #" + "x" * (3 << 20), "timeout": 300}  # the shell reads 3 MiB in seconds
-        status, body = server.call("POST", prefix + f"/session/{session}/run", long, key=None, headers=headers)
-        assert status == 200 and b"did not finish" in body and b"exit status 124" in body, (status, body[-300:])
+        long = {"command": "echo never #" + "x" * (3 << 20), "timeout": 300 if cut == "deadline" else 0}
+        if cut == "deadline":  # the shell reads 3 MiB in seconds
+            status, body = r.first.call("POST", r.prefix + f"/session/{session}/run", long, key=None,
+                                        headers=r.headers)
+            assert status == 200 and b"did not finish" in body and b"exit status 124" in body, (status, body[-300:])
+            server = r.first
+        else:
+            shell = _in_session(r.first, r.prefix, r.headers, session, "echo $$").strip()
+            _run(r.first, r.prefix, r.headers, f"kill -STOP {shell}")
+
+            def cut_short() -> None:
+                with contextlib.suppress(OSError, http.client.HTTPException):  # the server dies mid-request
+                    r.first.call("POST", r.prefix + f"/session/{session}/run", long, key=None, headers=r.headers)
+
+            threading.Thread(target=cut_short, daemon=True).start()
+            time.sleep(2)  # the pipe full of its first chunks, the rest waiting
+            server = r.next()
+            _run(server, r.prefix, r.headers, f"kill -CONT {shell}")
         chunks = "set | grep -cE '^__isolate_[0-9a-f]{12}_[0-9]+='; echo works"
-        assert _in_session(server, prefix, headers, session, chunks).split() == ["0", "works"]
-    finally:
-        server.stop()
+        assert _in_session(server, r.prefix, r.headers, session, chunks).split() == ["0", "works"]

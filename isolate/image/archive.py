@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from ..model.errors import IsolationError
 from .store import MAX_METADATA_SIZE, verify
+from .tarbound import BoundedTarInfo
 from .unpack import BadImageError, entry_name
 
 MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -94,13 +95,16 @@ class _Source:
         if os.path.isdir(path):
             return
         try:
-            self.tar = tarfile.open(path, "r:*")
-        except (OSError, tarfile.TarError) as exc:
+            self.tar = tarfile.open(path, "r:*", tarinfo=BoundedTarInfo)
+            for member in self.tar:
+                name = entry_name(member.name, path)
+                if member.isreg():
+                    self.members[name] = member
+        except (OSError, tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
+            # A damaged archive, a header's number no tar takes, headers past their bound (tarbound.py): one line.
+            if self.tar is not None:
+                self.tar.close()
             raise IsolationError(f"{path}: not an image archive nor an OCI layout directory ({exc})") from None
-        for member in self.tar:
-            name = entry_name(member.name, path)
-            if member.isreg():
-                self.members[name] = member
 
     def exists(self, name: str) -> bool:
         if self.tar is not None:

@@ -57,6 +57,7 @@ from typing import IO, Any
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 from .budget import CONTENTS, CONTENTS_BYTES, MAX_WINDOW, SMALL_WINDOW, Account, Slot
+from .tarbound import BoundedTarInfo
 from .writers import Writers
 
 WHITEOUT_PREFIX = ".wh."
@@ -249,24 +250,11 @@ def _decompressed(raw: io.RawIOBase, what: str, slot: Slot | None) -> IO[bytes]:
     return buffered
 
 
-#: A pax or GNU long-name header past this is refused before tarfile reads it (it reads them whole).
-MAX_HEADER = 1 << 20
 #: Names in one entry's path: the walk to it holds a descriptor per directory, and so does the removal of its tree,
 #: which recurses once per directory (Linux's PATH_MAX, 4096 bytes, holds 2048 at most).
 MAX_DEPTH = 256
 #: Entries of one layer (each costs an inode, and a line of the layer's index).
 MAX_ENTRIES = 2_000_000
-
-
-class _BoundedTarInfo(tarfile.TarInfo):
-    """tarfile reads an extended header into memory whole: one past MAX_HEADER is refused first."""
-
-    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
-        extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
-                    tarfile.SOLARIS_XHDTYPE)
-        if self.type in extended and self.size > MAX_HEADER:
-            raise BadImageError(f"an extended tar header of {self.size} bytes (past {MAX_HEADER}): refused")
-        return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
 
 
 @dataclass
@@ -296,7 +284,7 @@ class _Parser:
 
     def _parse(self) -> None:
         try:
-            with tarfile.open(fileobj=self.stream, mode="r|", tarinfo=_BoundedTarInfo) as archive:
+            with tarfile.open(fileobj=self.stream, mode="r|", tarinfo=BoundedTarInfo) as archive:
                 self.archive = archive
                 for count, member in enumerate(archive, 1):
                     if count > MAX_ENTRIES:

@@ -287,20 +287,26 @@ class _Paced(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        try:
-            data = self.response.read1(len(buffer))
-        except (OSError, http.client.HTTPException) as exc:
-            raise RegistryError(f"registry {self.registry}: its answer broke off ({exc or type(exc).__name__})") \
-                from None
-        self.in_window += len(data)
-        now = time.monotonic()
-        if data and now - self.window >= TIMEOUT:
-            if self.in_window < MIN_PACE:
-                raise RegistryError(f"registry {self.registry}: its answer came at {self.in_window} bytes in "
-                                    f"{now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}: given up")
-            self.window, self.in_window = now, 0
-        buffer[:len(data)] = data
-        return len(data)
+        """Fills ``buffer`` as the body comes (0: its end), its pace checked after each piece."""
+        view = memoryview(buffer).cast("B")
+        filled = 0
+        while filled < len(view):
+            try:
+                got = self.response.readinto1(view[filled:])
+            except (OSError, http.client.HTTPException) as exc:
+                raise RegistryError(f"registry {self.registry}: its answer broke off ({exc or type(exc).__name__})") \
+                    from None
+            if not got:
+                break
+            filled += got
+            self.in_window += got
+            now = time.monotonic()
+            if now - self.window >= TIMEOUT:
+                if self.in_window < MIN_PACE:
+                    raise RegistryError(f"registry {self.registry}: its answer came at {self.in_window} bytes in "
+                                        f"{now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}: given up")
+                self.window, self.in_window = now, 0
+        return filled
 
     def close(self) -> None:
         self.response.close()

@@ -370,3 +370,17 @@ def test_work_left_by_a_dead_process_is_cleared_and_a_running_ones_kept(tmp_path
 
 def test_the_image_class_is_isolates() -> None:
     assert isolate.Image is Image and "Image" in isolate.__all__
+
+
+def test_a_name_an_archive_chose_reaches_the_terminal_on_one_line_and_inert(tmp_path: Path) -> None:
+    # A docker-save directory's layer name (any string) was printed as it came: a newline broke the one line, an
+    # escape sequence reached the user's terminal.
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_bytes(kit.config_for([]))
+    (saved / "manifest.json").write_text(json.dumps([{"Config": "config.json", "Layers": ["a\n\x1b[2Jb"]}]))
+    env = dict(os.environ, ISOLATE_IMAGE_STORE=str(tmp_path / "store"))
+    result = subprocess.run([ISOLATE_RUN, "image", "load", str(saved)], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert result.returncode == 125
+    assert result.stderr.count("\n") == 1 and "\x1b" not in result.stderr and "\\x1b[2Jb" in result.stderr

@@ -192,3 +192,17 @@ def test_snapshots_and_forks_of_an_image_sandboxs_tmpfs_upper_are_refused_not_pa
             box.snapshot()
         with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
             box.fork()
+
+
+def test_an_image_naming_one_layer_twice_runs_as_docker_stacks_it(store: str, tmp_path: Path) -> None:
+    # buildkit's empty layer is often named several times in one image: overlayfs refuses a directory twice
+    # (ELOOP, "too many levels of symbolic links" at mount-overlay), so it is laid once, where it is topmost.
+    again = kit.layer([{"name": "data", "type": "dir", "mode": 0o777}, {"name": "data/f", "data": b"again\n"}])
+    between = kit.layer([{"name": "data", "type": "dir", "mode": 0o777}, {"name": "data/f", "data": b"between\n"},
+                         {"name": "data/g", "data": b"kept\n"}])
+    kit.oci_layout(str(tmp_path / "twice"), [kit.busybox_layer(), again, between, again], ref="twice:1")
+    image = Image.load(tmp_path / "twice", store=Store(store))
+    result = isolate.run(["cat", "/data/f", "/data/g"], policy=isolate.Policy(image="twice:1"), capture_output=True,
+                         text=True)
+    assert (result.returncode, result.stdout) == (0, "again\nkept\n"), result.stderr
+    assert len(image.layers) == 4 and len(image.lower_dirs()) == 3

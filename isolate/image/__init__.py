@@ -345,8 +345,10 @@ class Image:
         return (store or Store()).prune(build_cache, stats)
 
     def lower_dirs(self) -> builtins.list[str]:
-        """The layers' directories, topmost first (overlayfs's lowerdir order)."""
-        return [self.store.layer_root(digest) for digest in reversed(self.layers)]
+        """The layers' directories, topmost first (overlayfs's lowerdir order). A layer the image names twice
+        (buildkit's empty layer often is) is laid once, where it is topmost: overlayfs refuses one directory twice
+        (ELOOP), and the lower copy shows nothing the upper one does not hide, nor deletes anything it keeps."""
+        return [self.store.layer_root(digest) for digest in dict.fromkeys(reversed(self.layers))]
 
     @property
     def short_id(self) -> str:

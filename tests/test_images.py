@@ -384,3 +384,18 @@ def test_a_name_an_archive_chose_reaches_the_terminal_on_one_line_and_inert(tmp_
                             env=env)
     assert result.returncode == 125
     assert result.stderr.count("\n") == 1 and "\x1b" not in result.stderr and "\\x1b[2Jb" in result.stderr
+
+
+def test_a_config_value_of_another_type_or_with_a_nul_is_refused_not_dropped() -> None:
+    """Before: an Env entry that was not a text was dropped, and a WorkingDir or an Env value with a NUL was cut
+    there when the sandbox started: the sandbox ran other than the image said. Docker refuses both."""
+    from isolate.image import BadImageError, ImageConfig
+
+    good = ImageConfig.from_json({"config": {"Env": ["A=1"], "WorkingDir": "/w", "User": "app", "Entrypoint": None,
+                                             "Cmd": ["sh"]}})
+    assert good.environment() == {"A": "1"} and good.command() == ["sh"] and good.working_dir == "/w"
+    assert ImageConfig.from_json({}) == ImageConfig()
+    for name, bad in (("Env", ["A=1", 5]), ("Env", ["A=1\0B=2"]), ("Env", "A=1"), ("WorkingDir", "/w\0/x"),
+                      ("WorkingDir", 7), ("User", ["0"]), ("User", "app\0"), ("Cmd", [["sh"]]), ("Entrypoint", {})):
+        with pytest.raises(BadImageError, match=f"config: {name}: expected"):
+            ImageConfig.from_json({"config": {name: bad}})

@@ -293,6 +293,9 @@ class KeptCommand:
         self.exit_code: int | None = None
         self.error = ""
         self.report_status = ""
+        #: Why the server is killing it ("timeout", "killed"): said by whichever thread sees its end first (a
+        #: status call's refresh may, before ``kill`` itself does).
+        self._killing = ""
         self.limit = limit
         self._on_end = on_end
         self._lock = threading.RLock()
@@ -451,7 +454,7 @@ class KeptCommand:
             if code is None and self.error:  # its launcher failed: it never ran
                 code = 255
             elif code is None:
-                code, said = 137, how or "killed"
+                code, said = 137, how or self._killing or "killed"
                 with contextlib.suppress(OSError, IsolationError):
                     box.write_file(self.exit_path, f"{code} {said}\n")
             self.exit_code, self.report_status = code, said
@@ -646,6 +649,7 @@ class KeptCommand:
         box = self.sandbox()
         if box is None:
             return
+        self._killing = self._killing or how
         self._wait_settled()
         found = None if monitor is not None else self._monitor(box)
         try:

@@ -192,3 +192,27 @@ def test_snapshots_and_forks_of_an_image_sandboxs_tmpfs_upper_are_refused_not_pa
             box.snapshot()
         with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
             box.fork()
+
+
+def test_an_images_root_is_read_from_the_store_once_while_its_record_and_layers_stay(
+        store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every kept sandbox a regular caller starts asks for its image (imageroot.caller_inside): each read the
+    # store's record again, and listed the layers' top levels (2-3 ms of a create + first exec as uid 65534).
+    from isolate.backends.native import imageroot
+
+    policy = isolate.Policy(image="entry:1", backend="native")
+    first = imageroot.load(policy)
+    reads: list[str] = []
+    record = Store.record
+    monkeypatch.setattr(Store, "record", lambda self, ref: reads.append(ref) or record(self, ref))
+    assert imageroot.load(policy) is first and imageroot.caller_inside(policy) == os.geteuid()
+    assert reads == []
+
+
+def test_a_name_loaded_again_is_the_new_image_in_the_next_sandbox(store: str, tmp_path: Path) -> None:
+    for number in (1, 2):
+        kit.oci_layout(str(tmp_path / f"v{number}"), [kit.busybox_layer(), kit.layer(
+            [{"name": "version", "data": f"{number}\n".encode()}])], ref="again:1", Env=["PATH=/bin"])
+        Image.load(tmp_path / f"v{number}", store=Store(store))
+        with isolate.Sandbox(policy=isolate.Policy(image="again:1", backend="native")) as box:
+            assert box.exec(["cat", "/version"], text=True).stdout == f"{number}\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -216,3 +217,26 @@ def test_a_name_loaded_again_is_the_new_image_in_the_next_sandbox(store: str, tm
         Image.load(tmp_path / f"v{number}", store=Store(store))
         with isolate.Sandbox(policy=isolate.Policy(image="again:1", backend="native")) as box:
             assert box.exec(["cat", "/version"], text=True).stdout == f"{number}\n"
+
+
+def test_owners_a_regular_users_store_does_not_keep_are_said_by_the_sandbox_and_inspect(
+        store: str, tmp_path: Path) -> None:
+    app = {"uid": "1000", "gid": "1000"}
+    _load(tmp_path, "owned:1", [{"name": "etc", "type": "dir"},
+                                {"name": "etc/secret", "data": b"root's\n", "mode": 0o600},
+                                {"name": "app", "type": "dir", "pax": app},
+                                {"name": "app/note", "data": b"app's\n", "mode": 0o600, "pax": app}])
+    result = run(store, ["sh", "-c", "stat -c '%u %a' /app/note /etc/secret; cat /app/note /etc/secret"],
+                 image="owned:1")
+    said = result.report.enforced.get("image_owners")
+    inspected = json.loads(subprocess.run([ISOLATE_RUN, "image", "inspect", "owned:1"], capture_output=True,
+                                          text=True, timeout=60, check=True).stdout)["owners"]
+    if os.geteuid() == 0:  # kept (uid 1000 unmapped inside: the overflow id); the program, 65534, reads neither
+        assert said is None and inspected == {"kept": True, "other_than_root": {"1000:1000": 2}}
+        assert result.stdout.splitlines()[:2] == ["65534 600", "0 600"], result.stderr
+        assert "Permission denied" in result.stderr
+    else:  # every file is the caller's, and the program is the caller: it reads both, and it is said
+        me = os.geteuid()
+        assert inspected == {"kept": False, "other_than_root": {"1000:1000": 2}}
+        assert result.stdout.splitlines() == [f"{me} 600", f"{me} 600", "app's", "root's"], result.stderr
+        assert said is not None and "not kept" in said and "1000:1000 x2" in said and f"uid {me}'s" in said

@@ -146,6 +146,26 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
     return found_uid[0], new_gid, ranges
 
 
+def owners_note(root: ImageRoot, program_uid: int, ranges: SubIds | None) -> str | None:
+    """What a regular caller's sandbox shows of the owners the image gives its files (its store keeps none: every
+    file is the caller's), where the image gives some other than root; None where it gives none or the store
+    keeps them (a root's)."""
+    if root.image.store.owners_kept:
+        return None
+    others = root.image.foreign_owners()
+    if others == {}:
+        return None
+    given = "owners the image gives other than root are not known (layers of an earlier isolate)" if others is None \
+        else (f"{sum(others.values())} entries of the image belong to other owners than root ("
+              + ", ".join(f"{key} x{count}" for key, count in sorted(others.items(), key=lambda kv: -kv[1])[:4])
+              + (", ..." if len(others) > 4 else "") + ")")
+    shown = (f"root's: the program (uid {program_uid}) reads and writes only what their modes let others, its "
+             "own user's files of the image too" if ranges is not None else
+             f"uid {program_uid}'s, the program's own: it may read and write them all, whatever their modes")
+    return (f"not kept (a regular user's store holds that user's files only): {given}; in this sandbox every file "
+            f"of the image is {shown}")
+
+
 def caller_inside(policy: Policy) -> int:
     """The uid the caller is seen as inside a sandbox of ``policy`` (an exec server checks its peers by it):
     0 where a regular caller's subordinate ids are mapped (program_ids), else its own."""

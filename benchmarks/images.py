@@ -370,7 +370,9 @@ def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool =
     with kit.loopback_registry(tmp, registry) as address:
         remotes = {variant: f"{address}/bench/{name}{'-' + variant if variant else ''}" for variant in variants}
         for variant, path in variants.items():
-            kit.push(skopeo, f"{path}:{ref}", remotes[variant], tmp, timeout=600)
+            # As made: without --preserve-digests skopeo pushes a blob the registry holds of the same diff id in
+            # place of the layer (its blob info cache knows the gzip one): the zstd variants were the gzip layer.
+            kit.push(skopeo, f"{path}:{ref}", remotes[variant], tmp, ["--preserve-digests"], timeout=600)
         remote = remotes[""]
         log(f"images: pulls of {name} ({', '.join(v or 'as built' for v in variants)}) from the loopback registry, "
             f"{rounds} rounds")

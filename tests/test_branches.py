@@ -257,6 +257,45 @@ def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source:
         snap.remove()
 
 
+@pytest.mark.parametrize("mode", ["overlay", "copy"])
+def test_a_commit_or_snapshot_racing_a_close_reads_every_file_or_is_refused(source: str, mode: str,
+                                                                             tmp_path: Path) -> None:
+    """Before: the host read the files while a close in another thread removed them: a commit wrote part of
+    them to its target and raised FileNotFoundError (no IsolationError), a snapshot failed on a missing file."""
+    import threading
+
+    for delay in (0.02,):
+        for what in ("commit", "snapshot"):
+            box = Sandbox(policy(write=()), workspace=Workspace(source, mode=mode)).start()
+            box.exec(["sh", "-c", "mkdir many && cd many && seq 1 4000 | xargs touch"])
+            target = tmp_path / f"{what}-{delay}"
+            target.mkdir()
+            outcome: list[object] = []
+
+            def reads(box: Sandbox = box, what: str = what, target: Path = target,
+                      outcome: list[object] = outcome) -> None:
+                try:
+                    outcome.append(box.commit(target) if what == "commit" else box.snapshot())
+                except Exception as exc:  # the test looks at which
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=reads)
+            thread.start()
+            time.sleep(delay)
+            box.close()
+            thread.join(60)
+            [found] = outcome
+            if isinstance(found, BaseException):
+                assert isinstance(found, isolate.IsolationError) and "not running" in str(found), repr(found)
+                continue
+            if isinstance(found, isolate.Snapshot):
+                with Sandbox(policy(write=()), workspace=Workspace(source, mode=mode), snapshot=found) as again:
+                    assert again.exec(["sh", "-c", "ls many | wc -l"]).stdout.strip() == "4000"
+                found.remove()
+            else:
+                assert len(os.listdir(target / "many")) == 4000
+
+
 def test_a_restore_ahead_to_a_removed_snapshot_is_refused_as_a_restore_is(source: str) -> None:
     with Sandbox(policy(write=()), workspace=Workspace(source, mode="overlay")) as box:
         snap = box.snapshot()

@@ -183,8 +183,30 @@ def test_a_layout_whose_files_are_a_fifo_or_a_device_is_refused_not_read_for_eve
     config = kit.config_for([])
     (saved / "config.json").write_bytes(config)
     (saved / "manifest.json").write_text(json.dumps([{"Config": "config.json", "Layers": ["dev/zero"]}]))
-    os.symlink("/dev", saved / "dev")
+    (saved / "dev").mkdir()
+    os.mkfifo(saved / "dev" / "zero")  # a linked /dev: test_a_layout_whose_directories_are_links_elsewhere_is_refused
     with pytest.raises(BadImageError, match="not a regular file"):
+        Image.load(saved, store=store)
+
+
+def test_a_layout_whose_directories_are_links_elsewhere_is_refused(tmp_path: Path, store: Store) -> None:
+    # A layout's "blobs" (or a docker-save directory's layer directory) linked elsewhere: the host read, as the
+    # image's blobs, whatever files lay there that the digests named (a root caller's: any file of the host), and
+    # /dev/zero through a linked /dev for ever. Nothing on the way to a file of the layout is followed.
+    kit.oci_layout(str(tmp_path / "elsewhere"), [kit.layer([{"name": "secret", "data": b"the host's\n"}])])
+    layout = tmp_path / "oci"
+    layout.mkdir()
+    for name in ("index.json", "oci-layout"):
+        (layout / name).write_bytes((tmp_path / "elsewhere" / name).read_bytes())
+    os.symlink(tmp_path / "elsewhere" / "blobs", layout / "blobs")
+    with pytest.raises(BadImageError, match="a link or no directory on the way"):
+        Image.load(layout, store=store)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_bytes(kit.config_for([]))
+    (saved / "manifest.json").write_text(json.dumps([{"Config": "config.json", "Layers": ["dev/zero"]}]))
+    os.symlink("/dev", saved / "dev")
+    with pytest.raises(BadImageError, match="a link or no directory on the way"):
         Image.load(saved, store=store)
 
 
@@ -348,3 +370,32 @@ def test_work_left_by_a_dead_process_is_cleared_and_a_running_ones_kept(tmp_path
 
 def test_the_image_class_is_isolates() -> None:
     assert isolate.Image is Image and "Image" in isolate.__all__
+
+
+def test_a_name_an_archive_chose_reaches_the_terminal_on_one_line_and_inert(tmp_path: Path) -> None:
+    # A docker-save directory's layer name (any string) was printed as it came: a newline broke the one line, an
+    # escape sequence reached the user's terminal.
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_bytes(kit.config_for([]))
+    (saved / "manifest.json").write_text(json.dumps([{"Config": "config.json", "Layers": ["a\n\x1b[2Jb"]}]))
+    env = dict(os.environ, ISOLATE_IMAGE_STORE=str(tmp_path / "store"))
+    result = subprocess.run([ISOLATE_RUN, "image", "load", str(saved)], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert result.returncode == 125
+    assert result.stderr.count("\n") == 1 and "\x1b" not in result.stderr and "\\x1b[2Jb" in result.stderr
+
+
+def test_a_config_value_of_another_type_or_with_a_nul_is_refused_not_dropped() -> None:
+    """Before: an Env entry that was not a text was dropped, and a WorkingDir or an Env value with a NUL was cut
+    there when the sandbox started: the sandbox ran other than the image said. Docker refuses both."""
+    from isolate.image import BadImageError, ImageConfig
+
+    good = ImageConfig.from_json({"config": {"Env": ["A=1"], "WorkingDir": "/w", "User": "app", "Entrypoint": None,
+                                             "Cmd": ["sh"]}})
+    assert good.environment() == {"A": "1"} and good.command() == ["sh"] and good.working_dir == "/w"
+    assert ImageConfig.from_json({}) == ImageConfig()
+    for name, bad in (("Env", ["A=1", 5]), ("Env", ["A=1\0B=2"]), ("Env", "A=1"), ("WorkingDir", "/w\0/x"),
+                      ("WorkingDir", 7), ("User", ["0"]), ("User", "app\0"), ("Cmd", [["sh"]]), ("Entrypoint", {})):
+        with pytest.raises(BadImageError, match=f"config: {name}: expected"):
+            ImageConfig.from_json({"config": {name: bad}})

@@ -90,3 +90,34 @@ def test_a_huge_sparse_file_is_refused_before_the_host_reads_it(image: Image) ->
             box.commit_image("huge:1")
         assert box.exec(["cat", "/data/small"]).stdout == "small\n"  # resumed after the refusal
     assert not os.listdir(os.path.join(image.store.path, "tmp"))  # nothing of the read left behind
+
+
+def test_what_a_mode_keeps_from_its_owner_is_committed_and_pushed_and_the_mode_kept(image: Image,
+                                                                                   tmp_path: Path) -> None:
+    # A regular user's store keeps an image's mode-000 file as the image has it (Fedora's /etc/shadow), and a program
+    # may chmod 000 what it wrote: both are read through a moment's owner bits, their modes put back (a regular
+    # user's commit and push raised PermissionError; root reads them anyway).
+    import tarfile
+
+    if _disk_upper_why():
+        pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
+    with isolate.Sandbox(isolate.Policy(image=image.reference), image_upper="disk") as box:
+        made = box.exec(["sh", "-c", "mkdir /data/d && echo x > /data/d/f && chmod 000 /data/d && echo y > /data/f0 && "
+                         "chmod 000 /data/f0"])
+        assert made.returncode == 0, made.stderr
+        committed = box.commit_image("locked:1")
+        assert box.exec(["stat", "-c", "%a", "/data/d", "/data/f0"]).stdout == "0\n0\n"  # as the program left them
+    kit.oci_layout(str(tmp_path / "shadow"), [kit.busybox_layer([{"name": "etc/shadow", "data": b"root:*:1::::::\n",
+                                                                   "mode": 0}])], ref="shadow:1")
+    shadowed = Image.load(tmp_path / "shadow", store=image.store)
+    for source, wanted in ((committed, {"data/f0": (0, b"y\n"), "data/d/f": (0o644, b"x\n")}),
+                           (shadowed, {"etc/shadow": (0, b"root:*:1::::::\n")})):
+        blob = export_layer(source, source.layers[-1])
+        try:
+            with tarfile.open(blob.path) as tar:
+                found = {m.name: (m.mode, tar.extractfile(m).read()) for m in tar if m.name in wanted}  # type: ignore[union-attr]
+        finally:
+            os.unlink(blob.path)
+        assert found == wanted
+    store_file = os.path.join(shadowed.lower_dirs()[0], "etc", "shadow")
+    assert stat.S_IMODE(os.lstat(store_file).st_mode) == 0  # put back

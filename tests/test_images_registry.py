@@ -5,6 +5,7 @@ blob that lies about its digest)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import http.server
 import io
@@ -333,3 +334,78 @@ def test_the_bar_fits_any_terminal_width() -> None:
     assert " 33%  1.0/3.0 MB  1/3 layers" in shown.bar(200) and shown.bar(200).startswith("127.0.0.1:5000/a/long")
     assert "[" + "#" * 13 + "." * 27 + "]" in shown.bar(200)
     assert not shown.terminal  # a StringIO: the figures line only
+
+
+@contextlib.contextmanager
+def _slow_registry(way: str) -> Iterator[str]:
+    """A loopback registry that answers /v2/ and then, for anything else, ``way``: "body" (a 200 whose body comes
+    a byte a second), "head" (a header line a second, for ever), "stall" (a 200 and one byte, then nothing)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def one(conn: socket.socket) -> None:
+        with conn:
+            try:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    data = conn.recv(4096)
+                    if not data:
+                        return
+                    request += data
+                if request.startswith(b"GET /v2/ "):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                    return
+                conn.sendall(b"HTTP/1.1 200 OK\r\n" + (b"" if way == "head" else b"\r\n" + b"{" * (way == "stall")))
+                while not stop.wait(1.0):
+                    if way != "stall":
+                        conn.sendall(b"X-Slow: y\r\n" if way == "head" else b" ")
+            except OSError:
+                return
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        server.close()
+
+
+@pytest.mark.parametrize("way", ["body", "head", "stall"])
+def test_a_registry_that_answers_a_byte_now_and_then_is_given_up(way: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each read waits TIMEOUT at most, but a registry that sent a byte now and then held a pull for ever (a manifest,
+    # a token, a layer; a header line at a time), and one that stopped raised a raw TimeoutError. Now: a pace, a
+    # deadline for the answer's head, and a RegistryError.
+    import time
+
+    from isolate.image import registry
+
+    monkeypatch.setattr(registry, "TIMEOUT", 2.0)
+    monkeypatch.setattr(registry, "HEADERS_DEADLINE", 4.0, raising=False)
+    outcome: list[BaseException | None] = []
+    with _slow_registry(way) as address:
+        def pull() -> None:
+            try:
+                Image.pull(f"{address}/slow:1", store=Store(tmp_path / "store"))
+                outcome.append(None)
+            except BaseException as exc:  # what the pull ended with, checked below
+                outcome.append(exc)
+
+        started = time.monotonic()
+        puller = threading.Thread(target=pull, daemon=True)
+        puller.start()
+        puller.join(60)
+        assert not puller.is_alive(), f"the pull still runs after {time.monotonic() - started:.0f} s"
+    assert len(outcome) == 1 and isinstance(outcome[0], RegistryError), repr(outcome)

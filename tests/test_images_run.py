@@ -240,3 +240,17 @@ def test_owners_a_regular_users_store_does_not_keep_are_said_by_the_sandbox_and_
         assert inspected == {"kept": False, "other_than_root": {"1000:1000": 2}}
         assert result.stdout.splitlines() == [f"{me} 600", f"{me} 600", "app's", "root's"], result.stderr
         assert said is not None and "not kept" in said and "1000:1000 x2" in said and f"uid {me}'s" in said
+
+
+def test_an_image_naming_one_layer_twice_runs_as_docker_stacks_it(store: str, tmp_path: Path) -> None:
+    # buildkit's empty layer is often named several times in one image: overlayfs refuses a directory twice
+    # (ELOOP, "too many levels of symbolic links" at mount-overlay), so it is laid once, where it is topmost.
+    again = kit.layer([{"name": "data", "type": "dir", "mode": 0o777}, {"name": "data/f", "data": b"again\n"}])
+    between = kit.layer([{"name": "data", "type": "dir", "mode": 0o777}, {"name": "data/f", "data": b"between\n"},
+                         {"name": "data/g", "data": b"kept\n"}])
+    kit.oci_layout(str(tmp_path / "twice"), [kit.busybox_layer(), again, between, again], ref="twice:1")
+    image = Image.load(tmp_path / "twice", store=Store(store))
+    result = isolate.run(["cat", "/data/f", "/data/g"], policy=isolate.Policy(image="twice:1"), capture_output=True,
+                         text=True)
+    assert (result.returncode, result.stdout) == (0, "again\nkept\n"), result.stderr
+    assert len(image.layers) == 4 and len(image.lower_dirs()) == 3

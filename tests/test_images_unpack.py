@@ -221,3 +221,16 @@ def test_a_layers_owners_other_than_root_are_counted_by_id_and_bounded(tmp_path:
     assert index.owners["0:7"] == 1 and index.owners["other"] == many + 1 - unpacking.OWNERS
     assert store.layer_owners(kit.digest(layer)) == index.owners
     assert store.layer_index(kit.digest(layer)).owners == index.owners
+
+
+def test_a_layer_whose_names_together_pass_their_bound_is_refused(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each name is held in memory while the layer unpacks (its index): deep names compress well, and a 100 MB blob
+    # held 16 GB of them. The bound lowered here so that a small layer passes it.
+    monkeypatch.setattr(unpacking, "MAX_NAME_BYTES", 64 << 10, raising=False)
+    deep = "/".join(["d" * 200] * 4)
+    raw = kit.layer([{"name": f"{deep}/{i:04d}" + "x" * 200, "data": b""} for i in range(100)])
+    kit.oci_layout(str(tmp_path / "oci"), [raw])
+    with pytest.raises(unpacking.BadImageError, match="names past 65536 characters"):
+        isolate.image.Image.load(tmp_path / "oci", store=Store(tmp_path / "store"))
+    assert not os.listdir(tmp_path / "store" / "layers")

@@ -613,3 +613,35 @@ def test_host_waits_take_any_number(box: Sandbox) -> None:
     for bad in (float("nan"), -1):
         with pytest.raises(ValueError):
             box.shell().run("echo", timeout=bad)
+
+
+def test_file_methods_racing_a_close_in_another_thread_raise_isolation_errors_only(workdir: str) -> None:
+    """Before: a file method whose socket another thread's close had just ended raised OSError (EBADF) from
+    resetting that socket's timeout, past the exception model (IsolationError)."""
+    import threading
+
+    strays: list[BaseException] = []
+    for _ in range(4):
+        box = Sandbox(policy(write=()), workspace=Workspace(workdir, mode="overlay")).start()
+        box.write_file("a.txt", "x")
+        done = threading.Event()
+
+        def calls(box: Sandbox = box, done: threading.Event = done) -> None:
+            while not done.is_set():
+                try:
+                    box.read_file("a.txt")
+                    box.list_dir(".")
+                    box.write_file("b.txt", "y")
+                except isolate.IsolationError:
+                    pass
+                except Exception as exc:  # what the test looks for
+                    strays.append(exc)
+
+        thread = threading.Thread(target=calls)
+        thread.start()
+        time.sleep(0.1)
+        box.close()
+        time.sleep(0.05)
+        done.set()
+        thread.join(30)
+    assert not strays, strays

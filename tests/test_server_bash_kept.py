@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import test_server as base
-from test_server_restart import FLAGS, _cell, _kill, _run, killed_after
+from test_server_restart import FLAGS, _cell, _in_session, _run, restart
 
 pytest.importorskip("psutil")
 
@@ -185,31 +185,23 @@ def test_a_bash_context_of_a_sandbox_paused_across_a_restart_runs_once_resumed(s
     # cell failed ("the sandbox is not running; start() it first"), and a bash context's delete could reach
     # neither its shell nor what the exec server holds for it, answered 200 and left the shell running. Its
     # contexts follow the sandbox's handle now.
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
-        context = _context(first, prefix, headers)
-        shell = _cell(first, prefix, headers, context, "y=5; echo $$")["stdout"]["text"].strip()
-        status, python = first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
-                                    headers=headers)
+    with restart(state_dir) as r:
+        prefix, headers = r.prefix, r.headers
+        context = _context(r.first, prefix, headers)
+        shell = _cell(r.first, prefix, headers, context, "y=5; echo $$")["stdout"]["text"].strip()
+        status, python = r.first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
+                                      headers=headers)
         assert status == 200, python
-        assert "error" not in _cell(first, prefix, headers, python["id"], "w = 6")
-        assert first.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
-        _kill(first)
-    finally:
-        first.stop()
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
-        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert "error" not in _cell(r.first, prefix, headers, python["id"], "w = 6")
+        assert r.first.call("POST", f"/v1/sandboxes/{r.box_id}/pause")[0] == 202
+        second = r.next()
+        assert second.call("POST", f"/v1/sandboxes/{r.box_id}/resume")[0] == 202
         got = _cell(second, prefix, headers, context, "echo $y $$")
         assert "error" not in got and got["stdout"]["text"].split() == ["5", shell], got
         got = _cell(second, prefix, headers, python["id"], "print(w + 1)")  # a Python context's handle too
         assert "error" not in got and got["stdout"]["text"].strip() == "7", got
         assert second.call("DELETE", prefix + f"/code/contexts/{context}", key=None, headers=headers)[0] == 200
         assert _run(second, prefix, headers, f"test -d /proc/{shell} && echo on || echo gone") == "gone"
-    finally:
-        second.stop()
 
 
 def test_a_shells_pid_taken_by_another_process_is_not_adopted(tmp_path: Path) -> None:
@@ -262,34 +254,61 @@ def test_a_server_killed_as_it_keeps_or_lets_go_of_a_shell_leaves_neither_shell_
     # of the ends: the next served a session the client had deleted (its shell gone). The record names the shell
     # as one the next server ends from before its ends are kept until it is a session's (or context's), and from
     # before a delete until they are let go: the next server ends it, and serves no such session.
-    killed_after(tmp_path, monkeypatch, "isolate.backends.native.protocol:Connection.keep" if step == "keep" else
-                 "isolate.server.code.shell:BashShell.close")
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    session = ""
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    where = "isolate.backends.native.protocol:Connection.keep" if step == "keep" else \
+        "isolate.server.code.shell:BashShell.close"
+    with restart(state_dir, tmp_path=tmp_path, monkeypatch=monkeypatch, killed_at=where) as r:
+        prefix, headers = r.prefix, r.headers
         path, body = ("/session", None) if kind == "session" else ("/code/context", {"language": "bash"})
+        session = ""
         with contextlib.ExitStack() as stack:
             if step == "keep":
                 stack.enter_context(pytest.raises(OSError))  # the server dies mid-request
-            status, made = first.call("POST", prefix + path, body, key=None, headers=headers)
+            status, made = r.first.call("POST", prefix + path, body, key=None, headers=headers)
         if step == "letgo":
             assert status == 200, made
             session = made["session_id"]
             with pytest.raises(OSError):
-                first.call("DELETE", prefix + f"/session/{session}", key=None, headers=headers)
-        assert first.proc.wait(30) == -9
-    finally:
-        first.stop()
-    killed_after(tmp_path, monkeypatch, "")
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
+                r.first.call("DELETE", prefix + f"/session/{session}", key=None, headers=headers)
+        second = r.next()
         assert _run(second, prefix, headers, "pgrep -c -f '^/bin/bash$' || true").strip() == "0"
         assert second.call("GET", prefix + "/code/contexts?language=bash", key=None, headers=headers) == (200, [])
         if session:
             status, body = second.call("POST", prefix + f"/session/{session}/run", {"command": "true"}, key=None,
                                        headers=headers)
             assert status == 404, (status, body)
-    finally:
-        second.stop()
+
+
+@pytest.mark.parametrize("cut", ["deadline", "kill"])
+def test_a_long_command_cut_short_leaves_none_of_its_chunks_in_the_shell(state_dir: str, cut: str) -> None:
+    # A command longer than a pipe's atomic write goes to the shell in chunks, each line an assignment to a
+    # variable of a random name that only the command's last line evaluates and unsets. Before: a run cut between
+    # its chunks (its deadline came while the shell read them, a byte at a time; or its server was killed, here
+    # while the shell was stopped and the pipe full) left them set in the shell for good (megabytes, listed by
+    # every `set`). The first run after an unfinished one unsets them (the next server's, in the shell it adopts).
+    import http.client
+    import threading
+
+    with restart(state_dir) as r:
+        status, made = r.first.call("POST", r.prefix + "/session", None, key=None, headers=r.headers)
+        assert status == 200, made
+        session = made["session_id"]
+        long = {"command": "echo never #" + "x" * (3 << 20), "timeout": 300 if cut == "deadline" else 0}
+        if cut == "deadline":  # the shell reads 3 MiB in seconds
+            status, body = r.first.call("POST", r.prefix + f"/session/{session}/run", long, key=None,
+                                        headers=r.headers)
+            assert status == 200 and b"did not finish" in body and b"exit status 124" in body, (status, body[-300:])
+            server = r.first
+        else:
+            shell = _in_session(r.first, r.prefix, r.headers, session, "echo $$").strip()
+            _run(r.first, r.prefix, r.headers, f"kill -STOP {shell}")
+
+            def cut_short() -> None:
+                with contextlib.suppress(OSError, http.client.HTTPException):  # the server dies mid-request
+                    r.first.call("POST", r.prefix + f"/session/{session}/run", long, key=None, headers=r.headers)
+
+            threading.Thread(target=cut_short, daemon=True).start()
+            time.sleep(2)  # the pipe full of its first chunks, the rest waiting
+            server = r.next()
+            _run(server, r.prefix, r.headers, f"kill -CONT {shell}")
+        chunks = "set | grep -cE '^__isolate_[0-9a-f]{12}_[0-9]+='; echo works"
+        assert _in_session(server, r.prefix, r.headers, session, chunks).split() == ["0", "works"]

@@ -15,6 +15,13 @@ import pytest
 from isolate.server import background, code
 
 
+class _Box:
+    """A sandbox with no process of its own (the host's process stands for a number given again)."""
+
+    def processes(self) -> list[Any]:
+        return []
+
+
 class _Relay:
     """What the server keeps of a relay: its hello's pid, its count, its close."""
 
@@ -35,7 +42,7 @@ def test_a_driver_pid_given_again_since_its_lookup_is_not_signalled(monkeypatch:
         looked_up._ident = (host.pid, looked_up._create_time)
         monkeypatch.setattr(code, "host_process", lambda box, pid: looked_up)
         monkeypatch.setattr(code.node, "connect", lambda box, language, context_id: _Relay())
-        box: Any = object()
+        box: Any = _Box()
         context = code.KeptInterpreter(box, "javascript", "ctx-0123456789abcdef", fresh=False)
         context.close()
         with pytest.raises(subprocess.TimeoutExpired):  # a SIGKILL sent has ended it by then
@@ -61,7 +68,7 @@ def test_a_python_hello_writer_gone_since_is_not_signalled(monkeypatch: pytest.M
         monkeypatch.setattr(code, "host_process", lambda box, pid: None)
         monkeypatch.setattr(background, "host_process", lambda box, pid: None)
         monkeypatch.setattr(code.python, "connect", lambda box, context_id: relay)
-        box: Any = object()
+        box: Any = _Box()
         context = code.KeptInterpreter(box, "python", "ctx-0123456789abcdef", fresh=False)
         context.close()
         with pytest.raises(subprocess.TimeoutExpired):  # a SIGKILL sent has ended it by then

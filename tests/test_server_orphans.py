@@ -6,7 +6,9 @@ The server runs as in tests/test_server.py, killed as in tests/test_server_bash_
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 import test_server as base
-from test_server_restart import FLAGS, _cell, _run, killed_after
+from test_server_restart import FLAGS, _cell, _run, _until, restart
 
 pytest.importorskip("psutil")
 
@@ -44,29 +46,19 @@ def test_a_server_killed_as_it_starts_or_ends_a_kept_interpreter_leaves_neither_
     # the client had deleted, its interpreter gone. The record names the context as one the next server ends
     # while it is made or deleted (endingContexts): the next ends it, and serves no such context.
     _language(language)
-    killed_after(tmp_path, monkeypatch, f"isolate.server.code.{'node' if language == 'javascript' else language}"
-                 ":start_kept" if step == "start" else "isolate.server.code:KeptInterpreter.close")
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    where = f"isolate.server.code.{'node' if language == 'javascript' else language}:start_kept" \
+        if step == "start" else "isolate.server.code:KeptInterpreter.close"
+    with restart(state_dir, tmp_path=tmp_path, monkeypatch=monkeypatch, killed_at=where) as r:
         if step == "start":
             with pytest.raises(OSError):  # the server dies mid-request
-                _context(first, prefix, headers, language)
+                _context(r.first, r.prefix, r.headers, language)
         else:
-            context = _context(first, prefix, headers, language)
+            context = _context(r.first, r.prefix, r.headers, language)
             with pytest.raises(OSError):
-                first.call("DELETE", prefix + f"/code/contexts/{context}", key=None, headers=headers)
-        assert first.proc.wait(60) == -9
-    finally:
-        first.stop()
-    killed_after(tmp_path, monkeypatch, "")
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
-        assert _run(second, prefix, headers, _DRIVERS).strip() == "0"
-        assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers) == (200, [])
-    finally:
-        second.stop()
+                r.first.call("DELETE", r.prefix + f"/code/contexts/{context}", key=None, headers=r.headers)
+        second = r.next()
+        assert _run(second, r.prefix, r.headers, _DRIVERS).strip() == "0"
+        assert second.call("GET", r.prefix + "/code/contexts", key=None, headers=r.headers) == (200, [])
 
 
 @pytest.mark.parametrize("language", ["python", "bash"])
@@ -76,32 +68,22 @@ def test_a_resume_after_a_restart_ends_what_the_record_names_as_ones_to_end(
     # record names the driver (or shell) as one to end, which a restarted server cannot do while the sandbox is
     # paused (its exec server is frozen). Before: its resume did not either, and the process lived on. It ends it.
     _language(language if language != "bash" else "python")
-    killed_after(tmp_path, monkeypatch, "isolate.server.code.python:start_kept" if language == "python" else
-                 "isolate.backends.native.protocol:Connection.keep", pause=3)
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    where = "isolate.server.code.python:start_kept" if language == "python" else \
+        "isolate.backends.native.protocol:Connection.keep"
+    with restart(state_dir, tmp_path=tmp_path, monkeypatch=monkeypatch, killed_at=where, pause=3) as r:
         def make() -> None:
             with contextlib.suppress(OSError):  # the server dies mid-request
-                _context(first, prefix, headers, language)
+                _context(r.first, r.prefix, r.headers, language)
 
         threading.Thread(target=make, daemon=True).start()
         time.sleep(1.5)  # the driver started (or the shell kept), the server not yet killed
-        assert first.call("POST", f"/v1/sandboxes/{box_id}/pause")[0] == 202
-        assert first.proc.wait(60) == -9
-    finally:
-        first.stop()
-    killed_after(tmp_path, monkeypatch, "")
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
-        assert second.call("GET", f"/v1/sandboxes/{box_id}")[1]["status"]["state"] == "Paused"
-        assert second.call("POST", f"/v1/sandboxes/{box_id}/resume")[0] == 202
+        assert r.first.call("POST", f"/v1/sandboxes/{r.box_id}/pause")[0] == 202
+        second = r.next()
+        assert second.call("GET", f"/v1/sandboxes/{r.box_id}")[1]["status"]["state"] == "Paused"
+        assert second.call("POST", f"/v1/sandboxes/{r.box_id}/resume")[0] == 202
         count = "pgrep -c -f '^/bin/bash$' || true" if language == "bash" else _DRIVERS
-        assert _run(second, prefix, headers, count).strip() == "0"
-        assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers) == (200, [])
-    finally:
-        second.stop()
+        assert _run(second, r.prefix, r.headers, count).strip() == "0"
+        assert second.call("GET", r.prefix + "/code/contexts", key=None, headers=r.headers) == (200, [])
 
 
 @pytest.mark.parametrize("language", ["bash", "python"])
@@ -130,3 +112,45 @@ def test_a_default_context_asked_for_at_once_is_made_once(state_dir: str, langua
         assert _run(server, prefix, headers, count).strip() == "1"
     finally:
         server.stop()
+
+
+def _prune_leaves(box_id: str) -> None:
+    """``isolate-run sandbox prune`` has nothing of the sandbox's to do."""
+    done = subprocess.run([os.path.join(os.path.dirname(base.ISOLATE_RUN), "isolate-run"), "sandbox", "prune"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert box_id not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("step", ["start", "delete"])
+def test_a_kept_driver_whose_socket_is_gone_is_ended(state_dir: str, tmp_path: Path, monkeypatch: Any,
+                                                    step: str) -> None:
+    # A kept driver is reached through its socket in the sandbox's /tmp, which any process of the sandbox can
+    # remove (a `rm -rf /tmp/*`). A server killed right after start_kept (the record names the context as one to
+    # end), its socket removed meanwhile; or a context deleted after a restart, its socket removed. Before: the
+    # restore (or the delete) reached no driver and named the context no longer; the driver ran on, named by
+    # nothing, for good. It is found by its arguments and ended.
+    _language("python")
+    hook = {"tmp_path": tmp_path, "monkeypatch": monkeypatch, "killed_at": "isolate.server.code.python:start_kept",
+            "pause": 3} if step == "start" else {}
+    with restart(state_dir, **hook) as r:
+        gone = "rm -f /tmp/.isolate-code-*; echo gone"
+        if step == "start":
+            def make() -> None:
+                with contextlib.suppress(OSError):  # the server dies mid-request
+                    _context(r.first, r.prefix, r.headers, "python")
+
+            threading.Thread(target=make, daemon=True).start()
+            _until(lambda: _run(r.first, r.prefix, r.headers, "ls /tmp/.isolate-code-*.sock 2>/dev/null || true"))
+            assert _run(r.first, r.prefix, r.headers, gone) == "gone"  # before the server kills itself
+            second = r.next()
+        else:
+            context = _context(r.first, r.prefix, r.headers, "python")
+            assert "error" not in _cell(r.first, r.prefix, r.headers, context, "x = 1")
+            second = r.next()
+            assert _run(second, r.prefix, r.headers, gone) == "gone"
+            assert second.call("DELETE", r.prefix + f"/code/contexts/{context}", key=None,
+                               headers=r.headers)[0] == 200
+        assert _run(second, r.prefix, r.headers, _DRIVERS).strip() == "0"
+        assert second.call("GET", r.prefix + "/code/contexts", key=None, headers=r.headers) == (200, [])
+        _prune_leaves(r.box_id)

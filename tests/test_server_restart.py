@@ -15,6 +15,7 @@ import signal
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -116,6 +117,52 @@ def killed_after(tmp_path: Any, monkeypatch: Any, where: str, pause: float = 0) 
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([hook, *([paths] if paths else [])]))
     monkeypatch.setenv("KILL_AFTER", where)
     monkeypatch.setenv("KILL_PAUSE", str(pause))
+
+
+class Restart:
+    """A server that leaves its sandboxes at its end (``end_on_exit`` False), one sandbox made (``box_id``, its
+    execution API's ``prefix`` and ``headers``), then the next server of its state directory (``next``)."""
+
+    def __init__(self, state_dir: str, flags: tuple[str, ...], hook: tuple[Any, Any] | None,
+                 create: dict[str, Any]) -> None:
+        self.state_dir, self.flags, self.hook = state_dir, flags, hook
+        self.servers = [base.Server(*flags, state_dir=state_dir, end_on_exit=False)]
+        self.first = self.servers[0]
+        try:
+            self.box_id = base._create(self.first, **create)["id"]
+        except BaseException:
+            self.first.stop()
+            raise
+        self.prefix, self.headers = base._endpoint(self.first, self.box_id)
+
+    def next(self, **options: Any) -> base.Server:
+        """The first server dead of a SIGKILL (its own, at ``killed_after``'s step, else one sent here) and stopped,
+        and the next one started on the same state directory (no step kills it)."""
+        if self.hook is None and self.first.proc.poll() is None:
+            self.first.proc.send_signal(signal.SIGKILL)
+        assert self.first.proc.wait(60) == -signal.SIGKILL
+        self.first.stop()
+        if self.hook is not None:
+            killed_after(*self.hook, "")
+        self.servers.append(base.Server(*self.flags, state_dir=self.state_dir, **options))
+        return self.servers[-1]
+
+
+@contextlib.contextmanager
+def restart(state_dir: str, *flags: str, tmp_path: Any = None, monkeypatch: Any = None, killed_at: str = "",
+            pause: float = 0, **create: Any) -> Iterator[Restart]:
+    """A ``Restart`` (``flags``: both servers'; ``create``: the sandbox's fields), its servers stopped after the block.
+    ``killed_at``: the first server kills itself right after a call of it (``killed_after``)."""
+    hook = (tmp_path, monkeypatch) if killed_at else None
+    if hook is not None:
+        killed_after(tmp_path, monkeypatch, killed_at, pause)
+    made: list[Restart] = []
+    try:
+        made.append(Restart(state_dir, flags or FLAGS, hook, create))
+        yield made[0]
+    finally:
+        for server in made[0].servers if made else []:
+            server.stop()
 
 
 def _kill_in_flight(server: base.Server, prefix: str, headers: dict[str, str], context_id: str, code: str) -> None:
@@ -238,10 +285,8 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
     the next one works; a background command of the last server is served again; a delete ends the
     interpreter."""
 
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    with restart(state_dir) as r:
+        first, box_id, prefix, headers = r.first, r.box_id, r.prefix, r.headers
         status, context = first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
                                      headers=headers)
         assert status == 200, context
@@ -253,10 +298,7 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
 
         # A cell in flight when the server dies: its client gets a connection error.
         _kill_in_flight(first, prefix, headers, context["id"], "import time\ntime.sleep(120)")
-    finally:
-        first.stop()
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
+        second = r.next()
         status, listed = second.call("GET", prefix + "/code/contexts", key=None, headers=headers)
         assert status == 200 and listed == [{"id": context["id"], "language": "python"}], listed
         got = _cell(second, prefix, headers, context["id"], "x + 1")
@@ -271,8 +313,6 @@ def test_a_code_context_lives_on_past_a_killed_server(state_dir: str) -> None:
         assert status == 200
         assert _run(second, prefix, headers, "pgrep -fc '[-]-kept /tmp' || true") == "0"
         assert second.call("GET", prefix + "/code/contexts", key=None, headers=headers)[1] == []
-    finally:
-        second.stop()
 
 
 #: Per language: its toolchain and Debian package, a cell that defines x, one busy when the server dies, one
@@ -297,10 +337,8 @@ def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(
         pytest.skip(f"no {tool} on this machine (Debian: apt-get install {package})")
     import threading
 
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    with restart(state_dir) as r:
+        first, prefix, headers = r.first, r.prefix, r.headers
         status, context = first.call("POST", prefix + "/code/context", {"language": language}, key=None,
                                      headers=headers)
         assert status == 200, context
@@ -309,10 +347,7 @@ def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(
         else:
             assert "error" not in _cell(first, prefix, headers, context["id"], define)
             _kill_in_flight(first, prefix, headers, context["id"], busy)  # a cell busy in the interpreter
-    finally:
-        first.stop()
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
+        second = r.next()
         status, listed = second.call("GET", prefix + "/code/contexts", key=None, headers=headers)
         assert status == 200 and listed == [{"id": context["id"], "language": language}], listed
         if language == "go":
@@ -337,8 +372,6 @@ def test_a_javascript_or_java_context_lives_on_and_a_go_context_is_served_again(
         status, _ = second.call("DELETE", prefix + f"/code/contexts/{context['id']}", key=None, headers=headers)
         assert status == 200
         assert _run(second, prefix, headers, "pgrep -fc '[-]-kept-driver' || true") == "0"
-    finally:
-        second.stop()
 
 
 def test_a_bash_context_lives_on_past_a_killed_server_and_a_stopped_one(state_dir: str) -> None:
@@ -412,28 +445,20 @@ def _in_session(server: base.Server, prefix: str, headers: dict[str, str], sessi
 def test_a_bash_session_lives_on_past_a_killed_server(state_dir: str) -> None:
     """A bash session's shell outlives its server as a bash context's does: listed in the record, adopted by the
     next server with its variables and working directory; its delete ends it and forgets it."""
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    with restart(state_dir) as r:
+        first, box_id, prefix, headers = r.first, r.box_id, r.prefix, r.headers
         status, made = first.call("POST", prefix + "/session", None, key=None, headers=headers)
         assert status == 200, made
         session = made["session_id"]
         assert _in_session(first, prefix, headers, session, "Y=(4 5); cd /tmp; echo $$").strip().isdigit()
         assert _recorded(state_dir, box_id, session)
-        _kill(first)
-    finally:
-        first.stop()
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
+        second = r.next()
         assert _in_session(second, prefix, headers, session, "echo ${Y[1]} $PWD") == "5 /tmp"
         assert second.call("DELETE", prefix + f"/session/{session}", key=None, headers=headers)[0] == 200
         assert not _recorded(state_dir, box_id, session)
         status, body = second.call("POST", prefix + f"/session/{session}/run", {"command": "true"}, key=None,
                                    headers=headers)
         assert status == 404, body
-    finally:
-        second.stop()
 
 
 def test_a_sandbox_from_a_snapshot_snapshots_whole_after_a_restart(state_dir: str) -> None:
@@ -748,6 +773,13 @@ def test_a_records_code_contexts_are_checked() -> None:
     for bad in ([["default-bash", "bash"]], [["ctx-0123456789abcded", "go"]], [["../x", "python"]], "x"):
         with pytest.raises(BadRecord):
             parse_record(dict(record, endingContexts=bad), sandbox_id)
+    # A newer server's record (a downgrade) is left alone, and the line says so, naming what this one lacks.
+    with pytest.raises(BadRecord, match=r"unknown to this server, written by a newer isolate\? \(laterField\)"):
+        parse_record(dict(record, laterField=1), sandbox_id)
+    with pytest.raises(BadRecord, match=r"version 2 unknown to this server"):
+        parse_record(dict(record, version=2), sandbox_id)
+    with pytest.raises(BadRecord, match="fields missing: pending"):
+        parse_record({k: v for k, v in record.items() if k != "pending"}, sandbox_id)
 
 
 def test_a_background_command_lives_on_past_a_killed_server(state_dir: str) -> None:
@@ -815,10 +847,8 @@ def test_a_background_command_cannot_make_the_next_server_read_a_host_file_or_ha
     secret = os.path.join(secret_dir, "secret.txt")
     with open(secret, "w") as handle:
         handle.write("HOST SECRET\n")
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    with restart(state_dir) as r:
+        first, box_id, prefix, headers = r.first, r.box_id, r.prefix, r.headers
         linked = _background(first, prefix, headers, f"log=$(readlink /proc/$$/fd/1); echo before; rm $log; "
                              f"ln -s {secret} $log; echo linked >/tmp/linked; sleep 600")
         fifos = _background(first, prefix, headers, "log=$(readlink /proc/$$/fd/1); rm $log; mkfifo $log "
@@ -827,11 +857,7 @@ def test_a_background_command_cannot_make_the_next_server_read_a_host_file_or_ha
         _until(lambda: _recorded(state_dir, box_id, linked, fifos))
         # The file it wrote (when the server opened it before the swap), or nothing: never what the link names.
         assert _logs(first, prefix, headers, linked)[0] in ("before\n", "")
-        _kill(first)
-    finally:
-        first.stop()
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
+        second = r.next()
         start = time.monotonic()
         assert _status(second, prefix, headers, linked)["running"]
         assert _logs(second, prefix, headers, linked) == ("", 0)
@@ -842,8 +868,6 @@ def test_a_background_command_cannot_make_the_next_server_read_a_host_file_or_ha
         status = _status(second, prefix, headers, fifos)
         assert not status["running"] and status["exit_code"] == 137, status
         assert time.monotonic() - start < 20  # the interrupt's grace (3 s) included
-    finally:
-        second.stop()
         import shutil
 
         shutil.rmtree(secret_dir, ignore_errors=True)
@@ -946,18 +970,12 @@ def test_a_sandbox_ends_at_once_though_a_process_took_its_kept_contexts_socket(s
     """A sandbox's end ends its kept contexts' interpreters with it (its PID namespace): it does not connect to
     them first. A process of the sandbox that took a context's socket and listens without a word held the end
     of the sandbox for the hello's wait (60 s), one context after another (a record names up to 256)."""
-    first = base.Server(*FLAGS, state_dir=state_dir, end_on_exit=False)
-    try:
-        box_id = base._create(first)["id"]
-        prefix, headers = base._endpoint(first, box_id)
+    with restart(state_dir) as r:
+        first, box_id, prefix, headers = r.first, r.box_id, r.prefix, r.headers
         status, context = first.call("POST", prefix + "/code/context", {"language": "python"}, key=None,
                                      headers=headers)
         assert status == 200, context
-        _kill(first)
-    finally:
-        first.stop()
-    second = base.Server(*FLAGS, state_dir=state_dir)
-    try:
+        second = r.next()
         path = f"/tmp/.isolate-code-{context['id']}.sock"
         _background(second, prefix, headers,
                     f"exec python3 -c \"import os, socket, time; os.unlink('{path}'); "
@@ -967,5 +985,3 @@ def test_a_sandbox_ends_at_once_though_a_process_took_its_kept_contexts_socket(s
         started = time.monotonic()
         assert second.call("DELETE", f"/v1/sandboxes/{box_id}")[0] == 204
         assert time.monotonic() - started < 20, "the sandbox's end waited on the squatter's silence"
-    finally:
-        second.stop()

@@ -259,3 +259,9 @@ def policy_from_args(options: argparse.Namespace) -> Policy:
     if gid is not None:
         changes["gid"] = gid
     return base.replace(**changes)
+
+
+def printable(text: str) -> str:
+    """A message on one line, with nothing in it that reaches the terminal as a control sequence (a name an image
+    archive, a registry or a program chose may hold a newline or an escape)."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)

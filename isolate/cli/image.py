@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from ..model.errors import IsolationError
 from ..model.units import parse_size
-from .flags import EXIT_SETUP, UsageError, UsageParser
+from .flags import EXIT_SETUP, UsageError, UsageParser, printable
 
 
 def _parser() -> UsageParser:
@@ -148,13 +148,14 @@ def image_main(argv: Sequence[str]) -> int:
             print(line + (f", {stats.steps} step cache entries" if stats.steps else ""))
         return 0
     except UsageError as exc:
-        print(f"isolate-run image: {exc}", file=sys.stderr)
+        print(f"isolate-run image: {printable(str(exc))}", file=sys.stderr)
         return EXIT_SETUP
     except IsolationError as exc:
-        print(f"isolate-run image: {exc}", file=sys.stderr)
+        print(f"isolate-run image: {printable(str(exc))}", file=sys.stderr)
         return EXIT_SETUP
     except OSError as exc:
-        print(f"isolate-run image: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        print(f"isolate-run image: {printable(str(exc.strerror or exc))}: {printable(str(exc.filename or ''))}"
+              .rstrip(": "), file=sys.stderr)
         return EXIT_SETUP
 
 

@@ -47,14 +47,25 @@ class ImageConfig:
         config = data.get("config") if isinstance(data.get("config"), dict) else {}
         assert isinstance(config, dict)
 
-        def strings(value: Any) -> tuple[str, ...]:
-            return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
+        # A value of another type, or with a NUL (which would cut it where the kernel reads it), is refused as
+        # Docker refuses it: dropped or cut, the sandbox would run other than the image says.
+        def strings(name: str) -> tuple[str, ...]:
+            value = config.get(name)
+            if value is None:
+                return ()
+            if not isinstance(value, list) or not all(isinstance(v, str) and "\0" not in v for v in value):
+                raise BadImageError(f"the image's config: {name}: expected a list of texts without NUL")
+            return tuple(value)
 
-        def text(value: Any) -> str:
-            return value if isinstance(value, str) else ""
+        def text(name: str) -> str:
+            value = config.get(name)
+            if value is None:
+                return ""
+            if not isinstance(value, str) or "\0" in value:
+                raise BadImageError(f"the image's config: {name}: expected a text without NUL")
+            return value
 
-        return cls(strings(config.get("Env")), text(config.get("WorkingDir")), text(config.get("User")),
-                   strings(config.get("Entrypoint")), strings(config.get("Cmd")))
+        return cls(strings("Env"), text("WorkingDir"), text("User"), strings("Entrypoint"), strings("Cmd"))
 
     def environment(self) -> dict[str, str]:
         out = {}
@@ -358,8 +369,10 @@ class Image:
         return total
 
     def lower_dirs(self) -> builtins.list[str]:
-        """The layers' directories, topmost first (overlayfs's lowerdir order)."""
-        return [self.store.layer_root(digest) for digest in reversed(self.layers)]
+        """The layers' directories, topmost first (overlayfs's lowerdir order). A layer the image names twice
+        (buildkit's empty layer often is) is laid once, where it is topmost: overlayfs refuses one directory twice
+        (ELOOP), and the lower copy shows nothing the upper one does not hide, nor deletes anything it keeps."""
+        return [self.store.layer_root(digest) for digest in dict.fromkeys(reversed(self.layers))]
 
     @property
     def short_id(self) -> str:

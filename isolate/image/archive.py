@@ -8,6 +8,7 @@ unpacked (and thrown away on a mismatch, see store.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import platform
@@ -17,8 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 from .store import MAX_METADATA_SIZE, verify
+from .tarbound import BoundedTarInfo
 from .unpack import BadImageError, entry_name
 
 MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -94,18 +97,46 @@ class _Source:
         if os.path.isdir(path):
             return
         try:
-            self.tar = tarfile.open(path, "r:*")
-        except (OSError, tarfile.TarError) as exc:
+            self.tar = tarfile.open(path, "r:*", tarinfo=BoundedTarInfo)
+            for member in self.tar:
+                name = entry_name(member.name, path)
+                if member.isreg():
+                    self.members[name] = member
+        except (OSError, tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
+            # A damaged archive, a header's number no tar takes, headers past their bound (tarbound.py): one line.
+            if self.tar is not None:
+                self.tar.close()
             raise IsolationError(f"{path}: not an image archive nor an OCI layout directory ({exc})") from None
-        for member in self.tar:
-            name = entry_name(member.name, path)
-            if member.isreg():
-                self.members[name] = member
 
     def exists(self, name: str) -> bool:
         if self.tar is not None:
             return name in self.members
-        return os.path.isfile(os.path.join(self.path, name))
+        try:
+            parent, last = self._parent_beneath(name)
+        except (OSError, BadImageError):
+            return False
+        try:
+            return stat.S_ISREG(os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+        finally:
+            os.close(parent)
+
+    def _parent_beneath(self, name: str) -> tuple[int, str]:
+        """(descriptor of the directory holding the layout's file ``name``, its last name), reached from the
+        layout's directory with no link followed on the way: a ``blobs`` linked elsewhere had the host read, as
+        the image's blobs, whatever files lay there that the digests named (a root caller's, any file)."""
+        parts = entry_name(name, self.path).split("/")
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parts[:-1]:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, parts[-1]
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
@@ -122,9 +153,14 @@ class _Source:
         try:
             # Non-blocking, then checked: a FIFO would hang the load, a device (/dev/zero through a linked
             # directory) would be read for ever.
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            parent, last = self._parent_beneath(name)
+            try:
+                fd = os.open(last, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=parent)
+            finally:
+                os.close(parent)
         except OSError as exc:
-            raise BadImageError(f"{self.path}: {name}: {exc.strerror}") from None
+            why = "a link or no directory on the way" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+            raise BadImageError(f"{self.path}: {name}: {why}: refused") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise BadImageError(f"{self.path}: {name} is not a regular file: refused")

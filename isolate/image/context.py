@@ -24,6 +24,7 @@ from ..model.files import read_input_file
 from . import Image
 from .build import DockerfileError, _existing, _target
 from .export import LayerBlob, write_copy
+from .tarbound import BoundedTarInfo
 
 MAX_IGNORE_FILE = 1 << 20
 
@@ -218,7 +219,7 @@ def _archive_layer(context: str, source: str, destination: str, what: str, chown
                     tar.addfile(info)
                 total = 0
                 try:
-                    with tarfile.open(fileobj=handle, mode="r|*") as archive:
+                    with tarfile.open(fileobj=handle, mode="r|*", tarinfo=BoundedTarInfo) as archive:
                         for member in archive:
                             total += max(member.size, 0)
                             if total > image.store.max_image_size:

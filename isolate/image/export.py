@@ -25,6 +25,7 @@ they were in the image.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -33,7 +34,7 @@ import os
 import stat
 import tarfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -111,6 +112,7 @@ def write_layer(root_fd: int, path: str, *, owners: Callable[[int, int], tuple[i
 
     def fill(tar: tarfile.TarFile) -> None:
         writer = _Writer(tar, os.geteuid() == 0, map_ids, what, leave_out)
+        writer.own_tree = True
         writer.budget = None if max_size is None else [max_size]
         writer.tree(root_fd, "", 0)
 
@@ -121,6 +123,7 @@ def layer_into(tar: tarfile.TarFile, root_fd: int, *, what: str, budget: list[in
     """Add the tree under ``root_fd`` to ``tar`` as ``write_layer`` writes it (whiteouts, opaque directories,
     links never followed). ``budget``: ``[bytes]`` its files may come to (shared by the calls given it)."""
     writer = _Writer(tar, os.geteuid() == 0, lambda uid, gid: (uid, gid), what)
+    writer.own_tree = True
     writer.budget = budget
     writer.tree(root_fd, "", 0)
 
@@ -202,6 +205,9 @@ class _Writer:
         self.pending: list[tarfile.TarInfo] = []  # directories on the way to a path left out, not written yet
         self.budget: list[int] | None = None  # [bytes the files may still come to], when bounded
         self.mode: int | None = None  # every entry's permission bits but a link's (COPY --chmod), when given
+        #: A tree of the caller's own making (a layer of its store, a sandbox's upper layer), not a build context:
+        #: what its mode keeps from its owner is read through a moment's owner bits (_readable).
+        self.own_tree = False
 
     def add(self, info: tarfile.TarInfo, data: Any = None) -> None:
         for directory in self.pending:
@@ -247,26 +253,8 @@ class _Writer:
             if stat.S_ISCHR(mode) and st.st_rdev == 0 and not self.fixed_time:  # a copy's host files: a device
                 self.marker(prefix + WHITEOUT_PREFIX + name)
             elif stat.S_ISDIR(mode):
-                child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-                try:
-                    if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
-                        raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
-                    info = self.info(rel, st, tarfile.DIRTYPE)
-                    if rel in self.on_the_way:
-                        self.pending.append(info)
-                    else:
-                        self.add(info)
-                    if not self.fixed_time and _opaque(child):
-                        self.marker(f"{rel}/{OPAQUE_MARKER}")
-                    saved, self.source_prefix = self.source_prefix, source_rel + "/"
-                    try:
-                        self.tree(child, rel + "/", depth + 1)
-                    finally:
-                        self.source_prefix = saved
-                    if self.pending and self.pending[-1] is info:
-                        self.pending.pop()  # nothing in it was written
-                finally:
-                    os.close(child)
+                with self._readable(dir_fd, name, rel, st, 0o500):  # held through the walk: x for each lookup
+                    self._directory(dir_fd, name, rel, st, source_rel, depth)
             elif stat.S_ISLNK(mode):
                 info = self.info(rel, st, tarfile.SYMTYPE)
                 info.linkname = os.readlink(name, dir_fd=dir_fd)
@@ -279,6 +267,60 @@ class _Writer:
                 continue
             else:
                 raise IsolationError(f"{self.what}: /{rel} is a device node: refused (an image carries none)")
+
+    def _directory(self, dir_fd: int, name: str, rel: str, st: os.stat_result, source_rel: str, depth: int) -> None:
+        try:
+            child = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+        except PermissionError:
+            raise self._unreadable(rel) from None
+        try:
+            if (os.fstat(child).st_dev, os.fstat(child).st_ino) != (st.st_dev, st.st_ino):
+                raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
+            info = self.info(rel, st, tarfile.DIRTYPE)
+            if rel in self.on_the_way:
+                self.pending.append(info)
+            else:
+                self.add(info)
+            if not self.fixed_time and _opaque(child):
+                self.marker(f"{rel}/{OPAQUE_MARKER}")
+            saved, self.source_prefix = self.source_prefix, source_rel + "/"
+            try:
+                self.tree(child, rel + "/", depth + 1)
+            finally:
+                self.source_prefix = saved
+            if self.pending and self.pending[-1] is info:
+                self.pending.pop()  # nothing in it was written
+        finally:
+            os.close(child)
+
+    @contextlib.contextmanager
+    def _readable(self, dir_fd: int, name: str, rel: str, st: os.stat_result, bits: int) -> Iterator[None]:
+        """``name`` made readable (``bits`` of its owner's) while the block runs, where this tree is the caller's own
+        making and the caller, not root, owns it: a regular user's store keeps an image's mode-000 file (Fedora's
+        /etc/shadow) as the image has it, and a program may chmod 000 what it wrote in its upper layer; root reads
+        them anyway. Its mode is put back after; the node is reached through an O_PATH descriptor of the very inode
+        listed (never a link: chmod through /proc follows that descriptor only)."""
+        if not self.own_tree or os.geteuid() == 0 or st.st_uid != os.geteuid() or st.st_mode & bits == bits:
+            yield
+            return
+        held = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            found = os.fstat(held)
+            if (found.st_dev, found.st_ino) != (st.st_dev, st.st_ino) or stat.S_IFMT(found.st_mode) != \
+                    stat.S_IFMT(st.st_mode):
+                raise IsolationError(f"{self.what}: /{rel}: replaced while it was read: refused")
+            through = f"/proc/self/fd/{held}"
+            os.chmod(through, stat.S_IMODE(found.st_mode) | bits)
+            try:
+                yield
+            finally:
+                os.chmod(through, stat.S_IMODE(found.st_mode))
+        finally:
+            os.close(held)
+
+    def _unreadable(self, rel: str) -> IsolationError:
+        return IsolationError(f"{self.what}: /{rel}: its mode keeps it from this user, who cannot read it: refused "
+                              "(give it read permission, or build as root)")
 
     def one(self, dir_fd: int, name: str, rel: str, st: os.stat_result) -> None:
         """A single non-directory (a copy's file, link or FIFO source) written as ``rel``."""
@@ -301,7 +343,11 @@ class _Writer:
                 info.linkname = first
                 self.add(info)
                 return
-        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        try:
+            with self._readable(dir_fd, name, rel, st, 0o400):
+                fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        except PermissionError:
+            raise self._unreadable(rel) from None
         try:
             opened = os.fstat(fd)
             if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):

@@ -40,20 +40,23 @@ from __future__ import annotations
 
 import base64
 import http.client
+import io
 import ipaddress
 import json
 import os
 import re
 import shutil
+import socket
 import ssl
 import stat
 import subprocess
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from ..model.errors import IsolationError
 from ..model.files import read_input_file
@@ -69,6 +72,11 @@ MANIFEST_TYPES = ", ".join((
     "application/vnd.docker.distribution.manifest.list.v2+json",
     "application/vnd.docker.distribution.manifest.v2+json"))
 TIMEOUT = 60.0
+#: The least an answer's body brings in each TIMEOUT seconds (a registry slower than that is taken for gone), and
+#: the most its status and headers may take, all of them: each read waits TIMEOUT at most, and a registry that
+#: sent a byte now and then (a token, a manifest, a layer, a header line) held a pull for ever.
+MIN_PACE = 16 << 10
+HEADERS_DEADLINE = 2 * TIMEOUT
 MAX_REDIRECTS = 5
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
 #: Where docker and podman look for a registry's CAs and client certificates (HOST:PORT under each), after
@@ -236,11 +244,80 @@ class _TLSFailed(ConnectionError):
 # -- HTTP --------------------------------------------------------------------------------------------
 
 
+class _Deadline:
+    """Shuts a connection's socket down when its answer's head has not come within HEADERS_DEADLINE of start():
+    the read waiting on it ends (``fired`` then says why)."""
+
+    def __init__(self, connection: http.client.HTTPConnection) -> None:
+        self.connection = connection
+        self.fired = False
+        self.timer: threading.Timer | None = None
+
+    def start(self) -> None:
+        if self.timer is None:
+            self.timer = threading.Timer(HEADERS_DEADLINE, self._fire)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self.connection.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class _Paced(io.RawIOBase):
+    """An answer's body, read as it comes: at least MIN_PACE bytes in each TIMEOUT seconds, and a read that
+    waited TIMEOUT for nothing, is a RegistryError (not a pull held for ever, nor a raw TimeoutError)."""
+
+    def __init__(self, response: http.client.HTTPResponse, registry: str) -> None:
+        super().__init__()
+        self.response, self.registry = response, registry
+        self.window = time.monotonic()
+        self.in_window = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Fills ``buffer`` as the body comes (0: its end), its pace checked after each piece."""
+        view = memoryview(buffer).cast("B")
+        filled = 0
+        while filled < len(view):
+            try:
+                got = self.response.readinto1(view[filled:])
+            except (OSError, http.client.HTTPException) as exc:
+                raise RegistryError(f"registry {self.registry}: its answer broke off ({exc or type(exc).__name__})") \
+                    from None
+            if not got:
+                break
+            filled += got
+            self.in_window += got
+            now = time.monotonic()
+            if now - self.window >= TIMEOUT:
+                if self.in_window < MIN_PACE:
+                    raise RegistryError(f"registry {self.registry}: its answer came at {self.in_window} bytes in "
+                                        f"{now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}: given up")
+                self.window, self.in_window = now, 0
+        return filled
+
+    def close(self) -> None:
+        self.response.close()
+        super().close()
+
+
 @dataclass
 class _Response:
     status: int
     headers: http.client.HTTPMessage
-    body: IO[bytes]
+    body: _Paced
     connection: http.client.HTTPConnection
     netloc: str = ""  # who answered (after redirects): a challenge counts only from the registry's own host
 
@@ -248,10 +325,13 @@ class _Response:
         length = self.headers.get("Content-Length")
         if length and length.isdigit() and int(length) > limit:
             raise BadImageError(f"{what}: {length} bytes, past {limit}: refused")
-        data = self.body.read(limit + 1)
+        data = bytearray()
+        chunk = bytearray(64 << 10)
+        while len(data) <= limit and (count := self.body.readinto(chunk)):
+            data += chunk[:count]
         if len(data) > limit:
             raise BadImageError(f"{what}: past {limit} bytes: refused")
-        return data
+        return bytes(data)
 
     def close(self) -> None:
         self.connection.close()
@@ -315,9 +395,16 @@ class Client:
                                 f"a registry named insecure: --insecure, {INSECURE_ENV})")
         connection = self._connect(parts.scheme, parts.netloc)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
+        late = _Deadline(connection)
         try:
+            if body is None:
+                late.start()  # the handshake and the request, then the answer's head: bounded together
             connection.request(method, path or "/", body=body, headers={"User-Agent": "isolate", **headers})
+            late.start()  # an upload's body may take long: only the answer's head then
             response = connection.getresponse()
+            late.cancel()
+            if late.fired:  # the head read to its end by the shutdown: not the registry's answer
+                raise ConnectionError("its answer's head came too late")
         except ssl.SSLCertVerificationError as exc:
             connection.close()
             raise self._untrusted(parts.netloc, exc) from None
@@ -332,8 +419,14 @@ class Client:
             raise kind(f"{parts.scheme}://{parts.netloc}: TLS: {problem}") from exc
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
+            if late.fired:
+                raise ConnectionError(f"{parts.scheme}://{parts.netloc}: no answer within {HEADERS_DEADLINE:.0f} s "
+                                      "(its status and headers): given up") from None
             raise ConnectionError(f"{parts.scheme}://{parts.netloc}: {exc}") from exc
-        return _Response(response.status, response.headers, response, connection, parts.netloc)
+        finally:
+            late.cancel()
+        return _Response(response.status, response.headers, _Paced(response, self.registry), connection,
+                         parts.netloc)
 
     def get(self, path: str, headers: dict[str, str] | None = None, scope: str = "") -> _Response:
         """GET path of the registry, with its authorization; redirects followed, the credentials only ever
@@ -523,7 +616,7 @@ class _RegistrySource:
 
 
 class _Counted:
-    def __init__(self, body: IO[bytes], source: _RegistrySource) -> None:
+    def __init__(self, body: _Paced, source: _RegistrySource) -> None:
         self.body, self.source = body, source
 
     def read(self, n: int = -1) -> bytes:

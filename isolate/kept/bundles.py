@@ -46,6 +46,7 @@ import tarfile
 from typing import Any
 
 from ..image.export import layer_into
+from ..image.tarbound import BoundedTarInfo
 from ..image.unpack import unpack
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
@@ -134,7 +135,7 @@ def export(snap: Snapshot) -> tuple[bytes, str]:
 def _members(data: bytes, what: str) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:", tarinfo=BoundedTarInfo) as archive:
             for member in archive:
                 if member.name not in MEMBERS or not member.isreg() or member.name in out:
                     raise IsolationError(f"{what}: not a snapshot bundle (member {member.name!r})")

@@ -16,13 +16,14 @@ same exec server, with the same API. Both implement one interface
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import math
 import os
 import shlex
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -140,8 +141,9 @@ class Sandbox:
         self.restore_skipped: tuple[str, ...] = ()
         #: The next restore, started ahead (``restore(ahead=True)``).
         self._ahead: Ahead | None = None
-        #: Held by restore and close: one of them at a time (a close during a restore in another thread would
-        #: end the old sandbox while the restore started the new one and its spare, never ended).
+        #: Held by restore and close, and while the host reads the sandbox's files (``_steady``): one of them at
+        #: a time (a close during a restore in another thread would end the old sandbox while the restore started
+        #: the new one and its spare, never ended; a commit during a close wrote part of the files, then failed).
         self._lifecycle = threading.RLock()
         #: A close is waiting for the lock (see close).
         self._closing = False
@@ -262,6 +264,17 @@ class Sandbox:
         if not self._started:
             raise IsolationError(f"{what}: the sandbox is not running; start() it first")
         return self._impl
+
+    @contextlib.contextmanager
+    def _steady(self, what: str) -> Iterator[KeptBackend]:
+        """The sandbox, running, and neither closed nor restored by another thread while the host reads its
+        files (a diff, commit, snapshot, fork or image of it): that waits, and a close already waiting refuses
+        this one, which would otherwise read files being removed (a commit wrote part of them, then failed)."""
+        with self._lifecycle:
+            if self._closing:
+                raise IsolationError(f"{what}: the sandbox is being closed (by another thread): it is not running "
+                                     "any more")
+            yield self._running(what)
 
     # -- commands ------------------------------------------------------------------
 
@@ -461,7 +474,10 @@ class Sandbox:
 
     def diff(self) -> Changes:
         """What the workspace changed against its source (empty for a bind workspace or none)."""
-        impl = self._running("diff")
+        with self._steady("diff") as impl:
+            return self._diff(impl)
+
+    def _diff(self, impl: KeptBackend) -> Changes:
         if self.workspace.mode == "bind":
             return Changes()
         ws_fd = impl.open_workspace()
@@ -494,7 +510,10 @@ class Sandbox:
         Links that lead out of the tree, devices, FIFOs and sockets are not
         written (``Changes.refused`` says why); no set-id bit reaches the host.
         """
-        impl = self._running("commit")
+        with self._steady("commit") as impl:
+            return self._commit(impl, target_dir)
+
+    def _commit(self, impl: KeptBackend, target_dir: str | os.PathLike[str] | None) -> Changes:
         if self.workspace.mode == "bind" and target_dir is None:
             return Changes()  # the source is the workspace
         copy = getattr(impl, "copy", None)
@@ -529,7 +548,8 @@ class Sandbox:
         home and ``/tmp`` are the sandbox's own mounts, not its image's: they are not in the layer."""
         from .commit import commit_image
 
-        return commit_image(self, reference)
+        with self._steady("commit_image"):
+            return commit_image(self, reference)
 
     # -- snapshots and forks (isolate/kept/snapshots.py) -------------------------------------
 
@@ -537,8 +557,7 @@ class Sandbox:
         """A frozen capture of the sandbox's files: the workspace and its private tmpfs mounts (/tmp, the
         home). It costs what changed since the source (overlay) or since the copy (copy); a copy workspace's
         is a whole copy only where the copy cannot be an overlay's lower layer (``enforced["workspace"]``)."""
-        self._running("snapshot")
-        return take(self, name, self.origin)
+        return take(self, name, self.origin)  # under _steady
 
     def restore(self, snapshot: Snapshot, *, ahead: bool = False) -> None:
         """Bring the sandbox's files back to snapshot (taken of this sandbox, or of one with its workspace).
@@ -651,7 +670,7 @@ class Sandbox:
                                    "fork() carries the files, and the forks start with no process")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PolicyError(f"fork: n must be a positive integer, got {n!r}", "n")
-        self._running("fork")
+        self._running("fork")  # and take() holds it steady
         sweep_temporary_snapshots()  # those of processes killed while forking or merging
         snap = take(self, None, self.origin, temporary=True)
         layered = snap.kind == "layer"

@@ -80,6 +80,17 @@ _ROOM = select.PIPE_BUF - 64
 #: The most variables a long command's chunks go in (their names, twice, fit in its last line).
 _GROUPS = 48
 
+#: What the first run after an unfinished one runs first: it unsets the variables of a long command's chunks (see
+#: Shell._lines) that an earlier run set and never evaluated, its last line never sent (a deadline came, or its
+#: host was killed, between its chunks). Their names are random, so they are listed (bash's ``compgen``, else
+#: ``set``: dash, busybox ash) and only names of that exact form are unset; read a line at a time from a here-document
+#: (no word splitting: a command may have changed IFS), in the shell itself (no pipeline's subshell).
+_CHUNK_NAME = "__isolate_" + "[0-9a-f]" * 12 + "_[0-9]"
+_FORGET = ("while IFS= \\read -r __isolate_v; do __isolate_v=${__isolate_v%%=*}; "
+           f"case $__isolate_v in {_CHUNK_NAME}|{_CHUNK_NAME}[0-9]) \\unset \"$__isolate_v\" 2>/dev/null;; esac; done "
+           "<<__isolate_eof\n$(\\command compgen -v __isolate_ 2>/dev/null; case ${BASH_VERSION-} in '') \\set;; esac)"
+           "\n__isolate_eof\n\\unset __isolate_v")
+
 #: The most output one run keeps (its tail); what a command floods beyond is dropped as it comes.
 OUTPUT_LIMIT = 16 << 20
 
@@ -230,7 +241,7 @@ class Shell:
         """Run one command line; returns its output (stdout and stderr, as printed) and exit status."""
         timeout = wait_seconds(timeout, "timeout")
         if self._unsynced:
-            self._exchange(":", 10.0, fresh=True)  # what an interrupted run left goes with it
+            self._exchange(_FORGET, 10.0, fresh=True)  # what an interrupted run left goes with it
             self._unsynced = False
         try:
             return self._exchange(command, timeout)

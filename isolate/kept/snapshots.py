@@ -716,7 +716,13 @@ def _has_base(key: str) -> bool:
 def take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool = True,
          temporary: bool = False) -> Snapshot:
     """Capture a running native sandbox's files (see the module's docstring); ``temporary``: one isolate takes
-    for itself and removes (fork's start, merge's branches), swept if its maker is killed first."""
+    for itself and removes (fork's start, merge's branches), swept if its maker is killed first. A close or a
+    restore in another thread waits for it (Sandbox._steady)."""
+    with sb._steady("snapshot"):
+        return _take(sb, name, origin, areas, temporary)
+
+
+def _take(sb: Sandbox, name: str | None, origin: Snapshot | None, areas: bool, temporary: bool) -> Snapshot:
     from ..backends.native.datadir import open_base
     from ..backends.native.kept import NativeSandbox
     impl = sb._impl

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._core import lib
+from ..image.tarbound import BoundedTarInfo
 from ..kernel.links import DIR_FLAGS
 
 _CHUNK = 1 << 20
@@ -211,7 +212,7 @@ def unpack(conn: Any, archive: IO[bytes], areas: Sequence[str], host_paths: Sequ
     opened: dict[str, Area | None] = {}
     skipped: list[str] = []
     try:
-        with tarfile.open(fileobj=archive, mode="r:") as tar:
+        with tarfile.open(fileobj=archive, mode="r:", tarinfo=BoundedTarInfo) as tar:
             for member in tar:
                 found = None
                 for path in areas:

@@ -22,6 +22,7 @@ import stat
 import tarfile
 from collections.abc import Callable
 
+from ..image.tarbound import BoundedTarInfo
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 
@@ -91,7 +92,7 @@ def unpack_tree(data: bytes, into: str) -> None:
     """Unpack ``pack_tree``'s tar into the (new, empty) directory ``into`` (see the module's docstring)."""
     root_fd = os.open(into, DIR_FLAGS)
     try:
-        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:", tarinfo=BoundedTarInfo) as archive:
             for member in archive:
                 if not (member.isreg() or member.isdir() or member.issym()):
                     continue

@@ -197,8 +197,13 @@ def parse_record(data: object, expected_id: str) -> Record:
     # Not in the records of servers before them.
     optional = {"egress", "contexts", "commands", "entryCommand", "sessions", "endingShells",
                 "endingContexts"}
-    _need(known <= set(data) <= known | optional, "unknown or missing fields")
-    _need(data["version"] == 1, "unknown version")
+    _need(known <= set(data), f"fields missing: {', '.join(sorted(known - set(data)))[:200]}")
+    unknown = set(data) - known - optional
+    # A newer server's record (a downgrade): its sandbox is left as it is, for that server to serve.
+    _need(not unknown, f"fields unknown to this server, written by a newer isolate? "
+          f"({', '.join(sorted(map(str, unknown)))[:200]}); the sandbox is left as it is: serve it with that version")
+    _need(data["version"] == 1, f"version {str(data['version'])[:20]} unknown to this server (1), written by a "
+          "newer isolate? the sandbox is left as it is: serve it with that version")
     _need(data["id"] == expected_id and bool(SANDBOX_ID.fullmatch(expected_id)), "id does not match its file")
     image, entrypoint, metadata = data["image"], data["entrypoint"], data["metadata"]
     _need(isinstance(image, str) and len(image) <= 4096, "image")

@@ -153,16 +153,19 @@ def _start_box(state: ServerState, req: CreateRequest, opened: list[Opened], san
             raise ApiError(400, "UNSUPPORTED", "credentialProxy: this server places sandboxes on the nodes of a Ray "
                            "cluster (serve --ray), whose egress mediators it cannot reach to add credentials; serve "
                            "without --ray for a credential vault")
-        if snap is not None:
-            raise ApiError(400, "UNSUPPORTED", "snapshotId: this server places sandboxes on the nodes of a Ray "
-                           "cluster (serve --ray), and a snapshot is kept on one machine; serve without --ray "
-                           "to create sandboxes from snapshots")
         from ..image.registry import RegistryError
         from ..image.unpack import BadImageError
+        from ..ray import RemoteSnapshot
         from ..ray import Sandbox as ClusterSandbox  # serve --ray: the box lives on a node of the cluster
 
+        if snap is not None and not isinstance(snap, RemoteSnapshot):
+            raise ApiError(400, "UNSUPPORTED", f"snapshotId: snapshot {req.snapshot_id} was taken by a server of "
+                           "this machine without --ray, and is kept here, not on the cluster's nodes; create "
+                           "its sandbox through a server without --ray")
+
         try:
-            box = ClusterSandbox(req.policy, image_login=req.image_auth).start()
+            # From a snapshot: the node that holds it first, else another one fetches it (once, verified).
+            box = ClusterSandbox(req.policy, image_login=req.image_auth, snapshot=snap).start()
         except IsolationError as exc:
             # A node that could not pull the image says why (the registry's answer): the client's error, not
             # the server's, as on one machine (_ensure_image).

@@ -17,6 +17,12 @@ directory is on disk puts both descriptions back from its copies
 (isolate.server.snapkeep).
 The capture happens before the create call answers: a snapshot is listed
 ``Ready`` at once, or the call fails and nothing is kept.
+
+A server over a Ray cluster (``serve --ray``) takes a sandbox's snapshot on
+its node (``isolate.ray.RemoteSnapshot``); a sandbox created from it starts
+on any node (the node that holds it first; another one fetches it once,
+verified by its digest). Like that server's sandboxes, such snapshots live
+with the server process: it removes them from their nodes when it ends.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class SnapshotStore:
         #: Copies of the descriptions in the server's state directory, to outlive a reboot (isolate.server.snapkeep;
         #: None: a server without one).
         self.copies: Any = None
+        #: Snapshots kept on the nodes of a Ray cluster (serve --ray): id -> (description, RemoteSnapshot).
+        self._remote: dict[str, tuple[dict[str, Any], Any]] = {}
+        self._remote_lock = threading.Lock()  # not _lock: remove() holds that one while it calls get()
 
     def recover(self) -> list[str]:
         """At start: the descriptions a reboot took, put back from the copies, then what a killed server left
@@ -73,6 +82,10 @@ class SnapshotStore:
     def get(self, snapshot_id: str) -> dict[str, Any]:
         if not _ID.fullmatch(snapshot_id):
             raise _not_found(snapshot_id)
+        with self._remote_lock:
+            remote = self._remote.get(snapshot_id)
+        if remote is not None:
+            return remote[0]
         try:
             fd = os.open(os.path.join(self._dir(), f"{snapshot_id}.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd) as handle:
@@ -89,11 +102,18 @@ class SnapshotStore:
                     out.append(self.get(entry[:-5]))
                 except ApiError:
                     continue
+        with self._remote_lock:
+            out.extend(record for record, _ in self._remote.values())
         return sorted(out, key=lambda r: float(r["created"]))
 
-    def snapshot(self, snapshot_id: str) -> Snapshot:
-        """isolate's snapshot behind an API id (404 when either is gone)."""
+    def snapshot(self, snapshot_id: str) -> Any:
+        """isolate's snapshot behind an API id (404 when either is gone): a ``Snapshot``, or on a cluster an
+        ``isolate.ray.RemoteSnapshot``."""
         self.get(snapshot_id)
+        with self._remote_lock:
+            remote = self._remote.get(snapshot_id)
+        if remote is not None:
+            return remote[1]
         try:
             return Snapshot.get(snapshot_id)
         except IsolationError:
@@ -137,7 +157,31 @@ class SnapshotStore:
             os.unlink(marker)
         return record
 
+    def take_remote(self, box: Any, sandbox_id: str, image: str, name: str | None) -> dict[str, Any]:
+        """Capture ``box`` (an isolate.ray.Sandbox) on its node; the description stays in this process."""
+        snapshot_id = f"osb-snap-{secrets.token_hex(8)}"
+        snap = box.snapshot(snapshot_id)
+        record = {"id": snapshot_id, "sandboxId": sandbox_id, "name": name, "image": image,
+                  "created": snap.snapshot.created, "node": snap.node_id}
+        with self._remote_lock:
+            self._remote[snapshot_id] = (record, snap)
+        return record
+
+    def close_remote(self) -> None:
+        """At the server's end: its snapshots on the cluster's nodes go (no later server could name them)."""
+        with self._remote_lock:
+            remote, self._remote = list(self._remote.values()), {}
+        for _, snap in remote:
+            with contextlib.suppress(Exception):  # a node gone took its snapshots with it
+                snap.remove()
+
     def remove(self, snapshot_id: str) -> None:
+        with self._remote_lock:
+            remote = self._remote.pop(snapshot_id, None)
+        if remote is not None:
+            with contextlib.suppress(IsolationError):  # its node is gone, and the snapshot with it
+                remote[1].remove()
+            return
         with self._lock:
             self.get(snapshot_id)
             marker = self._mark(snapshot_id, "remove")
@@ -242,13 +286,11 @@ async def create_snapshot(request: Request) -> Response:
     name = body.get("name")
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME):
         raise bad_request(f"name: expected a text of 1 to {MAX_NAME} characters")
-    if state.cluster:
-        raise ApiError(400, "UNSUPPORTED", "this server places sandboxes on the nodes of a Ray cluster (serve --ray) "
-                       "and keeps snapshots on its own machine; serve without --ray to take snapshots")
     if managed.state != "Running":
         raise ApiError(409, "INVALID_STATE", f"sandbox {managed.id} is {managed.state}; a snapshot is taken of a "
                        "Running sandbox (resume it first)")
-    record = await run_in_threadpool(store.take, managed.box, managed.id, managed.image, name)
+    take = store.take_remote if state.cluster else store.take
+    record = await run_in_threadpool(take, managed.box, managed.id, managed.image, name)
     managed.event(f"snapshot {record['id']} taken" + (f" ({name!r})" if name else ""))
     return JSONResponse(snapshot_json(record), status_code=202,
                         headers={"Location": f"/v1/snapshots/{record['id']}"})

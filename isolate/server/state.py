@@ -828,6 +828,7 @@ class ServerState:
                 # its vault lost)
             except Exception:
                 pass
+        self.snapshots.close_remote()
         if self.snapshots.copies is not None:
             self.snapshots.copies.close()
         if self.keeper is not None:

@@ -13,6 +13,7 @@ an unexpected packet ends the conversation.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import fcntl
 import os
@@ -251,9 +252,9 @@ class Connection:
         # A timeout of 0 (a caller's poll said the socket is readable) is MSG_DONTWAIT: settimeout would
         # cost the socket's flags read and set twice per reply.
         dontwait = timeout == 0
-        if not dontwait:
-            self.sock.settimeout(timeout)
         try:
+            if not dontwait:
+                self.sock.settimeout(timeout)  # OSError (EBADF) once another thread's close ended the socket
             try:
                 data, ancdata, msg_flags, _ = self.sock.recvmsg(size, _FDS_SPACE,
                                                                 socket.MSG_DONTWAIT if dontwait else 0)
@@ -269,8 +270,9 @@ class Connection:
         except OSError as exc:
             raise ServerGone(f"the sandbox's exec server is gone ({exc.strerror})") from None
         finally:
-            if not dontwait:
-                self.sock.settimeout(None)
+            if not dontwait and self.sock.fileno() >= 0:  # a socket closed meanwhile has nothing to reset
+                with contextlib.suppress(OSError):
+                    self.sock.settimeout(None)
         fds: list[int] = []
         for level, kind, blob in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

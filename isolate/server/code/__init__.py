@@ -30,6 +30,7 @@ sandbox's exec server meanwhile, and is adopted by the next server
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 import threading
@@ -245,5 +246,41 @@ class KeptInterpreter:
         try:
             if pidfd >= 0:
                 end_with_descendants(pidfd, pid)
+            end_unreached(self._box, self._id)
         finally:
             self.detach()
+
+
+def end_unreached(box: Sandbox, context_id: str) -> int:
+    """End every process of the sandbox started as the kept driver of the context, or as its launcher, reached
+    through its socket or not; the number ended. A driver is reached through its socket in the sandbox's /tmp,
+    which any process of the sandbox may remove (a ``rm -rf /tmp/*``) or replace: a delete, or the restore of a
+    context its last server was starting or ending, then reached nothing and named the context no longer, and the
+    driver ran on, named by nothing, for good. (A server killed inside ``start_kept`` leaves no driver that does
+    not listen yet: the sandbox's exec server ends a command's whole tree, a driver in a session of its own
+    included, when its server goes.) They are found by their arguments (``--kept`` or ``--kept-driver``, then the
+    context's socket), which a process has from its exec on. What a process of the sandbox says there chooses at
+    most which other process of the sandbox (never its init) is ended: each is held by a pidfd, then checked to
+    be the one listed (its start time) and the sandbox's, and ended with what it started."""
+    place = python.socket_path(context_id)
+    ended = 0
+    for listed in box.processes():
+        try:
+            argv = listed.cmdline()
+        except psutil.Error:
+            continue
+        if not any(flag in ("--kept", "--kept-driver") and then == place for flag, then in itertools.pairwise(argv)):
+            continue
+        try:
+            fd = os.pidfd_open(listed.pid)
+        except OSError:
+            continue  # ended meanwhile (with a launcher ended before it, say)
+        try:
+            if listed.is_running() and of_sandbox(box, listed.pid) and alive(fd):
+                end_with_descendants(fd, listed.pid)
+                ended += 1
+        except psutil.Error:
+            pass
+        finally:
+            os.close(fd)
+    return ended

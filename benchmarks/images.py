@@ -12,9 +12,12 @@ same images: ``docker load`` / ``podman load`` of the same archives):
 - a pull from Debian's docker-registry on loopback (pushed with skopeo) of
   the Debian 12 + python3 image (tests/imagekit.py's, mmdebstrap; the busybox
   one in a quick run or where it cannot be built), into cold stores: its wall
-  time and the pulling process's peak RSS, against ``podman pull`` (a new
+  time and the pulling process's peak RSS (its children's too: it starts
+  none unless a credential helper is named), against ``podman pull`` (a new
   ``--root`` each), ``docker pull`` and ``skopeo copy`` of the same image,
-  where they answer (``--pull-only`` measures this alone);
+  where they answer (``--pull-only`` measures this alone; ``--pull-zstd``
+  adds the same image with its layer recompressed with zstd, at level 3 and
+  with a 128 MiB window as ``zstd --long=27`` makes it: the peak of each);
 - disk added by N kept sandboxes of the image (their writes aside): the store
   and the state directory before and after;
 - an eval-shaped run: 50 tasks over 10 images (each task starts a sandbox
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import random
@@ -288,6 +292,57 @@ def _pull_layout(tmp: str, debian: bool) -> tuple[str, str, str, str | None]:
     return os.path.join(tmp, "oci-pull"), "pull:1", "busybox:1", why
 
 
+#: The zstd variants ``--pull-zstd`` adds: (name, level, window log or None for the level's own).
+ZSTD_VARIANTS = (("zstd", 3, None), ("zstd-long", 3, 27))
+
+
+def _zstd_layout(layout: str, ref: str, tmp: str, level: int, window_log: int | None) -> str:
+    """A copy of the one-layer OCI layout ``layout`` whose layer is recompressed with zstd (streamed: never held
+    whole), under the same ref; the config (its diff id) is the same."""
+    import hashlib
+
+    import zstandard
+
+    with open(os.path.join(layout, "index.json")) as handle:
+        index = json.load(handle)
+    entry = next(m for m in index["manifests"] if m.get("annotations", {}).get("org.opencontainers.image.ref.name")
+                 == ref)
+    blobs = os.path.join(layout, "blobs", "sha256")
+    with open(os.path.join(blobs, entry["digest"].split(":")[1])) as handle:
+        manifest = json.load(handle)
+    (layer,) = manifest["layers"]
+    out = os.path.join(tmp, f"oci-zstd-{level}-{window_log}")
+    os.makedirs(os.path.join(out, "blobs", "sha256"))
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, **({"window_log": window_log, "enable_ldm": True} if window_log else {}))
+    packed = os.path.join(out, "layer")
+    sha = hashlib.sha256()
+    with open(os.path.join(blobs, layer["digest"].split(":")[1]), "rb") as raw, \
+            gzip.GzipFile(fileobj=raw) as source, open(packed, "wb") as target:
+        writer = zstandard.ZstdCompressor(compression_params=params).stream_writer(target, closefd=False)
+        while chunk := source.read(1 << 20):
+            writer.write(chunk)
+        writer.flush(zstandard.FLUSH_FRAME)
+    with open(packed, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    os.rename(packed, os.path.join(out, "blobs", "sha256", digest))
+    manifest["layers"] = [dict(layer, digest=f"sha256:{digest}", size=os.path.getsize(os.path.join(
+        out, "blobs", "sha256", digest)), mediaType="application/vnd.oci.image.layer.v1.tar+zstd")]
+    config = manifest["config"]["digest"].split(":")[1]
+    shutil.copyfile(os.path.join(blobs, config), os.path.join(out, "blobs", "sha256", config))
+    data = json.dumps(manifest).encode()
+    manifest_digest = hashlib.sha256(data).hexdigest()
+    with open(os.path.join(out, "blobs", "sha256", manifest_digest), "wb") as handle:
+        handle.write(data)
+    with open(os.path.join(out, "index.json"), "w") as handle:
+        json.dump({"schemaVersion": 2, "manifests": [dict(entry, digest=f"sha256:{manifest_digest}", size=len(data))]},
+                  handle)
+    shutil.copyfile(os.path.join(layout, "oci-layout"), os.path.join(out, "oci-layout"))
+    return out
+
+
 def _peer_pull(argv: list[str]) -> float | str:
     started = time.perf_counter()
     ran = subprocess.run(argv, capture_output=True, text=True, timeout=900)
@@ -297,69 +352,99 @@ def _peer_pull(argv: list[str]) -> float | str:
 
 
 def _pull(tmp: str, tools: list[str], log: Callable[[str], None], debian: bool = True,
-          rounds: int = PULL_ROUNDS) -> dict[str, Any]:
+          rounds: int = PULL_ROUNDS, zstd: bool = False) -> dict[str, Any]:
     """Pulls from Debian's docker-registry on loopback, every one into a cold store: isolate's (a new store
-    each, in a process of its own: its wall time and peak RSS), ``podman pull`` (a new --root each),
-    ``docker pull`` (the image removed after each) and ``skopeo copy`` to an OCI directory, interleaved,
-    ``rounds`` rounds; medians."""
+    each, in a process of its own: its wall time, its peak RSS and its children's), ``podman pull`` (a new
+    --root each), ``docker pull`` (the image removed after each) and ``skopeo copy`` to an OCI directory,
+    interleaved, ``rounds`` rounds; medians. ``zstd``: the same image with its layer recompressed
+    (ZSTD_VARIANTS) pulled by isolate and podman in the same rounds, under ``"zstd"`` and ``"zstd-long"``."""
     registry, skopeo = shutil.which("docker-registry"), shutil.which("skopeo")
     if not registry or not skopeo:
         return {"skipped": "docker-registry and skopeo are not installed"}
     kit = _kit()
     layout, ref, name, why = _pull_layout(tmp, debian)
+    variants = {"": layout}
+    if zstd:
+        for variant, level, window_log in ZSTD_VARIANTS:
+            variants[variant] = _zstd_layout(layout, ref, tmp, level, window_log)
     with kit.loopback_registry(tmp, registry) as address:
-        remote = f"{address}/bench/{name}"
-        kit.push(skopeo, f"{layout}:{ref}", remote, tmp, timeout=600)
-        log(f"images: pulls of {name} from the loopback registry, {rounds} rounds")
+        remotes = {variant: f"{address}/bench/{name}{'-' + variant if variant else ''}" for variant in variants}
+        for variant, path in variants.items():
+            # As made: without --preserve-digests skopeo pushes a blob the registry holds of the same diff id in
+            # place of the layer (its blob info cache knows the gzip one): the zstd variants were the gzip layer.
+            kit.push(skopeo, f"{path}:{ref}", remotes[variant], tmp, ["--preserve-digests"], timeout=600)
+        remote = remotes[""]
+        log(f"images: pulls of {name} ({', '.join(v or 'as built' for v in variants)}) from the loopback registry, "
+            f"{rounds} rounds")
+        # The process's own peak is its VmHWM: its ru_maxrss starts at this harness's peak (kept across the fork
+        # and exec), which a harness that recompressed a layer or ran sandboxes before holds (164 MiB here).
         code = ("import resource, sys, time; from isolate.image import Image, Store; t = time.perf_counter(); "
-                f"Image.pull({remote!r}, store=Store(sys.argv[1])); "
-                "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-        samples: dict[str, list[float]] = {"isolate": [], "skopeo": [], **{tool: [] for tool in tools}}
-        peaks: list[int] = []
+                "Image.pull(sys.argv[1], store=Store(sys.argv[2])); took = time.perf_counter() - t; "
+                "peak = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')); "
+                "print(took, peak, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        keys = ["isolate", "skopeo", *tools, *(f"{who}:{v}" for v in variants if v
+                                               for who in ("isolate", *(["podman"] if "podman" in tools else [])))]
+        samples: dict[str, list[float]] = {key: [] for key in keys}
+        peaks: dict[str, list[tuple[int, int]]] = {key: [] for key in keys if key.startswith("isolate")}
         failed: dict[str, str] = {}
         for _ in range(rounds):
             # Short: podman refuses a --runroot past 50 characters.
             cold = tempfile.mkdtemp(prefix="isolate-pull-", dir="/tmp")
-            runs: dict[str, list[str]] = {"skopeo": [skopeo, "copy", "--quiet", "--src-tls-verify=false",
-                                                     f"docker://{remote}", f"oci:{cold}/skopeo:x"]}
-            for tool in tools:  # podman: a store of its own, nothing of the image in it
-                runs[tool] = (["podman", "--root", f"{cold}/podman", "--runroot", f"{cold}/podman-run", "pull", "-q",
-                               "--tls-verify=false", remote] if tool == "podman" else [tool, "pull", "-q", remote])
-            order = ["isolate", *runs]
+            order = list(keys)
             random.shuffle(order)
-            for key in order:
-                if key == "isolate":
-                    done = subprocess.run([sys.executable, "-c", code, os.path.join(cold, "isolate")], check=True,
-                                          capture_output=True, text=True)
-                    seconds, peak = done.stdout.split()
+            for n, key in enumerate(order):
+                who, _, variant = key.partition(":")
+                if who == "isolate":
+                    done = subprocess.run([sys.executable, "-c", code, remotes[variant],
+                                           os.path.join(cold, f"isolate-{n}")], check=True, capture_output=True,
+                                          text=True)
+                    seconds, peak, children = done.stdout.split()
                     samples[key].append(float(seconds))
-                    peaks.append(int(peak))
+                    peaks[key].append((int(peak), int(children)))
                     continue
-                took = _peer_pull(runs[key])
+                if who == "skopeo":
+                    argv = [skopeo, "copy", "--quiet", "--src-tls-verify=false", f"docker://{remote}",
+                            f"oci:{cold}/skopeo:x"]
+                elif who == "podman":  # a store of its own, nothing of the image in it
+                    argv = ["podman", "--root", f"{cold}/podman{n}", "--runroot", f"{cold}/prun{n}", "pull", "-q",
+                            "--tls-verify=false", remotes[variant]]
+                else:
+                    argv = [who, "pull", "-q", remote]
+                took = _peer_pull(argv)
                 if isinstance(took, str):
                     failed[key] = took
                 else:
                     samples[key].append(took)
-                if key == "docker":
+                if who == "docker":
                     subprocess.run(["docker", "rmi", remote], capture_output=True, timeout=60)
-            if os.path.isdir(f"{cold}/podman"):
-                subprocess.run(["podman", "--root", f"{cold}/podman", "--runroot", f"{cold}/podman-run", "system",
-                                "reset", "-f"], capture_output=True, timeout=120)
+                if who == "podman":
+                    subprocess.run(["podman", "--root", f"{cold}/podman{n}", "--runroot", f"{cold}/prun{n}",
+                                    "system", "reset", "-f"], capture_output=True, timeout=120)
             shutil.rmtree(cold, ignore_errors=True)
         out: dict[str, Any] = {"image": name, "image_mb": round(_du(layout) / 1e6, 2), "rounds": rounds,
                                "isolate_s": round(statistics.median(samples["isolate"]), 3),
-                               "isolate_peak_rss_mib": round(max(peaks) / 1024, 1)}
+                               "isolate_peak_rss_mib": round(max(p for p, _ in peaks["isolate"]) / 1024, 1),
+                               "isolate_children_peak_rss_mib": round(max(c for _, c in peaks["isolate"]) / 1024, 1)}
         if why:
             out["why_not_debian"] = why
         for key, values in samples.items():
-            if key != "isolate" and values:
+            if key != "isolate" and ":" not in key and values:
                 out[f"{key}_s"] = round(statistics.median(values), 3)
                 out[f"isolate_over_{key}"] = round(out["isolate_s"] / out[f"{key}_s"], 3)
         for key, text in failed.items():
             out[f"{key}_failed"] = text
         if "podman_s" in out:
             out["goal_at_most_podman_met"] = out["isolate_s"] <= out["podman_s"]
-        out["goal_peak_rss_100mb_met"] = max(peaks) * 1024 <= 100e6
+        out["goal_peak_rss_100mb_met"] = max(p for p, _ in peaks["isolate"]) * 1024 <= 100e6
+        for variant in (v for v in variants if v):
+            one: dict[str, Any] = {"image_mb": round(_du(variants[variant]) / 1e6, 2),
+                                   "isolate_s": round(statistics.median(samples[f"isolate:{variant}"]), 3),
+                                   "isolate_peak_rss_mib": round(max(p for p, _ in peaks[f"isolate:{variant}"]) / 1024,
+                                                                 1)}
+            if samples.get(f"podman:{variant}"):
+                one["podman_s"] = round(statistics.median(samples[f"podman:{variant}"]), 3)
+                one["isolate_over_podman"] = round(one["isolate_s"] / one["podman_s"], 3)
+            out[variant] = one
         return out
 
 
@@ -370,12 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pull-only", action="store_true", help="measure the pulls alone (of the Debian image)")
     parser.add_argument("--pull-rounds", type=int, default=PULL_ROUNDS,
                         help="interleaved rounds of pulls (their medians; more where the host's load varies)")
+    parser.add_argument("--pull-zstd", action="store_true",
+                        help="with --pull-only: the image's layer recompressed with zstd too (level 3, and --long=27)")
     args = parser.parse_args(argv)
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="isolate-bench-images-", dir="/var/tmp") as tmp:
         if args.pull_only:
             tools, _skipped = engines(not args.no_docker)
-            results = {"pull": _pull(tmp, tools, log, rounds=args.pull_rounds)}
+            results = {"pull": _pull(tmp, tools, log, rounds=args.pull_rounds, zstd=args.pull_zstd)}
         else:
             results = measure(args.rounds, tmp, not args.no_docker, log=log)
     os.makedirs(RESULTS, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -192,6 +193,53 @@ def test_snapshots_and_forks_of_an_image_sandboxs_tmpfs_upper_are_refused_not_pa
             box.snapshot()
         with pytest.raises(isolate.UnsupportedError, match="image_upper='disk'"):
             box.fork()
+
+
+def test_an_images_root_is_read_from_the_store_once_while_its_record_and_layers_stay(
+        store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every kept sandbox a regular caller starts asks for its image (imageroot.caller_inside): each read the
+    # store's record again, and listed the layers' top levels (2-3 ms of a create + first exec as uid 65534).
+    from isolate.backends.native import imageroot
+
+    policy = isolate.Policy(image="entry:1", backend="native")
+    first = imageroot.load(policy)
+    reads: list[str] = []
+    record = Store.record
+    monkeypatch.setattr(Store, "record", lambda self, ref: reads.append(ref) or record(self, ref))
+    assert imageroot.load(policy) is first and imageroot.caller_inside(policy) == os.geteuid()
+    assert reads == []
+
+
+def test_a_name_loaded_again_is_the_new_image_in_the_next_sandbox(store: str, tmp_path: Path) -> None:
+    for number in (1, 2):
+        kit.oci_layout(str(tmp_path / f"v{number}"), [kit.busybox_layer(), kit.layer(
+            [{"name": "version", "data": f"{number}\n".encode()}])], ref="again:1", Env=["PATH=/bin"])
+        Image.load(tmp_path / f"v{number}", store=Store(store))
+        with isolate.Sandbox(policy=isolate.Policy(image="again:1", backend="native")) as box:
+            assert box.exec(["cat", "/version"], text=True).stdout == f"{number}\n"
+
+
+def test_owners_a_regular_users_store_does_not_keep_are_said_by_the_sandbox_and_inspect(
+        store: str, tmp_path: Path) -> None:
+    app = {"uid": "1000", "gid": "1000"}
+    _load(tmp_path, "owned:1", [{"name": "etc", "type": "dir"},
+                                {"name": "etc/secret", "data": b"root's\n", "mode": 0o600},
+                                {"name": "app", "type": "dir", "pax": app},
+                                {"name": "app/note", "data": b"app's\n", "mode": 0o600, "pax": app}])
+    result = run(store, ["sh", "-c", "stat -c '%u %a' /app/note /etc/secret; cat /app/note /etc/secret"],
+                 image="owned:1")
+    said = result.report.enforced.get("image_owners")
+    inspected = json.loads(subprocess.run([ISOLATE_RUN, "image", "inspect", "owned:1"], capture_output=True,
+                                          text=True, timeout=60, check=True).stdout)["owners"]
+    if os.geteuid() == 0:  # kept (uid 1000 unmapped inside: the overflow id); the program, 65534, reads neither
+        assert said is None and inspected == {"kept": True, "other_than_root": {"1000:1000": 2}}
+        assert result.stdout.splitlines()[:2] == ["65534 600", "0 600"], result.stderr
+        assert "Permission denied" in result.stderr
+    else:  # every file is the caller's, and the program is the caller: it reads both, and it is said
+        me = os.geteuid()
+        assert inspected == {"kept": False, "other_than_root": {"1000:1000": 2}}
+        assert result.stdout.splitlines() == [f"{me} 600", f"{me} 600", "app's", "root's"], result.stderr
+        assert said is not None and "not kept" in said and "1000:1000 x2" in said and f"uid {me}'s" in said
 
 
 def test_an_image_naming_one_layer_twice_runs_as_docker_stacks_it(store: str, tmp_path: Path) -> None:

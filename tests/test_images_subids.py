@@ -153,6 +153,8 @@ def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
     assert owner == "0"
     enforced = result["report"]["enforced"]
     assert enforced["image_user"] == "www-data"
+    # ... and the report says so (its owner, www-data, is not kept: www-data cannot write it here).
+    assert "33:0 x1" in enforced["image_owners"] and "root's: the program (uid 33)" in enforced["image_owners"]
     assert result["doctor"] == [True, "an image's User runs as that user: " + enforced["id_map"]]
     assert result["kept"] == "33\n"  # a kept sandbox's exec server takes the caller, root inside, as its peer
     # An upper layer on disk would hold files of a subordinate id: refused (the caller could not remove them).
@@ -172,6 +174,8 @@ def test_without_a_range_the_caller_runs_as_itself_and_the_report_says_why() -> 
     note = result["report"]["enforced"]["image_user"]
     assert not result["doctor"][0] and "no usable range in /etc/subuid and /etc/subgid" in result["doctor"][1]
     assert "not applied: the program runs as uid 39" in note and "/etc/subuid" in note and "usermod" in note
+    owners = result["report"]["enforced"]["image_owners"]
+    assert "33:0 x1" in owners and "uid 39's, the program's own" in owners
 
 
 @needs_root

@@ -209,6 +209,20 @@ def test_a_name_too_deep_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
     assert os.listdir(os.path.join(store.path, "tmp")) == []
 
 
+def test_a_layers_owners_other_than_root_are_counted_by_id_and_bounded(tmp_path: Path) -> None:
+    # An archive may give each entry another owner: the index names OWNERS of them, and counts the rest together.
+    many = unpacking.OWNERS + 4
+    layer = kit.layer([{"name": "root-owned"}, {"name": "group-only", "pax": {"gid": "7"}},
+                       *({"name": f"f{n}", "pax": {"uid": str(1000 + n), "gid": "1000"}} for n in range(many))])
+    store = Store(tmp_path / "store")
+    (tmp_path / "blob").write_bytes(layer)
+    index = store.ensure_layer(kit.digest(layer), lambda: open(tmp_path / "blob", "rb"), diff_id=None, what="layer")
+    assert index.owners is not None and len(index.owners) == unpacking.OWNERS + 1
+    assert index.owners["0:7"] == 1 and index.owners["other"] == many + 1 - unpacking.OWNERS
+    assert store.layer_owners(kit.digest(layer)) == index.owners
+    assert store.layer_index(kit.digest(layer)).owners == index.owners
+
+
 def test_a_layer_whose_names_together_pass_their_bound_is_refused(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Each name is held in memory while the layer unpacks (its index): deep names compress well, and a 100 MB blob

@@ -355,6 +355,19 @@ class Image:
         ``docker builder prune -a``; what a running sandbox or build stands on stays. ``stats``: what went."""
         return (store or Store()).prune(build_cache, stats)
 
+    def foreign_owners(self) -> dict[str, int] | None:
+        """The entries of the image's layers their archives give other owners than root, by "UID:GID"; None
+        where a layer does not say (unpacked by an earlier isolate). A regular user's store keeps none of them
+        (``store.owners_kept``): there every file is that user's."""
+        total: dict[str, int] = {}
+        for digest in dict.fromkeys(self.layers):
+            found = self.store.layer_owners(digest)
+            if found is None:
+                return None
+            for key, count in found.items():
+                total[key] = total.get(key, 0) + count
+        return total
+
     def lower_dirs(self) -> builtins.list[str]:
         """The layers' directories, topmost first (overlayfs's lowerdir order). A layer the image names twice
         (buildkit's empty layer often is) is laid once, where it is topmost: overlayfs refuses one directory twice

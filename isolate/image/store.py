@@ -6,8 +6,10 @@ Layout (``Store.path``: ``--image-store DIR``, ``$ISOLATE_IMAGE_STORE``, else
 - ``blobs/sha256/HEX``: manifests and configs, each verified against its
   digest before it is written, and again when read;
 - ``layers/HEX/root``: a layer unpacked (isolate/image/unpack.py), HEX its
-  blob's digest; ``layers/HEX/index.json`` what it holds. A layer two images
-  share is unpacked once;
+  blob's digest; ``layers/HEX/index.json`` what it holds, and
+  ``layers/HEX/owners.json`` the owners other than root its archive gives
+  (kept on disk in a root's store only). A layer two images share is
+  unpacked once;
 - ``images/KEY.json``: an image: its reference, manifest digest, config and
   layers (KEY: the hash of the reference);
 - ``locks/``: a lock file per digest (concurrent pulls of one layer, from
@@ -40,9 +42,10 @@ from typing import IO, Any
 
 from ..model.errors import IsolationError
 from . import budget, leases
-from .unpack import BadImageError, LayerIndex, remove_tree, unpack
+from .unpack import BadImageError, LayerIndex, owners_of, remove_tree, unpack
 
 STORE_ENV = "ISOLATE_IMAGE_STORE"
+OWNERS_FILE = "owners.json"
 #: The default bound on an image's unpacked bytes (and on each layer's decompressed stream).
 DEFAULT_MAX_IMAGE_SIZE = 16 << 30
 #: A manifest, an index or a config past this is refused, never parsed.
@@ -246,12 +249,29 @@ class Store:
                                         f"{diff_id}: refused, nothing kept")
                 with open(os.path.join(work, "index.json"), "w", encoding="utf-8") as handle:
                     json.dump(unpacked.index.to_json(), handle)
+                with open(os.path.join(work, OWNERS_FILE), "w", encoding="utf-8") as handle:
+                    json.dump({"owners": unpacked.index.owners}, handle)  # read alone, without the index
                 os.chmod(work, 0o755)
                 os.rename(work, self.layer_dir(digest))
             except BaseException:
                 remove_tree(work)
                 raise
             return unpacked.index
+
+    def layer_owners(self, digest: str) -> dict[str, int] | None:
+        """The entries of a layer the archive gave other owners than root, by "UID:GID" (LayerIndex.owners);
+        None where the layer does not say (unpacked by an earlier isolate)."""
+        try:
+            with open(os.path.join(self.layer_dir(digest), OWNERS_FILE), encoding="utf-8") as handle:
+                return owners_of(json.load(handle))
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def owners_kept(self) -> bool:
+        """Whether the layers' files keep the owners their archives give (a root's store), or are all its user's."""
+        self._ensure()
+        return os.stat(self.path).st_uid == 0
 
     def layer_index(self, digest: str) -> LayerIndex:
         with open(os.path.join(self.layer_dir(digest), "index.json"), encoding="utf-8") as handle:

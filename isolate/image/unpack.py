@@ -23,7 +23,9 @@ mounted with ``userxattr``). Set-id bits are dropped: no copy of a set-id
 file lies on the host (and the sandbox's root is mounted nosuid, where they
 would do nothing anyway). Other extended attributes are not applied.
 Owners are kept for a root caller (the sandbox maps root, and the program's
-own uid); a regular user's store holds that user's files only.
+own uid); a regular user's store holds that user's files only, and the
+layer's index counts the entries the archive gave other owners than root
+(``owners``: what a sandbox and ``image inspect`` say of them).
 
 The work is shared out among threads: one decompresses the stream (with
 ISA-L where the module isal is installed), one parses its tar headers and
@@ -97,15 +99,38 @@ class LayerIndex:
     whiteouts: list[str] = field(default_factory=list)
     opaque: list[str] = field(default_factory=list)
     size: int = 0
+    #: Entries the archive gives another owner than root, by "UID:GID" (at most OWNERS ids, the rest counted
+    #: under "other"): kept on disk for a root caller only. None: not known (a layer of an earlier isolate).
+    owners: dict[str, int] | None = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"links": self.links, "others": self.others, "dirs": self.dirs, "whiteouts": self.whiteouts,
-                "opaque": self.opaque, "size": self.size}
+                "opaque": self.opaque, "size": self.size, "owners": self.owners}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LayerIndex:
         return cls(list(data["links"]), list(data["others"]), list(data["dirs"]), list(data["whiteouts"]),
-                   list(data["opaque"]), int(data["size"]))
+                   list(data["opaque"]), int(data["size"]), owners_of(data))
+
+    def own(self, member: tarfile.TarInfo) -> None:
+        """Count ``member``'s owner when it is not root."""
+        if (member.uid or member.gid) and self.owners is not None:
+            key = f"{member.uid}:{member.gid}"
+            if key not in self.owners and len(self.owners) >= OWNERS:
+                key = "other"
+            self.owners[key] = self.owners.get(key, 0) + 1
+
+
+#: Distinct owners a layer's index names at most (an archive may give each entry another).
+OWNERS = 16
+
+
+def owners_of(data: Any) -> dict[str, int] | None:
+    """The ``owners`` of a layer's index (or of its owners.json), None where it does not say."""
+    found = data.get("owners") if isinstance(data, dict) else None
+    if not isinstance(found, dict):
+        return None
+    return {str(k): int(v) for k, v in found.items() if isinstance(v, int)}
 
 
 class _Counting(io.RawIOBase):
@@ -538,6 +563,7 @@ class _Unpacker:
         if base.startswith(WHITEOUT_PREFIX):
             self.whiteout(rel, base, member)
             return
+        self.index.own(member)
         if member.issym():
             if "\0" in member.linkname:
                 raise self.refuse(member.name, "is a link with a NUL byte")

@@ -17,6 +17,8 @@ host's root is still at /oldroot).
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,15 +56,57 @@ def store_path() -> str:
     return os.path.realpath(os.path.abspath(explicit) if explicit else os.path.join(state_dir(), "images"))
 
 
+#: Images loaded, by store and name: each taken again while its record and layer directories are the inodes
+#: they were (a pull or load under the name writes a new record; a prune removes layer directories). Every
+#: sandbox start of a regular caller asks for its image (caller_inside), and a plan made anew does too: each
+#: read the store's record, parsed the name, and listed the layers' top levels again.
+_LOADED: OrderedDict[tuple[str, str], tuple[tuple[tuple[int, int, int], ...], ImageRoot]] = OrderedDict()
+_LOADED_SIZE = 32
+_LOADED_LOCK = threading.Lock()
+
+
+def _stamp(paths: list[str]) -> tuple[tuple[int, int, int], ...] | None:
+    """Each path's device, inode and change time (None once one is gone)."""
+    found = []
+    for path in paths:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        found.append((info.st_dev, info.st_ino, info.st_ctime_ns))
+    return tuple(found)
+
+
 def load(policy: Policy) -> ImageRoot:
+    """The policy's image, from the store (ISOLATE_IMAGE_STORE's or the caller's): the last one loaded for the
+    same store and name while its record and layers are the ones it was made of."""
     assert policy.image is not None
+    key = (store_path(), policy.image)
+    with _LOADED_LOCK:
+        cached = _LOADED.get(key)
+    if cached is not None and _stamp(cached[1].stamps) == cached[0]:
+        with _LOADED_LOCK:
+            if key in _LOADED:
+                _LOADED.move_to_end(key)
+        return cached[1]
     image = Image.get(policy.image)
     lowers = image.lower_dirs()
     if not lowers:
         raise UnsupportedError(f"image {image.reference}: it has no layers")
     record = image.store._record_path(image.reference)
-    return ImageRoot(image, lowers, view.top_level(lowers), image.config.environment(),
-                     stamps=[record, *(os.path.dirname(d) for d in lowers)])
+    stamps = [record, *(os.path.dirname(d) for d in lowers)]
+    stamp = _stamp(stamps)
+    root = ImageRoot(image, lowers, view.top_level(lowers), image.config.environment(), stamps=stamps)
+    # Kept only when the record read again after the stamp is still this image (one replaced between the
+    # first read and the stamp would pair the new record's stamp with the old image).
+    again = Image.find(policy.image)
+    if stamp is not None and again is not None and (again.digest, again.layers) == (image.digest, image.layers):
+        with _LOADED_LOCK:
+            _LOADED[key] = (stamp, root)
+            _LOADED.move_to_end(key)
+            while len(_LOADED) > _LOADED_SIZE:
+                _LOADED.popitem(last=False)
+    return root
 
 
 def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller: bool,
@@ -100,6 +144,26 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
         return uid, gid, None
     enforced["image_user"] = user
     return found_uid[0], new_gid, ranges
+
+
+def owners_note(root: ImageRoot, program_uid: int, ranges: SubIds | None) -> str | None:
+    """What a regular caller's sandbox shows of the owners the image gives its files (its store keeps none: every
+    file is the caller's), where the image gives some other than root; None where it gives none or the store
+    keeps them (a root's)."""
+    if root.image.store.owners_kept:
+        return None
+    others = root.image.foreign_owners()
+    if others == {}:
+        return None
+    given = "owners the image gives other than root are not known (layers of an earlier isolate)" if others is None \
+        else (f"{sum(others.values())} entries of the image belong to other owners than root ("
+              + ", ".join(f"{key} x{count}" for key, count in sorted(others.items(), key=lambda kv: -kv[1])[:4])
+              + (", ..." if len(others) > 4 else "") + ")")
+    shown = (f"root's: the program (uid {program_uid}) reads and writes only what their modes let others, its "
+             "own user's files of the image too" if ranges is not None else
+             f"uid {program_uid}'s, the program's own: it may read and write them all, whatever their modes")
+    return (f"not kept (a regular user's store holds that user's files only): {given}; in this sandbox every file "
+            f"of the image is {shown}")
 
 
 def caller_inside(policy: Policy) -> int:

@@ -238,6 +238,9 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     if image_root is not None:
         program_uid, program_gid, ranges = imageroot.program_ids(image_root, policy, program_uid, program_gid,
                                                                  root_caller, enforced, not for_preexec)
+        owners = None if root_caller else imageroot.owners_note(image_root, program_uid, ranges)
+        if owners is not None:
+            enforced["image_owners"] = owners
 
     # -- namespaces and ids ------------------------------------------------
     # Egress by name is the namespace's own loopback, plus the mediator's listeners on it.

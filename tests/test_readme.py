@@ -96,3 +96,10 @@ def test_quick_start_sandboxed_command_runs(workdir: str) -> None:
     lines = result.stdout.split()
     assert "denied" in lines and "usr" in lines and "uid=" in result.stdout
     assert "root" not in lines and "boot" not in lines
+
+
+@pytest.mark.parametrize("rel", sorted(PAGES))
+def test_no_page_keeps_a_merge_conflict(rel: str) -> None:
+    # Before: docs/threat-model.md kept a merge's conflict markers (and both sides) for a whole stop.
+    markers = [line for line in PAGES[rel].splitlines() if re.fullmatch(r"(<{7}|>{7})( .*)?|={7}", line)]
+    assert not markers, f"{rel}: merge conflict markers {markers[:3]}"

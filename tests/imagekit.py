@@ -293,7 +293,10 @@ def push(skopeo: str, layout: str, destination: str, work: str, extra: Sequence[
     """skopeo copy of an OCI layout's image (``path:ref``) to ``docker://destination`` over plain HTTP. skopeo
     keeps nothing of the caller's and reads no auth file of the host's (a root podman's /run/containers is
     0700: uid 65534's default there is unreadable)."""
-    subprocess.run([skopeo, "copy", "--quiet", *extra, "--dest-tls-verify=false", f"oci:{layout}",
+    # --preserve-digests: the blobs as the layout has them. Else skopeo may push, from its blob info cache
+    # (root's is machine-wide), another compression of a layer it saw before, and a test of zstd or
+    # uncompressed layers silently get gzip ones.
+    subprocess.run([skopeo, "copy", "--quiet", "--preserve-digests", *extra, "--dest-tls-verify=false", f"oci:{layout}",
                     f"docker://{destination}"], check=True, capture_output=True, timeout=timeout,
                    env=dict(os.environ, HOME=work, REGISTRY_AUTH_FILE=os.path.join(work, "auth.json")))
 

@@ -52,14 +52,11 @@ class _Pool:
         return fd
 
     def _maker(self) -> None:
-        # One thread for the process's life, at the lowest priority: it makes a namespace when the pool is
-        # short and the machine has time left over, never in a run's way. iso_make_netns moves the calling
-        # thread (cffi lets go of the GIL meanwhile); a thread that could not come back (-2) ends here, in
-        # the namespace it made, which no one is given.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
+        # One thread for the process's life, at the caller's priority (a lower one would hold the kernel's
+        # network locks while preempted, in the way of every other namespace made meanwhile; measured, it
+        # paid no more: docs/benchmarks.md). iso_make_netns moves the calling thread (cffi lets go of the GIL
+        # meanwhile); a thread that could not come back (-2) ends here, in the namespace it made, which no one
+        # is given.
         pid = os.getpid()
         while True:
             with self._lock:

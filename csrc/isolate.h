@@ -219,7 +219,8 @@ struct iso_plan {
     int32_t why_stream_fd;
     /* A network namespace made ahead of the run (iso_make_netns), > 2, or 0
      * for none: the parent joins it around the clone, whose flags then lack
-     * CLONE_NEWNET, so that the sandbox is born in it. */
+     * CLONE_NEWNET, so that the sandbox is born in it (one that cannot be
+     * joined: the clone makes one, as with CLONE_NEWNET). */
     int32_t netns_fd;
 };
 

@@ -152,22 +152,47 @@ def test_network_none_namespace_made_ahead_serves_one_sandbox(workdir: str) -> N
 
     host = os.readlink("/proc/self/ns/net")
     run_out(workdir, ["true"], network="none")  # the pool fills meanwhile
-    seen = []
-    for _ in range(6):
-        deadline = time.monotonic() + 10
-        while not netns._POOL._ready and time.monotonic() < deadline:
-            time.sleep(0.01)
-        result = run_out(workdir, py(NETNS_VIEW), network="none")
-        assert result.returncode == 0, result.stderr
-        name, owner, up, names = result.stdout.split(maxsplit=3)
-        assert owner == "1" and up == "0" and names.strip() == "['lo']", result.stdout  # EPERM, down
-        seen.append(name)
+    # All alive at once (a namespace's number is reused once it is gone): each its own.
+    stay = NETNS_VIEW + "import sys\nsys.stdout.flush()\nsys.stdin.read()\n"
+    seen, running = [], []
+    try:
+        for _ in range(5):
+            deadline = time.monotonic() + 10
+            while not netns._POOL._ready and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc = isolate.Popen(py(stay), policy=policy(write=[workdir], network="none"), cwd=workdir,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            running.append(proc)
+            assert proc.stdout is not None
+            name, owner, up, names = proc.stdout.readline().split(maxsplit=3)
+            assert owner == "1" and up == "0" and names.strip() == "['lo']", (owner, up, names)  # EPERM, down
+            seen.append(name)
+    finally:
+        for proc in running:
+            proc.communicate()
+    assert all(proc.returncode == 0 for proc in running)
     assert len(set(seen)) == len(seen) and host not in seen, seen
     for task in os.listdir("/proc/self/task"):
         assert os.readlink(f"/proc/self/task/{task}/ns/net") == host
     # loopback and egress make their own (the child brings lo up): owned by the sandbox, lo up
     name, owner, up, _ = run_out(workdir, py(NETNS_VIEW), network="loopback").stdout.split(maxsplit=3)
-    assert owner == "own" and up == "1" and name not in seen
+    assert owner == "own" and up == "1" and name != host
+
+
+def test_a_namespace_that_cannot_be_joined_is_made_by_the_clone(workdir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handed something that is no network namespace, the run still gets an empty one of its own."""
+    from isolate.kernel import netns
+
+    null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        monkeypatch.setattr(netns, "take", lambda: os.dup(null))
+        result = run_out(workdir, py(NETNS_VIEW), network="none")
+    finally:
+        os.close(null)
+    assert result.returncode == 0, result.stderr
+    name, owner, up, names = result.stdout.split(maxsplit=3)
+    assert (owner, up, names.strip()) == ("own", "0", "['lo']") and name != os.readlink("/proc/self/ns/net")
 
 
 def test_namespaces_made_ahead_are_not_a_forked_childs() -> None:

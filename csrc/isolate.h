@@ -217,6 +217,11 @@ struct iso_plan {
      * (struct iso_why_event), for a kept sandbox's per-command reports;
      * -1 for none. */
     int32_t why_stream_fd;
+    /* A network namespace made ahead of the run (iso_make_netns), > 2, or 0
+     * for none: the parent joins it around the clone, whose flags then lack
+     * CLONE_NEWNET, so that the sandbox is born in it (one that cannot be
+     * joined: the clone makes one, as with CLONE_NEWNET). */
+    int32_t netns_fd;
 };
 
 /* What the init reports when the program ended: wait status, why, denials. */
@@ -463,6 +468,12 @@ int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid);
 /* The same with the map "inside_uid outside_uid 1" (and gids): an idmapped
  * mount made with it shows inside_uid's files as outside_uid's. */
 int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t outside_uid, uint32_t outside_gid);
+
+/* A fresh network namespace (only "lo", down), made in the calling thread,
+ * which then goes back to the one it was in; returns its fd, or -1 (errno
+ * set: it needs CAP_SYS_ADMIN), or -2 when the thread could not go back
+ * (it is left in the new namespace: use it for nothing else). */
+int iso_make_netns(void);
 
 /* A detached recursive clone of path with the idmap of userns_fd applied;
  * returns a mount fd or -1 (errno set). */

@@ -324,8 +324,34 @@ int iso_spawn(const struct iso_plan *plan, struct iso_failure *failure)
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    int pid = clone(first_main, mem + size, CLONE_VM | plan->clone_flags | SIGCHLD, ctx);
+    /* A network namespace made ahead of the run (iso_make_netns): this
+     * thread joins it for the clone, so that the child is born in it, and
+     * goes back at once (the plan's flags lack CLONE_NEWNET then).  If it
+     * cannot be joined, the clone makes one, as without it. */
+    int flags = plan->clone_flags, netns_back = -1;
+    if (plan->netns_fd > 0 && !(flags & CLONE_NEWNET)) {
+        netns_back = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+        if (netns_back >= 0 && setns(plan->netns_fd, CLONE_NEWNET) < 0) {
+            close(netns_back);
+            netns_back = -1;
+        }
+        if (netns_back < 0)
+            flags |= CLONE_NEWNET;
+    }
+    int pid = clone(first_main, mem + size, CLONE_VM | flags | SIGCHLD, ctx);
     int clone_errno = errno;
+    if (netns_back >= 0) {
+        if (setns(netns_back, CLONE_NEWNET) < 0 && pid >= 0) {
+            /* This thread is left in the sandbox's namespace, which has no
+             * way out: the run fails, and so will this thread's sockets. */
+            clone_errno = errno;
+            kill(pid, SIGKILL);
+            while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+                ;
+            pid = -1;
+        }
+        close(netns_back);
+    }
     close(err_pipe[1]);
     close(sync_pipe[0]);
     if (ctx->parent_pidfd >= 0)

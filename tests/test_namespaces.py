@@ -132,6 +132,80 @@ def test_network_none_has_nothing(workdir: str) -> None:
     assert "connected" not in out and ("bind" in out or "connect" in out), out
 
 
+NETNS_VIEW = (
+    "import fcntl, os, socket, struct\n"
+    "fd = os.open('/proc/self/ns/net', os.O_RDONLY)\n"
+    "try:\n    os.close(fcntl.ioctl(fd, 0xb701)); owner = 'own'\n"  # NS_GET_USERNS
+    "except OSError as e:\n    owner = e.errno\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "flags = struct.unpack_from('H', fcntl.ioctl(s, 0x8913, struct.pack('16s16x', b'lo')), 16)[0]\n"  # SIOCGIFFLAGS
+    "print(os.readlink('/proc/self/ns/net'), owner, flags & 1, [n for _, n in socket.if_nameindex()])\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root caller makes network namespaces ahead (kernel/netns.py)")
+def test_network_none_namespace_made_ahead_serves_one_sandbox(workdir: str) -> None:
+    """A root caller's runs with network "none" are born in namespaces its own thread made ahead: a new one
+    for each run, empty (only lo, down), owned by the caller's user namespace (NS_GET_USERNS: EPERM inside,
+    where a namespace the clone made would be the sandbox's own), and the caller's threads stay in theirs."""
+    from isolate.kernel import netns
+
+    host = os.readlink("/proc/self/ns/net")
+    run_out(workdir, ["true"], network="none")  # the pool fills meanwhile
+    # All alive at once (a namespace's number is reused once it is gone): each its own.
+    stay = NETNS_VIEW + "import sys\nsys.stdout.flush()\nsys.stdin.read()\n"
+    seen, running = [], []
+    try:
+        for _ in range(5):
+            deadline = time.monotonic() + 10
+            while not netns._POOL._ready and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc = isolate.Popen(py(stay), policy=policy(write=[workdir], network="none"), cwd=workdir,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            running.append(proc)
+            assert proc.stdout is not None
+            name, owner, up, names = proc.stdout.readline().split(maxsplit=3)
+            assert owner == "1" and up == "0" and names.strip() == "['lo']", (owner, up, names)  # EPERM, down
+            seen.append(name)
+    finally:
+        for proc in running:
+            proc.communicate()
+    assert all(proc.returncode == 0 for proc in running)
+    assert len(set(seen)) == len(seen) and host not in seen, seen
+    for task in os.listdir("/proc/self/task"):
+        assert os.readlink(f"/proc/self/task/{task}/ns/net") == host
+    # loopback and egress make their own (the child brings lo up): owned by the sandbox, lo up
+    name, owner, up, _ = run_out(workdir, py(NETNS_VIEW), network="loopback").stdout.split(maxsplit=3)
+    assert owner == "own" and up == "1" and name != host
+
+
+def test_a_namespace_that_cannot_be_joined_is_made_by_the_clone(workdir: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handed something that is no network namespace, the run still gets an empty one of its own."""
+    from isolate.kernel import netns
+
+    null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        monkeypatch.setattr(netns, "take", lambda: os.dup(null))
+        result = run_out(workdir, py(NETNS_VIEW), network="none")
+    finally:
+        os.close(null)
+    assert result.returncode == 0, result.stderr
+    name, owner, up, names = result.stdout.split(maxsplit=3)
+    assert (owner, up, names.strip()) == ("own", "0", "['lo']") and name != os.readlink("/proc/self/ns/net")
+
+
+def test_namespaces_made_ahead_are_not_a_forked_childs() -> None:
+    """A forked child never hands out its parent's namespaces: its pool starts empty."""
+    from isolate.kernel import netns
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not netns._POOL._ready and netns._POOL._pid == os.getpid() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_loopback_talks_to_itself(workdir: str) -> None:
     code = (
         "import socket\nsrv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._core import ffi, lib, step_name
-from ...kernel import hostinfo, landlock, mounts
+from ...kernel import hostinfo, landlock, mounts, netns
 from ...kernel.hostinfo import userns_error
 from ...model.errors import (
     CommandNotExecutableError,
@@ -40,7 +40,7 @@ from .common import _close_all, _Refusals, _Static
 from .environment import DEFAULT_PATH, check_command, program_environment, reduced_path
 from .imageroot import image_refusal
 from .limits import _cgroup_needs, _cgroup_refusal, _prepare_cgroup
-from .static import _build_static
+from .static import CLONE_NEWNET, _build_static
 from .writes import _idmap_userns
 
 
@@ -448,9 +448,17 @@ def spawn(prepared: Prepared, args: Sequence[str]) -> int:
             prepared.close_host_side()
             raise
     with starting:
+        plan = prepared.plan
+        netns_fd = (netns.take() if plan.clone_flags & CLONE_NEWNET and not plan.loopback_up and plan.egress_fd < 0
+                    and not plan.netns_fd else -1)
+        if netns_fd >= 0:  # an empty network namespace made ahead: the sandbox is born in it (kernel/netns.py)
+            plan.netns_fd, plan.clone_flags = netns_fd, plan.clone_flags & ~CLONE_NEWNET
         try:
-            pid = lib.iso_spawn(prepared.plan, failure)
+            pid = lib.iso_spawn(plan, failure)
         finally:
+            if netns_fd >= 0:
+                plan.netns_fd, plan.clone_flags = 0, plan.clone_flags | CLONE_NEWNET
+                os.close(netns_fd)
             prepared.close_child_side()
         if pid >= 0 and prepared.image_store is not None:
             from ...image import leases

@@ -514,11 +514,22 @@ class DockerKept:
             return []
 
     def pause(self) -> str:
+        import docker.errors as docker_errors
+
         from . import client
         from .engine import _engine_errors
 
         with _engine_errors(f"pause the container of sandbox {self.box_name!r}"):
-            client().api.pause(self.container_id)
+            for attempt in range(3):
+                try:
+                    client().api.pause(self.container_id)
+                    break
+                except docker_errors.APIError as exc:
+                    # runc gives up a freeze that its processes did not all reach in its time (a busy host, a
+                    # process forking): it thawed them, and a next try usually freezes them.
+                    if attempt == 2 or "unable to freeze" not in str(exc):
+                        raise
+                    time.sleep(0.2)
         self.paused = self.frozen = True
         return "cgroup-freezer"
 

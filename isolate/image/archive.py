@@ -90,13 +90,26 @@ class _Source:
     def __init__(self, path: str) -> None:
         self.path = path
         self.tar: tarfile.TarFile | None = None
+        self._handle: IO[bytes] | None = None
         self.members: dict[str, tarfile.TarInfo] = {}
         if os.path.isdir(path):
             return
+        # Opened without blocking (a FIFO waited for a writer for ever) and only if it is a regular file.
         try:
-            self.tar = tarfile.open(path, "r:*")
-        except (OSError, tarfile.TarError) as exc:
-            raise IsolationError(f"{path}: not an image archive nor an OCI layout directory ({exc})") from None
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise IsolationError(f"{path!r}: cannot open it: {exc.strerror}") from None
+        self._handle = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            self._handle.close()
+            raise IsolationError(f"{path}: neither an image archive (a file) nor an OCI layout directory")
+        os.set_blocking(fd, True)
+        try:
+            self.tar = tarfile.open(fileobj=self._handle, mode="r:*")
+        except (OSError, tarfile.TarError):  # its message lists each compression tried, one line each
+            self._handle.close()
+            raise IsolationError(f"{path}: not an image archive (a tar, compressed or not) nor an OCI layout "
+                                 "directory") from None
         for member in self.tar:
             name = entry_name(member.name, path)
             if member.isreg():
@@ -142,6 +155,8 @@ class _Source:
     def close(self) -> None:
         if self.tar is not None:
             self.tar.close()
+        if self._handle is not None:
+            self._handle.close()
 
 
 def blob_name(digest: str) -> str:

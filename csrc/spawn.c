@@ -66,7 +66,9 @@ void iso_report(int fd, int step, int err, int index)
     struct iso_failure failure = {.step = step, .err = err, .index = index};
     ssize_t n;
     do {
-        n = write(fd, &failure, sizeof failure);
+        /* Marked: a seccomp profile that denies write answers it plainly instead of asking the init,
+         * which is not running yet (see ISO_EXEC_MARK); the kernel ignores the extra arguments. */
+        n = syscall(SYS_write, fd, &failure, sizeof failure, 0L, 0L, (long)ISO_EXEC_MARK);
     } while (n < 0 && errno == EINTR);
     /* If the parent is gone there is no one left to tell. */
 }

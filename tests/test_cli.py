@@ -23,6 +23,7 @@ def one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
     assert "Traceback" not in stderr
+    assert "unexpected" not in stderr  # the catch-all's line: what no check of isolate's saw
     return lines[0]
 
 
@@ -81,6 +82,9 @@ def one_line(stderr: str) -> str:
         (["--pids", "2147483647"], "at most 4194304"),                   # blamed the cgroups
         (["--cpus", "1e9"], "at most 8192"),                             # blamed the cgroups
         (["--allow-host", "\u212aelvin.example"], "not an ASCII name"),   # KELVIN SIGN: taken as "kelvin"
+        # Paths are bytes: one that is not UTF-8 is named in the message (an UnicodeDecodeError named none).
+        (["--chdir", "/tmp/\udcffabsent"], "chdir: /tmp/"),
+        (["--ro", "/tmp/\udcffabsent"], "read: '/tmp/"),
     ],
 )
 def test_bad_input_exits_125_with_one_line_and_runs_nothing(workdir: str, flags: list[str], needle: str) -> None:

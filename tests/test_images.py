@@ -399,3 +399,22 @@ def test_a_config_value_of_another_type_or_with_a_nul_is_refused_not_dropped() -
                       ("WorkingDir", 7), ("User", ["0"]), ("User", "app\0"), ("Cmd", [["sh"]]), ("Entrypoint", {})):
         with pytest.raises(BadImageError, match=f"config: {name}: expected"):
             ImageConfig.from_json({"config": {name: bad}})
+
+
+# What is no archive is refused at once, in one line: a FIFO hung the load (opened, waiting for a writer),
+# "" was an unexpected ValueError of tarfile's, and a file that is no tar listed each compression tried.
+@pytest.mark.parametrize("what", ["fifo", "empty name", "not a tar", "absent"])
+def test_what_is_no_archive_is_refused_in_one_line(tmp_path: Path, what: str) -> None:
+    path = {"fifo": str(tmp_path / "fifo"), "empty name": "", "not a tar": str(tmp_path / "text"),
+            "absent": str(tmp_path / "absent")}[what]
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "not a tar":
+        Path(path).write_text("hello\n" * 100)
+    try:
+        done = subprocess.run([ISOLATE_RUN, "image", "--image-store", str(tmp_path / "store"), "load", path],
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"image load of a {what} hung")
+    assert done.returncode == 125 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "unexpected" not in done.stderr and "Traceback" not in done.stderr

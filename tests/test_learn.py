@@ -411,3 +411,21 @@ def test_learn_keeps_its_own_directories_out_of_the_programs_reach(workdir: str)
         listed = handle.read()
     assert "run-" not in listed, listed
     assert os.listdir(target) == [] and not os.path.exists(os.path.join(victim, "x"))
+
+
+# An --out the profile cannot go to is refused before any run, in one line: a FIFO there waited for a reader for
+# ever after every run; "" and a directory were found only then, in an error naming no flag.
+@pytest.mark.parametrize("out", ["", "fifo", "dir", "absent/p.toml"])
+def test_an_out_it_cannot_write_is_refused_before_any_run(workdir: str, out: str) -> None:
+    if out == "fifo":
+        os.mkfifo(os.path.join(workdir, out))
+    elif out == "dir":
+        os.mkdir(os.path.join(workdir, out))
+    mark = os.path.join(workdir, "ran")
+    try:
+        done = subprocess.run([ISOLATE_RUN, "learn", "--out", out, "--", "touch", mark], cwd=workdir,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"learn --out {out!r} hung")
+    assert done.returncode == 125 and done.stderr.count("\n") == 1 and "--out" in done.stderr, done.stderr
+    assert not os.path.exists(mark)

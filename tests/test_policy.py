@@ -261,3 +261,10 @@ def test_a_name_is_ascii_before_it_is_lowered() -> None:
     for name in ("\u212aelvin.example", "\u3000pypi.org", "pypi.org:\u0664\u0664\u0663"):
         with pytest.raises(PolicyError):
             Egress([name])
+
+
+@pytest.mark.parametrize("data", [[["read", "/usr"]], "read", 5, None, [("a", 1), ("b", 2)]])
+def test_from_dict_of_what_is_no_table_is_a_policy_error(data: object) -> None:
+    # A list of pairs became a dict (and an unknown field), a string a ValueError, a number a TypeError.
+    with pytest.raises(PolicyError, match="a policy is a table of fields"):
+        Policy.from_dict(data)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ISOLATE_RUN, NAMESPACES_WHY, PYTHON, WORK_BASE, policy, python_read
@@ -645,3 +646,25 @@ def test_file_methods_racing_a_close_in_another_thread_raise_isolation_errors_on
         done.set()
         thread.join(30)
     assert not strays, strays
+
+
+# A string with a NUL byte, or an unusable variable, is bad input: a PolicyError (an IsolationError, and a
+# ValueError as before) naming it, raised before anything reaches the sandbox, which goes on working.
+@pytest.mark.parametrize("call", [
+    lambda b: b.exec(["echo", "a\0b"]),
+    lambda b: b.exec(["true"], cwd="a\0b"),
+    lambda b: b.exec(["true"], env={"A": "a\0b"}),
+    lambda b: b.exec(["true"], env={"A=B": "x"}),
+    lambda b: b.spawn(["true"], env={"": "x"}),
+    lambda b: b.read_file("a\0b"),
+    lambda b: b.write_file("a\0b", "x"),
+    lambda b: b.list_dir("a\0b"),
+    lambda b: b.list_dir(".", 0),
+    lambda b: b.glob("*", "a\0b"),
+    lambda b: b.exec(["true", *(["y" * 100_000] * 200)]),  # past isolate's bound on one command's strings
+])
+def test_bad_strings_are_policy_errors(workdir: str, call: Any) -> None:
+    with Sandbox(sandbox_policy(), workspace=Workspace(workdir)) as sb:
+        with pytest.raises(isolate.PolicyError):
+            call(sb)
+        assert sb.exec("echo still").stdout == "still\n"

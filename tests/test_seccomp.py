@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -488,3 +489,37 @@ def test_no_filter_is_ever_read_from_the_callers_files(workdir: str) -> None:
     assert result.returncode == 0, result.stderr
     assert not (cache / "isolate").exists()
 
+
+
+# A profile that refuses the calls the program child makes before the init runs (its exec, the report of a
+# failed exec, its exit): each such denial used to be a notification no one could answer yet, and the run
+# waited for ever (the C isolate-run's musl _exit spun when exit itself was refused).
+_STARTLESS = {
+    "only-read": {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]},
+    "no-execveat": {"defaultAction": "SCMP_ACT_ALLOW",
+                    "syscalls": [{"names": ["execveat"], "action": "SCMP_ACT_ERRNO", "errnoRet": 13}]},
+}
+
+
+@pytest.mark.parametrize("profile", sorted(_STARTLESS))
+@pytest.mark.parametrize("entry", ["api", "cli"])
+def test_a_profile_refusing_the_start_fails_at_once(workdir: str, profile: str, entry: str) -> None:
+    path = os.path.join(workdir, "profile.json")
+    Path(path).write_text(json.dumps(_STARTLESS[profile]))
+    mark = os.path.join(workdir, "ran")
+    if entry == "cli":
+        argv = [ISOLATE_RUN, "--seccomp", path, "--", "touch", mark]
+    else:
+        code = (f"import isolate\np = isolate.Policy(seccomp={path!r})\ntry:\n"
+                f"    print(isolate.run(['touch', {mark!r}], policy=p).returncode)\n"
+                "except isolate.IsolationError as e:\n    print(type(e).__name__)")
+        argv = [sys.executable, "-c", code]
+    try:
+        done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{entry} with a profile refusing the program's start hung")
+    assert not os.path.exists(mark)
+    if entry == "cli":  # cannot be executed (126) or found (127); no line when write is refused too
+        assert done.returncode in (126, 127) and len(done.stderr.splitlines()) <= 1, done.stderr
+    else:
+        assert done.stdout.strip() in ("127", "CommandNotExecutableError", "CommandNotFoundError"), done.stderr

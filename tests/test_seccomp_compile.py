@@ -409,7 +409,7 @@ def test_binary_tree_layout_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     assert filt.get_attr(pyseccomp.Attr.CTL_OPTIMIZE) == 2
     parsed = seccomp._parse(seccomp.oci_profile("default"), "default")
     tree, _, _ = seccomp._build(parsed, False, "default")
-    assert tree == compiled("default").bpf
+    assert compiled("default").bpf == seccomp.compiler._exit_prologue(seccomp.compiler._native_arch()) + tree
 
     real_new_filter = seccomp.compiler._new_filter
 
@@ -797,3 +797,24 @@ def test_compilers_git_and_make_run_under_default(tmp_path: Path) -> None:
 def test_available_says_why() -> None:
     ok, why = seccomp.available()
     assert ok and "libseccomp 2." in why
+
+
+# Calls the program child makes before the init runs: a profile's denial of them must never be a notification
+# (no one answers it yet: the start waited for ever). exit and exit_group are allowed outright, for the
+# native ABI only; a marked call gets its errno plainly; an unmarked one is still notified (and reported).
+@pytest.mark.parametrize("name,args,arch,expected", [
+    ("exit", (), None, seccomp.RET_ALLOW),
+    ("exit_group", (), None, seccomp.RET_ALLOW),
+    ("exit_group", (), 0x40000003, seccomp.RET_KILL_PROCESS),  # i386: 231 there is fgetxattr
+    ("execveat", (0, 0, 0, 0, 0, seccomp.compiler.EXEC_MARK), None, seccomp.RET_ERRNO | errno.EACCES),
+    ("write", (0, 0, 0, 0, 0, seccomp.compiler.EXEC_MARK), None, seccomp.RET_ERRNO | errno.EPERM),
+    ("write", (), None, seccomp.RET_USER_NOTIF),
+    ("execveat", (), None, seccomp.RET_USER_NOTIF),
+])
+def test_the_start_is_never_left_waiting(tmp_path: Path, name: str, args: tuple[int, ...], arch: int | None,
+                                         expected: int) -> None:
+    path = write_profile(tmp_path, {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+        {"names": ["read"], "action": "SCMP_ACT_ALLOW"},
+        {"names": ["execveat"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EACCES}]})
+    bpf = compiled(path, notify=True).bpf
+    assert bpf_run(bpf, seccomp.compiler._resolve(name), args, arch)[0] == expected

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -368,9 +369,7 @@ def _seccomp_file(base: Policy, learned: Learned, out: str) -> str | None:
     if not learned.syscalls:
         return None
     path = os.path.abspath(os.path.splitext(out)[0] + ".seccomp.json")
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(seccomp_profile(base.seccomp, list(learned.syscalls)), handle, indent=1)
-        handle.write("\n")
+    _write_text(path, json.dumps(seccomp_profile(base.seccomp, list(learned.syscalls)), indent=1) + "\n")
     return path
 
 
@@ -514,6 +513,28 @@ def _run(command: Sequence[str], policy: Policy, overlays: list[Any]) -> Any:
     return CompletedProcess(process.args, process.returncode, stdout, stderr, process.report)
 
 
+def _check_out(path: str) -> None:
+    """Refuse, before any run, an --out the profile could not be written to: its directory must exist, and
+    what is there already must be a regular file (a FIFO waited for a reader for ever, after every run)."""
+    if not path:
+        raise CliError("--out: an empty name; give the profile's file, e.g. --out profile.toml")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise CliError(f"--out {path}: {directory} is not a directory")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise CliError(f"--out {path}: there is something there that is not a regular file")
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write ``path`` anew, never blocking on a FIFO or writing onto what is not a regular file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CliError(f"--out {path}: not a regular file")
+        os.ftruncate(fd, 0)
+        handle.write(text)
+
+
 def learn_main(argv: Sequence[str]) -> int:
     parser = _Parser(prog="isolate-run learn", add_help=True, allow_abbrev=False,
                      description="Run COMMAND confined, again and again, granting what it was refused, then write "
@@ -534,6 +555,7 @@ def learn_main(argv: Sequence[str]) -> int:
         raise CliError("no command given: isolate-run learn [--out FILE] [OPTIONS] -- COMMAND [ARG...]")
     if own.rounds < 1:
         raise CliError("--rounds: at least 1")
+    _check_out(own.out)
     # Egress by name with nothing allowed yet may still name static hosts (--add-host), a resolver
     # (--dns) and private addresses (--allow-private): what is learned is the list of destinations.
     static = (tuple(options.add_host), options.dns, options.allow_private)
@@ -604,8 +626,7 @@ def learn_main(argv: Sequence[str]) -> int:
         Policy.from_toml(text, own.out)  # what is written reads back
     except IsolationError as exc:  # pragma: no cover - a bug here, never the user's input
         raise IsolationError(f"learn: the profile it made does not read back: {exc}") from None
-    with open(own.out, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    _write_text(own.out, text)
     state = "runs" if returncode == 0 else f"still exits {returncode}"
     print(f"isolate-run: learn: wrote {own.out} (the command {state} under it)", file=sys.stderr)
     return 0 if returncode == 0 else 1

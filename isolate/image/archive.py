@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import platform
+import re
 import stat
 import tarfile
 from collections.abc import Iterator
@@ -93,19 +94,37 @@ class _Source:
     def __init__(self, path: str) -> None:
         self.path = path
         self.tar: tarfile.TarFile | None = None
+        self._handle: IO[bytes] | None = None
         self.members: dict[str, tarfile.TarInfo] = {}
         if os.path.isdir(path):
             return
+        # Opened without blocking (a FIFO waited for a writer for ever) and only if it is a regular file.
         try:
-            self.tar = tarfile.open(path, "r:*", tarinfo=BoundedTarInfo)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise IsolationError(f"{path!r}: cannot open it: {exc.strerror}") from None
+        self._handle = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            self._handle.close()
+            raise IsolationError(f"{path}: neither an image archive (a file) nor an OCI layout directory")
+        os.set_blocking(fd, True)
+        try:
+            self.tar = tarfile.open(fileobj=self._handle, mode="r:*", tarinfo=BoundedTarInfo)
+        except (OSError, tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
+            # Its message lists each compression tried, one line each: only a header past its bound is said.
+            self._handle.close()
+            bound = re.search(r"HeaderTooLarge\([\'\"](.*?)[\'\"]\)", str(exc))
+            raise IsolationError(f"{path}: not an image archive (a tar, compressed or not) nor an OCI layout "
+                                 f"directory{f' ({bound.group(1)})' if bound else ''}") from None
+        try:
             for member in self.tar:
                 name = entry_name(member.name, path)
                 if member.isreg():
                     self.members[name] = member
         except (OSError, tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
             # A damaged archive, a header's number no tar takes, headers past their bound (tarbound.py): one line.
-            if self.tar is not None:
-                self.tar.close()
+            self.tar.close()
+            self._handle.close()
             raise IsolationError(f"{path}: not an image archive nor an OCI layout directory ({exc})") from None
 
     def exists(self, name: str) -> bool:
@@ -178,6 +197,8 @@ class _Source:
     def close(self) -> None:
         if self.tar is not None:
             self.tar.close()
+        if self._handle is not None:
+            self._handle.close()
 
 
 def blob_name(digest: str) -> str:

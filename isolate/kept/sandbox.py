@@ -420,7 +420,7 @@ class Sandbox:
 
     def list_dir(self, path: str = ".", depth: int = 1) -> list[DirEntry]:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError("list_dir: depth must be a positive integer")
+            raise PolicyError(f"list_dir: depth must be a positive integer, got {depth!r}", "depth")
         return native_files.list_dir(self._conn(), path, depth)
 
     def stat(self, path: str, follow_symlinks: bool = True) -> Stat:

@@ -471,6 +471,8 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         """A policy from plain data (a parsed TOML profile); unknown fields raise ``PolicyError``."""
+        if not isinstance(data, Mapping):  # JSON's list or string where a table of fields belongs
+            raise PolicyError(f"a policy is a table of fields (read, write, limits ...), not a {type(data).__name__}")
         data = dict(data)
         network = data.get("network")
         if isinstance(network, Mapping):

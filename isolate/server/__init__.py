@@ -16,6 +16,7 @@ import secrets
 import sys
 from collections.abc import Sequence
 
+from ..cli.flags import EXIT_SETUP, UsageError, UsageParser
 from ..model.errors import IsolationError, PolicyError
 from ..model.policy import Policy
 from ..model.units import whole_number
@@ -72,7 +73,7 @@ def _api_key(options: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = UsageParser(
         prog="isolate-run serve",
         description="Serve the OpenSandbox lifecycle and execution APIs over isolate sandboxes. "
                     "An image name selects a policy profile: 'default' (isolate's defaults) always, "
@@ -143,7 +144,11 @@ def _join_cluster(address: str) -> bool:
 
 
 def serve_main(argv: Sequence[str]) -> int:
-    options = build_parser().parse_args(list(argv))
+    try:  # a bad option: one line and isolate-run's own status (125), as every subcommand's, never usage and 2
+        options = build_parser().parse_args(list(argv))
+    except UsageError as exc:
+        print(f"isolate-run serve: {exc} (see isolate-run serve --help)", file=sys.stderr)
+        return EXIT_SETUP
     try:
         import uvicorn
 

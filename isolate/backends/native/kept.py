@@ -32,7 +32,7 @@ from ..._core import ffi, init_fd, lib
 from ...kernel import fdwait, grants
 from ...kernel.overlay import WAY_OUT, Layers, OverlayRefused, layers_for
 from ...kernel.places import runtime_dir, state_dir, state_path
-from ...model.errors import IsolationError, UnsupportedError
+from ...model.errors import IsolationError, PolicyError, UnsupportedError
 from ...model.policy import DEFAULT_WRITE, Mount, Policy
 from ...model.workspace import Workspace
 from ..registry import Registry, SandboxRecord
@@ -696,7 +696,9 @@ def environment_for(base: Mapping[str, str], env: Mapping[str, str] | None) -> l
     merged = dict(base)
     if env:
         for key, value in env.items():
-            if not key or "=" in key or "\0" in key or "\0" in value:
-                raise ValueError(f"env: {key!r} is not a usable variable")
+            if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+                raise PolicyError(f"env: {key!r} is not a variable name", "env")
+            if not isinstance(value, str) or "\0" in value:
+                raise PolicyError(f"env: the value of {key} must be a string without NUL bytes", "env")
             merged[key] = value
     return [f"{k}={v}" for k, v in merged.items()]

@@ -522,14 +522,14 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
     if step in (lib.ISO_STEP_MOUNT_DIR, lib.ISO_STEP_MOUNT_BIND, lib.ISO_STEP_MOUNT_TMPFS,
                 lib.ISO_STEP_MOUNT_SYMLINK, lib.ISO_STEP_MOUNT_MOVE, lib.ISO_STEP_MOUNT_READONLY,
                 lib.ISO_STEP_MOUNT_PROC, lib.ISO_STEP_MOUNT_DEVPTS) and 0 <= index < plan.n_mounts:
-        detail = ffi.string(plan.mounts[index].target).decode()
+        detail = os.fsdecode(ffi.string(plan.mounts[index].target))
         detail = detail[len(mounts.NEWROOT):] or "/"
     elif step == lib.ISO_STEP_LANDLOCK and 0 <= index < plan.n_landlock_rules:
-        detail = ffi.string(plan.landlock_rules[index].path).decode()
+        detail = os.fsdecode(ffi.string(plan.landlock_rules[index].path))
     elif step == lib.ISO_STEP_RLIMIT and 0 <= index < plan.n_rlimits:
         detail = f"resource {plan.rlimits[index].resource}"
     elif step == lib.ISO_STEP_CHDIR and plan.cwd != ffi.NULL:
-        detail = ffi.string(plan.cwd).decode()
+        detail = os.fsdecode(ffi.string(plan.cwd))
         return SetupError(
             f"sandbox setup failed at chdir: {detail}: {os.strerror(err)}; the working directory must be "
             "inside a granted path (grant it with write= or read=, or set cwd=)",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._core import ffi, lib
-from ...model.errors import IsolationError
+from ...model.errors import IsolationError, PolicyError
 
 REQUEST_SIZE = ffi.sizeof("struct iso_xs_request")
 REPLY_SIZE = ffi.sizeof("struct iso_xs_reply")
@@ -127,7 +127,7 @@ class Reply:
 
 def encode(op: int, strings: Sequence[str | bytes] = (), *, flags: int = 0, mode: int = 0, timeout_ms: int = 0,
            n_argv: int = 0) -> bytes:
-    """One request packet; raises ValueError for what the server would refuse."""
+    """One request packet; raises PolicyError (a ValueError) for what the server would refuse."""
     packet = b"".join([_header(op, flags, mode, timeout_ms, len(strings), n_argv),
                        *(_nul_terminated(text) for text in strings)])
     if len(packet) > MAX_MESSAGE or len(strings) > MAX_INLINE_STRINGS:
@@ -149,7 +149,7 @@ def encode_exec(strings: Sequence[str | bytes], n_argv: int, timeout_ms: int, fl
         pass
     data = b"".join(_nul_terminated(text) for text in strings)
     if len(data) > MAX_STRINGS_BYTES or len(strings) > int(lib.ISO_XS_MAX_FD_STRINGS):
-        raise ValueError(f"the command and its environment take {len(data)} bytes in {len(strings)} strings; at "
+        raise PolicyError(f"the command and its environment take {len(data)} bytes in {len(strings)} strings; at "
                          f"most {MAX_STRINGS_BYTES} bytes in {int(lib.ISO_XS_MAX_FD_STRINGS)} strings go to a "
                          "sandbox (and the kernel runs at most its ARG_MAX)")
     fd = os.memfd_create("isolate-exec-strings", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -166,14 +166,15 @@ def encode_exec(strings: Sequence[str | bytes], n_argv: int, timeout_ms: int, fl
     return req, fd
 
 
-class _TooLarge(ValueError):
+class _TooLarge(PolicyError):
     pass
 
 
 def _nul_terminated(text: str | bytes) -> bytes:
     data = os.fsencode(text)
     if b"\0" in data:
-        raise ValueError(f"{os.fsdecode(data)[:60]!r} holds a NUL byte")
+        # Bad input (a path, an argument): the policy's error, as a NUL byte in a policy's own fields is.
+        raise PolicyError(f"{os.fsdecode(data)[:60]!r} holds a NUL byte, which no path or argument can")
     return data + b"\0"
 
 

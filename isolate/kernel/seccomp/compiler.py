@@ -223,6 +223,52 @@ def _traced_numbers(lookups: bool) -> list[int]:
     return numbers
 
 
+def _exit_prologue(native: int) -> bytes:
+    """BPF run before the filter: exit() and exit_group() allowed whatever the profile says. Refusing them
+    confines nothing (a process can always end by a signal), but a process that cannot end spins in its
+    C library's _exit loop (musl's) or waits for ever on a notification no one answers yet."""
+    ld, jeq, ret = 0x20, 0x15, 0x06
+    code = [(ld, 0, 0, 4), (jeq, 0, 4, native),  # a foreign ABI: to the filter, which kills
+            (ld, 0, 0, 0), (jeq, 1, 0, _resolve("exit")), (jeq, 0, 1, _resolve("exit_group")), (ret, 0, 0, RET_ALLOW)]
+    return b"".join(struct.pack("=HBBI", c, jt, jf, k) for c, jt, jf, k in code)
+
+
+def _marked_never_notified(bpf: bytes, table: Mapping[int, int], default_errno: int) -> bytes:
+    """The filter with every call marked EXEC_MARK in its sixth argument answered its errno plainly where the
+    profile denies it with a notification. The program child marks its own start (execveat) and the report of
+    its failure (write): the init that answers notifications is not running until the program has exec'd, so
+    a profile that denies either would leave them, and the sandbox's start, waiting for ever. A program that
+    marks its own calls only hides their denials from the report. Every other notified call stays notified."""
+    ld, jeq, ret, ja = 0x20, 0x15, 0x06, 0x05
+    arg5_low = (16 if sys.byteorder == "little" else 20) + 40
+    arg5_high = arg5_low + 4 if sys.byteorder == "little" else arg5_low - 4
+    count = len(bpf) // 8
+    out = []
+    for i in range(count):
+        code, _jt, _jf, k = struct.unpack_from("=HBBI", bpf, 8 * i)
+        if code == ret and k == RET_USER_NOTIF:  # to the block below, which decides
+            out.append(struct.pack("=HBBI", ja, 0, 0, count - (i + 1)))
+        else:
+            out.append(bpf[8 * i:8 * i + 8])
+    answers = [(nr, e) for nr, e in sorted(table.items()) if e != default_errno]
+    rest = 2 * len(answers) + 2  # from after the mark's high half to the notification
+    if rest + 2 > 255:
+        raise UnsupportedError(f"seccomp: the profile denies {len(answers)} system calls with errnos other than "
+                               "its default; at most 126 can be reported")
+    block = [
+        (ld, 0, 0, arg5_low),
+        (jeq, 0, rest + 2, EXEC_MARK),          # not marked: notify
+        (ld, 0, 0, arg5_high),
+        (jeq, 0, rest, 0),
+        (ld, 0, 0, 0),                          # marked: its errno, plainly
+    ]
+    for nr, answer in answers:
+        block += [(jeq, 0, 1, nr), (ret, 0, 0, RET_ERRNO | answer)]
+    block += [(ret, 0, 0, RET_ERRNO | default_errno), (ret, 0, 0, RET_USER_NOTIF)]
+    out.extend(struct.pack("=HBBI", code, jt, jf, k) for code, jt, jf, k in block)
+    return b"".join(out)
+
+
 def _unix_epilogue(bpf: bytes, native: int, table: dict[int, int], default_errno: int | None,
                    mode: str, trace_paths: bool | str = False) -> bytes:
     """Route the profile's allowed connect()/socket()/socketpair() through an epilogue (see the module doc).
@@ -513,6 +559,8 @@ def _compile(
     parsed = _parse(data, source)
     bpf, table, default_errno = _build(parsed, notify, source)
     native = _native_arch()
+    if notify:
+        bpf = _marked_never_notified(bpf, table, default_errno or errno_mod.EPERM)
     if unix_sockets or trace_paths:
         bpf = _unix_epilogue(bpf, native, table, default_errno, unix_sockets, trace_paths)
     if deny_inet_sockets:
@@ -527,6 +575,7 @@ def _compile(
         bpf = _deny_inet_prologue(native, notify_for) + bpf
     if deny_setid:
         bpf = _deny_setid_prologue(native) + bpf
+    bpf = _exit_prologue(native) + bpf
     if deny_host_reach:
         bpf = _deny_host_reach_prologue(native) + bpf
     if len(bpf) // 8 > MAX_INSTRUCTIONS:

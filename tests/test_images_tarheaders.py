@@ -87,6 +87,7 @@ def test_an_image_archives_headers_past_their_bound_are_refused(raw: bytes, tmp_
 @pytest.mark.parametrize("raw", [_big_extended_header(), _sparse_map(300_000), _header_chain(MAX_HEADERS + 8)],
                          ids=["extended", "sparse-map", "chain"])
 def test_an_add_archives_headers_past_their_bound_are_refused(raw: bytes, tmp_path: Path) -> None:
+    pytest.importorskip("dockerfile_parse", reason="Dockerfiles need the images extra: pip install 'isolate[images]'")
     context = tmp_path / "context"
     context.mkdir()
     (context / "bundle.tar.gz").write_bytes(kit.gz(raw))

@@ -561,6 +561,8 @@ def _compile(
     native = _native_arch()
     if notify:
         bpf = _marked_never_notified(bpf, table, default_errno or errno_mod.EPERM)
+    # Before the epilogue, which takes its ALLOW as it takes the profile's: every allow passes the supervisor.
+    bpf = _exit_prologue(native) + bpf
     if unix_sockets or trace_paths:
         bpf = _unix_epilogue(bpf, native, table, default_errno, unix_sockets, trace_paths)
     if deny_inet_sockets:
@@ -575,7 +577,6 @@ def _compile(
         bpf = _deny_inet_prologue(native, notify_for) + bpf
     if deny_setid:
         bpf = _deny_setid_prologue(native) + bpf
-    bpf = _exit_prologue(native) + bpf
     if deny_host_reach:
         bpf = _deny_host_reach_prologue(native) + bpf
     if len(bpf) // 8 > MAX_INSTRUCTIONS:

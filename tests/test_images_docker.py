@@ -58,7 +58,9 @@ def test_the_save_stream_is_spooled_loaded_and_removed(tmp_path: Path) -> None:
     kit.docker_archive(str(archive), [kit.layer([{"name": "hello", "data": b"hi\n"}])], tag="standin:1")
     engine = tmp_path / "standin-engine"
     engine.write_text(f'#!/bin/sh\ncase "$1 $2" in\n"image inspect") echo sha256:x ;;\n'
-                      f'"save standin:1") cat {archive} ;;\n*) echo "no such image: $2" >&2; exit 1 ;;\nesac\n')
+                      f'"save --") [ "$3" = standin:1 ] && cat {archive} ||\n'
+                      f'  {{ echo "no such image: $3" >&2; exit 1; }} ;;\n'
+                      f'*) echo "no such image: $2" >&2; exit 1 ;;\nesac\n')
     engine.chmod(0o755)
     store = Store(tmp_path / "store")
     image = Image.from_docker("standin:1", engine=str(engine), store=store)
@@ -68,3 +70,11 @@ def test_the_save_stream_is_spooled_loaded_and_removed(tmp_path: Path) -> None:
     with pytest.raises(isolate.IsolationError, match="save` failed: save: broken"):
         Image.from_docker("standin:2", engine=str(engine), store=store)
     assert not os.listdir(os.path.join(store.path, "tmp"))
+
+
+@pytest.mark.parametrize("reference", ["-o/tmp/isolate-test-save-target", "", "a\0b"])
+def test_a_reference_that_is_no_name_never_reaches_the_engines_command_line(reference: str, tmp_path: Path) -> None:
+    # Before: "-o PATH" went to `docker save` as its option (the engine's output file, written as the caller).
+    with pytest.raises(isolate.PolicyError, match="expected an image's name or id"):
+        Image.from_docker(reference, store=Store(tmp_path / "store"))
+    assert not os.path.exists("/tmp/isolate-test-save-target")

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..model.errors import IsolationError
+from ..model.errors import IsolationError, PolicyError
 from .archive import Found, parse_json, read_archive
 from .reference import Reference
 from .store import DEFAULT_MAX_IMAGE_SIZE, PruneStats, Store, check_stack
@@ -171,6 +171,10 @@ class Image:
         import subprocess
         import threading
 
+        if not isinstance(reference, str) or not reference or reference.startswith("-") or "\0" in reference:
+            # Given to the engine's command line: "-o/etc/passwd" would be `docker save`'s output file.
+            raise PolicyError(f"image reference {str(reference)[:200]!r}: expected an image's name or id (not "
+                              "empty, not starting with '-')", "reference")
         store = store or Store()
         engines = [engine] if engine else ["docker", "podman"]
         found = [name for name in engines if shutil.which(name)]
@@ -179,7 +183,7 @@ class Image:
                                  "load a `docker save` archive with Image.load instead")
         errors = []
         for name in found:
-            probe = subprocess.run([name, "image", "inspect", "--format", "{{.Id}}", reference],
+            probe = subprocess.run([name, "image", "inspect", "--format", "{{.Id}}", "--", reference],
                                    stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
             if probe.returncode != 0:
                 errors.append(f"{name}: {(probe.stderr.strip().splitlines() or ['no answer'])[-1][:200]}")
@@ -189,7 +193,7 @@ class Image:
             try:
                 fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "wb") as out, subprocess.Popen(
-                        [name, "save", reference], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        [name, "save", "--", reference], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE) as saving:
                     assert saving.stdout is not None and saving.stderr is not None
                     written = 0

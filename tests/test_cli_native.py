@@ -129,6 +129,10 @@ def test_a_plan_rests_on_the_code_that_made_it_and_on_nothing_else(workdir: str)
     paths = [planning, os.path.dirname(planning), unrelated]
     if not all(os.access(p, os.W_OK) for p in paths):
         pytest.skip("the package's files are not this caller's to touch")
+    if os.environ.get("ISOLATE_TESTS_SHARED_INSTALL"):
+        # The VM's guest runs root's and 65534's suites side by side from one install: a time touched here
+        # would make the other suite's plans stale while its own tests expect them replayed (ci, stop 43).
+        pytest.skip("another caller's suite runs from this install side by side")
     args = ["--", "true"]
     saved = {p: os.stat(p).st_mtime_ns for p in paths}
 

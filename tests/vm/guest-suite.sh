@@ -31,7 +31,10 @@ run_as() {
     local who="$1"; shift
     local home="/tmp/home-$who" tmp="/tmp/tmp-$who"
     mkdir -p "$home" "$tmp"; chmod 755 "$home" "$tmp"
-    local env=(env -i "PATH=$V/bin:/usr/local/bin:/usr/bin:/bin" "HOME=$home" "TMPDIR=$tmp" LANG=C.UTF-8)
+    # ISOLATE_TESTS_SHARED_INSTALL: both callers' suites run from this one install at once, so no test may
+    # change the install's own files (a module's time makes the other suite's cached plans stale).
+    local env=(env -i "PATH=$V/bin:/usr/local/bin:/usr/bin:/bin" "HOME=$home" "TMPDIR=$tmp" LANG=C.UTF-8
+               ISOLATE_TESTS_SHARED_INSTALL=1)
     if [ "$who" = root ]; then
         "${env[@]}" "$@"
     else

@@ -112,6 +112,19 @@ def test_forks_spread_over_the_nodes_and_a_snapshot_moves_once_per_node(cluster:
                 iray.Sandbox.create_many(2, box_policy(), snapshot=snap)  # never dropped silently
             assert _received(other.node_id) - before[other.node_id] == 2  # the fork point, then this snapshot
             assert snap.digest is not None and snap.digest.startswith("sha256:")
+            # Sandboxes started from a snapshot held by one node go there first, but do not all pile up there.
+            only_home = parent.snapshot()
+            started_from: list[Any] = []
+            try:
+                for _ in range(3):
+                    started_from.append(iray.Sandbox(box_policy(), snapshot=only_home).start())
+                assert started_from[0].node_id == home
+                assert {b.node_id for b in started_from} != {home}, [b.node_id for b in started_from]
+                assert all(b.read_file("pkg/b.py") == "2\n" for b in started_from)
+            finally:
+                for box in started_from:
+                    box.close()
+                only_home.remove()
             copies = len(_snapshot_dirs(cluster.states[other.node_id]))
             snap.remove()  # there, and its copy here
             assert len(_snapshot_dirs(cluster.states[other.node_id])) == copies - 1
@@ -269,3 +282,13 @@ def test_the_node_holding_a_snapshot_dies_before_it_arrived(cluster: Any) -> Non
     finally:
         source.close()
         target.close()
+
+
+def test_a_node_holding_the_layers_wins_a_tie_and_one_more_then_the_least_used_does() -> None:
+    from isolate.ray.placement import HOLDER_CREDIT, rank
+
+    assert HOLDER_CREDIT == 1
+    assert rank(["a", "b", "c"], {}, prefer=["c"]) == ["c", "a", "b"]
+    assert rank(["a", "b", "c"], {"c": 1}, prefer=["c"])[0] == "c"
+    assert rank(["a", "b", "c"], {"c": 2, "a": 1}, prefer=["c"]) == ["b", "c", "a"]
+    assert rank(["a", "b"], {"a": 3, "b": 1}) == ["b", "a"]

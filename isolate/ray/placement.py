@@ -7,7 +7,11 @@ exits, Ray ends them and every sandbox they hold.
 
 A node is eligible when it is alive and has what was asked (``node_id``,
 custom ``resources``, ``labels``); among the eligible, the one holding the
-fewest of this client's sandboxes comes first (spread). A node that refuses
+fewest of this client's sandboxes comes first (spread); a node that already
+holds what the sandbox starts from (a snapshot's layers) is counted as
+holding ``HOLDER_CREDIT`` fewer, so it wins a tie and one more, but many
+sandboxes from one snapshot do not all pile up on its node: past that, the
+layers move once to a less used node. A node that refuses
 (it cannot enforce the policy, or cannot start sandboxes at all) is skipped
 with its reason; when every node refused, the error names each.
 """
@@ -30,6 +34,9 @@ from .host import SandboxHost
 
 #: Concurrent calls one host actor serves (each exec waits in a thread of the actor).
 HOST_CONCURRENCY = 512
+#: Sandboxes a node holding the starting layers may have beyond the least used eligible node and still come
+#: first: moving the layers once costs less than sandboxes sharing a node's CPUs for their whole lives.
+HOLDER_CREDIT = 1
 #: Hosts started together once a placement's first node refused (see ``place``).
 HOSTS_AHEAD = 4
 
@@ -189,16 +196,15 @@ class Hosts:
             self.placed[node_id] = max(0, self.placed.get(node_id, 0) + delta)
 
     def candidates(self, placement: Placement, prefer: Sequence[str] = ()) -> list[str]:
-        """The eligible alive nodes: those in ``prefer`` first (they hold what the sandbox starts from), then
-        the least used by this client."""
+        """The eligible alive nodes, the first to try first (``rank``); ``prefer``: those that hold what the
+        sandbox starts from."""
         nodes = [node for node in ray.nodes() if placement.admits(node)]
         if not nodes:
             wanted = placement.node_id or ", ".join(f"{k}={v}" for k, v in
                                                     {**placement.resources, **placement.labels}.items())
             raise UnsupportedError(f"no alive node of the Ray cluster matches the placement ({wanted or 'any'})")
         with self._lock:
-            return [node["NodeID"] for node in sorted(nodes, key=lambda n: (n["NodeID"] not in prefer,
-                                                                            self.placed.get(n["NodeID"], 0)))]
+            return rank([node["NodeID"] for node in nodes], self.placed, prefer)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -218,6 +224,15 @@ class Hosts:
             pass
         for actor in actors:
             ray.kill(actor)
+
+
+def rank(nodes: Sequence[str], placed: Mapping[str, int], prefer: Sequence[str] = ()) -> list[str]:
+    """``nodes`` in the order to try them: the least used by this client first, a node in ``prefer`` counted
+    as holding ``HOLDER_CREDIT`` fewer sandboxes (and first on a tie)."""
+    def key(node: str) -> tuple[int, bool]:
+        held = placed.get(node, 0) - (HOLDER_CREDIT if node in prefer else 0)
+        return held, node not in prefer
+    return sorted(nodes, key=key)
 
 
 def outcome(ref: Any, node_id: str, what: str) -> Any:

@@ -179,6 +179,26 @@ def test_network_none_namespace_made_ahead_serves_one_sandbox(workdir: str) -> N
     assert owner == "own" and up == "1" and name != host
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root caller makes network namespaces ahead (kernel/netns.py)")
+def test_the_namespace_maker_ends_when_idle_and_comes_back_with_the_next_run(workdir: str) -> None:
+    """A process that stopped running sandboxes holds no thread of ours (Python 3.12+ warns at its os.fork());
+    the namespaces already made stay ready, and the next run starts the maker again to refill the pool."""
+    import threading
+
+    from isolate.kernel import netns
+
+    def makers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "isolate-netns"]
+
+    for _ in range(2):
+        run_out(workdir, ["true"], network="none")
+        deadline = time.monotonic() + 10 + netns.IDLE_SECONDS
+        while makers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not makers()
+        assert len(netns._POOL._ready) == netns.POOL_SIZE
+
+
 def test_a_namespace_that_cannot_be_joined_is_made_by_the_clone(workdir: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Handed something that is no network namespace, the run still gets an empty one of its own."""

@@ -25,6 +25,10 @@ from .._core import lib
 
 #: Namespaces kept ready: one for the next run, one being made meanwhile.
 POOL_SIZE = 2
+#: Seconds the maker thread waits with a full pool before it ends (the next run starts another): a burst of
+#: runs keeps one thread, and a process that stopped running sandboxes holds none (Python 3.12+ warns at an
+#: ``os.fork()`` of a process with threads, and a thread of ours would be the only one of many callers).
+IDLE_SECONDS = 1.0
 
 
 class _Pool:
@@ -52,7 +56,7 @@ class _Pool:
         return fd
 
     def _maker(self) -> None:
-        # One thread for the process's life, at the caller's priority (a lower one would hold the kernel's
+        # One thread while runs come (IDLE_SECONDS), at the caller's priority (a lower one would hold the kernel's
         # network locks while preempted, in the way of every other namespace made meanwhile; measured, it
         # paid no more: docs/benchmarks.md). iso_make_netns moves the calling thread (cffi lets go of the GIL
         # meanwhile); a thread that could not come back (-2) ends here, in the namespace it made, which no one
@@ -61,7 +65,10 @@ class _Pool:
         while True:
             with self._lock:
                 while len(self._ready) >= POOL_SIZE and self._pid == pid:
-                    self._wake.wait()
+                    if not self._wake.wait(IDLE_SECONDS) and len(self._ready) >= POOL_SIZE:
+                        if self._thread is threading.current_thread():
+                            self._thread = None  # the next take() starts another
+                        return
                 if self._pid != pid:
                     return
             fd = int(lib.iso_make_netns())

@@ -244,6 +244,9 @@ HOST_INDEPENDENT = frozenset({
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "host: depends on the kernel, cgroups or Landlock; also run in the VM")
+    config.addinivalue_line("markers", "host_independent: a test of a host-marked module whose outcome does not "
+                            "depend on the kernel (the host's own Python racing itself, say), too slow to repeat "
+                            "under the VM's emulation")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -254,7 +257,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.name not in HOST_INDEPENDENT:
+        if item.path.name not in HOST_INDEPENDENT and item.get_closest_marker("host_independent") is None:
             item.add_marker(pytest.mark.host)
 
 

@@ -257,6 +257,7 @@ def test_a_close_racing_restores_ahead_in_another_thread_ends_everything(source:
         snap.remove()
 
 
+@pytest.mark.host_independent  # the host's own threads racing (Sandbox._steady): 107 s under the VM's emulation
 @pytest.mark.parametrize("mode", ["overlay", "copy"])
 def test_a_commit_or_snapshot_racing_a_close_reads_every_file_or_is_refused(source: str, mode: str,
                                                                              tmp_path: Path) -> None:

@@ -40,10 +40,11 @@ def overlay() -> Iterator[str]:
 
 
 def run(cwd: str, script: str) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
-    report = os.path.join(tempfile.mkdtemp(prefix="isolate-report-"), "r.json")
-    result = subprocess.run([*CLI, "--report", report, "--", "sh", "-c", script], cwd=cwd, capture_output=True,
-                            text=True, timeout=60)
-    data = json.load(open(report)) if os.path.exists(report) else {}
+    with tempfile.TemporaryDirectory(prefix="isolate-report-") as reports:
+        report = os.path.join(reports, "r.json")
+        result = subprocess.run([*CLI, "--report", report, "--", "sh", "-c", script], cwd=cwd,
+                                capture_output=True, text=True, timeout=60)
+        data = json.load(open(report)) if os.path.exists(report) else {}
     return result, data
 
 

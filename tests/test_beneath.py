@@ -252,3 +252,29 @@ def test_isolate_no_openat2_takes_the_walk(tree: int) -> None:
     assert done.stdout.split() == ["False", str(errno.ELOOP), "d/mid"]
 
 
+# -- the callers: where one walk was weaker than the others, the stronger answer is now every caller's ------
+
+
+def test_a_build_context_source_with_a_nul_byte_is_a_dockerfile_error(tree: int) -> None:
+    pytest.importorskip("dockerfile_parse")
+    from isolate.image.build import DockerfileError
+    from isolate.image.context import open_beneath as source_beneath
+
+    # A C string ends at the NUL: the old walk let os.open's ValueError through, no DockerfileError.
+    for source in ("d\0/e/f", "d/e/f\0"):
+        with pytest.raises(DockerfileError, match="NUL"):
+            source_beneath(tree, source, "COPY")
+
+
+def test_a_data_directory_is_never_walked_out_of_the_state_directory(tmp_path: object,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.backends.native.datadir import open_base
+
+    monkeypatch.setenv("ISOLATE_STATE_DIR", str(tmp_path))
+    os.makedirs(os.path.join(str(tmp_path), "sandboxes", "k", "overlay", "base"))
+    os.close(open_base("k"))
+    # '..' went up from sandboxes/ (any directory of the state directory's parent could be reached so).
+    for key, parts in (("..", ()), ("k", ("..", "..", "..")), ("k/../..", ("sandboxes",))):
+        with pytest.raises(OSError) as info:
+            os.close(open_base(key, parts))
+        assert info.value.errno == errno.EXDEV, (key, parts)

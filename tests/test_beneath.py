@@ -191,6 +191,37 @@ def test_a_file_is_made_with_o_creat(tree: int) -> None:
         assert info.value.errno == errno.ELOOP
 
 
+
+def test_make_beneath_makes_what_is_missing_and_nothing_through_a_link(tree: int) -> None:
+    from isolate.kernel.beneath import make_beneath
+
+    fd = make_beneath(tree, "d/e/new/newer", 0o750)
+    try:
+        assert os.fstat(fd).st_ino == os.stat("d/e/new/newer", dir_fd=tree).st_ino
+        assert stat.S_IMODE(os.stat("d/e/new", dir_fd=tree).st_mode) == 0o750 & ~_umask()
+    finally:
+        os.close(fd)
+    os.close(make_beneath(tree, "d/e"))  # there already: opened
+    for path, err in (("d/mid/x/y", errno.ELOOP), ("top/x", errno.ELOOP), ("fifo/x", errno.ENOTDIR),
+                      ("../x", errno.EXDEV), ("d/../../x", errno.EXDEV), ("/tmp/x", errno.EXDEV)):
+        with pytest.raises(OSError) as info:
+            make_beneath(tree, path)
+        assert info.value.errno == err, path
+    assert not os.path.lexists(os.path.join(os.readlink(f"/proc/self/fd/{tree}"), "d", "e", "x"))
+    slash = os.open("/", DIR_OPEN)
+    try:  # same_mount: a mount point on the way is no place to make anything
+        with pytest.raises(OSError) as info:
+            make_beneath(slash, "proc/isolate-test", same_mount=True)
+        assert info.value.errno == errno.EXDEV
+    finally:
+        os.close(slash)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 # -- openat2 refused by a seccomp filter: the fallback answers ----------------------------------------------
 
 _SECCOMP_CHILD = r"""
@@ -244,12 +275,14 @@ def test_isolate_no_openat2_takes_the_walk(tree: int) -> None:
     root = os.readlink(f"/proc/self/fd/{tree}")
     code = ("import os, sys; from isolate.kernel import beneath; r = os.open(sys.argv[1], os.O_RDONLY); "
             "os.close(beneath.open_beneath(r, 'd/e/f', os.O_RDONLY));\n"
+            "os.close(beneath.make_beneath(r, 'd/e/made/here'));\n"
             "try: beneath.open_beneath(r, 'd/mid/f', os.O_RDONLY)\n"
             "except OSError as e: print(beneath._OPENAT2[0], e.errno, e.filename)")
     done = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "ISOLATE_NO_OPENAT2": "1"}, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", str(errno.ELOOP), "d/mid"]
+    assert os.path.isdir(os.path.join(root, "d", "e", "made", "here"))
 
 
 # -- the callers: where one walk was weaker than the others, the stronger answer is now every caller's ------

@@ -71,6 +71,25 @@ def parent_beneath(dir_fd: int, path: str, *, same_mount: bool = False) -> tuple
     return open_beneath(dir_fd, head or ".", DIR_OPEN, same_mount=same_mount), last
 
 
+def make_beneath(dir_fd: int, path: str, mode: int = 0o777, *, same_mount: bool = False) -> int:
+    """A descriptor of the directory ``path`` below ``dir_fd`` (DIR_OPEN), each missing directory on the way
+    made first (``mode``, less the umask), walked as open_beneath does: a link, a file or (``same_mount``) a
+    mount on the way is refused as there, never made through or beside."""
+    for _ in range(path.count("/") + 2):
+        try:
+            return open_beneath(dir_fd, path or ".", DIR_OPEN, same_mount=same_mount)
+        except FileNotFoundError as exc:
+            missing = str(exc.filename)  # the path as far as the first name missing
+        parent, name = parent_beneath(dir_fd, missing, same_mount=same_mount)
+        try:
+            os.mkdir(name, mode, dir_fd=parent)
+        except FileExistsError:
+            pass  # made meanwhile: opened as any other
+        finally:
+            os.close(parent)
+    raise OSError(errno.ENOENT, "removed again as it was made", path)
+
+
 def walk_components(dir_fd: int, path: str, flags: int = DIR_OPEN, mode: int = 0o777, *,
                     same_mount: bool = False) -> int:
     """open_beneath's answer without openat2: the walk, one component at a time."""

@@ -87,6 +87,7 @@ CASES = [
     ("d/e/abs/passwd", FILE, ("ELOOP", "d/e/abs")),
     ("d/up/etc", DIR_OPEN, ("ELOOP", "d/up")),
     ("d/e/last", DIR_OPEN, ("ELOOP", "d/e/last")),
+    ("top", DIR_OPEN | os.O_NOFOLLOW, ("ENOTDIR", "top")),  # open(2): O_DIRECTORY | O_NOFOLLOW on a link
     # '..' and absolute paths: never above the start
     ("..", DIR_OPEN, ("EXDEV", "..")),
     ("d/../..", DIR_OPEN, ("EXDEV", "d/../..")),

@@ -10,15 +10,17 @@ answers come from a walk component by component: each directory opened
 with ``O_NOFOLLOW``. ``ISOLATE_NO_OPENAT2=1`` takes that walk always (its
 tests, and a kernel whose openat2 is in doubt).
 
-The answers, either way: a symbolic link anywhere (the last component too,
-unless the flags hold ``O_PATH | O_NOFOLLOW``) is ELOOP; a component on the
-way that is no directory (a file, a FIFO, a device) is ENOTDIR; an absolute
-path, or a ``..`` above the start, is EXDEV, as is a mount point crossed
-with ``same_mount``; a NUL byte is EINVAL. The OSError's filename is the path
-as far as the component refused (``a/link`` of ``a/link/b``), so a caller
-can name it. Only the flags make the last open safe: a FIFO or device there
-is opened as the flags say (``O_NONBLOCK`` and a check of the kind are the
-caller's).
+The answers, either way: a symbolic link anywhere is ELOOP (at the end: the
+link itself with ``O_PATH | O_NOFOLLOW``, ENOTDIR with ``O_DIRECTORY |
+O_NOFOLLOW``, as open(2) answers); a component on the way that is no
+directory (a file, a FIFO, a device) is ENOTDIR; an absolute path, or a
+``..`` above the start, is EXDEV, as is a mount point crossed with
+``same_mount``; a NUL byte is EINVAL. The OSError's filename is the path as
+far as the component refused (``a/link`` of ``a/link/b``), so a caller can
+name it. Only the flags make the last open safe: a FIFO or device there is
+opened as the flags say (``O_NONBLOCK`` and a check of the kind are the
+caller's). ``parent_beneath`` stops short of the last name, ``make_beneath``
+makes the directories missing on the way.
 """
 
 from __future__ import annotations

@@ -498,6 +498,16 @@ int iso_open_idmapped_tree(const char *path, int userns_fd);
  * `pid`; 0, or -1 with errno set. */
 int iso_hold_exec_server(int pid, int hold);
 
+/* Open path below dir_fd as openat2(2) does with RESOLVE_BENEATH |
+ * RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS, and RESOLVE_NO_XDEV when
+ * same_mount (beneath.c): no link followed anywhere, nothing above dir_fd
+ * (an absolute path, a ".." out: EXDEV).  flags are open(2)'s, mode counts
+ * with O_CREAT only.  Returns the descriptor, or -1 with errno set: ENOSYS
+ * (or EPERM from a seccomp filter) where openat2 is missing; EAGAIN after
+ * ISO_BENEATH_TRIES tries that each met a rename or mount racing a "..". */
+#define ISO_BENEATH_TRIES 16
+int iso_open_beneath(int dir_fd, const char *path, int flags, uint32_t mode, int same_mount);
+
 /* Probes for `isolate-run doctor`: 0 when the mechanism works, else an errno. */
 int iso_probe_userns(void);
 

@@ -26,7 +26,7 @@ HEADER = os.path.join(CSRC, "isolate.h")
 CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-fno-strict-aliasing"]
 # The extension's C files; init.c is the init's main, linked on its own.
 CORE_SOURCES = ["spawn.c", "preexec.c", "process.c", "userns.c", "mounts.c", "net.c",
-                "rlimits.c", "caps.c", "landlock.c", "seccomp.c"]
+                "rlimits.c", "caps.c", "landlock.c", "seccomp.c", "beneath.c"]
 INIT_SOURCES = ["init.c", "landlock.c", "supervise.c", "why.c", "execserver.c", "xs_wire.c", "xs_files.c",
                 "xs_monitor.c", "xs_keep.c", "process.c"]
 INIT_NAME = "isolate-init"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 from ..kept.sandbox import Sandbox
-from ..kernel.links import DIR_FLAGS
+from ..kernel.beneath import make_beneath, open_beneath
 from ..kernel.tree import _open_file
 from ..model.errors import IsolationError, PolicyError
 from ..model.files import write_all
@@ -185,13 +185,13 @@ class SandboxFiles:
 class HostFiles:
     """File tools over a plain host directory (no sandbox), never leaving it.
 
-    As openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS): the root is opened
-    once; each path is walked from that descriptor one component at a time,
-    every directory opened ``O_NOFOLLOW | O_DIRECTORY``, the last component
-    ``O_NOFOLLOW`` (a link anywhere is refused, a FIFO is not waited on);
-    ``..`` goes back to the descriptor it came from, and above the root is
-    refused. A file is written through a new temporary file renamed into
-    place, so a link planted at its name is replaced, never written through.
+    The root is opened once; each path is walked from that descriptor by
+    openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) (kernel/beneath.py, which
+    walks component by component where the kernel lacks it), the last
+    component opened ``O_NOFOLLOW | O_NONBLOCK`` (a link anywhere is refused,
+    a FIFO is not waited on); ``..`` above the root is refused. A file is
+    written through a new temporary file renamed into place, so a link
+    planted at its name is replaced, never written through.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
@@ -218,35 +218,17 @@ class HostFiles:
             self.close()
 
     def _walk(self, parts: list[str], path: str, create: bool = False) -> int:
-        """A new descriptor of the directory that parts name beneath the root, reached through no link."""
+        """A new descriptor of the directory that parts name beneath the root, reached through no link (the
+        kernel's walk, kernel/beneath.py); with ``create``, each missing directory made (the umask applies)."""
         if self._fd < 0:
             raise ToolError("the file tools were closed", path)
-        stack = [os.dup(self._fd)]
+        rel = "/".join(parts)
         try:
-            for part in parts:
-                if part == "..":
-                    if len(stack) == 1:
-                        raise ToolError(f"{path}: '..' leads out of the workspace {self.root}; stay inside it", path)
-                    os.close(stack.pop())
-                    continue
-                stack.append(self._open_dir(stack[-1], part, path, create))
-            return stack.pop()
-        finally:
-            for fd in stack:
-                os.close(fd)
-
-    @staticmethod
-    def _open_dir(dir_fd: int, name: str, path: str, create: bool) -> int:
-        try:
-            return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            if not create:
-                raise
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o777, dir_fd=dir_fd)  # the umask applies
-            return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+            return make_beneath(self._fd, rel) if create else open_beneath(self._fd, rel or ".")
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(dir_fd, name):
+            if exc.errno == errno.EXDEV:
+                raise ToolError(f"{path}: '..' leads out of the workspace {self.root}; stay inside it", path) from None
+            if exc.errno == errno.ELOOP:
                 raise _link_refused(path) from None
             raise
 
@@ -348,13 +330,6 @@ class HostFiles:
                 return sorted(out)
             finally:
                 os.close(fd)
-
-
-def _is_link(dir_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 def agent_files(target: Sandbox | str | os.PathLike[str], *, root: str | None = None,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from ..kernel.links import DIR_FLAGS
+from ..kernel.beneath import open_beneath
 from ..model.errors import IsolationError
 from .store import MAX_METADATA_SIZE, verify
 from .tarbound import BoundedTarInfo
@@ -131,31 +131,23 @@ class _Source:
         if self.tar is not None:
             return name in self.members
         try:
-            parent, last = self._parent_beneath(name)
+            fd = self._open_beneath(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (OSError, BadImageError):
             return False
         try:
-            return stat.S_ISREG(os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode)
-        except OSError:
-            return False
+            return stat.S_ISREG(os.fstat(fd).st_mode)
         finally:
-            os.close(parent)
-
-    def _parent_beneath(self, name: str) -> tuple[int, str]:
-        """(descriptor of the directory holding the layout's file ``name``, its last name), reached from the
-        layout's directory with no link followed on the way: a ``blobs`` linked elsewhere had the host read, as
-        the image's blobs, whatever files lay there that the digests named (a root caller's, any file)."""
-        parts = entry_name(name, self.path).split("/")
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for part in parts[:-1]:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = child
-        except BaseException:
             os.close(fd)
-            raise
-        return fd, parts[-1]
+
+    def _open_beneath(self, name: str, flags: int) -> int:
+        """The layout's file ``name`` opened with ``flags``, reached from the layout's directory with no link
+        followed on the way or at its end (kernel/beneath.py): a ``blobs`` linked elsewhere had the host read, as
+        the image's blobs, whatever files lay there that the digests named (a root caller's, any file)."""
+        root = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_beneath(root, entry_name(name, self.path), flags)
+        finally:
+            os.close(root)
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
@@ -172,11 +164,7 @@ class _Source:
         try:
             # Non-blocking, then checked: a FIFO would hang the load, a device (/dev/zero through a linked
             # directory) would be read for ever.
-            parent, last = self._parent_beneath(name)
-            try:
-                fd = os.open(last, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=parent)
-            finally:
-                os.close(parent)
+            fd = self._open_beneath(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             why = "a link or no directory on the way" if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
             raise BadImageError(f"{self.path}: {name}: {why}: refused") from None

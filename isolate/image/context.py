@@ -19,6 +19,7 @@ import stat
 import tarfile
 from collections.abc import Callable
 
+from ..kernel.beneath import parent_beneath
 from ..kernel.links import DIR_FLAGS
 from ..model.files import read_input_file
 from . import Image
@@ -84,32 +85,27 @@ def ignored(rules: list[tuple[bool, re.Pattern[str]]], rel: str) -> bool:
 
 
 def open_beneath(root_fd: int, rel: str, what: str) -> tuple[int, str]:
-    """(descriptor of the parent, last name) of ``rel`` under ``root_fd``: no link on the way, no ``..`` out."""
+    """(descriptor of the parent, last name) of ``rel`` under ``root_fd``: no link on the way, no ``..`` out (the
+    kernel's walk, kernel/beneath.py); the last name is there, and may be a link (copied as one)."""
     parts = [p for p in rel.split("/") if p and p != "."]
     if ".." in parts:
         raise DockerfileError(f"{what}: {rel!r} leads out of the context (..): refused")
-    fd = os.dup(root_fd)
+    if not parts:
+        return os.dup(root_fd), "."
     try:
-        for part in parts[:-1]:
-            try:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise DockerfileError(f"{what}: {rel!r} goes through {part!r}, a link or no directory: refused "
-                                          "(a source is never reached through a link)") from None
-                raise DockerfileError(f"{what}: {rel!r}: {exc.strerror}") from None
-            os.close(fd)
-            fd = child
-        if not parts:
-            return fd, "."
-        try:
-            os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-        except OSError as exc:
-            raise DockerfileError(f"{what}: {rel!r}: {exc.strerror}") from None
-        return fd, parts[-1]
-    except BaseException:
+        fd, last = parent_beneath(root_fd, "/".join(parts))
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            part = os.path.basename(exc.filename or "")  # the walk names the path as far as the refused part
+            raise DockerfileError(f"{what}: {rel!r} goes through {part!r}, a link or no directory: refused "
+                                  "(a source is never reached through a link)") from None
+        raise DockerfileError(f"{what}: {rel!r}: {exc.strerror}") from None
+    try:
+        os.stat(last, dir_fd=fd, follow_symlinks=False)
+    except OSError as exc:
         os.close(fd)
-        raise
+        raise DockerfileError(f"{what}: {rel!r}: {exc.strerror}") from None
+    return fd, last
 
 
 def _matches(root_fd: int, pattern: str, what: str) -> list[str]:

@@ -58,6 +58,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ..kernel.beneath import open_beneath
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 from .budget import CONTENTS, CONTENTS_BYTES, MAX_WINDOW, SMALL_WINDOW, Account, Slot
@@ -743,21 +744,15 @@ class _Unpacker:
     def dir_if_there(self, rel: str) -> int | None:
         """A descriptor of the directory rel, walked from the root with no link followed and nothing made; None
         when a name on the way is not a directory (now)."""
-        parent, _, _ = rel.rpartition("/")
+        parent, _, last = rel.rpartition("/")
         start = self.dirs.get(parent) if parent else self.root_fd
-        parts = [rel.rpartition("/")[2]] if start is not None else rel.split("/")
-        fd = os.dup(start if start is not None else self.root_fd)
-        for part in parts:
-            try:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                    return None
-                raise
-            os.close(fd)
-            fd = child
-        return fd
+        try:
+            return open_beneath(self.root_fd, rel, DIR_FLAGS) if start is None else \
+                open_beneath(start, last, DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                return None
+            raise
 
     def grow(self, size: int, name: str) -> None:
         self.index.size += size

@@ -451,12 +451,13 @@ class Reused:
         return self._move(("image",), dir_fd, name)
 
     def _move(self, parts: tuple[str, ...], dir_fd: int, name: str) -> bool:
-        fd = open_state_dir("sandboxes")
+        from ..backends.native.datadir import open_base
+
         try:
-            for part in (self.key, *parts):
-                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = nxt
+            fd = open_base(self.key, parts)
+        except OSError:
+            return False
+        try:
             os.rename("base", name, src_dir_fd=fd, dst_dir_fd=dir_fd)
         except OSError:
             return False

@@ -9,10 +9,11 @@ an unpacking by path, or by that sandbox's own ``tar``, would write on the host.
 So no program runs and no path is followed: the host parses the archive in
 memory and writes each member through descriptors. The root of each area is
 opened by the sandbox's exec server (in its mount namespace, as the program)
-and sent back; from there every directory is opened one component at a time,
-``O_NOFOLLOW | O_DIRECTORY``, and must lie on the area's own file system (its
-``st_dev``): a host mount inside the area is another file system, a link is
-not followed, and a member beneath either is skipped and reported. Existing
+and sent back; from there every directory is reached by the kernel's walk
+(openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV:
+kernel/beneath.py), which stays on the area's own mount: a host mount inside
+the area is another mount, a link is not followed, and a member beneath
+either is skipped and reported. Existing
 entries that are not the area's (a mount point) are never replaced; files are
 created ``O_EXCL`` and owned by the program's uid.
 """
@@ -29,6 +30,7 @@ from typing import IO, Any
 
 from .._core import lib
 from ..image.tarbound import BoundedTarInfo
+from ..kernel.beneath import make_beneath, open_beneath
 from ..kernel.links import DIR_FLAGS
 
 _CHUNK = 1 << 20
@@ -66,27 +68,18 @@ def _open_area(conn: Any, path: str, host_devs: set[int]) -> Area | None:
 
 def _descend(area: Area, parts: Sequence[str], create: bool) -> int:
     """A descriptor of the directory area/parts, each step on the area's own file system."""
-    fd = os.dup(area.fd)
+    path = "/".join(parts)
     try:
-        for part in parts:
-            try:
-                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise _Skip("its directory is missing") from None
-                os.mkdir(part, 0o700, dir_fd=fd)
-                nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise _Skip("it lies beneath a link or a file") from None
-                raise
-            os.close(fd)
-            fd = nxt
-            if os.fstat(fd).st_dev != area.dev:
-                raise _Skip("it lies in a host directory mounted there")
-        return fd
-    except BaseException:
-        os.close(fd)
+        if create:
+            return make_beneath(area.fd, path, 0o700, same_mount=True)
+        return open_beneath(area.fd, path or ".", DIR_FLAGS, same_mount=True)
+    except FileNotFoundError:
+        raise _Skip("its directory is missing") from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _Skip("it lies beneath a link or a file") from None
+        if exc.errno == errno.EXDEV:  # the walk stays on the area's own mount (RESOLVE_NO_XDEV)
+            raise _Skip("it lies in a host directory mounted there") from None
         raise
 
 

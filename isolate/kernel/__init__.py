@@ -2,7 +2,8 @@
 
 ``landlock`` (rights per ABI), ``seccomp`` (profiles and the BPF compiler),
 ``cgroup`` (v1 and v2), ``mounts`` (the built root), ``overlay`` (an overlay
-workspace), ``grants`` (host paths resolved and re-checked), ``tree`` (a
+workspace), ``grants`` (host paths resolved and re-checked), ``beneath`` (a path
+opened below a directory descriptor, no link followed: openat2), ``tree`` (a
 workspace's tree walked, compared, copied by descriptor), ``places`` (the
 state and runtime directories), ``hostinfo`` (what this host is),
 ``fdwait`` and ``peerchannel`` (descriptors waited on, and a socket kept to

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..model.errors import IsolationError
 from ..model.workspace import Workspace
+from .beneath import open_beneath
 from .links import DIR_FLAGS
 
 _CHUNK = 1 << 20
@@ -128,13 +129,7 @@ def walk(root_fd: int, workspace: Workspace | None = None) -> dict[str, Entry]:
 
 def _open_file(dir_fd: int, rel: str) -> int:
     """A regular file under dir_fd, reached without following any link."""
-    parent_fd = _descend(dir_fd, os.path.dirname(rel))
-    try:
-        fd = os.open(os.path.basename(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=parent_fd)
-    finally:
-        if parent_fd != dir_fd:
-            os.close(parent_fd)
+    fd = open_beneath(dir_fd, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", rel)
@@ -143,15 +138,8 @@ def _open_file(dir_fd: int, rel: str) -> int:
 
 def _descend(dir_fd: int, rel_dir: str) -> int:
     """A descriptor of rel_dir under dir_fd, every component a real directory (dir_fd itself for "")."""
-    fd = dir_fd
-    for part in [p for p in rel_dir.split("/") if p]:
-        try:
-            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-        finally:
-            if fd != dir_fd:
-                os.close(fd)
-        fd = nxt
-    return fd
+    parts = [p for p in rel_dir.split("/") if p]
+    return open_beneath(dir_fd, "/".join(parts), DIR_FLAGS) if parts else dir_fd
 
 
 def _same_content(a_fd: int, b_fd: int) -> bool:

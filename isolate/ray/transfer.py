@@ -23,6 +23,7 @@ import tarfile
 from collections.abc import Callable
 
 from ..image.tarbound import BoundedTarInfo
+from ..kernel.beneath import make_beneath
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 
@@ -72,20 +73,7 @@ def _parts(name: str) -> list[str]:
 
 def _open_parent(root_fd: int, parts: list[str]) -> int:
     """A descriptor of the directory that holds parts[-1], made as needed, no link followed."""
-    fd = os.dup(root_fd)
-    try:
-        for part in parts[:-1]:
-            try:
-                os.mkdir(part, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
-            child = os.open(part, DIR_FLAGS, dir_fd=fd)  # ELOOP/ENOTDIR: a link or a file on the way
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return make_beneath(root_fd, "/".join(parts[:-1]), 0o755)  # ELOOP/ENOTDIR: a link or a file on the way
 
 
 def unpack_tree(data: bytes, into: str) -> None:

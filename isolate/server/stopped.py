@@ -40,6 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernel.beneath import open_beneath
 from ..kernel.links import DIR_FLAGS
 from ..model.errors import IsolationError
 from ..model.policy import Policy
@@ -258,12 +259,8 @@ def _sandboxes() -> int:
 
 def _open_checked(parent: int, parts: tuple[str, ...], identity: tuple[int, int] | None = None) -> int:
     """parts below parent, each opened without following a link; the last one's identity checked."""
-    fd = os.open(parts[0], DIR_FLAGS, dir_fd=parent)
+    fd = open_beneath(parent, "/".join(parts), DIR_FLAGS)
     try:
-        for part in parts[1:]:
-            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
         if identity is not None and _identity(fd) != identity:
             raise IsolationError(f"{'/'.join(parts)}: not the directory isolate made (replaced); not used")
     except BaseException:

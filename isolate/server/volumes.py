@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernel.beneath import open_beneath
 from ..kernel.links import open_directory
 from ..model.errors import PolicyError
 from ..model.policy import Mount
@@ -83,27 +84,35 @@ class Opened:
 def _walk(root: str, relative: list[str], shown: str) -> tuple[int, int]:
     fd = open_directory(root)
     try:
-        for part in relative:
-            try:
-                child = os.open(part, _WALK, dir_fd=fd)
-            except FileNotFoundError:
-                raise _refused(f"volume host path {shown}: does not exist") from None
-            info = os.fstat(child)
-            os.close(fd)
-            fd = child
-            if stat.S_ISLNK(info.st_mode):
-                raise _refused(f"volume host path {shown}: {part} is a link, which is not followed below a volume "
-                               "root (give the real path, under the root)")
-        info = os.fstat(fd)
-        if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
-            raise _refused(f"volume host path {shown}: not a directory or regular file")
-        return info.st_dev, info.st_ino
+        target = open_beneath(fd, "/".join(relative) or ".", _WALK)
     except OSError as exc:
-        if exc.errno == errno.ENOTDIR:
-            raise _refused(f"volume host path {shown}: a component on the way is not a directory") from None
-        raise _refused(f"volume host path {shown}: {exc.strerror}") from None
+        raise _walk_refused(shown, exc) from None
     finally:
         os.close(fd)
+    try:
+        info = os.fstat(target)
+    finally:
+        os.close(target)
+    if stat.S_ISLNK(info.st_mode):  # the last name, opened as itself (O_PATH | O_NOFOLLOW)
+        raise _link_refused(shown, relative[-1])
+    if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+        raise _refused(f"volume host path {shown}: not a directory or regular file")
+    return info.st_dev, info.st_ino
+
+
+def _walk_refused(shown: str, exc: OSError) -> ApiError:
+    if exc.errno == errno.ENOENT:
+        return _refused(f"volume host path {shown}: does not exist")
+    if exc.errno == errno.ELOOP:  # the walk names the path as far as the link
+        return _link_refused(shown, os.path.basename(exc.filename or ""))
+    if exc.errno == errno.ENOTDIR:
+        return _refused(f"volume host path {shown}: a component on the way is not a directory")
+    return _refused(f"volume host path {shown}: {exc.strerror}")
+
+
+def _link_refused(shown: str, part: str) -> ApiError:
+    return _refused(f"volume host path {shown}: {part} is a link, which is not followed below a volume root (give "
+                    "the real path, under the root)")
 
 
 class NamedVolumes:

@@ -16,6 +16,7 @@ import dataclasses
 import os
 from typing import Any
 
+from ...kernel.beneath import open_beneath
 from ...kernel.layers import clone
 from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import Layers, host_refusal, make_layers
@@ -254,14 +255,9 @@ def open_base(key: str, parts: tuple[str, ...] = ("overlay", "base")) -> int:
     only if it is this one)."""
     fd = open_state_dir("sandboxes")
     try:
-        for part in (key, *parts):
-            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    except BaseException:
+        return open_beneath(fd, "/".join((key, *parts)), DIR_FLAGS)
+    finally:
         os.close(fd)
-        raise
-    return fd
 
 
 def remove_dir(path: str, identity: tuple[int, int]) -> None:

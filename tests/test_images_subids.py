@@ -225,6 +225,13 @@ for name in os.listdir(layers):
     if os.path.lexists(place):
         info = os.lstat(place)
         on_disk = {"uid": info.st_uid, "gid": info.st_gid}
+from isolate.cli.image import _record
+inspected = _record(image)["owners"]
+try:
+    with isolate.Sandbox(policy, image_upper="disk"):
+        disk = ""
+except isolate.IsolationError as error:
+    disk = str(error)
 from isolate.image.push import export_layer
 import tarfile
 blob = export_layer(image, image.layers[-1])
@@ -233,9 +240,13 @@ with tarfile.open(blob.path) as tar:
 os.unlink(blob.path)
 image.remove()
 removed = Image.prune(store=store)
+owned_gone = image.layers[-1] in removed and not os.path.lexists(store.layer_dir(image.layers[-1]))
 left = [os.listdir(os.path.join(sys.argv[2], p)) for p in ("layers", "tmp")]
+# The busybox layer is kept while any sandbox on the machine stands on its digest (store.layers_in_use).
+left[0] = [name for name in left[0] if name != image.layers[0].removeprefix("sha256:")]
 print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.stderr, "disk": on_disk,
-                  "enforced": result.report.enforced, "exported": exported, "removed": len(removed), "left": left}))
+                  "enforced": result.report.enforced, "exported": exported, "inspected": inspected, "disk_upper": disk,
+                  "owned_gone": owned_gone, "left": left}))
 """
 
 
@@ -281,7 +292,10 @@ def test_a_caller_with_a_range_keeps_the_images_owners_and_removes_them() -> Non
     assert enforced["id_map"].startswith("newuidmap/newgidmap (subordinate ids)")
     assert enforced["user"] == {"uid": 0, "gid": 0}
     assert "but for 1 entries whose owner is past them" in enforced["image_owners"]
+    assert result["inspected"] == {"kept": True, "other_than_root": {"100:100": 2, "70000:70000": 1}}
+    # An upper layer on disk (commit_image, a build's RUN) would hold subordinate ids' files: refused, in one line.
+    assert "the sandbox maps the caller's subordinate ids" in result["disk_upper"] and "\n" not in result["disk_upper"]
     # Exported again (image push), its owners are the image's, not the host's.
     assert result["exported"]["srv/pg/data"] == [100, 100] and result["exported"]["etc"] == [0, 0]
     # Removed and pruned by the caller: nothing left, though its files were subordinate ids'.
-    assert result["removed"] == 2 and result["left"] == [[], []]
+    assert result["owned_gone"] and result["left"] == [[], []]

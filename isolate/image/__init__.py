@@ -372,6 +372,13 @@ class Image:
                 total[key] = total.get(key, 0) + count
         return total
 
+    def owners_mapped(self) -> bool:
+        """Whether a regular caller's store keeps this image's owners through its subordinate ids (every layer
+        unpacked so, through the same ranges: isolate/image/mapped.py)."""
+        found = [self.store.layer_mapping(digest) for digest in dict.fromkeys(self.layers)]
+        first = found[0] if found else None
+        return first is not None and all(m is not None and m[0] == first[0] for m in found)
+
     def lower_dirs(self) -> builtins.list[str]:
         """The layers' directories, topmost first (overlayfs's lowerdir order). A layer the image names twice
         (buildkit's empty layer often is) is laid once, where it is topmost: overlayfs refuses one directory twice

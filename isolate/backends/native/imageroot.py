@@ -45,6 +45,8 @@ class ImageRoot:
     top: dict[str, str]
     env: dict[str, str]
     stamps: list[str] = field(default_factory=list)
+    #: Each layer's owners.json "mapped" (store.layer_mapping), read once: a layer directory, stamped, never changes.
+    mappings: list[tuple[dict[str, list[int]], int] | None] | None = None
 
 
 def store_path() -> str:
@@ -151,7 +153,9 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
 
 
 def _mappings(root: ImageRoot) -> list[tuple[dict[str, list[int]], int] | None]:
-    return [root.image.store.layer_mapping(d) for d in dict.fromkeys(root.image.layers)]
+    if root.mappings is None:
+        root.mappings = [root.image.store.layer_mapping(d) for d in dict.fromkeys(root.image.layers)]
+    return root.mappings
 
 
 def owned_ranges(root: ImageRoot, ranges_allowed: bool = True) -> SubIds | None:

@@ -250,7 +250,7 @@ print(json.dumps({"rc": result.returncode, "out": result.stdout, "err": result.s
 """
 
 
-def _owners_as_caller() -> dict[str, Any]:
+def _owners_as_caller(**extra_env: str) -> dict[str, Any]:
     """The caller loads an image whose layer gives root's /etc, uid 100's /srv/pg and a file past its range,
     runs stat in a sandbox of it, exports the layer, then removes the image and prunes the store."""
     work = tempfile.mkdtemp(prefix="isolate-owners-")
@@ -270,7 +270,7 @@ def _owners_as_caller() -> dict[str, Any]:
         command = ["setpriv", f"--reuid={CALLER}", f"--regid={CALLER}", "--clear-groups", sys.executable, "-c",
                    _OWNERS_SCRIPT, layout, store]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "ISOLATE_IMAGE_STORE": store,
-               "ISOLATE_STATE_DIR": state}
+               "ISOLATE_STATE_DIR": state, **extra_env}
         done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="/tmp", env=env)
         assert done.returncode == 0, done.stderr
         result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -298,4 +298,26 @@ def test_a_caller_with_a_range_keeps_the_images_owners_and_removes_them() -> Non
     # Exported again (image push), its owners are the image's, not the host's.
     assert result["exported"]["srv/pg/data"] == [100, 100] and result["exported"]["etc"] == [0, 0]
     # Removed and pruned by the caller: nothing left, though its files were subordinate ids'.
+    assert result["owned_gone"] and result["left"] == [[], []]
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["no range", "ISOLATE_IMAGE_OWNERS=caller"])
+def test_without_a_range_or_asked_not_to_the_store_keeps_no_owner_and_says_so(how: str) -> None:
+    if how == "no range":
+        with open(subids.SUBUID) if os.path.exists(subids.SUBUID) else contextlib.nullcontext() as handle:
+            if handle is not None and any(line.split(":")[0] in ("irc", str(CALLER)) for line in handle):
+                pytest.skip("this host gives uid 39 a subordinate range")
+        result = _owners_as_caller()
+    else:
+        with _subordinate_line():
+            result = _owners_as_caller(ISOLATE_IMAGE_OWNERS="caller")
+    assert result["rc"] == 0, result["err"]
+    # Every file the caller's, the run a user namespace of one uid (the image has no User to map a range for).
+    assert result["out"].split("\n")[:4] == ["39 39"] * 4
+    assert result["disk"] == {"uid": CALLER, "gid": CALLER}
+    assert result["enforced"]["image_owners"].startswith("not kept (a regular user's store holds that user's files")
+    assert "100:100 x2" in result["enforced"]["image_owners"]
+    assert result["inspected"]["kept"] is False and result["disk_upper"] == ""  # an upper layer on disk is fine
+    assert result["exported"]["srv/pg/data"] == [0, 0]  # written as root's, what the store holds
     assert result["owned_gone"] and result["left"] == [[], []]

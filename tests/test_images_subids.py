@@ -216,8 +216,8 @@ from isolate.image import Image, Store
 store = Store(sys.argv[2])
 image = Image.load(sys.argv[1], store=store)
 policy = isolate.Policy(image="owners:1", backend="native")
-result = isolate.run(["stat", "-c", "%u %g", "/etc", "/srv/pg", "/srv/pg/data", "/srv/far"], policy=policy,
-                     capture_output=True, text=True, timeout=60)
+result = isolate.run(["sh", "-c", "stat -c '%u %g' /etc /srv/pg /srv/pg/data /srv/far /opt/app/new; ls /opt/app; "
+                      "test -e /srv/gone || echo gone"], policy=policy, capture_output=True, text=True, timeout=60)
 layers = os.path.join(sys.argv[2], "layers")
 on_disk = {}
 for name in os.listdir(layers):
@@ -234,13 +234,13 @@ except isolate.IsolationError as error:
     disk = str(error)
 from isolate.image.push import export_layer
 import tarfile
-blob = export_layer(image, image.layers[-1])
+blob = export_layer(image, image.layers[1])
 with tarfile.open(blob.path) as tar:
     exported = {m.name: [m.uid, m.gid] for m in tar.getmembers()}
 os.unlink(blob.path)
 image.remove()
 removed = Image.prune(store=store)
-owned_gone = image.layers[-1] in removed and not os.path.lexists(store.layer_dir(image.layers[-1]))
+owned_gone = all(d in removed and not os.path.lexists(store.layer_dir(d)) for d in image.layers[1:])
 left = [os.listdir(os.path.join(sys.argv[2], p)) for p in ("layers", "tmp")]
 # The busybox layer is kept while any sandbox on the machine stands on its digest (store.layers_in_use).
 left[0] = [name for name in left[0] if name != image.layers[0].removeprefix("sha256:")]
@@ -260,9 +260,17 @@ def _owners_as_caller(**extra_env: str) -> dict[str, Any]:
                            {"name": "srv", "type": "dir"},
                            {"name": "srv/pg", "type": "dir", "pax": {"uid": "100", "gid": "100"}},
                            {"name": "srv/pg/data", "data": b"x\n", "mode": 0o600, "pax": {"uid": "100", "gid": "100"}},
-                           {"name": "srv/far", "data": b"y\n", "pax": {"uid": "70000", "gid": "70000"}}])
+                           {"name": "srv/far", "data": b"y\n", "pax": {"uid": "70000", "gid": "70000"}},
+                           {"name": "srv/gone", "data": b"z\n"},
+                           {"name": "opt/app", "type": "dir", "pax": {"uid": "100", "gid": "100"}},
+                           {"name": "opt/app/old", "data": b"o\n", "pax": {"uid": "100", "gid": "100"}}])
+        # A whiteout, and an opaque directory of uid 100 (an xattr set on a subordinate id's directory).
+        top = kit.layer([{"name": "srv/.wh.gone"},
+                         {"name": "opt/app", "type": "dir", "pax": {"uid": "100", "gid": "100"}},
+                         {"name": "opt/app/.wh..wh..opq"},
+                         {"name": "opt/app/new", "data": b"n\n", "pax": {"uid": "100", "gid": "100"}}])
         layout = os.path.join(work, "layout")
-        kit.oci_layout(layout, [kit.busybox_layer(), extra], ref="owners:1", Env=["PATH=/bin"])
+        kit.oci_layout(layout, [kit.busybox_layer(), extra, top], ref="owners:1", Env=["PATH=/bin"])
         store, state = os.path.join(work, "store"), os.path.join(work, "state")
         for path in (store, state):
             os.mkdir(path, 0o700)
@@ -285,14 +293,14 @@ def test_a_caller_with_a_range_keeps_the_images_owners_and_removes_them() -> Non
         result = _owners_as_caller()
     assert result["rc"] == 0, result["err"]
     # Inside: root's /etc is root's, uid 100's files are 100's; the owner past the range (70000) is root's.
-    assert result["out"].split("\n")[:4] == ["0 0", "100 100", "100 100", "0 0"]
+    assert result["out"].split("\n") == ["0 0", "100 100", "100 100", "0 0", "100 100", "new", "gone", ""]
     # On disk: uid 100 is the subordinate id 300000 + 100 - 1.
     assert result["disk"] == {"uid": 300099, "gid": 300099}
     enforced = result["enforced"]
     assert enforced["id_map"].startswith("newuidmap/newgidmap (subordinate ids)")
     assert enforced["user"] == {"uid": 0, "gid": 0}
     assert "but for 1 entries whose owner is past them" in enforced["image_owners"]
-    assert result["inspected"] == {"kept": True, "other_than_root": {"100:100": 2, "70000:70000": 1}}
+    assert result["inspected"] == {"kept": True, "other_than_root": {"100:100": 6, "70000:70000": 1}}
     # An upper layer on disk (commit_image, a build's RUN) would hold subordinate ids' files: refused, in one line.
     assert "the sandbox maps the caller's subordinate ids" in result["disk_upper"] and "\n" not in result["disk_upper"]
     # Exported again (image push), its owners are the image's, not the host's.
@@ -314,10 +322,10 @@ def test_without_a_range_or_asked_not_to_the_store_keeps_no_owner_and_says_so(ho
             result = _owners_as_caller(ISOLATE_IMAGE_OWNERS="caller")
     assert result["rc"] == 0, result["err"]
     # Every file the caller's, the run a user namespace of one uid (the image has no User to map a range for).
-    assert result["out"].split("\n")[:4] == ["39 39"] * 4
+    assert result["out"].split("\n") == ["39 39"] * 5 + ["new", "gone", ""]
     assert result["disk"] == {"uid": CALLER, "gid": CALLER}
     assert result["enforced"]["image_owners"].startswith("not kept (a regular user's store holds that user's files")
-    assert "100:100 x2" in result["enforced"]["image_owners"]
+    assert "100:100 x6" in result["enforced"]["image_owners"]
     assert result["inspected"]["kept"] is False and result["disk_upper"] == ""  # an upper layer on disk is fine
     assert result["exported"]["srv/pg/data"] == [0, 0]  # written as root's, what the store holds
     assert result["owned_gone"] and result["left"] == [[], []]

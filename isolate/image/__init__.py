@@ -362,7 +362,8 @@ class Image:
     def foreign_owners(self) -> dict[str, int] | None:
         """The entries of the image's layers their archives give other owners than root, by "UID:GID"; None
         where a layer does not say (unpacked by an earlier isolate). A regular user's store keeps none of them
-        (``store.owners_kept``): there every file is that user's."""
+        (``store.owners_kept``) unless through its subordinate ids (``owners_mapped``): else every file is that
+        user's."""
         total: dict[str, int] = {}
         for digest in dict.fromkeys(self.layers):
             found = self.store.layer_owners(digest)

@@ -50,6 +50,18 @@ def test_malformed_empty_huge_and_overlapping_lines_are_skipped() -> None:
 
 
 @contextlib.contextmanager
+def _no_subordinate_line() -> Iterator[None]:
+    """The block run with no range for uid 39, under the lock (another run's _subordinate_line waits meanwhile)."""
+    os.makedirs(os.path.dirname(LOCK), exist_ok=True)
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(subids.SUBUID) if os.path.exists(subids.SUBUID) else contextlib.nullcontext() as handle:
+            if handle is not None and any(line.split(":")[0] in ("irc", str(CALLER)) for line in handle):
+                pytest.skip("this host gives uid 39 a subordinate range")
+        yield
+
+
+@contextlib.contextmanager
 def _subordinate_line() -> Iterator[None]:
     """LINE in /etc/subuid and /etc/subgid while the block runs; the files as they were after (other lines kept)."""
     os.makedirs(os.path.dirname(LOCK), exist_ok=True)
@@ -164,10 +176,8 @@ def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
 
 @needs_root
 def test_without_a_range_the_caller_runs_as_itself_and_the_report_says_why() -> None:
-    with open(subids.SUBUID) if os.path.exists(subids.SUBUID) else contextlib.nullcontext() as handle:
-        if handle is not None and any(line.split(":")[0] in ("irc", str(CALLER)) for line in handle):
-            pytest.skip("this host gives uid 39 a subordinate range")
-    result = _run_as_caller()
+    with _no_subordinate_line():
+        result = _run_as_caller()
     assert result["rc"] == 0, result["err"]
     assert result["out"].split()[:2] == [str(CALLER), str(CALLER)]
     note = result["report"]["enforced"]["image_user"]
@@ -239,7 +249,8 @@ with tarfile.open(blob.path) as tar:
     exported = {m.name: [m.uid, m.gid] for m in tar.getmembers()}
 os.unlink(blob.path)
 image.remove()
-removed = Image.prune(store=store)
+os.environ["ISOLATE_IMAGE_OWNERS"] = "caller"  # asks new layers to keep no owner: not to leave the kept ones
+removed = Image.prune(store=Store(sys.argv[2]))
 owned_gone = all(d in removed and not os.path.lexists(store.layer_dir(d)) for d in image.layers[1:])
 left = [os.listdir(os.path.join(sys.argv[2], p)) for p in ("layers", "tmp")]
 # The busybox layer is kept while any sandbox on the machine stands on its digest (store.layers_in_use).
@@ -313,10 +324,8 @@ def test_a_caller_with_a_range_keeps_the_images_owners_and_removes_them() -> Non
 @pytest.mark.parametrize("how", ["no range", "ISOLATE_IMAGE_OWNERS=caller"])
 def test_without_a_range_or_asked_not_to_the_store_keeps_no_owner_and_says_so(how: str) -> None:
     if how == "no range":
-        with open(subids.SUBUID) if os.path.exists(subids.SUBUID) else contextlib.nullcontext() as handle:
-            if handle is not None and any(line.split(":")[0] in ("irc", str(CALLER)) for line in handle):
-                pytest.skip("this host gives uid 39 a subordinate range")
-        result = _owners_as_caller()
+        with _no_subordinate_line():
+            result = _owners_as_caller()
     else:
         with _subordinate_line():
             result = _owners_as_caller(ISOLATE_IMAGE_OWNERS="caller")

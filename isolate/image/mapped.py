@@ -52,9 +52,10 @@ _CHUNK = 256 << 10
 OWNERS_ENV = "ISOLATE_IMAGE_OWNERS"
 
 
-def ranges() -> SubIds | None:
-    """The caller's subordinate ids where its store keeps owners through them (a regular caller with some)."""
-    if os.geteuid() == 0 or os.environ.get(OWNERS_ENV) == "caller":
+def ranges(removal: bool = False) -> SubIds | None:
+    """The caller's subordinate ids where its store keeps owners through them (a regular caller with some);
+    ``removal``: whatever OWNERS_ENV says (to remove what was unpacked through them)."""
+    if os.geteuid() == 0 or (os.environ.get(OWNERS_ENV) == "caller" and not removal):
         return None
     found = subids.find(os.geteuid(), os.getegid())
     return found if isinstance(found, SubIds) else None

@@ -304,9 +304,11 @@ class Store:
         try:
             remove_tree(path)
         except PermissionError:
-            ids = self.mapping
+            ids = mapped.ranges(removal=True)
             if ids is None:
-                raise
+                raise IsolationError(f"image store: cannot remove {path}: it holds files of other ids than the "
+                                     "caller's (a layer unpacked through subordinate ids the caller no longer has, "
+                                     "/etc/subuid): give them back, or have root remove it") from None
             mapped.remove(ids, path)
 
     @property

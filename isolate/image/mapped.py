@@ -58,7 +58,13 @@ def ranges(removal: bool = False) -> SubIds | None:
     if os.geteuid() == 0 or (os.environ.get(OWNERS_ENV) == "caller" and not removal):
         return None
     found = subids.find(os.geteuid(), os.getegid())
-    return found if isinstance(found, SubIds) else None
+    if not isinstance(found, SubIds):
+        return None
+    from ..kernel.hostinfo import userns_error
+
+    # No user namespace for this caller (a sysctl, a container's seccomp, AppArmor): the layers are unpacked as
+    # the caller's, as without a range (its sandboxes say so), rather than not at all.
+    return None if userns_error() else found
 
 
 def describe(ids: SubIds) -> dict[str, list[int]]:
@@ -107,8 +113,9 @@ def _mapped(ids: SubIds, argv: list[str], pass_fds: tuple[int, ...] = (),
         helper.wait()
         raise
     finally:
-        for stream in (helper.stdout, helper.stderr):
-            stream.close()
+        for stream in (helper.stdin, helper.stdout, helper.stderr):
+            with contextlib.suppress(OSError):
+                stream.close()
     try:
         result = json.loads(out.decode().splitlines()[-1])
         assert isinstance(result, dict)

@@ -166,8 +166,10 @@ def _record(image: object) -> dict[str, object]:
     return {"reference": image.reference, "id": image.id, "digest": image.digest, "layers": list(image.layers),
             "size": image.size, "created": image.created, "config": dataclasses.asdict(image.config),
             "store": os.path.abspath(image.store.path),
-            # A regular user's store keeps no owner but its user (docs/images.md): what the image gives others.
-            "owners": {"kept": image.store.owners_kept, "other_than_root": image.foreign_owners()}}
+            # A regular user's store keeps no owner but its user, unless through its subordinate ids (docs/images.md):
+            # what the image gives others.
+            "owners": {"kept": image.store.owners_kept or image.owners_mapped(),
+                       "other_than_root": image.foreign_owners()}}
 
 
 def _megabytes(size: int) -> str:

@@ -362,7 +362,8 @@ class Image:
     def foreign_owners(self) -> dict[str, int] | None:
         """The entries of the image's layers their archives give other owners than root, by "UID:GID"; None
         where a layer does not say (unpacked by an earlier isolate). A regular user's store keeps none of them
-        (``store.owners_kept``): there every file is that user's."""
+        (``store.owners_kept``) unless through its subordinate ids (``owners_mapped``): else every file is that
+        user's."""
         total: dict[str, int] = {}
         for digest in dict.fromkeys(self.layers):
             found = self.store.layer_owners(digest)
@@ -371,6 +372,13 @@ class Image:
             for key, count in found.items():
                 total[key] = total.get(key, 0) + count
         return total
+
+    def owners_mapped(self) -> bool:
+        """Whether a regular caller's store keeps this image's owners through its subordinate ids (every layer
+        unpacked so, through the same ranges: isolate/image/mapped.py)."""
+        found = [self.store.layer_mapping(digest) for digest in dict.fromkeys(self.layers)]
+        first = found[0] if found else None
+        return first is not None and all(m is not None and m[0] == first[0] for m in found)
 
     def lower_dirs(self) -> builtins.list[str]:
         """The layers' directories, topmost first (overlayfs's lowerdir order). A layer the image names twice

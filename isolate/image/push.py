@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..kernel.links import DIR_FLAGS
+from ..model.errors import IsolationError
+from . import mapped
 from .export import GZIP_LAYER, LayerBlob, remember, write_layer
 from .reference import Reference
 from .registry import Client, RegistryError
@@ -72,9 +74,24 @@ def export_layer(image: Image, digest: str) -> LayerBlob:
     path = os.path.join(store.path, "tmp", f"export-{hex_[:16]}-{os.getpid()}-{threading.get_ident()}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+    what = f"image {image.reference}: layer {digest[:19]}"
+    kept = store.layer_mapping(digest)
+    if kept is not None:  # its files are subordinate ids': read, and their owners written, inside the ranges
+        ids = store.mapping
+        if ids is None or mapped.describe(ids) != kept[0]:
+            raise IsolationError(f"{what}: its files keep their owners through subordinate ids the caller no longer "
+                                 "has as they were (/etc/subuid, /etc/subgid): give them back to export it")
+        try:
+            blob = mapped.export(ids, store.layer_root(digest), path, what)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        remember(store, digest, blob)
+        return blob
     root_fd = os.open(store.layer_root(digest), DIR_FLAGS)
     try:
-        blob = write_layer(root_fd, path, what=f"image {image.reference}: layer {digest[:19]}")
+        blob = write_layer(root_fd, path, what=what)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -8,8 +8,9 @@ Layout (``Store.path``: ``--image-store DIR``, ``$ISOLATE_IMAGE_STORE``, else
 - ``layers/HEX/root``: a layer unpacked (isolate/image/unpack.py), HEX its
   blob's digest; ``layers/HEX/index.json`` what it holds, and
   ``layers/HEX/owners.json`` the owners other than root its archive gives
-  (kept on disk in a root's store only). A layer two images share is
-  unpacked once;
+  (kept on disk in a root's store, and in that of a regular user with
+  subordinate ids, through them: mapped.py, which the file then names). A
+  layer two images share is unpacked once;
 - ``images/KEY.json``: an image: its reference, manifest digest, config and
   layers (KEY: the hash of the reference);
 - ``locks/``: a lock file per digest (concurrent pulls of one layer, from
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -40,8 +42,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..kernel.subids import SubIds
 from ..model.errors import IsolationError
-from . import budget, leases
+from . import budget, leases, mapped
 from .unpack import BadImageError, LayerIndex, owners_of, remove_tree, unpack
 
 STORE_ENV = "ISOLATE_IMAGE_STORE"
@@ -162,8 +165,8 @@ class Store:
                 except PermissionError:
                     continue
             try:
-                remove_tree(os.path.join(tmp, name))
-            except OSError:
+                self._remove(os.path.join(tmp, name))
+            except (OSError, IsolationError):
                 pass
 
     def layer_dir(self, digest: str) -> str:
@@ -227,7 +230,8 @@ class Store:
             if self.has_layer(digest):
                 return self.layer_index(digest)
             work = os.path.join(self.path, "tmp", f"layer-{hex_}-{os.getpid()}-{threading.get_ident()}")
-            remove_tree(work)
+            self._remove(work)
+            ids, unkept = self.mapping, 0
             os.mkdir(work, 0o700)
             try:
                 os.mkdir(os.path.join(work, "root"), 0o755)
@@ -237,7 +241,11 @@ class Store:
                     # opened, so that no more downloads than unpacks are under way either.
                     with budget.slot() as held, opener() as raw:
                         reader = _HashingReader(raw, self.max_image_size, what)
-                        unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size, slot=held)
+                        if ids is not None:
+                            unpacked, unkept = mapped.unpack(ids, reader, root_fd, what=what,
+                                                             max_size=self.max_image_size)
+                        else:
+                            unpacked = unpack(reader, root_fd, what=what, max_size=self.max_image_size, slot=held)
                         reader.drain()
                 finally:
                     os.close(root_fd)
@@ -250,22 +258,58 @@ class Store:
                 with open(os.path.join(work, "index.json"), "w", encoding="utf-8") as handle:
                     json.dump(unpacked.index.to_json(), handle)
                 with open(os.path.join(work, OWNERS_FILE), "w", encoding="utf-8") as handle:
-                    json.dump({"owners": unpacked.index.owners}, handle)  # read alone, without the index
+                    # Read alone, without the index; "mapped": the ranges the owners were written through.
+                    json.dump({"owners": unpacked.index.owners, **({"mapped": mapped.describe(ids),
+                                                                   "unkept": unkept} if ids else {})}, handle)
                 os.chmod(work, 0o755)
                 os.rename(work, self.layer_dir(digest))
             except BaseException:
-                remove_tree(work)
+                self._remove(work)
                 raise
             return unpacked.index
+
+    def _owners_file(self, digest: str) -> Any:
+        try:
+            with open(os.path.join(self.layer_dir(digest), OWNERS_FILE), encoding="utf-8") as handle:
+                return json.load(handle)
+        except (OSError, ValueError):
+            return None
 
     def layer_owners(self, digest: str) -> dict[str, int] | None:
         """The entries of a layer the archive gave other owners than root, by "UID:GID" (LayerIndex.owners);
         None where the layer does not say (unpacked by an earlier isolate)."""
-        try:
-            with open(os.path.join(self.layer_dir(digest), OWNERS_FILE), encoding="utf-8") as handle:
-                return owners_of(json.load(handle))
-        except (OSError, ValueError):
+        return owners_of(self._owners_file(digest))
+
+    def layer_mapping(self, digest: str) -> tuple[dict[str, list[int]], int] | None:
+        """A regular caller's layer unpacked with its owners (mapped.py): the ranges they were written through
+        (as mapped.describe gives them) and how many entries' owners were past them; None where it was not."""
+        found = self._owners_file(digest)
+        ranges = found.get("mapped") if isinstance(found, dict) else None
+        if not isinstance(ranges, dict) or not all(
+                isinstance(ranges.get(k), list) and len(ranges[k]) == 2 and all(isinstance(n, int) for n in ranges[k])
+                for k in ("uids", "gids")):
             return None
+        unkept = found.get("unkept")
+        return {k: list(ranges[k]) for k in ("uids", "gids")}, unkept if isinstance(unkept, int) else 0
+
+    @functools.cached_property
+    def mapping(self) -> SubIds | None:
+        """The caller's subordinate ids, where the layers this store unpacks keep their owners through them (a
+        regular caller with a range: mapped.py); None where they are all the caller's, or kept as root keeps them.
+        Asked once per Store (a layer unpacked holds the ranges it was written through, in its owners.json)."""
+        return mapped.ranges()
+
+    def _remove(self, path: str) -> None:
+        """rm -r path, from inside the caller's ranges where a subordinate id's directory refuses the caller."""
+        try:
+            remove_tree(path)
+        except PermissionError:
+            ids = mapped.ranges(removal=True)
+            if ids is None:
+                raise IsolationError(f"image store: cannot remove {path}: it holds files of other ids than the "
+                                     "caller's (a layer unpacked through subordinate ids the caller no longer has, "
+                                     "/etc/subuid): give them back, or have root remove it") from None
+            mapped.remove(ids, path)
 
     @property
     def owners_kept(self) -> bool:
@@ -371,7 +415,7 @@ class Store:
             removed = []
             for name in os.listdir(os.path.join(self.path, "layers")):
                 if _HEX.match(name) and name not in used_layers:
-                    remove_tree(os.path.join(self.path, "layers", name))
+                    self._remove(os.path.join(self.path, "layers", name))
                     removed.append("sha256:" + name)
             blobs = os.path.join(self.path, "blobs", "sha256")
             for name in os.listdir(blobs):

@@ -23,7 +23,9 @@ mounted with ``userxattr``). Set-id bits are dropped: no copy of a set-id
 file lies on the host (and the sandbox's root is mounted nosuid, where they
 would do nothing anyway). Other extended attributes are not applied.
 Owners are kept for a root caller (the sandbox maps root, and the program's
-own uid); a regular user's store holds that user's files only, and the
+own uid), and in a user namespace of a regular caller's subordinate ids
+(mapped.py's helper: ``id_limits``, an owner past them left root's and
+counted); otherwise a regular user's store holds that user's files only. The
 layer's index counts the entries the archive gave other owners than root
 (``owners``: what a sandbox and ``image inspect`` say of them).
 
@@ -293,6 +295,7 @@ MAX_NAME_BYTES = 256 << 20
 class Unpacked:
     index: LayerIndex
     diff_id: str  # sha256 of the uncompressed tar stream
+    unkept: int = 0  # entries whose owner is past ``id_limits`` (left the caller's)
 
 
 class _Parser:
@@ -373,11 +376,14 @@ class _Parser:
         self.thread.join()
 
 
-def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None, slot: Slot | None = None) -> Unpacked:
+def unpack(blob: io.RawIOBase, root_fd: int, *, what: str, max_size: int | None, slot: Slot | None = None,
+           id_limits: tuple[int, int] | None = None) -> Unpacked:
     """Unpack the layer read from ``blob`` into the empty directory ``root_fd``. ``slot``: the caller's hold on
-    budget.SLOTS (taken for all of them where the layer's decompression needs a large window)."""
+    budget.SLOTS (taken for all of them where the layer's decompression needs a large window). ``id_limits``:
+    the last uid and gid the user namespace maps (mapped.py's helper): an entry owned past them is left root's."""
     account = CONTENTS.account()
     unpacker = _Unpacker(root_fd, what, max_size, account)
+    unpacker.limits = id_limits
     ahead = parser = None
     try:
         try:
@@ -425,7 +431,7 @@ def _unpack(ahead: _Ahead, parser: _Parser, tar_stream: _Counting, unpacker: _Un
             raise IsolationError(f"{what}: cannot unpack: {exc.strerror or exc}") from None
         raise BadImageError(f"{what}: its compressed stream is damaged ({exc})") from None
     unpacker.finish()
-    return Unpacked(unpacker.index, "sha256:" + tar_stream.sha.hexdigest())
+    return Unpacked(unpacker.index, "sha256:" + tar_stream.sha.hexdigest(), unpacker.unkept)
 
 
 def entry_name(name: str, what: str) -> str:
@@ -450,6 +456,8 @@ class _Unpacker:
         self.files: set[str] = set()  # regular files written, the only targets a hard link may have
         self.dir_modes: list[tuple[str, int, float]] = []
         self.root = os.geteuid() == 0
+        self.limits: tuple[int, int] | None = None  # the last uid and gid mapped (mapped.py), when not all are
+        self.unkept = 0  # entries whose owner is past them
         self.dirs: dict[str, int] = {}  # directories parent() walked, open, by path in the layer
         #: While the layer only adds names: the threads making them, and what each name made is ("d": a
         #: directory, "f": a regular file, "o": anything else). None once an entry replaced one (see the
@@ -565,6 +573,8 @@ class _Unpacker:
             self.whiteout(rel, base, member)
             return
         self.index.own(member)
+        if not self.keeps(member) and (member.uid or member.gid):
+            self.unkept += 1
         if member.issym():
             if "\0" in member.linkname:
                 raise self.refuse(member.name, "is a link with a NUL byte")
@@ -759,12 +769,16 @@ class _Unpacker:
         if self.max_size is not None and self.index.size > self.max_size:
             raise self.refuse(name, f"takes the layer past max_image_size ({self.max_size} bytes)")
 
+    def keeps(self, member: tarfile.TarInfo) -> bool:
+        """Whether member's owner is written (root's owners all; within the namespace's ranges, see limits)."""
+        return self.root and (self.limits is None or (member.uid <= self.limits[0] and member.gid <= self.limits[1]))
+
     def own(self, dir_fd: int, name: str, member: tarfile.TarInfo) -> None:
-        if self.root:
+        if self.keeps(member):
             os.chown(name, member.uid, member.gid, dir_fd=dir_fd, follow_symlinks=False)
 
     def own_fd(self, fd: int, member: tarfile.TarInfo) -> None:
-        if self.root:
+        if self.keeps(member):
             os.fchown(fd, member.uid, member.gid)
 
     def finish(self) -> None:

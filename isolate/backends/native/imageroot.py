@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._core import lib
-from ...image import Image, view
+from ...image import Image, mapped, view
 from ...kernel import hostinfo, mounts, subids
 from ...kernel.hostinfo import userns_error
 from ...kernel.links import DIR_FLAGS
@@ -45,6 +45,8 @@ class ImageRoot:
     top: dict[str, str]
     env: dict[str, str]
     stamps: list[str] = field(default_factory=list)
+    #: Each layer's owners.json "mapped" (store.layer_mapping), read once: a layer directory, stamped, never changes.
+    mappings: list[tuple[dict[str, list[int]], int] | None] | None = None
 
 
 def store_path() -> str:
@@ -114,17 +116,21 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
     """The image's User, where the caller can run the program as another uid: a root caller, or a regular one
     with subordinate ids (then returned: the sandbox maps them through newuidmap, kernel/subids.py); else the
     ids given, the image's User noted as not applied, and why."""
+    owned = None if root_caller else owned_ranges(root, ranges_allowed)
     user = root.image.config.user
     if not user or policy.uid is not None:
-        return uid, gid, None
+        return (0, 0, owned) if owned is not None else (uid, gid, None)  # the caller: root inside its ranges
     name, _, group = user.partition(":")
     found_uid, found_gid = _lookup(root, name, "etc/passwd"), _lookup(root, group, "etc/group") if group else None
     if found_uid is None:
         raise PolicyError(f"image {root.image.reference}: its User {user!r} is not in its /etc/passwd", "image")
     new_gid = found_gid[0] if found_gid else (found_uid[1] if found_uid[1] >= 0 else found_uid[0])
     ranges: SubIds | None = None
-    if found_uid[0] != 0 and not root_caller and found_uid[0] != uid:
-        found = subids.find(os.geteuid(), os.getegid()) if ranges_allowed else (
+    if owned is not None and found_uid[0] == 0:
+        enforced["image_user"] = user
+        return 0, new_gid, owned
+    if found_uid[0] != 0 and not root_caller and (found_uid[0] != uid or owned is not None):
+        found = owned or subids.find(os.geteuid(), os.getegid()) if ranges_allowed else (
             "preexec_fn has no parent to run newuidmap: use isolate.run, isolate.Popen or isolate.Sandbox")
         if isinstance(found, str):
             enforced["image_user"] = (f"{user} not applied: the program runs as uid {uid} (the caller's own: a user "
@@ -146,12 +152,50 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
     return found_uid[0], new_gid, ranges
 
 
+def _mappings(root: ImageRoot) -> list[tuple[dict[str, list[int]], int] | None]:
+    if root.mappings is None:
+        root.mappings = [root.image.store.layer_mapping(d) for d in dict.fromkeys(root.image.layers)]
+    return root.mappings
+
+
+def owned_ranges(root: ImageRoot, ranges_allowed: bool = True) -> SubIds | None:
+    """A regular caller's subordinate ids where the image's layers keep their owners through them (the store's
+    mapped.py): the sandbox maps them, and shows each file's owner as the image gives it; None where the layers
+    are all the caller's. Refused where the layers were unpacked some with ranges and some without, or with
+    ranges the caller no longer has: their files would show as no one's, the program could not read them."""
+    found = _mappings(root)
+    if all(m is None for m in found):
+        return None
+    again = "remove the image, prune (isolate-run image prune) and pull or load it again"
+    name = f"image {root.image.reference}"
+    first = found[0]
+    if first is None or any(m is None or m[0] != first[0] for m in found):
+        raise UnsupportedError(f"{name}: its layers were unpacked some with the caller's subordinate ids (their "
+                               f"owners kept) and some without, or with other ranges: {again}")
+    if not ranges_allowed:
+        raise UnsupportedError(f"{name}: its files keep their owners through the caller's subordinate ids, which "
+                               "preexec_fn cannot map (it has no parent to run newuidmap): use isolate.run, "
+                               "isolate.Popen or isolate.Sandbox")
+    ids = subids.find(os.geteuid(), os.getegid())
+    if isinstance(ids, str) or first[0] != mapped.describe(ids):
+        start, count = first[0]["uids"]
+        raise UnsupportedError(f"{name}: its files keep their owners through the subordinate uids {start}-"
+                               f"{start + count - 1} (and gids), which the caller no longer has as they were ("
+                               f"{ids if isinstance(ids, str) else ids.describe()}): give them back, or {again}")
+    return ids
+
+
 def owners_note(root: ImageRoot, program_uid: int, ranges: SubIds | None) -> str | None:
-    """What a regular caller's sandbox shows of the owners the image gives its files (its store keeps none: every
-    file is the caller's), where the image gives some other than root; None where it gives none or the store
-    keeps them (a root's)."""
+    """What a regular caller's sandbox shows of the owners the image gives its files (its store keeps none where
+    it has no subordinate ids: every file is the caller's), where the image gives some other than root; None
+    where it gives none or the store keeps them (a root's, or through the caller's ranges, all of them)."""
     if root.image.store.owners_kept:
         return None
+    if ranges is not None and (found := _mappings(root)) and all(m is not None for m in found):
+        unkept = sum(m[1] for m in found if m is not None)
+        return None if not unkept else (
+            f"kept through the caller's subordinate ids, but for {unkept} entries whose owner is past them (uids "
+            f"1-{ranges.uids.count}, gids 1-{ranges.gids.count}): those are root's in this sandbox")
     others = root.image.foreign_owners()
     if others == {}:
         return None
@@ -162,8 +206,9 @@ def owners_note(root: ImageRoot, program_uid: int, ranges: SubIds | None) -> str
     shown = (f"root's: the program (uid {program_uid}) reads and writes only what their modes let others, its "
              "own user's files of the image too" if ranges is not None else
              f"uid {program_uid}'s, the program's own: it may read and write them all, whatever their modes")
-    return (f"not kept (a regular user's store holds that user's files only): {given}; in this sandbox every file "
-            f"of the image is {shown}")
+    why = ("a regular user's store holds that user's files only, unless it has subordinate ids (/etc/subuid) when "
+           "the image is pulled")
+    return f"not kept ({why}): {given}; in this sandbox every file of the image is {shown}"
 
 
 def caller_inside(policy: Policy) -> int:

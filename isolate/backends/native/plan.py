@@ -199,12 +199,15 @@ def prepare(
     if image_upper is not None:
         assert cmounts is not None
         if plan.newuidmap != ffi.NULL:
-            # The program's files in the upper layer would belong to a subordinate id on the host: the caller
-            # could neither read them back (commit_image, a snapshot) nor remove them with the sandbox.
+            # The program's files in the upper layer (and the image's files copied up, which keep their owners
+            # through the ranges) would belong to a subordinate id on the host: the caller could neither read them
+            # back (commit_image, a snapshot) nor remove them with the sandbox.
             raise UnsupportedError(
-                f"image: its User runs as a subordinate id of the caller (uid {static.program_uid} inside), whose "
-                f"files in an upper layer on disk ({image_upper.purpose}) the caller could neither read back nor "
-                f"remove: use the tmpfs upper layer (image_upper='tmpfs'), or run as the caller (uid={os.geteuid()})")
+                f"image: the sandbox maps the caller's subordinate ids (its User, uid {static.program_uid} inside, "
+                "or the owners of the image's files, kept through them), whose files in an upper layer on disk "
+                f"({image_upper.purpose}) the caller could neither read back nor remove: use the tmpfs upper layer "
+                f"(image_upper='tmpfs'), or run as the caller (uid={os.geteuid()}) an image pulled without "
+                "subordinate ids (ISOLATE_IMAGE_OWNERS=caller, then pull into another store or after a prune)")
         close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
                                                      static.program_gid, cstr))
         shown = dict(enforced.get("image") or {})

@@ -122,7 +122,8 @@ def _layout(directory: str, user: str) -> str:
     return path
 
 
-def _run_as_caller(user: str = "www-data", helpers: str | None = None) -> dict[str, Any]:
+def _run_as_caller(user: str = "www-data", helpers: str | None = None,
+                   owners: str | None = "subids") -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="isolate-subids-")
     try:
         os.chmod(work, 0o755)
@@ -139,7 +140,7 @@ def _run_as_caller(user: str = "www-data", helpers: str | None = None) -> dict[s
         command = ["setpriv", f"--reuid={CALLER}", f"--regid={CALLER}", "--clear-groups", sys.executable, "-c",
                    _SCRIPT, layout, store, *([helpers] if helpers else [])]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "ISOLATE_IMAGE_STORE": store,
-               "ISOLATE_STATE_DIR": state}
+               "ISOLATE_STATE_DIR": state, **({"ISOLATE_IMAGE_OWNERS": owners} if owners else {})}
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/tmp", env=env)
         assert done.returncode == 0, done.stderr
         result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -155,17 +156,25 @@ needs_root = pytest.mark.skipif(not ROOT or bool(NAMESPACES_WHY) or not os.path.
 
 
 @needs_root
-def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap() -> None:
+@pytest.mark.parametrize("owners", [None, "subids"])
+def test_a_caller_with_a_range_runs_the_images_user_through_newuidmap(owners: str | None) -> None:
     with _subordinate_line():
-        result = _run_as_caller()
+        result = _run_as_caller(owners=owners)
     assert result["rc"] == 0, result["err"]
     uid, gid, owner = result["out"].split()
     assert (uid, gid) == ("33", "33")  # the image's User, not the caller's 39
-    # The store of a caller with subordinate ids keeps the image's owners through them: www-data's file is 33's.
-    assert owner == "33"
     enforced = result["report"]["enforced"]
     assert enforced["image_user"] == "www-data"
-    assert "image_owners" not in enforced  # every owner kept: nothing to say
+    if owners:
+        # Asked to, the store keeps the image's owners through the caller's range: www-data's file is 33's.
+        assert owner == "33"
+        assert "image_owners" not in enforced  # every owner kept: nothing to say
+    else:
+        # By default a regular user's store holds that user's files only: the caller's, root inside ...
+        assert owner == "0"
+        # ... and the report says so, and how to keep them.
+        assert "33:0 x1" in enforced["image_owners"] and "root's: the program (uid 33)" in enforced["image_owners"]
+        assert "ISOLATE_IMAGE_OWNERS=subids" in enforced["image_owners"]
     assert result["doctor"] == [True, "an image's User runs as that user: " + enforced["id_map"]]
     assert result["kept"] == "33\n"  # a kept sandbox's exec server takes the caller, root inside, as its peer
     # An upper layer on disk would hold files of a subordinate id: refused (the caller could not remove them).
@@ -301,7 +310,7 @@ def _owners_as_caller(**extra_env: str) -> dict[str, Any]:
 @needs_root
 def test_a_caller_with_a_range_keeps_the_images_owners_and_removes_them() -> None:
     with _subordinate_line():
-        result = _owners_as_caller()
+        result = _owners_as_caller(ISOLATE_IMAGE_OWNERS="subids")
     assert result["rc"] == 0, result["err"]
     # Inside: root's /etc is root's, uid 100's files are 100's; the owner past the range (70000) is root's.
     assert result["out"].split("\n") == ["0 0", "100 100", "100 100", "0 0", "100 100", "new", "gone", ""]
@@ -321,10 +330,13 @@ def test_a_caller_with_a_range_keeps_the_images_owners_and_removes_them() -> Non
 
 
 @needs_root
-@pytest.mark.parametrize("how", ["no range", "ISOLATE_IMAGE_OWNERS=caller"])
+@pytest.mark.parametrize("how", ["no range", "a range, by default", "ISOLATE_IMAGE_OWNERS=caller"])
 def test_without_a_range_or_asked_not_to_the_store_keeps_no_owner_and_says_so(how: str) -> None:
     if how == "no range":
         with _no_subordinate_line():
+            result = _owners_as_caller(ISOLATE_IMAGE_OWNERS="subids")
+    elif how == "a range, by default":  # opt-in: a build's RUN (an upper layer on disk) must keep working
+        with _subordinate_line():
             result = _owners_as_caller()
     else:
         with _subordinate_line():

@@ -1,8 +1,9 @@
 """A regular caller's layers with their owners: unpacked, exported and removed in a user namespace of its ranges.
 
 A regular user cannot chown. Where it has subordinate ids (kernel/subids.py:
-``/etc/subuid``, ``/etc/subgid`` and the set-id helpers), its store keeps the
-owners a layer's archive gives, as rootless podman does: the layer is
+``/etc/subuid``, ``/etc/subgid`` and the set-id helpers) and asks for it
+(``ISOLATE_IMAGE_OWNERS=subids``), its store keeps the owners a layer's
+archive gives, as rootless podman does: the layer is
 unpacked by a helper process (``python -m isolate.image.mapped``) in a user
 namespace whose maps the parent writes through newuidmap/newgidmap, the caller
 as 0 and its ranges as 1 to COUNT. The archive's owner U lands on disk as the
@@ -46,16 +47,19 @@ CLONE_NEWUSER = 0x10000000
 _CHUNK = 256 << 10
 
 
-#: Set to ``caller``: a regular caller's store unpacks every layer as the caller's files even where it has
-#: subordinate ids (as before them: an image whose sandboxes need an upper layer on disk, a build's RUN or
-#: commit_image, which such a store's images refuse). Read when a Store first unpacks or removes a layer.
+#: Set to ``subids``: a regular caller's store keeps the image's owners through its subordinate ids. Opt-in:
+#: such an image's sandboxes map the ranges, and an upper layer on disk (a build's RUN, commit_image, a
+#: snapshot) is refused for them, which a store of the caller's files (the default, ``caller``) allows; a
+#: Debian or Ubuntu user has a range by default, and their builds must not start failing. Read when a Store
+#: first unpacks or removes a layer.
 OWNERS_ENV = "ISOLATE_IMAGE_OWNERS"
+OWNERS_KEPT = "subids"
 
 
 def ranges(removal: bool = False) -> SubIds | None:
-    """The caller's subordinate ids where its store keeps owners through them (a regular caller with some);
-    ``removal``: whatever OWNERS_ENV says (to remove what was unpacked through them)."""
-    if os.geteuid() == 0 or (os.environ.get(OWNERS_ENV) == "caller" and not removal):
+    """The caller's subordinate ids where its store keeps owners through them (a regular caller with some that
+    asked for it: OWNERS_ENV); ``removal``: whatever OWNERS_ENV says (to remove what was unpacked through them)."""
+    if os.geteuid() == 0 or (os.environ.get(OWNERS_ENV) != OWNERS_KEPT and not removal):
         return None
     found = subids.find(os.geteuid(), os.getegid())
     if not isinstance(found, SubIds):

@@ -206,8 +206,8 @@ def owners_note(root: ImageRoot, program_uid: int, ranges: SubIds | None) -> str
     shown = (f"root's: the program (uid {program_uid}) reads and writes only what their modes let others, its "
              "own user's files of the image too" if ranges is not None else
              f"uid {program_uid}'s, the program's own: it may read and write them all, whatever their modes")
-    why = ("a regular user's store holds that user's files only, unless it has subordinate ids (/etc/subuid) when "
-           "the image is pulled")
+    why = ("a regular user's store holds that user's files only, unless it has subordinate ids (/etc/subuid) and "
+           "ISOLATE_IMAGE_OWNERS=subids when the image is pulled")
     return f"not kept ({why}): {given}; in this sandbox every file of the image is {shown}"
 
 

@@ -207,7 +207,7 @@ def prepare(
                 "or the owners of the image's files, kept through them), whose files in an upper layer on disk "
                 f"({image_upper.purpose}) the caller could neither read back nor remove: use the tmpfs upper layer "
                 f"(image_upper='tmpfs'), or run as the caller (uid={os.geteuid()}) an image pulled without "
-                "subordinate ids (ISOLATE_IMAGE_OWNERS=caller, then pull into another store or after a prune)")
+                "subordinate ids (ISOLATE_IMAGE_OWNERS unset or 'caller', then into another store or after a prune)")
         close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
                                                      static.program_gid, cstr))
         shown = dict(enforced.get("image") or {})

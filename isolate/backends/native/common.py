@@ -67,9 +67,12 @@ class _Static:
     #: An image's store (image.Store) and the layer directories its sandboxes stand on (their leases).
     image_store: Any = None
     image_layers: tuple[str, ...] = ()
+    #: An image's root (imageroot.ImageRoot): its record's bytes are a premise of the plan, its inode is not.
+    image_root: Any = None
 
     def fresh(self) -> bool:
-        """Whether every granted path is still the inode it was when the plan was made."""
+        """Whether every granted path is still the inode it was when the plan was made, and an image's name
+        still the image it was."""
         for path, stamp in self.stamps:
             try:
                 info = os.stat(path)
@@ -77,6 +80,10 @@ class _Static:
                 return False
             if (info.st_dev, info.st_ino) != stamp:
                 return False
+        if self.image_root is not None:
+            from .imageroot import record_unchanged
+
+            return record_unchanged(self.image_root)
         return True
 
     def __del__(self, _close: Callable[[list[int]], None] = _close_all) -> None:

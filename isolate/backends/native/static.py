@@ -615,6 +615,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         image_command=image_root.image.config if image_root is not None else None,
         image_store=image_root.image.store if image_root is not None else None,
         image_layers=tuple(os.path.dirname(d) for d in image_root.lowers) if image_root is not None else (),
+        image_root=image_root,
     )
 
 

@@ -19,7 +19,9 @@ SHA-256, not the environment); it records, and the
 binary re-checks before every replay: the identity (device, inode, type) of
 each descriptor the plan uses, reopened by path at the same number; the
 inode of every path the policy names (or its absence); the contents of the
-profile and seccomp files; the host facts the plan depends on (boot id, user
+profile and seccomp files (read before planning used them, and again after), and
+of an image's record (an inode number is no premise for a file renamed over
+anew: a later one gets it); the host facts the plan depends on (boot id, user
 namespace and ptrace sysctls); the size and time of the binary, and of every
 file of this package that planning ran (each imported module's, the init's) and
 the directories holding them. The cache lives in isolate's private runtime

@@ -163,7 +163,7 @@ def _describes(content: bytes, image: Image) -> bool:
 
     try:
         found = Image._from_record(json.loads(content), image.store)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
     return (found.reference, found.digest, found.layers, found.config) == (
         image.reference, image.digest, image.layers, image.config)

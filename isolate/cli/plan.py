@@ -40,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..model.files import write_all
+from ..model.files import read_input_file, write_all
 
 #: Environment variables between the binary and this module; never part of a key, never passed on.
 ENV_BINARY = "ISOLATE_RUN_BINARY"  # the binary's path: this process may exec it back
@@ -207,10 +207,11 @@ def _stamp(path: str) -> tuple[int, int, int]:
 
 
 def _contents(path: str) -> bytes | None:
+    """A profile's or seccomp file's bytes, read as the policy reads them (never blocking on a FIFO); None where
+    it cannot be read (then no plan rests on it)."""
     try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError:
+        return read_input_file(path)
+    except (OSError, ValueError):
         return None
 
 

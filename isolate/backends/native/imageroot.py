@@ -17,7 +17,6 @@ host's root is still at /oldroot).
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -88,25 +87,12 @@ _RECORD_MAX = 1 << 20
 
 def record_bytes(path: str) -> bytes | None:
     """An image record's bytes as they are now (None: gone, or no regular file of a sane size)."""
+    from ...model.files import read_input_file
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        return read_input_file(path, limit=_RECORD_MAX, follow=False)
+    except (OSError, ValueError):
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _RECORD_MAX:
-            return None
-        data = b""
-        while len(data) <= _RECORD_MAX:
-            chunk = os.read(fd, _RECORD_MAX + 1 - len(data))
-            if not chunk:
-                return data
-            data += chunk
-        return None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def record_unchanged(root: ImageRoot) -> bool:

@@ -38,6 +38,16 @@ class _Refusals:
         self.warnings.append(f"not enforced: {message}")
 
 
+def input_bytes(path: str) -> bytes | None:
+    """A file the caller named as input (a seccomp profile), as the policy reads it; None where it cannot."""
+    from ...model.files import read_input_file
+
+    try:
+        return read_input_file(path)
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass
 class _Static:
     """The part of a plan that depends only on the policy, the directory and the caller: cached."""
@@ -69,10 +79,12 @@ class _Static:
     image_layers: tuple[str, ...] = ()
     #: An image's root (imageroot.ImageRoot): its record's bytes are a premise of the plan, its inode is not.
     image_root: Any = None
+    #: Files the plan was compiled from (a seccomp profile), and their bytes then (None: unreadable).
+    contents: list[tuple[str, bytes | None]] = field(default_factory=list)
 
     def fresh(self) -> bool:
-        """Whether every granted path is still the inode it was when the plan was made, and an image's name
-        still the image it was."""
+        """Whether every granted path is still the inode it was when the plan was made, every file it was
+        compiled from holds what it held, and an image's name is still the image it was."""
         for path, stamp in self.stamps:
             try:
                 info = os.stat(path)
@@ -80,6 +92,8 @@ class _Static:
                 return False
             if (info.st_dev, info.st_ino) != stamp:
                 return False
+        if any(input_bytes(path) != content for path, content in self.contents):
+            return False
         if self.image_root is not None:
             from .imageroot import record_unchanged
 

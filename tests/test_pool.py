@@ -249,3 +249,43 @@ def test_a_forked_childs_exit_leaves_its_parents_sandbox_whole(tmp_path: object)
                             cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['kept'] the parent's", result.stdout
+
+
+def test_a_child_forked_while_other_threads_plan_runs_its_own_sandboxes() -> None:
+    # A module-level lock held by another thread at the fork (the plan cache's, while that thread planned) was
+    # held for good in the child: its first run waited for ever (135 children of 200 here, before).
+    from isolate.backends.native import plan
+
+    checked = box_policy()
+    # Once first, in this thread: the threads below then import nothing (a module being imported by another
+    # thread at the fork is Python's own lock, held for good in the child, whatever isolate does).
+    assert isolate.run(["true"], policy=checked, timeout=30).returncode == 0
+    stop = threading.Event()
+
+    def planning() -> None:
+        while not stop.is_set():
+            plan._static_for(checked, os.getcwd(), False)
+
+    threads = [threading.Thread(target=planning, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = isolate.run(["true"], policy=checked, timeout=30).returncode
+                finally:
+                    os._exit(0 if code == 0 else 1)
+            deadline = time.monotonic() + 15
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child's run hung or failed"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()

@@ -30,6 +30,7 @@ from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import Step
 from ...kernel.subids import SubIds
 from ...model.errors import PolicyError, UnsupportedError
+from ...model.forks import fork_safe
 from ...model.policy import Policy
 
 STAGING_LAYERS = "/.isolate-image"
@@ -66,7 +67,7 @@ def store_path() -> str:
 #: read the store's record, parsed the name, and listed the layers' top levels again.
 _LOADED: OrderedDict[tuple[str, str], tuple[tuple[tuple[int, int, int], ...], ImageRoot]] = OrderedDict()
 _LOADED_SIZE = 32
-_LOADED_LOCK = threading.Lock()
+_LOADED_LOCK = fork_safe(threading.Lock())
 
 
 def _stamp(paths: list[str]) -> tuple[tuple[int, int, int], ...] | None:

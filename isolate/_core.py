@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from .model.errors import UnsupportedError
+from .model.forks import fork_safe
 
 try:
     from ._native import ffi, lib
@@ -22,7 +23,7 @@ __all__ = ["INIT_PATH", "ffi", "init_fd", "lib", "step_name"]
 
 
 _INIT_FD: list[int] = []
-_INIT_FD_LOCK = threading.Lock()
+_INIT_FD_LOCK = fork_safe(threading.Lock())
 
 
 def init_fd() -> int:

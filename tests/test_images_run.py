@@ -219,6 +219,35 @@ def test_a_name_loaded_again_is_the_new_image_in_the_next_sandbox(store: str, tm
             assert box.exec(["cat", "/version"], text=True).stdout == f"{number}\n"
 
 
+def test_a_name_loaded_again_with_another_config_on_its_records_old_inode_is_the_new_config(
+        store: str, tmp_path: Path, workdir: str) -> None:
+    # Each load writes the name's record anew, renamed over the old one; ext4 gives the next new file the inode
+    # number just freed, so after two loads the record had the number it had at the last run. The same layers
+    # with another Env (or User, Cmd): the cached plans (Python's and isolate-run's) rested on that number and ran
+    # the old config. The loads alternate until the number comes back (it does at once here; never on tmpfs).
+    layer = kit.busybox_layer()
+    for name in "ABC":
+        kit.oci_layout(str(tmp_path / name), [layer], ref="config:1", Env=["PATH=/bin", f"VERSION={name}"])
+    record = Store(store)._record_path(str(isolate.image.Reference.parse("config:1")))
+    policy = isolate.Policy(image="config:1", backend="native")
+    env = dict(os.environ, ISOLATE_RUN_TRACE="1")
+
+    def both() -> tuple[str, str]:
+        api = isolate.run(["sh", "-c", "echo $VERSION"], policy=policy, capture_output=True, text=True, timeout=60)
+        cli = subprocess.run([ISOLATE_RUN, "--image", "config:1", "--", "sh", "-c", "echo $VERSION"], cwd=workdir,
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert api.returncode == 0 and cli.returncode == 0, (api.stderr, cli.stderr)
+        return api.stdout.strip(), cli.stdout.strip()
+
+    Image.load(tmp_path / "A", store=Store(store))
+    assert both() == ("A", "A") and both() == ("A", "A")  # the second run replays
+    for turn in range(6):  # two loads a turn: B C, A B, C A ... (each turn ends on another name)
+        inode = os.stat(record).st_ino
+        for name in ("ABC" * 5)[2 * turn + 1: 2 * turn + 3]:
+            Image.load(tmp_path / name, store=Store(store))
+        assert both() == (name, name), (turn, "the record's inode came back:", inode == os.stat(record).st_ino)
+
+
 def test_owners_a_regular_users_store_does_not_keep_are_said_by_the_sandbox_and_inspect(
         store: str, tmp_path: Path) -> None:
     app = {"uid": "1000", "gid": "1000"}

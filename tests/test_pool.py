@@ -201,3 +201,91 @@ def test_a_warm_sandbox_its_ttl_ended_is_not_handed_out() -> None:
         time.sleep(2)
         with pool.acquire() as box:
             assert box.exec(["/bin/true"]).returncode == 0
+
+
+def test_a_forked_child_is_never_handed_its_parents_warm_sandboxes() -> None:
+    # A process forked after the pool warmed up (a pre-forking server's workers, multiprocessing's fork) held
+    # the same warm sandboxes: the child and the parent were each handed the first of them, one sandbox for two
+    # users, each seeing the other's files.
+    marker = f"child-{uuid.uuid4().hex[:8]}"
+    with isolate.SandboxPool(box_policy(), size=1) as pool:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read)
+                with pool.acquire(timeout=60) as box:
+                    box.exec(f"echo x > /tmp/{marker}; echo x > {marker}")
+                    os.write(write, f"{box._impl.process.pid}\n".encode())
+            except BaseException as exc:
+                os.write(write, f"error {exc!r}\n".encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as answer:
+            said = answer.read().strip()
+        os.waitpid(pid, 0)
+        assert said.isdigit(), said
+        with pool.acquire(timeout=60) as box:
+            assert box._impl.process.pid != int(said)
+            assert box.exec(f"ls -a /tmp . | grep -c {marker}").stdout.split() == ["0"]
+
+
+def test_a_forked_childs_exit_leaves_its_parents_sandbox_whole(tmp_path: object) -> None:
+    # A child forked from a process holding a sandbox runs, at its (normal) exit, the finalizers it inherited:
+    # they removed the parent's sandbox's files, its workspace among them (the parent's diff then failed).
+    script = (
+        "import os, sys, isolate\n"
+        "from isolate.model.policy import Policy\n"
+        f"box = isolate.Sandbox(Policy(read={python_read()!r}, write=()))\n"
+        "box.start()\n"
+        "box.write_file('kept', 'the parent\\'s')\n"
+        "if os.fork() == 0:\n"
+        "    sys.exit(0)\n"
+        "os.wait()\n"
+        "print(box.diff().added, box.read_file('kept'))\n"
+        "box.close()\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['kept'] the parent's", result.stdout
+
+
+def test_a_child_forked_while_other_threads_plan_runs_its_own_sandboxes() -> None:
+    # A module-level lock held by another thread at the fork (the plan cache's, while that thread planned) was
+    # held for good in the child: its first run waited for ever (135 children of 200 here, before).
+    from isolate.backends.native import plan
+
+    checked = box_policy()
+    # Once first, in this thread: the threads below then import nothing (a module being imported by another
+    # thread at the fork is Python's own lock, held for good in the child, whatever isolate does).
+    assert isolate.run(["true"], policy=checked, timeout=30).returncode == 0
+    stop = threading.Event()
+
+    def planning() -> None:
+        while not stop.is_set():
+            plan._static_for(checked, os.getcwd(), False)
+
+    threads = [threading.Thread(target=planning, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = isolate.run(["true"], policy=checked, timeout=30).returncode
+                finally:
+                    os._exit(0 if code == 0 else 1)
+            deadline = time.monotonic() + 15
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child's run hung or failed"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()

@@ -392,6 +392,23 @@ def test_json_profile_is_obeyed(workdir: str) -> None:
     assert plain.stdout.split() == ["ok", "ok", "ok"] and plain.report.denied == []
 
 
+def test_a_profile_file_changed_between_two_runs_of_one_policy_applies_to_the_second(workdir: str) -> None:
+    # The plan of a policy is cached by the policy, which names the file: a profile tightened (or loosened)
+    # meanwhile kept the filter compiled from what it held first, for every later run of the process.
+    profile = os.path.join(workdir, "changing.json")
+    code = "import os\ntry:\n    os.getcwd(); print('ok')\nexcept OSError as e:\n    print(e.errno)\n"
+    checked = None
+    for refused in (False, True, False):
+        with open(profile, "w") as handle:
+            json.dump({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [
+                {"names": ["getcwd"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}] if refused else []},
+                handle)
+        checked = checked or policy(seccomp=profile)  # one policy for the three runs
+        result = isolate_run(py(code), policy=checked, cwd=workdir, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == [str(errno.EPERM) if refused else "ok"], refused
+
+
 BAD_PROFILES: list[tuple[str, str, list[str]]] = [
     ("invalid-json", '{"defaultAction": "SCMP_ACT_ALLOW",\n "syscalls": [\n  {"names": ["read"],, }]}',
      ["line 3", "column"]),

@@ -19,7 +19,9 @@ SHA-256, not the environment); it records, and the
 binary re-checks before every replay: the identity (device, inode, type) of
 each descriptor the plan uses, reopened by path at the same number; the
 inode of every path the policy names (or its absence); the contents of the
-profile and seccomp files; the host facts the plan depends on (boot id, user
+profile and seccomp files (read before planning used them, and again after), and
+of an image's record (an inode number is no premise for a file renamed over
+anew: a later one gets it); the host facts the plan depends on (boot id, user
 namespace and ptrace sysctls); the size and time of the binary, and of every
 file of this package that planning ran (each imported module's, the init's) and
 the directories holding them. The cache lives in isolate's private runtime
@@ -38,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..model.files import write_all
+from ..model.files import read_input_file, write_all
 
 #: Environment variables between the binary and this module; never part of a key, never passed on.
 ENV_BINARY = "ISOLATE_RUN_BINARY"  # the binary's path: this process may exec it back
@@ -204,6 +206,15 @@ def _stamp(path: str) -> tuple[int, int, int]:
     return 1, info.st_dev, info.st_ino
 
 
+def _contents(path: str) -> bytes | None:
+    """A profile's or seccomp file's bytes, read as the policy reads them (never blocking on a FIFO); None where
+    it cannot be read (then no plan rests on it)."""
+    try:
+        return read_input_file(path)
+    except (OSError, ValueError):
+        return None
+
+
 def _package_files() -> list[tuple[str, int, int]]:
     """(path, size, mtime) of the package's code the plan was made with: the file of every module of the
     package this process has imported (called once the plan is made: what planning ran is among them),
@@ -243,7 +254,14 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         command = command[1:]
     if not command or command[0] == "--":
         raise NotCovered("no command")
+    # The contents a plan rests on are read before they are used, and again when the plan is written: a file
+    # changed in between would leave a plan of its old contents resting on its new ones, replayed for good.
+    inputs: dict[str, bytes | None] = {}
+    if options.profile:
+        inputs[os.path.abspath(options.profile)] = _contents(options.profile)
     policy = flags.policy_from_args(options)
+    if policy.seccomp not in ("default", "strict", "none", None) and os.path.isfile(str(policy.seccomp)):
+        inputs[os.path.abspath(str(policy.seccomp))] = _contents(str(policy.seccomp))
     if set(policy.keep_env) & set(SHELL_NOISE + MARKERS):
         raise NotCovered("keep_env names a variable the key leaves out")
     if isinstance(policy.network, Egress):
@@ -316,16 +334,16 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
             except OSError:
                 content = None
             w.data(content)
-        inputs = []
-        if options.profile:
-            inputs.append(os.path.abspath(options.profile))
-        if policy.seccomp not in ("default", "strict", "none", None) and os.path.isfile(str(policy.seccomp)):
-            inputs.append(os.path.abspath(str(policy.seccomp)))
+        for path, content in inputs.items():
+            if content is None or _contents(path) != content:
+                raise NotCovered(f"{path} changed while the plan was made")
+        if static.image_root is not None:
+            # The image's record, by its bytes: its inode is reused by a later pull or load of the name.
+            inputs[static.image_root.stamps[0]] = static.image_root.record
         w.u32(len(inputs))
-        for path in inputs:
+        for path, content in inputs.items():
             w.data(path)
-            with open(path, "rb") as handle:
-                w.data(handle.read())
+            w.data(content)
         named = [os.path.normpath(os.path.join(cwd, os.path.expanduser(p)))
                  for p in (*policy.read, *policy.write, *policy.unix_sockets)]
         named += [os.path.join(cwd, m.source) for m in policy.binds]

@@ -44,6 +44,7 @@ from typing import IO, Any
 
 from ..kernel.subids import SubIds
 from ..model.errors import IsolationError
+from ..model.forks import fork_safe, in_child
 from . import budget, leases, mapped
 from .unpack import BadImageError, LayerIndex, owners_of, remove_tree, unpack
 
@@ -57,7 +58,8 @@ _HEX = re.compile(r"^[0-9a-f]{64}$")
 #: Where an image between two build steps (or committed with no name) is kept: its tag is its config digest.
 INTERMEDIATE = "localhost/isolate-build"
 _thread_locks: dict[str, threading.Lock] = {}
-_thread_locks_guard = threading.Lock()
+_thread_locks_guard = fork_safe(threading.Lock())
+in_child(_thread_locks.clear)  # a lock of the parent's threads, held at the fork, would be held for good
 
 
 def digest_hex(digest: str, what: str) -> str:

@@ -20,6 +20,7 @@ interpreter.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -74,6 +75,10 @@ class SandboxPool:
         #: When each warm sandbox's ttl ends it (by id; none without a ttl): an ended one is never handed out.
         self._ends: dict[int, float] = {}
         self._ttl = sandbox_kwargs.get("ttl")
+        #: The process the pool's sandboxes are of: a child forked since shares none of them (see _forked).
+        self._pid = os.getpid()
+        #: A forked child's hold on its parent's warm sandboxes: never handed out, never ended here.
+        self._parents: list[Sandbox] = []
         self._warm.extend(self._note(time.monotonic(), create_many(self.size, self.policy, **sandbox_kwargs)))
 
     def __repr__(self) -> str:
@@ -88,8 +93,27 @@ class SandboxPool:
     @property
     def stats(self) -> dict[str, int]:
         """How many sandboxes are warm, handed out and starting now."""
+        self._forked()
         with self._lock:
             return {"warm": len(self._warm), "in_use": len(self._in_use), "starting": self._starting}
+
+    def _forked(self) -> None:
+        """In a child forked since the pool started, forget what is the parent's: its warm sandboxes (the parent
+        hands them out too: one sandbox would serve two users, the parent's and the child's), those it handed
+        out or is starting, its filler thread (absent here) and its lock (held for good if another thread held it
+        at the fork). They stay referenced, unused: collected here, their finalizers would remove the parent's
+        files. The child's pool starts its own sandboxes."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._parents.extend(self._warm)
+        self._lock = threading.Condition()
+        self._warm = deque()
+        self._in_use = set()
+        self._starting = 0
+        self._filler = None
+        self._error = None
+        self._ends = {}
 
     # -- handing out -----------------------------------------------------------------
 
@@ -103,6 +127,7 @@ class SandboxPool:
 
     def acquire_many(self, n: int, timeout: float | None = None) -> list[Sandbox]:
         """n sandboxes at once: the warm ones, and the rest started side by side."""
+        self._forked()
         n = whole_number(n, "n", 1)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or math.isnan(timeout) or timeout < 0):
@@ -177,6 +202,7 @@ class SandboxPool:
 
     def _released(self, box: Sandbox) -> None:
         """A handed-out sandbox was closed (ended by Sandbox.close): make room, start its replacement."""
+        self._forked()
         with self._lock:
             self._in_use.discard(id(box))
             self._lock.notify_all()
@@ -185,6 +211,7 @@ class SandboxPool:
     # -- keeping size warm -------------------------------------------------------------
 
     def _refill(self) -> None:
+        self._forked()
         with self._lock:
             if self._closed or self._filler is not None:
                 return
@@ -223,6 +250,7 @@ class SandboxPool:
 
     def resize(self, size: int) -> None:
         """Keep ``size`` warm from now on: more start in the background, the warm ones past it end."""
+        self._forked()
         size = whole_number(size, "size", 0)
         if self.max_size is not None and size > self.max_size:
             raise PolicyError(f"size: {size} is above max_size {self.max_size}", "size")
@@ -235,6 +263,7 @@ class SandboxPool:
 
     def close(self) -> None:
         """End the warm sandboxes; those handed out end at their release. Idempotent."""
+        self._forked()
         with self._lock:
             self._closed = True
             warm, self._warm = list(self._warm), deque()

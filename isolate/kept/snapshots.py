@@ -294,7 +294,7 @@ class ForkPoint:
         self.snapshot = snapshot
         self.open = forks
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot)
+        self._finalizer = weakref.finalize(self, _remove_quietly, snapshot, os.getpid())
 
     def release(self) -> None:
         with self._lock:
@@ -308,7 +308,9 @@ class ForkPoint:
         self._finalizer()
 
 
-def _remove_quietly(snapshot: Snapshot) -> None:
+def _remove_quietly(snapshot: Snapshot, maker: int = 0) -> None:
+    if maker and maker != os.getpid():
+        return  # a child forked since (its exit runs the finalizers it inherited): the snapshot is its parent's
     try:
         snapshot.remove()
     except (OSError, IsolationError):

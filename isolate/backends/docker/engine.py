@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...model.errors import IsolationError, SetupError, UnsupportedError
+from ...model.forks import fork_safe
 
 #: Environment variable naming the image used when a policy names none.
 IMAGE_ENV = "ISOLATE_DOCKER_IMAGE"
@@ -21,7 +22,7 @@ ENGINE_TIMEOUT = 60.0
 # The engine
 
 
-_client_lock = threading.Lock()
+_client_lock = fork_safe(threading.Lock())
 _clients: dict[tuple[str, ...], Any] = {}
 _engines: dict[int, EngineInfo] = {}
 

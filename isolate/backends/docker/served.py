@@ -245,7 +245,8 @@ class DockerKept:
             Registry().record(SandboxRecord(engine_address(), self.box_name, self.container_id, spec.config_hash,
                                             kept_hash, spec.image, now, now))
             if self.name is None:
-                self._finalizer = weakref.finalize(self, _remove_all, self.box_name, self.container_id)
+                self._finalizer = weakref.finalize(self, _remove_all, self.box_name, self.container_id, None,
+                                                   os.getpid())
         except BaseException:
             if self.container_id is not None:
                 with contextlib.suppress(Exception):
@@ -628,7 +629,9 @@ def remove_files(name: str, identities: dict[str, Any] | None = None) -> None:
         remove_dir(paths.data, data)
 
 
-def _remove_all(name: str, container_id: str, identities: dict[str, Any] | None = None) -> None:
+def _remove_all(name: str, container_id: str, identities: dict[str, Any] | None = None, maker: int = 0) -> None:
+    if maker and maker != os.getpid():
+        return  # a child forked since (its exit runs the finalizers it inherited): the container is its parent's
     from . import engine_address
     from .kept import remove_container
 

@@ -38,6 +38,16 @@ class _Refusals:
         self.warnings.append(f"not enforced: {message}")
 
 
+def input_bytes(path: str) -> bytes | None:
+    """A file the caller named as input (a seccomp profile), as the policy reads it; None where it cannot."""
+    from ...model.files import read_input_file
+
+    try:
+        return read_input_file(path)
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass
 class _Static:
     """The part of a plan that depends only on the policy, the directory and the caller: cached."""
@@ -67,9 +77,14 @@ class _Static:
     #: An image's store (image.Store) and the layer directories its sandboxes stand on (their leases).
     image_store: Any = None
     image_layers: tuple[str, ...] = ()
+    #: An image's root (imageroot.ImageRoot): its record's bytes are a premise of the plan, its inode is not.
+    image_root: Any = None
+    #: Files the plan was compiled from (a seccomp profile), and their bytes then (None: unreadable).
+    contents: list[tuple[str, bytes | None]] = field(default_factory=list)
 
     def fresh(self) -> bool:
-        """Whether every granted path is still the inode it was when the plan was made."""
+        """Whether every granted path is still the inode it was when the plan was made, every file it was
+        compiled from holds what it held, and an image's name is still the image it was."""
         for path, stamp in self.stamps:
             try:
                 info = os.stat(path)
@@ -77,6 +92,12 @@ class _Static:
                 return False
             if (info.st_dev, info.st_ino) != stamp:
                 return False
+        if any(input_bytes(path) != content for path, content in self.contents):
+            return False
+        if self.image_root is not None:
+            from .imageroot import record_unchanged
+
+            return record_unchanged(self.image_root)
         return True
 
     def __del__(self, _close: Callable[[list[int]], None] = _close_all) -> None:

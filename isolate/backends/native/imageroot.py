@@ -30,6 +30,7 @@ from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import Step
 from ...kernel.subids import SubIds
 from ...model.errors import PolicyError, UnsupportedError
+from ...model.forks import fork_safe
 from ...model.policy import Policy
 
 STAGING_LAYERS = "/.isolate-image"
@@ -47,6 +48,10 @@ class ImageRoot:
     stamps: list[str] = field(default_factory=list)
     #: Each layer's owners.json "mapped" (store.layer_mapping), read once: a layer directory, stamped, never changes.
     mappings: list[tuple[dict[str, list[int]], int] | None] | None = None
+    #: The image's record (``stamps[0]``) as it was read: a plan made of this root rests on these bytes. Its
+    #: inode is no premise: each pull or load writes a new file renamed over the old one, and the file system
+    #: gives a later one the number the first had (ext4 does at once), with another image's config.
+    record: bytes = b""
 
 
 def store_path() -> str:
@@ -64,7 +69,7 @@ def store_path() -> str:
 #: read the store's record, parsed the name, and listed the layers' top levels again.
 _LOADED: OrderedDict[tuple[str, str], tuple[tuple[tuple[int, int, int], ...], ImageRoot]] = OrderedDict()
 _LOADED_SIZE = 32
-_LOADED_LOCK = threading.Lock()
+_LOADED_LOCK = fork_safe(threading.Lock())
 
 
 def _stamp(paths: list[str]) -> tuple[tuple[int, int, int], ...] | None:
@@ -79,6 +84,25 @@ def _stamp(paths: list[str]) -> tuple[tuple[int, int, int], ...] | None:
     return tuple(found)
 
 
+#: The largest image record read as a premise (a record is a few KiB: its config's Env, Cmd...).
+_RECORD_MAX = 1 << 20
+
+
+def record_bytes(path: str) -> bytes | None:
+    """An image record's bytes as they are now (None: gone, or no regular file of a sane size)."""
+    from ...model.files import read_input_file
+
+    try:
+        return read_input_file(path, limit=_RECORD_MAX, follow=False)
+    except (OSError, ValueError):
+        return None
+
+
+def record_unchanged(root: ImageRoot) -> bool:
+    """Whether the image's record still holds the bytes ``root`` was made of (the name still means it)."""
+    return bool(root.stamps) and record_bytes(root.stamps[0]) == root.record
+
+
 def load(policy: Policy) -> ImageRoot:
     """The policy's image, from the store (ISOLATE_IMAGE_STORE's or the caller's): the last one loaded for the
     same store and name while its record and layers are the ones it was made of."""
@@ -86,19 +110,30 @@ def load(policy: Policy) -> ImageRoot:
     key = (store_path(), policy.image)
     with _LOADED_LOCK:
         cached = _LOADED.get(key)
-    if cached is not None and _stamp(cached[1].stamps) == cached[0]:
+    if cached is not None and _stamp(cached[1].stamps) == cached[0] and record_unchanged(cached[1]):
         with _LOADED_LOCK:
             if key in _LOADED:
                 _LOADED.move_to_end(key)
         return cached[1]
-    image = Image.get(policy.image)
-    lowers = image.lower_dirs()
-    if not lowers:
-        raise UnsupportedError(f"image {image.reference}: it has no layers")
-    record = image.store._record_path(image.reference)
-    stamps = [record, *(os.path.dirname(d) for d in lowers)]
-    stamp = _stamp(stamps)
-    root = ImageRoot(image, lowers, view.top_level(lowers), image.config.environment(), stamps=stamps)
+    for _ in range(3):
+        image = Image.get(policy.image)
+        lowers = image.lower_dirs()
+        if not lowers:
+            raise UnsupportedError(f"image {image.reference}: it has no layers")
+        record = image.store._record_path(image.reference)
+        stamps = [record, *(os.path.dirname(d) for d in lowers)]
+        stamp = _stamp(stamps)
+        # The record's bytes, read after the image was, must describe it (a pull or load in between pairs the
+        # new record with the old image): then they are the premise of every plan made of this root.
+        content = record_bytes(record)
+        if content is not None and _describes(content, image):
+            break
+    else:
+        raise UnsupportedError(f"image {policy.image}: its record in the image store changed while it was read, "
+                               "three times over: try again")
+    assert content is not None
+    root = ImageRoot(image, lowers, view.top_level(lowers), image.config.environment(), stamps=stamps,
+                     record=content)
     # Kept only when the record read again after the stamp is still this image (one replaced between the
     # first read and the stamp would pair the new record's stamp with the old image).
     again = Image.find(policy.image)
@@ -109,6 +144,18 @@ def load(policy: Policy) -> ImageRoot:
             while len(_LOADED) > _LOADED_SIZE:
                 _LOADED.popitem(last=False)
     return root
+
+
+def _describes(content: bytes, image: Image) -> bool:
+    """Whether a record's bytes are ``image``'s: its digest, layers and config."""
+    import json
+
+    try:
+        found = Image._from_record(json.loads(content), image.store)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return (found.reference, found.digest, found.layers, found.config) == (
+        image.reference, image.digest, image.layers, image.config)
 
 
 def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller: bool,

@@ -310,7 +310,8 @@ class NativeSandbox:
                                                 "", "", now, now))
             if self.name is None:
                 # An unnamed sandbox dies with its creator; its files go at exit or collection at the latest.
-                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity, self.copy)
+                self._finalizer = weakref.finalize(self, _remove_files, self.paths, self.data_identity, self.copy,
+                                                   os.getpid())
         except BaseException as exc:
             close_layer_fds(layers)
             if listener is not None:
@@ -681,9 +682,13 @@ def _kill_and_wait(init: int, timeout: float = 10.0) -> None:
         os.close(pidfd)
 
 
-def _remove_files(paths: Paths, data: tuple[int, int] | None, copy: str | None = None) -> None:
+def _remove_files(paths: Paths, data: tuple[int, int] | None, copy: str | None = None, maker: int = 0) -> None:
     """Remove the socket and description; with data (its identity), the data directory start() made, and then
-    the private copy it used (``copy``: its token) if nothing else uses it."""
+    the private copy it used (``copy``: its token) if nothing else uses it. ``maker``: the process that started
+    the sandbox; a child forked since removes nothing (its exit runs the finalizers it inherited, and the
+    sandbox, its workspace included, is its parent's)."""
+    if maker and maker != os.getpid():
+        return
     for path in (paths.socket, paths.meta, paths.egress):
         with _suppress_missing():
             os.unlink(path)

@@ -33,6 +33,7 @@ from ...model.errors import (
     SetupError,
     UnsupportedError,
 )
+from ...model.forks import fork_safe
 from ...model.policy import Egress, Policy
 from . import egress as egress_plan
 from . import imageroot, why
@@ -101,7 +102,7 @@ class Prepared:
 
 _STATIC_CACHE: OrderedDict[tuple[Any, ...], _Static] = OrderedDict()
 _STATIC_CACHE_SIZE = 16
-_STATIC_LOCK = threading.Lock()
+_STATIC_LOCK = fork_safe(threading.Lock())
 
 
 def _static_for(policy: Policy, run_cwd: str, for_preexec: bool) -> _Static:

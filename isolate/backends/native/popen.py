@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._core import ffi, lib
 from ...model.errors import UnsupportedError
+from ...model.forks import fork_safe, in_child
 from ...model.policy import Policy
 from ...model.report import Report, status_for
 from .. import native
@@ -338,8 +339,17 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
 
 
 _reap_queue: queue.SimpleQueue[int] = queue.SimpleQueue()
-_reaper_lock = threading.Lock()
+_reaper_lock = fork_safe(threading.Lock())
 _reaper_started = False
+
+
+def _no_reaper() -> None:
+    """A forked child has no reaper thread, and its parent's queue names the parent's children."""
+    global _reap_queue, _reaper_started
+    _reap_queue, _reaper_started = queue.SimpleQueue(), False
+
+
+in_child(_no_reaper)
 
 
 def _reaper() -> None:

@@ -22,7 +22,7 @@ from ...model.policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, 
 from ...model.units import milliseconds_up
 from . import egress as egress_plan
 from . import imageroot
-from .common import NOBODY, _Refusals, _Static
+from .common import NOBODY, _Refusals, _Static, input_bytes
 from .environment import _no_ns_tmpdir, _plan_home
 from .filters import _apply_seccomp, _report_host_reach
 from .limits import _cgroup_needs
@@ -548,6 +548,10 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     deny_setid = bool(write or rw_sources)
     seccomp_unix = {"supervisor": "supervise-sendto" if egress else "supervise",
                     "seccomp-no-unix-sockets": "deny"}.get(unix_mode, "")
+    # A profile file's contents are a premise of this plan (read before the filter is compiled from them): the
+    # plan is cached by the policy, which names the file, not what it holds.
+    contents = [(policy.seccomp, input_bytes(policy.seccomp))] if isinstance(policy.seccomp, str) and \
+        policy.seccomp not in ("default", "strict", "none") else []
     _apply_seccomp(policy, plan, keep, enforced, refusals, deny_sockets, deny_setid,
                    notify=use_ns and not for_preexec, unix_sockets=seccomp_unix, deny_host_reach=not use_ns)
     if not use_ns:
@@ -615,6 +619,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         image_command=image_root.image.config if image_root is not None else None,
         image_store=image_root.image.store if image_root is not None else None,
         image_layers=tuple(os.path.dirname(d) for d in image_root.lowers) if image_root is not None else (),
+        image_root=image_root, contents=contents,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ...model.errors import SetupError, UnsupportedError
+from ...model.forks import fork_safe
 from ...model.policy import Limits
 from .fs import (
     CgroupUnavailableError,
@@ -51,7 +52,7 @@ _CFS_PERIOD_US = 100_000
 _counter = itertools.count()
 
 
-_counter_lock = threading.Lock()
+_counter_lock = fork_safe(threading.Lock())
 
 
 _swept = False

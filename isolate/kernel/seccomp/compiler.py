@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...model.errors import PolicyError, UnsupportedError
+from ...model.forks import fork_safe
 from .abi import (
     _AF_UNIX,
     _AUDIT_ARCH_X86_64,
@@ -594,7 +595,7 @@ def _compile(
 _cache: dict[tuple[str, str, bool, bool, bool, str, bool, bool | str], CompiledFilter] = {}
 
 
-_cache_lock = threading.Lock()
+_cache_lock = fork_safe(threading.Lock())
 
 
 def cache_clear() -> None:

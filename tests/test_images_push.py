@@ -204,8 +204,8 @@ def test_a_push_to_a_registry_that_reads_slowly_is_given_up(tmp_path: Path, monk
     from isolate.image import registry
     from isolate.image.registry import RegistryError
 
-    monkeypatch.setattr(registry, "TIMEOUT", 2.0)
-    monkeypatch.setattr(registry, "MIN_PACE", 1 << 20)  # 1 MiB in 2 s, well above the stand-in's 64 KiB/s
+    monkeypatch.setattr(registry, "TIMEOUT", 4.0)
+    monkeypatch.setattr(registry, "MIN_PACE", 2 << 20)  # 2 MiB in 4 s, well above the stand-in's 64 KiB/s
     handler = type("Handler", (_SlowReader,), {"blobs": {}, "manifests": {}, "seen": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
@@ -228,10 +228,12 @@ def test_a_push_to_a_registry_that_reads_slowly_is_given_up(tmp_path: Path, monk
         started = time.monotonic()
         pusher = threading.Thread(target=push, daemon=True)
         pusher.start()
-        pusher.join(60)
+        pusher.join(120)
         assert not pusher.is_alive(), f"the push still runs after {time.monotonic() - started:.0f} s"
     finally:
         server.shutdown()
         server.server_close()
     assert len(outcome) == 1 and isinstance(outcome[0], RegistryError), repr(outcome)
-    assert "less than" in str(outcome[0]) and len(str(outcome[0]).splitlines()) == 1, str(outcome[0])
+    # The pace, or (a stand-in starved on a loaded machine) one block's send bounded by TIMEOUT: one line either way.
+    said = str(outcome[0])
+    assert ("less than" in said or "timed out" in said) and len(said.splitlines()) == 1, said

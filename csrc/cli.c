@@ -26,19 +26,111 @@
 static char **g_argv;
 static int g_replay;   /* exec'd back by the Python side after it wrote the plan */
 
+/* ------------------------------------------------------------ signals */
+
+/* From the first instruction of main to the end of the run, the signals a caller sends to stop a run (or for
+ * the program) are caught into this pipe: before the program runs, any of them ends the run unstarted
+ * (stop_if_signalled, exit 128+N); once it runs, the wait loop forwards them.  Before, they were caught only
+ * from just before the spawn: one that came earlier killed this process in the middle of its start-up (an
+ * idmapped user namespace's helper process was left behind), and one that came between the handlers and a
+ * handover to the Python side was dropped with the pipe, and the Python side started the program anyway. */
+static int sig_pipe[2] = {-1, -1};
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char c = (unsigned char)sig;
+    ssize_t ignored = write(sig_pipe[1], &c, 1);
+    (void)ignored; /* a full pipe already holds enough to wake the loop */
+    errno = saved;
+}
+
+static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+static const char *const FORWARDED_NAMES[] = {"SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"};
+
+static void forwarded_set(sigset_t *set)
+{
+    sigemptyset(set);
+    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
+        sigaddset(set, FORWARDED[i]);
+}
+
+/* The handlers, then the signals unblocked: the Python side blocks them before it execs this program back
+ * (isolate/cli/startup.py), so one sent meanwhile is pending here and comes now.  0: done. */
+static int catch_signals(void)
+{
+    if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) < 0)
+        return -1;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = on_signal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
+        if (sigaction(FORWARDED[i], &action, NULL) < 0)
+            return -1;
+    sigset_t set;
+    forwarded_set(&set);
+    return sigprocmask(SIG_UNBLOCK, &set, NULL);
+}
+
+/* The pipe above every descriptor the plan puts at its own number (place_fds would take its numbers over).
+ * 0: done. */
+static int lift_sig_pipe(const struct replay *rp)
+{
+    int above = 3;
+    for (uint32_t i = 0; i < rp->n_fds; i++)
+        if (rp->fds[i].fd >= above)
+            above = rp->fds[i].fd + 1;
+    for (int k = 0; k < 2; k++) {
+        if (sig_pipe[k] >= above)
+            continue;
+        int lifted = fcntl(sig_pipe[k], F_DUPFD_CLOEXEC, above);
+        if (lifted < 0)
+            return -1;
+        int old = sig_pipe[k];
+        sig_pipe[k] = lifted; /* a handler running meanwhile writes to the same pipe through either */
+        close(old);
+    }
+    return 0;
+}
+
+/* A signal came before the program ran: the run ends here, unstarted, as the program's death of it would
+ * have ended it (128+N). */
+static void stop_if_signalled(void)
+{
+    unsigned char sig = 0;
+    if (sig_pipe[0] < 0 || read(sig_pipe[0], &sig, 1) != 1)
+        return;
+    const char *name = "a signal";
+    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
+        if (FORWARDED[i] == sig)
+            name = FORWARDED_NAMES[i];
+    fprintf(stderr, "isolate-run: %s before the program started: nothing was run\n", name);
+    fflush(stderr);
+    _exit(128 + sig);
+}
+
 /* ---------------------------------------------------------------- handover */
 
 static const char BOOT[] =
-    "import sys\n"
+    "import signal, sys\n"
     "if sys.path and sys.path[0] == '': del sys.path[0]\n" /* never import from the working directory */
+    /* The signals this program blocked before the exec: recorded from the first line, unblocked, and looked
+     * at before the run starts (isolate/cli/startup.py). */
+    "early = []\n"
+    "for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT', 'SIGUSR1', 'SIGUSR2'):\n"
+    "    signal.signal(getattr(signal, name), lambda number, _frame: early.append(number))\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,"
+    " signal.SIGUSR1, signal.SIGUSR2])\n"
     "from isolate.cli.plan import handover_main\n"
-    "sys.exit(handover_main())\n";
+    "sys.exit(handover_main(early))\n";
 
 /* Run the Python CLI in this process's place.  no_cache: it must run the
  * command itself (this program could not replay what it planned, or a setup
  * failed before the program ran, and Python says exactly why). */
 static void __attribute__((noreturn)) handover(int no_cache, const char *why)
 {
+    stop_if_signalled();
     miss(why, NULL);
     char self[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -63,6 +155,15 @@ static void __attribute__((noreturn)) handover(int no_cache, const char *why)
         fprintf(stderr, "isolate-run: out of memory\n");
         _exit(125);
     }
+    /* From here to the Python side's own handlers, a signal waits (blocked, pending across exec): never
+     * the interpreter's death in the middle of its start-up, nor a KeyboardInterrupt's traceback. */
+    sigset_t set;
+    forwarded_set(&set);
+    if (sigprocmask(SIG_BLOCK, &set, NULL) < 0) {
+        fprintf(stderr, "isolate-run: cannot hand over to the Python side: %s\n", strerror(errno));
+        _exit(125);
+    }
+    stop_if_signalled(); /* one that came just before the block */
     args[0] = ISO_CLI_PYTHON;
     args[1] = "-c";
     args[2] = (char *)BOOT;
@@ -261,21 +362,6 @@ static unsigned char *load_plan(const char *dir, const unsigned char digest[32],
     return data;
 }
 
-/* ------------------------------------------------------------ signals */
-
-static int sig_pipe[2] = {-1, -1};
-
-static void on_signal(int sig)
-{
-    int saved = errno;
-    unsigned char c = (unsigned char)sig;
-    ssize_t ignored = write(sig_pipe[1], &c, 1);
-    (void)ignored; /* a full pipe already holds enough to wake the loop */
-    errno = saved;
-}
-
-static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
-
 /* ------------------------------------------------------------- main */
 
 /* The store's lock (locks/store) held shared, once every layer directory the lease names (one a line)
@@ -378,6 +464,10 @@ int main(int argc, char **argv)
      * processes get default dispositions back: iso_signals_reset). */
     if (signal(SIGPIPE, SIG_IGN) == SIG_ERR)
         return 125;
+    if (catch_signals() < 0) {
+        fprintf(stderr, "isolate-run: cannot catch signals: %s\n", strerror(errno));
+        return 125;
+    }
     g_replay = getenv(ENV_REPLAY) != NULL;
     g_trace = getenv(ENV_TRACE) != NULL;
     /* The markers are between this program and the Python side: never a key, never passed on. */
@@ -439,6 +529,8 @@ int main(int argc, char **argv)
     }
 
     /* The descriptors first, at their numbers; then the report's directory (a free number: no clash). */
+    if (lift_sig_pipe(&rp) < 0)
+        handover(1, "no descriptor for the signal pipe");
     if (!place_fds(&rp))
         handover(0, "a granted path is not the inode the plan holds");
     struct report_target target = {.dir_fd = -1};
@@ -464,7 +556,7 @@ int main(int argc, char **argv)
     }
 
     int status_pipe[2];
-    if (pipe2(status_pipe, O_CLOEXEC) < 0 || pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) < 0)
+    if (pipe2(status_pipe, O_CLOEXEC) < 0)
         handover(1, "no pipe");
     struct iso_plan *plan = &rp.plan;
     for (int i = 0; i < 8; i++)
@@ -481,17 +573,6 @@ int main(int argc, char **argv)
     plan->argv = &argv[a.command];
     plan->status_fd = status_pipe[1];
 
-    /* The handlers before the spawn: a signal that comes as soon as the program runs is forwarded,
-     * not the death of this process. (iso_spawn blocks every signal around clone, and the sandbox's
-     * processes reset every disposition: no handler of this process ever runs in them.) */
-    struct sigaction action;
-    memset(&action, 0, sizeof action);
-    action.sa_handler = on_signal;
-    sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
-        if (sigaction(FORWARDED[i], &action, NULL) < 0)
-            handover(1, "signal handlers");
-
     /* An image's sandbox: the store's lock held shared from the check that its layers are there to its
      * lease written, as isolate/image/leases.py does (prune holds it exclusively). */
     int store_lock = -1;
@@ -505,6 +586,10 @@ int main(int argc, char **argv)
     int64_t started = now_ns();
     if (g_trace)
         fprintf(stderr, "isolate-run: trace: replaying the cached plan\n");
+    /* The last look before the start: one that comes during the spawn (iso_spawn blocks every signal around
+     * clone, and the sandbox's processes reset every disposition: no handler of this process ever runs in
+     * them) is pending in the init, which forwards it to the program. */
+    stop_if_signalled();
     int pid = iso_spawn(plan, &failure);
     char lease[PATH_MAX];
     lease[0] = '\0';

@@ -58,6 +58,10 @@ struct spawn_ctx {
     pid_t parent_pid;   /* the caller's process, which the init watches without a PID namespace */
     int parent_pidfd;   /* with one: a pidfd of the caller's process (-1: none; see first_main) */
     volatile int program_failed;
+    /* The program child's failure, left here (it shares this memory) for the first child to report: the
+     * program child's own write would go through the profile's seccomp filter, and a profile that refuses
+     * write (or kills on it) made a failed start an exit 127 with nothing said. */
+    struct iso_failure program_failure;
     char *program_stack_top;
 };
 
@@ -138,8 +142,10 @@ static int program_main(void *arg)
         goto fail;
     step = iso_exec_program(plan, ISO_EXEC_MARK);
 fail:
+    ctx->program_failure.step = step;
+    ctx->program_failure.err = errno;
+    ctx->program_failure.index = index;
     ctx->program_failed = 1;
-    iso_report(ctx->err_fd, step, errno, index);
     _exit(127);
 }
 
@@ -198,8 +204,11 @@ static int first_main(void *arg)
         step = ISO_STEP_FORK;
         goto fail;
     }
-    if (ctx->program_failed)
-        _exit(127); /* its failure is already in the pipe */
+    if (ctx->program_failed) {
+        /* Said from here, which no seccomp filter confines (the program child's filter is its own). */
+        iso_report(ctx->err_fd, ctx->program_failure.step, ctx->program_failure.err, ctx->program_failure.index);
+        _exit(127);
+    }
 
     /* Become the init.  It holds the same credentials as the program, no
      * capability, and lets only its own descriptors through exec. */

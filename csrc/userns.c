@@ -14,9 +14,11 @@
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -134,8 +136,13 @@ int iso_write_id_maps(int pid, const struct iso_plan *plan)
 
 static int idle_child(void *arg)
 {
-    (void)arg;
-    /* Wait to be killed: the parent only needs this namespace to exist. */
+    /* Wait to be killed: the parent only needs this namespace to exist.  Killed with the parent too: a
+     * parent that dies between the clone and its kill (a signal during a sandbox's start, SIGKILL from a
+     * supervisor) left this process paused for ever, holding the parent's descriptors (its stdout: a
+     * reader waited for ever too).  Checked once more after: the parent may be gone already. */
+    pid_t parent = (pid_t)(intptr_t)arg;
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0 || getppid() != parent)
+        _exit(0);
     for (;;)
         pause();
     return 0;
@@ -157,7 +164,7 @@ int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t 
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    int pid = clone(idle_child, stack + stack_size, CLONE_VM | CLONE_NEWUSER | SIGCHLD, NULL);
+    int pid = clone(idle_child, stack + stack_size, CLONE_VM | CLONE_NEWUSER | SIGCHLD, (void *)(intptr_t)getpid());
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (pid < 0) {
         int saved = errno;

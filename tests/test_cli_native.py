@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from conftest import ISOLATE_RUN, ROOT, root_only, skip_unless_runnable
@@ -283,3 +284,89 @@ def test_a_plan_field_the_file_does_not_carry_is_never_dropped(workdir: str, mon
     monkeypatch.setitem(cliplan.CARRIED, "struct iso_plan", cliplan.CARRIED["struct iso_plan"] - {"init_fd"})
     with pytest.raises(cliplan.NotCovered, match="init_fd"):
         cliplan.build_plan(["--", "true"], ISOLATE_RUN)
+
+
+def _leftovers(token: str) -> list[int]:
+    """The processes whose command line holds token (a run's own helpers share the binary's)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    if token.encode() in handle.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _signal_pending_at_exec(signum: int) -> Any:
+    """A preexec_fn: signum blocked and pending when isolate-run starts (as one sent while it starts, before it
+    catches anything; the Python side holds them so across its exec of the binary)."""
+    import signal
+
+    def pending() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
+        os.kill(os.getpid(), signum)
+    return pending
+
+
+@pytest.mark.parametrize("path", ["replayed", "planned", "python"])
+def test_a_signal_that_comes_during_the_start_ends_the_run_unstarted(path: str, workdir: str) -> None:
+    # A signal pending when isolate-run started (one sent before it caught any) was never looked at: the binary
+    # caught signals only from just before the spawn and never unblocked them, nor did the Python side it hands
+    # over to, and the program ran to its end (status 0). Now the binary catches them first of all and looks
+    # before it hands over and before it spawns.
+    import signal
+    import uuid
+
+    skip_unless_runnable(["--", "sh"])
+    token = uuid.uuid4().hex
+    env = dict(os.environ, ISOLATE_RUN_TRACE="1")
+    args = ["--", "sh", "-c", f"echo ran {token}"]
+    if path == "replayed":
+        warm(["--", "true"], workdir)
+    elif path == "planned":
+        env["STARTFIX_FRESH"] = token  # a key never planned: the Python side plans, then execs the binary back
+    else:
+        args = ["--why", *args]  # an option the binary leaves to isolate.cli, which runs the command itself
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        result = subprocess.run([ISOLATE_RUN, *args], cwd=workdir, capture_output=True, text=True, timeout=60,
+                                env=env, preexec_fn=_signal_pending_at_exec(signum))
+        said = [line for line in result.stderr.splitlines() if "trace:" not in line]
+        assert result.returncode == 128 + signum, (signum, result.returncode, result.stdout, result.stderr)
+        assert "ran" not in result.stdout
+        assert said == [f"isolate-run: {signal.Signals(signum).name} before the program started: nothing was "
+                        "run"], result.stderr
+        assert _leftovers(token) == []
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_python_side_plans_ends_the_run_with_its_status(signame: str, workdir: str) -> None:
+    # Sent while the binary's handover ran the Python side: SIGINT raised a KeyboardInterrupt's traceback out of an
+    # import (status 1), SIGTERM killed the interpreter wherever it was (a run's cgroup, planned, left behind).
+    import signal
+    import time
+    import uuid
+
+    skip_unless_runnable(["--", "sh"])
+    signum = getattr(signal, signame)
+    token = uuid.uuid4().hex
+    env = dict(os.environ, STARTFIX_FRESH=token)  # never planned: the Python side plans it
+    process = subprocess.Popen([ISOLATE_RUN, "--", "sh", "-c", f"echo ran {token}"], cwd=workdir, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            exe = os.readlink(f"/proc/{process.pid}/exe")
+        except OSError:
+            break
+        if os.path.basename(exe).startswith("python"):
+            break
+        time.sleep(0.001)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signum, (process.returncode, err)
+    assert "ran" not in out and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.splitlines() == [f"isolate-run: {signame} before the program started: nothing was run"], err
+    assert _leftovers(token) == []

@@ -235,6 +235,59 @@ def test_a_store_another_user_could_write_is_refused(tmp_path: Path) -> None:
         Image.list(Store(path))
 
 
+def _as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command],
+                          capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_store_under_a_directory_others_could_write_is_refused(mode: int, tmp_path: Path) -> None:
+    # The store itself was checked (0700, the caller's), the way to it not: a user who could write its parent
+    # could rename it away and put their own in its place, and the store object, checked once, used theirs.
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, mode)
+    with pytest.raises(isolate.IsolationError, match="another user could put their own store"):
+        Image.list(Store(parent / "store"))
+
+
+def test_the_store_is_checked_at_each_use_not_once(tmp_path: Path) -> None:
+    parent = tmp_path / "mine"
+    parent.mkdir(mode=0o755)
+    store = Store(parent / "store")
+    assert Image.list(store) == []
+    os.chmod(parent, 0o777)  # now others could swap it: the next use says so
+    with pytest.raises(isolate.IsolationError, match="writable by others"):
+        store.get_blob("sha256:" + "0" * 64, "blob")
+    with pytest.raises(isolate.IsolationError, match="writable by others"):
+        store.layer_dir("sha256:" + "0" * 64)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a root caller to act as another user")
+def test_another_user_cannot_swap_a_store_under_a_sticky_directory_and_the_store_there_is_kept(
+        workdir: str) -> None:
+    # Why the check of the way is sound, and once per use enough: under a sticky directory (/tmp) only the
+    # entry's owner or root may rename it; under one writable by others and not sticky anyone may, and such a
+    # store is refused before any use.
+    base = Path(workdir)  # a way 65534 may walk
+    sticky = base / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    store = Store(sticky / "store")
+    assert Image.list(store) == []
+    swap = _as_nobody("mv", str(sticky / "store"), str(sticky / "theirs"))
+    assert swap.returncode != 0 and "not permitted" in swap.stderr, swap
+    assert Image.list(store) == []
+    open_dir = base / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    os.mkdir(open_dir / "store", 0o700)
+    swap = _as_nobody("mv", str(open_dir / "store"), str(open_dir / "theirs"))
+    assert swap.returncode == 0, swap  # the swap this refusal is about
+    with pytest.raises(isolate.IsolationError, match="writable by others"):
+        Image.list(Store(open_dir / "store"))
+
+
 BAD_LAYERS: dict[str, tuple[list[list[dict[str, Any]]], str]] = {
     "absolute": ([[{"name": "/etc/passwd", "data": b"x"}]], "absolute name"),
     "dotdot": ([[{"name": "a/../../x", "data": b"x"}]], "climbs out"),

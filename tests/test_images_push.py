@@ -173,3 +173,67 @@ def test_a_push_authenticates_and_never_sends_credentials_to_another_host(tmp_pa
     storage = [s for s in handler.seen if s[2].startswith("/storage/")]
     assert storage and all(auth is None and host.startswith("localhost:") for _, host, _, auth in storage)
     assert any(auth == handler.want for method, _, _, auth in handler.seen if method == "PUT")
+
+
+class _SlowReader(_PushStandIn):
+    """A registry that takes an upload's body at 64 KiB/s (a slow link, or one that holds pushes on purpose)."""
+
+    def _allowed(self, method: str) -> bool:
+        return True
+
+    def do_PUT(self) -> None:
+        left = int(self.headers.get("Content-Length", "0"))
+        try:
+            while left > 0:
+                got = self.rfile.read(min(left, 8 << 10))
+                if not got:
+                    return
+                left -= len(got)
+                threading.Event().wait(0.125)
+        except OSError:
+            return
+        self._send(201)
+
+
+def test_a_push_to_a_registry_that_reads_slowly_is_given_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pull is paced (at least MIN_PACE bytes in each TIMEOUT seconds) but a push was not: each sendall of
+    # the upload was bounded by the socket's timeout, the body as a whole by nothing, and a registry reading a
+    # few KiB a second held a push of a large layer for hours. Now the upload has the pull's pace.
+    import time
+
+    from isolate.image import registry
+    from isolate.image.registry import RegistryError
+
+    monkeypatch.setattr(registry, "TIMEOUT", 4.0)
+    monkeypatch.setattr(registry, "MIN_PACE", 2 << 20)  # 2 MiB in 4 s, well above the stand-in's 64 KiB/s
+    handler = type("Handler", (_SlowReader,), {"blobs": {}, "manifests": {}, "seen": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    handler.port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # 24 MiB that gzip cannot shrink: far more than the socket buffers on both sides take in at once.
+    big = kit.layer([{"name": "big", "data": os.urandom(24 << 20)}])
+    kit.oci_layout(str(tmp_path / "layout"), [big], ref="slow:1")
+    image = Image.load(tmp_path / "layout", store=Store(tmp_path / "store"))
+    outcome: list[BaseException | None] = []
+
+    def push() -> None:
+        try:
+            image.push(f"127.0.0.1:{handler.port}/team/slow:1")
+            outcome.append(None)
+        except BaseException as exc:  # what the push ended with, checked below
+            outcome.append(exc)
+
+    try:
+        started = time.monotonic()
+        pusher = threading.Thread(target=push, daemon=True)
+        pusher.start()
+        pusher.join(120)
+        assert not pusher.is_alive(), f"the push still runs after {time.monotonic() - started:.0f} s"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(outcome) == 1 and isinstance(outcome[0], RegistryError), repr(outcome)
+    # The pace, or (a stand-in starved on a loaded machine) one block's send bounded by TIMEOUT: one line either way.
+    said = str(outcome[0])
+    assert ("less than" in said or "timed out" in said) and len(said.splitlines()) == 1, said

@@ -20,6 +20,7 @@ from ..model.errors import CommandNotExecutableError, CommandNotFoundError, Isol
 from ..model.policy import Policy
 from ..model.report import Report, ReportTarget
 from ..model.units import format_size
+from . import startup
 from .flags import CliError, build_parser, policy_from_args
 
 EXIT_SETUP = 125
@@ -159,6 +160,9 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
 
     backend = popen.choose_backend(policy)
     if backend == "docker":
+        status = startup.release()  # the Docker client stops as it always did
+        if status is not None:
+            return status
         result = popen.run(command, policy=policy)
         report = result.report
         for warning in report.warnings:
@@ -192,6 +196,12 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         previous[signum] = signal.signal(signum, forward)
+    # One that came before (during the planning): the run ends here, nothing started (startup.py).
+    status = startup.stopped()
+    if status is not None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        return status
     try:
         process = popen.Popen(command, policy=policy)
         started.append(process)
@@ -268,6 +278,11 @@ def _setup_error_report(target: ReportTarget | None, error: Exception) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args and args[0] in ("doctor", "sandbox", "image", "learn", "serve"):
+            # They stop by a signal as they always did (startup.py records them for a run only).
+            status = startup.release()
+            if status is not None:
+                return status
         if args and args[0] == "doctor":
             from .doctor import doctor_main
 
@@ -333,6 +348,8 @@ def _learn(args: list[str]) -> int:
 
 def _main(args: list[str]) -> int:
     report_target: ReportTarget | None = None
+    if not startup.received and signal.getsignal(signal.SIGTERM) is not startup._record:
+        startup.record()  # not through the native binary's boot script: from here
     try:
         options = build_parser().parse_args(args)
         if options.explain and options.report and not options.command:

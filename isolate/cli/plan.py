@@ -505,8 +505,12 @@ def write_plan(key: bytes, data: bytes) -> str:
     return path
 
 
-def handover_main() -> int:
-    """What the binary runs when it does not replay: plan and exec it back, or run in Python."""
+def handover_main(early: Sequence[int] = ()) -> int:
+    """What the binary runs when it does not replay: plan and exec it back, or run in Python. ``early``: the
+    signals its boot script recorded before isolate was imported (startup.py)."""
+    from . import startup
+
+    startup.record(early)
     binary = os.environ.pop(ENV_BINARY, None)
     no_cache = os.environ.pop(ENV_NO_CACHE, None)
     os.environ.pop(ENV_REPLAY, None)
@@ -522,10 +526,16 @@ def handover_main() -> int:
             sys.stderr.flush()
             env = dict(os.environb)
             env[ENV_REPLAY.encode()] = b"1"
+            # Held across the exec (the binary unblocks them once it catches them); one that came before is
+            # recorded by now (its handler ran as hold returned): the run ends here, unstarted.
+            startup.hold()
+            status = startup.stopped()
+            if status is not None:
+                return status
             try:
                 os.execve(binary, [binary, *args], env)
             except OSError:
-                pass  # the binary is gone meanwhile: run here
+                startup.record()  # the binary is gone meanwhile: run here
 
     from .main import main
 

@@ -313,6 +313,37 @@ class _Paced(io.RawIOBase):
         super().close()
 
 
+class _SlowUpload(ConnectionError):
+    """A request's body the registry took in at less than MIN_PACE bytes in TIMEOUT seconds."""
+
+
+class _PacedBody:
+    """A request's body (bytes, or a file read from where it is), handed to ``http.client`` a block at a time:
+    each block goes out with one ``sendall`` bounded by the socket's TIMEOUT, and the registry must take in
+    at least MIN_PACE bytes in each TIMEOUT seconds (the pull's pace, _Paced), else _SlowUpload. Without it a
+    registry that read a few bytes now and then held a push for ever: each ``sendall`` was bounded, the whole
+    body was not."""
+
+    BLOCK = 8 << 10  # well under MIN_PACE: a block that cannot go out within TIMEOUT is the registry gone
+
+    def __init__(self, body: Any) -> None:
+        self.raw = io.BytesIO(bytes(body)) if isinstance(body, (bytes, bytearray, memoryview)) else body
+        self.window = time.monotonic()
+        self.in_window = 0
+
+    def read(self, size: int = -1) -> bytes:
+        # Called for the next block once the last one was taken in (sendall returned): the pace so far.
+        now = time.monotonic()
+        if now - self.window >= TIMEOUT:
+            if self.in_window < MIN_PACE:
+                raise _SlowUpload(f"it took the request's body in at {self.in_window} bytes in "
+                                  f"{now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}: given up")
+            self.window, self.in_window = now, 0
+        data: bytes = self.raw.read(self.BLOCK if size < 0 else min(size, self.BLOCK))
+        self.in_window += len(data)
+        return data
+
+
 @dataclass
 class _Response:
     status: int
@@ -399,7 +430,8 @@ class Client:
         try:
             if body is None:
                 late.start()  # the handshake and the request, then the answer's head: bounded together
-            connection.request(method, path or "/", body=body, headers={"User-Agent": "isolate", **headers})
+            paced = None if body is None else _PacedBody(body)
+            connection.request(method, path or "/", body=paced, headers={"User-Agent": "isolate", **headers})
             late.start()  # an upload's body may take long: only the answer's head then
             response = connection.getresponse()
             late.cancel()

@@ -74,6 +74,41 @@ def verify(data: bytes, digest: str, what: str) -> bytes:
     return data
 
 
+def _unsafe_ancestor(path: str, uid: int) -> str | None:
+    """What on the way to ``path`` (its parent up to /, as given and as resolved) another uid than root and
+    ``uid`` could change; None: nothing."""
+    trusted = (0, uid)
+    parent = os.path.dirname(os.path.abspath(path))
+    seen: set[str] = set()
+    prefix = "/"
+    for part in [p for p in parent.split("/") if p]:  # as given: each link owned by root or the caller
+        prefix = os.path.join(prefix, part)
+        try:
+            info = os.lstat(prefix)
+        except OSError as exc:
+            return f"{prefix}: {exc.strerror}"
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in trusted:
+            return f"{prefix} is a symbolic link of uid {info.st_uid}"
+    real = os.path.realpath(parent)
+    chain = [real]
+    while chain[-1] != "/":
+        chain.append(os.path.dirname(chain[-1]))
+    for directory in chain:  # as resolved: each directory root's or the caller's, writable by no one else
+        if directory in seen:
+            continue
+        seen.add(directory)
+        try:
+            info = os.lstat(directory)
+        except OSError as exc:
+            return f"{directory}: {exc.strerror}"
+        if info.st_uid not in trusted:
+            return f"{directory} belongs to uid {info.st_uid}"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return f"{directory} is writable by {'others' if info.st_mode & 0o002 else 'its group'} (mode " \
+                   f"{stat.S_IMODE(info.st_mode):o}, not sticky)"
+    return None
+
+
 def default_path() -> str:
     explicit = os.environ.get(STORE_ENV)
     if explicit:
@@ -128,11 +163,23 @@ class Store:
     # -- places ---------------------------------------------------------------
 
     def _ensure(self) -> None:
-        if self._made:
-            return
+        """The store checked at each use (cheap: a few lstat), its parts made once.
+
+        The store is used by path (overlay lower directories, the native binary's leases), so the check is on the
+        path: the store a private directory of the caller, and nothing on the way to it that another uid could
+        change (every directory owned by root or the caller, none writable by group or others unless sticky,
+        every symbolic link owned by root or the caller). Checked once on the store alone, a store under a
+        directory another user could write was trusted after that user renamed it away and put their own (or a
+        link to one) in its place: each later use went there. With the whole way checked, only root or the
+        caller can change what the path names, and this check at each use catches the caller's own changes."""
         uid = os.geteuid()
+        if not self._made:
+            try:
+                os.makedirs(self.path, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise IsolationError(f"image store {self.path}: {exc.strerror}; choose another with --image-store "
+                                     f"or {STORE_ENV}") from None
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
             info = os.lstat(self.path)
         except OSError as exc:
             raise IsolationError(f"image store {self.path}: {exc.strerror}; choose another with --image-store "
@@ -140,6 +187,12 @@ class Store:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
             raise IsolationError(f"image store {self.path}: not a private directory of uid {uid} (mode 0700, "
                                  "owned by the caller); a store is never shared between users")
+        unsafe = _unsafe_ancestor(self.path, uid)
+        if unsafe:
+            raise IsolationError(f"image store {self.path}: {unsafe}: another user could put their own store in "
+                                 f"its place; choose another with --image-store or {STORE_ENV}")
+        if self._made:
+            return
         for part in ("blobs", "blobs/sha256", "layers", "images", "locks", "tmp"):
             try:
                 os.mkdir(os.path.join(self.path, part), 0o700)
@@ -172,6 +225,7 @@ class Store:
                 pass
 
     def layer_dir(self, digest: str) -> str:
+        self._ensure()
         return os.path.join(self.path, "layers", digest_hex(digest, "layer"))
 
     def layer_root(self, digest: str) -> str:
@@ -214,6 +268,7 @@ class Store:
         os.replace(tmp, path)
 
     def get_blob(self, digest: str, what: str) -> bytes:
+        self._ensure()
         path = os.path.join(self.path, "blobs", "sha256", digest_hex(digest, what))
         try:
             with open(path, "rb") as handle:
@@ -368,6 +423,7 @@ class Store:
         return record if isinstance(record, dict) and record.get("reference") == reference else None
 
     def forget(self, reference: str) -> bool:
+        self._ensure()
         try:
             os.unlink(self._record_path(reference))
         except FileNotFoundError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._core import ffi
-from ...model.errors import UnsupportedError
+from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import Policy
 from .common import _Refusals
 
@@ -55,6 +55,8 @@ def _apply_seccomp(
     if compiled is None:
         enforced["seccomp"] = None
         return
+    if compiled.start_refusal:
+        raise PolicyError(compiled.start_refusal, "seccomp")
     buffer = ffi.from_buffer(compiled.bpf)
     keep.extend([compiled, buffer])
     plan.seccomp_filter = buffer

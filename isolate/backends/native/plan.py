@@ -521,6 +521,12 @@ def failure_to_error(prepared: Prepared, failure: Any, args: Sequence[str]) -> E
             return CommandNotExecutableError(
                 err, f"{program}: permission denied inside the sandbox (not executable, or not granted)", program
             )
+        if err == errno_mod.EPERM and plan.seccomp_filter != ffi.NULL:
+            # Landlock and DAC say EACCES; EPERM from the exec is the seccomp profile's rule on execveat's
+            # arguments (one that refuses it whatever they are is refused before the run: compiler._check_start).
+            return SetupError(f"{program}: the seccomp profile refused execveat, the system call that starts the "
+                              "program (isolate execs it with execveat(2)): allow execveat in the profile",
+                              name, err, "execveat")
         return CommandNotExecutableError(err, f"{program}: cannot execute: {os.strerror(err)}", program)
     detail = ""
     if step in (lib.ISO_STEP_MOUNT_DIR, lib.ISO_STEP_MOUNT_BIND, lib.ISO_STEP_MOUNT_TMPFS,

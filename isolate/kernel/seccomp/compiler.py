@@ -57,6 +57,9 @@ class CompiledFilter:
     notify_default_errno: int | None
     profile: str
     arch: int
+    #: Why no program could start under it (its profile refuses execveat whatever the arguments), or None: a
+    #: run refuses such a filter (backends/native/filters.py); compiling it stays possible, to look at it.
+    start_refusal: str | None = None
 
     @property
     def instructions(self) -> int:
@@ -553,6 +556,25 @@ def _deny_host_reach_prologue(native: int) -> bytes:
     return b"".join(code)
 
 
+def _start_refusal(parsed: _Parsed, source: str) -> str | None:
+    """Why no program could start under a profile that refuses execveat() whatever its arguments (None: it may).
+
+    The program's start is that call (csrc/process.c), made under the profile: such a run ended 126, 127 or
+    159 (SIGSYS), with nothing said when the profile refused write too. A refusal is enforced, never dropped:
+    a run refuses the profile as a whole, the call named (CompiledFilter.start_refusal). The start makes no
+    other call under the filter (a failed one is reported by the sandbox's first process, which the filter does
+    not confine). A rule on execveat's arguments is the run's to meet: its refusal is reported as the start's."""
+    nr = _resolve("execveat")
+    rules = [rule for rule in parsed.rules if rule.nr == nr]
+    if any(rule.conds for rule in rules):
+        return None
+    action = rules[-1].action if rules else parsed.default
+    if action & _RET_ACTION_FULL in (RET_ALLOW, RET_LOG):
+        return None
+    return str(_err(source, "", "it refuses execveat, the system call that starts the program (isolate execs it "
+                    "with execveat(2)): no program could start under it; allow execveat in the profile"))
+
+
 def _compile(
     label: str, data: object, source: str, notify: bool, deny_inet_sockets: bool, deny_setid: bool = False,
     unix_sockets: str = "", deny_host_reach: bool = False, trace_paths: bool | str = False,
@@ -589,6 +611,7 @@ def _compile(
         notify_default_errno=default_errno,
         profile=label,
         arch=native,
+        start_refusal=_start_refusal(parsed, source),
     )
 
 

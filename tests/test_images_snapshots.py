@@ -114,7 +114,10 @@ def test_to_image_makes_an_image_of_the_root_and_another_image_is_refused(images
         snap = box.snapshot()
         assert box.exec(["rm", "/usr/local/bin/tool"]).returncode == 0
         box.restore(snap)
-        assert _state(box) == "installed\nmine\n"
+        try:
+            assert _state(box) == "installed\nmine\n"
+        finally:
+            box.close()  # the sandbox the restore started is this handle's: the creator's close ends its own
     try:
         made = snap.to_image("snapmade:1")
         assert made.layers[:-1] == base.layers and len(made.layers) == len(base.layers) + 1

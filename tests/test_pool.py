@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -251,12 +252,14 @@ def test_a_forked_childs_exit_leaves_its_parents_sandbox_whole(tmp_path: object)
     assert result.stdout.strip() == "['kept'] the parent's", result.stdout
 
 
-def test_a_child_forked_while_other_threads_plan_runs_its_own_sandboxes() -> None:
+def test_a_child_forked_while_other_threads_plan_runs_its_own_sandboxes(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # A module-level lock held by another thread at the fork (the plan cache's, while that thread planned) was
     # held for good in the child: its first run waited for ever (135 children of 200 here, before).
     from isolate.backends.native import plan
 
-    checked = box_policy()
+    checked = policy(write=[str(tmp_path)])
+    monkeypatch.chdir(tmp_path)  # the runs' working directory (pytest's own: a directory the policy may not grant)
     # Once first, in this thread: the threads below then import nothing (a module being imported by another
     # thread at the fork is Python's own lock, held for good in the child, whatever isolate does).
     assert isolate.run(["true"], policy=checked, timeout=30).returncode == 0

@@ -260,7 +260,7 @@ class AgentSandboxes:
     def _db(self) -> Iterator[sqlite3.Connection]:
         try:
             os.makedirs(os.path.dirname(self.db_path), mode=0o700, exist_ok=True)
-            conn = sqlite3.connect(self.db_path, timeout=10.0)
+            conn = sqlite3.connect(self.db_path, timeout=60.0)  # as the sandbox registry waits (backends/registry.py)
         except (OSError, sqlite3.Error) as exc:
             raise IsolationError(f"agent table {self.db_path}: cannot open it ({exc}); set ISOLATE_STATE_DIR to a "
                                  "writable directory") from None

@@ -54,13 +54,16 @@ class Registry:
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=10.0)
+            # A writer waits up to a minute for another's lock: on a loaded host (a soak's creates beside two test
+            # suites and a VM) ten seconds ran out, and a create failed with "database is locked".
+            conn = sqlite3.connect(self.path, timeout=60.0)
         except (OSError, sqlite3.Error) as exc:
             raise IsolationError(
                 f"sandbox registry {self.path}: cannot open it ({exc}); set ISOLATE_STATE_DIR to a writable directory"
             ) from None
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # a change of mode locks the file
+                conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS sandboxes ("

@@ -383,3 +383,23 @@ def finishes(call: Any, within: float) -> tuple[bool, Any]:
     thread.start()
     thread.join(within)
     return not thread.is_alive(), out.get("value")
+
+
+def ray_cluster(head: dict[str, Any], nodes: list[dict[str, Any]]) -> tuple[Any, list[Any]]:
+    """A local Ray cluster (``ray.cluster_utils.Cluster``): its head started with ``head``'s arguments, then a
+    node for each of ``nodes``; returns (cluster, those nodes). Started again once where Ray gave up on a
+    node: it waits a fixed 30 s for a raylet to register, which a loaded host can pass (ci5: as two suites and
+    the VM ran, "The current node timed out during startup")."""
+    from ray import cluster_utils
+
+    for attempt in range(2):
+        cluster = None
+        try:
+            cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+            return cluster, [cluster.add_node(**node) for node in nodes]
+        except Exception as exc:
+            if cluster is not None:
+                cluster.shutdown()
+            if attempt or "timed out during startup" not in str(exc):
+                raise
+    raise AssertionError("unreachable")

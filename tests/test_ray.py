@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import NAMESPACES_WHY, python_read
+from conftest import NAMESPACES_WHY, python_read, ray_cluster
 
 import isolate
 from isolate.backends.native.named import sweep_unnamed
@@ -80,13 +80,14 @@ def cluster() -> Iterator[Any]:
     temp = tempfile.mkdtemp(prefix="iray-")
     bad_state = Path(temp) / "not-a-directory"
     bad_state.write_text("")
-    # The nodes' image store: this module's own (a pull by a node lands there, not in the user's store).
-    store = {"ISOLATE_IMAGE_STORE": os.path.join(temp, "images")}
-    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp,
-                                                                    "env_vars": store})
-    workers = [c.add_node(num_cpus=1, resources={"worker": 1}, env_vars=store) for _ in range(2)]
-    # A node whose isolate cannot keep any state: it refuses every sandbox, with its reason.
-    broken = c.add_node(num_cpus=1, resources={"broken": 1}, env_vars={"ISOLATE_STATE_DIR": str(bad_state)})
+    # The nodes' image store: this module's own (a pull by a node lands there, not in the user's store), not in
+    # Ray's temporary directory, which Ray makes writable by everyone (a store there is refused).
+    images = tempfile.mkdtemp(prefix="iray-images-")
+    store = {"ISOLATE_IMAGE_STORE": os.path.join(images, "store")}
+    # Two workers, and a node whose isolate cannot keep any state: it refuses every sandbox, with its reason.
+    c, (*workers, broken) = ray_cluster({"num_cpus": 1, "temp_dir": temp, "env_vars": store}, [
+        *[{"num_cpus": 1, "resources": {"worker": 1}, "env_vars": store}] * 2,
+        {"num_cpus": 1, "resources": {"broken": 1}, "env_vars": {"ISOLATE_STATE_DIR": str(bad_state)}}])
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
     c.wait_for_nodes()
     c.workers, c.broken = workers, broken
@@ -105,6 +106,8 @@ def cluster() -> Iterator[Any]:
         # (or `isolate-run sandbox prune`) sweeps them, as this does.
         sweep_unnamed()
         assert not _data_dirs(), "sandbox data directories were left behind"
+        for directory in (images, temp):
+            subprocess.run(["rm", "-rf", "--one-file-system", directory], check=False)
 
 
 def test_rays_address_file_is_this_runs_own(cluster: Any) -> None:

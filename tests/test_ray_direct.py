@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, python_read
+from conftest import NAMESPACES_WHY, python_read, ray_cluster
 
 import isolate
 
@@ -43,8 +43,7 @@ def box_policy() -> isolate.Policy:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     temp = tempfile.mkdtemp(prefix="iray-direct-")
-    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
-    c.worker = c.add_node(num_cpus=1, resources={"worker": 1})
+    c, (c.worker,) = ray_cluster({"num_cpus": 1, "temp_dir": temp}, [{"num_cpus": 1, "resources": {"worker": 1}}])
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
     c.wait_for_nodes()
     try:

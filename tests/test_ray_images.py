@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY
+from conftest import NAMESPACES_WHY, ray_cluster
 from test_images_registry import registry  # noqa: F401  (the loopback registry fixture)
 
 import isolate
@@ -27,10 +28,13 @@ pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin
 def cluster() -> Iterator[Any]:
     """A head and two worker nodes, each worker with an image store of its own (both empty)."""
     temp = tempfile.mkdtemp(prefix="iray-images-")
-    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp})
-    c.stores = [str(Path(temp) / f"store-{i}") for i in range(2)]
-    c.workers = [c.add_node(num_cpus=1, resources={f"worker{i}": 1}, env_vars={"ISOLATE_IMAGE_STORE": store})
-                 for i, store in enumerate(c.stores)]
+    # Not in Ray's temporary directory, which Ray makes writable by everyone (a store there is refused).
+    images = tempfile.mkdtemp(prefix="iray-images-")
+    stores = [str(Path(images) / f"store-{i}") for i in range(2)]
+    c, workers = ray_cluster({"num_cpus": 1, "temp_dir": temp}, [
+        {"num_cpus": 1, "resources": {f"worker{i}": 1}, "env_vars": {"ISOLATE_IMAGE_STORE": store}}
+        for i, store in enumerate(stores)])
+    c.stores, c.workers = stores, workers
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
     c.wait_for_nodes()
     try:
@@ -39,6 +43,8 @@ def cluster() -> Iterator[Any]:
         iray.shutdown()
         ray.shutdown()
         c.shutdown()
+        for directory in (images, temp):
+            subprocess.run(["rm", "-rf", "--one-file-system", directory], check=False)
 
 
 def test_each_node_pulls_the_image_into_its_own_store(cluster: Any, registry: str) -> None:  # noqa: F811

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NAMESPACES_WHY, python_read
+from conftest import NAMESPACES_WHY, python_read, ray_cluster
 
 import isolate
 from isolate.kept import bundles
@@ -46,10 +46,9 @@ def cluster() -> Iterator[Any]:
     states = [os.path.join(temp, f"state-{i}") for i in range(3)]
     for state in states:
         os.mkdir(state, 0o700)
-    c = cluster_utils.Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "temp_dir": temp, "resources": {"n0": 1}, "env_vars": {"ISOLATE_STATE_DIR": states[0]}})
-    c.workers = [c.add_node(num_cpus=1, resources={f"n{i}": 1}, env_vars={"ISOLATE_STATE_DIR": states[i]})
-                 for i in (1, 2)]
+    c, c.workers = ray_cluster(
+        {"num_cpus": 1, "temp_dir": temp, "resources": {"n0": 1}, "env_vars": {"ISOLATE_STATE_DIR": states[0]}},
+        [{"num_cpus": 1, "resources": {f"n{i}": 1}, "env_vars": {"ISOLATE_STATE_DIR": states[i]}} for i in (1, 2)])
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
     c.wait_for_nodes()
     c.states = dict(zip([c.head_node.node_id, *(w.node_id for w in c.workers)], states, strict=True))

@@ -198,10 +198,20 @@ def test_a_sandbox_starts_when_its_program_descriptor_is_not_the_cached_one(monk
 
 def test_a_warm_sandbox_its_ttl_ended_is_not_handed_out() -> None:
     # ttl counts from a sandbox's start: one that waited warm past it had ended, and acquire handed it out.
-    with isolate.SandboxPool(box_policy(), size=1, ttl=1) as pool:
-        time.sleep(2)
+    with isolate.SandboxPool(box_policy(), size=1, ttl=2) as pool:
+        time.sleep(3)
         with pool.acquire() as box:
             assert box.exec(["/bin/true"]).returncode == 0
+
+
+def test_a_warm_sandbox_past_half_its_ttl_is_not_handed_out() -> None:
+    # Handed out with a moment to live, it ended under its first command ("its monitor went away": ci5's VM).
+    with isolate.SandboxPool(box_policy(), size=1, ttl=4) as pool:
+        old = pool._warm[0]
+        time.sleep(2.5)
+        with pool.acquire() as box:
+            assert box is not old and box.exec(["/bin/true"]).returncode == 0
+        assert not old._started
 
 
 def test_a_forked_child_is_never_handed_its_parents_warm_sandboxes() -> None:

@@ -48,7 +48,10 @@ class SandboxPool:
     out together (None: no bound); an ``acquire`` past it waits for a release.
     The other keyword arguments are ``isolate.Sandbox``'s (workspace, mounts,
     backend, ttl, idle_timeout); ``name`` is refused (a pool's sandboxes are
-    its own). The first ``size`` start before the constructor returns, so a
+    its own). With a ``ttl``, a sandbox handed out has at least half of it
+    left: a warm one older than that is ended and a new one started in its
+    place (handed out with a moment to live, it ended under its first
+    command). The first ``size`` start before the constructor returns, so a
     policy the host cannot enforce fails here, with the reason.
     """
 
@@ -143,11 +146,11 @@ class SandboxPool:
                 self._check_open()
                 room = self._room()
                 if len(self._warm) + room >= n:
-                    now = time.monotonic()
+                    # A warm sandbox past half its ttl is ended, its place started again below.
+                    stale = time.monotonic() + (float(self._ttl) / 2 if self._ttl is not None else 0.0)
                     while self._warm and len(taken) < n:
                         box = self._warm.popleft()
-                        # A warm sandbox its ttl ended is gone: its place is started again below.
-                        (expired if self._ends.get(id(box), math.inf) <= now else taken).append(box)
+                        (expired if self._ends.get(id(box), math.inf) <= stale else taken).append(box)
                     to_start = n - len(taken)
                     self._starting += to_start
                     break

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import ISOLATE_RUN, ROOT, root_only, skip_unless_runnable
+from conftest import ISOLATE_RUN, ROOT, processes_with, root_only, skip_unless_runnable
 
 from isolate.cli import plan as cliplan
 
@@ -286,20 +286,6 @@ def test_a_plan_field_the_file_does_not_carry_is_never_dropped(workdir: str, mon
         cliplan.build_plan(["--", "true"], ISOLATE_RUN)
 
 
-def _leftovers(token: str) -> list[int]:
-    """The processes whose command line holds token (a run's own helpers share the binary's)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    if token.encode() in handle.read():
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def _signal_pending_at_exec(signum: int) -> Any:
     """A preexec_fn: signum blocked and pending when isolate-run starts (as one sent while it starts, before it
     catches anything; the Python side holds them so across its exec of the binary)."""
@@ -338,7 +324,7 @@ def test_a_signal_that_comes_during_the_start_ends_the_run_unstarted(path: str, 
         assert "ran" not in result.stdout
         assert said == [f"isolate-run: {signal.Signals(signum).name} before the program started: nothing was "
                         "run"], result.stderr
-        assert _leftovers(token) == []
+        assert processes_with(token) == []
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
@@ -369,4 +355,4 @@ def test_a_signal_while_the_python_side_plans_ends_the_run_with_its_status(signa
     assert process.returncode == 128 + signum, (process.returncode, err)
     assert "ran" not in out and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.splitlines() == [f"isolate-run: {signame} before the program started: nothing was run"], err
-    assert _leftovers(token) == []
+    assert processes_with(token) == []

@@ -273,6 +273,26 @@ class _Deadline:
             self.timer.cancel()
 
 
+class _Pace:
+    """Bytes moved in windows of TIMEOUT seconds, each of which must move at least MIN_PACE: the bound of a
+    pull's answer and of a push's body alike."""
+
+    def __init__(self) -> None:
+        self.window = time.monotonic()
+        self.moved = 0
+
+    def slow(self, more: int = 0) -> str | None:
+        """Counts ``more`` bytes; at a window's end, how slow it was if too slow (else None, a new window)."""
+        self.moved += more
+        now = time.monotonic()
+        if now - self.window < TIMEOUT:
+            return None
+        if self.moved < MIN_PACE:
+            return f"{self.moved} bytes in {now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}"
+        self.window, self.moved = now, 0
+        return None
+
+
 class _Paced(io.RawIOBase):
     """An answer's body, read as it comes: at least MIN_PACE bytes in each TIMEOUT seconds, and a read that
     waited TIMEOUT for nothing, is a RegistryError (not a pull held for ever, nor a raw TimeoutError)."""
@@ -280,8 +300,7 @@ class _Paced(io.RawIOBase):
     def __init__(self, response: http.client.HTTPResponse, registry: str) -> None:
         super().__init__()
         self.response, self.registry = response, registry
-        self.window = time.monotonic()
-        self.in_window = 0
+        self.pace = _Pace()
 
     def readable(self) -> bool:
         return True
@@ -299,13 +318,9 @@ class _Paced(io.RawIOBase):
             if not got:
                 break
             filled += got
-            self.in_window += got
-            now = time.monotonic()
-            if now - self.window >= TIMEOUT:
-                if self.in_window < MIN_PACE:
-                    raise RegistryError(f"registry {self.registry}: its answer came at {self.in_window} bytes in "
-                                        f"{now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}: given up")
-                self.window, self.in_window = now, 0
+            slow = self.pace.slow(got)
+            if slow:
+                raise RegistryError(f"registry {self.registry}: its answer came at {slow}: given up")
         return filled
 
     def close(self) -> None:
@@ -328,19 +343,15 @@ class _PacedBody:
 
     def __init__(self, body: Any) -> None:
         self.raw = io.BytesIO(bytes(body)) if isinstance(body, (bytes, bytearray, memoryview)) else body
-        self.window = time.monotonic()
-        self.in_window = 0
+        self.pace = _Pace()
 
     def read(self, size: int = -1) -> bytes:
         # Called for the next block once the last one was taken in (sendall returned): the pace so far.
-        now = time.monotonic()
-        if now - self.window >= TIMEOUT:
-            if self.in_window < MIN_PACE:
-                raise _SlowUpload(f"it took the request's body in at {self.in_window} bytes in "
-                                  f"{now - self.window:.0f} s, less than {MIN_PACE} in {TIMEOUT:.0f}: given up")
-            self.window, self.in_window = now, 0
+        slow = self.pace.slow()
+        if slow:
+            raise _SlowUpload(f"it took the request's body in at {slow}: given up")
         data: bytes = self.raw.read(self.BLOCK if size < 0 else min(size, self.BLOCK))
-        self.in_window += len(data)
+        self.pace.moved += len(data)
         return data
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -43,7 +44,10 @@ def _snapshot_dirs(state: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     temp = tempfile.mkdtemp(prefix="iray-nodes-")
-    states = [os.path.join(temp, f"state-{i}") for i in range(3)]
+    # Not in Ray's temporary directory, which Ray makes writable by everyone (a store there, in a node's state
+    # directory, is refused).
+    kept = tempfile.mkdtemp(prefix="iray-nodes-state-")
+    states = [os.path.join(kept, f"state-{i}") for i in range(3)]
     for state in states:
         os.mkdir(state, 0o700)
     c, c.workers = ray_cluster(
@@ -61,6 +65,8 @@ def cluster() -> Iterator[Any]:
         c.shutdown()
         # Every fork point and every shipped copy went with the hosts (a killed node's state aside).
         assert [_snapshot_dirs(s) for s in alive] == [[], []]
+        for directory in (kept, temp):
+            subprocess.run(["rm", "-rf", "--one-file-system", directory], check=False)
 
 
 def _received(node_id: str) -> int:

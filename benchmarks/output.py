@@ -333,7 +333,8 @@ _SHELL_ROWS = (("pipe", "`/bin/sh` (dash), pipes"), ("pty", "`/bin/sh` (dash), a
 def _shell_markdown(shell: Any) -> list[str]:
     if not isinstance(shell, dict) or "pipe" not in shell:
         return []
-    lines = [f"Kept shell: `Sandbox.shell().run(\"true\")`, median of {shell.get('rounds')} rounds (us).", "",
+    lines = [f"Kept shell: `Sandbox.shell().run(\"true\")`, median of {shell.get('rounds')} rounds, each shell "
+             "once per round (us).", "",
              "| shell | median | p99 |", "|---|---:|---:|"]
     for key, label in _SHELL_ROWS:
         row = shell.get(key)

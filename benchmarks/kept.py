@@ -14,7 +14,11 @@
   the engine in a kept container (``DockerSandbox.run``) in the same rounds.
 
 Exec latency is measured with the spawn section (variant ``sandbox-exec``), in
-the same rounds as ``isolate.run`` and the Docker backend's kept exec.
+the same rounds as ``isolate.run``, the peers and the Docker backend's kept
+exec; and here (``exec_pair``) against ``subprocess.run`` alone, the two in
+the same rounds with nothing else between them (issue 37's row: there the
+heavier variants around each exec leave the caches and the idle cores cold,
+which costs a kept exec, four processes woken, more than a plain one, two).
 """
 
 from __future__ import annotations
@@ -57,6 +61,43 @@ def create(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     log(f"kept: create median {median(created) * 1e3:.2f} ms, isolate.run {median(runs) * 1e3:.2f} ms")
     return {"rounds": rounds, "create": summary_ms(created), "isolate.run": summary_ms(runs),
             "create_over_run": round(median(created) / median(runs), 3)}
+
+
+#: Issue 37: a kept exec of /bin/true at most this many times ``subprocess.run``'s, in the same rounds.
+EXEC_GOAL_RATIO = 1.2
+#: At least this many rounds of the exec pair.
+EXEC_PAIR_ROUNDS = 400
+
+
+def exec_pair(rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """``Sandbox.exec([TRUE])`` against ``subprocess.run([TRUE])``, alternating which goes first."""
+    import subprocess
+
+    import isolate
+
+    rounds = max(rounds, EXEC_PAIR_ROUNDS)
+    times: dict[str, list[float]] = {"exec": [], "subprocess": []}
+    with isolate.Sandbox(_policy()) as box:
+        def one(which: str) -> None:
+            started = time.perf_counter()
+            code = (box.exec([TRUE]).returncode if which == "exec" else
+                    subprocess.run([TRUE], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL).returncode)
+            times[which].append(time.perf_counter() - started)
+            if code != 0:
+                raise RuntimeError(f"{which} of {TRUE} exited {code}")
+
+        for _ in range(50):  # warm
+            one("exec")
+            one("subprocess")
+        times = {"exec": [], "subprocess": []}
+        for i in range(rounds):
+            for which in (("exec", "subprocess") if i % 2 == 0 else ("subprocess", "exec")):
+                one(which)
+    ratio = round(median(times["exec"]) / median(times["subprocess"]), 3)
+    log(f"kept: exec {median(times['exec']) * 1e3:.3f} ms, subprocess.run {median(times['subprocess']) * 1e3:.3f} "
+        f"ms in the same rounds ({ratio}x)")
+    return {"rounds": rounds, "exec": summary_ms(times["exec"]), "subprocess": summary_ms(times["subprocess"]),
+            "ratio": ratio, "goal": {"limit": EXEC_GOAL_RATIO, "met": ratio <= EXEC_GOAL_RATIO}}
 
 
 def idle_memory(n: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -226,6 +267,7 @@ def measure(rounds: int, idle_n: int, many_n: int, log: Callable[[str], None],
             docker_image: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"method": (__doc__ or "").strip()}
     out["create"] = create(rounds, log)
+    out["exec_pair"] = exec_pair(rounds, log)
     out["idle_memory"] = idle_memory(idle_n, log)
     out["many"] = many(many_n, log)
     out["shell"] = shell(rounds, log)

@@ -269,9 +269,26 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {many['n']} sandboxes open at once, a command and a file in each | "
             f"{'ok' if many['ok'] else 'FAILED'} ({many['total_seconds']} s) |",
             "",
-            "Exec latency: `sandbox-exec` in the spawn table above (same rounds as `isolate.run`).",
+            "Exec latency: `sandbox-exec` in the spawn table above (same rounds as `isolate.run` and the peers).",
             "",
         ]
+        pair = kept.get("exec_pair")
+        if isinstance(pair, dict) and "ratio" in pair:
+            lines += [
+                f"The exec alone against `subprocess.run`, {pair['rounds']} rounds, the two in each, nothing else "
+                "between them (issue 37's row):",
+                "",
+                "| measure | median | p99 |",
+                "|---|---:|---:|",
+                f"| `Sandbox.exec([\"/bin/true\"])` | {pair['exec']['median_ms']:.3f} ms | "
+                f"{pair['exec']['p99_ms']:.3f} ms |",
+                f"| `subprocess.run([\"/bin/true\"])` | {pair['subprocess']['median_ms']:.3f} ms | "
+                f"{pair['subprocess']['p99_ms']:.3f} ms |",
+                "",
+                f"Goal (issue 37): exec <= {pair['goal']['limit']}x subprocess.run: {pair['ratio']}x, "
+                f"{'met' if pair['goal']['met'] else 'not met'}.",
+                "",
+            ]
         lines += _shell_markdown(kept.get("shell"))
     egress = results.get("egress")
     if isinstance(egress, dict) and "sandboxed" in egress:

@@ -56,18 +56,24 @@ static void forwarded_set(sigset_t *set)
 }
 
 /* The handlers, then the signals unblocked: the Python side blocks them before it execs this program back
- * (isolate/cli/startup.py), so one sent meanwhile is pending here and comes now.  0: done. */
+ * (isolate/cli/startup.py), so one sent meanwhile is pending here and comes now.  A signal ignored when this
+ * program started stays ignored, as shells and nohup expect (exec keeps SIG_IGN): never caught, never
+ * forwarded, never the end of a start, and the program starts with it ignored (plan->keep_ignored); one
+ * pending is dropped as it is unblocked.  0: done. */
 static int catch_signals(void)
 {
     if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) < 0)
         return -1;
-    struct sigaction action;
+    struct sigaction action, old;
     memset(&action, 0, sizeof action);
     action.sa_handler = on_signal;
     sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
-        if (sigaction(FORWARDED[i], &action, NULL) < 0)
+    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++) {
+        if (sigaction(FORWARDED[i], NULL, &old) < 0)
             return -1;
+        if (old.sa_handler != SIG_IGN && sigaction(FORWARDED[i], &action, NULL) < 0)
+            return -1;
+    }
     sigset_t set;
     forwarded_set(&set);
     return sigprocmask(SIG_UNBLOCK, &set, NULL);
@@ -119,7 +125,8 @@ static const char BOOT[] =
      * at before the run starts (isolate/cli/startup.py). */
     "early = []\n"
     "for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT', 'SIGUSR1', 'SIGUSR2'):\n"
-    "    signal.signal(getattr(signal, name), lambda number, _frame: early.append(number))\n"
+    "    if signal.getsignal(getattr(signal, name)) != signal.SIG_IGN:\n" /* ignored at the start: it stays so */
+    "        signal.signal(getattr(signal, name), lambda number, _frame: early.append(number))\n"
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,"
     " signal.SIGUSR1, signal.SIGUSR2])\n"
     "from isolate.cli.plan import handover_main\n"
@@ -571,6 +578,7 @@ int main(int argc, char **argv)
     plan->n_keep_fds = 0;
     plan->file = program;
     plan->argv = &argv[a.command];
+    plan->keep_ignored = ISO_IGNORED_KEPT; /* the caller's SIG_IGN, as isolate.run keeps it */
     plan->status_fd = status_pipe[1];
 
     /* An image's sandbox: the store's lock held shared from the check that its layers are there to its

@@ -312,21 +312,56 @@ static int private_dir(const char *path)
     return lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid() && !(st.st_mode & 077);
 }
 
+/* places.py's stand-in for a /tmp/isolate-UID another user took: the state directory's link "runtime-dir",
+ * when it names TAKEN.SUFFIX, a private directory of the caller's (only the caller can have made one).  The
+ * state directory as places.state_dir finds it; where this program cannot tell (a relative path), none: the
+ * Python side then runs.  1: found, in out. */
+static int stand_in(const char *taken, char *out, size_t size)
+{
+    const char *explicit = getenv("ISOLATE_STATE_DIR"), *xdg = getenv("XDG_STATE_HOME"), *home = getenv("HOME");
+    char link[PATH_MAX];
+    int n = -1;
+    if (explicit && explicit[0])
+        n = explicit[0] == '/' ? snprintf(link, sizeof link, "%s/runtime-dir", explicit) : -1;
+    else if (xdg && xdg[0] == '/')
+        n = snprintf(link, sizeof link, "%s/isolate/runtime-dir", xdg);
+    else if (home && home[0] == '/')
+        n = snprintf(link, sizeof link, "%s/.local/state/isolate/runtime-dir", home);
+    if (n <= 0 || (size_t)n >= sizeof link)
+        return 0;
+    ssize_t len = readlink(link, out, size - 1);
+    if (len <= 0)
+        return 0;
+    out[len] = '\0';
+    size_t at = strlen(taken);
+    if ((size_t)len <= at + 1 || strncmp(out, taken, at) != 0 || out[at] != '.')
+        return 0;
+    for (const char *c = out + at + 1; *c; c++)
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '_'))
+            return 0;
+    return private_dir(out);
+}
+
 static int cache_dir(char *out, size_t size)
 {
     uid_t uid = geteuid();
     struct stat st;
     char runtime[PATH_MAX];
     const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int in_tmp = 0;
     if (uid == 0 && stat("/run", &st) == 0 && S_ISDIR(st.st_mode))
         snprintf(runtime, sizeof runtime, "/run/isolate");
     else if (xdg && xdg[0] == '/' && strlen(xdg) < PATH_MAX - 16 && private_dir(xdg))
         snprintf(runtime, sizeof runtime, "%s/isolate", xdg);
     else
-        snprintf(runtime, sizeof runtime, "/tmp/isolate-%u", (unsigned)uid);
+        in_tmp = snprintf(runtime, sizeof runtime, "/tmp/isolate-%u", (unsigned)uid) > 0;
     /* Every level private to the caller: nobody else can have put a plan there. */
-    if (!private_dir(runtime))
-        return 0;
+    if (!private_dir(runtime)) {
+        char moved[PATH_MAX];
+        if (!in_tmp || lstat(runtime, &st) < 0 || st.st_uid == uid || !stand_in(runtime, moved, sizeof moved))
+            return 0;
+        memcpy(runtime, moved, sizeof runtime);
+    }
     int n = snprintf(out, size, "%s/cli", runtime);
     return n > 0 && (size_t)n < size && private_dir(out);
 }

@@ -110,3 +110,34 @@ def test_an_ignored_signal_during_the_start_does_not_stop_the_run(path: str, wor
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"ran {token}\n"
     assert "before the program started" not in result.stderr
+
+
+def test_sandbox_exec_forwards_no_signal_ignored_at_its_start(workdir: str) -> None:
+    # isolate-run sandbox exec forwarded SIGINT, SIGTERM and SIGHUP whatever their disposition: nohup's SIGHUP
+    # ended the command in the kept sandbox (129).
+    skip_unless_runnable(["--", "sh"])
+    name = f"sigign{os.getpid()}"
+    created = subprocess.run([ISOLATE_RUN, "sandbox", "create", name], cwd=workdir, capture_output=True,
+                             text=True, timeout=60)
+    assert created.returncode == 0, created.stderr
+    try:
+        command = [ISOLATE_RUN, "sandbox", "exec", name, "--", "sh", "-c",
+                   "echo ready; read line || exit 0; echo survived; while :; do sleep 0.05; done"]
+        process = subprocess.Popen([*_ignoring("HUP"), *command], cwd=workdir, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            assert process.stdout.readline() == "ready\n"
+            process.send_signal(signal.SIGHUP)
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            assert process.stdout.readline() == "survived\n"
+            process.send_signal(signal.SIGTERM)  # default at the start: forwarded, the command dies of it
+            _, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert process.returncode == 128 + signal.SIGTERM, err
+    finally:
+        subprocess.run([ISOLATE_RUN, "sandbox", "rm", name], capture_output=True, timeout=60)

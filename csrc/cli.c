@@ -56,18 +56,24 @@ static void forwarded_set(sigset_t *set)
 }
 
 /* The handlers, then the signals unblocked: the Python side blocks them before it execs this program back
- * (isolate/cli/startup.py), so one sent meanwhile is pending here and comes now.  0: done. */
+ * (isolate/cli/startup.py), so one sent meanwhile is pending here and comes now.  A signal ignored when this
+ * program started stays ignored, as shells and nohup expect (exec keeps SIG_IGN): never caught, never
+ * forwarded, never the end of a start, and the program starts with it ignored (plan->keep_ignored); one
+ * pending is dropped as it is unblocked.  0: done. */
 static int catch_signals(void)
 {
     if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) < 0)
         return -1;
-    struct sigaction action;
+    struct sigaction action, old;
     memset(&action, 0, sizeof action);
     action.sa_handler = on_signal;
     sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++)
-        if (sigaction(FORWARDED[i], &action, NULL) < 0)
+    for (size_t i = 0; i < sizeof FORWARDED / sizeof FORWARDED[0]; i++) {
+        if (sigaction(FORWARDED[i], NULL, &old) < 0)
             return -1;
+        if (old.sa_handler != SIG_IGN && sigaction(FORWARDED[i], &action, NULL) < 0)
+            return -1;
+    }
     sigset_t set;
     forwarded_set(&set);
     return sigprocmask(SIG_UNBLOCK, &set, NULL);
@@ -119,7 +125,8 @@ static const char BOOT[] =
      * at before the run starts (isolate/cli/startup.py). */
     "early = []\n"
     "for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT', 'SIGUSR1', 'SIGUSR2'):\n"
-    "    signal.signal(getattr(signal, name), lambda number, _frame: early.append(number))\n"
+    "    if signal.getsignal(getattr(signal, name)) != signal.SIG_IGN:\n" /* ignored at the start: it stays so */
+    "        signal.signal(getattr(signal, name), lambda number, _frame: early.append(number))\n"
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,"
     " signal.SIGUSR1, signal.SIGUSR2])\n"
     "from isolate.cli.plan import handover_main\n"
@@ -305,21 +312,56 @@ static int private_dir(const char *path)
     return lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid() && !(st.st_mode & 077);
 }
 
+/* places.py's stand-in for a /tmp/isolate-UID another user took: the state directory's link "runtime-dir",
+ * when it names TAKEN.SUFFIX, a private directory of the caller's (only the caller can have made one).  The
+ * state directory as places.state_dir finds it; where this program cannot tell (a relative path), none: the
+ * Python side then runs.  1: found, in out. */
+static int stand_in(const char *taken, char *out, size_t size)
+{
+    const char *explicit = getenv("ISOLATE_STATE_DIR"), *xdg = getenv("XDG_STATE_HOME"), *home = getenv("HOME");
+    char link[PATH_MAX];
+    int n = -1;
+    if (explicit && explicit[0])
+        n = explicit[0] == '/' ? snprintf(link, sizeof link, "%s/runtime-dir", explicit) : -1;
+    else if (xdg && xdg[0] == '/')
+        n = snprintf(link, sizeof link, "%s/isolate/runtime-dir", xdg);
+    else if (home && home[0] == '/')
+        n = snprintf(link, sizeof link, "%s/.local/state/isolate/runtime-dir", home);
+    if (n <= 0 || (size_t)n >= sizeof link)
+        return 0;
+    ssize_t len = readlink(link, out, size - 1);
+    if (len <= 0)
+        return 0;
+    out[len] = '\0';
+    size_t at = strlen(taken);
+    if ((size_t)len <= at + 1 || strncmp(out, taken, at) != 0 || out[at] != '.')
+        return 0;
+    for (const char *c = out + at + 1; *c; c++)
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '_'))
+            return 0;
+    return private_dir(out);
+}
+
 static int cache_dir(char *out, size_t size)
 {
     uid_t uid = geteuid();
     struct stat st;
     char runtime[PATH_MAX];
     const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int in_tmp = 0;
     if (uid == 0 && stat("/run", &st) == 0 && S_ISDIR(st.st_mode))
         snprintf(runtime, sizeof runtime, "/run/isolate");
     else if (xdg && xdg[0] == '/' && strlen(xdg) < PATH_MAX - 16 && private_dir(xdg))
         snprintf(runtime, sizeof runtime, "%s/isolate", xdg);
     else
-        snprintf(runtime, sizeof runtime, "/tmp/isolate-%u", (unsigned)uid);
+        in_tmp = snprintf(runtime, sizeof runtime, "/tmp/isolate-%u", (unsigned)uid) > 0;
     /* Every level private to the caller: nobody else can have put a plan there. */
-    if (!private_dir(runtime))
-        return 0;
+    if (!private_dir(runtime)) {
+        char moved[PATH_MAX];
+        if (!in_tmp || lstat(runtime, &st) < 0 || st.st_uid == uid || !stand_in(runtime, moved, sizeof moved))
+            return 0;
+        memcpy(runtime, moved, sizeof runtime);
+    }
     int n = snprintf(out, size, "%s/cli", runtime);
     return n > 0 && (size_t)n < size && private_dir(out);
 }
@@ -571,6 +613,7 @@ int main(int argc, char **argv)
     plan->n_keep_fds = 0;
     plan->file = program;
     plan->argv = &argv[a.command];
+    plan->keep_ignored = ISO_IGNORED_KEPT; /* the caller's SIG_IGN, as isolate.run keeps it */
     plan->status_fd = status_pipe[1];
 
     /* An image's sandbox: the store's lock held shared from the check that its layers are there to its

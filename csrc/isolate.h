@@ -222,7 +222,17 @@ struct iso_plan {
      * CLONE_NEWNET, so that the sandbox is born in it (one that cannot be
      * joined: the clone makes one, as with CLONE_NEWNET). */
     int32_t netns_fd;
+    /* The signals (bit N-1 for signal N) the program keeps ignored where the
+     * caller ignores them at the spawn, as exec would; every other
+     * disposition goes back to default.  isolate.run and isolate-run give
+     * ISO_IGNORED_KEPT (nohup's SIGHUP, a background job's SIGINT stay
+     * ignored); 0 resets them all (a kept sandbox's server). */
+    uint64_t keep_ignored;
 };
+
+/* Every signal but SIGPIPE (13) and SIGXFSZ (25), which Python and
+ * isolate-run ignore for themselves: subprocess's restore_signals. */
+#define ISO_IGNORED_KEPT 0xfffffffffeffefff
 
 /* What the init reports when the program ended: wait status, why, denials. */
 enum iso_reason {

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -25,17 +26,41 @@
 #endif
 
 /* Handlers installed by the parent (Python's among them) are addresses in
- * its memory; the child must not run them.  Ignored signals (Python ignores
- * SIGPIPE) go back to their default too, as subprocess does. */
-int iso_signals_reset(void)
+ * its memory; the child must not run them: every disposition goes back to
+ * default.  *ignored gets the signals that were ignored (bit N-1 for signal
+ * N), for the program child to ignore again (iso_signals_ignore). */
+int iso_signals_reset(uint64_t *ignored)
 {
-    struct sigaction action;
+    struct sigaction action, old;
     memset(&action, 0, sizeof action);
     action.sa_handler = SIG_DFL;
+    *ignored = 0;
     for (int sig = 1; sig < _NSIG; sig++) {
         if (sig == SIGKILL || sig == SIGSTOP)
             continue;
         /* EINVAL for the signals glibc reserves for itself: nothing to reset. */
+        if (sigaction(sig, &action, &old) < 0) {
+            if (errno != EINVAL)
+                return ISO_STEP_SIGNALS;
+            continue;
+        }
+        if (old.sa_handler == SIG_IGN && sig <= 64)
+            *ignored |= 1ULL << (sig - 1);
+    }
+    return 0;
+}
+
+/* The caller's ignored signals the plan keeps (plan->keep_ignored), ignored
+ * again: exec keeps SIG_IGN, and so does the sandbox. */
+int iso_signals_ignore(uint64_t ignored)
+{
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = SIG_IGN;
+    for (int sig = 1; sig <= 64 && ignored; sig++) {
+        if (!(ignored & (1ULL << (sig - 1))))
+            continue;
+        ignored &= ~(1ULL << (sig - 1));
         if (sigaction(sig, &action, NULL) < 0 && errno != EINVAL)
             return ISO_STEP_SIGNALS;
     }

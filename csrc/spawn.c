@@ -63,6 +63,7 @@ struct spawn_ctx {
      * write (or kills on it) made a failed start an exit 127 with nothing said. */
     struct iso_failure program_failure;
     char *program_stack_top;
+    uint64_t ignored;   /* the caller's ignored signals the program keeps ignored (plan->keep_ignored) */
 };
 
 void iso_report(int fd, int step, int err, int index)
@@ -136,6 +137,8 @@ static int program_main(void *arg)
     }
     if ((step = iso_rlimits_apply(plan, &index, 1)))
         goto fail;
+    if (ctx->ignored && (step = iso_signals_ignore(ctx->ignored)))
+        goto fail;
     if ((step = iso_signals_unblock()))
         goto fail;
     if ((step = iso_seccomp_apply(plan, &ctx->listener_fd)))
@@ -160,8 +163,12 @@ static int first_main(void *arg)
 
     close(ctx->sync_write_fd);
     close(ctx->err_read_fd);
-    if ((step = iso_signals_reset()))
+    /* The init's dispositions are all default (it must never ignore SIGCHLD, say); the program child's
+     * ignored ones are set again in it. */
+    uint64_t ignored;
+    if ((step = iso_signals_reset(&ignored)))
         goto fail;
+    ctx->ignored = ignored & plan->keep_ignored;
     do {
         n = read(ctx->sync_fd, &go, 1);
     } while (n < 0 && errno == EINTR);

@@ -34,7 +34,8 @@ int iso_landlock_deny_all(void);
 int iso_seccomp_apply(const struct iso_plan *plan, int *listener);
 
 /* process.c */
-int iso_signals_reset(void);
+int iso_signals_reset(uint64_t *ignored);
+int iso_signals_ignore(uint64_t ignored);
 int iso_signals_unblock(void);
 int iso_stdio_apply(const struct iso_plan *plan);
 int iso_close_fds(const struct iso_plan *plan, const int *extra_keep, int n_extra);

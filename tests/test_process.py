@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import ROOT, policy, py, python_read
@@ -162,3 +164,31 @@ def test_without_namespaces_the_program_signals_nothing_outside_or_is_refused(wo
     finally:
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.parametrize("restore_signals", [True, False])
+def test_ignored_signals_stay_ignored_as_with_subprocess(workdir: str, restore_signals: bool) -> None:
+    # The sandbox reset every disposition, so a caller's SIG_IGN (nohup's SIGHUP) became the program's default;
+    # subprocess (exec) keeps it, and restore_signals gives only SIGPIPE and SIGXFSZ their default back.
+    import signal
+
+    def dispositions(run: Callable[..., Any]) -> tuple[int, int]:
+        result = run(["cat", "/proc/self/status"], capture_output=True, text=True, check=True,
+                     restore_signals=restore_signals)
+        fields = dict(line.split(":\t", 1) for line in result.stdout.splitlines() if ":\t" in line)
+        return int(fields["SigIgn"], 16), int(fields["SigCgt"], 16)
+
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGHUP, signal.SIGUSR2)}
+    caught = signal.signal(signal.SIGUSR1, lambda *_: None)  # a handler: the program's default
+    try:
+        plain = dispositions(subprocess.run)
+        sandboxed = dispositions(lambda *a, **k: isolate.run(*a, policy=policy(write=[workdir]), cwd=workdir, **k))
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        signal.signal(signal.SIGUSR1, caught)
+    ignored, handled = sandboxed
+    assert sandboxed == plain
+    assert ignored & (1 << (signal.SIGHUP - 1)) and ignored & (1 << (signal.SIGUSR2 - 1))
+    assert not ignored & (1 << (signal.SIGUSR1 - 1)) and handled == 0
+    assert bool(ignored & (1 << (signal.SIGPIPE - 1))) == (not restore_signals)

@@ -194,8 +194,9 @@ def run_command(policy: Policy, command: list[str], report_target: ReportTarget 
             timer.start()
 
     previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        previous[signum] = signal.signal(signum, forward)
+    for signum in startup.SIGNALS:
+        if signal.getsignal(signum) != signal.SIG_IGN:  # ignored at the start: the program's stays ignored too
+            previous[signum] = signal.signal(signum, forward)
     # One that came before (during the planning): the run ends here, nothing started (startup.py).
     status = startup.stopped()
     if status is not None:

@@ -177,7 +177,10 @@ def _exec(options: argparse.Namespace) -> int:
     # The command gets this process's own stdin, stdout and stderr: nothing is copied in between.
     running = Command(impl.connect(), command, options.cwd or "", environment_for(impl.environment, env),
                       options.timeout, (0, 1, 2), False, impl.report_enforced, impl.backend, impl)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # One ignored when isolate-run started is left alone (nohup's SIGHUP, a background job's SIGINT): not
+    # forwarded, as for a one-shot run.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) != signal.SIG_IGN}
 
     def forward(signum: int, _frame: Any) -> None:
         running.signal(signum)

@@ -12,6 +12,11 @@ script records them before it imports isolate, and blocks them across its
 execs: csrc/cli.c), and the start looks at the record at its checkpoints: before
 it hands the plan back to the native binary, and before the sandbox starts.
 Once the program runs, isolate.cli.main forwards them to it.
+
+A signal ignored when isolate-run started is left alone throughout: not
+recorded, not forwarded, and the program starts with it ignored (exec keeps
+SIG_IGN; ``nohup isolate-run ...`` and a non-interactive shell's background
+job rely on it).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ def record(early: Iterable[int] = ()) -> None:
     """Record the stopping signals from now on (``early``: those the boot script recorded before), and let
     those the native binary held back come."""
     for number in SIGNALS:
-        signal.signal(number, _record)
+        if signal.getsignal(number) != signal.SIG_IGN:
+            signal.signal(number, _record)
     received[0:0] = list(early)  # after the handlers: one that came meanwhile went to early
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
@@ -49,7 +55,8 @@ def release() -> int | None:
     """Python's own dispositions back (a subcommand, the Docker backend: they stop as they always did); the
     status of a signal that came meanwhile (see stopped), or None."""
     for number in SIGNALS:
-        signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+        if signal.getsignal(number) != signal.SIG_IGN:
+            signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     return stopped()
 

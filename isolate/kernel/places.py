@@ -6,7 +6,13 @@
 - ``runtime_dir()``: what the host trusts about a running sandbox (its
   socket and its description): ``/run/isolate`` for root, else
   ``$XDG_RUNTIME_DIR/isolate``, else ``/tmp/isolate-UID``; owned by the
-  caller, mode 0700, checked on every use. A sandbox never gets it writable
+  caller, mode 0700, checked on every use. Where another user took
+  ``/tmp/isolate-UID`` first (any local user can: a denial of service), a
+  fresh private directory ``/tmp/isolate-UID.XXXXXXXX`` (mkdtemp: an
+  unpredictable name, made 0700 by its maker) stands in, found again through
+  the link ``runtime-dir`` in the state directory (only the caller's; what it
+  points to is trusted only when it is such a directory of the caller's, so
+  nobody else can redirect it). A sandbox never gets it writable
   (native runs refuse such a grant), while the state directory may well lie
   under a sandbox's writable home: nothing read from it is trusted for
   a path, a pid or a permission, and every directory isolate makes in it is
@@ -21,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import stat
 from collections.abc import Iterator
 
@@ -114,20 +121,111 @@ def runtime_dir(create: bool = True) -> str:
         xdg = os.environ.get("XDG_RUNTIME_DIR", "")
         base = xdg if xdg and os.path.isabs(xdg) and _owned_private(xdg, uid) else None
         path = os.path.join(base, "isolate") if base else f"/tmp/isolate-{uid}"
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise IsolationError(f"runtime directory {path}: cannot create it ({exc.strerror})") from None
+    try:
+        info = os.lstat(path)
+    except OSError:
+        if not create:
+            return path
+        info = None
+    if info is not None and _private(info, uid):
+        return path
+    if info is not None and info.st_uid != uid and path == f"/tmp/isolate-{uid}":
+        try:
+            return _stand_in(uid, path, info.st_uid)
+        except IsolationError:
+            if create:
+                raise
+            return path  # asked only where it would be: nothing of the caller's is anywhere yet
     if not create:
         return path
+    raise IsolationError(
+        f"runtime directory {path} is not a directory owned by uid {uid} with mode 0700 (someone else made it, "
+        "or it is a link): remove it, or set XDG_RUNTIME_DIR to a private directory"
+    )
+
+
+#: In the state directory: a link to the private directory that stands in for a /tmp/isolate-UID another user
+#: took (runtime_dir).
+STAND_IN_LINK = "runtime-dir"
+
+
+def _stand_in(uid: int, taken: str, owner: int) -> str:
+    """The private directory in place of ``taken`` (another user's): the one the state directory's link names
+    when it is still a directory of this user's that only this user can have made, else a fresh one (mkdtemp's
+    unpredictable name, under a lock: one for all the caller's processes). Made even for runtime_dir(create=
+    False): where it will be is where it is made, and a grant check must see that, not the other user's name
+    (which may be a link to anywhere)."""
+    import pwd
+    import tempfile
+
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise IsolationError(f"runtime directory {path}: cannot create it ({exc.strerror})") from None
-    if not _owned_private(path, uid):
-        raise IsolationError(
-            f"runtime directory {path} is not a directory owned by uid {uid} with mode 0700 (someone else made it, "
-            "or it is a link): remove it, or set XDG_RUNTIME_DIR to a private directory"
-        )
-    return path
+        name = f"uid {owner} ({pwd.getpwuid(owner).pw_name})"
+    except KeyError:
+        name = f"uid {owner}"
+
+    def refuse(why: str) -> IsolationError:
+        return IsolationError(
+            f"runtime directory {taken} belongs to {name}, not to uid {uid} (another user made it first), and no "
+            f"private directory can stand in for it: {why}; set XDG_RUNTIME_DIR to a private directory of yours, "
+            f"or have {taken} removed")
+
+    def named(fd: int) -> str | None:
+        try:
+            target = os.readlink(STAND_IN_LINK, dir_fd=fd)
+        except OSError:
+            return None
+        head, _, suffix = target.rpartition(".")
+        if head == taken and re.fullmatch(r"[A-Za-z0-9_]+", suffix) and _owned_private(target, uid):
+            return target
+        return None
+
+    try:
+        fd = open_state_dir()
+    except IsolationError as exc:
+        raise refuse(str(exc)) from None
+    try:
+        found = named(fd)
+        if found is not None:
+            return found
+        try:
+            lock = os.open(f"{STAND_IN_LINK}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                           dir_fd=fd)
+        except OSError as exc:
+            raise refuse(f"{exc.strerror}: {STAND_IN_LINK}.lock in the state directory") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            found = named(fd)  # another process of the caller's made one meanwhile
+            if found is not None:
+                return found
+            try:
+                made = tempfile.mkdtemp(prefix=os.path.basename(taken) + ".", dir=os.path.dirname(taken))
+            except OSError as exc:
+                raise refuse(f"{exc.strerror} ({os.path.dirname(taken)})") from None
+            temporary = f"{STAND_IN_LINK}.{os.getpid()}"
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary, dir_fd=fd)
+                os.symlink(made, temporary, dir_fd=fd)
+                os.replace(temporary, STAND_IN_LINK, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError as exc:
+                os.rmdir(made)  # found by nobody: not left behind
+                raise refuse(f"{exc.strerror}: {STAND_IN_LINK} in the state directory") from None
+            return made
+        finally:
+            os.close(lock)
+    finally:
+        os.close(fd)
+
+
+def _private(info: os.stat_result, uid: int) -> bool:
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077
 
 
 def _owned_private(path: str, uid: int) -> bool:
@@ -135,7 +233,7 @@ def _owned_private(path: str, uid: int) -> bool:
         info = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077
+    return _private(info, uid)
 
 
 def runtime_subdir(name: str) -> str:

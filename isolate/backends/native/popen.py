@@ -102,6 +102,10 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
             self._remove_run_upper()
             raise
         self._prepared = prepared
+        if self._program_fd < 0:
+            # The caller's ignored signals stay ignored in the program, as subprocess leaves them (exec keeps
+            # SIG_IGN); restore_signals gives SIGPIPE and SIGXFSZ, which Python ignores itself, their default.
+            prepared.plan.keep_ignored = lib.ISO_IGNORED_KEPT if restore_signals else (1 << 64) - 1
         cgroup = prepared.cgroup
         try:
             self._started = time.monotonic()

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 from ..model.errors import IsolationError, PolicyError
 from .links import DIR_FLAGS
+from .way import check_way
 
 
 def state_dir() -> str:
@@ -53,7 +54,8 @@ def open_state_dir(*parts: str) -> int:
     directory in it, or on the way to it, by a link. The way to the state directory follows only
     root's links directly under ``/`` (as grants do), and each part below it is opened without
     following a link and must be a directory of this user: what the host then makes through the
-    descriptor lands where isolate meant, wherever a link points.
+    descriptor lands where isolate meant, wherever a link points. Nor may another user be able to
+    change the way (way.py: the image store's rule), as the host also uses the path.
     """
     from .links import open_directory
 
@@ -93,6 +95,13 @@ def open_state_dir(*parts: str) -> int:
             fd = child
             if os.fstat(fd).st_uid != uid:
                 raise IsolationError(f"state directory: {where} belongs to another user; remove it")
+        # The host also uses these directories by path (the image store, a workspace's copy): nothing on the way
+        # another user could change (way.py), and the path still names the directory opened.
+        check_way("state directory", where, "set ISOLATE_STATE_DIR to a directory on a way only you and root can "
+                  "change", uid)
+        opened, named = os.fstat(fd), os.stat(where)
+        if (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino):
+            raise IsolationError(f"state directory {where} was replaced while it was opened; try again")
     except BaseException:
         os.close(fd)
         raise

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -25,7 +26,7 @@ import stat
 from collections.abc import Iterator
 
 from ..model.errors import IsolationError, PolicyError
-from .links import DIR_FLAGS
+from .beneath import make_beneath
 from .way import check_way
 
 
@@ -82,13 +83,12 @@ def open_state_dir(*parts: str) -> int:
             if not part or "/" in part or part in (".", ".."):
                 raise ValueError(f"not one name: {part!r}")
             where = os.path.join(where, part)
-            try:
-                os.mkdir(part, 0o700, dir_fd=fd)
-            except FileExistsError:
-                pass
-            try:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            try:  # one name at a time (beneath.py's walk): each one's owner is asked, those on the way too
+                child = make_beneath(fd, part, 0o700)
             except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise IsolationError(f"state directory: {where}: {exc.strerror}; set ISOLATE_STATE_DIR to a "
+                                         "writable directory") from None
                 raise IsolationError(f"state directory: {where} is not a directory isolate made ({exc.strerror}: "
                                      "a link, or another kind of file); remove it") from None
             os.close(fd)

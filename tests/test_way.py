@@ -119,3 +119,13 @@ def test_a_link_of_another_users_on_the_way_is_refused(tmp_path: Path) -> None:
     link.symlink_to(tmp_path / "real")
     os.lchown(link, 65534, 65534)
     assert way.unsafe_way(str(link / "x")) == f"{link} is a symbolic link of uid 65534"
+
+
+def test_the_directory_judged_is_the_one_the_path_names(tmp_path: Path) -> None:
+    # check_way gives the (device, inode) the caller compares with the descriptor it opened.
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "link").symlink_to("a/b")
+    for path, named in (("a/b", "a/b"), ("a/b/..", "a"), ("link", "a/b"), ("link/..", "a")):
+        info = os.stat(tmp_path / named)
+        assert way.check_way("test", str(tmp_path / path), "none") == (info.st_dev, info.st_ino), path
+        assert way.check_way("test", str(tmp_path / path), "none") == (info.st_dev, info.st_ino), path  # kept

@@ -97,10 +97,10 @@ def open_state_dir(*parts: str) -> int:
                 raise IsolationError(f"state directory: {where} belongs to another user; remove it")
         # The host also uses these directories by path (the image store, a workspace's copy): nothing on the way
         # another user could change (way.py), and the path still names the directory opened.
-        check_way("state directory", where, "set ISOLATE_STATE_DIR to a directory on a way only you and root can "
-                  "change", uid)
-        opened, named = os.fstat(fd), os.stat(where)
-        if (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino):
+        named = check_way("state directory", where, "set ISOLATE_STATE_DIR to a directory on a way only you and "
+                          "root can change", uid)
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != named:
             raise IsolationError(f"state directory {where} was replaced while it was opened; try again")
     except BaseException:
         os.close(fd)

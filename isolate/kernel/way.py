@@ -47,14 +47,27 @@ def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
 def unsafe_way(path: str, uid: int | None = None) -> str | None:
     """What on the way to absolute ``path`` (the directory itself included) a uid other than root and ``uid``
     (the caller's effective uid by default) could change, naming the directory or link; None: nothing."""
-    uid = os.geteuid() if uid is None else uid
+    return _judged(path, os.geteuid() if uid is None else uid)[0]
+
+
+def check_way(what: str, path: str, way_out: str, uid: int | None = None) -> tuple[int, int]:
+    """IsolationError (``what PATH: DIRECTORY is ...: another user could ...; WAY_OUT``) unless ``unsafe_way``
+    finds nothing on the way to ``path``; else (st_dev, st_ino) of the directory ``path`` names."""
+    unsafe, steps = _judged(path, os.geteuid() if uid is None else uid)
+    if unsafe is not None:
+        raise IsolationError(f"{what} {path}: {unsafe}: another user could rename it and put their own in its "
+                             f"place; {way_out}")
+    return steps[-1][1][0], steps[-1][1][1]
+
+
+def _judged(path: str, uid: int) -> tuple[str | None, tuple[_Step, ...]]:
     key = (path, uid)
     steps = _SAFE.get(key)
     if steps is not None:
         try:
             if all(_identity(os.lstat(step)) == known and (text is None or os.readlink(step) == text)
                    for step, known, text in steps):
-                return None
+                return None, steps
         except OSError:
             pass
         _SAFE.pop(key, None)
@@ -63,16 +76,7 @@ def unsafe_way(path: str, uid: int | None = None) -> str | None:
         if len(_SAFE) >= _SAFE_MAX:
             _SAFE.clear()
         _SAFE[key] = walked
-    return unsafe
-
-
-def check_way(what: str, path: str, way_out: str, uid: int | None = None) -> None:
-    """IsolationError (``what PATH: DIRECTORY is ...: another user could ...; WAY_OUT``) unless ``unsafe_way``
-    finds nothing on the way to ``path``."""
-    unsafe = unsafe_way(path, uid)
-    if unsafe is not None:
-        raise IsolationError(f"{what} {path}: {unsafe}: another user could rename it and put their own in its "
-                             f"place; {way_out}")
+    return unsafe, walked
 
 
 def _walk(path: str, trusted: tuple[int, int]) -> tuple[str | None, tuple[_Step, ...]]:
@@ -118,6 +122,11 @@ def _walk(path: str, trusted: tuple[int, int]) -> tuple[str | None, tuple[_Step,
         walked.append((step, _identity(info), None))
         unsafe = _directory(step, info, trusted)
         current = step
+    if unsafe is None and walked[-1][0] != current:  # ended in '..': the directory named is last, as check_way says
+        try:
+            walked.append((current, _identity(os.lstat(current)), None))
+        except OSError as exc:
+            return f"{current}: {exc.strerror}", ()
     return unsafe, tuple(walked)
 
 

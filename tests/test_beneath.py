@@ -16,6 +16,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -339,3 +340,89 @@ def test_a_protected_link_is_a_link_to_the_callers_too() -> None:
             os.close(fd)
     finally:
         subprocess.run(["rm", "-rf", top], check=False)
+
+
+_RENAMER = """
+import os, sys
+a, b = sys.argv[1] + "/a", sys.argv[1] + "/b"
+while True:
+    os.rename(a, b)
+    os.rename(b, a)
+"""
+
+
+def test_openat2_giving_eagain_every_try_falls_back_to_the_walk(tmp_path: object,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """openat2 says EAGAIN when any rename (the kernel's rename_lock) came while a '..' was walked: a path of
+    many '..' under a process renaming in a loop meets one at each of csrc's tries, for real, and the walk
+    answers instead, with the same directory."""
+    from isolate._core import ffi, lib
+
+    root = str(tmp_path)
+    os.makedirs(os.path.join(root, "d"))
+    os.makedirs(os.path.join(root, "storm", "a"))
+    path = "d/../" * 800 + "d"  # a long walk: a rename lands in it nearly always
+    fallbacks: list[str] = []
+    real_walk = beneath.walk_components
+
+    def walk(*args: object, **kwargs: object) -> int:
+        fallbacks.append(str(args[1]))
+        return real_walk(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(beneath, "walk_components", walk)
+    fd = os.open(root, DIR_OPEN)
+    renamer = subprocess.Popen([sys.executable, "-c", _RENAMER, os.path.join(root, "storm")])
+    try:
+        want = os.stat(os.path.join(root, "d")).st_ino
+        kernel_eagain = 0
+        until = time.monotonic() + 10
+        while not fallbacks and time.monotonic() < until:
+            raw = lib.iso_open_beneath(fd, os.fsencode(path), DIR_OPEN, 0, 0)
+            if raw >= 0:
+                os.close(raw)
+            elif ffi.errno == errno.EAGAIN:
+                kernel_eagain += 1
+            got = open_beneath(fd, path)
+            try:
+                assert os.fstat(got).st_ino == want
+            finally:
+                os.close(got)
+    finally:
+        renamer.kill()
+        renamer.wait()
+        os.close(fd)
+    if not fallbacks:
+        pytest.skip(f"openat2 never gave EAGAIN at every try here in 10 s ({kernel_eagain} times to csrc's own call)")
+    assert fallbacks[0] == path and beneath._OPENAT2[0] is True  # EAGAIN is no missing openat2
+
+
+def test_open_directory_walks_beneath_its_first_directory_and_follows_no_link_there(tmp_path: object) -> None:
+    from isolate.kernel.links import open_directory
+    from isolate.model.errors import PolicyError
+
+    root = str(tmp_path)
+    os.makedirs(os.path.join(root, "a", "b"))
+    os.symlink("b", os.path.join(root, "a", "link"))
+    with open(os.path.join(root, "a", "file"), "w"):
+        pass
+    fd = open_directory(os.path.join(root, "a", "b"))
+    try:
+        assert os.fstat(fd).st_ino == os.stat(os.path.join(root, "a", "b")).st_ino
+    finally:
+        os.close(fd)
+    for bad, part in (("a/link", "link"), ("a/link/c", "link"), ("a/file/c", "file")):
+        with pytest.raises(PolicyError, match=f": {part} on the way is a link"):
+            open_directory(os.path.join(root, bad), create=True)
+    with pytest.raises(PolicyError, match=r"'\.\.' on the way"):
+        open_directory(os.path.join(root, "a", "..", "a"))
+    with pytest.raises(FileNotFoundError):
+        open_directory(os.path.join(root, "a", "new", "deeper"))
+    os.close(open_directory(os.path.join(root, "a", "new", "deeper"), create=True))
+    assert stat.S_IMODE(os.stat(os.path.join(root, "a", "new")).st_mode) == 0o700 & ~_umask()
+    assert not os.path.exists(os.path.join(root, "a", "b", "c"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

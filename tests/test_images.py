@@ -247,7 +247,7 @@ def test_a_store_under_a_directory_others_could_write_is_refused(mode: int, tmp_
     parent = tmp_path / "shared"
     parent.mkdir()
     os.chmod(parent, mode)
-    with pytest.raises(isolate.IsolationError, match="another user could put their own store"):
+    with pytest.raises(isolate.IsolationError, match="another user could rename it and put their own in its place"):
         Image.list(Store(parent / "store"))
 
 

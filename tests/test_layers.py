@@ -180,3 +180,20 @@ def test_every_package_is_installed() -> None:
         listed = set(tomllib.load(handle)["tool"]["setuptools"]["packages"])
     packages = {m for m, p in MODULES.items() if p.endswith("__init__.py")}
     assert packages - listed == set()
+
+
+#: Modules that run inside a sandbox, in its own python3, and import nothing of isolate: their own fork hooks.
+_OWN_PROCESS = {"isolate.kept._pydriver"}
+
+
+def test_one_mechanism_resets_state_in_a_forked_child() -> None:
+    # model/forks.py frees every module-level lock and runs every reset in a forked child, in one order; a
+    # module with a register_at_fork of its own (kernel/netns.py's) ran beside it, in an order of its own.
+    own = []
+    for module, path in MODULES.items():
+        if module in _OWN_PROCESS or module == "isolate.model.forks":
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if isinstance(node, ast.Attribute) and node.attr == "register_at_fork":
+                own.append(f"{module}:{node.lineno}")
+    assert own == []

@@ -226,6 +226,39 @@ def test_namespaces_made_ahead_are_not_a_forked_childs() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root caller's runs take namespaces made ahead")
+def test_a_child_forked_while_a_thread_holds_the_pool_takes_from_its_own() -> None:
+    """The pool's lock, held by another thread at the fork, is free in the child (model/forks.py frees it)."""
+    from isolate.kernel import netns
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with netns._POOL._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            fd = netns.take()  # waited for ever on the lock a thread the child does not have held
+            os._exit(0 if fd == -1 and netns._POOL._pid == os.getpid() else 1)
+    finally:
+        release.set()
+        holder.join()
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waited on the pool's lock")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_loopback_talks_to_itself(workdir: str) -> None:
     code = (
         "import socket\nsrv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"

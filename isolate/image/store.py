@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ..kernel.subids import SubIds
+from ..kernel.way import check_way
 from ..model.errors import IsolationError
 from ..model.forks import fork_safe, in_child
 from . import budget, leases, mapped
@@ -72,41 +73,6 @@ def verify(data: bytes, digest: str, what: str) -> bytes:
     if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
         raise BadImageError(f"{what}: its content does not match its digest {digest}: refused, nothing kept")
     return data
-
-
-def _unsafe_ancestor(path: str, uid: int) -> str | None:
-    """What on the way to ``path`` (its parent up to /, as given and as resolved) another uid than root and
-    ``uid`` could change; None: nothing."""
-    trusted = (0, uid)
-    parent = os.path.dirname(os.path.abspath(path))
-    seen: set[str] = set()
-    prefix = "/"
-    for part in [p for p in parent.split("/") if p]:  # as given: each link owned by root or the caller
-        prefix = os.path.join(prefix, part)
-        try:
-            info = os.lstat(prefix)
-        except OSError as exc:
-            return f"{prefix}: {exc.strerror}"
-        if stat.S_ISLNK(info.st_mode) and info.st_uid not in trusted:
-            return f"{prefix} is a symbolic link of uid {info.st_uid}"
-    real = os.path.realpath(parent)
-    chain = [real]
-    while chain[-1] != "/":
-        chain.append(os.path.dirname(chain[-1]))
-    for directory in chain:  # as resolved: each directory root's or the caller's, writable by no one else
-        if directory in seen:
-            continue
-        seen.add(directory)
-        try:
-            info = os.lstat(directory)
-        except OSError as exc:
-            return f"{directory}: {exc.strerror}"
-        if info.st_uid not in trusted:
-            return f"{directory} belongs to uid {info.st_uid}"
-        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-            return f"{directory} is writable by {'others' if info.st_mode & 0o002 else 'its group'} (mode " \
-                   f"{stat.S_IMODE(info.st_mode):o}, not sticky)"
-    return None
 
 
 def default_path() -> str:
@@ -187,10 +153,7 @@ class Store:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
             raise IsolationError(f"image store {self.path}: not a private directory of uid {uid} (mode 0700, "
                                  "owned by the caller); a store is never shared between users")
-        unsafe = _unsafe_ancestor(self.path, uid)
-        if unsafe:
-            raise IsolationError(f"image store {self.path}: {unsafe}: another user could put their own store in "
-                                 f"its place; choose another with --image-store or {STORE_ENV}")
+        check_way("image store", self.path, f"choose another with --image-store or {STORE_ENV}", uid)
         if self._made:
             return
         for part in ("blobs", "blobs/sha256", "layers", "images", "locks", "tmp"):

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..backends.kept import KeptBackend
+from ..model.forks import in_child
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -36,7 +37,7 @@ def _after_fork() -> None:
     _BACKGROUND = _executor()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+in_child(_after_fork)
 
 
 def in_background(work: Any) -> None:

@@ -691,6 +691,7 @@ def _parents_like(out: int, rel: str, sources: tuple[View, ...], made: list[tupl
     (mode and owner: overlayfs shows the layer's directory, not the one below it; an image's 1777 or a user's
     0700 directory must not become the writer's 0755), writable to its maker until ``made``'s modes are set.
     Where one holds another node (a deletion's whiteout) it is replaced by an opaque directory, as put's."""
+    # Not beneath.make_beneath: each step decides what to make (a view's mode and owner) or to replace.
     fd = out
     try:
         parts = rel.split("/")[:-1]

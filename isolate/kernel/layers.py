@@ -410,6 +410,7 @@ def _parent(root_fd: int, rel: str, layered: bool) -> int:
     A node of another kind on the way (a deleted directory's whiteout, when an edit inside it is kept over
     the deletion) becomes a directory: in a layer an opaque one, so that what the deletion hid stays hidden.
     """
+    # Not beneath.make_beneath: a node of another kind on the way is replaced here, where that walk refuses it.
     fd = root_fd
     for part in [p for p in os.path.dirname(rel).split("/") if p]:
         try:

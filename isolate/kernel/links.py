@@ -13,6 +13,7 @@ import os
 import stat
 
 from ..model.errors import PolicyError
+from .beneath import make_beneath, open_beneath
 
 #: How a directory on a path the host uses for a program is opened: never through a link at its last step
 #: (each step of a walk is opened from its parent's descriptor with these flags).
@@ -64,21 +65,21 @@ def open_directory(path: str, create: bool = False) -> int:
 
     ``host_symlinks`` checks a path and its caller then uses the path again: between the two, a program
     that can write a directory on the way may swap it for a link (``renameat2(RENAME_EXCHANGE)``). Here
-    each component is opened from its parent's descriptor with ``O_NOFOLLOW``; only root's links
-    directly under ``/`` are read and followed. With ``create``, a missing directory is made (0700).
-    Raises PolicyError for a link the rule does not follow, OSError for anything else.
+    only root's links directly under ``/`` are read and followed; from the first directory below ``/``
+    on, the rest is the one walk beneath a directory (beneath.py: openat2, no link followed). With
+    ``create``, a missing directory is made (0700). Raises PolicyError for a link the rule does not
+    follow, OSError for anything else.
     """
-    flags = DIR_FLAGS
-    fd = os.open("/", flags)
     parts = [p for p in path.split("/") if p not in ("", ".")]
-    at_root, hops = True, 0
+    fd = os.open("/", DIR_FLAGS)
+    hops = 0
     try:
-        while parts:
-            part = parts.pop(0)
-            if part == "..":
+        while parts:  # directly under /
+            if ".." in parts:
                 raise PolicyError(f"{path}: '..' on the way is not followed", "path")
+            part = parts.pop(0)
             try:
-                child = os.open(part, flags, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
                     raise
@@ -86,21 +87,36 @@ def open_directory(path: str, create: bool = False) -> int:
                     os.mkdir(part, 0o700, dir_fd=fd)
                 except FileExistsError:
                     pass
-                child = os.open(part, flags, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 info = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISLNK(info.st_mode) or not at_root or info.st_uid != 0 or hops >= 40:
-                    raise PolicyError(f"{path}: {part} on the way is a link (or not a directory), which is not "
-                                      "followed there (only root's links directly under / are)", "path") from None
+                if not stat.S_ISLNK(info.st_mode) or info.st_uid != 0 or hops >= 40:
+                    raise _not_followed(path, part) from None
                 hops += 1
                 # The link lies directly under /, so its text, absolute or relative, continues from / (fd).
                 parts = [p for p in os.readlink(part, dir_fd=fd).split("/") if p not in ("", ".")] + parts
                 continue
             os.close(fd)
-            fd, at_root = child, False
+            fd = child
+            break
+        if parts:
+            rest = "/".join(parts)
+            try:
+                child = make_beneath(fd, rest, 0o700) if create else open_beneath(fd, rest, DIR_FLAGS)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise _not_followed(path, os.path.basename(str(exc.filename))) from None
+            os.close(fd)
+            fd = child
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _not_followed(path: str, part: str) -> PolicyError:
+    return PolicyError(f"{path}: {part} on the way is a link (or not a directory), which is not followed there "
+                       "(only root's links directly under / are)", "path")

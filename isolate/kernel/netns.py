@@ -22,6 +22,7 @@ import threading
 from collections import deque
 
 from .._core import lib
+from ..model.forks import fork_safe, in_child
 
 #: Namespaces kept ready: one for the next run, one being made meanwhile.
 POOL_SIZE = 2
@@ -33,8 +34,9 @@ IDLE_SECONDS = 1.0
 
 class _Pool:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        # Free again in a forked child (model/forks.py), which has none of the parent's threads: one may have held it.
+        self._lock = fork_safe(threading.Lock())
+        self._wake = fork_safe(threading.Condition(self._lock))
         self._ready: deque[int] = deque()
         self._thread: threading.Thread | None = None
         self._broken = False
@@ -82,12 +84,6 @@ class _Pool:
                     return
                 self._ready.append(fd)
 
-    def after_fork_in_child(self) -> None:
-        """A forked child has none of the parent's threads: a lock one held stays held; start afresh."""
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._reset_locked()
-
     def _reset_locked(self) -> None:
         for fd in self._ready:
             try:
@@ -107,7 +103,7 @@ def _above_stdio(fd: int) -> int:
 
 
 _POOL = _Pool()
-os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
+in_child(_POOL._reset_locked)  # a forked child: the parent's namespaces are the parent's, its maker thread gone
 
 
 def take() -> int:

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -32,7 +33,8 @@ import stat
 from collections.abc import Iterator
 
 from ..model.errors import IsolationError, PolicyError
-from .links import DIR_FLAGS
+from .beneath import make_beneath
+from .way import check_way
 
 
 def state_dir() -> str:
@@ -60,7 +62,8 @@ def open_state_dir(*parts: str) -> int:
     directory in it, or on the way to it, by a link. The way to the state directory follows only
     root's links directly under ``/`` (as grants do), and each part below it is opened without
     following a link and must be a directory of this user: what the host then makes through the
-    descriptor lands where isolate meant, wherever a link points.
+    descriptor lands where isolate meant, wherever a link points. Nor may another user be able to
+    change the way (way.py: the image store's rule), as the host also uses the path.
     """
     from .links import open_directory
 
@@ -87,19 +90,25 @@ def open_state_dir(*parts: str) -> int:
             if not part or "/" in part or part in (".", ".."):
                 raise ValueError(f"not one name: {part!r}")
             where = os.path.join(where, part)
-            try:
-                os.mkdir(part, 0o700, dir_fd=fd)
-            except FileExistsError:
-                pass
-            try:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            try:  # one name at a time (beneath.py's walk): each one's owner is asked, those on the way too
+                child = make_beneath(fd, part, 0o700)
             except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise IsolationError(f"state directory: {where}: {exc.strerror}; set ISOLATE_STATE_DIR to a "
+                                         "writable directory") from None
                 raise IsolationError(f"state directory: {where} is not a directory isolate made ({exc.strerror}: "
                                      "a link, or another kind of file); remove it") from None
             os.close(fd)
             fd = child
             if os.fstat(fd).st_uid != uid:
                 raise IsolationError(f"state directory: {where} belongs to another user; remove it")
+        # The host also uses these directories by path (the image store, a workspace's copy): nothing on the way
+        # another user could change (way.py), and the path still names the directory opened.
+        named = check_way("state directory", where, "set ISOLATE_STATE_DIR to a directory on a way only you and "
+                          "root can change", uid)
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != named:
+            raise IsolationError(f"state directory {where} was replaced while it was opened; try again")
     except BaseException:
         os.close(fd)
         raise

@@ -12,7 +12,8 @@
 #   --all    every test of the suite (the integrations' extras are not installed in the guest:
 #            their tests skip and say why)
 #   --out    where results/ go (pytest output, junit XML, quick start; default /tmp/isolate-vm)
-#   PYTEST_ARGS in the environment: more pytest arguments (e.g. "-k monitor")
+#   PYTEST_ARGS in the environment: more pytest arguments (e.g. "-k monitor"), split at spaces;
+#   PYTEST_K: a -k expression taken whole (e.g. "test_way or test_runtime_dir")
 # Exit status: 0 when both callers' runs passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,7 @@ tar -C "$work" -cf "$work/payload.tar" src venv
 echo "-- the guest's venv, built here: $(( $(date +%s) - t0 )) s"
 set +e
 "$VM/run.sh" --share "$work" --cgroup delegated --mem 4096 --timeout 3000 "${RUN_OPTS[@]}" -- \
-    env MARK="$MARK" VENV="$work/venv" PYTEST_ARGS="${PYTEST_ARGS:-}" bash ./guest-suite.sh > "$work/console.txt" 2>&1
+    env MARK="$MARK" VENV="$work/venv" PYTEST_ARGS="${PYTEST_ARGS:-}" PYTEST_K="${PYTEST_K:-}" bash ./guest-suite.sh > "$work/console.txt" 2>&1
 rc=$?
 set -e
 rm -rf "$OUT"; mkdir -p "$OUT"

@@ -8,7 +8,7 @@
 #      systemd's Delegate=yes would, to that user), with its own HOME and TMPDIR, so that neither run
 #      sees the other's cgroups or state.
 # Environment: CALLERS ("root 65534"), MARK ("host": the host-sensitive tests; "" for all of them),
-# PYTEST_ARGS (more pytest arguments).
+# PYTEST_ARGS (more pytest arguments, split at spaces), PYTEST_K (a -k expression, taken whole: "a or b").
 # Results (pytest output, junit XML, quick start) land in results/ of the shared folder. Exit status:
 # 0 when every caller's pytest passed.
 set -u
@@ -56,6 +56,7 @@ suite() {
     [ "$who" = root ] || chown "$who" "$cg" "$cg"/cgroup.{procs,threads,subtree_control}
     local args=(-p no:cacheprovider "$SRC/tests" -q -rfEs --junitxml="/tmp/junit-$who.xml")
     [ -n "$MARK" ] && args+=(-m "$MARK")
+    [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
     # shellcheck disable=SC2086
     (echo "$BASHPID" > "$cg/cgroup.procs" && cd /tmp && run_as "$who" "$V/bin/python" -m pytest "${args[@]}" ${PYTEST_ARGS:-}) \
         > "$R/pytest-$who.txt" 2>&1

@@ -281,6 +281,8 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
 
             if disk_by_default(policy):
                 raise NotCovered("an image's upper layer on disk, made for each run (before Linux 6.6)")
+            if static.image_private is not None:
+                raise NotCovered("an image's User in isolate's private id range (its layers idmapped for each run)")
         plan = prepared.plan
         if plan.n_keep_fds or plan.program_fd >= 0 or plan.idmap_userns_fd >= 0:
             raise NotCovered("descriptors passed on")

@@ -188,7 +188,7 @@ def prepare(
     keep.append(plan)
     ffi.memmove(plan, static.plan, ffi.sizeof("struct iso_plan"))
     cmounts = None
-    if static.idmap_steps or bind_sources or image_upper is not None:
+    if static.idmap_steps or bind_sources or image_upper is not None or static.image_private is not None:
         cmounts = ffi.new("struct iso_mount[]", max(plan.n_mounts, 1))
         keep.append(cmounts)
         ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
@@ -197,6 +197,9 @@ def prepare(
         assert cmounts is not None
         _substitute_binds(plan, cmounts, static, bind_sources, enforced, keep)
 
+    if static.image_private is not None:
+        assert cmounts is not None
+        close_after.extend(imageroot.idmapped_layers(cmounts, plan.n_mounts, static.image_private))
     if image_upper is not None:
         assert cmounts is not None
         if plan.newuidmap != ffi.NULL:

@@ -180,3 +180,52 @@ def test_a_regular_callers_image_user_is_unchanged(store: str) -> None:
     ranges = subids.find(os.geteuid(), os.getegid())
     assert result.stdout == ("1000\n" if isinstance(ranges, subids.SubIds) else f"{os.geteuid()}\n")
     assert "private_range" not in result.report.enforced["user"]
+
+
+def _disk_upper_why() -> str | None:
+    from isolate.kernel.overlay import xattr_problem
+    from isolate.kernel.places import state_dir
+
+    os.makedirs(state_dir(), exist_ok=True)
+    return xattr_problem(state_dir(), state_dir())
+
+
+@root_only
+def test_commit_image_and_a_builds_user_step_keep_the_images_ids_not_the_ranges(store: str) -> None:
+    if _disk_upper_why():
+        pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
+    with isolate.Sandbox(isolate.Policy(image="named:1", backend="native"), image_upper="disk") as box:
+        made = box.exec(["sh", "-c", "echo kept > /home/app/kept"])
+        assert made.returncode == 0, made.stderr
+        committed = box.commit_image("committed-app:1")
+    info = os.stat(os.path.join(committed.lower_dirs()[0], "home", "app", "kept"))
+    assert (info.st_uid, info.st_gid) == (1000, 1000)
+    # A build's RUN under the image's User: that user, as Docker's, owning what it makes and nothing of root's.
+    built = Image.get("named:1").run("echo built > /home/app/built && (touch /etc/x 2>/dev/null || echo no-etc) "
+                                     "> /home/app/etc").build("built-app:1")
+    top = built.lower_dirs()[0]
+    info = os.stat(os.path.join(top, "home", "app", "built"))
+    assert (info.st_uid, info.st_gid) == (1000, 1000)
+    with open(os.path.join(top, "home", "app", "etc"), encoding="utf-8") as handle:
+        assert handle.read() == "no-etc\n"
+    assert not os.path.exists(os.path.join(top, "etc", "x"))
+
+
+@root_only
+def test_a_snapshot_and_a_fork_of_an_image_users_sandbox_keep_its_files_its_own(store: str) -> None:
+    if _disk_upper_why():
+        pytest.skip(f"image_upper='disk' is refused here: {_disk_upper_why()}")
+    with isolate.Sandbox(isolate.Policy(image="named:1", backend="native"), image_upper="disk") as box:
+        assert box.exec(["sh", "-c", "echo one > /home/app/kept"]).returncode == 0
+        snap = box.snapshot()
+        try:
+            assert box.exec(["sh", "-c", "echo two > /home/app/kept"]).returncode == 0
+            box.restore(snap)
+            (fork,) = box.fork(1)
+            with fork:
+                for sandbox in (box, fork):
+                    shown = sandbox.exec(["sh", "-c", "cat /home/app/kept; ls -ln /home/app/kept | "
+                                          "awk '{print $3, $4}'; echo three >> /home/app/kept && id -u"])
+                    assert shown.stdout.splitlines() == ["one", "1000 1000", "1000"], shown.stderr
+        finally:
+            snap.remove()

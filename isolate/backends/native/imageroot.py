@@ -224,7 +224,7 @@ def _private_ids(root: ImageRoot, policy: Policy, user: str, image_uid: int, ima
             raise UnsupportedError(why + "; or pass uid= (--uid), or best_effort to run it as uid " + str(uid))
         enforced["image_user"] = f"{user} not applied: the program runs as uid {uid} ({found})"
         return uid, gid, None
-    enforced["image_user"] = f"{user}: uid {image_uid}, gid {image_gid} inside; host ids of isolate's private range"
+    enforced["image_user"] = user  # its host ids, and the range: enforced["user"], enforced["id_map"]
     return image_uid, image_gid, found
 
 

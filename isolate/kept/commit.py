@@ -89,7 +89,8 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
             # made claims its size, which the host would read, compress and unpack whole.
             blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'} (at most max_image_size, "
                                f"{store.max_image_size} bytes)", leave_out=leave_out,
-                               owners=_owners(impl) if host.as_owner or _private(impl) else None, max_size=store.max_image_size)
+                               owners=_owners(impl) if host.as_owner or _private(impl) else None,
+                               max_size=store.max_image_size)
         finally:
             os.close(upper_fd)
     except BaseException:

@@ -234,3 +234,12 @@ def test_a_snapshot_and_a_fork_of_an_image_users_sandbox_keep_its_files_its_own(
                     assert shown.stdout.splitlines() == ["one", "1000 1000", "1000"], shown.stderr
         finally:
             snap.remove()
+
+
+@root_only
+def test_preexec_fn_refuses_an_images_user_or_runs_65534_for_best_effort(store: str) -> None:
+    with pytest.raises(isolate.UnsupportedError, match="preexec_fn has no parent"):
+        subprocess.run(["true"], preexec_fn=isolate.Policy(image="named:1", backend="native").preexec_fn, timeout=60)
+    policy = isolate.Policy(image="named:1", backend="native", best_effort=True)
+    done = subprocess.run(["id", "-u"], preexec_fn=policy.preexec_fn, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "65534\n"), done.stderr

@@ -115,12 +115,17 @@ def find() -> PrivateIds | str:
     return PrivateIds(starts[0][0], starts[1][0], COUNT, source.replace("'s default", "'s default range"))
 
 
+def files() -> tuple[str, ...]:
+    """What find() reads."""
+    return subids.SUBUID, subids.SUBGID, PASSWD, GROUP
+
+
 _CACHE: dict[tuple[tuple[int, int, int, int] | None, ...], PrivateIds | str] = {}
 
 
 def cached() -> PrivateIds | str:
     """find(), again only once one of the files it reads changed."""
-    key = tuple(_stamp(p) for p in (subids.SUBUID, subids.SUBGID, PASSWD, GROUP))
+    key = tuple(_stamp(p) for p in files())
     found = _CACHE.get(key)
     if found is None:
         _CACHE.clear()

@@ -6,6 +6,7 @@ mounts, the Landlock rules and the seccomp filter, once; ``plan`` caches the res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import stat
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._core import INIT_PATH, ffi, init_fd, lib
-from ...kernel import grants, hostinfo, landlock, mounts
+from ...kernel import grants, hostinfo, landlock, mounts, privateids
 from ...kernel.hostinfo import userns_error
 from ...kernel.places import runtime_dir
 from ...kernel.privateids import PrivateIds
@@ -639,6 +640,11 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     for path in image_root.stamps if image_root is not None else ():
         info = os.stat(path)
         stamps.append((path, (info.st_dev, info.st_ino)))
+    # The files that gave the private range, or would now refuse it (useradd and usermod rename a new file over).
+    for path in privateids.files() if private is not None else ():
+        with contextlib.suppress(FileNotFoundError):
+            info = os.stat(path)
+            stamps.append((path, (info.st_dev, info.st_ino)))
     return _Static(
         plan=plan, keep=keep, enforced=enforced, warnings=refusals.warnings, rlimits=rlimits,
         cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,

@@ -275,3 +275,15 @@ def test_a_store_that_takes_no_idmapped_mount_refuses_an_images_user_or_runs_655
         run(["id", "-u"])
     result = run(["id", "-u"], best_effort=True)
     assert (result.returncode, result.stdout) == (0, "65534\n"), result.stderr
+
+
+@root_only
+def test_doctor_names_the_range_or_why_there_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from isolate.cli import doctor
+
+    _files(tmp_path, monkeypatch, "isolate:300000:65536\n", "isolate:400000:65536\n")
+    ok, said = doctor._subids()
+    assert ok and "host 300000-365534" in said and "host 400000-465534" in said, said
+    _files(tmp_path, monkeypatch, "isolate:300000:10\n", "")
+    ok, said = doctor._subids()
+    assert not ok and "fewer than 65536" in said, said

@@ -287,3 +287,9 @@ def test_doctor_names_the_range_or_why_there_is_none(tmp_path: Path, monkeypatch
     _files(tmp_path, monkeypatch, "isolate:300000:10\n", "")
     ok, said = doctor._subids()
     assert not ok and "fewer than 65536" in said, said
+
+
+def test_the_name_services_accounts_are_known_and_the_ranges_ids_are_not() -> None:
+    assert privateids.known_account(0, 0) == "uid 0 is the user root"
+    base = privateids.DEFAULT_START
+    assert privateids.known_account(base + 1000, base + 1000) is None

@@ -11,10 +11,13 @@ gives it, and the program is the image's user; on the host it is START + uid.
 
 The range: the one ``/etc/subuid`` and ``/etc/subgid`` give the user name
 ``isolate`` (the administrator's choice, as podman's ``containers``), else
-DEFAULT_START to DEFAULT_START + COUNT - 1 (uids and gids), above systemd's
-container ranges and below its foreign range (0x7FFE0000). Either is refused
-where another line of /etc/subuid or /etc/subgid, or an account of
-/etc/passwd or /etc/group, lies in it: those ids would be someone's.
+DEFAULT_START + 1 to DEFAULT_START + COUNT - 1 (uids and gids): above
+systemd's container ranges (up to 0x6FFFFFFF) and SSSD's default id mapping
+(up to 2000200000), below systemd's foreign range (0x7FFE0000). Either is
+refused where another line of /etc/subuid or /etc/subgid, or an account of
+/etc/passwd or /etc/group, lies in it, and the program's own host ids where
+the name service knows them (LDAP, SSSD: accounts no file lists): those ids
+would be someone's.
 
 Every such sandbox shares the range: sandboxes are apart by their PID, mount
 and network namespaces, not by their ids (as with podman's single range).
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 
 from . import subids
 
-#: The range's first host id where /etc/subuid names no ``isolate``: 2000000000 (0x77359400).
-DEFAULT_START = 2_000_000_000
+#: The range's base where /etc/subuid names no ``isolate``: 2100000000 (0x7D2B7500); the image's id N is BASE + N.
+DEFAULT_START = 2_100_000_000
 #: Ids 0 to COUNT-1 inside (an image's ids; nobody is 65534).
 COUNT = 65536
 #: The user name whose /etc/subuid and /etc/subgid lines give the range.
@@ -69,6 +72,22 @@ class PrivateIds:
     def describe(self) -> str:
         return (f"uids 1-{self.count - 1} are host {self.uid_start + 1}-{self.uid_start + self.count - 1}, gids "
                 f"host {self.gid_start + 1}-{self.gid_start + self.count - 1} ({self.source}); 0 is root")
+
+
+def known_account(uid: int, gid: int) -> str | None:
+    """Who the name service says holds host uid ``uid`` or gid ``gid`` (an account no file lists: LDAP, SSSD),
+    or None."""
+    import grp
+    import pwd
+
+    try:
+        return f"uid {uid} is the user {pwd.getpwuid(uid).pw_name}"
+    except (KeyError, OverflowError):
+        pass
+    try:
+        return f"gid {gid} is the group {grp.getgrgid(gid).gr_name}"
+    except (KeyError, OverflowError):
+        return None
 
 
 def _entries(path: str) -> list[list[str]]:

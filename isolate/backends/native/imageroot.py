@@ -216,6 +216,10 @@ def _private_ids(root: ImageRoot, policy: Policy, user: str, image_uid: int, ima
         found = (f"its ids ({image_uid}:{image_gid}) are past isolate's private range of {found.count} ids: run it "
                  "as another user (uid=)")
     if isinstance(found, PrivateIds):
+        known = privateids.known_account(found.host_uid(image_uid), found.host_gid(image_gid))
+        if known:
+            found = f"the name service knows its host ids ({known}): give isolate a range of its own in /etc/subuid"
+    if isinstance(found, PrivateIds):
         found = _layers_idmap_problem(os.path.dirname(os.path.dirname(root.lowers[0])), found) or found
     if isinstance(found, str):
         why = (f"image {root.image.reference}: its User {user!r} would run as a real host user; isolate runs a root "

@@ -41,6 +41,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             kit.oci_layout(str(tmp / ref), [kit.busybox_layer(), kit.layer(HOME)], ref=ref, User=user,
                            Env=["PATH=/bin"])
             Image.load(tmp / ref, store=Store(path))
+        # An image user in root's group, as images made for arbitrary uids are: root's group shares a directory.
+        grouped = [{"name": "etc/passwd", "data": b"root:x:0:0::/:/bin/sh\nocp:x:1001:0::/srv:/bin/sh\n"},
+                   {"name": "srv", "type": "dir", "mode": 0o770},
+                   {"name": "srv/shared", "data": b"group's\n", "mode": 0o660}]
+        kit.oci_layout(str(tmp / "grouped"), [kit.busybox_layer(), kit.layer(grouped)], ref="grouped:1", User="ocp",
+                       Env=["PATH=/bin"])
+        Image.load(tmp / "grouped", store=Store(path))
         yield path
 
 
@@ -136,6 +143,22 @@ def test_a_host_users_file_under_a_read_grant_is_not_the_image_users(ranged: str
 
 
 @root_only
+def test_an_image_user_in_roots_group_is_no_host_root_group(ranged: str, tmp_path: Path) -> None:
+    host = tmp_path / "host"
+    host.mkdir(mode=0o755)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(host, 0o755)
+    (host / "root-group").write_text("root's group's\n")
+    os.chmod(host / "root-group", 0o640)  # root:root on the host
+    with isolate.Sandbox(isolate.Policy(image="grouped:1", backend="native", read=[str(host)])) as box:
+        inside = box.exec(["sh", "-c", f"id -u; id -g; cat /srv/shared; echo more >> /srv/shared && echo wrote; "
+                           f"cat {host}/root-group 2>/dev/null || echo refused"])
+        assert inside.stdout.splitlines() == ["1001", "0", "group's", "wrote", "refused"], inside.stderr
+        uid, gid = _host_ids_of(box)
+    assert gid != 0 and uid != 1001, (uid, gid)
+
+
+@root_only
 def test_a_write_grant_stays_the_callers_and_the_home_tmpfs_the_programs(ranged: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -180,7 +203,7 @@ def test_an_isolate_line_in_subuid_gives_the_range(ranged: str, tmp_path: Path,
     _files(tmp_path, monkeypatch, "someone:100000:65536\nisolate:300000:65536\n", "isolate:400000:65536\n")
     with isolate.Sandbox(isolate.Policy(image="named:1", backend="native", env={"CASE": "subuid"})) as box:
         assert box.exec(["id", "-u"]).stdout == "1000\n"
-        assert _host_ids_of(box) == (300000 + 999, 400000 + 999)  # the image's id N is START + N - 1
+        assert _host_ids_of(box) == (300000 + 1000, 400000 + 1000)  # the image's id N is START + N
 
 
 @root_only
@@ -283,7 +306,7 @@ def test_doctor_names_the_range_or_why_there_is_none(tmp_path: Path, monkeypatch
 
     _files(tmp_path, monkeypatch, "isolate:300000:65536\n", "isolate:400000:65536\n")
     ok, said = doctor._subids()
-    assert ok and "host 300000-365534" in said and "host 400000-465534" in said, said
+    assert ok and "host 300001-365535" in said and "host 400000-465535" in said, said
     _files(tmp_path, monkeypatch, "isolate:300000:10\n", "")
     ok, said = doctor._subids()
     assert not ok and "fewer than 65536" in said, said

@@ -451,7 +451,7 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         private = static.image_private
         w.u32(0xFFFFFFFF if layers is None else layers)
         w.data(None if private is None else private.uid_map())
-        w.data(None if private is None else private.gid_map())
+        w.data(None if private is None else private.layers_gid_map())
         # -- the report and the messages ------------------------------------------
         _write_report_parts(w, policy, prepared)
         # -- an image's sandbox: its lease (isolate/image/leases.py), written by the binary ---------------

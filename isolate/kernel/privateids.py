@@ -3,15 +3,16 @@
 An image's ``User: 1000`` is no user of the host. Run as host uid 1000, the
 program would own that user's files under a read grant, share its
 RLIMIT_NPROC, and be signalled or traced by it. For a root caller, the
-sandbox's user namespace maps the image's ids 1 to COUNT-1 to a private range
-of host ids (root stays root during the setup, as ever), as
+sandbox's user namespace maps the image's uids 1 to COUNT-1 and gids 0 to
+COUNT-1 to a private range of host ids (root stays root during the setup, as
+ever; the image's group 0 is the range's, never the host's root group), as
 ``podman --userns=auto`` does, and the image's layers are reached through an
 idmapped mount with the same map: inside, each file shows the owner the image
 gives it, and the program is the image's user; on the host it is START + uid.
 
 The range: the one ``/etc/subuid`` and ``/etc/subgid`` give the user name
-``isolate`` (the administrator's choice, as podman's ``containers``), else
-DEFAULT_START + 1 to DEFAULT_START + COUNT - 1 (uids and gids): above
+``isolate`` (the administrator's choice, as podman's ``containers``; the
+image's id N is START + N), else START = DEFAULT_START: above
 systemd's container ranges (up to 0x6FFFFFFF) and SSSD's default id mapping
 (up to 2000200000), below systemd's foreign range (0x7FFE0000). Either is
 refused where another line of /etc/subuid or /etc/subgid, or an account of
@@ -42,7 +43,9 @@ GROUP = "/etc/group"
 
 @dataclass(frozen=True)
 class PrivateIds:
-    """Host uids ``uid_start + 1`` to ``uid_start + count - 1`` are the image's 1 to count-1 (and gids)."""
+    """The image's id N is the host's ``uid_start + N`` (uids 1 to count-1: root stays root) and ``gid_start + N``
+    (gids 0 to count-1: an image user's group 0 is no host root group; the setup's host gid 0 is ``count``
+    inside, csrc/spawn.c moves the setup to the inside's 0 at once)."""
 
     uid_start: int
     gid_start: int
@@ -54,24 +57,30 @@ class PrivateIds:
         return f"0 0 1\n1 {self.uid_start + 1} {self.count - 1}\n"
 
     def gid_map(self) -> str:
-        return f"0 0 1\n1 {self.gid_start + 1} {self.count - 1}\n"
+        """The sandbox's gid map: the range, and the host's 0 (the setup's group until it takes the inside's 0)."""
+        return f"0 {self.gid_start} {self.count}\n{self.count} 0 1\n"
+
+    def layers_gid_map(self) -> str:
+        """The gid map of the layers' idmapped mount: every group of the image in the range, root's too."""
+        return f"0 {self.gid_start} {self.count}\n"
 
     def host_uid(self, uid: int) -> int:
         return uid if uid == 0 else self.uid_start + uid
 
     def host_gid(self, gid: int) -> int:
-        return gid if gid == 0 else self.gid_start + gid
+        return self.gid_start + gid
 
     def image_uid(self, host: int) -> int | None:
         """The image's id a host uid of the range stands for (None: not in it)."""
         return host - self.uid_start if self.uid_start < host < self.uid_start + self.count else None
 
     def image_gid(self, host: int) -> int | None:
-        return host - self.gid_start if self.gid_start < host < self.gid_start + self.count else None
+        return host - self.gid_start if self.gid_start <= host < self.gid_start + self.count else None
 
     def describe(self) -> str:
-        return (f"uids 1-{self.count - 1} are host {self.uid_start + 1}-{self.uid_start + self.count - 1}, gids "
-                f"host {self.gid_start + 1}-{self.gid_start + self.count - 1} ({self.source}); 0 is root")
+        return (f"uids 1-{self.count - 1} are host {self.uid_start + 1}-{self.uid_start + self.count - 1} (0 is "
+                f"root), gids 0-{self.count - 1} host {self.gid_start}-{self.gid_start + self.count - 1} "
+                f"({self.source})")
 
 
 def known_account(uid: int, gid: int) -> str | None:
@@ -124,12 +133,13 @@ def find() -> PrivateIds | str:
         found = subids.parse(subids._read(path) or "", -1, OWNER, 0)
         if found is not None and found.count < COUNT:
             return f"{path} gives {OWNER} {found.count} ids, fewer than {COUNT}: {way_out}"
-        starts.append((found.start - 1, f"{path}'s {OWNER}") if found is not None
+        starts.append((found.start, f"{path}'s {OWNER}") if found is not None
                       else (DEFAULT_START, f"isolate's default {DEFAULT_START}+"))
     for kind, (start, _) in zip(("uid", "gid"), starts, strict=True):
-        clash = _clash(kind, start + 1, COUNT - 1)
+        first = start + 1 if kind == "uid" else start  # the image's uid 0 is root; its gid 0 is the range's
+        clash = _clash(kind, first, start + COUNT - first)
         if clash:
-            return f"the {kind}s {start + 1}-{start + COUNT - 1} are not isolate's alone ({clash}): {way_out}"
+            return f"the {kind}s {first}-{start + COUNT - 1} are not isolate's alone ({clash}): {way_out}"
     source = starts[0][1] if starts[0][1] == starts[1][1] else f"{starts[0][1]}, {starts[1][1]}"
     return PrivateIds(starts[0][0], starts[1][0], COUNT, source.replace("'s default", "'s default range"))
 

@@ -562,7 +562,7 @@ def _layers_idmap_problem(layers_dir: str, private: PrivateIds) -> str | None:
         return f"{layers_dir}: {exc.strerror}"
     if device not in _IDMAP_PROBED:
         try:
-            userns = _range_userns(private.uid_map(), private.gid_map())
+            userns = _range_userns(private.uid_map(), private.layers_gid_map())
         except UnsupportedError as exc:
             return str(exc)
         tree = int(lib.iso_open_idmapped_tree(os.fsencode(layers_dir), userns))
@@ -585,7 +585,7 @@ def idmapped_layers(cmounts: Any, n_mounts: int, private: PrivateIds) -> list[in
     for i in range(n_mounts):
         step = cmounts[i]
         if step.kind == lib.ISO_MOUNT_BIND and ffi.string(step.target) == STAGING_LAYERS.encode():
-            userns = _range_userns(private.uid_map(), private.gid_map())
+            userns = _range_userns(private.uid_map(), private.layers_gid_map())
             tree = int(lib.iso_open_idmapped_tree(f"/proc/self/fd/{step.fd}".encode(), userns))
             if tree < 0:
                 err = ffi.errno

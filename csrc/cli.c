@@ -596,6 +596,22 @@ int main(int argc, char **argv)
             m->fd = tree_fds[i];
         }
     }
+    /* An image User's layers, through an idmapped tree of isolate's private range (imageroot.idmapped_layers):
+     * the store's directory the plan's bind holds (placed and checked above), made now, consumed by the child. */
+    int layers_userns = -1, layers_tree = -1;
+    if (rp.layers_idmap != UINT32_MAX) {
+        struct iso_mount *m = &rp.mounts[rp.layers_idmap];
+        char path[64];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", m->fd);
+        layers_userns = iso_make_userns_maps(rp.layers_uid_map, rp.layers_gid_map);
+        if (layers_userns < 0)
+            handover(1, "no user namespace of isolate's private id range");
+        layers_tree = iso_open_idmapped_tree(path, layers_userns);
+        if (layers_tree < 0)
+            handover(1, "the image's layers cannot be idmapped");
+        m->kind = ISO_MOUNT_MOVE;
+        m->fd = layers_tree;
+    }
 
     int status_pipe[2];
     if (pipe2(status_pipe, O_CLOEXEC) < 0)
@@ -653,6 +669,10 @@ int main(int argc, char **argv)
         close(tree_fds[i]);
     if (userns_fd >= 0)
         close(userns_fd);
+    if (layers_tree >= 0)
+        close(layers_tree);
+    if (layers_userns >= 0)
+        close(layers_userns);
     if (pid < 0) {
         /* Nothing ran: Python prepares it again and names the cause exactly (isolate.cli's messages). */
         close(status_pipe[0]);

@@ -42,7 +42,7 @@
 #define ENV_NO_CACHE "ISOLATE_RUN_NO_CACHE"
 #define ENV_REPLAY "ISOLATE_RUN_REPLAY"
 #define ENV_TRACE "ISOLATE_RUN_TRACE"  /* set: say on stderr whether the plan was replayed, and why not */
-#define MAGIC "ISOPLAN2"
+#define MAGIC "ISOPLAN3"
 #define KEY_PREFIX "isolate-run plan v2"
 #define DEFAULT_PATH "/usr/local/bin:/usr/bin:/bin"
 #define MAX_PLAN_BYTES (16 << 20)
@@ -88,6 +88,9 @@ struct replay {
     uint32_t program_uid, program_gid;
     uint32_t *idmap;
     uint32_t n_idmap;
+    /* An image User's layers: the bind at this index becomes an idmapped tree of these maps (none: UINT32_MAX). */
+    uint32_t layers_idmap;
+    const char *layers_uid_map, *layers_gid_map;
     /* the report */
     const char *report_mid, *report_tail;
     char **warnings;

@@ -272,6 +272,13 @@ int parse_plan(struct reader *r, const unsigned char digest[32], struct replay *
             !rp->mounts[rp->idmap[i]].source)
             return miss("stale or malformed plan", "check at cli.c:766");
     }
+    rp->layers_idmap = r_u32(r);
+    rp->layers_uid_map = r_data(r, NULL);
+    rp->layers_gid_map = r_data(r, NULL);
+    if (rp->layers_idmap != UINT32_MAX &&
+        (rp->layers_idmap >= (uint32_t)p->n_mounts || rp->mounts[rp->layers_idmap].kind != ISO_MOUNT_BIND ||
+         rp->mounts[rp->layers_idmap].fd < 0 || !rp->layers_uid_map || !rp->layers_gid_map))
+        return miss("stale or malformed plan", "check of the image layers' idmap");
 
     /* The report's fixed parts and the messages. */
     rp->report_mid = r_data(r, NULL);

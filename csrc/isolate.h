@@ -479,6 +479,10 @@ int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid);
  * mount made with it shows inside_uid's files as outside_uid's. */
 int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t outside_uid, uint32_t outside_gid);
 
+/* The same with whole maps, as /proc/PID/uid_map takes them ("INSIDE OUTSIDE COUNT" lines, at most a page):
+ * an idmapped mount made with "0 0 1\n1 B+1 N" shows ids 1..N as B+1..B+N, root as root. */
+int iso_make_userns_maps(const char *uid_map, const char *gid_map);
+
 /* A fresh network namespace (only "lo", down), made in the calling thread,
  * which then goes back to the one it was in; returns its fd, or -1 (errno
  * set: it needs CAP_SYS_ADMIN), or -2 when the thread could not go back

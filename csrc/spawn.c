@@ -180,6 +180,13 @@ static int first_main(void *arg)
         goto fail;
     }
     close(ctx->sync_fd);
+    /* The setup runs in the namespace's root group (a raw call, as caps.c's): the caller's own group already,
+     * but where an image User's private range maps the inside's 0 past the host's (kernel/privateids.py),
+     * so that what the setup makes (mount points, the upper layer's directories) is root's group inside. */
+    if (plan->set_ids && (plan->clone_flags & CLONE_NEWUSER) && syscall(SYS_setresgid, 0, 0, 0) < 0) {
+        step = ISO_STEP_SETGID;
+        goto fail;
+    }
     if (plan->new_session && setsid() < 0) {
         step = ISO_STEP_SETSID;
         goto fail;

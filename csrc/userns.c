@@ -155,6 +155,14 @@ int iso_make_idmap_userns(uint32_t outside_uid, uint32_t outside_gid)
 
 int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t outside_uid, uint32_t outside_gid)
 {
+    char uid_map[48], gid_map[48];
+    snprintf(uid_map, sizeof uid_map, "%u %u 1\n", inside_uid, outside_uid);
+    snprintf(gid_map, sizeof gid_map, "%u %u 1\n", inside_gid, outside_gid);
+    return iso_make_userns_maps(uid_map, gid_map);
+}
+
+int iso_make_userns_maps(const char *uid_map, const char *gid_map)
+{
     const size_t stack_size = 64 * 1024;
     char *stack = mmap(NULL, stack_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
     if (stack == MAP_FAILED)
@@ -172,9 +180,7 @@ int iso_make_idmap_userns_of(uint32_t inside_uid, uint32_t inside_gid, uint32_t 
         errno = saved;
         return -1;
     }
-    char uid_map[48], gid_map[48], path[64];
-    snprintf(uid_map, sizeof uid_map, "%u %u 1\n", inside_uid, outside_uid);
-    snprintf(gid_map, sizeof gid_map, "%u %u 1\n", inside_gid, outside_gid);
+    char path[64];
     int fd = -1;
     /* Nothing will ever run in this namespace; "deny" lets an unprivileged
      * caller (the doctor's probe) write its gid_map too. */

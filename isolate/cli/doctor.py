@@ -117,7 +117,12 @@ def _subids() -> tuple[bool, str]:
     from ..kernel import subids
 
     if os.geteuid() == 0:
-        return True, "not needed: root maps an image's User itself"
+        from ..kernel import privateids
+
+        ids = privateids.cached()
+        if isinstance(ids, str):
+            return False, f"an image's User (other than root) is refused (65534 for best effort): {ids}"
+        return True, f"an image's User runs in isolate's private id range: {ids.describe()}"
     found = subids.find(os.geteuid(), os.getegid())
     if isinstance(found, str):
         return False, f"an image's User (other than root) runs as the caller: {found}"

@@ -52,7 +52,7 @@ MARKERS = (ENV_BINARY, ENV_NO_CACHE, ENV_REPLAY, ENV_TRACE)
 #: Variables a shell changes between commands and isolate never reads: not part of a key, unless the
 #: policy passes one on (then the plan is not written at all).
 SHELL_NOISE = ("_", "OLDPWD", "SHLVL")
-MAGIC = b"ISOPLAN2"
+MAGIC = b"ISOPLAN3"
 KEY_PREFIX = b"isolate-run plan v2\0"
 #: The host facts a plan depends on, re-read by the binary (absent files recorded as absent).
 HOST_FILES = (
@@ -175,6 +175,19 @@ CARRIED = {
 UNSET = {"struct iso_plan": {"egress_fd": -1, "why_stream_fd": -1}}
 
 
+def _layers_step(ffi: Any, lib: Any, static: Any) -> int | None:
+    """The index of the static plan's bind of an image's layers where each run idmaps them (None: none)."""
+    if static.image_private is None:
+        return None
+    from ..backends.native.imageroot import STAGING_LAYERS
+
+    for i in range(static.plan.n_mounts):
+        step = static.plan.mounts[i]
+        if step.kind == lib.ISO_MOUNT_BIND and _cstring(ffi, step.target) == STAGING_LAYERS.encode():
+            return i
+    raise NotCovered("an image User's plan without its layers' bind")
+
+
 def _uncarried(ffi: Any, ctype: str, value: Any) -> str | None:
     """The first field of ``value`` the plan file does not carry and this plan sets, or None."""
     for name, _ in ffi.typeof(ctype).fields:
@@ -291,11 +304,14 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         if uncarried:
             raise NotCovered(f"{uncarried} is not carried by the plan file")
         idmap = {index for index, _ in static.idmap_steps}
+        # An image User's layers: the plan's bind of the store (the static plan's step: this run's is its idmapped
+        # tree, which the binary makes again for each replay).
+        layers = _layers_step(ffi, lib, static)
         fds: dict[int, None] = {}
         if plan.init_fd >= 0:
             fds[int(plan.init_fd)] = None
         for i in range(plan.n_mounts):
-            step = plan.mounts[i]
+            step = static.plan.mounts[i] if i == layers else plan.mounts[i]
             if step.fd >= 0 and i not in idmap:
                 fds[int(step.fd)] = None
             source = _cstring(ffi, step.source)
@@ -381,7 +397,7 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         w.data(_cstring(ffi, plan.staging))
         w.u32(plan.n_mounts)
         for i in range(plan.n_mounts):
-            step = plan.mounts[i]
+            step = static.plan.mounts[i] if i == layers else plan.mounts[i]
             w.i32(step.kind)
             w.i32(step.flags)
             w.i32(-1 if i in idmap else step.fd)
@@ -432,6 +448,10 @@ def build_plan(args: Sequence[str], binary: str) -> tuple[bytes, bytes]:
         w.u32(len(idmap))
         for index in sorted(idmap):
             w.u32(index)
+        private = static.image_private
+        w.u32(0xFFFFFFFF if layers is None else layers)
+        w.data(None if private is None else private.uid_map())
+        w.data(None if private is None else private.layers_gid_map())
         # -- the report and the messages ------------------------------------------
         _write_report_parts(w, policy, prepared)
         # -- an image's sandbox: its lease (isolate/image/leases.py), written by the binary ---------------

@@ -21,14 +21,30 @@ from ..model.errors import IsolationError, UnsupportedError
 
 
 def _owners(impl: Any) -> Any:
-    """A build step's files are the program's on the host: root's in the image (as they were shown to it)."""
+    """A build step's files are the program's on the host: root's in the image (as they were shown to it). An
+    image User's sandbox (a root caller's) has its files in isolate's private range: each the image's id again."""
     user = impl.report_enforced.get("user") or {}
     uid, gid = user.get("uid"), user.get("gid")
+    private = user.get("private_range")
+    if private:
+        from ..kernel.privateids import PrivateIds
+
+        ids = PrivateIds(int(private["uid_start"]), int(private["gid_start"]), int(private["count"]), "")
+
+        def image_owners(file_uid: int, file_gid: int) -> tuple[int, int]:
+            found_uid, found_gid = ids.image_uid(file_uid), ids.image_gid(file_gid)
+            return (file_uid if found_uid is None else found_uid, file_gid if found_gid is None else found_gid)
+
+        return image_owners
 
     def owners(file_uid: int, file_gid: int) -> tuple[int, int]:
         return 0 if file_uid == uid else file_uid, 0 if file_gid == gid else file_gid
 
     return owners
+
+
+def _private(impl: Any) -> bool:
+    return bool((impl.report_enforced.get("user") or {}).get("private_range"))
 
 
 def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate commit_image",
@@ -73,7 +89,8 @@ def commit_image(sandbox: Any, reference: str | None, *, history: str = "isolate
             # made claims its size, which the host would read, compress and unpack whole.
             blob = write_layer(upper_fd, path, what=f"commit_image {reference or 'built'} (at most max_image_size, "
                                f"{store.max_image_size} bytes)", leave_out=leave_out,
-                               owners=_owners(impl) if host.as_owner else None, max_size=store.max_image_size)
+                               owners=_owners(impl) if host.as_owner or _private(impl) else None,
+                               max_size=store.max_image_size)
         finally:
             os.close(upper_fd)
     except BaseException:

@@ -81,6 +81,9 @@ class _Static:
     image_root: Any = None
     #: Files the plan was compiled from (a seccomp profile), and their bytes then (None: unreadable).
     contents: list[tuple[str, bytes | None]] = field(default_factory=list)
+    #: A root caller's image User in isolate's private range (kernel/privateids.py): each run mounts the image's
+    #: layers through an idmapped tree of that map (imageroot.idmapped_layers).
+    image_private: Any = None
 
     def fresh(self) -> bool:
         """Whether every granted path is still the inode it was when the plan was made, every file it was

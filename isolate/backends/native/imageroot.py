@@ -20,14 +20,16 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..._core import lib
 from ...image import Image, mapped, view
-from ...kernel import hostinfo, mounts, subids
+from ...kernel import hostinfo, mounts, privateids, subids
 from ...kernel.hostinfo import userns_error
 from ...kernel.links import DIR_FLAGS
 from ...kernel.overlay import Step
+from ...kernel.privateids import PrivateIds
 from ...kernel.subids import SubIds
 from ...model.errors import PolicyError, UnsupportedError
 from ...model.forks import fork_safe
@@ -158,11 +160,12 @@ def _describes(content: bytes, image: Image) -> bool:
         image.reference, image.digest, image.layers, image.config)
 
 
-def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller: bool,
-                enforced: dict[str, Any], ranges_allowed: bool = True) -> tuple[int, int, SubIds | None]:
-    """The image's User, where the caller can run the program as another uid: a root caller, or a regular one
-    with subordinate ids (then returned: the sandbox maps them through newuidmap, kernel/subids.py); else the
-    ids given, the image's User noted as not applied, and why."""
+def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller: bool, enforced: dict[str, Any],
+                ranges_allowed: bool = True) -> tuple[int, int, SubIds | PrivateIds | None]:
+    """The image's User, where the caller can run the program as another uid: a root caller (in isolate's
+    private id range, then returned: _private_ids), or a regular one with subordinate ids (then returned: the
+    sandbox maps them through newuidmap, kernel/subids.py); else the ids given, the image's User noted as not
+    applied, and why. The ids returned are the program's inside its namespace."""
     owned = None if root_caller else owned_ranges(root, ranges_allowed)
     user = root.image.config.user
     if not user or policy.uid is not None:
@@ -195,8 +198,38 @@ def program_ids(root: ImageRoot, policy: Policy, uid: int, gid: int, root_caller
             enforced["image_user"] = (f"{user} not applied: the program runs as uid {uid}"
                                       + ("" if root_caller else " (the caller's own: a user namespace of one uid)"))
         return uid, gid, None
+    if root_caller:
+        return _private_ids(root, policy, user, found_uid[0], new_gid, uid, gid, enforced, ranges_allowed)
     enforced["image_user"] = user
     return found_uid[0], new_gid, ranges
+
+
+def _private_ids(root: ImageRoot, policy: Policy, user: str, image_uid: int, image_gid: int, uid: int, gid: int,
+                 enforced: dict[str, Any], ranges_allowed: bool) -> tuple[int, int, PrivateIds | None]:
+    """A root caller's image User (not root): the image's ids inside, isolate's private range on the host
+    (kernel/privateids.py), never a real host user's. Where that cannot be, refused, or under best effort the
+    program runs as ``uid`` (65534, the documented default) and the report says so."""
+    found = privateids.cached() if ranges_allowed else (
+        "preexec_fn has no parent to open the image's layers through an idmapped mount for each run: use "
+        "isolate.run, isolate.Popen or isolate.Sandbox")
+    if isinstance(found, PrivateIds) and (image_uid >= found.count or image_gid >= found.count):
+        found = (f"its ids ({image_uid}:{image_gid}) are past isolate's private range of {found.count} ids: run it "
+                 "as another user (uid=)")
+    if isinstance(found, PrivateIds):
+        known = privateids.known_account(found.host_uid(image_uid), found.host_gid(image_gid))
+        if known:
+            found = f"the name service knows its host ids ({known}): give isolate a range of its own in /etc/subuid"
+    if isinstance(found, PrivateIds):
+        found = _layers_idmap_problem(os.path.dirname(os.path.dirname(root.lowers[0])), found) or found
+    if isinstance(found, str):
+        why = (f"image {root.image.reference}: its User {user!r} would run as a real host user; isolate runs a root "
+               f"caller's image users in a private id range, which cannot be used here: {found}")
+        if not policy.best_effort:
+            raise UnsupportedError(why + "; or pass uid= (--uid), or best_effort to run it as uid " + str(uid))
+        enforced["image_user"] = f"{user} not applied: the program runs as uid {uid} ({found})"
+        return uid, gid, None
+    enforced["image_user"] = user  # its host ids, and the range: enforced["user"], enforced["id_map"]
+    return image_uid, image_gid, found
 
 
 def _mappings(root: ImageRoot) -> list[tuple[dict[str, list[int]], int] | None]:
@@ -500,6 +533,70 @@ def plan_host_upper(host: HostUpper, cmounts: Any, n_mounts: int, program_uid: i
             os.close(fd)
         raise
     return fds
+
+
+@lru_cache(maxsize=4)
+def _range_userns(uid_map: str, gid_map: str) -> int:
+    """A user namespace of isolate's private range's maps, for the layers' idmapped trees (made once)."""
+    from ..._core import ffi
+
+    fd = int(lib.iso_make_userns_maps(uid_map.encode(), gid_map.encode()))
+    if fd < 0:
+        raise UnsupportedError(f"image: the user namespace of isolate's private id range cannot be made "
+                               f"({os.strerror(ffi.errno)})")
+    return fd
+
+
+#: Whether a store's layers directory (by device) takes an idmapped mount: None, or why not.
+_IDMAP_PROBED: dict[int, str | None] = {}
+
+
+def _layers_idmap_problem(layers_dir: str, private: PrivateIds) -> str | None:
+    """Why the image's layers cannot be shown through the private range's idmapped mount (None: they can):
+    probed once per file system, with the very call each run makes (idmapped_layers)."""
+    from ..._core import ffi
+
+    try:
+        device = os.stat(layers_dir).st_dev
+    except OSError as exc:
+        return f"{layers_dir}: {exc.strerror}"
+    if device not in _IDMAP_PROBED:
+        try:
+            userns = _range_userns(private.uid_map(), private.layers_gid_map())
+        except UnsupportedError as exc:
+            return str(exc)
+        tree = int(lib.iso_open_idmapped_tree(os.fsencode(layers_dir), userns))
+        err = ffi.errno
+        if tree >= 0:
+            os.close(tree)
+        _IDMAP_PROBED[device] = None if tree >= 0 else (
+            f"the image store's file system ({hostinfo.filesystem_type(layers_dir)}) takes no idmapped mount "
+            f"({os.strerror(err)}), through which the image's files would show their owners")
+    return _IDMAP_PROBED[device]
+
+
+def idmapped_layers(cmounts: Any, n_mounts: int, private: PrivateIds) -> list[int]:
+    """Mount this run's image layers through an idmapped tree of the store's layers directory (the descriptor the
+    plan's bind holds), whose map is the sandbox's: each file shows, inside, the owner the image gives it. Made
+    for each run (attaching a tree consumes it); the descriptors the steps use (closed once the child has them).
+    """
+    from ..._core import ffi
+
+    for i in range(n_mounts):
+        step = cmounts[i]
+        if step.kind == lib.ISO_MOUNT_BIND and ffi.string(step.target) == STAGING_LAYERS.encode():
+            userns = _range_userns(private.uid_map(), private.layers_gid_map())
+            tree = int(lib.iso_open_idmapped_tree(f"/proc/self/fd/{step.fd}".encode(), userns))
+            if tree < 0:
+                err = ffi.errno
+                where = os.fsdecode(ffi.string(step.source))[len(mounts.OLDROOT):]
+                raise UnsupportedError(
+                    f"image: its User runs in isolate's private id range, whose owners the image's layers show "
+                    f"through an idmapped mount of the store ({where}), and its file system takes none "
+                    f"({os.strerror(err)}): run it as another user (uid=)")
+            step.kind, step.fd = lib.ISO_MOUNT_MOVE, tree
+            return [tree]
+    raise PolicyError("image: the plan has no image layers to mount through isolate's private id range", "image")
 
 
 def _owned_layers(layers_dir: str, program_uid: int, program_gid: int) -> int:

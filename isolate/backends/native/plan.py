@@ -188,7 +188,7 @@ def prepare(
     keep.append(plan)
     ffi.memmove(plan, static.plan, ffi.sizeof("struct iso_plan"))
     cmounts = None
-    if static.idmap_steps or bind_sources or image_upper is not None:
+    if static.idmap_steps or bind_sources or image_upper is not None or static.image_private is not None:
         cmounts = ffi.new("struct iso_mount[]", max(plan.n_mounts, 1))
         keep.append(cmounts)
         ffi.memmove(cmounts, plan.mounts, ffi.sizeof("struct iso_mount") * plan.n_mounts)
@@ -197,9 +197,13 @@ def prepare(
         assert cmounts is not None
         _substitute_binds(plan, cmounts, static, bind_sources, enforced, keep)
 
+    if static.image_private is not None:
+        assert cmounts is not None
+        close_after.extend(imageroot.idmapped_layers(cmounts, plan.n_mounts, static.image_private))
     if image_upper is not None:
         assert cmounts is not None
         if plan.newuidmap != ffi.NULL:
+            _close_all(close_after)
             # The program's files in the upper layer (and the image's files copied up, which keep their owners
             # through the ranges) would belong to a subordinate id on the host: the caller could neither read them
             # back (commit_image, a snapshot) nor remove them with the sandbox.
@@ -209,8 +213,12 @@ def prepare(
                 f"({image_upper.purpose}) the caller could neither read back nor remove: use the tmpfs upper layer "
                 f"(image_upper='tmpfs'), or run as the caller (uid={os.geteuid()}) an image pulled without "
                 "subordinate ids (ISOLATE_IMAGE_OWNERS unset or 'caller', then into another store or after a prune)")
-        close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
-                                                     static.program_gid, cstr))
+        try:
+            close_after.extend(imageroot.plan_host_upper(image_upper, cmounts, plan.n_mounts, static.program_uid,
+                                                         static.program_gid, cstr))
+        except BaseException:
+            _close_all(close_after)  # the layers' idmapped tree, made above
+            raise
         shown = dict(enforced.get("image") or {})
         # What the static plan said of the root beyond its upper layer (imageroot.whole_root_refusal) stays said.
         said = str(shown.get("root", ""))

@@ -6,6 +6,7 @@ mounts, the Landlock rules and the seccomp filter, once; ``plan`` caches the res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import stat
@@ -13,9 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._core import INIT_PATH, ffi, init_fd, lib
-from ...kernel import grants, hostinfo, landlock, mounts
+from ...kernel import grants, hostinfo, landlock, mounts, privateids
 from ...kernel.hostinfo import userns_error
 from ...kernel.places import runtime_dir
+from ...kernel.privateids import PrivateIds
 from ...kernel.subids import SubIds
 from ...model.errors import PolicyError, UnsupportedError
 from ...model.policy import DEFAULT_READ, DEFAULT_TMPFS, DEFAULT_WRITE, Egress, Policy
@@ -235,9 +237,16 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     if not root_caller and (policy.uid not in (None, caller_uid) or policy.gid not in (None, caller_gid)):
         raise PolicyError("uid/gid: only a root caller can run the program as another user", "uid")
     ranges: SubIds | None = None  # a regular caller's subordinate ids, mapped through newuidmap
+    #: A root caller's image User: isolate's private range maps its ids (the program's, the layers' owners).
+    private: PrivateIds | None = None
     if image_root is not None:
-        program_uid, program_gid, ranges = imageroot.program_ids(image_root, policy, program_uid, program_gid,
-                                                                 root_caller, enforced, not for_preexec)
+        program_uid, program_gid, found_ranges = imageroot.program_ids(image_root, policy, program_uid,
+                                                                       program_gid, root_caller, enforced,
+                                                                       not for_preexec)
+        if isinstance(found_ranges, PrivateIds):
+            private = found_ranges
+        else:
+            ranges = found_ranges
         owners = None if root_caller else imageroot.owners_note(image_root, program_uid, ranges)
         if owners is not None:
             enforced["image_owners"] = owners
@@ -257,16 +266,35 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
             use_ns = False
             tmpfs = []
     # -- a root caller's writable paths: idmapped, or another route -----------
+    # The program's ids inside its namespace (what it setuid()s to, what its home is given): the host's own,
+    # but in a private range (program_uid and program_gid are then the host's ids of them).
+    inside_uid, inside_gid = program_uid, program_gid
+    if private is not None:
+        program_uid, program_gid = private.host_uid(inside_uid), private.host_gid(inside_gid)
     write_route = "idmapped"
     if root_caller and (write or rw_sources):
-        write_route, program_uid, program_gid = _write_route(
+        write_route, routed_uid, routed_gid = _write_route(
             write + rw_sources, policy, program_uid, program_gid,
             None if use_ns else "without namespaces there is no idmapped mount: plain permissions decide")
+        if (routed_uid, routed_gid) != (program_uid, program_gid):
+            # The writable paths' owner: a host user, the program runs as it (as without an image's User).
+            if private is not None:
+                enforced["image_user"] = (f"{image_root.image.config.user if image_root else ''} not applied: the "
+                                          f"program runs as uid {routed_uid}, the writable paths' owner")
+            private = None
+            inside_uid, inside_gid = program_uid, program_gid = routed_uid, routed_gid
     if use_ns:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
         if network != "host":
             flags |= CLONE_NEWNET
-        if root_caller:
+        if private is not None:
+            # Root stays root during the setup; the image's ids 1 to 65535 are isolate's private range, the
+            # program one of them (the image's layers are idmapped alike: imageroot.idmapped_layers).
+            plan.uid_map = cstr(private.uid_map())
+            plan.gid_map = cstr(private.gid_map())
+            enforced["id_map"] = "written by the parent (root): root, and isolate's private range: " + \
+                private.describe()
+        elif root_caller:
             # Root stays root inside during the setup (so that it can reach
             # the sources it binds, whatever their modes), and the program
             # and the init switch to the unprivileged ids before they exec.
@@ -307,14 +335,19 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
                 binds.append((open_source(source, "network"), target, True))
     plan.clone_flags = flags
     plan.set_ids = 1 if root_caller or ranges is not None else 0
-    plan.uid = program_uid
-    plan.gid = program_gid
+    plan.uid = inside_uid
+    plan.gid = inside_gid
     plan.clear_groups = 1 if root_caller or ranges is not None else 0
     plan.drop_caps = 1
     plan.no_new_privs = 1
     plan.new_session = 1 if policy.new_session else 0
     plan.die_with_parent = 1 if policy.die_with_parent else 0
     enforced["user"] = {"uid": program_uid, "gid": program_gid}
+    if private is not None:
+        # The host's ids above; the image's inside, and the range (commit_image maps the upper layer's back).
+        enforced["user"].update(inside={"uid": inside_uid, "gid": inside_gid},
+                                private_range={"uid_start": private.uid_start, "gid_start": private.gid_start,
+                                               "count": private.count})
     enforced["no_new_privs"] = True
     enforced["capabilities"] = "all dropped" if (use_ns or root_caller) else "none held (no_new_privs)"
 
@@ -395,7 +428,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         enforced["tmpfs_size"] = {"tmpfs": tmpfs_size, "/dev/shm": shm_size}
         home_mount = None
         if home is not None:
-            home_options = f"mode=0700,uid={program_uid},gid={program_gid}," + mounts.tmpfs_bounds(tmpfs_size)
+            home_options = f"mode=0700,uid={inside_uid},gid={inside_gid}," + mounts.tmpfs_bounds(tmpfs_size)
             home_mount = mounts.Home(home, home_options if home not in tmpfs else "", home_files)
         mount_plan = mounts.plan_root(read, write_trees, tmpfs, tmpfs_options,
                                       source_fds if os.path.isdir("/proc/self/fd") else None, home_mount,
@@ -607,6 +640,11 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
     for path in image_root.stamps if image_root is not None else ():
         info = os.stat(path)
         stamps.append((path, (info.st_dev, info.st_ino)))
+    # The files that gave the private range, or would now refuse it (useradd and usermod rename a new file over).
+    for path in privateids.files() if private is not None else ():
+        with contextlib.suppress(FileNotFoundError):
+            info = os.stat(path)
+            stamps.append((path, (info.st_dev, info.st_ino)))
     return _Static(
         plan=plan, keep=keep, enforced=enforced, warnings=refusals.warnings, rlimits=rlimits,
         cgroup_needs=_cgroup_needs(policy), limit_cpu_seconds=limit_cpu, idmap_steps=idmap_steps,
@@ -619,7 +657,7 @@ def _build_static(policy: Policy, run_cwd: str, for_preexec: bool, static_fds: l
         image_command=image_root.image.config if image_root is not None else None,
         image_store=image_root.image.store if image_root is not None else None,
         image_layers=tuple(os.path.dirname(d) for d in image_root.lowers) if image_root is not None else (),
-        image_root=image_root, contents=contents,
+        image_root=image_root, contents=contents, image_private=private,
     )
 
 

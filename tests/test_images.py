@@ -472,3 +472,25 @@ def test_what_is_no_archive_is_refused_in_one_line(tmp_path: Path, what: str) ->
         pytest.fail(f"image load of a {what} hung")
     assert done.returncode == 125 and len(done.stderr.splitlines()) == 1, done.stderr
     assert "unexpected" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("form", ["docker", "oci"])
+def test_an_image_of_more_layers_than_any_runs_is_refused_before_they_are_read(form: str, tmp_path: Path) -> None:
+    # A 4 MiB manifest names 50,000 layers: a docker save archive's one layer file named so often was hashed whole
+    # each time (a gigabyte each) before the config's diff ids were counted, a load that never ended.
+    from isolate.image.archive import MAX_LAYERS
+
+    raw = kit.layer([{"name": "f", "data": b"x"}])
+    layers = [raw] * (MAX_LAYERS + 1)
+    if form == "docker":
+        kit.docker_archive(str(tmp_path / "image.tar"), layers)
+        path = tmp_path / "image.tar"
+    else:
+        kit.oci_layout(str(tmp_path / "oci"), layers)
+        path = tmp_path / "oci"
+    with pytest.raises(BadImageError, match=f"{MAX_LAYERS + 1} layers, past the {MAX_LAYERS}"):
+        Image.load(path, store=Store(tmp_path / "store"))
+    # Within the bound, the same layer many times over loads.
+    small = [raw] * 40
+    kit.docker_archive(str(tmp_path / "ok.tar"), small, tag="ok:1")
+    assert len(Image.load(tmp_path / "ok.tar", store=Store(tmp_path / "store")).layers) == 40

@@ -494,3 +494,32 @@ def test_an_image_of_more_layers_than_any_runs_is_refused_before_they_are_read(f
     small = [raw] * 40
     kit.docker_archive(str(tmp_path / "ok.tar"), small, tag="ok:1")
     assert len(Image.load(tmp_path / "ok.tar", store=Store(tmp_path / "store")).layers) == 40
+
+
+def test_a_sparse_file_in_an_image_archive_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    # A docker save archive's layer file is hashed whole; as a sparse member (GNU sparse 1.0 in pax), its size is
+    # the map's word: an archive of 20 KB was read as a petabyte of zeros, a load that never ended.
+    import io
+
+    from conftest import finishes
+
+    raw = kit.layer([{"name": "f", "data": b"x"}])
+    path = tmp_path / "image.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        sparse_map = b"1\n0\n%d\n" % len(raw)
+        data = sparse_map + bytes(-len(sparse_map) % tarfile.BLOCKSIZE) + raw
+        info = tarfile.TarInfo("l0/layer.tar")
+        info.size = len(data)
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "l0/layer.tar",
+                            "GNU.sparse.realsize": str(1 << 50)}
+        tar.addfile(info, io.BytesIO(data))
+        for name, content in (("config.json", kit.config_for([raw])),
+                              ("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": ["sparse:1"],
+                                                             "Layers": ["l0/layer.tar"]}]).encode())):
+            member = tarfile.TarInfo(name)
+            member.size = len(content)
+            tar.addfile(member, io.BytesIO(content))
+    assert path.stat().st_size < 64 << 10
+    done, outcome = finishes(lambda: Image.load(path, store=Store(tmp_path / "store")), 30)
+    assert done, "the load of an archive with a sparse layer file did not end"
+    assert isinstance(outcome, BadImageError) and "sparse" in str(outcome), outcome

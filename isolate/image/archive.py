@@ -131,8 +131,16 @@ class _Source:
         try:
             for member in self.tar:
                 name = entry_name(member.name, path)
+                if member.isreg() and (member.issparse() or member.type == tarfile.GNUTYPE_SPARSE):
+                    # Its size is the sparse map's word: an archive of 20 KB read as a petabyte of zeros (a docker
+                    # save archive's layer file is hashed whole). Neither docker nor skopeo writes one.
+                    raise BadImageError(f"{path}: {name} is a sparse file in the archive: refused")
                 if member.isreg():
                     self.members[name] = member
+        except BadImageError:
+            self.tar.close()
+            self._handle.close()
+            raise
         except (OSError, tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
             # A damaged archive, a header's number no tar takes, headers past their bound (tarbound.py): one line.
             self.tar.close()
@@ -266,7 +274,7 @@ def found_from_manifest(source: _Source, manifest: dict[str, Any], data: bytes, 
     return Found(name, data, digest, config_data, config_digest, out)
 
 
-def read_docker(source: _Source) -> list[Found]:
+def read_docker(source: _Source, max_size: int) -> list[Found]:
     """A ``docker save`` archive: manifest.json names each image's config and layer files (their digests
     are computed as they are read, and the config's diff ids checked)."""
     import hashlib
@@ -293,8 +301,13 @@ def read_docker(source: _Source) -> list[Found]:
             key = entry_name(name, source.path)
             if key not in hashed:
                 sha = hashlib.sha256()
+                read = 0
                 with source.open(name) as handle:
                     while chunk := handle.read(1 << 20):
+                        read += len(chunk)
+                        if read > max_size:  # as a layer's blob is bounded when it unpacks (store.py)
+                            raise BadImageError(f"{source.path}: {name}: past max_image_size ({max_size} bytes): "
+                                                "refused")
                         sha.update(chunk)
                 hashed[key] = "sha256:" + sha.hexdigest()
             layers.append((hashed[key], name))
@@ -304,13 +317,14 @@ def read_docker(source: _Source) -> list[Found]:
     return found
 
 
-def read_archive(path: str) -> tuple[_Source, list[Found]]:
+def read_archive(path: str, max_size: int) -> tuple[_Source, list[Found]]:
+    """The images of the file or directory ``path``; ``max_size``: the most bytes a layer file may hold."""
     source = _Source(path)
     try:
         if source.exists("index.json") and source.exists("oci-layout") and not source.exists("manifest.json"):
             return source, read_oci(source)
         if source.exists("manifest.json"):
-            return source, read_docker(source)
+            return source, read_docker(source, max_size)
         if source.exists("index.json"):
             return source, read_oci(source)
     except BaseException:

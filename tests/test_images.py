@@ -523,3 +523,35 @@ def test_a_sparse_file_in_an_image_archive_is_refused_before_it_is_read(tmp_path
     done, outcome = finishes(lambda: Image.load(path, store=Store(tmp_path / "store")), 30)
     assert done, "the load of an archive with a sparse layer file did not end"
     assert isinstance(outcome, BadImageError) and "sparse" in str(outcome), outcome
+
+
+def test_json_nested_past_the_parsers_stack_is_a_refusal_not_a_recursion_error(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # json's decoder raises RecursionError (no ValueError) for arrays nested past the interpreter's stack: a docker
+    # save archive's manifest.json, an OCI index, a Dockerfile's JSON form and a registry auth file (in a home a
+    # sandbox may write) ended a load, build or pull in it (the CLI: "unexpected RecursionError").
+    from isolate.image.registry import credentials
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "save").mkdir()
+    (tmp_path / "save" / "manifest.json").write_text(deep)
+    (tmp_path / "oci").mkdir()
+    (tmp_path / "oci" / "index.json").write_text('{"manifests": ' + deep + "}")
+    (tmp_path / "oci" / "oci-layout").write_text("{}")
+    for path in ("save", "oci"):
+        with pytest.raises(BadImageError, match="not valid JSON"):
+            Image.load(tmp_path / path, store=Store(tmp_path / "store"))
+    auth = tmp_path / "auth.json"
+    auth.write_text('{"auths": ' + deep + "}")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "none"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert credentials("127.0.0.1:5000") is None
+    pytest.importorskip("dockerfile_parse", reason="Dockerfiles need the images extra: pip install 'isolate[images]'")
+    from isolate.image.dockerfile import DockerfileError
+
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / "Dockerfile").write_text("FROM scratch\nCMD " + deep + "\n")
+    with pytest.raises(DockerfileError, match="nested too deep"):
+        Image.from_dockerfile(tmp_path / "ctx" / "Dockerfile", tmp_path / "ctx", store=Store(tmp_path / "store"))

@@ -81,8 +81,9 @@ def parse_json(data: bytes, what: str) -> dict[str, Any]:
         raise BadImageError(f"{what}: past {MAX_METADATA_SIZE} bytes: refused")
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadImageError(f"{what}: not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: arrays nested deeper than the interpreter's stack (4 MiB of "[" is 4 million deep).
+        raise BadImageError(f"{what}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(value, dict):
         raise BadImageError(f"{what}: not a JSON object")
     return value
@@ -281,7 +282,7 @@ def read_docker(source: _Source, max_size: int) -> list[Found]:
 
     try:
         entries = json.loads(source.read("manifest.json"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep (parse_json)
         raise BadImageError(f"{source.path}: manifest.json is not valid JSON ({exc})") from None
     if not isinstance(entries, list) or not entries:
         raise BadImageError(f"{source.path}: manifest.json lists no image")

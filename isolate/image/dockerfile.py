@@ -63,6 +63,8 @@ class Instruction:
             parsed = json.loads(text)
         except ValueError:
             return None  # Docker takes it as the shell form then
+        except RecursionError:
+            raise self.fail("the JSON form is nested too deep") from None
         if not isinstance(parsed, list) or not all(isinstance(p, str) for p in parsed):
             raise self.fail("the JSON form must be a list of strings")
         return parsed

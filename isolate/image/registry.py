@@ -139,7 +139,7 @@ def credentials(registry: str) -> tuple[str, str] | None:
             # Non-blocking, a regular file only, bounded: a FIFO planted in a home a sandbox could write never
             # hangs a pull.
             config = json.loads(read_input_file(path))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep for the parser
             continue
         if not isinstance(config, dict):
             continue
@@ -174,7 +174,7 @@ def _helper(name: str, registry: str) -> tuple[str, str] | None:
             try:
                 data = json.loads(result.stdout)
                 return str(data["Username"]), str(data["Secret"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 return None
     return None
 

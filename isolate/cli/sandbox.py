@@ -127,14 +127,19 @@ def sandbox_main(argv: Sequence[str]) -> int:
 def _create(words: list[str]) -> int:
     from ..kept.sandbox import Sandbox
     from ..model.workspace import Workspace
-    from .flags import CliError, build_parser, policy_from_args
+    from .flags import CliError, build_parser, policy_from_args, refuse_empty
 
     own = _parser()._subparsers._group_actions[0].choices["create"]  # type: ignore[union-attr,index]
     try:
         options, rest = own.parse_known_args(words)
     except SystemExit as stop:
         return int(stop.code or 0)
-    policy_options = build_parser().parse_args(rest)
+    try:
+        # The run's options, read as isolate-run's (their parser's CliError said "unexpected" here before).
+        policy_options = build_parser().parse_args(rest)
+        refuse_empty(policy_options)
+    except CliError as exc:
+        raise UsageError(str(exc).removesuffix(" (see isolate-run --help)")) from None
     if policy_options.command:
         raise UsageError(f"create takes no command ({' '.join(policy_options.command)}); use sandbox exec")
     try:

@@ -555,3 +555,15 @@ def test_json_nested_past_the_parsers_stack_is_a_refusal_not_a_recursion_error(t
     (tmp_path / "ctx" / "Dockerfile").write_text("FROM scratch\nCMD " + deep + "\n")
     with pytest.raises(DockerfileError, match="nested too deep"):
         Image.from_dockerfile(tmp_path / "ctx" / "Dockerfile", tmp_path / "ctx", store=Store(tmp_path / "store"))
+
+
+# An option given an empty value (a script's unset variable) was taken for one not given: push --to "" pushed to
+# the image's own name, build -t "" kept the image under a made-up one, --image-store "" used the default store.
+@pytest.mark.parametrize("args", [["push", "x:1", "--to", ""], ["build", ".", "-t", ""], ["build", ".", "--target", ""],
+                                  ["pull", "x:1", "--cert-dir", ""], ["--image-store", "", "ls"]])
+def test_an_image_option_given_an_empty_value_is_refused_in_one_line(args: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "ISOLATE_IMAGE_STORE": str(tmp_path / "store")}
+    done = subprocess.run([ISOLATE_RUN, "image", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 125 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "an empty value" in done.stderr and "Traceback" not in done.stderr

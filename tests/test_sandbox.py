@@ -544,6 +544,32 @@ def test_cli_create_exec_diff_commit_rm(source: str) -> None:
     assert cli("rm", name).returncode == 125
 
 
+def test_cli_refuses_an_empty_value_and_never_commits_into_the_current_directory(source: str,
+                                                                                   tmp_path: Path) -> None:
+    # `sandbox commit NAME --to ""` (a script's unset variable) made the current directory equal to the workspace:
+    # its files that the workspace lacks were deleted, in silence. Every empty value is refused in one line now.
+    name = f"e{os.getpid()}-{time.monotonic_ns() % 100000}"
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "precious").write_text("keep\n")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([ISOLATE_RUN, "sandbox", *args], capture_output=True, text=True, timeout=60, cwd=here)
+
+    assert cli("create", name, "--workspace", source, "--exclude", ".git").returncode == 0
+    try:
+        for args in (["commit", name, "--to", ""], ["exec", "--cwd", "", name, "--", "true"],
+                     ["create", f"{name}x", "--workspace", ""], ["create", ""]):
+            refused = cli(*args)
+            assert refused.returncode == 125 and len(refused.stderr.splitlines()) == 1, (args, refused)
+            assert "an empty value" in refused.stderr, refused.stderr
+        assert sorted(os.listdir(here)) == ["precious"]
+        # An empty argument of the command itself is the command's.
+        assert cli("exec", name, "--", "sh", "-c", 'printf "[%s]" "$1"', "sh", "").stdout == "[]"
+    finally:
+        assert cli("rm", name).returncode == 0
+
+
 def test_async_sandbox(source: str) -> None:
     async def main() -> tuple[str, str]:
         async with isolate.AsyncSandbox(sandbox_policy(), workspace=Workspace(source)) as sb:

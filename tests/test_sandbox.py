@@ -544,8 +544,8 @@ def test_cli_create_exec_diff_commit_rm(source: str) -> None:
     assert cli("rm", name).returncode == 125
 
 
-def test_cli_refuses_an_empty_value_and_never_commits_into_the_current_directory(source: str,
-                                                                                   tmp_path: Path) -> None:
+def test_cli_refuses_an_empty_value_and_never_commits_into_the_current_directory(
+        source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `sandbox commit NAME --to ""` (a script's unset variable) made the current directory equal to the workspace:
     # its files that the workspace lacks were deleted, in silence. Every empty value is refused in one line now.
     name = f"e{os.getpid()}-{time.monotonic_ns() % 100000}"
@@ -563,6 +563,10 @@ def test_cli_refuses_an_empty_value_and_never_commits_into_the_current_directory
             refused = cli(*args)
             assert refused.returncode == 125 and len(refused.stderr.splitlines()) == 1, (args, refused)
             assert "an empty value" in refused.stderr, refused.stderr
+        assert sorted(os.listdir(here)) == ["precious"]
+        monkeypatch.chdir(here)
+        with Sandbox.attach(name) as box, pytest.raises(isolate.IsolationError, match="empty target"):
+            box.commit("")  # the API too (realpath("") is the working directory)
         assert sorted(os.listdir(here)) == ["precious"]
         # An empty argument of the command itself is the command's.
         assert cli("exec", name, "--", "sh", "-c", 'printf "[%s]" "$1"', "sh", "").stdout == "[]"

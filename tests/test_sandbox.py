@@ -607,6 +607,9 @@ def test_workspace_and_sandbox_arguments_are_checked(workdir: str) -> None:
         Workspace(os.path.join(workdir, "missing"))
     with pytest.raises(isolate.PolicyError):
         Workspace(target="relative")
+    for mode in ("copy", "bind", "overlay"):  # "" was the working directory (abspath), a variable left empty
+        with pytest.raises(isolate.PolicyError, match="empty source"):
+            Workspace("", mode=mode)
     for bad in (0, -5, float("nan")):
         with pytest.raises(isolate.PolicyError):
             Sandbox(sandbox_policy(), ttl=bad)

@@ -574,6 +574,22 @@ def test_cli_refuses_an_empty_value_and_never_commits_into_the_current_directory
         assert cli("rm", name).returncode == 0
 
 
+def test_a_glob_never_backtracks_for_ever_over_the_programs_names(source: str) -> None:
+    # Each "*" was "[^/]*" of one regular expression: "*a*a*a*a*a*a*a*a*b" over a name of 120 a's (the program names
+    # its files) backtracked for hours, in the caller's thread (a server's request).
+    from conftest import finishes
+
+    with Sandbox(sandbox_policy(), workspace=Workspace(source, exclude=(".git",))) as box:
+        box.write_file("a" * 120, "x")
+        box.write_file("deep/" * 20 + "a" * 100 + "b", "y")
+        done, found = finishes(lambda: box.glob("*a" * 12 + "*b"), 30)
+        assert done, "the glob did not end"
+        assert found == []
+        done, found = finishes(lambda: box.glob("**/" * 12 + "*a" * 12 + "*"), 30)
+        assert done and found == ["a" * 120, "deep/" * 20 + "a" * 100 + "b"], found
+        assert box.glob("**/" + "a" * 100 + "b") == ["deep/" * 20 + "a" * 100 + "b"]
+
+
 def test_async_sandbox(source: str) -> None:
     async def main() -> tuple[str, str]:
         async with isolate.AsyncSandbox(sandbox_policy(), workspace=Workspace(source)) as sb:

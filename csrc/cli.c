@@ -246,6 +246,8 @@ static int split_args(int argc, char **argv, struct args *a)
             value = argv[i + 1];
             used = 2;
         }
+        if (value[0] == '\0')
+            return 0; /* an empty value: isolate.cli refuses it (a plan cached before that must not run it) */
         if (name_len == 8 && strncmp(arg, "--report", 8) == 0) {
             a->report = value;
         } else {

@@ -85,6 +85,11 @@ def one_line(stderr: str) -> str:
         # Paths are bytes: one that is not UTF-8 is named in the message (an UnicodeDecodeError named none).
         (["--chdir", "/tmp/\udcffabsent"], "chdir: /tmp/"),
         (["--ro", "/tmp/\udcffabsent"], "read: '/tmp/"),
+        # An empty value (a script's unset variable) was taken for no option at all: --image "" ran on the host's
+        # root, --report "" wrote no report, --profile "" dropped the profile.
+        *[([option, ""], f"{option}: an empty value") for option in
+          ("--image", "--report", "--profile", "--seccomp", "--chdir", "--home", "--image-store", "--dns")],
+        (["--image="], "--image: an empty value"),
     ],
 )
 def test_bad_input_exits_125_with_one_line_and_runs_nothing(workdir: str, flags: list[str], needle: str) -> None:
@@ -314,3 +319,9 @@ def test_an_rlimit_above_the_callers_hard_limit_is_named(workdir: str) -> None:
     result = cli("--nofile", "1024", "--", "sh", "-c", "ulimit -n", cwd=workdir, preexec_fn=lower)
     assert (result.returncode, result.stdout.strip()) == (0, "1024"), result.stderr
 
+
+
+def test_sandbox_create_refuses_an_empty_value_in_one_line(workdir: str) -> None:
+    result = cli("sandbox", "create", "isolate-test-empty-image", "--image", "", cwd=workdir)
+    assert result.returncode == 125
+    assert "--image: an empty value" in one_line(result.stderr)

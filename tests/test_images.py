@@ -472,3 +472,98 @@ def test_what_is_no_archive_is_refused_in_one_line(tmp_path: Path, what: str) ->
         pytest.fail(f"image load of a {what} hung")
     assert done.returncode == 125 and len(done.stderr.splitlines()) == 1, done.stderr
     assert "unexpected" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("form", ["docker", "oci"])
+def test_an_image_of_more_layers_than_any_runs_is_refused_before_they_are_read(form: str, tmp_path: Path) -> None:
+    # A 4 MiB manifest names 50,000 layers: a docker save archive's one layer file named so often was hashed whole
+    # each time (a gigabyte each) before the config's diff ids were counted, a load that never ended.
+    from isolate.image.archive import MAX_LAYERS
+
+    raw = kit.layer([{"name": "f", "data": b"x"}])
+    layers = [raw] * (MAX_LAYERS + 1)
+    if form == "docker":
+        kit.docker_archive(str(tmp_path / "image.tar"), layers)
+        path = tmp_path / "image.tar"
+    else:
+        kit.oci_layout(str(tmp_path / "oci"), layers)
+        path = tmp_path / "oci"
+    with pytest.raises(BadImageError, match=f"{MAX_LAYERS + 1} layers, past the {MAX_LAYERS}"):
+        Image.load(path, store=Store(tmp_path / "store"))
+    # Within the bound, the same layer many times over loads.
+    small = [raw] * 40
+    kit.docker_archive(str(tmp_path / "ok.tar"), small, tag="ok:1")
+    assert len(Image.load(tmp_path / "ok.tar", store=Store(tmp_path / "store")).layers) == 40
+
+
+def test_a_sparse_file_in_an_image_archive_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    # A docker save archive's layer file is hashed whole; as a sparse member (GNU sparse 1.0 in pax), its size is
+    # the map's word: an archive of 20 KB was read as a petabyte of zeros, a load that never ended.
+    import io
+
+    from conftest import finishes
+
+    raw = kit.layer([{"name": "f", "data": b"x"}])
+    path = tmp_path / "image.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        sparse_map = b"1\n0\n%d\n" % len(raw)
+        data = sparse_map + bytes(-len(sparse_map) % tarfile.BLOCKSIZE) + raw
+        info = tarfile.TarInfo("l0/layer.tar")
+        info.size = len(data)
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "l0/layer.tar",
+                            "GNU.sparse.realsize": str(1 << 50)}
+        tar.addfile(info, io.BytesIO(data))
+        for name, content in (("config.json", kit.config_for([raw])),
+                              ("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": ["sparse:1"],
+                                                             "Layers": ["l0/layer.tar"]}]).encode())):
+            member = tarfile.TarInfo(name)
+            member.size = len(content)
+            tar.addfile(member, io.BytesIO(content))
+    assert path.stat().st_size < 64 << 10
+    done, outcome = finishes(lambda: Image.load(path, store=Store(tmp_path / "store")), 30)
+    assert done, "the load of an archive with a sparse layer file did not end"
+    assert isinstance(outcome, BadImageError) and "sparse" in str(outcome), outcome
+
+
+def test_json_nested_past_the_parsers_stack_is_a_refusal_not_a_recursion_error(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # json's decoder raises RecursionError (no ValueError) for arrays nested past the interpreter's stack: a docker
+    # save archive's manifest.json, an OCI index, a Dockerfile's JSON form and a registry auth file (in a home a
+    # sandbox may write) ended a load, build or pull in it (the CLI: "unexpected RecursionError").
+    from isolate.image.registry import credentials
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "save").mkdir()
+    (tmp_path / "save" / "manifest.json").write_text(deep)
+    (tmp_path / "oci").mkdir()
+    (tmp_path / "oci" / "index.json").write_text('{"manifests": ' + deep + "}")
+    (tmp_path / "oci" / "oci-layout").write_text("{}")
+    for path in ("save", "oci"):
+        with pytest.raises(BadImageError, match="not valid JSON"):
+            Image.load(tmp_path / path, store=Store(tmp_path / "store"))
+    auth = tmp_path / "auth.json"
+    auth.write_text('{"auths": ' + deep + "}")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "none"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert credentials("127.0.0.1:5000") is None
+    pytest.importorskip("dockerfile_parse", reason="Dockerfiles need the images extra: pip install 'isolate[images]'")
+    from isolate.image.dockerfile import DockerfileError
+
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / "Dockerfile").write_text("FROM scratch\nCMD " + deep + "\n")
+    with pytest.raises(DockerfileError, match="nested too deep"):
+        Image.from_dockerfile(tmp_path / "ctx" / "Dockerfile", tmp_path / "ctx", store=Store(tmp_path / "store"))
+
+
+# An option given an empty value (a script's unset variable) was taken for one not given: push --to "" pushed to
+# the image's own name, build -t "" kept the image under a made-up one, --image-store "" used the default store.
+@pytest.mark.parametrize("args", [["push", "x:1", "--to", ""], ["build", ".", "-t", ""], ["build", ".", "--target", ""],
+                                  ["pull", "x:1", "--cert-dir", ""], ["--image-store", "", "ls"]])
+def test_an_image_option_given_an_empty_value_is_refused_in_one_line(args: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "ISOLATE_IMAGE_STORE": str(tmp_path / "store")}
+    done = subprocess.run([ISOLATE_RUN, "image", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 125 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "an empty value" in done.stderr and "Traceback" not in done.stderr

@@ -194,3 +194,25 @@ def test_a_fifo_or_device_in_the_context_never_hangs_the_build(context: Path) ->
     (context / "Dockerfile.dev").symlink_to("/dev/zero")
     error = built(context / "Dockerfile.dev")
     assert isinstance(error, DockerfileError) and "not a regular file" in str(error), error
+
+
+def test_a_dockerignore_pattern_never_backtracks_for_ever(context: Path) -> None:
+    # Each "**" was "(?:.*/)?" of one regular expression: a dozen of them (the context may be a directory a sandbox
+    # wrote) backtracked through every way to share a path 30 directories deep out, and the build never ended.
+    from conftest import finishes
+
+    deep = context.joinpath(*["d"] * 30)
+    deep.mkdir(parents=True)
+    (deep / "f").write_text("deep\n")
+    (context / ".dockerignore").write_text("/".join(["**"] * 6 + ["*", "**"] * 6) + "/x\nsrc/secret.txt\n")
+    (context / "Dockerfile").write_text("FROM base:1\nCOPY . /app/\n")
+    done, outcome = finishes(lambda: Image.from_dockerfile(context / "Dockerfile", context), 60)
+    assert done, "the build's .dockerignore matching did not end"
+    assert isinstance(outcome, Image), outcome
+    top = outcome.lower_dirs()[0]
+    assert os.path.exists(os.path.join(top, "app", *["d"] * 30, "f"))
+    assert not os.path.exists(os.path.join(top, "app", "src", "secret.txt"))
+    # A pattern deeper than any walk is refused in one line.
+    (context / ".dockerignore").write_text("/".join(["a"] * 300) + "\n")
+    with pytest.raises(DockerfileError, match="a pattern of 300 names"):
+        Image.from_dockerfile(context / "Dockerfile", context)

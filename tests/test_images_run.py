@@ -294,3 +294,19 @@ def test_an_image_naming_one_layer_twice_runs_as_docker_stacks_it(store: str, tm
                          text=True)
     assert (result.returncode, result.stdout) == (0, "again\nkept\n"), result.stderr
     assert len(image.layers) == 4 and len(image.lower_dirs()) == 3
+
+
+def test_the_images_root_never_shows_the_hosts_files_through_dotdot(store: str, workdir: str,
+                                                                      tmp_path: Path) -> None:
+    # The image's root read on the host (image/view.py) joined each name to a layer's path: "..", which an image's
+    # PATH or WorkingDir (its author's) may hold, walked up out of the store onto the host's files. --explain
+    # said a host file was the image's command, and read_file read /etc/shadow.
+    from isolate.image import view
+
+    image = _load(tmp_path, "dotdot:1", Env=["PATH=" + "/.." * 40 + "/etc"])
+    assert view.kind(image.lower_dirs(), "../" * 40 + "etc/passwd") is None
+    assert view.read_file(image.lower_dirs(), "../" * 40 + "etc/passwd") is None
+    result = subprocess.run([ISOLATE_RUN, "--explain", "--image", "dotdot:1", "--", "passwd"], cwd=workdir,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "command passwd -> not found in the image" in result.stdout, result.stdout

@@ -99,3 +99,37 @@ def test_an_add_archives_headers_past_their_bound_are_refused(raw: bytes, tmp_pa
 def test_a_bundles_headers_past_their_bound_are_refused() -> None:
     with pytest.raises(IsolationError, match=_REFUSED):
         bundles._members(_big_extended_header(), "bundle")
+
+
+def _negative_size(size: int, form: int) -> bytes:
+    """A tar whose regular file "f" says ``size`` (negative) bytes: in a pax record, or in the header's own field
+    (GNU's base-256, which tarfile reads as signed), then a plain file "after"."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=form) as tar:
+        info = tarfile.TarInfo("f")
+        if form == tarfile.PAX_FORMAT:
+            info.pax_headers = {"size": str(size)}
+        else:
+            info.size = size
+        tar.addfile(info)
+        after = tarfile.TarInfo("after")
+        after.size = 3
+        tar.addfile(after, io.BytesIO(b"yes"))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("size", "form"), [(-1, tarfile.PAX_FORMAT), (-1024, tarfile.PAX_FORMAT),
+                                            (-1024, tarfile.GNU_FORMAT)], ids=["pax-1", "pax-1024", "base256-1024"])
+@pytest.mark.parametrize("compress", [True, False], ids=["gzip", "plain"])
+def test_an_entry_of_a_negative_size_is_refused_and_never_hangs_the_load(size: int, form: int, compress: bool,
+                                                                          tmp_path: Path) -> None:
+    # The layer's parser thread took 0 bytes of its budget for it, took that for "stopping" and ended without a
+    # word: the load (a pull, a server's create) waited for its next entry for ever, holding the store's lock.
+    from conftest import finishes
+
+    raw = _negative_size(size, form)
+    assert tarfile.open(fileobj=io.BytesIO(raw), mode="r:", tarinfo=tarfile.TarInfo).next().size == size  # type: ignore[union-attr]
+    kit.oci_layout(str(tmp_path / "oci"), [raw], compress=compress)
+    done, outcome = finishes(lambda: Image.load(tmp_path / "oci", store=Store(tmp_path / "store")), 30)
+    assert done, "the load of a layer with an entry of a negative size hung"
+    assert isinstance(outcome, BadImageError) and "negative size" in str(outcome), outcome

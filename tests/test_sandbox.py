@@ -544,6 +544,52 @@ def test_cli_create_exec_diff_commit_rm(source: str) -> None:
     assert cli("rm", name).returncode == 125
 
 
+def test_cli_refuses_an_empty_value_and_never_commits_into_the_current_directory(
+        source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `sandbox commit NAME --to ""` (a script's unset variable) made the current directory equal to the workspace:
+    # its files that the workspace lacks were deleted, in silence. Every empty value is refused in one line now.
+    name = f"e{os.getpid()}-{time.monotonic_ns() % 100000}"
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "precious").write_text("keep\n")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([ISOLATE_RUN, "sandbox", *args], capture_output=True, text=True, timeout=60, cwd=here)
+
+    assert cli("create", name, "--workspace", source, "--exclude", ".git").returncode == 0
+    try:
+        for args in (["commit", name, "--to", ""], ["exec", "--cwd", "", name, "--", "true"],
+                     ["create", f"{name}x", "--workspace", ""], ["create", ""]):
+            refused = cli(*args)
+            assert refused.returncode == 125 and len(refused.stderr.splitlines()) == 1, (args, refused)
+            assert "an empty value" in refused.stderr, refused.stderr
+        assert sorted(os.listdir(here)) == ["precious"]
+        monkeypatch.chdir(here)
+        with Sandbox.attach(name) as box, pytest.raises(isolate.IsolationError, match="empty target"):
+            box.commit("")  # the API too (realpath("") is the working directory)
+        assert sorted(os.listdir(here)) == ["precious"]
+        # An empty argument of the command itself is the command's.
+        assert cli("exec", name, "--", "sh", "-c", 'printf "[%s]" "$1"', "sh", "").stdout == "[]"
+    finally:
+        assert cli("rm", name).returncode == 0
+
+
+def test_a_glob_never_backtracks_for_ever_over_the_programs_names(source: str) -> None:
+    # Each "*" was "[^/]*" of one regular expression: "*a*a*a*a*a*a*a*a*b" over a name of 120 a's (the program names
+    # its files) backtracked for hours, in the caller's thread (a server's request).
+    from conftest import finishes
+
+    with Sandbox(sandbox_policy(), workspace=Workspace(source, exclude=(".git",))) as box:
+        box.write_file("a" * 120, "x")
+        box.write_file("deep/" * 20 + "a" * 100 + "b", "y")
+        done, found = finishes(lambda: box.glob("*a" * 12 + "*b"), 30)
+        assert done, "the glob did not end"
+        assert found == []
+        done, found = finishes(lambda: box.glob("**/" * 12 + "*a" * 12 + "*"), 30)
+        assert done and found == ["a" * 120, "deep/" * 20 + "a" * 100 + "b"], found
+        assert box.glob("**/" + "a" * 100 + "b") == ["deep/" * 20 + "a" * 100 + "b"]
+
+
 def test_async_sandbox(source: str) -> None:
     async def main() -> tuple[str, str]:
         async with isolate.AsyncSandbox(sandbox_policy(), workspace=Workspace(source)) as sb:
@@ -577,6 +623,9 @@ def test_workspace_and_sandbox_arguments_are_checked(workdir: str) -> None:
         Workspace(os.path.join(workdir, "missing"))
     with pytest.raises(isolate.PolicyError):
         Workspace(target="relative")
+    for mode in ("copy", "bind", "overlay"):  # "" was the working directory (abspath), a variable left empty
+        with pytest.raises(isolate.PolicyError, match="empty source"):
+            Workspace("", mode=mode)
     for bad in (0, -5, float("nan")):
         with pytest.raises(isolate.PolicyError):
             Sandbox(sandbox_policy(), ttl=bad)

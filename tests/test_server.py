@@ -1110,8 +1110,10 @@ def test_the_api_key_comes_from_a_file_or_the_environment_and_may_start_with_a_d
 
 # A bad option of serve is isolate-run's own refusal, as every subcommand's: one line and 125 (argparse printed
 # its usage and exited 2), and no server starts.
+# An empty value too (--profile "" dropped the profile in silence, --volume-store "" the store given).
 @pytest.mark.parametrize("args", [["--listen", ""], ["--listen", "h:99999"], ["--warm", "-1"],
-                                  ["--max-sandboxes", "x"], ["--max-commands", "1e400"], ["bogus"]])
+                                  ["--max-sandboxes", "x"], ["--max-commands", "1e400"], ["bogus"],
+                                  ["--profile", ""], ["--volume-store", ""], ["--volume-root", ""], ["--image", ""]])
 def test_a_bad_serve_option_is_one_line_and_125(args: list[str]) -> None:
     done = subprocess.run([ISOLATE_RUN, "serve", *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 125 and len(done.stderr.splitlines()) == 1, done

@@ -166,6 +166,16 @@ def _int_option(value: str | None, name: str) -> int | None:
     return number
 
 
+def refuse_empty(options: argparse.Namespace) -> None:
+    """An option given an empty value is refused, never taken for one not given: each was read as "if given",
+    so ``--image ""`` ran on the host's root, ``--report ""`` wrote no report, ``--profile ""`` dropped the profile
+    and ``--seccomp ""``, ``--chdir ""``, ``--home ""``, ``--image-store ""`` their settings, all in silence (a
+    script's unset variable)."""
+    for name, value in sorted(vars(options).items()):
+        if isinstance(value, str) and not value:
+            raise CliError(f"--{name.replace('_', '-')}: an empty value; give one, or leave the option out")
+
+
 def policy_from_args(options: argparse.Namespace) -> Policy:
     """The policy the options describe (a profile first, then the flags on top)."""
     base = Policy.load(options.profile) if options.profile else Policy()

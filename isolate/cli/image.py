@@ -83,6 +83,13 @@ def image_main(argv: Sequence[str]) -> int:
 
     try:
         options = _parser().parse_args(list(argv))
+        # An empty value is refused, never taken for no option: push --to "" pushed to the image's own name,
+        # build -t "" kept it under a made-up one, --image-store "" used the default store.
+        empty = sorted(name for name, value in vars(options).items() if value == "" or (
+            isinstance(value, list) and "" in value))
+        if empty:
+            label = empty[0] if empty[0] in ("path", "ref", "refs", "context") else f"--{empty[0].replace('_', '-')}"
+            raise UsageError(f"{label}: an empty value; give one, or leave the option out")
         max_size = parse_size(options.max_size, "max-size") if getattr(options, "max_size", None) else None
         store = Store(options.image_store) if options.image_store else Store()
         if max_size is not None:

@@ -21,7 +21,7 @@ from ..model.policy import Policy
 from ..model.report import Report, ReportTarget
 from ..model.units import format_size
 from . import startup
-from .flags import CliError, build_parser, policy_from_args
+from .flags import CliError, build_parser, policy_from_args, refuse_empty
 
 EXIT_SETUP = 125
 EXIT_CANNOT_EXECUTE = 126
@@ -353,6 +353,7 @@ def _main(args: list[str]) -> int:
         startup.record()  # not through the native binary's boot script: from here
     try:
         options = build_parser().parse_args(args)
+        refuse_empty(options)
         if options.explain and options.report and not options.command:
             return _explain_report(options.report)  # after a run: its report explained
         if options.report and not options.explain:

@@ -93,6 +93,15 @@ def _parser() -> UsageParser:
     return parser
 
 
+def _refuse_empty(options: argparse.Namespace) -> None:
+    """An option given an empty value is refused, never taken for one not given: ``commit --to ""`` wrote the
+    workspace back over its source instead of the directory meant, ``create --workspace ""`` started empty."""
+    for name, value in sorted(vars(options).items()):
+        if name != "command" and (value == "" or (isinstance(value, list) and "" in value)):  # a command's own
+            label = name if name in ("name", "names", "source", "destination") else f"--{name.replace('_', '-')}"
+            raise UsageError(f"{label}: an empty value; give one, or leave the option out")
+
+
 def sandbox_main(argv: Sequence[str]) -> int:
     """``isolate-run sandbox ...`` (argv: the words after "sandbox"); the exit status."""
     words = list(argv)
@@ -105,6 +114,7 @@ def sandbox_main(argv: Sequence[str]) -> int:
             options = _parser().parse_args(words)
         except SystemExit as stop:  # --help
             return int(stop.code or 0)
+        _refuse_empty(options)
         return int(_COMMANDS[options.action](options))
     except UsageError as exc:
         print(f"isolate-run sandbox: {exc} (see isolate-run sandbox --help)", file=sys.stderr)
@@ -127,14 +137,20 @@ def sandbox_main(argv: Sequence[str]) -> int:
 def _create(words: list[str]) -> int:
     from ..kept.sandbox import Sandbox
     from ..model.workspace import Workspace
-    from .flags import CliError, build_parser, policy_from_args
+    from .flags import CliError, build_parser, policy_from_args, refuse_empty
 
     own = _parser()._subparsers._group_actions[0].choices["create"]  # type: ignore[union-attr,index]
     try:
         options, rest = own.parse_known_args(words)
     except SystemExit as stop:
         return int(stop.code or 0)
-    policy_options = build_parser().parse_args(rest)
+    _refuse_empty(options)
+    try:
+        # The run's options, read as isolate-run's (their parser's CliError said "unexpected" here before).
+        policy_options = build_parser().parse_args(rest)
+        refuse_empty(policy_options)
+    except CliError as exc:
+        raise UsageError(str(exc).removesuffix(" (see isolate-run --help)")) from None
     if policy_options.command:
         raise UsageError(f"create takes no command ({' '.join(policy_options.command)}); use sandbox exec")
     try:

@@ -147,7 +147,7 @@ class Image:
         if max_image_size is not None:
             store.max_image_size = max_image_size
         path = os.fspath(path)
-        source, found = read_archive(path)
+        source, found = read_archive(path, store.max_image_size)
         try:
             if not found:
                 raise BadImageError(f"{path}: holds no image for this host's platform")

@@ -15,7 +15,7 @@ import platform
 import re
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -64,13 +64,26 @@ def choose_manifest(index: dict[str, Any], what: str) -> dict[str, Any]:
                         f"(the image has {', '.join(found) or 'none named'})")
 
 
+#: The most layers one image may have: Docker's own storage stacks 127 at most, and overlayfs's options name about 45
+#: here. Each layer named is read (a ``docker save`` archive's is hashed whole) before the config says how many it has.
+MAX_LAYERS = 256
+
+
+def check_layer_count(count: int, what: str) -> None:
+    """Refuse an image of more than MAX_LAYERS layers (a 4 MiB manifest names 50,000: one layer file named so
+    often was hashed as many times, a gigabyte each, before anything else was checked)."""
+    if count > MAX_LAYERS:
+        raise BadImageError(f"{what}: {count} layers, past the {MAX_LAYERS} an image may have: refused")
+
+
 def parse_json(data: bytes, what: str) -> dict[str, Any]:
     if len(data) > MAX_METADATA_SIZE:
         raise BadImageError(f"{what}: past {MAX_METADATA_SIZE} bytes: refused")
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadImageError(f"{what}: not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: arrays nested deeper than the interpreter's stack (4 MiB of "[" is 4 million deep).
+        raise BadImageError(f"{what}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(value, dict):
         raise BadImageError(f"{what}: not a JSON object")
     return value
@@ -119,8 +132,16 @@ class _Source:
         try:
             for member in self.tar:
                 name = entry_name(member.name, path)
+                if member.isreg() and (member.issparse() or member.type == tarfile.GNUTYPE_SPARSE):
+                    # Its size is the sparse map's word: an archive of 20 KB read as a petabyte of zeros (a docker
+                    # save archive's layer file is hashed whole). Neither docker nor skopeo writes one.
+                    raise BadImageError(f"{path}: {name} is a sparse file in the archive: refused")
                 if member.isreg():
                     self.members[name] = member
+        except BadImageError:
+            self.tar.close()
+            self._handle.close()
+            raise
         except (OSError, tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
             # A damaged archive, a header's number no tar takes, headers past their bound (tarbound.py): one line.
             self.tar.close()
@@ -198,13 +219,19 @@ def blob_name(digest: str) -> str:
 def read_oci(source: _Source) -> list[Found]:
     index = parse_json(source.read("index.json"), f"{source.path}: index.json")
     found: list[Found] = []
+    verified: dict[str, bytes] = {}  # each blob read and hashed once, however often the index names it
+
+    def blob(digest: str, what: str) -> bytes:
+        if digest not in verified:
+            verified[digest] = verify(source.read(blob_name(digest)), digest, what)
+        return verified[digest]
 
     def visit(entry: dict[str, Any], name: str | None, depth: int) -> None:
         digest = entry.get("digest")
         media = entry.get("mediaType")
         if not isinstance(digest, str):
             raise BadImageError(f"{source.path}: an index entry with no digest")
-        data = verify(source.read(blob_name(digest)), digest, f"{source.path}: {digest}")
+        data = blob(digest, f"{source.path}: {digest}")
         if media in INDEX_TYPES:
             if depth > 4:
                 raise BadImageError(f"{source.path}: indexes nested too deep")
@@ -212,7 +239,7 @@ def read_oci(source: _Source) -> list[Found]:
             visit(choose_manifest(nested, f"{source.path}: {digest}"), name, depth + 1)
             return
         manifest = parse_json(data, f"{source.path}: manifest {digest}")
-        found.append(found_from_manifest(source, manifest, data, digest, name))
+        found.append(found_from_manifest(source, manifest, data, digest, name, blob))
 
     entries = index.get("manifests")
     if not isinstance(entries, list) or not entries:
@@ -229,15 +256,16 @@ def read_oci(source: _Source) -> list[Found]:
 
 
 def found_from_manifest(source: _Source, manifest: dict[str, Any], data: bytes, digest: str,
-                        name: str | None) -> Found:
+                        name: str | None, blob: Callable[[str, str], bytes]) -> Found:
     config = manifest.get("config")
     layers = manifest.get("layers")
     if not isinstance(config, dict) or not isinstance(layers, list):
         raise BadImageError(f"{source.path}: manifest {digest} has no config or no layers")
+    check_layer_count(len(layers), f"{source.path}: manifest {digest}")
     config_digest = config.get("digest")
     if not isinstance(config_digest, str):
         raise BadImageError(f"{source.path}: manifest {digest}: a config with no digest")
-    config_data = verify(source.read(blob_name(config_digest)), config_digest, f"{source.path}: config")
+    config_data = blob(config_digest, f"{source.path}: config")
     out = []
     for layer in layers:
         layer_digest = layer.get("digest") if isinstance(layer, dict) else None
@@ -247,46 +275,57 @@ def found_from_manifest(source: _Source, manifest: dict[str, Any], data: bytes, 
     return Found(name, data, digest, config_data, config_digest, out)
 
 
-def read_docker(source: _Source) -> list[Found]:
+def read_docker(source: _Source, max_size: int) -> list[Found]:
     """A ``docker save`` archive: manifest.json names each image's config and layer files (their digests
     are computed as they are read, and the config's diff ids checked)."""
     import hashlib
 
     try:
         entries = json.loads(source.read("manifest.json"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep (parse_json)
         raise BadImageError(f"{source.path}: manifest.json is not valid JSON ({exc})") from None
     if not isinstance(entries, list) or not entries:
         raise BadImageError(f"{source.path}: manifest.json lists no image")
     found = []
+    hashed: dict[str, str] = {}  # each file hashed once, however often the archive names it
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("Config"), str) or \
                 not isinstance(entry.get("Layers"), list):
             raise BadImageError(f"{source.path}: manifest.json: an entry with no Config or Layers")
+        check_layer_count(len(entry["Layers"]), f"{source.path}: manifest.json")
         config = source.read(entry["Config"])
         config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
         layers = []
         for name in entry["Layers"]:
             if not isinstance(name, str):
                 raise BadImageError(f"{source.path}: manifest.json: a layer that is not a file name")
-            sha = hashlib.sha256()
-            with source.open(name) as handle:
-                while chunk := handle.read(1 << 20):
-                    sha.update(chunk)
-            layers.append(("sha256:" + sha.hexdigest(), name))
+            key = entry_name(name, source.path)
+            if key not in hashed:
+                sha = hashlib.sha256()
+                read = 0
+                with source.open(name) as handle:
+                    while chunk := handle.read(1 << 20):
+                        read += len(chunk)
+                        if read > max_size:  # as a layer's blob is bounded when it unpacks (store.py)
+                            raise BadImageError(f"{source.path}: {name}: past max_image_size ({max_size} bytes): "
+                                                "refused")
+                        sha.update(chunk)
+                hashed[key] = "sha256:" + sha.hexdigest()
+            layers.append((hashed[key], name))
         tags = entry.get("RepoTags") if isinstance(entry.get("RepoTags"), list) else []
         found.append(Found(tags[0] if tags and isinstance(tags[0], str) else None, None, None, config,
                            config_digest, layers))
     return found
 
 
-def read_archive(path: str) -> tuple[_Source, list[Found]]:
+def read_archive(path: str, max_size: int) -> tuple[_Source, list[Found]]:
+    """The images of the file or directory ``path``; ``max_size``: the most bytes a layer file may hold."""
     source = _Source(path)
     try:
         if source.exists("index.json") and source.exists("oci-layout") and not source.exists("manifest.json"):
             return source, read_oci(source)
         if source.exists("manifest.json"):
-            return source, read_docker(source)
+            return source, read_docker(source, max_size)
         if source.exists("index.json"):
             return source, read_oci(source)
     except BaseException:

@@ -33,7 +33,7 @@ MAX_IGNORE_FILE = 1 << 20
 # -- .dockerignore ----------------------------------------------------------------------------
 
 
-def ignore_rules(context: str) -> list[tuple[bool, re.Pattern[str]]]:
+def ignore_rules(context: str) -> list[tuple[bool, IgnorePattern]]:
     """The context's .dockerignore: (negated, pattern) in order (the last that matches decides)."""
     path = os.path.join(context, ".dockerignore")
     try:
@@ -55,25 +55,63 @@ def ignore_rules(context: str) -> list[tuple[bool, re.Pattern[str]]]:
         pattern = os.path.normpath(line[1:].strip() if negated else line).lstrip("/")
         if pattern in ("", "."):
             continue
-        rules.append((negated, re.compile(_glob_regex(pattern))))
+        rules.append((negated, IgnorePattern(pattern, path)))
     return rules
 
 
-def _glob_regex(pattern: str) -> str:
-    """Go's filepath.Match with Docker's ``**`` (any number of directories)."""
-    out = []
-    parts = pattern.split("/")
-    for i, part in enumerate(parts):
-        if part == "**":
-            out.append("(?:.*/)?" if i < len(parts) - 1 else ".*")
-            continue
-        piece = fnmatch.translate(part).removesuffix(r"\Z").removeprefix("(?s:").removesuffix(")")
-        piece = piece.replace(".*", "[^/]*")
-        out.append(piece + ("/" if i < len(parts) - 1 else ""))
-    return "^" + "".join(out) + "(?:/.*)?$"
+#: The most names a .dockerignore pattern may have (a deeper one matches nothing a build copies, and bounds the walk).
+MAX_PATTERN_NAMES = 256
 
 
-def ignored(rules: list[tuple[bool, re.Pattern[str]]], rel: str) -> bool:
+class IgnorePattern:
+    """Go's filepath.Match with Docker's ``**`` (any number of directories), matched a name of the path at a time:
+    a pattern also leaves out everything below what it matches.
+
+    Matched as one regular expression, each ``**`` was ``(?:.*/)?``, and a run of them backtracked through every
+    way to share a deep path out: ``**/**/**/**/**/**/**/**/**/**/**/**/x`` in a ``.dockerignore`` (the context
+    may be a directory a sandbox wrote) held the build for ever on a path 30 directories deep. Here each pattern
+    name is a regular expression of its own (fnmatch's, which never crosses a "/"), and the path's names are read
+    once, left to right, with the set of pattern names reached so far: at most (pattern names) steps per name."""
+
+    def __init__(self, pattern: str, what: str = ".dockerignore") -> None:
+        parts = pattern.split("/")
+        # "**/**" is "**": a run of them is one.
+        self.parts = [p for i, p in enumerate(parts) if not (p == "**" and i > 0 and parts[i - 1] == "**")]
+        if len(self.parts) > MAX_PATTERN_NAMES:
+            raise DockerfileError(f"{what}: a pattern of {len(self.parts)} names, past {MAX_PATTERN_NAMES}: refused")
+        self.names = [None if p == "**" else re.compile(fnmatch.translate(p)) for p in self.parts]
+
+    def _closure(self, reached: set[int]) -> set[int]:
+        """With each ``**`` that is not the last name also matched by no name at all."""
+        out = set(reached)
+        for i in sorted(reached):
+            while i < len(self.parts) - 1 and self.names[i] is None:
+                i += 1
+                out.add(i)
+        return out
+
+    def match(self, rel: str) -> bool:
+        done = len(self.parts)
+        reached = self._closure({0})
+        for name in rel.split("/"):
+            if done in reached:
+                return True  # what lies below a match is left out with it
+            following: set[int] = set()
+            for i in reached:
+                if i == done:
+                    continue
+                pattern = self.names[i]
+                if pattern is None:  # **: this name, and maybe more (the last one: at least this one)
+                    following.update((i, i + 1) if i == done - 1 else (i,))
+                elif pattern.match(name) is not None:
+                    following.add(i + 1)
+            reached = self._closure(following)
+            if not reached:
+                return False
+        return done in reached
+
+
+def ignored(rules: list[tuple[bool, IgnorePattern]], rel: str) -> bool:
     result = False
     for negated, pattern in rules:
         if pattern.match(rel):
@@ -145,7 +183,7 @@ def _owner(image: Image, chown: Chown | None, what: str) -> tuple[int, int] | No
 
 
 def _copy_layer(root: str, patterns: list[str], destination: str, what: str,
-                rules: list[tuple[bool, re.Pattern[str]]], chown: Chown | None = None,
+                rules: list[tuple[bool, IgnorePattern]], chown: Chown | None = None,
                 mode: int | None = None) -> Callable[[Image, str], LayerBlob]:
     """A builder layer of sources under ``root`` (the context, or a stage's layer); ``chown``, ``mode``: COPY's
     --chown (resolved in the image the copy lands in) and --chmod."""

@@ -34,7 +34,7 @@ from ..model.errors import IsolationError
 from ..model.files import read_input_file
 from . import Image
 from .build import Build, BuildError, CacheMount, DockerfileError, Stats, _existing
-from .context import Chown, _archive_layer, _copy_layer, _is_archive, ignore_rules
+from .context import Chown, IgnorePattern, _archive_layer, _copy_layer, _is_archive, ignore_rules
 from .export import LayerBlob, write_copy
 from .owners import parse_chmod, parse_chown
 from .store import Store
@@ -63,6 +63,8 @@ class Instruction:
             parsed = json.loads(text)
         except ValueError:
             return None  # Docker takes it as the shell form then
+        except RecursionError:
+            raise self.fail("the JSON form is nested too deep") from None
         if not isinstance(parsed, list) or not all(isinstance(p, str) for p in parsed):
             raise self.fail("the JSON form must be a list of strings")
         return parsed
@@ -277,7 +279,7 @@ def scratch(store: Store) -> Image:
 
 
 def _build_stage(stage: Stage, built: Mapping[str, Image], store: Store, context: str,
-                 rules: list[tuple[bool, re.Pattern[str]]], given: Mapping[str, str], global_args: Mapping[str, str],
+                 rules: list[tuple[bool, IgnorePattern]], given: Mapping[str, str], global_args: Mapping[str, str],
                  reference: str | None, progress: IO[str] | None, stats: Stats | None, network: Any) -> Image:
     base = _base(stage, built, store)
     build = Build(base, store=store)
@@ -360,7 +362,7 @@ def _workdir_layer(workdir: str) -> Callable[[Image, str], LayerBlob]:
 
 
 def _copy(ins: Instruction, build: Build, built: Mapping[str, Image], store: Store, context: str,
-          rules: list[tuple[bool, re.Pattern[str]]], values: Mapping[str, str], what: str) -> Build:
+          rules: list[tuple[bool, IgnorePattern]], values: Mapping[str, str], what: str) -> Build:
     json_words = ins.json_form()
     try:
         words = json_words if json_words is not None else shlex.split(ins.value, posix=True)

@@ -60,7 +60,7 @@ from typing import Any
 
 from ..model.errors import IsolationError
 from ..model.files import read_input_file
-from .archive import INDEX_TYPES, Found, choose_manifest, parse_json
+from .archive import INDEX_TYPES, Found, check_layer_count, choose_manifest, parse_json
 from .budget import PARALLEL
 from .reference import DEFAULT_REGISTRY, Reference
 from .store import MAX_METADATA_SIZE, verify
@@ -139,7 +139,7 @@ def credentials(registry: str) -> tuple[str, str] | None:
             # Non-blocking, a regular file only, bounded: a FIFO planted in a home a sandbox could write never
             # hangs a pull.
             config = json.loads(read_input_file(path))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep for the parser
             continue
         if not isinstance(config, dict):
             continue
@@ -174,7 +174,7 @@ def _helper(name: str, registry: str) -> tuple[str, str] | None:
             try:
                 data = json.loads(result.stdout)
                 return str(data["Username"]), str(data["Secret"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 return None
     return None
 
@@ -722,6 +722,7 @@ def resolve(reference: str, *, insecure: bool = False, login: tuple[str, str] | 
     layers = manifest.get("layers")
     if not isinstance(config, dict) or not isinstance(config.get("digest"), str) or not isinstance(layers, list):
         raise BadImageError(f"image {ref}: its manifest has no config or no layers")
+    check_layer_count(len(layers), f"image {ref}")
     config_data = source.read(config["digest"], f"image {ref}: config")
     found_layers = []
     for layer in layers:

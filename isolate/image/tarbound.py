@@ -31,6 +31,10 @@ class HeaderTooLarge(tarfile.ReadError):
     """An entry's headers past MAX_HEADER bytes or MAX_HEADERS headers."""
 
 
+class BadHeaderValue(tarfile.ReadError):
+    """An entry's header holds a number no entry can have (a negative size)."""
+
+
 class _Counted:
     """The archive's stream while one entry's headers are read: its reads counted against MAX_HEADER."""
 
@@ -65,7 +69,12 @@ class BoundedTarInfo(tarfile.TarInfo):
             raise HeaderTooLarge(f"an entry with more than {MAX_HEADERS} extended tar headers: refused")
         tarfile_.fileobj = counted
         try:
-            return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
+            member: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
         finally:
             counted.depth -= 1
             tarfile_.fileobj = stream
+        # A pax record or a base-256 field may say a negative size, which tarfile takes as it is: a stream's reader
+        # read 0 bytes of the entry's data and waited for its contents for ever (the layer unpacker's parser).
+        if member.size < 0:
+            raise BadHeaderValue(f"entry {member.name[:200]!r}: a negative size ({member.size}): refused")
+        return member

@@ -329,8 +329,9 @@ class _Parser:
                     archive.members.clear()  # type: ignore[attr-defined]
                     data = None
                     if member.isreg() and member.size <= _SMALL_FILE:
-                        # Its bytes taken from the process's budget first (given back once written).
-                        if member.size and not self.account.take(member.size, self.stopping):
+                        # Its bytes taken from the process's budget first (given back once written); 0 taken of
+                        # more than 0 only when stopping.
+                        if member.size > 0 and not self.account.take(member.size, self.stopping):
                             return
                         source = archive.extractfile(member)
                         assert source is not None
@@ -360,7 +361,16 @@ class _Parser:
         if self.waiting:
             self.waiting = False
             self.turn.set()
-        item = self.entries.get()
+        while True:
+            try:
+                item = self.entries.get(timeout=0.5)
+                break
+            except queue.Empty:
+                # The thread says its end (an entry, the end, its error) unless it was stopped: one that ended
+                # without a word (a path of it not thought of) must not leave its caller waiting for ever.
+                if not self.thread.is_alive() and self.entries.empty():
+                    raise BadImageError(f"{self.what}: the archive's reader ended without its entries: "
+                                        "refused") from None
         if isinstance(item, BaseException):
             raise item
         if item is self._END:

@@ -23,7 +23,11 @@ def kind(lowers: list[str], rel: str) -> str | None:
 
 def _find(lowers: list[str], rel: str) -> tuple[str | None, str | None]:
     """kind(), and the layer whose entry shows (every directory on its way a directory of that layer)."""
-    parts = [p for p in rel.split("/") if p]
+    parts = [p for p in rel.split("/") if p and p != "."]
+    if ".." in parts:
+        # Joined to a layer's path, ".." walks up out of the store onto the host: the root shows nothing there (an
+        # image's WorkingDir or PATH, the image author's, made relative destinations and --explain look at the host).
+        return None, None
     active = list(lowers)
     found: str | None = "dir"
     holder: str | None = lowers[0] if lowers else None

@@ -514,6 +514,9 @@ class Sandbox:
             return self._commit(impl, target_dir)
 
     def _commit(self, impl: KeptBackend, target_dir: str | os.PathLike[str] | None) -> Changes:
+        if target_dir is not None and not os.fspath(target_dir):
+            # realpath("") is the working directory: made equal to the workspace, its other files deleted.
+            raise IsolationError("commit: an empty target directory; give one (or None: the workspace's source)")
         if self.workspace.mode == "bind" and target_dir is None:
             return Changes()  # the source is the workspace
         copy = getattr(impl, "copy", None)

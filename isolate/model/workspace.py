@@ -48,6 +48,11 @@ class Workspace:
         target = mount_point(self.target, "workspace", "the workspace")
         object.__setattr__(self, "target", target)
         if self.source is not None:
+            if not os.fspath(self.source):
+                # abspath("") is the working directory: a variable left empty made it the workspace (and the
+                # target of commit(), which makes it equal to the workspace).
+                raise PolicyError("workspace: an empty source; give a directory (\".\" for this one) or None",
+                                  "workspace")
             source = os.path.abspath(os.fsdecode(os.fspath(self.source)))
             if not os.path.isdir(source):
                 raise PolicyError(f"workspace: {source} is not a directory", "workspace")

@@ -146,6 +146,11 @@ def _join_cluster(address: str) -> bool:
 def serve_main(argv: Sequence[str]) -> int:
     try:  # a bad option: one line and isolate-run's own status (125), as every subcommand's, never usage and 2
         options = build_parser().parse_args(list(argv))
+        # An empty value is refused, never taken for no option (--profile "" dropped the profile in silence).
+        empty = sorted(name for name, value in vars(options).items() if value == "" or (
+            isinstance(value, list) and "" in value))
+        if empty:
+            raise UsageError(f"--{empty[0].replace('_', '-')}: an empty value; give one, or leave the option out")
     except UsageError as exc:
         print(f"isolate-run serve: {exc} (see isolate-run serve --help)", file=sys.stderr)
         return EXIT_SETUP

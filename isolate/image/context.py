@@ -14,7 +14,6 @@ import errno
 import fnmatch
 import functools
 import os
-import re
 import stat
 import tarfile
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from ..kernel.beneath import parent_beneath
 from ..kernel.links import DIR_FLAGS
 from ..model.files import read_input_file
+from ..model.globs import PathGlob
 from . import Image
 from .build import DockerfileError, _existing, _target
 from .export import LayerBlob, write_copy
@@ -63,52 +63,14 @@ def ignore_rules(context: str) -> list[tuple[bool, IgnorePattern]]:
 MAX_PATTERN_NAMES = 256
 
 
-class IgnorePattern:
-    """Go's filepath.Match with Docker's ``**`` (any number of directories), matched a name of the path at a time:
-    a pattern also leaves out everything below what it matches.
-
-    Matched as one regular expression, each ``**`` was ``(?:.*/)?``, and a run of them backtracked through every
-    way to share a deep path out: ``**/**/**/**/**/**/**/**/**/**/**/**/x`` in a ``.dockerignore`` (the context
-    may be a directory a sandbox wrote) held the build for ever on a path 30 directories deep. Here each pattern
-    name is a regular expression of its own (fnmatch's, which never crosses a "/"), and the path's names are read
-    once, left to right, with the set of pattern names reached so far: at most (pattern names) steps per name."""
+class IgnorePattern(PathGlob):
+    """Go's filepath.Match with Docker's ``**`` (any number of directories), matched a name of the path at a time
+    (model/globs.py): a pattern also leaves out everything below what it matches."""
 
     def __init__(self, pattern: str, what: str = ".dockerignore") -> None:
-        parts = pattern.split("/")
-        # "**/**" is "**": a run of them is one.
-        self.parts = [p for i, p in enumerate(parts) if not (p == "**" and i > 0 and parts[i - 1] == "**")]
+        super().__init__(pattern, below=True)
         if len(self.parts) > MAX_PATTERN_NAMES:
             raise DockerfileError(f"{what}: a pattern of {len(self.parts)} names, past {MAX_PATTERN_NAMES}: refused")
-        self.names = [None if p == "**" else re.compile(fnmatch.translate(p)) for p in self.parts]
-
-    def _closure(self, reached: set[int]) -> set[int]:
-        """With each ``**`` that is not the last name also matched by no name at all."""
-        out = set(reached)
-        for i in sorted(reached):
-            while i < len(self.parts) - 1 and self.names[i] is None:
-                i += 1
-                out.add(i)
-        return out
-
-    def match(self, rel: str) -> bool:
-        done = len(self.parts)
-        reached = self._closure({0})
-        for name in rel.split("/"):
-            if done in reached:
-                return True  # what lies below a match is left out with it
-            following: set[int] = set()
-            for i in reached:
-                if i == done:
-                    continue
-                pattern = self.names[i]
-                if pattern is None:  # **: this name, and maybe more (the last one: at least this one)
-                    following.update((i, i + 1) if i == done - 1 else (i,))
-                elif pattern.match(name) is not None:
-                    following.add(i + 1)
-            reached = self._closure(following)
-            if not reached:
-                return False
-        return done in reached
 
 
 def ignored(rules: list[tuple[bool, IgnorePattern]], rel: str) -> bool:

@@ -11,7 +11,6 @@ the program's own view, and a FIFO cannot hang the host.
 from __future__ import annotations
 
 import errno
-import fnmatch
 import os
 import re
 import stat as stat_mod
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 from ..._core import lib
 from ...model.files import write_all
+from ...model.globs import PathGlob
 from .protocol import Connection, Stat
 
 #: read_file's default cap.
@@ -187,51 +187,9 @@ def move(conn: Connection, source: str, destination: str, overwrite: bool = True
     conn.call(lib.ISO_XS_RENAME, [source, destination], flags=0 if overwrite else 1)  # RENAME_NOREPLACE
 
 
-class Glob:
-    """A glob over relative paths: ``*`` and ``?`` stay within a name, a ``**`` name spans directories (any number
-    of them, none included; at the end, one or more names). ``**`` within a name is a ``*``.
-
-    Matched as one regular expression, each ``*`` was ``[^/]*`` and each ``**/`` ``(?:.*/)?``: ``*a*a*a*a*a*a*b``
-    over a name of 120 a's backtracked for minutes (a server's request thread, a caller's ``Sandbox.glob``). Each
-    name of the pattern is now fnmatch's expression (which does not backtrack through its stars), and the path's
-    names are read once, left to right, with the set of pattern names reached."""
-
-    def __init__(self, pattern: str) -> None:
-        parts = pattern.split("/")
-        self.parts = [p for i, p in enumerate(parts) if not (p == "**" and i > 0 and parts[i - 1] == "**")]
-        self.names = [None if p == "**" else re.compile(fnmatch.translate(p.replace("**", "*")))
-                      for p in self.parts]
-
-    def _closure(self, reached: set[int]) -> set[int]:
-        out = set(reached)
-        for i in sorted(reached):
-            while i < len(self.parts) - 1 and self.names[i] is None:  # a ** before more names: none at all
-                i += 1
-                out.add(i)
-        return out
-
-    def match(self, rel: str) -> bool:
-        done = len(self.parts)
-        reached = self._closure({0})
-        for name in rel.split("/"):
-            following: set[int] = set()
-            for i in reached:
-                if i == done:
-                    continue  # the pattern ended before the path
-                pattern = self.names[i]
-                if pattern is None:
-                    following.update((i, i + 1) if i == done - 1 else (i,))
-                elif pattern.match(name) is not None:
-                    following.add(i + 1)
-            reached = self._closure(following)
-            if not reached:
-                return False
-        return done in reached
-
-
-def glob_regex(pattern: str) -> Glob:
-    """The matcher of a glob over relative paths (see Glob)."""
-    return Glob(pattern)
+def glob_regex(pattern: str) -> PathGlob:
+    """The matcher of a glob over relative paths (model/globs.py)."""
+    return PathGlob(pattern)
 
 
 def glob(conn: Connection, pattern: str, root: str = ".") -> list[str]:

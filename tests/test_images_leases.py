@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from conftest import ISOLATE_RUN, NAMESPACES_WHY
 
 import isolate
 from isolate.image import Image, Store, leases
+from isolate.image import store as store_module
 
 pytestmark = pytest.mark.skipif(bool(NAMESPACES_WHY) or not os.path.exists("/bin/busybox"),
                                 reason=NAMESPACES_WHY or "busybox-static is not installed")
@@ -119,3 +121,30 @@ def test_a_lease_of_a_sandbox_of_another_pid_namespace_is_kept(store: Store, tmp
     assert Image.prune(store) == []
     os.unlink(os.path.join(store.path, "leases", os.path.basename(held)))
     assert sorted(Image.prune(store)) == sorted(image.layers)
+
+
+def test_another_users_sandbox_of_the_same_layer_holds_none_of_this_callers(store: Store, tmp_path: Path) -> None:
+    # The mount table names a layer by its digest alone: another user's prune (its own store, an image sharing
+    # this layer) took a running sandbox of root's for one of its own and kept its layers.
+    python, other = "/usr/bin/python3", 64321
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(isolate.__file__)))
+    if os.geteuid() != 0 or not os.path.exists(python) or not shutil.which("setpriv"):
+        pytest.skip("root runs the sandbox, another uid asks (setpriv, the system's python3)")
+    if not _others_can_read(tree):
+        pytest.skip(f"another user cannot read {tree}")
+    image = _load(store, tmp_path)
+    code = "from isolate.image.store import layers_in_use; print(' '.join(sorted(layers_in_use())))"
+    with isolate.Sandbox(isolate.Policy(image=image.reference, backend="native")) as box:
+        assert box.exec(["cat", "/marker"]).stdout == "here\n"
+        mine = {d.removeprefix("sha256:") for d in image.layers}
+        assert mine <= store_module.layers_in_use()  # the caller's own sandbox: in use
+        asked = subprocess.run(["setpriv", f"--reuid={other}", f"--regid={other}", "--clear-groups", python, "-c",
+                                code], env={"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": tree}, cwd="/",
+                               capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 0, asked.stderr
+    assert not mine & set(asked.stdout.split()), asked.stdout
+
+
+def _others_can_read(path: str) -> bool:
+    parts = os.path.realpath(path).split("/")
+    return all(os.stat("/".join(parts[:i]) or "/").st_mode & 0o005 == 0o005 for i in range(1, len(parts) + 1))

@@ -37,6 +37,7 @@ import json
 import os
 import re
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -520,28 +521,49 @@ def _created(record: dict[str, Any]) -> float:
 _MOUNTED_LAYER = re.compile(r"/\.isolate-image/([0-9a-f]{64})/root")
 
 
+#: ioctl(2) of a namespace's descriptor: the uid that owns a user namespace (linux/nsfs.h).
+_NS_GET_OWNER_UID = 0xB704
+
+
+def _user_namespace_owner(pid: str) -> int | None:
+    """The uid owning the user namespace of process ``pid`` (its creator's), or None: gone, or not this caller's to
+    open (another user's process outside any namespace this caller owns)."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, _NS_GET_OWNER_UID, bytes(4)), sys.byteorder)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def layers_in_use() -> set[str]:
-    """The layers (hex digests) a running sandbox's root stands on, read from the mount table of each mount
-    namespace this caller can see: prune keeps them even once no image names them (``image rm`` then
-    ``prune`` emptied a running sandbox's root under it)."""
+    """The layers (hex digests) a running sandbox of this caller stands on, read from the mount table of each mount
+    namespace whose processes live in a user namespace the caller owns (its sandboxes'): prune keeps them even once
+    no image names them (``image rm`` then ``prune`` emptied a running sandbox's root under it). The mount table names
+    a layer by its digest alone; another user's sandbox of an image with the same layer (its own store's) is no
+    reason to keep this store's, and counting it made a prune keep layers while that sandbox ran."""
     used: set[str] = set()
     namespaces: set[str] = set()
+    caller = os.geteuid()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or _user_namespace_owner(pid) != caller:
             continue
         try:
             namespace = os.readlink(f"/proc/{pid}/ns/mnt")
         except OSError:
-            namespace = ""  # not ours to name: its mount table may still be readable
+            continue  # gone
         if namespace in namespaces:
             continue
-        if namespace:
-            namespaces.add(namespace)
+        namespaces.add(namespace)
         try:
             with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as handle:
                 used.update(_MOUNTED_LAYER.findall(handle.read()))
         except OSError:
-            continue  # gone, or another user's: not a sandbox of this store
+            continue  # gone
     return used
 
 

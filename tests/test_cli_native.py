@@ -292,9 +292,21 @@ def _signal_pending_at_exec(signum: int) -> Any:
     import signal
 
     def pending() -> None:
+        _default_signals()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
         os.kill(os.getpid(), signum)
     return pending
+
+
+def _default_signals() -> None:
+    """A preexec_fn: the stopping signals at their default, as a terminal's foreground job has them. A signal ignored
+    when isolate-run starts stays ignored (test_cli_ignored_signals.py), and pytest may have been started so: a
+    script's background job ignores SIGINT and SIGQUIT, ``nohup`` SIGHUP (CI runs the two callers' suites side by
+    side as background jobs)."""
+    import signal
+
+    for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("path", ["replayed", "planned", "python"])
@@ -340,7 +352,7 @@ def test_a_signal_while_the_python_side_plans_ends_the_run_with_its_status(signa
     token = uuid.uuid4().hex
     env = dict(os.environ, STARTFIX_FRESH=token)  # never planned: the Python side plans it
     process = subprocess.Popen([ISOLATE_RUN, "--", "sh", "-c", f"echo ran {token}"], cwd=workdir, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     # The Python side runs when the process's command line is the binary's boot script (its exe alone is no
     # sign: until its exec, the forked child is this very interpreter, which ci6's VM saw and signalled).
     deadline = time.monotonic() + 30

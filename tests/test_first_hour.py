@@ -103,7 +103,7 @@ def test_home_none_and_elsewhere(workdir: str) -> None:
 
 
 def test_home_without_namespaces(workdir: str) -> None:
-    os.chmod(workdir, 0o777)
+    os.chmod(workdir, 0o1777)  # sticky: the state directory lies beneath (kernel/way.py)
     state = os.path.join(workdir, "state")
     env = {**os.environ, "ISOLATE_STATE_DIR": state}
     result = cli("--no-namespaces", "--", "sh", "-c", 'echo "$HOME"; echo x > ~/kept && cat ~/kept', cwd=workdir,
@@ -211,7 +211,7 @@ def test_report_says_which_denials_it_observes(workdir: str) -> None:
             assert needle in observed["landlock"]["detail"]
     if LANDLOCK_WHY:
         return  # runs without namespaces are refused on this kernel
-    os.chmod(workdir, 0o777)
+    os.chmod(workdir, 0o1777)  # sticky: a state directory may lie beneath (kernel/way.py)
     no_ns = isolate.run(["true"], policy=policy(write=[workdir], namespaces=False, tmpfs=()), cwd=workdir)
     assert no_ns.report.denials_observed["seccomp"]["observed"] is False
     assert "mounts" not in no_ns.report.denials_observed

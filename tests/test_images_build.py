@@ -172,7 +172,7 @@ def test_prune_leaves_a_running_builds_cache_mount_and_images(base: Image) -> No
 
     def build() -> None:
         try:
-            first.run("echo started > /cache/started; i=0; while [ ! -e /cache/go ] && [ $i -lt 500 ]; do sleep 0.02; "
+            first.run("echo started > /cache/started; i=0; while [ ! -e /cache/go ] && [ $i -lt 3000 ]; do sleep 0.02; "
                       "i=$((i+1)); done; "
                       "cat /cache/go > /usr/local/bin/done", caches=[cache]).build("running:1")
         except BaseException as exc:

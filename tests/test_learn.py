@@ -29,7 +29,8 @@ def _learn_then_run(workdir: str, options: list[str], command: list[str], cwd: s
     """
     cwd = cwd or os.path.join(workdir, "run")
     os.makedirs(cwd, exist_ok=True)
-    os.chmod(cwd, 0o777)  # a root caller's program (uid 65534) writes here without an idmapped mount too
+    os.chmod(cwd, 0o1777)  # a root caller's program (uid 65534) writes here without an idmapped mount too;
+    # sticky: learn's state directory lies beneath (kernel/way.py refuses one under a directory others could swap)
     profile = os.path.join(workdir, "profile.toml")
     learned = subprocess.run([ISOLATE_RUN, "learn", "--out", profile, "--rounds", "12", *options, "--", *command],
                              cwd=cwd, capture_output=True, text=True, timeout=300)
@@ -209,7 +210,7 @@ def test_learn_refuses_when_a_write_grant_has_no_copy_on_write_view(workdir: str
     victim, cwd = os.path.join(workdir, "victim"), os.path.join(workdir, "run")
     for directory in (victim, cwd):
         os.mkdir(directory)
-        os.chmod(directory, 0o777)
+        os.chmod(directory, 0o1777)  # sticky: the state directory lies beneath (kernel/way.py)
     learned = subprocess.run([ISOLATE_RUN, "learn", "--out", os.path.join(workdir, "p.toml"), "--", "/bin/sh", "-c",
                               f"echo w > {victim}/pwned"], cwd=cwd, capture_output=True, text=True, timeout=120,
                              env={**os.environ, "ISOLATE_STATE_DIR": os.path.join(victim, "state")})
@@ -355,7 +356,7 @@ def test_learn_grants_a_command_among_start_up_paths_alone(workdir: str) -> None
         os.chmod(path, 0o755)
     cwd = os.path.join(workdir, "run")
     os.mkdir(cwd)
-    os.chmod(cwd, 0o777)
+    os.chmod(cwd, 0o1777)  # sticky: learn's state directory may lie beneath (kernel/way.py)
     profile = os.path.join(workdir, "profile.toml")
     learned = subprocess.run([ISOLATE_RUN, "learn", "--rounds", "3", "--out", profile, "--", tool], cwd=cwd,
                              capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": home})
@@ -378,7 +379,7 @@ def test_learn_never_lets_a_call_the_default_refuses_with_some_arguments_through
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
     cwd = os.path.join(workdir, "run")
     os.mkdir(cwd)
-    os.chmod(cwd, 0o777)
+    os.chmod(cwd, 0o1777)  # sticky: learn's state directory may lie beneath (kernel/way.py)
     profile = os.path.join(workdir, "profile.toml")
     learned = subprocess.run([ISOLATE_RUN, "learn", "--profile", given, "--rounds", "3", "--out", profile, "--",
                               python, "-I", "-S", "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
@@ -397,7 +398,7 @@ def test_learn_keeps_its_own_directories_out_of_the_programs_reach(workdir: str)
     # the next run's copy-on-write upper layer (where its writes to a learned directory land) was made in
     # a host directory of the program's choosing. Now it is hidden under an empty tmpfs.
     granted, target, victim = (os.path.join(workdir, name) for name in ("granted", "target", "victim"))
-    for directory, mode in ((granted, 0o777), (target, 0o755), (victim, 0o777)):
+    for directory, mode in ((granted, 0o1777), (target, 0o755), (victim, 0o777)):  # granted holds the state: sticky
         os.mkdir(directory)
         os.chmod(directory, mode)
     state, seen = os.path.join(granted, "state"), os.path.join(granted, "seen")

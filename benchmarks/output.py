@@ -350,8 +350,8 @@ _SHELL_ROWS = (("pipe", "`/bin/sh` (dash), pipes"), ("pty", "`/bin/sh` (dash), a
 def _shell_markdown(shell: Any) -> list[str]:
     if not isinstance(shell, dict) or "pipe" not in shell:
         return []
-    lines = [f"Kept shell: `Sandbox.shell().run(\"true\")`, median of {shell.get('rounds')} rounds, each shell "
-             "once per round (us).", "",
+    lines = [f"Kept shell: `Sandbox.shell().run(\"true\")`, median of {shell.get('rounds')} runs of each shell, "
+             f"in blocks of {shell.get('block')}, the shells taking turns (us).", "",
              "| shell | median | p99 |", "|---|---:|---:|"]
     for key, label in _SHELL_ROWS:
         row = shell.get(key)

@@ -190,20 +190,29 @@ def _exec(options: argparse.Namespace) -> int:
         env[key] = value
     box = _attach(options.name)
     impl = box._impl
-    # The command gets this process's own stdin, stdout and stderr: nothing is copied in between.
-    running = Command(impl.connect(), command, options.cwd or "", environment_for(impl.environment, env),
-                      options.timeout, (0, 1, 2), False, impl.report_enforced, impl.backend, impl)
     # One ignored when isolate-run started is left alone (nohup's SIGHUP, a background job's SIGINT): not
-    # forwarded, as for a one-shot run.
+    # forwarded, as for a one-shot run. The others are caught before the command starts: one sent as soon as the
+    # command printed something killed this process, and the command ran on without it.
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 if signal.getsignal(sig) != signal.SIG_IGN}
+    started: list[Command] = []
+    pending: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
-        running.signal(signum)
+        if started:
+            started[0].signal(signum)
+        else:
+            pending.append(signum)
 
     for sig in previous:
         signal.signal(sig, forward)
     try:
+        # The command gets this process's own stdin, stdout and stderr: nothing is copied in between.
+        running = Command(impl.connect(), command, options.cwd or "", environment_for(impl.environment, env),
+                          options.timeout, (0, 1, 2), False, impl.report_enforced, impl.backend, impl)
+        started.append(running)
+        for signum in pending:
+            running.signal(signum)
         running.wait_exit()
     finally:
         for sig, handler in previous.items():

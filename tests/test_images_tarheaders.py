@@ -128,7 +128,12 @@ def test_an_entry_of_a_negative_size_is_refused_and_never_hangs_the_load(size: i
     from conftest import finishes
 
     raw = _negative_size(size, form)
-    assert tarfile.open(fileobj=io.BytesIO(raw), mode="r:", tarinfo=tarfile.TarInfo).next().size == size  # type: ignore[union-attr]
+    parsed = tarfile.open(fileobj=io.BytesIO(raw), mode="r:", tarinfo=tarfile.TarInfo).next()
+    assert parsed is not None
+    if (parsed.name, parsed.size) != ("f", size):
+        # A Python whose tarfile refuses a negative size itself (the VM's Debian 3.11.2 skips the header, as a newer
+        # build than this host's does): no entry of a negative size reaches isolate's reader there.
+        pytest.skip(f"this Python's tarfile gives {parsed.name!r} of size {parsed.size}, not 'f' of size {size}")
     kit.oci_layout(str(tmp_path / "oci"), [raw], compress=compress)
     done, outcome = finishes(lambda: Image.load(tmp_path / "oci", store=Store(tmp_path / "store")), 30)
     assert done, "the load of a layer with an entry of a negative size hung"

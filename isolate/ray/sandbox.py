@@ -316,11 +316,25 @@ class Sandbox:
                 self._calls["actor"] += 1
             return outcome(getattr(self._actor, name).remote(*args), self.node_id, what)
         except SandboxLostError as exc:
-            if exc.node_id == self.node_id:  # not another node, whose snapshot this call was fetching
-                self._lost = exc
-                if self._hosts is not None:
-                    self._hosts.forget(self.node_id)
+            self._note_lost(exc)
             raise
+        except IsolationError as exc:
+            if type(exc) is not IsolationError:
+                raise  # a refusal, a missing command...: the sandbox's answer, whatever its node does next
+            # A plain failure may be the node dying under the call: its sandbox ended with the node's host (or the
+            # direct route's answer came first) and said so before Ray did. Ray says whether the node is gone.
+            try:
+                outcome(self._actor.node.remote(), self.node_id, what)
+            except SandboxLostError as lost:
+                self._note_lost(lost)
+                raise lost from None
+            raise
+
+    def _note_lost(self, exc: SandboxLostError) -> None:
+        if exc.node_id == self.node_id:  # not another node, whose snapshot this call was fetching
+            self._lost = exc
+            if self._hosts is not None:
+                self._hosts.forget(self.node_id)
 
     # -- what isolate.Sandbox does ------------------------------------------------------------
 

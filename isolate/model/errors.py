@@ -49,6 +49,10 @@ class CommandNotExecutableError(IsolationError, PermissionError):
     """The command exists but cannot be executed inside the sandbox (exit 126)."""
 
 
+class SandboxEndedError(IsolationError):
+    """A call's sandbox ended under it (the command's monitor went away with the sandbox's processes)."""
+
+
 class SandboxLostError(IsolationError):
     """The sandbox is gone with the machine (or the process) that held it: a Ray node died or its actor did.
 

@@ -38,7 +38,7 @@ import ray
 
 from ..kept.hostfiles import commit_tree, save_download, upload_tree
 from ..kernel.tree import Changes
-from ..model.errors import IsolationError, PolicyError, SandboxLostError, UnsupportedError
+from ..model.errors import IsolationError, PolicyError, SandboxEndedError, SandboxLostError, UnsupportedError
 from ..model.policy import Mount, Policy
 from ..model.workspace import Workspace
 from .direct import Broken, Stashed, TooLarge, open_port
@@ -47,6 +47,10 @@ from .placement import Hosts, Placement, outcome, place, settle
 from .transfer import pack_tree, unpack_tree
 
 __all__ = ["RemoteProcess", "Sandbox"]
+
+#: How long a call whose sandbox ended under it waits for Ray's word on the node (a node dying takes its
+#: sandboxes first, then its host, whose death Ray names).
+NODE_VERDICT_SECONDS = 3.0
 
 #: How long one read waits on the node before the caller asks again.
 READ_SLICE = 1.0
@@ -318,17 +322,19 @@ class Sandbox:
         except SandboxLostError as exc:
             self._note_lost(exc)
             raise
-        except IsolationError as exc:
-            if type(exc) is not IsolationError:
-                raise  # a refusal, a missing command...: the sandbox's answer, whatever its node does next
-            # A plain failure may be the node dying under the call: its sandbox ended with the node's host (or the
-            # direct route's answer came first) and said so before Ray did. Ray says whether the node is gone.
-            try:
-                outcome(self._actor.node.remote(), self.node_id, what)
-            except SandboxLostError as lost:
-                self._note_lost(lost)
-                raise lost from None
-            raise
+        except SandboxEndedError:
+            # The sandbox ended under the call: a node dying takes its sandboxes' processes first, and its host
+            # says so before Ray names the node's loss. Ray says whether the node is gone, within a moment.
+            deadline = time.monotonic() + NODE_VERDICT_SECONDS
+            while True:
+                try:
+                    outcome(self._actor.node.remote(), self.node_id, what)
+                except SandboxLostError as lost:
+                    self._note_lost(lost)
+                    raise lost from None
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def _note_lost(self, exc: SandboxLostError) -> None:
         if exc.node_id == self.node_id:  # not another node, whose snapshot this call was fetching

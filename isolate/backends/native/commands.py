@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..._core import lib, step_name
 from ...kernel.fdwait import poll_millis
-from ...model.errors import CommandNotExecutableError, CommandNotFoundError, IsolationError, SetupError
+from ...model.errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    IsolationError,
+    SandboxEndedError,
+    SetupError,
+)
 from ...model.report import Report, status_for
 from .egress import summary_delta
 from .protocol import REPLY_SIZE, REPLY_TIMEOUT, Connection, Reply, ServerGone, encode, encode_exec
@@ -301,9 +307,9 @@ class Command:
         if self.sandbox is None:
             return IsolationError(f"{message}; close the sandbox to end everything in it")
         if self.sandbox.end(f"a command ({self.args[0]}) lost its monitor: {what}"):
-            return IsolationError(f"{message} (a process of the sandbox killed or stopped it): the sandbox was "
-                                  "ended so that nothing the command started runs on")
-        return IsolationError(f"{message}: the sandbox has ended")
+            return SandboxEndedError(f"{message} (a process of the sandbox killed or stopped it): the sandbox was "
+                                     "ended so that nothing the command started runs on")
+        return SandboxEndedError(f"{message}: the sandbox has ended")
 
     def report(self) -> Report:
         assert self.exit is not None

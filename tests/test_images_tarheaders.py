@@ -128,7 +128,10 @@ def test_an_entry_of_a_negative_size_is_refused_and_never_hangs_the_load(size: i
     from conftest import finishes
 
     raw = _negative_size(size, form)
-    parsed = tarfile.open(fileobj=io.BytesIO(raw), mode="r:", tarinfo=tarfile.TarInfo).next()
+    try:
+        parsed = tarfile.open(fileobj=io.BytesIO(raw), mode="r:", tarinfo=tarfile.TarInfo).next()
+    except tarfile.ReadError as exc:  # the same Python refuses a negative base-256 size outright ("invalid offset")
+        pytest.skip(f"this Python's tarfile refuses the entry itself ({exc})")
     assert parsed is not None
     if (parsed.name, parsed.size) != ("f", size):
         # A Python whose tarfile refuses a negative size itself (the VM's Debian 3.11.2 skips the header, as a newer
